@@ -1,0 +1,96 @@
+#include "capi/capi_internal.h"
+
+#include <exception>
+#include <new>
+
+namespace dparallel::capi {
+
+namespace {
+thread_local std::string t_last_error;
+}  // namespace
+
+const char* last_error_text() noexcept { return t_last_error.c_str(); }
+
+void set_last_error(const std::string& message) noexcept {
+  try {
+    t_last_error = message;
+  } catch (...) {
+    t_last_error.clear();  // out of memory for the message itself
+  }
+}
+
+dp_status handle_exception(const char* function) noexcept {
+  try {
+    throw;
+  } catch (const Error& e) {
+    set_last_error(std::string(function) + ": " + e.what());
+    return static_cast<dp_status>(e.code());
+  } catch (const std::bad_alloc&) {
+    set_last_error(std::string(function) + ": out of memory");
+    return DP_ENOMEM;
+  } catch (const std::exception& e) {
+    set_last_error(std::string(function) + ": internal error: " + e.what());
+    return DP_EINTERNAL;
+  } catch (...) {
+    set_last_error(std::string(function) + ": internal error: unknown exception");
+    return DP_EINTERNAL;
+  }
+}
+
+const Tensor& tensor_arg(const dp_tensor* handle, const std::string& name) {
+  if (handle == nullptr) fail_invalid("argument '", name, "' is NULL");
+  if (handle->tag != kTensorTag) {
+    fail_invalid("argument '", name, "' is not a live dp_tensor handle (destroyed, or another type)");
+  }
+  return handle->tensor;
+}
+
+std::vector<Tensor> tensors_arg(const dp_tensor* const* handles, size_t count, const char* name) {
+  if (count > 0 && handles == nullptr) fail_invalid("argument '", name, "' is NULL but its count is ", count);
+  std::vector<Tensor> tensors;
+  tensors.reserve(count);
+  for (size_t i = 0; i < count; ++i) tensors.push_back(tensor_arg(handles[i], str_cat(name, "[", i, "]")));
+  return tensors;
+}
+
+Device device_arg(const dp_device& device, const std::string& name) {
+  return check_device(device.type, device.index, name.c_str());
+}
+
+std::vector<Device> devices_arg(const dp_device* devices, size_t count, const char* name) {
+  if (count > 0 && devices == nullptr) fail_invalid("argument '", name, "' is NULL but its count is ", count);
+  std::vector<Device> out;
+  out.reserve(count);
+  for (size_t i = 0; i < count; ++i) out.push_back(device_arg(devices[i], str_cat(name, "[", i, "]")));
+  return out;
+}
+
+DType dtype_arg(int32_t dtype, const char* name) { return dtype_from_code(dtype, name); }
+
+Shape shape_arg(int32_t ndim, const int64_t* shape, const char* name) {
+  if (ndim < 0 || ndim > kMaxNdim) fail_invalid("argument 'ndim' is ", ndim, "; it must be 0..", kMaxNdim);
+  if (ndim > 0 && shape == nullptr) fail_invalid("argument '", name, "' is NULL but ndim is ", ndim);
+  Shape out(shape, shape + ndim);
+  checked_numel(out, name);
+  return out;
+}
+
+dp_tensor* new_tensor_handle(Tensor tensor) {
+  auto* handle = new dp_tensor();
+  handle->tensor = std::move(tensor);
+  return handle;
+}
+
+void export_tensors(const std::vector<Tensor>& tensors, dp_tensor** out) {
+  std::vector<dp_tensor*> handles;
+  handles.reserve(tensors.size());
+  try {
+    for (const Tensor& t : tensors) handles.push_back(new_tensor_handle(t));
+  } catch (...) {
+    for (dp_tensor* h : handles) delete h;
+    throw;
+  }
+  for (size_t i = 0; i < handles.size(); ++i) out[i] = handles[i];
+}
+
+}  // namespace dparallel::capi

@@ -1,0 +1,69 @@
+// What every capi/ file shares: the handle structs, the guard macros that
+// keep exceptions inside, and argument checks whose errors name the argument.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/device.h"
+#include "core/error.h"
+#include "core/tensor.h"
+#include "dparallel/dp_base.h"
+#include "dparallel/dp_tensor.h"
+
+// Handles carry a tag so that a destroyed or foreign pointer is reported, not used.
+constexpr uint64_t kTensorTag = 0x6470'7465'6e73'6f72ull;  // "dptensor"
+
+struct dp_tensor {
+  uint64_t tag = kTensorTag;
+  dparallel::Tensor tensor;
+};
+
+namespace dparallel::capi {
+
+// Records the message of the exception being handled for this thread and
+// returns its status; `function` prefixes the message.
+dp_status handle_exception(const char* function) noexcept;
+void set_last_error(const std::string& message) noexcept;
+
+[[noreturn]] inline void null_argument(const char* name) { fail_invalid("argument '", name, "' is NULL"); }
+
+template <typename T>
+void require_arg(const T* pointer, const char* name) {
+  if (pointer == nullptr) null_argument(name);
+}
+
+const Tensor& tensor_arg(const dp_tensor* handle, const std::string& name);
+// An array argument of `count` tensors, each checked ("tensors[2] is NULL").
+std::vector<Tensor> tensors_arg(const dp_tensor* const* handles, size_t count, const char* name);
+Device device_arg(const dp_device& device, const std::string& name);
+std::vector<Device> devices_arg(const dp_device* devices, size_t count, const char* name);
+DType dtype_arg(int32_t dtype, const char* name);
+Shape shape_arg(int32_t ndim, const int64_t* shape, const char* name);
+
+// A new handle owning a reference to `tensor`.
+dp_tensor* new_tensor_handle(Tensor tensor);
+// Fills out[0..n) with new handles, all or none.
+void export_tensors(const std::vector<Tensor>& tensors, dp_tensor** out);
+
+inline dp_device to_c(const Device& device) {
+  return dp_device{static_cast<int32_t>(device.type), device.index};
+}
+
+}  // namespace dparallel::capi
+
+#define DP_API_BEGIN try {
+#define DP_API_END                                          \
+  return DP_OK;                                             \
+  }                                                         \
+  catch (...) {                                             \
+    return ::dparallel::capi::handle_exception(__func__);   \
+  }
+// For entry points that return a value rather than a status.
+#define DP_API_END_VALUE(fallback)                          \
+  }                                                         \
+  catch (...) {                                             \
+    ::dparallel::capi::handle_exception(__func__);          \
+    return fallback;                                        \
+  }

@@ -1,0 +1,95 @@
+/* dparallel — base types, status codes, devices and dtypes.
+ *
+ * Conventions for the whole C ABI (written once, followed everywhere):
+ * - Every fallible function returns dp_status: DP_OK (0) or a negative code,
+ *   and on failure sets this thread's dp_last_error() message, which names the
+ *   offending argument and the values involved.
+ * - A handle that comes out through a first out-parameter (`**out`) is a new
+ *   owned reference; release it with the matching `_destroy`, which accepts
+ *   NULL. Arrays of output handles are caller-allocated and filled with new
+ *   references. There are no borrowed handles.
+ * - On failure, out-parameters are left NULL (handles) or untouched (values),
+ *   and nothing the caller passed in is modified.
+ * - No exception, abort or exit ever crosses this ABI.
+ *
+ * Thread safety: functions in this header are safe to call from any thread.
+ */
+#ifndef DPARALLEL_DP_BASE_H
+#define DPARALLEL_DP_BASE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "dparallel/dp_export.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DP_VERSION_MAJOR 0
+#define DP_VERSION_MINOR 1
+#define DP_VERSION_PATCH 0
+
+typedef int32_t dp_status;
+enum {
+  DP_OK = 0,
+  DP_EINVAL = -1,       /* bad argument, null handle, shape/dtype/device mismatch */
+  DP_ENOMEM = -2,       /* an allocation failed */
+  DP_EDEVICE = -3,      /* device missing, or a driver failure */
+  DP_ETIMEOUT = -4,     /* a blocking call ran past its timeout */
+  DP_EREMOTE = -5,      /* a peer failed or disconnected */
+  DP_EUSER = -6,        /* a host callback returned non-zero */
+  DP_EIO = -7,          /* file or socket I/O failed, or malformed data */
+  DP_ESTATE = -8,       /* the call is not valid in the object's current state */
+  DP_EUNSUPPORTED = -9, /* valid request this build or device cannot do */
+  DP_EINTERNAL = -10    /* a bug in dparallel; please report it */
+};
+
+/* Static text for a status code ("unknown status" for an unknown one). */
+DP_API const char *dp_status_string(dp_status status);
+/* This thread's last failure message; "" if this thread has had none.
+ * Valid until this thread's next failing dparallel call. */
+DP_API const char *dp_last_error(void);
+/* DP_VERSION_MAJOR*10000 + DP_VERSION_MINOR*100 + DP_VERSION_PATCH of the
+ * library actually loaded. */
+DP_API uint32_t dp_version_number(void);
+
+/* Device types share DLPack's codes. */
+typedef enum dp_device_type { DP_DEVICE_CPU = 1, DP_DEVICE_CUDA = 2 } dp_device_type;
+typedef struct dp_device {
+  int32_t type;  /* dp_device_type */
+  int32_t index; /* >= 0 */
+} dp_device;
+
+/* CUDA: GPUs present (0 when none or when built without CUDA).
+ * CPU: the number of logical CPU devices allowed (cpu:0 .. cpu:n-1): each has
+ * its own allocations and one persistent worker thread, created on first use.
+ * The default is 64; the environment variable DP_NUM_CPU_DEVICES overrides it
+ * (1..4096), read once at first use. */
+DP_API dp_status dp_device_count(int32_t type, int32_t *out);
+/* Parses "cpu", "cpu:3", "cuda", "cuda:1" ("cpu" and "cuda" mean index 0).
+ * Does not check that the device exists. */
+DP_API dp_status dp_device_parse(const char *text, dp_device *out);
+/* Writes "cpu:3" or "cuda:1" with a terminating NUL; DP_EINVAL if `cap` is
+ * too small (the message says how much is needed). */
+DP_API dp_status dp_device_format(dp_device device, char *buf, size_t cap);
+
+typedef enum dp_dtype {
+  DP_FLOAT32 = 0,
+  DP_FLOAT64 = 1,
+  DP_FLOAT16 = 2,
+  DP_BFLOAT16 = 3,
+  DP_INT8 = 4,
+  DP_UINT8 = 5,
+  DP_INT32 = 6,
+  DP_INT64 = 7,
+  DP_BOOL = 8
+} dp_dtype;
+/* Bytes per element; 0 for an unknown dtype. */
+DP_API size_t dp_dtype_size(int32_t dtype);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DPARALLEL_DP_BASE_H */

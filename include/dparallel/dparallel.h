@@ -1,0 +1,11 @@
+/* dparallel — the umbrella header: every public header of the C ABI. */
+#ifndef DPARALLEL_DPARALLEL_H
+#define DPARALLEL_DPARALLEL_H
+
+#include "dparallel/dp_api.h"
+#include "dparallel/dp_base.h"
+#include "dparallel/dp_comm.h"
+#include "dparallel/dp_dlpack.h"
+#include "dparallel/dp_tensor.h"
+
+#endif /* DPARALLEL_DPARALLEL_H */

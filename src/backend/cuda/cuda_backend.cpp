@@ -1,0 +1,137 @@
+// Host-side CUDA runtime use: devices, memory, copies and streams.
+#include <cuda_runtime_api.h>
+
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_check.h"
+
+namespace dparallel::cuda {
+
+namespace {
+
+struct Probe {
+  int32_t count = 0;
+  std::string reason;
+};
+
+const Probe& probe() {
+  static const Probe result = [] {
+    Probe p;
+    int count = 0;
+    cudaError_t status = cudaGetDeviceCount(&count);
+    if (status != cudaSuccess) {
+      cudaGetLastError();
+      p.reason = std::string("no CUDA GPU can be used (cudaGetDeviceCount: ") + cudaGetErrorString(status) + ")";
+      return p;
+    }
+    p.count = count;
+    p.reason = count == 0 ? "no CUDA GPU is present" : "";
+    return p;
+  }();
+  return result;
+}
+
+void require(int32_t index) {
+  if (index < 0 || index >= device_count()) {
+    fail(StatusCode::kDevice, "cuda:", index, " is not available: ",
+         device_count() == 0 ? probe().reason : "only " + std::to_string(device_count()) + " GPU(s) are present");
+  }
+}
+
+cudaMemcpyKind kind_of(const Device& dst, const Device& src) {
+  if (dst.is_cuda() && src.is_cuda()) return cudaMemcpyDeviceToDevice;
+  return dst.is_cuda() ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
+}
+
+// The GPU whose stream carries a copy: the destination's unless it is host memory.
+int32_t copy_device(const Device& dst, const Device& src) { return dst.is_cuda() ? dst.index : src.index; }
+
+}  // namespace
+
+bool compiled() { return true; }
+
+int32_t device_count() { return probe().count; }
+
+const char* unavailable_reason() { return probe().reason.c_str(); }
+
+void set_device(int32_t index) {
+  require(index);
+  check(cudaSetDevice(index), "cudaSetDevice");
+}
+
+cudaStream_t stream_of(int32_t index) {
+  static std::mutex mutex;
+  static std::vector<cudaStream_t> streams;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (streams.empty()) streams.assign(static_cast<size_t>(device_count()), nullptr);
+  require(index);
+  cudaStream_t& stream = streams[static_cast<size_t>(index)];
+  if (stream == nullptr) {
+    DeviceGuard guard(index);
+    check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  }
+  return stream;
+}
+
+void* allocate(int32_t index, size_t nbytes) {
+  require(index);
+  DeviceGuard guard(index);
+  void* data = nullptr;
+  cudaError_t status = cudaMalloc(&data, nbytes);
+  if (status == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    fail(StatusCode::kOutOfMemory, "could not allocate ", nbytes, " bytes on cuda:", index);
+  }
+  check(status, "cudaMalloc");
+  return data;
+}
+
+void free(int32_t index, void* data) noexcept {
+  if (data == nullptr || index < 0 || index >= device_count()) return;
+  int previous = 0;
+  cudaGetDevice(&previous);
+  cudaSetDevice(index);
+  cudaFree(data);
+  cudaSetDevice(previous);
+}
+
+void memset_zero(int32_t index, void* data, size_t nbytes) {
+  require(index);
+  DeviceGuard guard(index);
+  cudaStream_t stream = stream_of(index);
+  check(cudaMemsetAsync(data, 0, nbytes, stream), "cudaMemsetAsync");
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+}
+
+void copy(void* dst, const Device& dst_device, const void* src, const Device& src_device, size_t nbytes) {
+  copy_rows(dst, dst_device, nbytes, src, src_device, nbytes, nbytes, 1);
+}
+
+void copy_rows(void* dst, const Device& dst_device, size_t dst_pitch, const void* src, const Device& src_device,
+               size_t src_pitch, size_t row_bytes, size_t rows) {
+  if (row_bytes == 0 || rows == 0) return;
+  if (dst_device.is_cuda()) require(dst_device.index);
+  if (src_device.is_cuda()) require(src_device.index);
+  int32_t index = copy_device(dst_device, src_device);
+  DeviceGuard guard(index);
+  cudaStream_t stream = stream_of(index);
+  if (dst_device.is_cuda() && src_device.is_cuda() && dst_device.index != src_device.index) {
+    if (rows == 1) {
+      check(cudaMemcpyPeerAsync(dst, dst_device.index, src, src_device.index, row_bytes, stream),
+            "cudaMemcpyPeerAsync");
+    } else {
+      // Unified addressing lets a 2D device-to-device copy cross GPUs.
+      check(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, cudaMemcpyDefault, stream),
+            "cudaMemcpy2DAsync");
+    }
+  } else {
+    check(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, kind_of(dst_device, src_device), stream),
+          "cudaMemcpy2DAsync");
+  }
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+}
+
+}  // namespace dparallel::cuda

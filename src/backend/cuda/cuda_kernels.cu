@@ -1,0 +1,168 @@
+// GPU kernels: element-wise sums and batched segment copies.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_check.h"
+
+namespace dparallel::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr size_t kMaxInputs = 8;  // inputs per kernel pass; more are folded in passes
+
+template <typename T>
+struct Accumulate {
+  using Acc = T;
+  __device__ static Acc load(T v) { return v; }
+  __device__ static Acc add(Acc a, Acc b) { return a + b; }
+  __device__ static T store(Acc v) { return v; }
+};
+template <>
+struct Accumulate<__half> {
+  using Acc = float;
+  __device__ static Acc load(__half v) { return __half2float(v); }
+  __device__ static Acc add(Acc a, Acc b) { return a + b; }
+  __device__ static __half store(Acc v) { return __float2half_rn(v); }
+};
+template <>
+struct Accumulate<__nv_bfloat16> {
+  using Acc = float;
+  __device__ static Acc load(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __device__ static Acc add(Acc a, Acc b) { return a + b; }
+  __device__ static __nv_bfloat16 store(Acc v) { return __float2bfloat16_rn(v); }
+};
+// Integers wrap through their unsigned type; bool is logical or.
+template <>
+struct Accumulate<int8_t> {
+  using Acc = uint8_t;
+  __device__ static Acc load(int8_t v) { return static_cast<uint8_t>(v); }
+  __device__ static Acc add(Acc a, Acc b) { return static_cast<uint8_t>(a + b); }
+  __device__ static int8_t store(Acc v) { return static_cast<int8_t>(v); }
+};
+template <>
+struct Accumulate<int32_t> {
+  using Acc = uint32_t;
+  __device__ static Acc load(int32_t v) { return static_cast<uint32_t>(v); }
+  __device__ static Acc add(Acc a, Acc b) { return a + b; }
+  __device__ static int32_t store(Acc v) { return static_cast<int32_t>(v); }
+};
+template <>
+struct Accumulate<int64_t> {
+  using Acc = uint64_t;
+  __device__ static Acc load(int64_t v) { return static_cast<uint64_t>(v); }
+  __device__ static Acc add(Acc a, Acc b) { return a + b; }
+  __device__ static int64_t store(Acc v) { return static_cast<int64_t>(v); }
+};
+struct BoolTag {};
+template <>
+struct Accumulate<BoolTag> {};
+
+struct InputPointers {
+  const void* ptr[kMaxInputs];
+};
+
+template <typename T>
+__global__ void add_kernel(T* out, InputPointers inputs, int count, size_t numel) {
+  using A = Accumulate<T>;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < numel;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    typename A::Acc acc = A::load(static_cast<const T*>(inputs.ptr[0])[i]);
+    for (int k = 1; k < count; ++k) acc = A::add(acc, A::load(static_cast<const T*>(inputs.ptr[k])[i]));
+    out[i] = A::store(acc);
+  }
+}
+
+__global__ void or_kernel(uint8_t* out, InputPointers inputs, int count, size_t numel) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < numel;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    uint8_t any = 0;
+    for (int k = 0; k < count; ++k) any |= static_cast<const uint8_t*>(inputs.ptr[k])[i];
+    out[i] = any != 0 ? 1 : 0;
+  }
+}
+
+unsigned grid_for(size_t numel) {
+  size_t blocks = (numel + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(blocks < 65535 * 8 ? blocks : 65535 * 8);
+}
+
+template <typename T>
+void launch_add(T* out, const InputPointers& inputs, int count, size_t numel, cudaStream_t stream) {
+  add_kernel<T><<<grid_for(numel), kThreads, 0, stream>>>(out, inputs, count, numel);
+}
+
+void launch(DType dtype, void* out, const InputPointers& inputs, int count, size_t numel, cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kFloat32: return launch_add(static_cast<float*>(out), inputs, count, numel, stream);
+    case DType::kFloat64: return launch_add(static_cast<double*>(out), inputs, count, numel, stream);
+    case DType::kFloat16: return launch_add(static_cast<__half*>(out), inputs, count, numel, stream);
+    case DType::kBFloat16: return launch_add(static_cast<__nv_bfloat16*>(out), inputs, count, numel, stream);
+    case DType::kInt8: return launch_add(static_cast<int8_t*>(out), inputs, count, numel, stream);
+    case DType::kUInt8: return launch_add(static_cast<uint8_t*>(out), inputs, count, numel, stream);
+    case DType::kInt32: return launch_add(static_cast<int32_t*>(out), inputs, count, numel, stream);
+    case DType::kInt64: return launch_add(static_cast<int64_t*>(out), inputs, count, numel, stream);
+    case DType::kBool:
+      or_kernel<<<grid_for(numel), kThreads, 0, stream>>>(static_cast<uint8_t*>(out), inputs, count, numel);
+      return;
+  }
+}
+
+// Segments are copied by one block each, 16 bytes a thread where aligned.
+__global__ void batched_copy_kernel(const Segment* segments) {
+  const Segment s = segments[blockIdx.x];
+  const char* src = static_cast<const char*>(s.src);
+  char* dst = static_cast<char*>(s.dst);
+  size_t i = 0;
+  if ((reinterpret_cast<uintptr_t>(src) % 16) == 0 && (reinterpret_cast<uintptr_t>(dst) % 16) == 0) {
+    size_t vectors = s.nbytes / 16;
+    for (size_t v = threadIdx.x; v < vectors; v += blockDim.x) {
+      reinterpret_cast<uint4*>(dst)[v] = reinterpret_cast<const uint4*>(src)[v];
+    }
+    i = vectors * 16;
+  }
+  for (size_t b = i + threadIdx.x; b < s.nbytes; b += blockDim.x) dst[b] = src[b];
+}
+
+}  // namespace
+
+void add_n(int32_t index, DType dtype, void* out, const void* const* inputs, size_t count, size_t numel) {
+  if (numel == 0 || count == 0) return;
+  DeviceGuard guard(index);
+  cudaStream_t stream = stream_of(index);
+  // Fold inputs in passes of kMaxInputs; after the first, `out` carries the running sum.
+  size_t done = 0;
+  while (done < count) {
+    InputPointers batch{};
+    int n = 0;
+    if (done > 0) batch.ptr[n++] = out;
+    while (done < count && n < static_cast<int>(kMaxInputs)) batch.ptr[n++] = inputs[done++];
+    launch(dtype, out, batch, n, numel, stream);
+    check(cudaGetLastError(), "add kernel launch");
+  }
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+}
+
+void batched_copy(int32_t index, const std::vector<Segment>& segments) {
+  if (segments.empty()) return;
+  DeviceGuard guard(index);
+  cudaStream_t stream = stream_of(index);
+  Segment* table = nullptr;
+  size_t table_bytes = segments.size() * sizeof(Segment);
+  check(cudaMallocAsync(reinterpret_cast<void**>(&table), table_bytes, stream), "cudaMallocAsync");
+  cudaError_t status = cudaMemcpyAsync(table, segments.data(), table_bytes, cudaMemcpyHostToDevice, stream);
+  if (status == cudaSuccess) {
+    batched_copy_kernel<<<static_cast<unsigned>(segments.size()), kThreads, 0, stream>>>(table);
+    status = cudaGetLastError();
+  }
+  cudaFreeAsync(table, stream);
+  check(status, "batched copy kernel");
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+}
+
+}  // namespace dparallel::cuda

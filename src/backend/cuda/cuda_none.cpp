@@ -1,0 +1,28 @@
+// The CUDA interface of a build without CUDA: no GPUs, every use an error.
+#include "backend/cuda/cuda_backend.h"
+#include "core/error.h"
+
+namespace dparallel::cuda {
+
+namespace {
+[[noreturn]] void unavailable() { fail(StatusCode::kDevice, unavailable_reason()); }
+}  // namespace
+
+bool compiled() { return false; }
+int32_t device_count() { return 0; }
+const char* unavailable_reason() { return "dparallel was built without CUDA support (DP_WITH_CUDA=OFF)"; }
+void set_device(int32_t) { unavailable(); }
+void* allocate(int32_t, size_t) { unavailable(); }
+void free(int32_t, void*) noexcept {}
+void memset_zero(int32_t, void*, size_t) { unavailable(); }
+void copy(void*, const Device&, const void*, const Device&, size_t) { unavailable(); }
+void copy_rows(void*, const Device&, size_t, const void*, const Device&, size_t, size_t, size_t) { unavailable(); }
+void add_n(int32_t, DType, void*, const void* const*, size_t, size_t) { unavailable(); }
+void batched_copy(int32_t, const std::vector<Segment>&) { unavailable(); }
+bool nccl_compiled() { return false; }
+void nccl_broadcast(const std::vector<int32_t>&, const std::vector<void*>&, size_t, size_t) { unavailable(); }
+void nccl_reduce_sum(const std::vector<int32_t>&, const std::vector<const void*>&, void*, size_t, DType, size_t) {
+  unavailable();
+}
+
+}  // namespace dparallel::cuda

@@ -1,0 +1,168 @@
+#include "core/allocator.h"
+
+#include <sys/mman.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "backend/cuda/cuda_backend.h"
+#include "core/error.h"
+
+namespace dparallel {
+
+namespace {
+
+// Blocks below this come from malloc and are not cached.
+constexpr size_t kLargeBlock = 64 * 1024;
+constexpr size_t kPage = 4096;
+constexpr size_t kHugePage = 2 * 1024 * 1024;
+
+size_t cache_limit_bytes() {
+  static const size_t limit = [] {
+    const char* text = std::getenv("DP_CACHE_LIMIT_MB");
+    if (text != nullptr && *text != '\0') {
+      char* end = nullptr;
+      unsigned long long mb = std::strtoull(text, &end, 10);
+      if (*end == '\0') return static_cast<size_t>(mb) << 20;
+    }
+    return static_cast<size_t>(1) << 30;
+  }();
+  return limit;
+}
+
+size_t round_up(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+void* map_host(size_t bytes) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) fail(StatusCode::kOutOfMemory, "could not map ", bytes, " bytes of host memory");
+  // Fewer page faults and TLB misses for big buffers where the kernel allows it.
+  if (bytes >= kHugePage) madvise(p, bytes, MADV_HUGEPAGE);
+  return p;
+}
+
+// Freed large blocks of one device, keyed by rounded size.
+class BlockCache {
+ public:
+  explicit BlockCache(Device device) : device_(device) {}
+  ~BlockCache() { release(); }
+
+  Allocation allocate(size_t rounded) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = free_.find(rounded);
+      if (it != free_.end()) {
+        void* p = it->second;
+        free_.erase(it);
+        total_cached().fetch_sub(rounded);
+        return {p, false};
+      }
+    }
+    return fresh(rounded);
+  }
+
+  void release_block(void* p, size_t rounded) {
+    if (total_cached().load() + rounded <= cache_limit_bytes()) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      free_.emplace(rounded, p);
+      total_cached().fetch_add(rounded);
+      return;
+    }
+    unmap(p, rounded);
+  }
+
+  void release() {
+    std::multimap<size_t, void*> blocks;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      blocks.swap(free_);
+    }
+    for (auto& [bytes, p] : blocks) {
+      total_cached().fetch_sub(bytes);
+      unmap(p, bytes);
+    }
+  }
+
+  static std::atomic<size_t>& total_cached() {
+    static std::atomic<size_t> total{0};
+    return total;
+  }
+
+ private:
+  Allocation fresh(size_t rounded) {
+    if (device_.is_cpu()) return {map_host(rounded), true};
+    return {cuda::allocate(device_.index, rounded), false};
+  }
+
+  void unmap(void* p, size_t rounded) noexcept {
+    if (device_.is_cpu()) {
+      munmap(p, rounded);
+    } else {
+      cuda::free(device_.index, p);
+    }
+  }
+
+  Device device_;
+  std::mutex mutex_;
+  std::multimap<size_t, void*> free_;
+};
+
+class CacheRegistry {
+ public:
+  BlockCache& of(const Device& device) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& slot = caches_[device];
+    if (!slot) slot = std::make_unique<BlockCache>(device);
+    return *slot;
+  }
+  void release_all() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [device, cache] : caches_) cache->release();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<Device, std::unique_ptr<BlockCache>> caches_;
+};
+
+CacheRegistry& registry() {
+  // Leaked on purpose: tensors may be freed from static destructors of hosts.
+  static CacheRegistry* instance = new CacheRegistry();
+  return *instance;
+}
+
+size_t block_size(const Device& device, size_t nbytes) {
+  if (device.is_cpu()) return round_up(nbytes, nbytes >= kHugePage ? kHugePage : kPage);
+  return round_up(nbytes, 512);
+}
+
+}  // namespace
+
+Allocation device_allocate(const Device& device, size_t nbytes) {
+  if (nbytes == 0) return {nullptr, true};
+  if (device.is_cpu() && nbytes < kLargeBlock) {
+    void* p = std::aligned_alloc(64, round_up(nbytes, 64));
+    if (p == nullptr) fail(StatusCode::kOutOfMemory, "could not allocate ", nbytes, " bytes on ", to_string(device));
+    return {p, false};
+  }
+  return registry().of(device).allocate(block_size(device, nbytes));
+}
+
+void device_free(const Device& device, void* data, size_t nbytes) noexcept {
+  if (data == nullptr) return;
+  if (device.is_cpu() && nbytes < kLargeBlock) {
+    std::free(data);
+    return;
+  }
+  registry().of(device).release_block(data, block_size(device, nbytes));
+}
+
+size_t cached_bytes() { return BlockCache::total_cached().load(); }
+
+void release_cached_memory() { registry().release_all(); }
+
+}  // namespace dparallel

@@ -1,0 +1,20 @@
+// One persistent worker thread per device, created on first use. Work
+// submitted to a device's worker runs with that device current, in order.
+#pragma once
+
+#include <functional>
+#include <future>
+
+#include "core/device.h"
+
+namespace dparallel {
+
+// Runs `work` on the worker thread of `device`; the future carries its
+// exception, if any.
+std::future<void> run_on_device(const Device& device, std::function<void()> work);
+
+// The device made current on this thread (cpu:0 on threads that are not
+// device workers).
+Device current_device();
+
+}  // namespace dparallel

@@ -1,0 +1,165 @@
+#include "core/tensor.h"
+
+#include <cstring>
+#include <limits>
+
+#include "backend/cpu/cpu_kernels.h"
+#include "backend/cuda/cuda_backend.h"
+#include "core/allocator.h"
+#include "core/error.h"
+
+namespace dparallel {
+
+std::string shape_string(const Shape& shape) {
+  if (shape.empty()) return "scalar";
+  std::string text;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i > 0) text += "x";
+    text += std::to_string(shape[i]);
+  }
+  return text;
+}
+
+int64_t checked_numel(const Shape& shape, const char* argument) {
+  int64_t numel = 1;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] < 0) fail_invalid("argument '", argument, "[", i, "]' is ", shape[i], "; extents must be >= 0");
+  }
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] == 0) return 0;
+    if (numel > std::numeric_limits<int64_t>::max() / shape[i]) {
+      fail_invalid("argument '", argument, "' (", shape_string(shape), ") has more elements than fit in int64");
+    }
+    numel *= shape[i];
+  }
+  return numel;
+}
+
+std::shared_ptr<Storage> Storage::allocate(const Device& device, size_t nbytes, bool zero) {
+  Allocation allocation = device_allocate(device, nbytes);
+  auto storage = std::shared_ptr<Storage>(new Storage(device, allocation.data, nbytes, nullptr, true));
+  if (zero && !allocation.zeroed) fill_zero(allocation.data, device, nbytes);
+  return storage;
+}
+
+std::shared_ptr<Storage> Storage::wrap(const Device& device, void* data, size_t nbytes, Deleter deleter) {
+  return std::shared_ptr<Storage>(new Storage(device, data, nbytes, std::move(deleter), false));
+}
+
+Storage::~Storage() {
+  if (from_allocator_) {
+    device_free(device_, data_, nbytes_);
+  } else if (deleter_) {
+    try {
+      deleter_(data_);
+    } catch (...) {
+      // A host deleter that throws cannot be reported from a destructor.
+    }
+  }
+}
+
+namespace {
+size_t checked_nbytes(DType dtype, int64_t numel) {
+  size_t element = dtype_size(dtype);
+  if (static_cast<uint64_t>(numel) > std::numeric_limits<size_t>::max() / element) {
+    fail_invalid("a tensor of ", numel, " ", dtype_name(dtype), " elements does not fit in memory");
+  }
+  return static_cast<size_t>(numel) * element;
+}
+}  // namespace
+
+Tensor Tensor::empty(DType dtype, const Shape& shape, const Device& device) {
+  int64_t numel = checked_numel(shape, "shape");
+  return wrap(Storage::allocate(device, checked_nbytes(dtype, numel), false), 0, dtype, shape);
+}
+
+Tensor Tensor::zeros(DType dtype, const Shape& shape, const Device& device) {
+  int64_t numel = checked_numel(shape, "shape");
+  return wrap(Storage::allocate(device, checked_nbytes(dtype, numel), true), 0, dtype, shape);
+}
+
+Tensor Tensor::wrap(std::shared_ptr<Storage> storage, size_t offset, DType dtype, const Shape& shape) {
+  Tensor t;
+  t.storage_ = std::move(storage);
+  t.offset_ = offset;
+  t.dtype_ = dtype;
+  t.shape_ = shape;
+  t.numel_ = checked_numel(shape, "shape");
+  if (t.offset_ + t.nbytes() > t.storage_->nbytes()) {
+    fail(StatusCode::kInternal, "tensor view of ", t.nbytes(), " bytes at offset ", offset,
+         " exceeds its storage of ", t.storage_->nbytes(), " bytes");
+  }
+  return t;
+}
+
+void* Tensor::data() const {
+  if (!storage_ || storage_->data() == nullptr) return nullptr;
+  return static_cast<char*>(storage_->data()) + offset_;
+}
+
+Tensor Tensor::narrow_rows(int64_t start, int64_t length) const {
+  if (shape_.empty() || start < 0 || length < 0 || start + length > shape_[0]) {
+    fail(StatusCode::kInternal, "narrow_rows(", start, ", ", length, ") out of range for ", describe());
+  }
+  Shape shape = shape_;
+  shape[0] = length;
+  int64_t row = shape_[0] == 0 ? 0 : numel_ / shape_[0];
+  return wrap(storage_, offset_ + static_cast<size_t>(start * row) * element_size(), dtype_, shape);
+}
+
+Tensor Tensor::view_at(size_t byte_offset, DType dtype, const Shape& shape) const {
+  return wrap(storage_, offset_ + byte_offset, dtype, shape);
+}
+
+Tensor Tensor::view(const Shape& shape) const {
+  if (checked_numel(shape, "shape") != numel_) {
+    fail(StatusCode::kInternal, "view as ", shape_string(shape), " of ", describe());
+  }
+  return wrap(storage_, offset_, dtype_, shape);
+}
+
+Tensor Tensor::to(const Device& device) const {
+  Tensor out = empty(dtype_, shape_, device);
+  copy_tensor(out, *this);
+  return out;
+}
+
+std::string Tensor::describe() const {
+  return str_cat(dtype_name(dtype_), " ", shape_string(shape_), storage_ ? " on " + to_string(device()) : "");
+}
+
+void copy_bytes(void* dst, const Device& dst_device, const void* src, const Device& src_device, size_t nbytes) {
+  if (nbytes == 0 || dst == src) return;
+  if (dst_device.is_cpu() && src_device.is_cpu()) {
+    cpu::parallel_copy(dst, src, nbytes);
+    return;
+  }
+  cuda::copy(dst, dst_device, src, src_device, nbytes);
+}
+
+void copy_rows(void* dst, const Device& dst_device, size_t dst_pitch, const void* src, const Device& src_device,
+               size_t src_pitch, size_t row_bytes, size_t rows) {
+  if (dst_device.is_cpu() && src_device.is_cpu()) {
+    cpu::copy_rows(dst, dst_pitch, src, src_pitch, row_bytes, rows);
+    return;
+  }
+  cuda::copy_rows(dst, dst_device, dst_pitch, src, src_device, src_pitch, row_bytes, rows);
+}
+
+void copy_tensor(const Tensor& dst, const Tensor& src) {
+  if (dst.nbytes() != src.nbytes()) {
+    fail(StatusCode::kInternal, "copy of ", src.describe(), " into ", dst.describe());
+  }
+  copy_bytes(dst.data(), dst.device(), src.data(), src.device(), src.nbytes());
+}
+
+void fill_zero(void* data, const Device& device, size_t nbytes) {
+  if (nbytes == 0) return;
+  if (device.is_cpu()) {
+    cpu::parallel_zero(data, nbytes);
+  } else {
+    cuda::memset_zero(device.index, data, nbytes);
+  }
+}
+
+}  // namespace dparallel

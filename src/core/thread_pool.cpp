@@ -1,0 +1,156 @@
+#include "core/thread_pool.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace dparallel {
+
+namespace {
+
+thread_local bool t_in_pool = false;
+
+struct Job {
+  const std::function<void(size_t)>* task = nullptr;
+  size_t ntasks = 0;
+  std::atomic<size_t> next{0};
+  std::atomic<size_t> finished{0};
+  std::mutex mutex;
+  std::condition_variable all_done;
+  std::exception_ptr error;
+
+  // Runs claimed tasks until none are left; returns whether it ran any.
+  void work() {
+    for (;;) {
+      size_t i = next.fetch_add(1);
+      if (i >= ntasks) return;
+      try {
+        (*task)(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!error) error = std::current_exception();
+      }
+      if (finished.fetch_add(1) + 1 == ntasks) {
+        std::lock_guard<std::mutex> lock(mutex);
+        all_done.notify_all();
+      }
+    }
+  }
+};
+
+class ThreadPool {
+ public:
+  explicit ThreadPool(size_t helpers) {
+    for (size_t i = 0; i < helpers; ++i) {
+      std::thread([this] { loop(); }).detach();
+    }
+    helpers_ = helpers;
+  }
+
+  size_t helpers() const { return helpers_; }
+
+  void run(size_t ntasks, const std::function<void(size_t)>& task) {
+    auto job = std::make_shared<Job>();
+    job->task = &task;
+    job->ntasks = ntasks;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push_back(job);
+    }
+    if (ntasks > 2) {
+      wake_.notify_all();
+    } else {
+      wake_.notify_one();
+    }
+    job->work();
+    {
+      std::unique_lock<std::mutex> lock(job->mutex);
+      job->all_done.wait(lock, [&] { return job->finished.load() == ntasks; });
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = std::find(queue_.begin(), queue_.end(), job);
+      if (it != queue_.end()) queue_.erase(it);
+    }
+    if (job->error) std::rethrow_exception(job->error);
+  }
+
+ private:
+  void loop() {
+    t_in_pool = true;
+    for (;;) {
+      std::shared_ptr<Job> job;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] {
+          while (!queue_.empty() && queue_.front()->next.load() >= queue_.front()->ntasks) queue_.pop_front();
+          return !queue_.empty();
+        });
+        job = queue_.front();
+      }
+      job->work();
+    }
+  }
+
+  size_t helpers_ = 0;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<std::shared_ptr<Job>> queue_;
+};
+
+size_t read_concurrency() {
+  const char* text = std::getenv("DP_NUM_THREADS");
+  if (text != nullptr && *text != '\0') {
+    char* end = nullptr;
+    long value = std::strtol(text, &end, 10);
+    if (*end == '\0' && value >= 1 && value <= 1024) return static_cast<size_t>(value);
+  }
+  return std::max<size_t>(1, std::thread::hardware_concurrency());
+}
+
+ThreadPool& pool() {
+  // Leaked on purpose: its threads are detached and live as long as the process.
+  static ThreadPool* instance = new ThreadPool(compute_concurrency() - 1);
+  return *instance;
+}
+
+}  // namespace
+
+size_t compute_concurrency() {
+  static const size_t concurrency = read_concurrency();
+  return concurrency;
+}
+
+void parallel_for(size_t ntasks, const std::function<void(size_t)>& task) {
+  if (ntasks == 0) return;
+  if (ntasks == 1 || t_in_pool || compute_concurrency() == 1) {
+    for (size_t i = 0; i < ntasks; ++i) task(i);
+    return;
+  }
+  pool().run(ntasks, task);
+}
+
+void parallel_range(size_t n, size_t min_grain, const std::function<void(size_t, size_t)>& body) {
+  if (n == 0) return;
+  size_t grain = std::max<size_t>(min_grain, 1);
+  size_t parts = std::min(compute_concurrency(), (n + grain - 1) / grain);
+  if (parts <= 1) {
+    body(0, n);
+    return;
+  }
+  size_t per_part = (n + parts - 1) / parts;
+  parallel_for(parts, [&](size_t part) {
+    size_t begin = part * per_part;
+    size_t end = std::min(n, begin + per_part);
+    if (begin < end) body(begin, end);
+  });
+}
+
+}  // namespace dparallel

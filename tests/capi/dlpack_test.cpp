@@ -1,0 +1,110 @@
+#include "test_util.h"
+
+using namespace dptest;
+
+TEST(DLPackExport, SharesMemoryAndOutlivesTheTensor) {
+  auto t = make<float>({2, 2}, {1, 2, 3, 4});
+  DLManagedTensor* managed = nullptr;
+  DP_ASSERT_OK(dp_tensor_to_dlpack(t.get(), &managed));
+  EXPECT_EQ(managed->dl_tensor.data, dp_tensor_data(t.get()));
+  EXPECT_EQ(managed->dl_tensor.ndim, 2);
+  EXPECT_EQ(managed->dl_tensor.shape[0], 2);
+  EXPECT_EQ(managed->dl_tensor.dtype.code, kDLFloat);
+  EXPECT_EQ(managed->dl_tensor.dtype.bits, 32);
+  EXPECT_EQ(managed->dl_tensor.device.device_type, kDLCPU);
+  EXPECT_EQ(managed->dl_tensor.strides, nullptr);
+  t.reset();
+  EXPECT_EQ(static_cast<float*>(managed->dl_tensor.data)[3], 4.0f);  // still alive
+  managed->deleter(managed);
+}
+
+TEST(DLPackImport, RoundTripTakesOwnershipAndCallsTheProducerDeleterOnce) {
+  auto t = make<int32_t>({3}, {9, 8, 7});
+  DLManagedTensor* managed = nullptr;
+  DP_ASSERT_OK(dp_tensor_to_dlpack(t.get(), &managed));
+  dp_tensor* back = nullptr;
+  DP_ASSERT_OK(dp_tensor_from_dlpack(&back, managed));
+  EXPECT_EQ(dp_tensor_data(back), dp_tensor_data(t.get()));
+  EXPECT_EQ(values<int32_t>(back), (std::vector<int32_t>{9, 8, 7}));
+  dp_tensor_destroy(back);  // runs managed->deleter; ASan would flag a double free
+}
+
+namespace {
+struct Producer {
+  int deletes = 0;
+  int64_t shape[2] = {2, 3};
+  int64_t strides[2] = {3, 1};
+  float data[6] = {0, 1, 2, 3, 4, 5};
+  DLManagedTensor managed{};
+};
+void producer_delete(DLManagedTensor* m) { static_cast<Producer*>(m->manager_ctx)->deletes++; }
+Producer* make_producer() {
+  auto* p = new Producer();
+  p->managed.dl_tensor.data = p->data;
+  p->managed.dl_tensor.device = DLDevice{kDLCPU, 0};
+  p->managed.dl_tensor.ndim = 2;
+  p->managed.dl_tensor.dtype = DLDataType{kDLFloat, 32, 1};
+  p->managed.dl_tensor.shape = p->shape;
+  p->managed.dl_tensor.strides = p->strides;
+  p->managed.manager_ctx = p;
+  p->managed.deleter = producer_delete;
+  return p;
+}
+}  // namespace
+
+TEST(DLPackImport, AcceptsCompactStridesAndByteOffset) {
+  std::unique_ptr<Producer> p(make_producer());
+  p->managed.dl_tensor.byte_offset = 4;
+  p->shape[1] = 2;
+  p->strides[0] = 2;
+  dp_tensor* t = nullptr;
+  DP_ASSERT_OK(dp_tensor_from_dlpack(&t, &p->managed));
+  EXPECT_EQ(values<float>(t), (std::vector<float>{1, 2, 3, 4}));
+  dp_tensor_destroy(t);
+  EXPECT_EQ(p->deletes, 1);
+}
+
+TEST(DLPackImport, RejectsWhatItCannotRepresentAndLeavesOwnership) {
+  std::unique_ptr<Producer> p(make_producer());
+  dp_tensor* t = nullptr;
+  p->strides[0] = 1;  // transposed
+  p->strides[1] = 2;
+  EXPECT_EQ(dp_tensor_from_dlpack(&t, &p->managed), DP_EINVAL);
+  EXPECT_NE(last_error().find("not compact"), std::string::npos) << last_error();
+  p->strides[0] = 3;
+  p->strides[1] = 1;
+  p->managed.dl_tensor.dtype = DLDataType{kDLFloat, 32, 4};
+  EXPECT_EQ(dp_tensor_from_dlpack(&t, &p->managed), DP_EINVAL);
+  p->managed.dl_tensor.dtype = DLDataType{kDLComplex, 64, 1};
+  EXPECT_EQ(dp_tensor_from_dlpack(&t, &p->managed), DP_EUNSUPPORTED);
+  p->managed.dl_tensor.dtype = DLDataType{kDLFloat, 32, 1};
+  p->managed.dl_tensor.device = DLDevice{kDLVulkan, 0};
+  EXPECT_EQ(dp_tensor_from_dlpack(&t, &p->managed), DP_EUNSUPPORTED);
+  p->managed.dl_tensor.device = DLDevice{kDLCPU, 0};
+  p->managed.dl_tensor.ndim = 40;
+  EXPECT_EQ(dp_tensor_from_dlpack(&t, &p->managed), DP_EINVAL);
+  EXPECT_EQ(dp_tensor_from_dlpack(&t, nullptr), DP_EINVAL);
+  EXPECT_EQ(t, nullptr);
+  EXPECT_EQ(p->deletes, 0);
+}
+
+TEST(DLPackExport, BoolAndBfloat16UseTheirDLPackCodes) {
+  const int64_t dims[] = {2};
+  dp_tensor* b = nullptr;
+  DP_ASSERT_OK(dp_tensor_create(&b, DP_BOOL, 1, dims, cpu(0)));
+  DLManagedTensor* m = nullptr;
+  DP_ASSERT_OK(dp_tensor_to_dlpack(b, &m));
+  EXPECT_EQ(m->dl_tensor.dtype.code, 6);
+  EXPECT_EQ(m->dl_tensor.dtype.bits, 8);
+  dp_tensor* back = nullptr;
+  DP_ASSERT_OK(dp_tensor_from_dlpack(&back, m));
+  EXPECT_EQ(dp_tensor_dtype(back), DP_BOOL);
+  dp_tensor_destroy(back);
+  dp_tensor_destroy(b);
+  dp_tensor* bf = nullptr;
+  DP_ASSERT_OK(dp_tensor_create(&bf, DP_BFLOAT16, 1, dims, cpu(0)));
+  DP_ASSERT_OK(dp_tensor_to_dlpack(bf, &m));
+  EXPECT_EQ(m->dl_tensor.dtype.code, kDLBfloat);
+  m->deleter(m);
+  dp_tensor_destroy(bf);
+}
