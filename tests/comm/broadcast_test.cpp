@@ -1,3 +1,6 @@
+#include <atomic>
+#include <thread>
+
 #include "test_util.h"
 
 using namespace dptest;
@@ -97,4 +100,55 @@ TEST(BroadcastCoalesced, OutputsOfOneChunkShareAFlatBuffer) {
   EXPECT_EQ(static_cast<char*>(dp_tensor_data(out[3])), static_cast<char*>(dp_tensor_data(out[2])) + 12);
   EXPECT_EQ(values<float>(out[3]), (std::vector<float>{4, 5}));
   for (auto* o : out) dp_tensor_destroy(o);
+}
+
+TEST(BroadcastCoalesced, HalfTensorsLargerThanTheBufferTravelAloneAndArrive) {
+  const int64_t dims[] = {3000};
+  std::vector<uint16_t> bits(3000);
+  for (size_t i = 0; i < bits.size(); ++i) bits[i] = static_cast<uint16_t>(0x3c00 + (i % 1000));
+  dp_tensor* big = nullptr;
+  DP_ASSERT_OK(dp_tensor_create(&big, DP_FLOAT16, 1, dims, cpu(0)));
+  TensorPtr owner(big);
+  DP_ASSERT_OK(dp_tensor_copy_from_host(big, bits.data(), bits.size() * 2));
+  auto small = make<float>({4}, {1, 2, 3, 4});
+  const dp_tensor* tensors[] = {small.get(), big, small.get()};
+  dp_device devices[] = {cpu(0), cpu(5)};
+  dp_tensor* out[6] = {};
+  DP_ASSERT_OK(dp_broadcast_coalesced(tensors, 3, devices, 2, 1024, out));
+  std::vector<uint16_t> got(3000);
+  DP_ASSERT_OK(dp_tensor_copy_to_host(out[4], got.data(), got.size() * 2));
+  EXPECT_EQ(got, bits);
+  EXPECT_EQ(values<float>(out[5]), (std::vector<float>{1, 2, 3, 4}));
+  for (auto* o : out) dp_tensor_destroy(o);
+}
+
+TEST(BroadcastCoalesced, RejectsNoDevicesAndNullTensors) {
+  auto a = make<float>({2}, {1, 2});
+  const dp_tensor* tensors[] = {a.get(), nullptr};
+  dp_device devices[] = {cpu(0), cpu(1)};
+  dp_tensor* out[4] = {};
+  EXPECT_EQ(dp_broadcast_coalesced(tensors, 1, devices, 0, 0, out), DP_EINVAL);
+  EXPECT_NE(last_error().find("'ndevices' is 0"), std::string::npos) << last_error();
+  EXPECT_EQ(dp_broadcast_coalesced(tensors, 2, devices, 2, 0, out), DP_EINVAL);
+  EXPECT_NE(last_error().find("'tensors[1]' is NULL"), std::string::npos) << last_error();
+  EXPECT_EQ(dp_broadcast_coalesced(tensors, 1, devices, 2, 0, nullptr), DP_EINVAL);
+}
+
+TEST(Broadcast, ConcurrentCallersFromManyThreadsGetTheirOwnResults) {
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([t, &failures] {
+      auto src = make<int32_t>({1 << 16}, iota<int32_t>(1 << 16, t * 1000), cpu(t));
+      dp_device devices[] = {cpu(t), cpu(t + 4)};
+      for (int round = 0; round < 20; ++round) {
+        dp_tensor* out[2] = {};
+        if (dp_broadcast(src.get(), devices, 2, out) != DP_OK) failures++;
+        if (values<int32_t>(out[1]) != iota<int32_t>(1 << 16, t * 1000)) failures++;
+        for (auto* o : out) dp_tensor_destroy(o);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
 }
