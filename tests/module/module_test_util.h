@@ -1,0 +1,76 @@
+// Owned module handles and small module builders for the module tests.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "test_util.h"
+
+namespace dptest {
+
+struct ModuleDeleter {
+  void operator()(dp_module* m) const { dp_module_destroy(m); }
+};
+using ModulePtr = std::unique_ptr<dp_module, ModuleDeleter>;
+
+struct ReplicaSetDeleter {
+  void operator()(dp_replica_set* s) const { dp_replica_set_destroy(s); }
+};
+using ReplicaSetPtr = std::unique_ptr<dp_replica_set, ReplicaSetDeleter>;
+
+inline ModulePtr new_module() {
+  dp_module* m = nullptr;
+  EXPECT_EQ(dp_module_create(&m), DP_OK) << dp_last_error();
+  return ModulePtr(m);
+}
+
+// A Linear(in, out) layer: "weight" (out x in) and "bias" (out), filled from `start`.
+inline ModulePtr linear(int64_t in, int64_t out, float start = 0.0f, dp_device device = cpu(0)) {
+  ModulePtr m = new_module();
+  auto w = make<float>({out, in}, iota<float>(static_cast<size_t>(out * in), start), device);
+  auto b = make<float>({out}, iota<float>(static_cast<size_t>(out), start + 100.0f), device);
+  EXPECT_EQ(dp_module_register_parameter(m.get(), "weight", w.get(), 1), DP_OK) << dp_last_error();
+  EXPECT_EQ(dp_module_register_parameter(m.get(), "bias", b.get(), 1), DP_OK) << dp_last_error();
+  return m;
+}
+
+inline std::vector<std::string> parameter_names(const dp_module* m) {
+  std::vector<std::string> names;
+  for (size_t i = 0; i < dp_module_num_parameters(m); ++i) {
+    const char* name = nullptr;
+    dp_tensor* t = nullptr;
+    EXPECT_EQ(dp_module_parameter_at(m, i, &name, &t), DP_OK) << dp_last_error();
+    dp_tensor_destroy(t);
+    names.push_back(name == nullptr ? "" : name);
+  }
+  return names;
+}
+
+inline std::vector<std::string> buffer_names(const dp_module* m) {
+  std::vector<std::string> names;
+  for (size_t i = 0; i < dp_module_num_buffers(m); ++i) {
+    const char* name = nullptr;
+    dp_tensor* t = nullptr;
+    EXPECT_EQ(dp_module_buffer_at(m, i, &name, &t), DP_OK) << dp_last_error();
+    dp_tensor_destroy(t);
+    names.push_back(name == nullptr ? "" : name);
+  }
+  return names;
+}
+
+inline TensorPtr parameter(const dp_module* m, const char* name) {
+  dp_tensor* t = nullptr;
+  EXPECT_EQ(dp_module_get_parameter(m, name, &t), DP_OK) << dp_last_error();
+  return TensorPtr(t);
+}
+
+inline TensorPtr grad(dp_module* m, const char* name) {
+  dp_tensor* t = nullptr;
+  EXPECT_EQ(dp_module_grad(m, name, &t), DP_OK) << dp_last_error();
+  return TensorPtr(t);
+}
+
+inline bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+}  // namespace dptest
