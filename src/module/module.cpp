@@ -154,11 +154,12 @@ std::vector<NamedModule> Module::named_modules() {
 
 const std::string* Module::intern(const std::string& name) const { return &*names_.insert(name).first; }
 
-const Module::Listing& Module::listing() const {
+std::shared_ptr<const Module::Listing> Module::listing() const {
   std::lock_guard<std::mutex> lock(listing_mutex_);
   uint64_t now = g_structure_generation.load();
-  if (listing_.generation == now) return listing_;
-  Listing fresh;
+  if (listing_ && listing_->generation == now) return listing_;
+  auto fresh_listing = std::make_shared<Listing>();
+  Listing& fresh = *fresh_listing;
   fresh.generation = now;
   std::set<const Parameter*> seen_parameters;
   std::set<TensorIdentity> seen_buffers;
@@ -175,27 +176,27 @@ const Module::Listing& Module::listing() const {
       }
     }
   }
-  listing_ = std::move(fresh);
+  listing_ = std::move(fresh_listing);
   return listing_;
 }
 
-std::vector<NamedParameter> Module::named_parameters() const { return listing().parameters; }
-std::vector<NamedBuffer> Module::named_buffers() const { return listing().buffers; }
+std::vector<NamedParameter> Module::named_parameters() const { return listing()->parameters; }
+std::vector<NamedBuffer> Module::named_buffers() const { return listing()->buffers; }
 
 NamedParameter Module::parameter_at(size_t index) const {
-  const Listing& l = listing();
-  if (index >= l.parameters.size()) {
-    fail_invalid("argument 'index' is ", index, " but the module has ", l.parameters.size(), " parameters");
+  auto l = listing();
+  if (index >= l->parameters.size()) {
+    fail_invalid("argument 'index' is ", index, " but the module has ", l->parameters.size(), " parameters");
   }
-  return l.parameters[index];
+  return l->parameters[index];
 }
 
 NamedBuffer Module::buffer_at(size_t index) const {
-  const Listing& l = listing();
-  if (index >= l.buffers.size()) {
-    fail_invalid("argument 'index' is ", index, " but the module has ", l.buffers.size(), " buffers");
+  auto l = listing();
+  if (index >= l->buffers.size()) {
+    fail_invalid("argument 'index' is ", index, " but the module has ", l->buffers.size(), " buffers");
   }
-  return l.buffers[index];
+  return l->buffers[index];
 }
 
 const Module& Module::owner_of(const std::string& dotted_name, std::string* leaf) const {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -97,8 +98,8 @@ class Module {
   // Every distinct parameter once, in registration order (torch's named_parameters()).
   std::vector<NamedParameter> named_parameters() const;
   std::vector<NamedBuffer> named_buffers() const;
-  size_t num_parameters() const { return listing().parameters.size(); }
-  size_t num_buffers() const { return listing().buffers.size(); }
+  size_t num_parameters() const { return listing()->parameters.size(); }
+  size_t num_buffers() const { return listing()->buffers.size(); }
   NamedParameter parameter_at(size_t index) const;
   NamedBuffer buffer_at(size_t index) const;
 
@@ -133,7 +134,8 @@ class Module {
   bool contains(const Module* other) const;
   // Walks to the module that holds the last component of `dotted_name`.
   const Module& owner_of(const std::string& dotted_name, std::string* leaf) const;
-  const Listing& listing() const;
+  // A snapshot: a listing in use stays valid while another thread relists.
+  std::shared_ptr<const Listing> listing() const;
   const std::string* intern(const std::string& name) const;
   void structure_changed();
 
@@ -142,7 +144,7 @@ class Module {
   std::vector<ChildSlot> children_;
 
   mutable std::mutex listing_mutex_;
-  mutable Listing listing_;
+  mutable std::shared_ptr<const Listing> listing_;
   mutable std::set<std::string> names_;  // node-based: pointers into it stay valid
 };
 
