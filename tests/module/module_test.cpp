@@ -58,14 +58,7 @@ TEST(Module, ParametersAreHeldByReference) {
 }
 
 TEST(Module, SharedChildAndTiedParameterAreListedOnce) {
-  ModulePtr root = new_module();
-  auto shared = linear(2, 2);
-  DP_ASSERT_OK(dp_module_register_module(root.get(), "encoder", shared.get()));
-  DP_ASSERT_OK(dp_module_register_module(root.get(), "decoder", shared.get()));
-  auto head = new_module();
-  auto tied = parameter(shared.get(), "weight");
-  DP_ASSERT_OK(dp_module_register_parameter(head.get(), "weight", tied.get(), 1));
-  DP_ASSERT_OK(dp_module_register_module(root.get(), "head", head.get()));
+  ModulePtr root = shared_and_tied();
   EXPECT_EQ(parameter_names(root.get()), (std::vector<std::string>{"encoder.weight", "encoder.bias"}));
   // Every path resolves, and the tied parameter has one gradient.
   auto via_decoder = parameter(root.get(), "decoder.bias");

@@ -35,6 +35,27 @@ inline ModulePtr linear(int64_t in, int64_t out, float start = 0.0f, dp_device d
   return m;
 }
 
+inline TensorPtr parameter(const dp_module* m, const char* name);
+
+// "encoder" and "decoder" are one Linear(2, 2); "head.weight" is tied to its weight.
+inline ModulePtr shared_and_tied() {
+  ModulePtr root = new_module();
+  ModulePtr shared = linear(2, 2);
+  EXPECT_EQ(dp_module_register_module(root.get(), "encoder", shared.get()), DP_OK);
+  EXPECT_EQ(dp_module_register_module(root.get(), "decoder", shared.get()), DP_OK);
+  ModulePtr head = new_module();
+  TensorPtr tied = parameter(shared.get(), "weight");
+  EXPECT_EQ(dp_module_register_parameter(head.get(), "weight", tied.get(), 1), DP_OK) << dp_last_error();
+  EXPECT_EQ(dp_module_register_module(root.get(), "head", head.get()), DP_OK);
+  return root;
+}
+
+inline ReplicaSetPtr replica_set(dp_module* m, const std::vector<dp_device>& devices) {
+  dp_replica_set* raw = nullptr;
+  EXPECT_EQ(dp_replica_set_create(&raw, m, devices.data(), devices.size()), DP_OK) << dp_last_error();
+  return ReplicaSetPtr(raw);
+}
+
 inline std::vector<std::string> parameter_names(const dp_module* m) {
   std::vector<std::string> names;
   for (size_t i = 0; i < dp_module_num_parameters(m); ++i) {

@@ -99,14 +99,7 @@ TEST(Replicate, RequiresGradFollowsUnlessDetached) {
 }
 
 TEST(Replicate, SharedChildrenStaySharedInsideEachReplica) {
-  ModulePtr root = new_module();
-  auto shared = linear(2, 2);
-  DP_ASSERT_OK(dp_module_register_module(root.get(), "encoder", shared.get()));
-  DP_ASSERT_OK(dp_module_register_module(root.get(), "decoder", shared.get()));
-  auto head = new_module();
-  auto tied = parameter(shared.get(), "weight");
-  DP_ASSERT_OK(dp_module_register_parameter(head.get(), "weight", tied.get(), 1));
-  DP_ASSERT_OK(dp_module_register_module(root.get(), "head", head.get()));
+  ModulePtr root = shared_and_tied();
   Replicas r = replicate(root.get(), {cpu(1), cpu(2)}, 0);
   for (size_t i = 0; i < 2; ++i) {
     EXPECT_EQ(parameter_names(r[i]), (std::vector<std::string>{"encoder.weight", "encoder.bias"}));
@@ -208,10 +201,7 @@ TEST(ReduceGradients, StructureSizesAndDtypesAreChecked) {
 
 TEST(ReplicaSet, SyncRefreshesReplicasInPlace) {
   ModulePtr m = model();
-  dp_device devices[] = {cpu(0), cpu(1)};
-  dp_replica_set* raw = nullptr;
-  DP_ASSERT_OK(dp_replica_set_create(&raw, m.get(), devices, 2));
-  ReplicaSetPtr set(raw);
+  ReplicaSetPtr set = replica_set(m.get(), {cpu(0), cpu(1)});
   EXPECT_EQ(dp_replica_set_size(set.get()), 2u);
   dp_module* r1 = nullptr;
   DP_ASSERT_OK(dp_replica_set_replica(set.get(), 1, &r1));
@@ -235,10 +225,7 @@ TEST(ReplicaSet, SyncRefreshesReplicasInPlace) {
 
 TEST(ReplicaSet, ReduceGradientsAddsIntoTheModule) {
   ModulePtr m = model();
-  dp_device devices[] = {cpu(0), cpu(1)};
-  dp_replica_set* raw = nullptr;
-  DP_ASSERT_OK(dp_replica_set_create(&raw, m.get(), devices, 2));
-  ReplicaSetPtr set(raw);
+  ReplicaSetPtr set = replica_set(m.get(), {cpu(0), cpu(1)});
   for (size_t i = 0; i < 2; ++i) {
     dp_module* r = nullptr;
     DP_ASSERT_OK(dp_replica_set_replica(set.get(), i, &r));

@@ -284,9 +284,7 @@ TEST(DataParallel, ErrorsAreReported) {
 TEST(ReplicaSetApply, FewerChunksReduceOnlyTheReplicasThatRan) {
   ModulePtr m = linear(1, 1);
   std::vector<dp_device> devices = cpus(3);
-  dp_replica_set* raw = nullptr;
-  DP_ASSERT_OK(dp_replica_set_create(&raw, m.get(), devices.data(), 3));
-  ReplicaSetPtr set(raw);
+  ReplicaSetPtr set = replica_set(m.get(), devices);
   for (size_t i = 0; i < 3; ++i) {
     dp_module* r = nullptr;
     DP_ASSERT_OK(dp_replica_set_replica(set.get(), i, &r));
