@@ -38,7 +38,7 @@ dp_status dp_parallel_apply(dp_module* const* replicas, dp_tensor* const* inputs
   DP_API_BEGIN
   if (n > 0 && out == nullptr) fail_invalid("argument 'out' is NULL but ", n, " outputs are due");
   for (size_t i = 0; i < n; ++i) out[i] = nullptr;
-  capi::require_arg(reinterpret_cast<const void*>(fn), "fn");
+  if (fn == nullptr) capi::null_argument("fn");
   std::vector<ModulePtr> modules = capi::modules_arg(replicas, n, "replicas");
   std::vector<Tensor> tensors = capi::tensors_arg(inputs, n, "inputs");
   std::vector<Device> targets;
@@ -52,7 +52,7 @@ dp_status dp_data_parallel(dp_module* module, dp_tensor* input, const dp_device*
   DP_API_BEGIN
   capi::require_arg(out, "out");
   *out = nullptr;
-  capi::require_arg(reinterpret_cast<const void*>(fn), "fn");
+  if (fn == nullptr) capi::null_argument("fn");
   const ModulePtr& m = capi::module_arg(module, "module");
   const Tensor& x = capi::tensor_arg(input, "input");
   if (ndevices == 0) fail_invalid("argument 'ndevices' is 0: data_parallel needs at least one device");
@@ -67,7 +67,7 @@ dp_status dp_replica_set_apply(dp_replica_set* set, dp_tensor* input, int32_t di
   DP_API_BEGIN
   capi::require_arg(out, "out");
   *out = nullptr;
-  capi::require_arg(reinterpret_cast<const void*>(fn), "fn");
+  if (fn == nullptr) capi::null_argument("fn");
   ReplicaSet& s = capi::replica_set_arg(set, "set");
   const Tensor& x = capi::tensor_arg(input, "input");
   Device destination = capi::device_arg(output_device, "output_device");

@@ -1,5 +1,7 @@
 #include "module/state_dict.h"
 
+#include <sys/stat.h>
+
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -28,10 +30,10 @@ using File = std::unique_ptr<std::FILE, FileCloser>;
 std::vector<uint8_t> read_file(const std::string& path) {
   File f(std::fopen(path.c_str(), "rb"));
   if (!f) io_error("cannot open", path);
-  if (std::fseek(f.get(), 0, SEEK_END) != 0) io_error("cannot seek in", path);
-  long size = std::ftell(f.get());
-  if (size < 0 || std::fseek(f.get(), 0, SEEK_SET) != 0) io_error("cannot seek in", path);
-  std::vector<uint8_t> bytes(static_cast<size_t>(size));
+  struct stat info {};
+  if (fstat(fileno(f.get()), &info) != 0) io_error("cannot stat", path);
+  if (!S_ISREG(info.st_mode)) fail(StatusCode::kIo, "'", path, "' is not a regular file");
+  std::vector<uint8_t> bytes(static_cast<size_t>(info.st_size));
   if (!bytes.empty() && std::fread(bytes.data(), 1, bytes.size(), f.get()) != bytes.size()) {
     io_error("cannot read", path);
   }

@@ -160,6 +160,8 @@ TEST(StateDict, IoFailuresAreReported) {
   EXPECT_TRUE(contains(last_error(), "cannot open '/nonexistent/dir/x.safetensors'")) << last_error();
   EXPECT_EQ(dp_module_save(m.get(), "/nonexistent/dir/x.safetensors"), DP_EIO);
   EXPECT_TRUE(contains(last_error(), "cannot create")) << last_error();
+  EXPECT_EQ(dp_module_load(m.get(), ::testing::TempDir().c_str(), 1), DP_EIO);
+  EXPECT_TRUE(contains(last_error(), "is not a regular file")) << last_error();
   EXPECT_EQ(dp_module_save(m.get(), nullptr), DP_EINVAL);
   EXPECT_EQ(dp_module_load(nullptr, "x", 1), DP_EINVAL);
 }
