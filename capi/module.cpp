@@ -12,9 +12,7 @@ Tensor optional_tensor(const dp_tensor* value) {
 }
 
 // A new handle for `tensor`, or NULL for an undefined one (a NULL slot).
-dp_tensor* tensor_or_null(const Tensor& tensor) {
-  return tensor.defined() ? capi::new_tensor_handle(tensor) : nullptr;
-}
+dp_tensor* tensor_or_null(const Tensor& tensor) { return tensor.defined() ? capi::new_tensor_handle(tensor) : nullptr; }
 
 const Module& checked_module(const dp_module* module, dp_tensor** out) {
   capi::require_arg(out, "out");

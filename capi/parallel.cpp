@@ -19,10 +19,12 @@ ReplicaForward wrap_forward(dp_forward_fn fn, void* user_data) {
     if (code != 0) {
       dp_tensor_destroy(output);
       std::string detail = dp_last_error();
-      fail(StatusCode::kUser, "the callback returned ", code, detail.empty() ? "" : " (its last error: " + detail + ")");
+      fail(StatusCode::kUser, "the callback returned ", code,
+           detail.empty() ? "" : " (its last error: " + detail + ")");
     }
     if (output == nullptr) fail(StatusCode::kUser, "the callback returned 0 but stored no output");
-    if (output->tag != kTensorTag) fail(StatusCode::kUser, "the callback stored an output that is not a live dp_tensor");
+    if (output->tag != kTensorTag)
+      fail(StatusCode::kUser, "the callback stored an output that is not a live dp_tensor");
     Tensor result = output->tensor;
     dp_tensor_destroy(output);
     return result;

@@ -42,8 +42,9 @@ std::shared_ptr<Parameter> Parameter::shared_for(const Tensor& value, bool requi
   auto& slot = reg.by_identity[identity_of(value)];
   if (auto existing = slot.lock()) {
     if (existing->requires_grad() != requires_grad) {
-      fail_invalid("this tensor (", value.describe(), ") is already a parameter with requires_grad=",
-                   existing->requires_grad(), "; it cannot be registered again with requires_grad=", requires_grad);
+      fail_invalid("this tensor (", value.describe(),
+                   ") is already a parameter with requires_grad=", existing->requires_grad(),
+                   "; it cannot be registered again with requires_grad=", requires_grad);
     }
     return existing;
   }
@@ -206,7 +207,8 @@ const Module& Module::owner_of(const std::string& dotted_name, std::string* leaf
     size_t dot = dotted_name.find('.', start);
     if (dot == std::string::npos) break;
     std::string part = dotted_name.substr(start, dot - start);
-    auto it = std::find_if(m->children_.begin(), m->children_.end(), [&](const ChildSlot& c) { return c.name == part; });
+    auto it =
+        std::find_if(m->children_.begin(), m->children_.end(), [&](const ChildSlot& c) { return c.name == part; });
     if (it == m->children_.end() || !it->module) {
       fail_invalid("no module \"", dotted_name.substr(0, dot), "\" on the way to \"", dotted_name, "\"");
     }

@@ -91,7 +91,8 @@ std::vector<ModulePtr> replicate(Module& module, const std::vector<Device>& devi
       const Module& original = *modules[i].module;
       Module& replica = *replica_modules[i];
       for (const auto& p : original.parameter_slots()) {
-        replica.add_parameter_slot(p.name, p.parameter ? replica_parameters[parameter_index.at(p.parameter.get())] : nullptr);
+        replica.add_parameter_slot(p.name,
+                                   p.parameter ? replica_parameters[parameter_index.at(p.parameter.get())] : nullptr);
       }
       for (const BufferSlot& b : original.buffer_slots()) {
         BufferSlot copy = b;
@@ -167,7 +168,8 @@ void ReplicaSet::check_structure() const {
     same_buffers = !(buffers[i] < source_buffers_[i]) && !(source_buffers_[i] < buffers[i]);
   }
   if (parameters != source_parameters_ || !same_buffers) {
-    fail(StatusCode::kState, "the module's parameters or buffers changed since the replica set was made; make a new one");
+    fail(StatusCode::kState,
+         "the module's parameters or buffers changed since the replica set was made; make a new one");
   }
 }
 

@@ -23,9 +23,9 @@ struct DTypeCode {
   const char* code;
 };
 constexpr DTypeCode kCodes[] = {
-    {DType::kFloat32, "F32"}, {DType::kFloat64, "F64"}, {DType::kFloat16, "F16"},
-    {DType::kBFloat16, "BF16"}, {DType::kInt8, "I8"},  {DType::kUInt8, "U8"},
-    {DType::kInt32, "I32"},   {DType::kInt64, "I64"},  {DType::kBool, "BOOL"},
+    {DType::kFloat32, "F32"},   {DType::kFloat64, "F64"}, {DType::kFloat16, "F16"},
+    {DType::kBFloat16, "BF16"}, {DType::kInt8, "I8"},     {DType::kUInt8, "U8"},
+    {DType::kInt32, "I32"},     {DType::kInt64, "I64"},   {DType::kBool, "BOOL"},
 };
 
 template <typename... Args>
@@ -43,7 +43,8 @@ DType dtype_from_code(const std::string& code, const std::string& name) {
   for (const DTypeCode& c : kCodes) {
     if (code == c.code) return c.dtype;
   }
-  malformed("tensor \"", name, "\" has dtype \"", code, "\", which is not one of F32, F64, F16, BF16, I8, U8, I32, I64, BOOL");
+  malformed("tensor \"", name, "\" has dtype \"", code,
+            "\", which is not one of F32, F64, F16, BF16, I8, U8, I32, I64, BOOL");
 }
 
 uint64_t unsigned_field(const Json& value, const std::string& name, const char* field) {
@@ -71,7 +72,8 @@ Entry parse_entry(const std::string& name, const Json& info, uint64_t data_size)
   bool empty = false;
   for (const Json& extent : *shape) {
     uint64_t n = unsigned_field(extent, name, "shape");
-    if (n > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) malformed("tensor \"", name, "\" has an extent of ", n);
+    if (n > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      malformed("tensor \"", name, "\" has an extent of ", n);
     e.shape.push_back(static_cast<int64_t>(n));
     if (n == 0) empty = true;
     if (!empty && numel > std::numeric_limits<uint64_t>::max() / n) {

@@ -180,8 +180,7 @@ void load_module(Module& module, const std::string& path, bool strict) {
     fail_invalid("error loading '", path, "' into the module: ", problems);
   }
   for (const auto& [entry, target] : copies) {
-    copy_bytes(target.data(), target.device(), file.data() + header.data_offset + entry->begin, kHost,
-               target.nbytes());
+    copy_bytes(target.data(), target.device(), file.data() + header.data_offset + entry->begin, kHost, target.nbytes());
   }
 }
 

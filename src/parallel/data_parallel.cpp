@@ -46,7 +46,8 @@ Tensor replica_set_apply(ReplicaSet& set, const Tensor& input, int32_t dim, cons
   std::vector<Tensor> chunks = comm::scatter(input, set.devices(), {}, dim);
   std::vector<std::shared_ptr<Module>> replicas(set.replicas().begin(),
                                                 set.replicas().begin() + static_cast<std::ptrdiff_t>(chunks.size()));
-  std::vector<Device> devices(set.devices().begin(), set.devices().begin() + static_cast<std::ptrdiff_t>(chunks.size()));
+  std::vector<Device> devices(set.devices().begin(),
+                              set.devices().begin() + static_cast<std::ptrdiff_t>(chunks.size()));
   set.set_active(chunks.size());
   std::vector<Tensor> outputs = parallel_apply(replicas, chunks, devices, fn);
   return comm::gather(outputs, dim, output_device);

@@ -13,8 +13,8 @@ namespace dparallel {
 
 // Runs one replica's forward on `input` and returns its output; failures are
 // exceptions.
-using ReplicaForward =
-    std::function<Tensor(size_t index, const std::shared_ptr<Module>& replica, const Tensor& input, const Device& device)>;
+using ReplicaForward = std::function<Tensor(size_t index, const std::shared_ptr<Module>& replica, const Tensor& input,
+                                            const Device& device)>;
 
 // outputs[i] = fn(i, replicas[i], inputs[i], devices[i]) on the worker of
 // devices[i] (each input's own device when `devices` is empty). All run to

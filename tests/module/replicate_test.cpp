@@ -177,8 +177,9 @@ TEST(ReduceGradients, StructureSizesAndDtypesAreChecked) {
   DP_ASSERT_OK(dp_module_register_module(wrapped.get(), "fc", other.get()));
   dp_module* replicas[] = {wrapped.get()};
   EXPECT_EQ(dp_reduce_gradients(replicas, 1, m.get()), DP_EINVAL);
-  EXPECT_TRUE(contains(last_error(), "replicas[0] parameter 0 is \"fc.weight\" (float32 2x2) but the target's is "
-                                     "\"fc.weight\" (float32 2x3)"))
+  EXPECT_TRUE(contains(last_error(),
+                       "replicas[0] parameter 0 is \"fc.weight\" (float32 2x2) but the target's is "
+                       "\"fc.weight\" (float32 2x3)"))
       << last_error();
   ModulePtr small = new_module();
   replicas[0] = small.get();

@@ -61,9 +61,10 @@ TEST(StateDict, FileFollowsTheSafetensorsLayout) {
   std::string header = bytes.substr(8, n);
   EXPECT_EQ(header.rfind("{\"__metadata__\":{\"format\":\"pt\"},", 0), 0u) << header;
   // state_dict() order: the root's own tensors, then each child's.
-  EXPECT_TRUE(contains(header, "\"count\":{\"dtype\":\"I64\",\"shape\":[1],\"data_offsets\":[0,8]},"
-                               "\"fc.weight\":{\"dtype\":\"F32\",\"shape\":[2,3],\"data_offsets\":[8,32]},"
-                               "\"fc.bias\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[32,40]}}"))
+  EXPECT_TRUE(contains(header,
+                       "\"count\":{\"dtype\":\"I64\",\"shape\":[1],\"data_offsets\":[0,8]},"
+                       "\"fc.weight\":{\"dtype\":\"F32\",\"shape\":[2,3],\"data_offsets\":[8,32]},"
+                       "\"fc.bias\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[32,40]}}"))
       << header;
   EXPECT_FALSE(contains(header, "scratch"));  // not persistent
   EXPECT_EQ(bytes.size(), 8 + n + 40);
@@ -142,7 +143,8 @@ TEST(StateDict, ShapeOrDtypeMismatchNamesTheKeyAndBothShapes) {
   for (int strict : {1, 0}) {
     EXPECT_EQ(dp_module_load(m.get(), path.c_str(), strict), DP_EINVAL);
     std::string error = last_error();
-    EXPECT_TRUE(contains(error, "size mismatch for \"fc.weight\": the file has float32 3x2, the module has float32 2x3"))
+    EXPECT_TRUE(
+        contains(error, "size mismatch for \"fc.weight\": the file has float32 3x2, the module has float32 2x3"))
         << error;
     EXPECT_TRUE(contains(error, "size mismatch for \"fc.bias\": the file has float64 2, the module has float32 2"))
         << error;
@@ -171,8 +173,9 @@ TEST(StateDict, IoFailuresAreReported) {
 TEST(StateDict, MalformedFilesAreRefusedWithoutChangingTheModule) {
   ModulePtr m = model(1.0f);
   const std::string weight = "\"fc.weight\":{\"dtype\":\"F32\",\"shape\":[2,3],\"data_offsets\":";
-  const std::string rest = "\"fc.bias\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[24,32]},"
-                           "\"count\":{\"dtype\":\"I64\",\"shape\":[1],\"data_offsets\":[32,40]}";
+  const std::string rest =
+      "\"fc.bias\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[24,32]},"
+      "\"count\":{\"dtype\":\"I64\",\"shape\":[1],\"data_offsets\":[32,40]}";
   const std::string good = "{" + weight + "[0,24]}," + rest + "}";
   std::string valid = image(good, std::string(40, '\x02'));
   std::string huge_length = valid;
@@ -203,20 +206,25 @@ TEST(StateDict, MalformedFilesAreRefusedWithoutChangingTheModule) {
       {"offsets reversed", image("{" + weight + "[24,0]}," + rest + "}", std::string(40, '\0')), "outside"},
       {"size does not match shape", image("{" + weight + "[0,20]}," + rest + "}", std::string(40, '\0')),
        "need 24 bytes"},
-      {"overlap", image("{\"a\":{\"dtype\":\"U8\",\"shape\":[2],\"data_offsets\":[0,2]},"
-                        "\"b\":{\"dtype\":\"U8\",\"shape\":[2],\"data_offsets\":[1,3]}}",
-                        "abc"),
+      {"overlap",
+       image("{\"a\":{\"dtype\":\"U8\",\"shape\":[2],\"data_offsets\":[0,2]},"
+             "\"b\":{\"dtype\":\"U8\",\"shape\":[2],\"data_offsets\":[1,3]}}",
+             "abc"),
        "must not overlap or leave gaps"},
-      {"gap", image("{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]},"
-                    "\"b\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[2,3]}}",
-                    "abc"),
+      {"gap",
+       image("{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]},"
+             "\"b\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[2,3]}}",
+             "abc"),
        "must not overlap or leave gaps"},
       {"out of range", image("{\"a\":{\"dtype\":\"U8\",\"shape\":[4],\"data_offsets\":[18446744073709551612,0]}}", ""),
        "outside"},
-      {"numel overflow", image("{\"a\":{\"dtype\":\"F64\",\"shape\":[4294967296,4294967296],\"data_offsets\":[0,0]}}", ""),
+      {"numel overflow",
+       image("{\"a\":{\"dtype\":\"F64\",\"shape\":[4294967296,4294967296],\"data_offsets\":[0,0]}}", ""),
        "more elements than fit in 64 bits"},
-      {"too many dims", image("{\"a\":{\"dtype\":\"U8\",\"shape\":[1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1],"
-                              "\"data_offsets\":[0,1]}}", "a"),
+      {"too many dims",
+       image("{\"a\":{\"dtype\":\"U8\",\"shape\":[1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1],"
+             "\"data_offsets\":[0,1]}}",
+             "a"),
        "17 dimensions"},
       {"missing field", image("{\"a\":{\"dtype\":\"U8\",\"shape\":[1]}}", "a"), "no \"data_offsets\" pair"},
       {"bad metadata", image("{\"__metadata__\":{\"format\":1}}", ""), "is not a string"},

@@ -155,8 +155,9 @@ TEST_P(TrainingParity, MatchesSingleDeviceTraining) {
     for (size_t i = 0; i < order.size(); ++i) order[i] = i;
     std::shuffle(order.begin(), order.end(), rng);
     std::vector<float> shuffled;
-    for (size_t r : order) shuffled.insert(shuffled.end(), rows.begin() + static_cast<std::ptrdiff_t>(r * (kIn + kOut)),
-                                           rows.begin() + static_cast<std::ptrdiff_t>((r + 1) * (kIn + kOut)));
+    for (size_t r : order)
+      shuffled.insert(shuffled.end(), rows.begin() + static_cast<std::ptrdiff_t>(r * (kIn + kOut)),
+                      rows.begin() + static_cast<std::ptrdiff_t>((r + 1) * (kIn + kOut)));
     auto input = make<float>({batch, kIn + kOut}, shuffled);
 
     std::vector<float> expected = Mlp::forward_backward(reference.get(), shuffled, batch);
@@ -187,7 +188,8 @@ INSTANTIATE_TEST_SUITE_P(Devices, TrainingParity,
                                             ::testing::Values(Mode::kDataParallel, Mode::kReplicaSet)),
                          [](const ::testing::TestParamInfo<std::tuple<int, Mode>>& param_info) {
                            return std::to_string(std::get<0>(param_info.param)) +
-                                  (std::get<1>(param_info.param) == Mode::kDataParallel ? "DataParallel" : "ReplicaSet");
+                                  (std::get<1>(param_info.param) == Mode::kDataParallel ? "DataParallel"
+                                                                                        : "ReplicaSet");
                          });
 
 namespace {

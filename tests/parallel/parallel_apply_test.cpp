@@ -1,3 +1,5 @@
+#include "parallel/parallel_apply.h"
+
 #include <atomic>
 #include <chrono>
 #include <mutex>
@@ -6,7 +8,6 @@
 #include "core/device_worker.h"
 #include "core/error.h"
 #include "module/module_test_util.h"
-#include "parallel/parallel_apply.h"
 
 using namespace dptest;
 
@@ -28,7 +29,8 @@ int doubling(void* user_data, size_t index, dp_module*, dp_tensor* input, dp_dev
   {
     std::lock_guard<std::mutex> lock(seen->mutex);
     seen->threads[index] = std::this_thread::get_id();
-    seen->device_was_current[index] = static_cast<int32_t>(current.type) == device.type && current.index == device.index;
+    seen->device_was_current[index] =
+        static_cast<int32_t>(current.type) == device.type && current.index == device.index;
   }
   seen->started++;
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
@@ -104,7 +106,8 @@ TEST(ParallelApply, EveryReplicaRunsConcurrentlyOnItsPersistentDeviceWorker) {
   for (int round = 0; round < 2; ++round) {
     Seen seen;
     dp_tensor* out[2] = {};
-    DP_ASSERT_OK(dp_parallel_apply(f.replica_ptrs.data(), f.input_ptrs.data(), devices.data(), 2, doubling, &seen, out));
+    DP_ASSERT_OK(
+        dp_parallel_apply(f.replica_ptrs.data(), f.input_ptrs.data(), devices.data(), 2, doubling, &seen, out));
     TensorPtr a(out[0]), b(out[1]);
     EXPECT_EQ(values<float>(out[0]), (std::vector<float>{0, 1}));
     EXPECT_EQ(values<float>(out[1]), (std::vector<float>{2, 3}));
@@ -135,7 +138,8 @@ TEST(ParallelApply, FirstFailureInReplicaOrderAfterAllRanAndOtherOutputsReleased
   Fixture f(devices);
   std::atomic<int> calls{0};
   g_released = 0;
-  dp_tensor* out[3] = {reinterpret_cast<dp_tensor*>(1), reinterpret_cast<dp_tensor*>(1), reinterpret_cast<dp_tensor*>(1)};
+  dp_tensor* out[3] = {reinterpret_cast<dp_tensor*>(1), reinterpret_cast<dp_tensor*>(1),
+                       reinterpret_cast<dp_tensor*>(1)};
   EXPECT_EQ(dp_parallel_apply(f.replica_ptrs.data(), f.input_ptrs.data(), devices.data(), 3, fails_on_one_and_two,
                               &calls, out),
             DP_EUSER);
@@ -172,9 +176,8 @@ TEST(ParallelApply, MismatchedCountsAreInvalid) {
   auto replica = std::make_shared<dparallel::Module>();
   std::vector<std::shared_ptr<dparallel::Module>> replicas(3, replica);
   std::vector<dparallel::Tensor> inputs(2, dparallel::Tensor::zeros(dparallel::DType::kFloat32, {1}, {}));
-  auto fn = [](size_t, const std::shared_ptr<dparallel::Module>&, const dparallel::Tensor& x, const dparallel::Device&) {
-    return x;
-  };
+  auto fn = [](size_t, const std::shared_ptr<dparallel::Module>&, const dparallel::Tensor& x,
+               const dparallel::Device&) { return x; };
   try {
     dparallel::parallel_apply(replicas, inputs, {}, fn);
     FAIL() << "no error";
@@ -204,8 +207,9 @@ TEST(ParallelApply, ArgumentsAreChecked) {
   EXPECT_EQ(dp_parallel_apply(f.replica_ptrs.data(), f.input_ptrs.data(), devices.data(), 2, nullptr, nullptr, out),
             DP_EINVAL);
   EXPECT_TRUE(contains(last_error(), "'fn' is NULL")) << last_error();
-  EXPECT_EQ(dp_parallel_apply(f.replica_ptrs.data(), f.input_ptrs.data(), devices.data(), 2, no_output, nullptr, nullptr),
-            DP_EINVAL);
+  EXPECT_EQ(
+      dp_parallel_apply(f.replica_ptrs.data(), f.input_ptrs.data(), devices.data(), 2, no_output, nullptr, nullptr),
+      DP_EINVAL);
   dp_tensor* inputs[] = {f.input_ptrs[0], nullptr};
   EXPECT_EQ(dp_parallel_apply(f.replica_ptrs.data(), inputs, devices.data(), 2, no_output, nullptr, out), DP_EINVAL);
   EXPECT_TRUE(contains(last_error(), "'inputs[1]' is NULL")) << last_error();
