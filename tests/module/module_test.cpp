@@ -1,3 +1,6 @@
+#include <atomic>
+#include <thread>
+
 #include "module/module_test_util.h"
 
 using namespace dptest;
@@ -201,4 +204,44 @@ TEST(Module, ChildOutlivesItsHandleThroughTheParent) {
     DP_ASSERT_OK(dp_module_register_module(root.get(), "fc", fc.get()));
   }
   EXPECT_EQ(values<float>(parameter(root.get(), "fc.weight").get()), iota<float>(4, 5.0f));
+}
+
+// Readers of one module keep working while other threads register into
+// unrelated modules (which makes every module relist).
+TEST(Module, ReadingWhileOtherModulesChangeIsSafe) {
+  ModulePtr root = two_layer();
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {
+    for (int i = 0; i < 300 && !stop.load(); ++i) {
+      ModulePtr other = new_module();
+      auto t = make<float>({1}, {1});
+      EXPECT_EQ(dp_module_register_parameter(other.get(), "p", t.get(), 1), DP_OK);
+    }
+  });
+  for (int i = 0; i < 300; ++i) {
+    ASSERT_EQ(dp_module_num_parameters(root.get()), 4u);
+    const char* name = nullptr;
+    dp_tensor* t = nullptr;
+    ASSERT_EQ(dp_module_parameter_at(root.get(), 3, &name, &t), DP_OK) << dp_last_error();
+    dp_tensor_destroy(t);
+    ASSERT_STREQ(name, "fc2.bias");
+  }
+  stop = true;
+  writer.join();
+}
+
+TEST(Module, ConcurrentFirstGradCallsAgreeOnOneTensor) {
+  ModulePtr root = two_layer();
+  std::vector<void*> seen(4, nullptr);
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < seen.size(); ++i) {
+    threads.emplace_back([&, i] {
+      dp_tensor* g = nullptr;
+      if (dp_module_grad(root.get(), "fc1.weight", &g) == DP_OK) seen[i] = dp_tensor_data(g);
+      dp_tensor_destroy(g);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (void* p : seen) EXPECT_EQ(p, seen[0]);
+  EXPECT_NE(seen[0], nullptr);
 }
