@@ -30,7 +30,7 @@ struct Header {
   uint64_t data_offset = 0;  // where the data section starts in the file
 };
 
-// "F32", "BF16", ...; throws kIo for a string that is not a supported dtype.
+// The format's name of a dtype: "F32", "BF16", ...
 const char* dtype_code(DType dtype);
 
 // Validates a whole file image: header length, JSON, dtypes, shapes, and that
