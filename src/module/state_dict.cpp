@@ -138,11 +138,15 @@ void save_module(Module& module, const std::string& path) {
 
 void load_module(Module& module, const std::string& path, bool strict) {
   std::vector<uint8_t> file = read_file(path);
+  load_module_image(module, file.data(), file.size(), path, strict);
+}
+
+void load_module_image(Module& module, const uint8_t* data, size_t size, const std::string& origin, bool strict) {
   safetensors::Header header;
   try {
-    header = safetensors::parse(file.data(), file.size());
+    header = safetensors::parse(data, size);
   } catch (const Error& e) {
-    fail(e.code(), "'", path, "': ", e.what());
+    fail(e.code(), "'", origin, "': ", e.what());
   }
 
   std::vector<StateEntry> expected = state_dict(module);
@@ -177,10 +181,10 @@ void load_module(Module& module, const std::string& path, bool strict) {
   for (const std::string& m : mismatches) problems += m + "; ";
   if (!problems.empty()) {
     problems.resize(problems.size() - 2);
-    fail_invalid("error loading '", path, "' into the module: ", problems);
+    fail_invalid("error loading '", origin, "' into the module: ", problems);
   }
   for (const auto& [entry, target] : copies) {
-    copy_bytes(target.data(), target.device(), file.data() + header.data_offset + entry->begin, kHost, target.nbytes());
+    copy_bytes(target.data(), target.device(), data + header.data_offset + entry->begin, kHost, target.nbytes());
   }
 }
 

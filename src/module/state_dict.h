@@ -2,6 +2,8 @@
 // safetensors files.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -28,5 +30,7 @@ void save_module(Module& module, const std::string& path);
 // mismatch always is. A malformed file is kIo. On any error the module is
 // unchanged.
 void load_module(Module& module, const std::string& path, bool strict);
+// The same from a file image in memory; `origin` names it in messages.
+void load_module_image(Module& module, const uint8_t* data, size_t size, const std::string& origin, bool strict);
 
 }  // namespace dparallel

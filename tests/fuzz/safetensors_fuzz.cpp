@@ -1,27 +1,52 @@
-// libFuzzer target for the safetensors parser: any input is refused with an
+// libFuzzer target for the safetensors loader. Any input is refused with an
 // Error or parsed into ranges that lie inside it; a parsed header re-encodes
-// into a file that parses to the same entries.
+// into a file that parses to the same entries; loading into a module either
+// succeeds or leaves the module as it was.
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
+#include <memory>
 #include <string>
 
 #include "core/error.h"
+#include "module/module.h"
 #include "module/safetensors.h"
+#include "module/state_dict.h"
 
 namespace st = dparallel::safetensors;
+using dparallel::DType;
+using dparallel::Tensor;
 
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  st::Header header;
-  try {
-    header = st::parse(data, size);
-  } catch (const dparallel::Error&) {
-    return 0;
+namespace {
+
+const dparallel::Device kCpu{};
+
+// fc.weight (float32 2x3), fc.bias (float32 2) and a buffer count (int64 1),
+// the names the seed corpus uses; every byte set to 0x5a.
+std::shared_ptr<dparallel::Module> target_module() {
+  auto root = std::make_shared<dparallel::Module>();
+  auto fc = std::make_shared<dparallel::Module>();
+  Tensor weight = Tensor::empty(DType::kFloat32, {2, 3}, kCpu), bias = Tensor::empty(DType::kFloat32, {2}, kCpu);
+  Tensor count = Tensor::empty(DType::kInt64, {1}, kCpu);
+  for (const Tensor& t : {weight, bias, count}) std::memset(t.data(), 0x5a, t.nbytes());
+  fc->register_parameter("weight", weight, true);
+  fc->register_parameter("bias", bias, true);
+  root->register_module("fc", fc);
+  root->register_buffer("count", count, true);
+  return root;
+}
+
+bool untouched(dparallel::Module& module) {
+  for (const dparallel::StateEntry& e : dparallel::state_dict(module)) {
+    const auto* bytes = static_cast<const uint8_t*>(e.value.data());
+    for (size_t i = 0; i < e.value.nbytes(); ++i) {
+      if (bytes[i] != 0x5a) return false;
+    }
   }
-  // Read every byte the parser vouched for, so AddressSanitizer sees any overrun.
-  unsigned sum = 0;
-  for (const st::Entry& e : header.entries) {
-    for (uint64_t i = e.begin; i < e.end; ++i) sum += data[header.data_offset + i];
-  }
+  return true;
+}
+
+void check_round_trip(const uint8_t* data, size_t size, const st::Header& header) {
   std::string image = st::encode_header(header.entries, header.metadata);
   image.append(reinterpret_cast<const char*>(data) + header.data_offset, size - header.data_offset);
   st::Header again = st::parse(reinterpret_cast<const uint8_t*>(image.data()), image.size());
@@ -32,5 +57,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       std::abort();
     }
   }
-  return static_cast<int>(sum & 0);
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  try {
+    check_round_trip(data, size, st::parse(data, size));
+  } catch (const dparallel::Error&) {
+  }
+  for (bool strict : {false, true}) {
+    auto module = target_module();
+    try {
+      dparallel::load_module_image(*module, data, size, "fuzz input", strict);
+    } catch (const dparallel::Error& e) {
+      if (std::strlen(e.what()) == 0 || !untouched(*module)) std::abort();
+    }
+  }
+  return 0;
 }
