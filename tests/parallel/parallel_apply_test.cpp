@@ -17,6 +17,7 @@ struct Seen {
   std::mutex mutex;
   std::vector<std::thread::id> threads = std::vector<std::thread::id>(4);
   std::vector<bool> device_was_current = std::vector<bool>(4, false);
+  std::vector<bool> saw_the_other_running = std::vector<bool>(4, false);
   std::atomic<int> started{0};
   std::atomic<int> finished{0};
 };
@@ -35,6 +36,10 @@ int doubling(void* user_data, size_t index, dp_module*, dp_tensor* input, dp_dev
   seen->started++;
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   while (seen->started.load() < 2 && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+  {
+    std::lock_guard<std::mutex> lock(seen->mutex);
+    seen->saw_the_other_running[index] = seen->started.load() >= 2;
+  }
   std::vector<float> v = values<float>(input);
   for (float& x : v) x *= 2;
   dp_tensor* out = nullptr;
@@ -113,6 +118,7 @@ TEST(ParallelApply, EveryReplicaRunsConcurrentlyOnItsPersistentDeviceWorker) {
     EXPECT_EQ(values<float>(out[1]), (std::vector<float>{2, 3}));
     EXPECT_TRUE(same_device(dp_tensor_device(out[1]), cpu(2)));
     EXPECT_TRUE(seen.device_was_current[0] && seen.device_was_current[1]);
+    EXPECT_TRUE(seen.saw_the_other_running[0] && seen.saw_the_other_running[1]);  // they overlapped
     EXPECT_EQ(seen.finished.load(), 2);
     EXPECT_NE(seen.threads[0], std::this_thread::get_id());
     EXPECT_NE(seen.threads[0], seen.threads[1]);
