@@ -56,28 +56,26 @@ inline ReplicaSetPtr replica_set(dp_module* m, const std::vector<dp_device>& dev
   return ReplicaSetPtr(raw);
 }
 
-inline std::vector<std::string> parameter_names(const dp_module* m) {
+// The names that count() and at() list, in order.
+inline std::vector<std::string> listed_names(const dp_module* m, size_t (*count)(const dp_module*),
+                                             dp_status (*at)(const dp_module*, size_t, const char**, dp_tensor**)) {
   std::vector<std::string> names;
-  for (size_t i = 0; i < dp_module_num_parameters(m); ++i) {
+  for (size_t i = 0; i < count(m); ++i) {
     const char* name = nullptr;
     dp_tensor* t = nullptr;
-    EXPECT_EQ(dp_module_parameter_at(m, i, &name, &t), DP_OK) << dp_last_error();
+    EXPECT_EQ(at(m, i, &name, &t), DP_OK) << dp_last_error();
     dp_tensor_destroy(t);
     names.push_back(name == nullptr ? "" : name);
   }
   return names;
 }
 
+inline std::vector<std::string> parameter_names(const dp_module* m) {
+  return listed_names(m, dp_module_num_parameters, dp_module_parameter_at);
+}
+
 inline std::vector<std::string> buffer_names(const dp_module* m) {
-  std::vector<std::string> names;
-  for (size_t i = 0; i < dp_module_num_buffers(m); ++i) {
-    const char* name = nullptr;
-    dp_tensor* t = nullptr;
-    EXPECT_EQ(dp_module_buffer_at(m, i, &name, &t), DP_OK) << dp_last_error();
-    dp_tensor_destroy(t);
-    names.push_back(name == nullptr ? "" : name);
-  }
-  return names;
+  return listed_names(m, dp_module_num_buffers, dp_module_buffer_at);
 }
 
 inline TensorPtr parameter(const dp_module* m, const char* name) {
