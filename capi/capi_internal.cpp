@@ -93,4 +93,46 @@ void export_tensors(const std::vector<Tensor>& tensors, dp_tensor** out) {
   for (size_t i = 0; i < handles.size(); ++i) out[i] = handles[i];
 }
 
+const std::shared_ptr<Module>& module_arg(const dp_module* handle, const std::string& name) {
+  if (handle == nullptr) fail_invalid("argument '", name, "' is NULL");
+  if (handle->tag != kModuleTag) {
+    fail_invalid("argument '", name, "' is not a live dp_module handle (destroyed, or another type)");
+  }
+  return handle->module;
+}
+
+std::vector<std::shared_ptr<Module>> modules_arg(const dp_module* const* handles, size_t count, const char* name) {
+  if (count > 0 && handles == nullptr) fail_invalid("argument '", name, "' is NULL but its count is ", count);
+  std::vector<std::shared_ptr<Module>> modules;
+  modules.reserve(count);
+  for (size_t i = 0; i < count; ++i) modules.push_back(module_arg(handles[i], str_cat(name, "[", i, "]")));
+  return modules;
+}
+
+ReplicaSet& replica_set_arg(const dp_replica_set* handle, const char* name) {
+  if (handle == nullptr) fail_invalid("argument '", name, "' is NULL");
+  if (handle->tag != kReplicaSetTag) {
+    fail_invalid("argument '", name, "' is not a live dp_replica_set handle (destroyed, or another type)");
+  }
+  return *handle->set;
+}
+
+dp_module* new_module_handle(std::shared_ptr<Module> module) {
+  auto* handle = new dp_module();
+  handle->module = std::move(module);
+  return handle;
+}
+
+void export_modules(const std::vector<std::shared_ptr<Module>>& modules, dp_module** out) {
+  std::vector<std::unique_ptr<dp_module>> handles;
+  handles.reserve(modules.size());
+  for (const auto& m : modules) handles.push_back(std::unique_ptr<dp_module>(new_module_handle(m)));
+  for (size_t i = 0; i < handles.size(); ++i) out[i] = handles[i].release();
+}
+
+std::string string_arg(const char* text, const char* name) {
+  if (text == nullptr) fail_invalid("argument '", name, "' is NULL");
+  return text;
+}
+
 }  // namespace dparallel::capi

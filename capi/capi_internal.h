@@ -3,12 +3,15 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "core/device.h"
 #include "core/error.h"
 #include "core/tensor.h"
+#include "module/module.h"
+#include "module/replicate.h"
 #include "dparallel/dp_base.h"
 #include "dparallel/dp_tensor.h"
 
@@ -18,6 +21,19 @@ constexpr uint64_t kTensorTag = 0x6470'7465'6e73'6f72ull;  // "dptensor"
 struct dp_tensor {
   uint64_t tag = kTensorTag;
   dparallel::Tensor tensor;
+};
+
+constexpr uint64_t kModuleTag = 0x6470'6d6f'6475'6c65ull;      // "dpmodule"
+constexpr uint64_t kReplicaSetTag = 0x6470'7265'706c'7365ull;  // "dpreplse"
+
+struct dp_module {
+  uint64_t tag = kModuleTag;
+  std::shared_ptr<dparallel::Module> module;
+};
+
+struct dp_replica_set {
+  uint64_t tag = kReplicaSetTag;
+  std::unique_ptr<dparallel::ReplicaSet> set;
 };
 
 namespace dparallel::capi {
@@ -46,6 +62,14 @@ Shape shape_arg(int32_t ndim, const int64_t* shape, const char* name);
 dp_tensor* new_tensor_handle(Tensor tensor);
 // Fills out[0..n) with new handles, all or none.
 void export_tensors(const std::vector<Tensor>& tensors, dp_tensor** out);
+
+const std::shared_ptr<Module>& module_arg(const dp_module* handle, const std::string& name);
+std::vector<std::shared_ptr<Module>> modules_arg(const dp_module* const* handles, size_t count, const char* name);
+ReplicaSet& replica_set_arg(const dp_replica_set* handle, const char* name);
+dp_module* new_module_handle(std::shared_ptr<Module> module);
+// Fills out[0..n) with new handles, all or none.
+void export_modules(const std::vector<std::shared_ptr<Module>>& modules, dp_module** out);
+std::string string_arg(const char* text, const char* name);
 
 inline dp_device to_c(const Device& device) {
   return dp_device{static_cast<int32_t>(device.type), device.index};

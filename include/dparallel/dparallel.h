@@ -6,6 +6,9 @@
 #include "dparallel/dp_base.h"
 #include "dparallel/dp_comm.h"
 #include "dparallel/dp_dlpack.h"
+#include "dparallel/dp_module.h"
+#include "dparallel/dp_parallel.h"
+#include "dparallel/dp_replicate.h"
 #include "dparallel/dp_tensor.h"
 
 #endif /* DPARALLEL_DPARALLEL_H */

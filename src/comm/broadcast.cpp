@@ -124,4 +124,17 @@ std::vector<std::vector<Tensor>> broadcast_coalesced(const std::vector<Tensor>& 
   return out;
 }
 
+void broadcast_into(const Tensor& tensor, const std::vector<Tensor>& outputs) {
+  std::vector<void*> dsts;
+  std::vector<Device> devices;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    if (outputs[i].shape() != tensor.shape() || outputs[i].dtype() != tensor.dtype()) {
+      fail_invalid("output ", i, " is ", outputs[i].describe(), " but the source is ", tensor.describe());
+    }
+    dsts.push_back(outputs[i].data());
+    devices.push_back(outputs[i].device());
+  }
+  if (!dsts.empty()) copy_out(tensor.data(), tensor.device(), dsts, devices, tensor.nbytes());
+}
+
 }  // namespace dparallel::comm

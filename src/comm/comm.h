@@ -14,10 +14,15 @@ constexpr size_t kDefaultBufferSize = 10u << 20;
 
 // out[i] on devices[i]; a view of `tensor` where devices[i] is its device.
 std::vector<Tensor> broadcast(const Tensor& tensor, const std::vector<Device>& devices);
+// Copies `tensor` into each existing output (same dtype and shape); an output
+// that is the source itself is left alone.
+void broadcast_into(const Tensor& tensor, const std::vector<Tensor>& outputs);
 // result[d][t]: tensor t on devices[d]; every tensor must be on devices[0].
 std::vector<std::vector<Tensor>> broadcast_coalesced(const std::vector<Tensor>& tensors,
                                                      const std::vector<Device>& devices, size_t buffer_size);
 Tensor reduce_add(const std::vector<Tensor>& inputs, const Device& destination);
+// out = inputs[0] + ... + inputs[n-1] on out's device, in place; out may be inputs[0].
+void reduce_add_into(const Tensor& out, const std::vector<Tensor>& inputs);
 // inputs[d][t]; result[t] is the sum over d, on `destination`.
 std::vector<Tensor> reduce_add_coalesced(const std::vector<std::vector<Tensor>>& inputs, const Device& destination,
                                          size_t buffer_size);

@@ -83,6 +83,18 @@ Tensor reduce_add(const std::vector<Tensor>& inputs, const Device& destination) 
   return out;
 }
 
+void reduce_add_into(const Tensor& out, const std::vector<Tensor>& inputs) {
+  if (inputs.empty()) fail_invalid("argument 'inputs' is empty: reduce_add_into needs at least one input");
+  for (size_t i = 0; i < inputs.size(); ++i) check_like(inputs[i], out, str_cat("input ", i));
+  std::vector<const void*> srcs;
+  std::vector<Device> devices;
+  for (const Tensor& t : inputs) {
+    srcs.push_back(t.data());
+    devices.push_back(t.device());
+  }
+  sum_into(out.data(), out.device(), srcs, devices, out.dtype(), static_cast<size_t>(out.numel()));
+}
+
 std::vector<Tensor> reduce_add_coalesced(const std::vector<std::vector<Tensor>>& inputs, const Device& destination,
                                          size_t buffer_size) {
   if (inputs.empty()) fail_invalid("argument 'ndevices' is 0: reduce_add_coalesced needs at least one device's list");

@@ -1,0 +1,71 @@
+// dp_replicate.h: replicas, gradient reduction and kept replica sets.
+#include "capi/capi_internal.h"
+#include "dparallel/dp_replicate.h"
+
+using namespace dparallel;
+
+extern "C" {
+
+dp_status dp_replicate(const dp_module* module, const dp_device* devices, size_t ndevices, int detach,
+                       dp_module** out) {
+  DP_API_BEGIN
+  if (ndevices > 0 && out == nullptr) fail_invalid("argument 'out' is NULL but ", ndevices, " replicas are due");
+  for (size_t i = 0; i < ndevices; ++i) out[i] = nullptr;
+  Module& m = *capi::module_arg(module, "module");
+  std::vector<Device> targets = capi::devices_arg(devices, ndevices, "devices");
+  capi::export_modules(replicate(m, targets, detach != 0), out);
+  DP_API_END
+}
+
+dp_status dp_reduce_gradients(dp_module* const* replicas, size_t nreplicas, dp_module* target) {
+  DP_API_BEGIN
+  std::vector<ModulePtr> sources = capi::modules_arg(replicas, nreplicas, "replicas");
+  reduce_gradients(sources, *capi::module_arg(target, "target"));
+  DP_API_END
+}
+
+dp_status dp_replica_set_create(dp_replica_set** out, dp_module* module, const dp_device* devices, size_t ndevices) {
+  DP_API_BEGIN
+  capi::require_arg(out, "out");
+  *out = nullptr;
+  const ModulePtr& m = capi::module_arg(module, "module");
+  std::vector<Device> targets = capi::devices_arg(devices, ndevices, "devices");
+  auto handle = std::make_unique<dp_replica_set>();
+  handle->set = std::make_unique<ReplicaSet>(m, targets);
+  *out = handle.release();
+  DP_API_END
+}
+
+dp_status dp_replica_set_sync(dp_replica_set* set) {
+  DP_API_BEGIN
+  capi::replica_set_arg(set, "set").sync();
+  DP_API_END
+}
+
+dp_status dp_replica_set_replica(const dp_replica_set* set, size_t index, dp_module** out) {
+  DP_API_BEGIN
+  capi::require_arg(out, "out");
+  *out = nullptr;
+  *out = capi::new_module_handle(capi::replica_set_arg(set, "set").replica(index));
+  DP_API_END
+}
+
+dp_status dp_replica_set_reduce_gradients(dp_replica_set* set) {
+  DP_API_BEGIN
+  capi::replica_set_arg(set, "set").reduce_gradients();
+  DP_API_END
+}
+
+void dp_replica_set_destroy(dp_replica_set* set) {
+  if (set == nullptr || set->tag != kReplicaSetTag) return;
+  set->tag = 0;
+  delete set;
+}
+
+size_t dp_replica_set_size(const dp_replica_set* set) {
+  DP_API_BEGIN
+  return capi::replica_set_arg(set, "set").size();
+  DP_API_END_VALUE(0)
+}
+
+}  // extern "C"

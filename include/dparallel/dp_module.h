@@ -1,0 +1,90 @@
+/* dparallel — modules: trees of named parameters, buffers and child modules.
+ *
+ * A module is what a host framework registers so that dparallel can replicate
+ * it, reduce its gradients and save it. Names are dotted and listed in
+ * registration order the way torch.nn.Module's named_parameters() lists them:
+ * a module's own parameters, then each child's, depth first ("fc1.weight",
+ * "fc1.bias", "fc2.weight", ...). A child or tensor registered in two places
+ * (shared, tied) is listed once, under its first name, and a tensor
+ * registered as a parameter twice is one parameter with one gradient. A slot
+ * registered as NULL is kept (and replicated) but never listed.
+ *
+ * Tensors are held by reference: a dp_tensor that comes out of a module
+ * shares its storage, so a host writes parameters and gradients in place.
+ *
+ * Thread safety: any number of threads may read one module tree at once
+ * (counts, *_at, get_*, save, replication), and dp_module_grad may be called
+ * concurrently. Registering into a tree, loading into it or zero_grad while
+ * another thread uses the same tree is the caller's to prevent.
+ */
+#ifndef DPARALLEL_DP_MODULE_H
+#define DPARALLEL_DP_MODULE_H
+
+#include "dparallel/dp_tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct dp_module dp_module;
+
+/* A new, empty module. */
+DP_API dp_status dp_module_create(dp_module **out);
+/* Drops this reference; NULL is accepted. The tree lives while any handle to
+ * it or to a module holding it lives. */
+DP_API void dp_module_destroy(dp_module *module);
+/* `name` is non-empty, holds no '.', and is not yet used in this module by a
+ * parameter, buffer or child. `value` may be NULL (the slot stays NULL). */
+DP_API dp_status dp_module_register_parameter(dp_module *module, const char *name,
+                                              dp_tensor *value /* may be NULL */, int requires_grad);
+/* A non-persistent buffer is replicated but not part of the state dict. */
+DP_API dp_status dp_module_register_buffer(dp_module *module, const char *name,
+                                           dp_tensor *value /* may be NULL */, int persistent);
+/* `child` may be NULL; a child that contains `module` (a cycle) is DP_EINVAL. */
+DP_API dp_status dp_module_register_module(dp_module *module, const char *name, dp_module *child);
+/* Recursive counts, each shared tensor once; 0 for a NULL or invalid handle. */
+DP_API size_t dp_module_num_parameters(const dp_module *module);
+DP_API size_t dp_module_num_buffers(const dp_module *module);
+/* The index-th parameter (buffer) in listing order. `name_out` (may be NULL)
+ * receives its dotted name, valid while `module` lives. */
+DP_API dp_status dp_module_parameter_at(const dp_module *module, size_t index,
+                                        const char **name_out /* valid while module lives */,
+                                        dp_tensor **out);
+DP_API dp_status dp_module_buffer_at(const dp_module *module, size_t index,
+                                     const char **name_out, dp_tensor **out);
+/* Lookups by dotted name, any path to a shared child included. An unknown name
+ * is DP_EINVAL with the name in the message; a NULL slot gives DP_OK and *out
+ * NULL. dp_module_get_module("") is the module itself. */
+DP_API dp_status dp_module_get_parameter(const dp_module *module, const char *dotted_name, dp_tensor **out);
+DP_API dp_status dp_module_get_buffer(const dp_module *module, const char *dotted_name, dp_tensor **out);
+DP_API dp_status dp_module_get_module(const dp_module *module, const char *dotted_name, dp_module **out);
+/* The parameter's gradient: same dtype, shape and device, allocated zeroed on
+ * first use, then the same storage every time. */
+DP_API dp_status dp_module_grad(dp_module *module, const char *dotted_name, dp_tensor **out);
+/* Fills every allocated gradient with zeros (the storage is kept). */
+DP_API dp_status dp_module_zero_grad(dp_module *module);
+/* The state dict (parameters and persistent buffers, each tensor once) as a
+ * safetensors file with metadata {"format": "pt"}, written to a temporary
+ * file and renamed over `path`. Saving the same state twice gives the same
+ * bytes. DP_EIO with the system's reason on an I/O failure. */
+DP_API dp_status dp_module_save(const dp_module *module, const char *path);
+/* Copies a safetensors file into the module's tensors; a key may name any
+ * path to a tensor. A malformed file (truncated, bad header length, bad JSON,
+ * unknown dtype, overlapping or out-of-range offsets) is DP_EIO. With
+ * `strict`, missing and unexpected keys are DP_EINVAL naming all of them; a
+ * shape or dtype mismatch always is, naming the key and both shapes. On any
+ * failure the module is unchanged. */
+DP_API dp_status dp_module_load(dp_module *module, const char *path, int strict);
+
+/* Additions beyond the base contract. */
+
+/* Sets whether a parameter or buffer requires grad (replication keeps it,
+ * unless detached; gradients are reduced only for parameters that do). */
+DP_API dp_status dp_module_set_requires_grad(dp_module *module, const char *dotted_name, int requires_grad);
+DP_API dp_status dp_module_requires_grad(const dp_module *module, const char *dotted_name, int *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DPARALLEL_DP_MODULE_H */

@@ -1,0 +1,265 @@
+#include "module/module.h"
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <tuple>
+
+#include "core/error.h"
+
+namespace dparallel {
+
+namespace {
+
+// Bumped by every registration anywhere, so that a parent notices a change in
+// a descendant without knowing its parents.
+std::atomic<uint64_t> g_structure_generation{0};
+
+// Live parameters by tensor identity, for weight tying across modules.
+struct ParameterRegistry {
+  std::mutex mutex;
+  std::map<TensorIdentity, std::weak_ptr<Parameter>> by_identity;
+};
+
+ParameterRegistry& registry() {
+  static auto* instance = new ParameterRegistry();  // outlives every Parameter
+  return *instance;
+}
+
+}  // namespace
+
+bool TensorIdentity::operator<(const TensorIdentity& other) const {
+  return std::tie(storage, offset, dtype, shape) < std::tie(other.storage, other.offset, other.dtype, other.shape);
+}
+
+TensorIdentity identity_of(const Tensor& tensor) {
+  return TensorIdentity{tensor.storage().get(), tensor.storage_offset(), tensor.dtype(), tensor.shape()};
+}
+
+std::shared_ptr<Parameter> Parameter::shared_for(const Tensor& value, bool requires_grad) {
+  ParameterRegistry& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mutex);
+  auto& slot = reg.by_identity[identity_of(value)];
+  if (auto existing = slot.lock()) {
+    if (existing->requires_grad() != requires_grad) {
+      fail_invalid("this tensor (", value.describe(),
+                   ") is already a parameter with requires_grad=", existing->requires_grad(),
+                   "; it cannot be registered again with requires_grad=", requires_grad);
+    }
+    return existing;
+  }
+  auto created = std::make_shared<Parameter>(value, requires_grad);
+  created->registered_ = true;
+  slot = created;
+  return created;
+}
+
+Parameter::~Parameter() {
+  if (!registered_) return;
+  ParameterRegistry& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mutex);
+  auto it = reg.by_identity.find(identity_of(value_));
+  if (it != reg.by_identity.end() && it->second.expired()) reg.by_identity.erase(it);
+}
+
+Tensor Parameter::grad() {
+  std::lock_guard<std::mutex> lock(grad_mutex_);
+  if (!grad_.defined()) grad_ = Tensor::zeros(value_.dtype(), value_.shape(), value_.device());
+  return grad_;
+}
+
+Tensor Parameter::grad_if_allocated() const {
+  std::lock_guard<std::mutex> lock(grad_mutex_);
+  return grad_;
+}
+
+void Parameter::zero_grad() {
+  Tensor grad = grad_if_allocated();
+  if (grad.defined()) fill_zero(grad.data(), grad.device(), grad.nbytes());
+}
+
+void Module::check_new_name(const std::string& name) const {
+  if (name.empty()) fail_invalid("argument 'name' is empty");
+  if (name.find('.') != std::string::npos) fail_invalid("argument 'name' (\"", name, "\") must not contain '.'");
+  auto taken = [&](const auto& slots) {
+    return std::any_of(slots.begin(), slots.end(), [&](const auto& s) { return s.name == name; });
+  };
+  if (taken(parameters_) || taken(buffers_) || taken(children_)) {
+    fail_invalid("argument 'name': this module already has a parameter, buffer or child named \"", name, "\"");
+  }
+}
+
+void Module::structure_changed() { g_structure_generation.fetch_add(1); }
+
+void Module::register_parameter(const std::string& name, const Tensor& value, bool requires_grad) {
+  check_new_name(name);
+  add_parameter_slot(name, value.defined() ? Parameter::shared_for(value, requires_grad) : nullptr);
+}
+
+void Module::register_buffer(const std::string& name, const Tensor& value, bool persistent) {
+  check_new_name(name);
+  add_buffer_slot(BufferSlot{name, value, persistent, false});
+}
+
+void Module::register_module(const std::string& name, std::shared_ptr<Module> child) {
+  check_new_name(name);
+  if (child && child->contains(this)) {
+    fail_invalid("argument 'child' contains this module; registering it as \"", name, "\" would make a cycle");
+  }
+  add_child_slot(name, std::move(child));
+}
+
+void Module::add_parameter_slot(const std::string& name, std::shared_ptr<Parameter> parameter) {
+  parameters_.push_back(ParameterSlot{name, std::move(parameter)});
+  structure_changed();
+}
+
+void Module::add_buffer_slot(BufferSlot slot) {
+  buffers_.push_back(std::move(slot));
+  structure_changed();
+}
+
+void Module::add_child_slot(const std::string& name, std::shared_ptr<Module> child) {
+  children_.push_back(ChildSlot{name, std::move(child)});
+  structure_changed();
+}
+
+bool Module::contains(const Module* other) const {
+  if (this == other) return true;
+  for (const ChildSlot& c : children_) {
+    if (c.module && c.module->contains(other)) return true;
+  }
+  return false;
+}
+
+std::vector<NamedModule> Module::named_modules() {
+  std::vector<NamedModule> out{{"", this}};
+  // Depth-first with an explicit stack; the first visit of a shared child names it.
+  std::vector<std::pair<std::string, Module*>> stack;
+  std::set<const Module*> seen{this};
+  auto push_children = [&](const std::string& prefix, Module* m) {
+    for (auto it = m->children_.rbegin(); it != m->children_.rend(); ++it) {
+      if (it->module) stack.emplace_back(prefix.empty() ? it->name : prefix + "." + it->name, it->module.get());
+    }
+  };
+  push_children("", this);
+  while (!stack.empty()) {
+    auto [name, m] = stack.back();
+    stack.pop_back();
+    if (!seen.insert(m).second) continue;
+    out.push_back(NamedModule{name, m});
+    push_children(name, m);
+  }
+  return out;
+}
+
+const std::string* Module::intern(const std::string& name) const { return &*names_.insert(name).first; }
+
+std::shared_ptr<const Module::Listing> Module::listing() const {
+  std::lock_guard<std::mutex> lock(listing_mutex_);
+  uint64_t now = g_structure_generation.load();
+  if (listing_ && listing_->generation == now) return listing_;
+  auto fresh_listing = std::make_shared<Listing>();
+  Listing& fresh = *fresh_listing;
+  fresh.generation = now;
+  std::set<const Parameter*> seen_parameters;
+  std::set<TensorIdentity> seen_buffers;
+  for (const NamedModule& nm : const_cast<Module*>(this)->named_modules()) {
+    std::string prefix = nm.name.empty() ? "" : nm.name + ".";
+    for (const ParameterSlot& p : nm.module->parameters_) {
+      if (p.parameter && seen_parameters.insert(p.parameter.get()).second) {
+        fresh.parameters.push_back(NamedParameter{intern(prefix + p.name), p.parameter});
+      }
+    }
+    for (BufferSlot& b : nm.module->buffers_) {
+      if (b.value.defined() && seen_buffers.insert(identity_of(b.value)).second) {
+        fresh.buffers.push_back(NamedBuffer{intern(prefix + b.name), &b});
+      }
+    }
+  }
+  listing_ = std::move(fresh_listing);
+  return listing_;
+}
+
+std::vector<NamedParameter> Module::named_parameters() const { return listing()->parameters; }
+std::vector<NamedBuffer> Module::named_buffers() const { return listing()->buffers; }
+
+NamedParameter Module::parameter_at(size_t index) const {
+  auto l = listing();
+  if (index >= l->parameters.size()) {
+    fail_invalid("argument 'index' is ", index, " but the module has ", l->parameters.size(), " parameters");
+  }
+  return l->parameters[index];
+}
+
+NamedBuffer Module::buffer_at(size_t index) const {
+  auto l = listing();
+  if (index >= l->buffers.size()) {
+    fail_invalid("argument 'index' is ", index, " but the module has ", l->buffers.size(), " buffers");
+  }
+  return l->buffers[index];
+}
+
+const Module& Module::owner_of(const std::string& dotted_name, std::string* leaf) const {
+  const Module* m = this;
+  size_t start = 0;
+  for (;;) {
+    size_t dot = dotted_name.find('.', start);
+    if (dot == std::string::npos) break;
+    std::string part = dotted_name.substr(start, dot - start);
+    auto it =
+        std::find_if(m->children_.begin(), m->children_.end(), [&](const ChildSlot& c) { return c.name == part; });
+    if (it == m->children_.end() || !it->module) {
+      fail_invalid("no module \"", dotted_name.substr(0, dot), "\" on the way to \"", dotted_name, "\"");
+    }
+    m = it->module.get();
+    start = dot + 1;
+  }
+  *leaf = dotted_name.substr(start);
+  return *m;
+}
+
+std::shared_ptr<Parameter> Module::get_parameter(const std::string& dotted_name) const {
+  std::string leaf;
+  const Module& owner = owner_of(dotted_name, &leaf);
+  for (const ParameterSlot& p : owner.parameters_) {
+    if (p.name == leaf) return p.parameter;
+  }
+  fail_invalid("no parameter named \"", dotted_name, "\"");
+}
+
+BufferSlot& Module::get_buffer(const std::string& dotted_name) const {
+  std::string leaf;
+  const Module& owner = owner_of(dotted_name, &leaf);
+  for (const BufferSlot& b : owner.buffers_) {
+    if (b.name == leaf) return const_cast<BufferSlot&>(b);
+  }
+  fail_invalid("no buffer named \"", dotted_name, "\"");
+}
+
+std::shared_ptr<Module> Module::get_module(const std::string& dotted_name) const {
+  std::string leaf;
+  const Module& owner = owner_of(dotted_name, &leaf);
+  for (const ChildSlot& c : owner.children_) {
+    if (c.name == leaf) return c.module;
+  }
+  fail_invalid("no module named \"", dotted_name, "\"");
+}
+
+NamedTensorSlot Module::find_tensor(const std::string& dotted_name) const {
+  std::string leaf;
+  const Module& owner = owner_of(dotted_name, &leaf);
+  for (const ParameterSlot& p : owner.parameters_) {
+    if (p.name == leaf && p.parameter) return NamedTensorSlot{p.parameter, nullptr};
+  }
+  for (const BufferSlot& b : owner.buffers_) {
+    if (b.name == leaf && b.value.defined()) return NamedTensorSlot{nullptr, const_cast<BufferSlot*>(&b)};
+  }
+  fail_invalid("no parameter or buffer named \"", dotted_name, "\"");
+}
+
+void Module::zero_grad() {
+  for (const NamedParameter& p : named_parameters()) p.parameter->zero_grad();
+}
+
+}  // namespace dparallel

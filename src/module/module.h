@@ -1,0 +1,161 @@
+// Modules: a tree of named parameters, buffers and child modules, listed the
+// way torch.nn.Module's named_parameters() and named_buffers() list them.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace dparallel {
+
+// One parameter, shared by every slot that holds it: registering the same
+// tensor twice (weight tying) yields one Parameter, one gradient.
+class Parameter {
+ public:
+  Parameter(Tensor value, bool requires_grad) : value_(std::move(value)), requires_grad_(requires_grad) {}
+  ~Parameter();
+  Parameter(const Parameter&) = delete;
+  Parameter& operator=(const Parameter&) = delete;
+
+  // The parameter registered for `value` if one lives, else a new one.
+  static std::shared_ptr<Parameter> shared_for(const Tensor& value, bool requires_grad);
+
+  const Tensor& value() const { return value_; }
+  bool requires_grad() const { return requires_grad_; }
+  void set_requires_grad(bool requires_grad) { requires_grad_ = requires_grad; }
+  // The gradient, allocated zeroed on first use.
+  Tensor grad();
+  // The gradient if allocated, else an undefined tensor.
+  Tensor grad_if_allocated() const;
+  void zero_grad();
+
+ private:
+  Tensor value_;
+  bool requires_grad_;
+  bool registered_ = false;
+  mutable std::mutex grad_mutex_;
+  Tensor grad_;
+};
+
+struct BufferSlot {
+  std::string name;
+  Tensor value;  // undefined for a NULL slot
+  bool persistent = true;
+  bool requires_grad = false;
+};
+
+class Module;
+
+struct NamedParameter {
+  const std::string* name;  // interned in the module that listed it
+  std::shared_ptr<Parameter> parameter;
+};
+struct NamedBuffer {
+  const std::string* name;
+  BufferSlot* slot;
+};
+// A parameter or a buffer found by name: exactly one of the two is set.
+struct NamedTensorSlot {
+  std::shared_ptr<Parameter> parameter;
+  BufferSlot* buffer = nullptr;
+};
+struct NamedModule {
+  std::string name;  // "" for the root
+  Module* module;
+};
+
+class Module {
+ public:
+  struct ParameterSlot {
+    std::string name;
+    std::shared_ptr<Parameter> parameter;  // null for a NULL slot
+  };
+  struct ChildSlot {
+    std::string name;
+    std::shared_ptr<Module> module;  // null for a NULL slot
+  };
+
+  Module() = default;
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+
+  // `value` may be undefined (a NULL slot). Names are non-empty, hold no '.',
+  // and are unique among this module's parameters, buffers and children.
+  void register_parameter(const std::string& name, const Tensor& value, bool requires_grad);
+  void register_buffer(const std::string& name, const Tensor& value, bool persistent);
+  // Refuses a child that contains this module (a cycle).
+  void register_module(const std::string& name, std::shared_ptr<Module> child);
+
+  // Modules in pre-order, each once (torch's named_modules()).
+  std::vector<NamedModule> named_modules();
+  // Every distinct parameter once, in registration order (torch's named_parameters()).
+  std::vector<NamedParameter> named_parameters() const;
+  std::vector<NamedBuffer> named_buffers() const;
+  size_t num_parameters() const { return listing()->parameters.size(); }
+  size_t num_buffers() const { return listing()->buffers.size(); }
+  NamedParameter parameter_at(size_t index) const;
+  NamedBuffer buffer_at(size_t index) const;
+
+  // Lookups by dotted name; an unknown name throws kInvalidArgument naming
+  // it. A NULL slot yields null / an undefined tensor.
+  std::shared_ptr<Parameter> get_parameter(const std::string& dotted_name) const;
+  BufferSlot& get_buffer(const std::string& dotted_name) const;
+  std::shared_ptr<Module> get_module(const std::string& dotted_name) const;
+  // A parameter or buffer that is not a NULL slot.
+  NamedTensorSlot find_tensor(const std::string& dotted_name) const;
+
+  void zero_grad();
+
+  const std::vector<ParameterSlot>& parameter_slots() const { return parameters_; }
+  const std::vector<BufferSlot>& buffer_slots() const { return buffers_; }
+  std::vector<BufferSlot>& buffer_slots() { return buffers_; }
+  const std::vector<ChildSlot>& child_slots() const { return children_; }
+
+  // Builders for replicas: no name checks, no parameter sharing by identity.
+  void add_parameter_slot(const std::string& name, std::shared_ptr<Parameter> parameter);
+  void add_buffer_slot(BufferSlot slot);
+  void add_child_slot(const std::string& name, std::shared_ptr<Module> child);
+
+ private:
+  struct Listing {
+    uint64_t generation = ~uint64_t(0);
+    std::vector<NamedParameter> parameters;
+    std::vector<NamedBuffer> buffers;
+  };
+
+  void check_new_name(const std::string& name) const;
+  bool contains(const Module* other) const;
+  // Walks to the module that holds the last component of `dotted_name`.
+  const Module& owner_of(const std::string& dotted_name, std::string* leaf) const;
+  // A snapshot: a listing in use stays valid while another thread relists.
+  std::shared_ptr<const Listing> listing() const;
+  const std::string* intern(const std::string& name) const;
+  void structure_changed();
+
+  std::vector<ParameterSlot> parameters_;
+  std::vector<BufferSlot> buffers_;
+  std::vector<ChildSlot> children_;
+
+  mutable std::mutex listing_mutex_;
+  mutable std::shared_ptr<const Listing> listing_;
+  mutable std::set<std::string> names_;  // node-based: pointers into it stay valid
+};
+
+// The key that makes two tensors "the same tensor": storage, offset, dtype, shape.
+struct TensorIdentity {
+  const void* storage;
+  size_t offset;
+  DType dtype;
+  Shape shape;
+  bool operator<(const TensorIdentity& other) const;
+};
+TensorIdentity identity_of(const Tensor& tensor);
+
+}  // namespace dparallel

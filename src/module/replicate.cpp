@@ -1,0 +1,193 @@
+#include "module/replicate.h"
+
+#include <map>
+#include <unordered_map>
+
+#include "comm/comm.h"
+#include "core/error.h"
+
+namespace dparallel {
+
+namespace {
+
+// Every parameter and buffer of `module`, parameters first, listed once.
+struct TensorList {
+  std::vector<std::string> names;
+  std::vector<Tensor> values;
+};
+
+TensorList tensors_of(const Module& module) {
+  TensorList list;
+  for (const NamedParameter& p : module.named_parameters()) {
+    list.names.push_back(*p.name);
+    list.values.push_back(p.parameter->value());
+  }
+  for (const NamedBuffer& b : module.named_buffers()) {
+    list.names.push_back(*b.name);
+    list.values.push_back(b.slot->value);
+  }
+  return list;
+}
+
+Device source_device(const TensorList& list, const Device& fallback) {
+  if (list.values.empty()) return fallback;
+  const Device& source = list.values[0].device();
+  for (size_t i = 1; i < list.values.size(); ++i) {
+    if (list.values[i].device() != source) {
+      fail_invalid("the module is on more than one device: \"", list.names[0], "\" is on ", to_string(source),
+                   " but \"", list.names[i], "\" is on ", to_string(list.values[i].device()));
+    }
+  }
+  return source;
+}
+
+// copies[d][t]: tensor t for a replica on devices[d]; the source's own tensor
+// where devices[d] is its device.
+std::vector<std::vector<Tensor>> copies_for(const TensorList& list, const Device& source,
+                                            const std::vector<Device>& devices) {
+  std::vector<Device> targets{source};
+  std::vector<size_t> slot(devices.size(), 0);
+  for (size_t d = 0; d < devices.size(); ++d) {
+    if (devices[d] != source) {
+      slot[d] = targets.size();
+      targets.push_back(devices[d]);
+    }
+  }
+  std::vector<std::vector<Tensor>> broadcast(targets.size(), list.values);
+  if (targets.size() > 1) broadcast = comm::broadcast_coalesced(list.values, targets, comm::kDefaultBufferSize);
+  std::vector<std::vector<Tensor>> out;
+  for (size_t d = 0; d < devices.size(); ++d) out.push_back(broadcast[slot[d]]);
+  return out;
+}
+
+}  // namespace
+
+std::vector<ModulePtr> replicate(Module& module, const std::vector<Device>& devices, bool detach) {
+  if (devices.empty()) return {};
+  const std::vector<NamedModule> modules = module.named_modules();
+  const std::vector<NamedParameter> parameters = module.named_parameters();
+  const std::vector<NamedBuffer> buffers = module.named_buffers();
+  const TensorList list = tensors_of(module);
+  const Device source = source_device(list, devices[0]);
+  const std::vector<std::vector<Tensor>> copies = copies_for(list, source, devices);
+
+  std::unordered_map<const Module*, size_t> module_index;
+  for (size_t i = 0; i < modules.size(); ++i) module_index[modules[i].module] = i;
+  std::unordered_map<const Parameter*, size_t> parameter_index;
+  for (size_t i = 0; i < parameters.size(); ++i) parameter_index[parameters[i].parameter.get()] = i;
+  std::map<TensorIdentity, size_t> buffer_index;
+  for (size_t i = 0; i < buffers.size(); ++i) buffer_index[identity_of(buffers[i].slot->value)] = parameters.size() + i;
+
+  std::vector<ModulePtr> out;
+  for (size_t d = 0; d < devices.size(); ++d) {
+    std::vector<ModulePtr> replica_modules;
+    for (size_t i = 0; i < modules.size(); ++i) replica_modules.push_back(std::make_shared<Module>());
+    std::vector<std::shared_ptr<Parameter>> replica_parameters;
+    for (size_t i = 0; i < parameters.size(); ++i) {
+      bool requires_grad = parameters[i].parameter->requires_grad() && !detach;
+      replica_parameters.push_back(std::make_shared<Parameter>(copies[d][i], requires_grad));
+    }
+    for (size_t i = 0; i < modules.size(); ++i) {
+      const Module& original = *modules[i].module;
+      Module& replica = *replica_modules[i];
+      for (const auto& p : original.parameter_slots()) {
+        replica.add_parameter_slot(p.name,
+                                   p.parameter ? replica_parameters[parameter_index.at(p.parameter.get())] : nullptr);
+      }
+      for (const BufferSlot& b : original.buffer_slots()) {
+        BufferSlot copy = b;
+        if (b.value.defined()) copy.value = copies[d][buffer_index.at(identity_of(b.value))];
+        copy.requires_grad = b.requires_grad && !detach;
+        replica.add_buffer_slot(std::move(copy));
+      }
+      for (const auto& c : original.child_slots()) {
+        replica.add_child_slot(c.name, c.module ? replica_modules[module_index.at(c.module.get())] : nullptr);
+      }
+    }
+    out.push_back(replica_modules[0]);
+  }
+  return out;
+}
+
+void reduce_gradients(const std::vector<ModulePtr>& replicas, Module& target) {
+  const std::vector<NamedParameter> expected = target.named_parameters();
+  std::vector<std::vector<NamedParameter>> lists;
+  for (size_t r = 0; r < replicas.size(); ++r) {
+    lists.push_back(replicas[r]->named_parameters());
+    const std::vector<NamedParameter>& got = lists.back();
+    if (got.size() != expected.size()) {
+      fail_invalid("replicas[", r, "] has ", got.size(), " parameters but the target has ", expected.size());
+    }
+    for (size_t i = 0; i < got.size(); ++i) {
+      const Tensor& a = got[i].parameter->value();
+      const Tensor& b = expected[i].parameter->value();
+      if (*got[i].name != *expected[i].name || a.shape() != b.shape() || a.dtype() != b.dtype()) {
+        fail_invalid("replicas[", r, "] parameter ", i, " is \"", *got[i].name, "\" (", dtype_name(a.dtype()), " ",
+                     shape_string(a.shape()), ") but the target's is \"", *expected[i].name, "\" (",
+                     dtype_name(b.dtype()), " ", shape_string(b.shape()), ")");
+      }
+    }
+  }
+  for (size_t i = 0; i < expected.size(); ++i) {
+    if (!expected[i].parameter->requires_grad()) continue;
+    std::vector<Tensor> grads;
+    for (const auto& list : lists) {
+      Tensor g = list[i].parameter->grad_if_allocated();
+      if (g.defined() && list[i].parameter->requires_grad()) grads.push_back(g);
+    }
+    if (grads.empty()) continue;
+    Tensor sum = expected[i].parameter->grad();
+    grads.insert(grads.begin(), sum);
+    comm::reduce_add_into(sum, grads);
+  }
+}
+
+ReplicaSet::ReplicaSet(ModulePtr module, std::vector<Device> devices)
+    : module_(std::move(module)), devices_(std::move(devices)) {
+  if (devices_.empty()) fail_invalid("argument 'ndevices' is 0: a replica set needs at least one device");
+  replicas_ = replicate(*module_, devices_, false);
+  for (const NamedParameter& p : module_->named_parameters()) source_parameters_.push_back(p.parameter.get());
+  for (const NamedBuffer& b : module_->named_buffers()) source_buffers_.push_back(identity_of(b.slot->value));
+  active_ = replicas_.size();
+}
+
+const ModulePtr& ReplicaSet::replica(size_t index) const {
+  if (index >= replicas_.size()) {
+    fail_invalid("argument 'index' is ", index, " but the replica set has ", replicas_.size(), " replicas");
+  }
+  return replicas_[index];
+}
+
+void ReplicaSet::check_structure() const {
+  std::vector<const Parameter*> parameters;
+  for (const NamedParameter& p : module_->named_parameters()) parameters.push_back(p.parameter.get());
+  std::vector<TensorIdentity> buffers;
+  for (const NamedBuffer& b : module_->named_buffers()) buffers.push_back(identity_of(b.slot->value));
+  bool same_buffers = buffers.size() == source_buffers_.size();
+  for (size_t i = 0; same_buffers && i < buffers.size(); ++i) {
+    same_buffers = !(buffers[i] < source_buffers_[i]) && !(source_buffers_[i] < buffers[i]);
+  }
+  if (parameters != source_parameters_ || !same_buffers) {
+    fail(StatusCode::kState,
+         "the module's parameters or buffers changed since the replica set was made; make a new one");
+  }
+}
+
+void ReplicaSet::sync() {
+  check_structure();
+  const TensorList source = tensors_of(*module_);
+  std::vector<TensorList> lists;
+  for (const ModulePtr& r : replicas_) lists.push_back(tensors_of(*r));
+  for (size_t t = 0; t < source.values.size(); ++t) {
+    std::vector<Tensor> outputs;
+    for (const TensorList& l : lists) outputs.push_back(l.values[t]);
+    comm::broadcast_into(source.values[t], outputs);
+  }
+}
+
+void ReplicaSet::reduce_gradients() {
+  std::vector<ModulePtr> active(replicas_.begin(), replicas_.begin() + static_cast<std::ptrdiff_t>(active_));
+  dparallel::reduce_gradients(active, *module_);
+}
+
+}  // namespace dparallel

@@ -1,0 +1,28 @@
+// Runs a forward on every replica at once, each on its device's persistent
+// worker thread (torch.nn.parallel.parallel_apply).
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "core/tensor.h"
+#include "module/module.h"
+
+namespace dparallel {
+
+// Runs one replica's forward on `input` and returns its output; failures are
+// exceptions.
+using ReplicaForward = std::function<Tensor(size_t index, const std::shared_ptr<Module>& replica, const Tensor& input,
+                                            const Device& device)>;
+
+// outputs[i] = fn(i, replicas[i], inputs[i], devices[i]) on the worker of
+// devices[i] (each input's own device when `devices` is empty). All run to
+// completion; then the first failure in replica order is rethrown with
+// "replica i: " in front of its message. Calling it from inside `fn` is
+// kState (it would wait on its own worker).
+std::vector<Tensor> parallel_apply(const std::vector<std::shared_ptr<Module>>& replicas,
+                                   const std::vector<Tensor>& inputs, const std::vector<Device>& devices,
+                                   const ReplicaForward& fn);
+
+}  // namespace dparallel
