@@ -19,20 +19,31 @@ void set_last_error(const std::string& message) noexcept {
   }
 }
 
+namespace {
+// Builds "function: detail" without letting an allocation failure escape.
+void record(const char* function, const char* prefix, const char* detail) noexcept {
+  try {
+    set_last_error(std::string(function) + ": " + prefix + detail);
+  } catch (...) {
+    set_last_error(std::string());
+  }
+}
+}  // namespace
+
 dp_status handle_exception(const char* function) noexcept {
   try {
     throw;
   } catch (const Error& e) {
-    set_last_error(std::string(function) + ": " + e.what());
+    record(function, "", e.what());
     return static_cast<dp_status>(e.code());
   } catch (const std::bad_alloc&) {
-    set_last_error(std::string(function) + ": out of memory");
+    record(function, "", "out of memory");
     return DP_ENOMEM;
   } catch (const std::exception& e) {
-    set_last_error(std::string(function) + ": internal error: " + e.what());
+    record(function, "internal error: ", e.what());
     return DP_EINTERNAL;
   } catch (...) {
-    set_last_error(std::string(function) + ": internal error: unknown exception");
+    record(function, "internal error: ", "unknown exception");
     return DP_EINTERNAL;
   }
 }

@@ -1,4 +1,5 @@
 // The CUDA interface of a build without CUDA: no GPUs, every use an error.
+// (nccl_none.cpp supplies the NCCL half.)
 #include "backend/cuda/cuda_backend.h"
 #include "core/error.h"
 
@@ -19,10 +20,5 @@ void copy(void*, const Device&, const void*, const Device&, size_t) { unavailabl
 void copy_rows(void*, const Device&, size_t, const void*, const Device&, size_t, size_t, size_t) { unavailable(); }
 void add_n(int32_t, DType, void*, const void* const*, size_t, size_t) { unavailable(); }
 void batched_copy(int32_t, const std::vector<Segment>&) { unavailable(); }
-bool nccl_compiled() { return false; }
-void nccl_broadcast(const std::vector<int32_t>&, const std::vector<void*>&, size_t, size_t) { unavailable(); }
-void nccl_reduce_sum(const std::vector<int32_t>&, const std::vector<const void*>&, void*, size_t, DType, size_t) {
-  unavailable();
-}
 
 }  // namespace dparallel::cuda
