@@ -1,0 +1,387 @@
+// The Gloo backend: Gloo's TCP transport and algorithms for cpu tensors.
+//
+// Before every collective the ranks exchange a fixed-size slab: a header
+// (collective, dtype, element count, root, op, sequence number) and, for
+// payloads up to kInlineBytes, the data itself. Headers that differ are an
+// error on every rank, so Gloo never sees mismatched sizes (its receive path
+// enforces them on its own thread, which would abort the process). Small
+// collectives finish within that one exchange: every rank reduces the slabs
+// in rank order, so all get bitwise the same result.
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/broadcast.h>
+#include <gloo/common/error.h>
+#include <gloo/common/logging.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/prefix_store.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/device.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "core/error.h"
+#include "distributed/process_group.h"
+#include "distributed/reduce_ops.h"
+#include "distributed/store/socket.h"
+
+namespace dparallel::dist {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr size_t kInlineBytes = 4096;
+constexpr uint32_t kMagic = 0x64704731;  // "dpG1"
+// How long a failed rank waits for the others' failure reports.
+constexpr Millis kReportWindow{300};
+
+enum class OpKind : uint32_t { kAllReduce = 1, kBroadcast = 2, kAllGather = 3, kReduceScatter = 4, kBarrier = 5 };
+
+const char* op_kind_name(uint32_t kind) {
+  switch (static_cast<OpKind>(kind)) {
+    case OpKind::kAllReduce: return "all_reduce";
+    case OpKind::kBroadcast: return "broadcast";
+    case OpKind::kAllGather: return "all_gather";
+    case OpKind::kReduceScatter: return "reduce_scatter";
+    case OpKind::kBarrier: return "barrier";
+  }
+  return "unknown collective";
+}
+
+struct Header {
+  uint32_t magic;
+  uint32_t kind;
+  int32_t dtype;
+  int32_t op;
+  int32_t root;
+  int32_t rank;
+  int64_t numel;
+  uint64_t seq;
+  uint8_t reserved[24];
+};
+static_assert(sizeof(Header) == 64, "the header is part of the wire format");
+constexpr size_t kSlabBytes = sizeof(Header) + kInlineBytes;
+
+// Our store as Gloo's rendezvous store.
+class GlooStore : public gloo::rendezvous::Store {
+ public:
+  GlooStore(std::shared_ptr<dist::Store> store, Millis timeout) : store_(std::move(store)), timeout_(timeout) {}
+  void set(const std::string& key, const std::vector<char>& data) override {
+    store_->set(key, Bytes(data.begin(), data.end()));
+  }
+  std::vector<char> get(const std::string& key) override {
+    Bytes value = store_->get(key, timeout_);
+    return std::vector<char>(value.begin(), value.end());
+  }
+  void wait(const std::vector<std::string>& keys) override { store_->wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    store_->wait(keys, timeout);
+  }
+
+ private:
+  std::shared_ptr<dist::Store> store_;
+  Millis timeout_;
+};
+
+gloo::transport::tcp::attr transport_attr(const ProcessGroupOptions& options) {
+  gloo::transport::tcp::attr attr;
+  const char* ifname = std::getenv("DP_SOCKET_IFNAME");
+  if (ifname != nullptr && *ifname != '\0') {
+    attr.iface = ifname;
+  } else if (options.master_addr.empty() || net::is_loopback_host(options.master_addr)) {
+    attr.hostname = "127.0.0.1";
+  } else {
+    char host[256] = {0};
+    if (::gethostname(host, sizeof(host) - 1) != 0) fail(StatusCode::kIo, "gethostname failed");
+    attr.hostname = host;
+  }
+  return attr;
+}
+
+class GlooProcessGroup : public ProcessGroup {
+ public:
+  explicit GlooProcessGroup(const ProcessGroupOptions& options)
+      : ProcessGroup(options.rank, options.world_size, options.device, options.timeout), store_(options.store) {
+    int64_t generation = store_->add(str_cat("dp/pg_count/", rank()), 1);
+    prefix_ = str_cat("dp/pg", generation, "/");
+    auto attr = transport_attr(options);
+    try {
+      device_ = gloo::transport::tcp::CreateDevice(attr);
+      auto context = std::make_shared<gloo::rendezvous::Context>(rank(), size());
+      context->setTimeout(timeout());
+      GlooStore gloo_store(store_, timeout());
+      gloo::rendezvous::PrefixStore prefixed(prefix_ + "gloo", gloo_store);
+      context->connectFullMesh(prefixed, device_);
+      context_ = context;
+    } catch (const Error&) {
+      throw;
+    } catch (const gloo::IoException& e) {
+      fail(StatusCode::kRemote, "connecting rank ", rank(), " to its ", size() - 1, " peers failed: ", e.what());
+    } catch (const std::exception& e) {
+      fail(StatusCode::kIo, "setting up Gloo on '", attr.iface.empty() ? attr.hostname : attr.iface,
+           "' failed: ", e.what());
+    }
+    send_slab_.resize(kSlabBytes);
+    recv_slabs_.resize(kSlabBytes * static_cast<size_t>(size()));
+  }
+
+  ~GlooProcessGroup() override { drain(); }
+
+  const char* backend_name() const override { return "gloo"; }
+
+ protected:
+  DeviceType tensor_device_type() const override { return DeviceType::kCpu; }
+
+  void run_all_reduce(const Tensor& tensor, ReduceOp op) override {
+    Op o = begin(OpKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1);
+    size_t nbytes = tensor.nbytes();
+    size_t n = static_cast<size_t>(tensor.numel());
+    ReduceFn fn = reduce_function(tensor.dtype(), op);
+    if (nbytes <= kInlineBytes) {
+      std::memcpy(payload(send_slab_.data()), tensor.data(), nbytes);
+      exchange(o, tensor.describe());
+      std::memcpy(tensor.data(), payload(slab(0)), nbytes);
+      for (int32_t r = 1; r < size(); ++r) fn(tensor.data(), tensor.data(), payload(slab(r)), n);
+    } else {
+      exchange(o, tensor.describe());
+      guarded(o, tensor.describe(), [&] {
+        gloo::AllreduceOptions opts(context_);
+        set_output(opts, tensor.data(), nbytes, tensor.element_size());
+        opts.setReduceFunction(fn);
+        opts.setTag(next_tag());
+        opts.setTimeout(remaining(o));
+        gloo::allreduce(opts);
+      });
+    }
+    if (op == ReduceOp::kAvg) divide_in_place(tensor.dtype(), tensor.data(), n, size());
+  }
+
+  void run_broadcast(const Tensor& tensor, int32_t root) override {
+    Op o = begin(OpKind::kBroadcast, tensor.dtype(), tensor.numel(), ReduceOp::kSum, root);
+    size_t nbytes = tensor.nbytes();
+    if (nbytes <= kInlineBytes) {
+      if (rank() == root) std::memcpy(payload(send_slab_.data()), tensor.data(), nbytes);
+      exchange(o, tensor.describe());
+      if (rank() != root) std::memcpy(tensor.data(), payload(slab(root)), nbytes);
+      return;
+    }
+    exchange(o, tensor.describe());
+    guarded(o, tensor.describe(), [&] {
+      gloo::BroadcastOptions opts(context_);
+      opts.setOutput(static_cast<uint8_t*>(tensor.data()), nbytes);
+      opts.setRoot(root);
+      opts.setTag(next_tag());
+      opts.setTimeout(remaining(o));
+      gloo::broadcast(opts);
+    });
+  }
+
+  void run_all_gather(const Tensor& input, const std::vector<Tensor>& outputs) override {
+    Op o = begin(OpKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1);
+    size_t nbytes = input.nbytes();
+    if (nbytes <= kInlineBytes) {
+      std::memcpy(payload(send_slab_.data()), input.data(), nbytes);
+      exchange(o, input.describe());
+      for (int32_t r = 0; r < size(); ++r) std::memcpy(outputs[r].data(), payload(slab(r)), nbytes);
+      return;
+    }
+    exchange(o, input.describe());
+    uint8_t* gathered = scratch(nbytes * static_cast<size_t>(size()));
+    guarded(o, input.describe(), [&] {
+      gloo::AllgatherOptions opts(context_);
+      opts.setInput(static_cast<uint8_t*>(input.data()), nbytes);
+      opts.setOutput(gathered, nbytes * static_cast<size_t>(size()));
+      opts.setTag(next_tag());
+      opts.setTimeout(remaining(o));
+      gloo::allgather(opts);
+    });
+    for (int32_t r = 0; r < size(); ++r) std::memcpy(outputs[r].data(), gathered + nbytes * static_cast<size_t>(r), nbytes);
+  }
+
+  void run_reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override {
+    Op o = begin(OpKind::kReduceScatter, output.dtype(), output.numel(), op, -1);
+    size_t nbytes = output.nbytes();
+    size_t n = static_cast<size_t>(output.numel());
+    size_t total = nbytes * static_cast<size_t>(size());
+    ReduceFn fn = reduce_function(output.dtype(), op);
+    if (total <= kInlineBytes) {
+      for (int32_t r = 0; r < size(); ++r) {
+        std::memcpy(payload(send_slab_.data()) + nbytes * static_cast<size_t>(r), inputs[r].data(), nbytes);
+      }
+      exchange(o, output.describe());
+      size_t mine = nbytes * static_cast<size_t>(rank());
+      std::memcpy(output.data(), payload(slab(0)) + mine, nbytes);
+      for (int32_t r = 1; r < size(); ++r) fn(output.data(), output.data(), payload(slab(r)) + mine, n);
+    } else {
+      // Gloo has no reduce-scatter in its current API: all-reduce the
+      // concatenation and keep this rank's part.
+      exchange(o, output.describe());
+      uint8_t* flat = scratch(total);
+      for (int32_t r = 0; r < size(); ++r) std::memcpy(flat + nbytes * static_cast<size_t>(r), inputs[r].data(), nbytes);
+      guarded(o, output.describe(), [&] {
+        gloo::AllreduceOptions opts(context_);
+        set_output(opts, flat, total, output.element_size());
+        opts.setReduceFunction(fn);
+        opts.setTag(next_tag());
+        opts.setTimeout(remaining(o));
+        gloo::allreduce(opts);
+      });
+      std::memcpy(output.data(), flat + nbytes * static_cast<size_t>(rank()), nbytes);
+    }
+    if (op == ReduceOp::kAvg) divide_in_place(output.dtype(), output.data(), n, size());
+  }
+
+  void run_barrier() override {
+    Op o = begin(OpKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1);
+    exchange(o, "no tensor");
+  }
+
+ private:
+  struct Op {
+    Header header;
+    Clock::time_point deadline;
+  };
+
+  Op begin(OpKind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root) {
+    Op o{};
+    o.header.magic = kMagic;
+    o.header.kind = static_cast<uint32_t>(kind);
+    o.header.dtype = static_cast<int32_t>(dtype);
+    o.header.op = static_cast<int32_t>(op);
+    o.header.root = root;
+    o.header.rank = rank();
+    o.header.numel = numel;
+    o.header.seq = ++seq_;
+    o.deadline = Clock::now() + timeout();
+    return o;
+  }
+
+  uint8_t* slab(int32_t r) { return recv_slabs_.data() + kSlabBytes * static_cast<size_t>(r); }
+  static uint8_t* payload(uint8_t* slab) { return slab + sizeof(Header); }
+
+  uint8_t* scratch(size_t nbytes) {
+    if (scratch_.size() < nbytes) scratch_.resize(nbytes);  // kept across calls: fresh pages cost more than the copy
+    return scratch_.data();
+  }
+
+  uint32_t next_tag() { return tag_++; }
+
+  std::chrono::milliseconds remaining(const Op& o) const {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(o.deadline - Clock::now());
+    return std::max(left, std::chrono::milliseconds(1));
+  }
+
+  static void set_output(gloo::AllreduceOptions& opts, void* data, size_t nbytes, size_t element_size) {
+    switch (element_size) {
+      case 1: opts.setOutput(static_cast<uint8_t*>(data), nbytes); break;
+      case 2: opts.setOutput(static_cast<uint16_t*>(data), nbytes / 2); break;
+      case 4: opts.setOutput(static_cast<uint32_t*>(data), nbytes / 4); break;
+      default: opts.setOutput(static_cast<uint64_t*>(data), nbytes / 8); break;
+    }
+  }
+
+  // Swaps headers (and inline payloads) with every rank, then checks that all
+  // ranks called the same collective on the same sizes.
+  void exchange(const Op& o, const std::string& what) {
+    std::memcpy(send_slab_.data(), &o.header, sizeof(Header));
+    guarded(o, what, [&] {
+      gloo::AllgatherOptions opts(context_);
+      opts.setInput(send_slab_.data(), kSlabBytes);
+      opts.setOutput(recv_slabs_.data(), recv_slabs_.size());
+      opts.setTag(next_tag());
+      opts.setTimeout(remaining(o));
+      gloo::allgather(opts);
+    });
+    for (int32_t r = 0; r < size(); ++r) {
+      Header h;
+      std::memcpy(&h, slab(r), sizeof(Header));
+      if (h.magic != kMagic || h.rank != r) {
+        fail(StatusCode::kRemote, op_kind_name(o.header.kind), ": rank ", r, " sent a malformed header");
+      }
+      if (h.kind != o.header.kind || h.seq != o.header.seq) {
+        fail(StatusCode::kRemote, op_kind_name(o.header.kind), " (collective #", o.header.seq, " of rank ", rank(),
+             "): rank ", r, " called ", op_kind_name(h.kind), " as its collective #", h.seq,
+             "; every rank must issue the same collectives in the same order");
+      }
+      if (h.numel != o.header.numel || h.dtype != o.header.dtype) {
+        fail_invalid(op_kind_name(o.header.kind), ": tensors differ across ranks: rank ", rank(), " has ",
+                     o.header.numel, " elements of ", dtype_name(static_cast<DType>(o.header.dtype)), ", rank ", r,
+                     " has ", h.numel, " elements of ", dtype_name(static_cast<DType>(h.dtype)));
+      }
+      if (h.op != o.header.op || h.root != o.header.root) {
+        fail_invalid(op_kind_name(o.header.kind), ": arguments differ across ranks: rank ", rank(), " has op ",
+                     reduce_op_name(static_cast<ReduceOp>(o.header.op)), " root ", o.header.root, ", rank ", r,
+                     " has op ", reduce_op_name(static_cast<ReduceOp>(h.op)), " root ", h.root);
+      }
+    }
+  }
+
+  // Runs a Gloo call; its failures become kTimeout or kRemote naming the
+  // collective, the tensor and the ranks that did not report the failure.
+  template <typename F>
+  void guarded(const Op& o, const std::string& what, F&& call) {
+    std::string cause;
+    bool timed_out = false;
+    try {
+      call();
+      return;
+    } catch (const gloo::IoException& e) {
+      cause = e.what();
+      timed_out = cause.find("imed out") != std::string::npos || cause.find("imeout") != std::string::npos;
+    } catch (const Error&) {
+      throw;
+    } catch (const std::bad_alloc&) {
+      throw;
+    } catch (const std::exception& e) {  // gloo::Exception and gloo::EnforceNotMet
+      cause = e.what();
+    }
+    timed_out = timed_out || Clock::now() >= o.deadline;
+    std::string missing = missing_ranks(o.header.seq);
+    fail(timed_out ? StatusCode::kTimeout : StatusCode::kRemote, op_kind_name(o.header.kind), " of ", what,
+         " (collective #", o.header.seq, ") on rank ", rank(), " of ", size(),
+         timed_out ? str_cat(" timed out after ", timeout().count(), " ms") : std::string(" failed"), ": ", missing,
+         "; gloo: ", cause);
+  }
+
+  // Reports this rank's failure through the store and lists the ranks that
+  // did not report one for the same collective within kReportWindow.
+  std::string missing_ranks(uint64_t seq) {
+    try {
+      ReplyDeadlineCap cap(kReportWindow);
+      std::string base = str_cat(prefix_, "failed/", seq, "/");
+      store_->set(base + std::to_string(rank()), Bytes{1});
+      std::vector<std::string> keys;
+      for (int32_t r = 0; r < size(); ++r) keys.push_back(base + std::to_string(r));
+      poll_until([&] { return store_->check(keys); }, kReportWindow);
+      std::string missing;
+      for (int32_t r = 0; r < size(); ++r) {
+        if (!store_->check({keys[r]})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      }
+      if (missing.empty()) return "every rank reached it and failed";
+      return "rank(s) " + missing + " did not arrive (exited, stopped, or in another call)";
+    } catch (const std::exception&) {
+      return "the store is unreachable too (rank 0 serves it: it may have exited)";
+    }
+  }
+
+  std::shared_ptr<Store> store_;
+  std::string prefix_;
+  std::shared_ptr<gloo::transport::Device> device_;
+  std::shared_ptr<gloo::Context> context_;
+  uint64_t seq_ = 0;
+  uint32_t tag_ = 1;
+  std::vector<uint8_t> send_slab_;
+  std::vector<uint8_t> recv_slabs_;
+  std::vector<uint8_t> scratch_;
+};
+
+}  // namespace
+
+std::unique_ptr<ProcessGroup> create_gloo_process_group(const ProcessGroupOptions& options) {
+  return std::make_unique<GlooProcessGroup>(options);
+}
+
+}  // namespace dparallel::dist
