@@ -79,6 +79,12 @@ dp_process_group* new_group(dp_process_group_options o, const dist::LaunchEnv* e
                  " (world size ", options.world_size, ")");
   }
   options.timeout = timeout_arg(o.timeout_ms, "opts->timeout_ms");
+  if (o.backend == DP_BACKEND_GLOO && o.device.type != DP_DEVICE_CPU) {
+    fail_invalid("argument 'opts->device' is not a cpu device, but the Gloo backend works on cpu tensors; use DP_BACKEND_NCCL");
+  }
+  if (o.backend == DP_BACKEND_NCCL && o.device.type != DP_DEVICE_CUDA) {
+    fail_invalid("argument 'opts->device' is not a cuda device, but the NCCL backend works on cuda tensors; use DP_BACKEND_GLOO");
+  }
   options.device = capi::device_arg(o.device, "opts->device");
   if (o.store != nullptr) {
     if (o.store->tag != kStoreTag) fail_invalid("argument 'opts->store' is not a live dp_store handle");
