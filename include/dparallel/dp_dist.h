@@ -10,6 +10,10 @@
  * the group is then broken (later collectives fail with DP_ESTATE) but can
  * still be destroyed.
  *
+ * A Gloo group sets SIGPIPE to be ignored when it is at its default action:
+ * Gloo writes to sockets without MSG_NOSIGNAL, and a peer's death must fail
+ * the collective rather than kill this process.
+ *
  * Environment: DP_STORE_TOKEN (a job token the TCP store requires of every
  * client), DP_SOCKET_IFNAME (the network interface Gloo uses; default
  * loopback when the store is on a loopback address, else this host's name).

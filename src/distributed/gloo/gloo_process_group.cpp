@@ -7,7 +7,14 @@
 // enforces them on its own thread, which would abort the process). Small
 // collectives finish within that one exchange: every rank reduces the slabs
 // in rank order, so all get bitwise the same result.
+//
+// The slabs travel through Gloo's ring all-gather with buffers registered
+// once (its lowest-latency path), on a context of their own: that path pins
+// its sockets' send buffer to the message size, which would slow the large
+// transfers on the main context. Two rings alternate, so a peer that is one
+// collective ahead never writes into slabs this rank is still reading.
 #include <gloo/allgather.h>
+#include <gloo/allgather_ring.h>
 #include <gloo/allreduce.h>
 #include <gloo/broadcast.h>
 #include <gloo/common/error.h>
@@ -16,6 +23,7 @@
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -36,7 +44,8 @@ using Clock = std::chrono::steady_clock;
 constexpr size_t kInlineBytes = 4096;
 constexpr uint32_t kMagic = 0x64704731;  // "dpG1"
 // How long a failed rank waits for the others' failure reports.
-constexpr Millis kReportWindow{300};
+constexpr Millis kReportWindow{500};
+constexpr Millis kLastRequest{100};
 
 enum class OpKind : uint32_t { kAllReduce = 1, kBroadcast = 2, kAllGather = 3, kReduceScatter = 4, kBarrier = 5 };
 
@@ -101,10 +110,22 @@ gloo::transport::tcp::attr transport_attr(const ProcessGroupOptions& options) {
   return attr;
 }
 
+// Gloo writes to sockets without MSG_NOSIGNAL: a peer's death would kill
+// this process with SIGPIPE instead of failing the collective.
+void ignore_sigpipe() {
+  struct sigaction current {};
+  if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    struct sigaction ignore {};
+    ignore.sa_handler = SIG_IGN;
+    ::sigaction(SIGPIPE, &ignore, nullptr);
+  }
+}
+
 class GlooProcessGroup : public ProcessGroup {
  public:
   explicit GlooProcessGroup(const ProcessGroupOptions& options)
       : ProcessGroup(options.rank, options.world_size, options.device, options.timeout), store_(options.store) {
+    ignore_sigpipe();
     int64_t generation = store_->add(str_cat("dp/pg_count/", rank()), 1);
     prefix_ = str_cat("dp/pg", generation, "/");
     auto attr = transport_attr(options);
@@ -116,6 +137,20 @@ class GlooProcessGroup : public ProcessGroup {
       gloo::rendezvous::PrefixStore prefixed(prefix_ + "gloo", gloo_store);
       context->connectFullMesh(prefixed, device_);
       context_ = context;
+      send_slab_.resize(kSlabBytes);
+      for (auto& slabs : recv_slabs_) slabs.resize(kSlabBytes * static_cast<size_t>(size()));
+      if (size() > 1) {
+        auto slab_context = std::make_shared<gloo::rendezvous::Context>(rank(), size());
+        slab_context->setTimeout(timeout());
+        gloo::rendezvous::PrefixStore slab_prefixed(prefix_ + "gloo_slabs", gloo_store);
+        slab_context->connectFullMesh(slab_prefixed, device_);
+        slab_context_ = slab_context;
+        for (int i = 0; i < 2; ++i) {
+          slab_rings_[i] = std::make_unique<gloo::AllgatherRing<uint8_t>>(
+              slab_context_, std::vector<const uint8_t*>{send_slab_.data()}, recv_slabs_[i].data(),
+              static_cast<int>(kSlabBytes));
+        }
+      }
     } catch (const Error&) {
       throw;
     } catch (const gloo::IoException& e) {
@@ -124,8 +159,6 @@ class GlooProcessGroup : public ProcessGroup {
       fail(StatusCode::kIo, "setting up Gloo on '", attr.iface.empty() ? attr.hostname : attr.iface,
            "' failed: ", e.what());
     }
-    send_slab_.resize(kSlabBytes);
-    recv_slabs_.resize(kSlabBytes * static_cast<size_t>(size()));
   }
 
   ~GlooProcessGroup() override { drain(); }
@@ -259,7 +292,8 @@ class GlooProcessGroup : public ProcessGroup {
     return o;
   }
 
-  uint8_t* slab(int32_t r) { return recv_slabs_.data() + kSlabBytes * static_cast<size_t>(r); }
+  // Rank r's slab of the last exchange.
+  uint8_t* slab(int32_t r) { return recv_slabs_[phase_].data() + kSlabBytes * static_cast<size_t>(r); }
   static uint8_t* payload(uint8_t* slab) { return slab + sizeof(Header); }
 
   uint8_t* scratch(size_t nbytes) {
@@ -287,14 +321,12 @@ class GlooProcessGroup : public ProcessGroup {
   // ranks called the same collective on the same sizes.
   void exchange(const Op& o, const std::string& what) {
     std::memcpy(send_slab_.data(), &o.header, sizeof(Header));
-    guarded(o, what, [&] {
-      gloo::AllgatherOptions opts(context_);
-      opts.setInput(send_slab_.data(), kSlabBytes);
-      opts.setOutput(recv_slabs_.data(), recv_slabs_.size());
-      opts.setTag(next_tag());
-      opts.setTimeout(remaining(o));
-      gloo::allgather(opts);
-    });
+    phase_ ^= 1;
+    if (size() == 1) {
+      std::memcpy(slab(0), send_slab_.data(), kSlabBytes);
+    } else {
+      guarded(o, what, [&] { slab_rings_[phase_]->run(); });
+    }
     for (int32_t r = 0; r < size(); ++r) {
       Header h;
       std::memcpy(&h, slab(r), sizeof(Header));
@@ -339,6 +371,7 @@ class GlooProcessGroup : public ProcessGroup {
       cause = e.what();
     }
     timed_out = timed_out || Clock::now() >= o.deadline;
+    close_connections();
     std::string missing = missing_ranks(o.header.seq);
     fail(timed_out ? StatusCode::kTimeout : StatusCode::kRemote, op_kind_name(o.header.kind), " of ", what,
          " (collective #", o.header.seq, ") on rank ", rank(), " of ", size(),
@@ -347,23 +380,60 @@ class GlooProcessGroup : public ProcessGroup {
   }
 
   // Reports this rank's failure through the store and lists the ranks that
-  // did not report one for the same collective within kReportWindow.
+  // did not report one for the same collective within kReportWindow. The
+  // connections were closed first, so every live peer fails at once too.
   std::string missing_ranks(uint64_t seq) {
+    auto window_end = Clock::now() + kReportWindow;
+    auto left = [&] { return std::max(std::chrono::duration_cast<Millis>(window_end - Clock::now()), Millis(1)); };
     try {
-      ReplyDeadlineCap cap(kReportWindow);
       std::string base = str_cat(prefix_, "failed/", seq, "/");
-      store_->set(base + std::to_string(rank()), Bytes{1});
-      std::vector<std::string> keys;
-      for (int32_t r = 0; r < size(); ++r) keys.push_back(base + std::to_string(r));
-      poll_until([&] { return store_->check(keys); }, kReportWindow);
+      {
+        ReplyDeadlineCap cap(left());
+        store_->set(base + std::to_string(rank()), Bytes{1});
+      }
+      std::vector<bool> reported(static_cast<size_t>(size()), false);
+      reported[static_cast<size_t>(rank())] = true;
+      // Stops asking shortly before the window closes: a request cut off by
+      // its deadline would cost the store connection.
+      poll_until(
+          [&] {
+            bool all = true;
+            for (int32_t r = 0; r < size(); ++r) {
+              if (reported[r]) continue;
+              if (window_end - Clock::now() < kLastRequest) return true;
+              try {
+                ReplyDeadlineCap cap(left());
+                reported[r] = store_->check({base + std::to_string(r)});
+              } catch (const Error&) {
+                return true;  // the store went away (rank 0 may be done): report what is known
+              }
+              all = all && reported[r];
+            }
+            return all;
+          },
+          left());
       std::string missing;
       for (int32_t r = 0; r < size(); ++r) {
-        if (!store_->check({keys[r]})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        if (!reported[r]) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
       }
       if (missing.empty()) return "every rank reached it and failed";
       return "rank(s) " + missing + " did not arrive (exited, stopped, or in another call)";
-    } catch (const std::exception&) {
-      return "the store is unreachable too (rank 0 serves it: it may have exited)";
+    } catch (const std::exception& e) {
+      return str_cat("the store is unreachable too, so the missing ranks are unknown (rank 0 serves it: it may have "
+                     "exited): ",
+                     e.what());
+    }
+  }
+
+  // Closes every connection so that peers blocked on this rank fail now
+  // rather than at their timeout; the group is unusable after a failure.
+  void close_connections() noexcept {
+    for (auto* context : {context_.get(), slab_context_.get()}) {
+      try {
+        if (context != nullptr) context->closeConnections();
+      } catch (...) {
+        // Already closed by the failure itself.
+      }
     }
   }
 
@@ -373,8 +443,11 @@ class GlooProcessGroup : public ProcessGroup {
   std::shared_ptr<gloo::Context> context_;
   uint64_t seq_ = 0;
   uint32_t tag_ = 1;
+  std::shared_ptr<gloo::Context> slab_context_;
   std::vector<uint8_t> send_slab_;
-  std::vector<uint8_t> recv_slabs_;
+  std::vector<uint8_t> recv_slabs_[2];
+  std::unique_ptr<gloo::AllgatherRing<uint8_t>> slab_rings_[2];
+  int phase_ = 0;
   std::vector<uint8_t> scratch_;
 };
 
