@@ -302,6 +302,24 @@ TEST(ProcessGroup, RejectsBadWorldSizeRankAndBackend) {
   dp_store_destroy(store);
 }
 
+TEST(ProcessGroup, CreateTimesOutWhenAPeerNeverJoins) {
+  std::string path = temp_path();
+  dp_store* store = nullptr;
+  DP_ASSERT_OK(dp_store_create_file(&store, path.c_str(), 2));
+  dp_process_group_options opts = DP_PROCESS_GROUP_OPTIONS_INIT;
+  opts.store = store;
+  opts.rank = 0;
+  opts.world_size = 2;
+  opts.timeout_ms = 500;
+  dp_process_group* pg = nullptr;
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(dp_process_group_create(&pg, &opts), DP_ETIMEOUT);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(1500));
+  EXPECT_EQ(pg, nullptr);
+  dp_store_destroy(store);
+  ::unlink(path.c_str());
+}
+
 TEST(ProcessGroup, NcclWithoutAGpuIsAnHonestError) {
   if (dptest::cuda_count() > 0) GTEST_SKIP() << "a GPU is present; the NCCL path is covered elsewhere";
   std::string path = temp_path();

@@ -147,12 +147,12 @@ void expect_survivors_failed_cleanly(const std::vector<Result>& results, int dea
   EXPECT_EQ(results.back().exit_code, dead_exit_code) << results.back().output;
 }
 
-TEST(MultiProcess, RankExitingMidCollectiveFailsTheOthersWithinTheTimeout) {
-  expect_survivors_failed_cleanly(run_ranks("die", 2, false, std::chrono::seconds(30)), 7);
+TEST(MultiProcess, RankKilledMidCollectiveFailsTheOthersWithinTheTimeout) {
+  expect_survivors_failed_cleanly(run_ranks("die", 2, false, std::chrono::seconds(30)), 128 + SIGKILL);
 }
 
-TEST(MultiProcess, RankExitingMidCollectiveFailsTheOthersWithThreeRanks) {
-  expect_survivors_failed_cleanly(run_ranks("die", 3, false, std::chrono::seconds(30)), 7);
+TEST(MultiProcess, RankKilledMidCollectiveFailsTheOthersWithThreeRanks) {
+  expect_survivors_failed_cleanly(run_ranks("die", 3, false, std::chrono::seconds(30)), 128 + SIGKILL);
 }
 
 TEST(MultiProcess, StoppedRankTimesTheOthersOut) {

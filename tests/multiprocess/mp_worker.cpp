@@ -4,7 +4,7 @@
 // Exit code 0 means every check passed; failures are printed.
 //   mp_worker collectives   every collective x op x dtype against expectations
 //   mp_worker mismatch      sizes differ across ranks: every rank gets DP_EINVAL
-//   mp_worker die           the last rank exits during a large all_reduce
+//   mp_worker die           the last rank is killed during a large all_reduce
 //   mp_worker stop          the last rank stops (SIGSTOP) before an all_reduce
 #include <signal.h>
 #include <unistd.h>
@@ -223,7 +223,7 @@ void run_failure(dp_process_group* pg, bool stop, int32_t timeout_ms) {
       dp_work* w = nullptr;
       CHECK_OK(dp_pg_all_reduce_async(pg, t, DP_SUM, &w));
       usleep(20000);
-      _exit(7);
+      raise(SIGKILL);
     }
   }
   auto start = std::chrono::steady_clock::now();
