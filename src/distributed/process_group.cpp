@@ -36,6 +36,11 @@ void ProcessGroup::drain() {
   if (worker_.joinable()) worker_.join();
 }
 
+bool ProcessGroup::broken() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return !broken_.empty();
+}
+
 void ProcessGroup::worker_loop() {
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {

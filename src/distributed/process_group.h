@@ -64,6 +64,8 @@ class ProcessGroup {
   virtual DeviceType tensor_device_type() const = 0;
   // Backends call this from their destructor, before their members go.
   void drain();
+  // True once a collective has failed with kTimeout, kRemote or kInternal.
+  bool broken();
 
  private:
   using Task = std::function<void()>;

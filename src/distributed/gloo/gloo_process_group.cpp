@@ -46,6 +46,8 @@ constexpr uint32_t kMagic = 0x64704731;  // "dpG1"
 // How long a failed rank waits for the others' failure reports.
 constexpr Millis kReportWindow{500};
 constexpr Millis kLastRequest{100};
+// How long a healthy group's destruction waits for the other ranks to leave.
+constexpr Millis kLeaveBound{5000};
 
 enum class OpKind : uint32_t { kAllReduce = 1, kBroadcast = 2, kAllGather = 3, kReduceScatter = 4, kBarrier = 5 };
 
@@ -161,7 +163,10 @@ class GlooProcessGroup : public ProcessGroup {
     }
   }
 
-  ~GlooProcessGroup() override { drain(); }
+  ~GlooProcessGroup() override {
+    drain();
+    if (size() > 1 && !broken()) wait_for_peers_to_leave();
+  }
 
   const char* backend_name() const override { return "gloo"; }
 
@@ -422,6 +427,22 @@ class GlooProcessGroup : public ProcessGroup {
       return str_cat("the store is unreachable too, so the missing ranks are unknown (rank 0 serves it: it may have "
                      "exited): ",
                      e.what());
+    }
+  }
+
+  // A rank that closes its connections while a peer is still reading the
+  // last collective's final message makes Gloo report that message's
+  // connection as closed, even though the message arrived. So a healthy
+  // group waits (boundedly) until every rank is leaving before closing.
+  void wait_for_peers_to_leave() noexcept {
+    try {
+      Millis bound = std::min(timeout(), kLeaveBound);
+      ReplyDeadlineCap cap(bound);
+      std::string key = prefix_ + "leaving";
+      store_->add(key, 1);
+      poll_until([&] { return parse_counter(store_->get(key, bound), key) >= size(); }, bound);
+    } catch (...) {
+      // The store is gone (rank 0 left first) or slow: close anyway.
     }
   }
 
