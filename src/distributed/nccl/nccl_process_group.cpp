@@ -11,6 +11,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/nccl_types.h"
 #include "core/error.h"
 #include "distributed/process_group.h"
 
@@ -34,21 +35,6 @@ static_assert(sizeof(Header) == 64, "the header is part of the wire format");
 const char* kind_name(uint32_t kind) {
   static const char* names[] = {"?", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"};
   return kind < 6 ? names[kind] : "?";
-}
-
-ncclDataType_t nccl_type(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32: return ncclFloat32;
-    case DType::kFloat64: return ncclFloat64;
-    case DType::kFloat16: return ncclFloat16;
-    case DType::kBFloat16: return ncclBfloat16;
-    case DType::kInt8: return ncclInt8;
-    case DType::kUInt8: return ncclUint8;
-    case DType::kInt32: return ncclInt32;
-    case DType::kInt64: return ncclInt64;
-    case DType::kBool: return ncclUint8;
-  }
-  return ncclUint8;
 }
 
 ncclRedOp_t nccl_op(DType dtype, ReduceOp op) {
@@ -114,7 +100,7 @@ class NcclProcessGroup : public ProcessGroup {
   void run_all_reduce(const Tensor& t, ReduceOp op) override {
     cuda::DeviceGuard guard(device().index);
     auto deadline = exchange(1, t.dtype(), t.numel(), op, -1);
-    enqueue(ncclAllReduce(t.data(), t.data(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()),
+    enqueue(ncclAllReduce(t.data(), t.data(), static_cast<size_t>(t.numel()), cuda::nccl_type(t.dtype()),
                           nccl_op(t.dtype(), op), comm_, stream_),
             "ncclAllReduce");
     await(deadline, "all_reduce", t);
@@ -151,7 +137,7 @@ class NcclProcessGroup : public ProcessGroup {
                                   cudaMemcpyDeviceToDevice, stream_),
                   "cudaMemcpyAsync");
     }
-    enqueue(ncclReduceScatter(flat, output.data(), static_cast<size_t>(output.numel()), nccl_type(output.dtype()),
+    enqueue(ncclReduceScatter(flat, output.data(), static_cast<size_t>(output.numel()), cuda::nccl_type(output.dtype()),
                               nccl_op(output.dtype(), op), comm_, stream_),
             "ncclReduceScatter");
     await(deadline, "reduce_scatter", output);
