@@ -227,7 +227,15 @@ class GlooProcessGroup : public ProcessGroup {
       return;
     }
     exchange(o, input.describe());
-    uint8_t* gathered = scratch(nbytes * static_cast<size_t>(size()));
+    // Outputs that are consecutive pieces of one buffer are gathered into in place.
+    bool consecutive = true;
+    auto* first = static_cast<uint8_t*>(outputs[0].data());
+    for (int32_t r = 1; r < size(); ++r) {
+      consecutive = consecutive && outputs[r].data() == first + nbytes * static_cast<size_t>(r);
+    }
+    auto* in = static_cast<const uint8_t*>(input.data());
+    consecutive = consecutive && (in + nbytes <= first || in >= first + nbytes * static_cast<size_t>(size()));
+    uint8_t* gathered = consecutive ? first : scratch(nbytes * static_cast<size_t>(size()));
     guarded(o, input.describe(), [&] {
       gloo::AllgatherOptions opts(context_);
       opts.setInput(static_cast<uint8_t*>(input.data()), nbytes);
@@ -236,6 +244,7 @@ class GlooProcessGroup : public ProcessGroup {
       opts.setTimeout(remaining(o));
       gloo::allgather(opts);
     });
+    if (consecutive) return;
     for (int32_t r = 0; r < size(); ++r) std::memcpy(outputs[r].data(), gathered + nbytes * static_cast<size_t>(r), nbytes);
   }
 
