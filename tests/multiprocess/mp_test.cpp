@@ -49,7 +49,7 @@ std::string read_file(const std::string& path) {
 
 // Runs `world` ranks of mp_worker `scenario`; kills them all after `limit`.
 std::vector<Result> run_ranks(const std::string& scenario, int world, bool file_store, std::chrono::seconds limit,
-                              int stopped_rank = -1) {
+                              int stopped_rank = -1, const std::string& argument = "") {
   char dir_template[] = "/tmp/dp_mp_XXXXXX";
   std::string dir = ::mkdtemp(dir_template);
   int port = free_port();
@@ -72,7 +72,9 @@ std::vector<Result> run_ranks(const std::string& scenario, int world, bool file_
     posix_spawn_file_actions_addopen(&actions, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     posix_spawn_file_actions_adddup2(&actions, 1, 2);
     std::string program = DP_MP_WORKER;
-    std::vector<char*> argv = {program.data(), const_cast<char*>(scenario.c_str()), nullptr};
+    std::vector<char*> argv = {program.data(), const_cast<char*>(scenario.c_str())};
+    if (!argument.empty()) argv.push_back(const_cast<char*>(argument.c_str()));
+    argv.push_back(nullptr);
     pid_t pid = -1;
     int rc = posix_spawn(&pid, program.c_str(), &actions, nullptr, argv.data(), envp.data());
     posix_spawn_file_actions_destroy(&actions);
@@ -138,25 +140,30 @@ TEST(MultiProcess, MismatchedSizesAreAnErrorOnEveryRank) {
   expect_all_passed(run_ranks("mismatch", 3, false, std::chrono::seconds(60)));
 }
 
-void expect_survivors_failed_cleanly(const std::vector<Result>& results, int dead_exit_code) {
-  ASSERT_FALSE(results.empty());
-  for (size_t r = 0; r + 1 < results.size(); ++r) {
+void expect_survivors_failed_cleanly(const std::vector<Result>& results, int dead_exit_code, size_t victim) {
+  ASSERT_GT(results.size(), victim);
+  for (size_t r = 0; r < results.size(); ++r) {
+    if (r == victim) continue;
     EXPECT_EQ(results[r].exit_code, 0) << "survivor rank " << r << " output:\n" << results[r].output;
     EXPECT_NE(results[r].output.find("status"), std::string::npos) << results[r].output;
   }
-  EXPECT_EQ(results.back().exit_code, dead_exit_code) << results.back().output;
+  EXPECT_EQ(results[victim].exit_code, dead_exit_code) << results[victim].output;
 }
 
 TEST(MultiProcess, RankKilledMidCollectiveFailsTheOthersWithinTheTimeout) {
-  expect_survivors_failed_cleanly(run_ranks("die", 2, false, std::chrono::seconds(30)), 128 + SIGKILL);
+  expect_survivors_failed_cleanly(run_ranks("die", 2, false, std::chrono::seconds(30)), 128 + SIGKILL, 1);
+}
+
+TEST(MultiProcess, StoreServingRankKilledMidCollectiveFailsTheOthers) {
+  expect_survivors_failed_cleanly(run_ranks("die", 3, false, std::chrono::seconds(30), -1, "0"), 128 + SIGKILL, 0);
 }
 
 TEST(MultiProcess, RankKilledMidCollectiveFailsTheOthersWithThreeRanks) {
-  expect_survivors_failed_cleanly(run_ranks("die", 3, false, std::chrono::seconds(30)), 128 + SIGKILL);
+  expect_survivors_failed_cleanly(run_ranks("die", 3, false, std::chrono::seconds(30)), 128 + SIGKILL, 2);
 }
 
 TEST(MultiProcess, StoppedRankTimesTheOthersOut) {
-  expect_survivors_failed_cleanly(run_ranks("stop", 3, false, std::chrono::seconds(30), 2), 128 + SIGKILL);
+  expect_survivors_failed_cleanly(run_ranks("stop", 3, false, std::chrono::seconds(30), 2), 128 + SIGKILL, 2);
 }
 
 }  // namespace

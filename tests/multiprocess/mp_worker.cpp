@@ -4,8 +4,8 @@
 // Exit code 0 means every check passed; failures are printed.
 //   mp_worker collectives   every collective x op x dtype against expectations
 //   mp_worker mismatch      sizes differ across ranks: every rank gets DP_EINVAL
-//   mp_worker die           the last rank is killed during a large all_reduce
-//   mp_worker stop          the last rank stops (SIGSTOP) before an all_reduce
+//   mp_worker die [rank]    a rank (default the last) is killed during a large all_reduce
+//   mp_worker stop [rank]   a rank (default the last) stops (SIGSTOP) before an all_reduce
 #include <signal.h>
 #include <unistd.h>
 
@@ -231,14 +231,15 @@ void run_mismatch(dp_process_group* pg) {
   dp_tensor_destroy(t);
 }
 
-// The last rank leaves (exits or stops) during or before a large all_reduce;
+// One rank (the last unless argv[2] names it) is killed during, or stops
+// before, a large all_reduce;
 // the others must fail within the timeout + 1 s, name the collective and the
 // missing rank, and still destroy the group.
-void run_failure(dp_process_group* pg, bool stop, int32_t timeout_ms) {
-  const int rank = dp_process_group_rank(pg), world = dp_process_group_size(pg);
+void run_failure(dp_process_group* pg, bool stop, int victim, int32_t timeout_ms) {
+  const int rank = dp_process_group_rank(pg);
   CHECK_OK(dp_pg_barrier(pg));
   dp_tensor* t = make(DP_FLOAT32, 8u << 20, rank, 0);  // 32 MiB: the exit lands mid-transfer
-  if (rank == world - 1) {
+  if (rank == victim) {
     if (stop) {
       raise(SIGSTOP);
     } else {
@@ -257,8 +258,12 @@ void run_failure(dp_process_group* pg, bool stop, int32_t timeout_ms) {
   CHECK(elapsed_ms <= timeout_ms + 1000.0, "took %.0f ms", elapsed_ms);
   CHECK(message.find("all_reduce") != std::string::npos, "names the collective: %s", message.c_str());
   CHECK(message.find("float32 8388608") != std::string::npos, "names the tensor: %s", message.c_str());
-  std::string missing = "rank(s) " + std::to_string(world - 1);
-  CHECK(message.find(missing) != std::string::npos, "names the missing rank: %s", message.c_str());
+  if (victim != 0) {
+    std::string missing = "rank(s) " + std::to_string(victim);
+    CHECK(message.find(missing) != std::string::npos, "names the missing rank: %s", message.c_str());
+  } else {  // rank 0 took the store with it
+    CHECK(message.find("rank 0 serves it") != std::string::npos, "names rank 0: %s", message.c_str());
+  }
   CHECK(dp_pg_barrier(pg) == DP_ESTATE, "a broken group refuses further collectives: %s", dp_last_error());
   dp_tensor_destroy(t);
   auto destroy_start = std::chrono::steady_clock::now();
@@ -272,7 +277,7 @@ void run_failure(dp_process_group* pg, bool stop, int32_t timeout_ms) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: mp_worker collectives|mismatch|die|stop\n");
+    std::fprintf(stderr, "usage: mp_worker collectives|mismatch|die [rank]|stop [rank]\n");
     return 2;
   }
   std::string scenario = argv[1];
@@ -298,7 +303,8 @@ int main(int argc, char** argv) {
   } else if (scenario == "mismatch") {
     run_mismatch(pg);
   } else if (scenario == "die" || scenario == "stop") {
-    run_failure(pg, scenario == "stop", timeout_ms);
+    int victim = argc > 2 ? std::atoi(argv[2]) : std::atoi(std::getenv("WORLD_SIZE")) - 1;
+    run_failure(pg, scenario == "stop", victim, timeout_ms);
     pg = nullptr;
   } else {
     std::fprintf(stderr, "unknown scenario '%s'\n", scenario.c_str());
