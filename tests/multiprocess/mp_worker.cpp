@@ -107,7 +107,8 @@ dp_tensor* make(int32_t dtype, size_t n, int r, size_t offset) {
 
 void run_collectives(dp_process_group* pg) {
   const int rank = dp_process_group_rank(pg), world = dp_process_group_size(pg);
-  const size_t sizes[] = {7, 5000};  // inline in the header exchange, and through Gloo's algorithms
+  // Inline in the header slab, through a block exchange, and through Gloo's algorithms.
+  const size_t sizes[] = {7, 5000, 140000};
   for (size_t n : sizes) {
     for (int d = 0; d < 9; ++d) {
       int32_t dtype = kDtypes[d];

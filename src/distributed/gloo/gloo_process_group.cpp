@@ -13,6 +13,10 @@
 // its sockets' send buffer to the message size, which would slow the large
 // transfers on the main context. Two rings alternate, so a peer that is one
 // collective ahead never writes into slabs this rank is still reading.
+// Medium payloads (up to kMaxBlockBytes, while world size x block stays
+// within kBlockBudget) take a second such all-gather in power-of-two block
+// sizes instead of Gloo's per-call algorithms, whose handshakes cost more
+// than the data at these sizes.
 #include <gloo/allgather.h>
 #include <gloo/allgather_ring.h>
 #include <gloo/allreduce.h>
@@ -29,6 +33,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 
 #include "core/error.h"
 #include "distributed/process_group.h"
@@ -75,6 +80,47 @@ struct Header {
 };
 static_assert(sizeof(Header) == 64, "the header is part of the wire format");
 constexpr size_t kSlabBytes = sizeof(Header) + kInlineBytes;
+constexpr size_t kMinBlockBytes = 8192;
+constexpr size_t kMaxBlockBytes = 256 << 10;
+constexpr size_t kBlockBudget = 1 << 20;
+
+// An all-gather of fixed-size blocks over Gloo's ring with registered
+// buffers; two rings alternate (see above). All ranks must create their
+// exchanges in the same order.
+class BlockExchange {
+ public:
+  BlockExchange(const std::shared_ptr<gloo::Context>& context, int32_t rank, int32_t size, size_t block_bytes)
+      : rank_(rank), block_bytes_(block_bytes), send_(block_bytes) {
+    for (auto& r : recv_) r.resize(block_bytes * static_cast<size_t>(size));
+    if (size == 1) return;
+    for (int i = 0; i < 2; ++i) {
+      rings_[i] = std::make_unique<gloo::AllgatherRing<uint8_t>>(
+          context, std::vector<const uint8_t*>{send_.data()}, recv_[i].data(), static_cast<int>(block_bytes));
+    }
+  }
+
+  size_t block_bytes() const { return block_bytes_; }
+  uint8_t* send() { return send_.data(); }
+  // Rank r's block of the last run.
+  uint8_t* block(int32_t r) { return recv_[phase_].data() + block_bytes_ * static_cast<size_t>(r); }
+
+  void run() {
+    phase_ ^= 1;
+    if (rings_[phase_] == nullptr) {
+      std::memcpy(block(rank_), send_.data(), block_bytes_);
+    } else {
+      rings_[phase_]->run();
+    }
+  }
+
+ private:
+  int32_t rank_;
+  size_t block_bytes_;
+  std::vector<uint8_t> send_;
+  std::vector<uint8_t> recv_[2];
+  std::unique_ptr<gloo::AllgatherRing<uint8_t>> rings_[2];
+  int phase_ = 0;
+};
 
 // Our store as Gloo's rendezvous store.
 class GlooStore : public gloo::rendezvous::Store {
@@ -139,20 +185,14 @@ class GlooProcessGroup : public ProcessGroup {
       gloo::rendezvous::PrefixStore prefixed(prefix_ + "gloo", gloo_store);
       context->connectFullMesh(prefixed, device_);
       context_ = context;
-      send_slab_.resize(kSlabBytes);
-      for (auto& slabs : recv_slabs_) slabs.resize(kSlabBytes * static_cast<size_t>(size()));
       if (size() > 1) {
         auto slab_context = std::make_shared<gloo::rendezvous::Context>(rank(), size());
         slab_context->setTimeout(timeout());
         gloo::rendezvous::PrefixStore slab_prefixed(prefix_ + "gloo_slabs", gloo_store);
         slab_context->connectFullMesh(slab_prefixed, device_);
         slab_context_ = slab_context;
-        for (int i = 0; i < 2; ++i) {
-          slab_rings_[i] = std::make_unique<gloo::AllgatherRing<uint8_t>>(
-              slab_context_, std::vector<const uint8_t*>{send_slab_.data()}, recv_slabs_[i].data(),
-              static_cast<int>(kSlabBytes));
-        }
       }
+      slabs_ = std::make_unique<BlockExchange>(slab_context_, rank(), size(), kSlabBytes);
     } catch (const Error&) {
       throw;
     } catch (const gloo::IoException& e) {
@@ -178,13 +218,10 @@ class GlooProcessGroup : public ProcessGroup {
     size_t nbytes = tensor.nbytes();
     size_t n = static_cast<size_t>(tensor.numel());
     ReduceFn fn = reduce_function(tensor.dtype(), op);
-    if (nbytes <= kInlineBytes) {
-      std::memcpy(payload(send_slab_.data()), tensor.data(), nbytes);
-      exchange(o, tensor.describe());
-      std::memcpy(tensor.data(), payload(slab(0)), nbytes);
-      for (int32_t r = 1; r < size(); ++r) fn(tensor.data(), tensor.data(), payload(slab(r)), n);
+    if (gather_small(o, tensor.describe(), nbytes, [&](uint8_t* out) { std::memcpy(out, tensor.data(), nbytes); })) {
+      std::memcpy(tensor.data(), gathered(0), nbytes);
+      for (int32_t r = 1; r < size(); ++r) fn(tensor.data(), tensor.data(), gathered(r), n);
     } else {
-      exchange(o, tensor.describe());
       guarded(o, tensor.describe(), [&] {
         gloo::AllreduceOptions opts(context_);
         set_output(opts, tensor.data(), nbytes, tensor.element_size());
@@ -200,13 +237,13 @@ class GlooProcessGroup : public ProcessGroup {
   void run_broadcast(const Tensor& tensor, int32_t root) override {
     Op o = begin(OpKind::kBroadcast, tensor.dtype(), tensor.numel(), ReduceOp::kSum, root);
     size_t nbytes = tensor.nbytes();
-    if (nbytes <= kInlineBytes) {
-      if (rank() == root) std::memcpy(payload(send_slab_.data()), tensor.data(), nbytes);
-      exchange(o, tensor.describe());
-      if (rank() != root) std::memcpy(tensor.data(), payload(slab(root)), nbytes);
+    auto fill = [&](uint8_t* out) {
+      if (rank() == root) std::memcpy(out, tensor.data(), nbytes);
+    };
+    if (gather_small(o, tensor.describe(), nbytes, fill)) {
+      if (rank() != root) std::memcpy(tensor.data(), gathered(root), nbytes);
       return;
     }
-    exchange(o, tensor.describe());
     guarded(o, tensor.describe(), [&] {
       gloo::BroadcastOptions opts(context_);
       opts.setOutput(static_cast<uint8_t*>(tensor.data()), nbytes);
@@ -220,13 +257,10 @@ class GlooProcessGroup : public ProcessGroup {
   void run_all_gather(const Tensor& input, const std::vector<Tensor>& outputs) override {
     Op o = begin(OpKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1);
     size_t nbytes = input.nbytes();
-    if (nbytes <= kInlineBytes) {
-      std::memcpy(payload(send_slab_.data()), input.data(), nbytes);
-      exchange(o, input.describe());
-      for (int32_t r = 0; r < size(); ++r) std::memcpy(outputs[r].data(), payload(slab(r)), nbytes);
+    if (gather_small(o, input.describe(), nbytes, [&](uint8_t* out) { std::memcpy(out, input.data(), nbytes); })) {
+      for (int32_t r = 0; r < size(); ++r) std::memcpy(outputs[r].data(), gathered(r), nbytes);
       return;
     }
-    exchange(o, input.describe());
     // Outputs that are consecutive pieces of one buffer are gathered into in place.
     bool consecutive = true;
     auto* first = static_cast<uint8_t*>(outputs[0].data());
@@ -235,17 +269,17 @@ class GlooProcessGroup : public ProcessGroup {
     }
     auto* in = static_cast<const uint8_t*>(input.data());
     consecutive = consecutive && (in + nbytes <= first || in >= first + nbytes * static_cast<size_t>(size()));
-    uint8_t* gathered = consecutive ? first : scratch(nbytes * static_cast<size_t>(size()));
+    uint8_t* all = consecutive ? first : scratch(nbytes * static_cast<size_t>(size()));
     guarded(o, input.describe(), [&] {
       gloo::AllgatherOptions opts(context_);
       opts.setInput(static_cast<uint8_t*>(input.data()), nbytes);
-      opts.setOutput(gathered, nbytes * static_cast<size_t>(size()));
+      opts.setOutput(all, nbytes * static_cast<size_t>(size()));
       opts.setTag(next_tag());
       opts.setTimeout(remaining(o));
       gloo::allgather(opts);
     });
     if (consecutive) return;
-    for (int32_t r = 0; r < size(); ++r) std::memcpy(outputs[r].data(), gathered + nbytes * static_cast<size_t>(r), nbytes);
+    for (int32_t r = 0; r < size(); ++r) std::memcpy(outputs[r].data(), all + nbytes * static_cast<size_t>(r), nbytes);
   }
 
   void run_reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override {
@@ -253,21 +287,19 @@ class GlooProcessGroup : public ProcessGroup {
     size_t nbytes = output.nbytes();
     size_t n = static_cast<size_t>(output.numel());
     size_t total = nbytes * static_cast<size_t>(size());
+    size_t mine = nbytes * static_cast<size_t>(rank());
     ReduceFn fn = reduce_function(output.dtype(), op);
-    if (total <= kInlineBytes) {
-      for (int32_t r = 0; r < size(); ++r) {
-        std::memcpy(payload(send_slab_.data()) + nbytes * static_cast<size_t>(r), inputs[r].data(), nbytes);
-      }
-      exchange(o, output.describe());
-      size_t mine = nbytes * static_cast<size_t>(rank());
-      std::memcpy(output.data(), payload(slab(0)) + mine, nbytes);
-      for (int32_t r = 1; r < size(); ++r) fn(output.data(), output.data(), payload(slab(r)) + mine, n);
+    auto concatenate = [&](uint8_t* out) {
+      for (int32_t r = 0; r < size(); ++r) std::memcpy(out + nbytes * static_cast<size_t>(r), inputs[r].data(), nbytes);
+    };
+    if (gather_small(o, output.describe(), total, concatenate)) {
+      std::memcpy(output.data(), gathered(0) + mine, nbytes);
+      for (int32_t r = 1; r < size(); ++r) fn(output.data(), output.data(), gathered(r) + mine, n);
     } else {
       // Gloo has no reduce-scatter in its current API: all-reduce the
       // concatenation and keep this rank's part.
-      exchange(o, output.describe());
       uint8_t* flat = scratch(total);
-      for (int32_t r = 0; r < size(); ++r) std::memcpy(flat + nbytes * static_cast<size_t>(r), inputs[r].data(), nbytes);
+      concatenate(flat);
       guarded(o, output.describe(), [&] {
         gloo::AllreduceOptions opts(context_);
         set_output(opts, flat, total, output.element_size());
@@ -276,7 +308,7 @@ class GlooProcessGroup : public ProcessGroup {
         opts.setTimeout(remaining(o));
         gloo::allreduce(opts);
       });
-      std::memcpy(output.data(), flat + nbytes * static_cast<size_t>(rank()), nbytes);
+      std::memcpy(output.data(), flat + mine, nbytes);
     }
     if (op == ReduceOp::kAvg) divide_in_place(output.dtype(), output.data(), n, size());
   }
@@ -307,7 +339,42 @@ class GlooProcessGroup : public ProcessGroup {
   }
 
   // Rank r's slab of the last exchange.
-  uint8_t* slab(int32_t r) { return recv_slabs_[phase_].data() + kSlabBytes * static_cast<size_t>(r); }
+  uint8_t* slab(int32_t r) { return slabs_->block(r); }
+
+  // Checks the headers and, for payloads up to a block exchange's size,
+  // swaps `nbytes` per rank that `fill` writes into the outgoing buffer;
+  // afterwards gathered(r) is rank r's payload. False (only the headers
+  // swapped) when the payload needs Gloo's own algorithms.
+  template <typename Fill>
+  bool gather_small(const Op& o, const std::string& what, size_t nbytes, Fill&& fill) {
+    if (nbytes <= kInlineBytes) {
+      fill(payload(slabs_->send()));
+      exchange(o, what);
+      gathered_from_ = slabs_.get();
+      gathered_offset_ = sizeof(Header);
+      return true;
+    }
+    exchange(o, what);
+    BlockExchange* blocks = blocks_for(nbytes);
+    if (blocks == nullptr) return false;
+    fill(blocks->send());
+    guarded(o, what, [&] { blocks->run(); });
+    gathered_from_ = blocks;
+    gathered_offset_ = 0;
+    return true;
+  }
+  uint8_t* gathered(int32_t r) { return gathered_from_->block(r) + gathered_offset_; }
+
+  // The block exchange for `bytes` per rank, made on first use; null when
+  // the payload is too large for one.
+  BlockExchange* blocks_for(size_t bytes) {
+    size_t block = kMinBlockBytes;
+    while (block < bytes) block *= 2;
+    if (block > kMaxBlockBytes || block * static_cast<size_t>(size()) > kBlockBudget) return nullptr;
+    auto& exchange = blocks_[block];
+    if (!exchange) exchange = std::make_unique<BlockExchange>(slab_context_, rank(), size(), block);
+    return exchange.get();
+  }
   static uint8_t* payload(uint8_t* slab) { return slab + sizeof(Header); }
 
   uint8_t* scratch(size_t nbytes) {
@@ -334,13 +401,8 @@ class GlooProcessGroup : public ProcessGroup {
   // Swaps headers (and inline payloads) with every rank, then checks that all
   // ranks called the same collective on the same sizes.
   void exchange(const Op& o, const std::string& what) {
-    std::memcpy(send_slab_.data(), &o.header, sizeof(Header));
-    phase_ ^= 1;
-    if (size() == 1) {
-      std::memcpy(slab(0), send_slab_.data(), kSlabBytes);
-    } else {
-      guarded(o, what, [&] { slab_rings_[phase_]->run(); });
-    }
+    std::memcpy(slabs_->send(), &o.header, sizeof(Header));
+    guarded(o, what, [&] { slabs_->run(); });
     for (int32_t r = 0; r < size(); ++r) {
       Header h;
       std::memcpy(&h, slab(r), sizeof(Header));
@@ -474,10 +536,10 @@ class GlooProcessGroup : public ProcessGroup {
   uint64_t seq_ = 0;
   uint32_t tag_ = 1;
   std::shared_ptr<gloo::Context> slab_context_;
-  std::vector<uint8_t> send_slab_;
-  std::vector<uint8_t> recv_slabs_[2];
-  std::unique_ptr<gloo::AllgatherRing<uint8_t>> slab_rings_[2];
-  int phase_ = 0;
+  std::unique_ptr<BlockExchange> slabs_;
+  std::map<size_t, std::unique_ptr<BlockExchange>> blocks_;  // by block size
+  BlockExchange* gathered_from_ = nullptr;
+  size_t gathered_offset_ = 0;
   std::vector<uint8_t> scratch_;
 };
 
