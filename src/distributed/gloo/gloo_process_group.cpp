@@ -11,7 +11,8 @@
 // The slabs travel through Gloo's ring all-gather with buffers registered
 // once (its lowest-latency path), on a context of their own: that path pins
 // its sockets' send buffer to the message size, which would slow the large
-// transfers on the main context. Two rings alternate, so a peer that is one
+// transfers on the main context (and the slab context's sockets are read
+// synchronously, see the constructor). Two rings alternate, so a peer that is one
 // collective ahead never writes into slabs this rank is still reading.
 // Medium payloads (up to kMaxBlockBytes, while world size x block stays
 // within kBlockBudget) take a second such all-gather in power-of-two block
@@ -186,11 +187,14 @@ class GlooProcessGroup : public ProcessGroup {
       context->connectFullMesh(prefixed, device_);
       context_ = context;
       if (size() > 1) {
-        auto slab_context = std::make_shared<gloo::rendezvous::Context>(rank(), size());
-        slab_context->setTimeout(timeout());
-        gloo::rendezvous::PrefixStore slab_prefixed(prefix_ + "gloo_slabs", gloo_store);
-        slab_context->connectFullMesh(slab_prefixed, device_);
-        slab_context_ = slab_context;
+        slab_context_ = connect(gloo_store, "gloo_slabs");
+        block_context_ = connect(gloo_store, "gloo_blocks");
+        // The slabs are read by the waiting thread itself, without a hand-off
+        // through Gloo's event thread; they are small enough for the socket
+        // buffers, so the blocking sends of this mode cannot stall.
+        for (int32_t r = 0; r < size(); ++r) {
+          if (r != rank()) slab_context_->getPair(r)->setSync(true, false);
+        }
       }
       slabs_ = std::make_unique<BlockExchange>(slab_context_, rank(), size(), kSlabBytes);
     } catch (const Error&) {
@@ -201,6 +205,14 @@ class GlooProcessGroup : public ProcessGroup {
       fail(StatusCode::kIo, "setting up Gloo on '", attr.iface.empty() ? attr.hostname : attr.iface,
            "' failed: ", e.what());
     }
+  }
+
+  std::shared_ptr<gloo::Context> connect(GlooStore& gloo_store, const char* name) {
+    auto context = std::make_shared<gloo::rendezvous::Context>(rank(), size());
+    context->setTimeout(timeout());
+    gloo::rendezvous::PrefixStore prefixed(prefix_ + name, gloo_store);
+    context->connectFullMesh(prefixed, device_);
+    return context;
   }
 
   ~GlooProcessGroup() override {
@@ -372,7 +384,7 @@ class GlooProcessGroup : public ProcessGroup {
     while (block < bytes) block *= 2;
     if (block > kMaxBlockBytes || block * static_cast<size_t>(size()) > kBlockBudget) return nullptr;
     auto& exchange = blocks_[block];
-    if (!exchange) exchange = std::make_unique<BlockExchange>(slab_context_, rank(), size(), block);
+    if (!exchange) exchange = std::make_unique<BlockExchange>(block_context_, rank(), size(), block);
     return exchange.get();
   }
   static uint8_t* payload(uint8_t* slab) { return slab + sizeof(Header); }
@@ -520,7 +532,7 @@ class GlooProcessGroup : public ProcessGroup {
   // Closes every connection so that peers blocked on this rank fail now
   // rather than at their timeout; the group is unusable after a failure.
   void close_connections() noexcept {
-    for (auto* context : {context_.get(), slab_context_.get()}) {
+    for (auto* context : {context_.get(), slab_context_.get(), block_context_.get()}) {
       try {
         if (context != nullptr) context->closeConnections();
       } catch (...) {
@@ -536,6 +548,7 @@ class GlooProcessGroup : public ProcessGroup {
   uint64_t seq_ = 0;
   uint32_t tag_ = 1;
   std::shared_ptr<gloo::Context> slab_context_;
+  std::shared_ptr<gloo::Context> block_context_;
   std::unique_ptr<BlockExchange> slabs_;
   std::map<size_t, std::unique_ptr<BlockExchange>> blocks_;  // by block size
   BlockExchange* gathered_from_ = nullptr;
