@@ -121,16 +121,6 @@ dp_status export_work(std::shared_ptr<dist::Work> work, dp_work** out) {
   return DP_OK;
 }
 
-dp_tensor* const* require_handles(dp_tensor* const* handles, size_t count, const char* name) {
-  if (count > 0 && handles == nullptr) fail_invalid("argument '", name, "' is NULL but its count is ", count);
-  return handles;
-}
-
-std::vector<Tensor> outputs_arg(dp_tensor* const* handles, size_t count, const char* name) {
-  require_handles(handles, count, name);
-  return capi::tensors_arg(handles, count, name);
-}
-
 }  // namespace
 
 extern "C" {
@@ -317,7 +307,7 @@ dp_status dp_pg_broadcast_async(dp_process_group* pg, dp_tensor* tensor, int32_t
 dp_status dp_pg_all_gather(dp_process_group* pg, const dp_tensor* input, dp_tensor* const* outputs, size_t noutputs) {
   DP_API_BEGIN
   dist::ProcessGroup& group = capi::group_arg(pg, "pg");
-  group.all_gather(capi::tensor_arg(input, "input"), outputs_arg(outputs, noutputs, "outputs"), false);
+  group.all_gather(capi::tensor_arg(input, "input"), capi::tensors_arg(outputs, noutputs, "outputs"), false);
   DP_API_END
 }
 
@@ -327,7 +317,7 @@ dp_status dp_pg_all_gather_async(dp_process_group* pg, const dp_tensor* input, d
   capi::require_arg(out, "out");
   *out = nullptr;
   dist::ProcessGroup& group = capi::group_arg(pg, "pg");
-  return export_work(group.all_gather(capi::tensor_arg(input, "input"), outputs_arg(outputs, noutputs, "outputs"), true),
+  return export_work(group.all_gather(capi::tensor_arg(input, "input"), capi::tensors_arg(outputs, noutputs, "outputs"), true),
                      out);
   DP_API_END
 }

@@ -39,13 +39,15 @@ extern "C" {
 typedef struct dp_store dp_store;
 
 /* A store in the file at `path` on a filesystem every rank sees. The last of
- * `world_size` users to destroy it removes the file. */
+ * `world_size` users to destroy it removes the file. Its default timeout of
+ * get and wait is 300000 ms (see dp_store_set_timeout). */
 DP_API dp_status dp_store_create_file(dp_store **out, const char *path, int32_t world_size);
 /* A TCP store. With `is_server`, this process serves it on `host`:`port`
  * (bound to that address only; port 0 picks a free one, see
  * dp_store_tcp_port) and is also a client. Clients connect, retrying until
  * `timeout_ms`, which also bounds each request and is the default timeout
- * of get and wait. With DP_STORE_TOKEN set, the server refuses (and logs)
+ * of get and wait. `world_size` must be >= 1; the server does not wait for
+ * that many clients (the process group's rendezvous does). With DP_STORE_TOKEN set, the server refuses (and logs)
  * clients whose DP_STORE_TOKEN differs: their create fails with DP_EREMOTE.
  * Malformed or oversized messages close that client's connection only. */
 DP_API dp_status dp_store_create_tcp(dp_store **out, const char *host, uint16_t port,
