@@ -35,6 +35,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <thread>
 
 #include "core/error.h"
 #include "distributed/process_group.h"
@@ -49,8 +50,11 @@ using Clock = std::chrono::steady_clock;
 
 constexpr size_t kInlineBytes = 4096;
 constexpr uint32_t kMagic = 0x64704731;  // "dpG1"
-// How long a failed rank waits for the others' failure reports.
-constexpr Millis kReportWindow{500};
+// How long a failed rank listens for the others' failure reports: until none is
+// new for kReportQuiet, kReportLimit at most; no request starts in the last
+// kLastRequest.
+constexpr Millis kReportQuiet{300};
+constexpr Millis kReportLimit{700};
 constexpr Millis kLastRequest{100};
 // How long a healthy group's destruction waits for the other ranks to leave.
 constexpr Millis kLeaveBound{5000};
@@ -334,6 +338,7 @@ class GlooProcessGroup : public ProcessGroup {
   struct Op {
     Header header;
     Clock::time_point deadline;
+    bool exchanged = false;  // every rank's header has arrived
   };
 
   Op begin(OpKind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root) {
@@ -358,7 +363,7 @@ class GlooProcessGroup : public ProcessGroup {
   // afterwards gathered(r) is rank r's payload. False (only the headers
   // swapped) when the payload needs Gloo's own algorithms.
   template <typename Fill>
-  bool gather_small(const Op& o, const std::string& what, size_t nbytes, Fill&& fill) {
+  bool gather_small(Op& o, const std::string& what, size_t nbytes, Fill&& fill) {
     if (nbytes <= kInlineBytes) {
       fill(payload(slabs_->send()));
       exchange(o, what);
@@ -412,9 +417,10 @@ class GlooProcessGroup : public ProcessGroup {
 
   // Swaps headers (and inline payloads) with every rank, then checks that all
   // ranks called the same collective on the same sizes.
-  void exchange(const Op& o, const std::string& what) {
+  void exchange(Op& o, const std::string& what) {
     std::memcpy(slabs_->send(), &o.header, sizeof(Header));
     guarded(o, what, [&] { slabs_->run(); });
+    o.exchanged = true;
     for (int32_t r = 0; r < size(); ++r) {
       Header h;
       std::memcpy(&h, slab(r), sizeof(Header));
@@ -460,7 +466,7 @@ class GlooProcessGroup : public ProcessGroup {
     }
     timed_out = timed_out || Clock::now() >= o.deadline;
     close_connections();
-    std::string missing = missing_ranks(o.header.seq);
+    std::string missing = missing_ranks(o.header.seq, o.exchanged);
     fail(timed_out ? StatusCode::kTimeout : StatusCode::kRemote, op_kind_name(o.header.kind), " of ", what,
          " (collective #", o.header.seq, ") on rank ", rank(), " of ", size(),
          timed_out ? str_cat(" timed out after ", timeout().count(), " ms") : std::string(" failed"), ": ", missing,
@@ -468,49 +474,54 @@ class GlooProcessGroup : public ProcessGroup {
   }
 
   // Reports this rank's failure through the store and lists the ranks that
-  // did not report one for the same collective within kReportWindow. The
-  // connections were closed first, so every live peer fails at once too.
-  std::string missing_ranks(uint64_t seq) {
-    auto window_end = Clock::now() + kReportWindow;
-    auto left = [&] { return std::max(std::chrono::duration_cast<Millis>(window_end - Clock::now()), Millis(1)); };
+  // reported none for the same collective: the others fail at once too,
+  // since a failing rank closes its connections, so listening stops once no
+  // new report has come for kReportQuiet (and after kReportLimit at most).
+  std::string missing_ranks(uint64_t seq, bool exchanged) {
+    auto start = Clock::now();
+    auto hard_end = start + kReportLimit;
+    auto quiet_end = start + kReportQuiet;
+    auto left = [&] { return std::max(std::chrono::duration_cast<Millis>(hard_end - Clock::now()), Millis(1)); };
+    std::string base = str_cat(prefix_, "failed/", seq, "/");
+    std::vector<bool> reported(static_cast<size_t>(size()), false);
+    reported[static_cast<size_t>(rank())] = true;
     try {
-      std::string base = str_cat(prefix_, "failed/", seq, "/");
-      {
-        ReplyDeadlineCap cap(left());
-        store_->set(base + std::to_string(rank()), Bytes{1});
-      }
-      std::vector<bool> reported(static_cast<size_t>(size()), false);
-      reported[static_cast<size_t>(rank())] = true;
-      // Stops asking shortly before the window closes: a request cut off by
-      // its deadline would cost the store connection.
-      poll_until(
-          [&] {
-            bool all = true;
-            for (int32_t r = 0; r < size(); ++r) {
-              if (reported[r]) continue;
-              if (window_end - Clock::now() < kLastRequest) return true;
-              try {
-                ReplyDeadlineCap cap(left());
-                reported[r] = store_->check({base + std::to_string(r)});
-              } catch (const Error&) {
-                return true;  // the store went away (rank 0 may be done): report what is known
-              }
-              all = all && reported[r];
-            }
-            return all;
-          },
-          left());
-      std::string missing;
-      for (int32_t r = 0; r < size(); ++r) {
-        if (!reported[r]) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-      }
-      if (missing.empty()) return "every rank reached it and failed";
-      return "rank(s) " + missing + " did not arrive (exited, stopped, or in another call)";
+      ReplyDeadlineCap cap(left());
+      store_->set(base + std::to_string(rank()), Bytes{1});
     } catch (const std::exception& e) {
       return str_cat("the store is unreachable too, so the missing ranks are unknown (rank 0 serves it: it may have "
                      "exited): ",
                      e.what());
     }
+    auto pause = std::chrono::milliseconds(1);
+    bool store_gone = false;
+    for (;;) {
+      int32_t missing = 0;
+      for (int32_t r = 0; r < size() && !store_gone; ++r) {
+        if (reported[r]) continue;
+        // A request cut off by its deadline would cost the store connection.
+        if (hard_end - Clock::now() < kLastRequest) break;
+        try {
+          ReplyDeadlineCap cap(left());
+          reported[r] = store_->check({base + std::to_string(r)});
+        } catch (const Error&) {
+          store_gone = true;  // rank 0 may be done and gone: report what is known
+        }
+        if (reported[r]) quiet_end = Clock::now() + kReportQuiet;
+        missing += reported[r] ? 0 : 1;
+      }
+      auto now = Clock::now();
+      if (missing == 0 || store_gone || now >= quiet_end || now >= hard_end - kLastRequest) break;
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::milliseconds(20));
+    }
+    std::string missing;
+    for (int32_t r = 0; r < size(); ++r) {
+      if (!reported[r]) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+    }
+    if (missing.empty()) return "every rank reached it and failed";
+    if (exchanged) return "rank(s) " + missing + " stopped answering during the transfer (exited or stopped)";
+    return "rank(s) " + missing + " did not arrive (exited, stopped, or in another call)";
   }
 
   // A rank that closes its connections while a peer is still reading the
