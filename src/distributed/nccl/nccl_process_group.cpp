@@ -71,17 +71,21 @@ class NcclProcessGroup : public ProcessGroup {
     cuda::DeviceGuard guard(device().index);
     cuda::check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
     cuda::check(cudaMalloc(&headers_, sizeof(Header) * static_cast<size_t>(size())), "cudaMalloc");
+    // Pinned, so that copies to and from it never block the host behind NCCL work.
+    cuda::check(cudaMallocHost(&host_headers_, sizeof(Header) * static_cast<size_t>(size())), "cudaMallocHost");
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     auto deadline = Clock::now() + timeout();
     ncclResult_t rc = ncclCommInitRankConfig(&comm_, size(), id, rank(), &config);
     if (rc != ncclSuccess && rc != ncclInProgress) {
+      abort_comm();
       release();
       check_nccl(rc, "ncclCommInitRankConfig");
     }
     try {
       await_comm(deadline, "creating the NCCL communicator");
     } catch (...) {
+      abort_comm();
       release();
       throw;
     }
@@ -214,15 +218,17 @@ class NcclProcessGroup : public ProcessGroup {
     mine.root = root;
     mine.numel = numel;
     mine.seq = ++seq_;
+    auto* all = static_cast<Header*>(host_headers_);
+    all[rank()] = mine;
     auto* slot = static_cast<uint8_t*>(headers_) + sizeof(Header) * static_cast<size_t>(rank());
-    cuda::check(cudaMemcpyAsync(slot, &mine, sizeof(Header), cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync");
+    cuda::check(cudaMemcpyAsync(slot, &all[rank()], sizeof(Header), cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync");
     enqueue(ncclAllGather(slot, headers_, sizeof(Header), ncclUint8, comm_, stream_), "ncclAllGather");
-    std::vector<Header> all(static_cast<size_t>(size()));
-    cuda::check(cudaMemcpyAsync(all.data(), headers_, sizeof(Header) * all.size(), cudaMemcpyDeviceToHost, stream_),
+    cuda::check(cudaMemcpyAsync(all, headers_, sizeof(Header) * static_cast<size_t>(size()), cudaMemcpyDeviceToHost,
+                                stream_),
                 "cudaMemcpyAsync");
     await_header(deadline, kind_name(kind));
     for (int32_t r = 0; r < size(); ++r) {
-      const Header& h = all[static_cast<size_t>(r)];
+      const Header h = all[r];
       if (h.kind != kind || h.seq != mine.seq) {
         fail(StatusCode::kRemote, kind_name(kind), " (collective #", mine.seq, "): rank ", r, " called ",
              kind_name(h.kind), " as its collective #", h.seq);
@@ -262,16 +268,32 @@ class NcclProcessGroup : public ProcessGroup {
     return static_cast<uint8_t*>(scratch_);
   }
 
+  // A healthy communicator is finalized (bounded by the timeout) and
+  // destroyed; a failed one, or one whose finalize does not finish, aborted.
   void release() noexcept {
     if (comm_ != nullptr) {
-      ncclCommFinalize(comm_);
-      ncclCommDestroy(comm_);
+      bool finalized = false;
+      if (!broken() && ncclCommFinalize(comm_) == ncclSuccess) {
+        auto deadline = Clock::now() + timeout();
+        ncclResult_t state = ncclInProgress;
+        while (ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state == ncclInProgress &&
+               Clock::now() < deadline) {
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
+        }
+        finalized = state == ncclSuccess;
+      }
+      if (finalized) {
+        ncclCommDestroy(comm_);
+      } else {
+        ncclCommAbort(comm_);
+      }
       comm_ = nullptr;
     }
     if (scratch_ != nullptr) cudaFree(scratch_);
     if (headers_ != nullptr) cudaFree(headers_);
+    if (host_headers_ != nullptr) cudaFreeHost(host_headers_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
-    scratch_ = headers_ = nullptr;
+    scratch_ = headers_ = host_headers_ = nullptr;
     stream_ = nullptr;
   }
 
@@ -279,6 +301,7 @@ class NcclProcessGroup : public ProcessGroup {
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   void* headers_ = nullptr;
+  void* host_headers_ = nullptr;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
   uint64_t seq_ = 0;
