@@ -8,12 +8,14 @@
 // single node without one, a fresh DP_STORE_TOKEN. Their output is prefixed
 // with "[rank R] ". When a rank fails, the others get SIGTERM (SIGKILL after
 // the grace period) and dp-run exits with the failed rank's code (128 + signal
-// for a signal). SIGINT and SIGTERM to dp-run are passed on to every rank.
+// for a signal). SIGINT and SIGTERM to dp-run are passed on to every rank;
+// if dp-run itself is killed, the ranks are killed too.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -171,6 +173,7 @@ int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
 
   const long world = nnodes * nproc;
+  const pid_t launcher = ::getpid();
   std::vector<Rank> ranks(static_cast<size_t>(nproc));
   for (long local = 0; local < nproc; ++local) {
     Rank& r = ranks[static_cast<size_t>(local)];
@@ -184,6 +187,9 @@ int main(int argc, char** argv) {
     pid_t pid = ::fork();
     if (pid == 0) {
       ::setpgid(0, 0);
+      // Ranks do not outlive a launcher that was killed.
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != launcher) ::_exit(128 + SIGKILL);
       ::dup2(fds[1], 1);
       ::dup2(fds[1], 2);
       setenv("RANK", std::to_string(r.rank).c_str(), 1);

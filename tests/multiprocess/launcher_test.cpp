@@ -1,11 +1,15 @@
 // dp-run: the environment each rank gets, prefixed output, failure
 // propagation; every run is bounded by coreutils' timeout.
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
 #include <string>
+#include <thread>
 
 namespace {
 
@@ -58,6 +62,40 @@ TEST(Launcher, StopsTheOtherRanksAndExitsWithTheFailedRanksCode) {
   EXPECT_LT(r.seconds, 10.0) << "the sleeping ranks were not stopped";
   EXPECT_NE(r.output.find("[rank 1] failing"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("rank 1 exited with code 3"), std::string::npos) << r.output;
+}
+
+// Alive and not a zombie (an orphan's zombie may wait long for a reaper).
+bool running(int pid) {
+  FILE* stat = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
+  if (stat == nullptr) return false;
+  char state = 0;
+  int scanned = std::fscanf(stat, "%*d %*s %c", &state);
+  std::fclose(stat);
+  return scanned == 1 && state != 'Z' && state != 'X';
+}
+
+TEST(Launcher, RanksDieWithAKilledLauncher) {
+  char path[] = "/tmp/dp_run_pids_XXXXXX";
+  int fd = ::mkstemp(path);
+  ::close(fd);
+  // The launcher is killed after 1 s; its ranks would sleep for 30.
+  std::string command = std::string(DP_RUN) + " -n 2 sh -c 'echo $$ >> " + path +
+                        "; exec sleep 30' & sleep 1; kill -9 $!; wait";
+  FILE* shell = ::popen(command.c_str(), "r");
+  ASSERT_NE(shell, nullptr);
+  ::pclose(shell);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  FILE* pids = std::fopen(path, "r");
+  ASSERT_NE(pids, nullptr);
+  int pid = 0, count = 0;
+  while (std::fscanf(pids, "%d", &pid) == 1) {
+    ++count;
+    EXPECT_FALSE(running(pid)) << "rank process " << pid << " outlived the launcher";
+    ::kill(pid, SIGKILL);
+  }
+  std::fclose(pids);
+  ::unlink(path);
+  EXPECT_EQ(count, 2);
 }
 
 TEST(Launcher, RejectsBadUsage) {
