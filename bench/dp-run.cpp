@@ -190,6 +190,7 @@ int main(int argc, char** argv) {
       // Ranks do not outlive a launcher that was killed.
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (::getppid() != launcher) ::_exit(128 + SIGKILL);
+      ::signal(SIGPIPE, SIG_DFL);  // an ignored signal would stay ignored across exec
       ::dup2(fds[1], 1);
       ::dup2(fds[1], 2);
       setenv("RANK", std::to_string(r.rank).c_str(), 1);
