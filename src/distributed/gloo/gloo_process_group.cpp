@@ -211,14 +211,6 @@ class GlooProcessGroup : public ProcessGroup {
     }
   }
 
-  std::shared_ptr<gloo::Context> connect(GlooStore& gloo_store, const char* name) {
-    auto context = std::make_shared<gloo::rendezvous::Context>(rank(), size());
-    context->setTimeout(timeout());
-    gloo::rendezvous::PrefixStore prefixed(prefix_ + name, gloo_store);
-    context->connectFullMesh(prefixed, device_);
-    return context;
-  }
-
   ~GlooProcessGroup() override {
     drain();
     if (size() > 1 && !broken()) wait_for_peers_to_leave();
@@ -335,6 +327,15 @@ class GlooProcessGroup : public ProcessGroup {
   }
 
  private:
+  // Another full mesh of connections on the same device.
+  std::shared_ptr<gloo::Context> connect(GlooStore& gloo_store, const char* name) {
+    auto context = std::make_shared<gloo::rendezvous::Context>(rank(), size());
+    context->setTimeout(timeout());
+    gloo::rendezvous::PrefixStore prefixed(prefix_ + name, gloo_store);
+    context->connectFullMesh(prefixed, device_);
+    return context;
+  }
+
   struct Op {
     Header header;
     Clock::time_point deadline;
