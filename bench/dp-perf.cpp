@@ -2,6 +2,11 @@
 //
 //   dp-perf <op> [-b MIN] [-e MAX] [-f FACTOR] [-d DEVICES] [-t TYPE] [-s SAMPLES] [-w WARMUP]
 //
+// On its own, dp-perf measures the in-process collectives (broadcast,
+// reduce_add, scatter, gather) across the devices of -d. Under a launcher
+// (dp-run, torchrun or mpirun set WORLD_SIZE), it measures the process
+// group's collectives across the ranks: dp-run -n 2 dp-perf all_reduce.
+//
 // One row per size: size, count, type, time (us), algbw and busbw (GB/s, as
 // nccl-tests defines them) and the number of wrong elements found by a real
 // check. Beside every row stand this machine's memcpy and add bandwidth for
@@ -19,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "dp_perf_dist.h"
 #include "dparallel/dparallel.h"
 
 namespace {
@@ -40,6 +46,8 @@ struct Options {
                "usage: dp-perf <broadcast|reduce_add|scatter|gather> [-b MIN] [-e MAX] [-f FACTOR]\n"
                "               [-d cpu:0,cpu:1] [-t float|double|half|bfloat16|int8|uint8|int32|int64]\n"
                "               [-s SAMPLES] [-w WARMUP]\n"
+               "       dp-run -n RANKS dp-perf <all_reduce|broadcast|all_gather|reduce_scatter> [-b 4K] [-e 64M]\n"
+               "               [-f 4] [-t float] [-o sum] [-r ROOT]\n"
                "sizes take K, M or G suffixes (powers of 1024)\n",
                message);
   std::exit(2);
@@ -339,6 +347,11 @@ Row run_size(const Options& opts, const TypeInfo& type, size_t count, const Limi
 
 int main(int argc, char** argv) {
   if (argc < 2) usage("missing op");
+  const std::string op = argv[1];
+  const bool under_launcher = std::getenv("WORLD_SIZE") != nullptr || std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr;
+  if (under_launcher || op == "all_reduce" || op == "all_gather" || op == "reduce_scatter") {
+    return dp_perf_dist_main(argv[1], argc - 1, argv + 1);
+  }
   Options opts;
   opts.op = argv[1];
   opts.devices = parse_devices("cpu:0,cpu:1");

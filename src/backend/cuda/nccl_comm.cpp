@@ -8,6 +8,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/nccl_types.h"
 
 namespace dparallel::cuda {
 
@@ -15,21 +16,6 @@ namespace {
 
 void check_nccl(ncclResult_t result, const char* call) {
   if (result != ncclSuccess) fail(StatusCode::kDevice, call, " failed: ", ncclGetErrorString(result));
-}
-
-ncclDataType_t nccl_type(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32: return ncclFloat32;
-    case DType::kFloat64: return ncclFloat64;
-    case DType::kFloat16: return ncclFloat16;
-    case DType::kBFloat16: return ncclBfloat16;
-    case DType::kInt8: return ncclInt8;
-    case DType::kUInt8: return ncclUint8;
-    case DType::kInt32: return ncclInt32;
-    case DType::kInt64: return ncclInt64;
-    case DType::kBool: return ncclUint8;
-  }
-  return ncclUint8;
 }
 
 // Communicators live as long as the process, one set per device list.

@@ -1,0 +1,277 @@
+// dp-run: starts the local ranks of a job, like `torchrun --standalone`.
+//
+//   dp-run -n 4 [--nnodes M --node-rank K] [--master-addr A] [--master-port P]
+//          [--grace-ms G] prog args...
+//
+// Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR
+// and MASTER_PORT (a free port when none is given on a single node) and, on a
+// single node without one, a fresh DP_STORE_TOKEN. Their output is prefixed
+// with "[rank R] ". When a rank fails, the others get SIGTERM (SIGKILL after
+// the grace period) and dp-run exits with the failed rank's code (128 + signal
+// for a signal). SIGINT and SIGTERM to dp-run are passed on to every rank;
+// if dp-run itself is killed, the ranks are killed too.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+volatile sig_atomic_t g_signal = 0;
+
+void on_signal(int sig) { g_signal = sig; }
+
+[[noreturn]] void usage(const char* message) {
+  std::fprintf(stderr,
+               "dp-run: %s\n"
+               "usage: dp-run -n N [--nnodes M --node-rank K] [--master-addr A] [--master-port P] [--grace-ms G] "
+               "prog [args...]\n",
+               message);
+  std::exit(2);
+}
+
+long parse_int(const char* text, const char* flag, long min, long max) {
+  char* end = nullptr;
+  errno = 0;
+  long v = std::strtol(text, &end, 10);
+  if (errno != 0 || *end != '\0' || v < min || v > max) {
+    std::string msg = std::string(flag) + " takes an integer in " + std::to_string(min) + ".." + std::to_string(max) +
+                      ", not '" + text + "'";
+    usage(msg.c_str());
+  }
+  return v;
+}
+
+// A port that is free on `addr` now (the same race torchrun accepts).
+int free_port(const std::string& addr) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* info = nullptr;
+  if (getaddrinfo(addr.c_str(), "0", &hints, &info) != 0) return -1;
+  int port = -1;
+  for (addrinfo* ai = info; ai != nullptr && port < 0; ai = ai->ai_next) {
+    int fd = ::socket(ai->ai_family, ai->ai_socktype, 0);
+    if (fd < 0) continue;
+    sockaddr_storage bound{};
+    socklen_t len = sizeof(bound);
+    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len) == 0) {
+      port = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                               : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+    }
+    ::close(fd);
+  }
+  freeaddrinfo(info);
+  return port;
+}
+
+std::string random_token() {
+  std::random_device rd;
+  char buf[33];
+  for (int i = 0; i < 4; ++i) std::snprintf(buf + 8 * i, 9, "%08x", rd());
+  return buf;
+}
+
+struct Rank {
+  int rank = 0;
+  pid_t pid = -1;
+  int out_fd = -1;           // the read end of the rank's stdout+stderr pipe
+  std::string pending;       // a partial line
+  bool running = false;
+  int exit_code = 0;
+};
+
+void emit(Rank& r, const char* data, size_t size) {
+  r.pending.append(data, size);
+  size_t start = 0;
+  for (size_t nl; (nl = r.pending.find('\n', start)) != std::string::npos; start = nl + 1) {
+    std::fprintf(stdout, "[rank %d] %.*s\n", r.rank, static_cast<int>(nl - start), r.pending.data() + start);
+  }
+  r.pending.erase(0, start);
+  std::fflush(stdout);
+}
+
+void drain(Rank& r) {
+  if (r.out_fd < 0) return;
+  char buf[65536];
+  for (;;) {
+    ssize_t n = ::read(r.out_fd, buf, sizeof(buf));
+    if (n > 0) {
+      emit(r, buf, static_cast<size_t>(n));
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EAGAIN) return;
+    if (!r.pending.empty()) emit(r, "\n", 1);
+    ::close(r.out_fd);
+    r.out_fd = -1;
+    return;
+  }
+}
+
+void signal_all(std::vector<Rank>& ranks, int sig) {
+  for (Rank& r : ranks) {
+    if (r.running) ::kill(-r.pid, sig);  // each rank leads its own process group
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  long nproc = -1, nnodes = 1, node_rank = 0, grace_ms = 5000;
+  std::string master_addr;
+  long master_port = -1;
+  int i = 1;
+  for (; i < argc; ++i) {
+    std::string a = argv[i];
+    auto value = [&](const char* flag) -> const char* {
+      if (i + 1 >= argc) usage((std::string(flag) + " needs a value").c_str());
+      return argv[++i];
+    };
+    if (a == "-n" || a == "--nproc-per-node") nproc = parse_int(value("-n"), "-n", 1, 4096);
+    else if (a == "--nnodes") nnodes = parse_int(value("--nnodes"), "--nnodes", 1, 100000);
+    else if (a == "--node-rank") node_rank = parse_int(value("--node-rank"), "--node-rank", 0, 99999);
+    else if (a == "--master-addr") master_addr = value("--master-addr");
+    else if (a == "--master-port") master_port = parse_int(value("--master-port"), "--master-port", 1, 65535);
+    else if (a == "--grace-ms") grace_ms = parse_int(value("--grace-ms"), "--grace-ms", 0, 3600000);
+    else if (a == "--") { ++i; break; }
+    else if (!a.empty() && a[0] == '-') usage(("unknown option " + a).c_str());
+    else break;
+  }
+  if (nproc < 0) usage("-n is required");
+  if (i >= argc) usage("no program given");
+  if (node_rank >= nnodes) usage("--node-rank must be below --nnodes");
+  if (nnodes > 1 && (master_addr.empty() || master_port < 0)) {
+    usage("with --nnodes > 1, --master-addr and --master-port are required (node 0 serves the store there)");
+  }
+  if (master_addr.empty()) master_addr = "127.0.0.1";
+  if (master_port < 0) {
+    master_port = free_port(master_addr);
+    if (master_port < 0) usage(("cannot find a free port on " + master_addr).c_str());
+  }
+  if (nnodes == 1 && std::getenv("DP_STORE_TOKEN") == nullptr) setenv("DP_STORE_TOKEN", random_token().c_str(), 1);
+
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  const long world = nnodes * nproc;
+  const pid_t launcher = ::getpid();
+  std::vector<Rank> ranks(static_cast<size_t>(nproc));
+  for (long local = 0; local < nproc; ++local) {
+    Rank& r = ranks[static_cast<size_t>(local)];
+    r.rank = static_cast<int>(node_rank * nproc + local);
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC) != 0) {
+      std::perror("dp-run: pipe");
+      signal_all(ranks, SIGKILL);
+      return 1;
+    }
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      ::setpgid(0, 0);
+      // Ranks do not outlive a launcher that was killed.
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != launcher) ::_exit(128 + SIGKILL);
+      ::signal(SIGPIPE, SIG_DFL);  // an ignored signal would stay ignored across exec
+      ::dup2(fds[1], 1);
+      ::dup2(fds[1], 2);
+      setenv("RANK", std::to_string(r.rank).c_str(), 1);
+      setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
+      setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
+      setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+      setenv("GROUP_RANK", std::to_string(node_rank).c_str(), 1);
+      setenv("MASTER_ADDR", master_addr.c_str(), 1);
+      setenv("MASTER_PORT", std::to_string(master_port).c_str(), 1);
+      ::execvp(argv[i], argv + i);
+      std::fprintf(stderr, "dp-run: cannot run '%s': %s\n", argv[i], std::strerror(errno));
+      ::_exit(127);
+    }
+    ::close(fds[1]);
+    if (pid < 0) {
+      std::perror("dp-run: fork");
+      ::close(fds[0]);
+      signal_all(ranks, SIGKILL);
+      return 1;
+    }
+    ::setpgid(pid, pid);  // also here, so that a kill before the child's own call reaches it
+    ::fcntl(fds[0], F_SETFL, O_NONBLOCK);
+    r.pid = pid;
+    r.out_fd = fds[0];
+    r.running = true;
+  }
+
+  int result = 0;
+  bool stopping = false;
+  auto kill_at = std::chrono::steady_clock::time_point::max();
+  for (;;) {
+    std::vector<pollfd> fds;
+    for (Rank& r : ranks) {
+      if (r.out_fd >= 0) fds.push_back({r.out_fd, POLLIN, 0});
+    }
+    ::poll(fds.data(), fds.size(), fds.empty() ? 10 : 20);
+    for (Rank& r : ranks) drain(r);
+    bool any_running = false;
+    for (Rank& r : ranks) {
+      if (!r.running) continue;
+      int status = 0;
+      pid_t got = ::waitpid(r.pid, &status, WNOHANG);
+      if (got != r.pid) {
+        any_running = true;
+        continue;
+      }
+      r.running = false;
+      r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      if (r.exit_code != 0 && !stopping) {
+        std::fprintf(stderr, "dp-run: rank %d exited with code %d; stopping the other ranks\n", r.rank, r.exit_code);
+        result = r.exit_code;
+        stopping = true;
+        signal_all(ranks, SIGTERM);
+        kill_at = std::chrono::steady_clock::now() + std::chrono::milliseconds(grace_ms);
+      }
+    }
+    if (g_signal != 0 && !stopping) {
+      stopping = true;
+      result = 128 + g_signal;
+      signal_all(ranks, g_signal);
+      kill_at = std::chrono::steady_clock::now() + std::chrono::milliseconds(grace_ms);
+    }
+    if (stopping && std::chrono::steady_clock::now() >= kill_at) {
+      signal_all(ranks, SIGKILL);
+      kill_at = std::chrono::steady_clock::time_point::max();
+    }
+    if (!any_running) break;
+  }
+  // The ranks are gone; read what they left, but do not wait on a leftover
+  // child of theirs that still holds the pipe.
+  auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  for (Rank& r : ranks) {
+    while (r.out_fd >= 0 && std::chrono::steady_clock::now() < give_up) {
+      pollfd p{r.out_fd, POLLIN, 0};
+      ::poll(&p, 1, 50);
+      drain(r);
+    }
+    if (r.out_fd >= 0) {
+      if (!r.pending.empty()) emit(r, "\n", 1);
+      ::close(r.out_fd);
+    }
+  }
+  return result;
+}

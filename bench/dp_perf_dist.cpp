@@ -1,0 +1,315 @@
+// Options (nccl-tests names): -b min bytes, -e max bytes, -f factor, -d dtype,
+// -o reduce op, -r root, -n ops per sample (default: 256 MiB / size, 1..200),
+// -s samples (21), -w warm-up ops (default max(2, n/10)), -c 0 to skip the
+// check. Sizes take K/M/G suffixes (KiB...). For all_gather and
+// reduce_scatter the size is the whole gathered or scattered buffer, as in
+// nccl-tests. Time: per sample, a barrier then n back-to-back ops; per-op time
+// is the sample's time / n, the maximum over ranks; the table gives the
+// median over samples (and the best busbw). #wrong counts elements of the
+// checked first op that differ from the expected result.
+#include "dp_perf_dist.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "dparallel/dparallel.h"
+
+namespace {
+
+struct Options {
+  long long min_bytes = 4 << 10;
+  long long max_bytes = 64 << 20;
+  double factor = 4;
+  int32_t dtype = DP_FLOAT32;
+  int32_t op = DP_SUM;
+  int32_t root = 0;
+  long ops = 0;
+  int samples = 21;
+  long warmup = -1;
+  bool check = true;
+};
+
+long long parse_size(const char* text) {
+  char* end = nullptr;
+  double v = std::strtod(text, &end);
+  switch (*end) {
+    case 'K': case 'k': v *= 1024.0; break;
+    case 'M': case 'm': v *= 1024.0 * 1024.0; break;
+    case 'G': case 'g': v *= 1024.0 * 1024.0 * 1024.0; break;
+    default: break;
+  }
+  return static_cast<long long>(v);
+}
+
+int32_t parse_dtype(const std::string& s) {
+  const char* names[] = {"float", "double", "half", "bfloat16", "int8", "uint8", "int32", "int64"};
+  const char* alt[] = {"float32", "float64", "float16", "bf16", "char", "byte", "int", "long"};
+  for (int i = 0; i < 8; ++i) {
+    if (s == names[i] || s == alt[i]) return i;
+  }
+  return -1;
+}
+
+const char* dtype_label(int32_t dtype) {
+  const char* names[] = {"float", "double", "half", "bfloat16", "int8", "uint8", "int32", "int64"};
+  return dtype >= 0 && dtype < 8 ? names[dtype] : "?";
+}
+
+const char* op_label(int32_t op) {
+  const char* names[] = {"sum", "avg", "min", "max", "prod"};
+  return op >= 0 && op < 5 ? names[op] : "?";
+}
+
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+// Element i of rank r's buffer; small integers keep every dtype exact.
+double pattern(int r, long long i) { return static_cast<double>((r + 1) + (i % 5)); }
+
+void put(int32_t dtype, void* p, long long i, double v);
+double get(int32_t dtype, const void* p, long long i);
+
+struct Tensor {
+  dp_tensor* t = nullptr;
+  Tensor(int32_t dtype, long long n) {
+    int64_t shape[1] = {n};
+    if (dp_tensor_create(&t, dtype, 1, shape, dp_device{DP_DEVICE_CPU, 0}) != DP_OK) {
+      std::fprintf(stderr, "dp-perf: %s\n", dp_last_error());
+      std::exit(1);
+    }
+  }
+  ~Tensor() { dp_tensor_destroy(t); }
+  Tensor(const Tensor&) = delete;
+  Tensor& operator=(const Tensor&) = delete;
+  void* data() const { return dp_tensor_data(t); }
+};
+
+void fail_on(dp_status s, const char* what) {
+  if (s != DP_OK) {
+    std::fprintf(stderr, "dp-perf: %s failed: %s\n", what, dp_last_error());
+    std::exit(1);
+  }
+}
+
+}  // namespace
+
+namespace {
+
+uint16_t to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  // Exact for the small integers used here.
+  uint32_t sign = (x >> 16) & 0x8000u;
+  int32_t exp = static_cast<int32_t>((x >> 23) & 0xff) - 127 + 15;
+  if ((x & 0x7fffffffu) == 0) return static_cast<uint16_t>(sign);
+  return static_cast<uint16_t>(sign | (static_cast<uint32_t>(exp) << 10) | ((x >> 13) & 0x3ffu));
+}
+
+float from_half(uint16_t h) {
+  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  if (exp == 0 && mant == 0) {
+    float f;
+    std::memcpy(&f, &sign, 4);
+    return f;
+  }
+  uint32_t x = sign | ((exp - 15 + 127) << 23) | (mant << 13);
+  float f;
+  std::memcpy(&f, &x, 4);
+  return f;
+}
+
+void put(int32_t dtype, void* p, long long i, double v) {
+  switch (dtype) {
+    case DP_FLOAT32: static_cast<float*>(p)[i] = static_cast<float>(v); break;
+    case DP_FLOAT64: static_cast<double*>(p)[i] = v; break;
+    case DP_FLOAT16: static_cast<uint16_t*>(p)[i] = to_half(static_cast<float>(v)); break;
+    case DP_BFLOAT16: {
+      float f = static_cast<float>(v);
+      uint32_t x;
+      std::memcpy(&x, &f, 4);
+      static_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(x >> 16);
+      break;
+    }
+    case DP_INT8: static_cast<int8_t*>(p)[i] = static_cast<int8_t>(v); break;
+    case DP_UINT8: static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(v); break;
+    case DP_INT32: static_cast<int32_t*>(p)[i] = static_cast<int32_t>(v); break;
+    case DP_INT64: static_cast<int64_t*>(p)[i] = static_cast<int64_t>(v); break;
+  }
+}
+
+double get(int32_t dtype, const void* p, long long i) {
+  switch (dtype) {
+    case DP_FLOAT32: return static_cast<const float*>(p)[i];
+    case DP_FLOAT64: return static_cast<const double*>(p)[i];
+    case DP_FLOAT16: return from_half(static_cast<const uint16_t*>(p)[i]);
+    case DP_BFLOAT16: {
+      uint32_t x = static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16;
+      float f;
+      std::memcpy(&f, &x, 4);
+      return f;
+    }
+    case DP_INT8: return static_cast<const int8_t*>(p)[i];
+    case DP_UINT8: return static_cast<const uint8_t*>(p)[i];
+    case DP_INT32: return static_cast<const int32_t*>(p)[i];
+    case DP_INT64: return static_cast<double>(static_cast<const int64_t*>(p)[i]);
+  }
+  return NAN;
+}
+
+double reduce_expected(int32_t op, int world, long long i) {
+  double acc = pattern(0, i);
+  for (int r = 1; r < world; ++r) {
+    double v = pattern(r, i);
+    if (op == DP_SUM || op == DP_AVG) acc += v;
+    if (op == DP_MIN) acc = std::min(acc, v);
+    if (op == DP_MAX) acc = std::max(acc, v);
+    if (op == DP_PROD) acc *= v;
+  }
+  return op == DP_AVG ? acc / world : acc;
+}
+
+bool close_enough(int32_t dtype, double got, double want) {
+  if (dtype >= DP_INT8 && dtype <= DP_INT64) return got == std::trunc(want);
+  double tol = dtype == DP_FLOAT16 || dtype == DP_BFLOAT16 ? 1e-2 : 1e-6;
+  return std::fabs(got - want) <= tol * std::max(1.0, std::fabs(want));
+}
+
+}  // namespace
+
+int dp_perf_dist_main(const char* op_name, int argc, char** argv) {
+  std::string op = op_name;
+  if (op != "all_reduce" && op != "broadcast" && op != "all_gather" && op != "reduce_scatter") {
+    std::fprintf(stderr, "dp-perf: unknown collective '%s' (all_reduce, broadcast, all_gather, reduce_scatter)\n",
+                 op_name);
+    return 2;
+  }
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (i + 1 >= argc) {
+      std::fprintf(stderr, "dp-perf: option %s needs a value\n", a.c_str());
+      return 2;
+    }
+    const char* v = argv[++i];
+    if (a == "-b") o.min_bytes = parse_size(v);
+    else if (a == "-e") o.max_bytes = parse_size(v);
+    else if (a == "-f") o.factor = std::atof(v);
+    else if (a == "-t" || a == "-d") o.dtype = parse_dtype(v);  // -t as in single-process dp-perf
+    else if (a == "-o") {
+      std::string s = v;
+      o.op = s == "sum" ? DP_SUM : s == "avg" ? DP_AVG : s == "min" ? DP_MIN : s == "max" ? DP_MAX : s == "prod" ? DP_PROD : -1;
+    } else if (a == "-r") o.root = std::atoi(v);
+    else if (a == "-n") o.ops = std::atol(v);
+    else if (a == "-s") o.samples = std::atoi(v);
+    else if (a == "-w") o.warmup = std::atol(v);
+    else if (a == "-c") o.check = std::atoi(v) != 0;
+    else {
+      std::fprintf(stderr, "dp-perf: unknown option %s\n", a.c_str());
+      return 2;
+    }
+  }
+  if (o.dtype < 0 || o.op < 0 || o.min_bytes <= 0 || o.max_bytes < o.min_bytes || o.factor <= 1 || o.samples <= 0) {
+    std::fprintf(stderr, "dp-perf: bad options (dtype, op, -b/-e sizes, -f > 1, -s > 0)\n");
+    return 2;
+  }
+
+  dp_process_group* pg = nullptr;
+  fail_on(dp_process_group_create_from_env(&pg, nullptr), "creating the process group from the environment");
+  const int rank = dp_process_group_rank(pg), world = dp_process_group_size(pg);
+  const size_t esize = dp_dtype_size(o.dtype);
+  if (o.root < 0 || o.root >= world) {
+    std::fprintf(stderr, "dp-perf: -r %d is not a rank of this %d-rank job\n", o.root, world);
+    return 2;
+  }
+  if (rank == 0) {
+    std::printf("# dp-perf %s: %d ranks, backend %s, dtype %s, op %s, samples %d, GB = 1e9 B\n", op.c_str(), world,
+                dp_process_group_backend(pg), dtype_label(o.dtype), op_label(o.op), o.samples);
+    std::printf("# %10s %12s %8s %6s %6s %11s %11s %11s %11s %8s\n", "size(B)", "count", "type", "redop", "root",
+                "time(us)", "algbw(GB/s)", "busbw(GB/s)", "busbw_best", "#wrong");
+  }
+  long long total_wrong = 0;
+  for (double sz = static_cast<double>(o.min_bytes); sz <= static_cast<double>(o.max_bytes) * 1.0000001; sz *= o.factor) {
+    // Per-rank element count; all_gather and reduce_scatter sizes are whole buffers.
+    bool whole = op == "all_gather" || op == "reduce_scatter";
+    long long bytes = static_cast<long long>(sz);
+    long long count = bytes / static_cast<long long>(esize) / (whole ? world : 1);
+    if (count <= 0) continue;
+    bytes = count * static_cast<long long>(esize) * (whole ? world : 1);
+    Tensor buf(o.dtype, count);
+    std::vector<Tensor*> many;
+    for (int r = 0; r < (whole ? world : 0); ++r) many.push_back(new Tensor(o.dtype, count));
+    std::vector<dp_tensor*> handles;
+    for (Tensor* t : many) handles.push_back(t->t);
+    auto run = [&] {
+      if (op == "all_reduce") return dp_pg_all_reduce(pg, buf.t, o.op);
+      if (op == "broadcast") return dp_pg_broadcast(pg, buf.t, o.root);
+      if (op == "all_gather") return dp_pg_all_gather(pg, buf.t, handles.data(), handles.size());
+      return dp_pg_reduce_scatter(pg, handles.data(), handles.size(), buf.t, o.op);
+    };
+
+    long long wrong = 0;
+    if (o.check) {
+      for (long long i = 0; i < count; ++i) put(o.dtype, buf.data(), i, pattern(rank, i));
+      for (int r = 0; r < static_cast<int>(many.size()); ++r) {
+        for (long long i = 0; i < count; ++i) put(o.dtype, many[r]->data(), i, pattern(rank, i + r * count));
+      }
+    }
+    fail_on(run(), op.c_str());
+    if (o.check) {
+      for (long long i = 0; i < count; ++i) {
+        if (op == "all_reduce") wrong += !close_enough(o.dtype, get(o.dtype, buf.data(), i), reduce_expected(o.op, world, i));
+        if (op == "broadcast") wrong += !close_enough(o.dtype, get(o.dtype, buf.data(), i), pattern(o.root, i));
+        if (op == "reduce_scatter") {
+          wrong += !close_enough(o.dtype, get(o.dtype, buf.data(), i), reduce_expected(o.op, world, i + rank * count));
+        }
+      }
+      for (int r = 0; op == "all_gather" && r < world; ++r) {
+        for (long long i = 0; i < count; ++i) wrong += !close_enough(o.dtype, get(o.dtype, many[r]->data(), i), pattern(r, i));
+      }
+      std::memset(buf.data(), 0, static_cast<size_t>(count) * esize);
+      for (Tensor* t : many) std::memset(t->data(), 0, static_cast<size_t>(count) * esize);
+    }
+    long k = o.ops > 0 ? o.ops : std::max(1LL, std::min(200LL, (256LL << 20) / bytes));
+    long warm = o.warmup >= 0 ? o.warmup : std::max(2L, k / 10);
+    for (long w = 0; w < warm; ++w) fail_on(run(), op.c_str());
+    std::vector<double> t(static_cast<size_t>(o.samples));
+    for (int s = 0; s < o.samples; ++s) {
+      fail_on(dp_pg_barrier(pg), "barrier");
+      double t0 = now();
+      for (long j = 0; j < k; ++j) fail_on(run(), op.c_str());
+      t[static_cast<size_t>(s)] = (now() - t0) / static_cast<double>(k);
+    }
+    // The op is done when the slowest rank is: the maximum over ranks.
+    int64_t shape[1] = {o.samples + 1};
+    dp_tensor* times = nullptr;
+    fail_on(dp_tensor_create(&times, DP_FLOAT64, 1, shape, dp_device{DP_DEVICE_CPU, 0}), "tensor");
+    std::memcpy(dp_tensor_data(times), t.data(), t.size() * sizeof(double));
+    static_cast<double*>(dp_tensor_data(times))[o.samples] = static_cast<double>(wrong);
+    fail_on(dp_pg_all_reduce(pg, times, DP_MAX), "all_reduce of the timings");
+    std::memcpy(t.data(), dp_tensor_data(times), t.size() * sizeof(double));
+    wrong = static_cast<long long>(static_cast<double*>(dp_tensor_data(times))[o.samples]);
+    dp_tensor_destroy(times);
+    total_wrong += wrong;
+    for (Tensor* m : many) delete m;
+
+    std::sort(t.begin(), t.end());
+    double med = t[t.size() / 2], best = t[0];
+    double factor = op == "all_reduce" ? 2.0 * (world - 1) / world : op == "broadcast" ? 1.0 : double(world - 1) / world;
+    double algbw = static_cast<double>(bytes) / med / 1e9;
+    if (rank == 0) {
+      std::printf("  %10lld %12lld %8s %6s %6d %11.1f %11.3f %11.3f %11.3f %8lld\n", bytes, count * (whole ? world : 1),
+                  dtype_label(o.dtype), op == "all_reduce" || op == "reduce_scatter" ? op_label(o.op) : "none",
+                  op == "broadcast" ? o.root : -1, med * 1e6, algbw, algbw * factor,
+                  static_cast<double>(bytes) / best / 1e9 * factor, wrong);
+      std::fflush(stdout);
+    }
+  }
+  if (rank == 0) std::printf("# out of bounds values: %lld %s\n", total_wrong, total_wrong == 0 ? "OK" : "FAILED");
+  dp_process_group_destroy(pg);
+  return total_wrong == 0 ? 0 : 1;
+}

@@ -1,0 +1,379 @@
+// dp_dist.h: stores, process groups and their work.
+#include <cstdlib>
+#include <cstring>
+
+#include "capi/dist_internal.h"
+#include "distributed/launch_env.h"
+#include "distributed/store/file_store.h"
+#include "distributed/store/tcp_store.h"
+
+using namespace dparallel;
+
+static_assert(DP_BACKEND_NCCL == static_cast<int32_t>(dist::Backend::kNccl));
+static_assert(DP_PROD == static_cast<int32_t>(dist::ReduceOp::kProd) && DP_AVG == static_cast<int32_t>(dist::ReduceOp::kAvg));
+
+namespace dparallel::capi {
+
+dist::Store& store_arg(const dp_store* handle, const char* name) {
+  if (handle == nullptr) null_argument(name);
+  if (handle->tag != kStoreTag) fail_invalid("argument '", name, "' is not a live dp_store handle (destroyed, or another type)");
+  return *handle->store;
+}
+
+dist::ProcessGroup& group_arg(const dp_process_group* handle, const char* name) {
+  if (handle == nullptr) null_argument(name);
+  if (handle->tag != kGroupTag) {
+    fail_invalid("argument '", name, "' is not a live dp_process_group handle (destroyed, or another type)");
+  }
+  return *handle->group;
+}
+
+}  // namespace dparallel::capi
+
+namespace {
+
+dist::Work& work_arg(const dp_work* handle) {
+  if (handle == nullptr) capi::null_argument("work");
+  if (handle->tag != kWorkTag) fail_invalid("argument 'work' is not a live dp_work handle (destroyed, or another type)");
+  return *handle->work;
+}
+
+std::string key_arg(const char* key, const char* name) {
+  capi::require_arg(key, name);
+  if (*key == '\0') fail_invalid("argument '", name, "' is empty");
+  return key;
+}
+
+dist::Millis timeout_arg(int32_t timeout_ms, const char* name) {
+  if (timeout_ms <= 0) fail_invalid("argument '", name, "' is ", timeout_ms, "; it must be > 0");
+  return dist::Millis(timeout_ms);
+}
+
+std::string env_token() {
+  const char* token = std::getenv("DP_STORE_TOKEN");
+  return token == nullptr ? std::string() : std::string(token);
+}
+
+dp_process_group_options options_arg(const dp_process_group_options* opts) {
+  dp_process_group_options o = DP_PROCESS_GROUP_OPTIONS_INIT;
+  if (opts == nullptr) return o;
+  if (opts->struct_size < sizeof(size_t)) {
+    fail_invalid("argument 'opts' has struct_size ", opts->struct_size, "; initialise it with DP_PROCESS_GROUP_OPTIONS_INIT");
+  }
+  std::memcpy(&o, opts, std::min(opts->struct_size, sizeof(o)));
+  o.struct_size = sizeof(o);
+  return o;
+}
+
+dp_process_group* new_group(dp_process_group_options o, const dist::LaunchEnv* env) {
+  dist::ProcessGroupOptions options;
+  if (o.backend < 0 || o.backend > DP_BACKEND_NCCL) {
+    fail_invalid("argument 'opts->backend' is ", o.backend, "; it must be DP_BACKEND_AUTO, DP_BACKEND_GLOO or DP_BACKEND_NCCL");
+  }
+  options.backend = static_cast<dist::Backend>(o.backend);
+  options.rank = env != nullptr ? env->rank : o.rank;
+  options.world_size = env != nullptr ? env->world_size : o.world_size;
+  if (options.world_size <= 0) fail_invalid("argument 'opts->world_size' is ", options.world_size, "; it must be >= 1");
+  if (options.rank < 0 || options.rank >= options.world_size) {
+    fail_invalid("argument 'opts->rank' is ", options.rank, "; it must be in 0..", options.world_size - 1,
+                 " (world size ", options.world_size, ")");
+  }
+  options.timeout = timeout_arg(o.timeout_ms, "opts->timeout_ms");
+  if (o.backend == DP_BACKEND_GLOO && o.device.type != DP_DEVICE_CPU) {
+    fail_invalid("argument 'opts->device' is not a cpu device, but the Gloo backend works on cpu tensors; use DP_BACKEND_NCCL");
+  }
+  if (o.backend == DP_BACKEND_NCCL && o.device.type != DP_DEVICE_CUDA) {
+    fail_invalid("argument 'opts->device' is not a cuda device, but the NCCL backend works on cuda tensors; use DP_BACKEND_GLOO");
+  }
+  options.device = capi::device_arg(o.device, "opts->device");
+  if (o.store != nullptr) {
+    if (o.store->tag != kStoreTag) fail_invalid("argument 'opts->store' is not a live dp_store handle");
+    options.store = o.store->store;
+  } else {
+    dist::LaunchEnv master = env != nullptr && !env->master_addr.empty() ? *env : dist::read_launch_env(true);
+    dist::TcpStoreOptions store_options;
+    store_options.host = master.master_addr;
+    store_options.port = master.master_port;
+    store_options.is_server = options.rank == 0;
+    store_options.timeout = options.timeout;
+    store_options.token = env_token();
+    options.store = std::make_shared<dist::TcpStore>(store_options);
+    options.master_addr = master.master_addr;
+  }
+  if (options.master_addr.empty()) {
+    const char* addr = std::getenv("MASTER_ADDR");
+    if (addr != nullptr) options.master_addr = addr;
+  }
+  auto* handle = new dp_process_group();
+  try {
+    handle->group = dist::create_process_group(std::move(options));
+  } catch (...) {
+    delete handle;
+    throw;
+  }
+  return handle;
+}
+
+dp_status export_work(std::shared_ptr<dist::Work> work, dp_work** out) {
+  auto* handle = new dp_work();
+  handle->work = std::move(work);
+  *out = handle;
+  return DP_OK;
+}
+
+}  // namespace
+
+extern "C" {
+
+dp_status dp_store_create_file(dp_store** out, const char* path, int32_t world_size) {
+  DP_API_BEGIN
+  capi::require_arg(out, "out");
+  *out = nullptr;
+  capi::require_arg(path, "path");
+  auto store = std::make_shared<dist::FileStore>(path, world_size);
+  *out = new dp_store{kStoreTag, store};
+  DP_API_END
+}
+
+dp_status dp_store_create_tcp(dp_store** out, const char* host, uint16_t port, int32_t world_size, int is_server,
+                              int32_t timeout_ms) {
+  DP_API_BEGIN
+  capi::require_arg(out, "out");
+  *out = nullptr;
+  capi::require_arg(host, "host");
+  if (world_size <= 0) fail_invalid("argument 'world_size' is ", world_size, "; it must be >= 1");
+  dist::TcpStoreOptions options;
+  options.host = host;
+  options.port = port;
+  options.is_server = is_server != 0;
+  options.timeout = timeout_arg(timeout_ms, "timeout_ms");
+  options.token = env_token();
+  auto store = std::make_shared<dist::TcpStore>(options);
+  *out = new dp_store{kStoreTag, store};
+  DP_API_END
+}
+
+dp_status dp_store_set(dp_store* store, const char* key, const void* value, size_t len) {
+  DP_API_BEGIN
+  dist::Store& s = capi::store_arg(store, "store");
+  std::string k = key_arg(key, "key");
+  if (len > 0 && value == nullptr) fail_invalid("argument 'value' is NULL but 'len' is ", len);
+  const auto* bytes = static_cast<const uint8_t*>(value);
+  s.set(k, len == 0 ? dist::Bytes() : dist::Bytes(bytes, bytes + len));
+  DP_API_END
+}
+
+dp_status dp_store_get(dp_store* store, const char* key, void* buf, size_t cap, size_t* len_out) {
+  DP_API_BEGIN
+  dist::Store& s = capi::store_arg(store, "store");
+  std::string k = key_arg(key, "key");
+  capi::require_arg(len_out, "len_out");
+  if (buf == nullptr && cap > 0) fail_invalid("argument 'buf' is NULL but 'cap' is ", cap);
+  dist::Bytes value = s.get(k, s.default_timeout());
+  if (buf != nullptr || cap > 0) {
+    if (cap < value.size()) {
+      fail_invalid("the value of key '", k, "' is ", value.size(), " bytes but 'cap' is ", cap);
+    }
+    if (!value.empty()) std::memcpy(buf, value.data(), value.size());
+  }
+  *len_out = value.size();
+  DP_API_END
+}
+
+dp_status dp_store_add(dp_store* store, const char* key, int64_t delta, int64_t* out) {
+  DP_API_BEGIN
+  dist::Store& s = capi::store_arg(store, "store");
+  std::string k = key_arg(key, "key");
+  int64_t value = s.add(k, delta);
+  if (out != nullptr) *out = value;
+  DP_API_END
+}
+
+dp_status dp_store_wait(dp_store* store, const char* const* keys, size_t nkeys, int32_t timeout_ms) {
+  DP_API_BEGIN
+  dist::Store& s = capi::store_arg(store, "store");
+  if (nkeys > 0 && keys == nullptr) fail_invalid("argument 'keys' is NULL but 'nkeys' is ", nkeys);
+  std::vector<std::string> list;
+  for (size_t i = 0; i < nkeys; ++i) list.push_back(key_arg(keys[i], str_cat("keys[", i, "]").c_str()));
+  s.wait(list, timeout_ms < 0 ? s.default_timeout() : dist::Millis(timeout_ms));
+  DP_API_END
+}
+
+void dp_store_destroy(dp_store* store) {
+  if (store == nullptr || store->tag != kStoreTag) return;
+  store->tag = 0;
+  delete store;
+}
+
+dp_status dp_store_tcp_port(const dp_store* store, uint16_t* out) {
+  DP_API_BEGIN
+  capi::require_arg(out, "out");
+  const auto* tcp = dynamic_cast<const dist::TcpStore*>(&capi::store_arg(store, "store"));
+  if (tcp == nullptr) fail_invalid("argument 'store' is a file store; only TCP stores have a port");
+  *out = tcp->port();
+  DP_API_END
+}
+
+dp_status dp_store_set_timeout(dp_store* store, int32_t timeout_ms) {
+  DP_API_BEGIN
+  capi::store_arg(store, "store").set_default_timeout(timeout_arg(timeout_ms, "timeout_ms"));
+  DP_API_END
+}
+
+dp_status dp_process_group_options_init(dp_process_group_options* opts) {
+  DP_API_BEGIN
+  capi::require_arg(opts, "opts");
+  *opts = DP_PROCESS_GROUP_OPTIONS_INIT;
+  DP_API_END
+}
+
+dp_status dp_process_group_create(dp_process_group** out, const dp_process_group_options* opts) {
+  DP_API_BEGIN
+  capi::require_arg(out, "out");
+  *out = nullptr;
+  capi::require_arg(opts, "opts");
+  *out = new_group(options_arg(opts), nullptr);
+  DP_API_END
+}
+
+dp_status dp_process_group_create_from_env(dp_process_group** out, const dp_process_group_options* opts) {
+  DP_API_BEGIN
+  capi::require_arg(out, "out");
+  *out = nullptr;
+  dp_process_group_options o = options_arg(opts);
+  dist::LaunchEnv env = dist::read_launch_env(o.store == nullptr);
+  *out = new_group(o, &env);
+  DP_API_END
+}
+
+int32_t dp_process_group_rank(const dp_process_group* pg) {
+  DP_API_BEGIN
+  return capi::group_arg(pg, "pg").rank();
+  DP_API_END_VALUE(-1)
+}
+
+int32_t dp_process_group_size(const dp_process_group* pg) {
+  DP_API_BEGIN
+  return capi::group_arg(pg, "pg").size();
+  DP_API_END_VALUE(-1)
+}
+
+const char* dp_process_group_backend(const dp_process_group* pg) {
+  DP_API_BEGIN
+  return capi::group_arg(pg, "pg").backend_name();
+  DP_API_END_VALUE(nullptr)
+}
+
+void dp_process_group_destroy(dp_process_group* pg) {
+  if (pg == nullptr || pg->tag != kGroupTag) return;
+  pg->tag = 0;
+  try {
+    pg->group.reset();
+  } catch (...) {
+    // Leaving the group cannot fail in a way the caller could act on.
+  }
+  delete pg;
+}
+
+dp_status dp_pg_all_reduce(dp_process_group* pg, dp_tensor* tensor, int32_t op) {
+  DP_API_BEGIN
+  capi::group_arg(pg, "pg").all_reduce(capi::tensor_arg(tensor, "tensor"), dist::reduce_op_arg(op, "op"), false);
+  DP_API_END
+}
+
+dp_status dp_pg_all_reduce_async(dp_process_group* pg, dp_tensor* tensor, int32_t op, dp_work** out) {
+  DP_API_BEGIN
+  capi::require_arg(out, "out");
+  *out = nullptr;
+  auto work = capi::group_arg(pg, "pg").all_reduce(capi::tensor_arg(tensor, "tensor"), dist::reduce_op_arg(op, "op"), true);
+  return export_work(std::move(work), out);
+  DP_API_END
+}
+
+dp_status dp_pg_broadcast(dp_process_group* pg, dp_tensor* tensor, int32_t root) {
+  DP_API_BEGIN
+  capi::group_arg(pg, "pg").broadcast(capi::tensor_arg(tensor, "tensor"), root, false);
+  DP_API_END
+}
+
+dp_status dp_pg_broadcast_async(dp_process_group* pg, dp_tensor* tensor, int32_t root, dp_work** out) {
+  DP_API_BEGIN
+  capi::require_arg(out, "out");
+  *out = nullptr;
+  return export_work(capi::group_arg(pg, "pg").broadcast(capi::tensor_arg(tensor, "tensor"), root, true), out);
+  DP_API_END
+}
+
+dp_status dp_pg_all_gather(dp_process_group* pg, const dp_tensor* input, dp_tensor* const* outputs, size_t noutputs) {
+  DP_API_BEGIN
+  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
+  group.all_gather(capi::tensor_arg(input, "input"), capi::tensors_arg(outputs, noutputs, "outputs"), false);
+  DP_API_END
+}
+
+dp_status dp_pg_all_gather_async(dp_process_group* pg, const dp_tensor* input, dp_tensor* const* outputs,
+                                 size_t noutputs, dp_work** out) {
+  DP_API_BEGIN
+  capi::require_arg(out, "out");
+  *out = nullptr;
+  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
+  return export_work(group.all_gather(capi::tensor_arg(input, "input"), capi::tensors_arg(outputs, noutputs, "outputs"), true),
+                     out);
+  DP_API_END
+}
+
+dp_status dp_pg_reduce_scatter(dp_process_group* pg, const dp_tensor* const* inputs, size_t ninputs,
+                               dp_tensor* output, int32_t op) {
+  DP_API_BEGIN
+  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
+  group.reduce_scatter(capi::tensors_arg(inputs, ninputs, "inputs"), capi::tensor_arg(output, "output"),
+                       dist::reduce_op_arg(op, "op"), false);
+  DP_API_END
+}
+
+dp_status dp_pg_reduce_scatter_async(dp_process_group* pg, const dp_tensor* const* inputs, size_t ninputs,
+                                     dp_tensor* output, int32_t op, dp_work** out) {
+  DP_API_BEGIN
+  capi::require_arg(out, "out");
+  *out = nullptr;
+  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
+  return export_work(group.reduce_scatter(capi::tensors_arg(inputs, ninputs, "inputs"),
+                                          capi::tensor_arg(output, "output"), dist::reduce_op_arg(op, "op"), true),
+                     out);
+  DP_API_END
+}
+
+dp_status dp_pg_barrier(dp_process_group* pg) {
+  DP_API_BEGIN
+  capi::group_arg(pg, "pg").barrier(false);
+  DP_API_END
+}
+
+dp_status dp_pg_barrier_async(dp_process_group* pg, dp_work** out) {
+  DP_API_BEGIN
+  capi::require_arg(out, "out");
+  *out = nullptr;
+  return export_work(capi::group_arg(pg, "pg").barrier(true), out);
+  DP_API_END
+}
+
+dp_status dp_work_wait(dp_work* work) {
+  DP_API_BEGIN
+  work_arg(work).wait();
+  DP_API_END
+}
+
+dp_status dp_work_test(dp_work* work, int* done) {
+  DP_API_BEGIN
+  capi::require_arg(done, "done");
+  *done = work_arg(work).done() ? 1 : 0;
+  DP_API_END
+}
+
+void dp_work_destroy(dp_work* work) {
+  if (work == nullptr || work->tag != kWorkTag) return;
+  work->tag = 0;
+  delete work;
+}
+
+}  // extern "C"

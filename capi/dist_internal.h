@@ -1,0 +1,34 @@
+// The distributed handles, shared by the capi/ files that take them.
+#pragma once
+
+#include <memory>
+
+#include "capi/capi_internal.h"
+#include "distributed/process_group.h"
+#include "dparallel/dp_dist.h"
+
+constexpr uint64_t kStoreTag = 0x6470'7374'6f72'6521ull;    // "dpstore!"
+constexpr uint64_t kGroupTag = 0x6470'7072'6f63'6772ull;    // "dpprocgr"
+constexpr uint64_t kWorkTag = 0x6470'776f'726b'2121ull;     // "dpwork!!"
+
+struct dp_store {
+  uint64_t tag = kStoreTag;
+  std::shared_ptr<dparallel::dist::Store> store;
+};
+
+struct dp_process_group {
+  uint64_t tag = kGroupTag;
+  std::shared_ptr<dparallel::dist::ProcessGroup> group;
+};
+
+struct dp_work {
+  uint64_t tag = kWorkTag;
+  std::shared_ptr<dparallel::dist::Work> work;
+};
+
+namespace dparallel::capi {
+
+dist::Store& store_arg(const dp_store* handle, const char* name);
+dist::ProcessGroup& group_arg(const dp_process_group* handle, const char* name);
+
+}  // namespace dparallel::capi

@@ -1,0 +1,142 @@
+/* dparallel — collectives across processes and machines: stores, process
+ * groups (Gloo for cpu tensors, NCCL for cuda tensors) and their async work.
+ *
+ * Semantics follow PyTorch's c10d. Every rank of a group must issue the same
+ * collectives in the same order with the same sizes; a mismatch is an error
+ * on every rank (DP_EINVAL for sizes and arguments), never a hang or silent
+ * corruption. Every blocking call honours the group's timeout: when a peer
+ * dies or stops answering, the call fails with DP_ETIMEOUT or DP_EREMOTE,
+ * naming the collective, the tensor and the ranks that did not arrive, and
+ * the group is then broken (later collectives fail with DP_ESTATE) but can
+ * still be destroyed.
+ *
+ * A Gloo group sets SIGPIPE to be ignored when it is at its default action:
+ * Gloo writes to sockets without MSG_NOSIGNAL, and a peer's death must fail
+ * the collective rather than kill this process.
+ *
+ * Environment: DP_STORE_TOKEN (a job token the TCP store requires of every
+ * client), DP_SOCKET_IFNAME (the network interface Gloo uses; default
+ * loopback when the store is on a loopback address, else this host's name).
+ *
+ * Thread safety:
+ * - dp_store: safe to use from any number of threads at once.
+ * - dp_process_group: calls from several threads are serialised; the
+ *   collectives run in the order the calls were made. Destroying a group
+ *   while another thread uses that same handle is the caller's to prevent.
+ * - dp_work: one thread at a time per handle.
+ */
+#ifndef DPARALLEL_DP_DIST_H
+#define DPARALLEL_DP_DIST_H
+
+#include "dparallel/dp_base.h"
+#include "dparallel/dp_tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- stores: the contract of c10d's stores ---- */
+typedef struct dp_store dp_store;
+
+/* A store in the file at `path` on a filesystem every rank sees. The last of
+ * `world_size` users to destroy it removes the file. Its default timeout of
+ * get and wait is 300000 ms (see dp_store_set_timeout). */
+DP_API dp_status dp_store_create_file(dp_store **out, const char *path, int32_t world_size);
+/* A TCP store. With `is_server`, this process serves it on `host`:`port`
+ * (bound to that address only; port 0 picks a free one, see
+ * dp_store_tcp_port) and is also a client. Clients connect, retrying until
+ * `timeout_ms`, which also bounds each request and is the default timeout
+ * of get and wait. `world_size` must be >= 1; the server does not wait for
+ * that many clients (the process group's rendezvous does). With DP_STORE_TOKEN set, the server refuses (and logs)
+ * clients whose DP_STORE_TOKEN differs: their create fails with DP_EREMOTE.
+ * Malformed or oversized messages close that client's connection only. */
+DP_API dp_status dp_store_create_tcp(dp_store **out, const char *host, uint16_t port,
+                                     int32_t world_size, int is_server, int32_t timeout_ms);
+DP_API dp_status dp_store_set(dp_store *store, const char *key, const void *value, size_t len);
+/* Waits up to the store's timeout for `key`, then copies its value into
+ * `buf` and its length into `*len_out`. With buf NULL and cap 0 it only
+ * reports the length; a `cap` smaller than the value is DP_EINVAL (the
+ * message gives the length). */
+DP_API dp_status dp_store_get(dp_store *store, const char *key, void *buf, size_t cap, size_t *len_out);
+/* Adds `delta` to the integer at `key` (0 when absent); `out` (may be NULL)
+ * receives the new value. */
+DP_API dp_status dp_store_add(dp_store *store, const char *key, int64_t delta, int64_t *out);
+/* Waits until every key exists: DP_ETIMEOUT (naming the missing keys) after
+ * `timeout_ms`; a negative timeout_ms means the store's timeout. */
+DP_API dp_status dp_store_wait(dp_store *store, const char *const *keys, size_t nkeys, int32_t timeout_ms);
+DP_API void dp_store_destroy(dp_store *store);
+
+/* ---- process groups ---- */
+typedef enum dp_backend { DP_BACKEND_AUTO = 0, DP_BACKEND_GLOO = 1, DP_BACKEND_NCCL = 2 } dp_backend;
+typedef enum dp_reduce_op { DP_SUM = 0, DP_AVG = 1, DP_MIN = 2, DP_MAX = 3, DP_PROD = 4 } dp_reduce_op;
+typedef struct dp_process_group_options {
+  size_t struct_size;
+  int32_t backend;    /* dp_backend; AUTO: NCCL for a cuda device, Gloo for cpu */
+  int32_t rank;
+  int32_t world_size;
+  dp_store *store;    /* NULL: a TCP store at MASTER_ADDR:MASTER_PORT, served by rank 0 */
+  int32_t timeout_ms; /* default 300000 */
+  dp_device device;   /* the device this rank's tensors live on */
+} dp_process_group_options;
+#define DP_PROCESS_GROUP_OPTIONS_INIT \
+  { sizeof(dp_process_group_options), DP_BACKEND_AUTO, -1, -1, NULL, 300000, { DP_DEVICE_CPU, 0 } }
+DP_API dp_status dp_process_group_options_init(dp_process_group_options *opts);
+typedef struct dp_process_group dp_process_group;
+/* Joins the group: every rank calls it with the same world size and store.
+ * The group holds its own reference to the store. */
+DP_API dp_status dp_process_group_create(dp_process_group **out, const dp_process_group_options *opts);
+/* As dp_process_group_create, with rank and world size from torchrun's
+ * RANK, WORLD_SIZE, LOCAL_RANK or mpirun's OMPI_COMM_WORLD_RANK, _SIZE,
+ * _LOCAL_RANK, and the store (when opts->store is NULL) at MASTER_ADDR,
+ * MASTER_PORT. A missing variable is DP_EINVAL naming it. */
+DP_API dp_status dp_process_group_create_from_env(dp_process_group **out,
+                                                  const dp_process_group_options *opts /* may be NULL */);
+/* -1 (and dp_last_error set) for a NULL or invalid handle. */
+DP_API int32_t dp_process_group_rank(const dp_process_group *pg);
+DP_API int32_t dp_process_group_size(const dp_process_group *pg);
+/* Waits for this handle's queued collectives (each bounded by the timeout),
+ * then leaves the group; NULL is accepted. */
+DP_API void dp_process_group_destroy(dp_process_group *pg);
+
+/* ---- collectives: in place; every rank passes tensors of equal sizes ---- */
+typedef struct dp_work dp_work;
+/* DP_AVG divides the sum by the world size (integers truncate; not for bool).
+ * On bool tensors SUM and MAX are logical or, PROD and MIN logical and. */
+DP_API dp_status dp_pg_all_reduce(dp_process_group *pg, dp_tensor *tensor, int32_t op);
+DP_API dp_status dp_pg_all_reduce_async(dp_process_group *pg, dp_tensor *tensor, int32_t op, dp_work **out);
+DP_API dp_status dp_pg_broadcast(dp_process_group *pg, dp_tensor *tensor, int32_t root);
+/* outputs[r] receives rank r's input; each has the input's dtype and numel. */
+DP_API dp_status dp_pg_all_gather(dp_process_group *pg, const dp_tensor *input,
+                                  dp_tensor *const *outputs, size_t noutputs /* = world size */);
+/* output = reduction over ranks of their inputs[this rank]. */
+DP_API dp_status dp_pg_reduce_scatter(dp_process_group *pg, const dp_tensor *const *inputs,
+                                      size_t ninputs /* = world size */, dp_tensor *output, int32_t op);
+DP_API dp_status dp_pg_barrier(dp_process_group *pg);
+/* The collective's status (and message) once it has finished. */
+DP_API dp_status dp_work_wait(dp_work *work);
+/* *done = 1 once finished (then dp_work_wait returns at once), else 0. */
+DP_API dp_status dp_work_test(dp_work *work, int *done);
+/* Drops the handle; the collective still completes. NULL is accepted. */
+DP_API void dp_work_destroy(dp_work *work);
+
+/* Additions beyond the base contract. */
+
+/* The port a TCP store serves or is connected to (the free port picked
+ * when it was created with port 0). DP_EINVAL for a file store. */
+DP_API dp_status dp_store_tcp_port(const dp_store *store, uint16_t *out);
+/* Sets the default timeout of get and wait (and of each TCP request). */
+DP_API dp_status dp_store_set_timeout(dp_store *store, int32_t timeout_ms);
+DP_API dp_status dp_pg_broadcast_async(dp_process_group *pg, dp_tensor *tensor, int32_t root, dp_work **out);
+DP_API dp_status dp_pg_all_gather_async(dp_process_group *pg, const dp_tensor *input, dp_tensor *const *outputs,
+                                        size_t noutputs, dp_work **out);
+DP_API dp_status dp_pg_reduce_scatter_async(dp_process_group *pg, const dp_tensor *const *inputs, size_t ninputs,
+                                            dp_tensor *output, int32_t op, dp_work **out);
+DP_API dp_status dp_pg_barrier_async(dp_process_group *pg, dp_work **out);
+/* "gloo" or "nccl" (static text); NULL for an invalid handle. */
+DP_API const char *dp_process_group_backend(const dp_process_group *pg);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DPARALLEL_DP_DIST_H */

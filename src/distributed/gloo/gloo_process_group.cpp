@@ -1,0 +1,577 @@
+// The Gloo backend: Gloo's TCP transport and algorithms for cpu tensors.
+//
+// Before every collective the ranks exchange a fixed-size slab: a header
+// (collective, dtype, element count, root, op, sequence number) and, for
+// payloads up to kInlineBytes, the data itself. Headers that differ are an
+// error on every rank, so Gloo never sees mismatched sizes (its receive path
+// enforces them on its own thread, which would abort the process). Small
+// collectives finish within that one exchange: every rank reduces the slabs
+// in rank order, so all get bitwise the same result.
+//
+// The slabs travel through Gloo's ring all-gather with buffers registered
+// once (its lowest-latency path), on a context of their own: that path pins
+// its sockets' send buffer to the message size, which would slow the large
+// transfers on the main context (and the slab context's sockets are read
+// synchronously, see the constructor). Two rings alternate, so a peer that is one
+// collective ahead never writes into slabs this rank is still reading.
+// Medium payloads (up to kMaxBlockBytes, while world size x block stays
+// within kBlockBudget) take a second such all-gather in power-of-two block
+// sizes instead of Gloo's per-call algorithms, whose handshakes cost more
+// than the data at these sizes.
+#include <gloo/allgather.h>
+#include <gloo/allgather_ring.h>
+#include <gloo/allreduce.h>
+#include <gloo/broadcast.h>
+#include <gloo/common/error.h>
+#include <gloo/common/logging.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/prefix_store.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/device.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <thread>
+
+#include "core/error.h"
+#include "distributed/process_group.h"
+#include "distributed/reduce_ops.h"
+#include "distributed/store/socket.h"
+
+namespace dparallel::dist {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr size_t kInlineBytes = 4096;
+constexpr uint32_t kMagic = 0x64704731;  // "dpG1"
+// How long a failed rank listens for the others' failure reports: until none is
+// new for kReportQuiet, kReportLimit at most; no request starts in the last
+// kLastRequest.
+constexpr Millis kReportQuiet{300};
+constexpr Millis kReportLimit{700};
+constexpr Millis kLastRequest{100};
+// How long a healthy group's destruction waits for the other ranks to leave.
+constexpr Millis kLeaveBound{5000};
+
+enum class OpKind : uint32_t { kAllReduce = 1, kBroadcast = 2, kAllGather = 3, kReduceScatter = 4, kBarrier = 5 };
+
+const char* op_kind_name(uint32_t kind) {
+  switch (static_cast<OpKind>(kind)) {
+    case OpKind::kAllReduce: return "all_reduce";
+    case OpKind::kBroadcast: return "broadcast";
+    case OpKind::kAllGather: return "all_gather";
+    case OpKind::kReduceScatter: return "reduce_scatter";
+    case OpKind::kBarrier: return "barrier";
+  }
+  return "unknown collective";
+}
+
+struct Header {
+  uint32_t magic;
+  uint32_t kind;
+  int32_t dtype;
+  int32_t op;
+  int32_t root;
+  int32_t rank;
+  int64_t numel;
+  uint64_t seq;
+  uint8_t reserved[24];
+};
+static_assert(sizeof(Header) == 64, "the header is part of the wire format");
+constexpr size_t kSlabBytes = sizeof(Header) + kInlineBytes;
+constexpr size_t kMinBlockBytes = 8192;
+constexpr size_t kMaxBlockBytes = 256 << 10;
+constexpr size_t kBlockBudget = 1 << 20;
+
+// An all-gather of fixed-size blocks over Gloo's ring with registered
+// buffers; two rings alternate (see above). All ranks must create their
+// exchanges in the same order.
+class BlockExchange {
+ public:
+  BlockExchange(const std::shared_ptr<gloo::Context>& context, int32_t rank, int32_t size, size_t block_bytes)
+      : rank_(rank), block_bytes_(block_bytes), send_(block_bytes) {
+    for (auto& r : recv_) r.resize(block_bytes * static_cast<size_t>(size));
+    if (size == 1) return;
+    for (int i = 0; i < 2; ++i) {
+      rings_[i] = std::make_unique<gloo::AllgatherRing<uint8_t>>(
+          context, std::vector<const uint8_t*>{send_.data()}, recv_[i].data(), static_cast<int>(block_bytes));
+    }
+  }
+
+  size_t block_bytes() const { return block_bytes_; }
+  uint8_t* send() { return send_.data(); }
+  // Rank r's block of the last run.
+  uint8_t* block(int32_t r) { return recv_[phase_].data() + block_bytes_ * static_cast<size_t>(r); }
+
+  void run() {
+    phase_ ^= 1;
+    if (rings_[phase_] == nullptr) {
+      std::memcpy(block(rank_), send_.data(), block_bytes_);
+    } else {
+      rings_[phase_]->run();
+    }
+  }
+
+ private:
+  int32_t rank_;
+  size_t block_bytes_;
+  std::vector<uint8_t> send_;
+  std::vector<uint8_t> recv_[2];
+  std::unique_ptr<gloo::AllgatherRing<uint8_t>> rings_[2];
+  int phase_ = 0;
+};
+
+// Our store as Gloo's rendezvous store.
+class GlooStore : public gloo::rendezvous::Store {
+ public:
+  GlooStore(std::shared_ptr<dist::Store> store, Millis timeout) : store_(std::move(store)), timeout_(timeout) {}
+  void set(const std::string& key, const std::vector<char>& data) override {
+    store_->set(key, Bytes(data.begin(), data.end()));
+  }
+  std::vector<char> get(const std::string& key) override {
+    Bytes value = store_->get(key, timeout_);
+    return std::vector<char>(value.begin(), value.end());
+  }
+  void wait(const std::vector<std::string>& keys) override { store_->wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    store_->wait(keys, timeout);
+  }
+
+ private:
+  std::shared_ptr<dist::Store> store_;
+  Millis timeout_;
+};
+
+gloo::transport::tcp::attr transport_attr(const ProcessGroupOptions& options) {
+  gloo::transport::tcp::attr attr;
+  const char* ifname = std::getenv("DP_SOCKET_IFNAME");
+  if (ifname != nullptr && *ifname != '\0') {
+    attr.iface = ifname;
+  } else if (options.master_addr.empty() || net::is_loopback_host(options.master_addr)) {
+    attr.hostname = "127.0.0.1";
+  } else {
+    char host[256] = {0};
+    if (::gethostname(host, sizeof(host) - 1) != 0) fail(StatusCode::kIo, "gethostname failed");
+    attr.hostname = host;
+  }
+  return attr;
+}
+
+// Gloo writes to sockets without MSG_NOSIGNAL: a peer's death would kill
+// this process with SIGPIPE instead of failing the collective.
+void ignore_sigpipe() {
+  struct sigaction current {};
+  if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    struct sigaction ignore {};
+    ignore.sa_handler = SIG_IGN;
+    ::sigaction(SIGPIPE, &ignore, nullptr);
+  }
+}
+
+class GlooProcessGroup : public ProcessGroup {
+ public:
+  explicit GlooProcessGroup(const ProcessGroupOptions& options)
+      : ProcessGroup(options.rank, options.world_size, options.device, options.timeout), store_(options.store) {
+    ignore_sigpipe();
+    int64_t generation = store_->add(str_cat("dp/pg_count/", rank()), 1);
+    prefix_ = str_cat("dp/pg", generation, "/");
+    auto attr = transport_attr(options);
+    try {
+      device_ = gloo::transport::tcp::CreateDevice(attr);
+      auto context = std::make_shared<gloo::rendezvous::Context>(rank(), size());
+      context->setTimeout(timeout());
+      GlooStore gloo_store(store_, timeout());
+      gloo::rendezvous::PrefixStore prefixed(prefix_ + "gloo", gloo_store);
+      context->connectFullMesh(prefixed, device_);
+      context_ = context;
+      if (size() > 1) {
+        slab_context_ = connect(gloo_store, "gloo_slabs");
+        block_context_ = connect(gloo_store, "gloo_blocks");
+        // The slabs are read by the waiting thread itself, without a hand-off
+        // through Gloo's event thread; they are small enough for the socket
+        // buffers, so the blocking sends of this mode cannot stall.
+        for (int32_t r = 0; r < size(); ++r) {
+          if (r != rank()) slab_context_->getPair(r)->setSync(true, false);
+        }
+      }
+      slabs_ = std::make_unique<BlockExchange>(slab_context_, rank(), size(), kSlabBytes);
+    } catch (const Error&) {
+      throw;
+    } catch (const gloo::IoException& e) {
+      fail(StatusCode::kRemote, "connecting rank ", rank(), " to its ", size() - 1, " peers failed: ", e.what());
+    } catch (const std::exception& e) {
+      fail(StatusCode::kIo, "setting up Gloo on '", attr.iface.empty() ? attr.hostname : attr.iface,
+           "' failed: ", e.what());
+    }
+  }
+
+  ~GlooProcessGroup() override {
+    drain();
+    if (size() > 1 && !broken()) wait_for_peers_to_leave();
+  }
+
+  const char* backend_name() const override { return "gloo"; }
+
+ protected:
+  DeviceType tensor_device_type() const override { return DeviceType::kCpu; }
+
+  void run_all_reduce(const Tensor& tensor, ReduceOp op) override {
+    Op o = begin(OpKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1);
+    size_t nbytes = tensor.nbytes();
+    size_t n = static_cast<size_t>(tensor.numel());
+    ReduceFn fn = reduce_function(tensor.dtype(), op);
+    if (gather_small(o, tensor.describe(), nbytes, [&](uint8_t* out) { std::memcpy(out, tensor.data(), nbytes); })) {
+      std::memcpy(tensor.data(), gathered(0), nbytes);
+      for (int32_t r = 1; r < size(); ++r) fn(tensor.data(), tensor.data(), gathered(r), n);
+    } else {
+      guarded(o, tensor.describe(), [&] {
+        gloo::AllreduceOptions opts(context_);
+        set_output(opts, tensor.data(), nbytes, tensor.element_size());
+        opts.setReduceFunction(fn);
+        opts.setTag(next_tag());
+        opts.setTimeout(remaining(o));
+        gloo::allreduce(opts);
+      });
+    }
+    if (op == ReduceOp::kAvg) divide_in_place(tensor.dtype(), tensor.data(), n, size());
+  }
+
+  void run_broadcast(const Tensor& tensor, int32_t root) override {
+    Op o = begin(OpKind::kBroadcast, tensor.dtype(), tensor.numel(), ReduceOp::kSum, root);
+    size_t nbytes = tensor.nbytes();
+    auto fill = [&](uint8_t* out) {
+      if (rank() == root) std::memcpy(out, tensor.data(), nbytes);
+    };
+    if (gather_small(o, tensor.describe(), nbytes, fill)) {
+      if (rank() != root) std::memcpy(tensor.data(), gathered(root), nbytes);
+      return;
+    }
+    guarded(o, tensor.describe(), [&] {
+      gloo::BroadcastOptions opts(context_);
+      opts.setOutput(static_cast<uint8_t*>(tensor.data()), nbytes);
+      opts.setRoot(root);
+      opts.setTag(next_tag());
+      opts.setTimeout(remaining(o));
+      gloo::broadcast(opts);
+    });
+  }
+
+  void run_all_gather(const Tensor& input, const std::vector<Tensor>& outputs) override {
+    Op o = begin(OpKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1);
+    size_t nbytes = input.nbytes();
+    if (gather_small(o, input.describe(), nbytes, [&](uint8_t* out) { std::memcpy(out, input.data(), nbytes); })) {
+      for (int32_t r = 0; r < size(); ++r) std::memcpy(outputs[r].data(), gathered(r), nbytes);
+      return;
+    }
+    // Outputs that are consecutive pieces of one buffer are gathered into in place.
+    bool consecutive = true;
+    auto* first = static_cast<uint8_t*>(outputs[0].data());
+    for (int32_t r = 1; r < size(); ++r) {
+      consecutive = consecutive && outputs[r].data() == first + nbytes * static_cast<size_t>(r);
+    }
+    auto* in = static_cast<const uint8_t*>(input.data());
+    consecutive = consecutive && (in + nbytes <= first || in >= first + nbytes * static_cast<size_t>(size()));
+    uint8_t* all = consecutive ? first : scratch(nbytes * static_cast<size_t>(size()));
+    guarded(o, input.describe(), [&] {
+      gloo::AllgatherOptions opts(context_);
+      opts.setInput(static_cast<uint8_t*>(input.data()), nbytes);
+      opts.setOutput(all, nbytes * static_cast<size_t>(size()));
+      opts.setTag(next_tag());
+      opts.setTimeout(remaining(o));
+      gloo::allgather(opts);
+    });
+    if (consecutive) return;
+    for (int32_t r = 0; r < size(); ++r) std::memcpy(outputs[r].data(), all + nbytes * static_cast<size_t>(r), nbytes);
+  }
+
+  void run_reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override {
+    Op o = begin(OpKind::kReduceScatter, output.dtype(), output.numel(), op, -1);
+    size_t nbytes = output.nbytes();
+    size_t n = static_cast<size_t>(output.numel());
+    size_t total = nbytes * static_cast<size_t>(size());
+    size_t mine = nbytes * static_cast<size_t>(rank());
+    ReduceFn fn = reduce_function(output.dtype(), op);
+    auto concatenate = [&](uint8_t* out) {
+      for (int32_t r = 0; r < size(); ++r) std::memcpy(out + nbytes * static_cast<size_t>(r), inputs[r].data(), nbytes);
+    };
+    if (gather_small(o, output.describe(), total, concatenate)) {
+      std::memcpy(output.data(), gathered(0) + mine, nbytes);
+      for (int32_t r = 1; r < size(); ++r) fn(output.data(), output.data(), gathered(r) + mine, n);
+    } else {
+      // Gloo has no reduce-scatter in its current API: all-reduce the
+      // concatenation and keep this rank's part.
+      uint8_t* flat = scratch(total);
+      concatenate(flat);
+      guarded(o, output.describe(), [&] {
+        gloo::AllreduceOptions opts(context_);
+        set_output(opts, flat, total, output.element_size());
+        opts.setReduceFunction(fn);
+        opts.setTag(next_tag());
+        opts.setTimeout(remaining(o));
+        gloo::allreduce(opts);
+      });
+      std::memcpy(output.data(), flat + mine, nbytes);
+    }
+    if (op == ReduceOp::kAvg) divide_in_place(output.dtype(), output.data(), n, size());
+  }
+
+  void run_barrier() override {
+    Op o = begin(OpKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1);
+    exchange(o, "no tensor");
+  }
+
+ private:
+  // Another full mesh of connections on the same device.
+  std::shared_ptr<gloo::Context> connect(GlooStore& gloo_store, const char* name) {
+    auto context = std::make_shared<gloo::rendezvous::Context>(rank(), size());
+    context->setTimeout(timeout());
+    gloo::rendezvous::PrefixStore prefixed(prefix_ + name, gloo_store);
+    context->connectFullMesh(prefixed, device_);
+    return context;
+  }
+
+  struct Op {
+    Header header;
+    Clock::time_point deadline;
+    bool exchanged = false;  // every rank's header has arrived
+  };
+
+  Op begin(OpKind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root) {
+    Op o{};
+    o.header.magic = kMagic;
+    o.header.kind = static_cast<uint32_t>(kind);
+    o.header.dtype = static_cast<int32_t>(dtype);
+    o.header.op = static_cast<int32_t>(op);
+    o.header.root = root;
+    o.header.rank = rank();
+    o.header.numel = numel;
+    o.header.seq = ++seq_;
+    o.deadline = Clock::now() + timeout();
+    return o;
+  }
+
+  // Rank r's slab of the last exchange.
+  uint8_t* slab(int32_t r) { return slabs_->block(r); }
+
+  // Checks the headers and, for payloads up to a block exchange's size,
+  // swaps `nbytes` per rank that `fill` writes into the outgoing buffer;
+  // afterwards gathered(r) is rank r's payload. False (only the headers
+  // swapped) when the payload needs Gloo's own algorithms.
+  template <typename Fill>
+  bool gather_small(Op& o, const std::string& what, size_t nbytes, Fill&& fill) {
+    if (nbytes <= kInlineBytes) {
+      fill(payload(slabs_->send()));
+      exchange(o, what);
+      gathered_from_ = slabs_.get();
+      gathered_offset_ = sizeof(Header);
+      return true;
+    }
+    exchange(o, what);
+    BlockExchange* blocks = blocks_for(nbytes);
+    if (blocks == nullptr) return false;
+    fill(blocks->send());
+    guarded(o, what, [&] { blocks->run(); });
+    gathered_from_ = blocks;
+    gathered_offset_ = 0;
+    return true;
+  }
+  uint8_t* gathered(int32_t r) { return gathered_from_->block(r) + gathered_offset_; }
+
+  // The block exchange for `bytes` per rank, made on first use; null when
+  // the payload is too large for one.
+  BlockExchange* blocks_for(size_t bytes) {
+    size_t block = kMinBlockBytes;
+    while (block < bytes) block *= 2;
+    if (block > kMaxBlockBytes || block * static_cast<size_t>(size()) > kBlockBudget) return nullptr;
+    auto& exchange = blocks_[block];
+    if (!exchange) exchange = std::make_unique<BlockExchange>(block_context_, rank(), size(), block);
+    return exchange.get();
+  }
+  static uint8_t* payload(uint8_t* slab) { return slab + sizeof(Header); }
+
+  uint8_t* scratch(size_t nbytes) {
+    if (scratch_.size() < nbytes) scratch_.resize(nbytes);  // kept across calls: fresh pages cost more than the copy
+    return scratch_.data();
+  }
+
+  uint32_t next_tag() { return tag_++; }
+
+  std::chrono::milliseconds remaining(const Op& o) const {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(o.deadline - Clock::now());
+    return std::max(left, std::chrono::milliseconds(1));
+  }
+
+  static void set_output(gloo::AllreduceOptions& opts, void* data, size_t nbytes, size_t element_size) {
+    switch (element_size) {
+      case 1: opts.setOutput(static_cast<uint8_t*>(data), nbytes); break;
+      case 2: opts.setOutput(static_cast<uint16_t*>(data), nbytes / 2); break;
+      case 4: opts.setOutput(static_cast<uint32_t*>(data), nbytes / 4); break;
+      default: opts.setOutput(static_cast<uint64_t*>(data), nbytes / 8); break;
+    }
+  }
+
+  // Swaps headers (and inline payloads) with every rank, then checks that all
+  // ranks called the same collective on the same sizes.
+  void exchange(Op& o, const std::string& what) {
+    std::memcpy(slabs_->send(), &o.header, sizeof(Header));
+    guarded(o, what, [&] { slabs_->run(); });
+    o.exchanged = true;
+    for (int32_t r = 0; r < size(); ++r) {
+      Header h;
+      std::memcpy(&h, slab(r), sizeof(Header));
+      if (h.magic != kMagic || h.rank != r) {
+        fail(StatusCode::kRemote, op_kind_name(o.header.kind), ": rank ", r, " sent a malformed header");
+      }
+      if (h.kind != o.header.kind || h.seq != o.header.seq) {
+        fail(StatusCode::kRemote, op_kind_name(o.header.kind), " (collective #", o.header.seq, " of rank ", rank(),
+             "): rank ", r, " called ", op_kind_name(h.kind), " as its collective #", h.seq,
+             "; every rank must issue the same collectives in the same order");
+      }
+      if (h.numel != o.header.numel || h.dtype != o.header.dtype) {
+        fail_invalid(op_kind_name(o.header.kind), ": tensors differ across ranks: rank ", rank(), " has ",
+                     o.header.numel, " elements of ", dtype_name(static_cast<DType>(o.header.dtype)), ", rank ", r,
+                     " has ", h.numel, " elements of ", dtype_name(static_cast<DType>(h.dtype)));
+      }
+      if (h.op != o.header.op || h.root != o.header.root) {
+        fail_invalid(op_kind_name(o.header.kind), ": arguments differ across ranks: rank ", rank(), " has op ",
+                     reduce_op_name(static_cast<ReduceOp>(o.header.op)), " root ", o.header.root, ", rank ", r,
+                     " has op ", reduce_op_name(static_cast<ReduceOp>(h.op)), " root ", h.root);
+      }
+    }
+  }
+
+  // Runs a Gloo call; its failures become kTimeout or kRemote naming the
+  // collective, the tensor and the ranks that did not report the failure.
+  template <typename F>
+  void guarded(const Op& o, const std::string& what, F&& call) {
+    std::string cause;
+    bool timed_out = false;
+    try {
+      call();
+      return;
+    } catch (const gloo::IoException& e) {
+      cause = e.what();
+      timed_out = cause.find("imed out") != std::string::npos || cause.find("imeout") != std::string::npos;
+    } catch (const Error&) {
+      throw;
+    } catch (const std::bad_alloc&) {
+      throw;
+    } catch (const std::exception& e) {  // gloo::Exception and gloo::EnforceNotMet
+      cause = e.what();
+    }
+    timed_out = timed_out || Clock::now() >= o.deadline;
+    close_connections();
+    std::string missing = missing_ranks(o.header.seq, o.exchanged);
+    fail(timed_out ? StatusCode::kTimeout : StatusCode::kRemote, op_kind_name(o.header.kind), " of ", what,
+         " (collective #", o.header.seq, ") on rank ", rank(), " of ", size(),
+         timed_out ? str_cat(" timed out after ", timeout().count(), " ms") : std::string(" failed"), ": ", missing,
+         "; gloo: ", cause);
+  }
+
+  // Reports this rank's failure through the store and lists the ranks that
+  // reported none for the same collective: the others fail at once too,
+  // since a failing rank closes its connections, so listening stops once no
+  // new report has come for kReportQuiet (and after kReportLimit at most).
+  std::string missing_ranks(uint64_t seq, bool exchanged) {
+    auto start = Clock::now();
+    auto hard_end = start + kReportLimit;
+    auto quiet_end = start + kReportQuiet;
+    auto left = [&] { return std::max(std::chrono::duration_cast<Millis>(hard_end - Clock::now()), Millis(1)); };
+    std::string base = str_cat(prefix_, "failed/", seq, "/");
+    std::vector<bool> reported(static_cast<size_t>(size()), false);
+    reported[static_cast<size_t>(rank())] = true;
+    try {
+      ReplyDeadlineCap cap(left());
+      store_->set(base + std::to_string(rank()), Bytes{1});
+    } catch (const std::exception& e) {
+      return str_cat("the store is unreachable too, so the missing ranks are unknown (rank 0 serves it: it may have "
+                     "exited): ",
+                     e.what());
+    }
+    auto pause = std::chrono::milliseconds(1);
+    bool store_gone = false;
+    for (;;) {
+      int32_t missing = 0;
+      for (int32_t r = 0; r < size() && !store_gone; ++r) {
+        if (reported[r]) continue;
+        // A request cut off by its deadline would cost the store connection.
+        if (hard_end - Clock::now() < kLastRequest) break;
+        try {
+          ReplyDeadlineCap cap(left());
+          reported[r] = store_->check({base + std::to_string(r)});
+        } catch (const Error&) {
+          store_gone = true;  // rank 0 may be done and gone: report what is known
+        }
+        if (reported[r]) quiet_end = Clock::now() + kReportQuiet;
+        missing += reported[r] ? 0 : 1;
+      }
+      auto now = Clock::now();
+      if (missing == 0 || store_gone || now >= quiet_end || now >= hard_end - kLastRequest) break;
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::milliseconds(20));
+    }
+    std::string missing;
+    for (int32_t r = 0; r < size(); ++r) {
+      if (!reported[r]) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+    }
+    if (missing.empty()) return "every rank reached it and failed";
+    if (exchanged) return "rank(s) " + missing + " stopped answering during the transfer (exited or stopped)";
+    return "rank(s) " + missing + " did not arrive (exited, stopped, or in another call)";
+  }
+
+  // A rank that closes its connections while a peer is still reading the
+  // last collective's final message makes Gloo report that message's
+  // connection as closed, even though the message arrived. So a healthy
+  // group waits (boundedly) until every rank is leaving before closing.
+  void wait_for_peers_to_leave() noexcept {
+    try {
+      Millis bound = std::min(timeout(), kLeaveBound);
+      ReplyDeadlineCap cap(bound);
+      std::string key = prefix_ + "leaving";
+      store_->add(key, 1);
+      poll_until([&] { return parse_counter(store_->get(key, bound), key) >= size(); }, bound);
+    } catch (...) {
+      // The store is gone (rank 0 left first) or slow: close anyway.
+    }
+  }
+
+  // Closes every connection so that peers blocked on this rank fail now
+  // rather than at their timeout; the group is unusable after a failure.
+  void close_connections() noexcept {
+    for (auto* context : {context_.get(), slab_context_.get(), block_context_.get()}) {
+      try {
+        if (context != nullptr) context->closeConnections();
+      } catch (...) {
+        // Already closed by the failure itself.
+      }
+    }
+  }
+
+  std::shared_ptr<Store> store_;
+  std::string prefix_;
+  std::shared_ptr<gloo::transport::Device> device_;
+  std::shared_ptr<gloo::Context> context_;
+  uint64_t seq_ = 0;
+  uint32_t tag_ = 1;
+  std::shared_ptr<gloo::Context> slab_context_;
+  std::shared_ptr<gloo::Context> block_context_;
+  std::unique_ptr<BlockExchange> slabs_;
+  std::map<size_t, std::unique_ptr<BlockExchange>> blocks_;  // by block size
+  BlockExchange* gathered_from_ = nullptr;
+  size_t gathered_offset_ = 0;
+  std::vector<uint8_t> scratch_;
+};
+
+}  // namespace
+
+std::unique_ptr<ProcessGroup> create_gloo_process_group(const ProcessGroupOptions& options) {
+  return std::make_unique<GlooProcessGroup>(options);
+}
+
+}  // namespace dparallel::dist

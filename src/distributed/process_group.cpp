@@ -1,0 +1,201 @@
+#include "distributed/process_group.h"
+
+#include "core/error.h"
+
+namespace dparallel::dist {
+
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kAvg: return "avg";
+    case ReduceOp::kMin: return "min";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kProd: return "prod";
+  }
+  return "unknown";
+}
+
+ReduceOp reduce_op_arg(int32_t code, const char* argument) {
+  if (code < 0 || code > static_cast<int32_t>(ReduceOp::kProd)) {
+    fail_invalid("argument '", argument, "' is ", code, "; it must be DP_SUM, DP_AVG, DP_MIN, DP_MAX or DP_PROD (0..4)");
+  }
+  return static_cast<ReduceOp>(code);
+}
+
+ProcessGroup::ProcessGroup(int32_t rank, int32_t world_size, Device device, Millis timeout)
+    : rank_(rank), world_size_(world_size), device_(device), timeout_(timeout) {}
+
+ProcessGroup::~ProcessGroup() { drain(); }
+
+void ProcessGroup::drain() {
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    stopping_ = true;
+    cv_.notify_all();
+  }
+  if (worker_.joinable()) worker_.join();
+}
+
+bool ProcessGroup::broken() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return !broken_.empty();
+}
+
+void ProcessGroup::worker_loop() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    cv_.wait(lock, [&] { return (!queue_.empty() && !busy_) || (stopping_ && queue_.empty()); });
+    if (queue_.empty()) return;
+    auto item = std::move(queue_.front());
+    queue_.pop_front();
+    busy_ = true;
+    lock.unlock();
+    item.first();
+    lock.lock();
+    busy_ = false;
+    cv_.notify_all();
+  }
+}
+
+std::shared_ptr<Work> ProcessGroup::submit(const char* name, Task task, bool async) {
+  auto work = std::make_shared<Work>();
+  auto run = [this, name, task = std::move(task), work] { execute(name, task, *work); };
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (async) {
+    if (!worker_.joinable()) worker_ = std::thread([this] { worker_loop(); });
+    queue_.emplace_back(std::move(run), work);
+    cv_.notify_all();
+    return work;
+  }
+  // Synchronous collectives run on the caller's thread, after the queued ones.
+  cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
+  busy_ = true;
+  lock.unlock();
+  run();
+  lock.lock();
+  busy_ = false;
+  cv_.notify_all();
+  lock.unlock();
+  work->wait();
+  return work;
+}
+
+void ProcessGroup::execute(const char* name, const Task& task, Work& work) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!broken_.empty()) {
+      work.finish(StatusCode::kState,
+                  str_cat(name, ": the process group is unusable after an earlier failure: ", broken_));
+      return;
+    }
+  }
+  try {
+    task();
+    work.finish(StatusCode::kOk, "");
+  } catch (const Error& e) {
+    if (e.code() == StatusCode::kTimeout || e.code() == StatusCode::kRemote || e.code() == StatusCode::kInternal) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (broken_.empty()) broken_ = e.what();
+    }
+    work.finish(e.code(), e.what());
+  } catch (const std::bad_alloc&) {
+    work.finish(StatusCode::kOutOfMemory, str_cat(name, ": out of memory"));
+  } catch (const std::exception& e) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (broken_.empty()) broken_ = e.what();
+    work.finish(StatusCode::kInternal, str_cat(name, ": ", e.what()));
+  }
+}
+
+void ProcessGroup::check_tensor(const Tensor& t, const std::string& argument, const char* op) const {
+  if (t.device().type != tensor_device_type()) {
+    fail_invalid(op, ": argument '", argument, "' is ", t.describe(), " but this ", backend_name(),
+                 " process group works on ", tensor_device_type() == DeviceType::kCpu ? "cpu" : "cuda", " tensors");
+  }
+  if (t.numel() > 0 && t.data() == nullptr) fail_invalid(op, ": argument '", argument, "' has no data");
+}
+
+std::shared_ptr<Work> ProcessGroup::all_reduce(const Tensor& tensor, ReduceOp op, bool async) {
+  check_tensor(tensor, "tensor", "all_reduce");
+  if (tensor.dtype() == DType::kBool && op == ReduceOp::kAvg) fail_invalid("all_reduce: DP_AVG is not defined for bool tensors");
+  return submit("all_reduce", [this, tensor, op] { run_all_reduce(tensor, op); }, async);
+}
+
+std::shared_ptr<Work> ProcessGroup::broadcast(const Tensor& tensor, int32_t root, bool async) {
+  check_tensor(tensor, "tensor", "broadcast");
+  if (root < 0 || root >= world_size_) {
+    fail_invalid("broadcast: argument 'root' is ", root, "; it must be in 0..", world_size_ - 1, " (world size ",
+                 world_size_, ")");
+  }
+  return submit("broadcast", [this, tensor, root] { run_broadcast(tensor, root); }, async);
+}
+
+std::shared_ptr<Work> ProcessGroup::all_gather(const Tensor& input, const std::vector<Tensor>& outputs, bool async) {
+  check_tensor(input, "input", "all_gather");
+  if (outputs.size() != static_cast<size_t>(world_size_)) {
+    fail_invalid("all_gather: argument 'noutputs' is ", outputs.size(), "; it must equal the world size ", world_size_);
+  }
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    std::string name = str_cat("outputs[", i, "]");
+    check_tensor(outputs[i], name, "all_gather");
+    if (outputs[i].dtype() != input.dtype() || outputs[i].numel() != input.numel()) {
+      fail_invalid("all_gather: ", name, " is ", outputs[i].describe(), " but the input is ", input.describe(),
+                   "; each output must have the input's dtype and element count");
+    }
+  }
+  return submit("all_gather", [this, input, outputs] { run_all_gather(input, outputs); }, async);
+}
+
+std::shared_ptr<Work> ProcessGroup::reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output,
+                                                   ReduceOp op, bool async) {
+  check_tensor(output, "output", "reduce_scatter");
+  if (output.dtype() == DType::kBool && op == ReduceOp::kAvg) {
+    fail_invalid("reduce_scatter: DP_AVG is not defined for bool tensors");
+  }
+  if (inputs.size() != static_cast<size_t>(world_size_)) {
+    fail_invalid("reduce_scatter: argument 'ninputs' is ", inputs.size(), "; it must equal the world size ", world_size_);
+  }
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    std::string name = str_cat("inputs[", i, "]");
+    check_tensor(inputs[i], name, "reduce_scatter");
+    if (inputs[i].dtype() != output.dtype() || inputs[i].numel() != output.numel()) {
+      fail_invalid("reduce_scatter: ", name, " is ", inputs[i].describe(), " but the output is ", output.describe(),
+                   "; each input must have the output's dtype and element count");
+    }
+  }
+  return submit("reduce_scatter", [this, inputs, output, op] { run_reduce_scatter(inputs, output, op); }, async);
+}
+
+std::shared_ptr<Work> ProcessGroup::barrier(bool async) {
+  return submit("barrier", [this] { run_barrier(); }, async);
+}
+
+std::unique_ptr<ProcessGroup> create_process_group(ProcessGroupOptions options) {
+  if (options.world_size <= 0) fail_invalid("argument 'world_size' is ", options.world_size, "; it must be >= 1");
+  if (options.rank < 0 || options.rank >= options.world_size) {
+    fail_invalid("argument 'rank' is ", options.rank, "; it must be in 0..", options.world_size - 1, " (world size ",
+                 options.world_size, ")");
+  }
+  if (options.timeout.count() <= 0) fail_invalid("argument 'timeout_ms' is ", options.timeout.count(), "; it must be > 0");
+  if (!options.store) fail_invalid("no store: pass one in the options");
+  Backend backend = options.backend;
+  if (backend == Backend::kAuto) backend = options.device.type == DeviceType::kCuda ? Backend::kNccl : Backend::kGloo;
+  switch (backend) {
+    case Backend::kGloo:
+      if (options.device.type != DeviceType::kCpu) {
+        fail_invalid("the Gloo backend works on cpu tensors but 'device' is a cuda device; use DP_BACKEND_NCCL");
+      }
+      return create_gloo_process_group(options);
+    case Backend::kNccl:
+      if (options.device.type != DeviceType::kCuda) {
+        fail_invalid("the NCCL backend works on cuda tensors but 'device' is a cpu device; use DP_BACKEND_GLOO");
+      }
+      return create_nccl_process_group(options);
+    case Backend::kAuto:
+      break;
+  }
+  fail_invalid("argument 'backend' is ", static_cast<int32_t>(options.backend),
+               "; it must be DP_BACKEND_AUTO, DP_BACKEND_GLOO or DP_BACKEND_NCCL");
+}
+
+}  // namespace dparallel::dist

@@ -1,0 +1,96 @@
+// Process groups: collectives across the processes of a job. The base class
+// checks arguments and runs collectives one at a time in issue order (async
+// ones on the group's worker thread); backends implement the collectives.
+// After a collective fails with kTimeout or kRemote the group is broken:
+// later collectives fail at once with kState.
+#pragma once
+
+#include <deque>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "core/tensor.h"
+#include "distributed/store/store.h"
+#include "distributed/work.h"
+
+namespace dparallel::dist {
+
+enum class Backend : int32_t { kAuto = 0, kGloo = 1, kNccl = 2 };
+enum class ReduceOp : int32_t { kSum = 0, kAvg = 1, kMin = 2, kMax = 3, kProd = 4 };
+const char* reduce_op_name(ReduceOp op);
+ReduceOp reduce_op_arg(int32_t code, const char* argument);
+
+struct ProcessGroupOptions {
+  Backend backend = Backend::kAuto;
+  int32_t rank = -1;
+  int32_t world_size = -1;
+  std::shared_ptr<Store> store;
+  Millis timeout{300000};
+  Device device{DeviceType::kCpu, 0};
+  std::string master_addr;  // where the store lives, when known: picks the network interface
+};
+
+class ProcessGroup {
+ public:
+  ProcessGroup(int32_t rank, int32_t world_size, Device device, Millis timeout);
+  virtual ~ProcessGroup();
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  int32_t rank() const { return rank_; }
+  int32_t size() const { return world_size_; }
+  const Device& device() const { return device_; }
+  Millis timeout() const { return timeout_; }
+  virtual const char* backend_name() const = 0;
+
+  // With `async`, returns at once with the Work to wait on; otherwise returns
+  // when done (the Work is then already finished).
+  std::shared_ptr<Work> all_reduce(const Tensor& tensor, ReduceOp op, bool async);
+  std::shared_ptr<Work> broadcast(const Tensor& tensor, int32_t root, bool async);
+  std::shared_ptr<Work> all_gather(const Tensor& input, const std::vector<Tensor>& outputs, bool async);
+  std::shared_ptr<Work> reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op,
+                                       bool async);
+  std::shared_ptr<Work> barrier(bool async);
+
+ protected:
+  virtual void run_all_reduce(const Tensor& tensor, ReduceOp op) = 0;
+  virtual void run_broadcast(const Tensor& tensor, int32_t root) = 0;
+  virtual void run_all_gather(const Tensor& input, const std::vector<Tensor>& outputs) = 0;
+  virtual void run_reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) = 0;
+  virtual void run_barrier() = 0;
+  // The device type this backend's tensors must live on.
+  virtual DeviceType tensor_device_type() const = 0;
+  // Backends call this from their destructor, before their members go.
+  void drain();
+  // True once a collective has failed with kTimeout, kRemote or kInternal.
+  bool broken();
+
+ private:
+  using Task = std::function<void()>;
+  std::shared_ptr<Work> submit(const char* name, Task task, bool async);
+  void execute(const char* name, const Task& task, Work& work);
+  void worker_loop();
+  void check_tensor(const Tensor& t, const std::string& argument, const char* op) const;
+
+  int32_t rank_;
+  int32_t world_size_;
+  Device device_;
+  Millis timeout_;
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::pair<Task, std::shared_ptr<Work>>> queue_;
+  bool busy_ = false;
+  bool stopping_ = false;
+  std::string broken_;  // the failure that broke the group
+  std::thread worker_;
+};
+
+std::unique_ptr<ProcessGroup> create_process_group(ProcessGroupOptions options);
+// Each backend's factory; the NCCL one fails with kUnsupported in a build without NCCL.
+std::unique_ptr<ProcessGroup> create_gloo_process_group(const ProcessGroupOptions& options);
+std::unique_ptr<ProcessGroup> create_nccl_process_group(const ProcessGroupOptions& options);
+
+}  // namespace dparallel::dist

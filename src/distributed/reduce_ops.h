@@ -1,0 +1,22 @@
+// Element-wise reductions of two host buffers, for every dtype and op, in
+// the form Gloo's algorithms call: out[i] = a[i] (op) b[i], n elements.
+// float16 and bfloat16 compute in float32 and round; bool sum/max are or,
+// prod/min are and.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/dtype.h"
+#include "distributed/process_group.h"
+
+namespace dparallel::dist {
+
+using ReduceFn = void (*)(void* out, const void* a, const void* b, size_t n);
+
+// DP_AVG reduces as a sum; divide afterwards with divide_in_place.
+ReduceFn reduce_function(DType dtype, ReduceOp op);
+// data[i] /= divisor (integers truncate toward zero).
+void divide_in_place(DType dtype, void* data, size_t n, int64_t divisor);
+
+}  // namespace dparallel::dist

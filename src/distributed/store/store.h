@@ -1,0 +1,60 @@
+// Key-value stores for rendezvous: the contract of c10d's stores. Values are
+// bytes; add() keeps a decimal integer; get() and wait() block up to a timeout.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace dparallel::dist {
+
+using Bytes = std::vector<uint8_t>;
+using Millis = std::chrono::milliseconds;
+
+class Store {
+ public:
+  virtual ~Store() = default;
+  virtual void set(const std::string& key, const Bytes& value) = 0;
+  // The value of `key`, waiting for it up to `timeout`; kTimeout names the key.
+  virtual Bytes get(const std::string& key, Millis timeout) = 0;
+  // Adds `delta` to the integer at `key` (0 when absent) and returns the sum.
+  virtual int64_t add(const std::string& key, int64_t delta) = 0;
+  // True when every key exists, without waiting.
+  virtual bool check(const std::vector<std::string>& keys) = 0;
+  // Waits until every key exists; kTimeout names the keys still missing.
+  void wait(const std::vector<std::string>& keys, Millis timeout);
+
+  // The timeout of calls that take none (the C ABI's get and wait).
+  Millis default_timeout() const { return Millis(default_timeout_ms_.load()); }
+  void set_default_timeout(Millis timeout) { default_timeout_ms_ = timeout.count(); }
+
+ private:
+  std::atomic<int64_t> default_timeout_ms_{300000};
+};
+
+// Caps how long this thread's store requests wait for a reply while it lives
+// (for error diagnostics, which must not wait the whole store timeout).
+class ReplyDeadlineCap {
+ public:
+  explicit ReplyDeadlineCap(Millis cap);
+  ~ReplyDeadlineCap();
+  ReplyDeadlineCap(const ReplyDeadlineCap&) = delete;
+  ReplyDeadlineCap& operator=(const ReplyDeadlineCap&) = delete;
+  // The cap in force on this thread (Millis::max() when none).
+  static Millis current();
+
+ private:
+  Millis previous_;
+};
+
+// Polls `check` with a growing pause until it holds or `timeout` passes.
+bool poll_until(const std::function<bool()>& check, Millis timeout);
+
+// The integer text add() stores; kIo when `value` is not one.
+int64_t parse_counter(const Bytes& value, const std::string& key);
+Bytes format_counter(int64_t value);
+
+}  // namespace dparallel::dist

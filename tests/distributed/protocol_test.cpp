@@ -1,0 +1,90 @@
+// The TCP store's message parser and the reductions, from the inside.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "core/half.h"
+#include "distributed/reduce_ops.h"
+#include "distributed/store/tcp_protocol.h"
+
+namespace dparallel::dist {
+namespace {
+
+using wire::Command;
+using wire::ParseResult;
+
+TEST(StoreProtocol, RoundTripsEveryCommandAndWaitsForWholeFrames) {
+  wire::Request set;
+  set.command = Command::kSet;
+  set.keys = {"key"};
+  set.value = {1, 2, 3};
+  wire::Request check;
+  check.command = Command::kCheck;
+  check.keys = {"a", "bb", ""};
+  wire::Request add;
+  add.command = Command::kAdd;
+  add.keys = {"n"};
+  add.delta = -42;
+  for (const wire::Request& r : {set, check, add}) {
+    std::vector<uint8_t> frame = wire::encode_request(r);
+    wire::Request parsed;
+    size_t consumed = 0;
+    std::string error;
+    for (size_t cut = 0; cut < frame.size(); ++cut) {
+      EXPECT_EQ(wire::parse_request(frame.data(), cut, &parsed, &consumed, &error), ParseResult::kNeedMore) << cut;
+    }
+    ASSERT_EQ(wire::parse_request(frame.data(), frame.size(), &parsed, &consumed, &error), ParseResult::kOk) << error;
+    EXPECT_EQ(consumed, frame.size());
+    EXPECT_EQ(parsed.command, r.command);
+    EXPECT_EQ(parsed.keys, r.keys);
+    EXPECT_EQ(parsed.value, r.value);
+    EXPECT_EQ(parsed.delta, r.delta);
+  }
+}
+
+TEST(StoreProtocol, RejectsOversizedTruncatedAndUnknownMessages) {
+  wire::Request parsed;
+  size_t consumed = 0;
+  std::string error;
+  uint8_t oversized[4];
+  uint32_t big = wire::kMaxBodyBytes + 1;
+  std::memcpy(oversized, &big, 4);
+  EXPECT_EQ(wire::parse_request(oversized, 4, &parsed, &consumed, &error), ParseResult::kMalformed);
+  EXPECT_NE(error.find("exceeds"), std::string::npos);
+  const uint8_t unknown[] = {1, 0, 0, 0, 99};
+  EXPECT_EQ(wire::parse_request(unknown, sizeof(unknown), &parsed, &consumed, &error), ParseResult::kMalformed);
+  const uint8_t empty[] = {0, 0, 0, 0};
+  EXPECT_EQ(wire::parse_request(empty, sizeof(empty), &parsed, &consumed, &error), ParseResult::kMalformed);
+  const uint8_t overrun[] = {6, 0, 0, 0, 3, 9, 0, 0, 0, 'k'};  // key length 9 in a 6-byte body
+  EXPECT_EQ(wire::parse_request(overrun, sizeof(overrun), &parsed, &consumed, &error), ParseResult::kMalformed);
+  const uint8_t trailing[] = {7, 0, 0, 0, 3, 1, 0, 0, 0, 'k', 'x'};
+  EXPECT_EQ(wire::parse_request(trailing, sizeof(trailing), &parsed, &consumed, &error), ParseResult::kMalformed);
+  EXPECT_NE(error.find("trailing"), std::string::npos);
+  const uint8_t many[] = {5, 0, 0, 0, 5, 0xff, 0xff, 0xff, 0xff};  // 4 G keys
+  EXPECT_EQ(wire::parse_request(many, sizeof(many), &parsed, &consumed, &error), ParseResult::kMalformed);
+}
+
+TEST(Reductions, HalfPrecisionRoundsOnceAndBoolIsLogical) {
+  uint16_t a[2] = {float_to_half(1.5f), float_to_half(-2.0f)};
+  uint16_t b[2] = {float_to_half(2.25f), float_to_half(3.0f)};
+  uint16_t out[2];
+  reduce_function(DType::kFloat16, ReduceOp::kSum)(out, a, b, 2);
+  EXPECT_EQ(half_to_float(out[0]), 3.75f);
+  EXPECT_EQ(half_to_float(out[1]), 1.0f);
+  reduce_function(DType::kBFloat16, ReduceOp::kProd)(out, a, b, 0);
+  uint8_t x[3] = {0, 1, 1}, y[3] = {0, 0, 2}, o[3];
+  reduce_function(DType::kBool, ReduceOp::kSum)(o, x, y, 3);
+  EXPECT_EQ(o[0] + 2 * o[1] + 4 * o[2], 6);
+  reduce_function(DType::kBool, ReduceOp::kProd)(o, x, y, 3);
+  EXPECT_EQ(o[0] + 2 * o[1] + 4 * o[2], 4);
+  int8_t i[1] = {100}, j[1] = {100}, k[1];
+  reduce_function(DType::kInt8, ReduceOp::kSum)(k, i, j, 1);
+  EXPECT_EQ(k[0], static_cast<int8_t>(-56)) << "integer sums wrap";
+  int32_t avg[2] = {7, -7};
+  divide_in_place(DType::kInt32, avg, 2, 2);
+  EXPECT_EQ(avg[0], 3);
+  EXPECT_EQ(avg[1], -3);
+}
+
+}  // namespace
+}  // namespace dparallel::dist

@@ -1,0 +1,123 @@
+// dp-run: the environment each rank gets, prefixed output, failure
+// propagation; every run is bounded by coreutils' timeout.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <thread>
+
+namespace {
+
+struct LaunchResult {
+  int exit_code = -1;
+  std::string output;
+  double seconds = 0;
+};
+
+LaunchResult launch(const std::string& args) {
+  std::string command = "timeout -s KILL 60 " + std::string(DP_RUN) + " " + args + " 2>&1";
+  auto start = std::chrono::steady_clock::now();
+  FILE* pipe = ::popen(command.c_str(), "r");
+  LaunchResult r;
+  if (pipe == nullptr) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof(buf), pipe)) > 0) r.output.append(buf, n);
+  int status = ::pclose(pipe);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return r;
+}
+
+TEST(Launcher, GivesEachRankTorchrunsEnvironmentAndPrefixesItsOutput) {
+  LaunchResult r = launch("-n 3 sh -c 'echo r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK lw=$LOCAL_WORLD_SIZE a=$MASTER_ADDR "
+              "p=${MASTER_PORT:+set} t=${DP_STORE_TOKEN:+set}'");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  for (int rank = 0; rank < 3; ++rank) {
+    std::string line = "[rank " + std::to_string(rank) + "] r=" + std::to_string(rank) + " w=3 l=" +
+                       std::to_string(rank) + " lw=3 a=127.0.0.1 p=set t=set";
+    EXPECT_NE(r.output.find(line), std::string::npos) << r.output;
+  }
+}
+
+TEST(Launcher, NumbersRanksByNodeInMultiNodeJobs) {
+  LaunchResult r = launch("-n 2 --nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --master-port 29999 "
+              "sh -c 'echo r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK p=$MASTER_PORT'");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("[rank 2] r=2 w=4 l=0 p=29999"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank 3] r=3 w=4 l=1 p=29999"), std::string::npos) << r.output;
+  LaunchResult missing = launch("-n 2 --nnodes 2 --node-rank 1 true");
+  EXPECT_EQ(missing.exit_code, 2) << missing.output;
+  EXPECT_NE(missing.output.find("--master-addr"), std::string::npos) << missing.output;
+}
+
+TEST(Launcher, StopsTheOtherRanksAndExitsWithTheFailedRanksCode) {
+  LaunchResult r = launch("-n 3 --grace-ms 2000 sh -c 'if [ $RANK = 1 ]; then echo failing; exit 3; fi; exec sleep 30'");
+  EXPECT_EQ(r.exit_code, 3) << r.output;
+  EXPECT_LT(r.seconds, 10.0) << "the sleeping ranks were not stopped";
+  EXPECT_NE(r.output.find("[rank 1] failing"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 1 exited with code 3"), std::string::npos) << r.output;
+}
+
+// Alive and not a zombie (an orphan's zombie may wait long for a reaper).
+bool running(int pid) {
+  FILE* stat = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
+  if (stat == nullptr) return false;
+  char state = 0;
+  int scanned = std::fscanf(stat, "%*d %*s %c", &state);
+  std::fclose(stat);
+  return scanned == 1 && state != 'Z' && state != 'X';
+}
+
+TEST(Launcher, RanksDieWithAKilledLauncher) {
+  char path[] = "/tmp/dp_run_pids_XXXXXX";
+  int fd = ::mkstemp(path);
+  ::close(fd);
+  // The launcher is killed after 1 s; its ranks would sleep for 30.
+  std::string command = std::string(DP_RUN) + " -n 2 sh -c 'echo $$ >> " + path +
+                        "; exec sleep 30' & sleep 1; kill -9 $!; wait";
+  FILE* shell = ::popen(command.c_str(), "r");
+  ASSERT_NE(shell, nullptr);
+  ::pclose(shell);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  FILE* pids = std::fopen(path, "r");
+  ASSERT_NE(pids, nullptr);
+  int pid = 0, count = 0;
+  while (std::fscanf(pids, "%d", &pid) == 1) {
+    ++count;
+    EXPECT_FALSE(running(pid)) << "rank process " << pid << " outlived the launcher";
+    ::kill(pid, SIGKILL);
+  }
+  std::fclose(pids);
+  ::unlink(path);
+  EXPECT_EQ(count, 2);
+}
+
+TEST(Launcher, RejectsBadUsage) {
+  EXPECT_EQ(launch("true").exit_code, 2);
+  EXPECT_EQ(launch("-n 0 true").exit_code, 2);
+  EXPECT_EQ(launch("-n 2").exit_code, 2);
+  LaunchResult r = launch("-n 1 /nonexistent/program");
+  EXPECT_EQ(r.exit_code, 127) << r.output;
+}
+
+TEST(Launcher, RunsARealJobThroughTheStoreWithItsToken) {
+  LaunchResult r = launch("-n 2 " + std::string(DP_MP_WORKER) + " collectives");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("[rank 1] rank 1: collectives passed"), std::string::npos) << r.output;
+}
+
+TEST(Launcher, RunsDpPerfAcrossRanksWithACheckedResult) {
+  for (const char* op : {"all_reduce", "broadcast", "all_gather", "reduce_scatter"}) {
+    LaunchResult r = launch("-n 2 " + std::string(DP_PERF_DIST) + " " + op + " -b 4K -e 64K -f 16 -s 2 -n 2");
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("out of bounds values: 0 OK"), std::string::npos) << r.output;
+  }
+}
+
+}  // namespace

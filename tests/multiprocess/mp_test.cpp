@@ -1,0 +1,169 @@
+// Multi-process tests: real processes of mp_worker on loopback, each run
+// bounded in time; every process started is reaped before the test ends.
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+extern char** environ;
+
+namespace {
+
+// A port that was free a moment ago (the kernel hands out ephemeral ports in
+// sequence, so a parallel test rarely gets the same one).
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+struct Result {
+  int exit_code = -1;  // 128 + signal when killed
+  std::string output;
+};
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Runs `world` ranks of mp_worker `scenario`; kills them all after `limit`.
+std::vector<Result> run_ranks(const std::string& scenario, int world, bool file_store, std::chrono::seconds limit,
+                              int stopped_rank = -1, const std::string& argument = "") {
+  char dir_template[] = "/tmp/dp_mp_XXXXXX";
+  std::string dir = ::mkdtemp(dir_template);
+  int port = free_port();
+  std::vector<pid_t> pids;
+  for (int r = 0; r < world; ++r) {
+    std::vector<std::string> env;
+    for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
+    env.push_back("RANK=" + std::to_string(r));
+    env.push_back("WORLD_SIZE=" + std::to_string(world));
+    env.push_back("LOCAL_RANK=" + std::to_string(r));
+    env.push_back("MASTER_ADDR=127.0.0.1");
+    env.push_back("MASTER_PORT=" + std::to_string(port));
+    if (file_store) env.push_back("DP_TEST_STORE=" + dir + "/store");
+    std::vector<char*> envp;
+    for (auto& s : env) envp.push_back(s.data());
+    envp.push_back(nullptr);
+    std::string out = dir + "/rank" + std::to_string(r) + ".txt";
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&actions, 1, 2);
+    std::string program = DP_MP_WORKER;
+    std::vector<char*> argv = {program.data(), const_cast<char*>(scenario.c_str())};
+    if (!argument.empty()) argv.push_back(const_cast<char*>(argument.c_str()));
+    argv.push_back(nullptr);
+    pid_t pid = -1;
+    int rc = posix_spawn(&pid, program.c_str(), &actions, nullptr, argv.data(), envp.data());
+    posix_spawn_file_actions_destroy(&actions);
+    EXPECT_EQ(rc, 0) << "posix_spawn " << program;
+    if (rc == 0) pids.push_back(pid);
+  }
+  std::vector<Result> results(pids.size());
+  std::vector<bool> reaped(pids.size(), false);
+  auto deadline = std::chrono::steady_clock::now() + limit;
+  size_t left = pids.size();
+  while (left > 0) {
+    for (size_t r = 0; r < pids.size(); ++r) {
+      if (reaped[r]) continue;
+      int status = 0;
+      pid_t got = ::waitpid(pids[r], &status, WNOHANG | WUNTRACED);
+      if (got != pids[r]) continue;
+      if (WIFSTOPPED(status)) {
+        EXPECT_EQ(static_cast<int>(r), stopped_rank) << "rank " << r << " stopped unexpectedly";
+        continue;
+      }
+      results[r].exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      reaped[r] = true;
+      --left;
+    }
+    // A stopped rank is killed once the others are done with it.
+    if (stopped_rank >= 0 && left == 1 && !reaped[static_cast<size_t>(stopped_rank)]) {
+      ::kill(pids[static_cast<size_t>(stopped_rank)], SIGKILL);
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      ADD_FAILURE() << scenario << ": ranks still running after " << limit.count() << " s; killing them";
+      for (size_t r = 0; r < pids.size(); ++r) {
+        if (!reaped[r]) ::kill(pids[r], SIGKILL);
+      }
+      deadline = std::chrono::steady_clock::now() + std::chrono::hours(1);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  for (size_t r = 0; r < pids.size(); ++r) {
+    std::string path = dir + "/rank" + std::to_string(r) + ".txt";
+    results[r].output = read_file(path);
+    ::unlink(path.c_str());
+  }
+  ::unlink((dir + "/store").c_str());
+  ::rmdir(dir.c_str());
+  return results;
+}
+
+void expect_all_passed(const std::vector<Result>& results) {
+  for (size_t r = 0; r < results.size(); ++r) {
+    EXPECT_EQ(results[r].exit_code, 0) << "rank " << r << " output:\n" << results[r].output;
+  }
+}
+
+TEST(MultiProcess, EveryCollectiveOpAndDtypeWithTwoRanksOverTcpStore) {
+  expect_all_passed(run_ranks("collectives", 2, false, std::chrono::seconds(90)));
+}
+
+TEST(MultiProcess, EveryCollectiveOpAndDtypeWithThreeRanksOverFileStore) {
+  expect_all_passed(run_ranks("collectives", 3, true, std::chrono::seconds(90)));
+}
+
+TEST(MultiProcess, MismatchedSizesAreAnErrorOnEveryRank) {
+  expect_all_passed(run_ranks("mismatch", 3, false, std::chrono::seconds(60)));
+}
+
+void expect_survivors_failed_cleanly(const std::vector<Result>& results, int dead_exit_code, size_t victim) {
+  ASSERT_GT(results.size(), victim);
+  for (size_t r = 0; r < results.size(); ++r) {
+    if (r == victim) continue;
+    EXPECT_EQ(results[r].exit_code, 0) << "survivor rank " << r << " output:\n" << results[r].output;
+    EXPECT_NE(results[r].output.find("status"), std::string::npos) << results[r].output;
+  }
+  EXPECT_EQ(results[victim].exit_code, dead_exit_code) << results[victim].output;
+}
+
+TEST(MultiProcess, RankKilledMidCollectiveFailsTheOthersWithinTheTimeout) {
+  expect_survivors_failed_cleanly(run_ranks("die", 2, false, std::chrono::seconds(30)), 128 + SIGKILL, 1);
+}
+
+TEST(MultiProcess, StoreServingRankKilledMidCollectiveFailsTheOthers) {
+  expect_survivors_failed_cleanly(run_ranks("die", 3, false, std::chrono::seconds(30), -1, "0"), 128 + SIGKILL, 0);
+}
+
+TEST(MultiProcess, RankKilledMidCollectiveFailsTheOthersWithThreeRanks) {
+  expect_survivors_failed_cleanly(run_ranks("die", 3, false, std::chrono::seconds(30)), 128 + SIGKILL, 2);
+}
+
+TEST(MultiProcess, StoppedRankTimesTheOthersOut) {
+  expect_survivors_failed_cleanly(run_ranks("stop", 3, false, std::chrono::seconds(30), 2), 128 + SIGKILL, 2);
+}
+
+}  // namespace

@@ -1,0 +1,317 @@
+// One rank of a multi-process test. The test driver (mp_test.cpp) starts
+// world-size copies with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+// MASTER_PORT set; DP_TEST_STORE=<path> makes it use a file store instead.
+// Exit code 0 means every check passed; failures are printed.
+//   mp_worker collectives   every collective x op x dtype against expectations
+//   mp_worker mismatch      sizes differ across ranks: every rank gets DP_EINVAL
+//   mp_worker die [rank]    a rank (default the last) is killed during a large all_reduce
+//   mp_worker stop [rank]   a rank (default the last) stops (SIGSTOP) before an all_reduce
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/half.h"
+#include "dparallel/dparallel.h"
+
+namespace {
+
+int g_failures = 0;
+int g_rank = -1;
+
+#define CHECK(cond, ...)                                              \
+  do {                                                                \
+    if (!(cond)) {                                                    \
+      std::fprintf(stderr, "rank %d: check failed at line %d: %s: ", g_rank, __LINE__, #cond); \
+      std::fprintf(stderr, __VA_ARGS__);                              \
+      std::fprintf(stderr, "\n");                                     \
+      ++g_failures;                                                   \
+    }                                                                 \
+  } while (0)
+
+#define CHECK_OK(expr) CHECK((expr) == DP_OK, "%s", dp_last_error())
+
+const int32_t kDtypes[] = {DP_FLOAT32, DP_FLOAT64, DP_FLOAT16, DP_BFLOAT16, DP_INT8,
+                           DP_UINT8,   DP_INT32,   DP_INT64,   DP_BOOL};
+const char* kDtypeNames[] = {"float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64", "bool"};
+const char* kOpNames[] = {"sum", "avg", "min", "max", "prod"};
+
+bool is_integer(int32_t dtype) { return dtype >= DP_INT8 && dtype <= DP_INT64; }
+
+// Rank r's element i: small integers, exact in every dtype and every reduction here.
+double value(int32_t dtype, int r, size_t i) {
+  if (dtype == DP_BOOL) return static_cast<double>((i + static_cast<size_t>(r)) % 2);
+  return static_cast<double>(r + 1) + static_cast<double>(i % 3);
+}
+
+void store(int32_t dtype, void* data, size_t i, double v) {
+  switch (dtype) {
+    case DP_FLOAT32: static_cast<float*>(data)[i] = static_cast<float>(v); break;
+    case DP_FLOAT64: static_cast<double*>(data)[i] = v; break;
+    case DP_FLOAT16: static_cast<uint16_t*>(data)[i] = dparallel::float_to_half(static_cast<float>(v)); break;
+    case DP_BFLOAT16: static_cast<uint16_t*>(data)[i] = dparallel::float_to_bfloat16(static_cast<float>(v)); break;
+    case DP_INT8: static_cast<int8_t*>(data)[i] = static_cast<int8_t>(v); break;
+    case DP_UINT8: static_cast<uint8_t*>(data)[i] = static_cast<uint8_t>(v); break;
+    case DP_INT32: static_cast<int32_t*>(data)[i] = static_cast<int32_t>(v); break;
+    case DP_INT64: static_cast<int64_t*>(data)[i] = static_cast<int64_t>(v); break;
+    case DP_BOOL: static_cast<uint8_t*>(data)[i] = v != 0 ? 1 : 0; break;
+  }
+}
+
+double load(int32_t dtype, const void* data, size_t i) {
+  switch (dtype) {
+    case DP_FLOAT32: return static_cast<const float*>(data)[i];
+    case DP_FLOAT64: return static_cast<const double*>(data)[i];
+    case DP_FLOAT16: return dparallel::half_to_float(static_cast<const uint16_t*>(data)[i]);
+    case DP_BFLOAT16: return dparallel::bfloat16_to_float(static_cast<const uint16_t*>(data)[i]);
+    case DP_INT8: return static_cast<const int8_t*>(data)[i];
+    case DP_UINT8: return static_cast<const uint8_t*>(data)[i];
+    case DP_INT32: return static_cast<const int32_t*>(data)[i];
+    case DP_INT64: return static_cast<double>(static_cast<const int64_t*>(data)[i]);
+    case DP_BOOL: return static_cast<const uint8_t*>(data)[i];
+  }
+  return NAN;
+}
+
+// The reduction over ranks 0..world-1 of value(dtype, r, i).
+double expected(int32_t dtype, int32_t op, int world, size_t i) {
+  double acc = value(dtype, 0, i);
+  for (int r = 1; r < world; ++r) {
+    double v = value(dtype, r, i);
+    switch (op) {
+      case DP_SUM:
+      case DP_AVG: acc = dtype == DP_BOOL ? (acc != 0 || v != 0) : acc + v; break;
+      case DP_MIN: acc = std::min(acc, v); break;
+      case DP_MAX: acc = std::max(acc, v); break;
+      case DP_PROD: acc = dtype == DP_BOOL ? (acc != 0 && v != 0) : acc * v; break;
+    }
+  }
+  if (op == DP_AVG) acc = is_integer(dtype) ? std::trunc(acc / world) : acc / world;
+  return acc;
+}
+
+dp_tensor* make(int32_t dtype, size_t n, int r, size_t offset) {
+  int64_t shape[1] = {static_cast<int64_t>(n)};
+  dp_tensor* t = nullptr;
+  CHECK_OK(dp_tensor_create(&t, dtype, 1, shape, dp_device{DP_DEVICE_CPU, 0}));
+  if (t == nullptr) std::exit(3);
+  for (size_t i = 0; i < n; ++i) store(dtype, dp_tensor_data(t), i, value(dtype, r, i + offset));
+  return t;
+}
+
+void run_collectives(dp_process_group* pg) {
+  const int rank = dp_process_group_rank(pg), world = dp_process_group_size(pg);
+  // Inline in the header slab, through a block exchange, and through Gloo's algorithms.
+  const size_t sizes[] = {7, 5000, 140000};
+  for (size_t n : sizes) {
+    for (int d = 0; d < 9; ++d) {
+      int32_t dtype = kDtypes[d];
+      for (int32_t op = DP_SUM; op <= DP_PROD; ++op) {
+        if (dtype == DP_BOOL && op == DP_AVG) continue;
+        dp_tensor* t = make(dtype, n, rank, 0);
+        CHECK_OK(dp_pg_all_reduce(pg, t, op));
+        for (size_t i = 0; i < n; ++i) {
+          double want = expected(dtype, op, world, i), got = load(dtype, dp_tensor_data(t), i);
+          if (got != want) {
+            CHECK(got == want, "all_reduce %s %s n=%zu [%zu]: got %g want %g", kDtypeNames[d], kOpNames[op], n, i, got, want);
+            break;
+          }
+        }
+        dp_tensor_destroy(t);
+
+        std::vector<dp_tensor*> inputs(static_cast<size_t>(world));
+        for (int q = 0; q < world; ++q) inputs[static_cast<size_t>(q)] = make(dtype, n, rank, static_cast<size_t>(q) * n);
+        dp_tensor* out = make(dtype, n, 0, 0);
+        CHECK_OK(dp_pg_reduce_scatter(pg, inputs.data(), inputs.size(), out, op));
+        for (size_t i = 0; i < n; ++i) {
+          double want = expected(dtype, op, world, i + static_cast<size_t>(rank) * n);
+          double got = load(dtype, dp_tensor_data(out), i);
+          if (got != want) {
+            CHECK(got == want, "reduce_scatter %s %s n=%zu [%zu]: got %g want %g", kDtypeNames[d], kOpNames[op], n, i, got, want);
+            break;
+          }
+        }
+        for (dp_tensor* in : inputs) dp_tensor_destroy(in);
+        dp_tensor_destroy(out);
+      }
+
+      int root = world - 1;
+      dp_tensor* b = make(dtype, n, rank, 0);
+      CHECK_OK(dp_pg_broadcast(pg, b, root));
+      for (size_t i = 0; i < n; ++i) {
+        if (load(dtype, dp_tensor_data(b), i) != value(dtype, root, i)) {
+          CHECK(false, "broadcast %s n=%zu [%zu] differs from root %d", kDtypeNames[d], n, i, root);
+          break;
+        }
+      }
+      dp_tensor_destroy(b);
+
+      dp_tensor* in = make(dtype, n, rank, 0);
+      std::vector<dp_tensor*> outs(static_cast<size_t>(world));
+      for (int q = 0; q < world; ++q) outs[static_cast<size_t>(q)] = make(dtype, n, 0, 1);
+      CHECK_OK(dp_pg_all_gather(pg, in, outs.data(), outs.size()));
+      for (int q = 0; q < world; ++q) {
+        for (size_t i = 0; i < n; ++i) {
+          if (load(dtype, dp_tensor_data(outs[static_cast<size_t>(q)]), i) != value(dtype, q, i)) {
+            CHECK(false, "all_gather %s n=%zu output %d [%zu] differs", kDtypeNames[d], n, q, i);
+            break;
+          }
+        }
+        dp_tensor_destroy(outs[static_cast<size_t>(q)]);
+      }
+      dp_tensor_destroy(in);
+    }
+  }
+
+  // Outputs that are consecutive views of one host buffer (gathered in place).
+  {
+    const size_t n = 3000;
+    std::vector<float> flat(n * static_cast<size_t>(world), -1.0f);
+    std::vector<dp_tensor*> views(static_cast<size_t>(world));
+    int64_t shape[1] = {static_cast<int64_t>(n)};
+    for (int q = 0; q < world; ++q) {
+      CHECK_OK(dp_tensor_from_blob(&views[static_cast<size_t>(q)], flat.data() + n * static_cast<size_t>(q), DP_FLOAT32,
+                                   1, shape, dp_device{DP_DEVICE_CPU, 0}, nullptr, nullptr));
+    }
+    dp_tensor* in = make(DP_FLOAT32, n, rank, 0);
+    CHECK_OK(dp_pg_all_gather(pg, in, views.data(), views.size()));
+    for (size_t i = 0; i < flat.size(); ++i) {
+      if (flat[i] != static_cast<float>(value(DP_FLOAT32, static_cast<int>(i / n), i % n))) {
+        CHECK(false, "all_gather into one buffer differs at %zu", i);
+        break;
+      }
+    }
+    for (dp_tensor* v : views) dp_tensor_destroy(v);
+    dp_tensor_destroy(in);
+  }
+
+  // Async work keeps issue order: two all-reduces and a barrier in flight at once.
+  dp_tensor* a = make(DP_FLOAT32, 3000, rank, 0);
+  dp_tensor* c = make(DP_INT64, 5, rank, 0);
+  dp_work *w1 = nullptr, *w2 = nullptr, *w3 = nullptr;
+  CHECK_OK(dp_pg_all_reduce_async(pg, a, DP_SUM, &w1));
+  CHECK_OK(dp_pg_all_reduce_async(pg, c, DP_MAX, &w2));
+  CHECK_OK(dp_pg_barrier_async(pg, &w3));
+  CHECK_OK(dp_work_wait(w1));
+  CHECK_OK(dp_work_wait(w2));
+  CHECK_OK(dp_work_wait(w3));
+  int done = 0;
+  CHECK_OK(dp_work_test(w1, &done));
+  CHECK(done == 1, "a waited work is done");
+  CHECK(load(DP_FLOAT32, dp_tensor_data(a), 2999) == expected(DP_FLOAT32, DP_SUM, world, 2999), "async all_reduce");
+  CHECK(load(DP_INT64, dp_tensor_data(c), 4) == expected(DP_INT64, DP_MAX, world, 4), "async all_reduce max");
+  dp_work_destroy(w1);
+  dp_work_destroy(w2);
+  dp_work_destroy(w3);
+  dp_tensor_destroy(a);
+  dp_tensor_destroy(c);
+  CHECK_OK(dp_pg_barrier(pg));
+}
+
+void run_mismatch(dp_process_group* pg) {
+  const int rank = dp_process_group_rank(pg);
+  for (size_t base : {size_t(10), size_t(3000)}) {
+    dp_tensor* t = make(DP_FLOAT32, base + static_cast<size_t>(rank), rank, 0);
+    dp_status s = dp_pg_all_reduce(pg, t, DP_SUM);
+    CHECK(s == DP_EINVAL, "mismatched sizes gave %d: %s", s, dp_last_error());
+    CHECK(std::strstr(dp_last_error(), "differ across ranks") != nullptr, "message: %s", dp_last_error());
+    dp_tensor_destroy(t);
+  }
+  // Different roots are an error too, and the group stays usable afterwards.
+  dp_tensor* b = make(DP_INT32, 4, rank, 0);
+  CHECK(dp_pg_broadcast(pg, b, rank) == DP_EINVAL, "different roots: %s", dp_last_error());
+  dp_tensor_destroy(b);
+  dp_tensor* t = make(DP_FLOAT32, 100, rank, 0);
+  CHECK_OK(dp_pg_all_reduce(pg, t, DP_SUM));
+  dp_tensor_destroy(t);
+}
+
+// One rank (the last unless argv[2] names it) is killed during, or stops
+// before, a large all_reduce;
+// the others must fail within the timeout + 1 s, name the collective and the
+// missing rank, and still destroy the group.
+void run_failure(dp_process_group* pg, bool stop, int victim, int32_t timeout_ms) {
+  const int rank = dp_process_group_rank(pg);
+  CHECK_OK(dp_pg_barrier(pg));
+  dp_tensor* t = make(DP_FLOAT32, 8u << 20, rank, 0);  // 32 MiB: the exit lands mid-transfer
+  if (rank == victim) {
+    if (stop) {
+      raise(SIGSTOP);
+    } else {
+      dp_work* w = nullptr;
+      CHECK_OK(dp_pg_all_reduce_async(pg, t, DP_SUM, &w));
+      usleep(20000);
+      raise(SIGKILL);
+    }
+  }
+  auto start = std::chrono::steady_clock::now();
+  dp_status s = dp_pg_all_reduce(pg, t, DP_SUM);
+  double elapsed_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  std::string message = dp_last_error();
+  std::printf("rank %d: status %d after %.0f ms: %s\n", rank, s, elapsed_ms, message.c_str());
+  CHECK(s == DP_ETIMEOUT || s == DP_EREMOTE, "status %d", s);
+  CHECK(elapsed_ms <= timeout_ms + 1000.0, "took %.0f ms", elapsed_ms);
+  CHECK(message.find("all_reduce") != std::string::npos, "names the collective: %s", message.c_str());
+  CHECK(message.find("float32 8388608") != std::string::npos, "names the tensor: %s", message.c_str());
+  if (victim != 0) {
+    std::string missing = "rank(s) " + std::to_string(victim);
+    CHECK(message.find(missing) != std::string::npos, "names the missing rank: %s", message.c_str());
+  } else {  // rank 0 took the store with it
+    CHECK(message.find("rank 0 serves it") != std::string::npos, "names rank 0: %s", message.c_str());
+  }
+  CHECK(dp_pg_barrier(pg) == DP_ESTATE, "a broken group refuses further collectives: %s", dp_last_error());
+  dp_tensor_destroy(t);
+  auto destroy_start = std::chrono::steady_clock::now();
+  dp_process_group_destroy(pg);
+  double destroy_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - destroy_start).count();
+  CHECK(destroy_ms < 1000.0, "destroy took %.0f ms", destroy_ms);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: mp_worker collectives|mismatch|die [rank]|stop [rank]\n");
+    return 2;
+  }
+  std::string scenario = argv[1];
+  const char* rank_text = std::getenv("RANK");
+  g_rank = rank_text != nullptr ? std::atoi(rank_text) : -1;
+  int32_t timeout_ms = scenario == "die" || scenario == "stop" ? 3000 : 60000;
+  dp_process_group_options opts = DP_PROCESS_GROUP_OPTIONS_INIT;
+  opts.timeout_ms = timeout_ms;
+  dp_store* store = nullptr;
+  const char* store_path = std::getenv("DP_TEST_STORE");
+  if (store_path != nullptr) {
+    CHECK_OK(dp_store_create_file(&store, store_path, std::atoi(std::getenv("WORLD_SIZE"))));
+    opts.store = store;
+  }
+  dp_process_group* pg = nullptr;
+  if (dp_process_group_create_from_env(&pg, &opts) != DP_OK) {
+    std::fprintf(stderr, "rank %d: create failed: %s\n", g_rank, dp_last_error());
+    return 3;
+  }
+  dp_store_destroy(store);  // the group keeps its own reference
+  if (scenario == "collectives") {
+    run_collectives(pg);
+  } else if (scenario == "mismatch") {
+    run_mismatch(pg);
+  } else if (scenario == "die" || scenario == "stop") {
+    int victim = argc > 2 ? std::atoi(argv[2]) : std::atoi(std::getenv("WORLD_SIZE")) - 1;
+    run_failure(pg, scenario == "stop", victim, timeout_ms);
+    pg = nullptr;
+  } else {
+    std::fprintf(stderr, "unknown scenario '%s'\n", scenario.c_str());
+    return 2;
+  }
+  dp_process_group_destroy(pg);
+  if (g_failures == 0) std::printf("rank %d: %s passed\n", g_rank, scenario.c_str());
+  return g_failures == 0 ? 0 : 1;
+}
