@@ -90,6 +90,17 @@ int nested_replica_set_apply(void* user_data, size_t, dp_module*, dp_tensor* inp
   return 0;
 }
 
+// dp_parallel_apply of fn over one replica on cpu:3.
+void run_on_one_replica(dp_forward_fn fn, void* user_data) {
+  ModulePtr outer = linear(1, 1, 0.0f, cpu(3));
+  auto outer_input = make<float>({1}, {1}, cpu(3));
+  dp_module* replicas[] = {outer.get()};
+  dp_tensor* inputs[] = {outer_input.get()};
+  dp_tensor* out = nullptr;
+  DP_ASSERT_OK(dp_parallel_apply(replicas, inputs, nullptr, 1, fn, user_data, &out));
+  dp_tensor_destroy(out);
+}
+
 void set_bias_grads(dp_replica_set* set, float value) {
   for (size_t i = 0; i < dp_replica_set_size(set); ++i) {
     dp_module* r = nullptr;
@@ -186,13 +197,8 @@ TEST(NestedCalls, SingleDeviceDataParallelInsideACallbackIsAStateError) {
   ModulePtr m = linear(1, 1);
   auto x = make<float>({1, 1}, {1});
   Nested n{m.get(), nullptr, x.get()};
-  ModulePtr outer = linear(1, 1, 0.0f, cpu(3));
-  auto outer_input = make<float>({1}, {1}, cpu(3));
-  dp_module* replicas[] = {outer.get()};
-  dp_tensor* inputs[] = {outer_input.get()};
+  run_on_one_replica(nested_single_device_data_parallel, &n);
   dp_tensor* out = nullptr;
-  DP_ASSERT_OK(dp_parallel_apply(replicas, inputs, nullptr, 1, nested_single_device_data_parallel, &n, &out));
-  dp_tensor_destroy(out);
   EXPECT_EQ(n.status, DP_ESTATE) << n.error;
   // The single-device path calls fn on this thread; a nested call there is refused too.
   dp_device device = cpu(0);
@@ -208,13 +214,7 @@ TEST(NestedCalls, ARefusedReplicaSetApplyLeavesTheSetUnchanged) {
   set_bias_grads(set.get(), 1.0f);
   auto one_row = make<float>({1, 1}, {1});  // would make only replica 0 active
   Nested n{nullptr, set.get(), one_row.get()};
-  ModulePtr outer = linear(1, 1, 0.0f, cpu(3));
-  auto outer_input = make<float>({1}, {1}, cpu(3));
-  dp_module* replicas[] = {outer.get()};
-  dp_tensor* inputs[] = {outer_input.get()};
-  dp_tensor* out = nullptr;
-  DP_ASSERT_OK(dp_parallel_apply(replicas, inputs, nullptr, 1, nested_replica_set_apply, &n, &out));
-  dp_tensor_destroy(out);
+  run_on_one_replica(nested_replica_set_apply, &n);
   EXPECT_EQ(n.status, DP_ESTATE) << n.error;
   DP_ASSERT_OK(dp_replica_set_reduce_gradients(set.get()));
   EXPECT_EQ(values<float>(grad(m.get(), "bias").get()), (std::vector<float>{3.0f}));  // all three still active
