@@ -16,13 +16,17 @@ ReplicaForward wrap_forward(dp_forward_fn fn, void* user_data) {
     dp_tensor* output = nullptr;
     capi::set_last_error("");
     int code = fn(user_data, index, replica_handle.get(), input_handle.get(), capi::to_c(device), &output);
+    // The callback may hand back the input handle itself: that one is freed
+    // once, with input_handle, and never through `output`.
+    const bool output_is_input = output == input_handle.get();
     if (code != 0) {
-      dp_tensor_destroy(output);
+      if (!output_is_input) dp_tensor_destroy(output);
       std::string detail = dp_last_error();
       fail(StatusCode::kUser, "the callback returned ", code,
            detail.empty() ? "" : " (its last error: " + detail + ")");
     }
     if (output == nullptr) fail(StatusCode::kUser, "the callback returned 0 but stored no output");
+    if (output_is_input) return input;
     if (output->tag != kTensorTag)
       fail(StatusCode::kUser, "the callback stored an output that is not a live dp_tensor");
     Tensor result = output->tensor;

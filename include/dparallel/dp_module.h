@@ -33,8 +33,10 @@ DP_API dp_status dp_module_create(dp_module **out);
 /* Drops this reference; NULL is accepted. The tree lives while any handle to
  * it or to a module holding it lives. */
 DP_API void dp_module_destroy(dp_module *module);
-/* `name` is non-empty, holds no '.', and is not yet used in this module by a
- * parameter, buffer or child. `value` may be NULL (the slot stays NULL). */
+/* `name` is non-empty valid UTF-8 (checkpoint headers are JSON), holds no
+ * '.', and is not yet used in this module by a parameter, buffer or child;
+ * else DP_EINVAL naming 'name'. The same rules hold for the next two.
+ * `value` may be NULL (the slot stays NULL). */
 DP_API dp_status dp_module_register_parameter(dp_module *module, const char *name,
                                               dp_tensor *value /* may be NULL */, int requires_grad);
 /* A non-persistent buffer is replicated but not part of the state dict. */
@@ -64,16 +66,20 @@ DP_API dp_status dp_module_grad(dp_module *module, const char *dotted_name, dp_t
 /* Fills every allocated gradient with zeros (the storage is kept). */
 DP_API dp_status dp_module_zero_grad(dp_module *module);
 /* The state dict (parameters and persistent buffers, each tensor once) as a
- * safetensors file with metadata {"format": "pt"}, written to a temporary
- * file and renamed over `path`. Saving the same state twice gives the same
+ * safetensors file with metadata {"format": "pt"}, written to a new
+ * temporary file beside it (`path` + ".XXXXXX", removed on failure) and
+ * renamed over `path`, so concurrent saves never share a temporary file. Saving the same state twice gives the same
  * bytes. DP_EIO with the system's reason on an I/O failure. */
 DP_API dp_status dp_module_save(const dp_module *module, const char *path);
 /* Copies a safetensors file into the module's tensors; a key may name any
  * path to a tensor. A malformed file (truncated, bad header length, bad JSON,
  * unknown dtype, overlapping or out-of-range offsets) is DP_EIO. With
  * `strict`, missing and unexpected keys are DP_EINVAL naming all of them; a
- * shape or dtype mismatch always is, naming the key and both shapes. On any
- * failure the module is unchanged. */
+ * shape or dtype mismatch always is, naming the key and both shapes. The
+ * header is checked before any tensor data is read, and the data is read
+ * straight into the tensors (no second copy of the file in memory). On any
+ * failure the module is unchanged, except for a read error while copying
+ * (the file changed during the load): DP_EIO, possibly partly loaded. */
 DP_API dp_status dp_module_load(dp_module *module, const char *path, int strict);
 
 /* Additions beyond the base contract. */

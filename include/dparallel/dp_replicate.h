@@ -7,9 +7,11 @@
  * adds each replica's gradient into the target's once. Children shared in the
  * module are shared inside each replica; NULL slots stay NULL.
  *
- * Thread safety: dp_replicate and dp_reduce_gradients read the module like any
- * other reader. A dp_replica_set is used by one thread at a time; its
- * replicas, once handed out, follow dp_module.h's rules.
+ * Thread safety: dp_replicate reads the module like any other reader.
+ * dp_reduce_gradients reads the replicas and writes the target's gradients:
+ * one writer of those gradients at a time, and no concurrent readers of
+ * them. A dp_replica_set is used by one thread at a time; its replicas, once
+ * handed out, follow dp_module.h's rules.
  */
 #ifndef DPARALLEL_DP_REPLICATE_H
 #define DPARALLEL_DP_REPLICATE_H
@@ -34,15 +36,21 @@ DP_API dp_status dp_reduce_gradients(dp_module *const *replicas, size_t nreplica
 
 /* Replicas kept across steps: made once, refreshed in place by _sync. */
 typedef struct dp_replica_set dp_replica_set;
+/* A device listed twice is DP_EINVAL naming both indices. */
 DP_API dp_status dp_replica_set_create(dp_replica_set **out, dp_module *module,
                                        const dp_device *devices, size_t ndevices);
-/* Copies the module's current parameters and buffers into the replicas'
- * existing storage (call it after updating the module). DP_ESTATE if the
- * module gained or lost parameters or buffers since the set was made. */
+/* Copies the module's current parameters and buffers, and their
+ * requires_grad flags, into the replicas' existing storage (call it after
+ * updating or freezing/unfreezing the module). DP_ESTATE if the module, or a
+ * replica from dp_replica_set_replica, gained or lost parameters or buffers
+ * since the set was made. */
 DP_API dp_status dp_replica_set_sync(dp_replica_set *set);
 DP_API dp_status dp_replica_set_replica(const dp_replica_set *set, size_t index, dp_module **out);
 /* dp_reduce_gradients from the replicas that took part in the latest
- * dp_replica_set_apply (all of them before the first) into the module. */
+ * dp_replica_set_apply (all of them before the first) into the module, then
+ * zeroes those replicas' gradients: every step starts with fresh replica
+ * gradients (as when replicating anew each forward), so a callback may
+ * accumulate into them. */
 DP_API dp_status dp_replica_set_reduce_gradients(dp_replica_set *set);
 DP_API void dp_replica_set_destroy(dp_replica_set *set);
 

@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <string>
+#include <unordered_map>
 
 #include "backend/cuda/cuda_backend.h"
 #include "core/error.h"
@@ -80,6 +81,17 @@ Device check_device(int32_t type, int32_t index, const char* argument) {
     }
   }
   return device;
+}
+
+void check_distinct_devices(const std::vector<Device>& devices, const char* argument, const char* verb) {
+  std::unordered_map<Device, size_t> first;
+  for (size_t i = 0; i < devices.size(); ++i) {
+    auto [it, inserted] = first.emplace(devices[i], i);
+    if (!inserted) {
+      fail_invalid(argument, "[", it->second, "] and ", argument, "[", i, "] ", verb, " ", to_string(devices[i]),
+                   ": each replica needs a device of its own");
+    }
+  }
 }
 
 }  // namespace dparallel

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 namespace dparallel {
 
@@ -37,6 +38,10 @@ Device check_device(int32_t type, int32_t index, const char* argument);
 inline Device check_device(const Device& device, const char* argument) {
   return check_device(static_cast<int32_t>(device.type), device.index, argument);
 }
+// Throws kInvalidArgument naming the first repeat ("devices[0] and devices[2]
+// are both cpu:0"): replicas sharing a device would share its one worker.
+// `verb` joins the names to the device ("are both on" for tensors).
+void check_distinct_devices(const std::vector<Device>& devices, const char* argument, const char* verb = "are both");
 
 }  // namespace dparallel
 

@@ -22,7 +22,12 @@ class DeviceWorker {
   }
 
   std::future<void> submit(std::function<void()> work) {
-    std::packaged_task<void()> task(std::move(work));
+    // The device is made current before every task, so a task that switches
+    // it cannot misplace the next one; a failure to do so is the task's error.
+    std::packaged_task<void()> task([device = device_, work = std::move(work)] {
+      if (device.is_cuda()) cuda::set_device(device.index);
+      work();
+    });
     std::future<void> done = task.get_future();
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -35,13 +40,6 @@ class DeviceWorker {
  private:
   void loop() {
     t_current_device = device_;
-    if (device_.is_cuda()) {
-      try {
-        cuda::set_device(device_.index);
-      } catch (...) {
-        // Work submitted here reports the device error itself.
-      }
-    }
     for (;;) {
       std::packaged_task<void()> task;
       {

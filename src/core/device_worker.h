@@ -9,8 +9,9 @@
 
 namespace dparallel {
 
-// Runs `work` on the worker thread of `device`; the future carries its
-// exception, if any.
+// Runs `work` on the worker thread of `device`, with the device made current
+// just before it; the future carries its exception, if any, or the failure to
+// make the device current (then `work` does not run).
 std::future<void> run_on_device(const Device& device, std::function<void()> work);
 
 // The device made current on this thread (cpu:0 on threads that are not

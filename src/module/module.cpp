@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <map>
 #include <tuple>
 
@@ -24,6 +25,38 @@ struct ParameterRegistry {
 ParameterRegistry& registry() {
   static auto* instance = new ParameterRegistry();  // outlives every Parameter
   return *instance;
+}
+
+// The offset of the first byte that breaks UTF-8 (RFC 3629: no overlong
+// forms, no surrogates, nothing past U+10FFFF), or npos.
+size_t invalid_utf8_at(const std::string& text) {
+  const auto* p = reinterpret_cast<const unsigned char*>(text.data());
+  const size_t n = text.size();
+  for (size_t i = 0; i < n;) {
+    const unsigned char c = p[i];
+    size_t length = 0;
+    unsigned char low = 0x80, high = 0xBF;  // the allowed range of the second byte
+    if (c < 0x80) length = 1;
+    else if (c >= 0xC2 && c <= 0xDF) length = 2;
+    else if (c >= 0xE0 && c <= 0xEF) {
+      length = 3;
+      if (c == 0xE0) low = 0xA0;
+      if (c == 0xED) high = 0x9F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      length = 4;
+      if (c == 0xF0) low = 0x90;
+      if (c == 0xF4) high = 0x8F;
+    } else {
+      return i;
+    }
+    for (size_t k = 1; k < length; ++k) {
+      if (i + k >= n) return i + k;
+      const unsigned char lo = k == 1 ? low : 0x80, hi = k == 1 ? high : 0xBF;
+      if (p[i + k] < lo || p[i + k] > hi) return i + k;
+    }
+    i += length;
+  }
+  return std::string::npos;
 }
 
 }  // namespace
@@ -81,6 +114,13 @@ void Parameter::zero_grad() {
 void Module::check_new_name(const std::string& name) const {
   if (name.empty()) fail_invalid("argument 'name' is empty");
   if (name.find('.') != std::string::npos) fail_invalid("argument 'name' (\"", name, "\") must not contain '.'");
+  // Checkpoint headers are JSON, which holds only UTF-8 names.
+  if (size_t bad = invalid_utf8_at(name); bad != std::string::npos) {
+    if (bad == name.size()) fail_invalid("argument 'name' is not valid UTF-8: it ends inside a multi-byte character");
+    char hex[8];
+    std::snprintf(hex, sizeof hex, "0x%02X", static_cast<unsigned>(static_cast<unsigned char>(name[bad])));
+    fail_invalid("argument 'name' is not valid UTF-8: byte ", bad, " (", hex, ") of ", name.size(), " is malformed");
+  }
   auto taken = [&](const auto& slots) {
     return std::any_of(slots.begin(), slots.end(), [&](const auto& s) { return s.name == name; });
   };
@@ -125,9 +165,17 @@ void Module::add_child_slot(const std::string& name, std::shared_ptr<Module> chi
 }
 
 bool Module::contains(const Module* other) const {
-  if (this == other) return true;
-  for (const ChildSlot& c : children_) {
-    if (c.module && c.module->contains(other)) return true;
+  // Iterative with a visited set: shared children would make a plain
+  // recursion exponential in the depth.
+  std::vector<const Module*> stack{this};
+  std::set<const Module*> visited{this};
+  while (!stack.empty()) {
+    const Module* m = stack.back();
+    stack.pop_back();
+    if (m == other) return true;
+    for (const ChildSlot& c : m->children_) {
+      if (c.module && visited.insert(c.module.get()).second) stack.push_back(c.module.get());
+    }
   }
   return false;
 }

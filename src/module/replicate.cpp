@@ -1,5 +1,6 @@
 #include "module/replicate.h"
 
+#include <algorithm>
 #include <map>
 #include <unordered_map>
 
@@ -55,14 +56,33 @@ std::vector<std::vector<Tensor>> copies_for(const TensorList& list, const Device
   }
   std::vector<std::vector<Tensor>> broadcast(targets.size(), list.values);
   if (targets.size() > 1) broadcast = comm::broadcast_coalesced(list.values, targets, comm::kDefaultBufferSize);
+  // Coalescing gives zero-byte tensors views at one offset, which would make
+  // distinct tensors one identity (listed once) in a replica: give each its own.
+  for (size_t k = 1; k < targets.size(); ++k) {
+    for (size_t t = 0; t < list.values.size(); ++t) {
+      const Tensor& v = list.values[t];
+      if (v.nbytes() == 0) broadcast[k][t] = Tensor::empty(v.dtype(), v.shape(), targets[k]);
+    }
+  }
   std::vector<std::vector<Tensor>> out;
   for (size_t d = 0; d < devices.size(); ++d) out.push_back(broadcast[slot[d]]);
   return out;
 }
 
+// replicate(), with each replica's tensors (the module's listing order) in *tensors.
+std::vector<ModulePtr> replicate_listing(Module& module, const std::vector<Device>& devices, bool detach,
+                                         std::vector<std::vector<Tensor>>* tensors);
+
 }  // namespace
 
 std::vector<ModulePtr> replicate(Module& module, const std::vector<Device>& devices, bool detach) {
+  return replicate_listing(module, devices, detach, nullptr);
+}
+
+namespace {
+
+std::vector<ModulePtr> replicate_listing(Module& module, const std::vector<Device>& devices, bool detach,
+                                         std::vector<std::vector<Tensor>>* tensors) {
   if (devices.empty()) return {};
   const std::vector<NamedModule> modules = module.named_modules();
   const std::vector<NamedParameter> parameters = module.named_parameters();
@@ -106,8 +126,11 @@ std::vector<ModulePtr> replicate(Module& module, const std::vector<Device>& devi
     }
     out.push_back(replica_modules[0]);
   }
+  if (tensors != nullptr) *tensors = copies;
   return out;
 }
+
+}  // namespace
 
 void reduce_gradients(const std::vector<ModulePtr>& replicas, Module& target) {
   const std::vector<NamedParameter> expected = target.named_parameters();
@@ -142,12 +165,32 @@ void reduce_gradients(const std::vector<ModulePtr>& replicas, Module& target) {
   }
 }
 
+bool ReplicaSet::Layout::operator==(const Layout& other) const {
+  auto same = [](const TensorIdentity& a, const TensorIdentity& b) { return !(a < b) && !(b < a); };
+  return parameters == other.parameters &&
+         std::equal(buffers.begin(), buffers.end(), other.buffers.begin(), other.buffers.end(), same);
+}
+
+ReplicaSet::Layout ReplicaSet::layout_of(const Module& module) {
+  Layout layout;
+  for (const NamedParameter& p : module.named_parameters()) layout.parameters.push_back(p.parameter.get());
+  for (const NamedBuffer& b : module.named_buffers()) layout.buffers.push_back(identity_of(b.slot->value));
+  return layout;
+}
+
 ReplicaSet::ReplicaSet(ModulePtr module, std::vector<Device> devices)
     : module_(std::move(module)), devices_(std::move(devices)) {
   if (devices_.empty()) fail_invalid("argument 'ndevices' is 0: a replica set needs at least one device");
-  replicas_ = replicate(*module_, devices_, false);
-  for (const NamedParameter& p : module_->named_parameters()) source_parameters_.push_back(p.parameter.get());
-  for (const NamedBuffer& b : module_->named_buffers()) source_buffers_.push_back(identity_of(b.slot->value));
+  check_distinct_devices(devices_, "devices");
+  replicas_ = replicate_listing(*module_, devices_, false, &tensors_);
+  source_layout_ = layout_of(*module_);
+  for (size_t r = 0; r < replicas_.size(); ++r) {
+    replica_layouts_.push_back(layout_of(*replicas_[r]));
+    const size_t listed = replica_layouts_[r].parameters.size() + replica_layouts_[r].buffers.size();
+    if (listed != tensors_[r].size()) {
+      fail(StatusCode::kInternal, "replica ", r, " lists ", listed, " tensors but the module ", tensors_[r].size());
+    }
+  }
   active_ = replicas_.size();
 }
 
@@ -158,36 +201,40 @@ const ModulePtr& ReplicaSet::replica(size_t index) const {
   return replicas_[index];
 }
 
-void ReplicaSet::check_structure() const {
-  std::vector<const Parameter*> parameters;
-  for (const NamedParameter& p : module_->named_parameters()) parameters.push_back(p.parameter.get());
-  std::vector<TensorIdentity> buffers;
-  for (const NamedBuffer& b : module_->named_buffers()) buffers.push_back(identity_of(b.slot->value));
-  bool same_buffers = buffers.size() == source_buffers_.size();
-  for (size_t i = 0; same_buffers && i < buffers.size(); ++i) {
-    same_buffers = !(buffers[i] < source_buffers_[i]) && !(source_buffers_[i] < buffers[i]);
-  }
-  if (parameters != source_parameters_ || !same_buffers) {
+void ReplicaSet::sync() {
+  if (!(layout_of(*module_) == source_layout_)) {
     fail(StatusCode::kState,
          "the module's parameters or buffers changed since the replica set was made; make a new one");
   }
-}
-
-void ReplicaSet::sync() {
-  check_structure();
+  for (size_t r = 0; r < replicas_.size(); ++r) {
+    if (!(layout_of(*replicas_[r]) == replica_layouts_[r])) {
+      fail(StatusCode::kState, "replica ", r,
+           "'s parameters or buffers changed since the replica set was made; make a new one");
+    }
+  }
   const TensorList source = tensors_of(*module_);
-  std::vector<TensorList> lists;
-  for (const ModulePtr& r : replicas_) lists.push_back(tensors_of(*r));
   for (size_t t = 0; t < source.values.size(); ++t) {
     std::vector<Tensor> outputs;
-    for (const TensorList& l : lists) outputs.push_back(l.values[t]);
+    for (const std::vector<Tensor>& copies : tensors_) outputs.push_back(copies.at(t));
     comm::broadcast_into(source.values[t], outputs);
+  }
+  // Layouts are unchanged, so the listings line up index by index.
+  const std::vector<NamedParameter> parameters = module_->named_parameters();
+  const std::vector<NamedBuffer> buffers = module_->named_buffers();
+  for (const ModulePtr& replica : replicas_) {
+    const std::vector<NamedParameter> replica_parameters = replica->named_parameters();
+    const std::vector<NamedBuffer> replica_buffers = replica->named_buffers();
+    for (size_t i = 0; i < parameters.size(); ++i) {
+      replica_parameters[i].parameter->set_requires_grad(parameters[i].parameter->requires_grad());
+    }
+    for (size_t i = 0; i < buffers.size(); ++i) replica_buffers[i].slot->requires_grad = buffers[i].slot->requires_grad;
   }
 }
 
 void ReplicaSet::reduce_gradients() {
   std::vector<ModulePtr> active(replicas_.begin(), replicas_.begin() + static_cast<std::ptrdiff_t>(active_));
   dparallel::reduce_gradients(active, *module_);
+  for (const ModulePtr& replica : active) replica->zero_grad();
 }
 
 }  // namespace dparallel

@@ -27,13 +27,17 @@ void reduce_gradients(const std::vector<ModulePtr>& replicas, Module& target);
 // Replicas kept across steps.
 class ReplicaSet {
  public:
+  // Repeated devices are kInvalidArgument.
   ReplicaSet(ModulePtr module, std::vector<Device> devices);
 
-  // Copies the module's current parameters and buffers into the replicas'
-  // existing storage. kState if the module's structure changed.
+  // Copies the module's current parameters and buffers, and their
+  // requires_grad flags, into the replicas' existing storage. kState if the
+  // module's or a replica's parameters or buffers changed.
   void sync();
   // Reduces the gradients of the replicas that took part in the latest
-  // apply (all of them before the first) into the module's.
+  // apply (all of them before the first) into the module's, then zeroes
+  // those replicas' gradients (each step starts from fresh gradients, as
+  // with torch's re-replication).
   void reduce_gradients();
 
   size_t size() const { return replicas_.size(); }
@@ -44,13 +48,23 @@ class ReplicaSet {
   void set_active(size_t count) { active_ = count; }
 
  private:
-  void check_structure() const;
+  // What a module lists: its parameters' objects and its buffers' identities.
+  struct Layout {
+    std::vector<const Parameter*> parameters;
+    std::vector<TensorIdentity> buffers;
+    bool operator==(const Layout& other) const;
+  };
+  static Layout layout_of(const Module& module);
 
   ModulePtr module_;
   std::vector<Device> devices_;
   std::vector<ModulePtr> replicas_;
-  std::vector<const Parameter*> source_parameters_;
-  std::vector<TensorIdentity> source_buffers_;
+  // tensors_[r][t]: replica r's copy of the module's tensor t (parameters,
+  // then buffers, as listed), kept from creation so that sync never relies on
+  // a replica listing its tensors the way the module does.
+  std::vector<std::vector<Tensor>> tensors_;
+  Layout source_layout_;
+  std::vector<Layout> replica_layouts_;
   size_t active_;
 };
 

@@ -97,6 +97,27 @@ Entry parse_entry(const std::string& name, const Json& info, uint64_t data_size)
   return e;
 }
 
+// Stops at the first bracket nested deeper than kMaxJsonDepth, before the
+// JSON parser would build (and keep on a stack) every level of a hostile header.
+void check_depth(const char* text, uint64_t n) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (uint64_t i = 0; i < n; ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      if (++depth > kMaxJsonDepth) malformed("the header nests deeper than ", kMaxJsonDepth, " levels");
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
+  }
+}
+
 }  // namespace
 
 const char* dtype_code(DType dtype) {
@@ -106,26 +127,27 @@ const char* dtype_code(DType dtype) {
   fail(StatusCode::kInternal, "no safetensors code for dtype ", static_cast<int>(dtype));
 }
 
-Header parse(const uint8_t* data, size_t size) {
+uint64_t header_length(const uint8_t* first_bytes, uint64_t size) {
   if (size < 8) malformed("the data is ", size, " bytes, shorter than the 8-byte header length");
-  uint64_t header_bytes = read_u64_le(data);
+  uint64_t header_bytes = read_u64_le(first_bytes);
   if (header_bytes > kMaxHeaderBytes) {
     malformed("the header length is ", header_bytes, " bytes, more than the ", kMaxHeaderBytes, " allowed");
   }
   if (header_bytes > size - 8) {
     malformed("the header length is ", header_bytes, " bytes but only ", size - 8, " bytes follow it");
   }
-  const char* text = reinterpret_cast<const char*>(data + 8);
+  return header_bytes;
+}
+
+Header parse(const uint8_t* data, size_t size) {
+  const uint64_t header_bytes = header_length(data, size);
+  return parse_header(reinterpret_cast<const char*>(data + 8), header_bytes, size);
+}
+
+Header parse_header(const char* text, uint64_t header_bytes, uint64_t size) {
   if (header_bytes == 0 || text[0] != '{') malformed("the header does not start with '{'");
-  bool too_deep = false;
-  Json header = Json::parse(
-      text, text + header_bytes,
-      [&](int depth, nlohmann::json::parse_event_t, Json&) {
-        if (depth > kMaxJsonDepth) too_deep = true;
-        return !too_deep;
-      },
-      /*allow_exceptions=*/false);
-  if (too_deep) malformed("the header nests deeper than ", kMaxJsonDepth, " levels");
+  check_depth(text, header_bytes);
+  Json header = Json::parse(text, text + header_bytes, nullptr, /*allow_exceptions=*/false);
   if (header.is_discarded() || !header.is_object()) malformed("the header is not a JSON object");
 
   Header out;

@@ -36,6 +36,11 @@ const char* dtype_code(DType dtype);
 // Validates a whole file image: header length, JSON, dtypes, shapes, and that
 // the tensors tile the data section exactly. Throws Error(kIo) with a message.
 Header parse(const uint8_t* data, size_t size);
+// The same in two steps, for a file read piecewise: the header length from
+// the first min(8, size) bytes of a `size`-byte file, then the header text
+// (that many bytes from offset 8) checked against that size.
+uint64_t header_length(const uint8_t* first_bytes, uint64_t size);
+Header parse_header(const char* text, uint64_t header_bytes, uint64_t size);
 
 // The first bytes of a file holding `entries` (whose ranges must tile the
 // data section in order): length, JSON header padded with spaces to 8 bytes.

@@ -1,7 +1,10 @@
 #include "module/state_dict.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -27,17 +30,49 @@ using File = std::unique_ptr<std::FILE, FileCloser>;
   fail(StatusCode::kIo, what, " '", path, "': ", std::strerror(errno));
 }
 
-std::vector<uint8_t> read_file(const std::string& path) {
-  File f(std::fopen(path.c_str(), "rb"));
-  if (!f) io_error("cannot open", path);
-  struct stat info {};
-  if (fstat(fileno(f.get()), &info) != 0) io_error("cannot stat", path);
-  if (!S_ISREG(info.st_mode)) fail(StatusCode::kIo, "'", path, "' is not a regular file");
-  std::vector<uint8_t> bytes(static_cast<size_t>(info.st_size));
-  if (!bytes.empty() && std::fread(bytes.data(), 1, bytes.size(), f.get()) != bytes.size()) {
-    io_error("cannot read", path);
+// A file read by offset, closed on scope exit.
+class InputFile {
+ public:
+  explicit InputFile(const std::string& path) : path_(path), fd_(::open(path.c_str(), O_RDONLY | O_CLOEXEC)) {
+    if (fd_ < 0) io_error("cannot open", path);
+    struct stat info {};
+    if (fstat(fd_, &info) != 0) io_error("cannot stat", path);
+    if (!S_ISREG(info.st_mode)) fail(StatusCode::kIo, "'", path, "' is not a regular file");
+    size_ = static_cast<uint64_t>(info.st_size);
   }
-  return bytes;
+  ~InputFile() { ::close(fd_); }
+  InputFile(const InputFile&) = delete;
+  InputFile& operator=(const InputFile&) = delete;
+
+  uint64_t size() const { return size_; }
+  void read_at(void* dst, uint64_t nbytes, uint64_t offset) const {
+    auto* out = static_cast<uint8_t*>(dst);
+    while (nbytes > 0) {
+      ssize_t got = ::pread(fd_, out, nbytes, static_cast<off_t>(offset));
+      if (got < 0 && errno == EINTR) continue;
+      if (got < 0) io_error("cannot read", path_);
+      if (got == 0) fail(StatusCode::kIo, "cannot read '", path_, "': it ended early (was it changed while loading?)");
+      out += got;
+      offset += static_cast<uint64_t>(got);
+      nbytes -= static_cast<uint64_t>(got);
+    }
+  }
+
+ private:
+  std::string path_;
+  int fd_;
+  uint64_t size_ = 0;
+};
+
+// The process's umask, read without changing it (umask() would, for every thread).
+mode_t current_umask() {
+  File f(std::fopen("/proc/self/status", "r"));
+  char line[256];
+  while (f && std::fgets(line, sizeof line, f.get()) != nullptr) {
+    unsigned mask = 0;
+    if (std::sscanf(line, "Umask: %o", &mask) == 1) return static_cast<mode_t>(mask);
+  }
+  return 022;
 }
 
 // The tensor a state-dict key names, or an undefined tensor when it names none.
@@ -100,10 +135,21 @@ void save_module(Module& module, const std::string& path) {
     offset += e.value.nbytes();
   }
   std::string header = safetensors::encode_header(layout, {{"format", "pt"}});
-  std::string temporary = path + ".tmp";
+  // A fresh name beside `path` (rename stays within one file system): saves
+  // to one path do not collide, and no file of the user's is overwritten.
+  std::string temporary = path + ".XXXXXX";
   {
-    File f(std::fopen(temporary.c_str(), "wb"));
-    if (!f) io_error("cannot create", temporary);
+    int fd = ::mkstemp(temporary.data());
+    if (fd < 0) io_error("cannot create a temporary file beside", path);
+    // mkstemp makes the file 0600; a saved checkpoint gets the usual 0666 & ~umask.
+    File f(fchmod(fd, 0666 & ~current_umask()) == 0 ? ::fdopen(fd, "wb") : nullptr);
+    if (!f) {
+      int saved = errno;
+      ::close(fd);
+      std::remove(temporary.c_str());
+      errno = saved;
+      io_error("cannot create", temporary);
+    }
     bool ok = std::fwrite(header.data(), 1, header.size(), f.get()) == header.size();
     std::vector<uint8_t> staging;
     for (size_t i = 0; ok && i < entries.size(); ++i) {
@@ -136,25 +182,28 @@ void save_module(Module& module, const std::string& path) {
   }
 }
 
-void load_module(Module& module, const std::string& path, bool strict) {
-  std::vector<uint8_t> file = read_file(path);
-  load_module_image(module, file.data(), file.size(), path, strict);
-}
+namespace {
 
-void load_module_image(Module& module, const uint8_t* data, size_t size, const std::string& origin, bool strict) {
-  safetensors::Header header;
+using Copies = std::vector<std::pair<const safetensors::Entry*, Tensor>>;
+
+template <typename Parse>
+auto parse_from(const std::string& origin, Parse&& parse) -> decltype(parse()) {
   try {
-    header = safetensors::parse(data, size);
+    return parse();
   } catch (const Error& e) {
     fail(e.code(), "'", origin, "': ", e.what());
   }
+}
 
+// Matches the header's entries to the module's tensors; throws before any
+// tensor changes.
+Copies plan_load(Module& module, const safetensors::Header& header, const std::string& origin, bool strict) {
   std::vector<StateEntry> expected = state_dict(module);
   std::map<TensorIdentity, size_t> index_of;
   for (size_t i = 0; i < expected.size(); ++i) index_of[identity_of(expected[i].value)] = i;
   std::vector<bool> covered(expected.size(), false);
   std::vector<std::string> unexpected, mismatches;
-  std::vector<std::pair<const safetensors::Entry*, Tensor>> copies;
+  Copies copies;
   for (const safetensors::Entry& e : header.entries) {
     Tensor target = resolve(module, e.name);
     auto found = target.defined() ? index_of.find(identity_of(target)) : index_of.end();
@@ -183,7 +232,38 @@ void load_module_image(Module& module, const uint8_t* data, size_t size, const s
     problems.resize(problems.size() - 2);
     fail_invalid("error loading '", origin, "' into the module: ", problems);
   }
-  for (const auto& [entry, target] : copies) {
+  return copies;
+}
+
+}  // namespace
+
+void load_module(Module& module, const std::string& path, bool strict) {
+  // Header first, then each tensor's bytes straight into place: loading never
+  // holds a second copy of the file, and a hostile header length costs nothing.
+  InputFile file(path);
+  uint8_t first_bytes[8] = {};
+  file.read_at(first_bytes, std::min<uint64_t>(8, file.size()), 0);
+  const uint64_t header_bytes = parse_from(path, [&] { return safetensors::header_length(first_bytes, file.size()); });
+  std::string text(static_cast<size_t>(header_bytes), '\0');
+  file.read_at(text.data(), header_bytes, 8);
+  const safetensors::Header header =
+      parse_from(path, [&] { return safetensors::parse_header(text.data(), header_bytes, file.size()); });
+  std::vector<uint8_t> staging;
+  for (const auto& [entry, target] : plan_load(module, header, path, strict)) {
+    const uint64_t offset = header.data_offset + entry->begin;
+    if (target.device().is_cpu()) {
+      file.read_at(target.data(), target.nbytes(), offset);
+    } else {
+      staging.resize(target.nbytes());
+      file.read_at(staging.data(), target.nbytes(), offset);
+      copy_bytes(target.data(), target.device(), staging.data(), kHost, target.nbytes());
+    }
+  }
+}
+
+void load_module_image(Module& module, const uint8_t* data, size_t size, const std::string& origin, bool strict) {
+  const safetensors::Header header = parse_from(origin, [&] { return safetensors::parse(data, size); });
+  for (const auto& [entry, target] : plan_load(module, header, origin, strict)) {
     copy_bytes(target.data(), target.device(), data + header.data_offset + entry->begin, kHost, target.nbytes());
   }
 }

@@ -21,14 +21,16 @@ struct StateEntry {
 std::vector<StateEntry> state_dict(Module& module);
 
 // Writes a safetensors file (metadata {"format": "pt"}) through a temporary
-// file renamed into place.
+// file (mkstemp, beside `path`) renamed into place.
 void save_module(Module& module, const std::string& path);
 
 // Copies a safetensors file into the module's tensors. A key may name any
 // path to a tensor (a shared one included). With `strict`, missing and
 // unexpected keys are kInvalidArgument naming all of them; a shape or dtype
-// mismatch always is. A malformed file is kIo. On any error the module is
-// unchanged.
+// mismatch always is. A malformed file is kIo. The header is read and
+// checked first, then each tensor's bytes are read straight into it. On any
+// error found before that the module is unchanged; a read failure while
+// copying (the file changed meanwhile) is kIo and may leave it partly loaded.
 void load_module(Module& module, const std::string& path, bool strict);
 // The same from a file image in memory; `origin` names it in messages.
 void load_module_image(Module& module, const uint8_t* data, size_t size, const std::string& origin, bool strict);

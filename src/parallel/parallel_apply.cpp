@@ -14,6 +14,15 @@ thread_local bool t_inside_replica_forward = false;
 
 }  // namespace
 
+void check_not_inside_replica_forward(const char* what) {
+  if (t_inside_replica_forward) {
+    fail(StatusCode::kState, what, " was called from inside a replica's forward, which would deadlock");
+  }
+}
+
+InsideReplicaForward::InsideReplicaForward() : previous_(t_inside_replica_forward) { t_inside_replica_forward = true; }
+InsideReplicaForward::~InsideReplicaForward() { t_inside_replica_forward = previous_; }
+
 std::vector<Tensor> parallel_apply(const std::vector<std::shared_ptr<Module>>& replicas,
                                    const std::vector<Tensor>& inputs, const std::vector<Device>& devices,
                                    const ReplicaForward& fn) {
@@ -23,24 +32,28 @@ std::vector<Tensor> parallel_apply(const std::vector<std::shared_ptr<Module>>& r
   if (!devices.empty() && devices.size() != replicas.size()) {
     fail_invalid(replicas.size(), " replicas but ", devices.size(), " devices");
   }
-  if (t_inside_replica_forward) {
-    fail(StatusCode::kState, "parallel_apply was called from inside a replica's forward, which would deadlock");
-  }
+  check_not_inside_replica_forward("parallel_apply");
   const size_t n = replicas.size();
+  std::vector<Device> targets = devices;
+  if (targets.empty()) {
+    for (const Tensor& input : inputs) targets.push_back(input.device());
+    check_distinct_devices(targets, "inputs", "are both on");
+  } else {
+    check_distinct_devices(targets, "devices");
+  }
   std::vector<Tensor> outputs(n);
   std::vector<std::exception_ptr> errors(n);
   std::vector<std::future<void>> done;
   done.reserve(n);
   for (size_t i = 0; i < n; ++i) {
-    Device device = devices.empty() ? inputs[i].device() : devices[i];
+    const Device& device = targets[i];
     auto work = [&, i, device] {
-      t_inside_replica_forward = true;
+      InsideReplicaForward inside;
       try {
         outputs[i] = fn(i, replicas[i], inputs[i], device);
       } catch (...) {
         errors[i] = std::current_exception();
       }
-      t_inside_replica_forward = false;
     };
     try {
       done.push_back(run_on_device(device, work));

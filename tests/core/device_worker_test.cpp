@@ -29,3 +29,15 @@ TEST(DeviceWorker, ExceptionsReachTheFuture) {
   auto done = run_on_device(Device{DeviceType::kCpu, 6}, [] { throw std::runtime_error("boom"); });
   EXPECT_THROW(done.get(), std::runtime_error);
 }
+
+// A device that cannot be made current fails each task through its future,
+// and the task does not run (before, the failure was dropped at thread start).
+TEST(DeviceWorker, FailureToMakeTheDeviceCurrentReachesEveryTaskAndSkipsIt) {
+  const Device absent{DeviceType::kCuda, 9999};
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    bool ran = false;
+    auto done = run_on_device(absent, [&] { ran = true; });
+    EXPECT_ANY_THROW(done.get()) << "attempt " << attempt;
+    EXPECT_FALSE(ran) << "attempt " << attempt;
+  }
+}
