@@ -16,15 +16,16 @@ run_suite() {  # name, extra cmake arguments...
   shift
   build="$root/build/$name"
   echo "== $name build ($build)"
-  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" >/dev/null
+  cmake -S "$root" -B "$build" "$@" >/dev/null
   cmake --build "$build" -j "$jobs"
   echo "== $name tests"
   ctest --test-dir "$build" --output-on-failure --timeout 300 -j "$jobs"
 }
 
 case "$mode" in
-  all) run_suite normal && run_suite sanitize -DDP_SANITIZE=ON ;;
-  normal) run_suite normal ;;
-  sanitize) run_suite sanitize -DDP_SANITIZE=ON ;;
+  # The normal build is the optimised one the main job uses.
+  all) run_suite normal -DCMAKE_BUILD_TYPE=Release && run_suite sanitize -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDP_SANITIZE=ON ;;
+  normal) run_suite normal -DCMAKE_BUILD_TYPE=Release ;;
+  sanitize) run_suite sanitize -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDP_SANITIZE=ON ;;
   *) echo "usage: tests/run.sh [all|normal|sanitize]" >&2; exit 2 ;;
 esac
