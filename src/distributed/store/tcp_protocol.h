@@ -16,6 +16,9 @@ constexpr uint32_t kMaxKeys = 4096;
 // A body larger than this closes the connection.
 constexpr uint32_t kMaxBodyBytes = kMaxValueBytes + kMaxKeyBytes + 64;
 
+// The largest greeting body: the command byte and the token as a string.
+constexpr uint32_t kMaxGreetingBytes = 1 + 4 + kMaxKeyBytes;
+
 enum class Command : uint8_t { kHello = 1, kSet = 2, kGet = 3, kAdd = 4, kCheck = 5 };
 enum class ReplyStatus : uint8_t { kOk = 0, kNotFound = 1, kRefused = 2, kError = 3 };
 
