@@ -8,8 +8,11 @@
 // single node without one, a fresh DP_STORE_TOKEN. Their output is prefixed
 // with "[rank R] ". When a rank fails, the others get SIGTERM (SIGKILL after
 // the grace period) and dp-run exits with the failed rank's code (128 + signal
-// for a signal). SIGINT and SIGTERM to dp-run are passed on to every rank;
-// if dp-run itself is killed, the ranks are killed too.
+// for a signal). SIGINT and SIGTERM to dp-run are passed on to every rank; a
+// second one during the grace period sends SIGKILL. Signals go to each rank's
+// whole process group, so what a rank started is stopped with it, also after
+// the rank itself has exited; nothing a rank started outlives dp-run. If
+// dp-run itself is killed, the ranks are killed too.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
@@ -32,8 +35,12 @@
 namespace {
 
 volatile sig_atomic_t g_signal = 0;
+volatile sig_atomic_t g_signal_count = 0;
 
-void on_signal(int sig) { g_signal = sig; }
+void on_signal(int sig) {
+  g_signal = sig;
+  g_signal_count = g_signal_count + 1;
+}
 
 [[noreturn]] void usage(const char* message) {
   std::fprintf(stderr,
@@ -124,9 +131,30 @@ void drain(Rank& r) {
   }
 }
 
+// Each rank leads its own process group; it is signalled even after the rank
+// exited, for what the rank left running in it.
 void signal_all(std::vector<Rank>& ranks, int sig) {
   for (Rank& r : ranks) {
-    if (r.running) ::kill(-r.pid, sig);  // each rank leads its own process group
+    if (r.pid > 0) ::kill(-r.pid, sig);
+  }
+}
+
+bool any_group_alive(const std::vector<Rank>& ranks) {
+  for (const Rank& r : ranks) {
+    if (r.pid > 0 && ::kill(-r.pid, 0) == 0) return true;
+  }
+  return false;
+}
+
+// Reaps every exited child: ranks, and (as the subreaper) what they left.
+void reap(std::vector<Rank>& ranks) {
+  int status = 0;
+  for (pid_t got; (got = ::waitpid(-1, &status, WNOHANG)) > 0;) {
+    for (Rank& r : ranks) {
+      if (r.pid != got || !r.running) continue;
+      r.running = false;
+      r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    }
   }
 }
 
@@ -171,6 +199,8 @@ int main(int argc, char** argv) {
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
   signal(SIGPIPE, SIG_IGN);
+  // Orphans of the ranks come to dp-run, so they can be reaped and counted as gone.
+  ::prctl(PR_SET_CHILD_SUBREAPER, 1);
 
   const long world = nnodes * nproc;
   const pid_t launcher = ::getpid();
@@ -184,8 +214,17 @@ int main(int argc, char** argv) {
       signal_all(ranks, SIGKILL);
       return 1;
     }
+    // A signal that comes between fork and exec must not reach dp-run's handler in the child.
+    sigset_t stop_signals, previous;
+    sigemptyset(&stop_signals);
+    sigaddset(&stop_signals, SIGINT);
+    sigaddset(&stop_signals, SIGTERM);
+    ::sigprocmask(SIG_BLOCK, &stop_signals, &previous);
     pid_t pid = ::fork();
     if (pid == 0) {
+      ::signal(SIGINT, SIG_DFL);
+      ::signal(SIGTERM, SIG_DFL);
+      ::sigprocmask(SIG_SETMASK, &previous, nullptr);
       ::setpgid(0, 0);
       // Ranks do not outlive a launcher that was killed.
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
@@ -204,6 +243,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "dp-run: cannot run '%s': %s\n", argv[i], std::strerror(errno));
       ::_exit(127);
     }
+    ::sigprocmask(SIG_SETMASK, &previous, nullptr);
     ::close(fds[1]);
     if (pid < 0) {
       std::perror("dp-run: fork");
@@ -220,6 +260,7 @@ int main(int argc, char** argv) {
 
   int result = 0;
   bool stopping = false;
+  sig_atomic_t signals_at_stop = 0;  // a signal after stopping began escalates to SIGKILL
   auto kill_at = std::chrono::steady_clock::time_point::max();
   for (;;) {
     std::vector<pollfd> fds;
@@ -228,36 +269,49 @@ int main(int argc, char** argv) {
     }
     ::poll(fds.data(), fds.size(), fds.empty() ? 10 : 20);
     for (Rank& r : ranks) drain(r);
+    reap(ranks);
     bool any_running = false;
     for (Rank& r : ranks) {
-      if (!r.running) continue;
-      int status = 0;
-      pid_t got = ::waitpid(r.pid, &status, WNOHANG);
-      if (got != r.pid) {
+      if (r.running) {
         any_running = true;
         continue;
       }
-      r.running = false;
-      r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
       if (r.exit_code != 0 && !stopping) {
         std::fprintf(stderr, "dp-run: rank %d exited with code %d; stopping the other ranks\n", r.rank, r.exit_code);
         result = r.exit_code;
         stopping = true;
+        signals_at_stop = g_signal_count;
         signal_all(ranks, SIGTERM);
         kill_at = std::chrono::steady_clock::now() + std::chrono::milliseconds(grace_ms);
       }
     }
     if (g_signal != 0 && !stopping) {
       stopping = true;
+      signals_at_stop = g_signal_count;
       result = 128 + g_signal;
       signal_all(ranks, g_signal);
       kill_at = std::chrono::steady_clock::now() + std::chrono::milliseconds(grace_ms);
     }
+    if (stopping && g_signal_count > signals_at_stop) kill_at = std::chrono::steady_clock::now();
     if (stopping && std::chrono::steady_clock::now() >= kill_at) {
       signal_all(ranks, SIGKILL);
       kill_at = std::chrono::steady_clock::time_point::max();
     }
     if (!any_running) break;
+  }
+  // What the ranks left running in their groups: SIGTERM, SIGKILL after the grace period.
+  if (any_group_alive(ranks)) {
+    signal_all(ranks, SIGTERM);
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(grace_ms);
+    while (any_group_alive(ranks)) {
+      if (std::chrono::steady_clock::now() >= deadline || g_signal_count > signals_at_stop) {
+        signal_all(ranks, SIGKILL);
+        deadline = std::chrono::steady_clock::time_point::max();
+      }
+      for (Rank& r : ranks) drain(r);
+      ::usleep(10000);
+      reap(ranks);
+    }
   }
   // The ranks are gone; read what they left, but do not wait on a leftover
   // child of theirs that still holds the pipe.

@@ -98,6 +98,60 @@ TEST(Launcher, RanksDieWithAKilledLauncher) {
   EXPECT_EQ(count, 2);
 }
 
+TEST(Launcher, StopsWhatARankStartedEvenAfterThatRankExited) {
+  char path[] = "/tmp/dp_run_pids_XXXXXX";
+  int fd = ::mkstemp(path);
+  ::close(fd);
+  // Every rank starts a background sleep; rank 1 then fails, rank 0 waits.
+  LaunchResult r = launch(std::string("-n 2 --grace-ms 500 sh -c 'sleep 30 >/dev/null 2>&1 & echo $! >> ") + path +
+                          "; if [ $RANK = 1 ]; then exit 3; fi; wait'");
+  EXPECT_EQ(r.exit_code, 3) << r.output;
+  EXPECT_LT(r.seconds, 10.0) << r.output;
+  FILE* pids = std::fopen(path, "r");
+  ASSERT_NE(pids, nullptr);
+  int pid = 0, count = 0;
+  while (std::fscanf(pids, "%d", &pid) == 1) {
+    ++count;
+    EXPECT_FALSE(running(pid)) << "process " << pid << " started by a rank outlived dp-run";
+    ::kill(pid, SIGKILL);
+  }
+  std::fclose(pids);
+  ::unlink(path);
+  EXPECT_EQ(count, 2);
+}
+
+TEST(Launcher, ASecondInterruptDuringTheGracePeriodKillsAtOnce) {
+  // The rank ignores SIGTERM and SIGINT; the grace period is 30 s.
+  std::string command = std::string("echo $$; exec ") + DP_RUN +
+                        " -n 1 --grace-ms 30000 sh -c 'trap \"\" TERM INT; echo up; sleep 30 >/dev/null 2>&1 & wait' 2>&1";
+  auto start = std::chrono::steady_clock::now();
+  FILE* shell = ::popen(command.c_str(), "r");
+  ASSERT_NE(shell, nullptr);
+  int pid = 0;
+  ASSERT_EQ(std::fscanf(shell, "%d", &pid), 1);
+  std::thread watchdog([pid, start] {
+    while (std::chrono::steady_clock::now() - start < std::chrono::seconds(15)) {
+      if (::kill(pid, 0) != 0) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ::kill(pid, SIGKILL);
+  });
+  char line[256];
+  while (std::fgets(line, sizeof(line), shell) != nullptr && std::string(line).find("up") == std::string::npos) {
+  }
+  ::kill(pid, SIGINT);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ::kill(pid, SIGINT);
+  while (std::fgets(line, sizeof(line), shell) != nullptr) {
+  }
+  int status = ::pclose(shell);
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  watchdog.join();
+  EXPECT_LT(seconds, 5.0) << "the second SIGINT did not escalate to SIGKILL";
+  EXPECT_TRUE(WIFEXITED(status)) << status;
+  EXPECT_EQ(WEXITSTATUS(status), 128 + SIGINT);
+}
+
 TEST(Launcher, RejectsBadUsage) {
   EXPECT_EQ(launch("true").exit_code, 2);
   EXPECT_EQ(launch("-n 0 true").exit_code, 2);
