@@ -91,6 +91,9 @@ class ProcessGroup {
 std::unique_ptr<ProcessGroup> create_process_group(ProcessGroupOptions options);
 // Each backend's factory; the NCCL one fails with kUnsupported in a build without NCCL.
 std::unique_ptr<ProcessGroup> create_gloo_process_group(const ProcessGroupOptions& options);
+// The address Gloo binds to and advertises when DP_SOCKET_IFNAME is unset:
+// with a TCP store, this end's address of its connection to the store.
+std::string gloo_host(const ProcessGroupOptions& options);
 std::unique_ptr<ProcessGroup> create_nccl_process_group(const ProcessGroupOptions& options);
 
 }  // namespace dparallel::dist

@@ -28,6 +28,7 @@
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
+#include <netdb.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -41,6 +42,7 @@
 #include "distributed/process_group.h"
 #include "distributed/reduce_ops.h"
 #include "distributed/store/socket.h"
+#include "distributed/store/tcp_store.h"
 
 namespace dparallel::dist {
 
@@ -153,12 +155,8 @@ gloo::transport::tcp::attr transport_attr(const ProcessGroupOptions& options) {
   const char* ifname = std::getenv("DP_SOCKET_IFNAME");
   if (ifname != nullptr && *ifname != '\0') {
     attr.iface = ifname;
-  } else if (options.master_addr.empty() || net::is_loopback_host(options.master_addr)) {
-    attr.hostname = "127.0.0.1";
   } else {
-    char host[256] = {0};
-    if (::gethostname(host, sizeof(host) - 1) != 0) fail(StatusCode::kIo, "gethostname failed");
-    attr.hostname = host;
+    attr.hostname = gloo_host(options);
   }
   return attr;
 }
@@ -173,6 +171,28 @@ void ignore_sigpipe() {
     ::sigaction(SIGPIPE, &ignore, nullptr);
   }
 }
+
+}  // namespace
+
+std::string gloo_host(const ProcessGroupOptions& options) {
+  // The address this host reaches the store from is one the other ranks can
+  // reach it on too; the host name may resolve to a loopback address.
+  if (auto* tcp = dynamic_cast<TcpStore*>(options.store.get())) {
+    sockaddr_storage local = tcp->local_address();
+    char host[NI_MAXHOST] = {0};
+    if (local.ss_family != AF_UNSPEC &&
+        ::getnameinfo(reinterpret_cast<sockaddr*>(&local), sizeof(local), host, sizeof(host), nullptr, 0,
+                      NI_NUMERICHOST) == 0) {
+      return host;
+    }
+  }
+  if (options.master_addr.empty() || net::is_loopback_host(options.master_addr)) return "127.0.0.1";
+  char host[256] = {0};
+  if (::gethostname(host, sizeof(host) - 1) != 0) fail(StatusCode::kIo, "gethostname failed");
+  return host;
+}
+
+namespace {
 
 class GlooProcessGroup : public ProcessGroup {
  public:
