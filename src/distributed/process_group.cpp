@@ -41,6 +41,11 @@ bool ProcessGroup::broken() {
   return !broken_.empty();
 }
 
+void ProcessGroup::mark_broken(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (broken_.empty()) broken_ = why;
+}
+
 void ProcessGroup::worker_loop() {
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {

@@ -66,6 +66,8 @@ class ProcessGroup {
   void drain();
   // True once a collective has failed with kTimeout, kRemote or kInternal.
   bool broken();
+  // Marks the group unusable: a failure that left the ranks out of step.
+  void mark_broken(const std::string& why);
 
  private:
   using Task = std::function<void()>;
