@@ -102,9 +102,12 @@ TEST(Launcher, StopsWhatARankStartedEvenAfterThatRankExited) {
   char path[] = "/tmp/dp_run_pids_XXXXXX";
   int fd = ::mkstemp(path);
   ::close(fd);
-  // Every rank starts a background sleep; rank 1 then fails, rank 0 waits.
-  LaunchResult r = launch(std::string("-n 2 --grace-ms 500 sh -c 'sleep 30 >/dev/null 2>&1 & echo $! >> ") + path +
-                          "; if [ $RANK = 1 ]; then exit 3; fi; wait'");
+  // Every rank starts a background sleep; rank 1 then fails (once both are
+  // recorded, 5 s at most), rank 0 waits.
+  std::string p = path;
+  LaunchResult r = launch("-n 2 --grace-ms 500 sh -c 'sleep 30 >/dev/null 2>&1 & echo $! >> " + p +
+                          "; if [ $RANK = 1 ]; then for i in $(seq 500); do [ $(wc -l < " + p +
+                          ") -ge 2 ] && break; sleep 0.01; done; exit 3; fi; wait'");
   EXPECT_EQ(r.exit_code, 3) << r.output;
   EXPECT_LT(r.seconds, 10.0) << r.output;
   FILE* pids = std::fopen(path, "r");

@@ -54,12 +54,6 @@ using Clock = std::chrono::steady_clock;
 
 constexpr size_t kInlineBytes = 4096;
 constexpr uint32_t kMagic = 0x64704731;  // "dpG1"
-// How long a failed rank listens for the others' failure reports: until none is
-// new for kReportQuiet, kReportLimit at most; no request starts in the last
-// kLastRequest.
-constexpr Millis kReportQuiet{300};
-constexpr Millis kReportLimit{700};
-constexpr Millis kLastRequest{100};
 // How long a healthy group's destruction waits for the other ranks to leave.
 constexpr Millis kLeaveBound{5000};
 // How far past a collective's deadline its connections are closed.
@@ -577,55 +571,8 @@ class GlooProcessGroup : public ProcessGroup {
          "; gloo: ", cause);
   }
 
-  // Reports this rank's failure through the store and lists the ranks that
-  // reported none for the same collective: the others fail at once too,
-  // since a failing rank closes its connections, so listening stops once no
-  // new report has come for kReportQuiet (and after kReportLimit at most).
   std::string missing_ranks(uint64_t seq, bool exchanged) {
-    auto start = Clock::now();
-    auto hard_end = start + kReportLimit;
-    auto quiet_end = start + kReportQuiet;
-    auto left = [&] { return std::max(std::chrono::duration_cast<Millis>(hard_end - Clock::now()), Millis(1)); };
-    std::string base = str_cat(prefix_, "failed/", seq, "/");
-    std::vector<bool> reported(static_cast<size_t>(size()), false);
-    reported[static_cast<size_t>(rank())] = true;
-    try {
-      ReplyDeadlineCap cap(left());
-      store_->set(base + std::to_string(rank()), Bytes{1});
-    } catch (const std::exception& e) {
-      return str_cat("the store is unreachable too, so the missing ranks are unknown (rank 0 serves it: it may have "
-                     "exited): ",
-                     e.what());
-    }
-    auto pause = std::chrono::milliseconds(1);
-    bool store_gone = false;
-    for (;;) {
-      int32_t missing = 0;
-      for (int32_t r = 0; r < size() && !store_gone; ++r) {
-        if (reported[r]) continue;
-        // A request cut off by its deadline would cost the store connection.
-        if (hard_end - Clock::now() < kLastRequest) break;
-        try {
-          ReplyDeadlineCap cap(left());
-          reported[r] = store_->check({base + std::to_string(r)});
-        } catch (const Error&) {
-          store_gone = true;  // rank 0 may be done and gone: report what is known
-        }
-        if (reported[r]) quiet_end = Clock::now() + kReportQuiet;
-        missing += reported[r] ? 0 : 1;
-      }
-      auto now = Clock::now();
-      if (missing == 0 || store_gone || now >= quiet_end || now >= hard_end - kLastRequest) break;
-      std::this_thread::sleep_for(pause);
-      pause = std::min(pause * 2, std::chrono::milliseconds(20));
-    }
-    std::string missing;
-    for (int32_t r = 0; r < size(); ++r) {
-      if (!reported[r]) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-    }
-    if (missing.empty()) return "every rank reached it and failed";
-    if (exchanged) return "rank(s) " + missing + " stopped answering during the transfer (exited or stopped)";
-    return "rank(s) " + missing + " did not arrive (exited, stopped, or in another call)";
+    return find_missing_ranks(*store_, prefix_, rank(), size(), seq, exchanged);
   }
 
   // A rank that closes its connections while a peer is still reading the
