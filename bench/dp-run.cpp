@@ -4,9 +4,10 @@
 //          [--grace-ms G] prog args...
 //
 // Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR
-// and MASTER_PORT (a free port when none is given on a single node) and, on a
-// single node without one, a fresh DP_STORE_TOKEN. Their output is prefixed
-// with "[rank R] ". When a rank fails, the others get SIGTERM (SIGKILL after
+// and MASTER_PORT and, on a single node without one, a fresh DP_STORE_TOKEN.
+// Without a port on a single node, dp-run picks a free one and keeps it bound
+// (not listening) while it runs, so no other program takes it before rank 0
+// listens on it. Their output is prefixed with "[rank R] ". When a rank fails, the others get SIGTERM (SIGKILL after
 // the grace period) and dp-run exits with the failed rank's code (128 + signal
 // for a signal). SIGINT and SIGTERM to dp-run are passed on to every rank; a
 // second one during the grace period sends SIGKILL. Signals go to each rank's
@@ -63,28 +64,34 @@ long parse_int(const char* text, const char* flag, long min, long max) {
   return v;
 }
 
-// A port that is free on `addr` now (the same race torchrun accepts).
-int free_port(const std::string& addr) {
+// A free port on `addr`, held by the returned socket (bound, not listening,
+// SO_REUSEADDR) for dp-run's whole life: rank 0 can still listen on it, but
+// no other program gets it meanwhile. -1 when none.
+int hold_free_port(const std::string& addr, long* port) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* info = nullptr;
   if (getaddrinfo(addr.c_str(), "0", &hints, &info) != 0) return -1;
-  int port = -1;
-  for (addrinfo* ai = info; ai != nullptr && port < 0; ai = ai->ai_next) {
-    int fd = ::socket(ai->ai_family, ai->ai_socktype, 0);
+  int held = -1;
+  for (addrinfo* ai = info; ai != nullptr && held < 0; ai = ai->ai_next) {
+    int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, 0);
     if (fd < 0) continue;
+    int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
     sockaddr_storage bound{};
     socklen_t len = sizeof(bound);
     if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
         ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len) == 0) {
-      port = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
-                                               : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+      *port = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                                : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+      held = fd;
+    } else {
+      ::close(fd);
     }
-    ::close(fd);
   }
   freeaddrinfo(info);
-  return port;
+  return held;
 }
 
 std::string random_token() {
@@ -188,9 +195,8 @@ int main(int argc, char** argv) {
     usage("with --nnodes > 1, --master-addr and --master-port are required (node 0 serves the store there)");
   }
   if (master_addr.empty()) master_addr = "127.0.0.1";
-  if (master_port < 0) {
-    master_port = free_port(master_addr);
-    if (master_port < 0) usage(("cannot find a free port on " + master_addr).c_str());
+  if (master_port < 0 && hold_free_port(master_addr, &master_port) < 0) {
+    usage(("cannot find a free port on " + master_addr).c_str());
   }
   if (nnodes == 1 && std::getenv("DP_STORE_TOKEN") == nullptr) setenv("DP_STORE_TOKEN", random_token().c_str(), 1);
 

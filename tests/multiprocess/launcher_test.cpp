@@ -1,13 +1,17 @@
 // dp-run: the environment each rank gets, prefixed output, failure
 // propagation; every run is bounded by coreutils' timeout.
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <thread>
 
@@ -153,6 +157,33 @@ TEST(Launcher, ASecondInterruptDuringTheGracePeriodKillsAtOnce) {
   EXPECT_LT(seconds, 5.0) << "the second SIGINT did not escalate to SIGKILL";
   EXPECT_TRUE(WIFEXITED(status)) << status;
   EXPECT_EQ(WEXITSTATUS(status), 128 + SIGINT);
+}
+
+TEST(Launcher, HoldsThePortItPicksUntilTheJobEnds) {
+  // The rank prints its MASTER_PORT and lives 3 s; meanwhile no other socket may bind that port.
+  std::string command = std::string("timeout -s KILL 30 ") + DP_RUN + " -n 1 sh -c 'echo port=$MASTER_PORT; sleep 3' 2>&1";
+  FILE* shell = ::popen(command.c_str(), "r");
+  ASSERT_NE(shell, nullptr);
+  char line[256];
+  int port = 0;
+  while (port == 0 && std::fgets(line, sizeof(line), shell) != nullptr) {
+    const char* at = std::strstr(line, "port=");
+    if (at != nullptr) port = std::atoi(at + 5);
+  }
+  ASSERT_GT(port, 0);
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  int rc = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  int err = errno;
+  ::close(fd);
+  while (std::fgets(line, sizeof(line), shell) != nullptr) {
+  }
+  ::pclose(shell);
+  EXPECT_EQ(rc, -1) << "port " << port << " was free to anyone while the job ran";
+  EXPECT_EQ(err, EADDRINUSE);
 }
 
 TEST(Launcher, RejectsBadUsage) {
