@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "distributed/store/tcp_protocol.h"
 #include "test_util.h"
 
 namespace {
@@ -86,6 +87,24 @@ bool closed_within(int fd, std::chrono::milliseconds limit) {
   return false;
 }
 
+// Connects and greets like a store client with an empty job token.
+int greeted_connect(uint16_t port, int rcvbuf = 0) {
+  int fd = raw_connect(port);
+  if (rcvbuf > 0) ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof(rcvbuf));
+  std::string client_nonce(dparallel::dist::wire::kNonceBytes, 'c');
+  std::vector<uint8_t> hello = frame(1, client_nonce);
+  EXPECT_EQ(::send(fd, hello.data(), hello.size(), 0), static_cast<ssize_t>(hello.size()));
+  uint8_t answer[4 + 1 + dparallel::dist::wire::kNonceBytes + dparallel::dist::wire::kProofBytes];
+  EXPECT_EQ(::recv(fd, answer, sizeof(answer), MSG_WAITALL), static_cast<ssize_t>(sizeof(answer)));
+  std::string server_nonce(reinterpret_cast<char*>(answer) + 5, dparallel::dist::wire::kNonceBytes);
+  std::vector<uint8_t> proof = frame(6, dparallel::dist::wire::client_proof("", client_nonce, server_nonce));
+  EXPECT_EQ(::send(fd, proof.data(), proof.size(), 0), static_cast<ssize_t>(proof.size()));
+  uint8_t ok[5];
+  EXPECT_EQ(::recv(fd, ok, sizeof(ok), MSG_WAITALL), 5);
+  EXPECT_EQ(ok[4], 0);
+  return fd;
+}
+
 double ms_since(Clock::time_point start) {
   return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
 }
@@ -109,29 +128,54 @@ class FakeServer {
     ::close(fd_);
   }
   uint16_t port() const { return port_; }
-  // Accepts one connection within `limit` and answers its greeting; -1 on none.
-  int accept_and_greet(std::chrono::milliseconds limit) {
+  // Accepts one connection within `limit` and answers its greeting as a
+  // store knowing `token` would; -1 on none. `answer`, when set, replaces
+  // the first reply's payload (a server that proves nothing).
+  int accept_and_greet(std::chrono::milliseconds limit, const std::string& token = "",
+                       const std::string* answer = nullptr) {
     pollfd p{fd_, POLLIN, 0};
     if (::poll(&p, 1, static_cast<int>(limit.count())) <= 0) return -1;
     int fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) return -1;
     conns_.push_back(fd);
-    read_frame(fd);
-    const uint8_t ok[] = {1, 0, 0, 0, 0};
-    EXPECT_EQ(::send(fd, ok, sizeof(ok), MSG_NOSIGNAL), 5);
+    std::vector<uint8_t> hello = read_frame(fd);
+    received_.insert(received_.end(), hello.begin(), hello.end());
+    std::string client_nonce(hello.size() > 9 ? hello.begin() + 9 : hello.end(), hello.end());
+    std::string server_nonce(dparallel::dist::wire::kNonceBytes, 's');
+    std::string payload =
+        answer != nullptr ? *answer
+                          : server_nonce + dparallel::dist::wire::server_proof(token, client_nonce, server_nonce);
+    send_reply(fd, payload);
+    if (answer != nullptr) return fd;
+    std::vector<uint8_t> proof = read_frame(fd);
+    received_.insert(received_.end(), proof.begin(), proof.end());
+    send_reply(fd, "");
     return fd;
   }
-  static void read_frame(int fd) {
+  static void send_reply(int fd, const std::string& payload) {
+    std::vector<uint8_t> out;
+    put_u32(out, static_cast<uint32_t>(payload.size() + 1));
+    out.push_back(0);  // kOk
+    out.insert(out.end(), payload.begin(), payload.end());
+    EXPECT_EQ(::send(fd, out.data(), out.size(), MSG_NOSIGNAL), static_cast<ssize_t>(out.size()));
+  }
+  // Every byte the greeted clients sent during their greetings.
+  const std::vector<uint8_t>& received() const { return received_; }
+  // One whole frame, its length included; empty when the peer closed.
+  static std::vector<uint8_t> read_frame(int fd) {
     uint32_t size = 0;
-    ASSERT_EQ(::recv(fd, &size, 4, MSG_WAITALL), 4);
-    std::vector<uint8_t> body(size);
-    ASSERT_EQ(::recv(fd, body.data(), size, MSG_WAITALL), static_cast<ssize_t>(size));
+    if (::recv(fd, &size, 4, MSG_WAITALL) != 4 || size > (1u << 20)) return {};
+    std::vector<uint8_t> frame(4 + size);
+    std::memcpy(frame.data(), &size, 4);
+    if (::recv(fd, frame.data() + 4, size, MSG_WAITALL) != static_cast<ssize_t>(size)) return {};
+    return frame;
   }
 
  private:
   int fd_ = -1;
   uint16_t port_ = 0;
   std::vector<int> conns_;
+  std::vector<uint8_t> received_;
 };
 
 TEST(TcpStoreServer, AClientThatStopsReadingABigReplyDoesNotStallTheOthers) {
@@ -140,13 +184,9 @@ TEST(TcpStoreServer, AClientThatStopsReadingABigReplyDoesNotStallTheOthers) {
   std::vector<uint8_t> big(32u << 20, 7);
   DP_ASSERT_OK(dp_store_set(server.get(), "big", big.data(), big.size()));
 
-  int slow = raw_connect(port);
-  int small = 4096;
-  ::setsockopt(slow, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
-  std::vector<uint8_t> requests = frame(1, "");
+  int slow = greeted_connect(port, 4096);
   std::vector<uint8_t> get = frame(3, "big");
-  requests.insert(requests.end(), get.begin(), get.end());
-  ASSERT_EQ(::send(slow, requests.data(), requests.size(), 0), static_cast<ssize_t>(requests.size()));
+  ASSERT_EQ(::send(slow, get.data(), get.size(), 0), static_cast<ssize_t>(get.size()));
   std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the server is now sending the big reply
 
   StorePtr other = tcp_store(port, 0, 1000);
@@ -167,13 +207,9 @@ TEST(TcpStoreServer, AClientThatNeverReadsIsClosedAfterTheStallLimit) {
   uint16_t port = port_of(server.get());
   std::vector<uint8_t> big(8u << 20, 1);
   DP_ASSERT_OK(dp_store_set(server.get(), "big", big.data(), big.size()));
-  int slow = raw_connect(port);
-  int small = 4096;
-  ::setsockopt(slow, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
-  std::vector<uint8_t> requests = frame(1, "");
+  int slow = greeted_connect(port, 4096);
   std::vector<uint8_t> get = frame(3, "big");
-  requests.insert(requests.end(), get.begin(), get.end());
-  ASSERT_EQ(::send(slow, requests.data(), requests.size(), 0), static_cast<ssize_t>(requests.size()));
+  ASSERT_EQ(::send(slow, get.data(), get.size(), 0), static_cast<ssize_t>(get.size()));
   std::this_thread::sleep_for(std::chrono::milliseconds(7000));  // past the 5 s stall limit
   pollfd p{slow, POLLIN, 0};
   bool closed = false;
@@ -279,8 +315,9 @@ TEST(TcpStoreClient, WaitReturnsAtItsOwnTimeoutWhenTheServerStalls) {
   FakeServer fake;
   dp_store* c = nullptr;
   std::thread greeter([&] { fake.accept_and_greet(std::chrono::milliseconds(5000)); });
-  ASSERT_EQ(dp_store_create_tcp(&c, "127.0.0.1", fake.port(), 2, 0, 6000), DP_OK) << dp_last_error();
+  dp_status created = dp_store_create_tcp(&c, "127.0.0.1", fake.port(), 2, 0, 6000);
   greeter.join();
+  ASSERT_EQ(created, DP_OK) << dptest::last_error();
   StorePtr store(c);
   const char* keys[] = {"never", "nor-this"};
   auto start = Clock::now();
@@ -306,12 +343,13 @@ TEST(TcpStoreClient, AMalformedReplyClosesTheConnection) {
   dp_store* c = nullptr;
   int conn = -1;
   std::thread greeter([&] { conn = fake.accept_and_greet(std::chrono::milliseconds(5000)); });
-  ASSERT_EQ(dp_store_create_tcp(&c, "127.0.0.1", fake.port(), 2, 0, 2000), DP_OK) << dp_last_error();
+  dp_status created = dp_store_create_tcp(&c, "127.0.0.1", fake.port(), 2, 0, 2000);
   greeter.join();
+  ASSERT_EQ(created, DP_OK) << dptest::last_error();
   ASSERT_GE(conn, 0);
   StorePtr store(c);
   std::thread answer([&] {
-    FakeServer::read_frame(conn);
+    (void)FakeServer::read_frame(conn);
     const uint8_t empty[] = {0, 0, 0, 0};  // a zero-length reply frame
     ::send(conn, empty, sizeof(empty), MSG_NOSIGNAL);
   });
@@ -319,6 +357,35 @@ TEST(TcpStoreClient, AMalformedReplyClosesTheConnection) {
   answer.join();
   EXPECT_NE(dptest::last_error().find("malformed"), std::string::npos) << dptest::last_error();
   EXPECT_TRUE(closed_within(conn, std::chrono::milliseconds(1000)));
+}
+
+TEST(TcpStoreClient, TrustsNoServerThatCannotProveItKnowsTheToken) {
+  ::setenv("DP_STORE_TOKEN", "job-token", 1);
+  for (const std::string& answer : {std::string(), std::string(48, 'x')}) {  // no proof; a wrong one
+    FakeServer fake;
+    std::thread greeter([&] { fake.accept_and_greet(std::chrono::milliseconds(5000), "job-token", &answer); });
+    dp_store* c = nullptr;
+    EXPECT_EQ(dp_store_create_tcp(&c, "127.0.0.1", fake.port(), 2, 0, 2000), DP_EREMOTE);
+    greeter.join();
+    EXPECT_EQ(c, nullptr);
+    dp_store_destroy(c);
+  }
+  EXPECT_NE(dptest::last_error().find("DP_STORE_TOKEN"), std::string::npos) << dptest::last_error();
+  ::unsetenv("DP_STORE_TOKEN");
+}
+
+TEST(TcpStoreClient, NeverSendsTheTokenItself) {
+  ::setenv("DP_STORE_TOKEN", "job-token-never-on-the-wire", 1);
+  FakeServer fake;
+  std::thread greeter([&] { fake.accept_and_greet(std::chrono::milliseconds(5000), "job-token-never-on-the-wire"); });
+  dp_store* c = nullptr;
+  EXPECT_EQ(dp_store_create_tcp(&c, "127.0.0.1", fake.port(), 2, 0, 2000), DP_OK) << dp_last_error();
+  greeter.join();
+  dp_store_destroy(c);
+  ::unsetenv("DP_STORE_TOKEN");
+  std::string wire(fake.received().begin(), fake.received().end());
+  EXPECT_FALSE(wire.empty());
+  EXPECT_EQ(wire.find("job-token-never-on-the-wire"), std::string::npos);
 }
 
 std::string temp_path() {

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <random>
 #include <thread>
 
 #include "core/error.h"
@@ -23,6 +24,16 @@ using wire::Command;
 using wire::ReplyStatus;
 
 namespace {
+
+std::string random_nonce() {
+  std::random_device rd;
+  std::string nonce(wire::kNonceBytes, '\0');
+  for (size_t i = 0; i < nonce.size(); i += 4) {
+    uint32_t r = rd();
+    std::memcpy(&nonce[i], &r, std::min<size_t>(4, nonce.size() - i));
+  }
+  return nonce;
+}
 
 Bytes to_bytes(int64_t v) {
   Bytes out(8);
@@ -78,6 +89,7 @@ class TcpStoreServer {
     size_t out_sent = 0;
     bool greeted = false;
     bool closing = false;  // close once `out` is sent (a refusal)
+    std::string client_nonce, server_nonce;  // the greeting's, once it has begun
     std::string peer;
     Clock::time_point since;          // accepted; the greeting deadline counts from here
     Clock::time_point last_progress;  // last time pending output moved
@@ -241,11 +253,22 @@ class TcpStoreServer {
 
   bool handle(Client& client, const wire::Request& request) {
     if (!client.greeted) {
-      if (request.command != Command::kHello) {
-        log(client.peer, "refused: the first message was not a greeting");
+      if (client.server_nonce.empty()) {
+        if (request.command != Command::kHello || request.keys[0].size() != wire::kNonceBytes) {
+          log(client.peer, "refused: the first message was not a greeting");
+          return false;
+        }
+        client.client_nonce = request.keys[0];
+        client.server_nonce = random_nonce();
+        std::string answer = client.server_nonce + wire::server_proof(token_, client.client_nonce, client.server_nonce);
+        return reply(client, ReplyStatus::kOk, Bytes(answer.begin(), answer.end()));
+      }
+      if (request.command != Command::kProof) {
+        log(client.peer, "refused: the greeting was not followed by a proof of the job token");
         return false;
       }
-      if (request.keys[0] != token_) {
+      if (!wire::equal_in_constant_time(request.keys[0],
+                                        wire::client_proof(token_, client.client_nonce, client.server_nonce))) {
         log(client.peer, "refused: job token mismatch (DP_STORE_TOKEN)");
         client.closing = true;
         return reply(client, ReplyStatus::kRefused, {});
@@ -255,6 +278,7 @@ class TcpStoreServer {
     }
     switch (request.command) {
       case Command::kHello:
+      case Command::kProof:
         return reply(client, ReplyStatus::kOk, {});
       case Command::kSet:
         data_[request.keys[0]] = request.value;
@@ -322,12 +346,33 @@ TcpStore::~TcpStore() {
   if (fd_ >= 0) ::close(fd_);
 }
 
+// The greeting: each side proves it knows the job token (see tcp_protocol.h).
 void TcpStore::connect(net::Clock::time_point deadline) {
   fd_ = net::connect_to(options_.host, port_, deadline);
+  std::string client_nonce = random_nonce();
   wire::Request hello;
   hello.command = Command::kHello;
-  hello.keys.push_back(options_.token);
+  hello.keys.push_back(client_nonce);
   Reply r = exchange(wire::encode_request(hello), deadline, "store greeting");
+  std::string answer(r.payload.begin(), r.payload.end());
+  if (r.status != ReplyStatus::kOk || answer.size() != wire::kNonceBytes + wire::kProofBytes) {
+    disconnect();
+    fail(StatusCode::kRemote, "the server at ", options_.host, ":", port_,
+         " did not answer the greeting as a dparallel store does (status ", static_cast<int>(r.status), ", ",
+         answer.size(), " bytes)");
+  }
+  std::string server_nonce = answer.substr(0, wire::kNonceBytes);
+  if (!wire::equal_in_constant_time(answer.substr(wire::kNonceBytes),
+                                    wire::server_proof(options_.token, client_nonce, server_nonce))) {
+    disconnect();
+    fail(StatusCode::kRemote, "the store at ", options_.host, ":", port_,
+         " does not know this client's job token (DP_STORE_TOKEN): the tokens differ, or it is another job's "
+         "store; not trusted");
+  }
+  wire::Request proof;
+  proof.command = Command::kProof;
+  proof.keys.push_back(wire::client_proof(options_.token, client_nonce, server_nonce));
+  r = exchange(wire::encode_request(proof), deadline, "store greeting");
   if (r.status != ReplyStatus::kOk) {
     disconnect();
     fail(StatusCode::kRemote, "the store at ", options_.host, ":", port_,
