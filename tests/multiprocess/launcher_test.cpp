@@ -78,6 +78,21 @@ bool running(int pid) {
   return scanned == 1 && state != 'Z' && state != 'X';
 }
 
+// Expects `count` pids in the file at `path`, none running; kills them and removes the file.
+void expect_none_running(const char* path, int count, const char* what) {
+  FILE* pids = std::fopen(path, "r");
+  ASSERT_NE(pids, nullptr);
+  int pid = 0, found = 0;
+  while (std::fscanf(pids, "%d", &pid) == 1) {
+    ++found;
+    EXPECT_FALSE(running(pid)) << what << ": " << pid;
+    ::kill(pid, SIGKILL);
+  }
+  std::fclose(pids);
+  ::unlink(path);
+  EXPECT_EQ(found, count);
+}
+
 TEST(Launcher, RanksDieWithAKilledLauncher) {
   char path[] = "/tmp/dp_run_pids_XXXXXX";
   int fd = ::mkstemp(path);
@@ -89,17 +104,7 @@ TEST(Launcher, RanksDieWithAKilledLauncher) {
   ASSERT_NE(shell, nullptr);
   ::pclose(shell);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  FILE* pids = std::fopen(path, "r");
-  ASSERT_NE(pids, nullptr);
-  int pid = 0, count = 0;
-  while (std::fscanf(pids, "%d", &pid) == 1) {
-    ++count;
-    EXPECT_FALSE(running(pid)) << "rank process " << pid << " outlived the launcher";
-    ::kill(pid, SIGKILL);
-  }
-  std::fclose(pids);
-  ::unlink(path);
-  EXPECT_EQ(count, 2);
+  expect_none_running(path, 2, "rank process outlived the launcher");
 }
 
 TEST(Launcher, StopsWhatARankStartedEvenAfterThatRankExited) {
@@ -114,17 +119,7 @@ TEST(Launcher, StopsWhatARankStartedEvenAfterThatRankExited) {
                           ") -ge 2 ] && break; sleep 0.01; done; exit 3; fi; wait'");
   EXPECT_EQ(r.exit_code, 3) << r.output;
   EXPECT_LT(r.seconds, 10.0) << r.output;
-  FILE* pids = std::fopen(path, "r");
-  ASSERT_NE(pids, nullptr);
-  int pid = 0, count = 0;
-  while (std::fscanf(pids, "%d", &pid) == 1) {
-    ++count;
-    EXPECT_FALSE(running(pid)) << "process " << pid << " started by a rank outlived dp-run";
-    ::kill(pid, SIGKILL);
-  }
-  std::fclose(pids);
-  ::unlink(path);
-  EXPECT_EQ(count, 2);
+  expect_none_running(path, 2, "process started by a rank outlived dp-run");
 }
 
 TEST(Launcher, ASecondInterruptDuringTheGracePeriodKillsAtOnce) {
