@@ -138,7 +138,9 @@ class TcpStoreServer {
       doomed.clear();
       for (size_t i = 2; i < fds.size(); ++i) {
         int fd = fds[i].fd;
-        Client& client = clients_.at(fd);
+        auto it = clients_.find(fd);
+        if (it == clients_.end()) continue;  // closed by accept_client() this round
+        Client& client = it->second;
         bool keep = true;
         if (fds[i].revents & POLLOUT) keep = flush(client, fd);
         if (keep && (fds[i].revents & (POLLIN | POLLHUP | POLLERR))) keep = serve(fd, client);
@@ -169,12 +171,18 @@ class TcpStoreServer {
       }
       return;
     }
+    // Too many clients that have not greeted: the oldest goes, so idle
+    // connections cannot lock out the ranks that greet at once.
     size_t ungreeted = 0;
-    for (auto& [other, client] : clients_) ungreeted += client.greeted ? 0 : 1;
+    int oldest = -1;
+    for (auto& [other, client] : clients_) {
+      if (client.greeted) continue;
+      ++ungreeted;
+      if (oldest < 0 || client.since < clients_.at(oldest).since) oldest = other;
+    }
     if (ungreeted >= kMaxUngreeted) {
-      log(net::peer_name(fd), "refused: too many clients have not greeted yet");
-      ::close(fd);
-      return;
+      log(clients_.at(oldest).peer, "closed: too many clients have not greeted; the oldest goes");
+      close_client(oldest);
     }
     Client& client = clients_[fd];
     client.peer = net::peer_name(fd);
