@@ -4,12 +4,16 @@
 //          [--grace-ms G] prog args...
 //
 // Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR
-// and MASTER_PORT (a free port when none is given on a single node) and, on a
-// single node without one, a fresh DP_STORE_TOKEN. Their output is prefixed
-// with "[rank R] ". When a rank fails, the others get SIGTERM (SIGKILL after
+// and MASTER_PORT and, on a single node without one, a fresh DP_STORE_TOKEN.
+// Without a port on a single node, dp-run picks a free one and keeps it bound
+// (not listening) while it runs, so no other program takes it before rank 0
+// listens on it. Their output is prefixed with "[rank R] ". When a rank fails, the others get SIGTERM (SIGKILL after
 // the grace period) and dp-run exits with the failed rank's code (128 + signal
-// for a signal). SIGINT and SIGTERM to dp-run are passed on to every rank;
-// if dp-run itself is killed, the ranks are killed too.
+// for a signal). SIGINT and SIGTERM to dp-run are passed on to every rank; a
+// second one during the grace period sends SIGKILL. Signals go to each rank's
+// whole process group, so what a rank started is stopped with it, also after
+// the rank itself has exited; nothing a rank started outlives dp-run. If
+// dp-run itself is killed, the ranks are killed too.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
@@ -32,8 +36,12 @@
 namespace {
 
 volatile sig_atomic_t g_signal = 0;
+volatile sig_atomic_t g_signal_count = 0;
 
-void on_signal(int sig) { g_signal = sig; }
+void on_signal(int sig) {
+  g_signal = sig;
+  g_signal_count = g_signal_count + 1;
+}
 
 [[noreturn]] void usage(const char* message) {
   std::fprintf(stderr,
@@ -56,28 +64,34 @@ long parse_int(const char* text, const char* flag, long min, long max) {
   return v;
 }
 
-// A port that is free on `addr` now (the same race torchrun accepts).
-int free_port(const std::string& addr) {
+// A free port on `addr`, held by the returned socket (bound, not listening,
+// SO_REUSEADDR) for dp-run's whole life: rank 0 can still listen on it, but
+// no other program gets it meanwhile. -1 when none.
+int hold_free_port(const std::string& addr, long* port) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* info = nullptr;
   if (getaddrinfo(addr.c_str(), "0", &hints, &info) != 0) return -1;
-  int port = -1;
-  for (addrinfo* ai = info; ai != nullptr && port < 0; ai = ai->ai_next) {
-    int fd = ::socket(ai->ai_family, ai->ai_socktype, 0);
+  int held = -1;
+  for (addrinfo* ai = info; ai != nullptr && held < 0; ai = ai->ai_next) {
+    int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, 0);
     if (fd < 0) continue;
+    int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
     sockaddr_storage bound{};
     socklen_t len = sizeof(bound);
     if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
         ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len) == 0) {
-      port = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
-                                               : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+      *port = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                                : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+      held = fd;
+    } else {
+      ::close(fd);
     }
-    ::close(fd);
   }
   freeaddrinfo(info);
-  return port;
+  return held;
 }
 
 std::string random_token() {
@@ -124,9 +138,30 @@ void drain(Rank& r) {
   }
 }
 
+// Each rank leads its own process group; it is signalled even after the rank
+// exited, for what the rank left running in it.
 void signal_all(std::vector<Rank>& ranks, int sig) {
   for (Rank& r : ranks) {
-    if (r.running) ::kill(-r.pid, sig);  // each rank leads its own process group
+    if (r.pid > 0) ::kill(-r.pid, sig);
+  }
+}
+
+bool any_group_alive(const std::vector<Rank>& ranks) {
+  for (const Rank& r : ranks) {
+    if (r.pid > 0 && ::kill(-r.pid, 0) == 0) return true;
+  }
+  return false;
+}
+
+// Reaps every exited child: ranks, and (as the subreaper) what they left.
+void reap(std::vector<Rank>& ranks) {
+  int status = 0;
+  for (pid_t got; (got = ::waitpid(-1, &status, WNOHANG)) > 0;) {
+    for (Rank& r : ranks) {
+      if (r.pid != got || !r.running) continue;
+      r.running = false;
+      r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    }
   }
 }
 
@@ -160,9 +195,8 @@ int main(int argc, char** argv) {
     usage("with --nnodes > 1, --master-addr and --master-port are required (node 0 serves the store there)");
   }
   if (master_addr.empty()) master_addr = "127.0.0.1";
-  if (master_port < 0) {
-    master_port = free_port(master_addr);
-    if (master_port < 0) usage(("cannot find a free port on " + master_addr).c_str());
+  if (master_port < 0 && hold_free_port(master_addr, &master_port) < 0) {
+    usage(("cannot find a free port on " + master_addr).c_str());
   }
   if (nnodes == 1 && std::getenv("DP_STORE_TOKEN") == nullptr) setenv("DP_STORE_TOKEN", random_token().c_str(), 1);
 
@@ -171,6 +205,8 @@ int main(int argc, char** argv) {
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
   signal(SIGPIPE, SIG_IGN);
+  // Orphans of the ranks come to dp-run, so they can be reaped and counted as gone.
+  ::prctl(PR_SET_CHILD_SUBREAPER, 1);
 
   const long world = nnodes * nproc;
   const pid_t launcher = ::getpid();
@@ -184,8 +220,17 @@ int main(int argc, char** argv) {
       signal_all(ranks, SIGKILL);
       return 1;
     }
+    // A signal that comes between fork and exec must not reach dp-run's handler in the child.
+    sigset_t stop_signals, previous;
+    sigemptyset(&stop_signals);
+    sigaddset(&stop_signals, SIGINT);
+    sigaddset(&stop_signals, SIGTERM);
+    ::sigprocmask(SIG_BLOCK, &stop_signals, &previous);
     pid_t pid = ::fork();
     if (pid == 0) {
+      ::signal(SIGINT, SIG_DFL);
+      ::signal(SIGTERM, SIG_DFL);
+      ::sigprocmask(SIG_SETMASK, &previous, nullptr);
       ::setpgid(0, 0);
       // Ranks do not outlive a launcher that was killed.
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
@@ -204,6 +249,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "dp-run: cannot run '%s': %s\n", argv[i], std::strerror(errno));
       ::_exit(127);
     }
+    ::sigprocmask(SIG_SETMASK, &previous, nullptr);
     ::close(fds[1]);
     if (pid < 0) {
       std::perror("dp-run: fork");
@@ -220,6 +266,7 @@ int main(int argc, char** argv) {
 
   int result = 0;
   bool stopping = false;
+  sig_atomic_t signals_at_stop = 0;  // a signal after stopping began escalates to SIGKILL
   auto kill_at = std::chrono::steady_clock::time_point::max();
   for (;;) {
     std::vector<pollfd> fds;
@@ -228,36 +275,49 @@ int main(int argc, char** argv) {
     }
     ::poll(fds.data(), fds.size(), fds.empty() ? 10 : 20);
     for (Rank& r : ranks) drain(r);
+    reap(ranks);
     bool any_running = false;
     for (Rank& r : ranks) {
-      if (!r.running) continue;
-      int status = 0;
-      pid_t got = ::waitpid(r.pid, &status, WNOHANG);
-      if (got != r.pid) {
+      if (r.running) {
         any_running = true;
         continue;
       }
-      r.running = false;
-      r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
       if (r.exit_code != 0 && !stopping) {
         std::fprintf(stderr, "dp-run: rank %d exited with code %d; stopping the other ranks\n", r.rank, r.exit_code);
         result = r.exit_code;
         stopping = true;
+        signals_at_stop = g_signal_count;
         signal_all(ranks, SIGTERM);
         kill_at = std::chrono::steady_clock::now() + std::chrono::milliseconds(grace_ms);
       }
     }
     if (g_signal != 0 && !stopping) {
       stopping = true;
+      signals_at_stop = g_signal_count;
       result = 128 + g_signal;
       signal_all(ranks, g_signal);
       kill_at = std::chrono::steady_clock::now() + std::chrono::milliseconds(grace_ms);
     }
+    if (stopping && g_signal_count > signals_at_stop) kill_at = std::chrono::steady_clock::now();
     if (stopping && std::chrono::steady_clock::now() >= kill_at) {
       signal_all(ranks, SIGKILL);
       kill_at = std::chrono::steady_clock::time_point::max();
     }
     if (!any_running) break;
+  }
+  // What the ranks left running in their groups: SIGTERM, SIGKILL after the grace period.
+  if (any_group_alive(ranks)) {
+    signal_all(ranks, SIGTERM);
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(grace_ms);
+    while (any_group_alive(ranks)) {
+      if (std::chrono::steady_clock::now() >= deadline || g_signal_count > signals_at_stop) {
+        signal_all(ranks, SIGKILL);
+        deadline = std::chrono::steady_clock::time_point::max();
+      }
+      for (Rank& r : ranks) drain(r);
+      ::usleep(10000);
+      reap(ranks);
+    }
   }
   // The ranks are gone; read what they left, but do not wait on a leftover
   // child of theirs that still holds the pipe.

@@ -40,7 +40,9 @@ typedef struct dp_store dp_store;
 
 /* A store in the file at `path` on a filesystem every rank sees. The last of
  * `world_size` users to destroy it removes the file. Its default timeout of
- * get and wait is 300000 ms (see dp_store_set_timeout). */
+ * get and wait is 300000 ms (see dp_store_set_timeout); it also bounds the
+ * wait for the file's lock (held by a stopped process, say): DP_ETIMEOUT
+ * naming the path. */
 DP_API dp_status dp_store_create_file(dp_store **out, const char *path, int32_t world_size);
 /* A TCP store. With `is_server`, this process serves it on `host`:`port`
  * (bound to that address only; port 0 picks a free one, see
@@ -49,7 +51,11 @@ DP_API dp_status dp_store_create_file(dp_store **out, const char *path, int32_t 
  * of get and wait. `world_size` must be >= 1; the server does not wait for
  * that many clients (the process group's rendezvous does). With DP_STORE_TOKEN set, the server refuses (and logs)
  * clients whose DP_STORE_TOKEN differs: their create fails with DP_EREMOTE.
- * Malformed or oversized messages close that client's connection only. */
+ * The greeting proves the token both ways without sending it: a client also
+ * refuses (DP_EREMOTE) a server that cannot prove it knows the token.
+ * Malformed or oversized messages close that client's connection only; so
+ * do a greeting not done within 10 s and replies left unread for 5 s. A get
+ * or wait never waits past its own timeout, whatever the store's. */
 DP_API dp_status dp_store_create_tcp(dp_store **out, const char *host, uint16_t port,
                                      int32_t world_size, int is_server, int32_t timeout_ms);
 DP_API dp_status dp_store_set(dp_store *store, const char *key, const void *value, size_t len);

@@ -1,5 +1,10 @@
 #include "distributed/process_group.h"
 
+#include <algorithm>
+#include <chrono>
+#include <thread>
+#include <vector>
+
 #include "core/error.h"
 
 namespace dparallel::dist {
@@ -22,6 +27,64 @@ ReduceOp reduce_op_arg(int32_t code, const char* argument) {
   return static_cast<ReduceOp>(code);
 }
 
+namespace {
+// How long a failed rank listens for the others' failure reports: until none is
+// new for kReportQuiet, kReportLimit at most; no request starts in the last
+// kLastRequest.
+constexpr Millis kReportQuiet{300};
+constexpr Millis kReportLimit{700};
+constexpr Millis kLastRequest{100};
+}  // namespace
+
+std::string find_missing_ranks(Store& store, const std::string& prefix, int32_t rank, int32_t size, uint64_t seq,
+                               bool exchanged) {
+  using Clock = std::chrono::steady_clock;
+  auto start = Clock::now();
+  auto hard_end = start + kReportLimit;
+  auto quiet_end = start + kReportQuiet;
+  auto left = [&] { return std::max(std::chrono::duration_cast<Millis>(hard_end - Clock::now()), Millis(1)); };
+  std::string base = str_cat(prefix, "failed/", seq, "/");
+  std::vector<bool> reported(static_cast<size_t>(size), false);
+  reported[static_cast<size_t>(rank)] = true;
+  try {
+    ReplyDeadlineCap cap(left());
+    store.set(base + std::to_string(rank), Bytes{1});
+  } catch (const std::exception& e) {
+    return str_cat("the store is unreachable too, so the missing ranks are unknown (rank 0 serves it: it may have "
+                   "exited): ",
+                   e.what());
+  }
+  auto pause = std::chrono::milliseconds(1);
+  bool store_gone = false;
+  for (;;) {
+    int32_t missing = 0;
+    for (int32_t r = 0; r < size && !store_gone; ++r) {
+      if (reported[r]) continue;
+      // A request cut off by its deadline would cost the store connection.
+      if (hard_end - Clock::now() < kLastRequest) break;
+      try {
+        ReplyDeadlineCap cap(left());
+        reported[r] = store.check({base + std::to_string(r)});
+      } catch (const Error&) {
+        store_gone = true;  // rank 0 may be done and gone: report what is known
+      }
+      if (reported[r]) quiet_end = Clock::now() + kReportQuiet;
+      missing += reported[r] ? 0 : 1;
+    }
+    auto now = Clock::now();
+    if (missing == 0 || store_gone || now >= quiet_end || now >= hard_end - kLastRequest) break;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(20));
+  }
+  std::string missing;
+  for (int32_t r = 0; r < size; ++r) {
+    if (!reported[r]) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+  }
+  if (missing.empty()) return "every rank reached it and failed";
+  if (exchanged) return "rank(s) " + missing + " stopped answering during the transfer (exited or stopped)";
+  return "rank(s) " + missing + " did not arrive (exited, stopped, or in another call)";
+}
+
 ProcessGroup::ProcessGroup(int32_t rank, int32_t world_size, Device device, Millis timeout)
     : rank_(rank), world_size_(world_size), device_(device), timeout_(timeout) {}
 
@@ -39,6 +102,11 @@ void ProcessGroup::drain() {
 bool ProcessGroup::broken() {
   std::lock_guard<std::mutex> lock(mutex_);
   return !broken_.empty();
+}
+
+void ProcessGroup::mark_broken(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (broken_.empty()) broken_ = why;
 }
 
 void ProcessGroup::worker_loop() {

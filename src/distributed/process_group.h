@@ -66,6 +66,8 @@ class ProcessGroup {
   void drain();
   // True once a collective has failed with kTimeout, kRemote or kInternal.
   bool broken();
+  // Marks the group unusable: a failure that left the ranks out of step.
+  void mark_broken(const std::string& why);
 
  private:
   using Task = std::function<void()>;
@@ -89,8 +91,16 @@ class ProcessGroup {
 };
 
 std::unique_ptr<ProcessGroup> create_process_group(ProcessGroupOptions options);
+// After a failed collective #seq: reports this rank's failure through the
+// store under `prefix` and names the ranks that reported none for it (the
+// others fail at once too, so it listens briefly: under a second).
+std::string find_missing_ranks(Store& store, const std::string& prefix, int32_t rank, int32_t size, uint64_t seq,
+                               bool exchanged);
 // Each backend's factory; the NCCL one fails with kUnsupported in a build without NCCL.
 std::unique_ptr<ProcessGroup> create_gloo_process_group(const ProcessGroupOptions& options);
+// The address Gloo binds to and advertises when DP_SOCKET_IFNAME is unset:
+// with a TCP store, this end's address of its connection to the store.
+std::string gloo_host(const ProcessGroupOptions& options);
 std::unique_ptr<ProcessGroup> create_nccl_process_group(const ProcessGroupOptions& options);
 
 }  // namespace dparallel::dist

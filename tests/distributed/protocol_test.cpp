@@ -1,6 +1,7 @@
 // The TCP store's message parser and the reductions, from the inside.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstring>
 
 #include "core/half.h"
@@ -84,6 +85,26 @@ TEST(Reductions, HalfPrecisionRoundsOnceAndBoolIsLogical) {
   divide_in_place(DType::kInt32, avg, 2, 2);
   EXPECT_EQ(avg[0], 3);
   EXPECT_EQ(avg[1], -3);
+}
+
+TEST(StoreProtocol, HmacSha256MatchesRfc4231) {
+  auto hex = [](const std::string& bytes) {
+    std::string out;
+    char buf[3];
+    for (unsigned char c : bytes) {
+      std::snprintf(buf, sizeof(buf), "%02x", c);
+      out += buf;
+    }
+    return out;
+  };
+  EXPECT_EQ(hex(wire::hmac_sha256("Jefe", "what do ya want for nothing?")),
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+  // A key longer than the block is hashed first (test case 6).
+  EXPECT_EQ(hex(wire::hmac_sha256(std::string(131, '\xaa'), "Test Using Larger Than Block-Size Key - Hash Key First")),
+            "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54");
+  EXPECT_TRUE(wire::equal_in_constant_time("abc", "abc"));
+  EXPECT_FALSE(wire::equal_in_constant_time("abc", "abd"));
+  EXPECT_FALSE(wire::equal_in_constant_time("abc", "ab"));
 }
 
 }  // namespace

@@ -3,9 +3,13 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <climits>
+#include <future>
 #include <cstdlib>
 #include <string>
 #include <thread>
@@ -106,6 +110,41 @@ TEST(FileStore, KeepsTheStoreContract) {
   EXPECT_EQ(::access(path.c_str(), F_OK), 0) << "one user left: the file stays";
   dp_store_destroy(b);
   EXPECT_NE(::access(path.c_str(), F_OK), 0) << "the last user removes the file";
+}
+
+TEST(FileStore, ALockHeldElsewhereTimesOutNamingThePath) {
+  std::string path = temp_path();
+  dp_store* s = nullptr;
+  ASSERT_EQ(dp_store_create_file(&s, path.c_str(), 1), DP_OK) << dp_last_error();
+  StorePtr store(s);
+  DP_ASSERT_OK(dp_store_set_timeout(store.get(), 300));
+  int holder = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(holder, 0);
+  ASSERT_EQ(::flock(holder, LOCK_EX), 0);  // another open file description: as another process would
+  auto start = std::chrono::steady_clock::now();
+  auto result = std::async(std::launch::async, [&] {
+    dp_status st = dp_store_set(store.get(), "k", "v", 1);
+    return std::make_pair(st, dptest::last_error());
+  });
+  bool done = result.wait_for(std::chrono::seconds(3)) == std::future_status::ready;
+  ::flock(holder, LOCK_UN);  // frees a call stuck on the lock, so the test ends either way
+  ::close(holder);
+  auto [status, error] = result.get();
+  EXPECT_TRUE(done) << "the call waited on the lock past its timeout";
+  EXPECT_EQ(status, DP_ETIMEOUT);
+  EXPECT_NE(error.find(path), std::string::npos) << error;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+}
+
+TEST(FileStore, AddWrapsLikeTheTcpStore) {
+  std::string path = temp_path();
+  dp_store* s = nullptr;
+  ASSERT_EQ(dp_store_create_file(&s, path.c_str(), 1), DP_OK) << dp_last_error();
+  StorePtr store(s);
+  int64_t v = 0;
+  DP_ASSERT_OK(dp_store_add(store.get(), "n", INT64_MAX, &v));
+  DP_ASSERT_OK(dp_store_add(store.get(), "n", 1, &v));
+  EXPECT_EQ(v, INT64_MIN);
 }
 
 TEST(FileStore, RejectsBadArguments) {

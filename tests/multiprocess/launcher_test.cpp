@@ -1,13 +1,17 @@
 // dp-run: the environment each rank gets, prefixed output, failure
 // propagation; every run is bounded by coreutils' timeout.
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <thread>
 
@@ -74,6 +78,21 @@ bool running(int pid) {
   return scanned == 1 && state != 'Z' && state != 'X';
 }
 
+// Expects `count` pids in the file at `path`, none running; kills them and removes the file.
+void expect_none_running(const char* path, int count, const char* what) {
+  FILE* pids = std::fopen(path, "r");
+  ASSERT_NE(pids, nullptr);
+  int pid = 0, found = 0;
+  while (std::fscanf(pids, "%d", &pid) == 1) {
+    ++found;
+    EXPECT_FALSE(running(pid)) << what << ": " << pid;
+    ::kill(pid, SIGKILL);
+  }
+  std::fclose(pids);
+  ::unlink(path);
+  EXPECT_EQ(found, count);
+}
+
 TEST(Launcher, RanksDieWithAKilledLauncher) {
   char path[] = "/tmp/dp_run_pids_XXXXXX";
   int fd = ::mkstemp(path);
@@ -85,17 +104,81 @@ TEST(Launcher, RanksDieWithAKilledLauncher) {
   ASSERT_NE(shell, nullptr);
   ::pclose(shell);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  FILE* pids = std::fopen(path, "r");
-  ASSERT_NE(pids, nullptr);
-  int pid = 0, count = 0;
-  while (std::fscanf(pids, "%d", &pid) == 1) {
-    ++count;
-    EXPECT_FALSE(running(pid)) << "rank process " << pid << " outlived the launcher";
+  expect_none_running(path, 2, "rank process outlived the launcher");
+}
+
+TEST(Launcher, StopsWhatARankStartedEvenAfterThatRankExited) {
+  char path[] = "/tmp/dp_run_pids_XXXXXX";
+  int fd = ::mkstemp(path);
+  ::close(fd);
+  // Every rank starts a background sleep; rank 1 then fails (once both are
+  // recorded, 5 s at most), rank 0 waits.
+  std::string p = path;
+  LaunchResult r = launch("-n 2 --grace-ms 500 sh -c 'sleep 30 >/dev/null 2>&1 & echo $! >> " + p +
+                          "; if [ $RANK = 1 ]; then for i in $(seq 500); do [ $(wc -l < " + p +
+                          ") -ge 2 ] && break; sleep 0.01; done; exit 3; fi; wait'");
+  EXPECT_EQ(r.exit_code, 3) << r.output;
+  EXPECT_LT(r.seconds, 10.0) << r.output;
+  expect_none_running(path, 2, "process started by a rank outlived dp-run");
+}
+
+TEST(Launcher, ASecondInterruptDuringTheGracePeriodKillsAtOnce) {
+  // The rank ignores SIGTERM and SIGINT; the grace period is 30 s.
+  std::string command = std::string("echo $$; exec ") + DP_RUN +
+                        " -n 1 --grace-ms 30000 sh -c 'trap \"\" TERM INT; echo up; sleep 30 >/dev/null 2>&1 & wait' 2>&1";
+  auto start = std::chrono::steady_clock::now();
+  FILE* shell = ::popen(command.c_str(), "r");
+  ASSERT_NE(shell, nullptr);
+  int pid = 0;
+  ASSERT_EQ(std::fscanf(shell, "%d", &pid), 1);
+  std::thread watchdog([pid, start] {
+    while (std::chrono::steady_clock::now() - start < std::chrono::seconds(15)) {
+      if (::kill(pid, 0) != 0) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
     ::kill(pid, SIGKILL);
+  });
+  char line[256];
+  while (std::fgets(line, sizeof(line), shell) != nullptr && std::string(line).find("up") == std::string::npos) {
   }
-  std::fclose(pids);
-  ::unlink(path);
-  EXPECT_EQ(count, 2);
+  ::kill(pid, SIGINT);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ::kill(pid, SIGINT);
+  while (std::fgets(line, sizeof(line), shell) != nullptr) {
+  }
+  int status = ::pclose(shell);
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  watchdog.join();
+  EXPECT_LT(seconds, 5.0) << "the second SIGINT did not escalate to SIGKILL";
+  EXPECT_TRUE(WIFEXITED(status)) << status;
+  EXPECT_EQ(WEXITSTATUS(status), 128 + SIGINT);
+}
+
+TEST(Launcher, HoldsThePortItPicksUntilTheJobEnds) {
+  // The rank prints its MASTER_PORT and lives 3 s; meanwhile no other socket may bind that port.
+  std::string command = std::string("timeout -s KILL 30 ") + DP_RUN + " -n 1 sh -c 'echo port=$MASTER_PORT; sleep 3' 2>&1";
+  FILE* shell = ::popen(command.c_str(), "r");
+  ASSERT_NE(shell, nullptr);
+  char line[256];
+  int port = 0;
+  while (port == 0 && std::fgets(line, sizeof(line), shell) != nullptr) {
+    const char* at = std::strstr(line, "port=");
+    if (at != nullptr) port = std::atoi(at + 5);
+  }
+  ASSERT_GT(port, 0);
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  int rc = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  int err = errno;
+  ::close(fd);
+  while (std::fgets(line, sizeof(line), shell) != nullptr) {
+  }
+  ::pclose(shell);
+  EXPECT_EQ(rc, -1) << "port " << port << " was free to anyone while the job ran";
+  EXPECT_EQ(err, EADDRINUSE);
 }
 
 TEST(Launcher, RejectsBadUsage) {

@@ -166,4 +166,12 @@ TEST(MultiProcess, StoppedRankTimesTheOthersOut) {
   expect_survivors_failed_cleanly(run_ranks("stop", 3, false, std::chrono::seconds(30), 2), 128 + SIGKILL, 2);
 }
 
+TEST(MultiProcess, OutOfMemoryBeforeTheTransferLeavesTheGroupInStep) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "AddressSanitizer aborts on an impossible allocation instead of throwing";
+#else
+  expect_all_passed(run_ranks("oom", 2, false, std::chrono::seconds(30)));
+#endif
+}
+
 }  // namespace

@@ -6,11 +6,13 @@
 //   mp_worker mismatch      sizes differ across ranks: every rank gets DP_EINVAL
 //   mp_worker die [rank]    a rank (default the last) is killed during a large all_reduce
 //   mp_worker stop [rank]   a rank (default the last) stops (SIGSTOP) before an all_reduce
+//   mp_worker oom           rank 0's all_gather runs out of memory; the group stays in step
 #include <signal.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -274,6 +276,33 @@ void run_failure(dp_process_group* pg, bool stop, int victim, int32_t timeout_ms
   CHECK(destroy_ms < 1000.0, "destroy took %.0f ms", destroy_ms);
 }
 
+// Rank 0's all_gather needs more scratch memory than can exist: it fails
+// alone, before any rank hears of it, and the group carries on.
+void run_oom(dp_process_group* pg) {
+  const int rank = dp_process_group_rank(pg);
+  if (rank == 0) {
+    // Views of no real memory: the scratch buffer fails before anything is read.
+    int64_t shape[1] = {int64_t(1) << 50};
+    void* nowhere = reinterpret_cast<void*>(uintptr_t(1) << 12);
+    dp_tensor* in = nullptr;
+    dp_tensor* outs[2] = {nullptr, nullptr};
+    CHECK_OK(dp_tensor_from_blob(&in, nowhere, DP_UINT8, 1, shape, dp_device{DP_DEVICE_CPU, 0}, nullptr, nullptr));
+    for (dp_tensor*& o : outs) {
+      CHECK_OK(dp_tensor_from_blob(&o, nowhere, DP_UINT8, 1, shape, dp_device{DP_DEVICE_CPU, 0}, nullptr, nullptr));
+    }
+    dp_status s = dp_pg_all_gather(pg, in, outs, 2);
+    CHECK(s == DP_ENOMEM, "status %d: %s", s, dp_last_error());
+    dp_tensor_destroy(in);
+    for (dp_tensor* o : outs) dp_tensor_destroy(o);
+  }
+  dp_tensor* t = make(DP_FLOAT32, 100, rank, 0);
+  CHECK_OK(dp_pg_all_reduce(pg, t, DP_SUM));
+  std::vector<float> sum(100);
+  CHECK_OK(dp_tensor_copy_to_host(t, sum.data(), sum.size() * sizeof(float)));
+  CHECK(sum[0] == 3.0f, "all_reduce after the failure gave %f", static_cast<double>(sum[0]));
+  dp_tensor_destroy(t);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -284,7 +313,7 @@ int main(int argc, char** argv) {
   std::string scenario = argv[1];
   const char* rank_text = std::getenv("RANK");
   g_rank = rank_text != nullptr ? std::atoi(rank_text) : -1;
-  int32_t timeout_ms = scenario == "die" || scenario == "stop" ? 3000 : 60000;
+  int32_t timeout_ms = scenario == "die" || scenario == "stop" || scenario == "oom" ? 3000 : 60000;
   dp_process_group_options opts = DP_PROCESS_GROUP_OPTIONS_INIT;
   opts.timeout_ms = timeout_ms;
   dp_store* store = nullptr;
@@ -303,6 +332,8 @@ int main(int argc, char** argv) {
     run_collectives(pg);
   } else if (scenario == "mismatch") {
     run_mismatch(pg);
+  } else if (scenario == "oom") {
+    run_oom(pg);
   } else if (scenario == "die" || scenario == "stop") {
     int victim = argc > 2 ? std::atoi(argv[2]) : std::atoi(std::getenv("WORLD_SIZE")) - 1;
     run_failure(pg, scenario == "stop", victim, timeout_ms);

@@ -28,10 +28,13 @@
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
+#include <netdb.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <condition_variable>
+#include <mutex>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -41,6 +44,7 @@
 #include "distributed/process_group.h"
 #include "distributed/reduce_ops.h"
 #include "distributed/store/socket.h"
+#include "distributed/store/tcp_store.h"
 
 namespace dparallel::dist {
 
@@ -50,14 +54,10 @@ using Clock = std::chrono::steady_clock;
 
 constexpr size_t kInlineBytes = 4096;
 constexpr uint32_t kMagic = 0x64704731;  // "dpG1"
-// How long a failed rank listens for the others' failure reports: until none is
-// new for kReportQuiet, kReportLimit at most; no request starts in the last
-// kLastRequest.
-constexpr Millis kReportQuiet{300};
-constexpr Millis kReportLimit{700};
-constexpr Millis kLastRequest{100};
 // How long a healthy group's destruction waits for the other ranks to leave.
 constexpr Millis kLeaveBound{5000};
+// How far past a collective's deadline its connections are closed.
+constexpr Millis kWatchSlack{50};
 
 enum class OpKind : uint32_t { kAllReduce = 1, kBroadcast = 2, kAllGather = 3, kReduceScatter = 4, kBarrier = 5 };
 
@@ -127,25 +127,32 @@ class BlockExchange {
   int phase_ = 0;
 };
 
-// Our store as Gloo's rendezvous store.
+// Time left until `deadline`, at least 1 ms.
+Millis left_until(Clock::time_point deadline) {
+  return std::max(std::chrono::duration_cast<Millis>(deadline - Clock::now()), Millis(1));
+}
+
+// Our store as Gloo's rendezvous store; every wait ends by the group's
+// creation deadline, so creating all the meshes is bounded by one timeout.
 class GlooStore : public gloo::rendezvous::Store {
  public:
-  GlooStore(std::shared_ptr<dist::Store> store, Millis timeout) : store_(std::move(store)), timeout_(timeout) {}
+  GlooStore(std::shared_ptr<dist::Store> store, Clock::time_point deadline)
+      : store_(std::move(store)), deadline_(deadline) {}
   void set(const std::string& key, const std::vector<char>& data) override {
     store_->set(key, Bytes(data.begin(), data.end()));
   }
   std::vector<char> get(const std::string& key) override {
-    Bytes value = store_->get(key, timeout_);
+    Bytes value = store_->get(key, left_until(deadline_));
     return std::vector<char>(value.begin(), value.end());
   }
-  void wait(const std::vector<std::string>& keys) override { store_->wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys) override { store_->wait(keys, left_until(deadline_)); }
   void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
-    store_->wait(keys, timeout);
+    store_->wait(keys, std::min(timeout, left_until(deadline_)));
   }
 
  private:
   std::shared_ptr<dist::Store> store_;
-  Millis timeout_;
+  Clock::time_point deadline_;
 };
 
 gloo::transport::tcp::attr transport_attr(const ProcessGroupOptions& options) {
@@ -153,12 +160,8 @@ gloo::transport::tcp::attr transport_attr(const ProcessGroupOptions& options) {
   const char* ifname = std::getenv("DP_SOCKET_IFNAME");
   if (ifname != nullptr && *ifname != '\0') {
     attr.iface = ifname;
-  } else if (options.master_addr.empty() || net::is_loopback_host(options.master_addr)) {
-    attr.hostname = "127.0.0.1";
   } else {
-    char host[256] = {0};
-    if (::gethostname(host, sizeof(host) - 1) != 0) fail(StatusCode::kIo, "gethostname failed");
-    attr.hostname = host;
+    attr.hostname = gloo_host(options);
   }
   return attr;
 }
@@ -174,11 +177,35 @@ void ignore_sigpipe() {
   }
 }
 
+}  // namespace
+
+std::string gloo_host(const ProcessGroupOptions& options) {
+  // The address this host reaches the store from is one the other ranks can
+  // reach it on too; the host name may resolve to a loopback address.
+  if (auto* tcp = dynamic_cast<TcpStore*>(options.store.get())) {
+    sockaddr_storage local = tcp->local_address();
+    char host[NI_MAXHOST] = {0};
+    if (local.ss_family != AF_UNSPEC &&
+        ::getnameinfo(reinterpret_cast<sockaddr*>(&local), sizeof(local), host, sizeof(host), nullptr, 0,
+                      NI_NUMERICHOST) == 0) {
+      return host;
+    }
+  }
+  if (options.master_addr.empty() || net::is_loopback_host(options.master_addr)) return "127.0.0.1";
+  char host[256] = {0};
+  if (::gethostname(host, sizeof(host) - 1) != 0) fail(StatusCode::kIo, "gethostname failed");
+  return host;
+}
+
+namespace {
+
 class GlooProcessGroup : public ProcessGroup {
  public:
   explicit GlooProcessGroup(const ProcessGroupOptions& options)
       : ProcessGroup(options.rank, options.world_size, options.device, options.timeout), store_(options.store) {
     ignore_sigpipe();
+    auto deadline = Clock::now() + timeout();
+    ReplyDeadlineCap cap(timeout());  // every store request of the creation ends by its deadline
     int64_t generation = store_->add(str_cat("dp/pg_count/", rank()), 1);
     prefix_ = str_cat("dp/pg", generation, "/");
     auto attr = transport_attr(options);
@@ -186,7 +213,7 @@ class GlooProcessGroup : public ProcessGroup {
       device_ = gloo::transport::tcp::CreateDevice(attr);
       auto context = std::make_shared<gloo::rendezvous::Context>(rank(), size());
       context->setTimeout(timeout());
-      GlooStore gloo_store(store_, timeout());
+      GlooStore gloo_store(store_, deadline);
       gloo::rendezvous::PrefixStore prefixed(prefix_ + "gloo", gloo_store);
       context->connectFullMesh(prefixed, device_);
       context_ = context;
@@ -201,6 +228,7 @@ class GlooProcessGroup : public ProcessGroup {
         }
       }
       slabs_ = std::make_unique<BlockExchange>(slab_context_, rank(), size(), kSlabBytes);
+      if (size() > 1) watchdog_ = std::thread([this] { watch(); });
     } catch (const Error&) {
       throw;
     } catch (const gloo::IoException& e) {
@@ -213,6 +241,14 @@ class GlooProcessGroup : public ProcessGroup {
 
   ~GlooProcessGroup() override {
     drain();
+    if (watchdog_.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(watch_mutex_);
+        watch_stop_ = true;
+      }
+      watch_cv_.notify_all();
+      watchdog_.join();
+    }
     if (size() > 1 && !broken()) wait_for_peers_to_leave();
   }
 
@@ -222,8 +258,8 @@ class GlooProcessGroup : public ProcessGroup {
   DeviceType tensor_device_type() const override { return DeviceType::kCpu; }
 
   void run_all_reduce(const Tensor& tensor, ReduceOp op) override {
-    Op o = begin(OpKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1);
     size_t nbytes = tensor.nbytes();
+    Op o = begin(OpKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1, nbytes);
     size_t n = static_cast<size_t>(tensor.numel());
     ReduceFn fn = reduce_function(tensor.dtype(), op);
     if (gather_small(o, tensor.describe(), nbytes, [&](uint8_t* out) { std::memcpy(out, tensor.data(), nbytes); })) {
@@ -243,8 +279,8 @@ class GlooProcessGroup : public ProcessGroup {
   }
 
   void run_broadcast(const Tensor& tensor, int32_t root) override {
-    Op o = begin(OpKind::kBroadcast, tensor.dtype(), tensor.numel(), ReduceOp::kSum, root);
     size_t nbytes = tensor.nbytes();
+    Op o = begin(OpKind::kBroadcast, tensor.dtype(), tensor.numel(), ReduceOp::kSum, root, nbytes);
     auto fill = [&](uint8_t* out) {
       if (rank() == root) std::memcpy(out, tensor.data(), nbytes);
     };
@@ -263,13 +299,7 @@ class GlooProcessGroup : public ProcessGroup {
   }
 
   void run_all_gather(const Tensor& input, const std::vector<Tensor>& outputs) override {
-    Op o = begin(OpKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1);
     size_t nbytes = input.nbytes();
-    if (gather_small(o, input.describe(), nbytes, [&](uint8_t* out) { std::memcpy(out, input.data(), nbytes); })) {
-      for (int32_t r = 0; r < size(); ++r) std::memcpy(outputs[r].data(), gathered(r), nbytes);
-      return;
-    }
-    // Outputs that are consecutive pieces of one buffer are gathered into in place.
     bool consecutive = true;
     auto* first = static_cast<uint8_t*>(outputs[0].data());
     for (int32_t r = 1; r < size(); ++r) {
@@ -277,7 +307,14 @@ class GlooProcessGroup : public ProcessGroup {
     }
     auto* in = static_cast<const uint8_t*>(input.data());
     consecutive = consecutive && (in + nbytes <= first || in >= first + nbytes * static_cast<size_t>(size()));
-    uint8_t* all = consecutive ? first : scratch(nbytes * static_cast<size_t>(size()));
+    if (!consecutive && !fits_exchange(nbytes)) scratch(nbytes * static_cast<size_t>(size()));  // see begin()
+    Op o = begin(OpKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, nbytes);
+    if (gather_small(o, input.describe(), nbytes, [&](uint8_t* out) { std::memcpy(out, input.data(), nbytes); })) {
+      for (int32_t r = 0; r < size(); ++r) std::memcpy(outputs[r].data(), gathered(r), nbytes);
+      return;
+    }
+    // Outputs that are consecutive pieces of one buffer are gathered into in place.
+    uint8_t* all = consecutive ? first : scratch_.data();
     guarded(o, input.describe(), [&] {
       gloo::AllgatherOptions opts(context_);
       opts.setInput(static_cast<uint8_t*>(input.data()), nbytes);
@@ -291,7 +328,6 @@ class GlooProcessGroup : public ProcessGroup {
   }
 
   void run_reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override {
-    Op o = begin(OpKind::kReduceScatter, output.dtype(), output.numel(), op, -1);
     size_t nbytes = output.nbytes();
     size_t n = static_cast<size_t>(output.numel());
     size_t total = nbytes * static_cast<size_t>(size());
@@ -300,13 +336,15 @@ class GlooProcessGroup : public ProcessGroup {
     auto concatenate = [&](uint8_t* out) {
       for (int32_t r = 0; r < size(); ++r) std::memcpy(out + nbytes * static_cast<size_t>(r), inputs[r].data(), nbytes);
     };
+    if (!fits_exchange(total)) scratch(total);  // see begin()
+    Op o = begin(OpKind::kReduceScatter, output.dtype(), output.numel(), op, -1, total);
     if (gather_small(o, output.describe(), total, concatenate)) {
       std::memcpy(output.data(), gathered(0) + mine, nbytes);
       for (int32_t r = 1; r < size(); ++r) fn(output.data(), output.data(), gathered(r) + mine, n);
     } else {
       // Gloo has no reduce-scatter in its current API: all-reduce the
       // concatenation and keep this rank's part.
-      uint8_t* flat = scratch(total);
+      uint8_t* flat = scratch_.data();
       concatenate(flat);
       guarded(o, output.describe(), [&] {
         gloo::AllreduceOptions opts(context_);
@@ -322,7 +360,7 @@ class GlooProcessGroup : public ProcessGroup {
   }
 
   void run_barrier() override {
-    Op o = begin(OpKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1);
+    Op o = begin(OpKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, 0);
     exchange(o, "no tensor");
   }
 
@@ -342,7 +380,10 @@ class GlooProcessGroup : public ProcessGroup {
     bool exchanged = false;  // every rank's header has arrived
   };
 
-  Op begin(OpKind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root) {
+  // Starts a collective of `nbytes` per rank. What it may need is allocated
+  // first: failing after the header exchange would leave the peers waiting.
+  Op begin(OpKind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root, size_t nbytes) {
+    if (nbytes > kInlineBytes) blocks_for(nbytes);
     Op o{};
     o.header.magic = kMagic;
     o.header.kind = static_cast<uint32_t>(kind);
@@ -373,7 +414,7 @@ class GlooProcessGroup : public ProcessGroup {
       return true;
     }
     exchange(o, what);
-    BlockExchange* blocks = blocks_for(nbytes);
+    BlockExchange* blocks = blocks_for(nbytes);  // made by prepare()
     if (blocks == nullptr) return false;
     fill(blocks->send());
     guarded(o, what, [&] { blocks->run(); });
@@ -386,14 +427,64 @@ class GlooProcessGroup : public ProcessGroup {
   // The block exchange for `bytes` per rank, made on first use; null when
   // the payload is too large for one.
   BlockExchange* blocks_for(size_t bytes) {
-    size_t block = kMinBlockBytes;
-    while (block < bytes) block *= 2;
-    if (block > kMaxBlockBytes || block * static_cast<size_t>(size()) > kBlockBudget) return nullptr;
+    size_t block = block_size_for(bytes);
+    if (block == 0) return nullptr;
     auto& exchange = blocks_[block];
     if (!exchange) exchange = std::make_unique<BlockExchange>(block_context_, rank(), size(), block);
     return exchange.get();
   }
+  // The block size that carries `bytes` per rank; 0 when too large for one.
+  size_t block_size_for(size_t bytes) const {
+    size_t block = kMinBlockBytes;
+    while (block < bytes) block *= 2;
+    if (block > kMaxBlockBytes || block * static_cast<size_t>(size()) > kBlockBudget) return 0;
+    return block;
+  }
+  // True when `bytes` per rank go through the slabs or a block exchange, not Gloo's algorithms.
+  bool fits_exchange(size_t bytes) const { return bytes <= kInlineBytes || block_size_for(bytes) != 0; }
   static uint8_t* payload(uint8_t* slab) { return slab + sizeof(Header); }
+
+  // Closes the connections when a transfer runs past its collective's
+  // deadline: a ring's steps each wait up to the full timeout otherwise.
+  class Armed {
+   public:
+    Armed(GlooProcessGroup& group, Clock::time_point deadline) : group_(group) {
+      std::lock_guard<std::mutex> lock(group_.watch_mutex_);
+      group_.watch_deadline_ = deadline + kWatchSlack;
+      group_.watch_fired_ = false;
+      group_.watch_cv_.notify_all();
+    }
+    bool fired() const {
+      std::lock_guard<std::mutex> lock(group_.watch_mutex_);
+      return group_.watch_fired_;
+    }
+    ~Armed() {
+      std::lock_guard<std::mutex> lock(group_.watch_mutex_);
+      group_.watch_deadline_ = Clock::time_point::max();
+    }
+    Armed(const Armed&) = delete;
+    Armed& operator=(const Armed&) = delete;
+
+   private:
+    GlooProcessGroup& group_;
+  };
+
+  void watch() {
+    std::unique_lock<std::mutex> lock(watch_mutex_);
+    while (!watch_stop_) {
+      if (watch_deadline_ == Clock::time_point::max()) {
+        watch_cv_.wait(lock);
+      } else if (Clock::now() >= watch_deadline_) {
+        watch_deadline_ = Clock::time_point::max();
+        watch_fired_ = true;
+        lock.unlock();
+        close_connections();
+        lock.lock();
+      } else {
+        watch_cv_.wait_until(lock, watch_deadline_);
+      }
+    }
+  }
 
   uint8_t* scratch(size_t nbytes) {
     if (scratch_.size() < nbytes) scratch_.resize(nbytes);  // kept across calls: fresh pages cost more than the copy
@@ -453,14 +544,20 @@ class GlooProcessGroup : public ProcessGroup {
     std::string cause;
     bool timed_out = false;
     try {
+      Armed armed(*this, o.deadline);
       call();
-      return;
+      if (!armed.fired()) return;
+      cause = "the transfer ran past the collective's deadline";
+      timed_out = true;
     } catch (const gloo::IoException& e) {
       cause = e.what();
       timed_out = cause.find("imed out") != std::string::npos || cause.find("imeout") != std::string::npos;
     } catch (const Error&) {
       throw;
     } catch (const std::bad_alloc&) {
+      // Peers are mid-transfer with this rank: fail them now, and this group for good.
+      close_connections();
+      mark_broken(str_cat(op_kind_name(o.header.kind), " of ", what, ": out of memory during the transfer"));
       throw;
     } catch (const std::exception& e) {  // gloo::Exception and gloo::EnforceNotMet
       cause = e.what();
@@ -474,55 +571,8 @@ class GlooProcessGroup : public ProcessGroup {
          "; gloo: ", cause);
   }
 
-  // Reports this rank's failure through the store and lists the ranks that
-  // reported none for the same collective: the others fail at once too,
-  // since a failing rank closes its connections, so listening stops once no
-  // new report has come for kReportQuiet (and after kReportLimit at most).
   std::string missing_ranks(uint64_t seq, bool exchanged) {
-    auto start = Clock::now();
-    auto hard_end = start + kReportLimit;
-    auto quiet_end = start + kReportQuiet;
-    auto left = [&] { return std::max(std::chrono::duration_cast<Millis>(hard_end - Clock::now()), Millis(1)); };
-    std::string base = str_cat(prefix_, "failed/", seq, "/");
-    std::vector<bool> reported(static_cast<size_t>(size()), false);
-    reported[static_cast<size_t>(rank())] = true;
-    try {
-      ReplyDeadlineCap cap(left());
-      store_->set(base + std::to_string(rank()), Bytes{1});
-    } catch (const std::exception& e) {
-      return str_cat("the store is unreachable too, so the missing ranks are unknown (rank 0 serves it: it may have "
-                     "exited): ",
-                     e.what());
-    }
-    auto pause = std::chrono::milliseconds(1);
-    bool store_gone = false;
-    for (;;) {
-      int32_t missing = 0;
-      for (int32_t r = 0; r < size() && !store_gone; ++r) {
-        if (reported[r]) continue;
-        // A request cut off by its deadline would cost the store connection.
-        if (hard_end - Clock::now() < kLastRequest) break;
-        try {
-          ReplyDeadlineCap cap(left());
-          reported[r] = store_->check({base + std::to_string(r)});
-        } catch (const Error&) {
-          store_gone = true;  // rank 0 may be done and gone: report what is known
-        }
-        if (reported[r]) quiet_end = Clock::now() + kReportQuiet;
-        missing += reported[r] ? 0 : 1;
-      }
-      auto now = Clock::now();
-      if (missing == 0 || store_gone || now >= quiet_end || now >= hard_end - kLastRequest) break;
-      std::this_thread::sleep_for(pause);
-      pause = std::min(pause * 2, std::chrono::milliseconds(20));
-    }
-    std::string missing;
-    for (int32_t r = 0; r < size(); ++r) {
-      if (!reported[r]) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-    }
-    if (missing.empty()) return "every rank reached it and failed";
-    if (exchanged) return "rank(s) " + missing + " stopped answering during the transfer (exited or stopped)";
-    return "rank(s) " + missing + " did not arrive (exited, stopped, or in another call)";
+    return find_missing_ranks(*store_, prefix_, rank(), size(), seq, exchanged);
   }
 
   // A rank that closes its connections while a peer is still reading the
@@ -566,6 +616,12 @@ class GlooProcessGroup : public ProcessGroup {
   BlockExchange* gathered_from_ = nullptr;
   size_t gathered_offset_ = 0;
   std::vector<uint8_t> scratch_;
+  std::mutex watch_mutex_;
+  std::condition_variable watch_cv_;
+  Clock::time_point watch_deadline_ = Clock::time_point::max();
+  bool watch_stop_ = false;
+  bool watch_fired_ = false;  // the armed transfer's connections were closed
+  std::thread watchdog_;
 };
 
 }  // namespace

@@ -58,7 +58,8 @@ class NcclProcessGroup : public ProcessGroup {
            " GPU(s) are present (", cuda::unavailable_reason(), ")");
     }
     int64_t generation = store_->add(str_cat("dp/pg_count/", rank()), 1);
-    std::string key = str_cat("dp/pg", generation, "/nccl_id");
+    prefix_ = str_cat("dp/pg", generation, "/");
+    std::string key = prefix_ + "nccl_id";
     ncclUniqueId id;
     if (rank() == 0) {
       check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
@@ -69,10 +70,15 @@ class NcclProcessGroup : public ProcessGroup {
       std::memcpy(&id, value.data(), sizeof(id));
     }
     cuda::DeviceGuard guard(device().index);
-    cuda::check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-    cuda::check(cudaMalloc(&headers_, sizeof(Header) * static_cast<size_t>(size())), "cudaMalloc");
-    // Pinned, so that copies to and from it never block the host behind NCCL work.
-    cuda::check(cudaMallocHost(&host_headers_, sizeof(Header) * static_cast<size_t>(size())), "cudaMallocHost");
+    try {
+      cuda::check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+      cuda::check(cudaMalloc(&headers_, sizeof(Header) * static_cast<size_t>(size())), "cudaMalloc");
+      // Pinned, so that copies to and from it never block the host behind NCCL work.
+      cuda::check(cudaMallocHost(&host_headers_, sizeof(Header) * static_cast<size_t>(size())), "cudaMallocHost");
+    } catch (...) {
+      release();  // the destructor does not run for a constructor that throws
+      throw;
+    }
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     auto deadline = Clock::now() + timeout();
@@ -83,7 +89,7 @@ class NcclProcessGroup : public ProcessGroup {
       check_nccl(rc, "ncclCommInitRankConfig");
     }
     try {
-      await_comm(deadline, "creating the NCCL communicator");
+      await_comm(deadline, "creating the NCCL communicator", false);
     } catch (...) {
       abort_comm();
       release();
@@ -106,14 +112,14 @@ class NcclProcessGroup : public ProcessGroup {
     auto deadline = exchange(1, t.dtype(), t.numel(), op, -1);
     enqueue(ncclAllReduce(t.data(), t.data(), static_cast<size_t>(t.numel()), cuda::nccl_type(t.dtype()),
                           nccl_op(t.dtype(), op), comm_, stream_),
-            "ncclAllReduce");
+            "ncclAllReduce", deadline);
     await(deadline, "all_reduce", t);
   }
 
   void run_broadcast(const Tensor& t, int32_t root) override {
     cuda::DeviceGuard guard(device().index);
     auto deadline = exchange(2, t.dtype(), t.numel(), ReduceOp::kSum, root);
-    enqueue(ncclBroadcast(t.data(), t.data(), t.nbytes(), ncclUint8, root, comm_, stream_), "ncclBroadcast");
+    enqueue(ncclBroadcast(t.data(), t.data(), t.nbytes(), ncclUint8, root, comm_, stream_), "ncclBroadcast", deadline);
     await(deadline, "broadcast", t);
   }
 
@@ -122,7 +128,7 @@ class NcclProcessGroup : public ProcessGroup {
     auto deadline = exchange(3, input.dtype(), input.numel(), ReduceOp::kSum, -1);
     size_t nbytes = input.nbytes();
     uint8_t* flat = scratch(nbytes * static_cast<size_t>(size()));
-    enqueue(ncclAllGather(input.data(), flat, nbytes, ncclUint8, comm_, stream_), "ncclAllGather");
+    enqueue(ncclAllGather(input.data(), flat, nbytes, ncclUint8, comm_, stream_), "ncclAllGather", deadline);
     for (int32_t r = 0; r < size(); ++r) {
       cuda::check(cudaMemcpyAsync(outputs[r].data(), flat + nbytes * static_cast<size_t>(r), nbytes,
                                   cudaMemcpyDeviceToDevice, stream_),
@@ -143,7 +149,7 @@ class NcclProcessGroup : public ProcessGroup {
     }
     enqueue(ncclReduceScatter(flat, output.data(), static_cast<size_t>(output.numel()), cuda::nccl_type(output.dtype()),
                               nccl_op(output.dtype(), op), comm_, stream_),
-            "ncclReduceScatter");
+            "ncclReduceScatter", deadline);
     await(deadline, "reduce_scatter", output);
   }
 
@@ -157,9 +163,12 @@ class NcclProcessGroup : public ProcessGroup {
     }
   }
 
-  void enqueue(ncclResult_t rc, const char* call) {
+  // A non-blocking communicator may still be taking a call in when it
+  // returns ncclInProgress: the next call waits until it has (by the deadline).
+  void enqueue(ncclResult_t rc, const char* call, Clock::time_point deadline, bool exchanged = true) {
     if (rc != ncclSuccess && rc != ncclInProgress) abort_comm();
     check_nccl(rc, call);
+    if (rc == ncclInProgress) await_comm(deadline, call, exchanged);
   }
 
   void abort_comm() {
@@ -167,7 +176,7 @@ class NcclProcessGroup : public ProcessGroup {
     comm_ = nullptr;
   }
 
-  void await_comm(Clock::time_point deadline, const char* what) {
+  void await_comm(Clock::time_point deadline, const char* what, bool exchanged) {
     for (;;) {
       ncclResult_t state = ncclSuccess;
       check_nccl(ncclCommGetAsyncError(comm_, &state), "ncclCommGetAsyncError");
@@ -179,7 +188,7 @@ class NcclProcessGroup : public ProcessGroup {
       if (Clock::now() >= deadline) {
         abort_comm();
         fail(StatusCode::kTimeout, what, " on rank ", rank(), " of ", size(), " timed out after ", timeout().count(),
-             " ms; the communicator was aborted");
+             " ms; the communicator was aborted: ", missing_ranks(exchanged));
       }
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
@@ -196,12 +205,12 @@ class NcclProcessGroup : public ProcessGroup {
       if (state != ncclSuccess && state != ncclInProgress) {
         abort_comm();
         fail(StatusCode::kRemote, op, " of ", t.describe(), " on rank ", rank(), " of ", size(),
-             " failed: ", ncclGetErrorString(state), "; the communicator was aborted");
+             " failed: ", ncclGetErrorString(state), "; the communicator was aborted: ", missing_ranks(true));
       }
       if (Clock::now() >= deadline) {
         abort_comm();
         fail(StatusCode::kTimeout, op, " of ", t.describe(), " on rank ", rank(), " of ", size(), " timed out after ",
-             timeout().count(), " ms: a peer did not arrive; the communicator was aborted");
+             timeout().count(), " ms; the communicator was aborted: ", missing_ranks(true));
       }
       std::this_thread::yield();
     }
@@ -222,7 +231,7 @@ class NcclProcessGroup : public ProcessGroup {
     all[rank()] = mine;
     auto* slot = static_cast<uint8_t*>(headers_) + sizeof(Header) * static_cast<size_t>(rank());
     cuda::check(cudaMemcpyAsync(slot, &all[rank()], sizeof(Header), cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync");
-    enqueue(ncclAllGather(slot, headers_, sizeof(Header), ncclUint8, comm_, stream_), "ncclAllGather");
+    enqueue(ncclAllGather(slot, headers_, sizeof(Header), ncclUint8, comm_, stream_), "ncclAllGather", deadline, false);
     cuda::check(cudaMemcpyAsync(all, headers_, sizeof(Header) * static_cast<size_t>(size()), cudaMemcpyDeviceToHost,
                                 stream_),
                 "cudaMemcpyAsync");
@@ -251,10 +260,16 @@ class NcclProcessGroup : public ProcessGroup {
       if (Clock::now() >= deadline) {
         abort_comm();
         fail(StatusCode::kTimeout, op, " on rank ", rank(), " of ", size(), " timed out after ", timeout().count(),
-             " ms waiting for the other ranks' headers; the communicator was aborted");
+             " ms waiting for the other ranks' headers; the communicator was aborted: ", missing_ranks(false));
       }
       std::this_thread::yield();
     }
+  }
+
+  // The ranks that did not report the failure of the current collective
+  // (see find_missing_ranks); before the first collective, of the creation.
+  std::string missing_ranks(bool exchanged) {
+    return find_missing_ranks(*store_, prefix_, rank(), size(), seq_, exchanged);
   }
 
   uint8_t* scratch(size_t nbytes) {
@@ -298,6 +313,7 @@ class NcclProcessGroup : public ProcessGroup {
   }
 
   std::shared_ptr<Store> store_;
+  std::string prefix_;
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   void* headers_ = nullptr;

@@ -5,7 +5,10 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "core/error.h"
 
@@ -15,6 +18,7 @@ namespace {
 
 constexpr const char* kFinishedKey = "__dp_file_store_finished";
 constexpr uint32_t kMaxRecordPart = 1u << 30;
+constexpr Millis kCleanupLockBound{5000};  // a destructor waits no longer for the lock
 
 [[noreturn]] void fail_errno(const std::string& what, const std::string& path) {
   fail(StatusCode::kIo, what, " '", path, "': ", std::strerror(errno));
@@ -36,14 +40,26 @@ void write_all(int fd, const void* data, size_t size, const std::string& path) {
 // The file opened and exclusively locked for one operation.
 class FileStore::Locked {
  public:
-  explicit Locked(const std::string& path) : path_(path) {
+  // Waits for the lock until `timeout` passes: a stopped process holding it must not hang us.
+  Locked(const std::string& path, Millis timeout) : path_(path) {
     fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (fd_ < 0) fail_errno("cannot open file store", path);
-    while (::flock(fd_, LOCK_EX) != 0) {
-      if (errno != EINTR) {
+    auto deadline = std::chrono::steady_clock::now() + timeout;
+    auto pause = std::chrono::microseconds(200);
+    while (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+      if (errno == EINTR) continue;
+      if (errno != EWOULDBLOCK) {
         ::close(fd_);
         fail_errno("cannot lock file store", path);
       }
+      auto now = std::chrono::steady_clock::now();
+      if (now >= deadline) {
+        ::close(fd_);
+        fail(StatusCode::kTimeout, "cannot lock file store '", path, "' within ", timeout.count(),
+             " ms: another process holds the lock (stopped or hung?)");
+      }
+      std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(pause, deadline - now));
+      pause = std::min(pause * 2, std::chrono::microseconds(20000));
     }
   }
   ~Locked() {
@@ -59,16 +75,18 @@ class FileStore::Locked {
   int fd_ = -1;
 };
 
+Millis FileStore::lock_timeout() const { return std::min(default_timeout(), ReplyDeadlineCap::current()); }
+
 FileStore::FileStore(const std::string& path, int32_t world_size) : path_(path), world_size_(world_size) {
   if (path.empty()) fail_invalid("argument 'path' is empty");
   if (world_size <= 0) fail_invalid("argument 'world_size' is ", world_size, "; it must be >= 1");
-  Locked file(path_);  // fails now, with the path, if the file cannot be used
+  Locked file(path_, lock_timeout());  // fails now, with the path, if the file cannot be used
 }
 
 FileStore::~FileStore() {
   try {
     std::lock_guard<std::mutex> lock(mutex_);
-    Locked file(path_);
+    Locked file(path_, std::min(lock_timeout(), kCleanupLockBound));
     refresh(file.fd());
     auto it = cache_.find(kFinishedKey);
     int64_t finished = it == cache_.end() ? 0 : parse_counter(it->second, kFinishedKey);
@@ -136,7 +154,7 @@ void FileStore::append(int fd, const std::string& key, const Bytes& value) {
 
 void FileStore::set(const std::string& key, const Bytes& value) {
   std::lock_guard<std::mutex> lock(mutex_);
-  Locked file(path_);
+  Locked file(path_, lock_timeout());
   refresh(file.fd());
   append(file.fd(), key, value);
 }
@@ -149,10 +167,12 @@ Bytes FileStore::get(const std::string& key, Millis timeout) {
 
 int64_t FileStore::add(const std::string& key, int64_t delta) {
   std::lock_guard<std::mutex> lock(mutex_);
-  Locked file(path_);
+  Locked file(path_, lock_timeout());
   refresh(file.fd());
   auto it = cache_.find(key);
-  int64_t value = (it == cache_.end() ? 0 : parse_counter(it->second, key)) + delta;
+  int64_t value = it == cache_.end() ? 0 : parse_counter(it->second, key);
+  // Wraps like the TCP store's integers rather than overflowing.
+  value = static_cast<int64_t>(static_cast<uint64_t>(value) + static_cast<uint64_t>(delta));
   append(file.fd(), key, format_counter(value));
   return value;
 }
@@ -161,7 +181,7 @@ bool FileStore::check(const std::vector<std::string>& keys) {
   std::lock_guard<std::mutex> lock(mutex_);
   for (const std::string& key : keys) {
     if (cache_.count(key) == 0) {
-      Locked file(path_);
+      Locked file(path_, lock_timeout());
       refresh(file.fd());
       break;
     }

@@ -11,12 +11,21 @@
 namespace dparallel::dist {
 
 namespace {
-thread_local Millis t_reply_cap = Millis::max();
+using Clock = std::chrono::steady_clock;
+thread_local Clock::time_point t_reply_deadline = Clock::time_point::max();
 }  // namespace
 
-ReplyDeadlineCap::ReplyDeadlineCap(Millis cap) : previous_(t_reply_cap) { t_reply_cap = std::min(cap, previous_); }
-ReplyDeadlineCap::~ReplyDeadlineCap() { t_reply_cap = previous_; }
-Millis ReplyDeadlineCap::current() { return t_reply_cap; }
+ReplyDeadlineCap::ReplyDeadlineCap(Millis cap) : previous_(t_reply_deadline) {
+  auto now = Clock::now();
+  auto until = cap >= std::chrono::duration_cast<Millis>(Clock::time_point::max() - now) ? Clock::time_point::max()
+                                                                                          : now + cap;
+  t_reply_deadline = std::min(until, previous_);
+}
+ReplyDeadlineCap::~ReplyDeadlineCap() { t_reply_deadline = previous_; }
+Millis ReplyDeadlineCap::current() {
+  if (t_reply_deadline == Clock::time_point::max()) return Millis::max();
+  return std::max(Millis(0), std::chrono::duration_cast<Millis>(t_reply_deadline - Clock::now()));
+}
 
 bool poll_until(const std::function<bool()>& check, Millis timeout) {
   auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -31,12 +40,25 @@ bool poll_until(const std::function<bool()>& check, Millis timeout) {
 }
 
 void Store::wait(const std::vector<std::string>& keys, Millis timeout) {
-  if (poll_until([&] { return check(keys); }, timeout)) return;
-  std::string missing;
-  for (const std::string& key : keys) {
-    if (!check({key})) missing += (missing.empty() ? "'" : ", '") + key + "'";
+  try {
+    ReplyDeadlineCap cap(timeout);  // one deadline for every request of this call
+    if (poll_until([&] { return check(keys); }, timeout)) return;
+  } catch (const Error& e) {
+    if (e.code() != StatusCode::kTimeout) throw;  // a request cut off by the deadline is a plain timeout
   }
-  fail(StatusCode::kTimeout, "store wait timed out after ", timeout.count(), " ms; missing key(s) ", missing);
+  // Names the missing keys, asking the store briefly; unknown ones count as missing.
+  std::string missing, cause;
+  ReplyDeadlineCap brief(kMissingKeysBound);
+  for (const std::string& key : keys) {
+    bool present = false;
+    try {
+      present = cause.empty() && check({key});
+    } catch (const Error& e) {
+      cause = std::string(" (the store did not answer: ") + e.what() + ")";
+    }
+    if (!present) missing += (missing.empty() ? "'" : ", '") + key + "'";
+  }
+  fail(StatusCode::kTimeout, "store wait timed out after ", timeout.count(), " ms; missing key(s) ", missing, cause);
 }
 
 int64_t parse_counter(const Bytes& value, const std::string& key) {

@@ -35,8 +35,9 @@ class Store {
   std::atomic<int64_t> default_timeout_ms_{300000};
 };
 
-// Caps how long this thread's store requests wait for a reply while it lives
-// (for error diagnostics, which must not wait the whole store timeout).
+// Caps how long this thread's store requests wait for a reply while it lives:
+// a deadline `cap` from its construction, shared by every request under it.
+// For error diagnostics, and for calls with one overall timeout.
 class ReplyDeadlineCap {
  public:
   explicit ReplyDeadlineCap(Millis cap);
@@ -47,8 +48,11 @@ class ReplyDeadlineCap {
   static Millis current();
 
  private:
-  Millis previous_;
+  std::chrono::steady_clock::time_point previous_;
 };
+
+// How long a timed-out wait may spend asking which keys are missing.
+constexpr Millis kMissingKeysBound{200};
 
 // Polls `check` with a growing pause until it holds or `timeout` passes.
 bool poll_until(const std::function<bool()>& check, Millis timeout);

@@ -3,9 +3,12 @@
 // job token, a client that does not present it is refused and logged.
 #pragma once
 
+#include <sys/socket.h>
+
 #include <memory>
 #include <mutex>
 
+#include "distributed/store/socket.h"
 #include "distributed/store/store.h"
 
 namespace dparallel::dist {
@@ -16,7 +19,7 @@ struct TcpStoreOptions {
   std::string host;
   uint16_t port = 0;        // server: 0 picks a free port
   bool is_server = false;
-  Millis timeout{300000};   // connecting, and each request's reply
+  Millis timeout{300000};   // connecting, and each request's reply (capped by the call's own timeout)
   std::string token;        // empty: no token
 };
 
@@ -33,10 +36,17 @@ class TcpStore : public Store {
   bool check(const std::vector<std::string>& keys) override;
   // The port served or connected to.
   uint16_t port() const { return port_; }
+  // This end's address of the connection to the server (ss_family AF_UNSPEC
+  // when not connected): the address peers can reach this host on.
+  sockaddr_storage local_address();
 
  private:
   struct Reply;
   Reply request(const std::vector<uint8_t>& frame, const char* what);
+  // Callers hold mutex_.
+  Reply exchange(const std::vector<uint8_t>& frame, net::Clock::time_point deadline, const char* what);
+  void connect(net::Clock::time_point deadline);
+  void disconnect();
 
   TcpStoreOptions options_;
   uint16_t port_ = 0;

@@ -1,0 +1,32 @@
+// The address the Gloo group advertises, from the inside.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "distributed/process_group.h"
+#include "distributed/store/tcp_store.h"
+
+namespace dparallel::dist {
+namespace {
+
+TEST(GlooHost, IsTheLocalAddressOfTheTcpStoreConnection) {
+  ::unsetenv("DP_SOCKET_IFNAME");
+  TcpStoreOptions store_options;
+  store_options.host = "127.0.0.1";
+  store_options.is_server = true;
+  store_options.timeout = Millis(5000);
+  auto store = std::make_shared<TcpStore>(store_options);
+  ProcessGroupOptions options;
+  options.store = store;
+  // A master address on another host: the host name could resolve to 127.0.1.1.
+  options.master_addr = "192.0.2.1";
+  EXPECT_EQ(gloo_host(options), "127.0.0.1");
+}
+
+TEST(GlooHost, IsLoopbackForAFileStoreOnOneHost) {
+  ProcessGroupOptions options;
+  EXPECT_EQ(gloo_host(options), "127.0.0.1");
+}
+
+}  // namespace
+}  // namespace dparallel::dist
