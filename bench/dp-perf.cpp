@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "dp_perf_dist.h"
+#include "perf_values.h"
 #include "dparallel/dparallel.h"
 
 namespace {
@@ -108,60 +109,6 @@ TypeInfo parse_type(const std::string& name) {
 // Small integers, exact in every dtype, so sums can be checked exactly.
 double pattern(size_t i, size_t device) { return static_cast<double>((i * 7 + device * 3) % 13); }
 
-void store(int32_t dtype, void* base, size_t i, double v) {
-  switch (dtype) {
-    case DP_FLOAT32: static_cast<float*>(base)[i] = static_cast<float>(v); break;
-    case DP_FLOAT64: static_cast<double*>(base)[i] = v; break;
-    case DP_FLOAT16: {
-      // Exact for the small integers used here: 2^(e-15) * (1 + m/1024).
-      uint16_t bits = 0;
-      if (v != 0) {
-        int e = static_cast<int>(std::floor(std::log2(v)));
-        double m = v / std::ldexp(1.0, e) - 1.0;
-        bits = static_cast<uint16_t>(((e + 15) << 10) | static_cast<int>(m * 1024));
-      }
-      static_cast<uint16_t*>(base)[i] = bits;
-      break;
-    }
-    case DP_BFLOAT16: {
-      float f = static_cast<float>(v);
-      uint32_t bits;
-      std::memcpy(&bits, &f, 4);
-      static_cast<uint16_t*>(base)[i] = static_cast<uint16_t>(bits >> 16);
-      break;
-    }
-    case DP_INT8: static_cast<int8_t*>(base)[i] = static_cast<int8_t>(v); break;
-    case DP_UINT8: static_cast<uint8_t*>(base)[i] = static_cast<uint8_t>(v); break;
-    case DP_INT32: static_cast<int32_t*>(base)[i] = static_cast<int32_t>(v); break;
-    case DP_INT64: static_cast<int64_t*>(base)[i] = static_cast<int64_t>(v); break;
-    default: break;
-  }
-}
-
-double load(int32_t dtype, const void* base, size_t i) {
-  switch (dtype) {
-    case DP_FLOAT32: return static_cast<const float*>(base)[i];
-    case DP_FLOAT64: return static_cast<const double*>(base)[i];
-    case DP_FLOAT16: {
-      uint16_t h = static_cast<const uint16_t*>(base)[i];
-      int e = (h >> 10) & 0x1f;
-      int m = h & 0x3ff;
-      return e == 0 ? std::ldexp(m, -24) : std::ldexp(1.0 + m / 1024.0, e - 15);
-    }
-    case DP_BFLOAT16: {
-      uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(base)[i]) << 16;
-      float f;
-      std::memcpy(&f, &bits, 4);
-      return f;
-    }
-    case DP_INT8: return static_cast<const int8_t*>(base)[i];
-    case DP_UINT8: return static_cast<const uint8_t*>(base)[i];
-    case DP_INT32: return static_cast<const int32_t*>(base)[i];
-    case DP_INT64: return static_cast<double>(static_cast<const int64_t*>(base)[i]);
-    default: return 0;
-  }
-}
-
 struct Owned {
   dp_tensor* t = nullptr;
   Owned() = default;
@@ -179,7 +126,7 @@ Owned make_tensor(int32_t dtype, size_t count, dp_device device, size_t pattern_
   dp_tensor* t = nullptr;
   check(dp_tensor_create(&t, dtype, 1, shape, device), "dp_tensor_create");
   std::vector<uint8_t> host(count * dp_dtype_size(dtype));
-  for (size_t i = 0; i < count; ++i) store(dtype, host.data(), i, pattern(i, pattern_device));
+  for (size_t i = 0; i < count; ++i) perf::store(dtype, host.data(), static_cast<int64_t>(i), pattern(i, pattern_device));
   check(dp_tensor_copy_from_host(t, host.data(), host.size()), "dp_tensor_copy_from_host");
   return Owned(t);
 }
@@ -190,7 +137,7 @@ size_t count_wrong(const dp_tensor* t, int32_t dtype, const std::function<double
   std::vector<uint8_t> host(dp_tensor_nbytes(t));
   check(dp_tensor_copy_to_host(t, host.data(), host.size()), "dp_tensor_copy_to_host");
   size_t wrong = 0;
-  for (size_t i = 0; i < count; ++i) wrong += load(dtype, host.data(), i) != expected(i);
+  for (size_t i = 0; i < count; ++i) wrong += perf::load(dtype, host.data(), static_cast<int64_t>(i)) != expected(i);
   return wrong;
 }
 

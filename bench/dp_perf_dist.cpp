@@ -8,6 +8,7 @@
 // median over samples (and the best busbw). #wrong counts elements of the
 // checked first op that differ from the expected result.
 #include "dp_perf_dist.h"
+#include "perf_values.h"
 
 #include <algorithm>
 #include <chrono>
@@ -71,8 +72,6 @@ double now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 // Element i of rank r's buffer; small integers keep every dtype exact.
 double pattern(int r, long long i) { return static_cast<double>((r + 1) + (i % 5)); }
 
-void put(int32_t dtype, void* p, long long i, double v);
-double get(int32_t dtype, const void* p, long long i);
 
 struct Tensor {
   dp_tensor* t = nullptr;
@@ -99,67 +98,6 @@ void fail_on(dp_status s, const char* what) {
 }  // namespace
 
 namespace {
-
-uint16_t to_half(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  // Exact for the small integers used here.
-  uint32_t sign = (x >> 16) & 0x8000u;
-  int32_t exp = static_cast<int32_t>((x >> 23) & 0xff) - 127 + 15;
-  if ((x & 0x7fffffffu) == 0) return static_cast<uint16_t>(sign);
-  return static_cast<uint16_t>(sign | (static_cast<uint32_t>(exp) << 10) | ((x >> 13) & 0x3ffu));
-}
-
-float from_half(uint16_t h) {
-  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-  if (exp == 0 && mant == 0) {
-    float f;
-    std::memcpy(&f, &sign, 4);
-    return f;
-  }
-  uint32_t x = sign | ((exp - 15 + 127) << 23) | (mant << 13);
-  float f;
-  std::memcpy(&f, &x, 4);
-  return f;
-}
-
-void put(int32_t dtype, void* p, long long i, double v) {
-  switch (dtype) {
-    case DP_FLOAT32: static_cast<float*>(p)[i] = static_cast<float>(v); break;
-    case DP_FLOAT64: static_cast<double*>(p)[i] = v; break;
-    case DP_FLOAT16: static_cast<uint16_t*>(p)[i] = to_half(static_cast<float>(v)); break;
-    case DP_BFLOAT16: {
-      float f = static_cast<float>(v);
-      uint32_t x;
-      std::memcpy(&x, &f, 4);
-      static_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(x >> 16);
-      break;
-    }
-    case DP_INT8: static_cast<int8_t*>(p)[i] = static_cast<int8_t>(v); break;
-    case DP_UINT8: static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(v); break;
-    case DP_INT32: static_cast<int32_t*>(p)[i] = static_cast<int32_t>(v); break;
-    case DP_INT64: static_cast<int64_t*>(p)[i] = static_cast<int64_t>(v); break;
-  }
-}
-
-double get(int32_t dtype, const void* p, long long i) {
-  switch (dtype) {
-    case DP_FLOAT32: return static_cast<const float*>(p)[i];
-    case DP_FLOAT64: return static_cast<const double*>(p)[i];
-    case DP_FLOAT16: return from_half(static_cast<const uint16_t*>(p)[i]);
-    case DP_BFLOAT16: {
-      uint32_t x = static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16;
-      float f;
-      std::memcpy(&f, &x, 4);
-      return f;
-    }
-    case DP_INT8: return static_cast<const int8_t*>(p)[i];
-    case DP_UINT8: return static_cast<const uint8_t*>(p)[i];
-    case DP_INT32: return static_cast<const int32_t*>(p)[i];
-    case DP_INT64: return static_cast<double>(static_cast<const int64_t*>(p)[i]);
-  }
-  return NAN;
-}
 
 double reduce_expected(int32_t op, int world, long long i) {
   double acc = pattern(0, i);
@@ -254,22 +192,22 @@ int dp_perf_dist_main(const char* op_name, int argc, char** argv) {
 
     long long wrong = 0;
     if (o.check) {
-      for (long long i = 0; i < count; ++i) put(o.dtype, buf.data(), i, pattern(rank, i));
+      for (long long i = 0; i < count; ++i) perf::store(o.dtype, buf.data(), i, pattern(rank, i));
       for (int r = 0; r < static_cast<int>(many.size()); ++r) {
-        for (long long i = 0; i < count; ++i) put(o.dtype, many[r]->data(), i, pattern(rank, i + r * count));
+        for (long long i = 0; i < count; ++i) perf::store(o.dtype, many[r]->data(), i, pattern(rank, i + r * count));
       }
     }
     fail_on(run(), op.c_str());
     if (o.check) {
       for (long long i = 0; i < count; ++i) {
-        if (op == "all_reduce") wrong += !close_enough(o.dtype, get(o.dtype, buf.data(), i), reduce_expected(o.op, world, i));
-        if (op == "broadcast") wrong += !close_enough(o.dtype, get(o.dtype, buf.data(), i), pattern(o.root, i));
+        if (op == "all_reduce") wrong += !close_enough(o.dtype, perf::load(o.dtype, buf.data(), i), reduce_expected(o.op, world, i));
+        if (op == "broadcast") wrong += !close_enough(o.dtype, perf::load(o.dtype, buf.data(), i), pattern(o.root, i));
         if (op == "reduce_scatter") {
-          wrong += !close_enough(o.dtype, get(o.dtype, buf.data(), i), reduce_expected(o.op, world, i + rank * count));
+          wrong += !close_enough(o.dtype, perf::load(o.dtype, buf.data(), i), reduce_expected(o.op, world, i + rank * count));
         }
       }
       for (int r = 0; op == "all_gather" && r < world; ++r) {
-        for (long long i = 0; i < count; ++i) wrong += !close_enough(o.dtype, get(o.dtype, many[r]->data(), i), pattern(r, i));
+        for (long long i = 0; i < count; ++i) wrong += !close_enough(o.dtype, perf::load(o.dtype, many[r]->data(), i), pattern(r, i));
       }
       std::memset(buf.data(), 0, static_cast<size_t>(count) * esize);
       for (Tensor* t : many) std::memset(t->data(), 0, static_cast<size_t>(count) * esize);
