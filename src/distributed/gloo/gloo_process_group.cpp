@@ -88,6 +88,13 @@ constexpr size_t kSlabBytes = sizeof(Header) + kInlineBytes;
 constexpr size_t kMinBlockBytes = 8192;
 constexpr size_t kMaxBlockBytes = 256 << 10;
 constexpr size_t kBlockBudget = 1 << 20;
+// Gloo's all-reduce cuts each rank's share into segments of at most 1 MiB by
+// default. From 16 MiB per rank on, 8 MiB segments cut the time per op by
+// about a quarter (2 ranks on loopback: 16 MiB 12.1 -> 8.7 ms, 64 MiB 44 ->
+// 34 ms); below that they gained nothing measurable, so smaller payloads
+// keep Gloo's default.
+constexpr size_t kLargeSegmentFrom = 16 << 20;
+constexpr size_t kLargeSegmentBytes = 8 << 20;
 
 // An all-gather of fixed-size blocks over Gloo's ring with registered
 // buffers; two rings alternate (see above). All ranks must create their
@@ -272,6 +279,7 @@ class GlooProcessGroup : public ProcessGroup {
         opts.setReduceFunction(fn);
         opts.setTag(next_tag());
         opts.setTimeout(remaining(o));
+        set_segment_size(opts, nbytes);
         gloo::allreduce(opts);
       });
     }
@@ -352,6 +360,7 @@ class GlooProcessGroup : public ProcessGroup {
         opts.setReduceFunction(fn);
         opts.setTag(next_tag());
         opts.setTimeout(remaining(o));
+        set_segment_size(opts, total);
         gloo::allreduce(opts);
       });
       std::memcpy(output.data(), flat + mine, nbytes);
@@ -496,6 +505,10 @@ class GlooProcessGroup : public ProcessGroup {
   std::chrono::milliseconds remaining(const Op& o) const {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(o.deadline - Clock::now());
     return std::max(left, std::chrono::milliseconds(1));
+  }
+
+  static void set_segment_size(gloo::AllreduceOptions& opts, size_t nbytes) {
+    if (nbytes >= kLargeSegmentFrom) opts.setMaxSegmentSize(kLargeSegmentBytes);
   }
 
   static void set_output(gloo::AllreduceOptions& opts, void* data, size_t nbytes, size_t element_size) {
