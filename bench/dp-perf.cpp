@@ -131,6 +131,19 @@ Owned make_tensor(int32_t dtype, size_t count, dp_device device, size_t pattern_
   return Owned(t);
 }
 
+// One tensor of `count` elements on each device, holding that device's pattern.
+std::vector<Owned> one_per_device(const Options& opts, int32_t dtype, size_t count) {
+  std::vector<Owned> tensors;
+  for (size_t d = 0; d < opts.devices.size(); ++d) tensors.push_back(make_tensor(dtype, count, opts.devices[d], d));
+  return tensors;
+}
+
+std::vector<const dp_tensor*> handles(const std::vector<Owned>& tensors) {
+  std::vector<const dp_tensor*> raw;
+  for (const Owned& t : tensors) raw.push_back(t.t);
+  return raw;
+}
+
 // Wrong elements of `t` against expected(i).
 size_t count_wrong(const dp_tensor* t, int32_t dtype, const std::function<double(size_t)>& expected) {
   size_t count = static_cast<size_t>(dp_tensor_numel(t));
@@ -225,12 +238,8 @@ Row run_size(const Options& opts, const TypeInfo& type, size_t count, const Limi
     // Read once, written to every other device: (n) * bytes moved against memcpy's 2 * bytes.
     row.limit_us = limits.memcpy_us * static_cast<double>(n) / 2.0;
   } else if (opts.op == "reduce_add") {
-    std::vector<Owned> inputs;
-    std::vector<const dp_tensor*> raw;
-    for (size_t d = 0; d < n; ++d) {
-      inputs.push_back(make_tensor(type.dtype, count, opts.devices[d], d));
-      raw.push_back(inputs.back().t);
-    }
+    std::vector<Owned> inputs = one_per_device(opts, type.dtype, count);
+    std::vector<const dp_tensor*> raw = handles(inputs);
     dp_tensor* out = nullptr;
     check(dp_reduce_add(raw.data(), n, opts.devices[0], &out), "dp_reduce_add");
     row.wrong = count_wrong(out, type.dtype, [&](size_t i) {
@@ -268,12 +277,8 @@ Row run_size(const Options& opts, const TypeInfo& type, size_t count, const Limi
     row.limit_us = limits.memcpy_us * row.busbw_factor;
   } else if (opts.op == "gather") {
     size_t per = count / n;
-    std::vector<Owned> inputs;
-    std::vector<const dp_tensor*> raw;
-    for (size_t d = 0; d < n; ++d) {
-      inputs.push_back(make_tensor(type.dtype, per, opts.devices[d], d));
-      raw.push_back(inputs.back().t);
-    }
+    std::vector<Owned> inputs = one_per_device(opts, type.dtype, per);
+    std::vector<const dp_tensor*> raw = handles(inputs);
     dp_tensor* out = nullptr;
     check(dp_gather(raw.data(), n, 0, opts.devices[0], &out), "dp_gather");
     row.wrong = count_wrong(out, type.dtype, [&](size_t i) { return pattern(i % per, i / per); });

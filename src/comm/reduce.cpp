@@ -71,15 +71,8 @@ void check_like(const Tensor& input, const Tensor& expected, const std::string& 
 
 Tensor reduce_add(const std::vector<Tensor>& inputs, const Device& destination) {
   if (inputs.empty()) fail_invalid("argument 'inputs' is empty: reduce_add needs at least one input");
-  for (size_t i = 1; i < inputs.size(); ++i) check_like(inputs[i], inputs[0], str_cat("input ", i));
   Tensor out = Tensor::empty(inputs[0].dtype(), inputs[0].shape(), destination);
-  std::vector<const void*> srcs;
-  std::vector<Device> devices;
-  for (const Tensor& t : inputs) {
-    srcs.push_back(t.data());
-    devices.push_back(t.device());
-  }
-  sum_into(out.data(), destination, srcs, devices, out.dtype(), static_cast<size_t>(out.numel()));
+  reduce_add_into(out, inputs);
   return out;
 }
 

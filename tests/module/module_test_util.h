@@ -1,6 +1,10 @@
 // Owned module handles and small module builders for the module tests.
 #pragma once
 
+#include <unistd.h>
+
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -8,6 +12,16 @@
 #include "test_util.h"
 
 namespace dptest {
+
+// A per-process path under the test temp folder; `prefix` keeps suites apart.
+inline std::string temp_path(const std::string& prefix, const std::string& name) {
+  return ::testing::TempDir() + prefix + std::to_string(::getpid()) + "_" + name;
+}
+
+inline std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
 
 struct ModuleDeleter {
   void operator()(dp_module* m) const { dp_module_destroy(m); }

@@ -16,14 +16,7 @@ using namespace dptest;
 
 namespace {
 
-std::string temp_path(const std::string& name) {
-  return ::testing::TempDir() + "dp_robustness_" + std::to_string(::getpid()) + "_" + name;
-}
-
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
+std::string temp_path(const std::string& name) { return dptest::temp_path("dp_robustness_", name); }
 
 // A "VmHWM:"-style line of /proc/self/status in kB, or -1.
 long status_kb(const char* key) {

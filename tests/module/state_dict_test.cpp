@@ -12,14 +12,7 @@ using namespace dptest;
 
 namespace {
 
-std::string temp_path(const std::string& name) {
-  return ::testing::TempDir() + "dp_state_dict_" + std::to_string(::getpid()) + "_" + name;
-}
-
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
+std::string temp_path(const std::string& name) { return dptest::temp_path("dp_state_dict_", name); }
 
 void write_bytes(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary);
