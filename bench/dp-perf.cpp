@@ -25,8 +25,8 @@
 #include <vector>
 
 #include "dp_perf_dist.h"
-#include "perf_values.h"
 #include "dparallel/dparallel.h"
+#include "perf_values.h"
 
 namespace {
 
@@ -67,10 +67,23 @@ size_t parse_size(const char* text) {
   if (end == text || value < 0) usage("bad size");
   double scale = 1;
   switch (*end) {
-    case 'K': case 'k': scale = 1024.0; ++end; break;
-    case 'M': case 'm': scale = 1024.0 * 1024; ++end; break;
-    case 'G': case 'g': scale = 1024.0 * 1024 * 1024; ++end; break;
-    default: break;
+    case 'K':
+    case 'k':
+      scale = 1024.0;
+      ++end;
+      break;
+    case 'M':
+    case 'm':
+      scale = 1024.0 * 1024;
+      ++end;
+      break;
+    case 'G':
+    case 'g':
+      scale = 1024.0 * 1024 * 1024;
+      ++end;
+      break;
+    default:
+      break;
   }
   if (*end != '\0') usage("bad size suffix");
   return static_cast<size_t>(value * scale);
@@ -97,9 +110,9 @@ struct TypeInfo {
 };
 
 TypeInfo parse_type(const std::string& name) {
-  static const TypeInfo types[] = {{"float", DP_FLOAT32}, {"double", DP_FLOAT64}, {"half", DP_FLOAT16},
-                                   {"bfloat16", DP_BFLOAT16}, {"int8", DP_INT8}, {"uint8", DP_UINT8},
-                                   {"int32", DP_INT32}, {"int64", DP_INT64}};
+  static const TypeInfo types[] = {{"float", DP_FLOAT32},     {"double", DP_FLOAT64}, {"half", DP_FLOAT16},
+                                   {"bfloat16", DP_BFLOAT16}, {"int8", DP_INT8},      {"uint8", DP_UINT8},
+                                   {"int32", DP_INT32},       {"int64", DP_INT64}};
   for (const TypeInfo& t : types) {
     if (name == t.name) return t;
   }
@@ -126,7 +139,8 @@ Owned make_tensor(int32_t dtype, size_t count, dp_device device, size_t pattern_
   dp_tensor* t = nullptr;
   check(dp_tensor_create(&t, dtype, 1, shape, device), "dp_tensor_create");
   std::vector<uint8_t> host(count * dp_dtype_size(dtype));
-  for (size_t i = 0; i < count; ++i) perf::store(dtype, host.data(), static_cast<int64_t>(i), pattern(i, pattern_device));
+  for (size_t i = 0; i < count; ++i)
+    perf::store(dtype, host.data(), static_cast<int64_t>(i), pattern(i, pattern_device));
   check(dp_tensor_copy_from_host(t, host.data(), host.size()), "dp_tensor_copy_from_host");
   return Owned(t);
 }
@@ -182,28 +196,32 @@ struct Reference {
     c.assign(n, 0.0f);
   }
   double memcpy_us(size_t bytes, const Options& opts) {
-    return time_op([&] {
-      char* dst = reinterpret_cast<char*>(c.data());
-      const char* src = reinterpret_cast<const char*>(a.data());
+    return time_op(
+        [&] {
+          char* dst = reinterpret_cast<char*>(c.data());
+          const char* src = reinterpret_cast<const char*>(a.data());
 #pragma omp parallel
-      {
-        size_t threads = static_cast<size_t>(omp_get_num_threads());
-        size_t part = (bytes + threads - 1) / threads;
-        size_t begin = std::min(bytes, part * static_cast<size_t>(omp_get_thread_num()));
-        size_t end = std::min(bytes, begin + part);
-        std::memcpy(dst + begin, src + begin, end - begin);
-      }
-    }, bytes, opts);
+          {
+            size_t threads = static_cast<size_t>(omp_get_num_threads());
+            size_t part = (bytes + threads - 1) / threads;
+            size_t begin = std::min(bytes, part * static_cast<size_t>(omp_get_thread_num()));
+            size_t end = std::min(bytes, begin + part);
+            std::memcpy(dst + begin, src + begin, end - begin);
+          }
+        },
+        bytes, opts);
   }
   double add_us(size_t bytes, const Options& opts) {
     long n = static_cast<long>(bytes / sizeof(float));
     float* x = a.data();
     float* y = b.data();
     float* z = c.data();
-    return time_op([&] {
+    return time_op(
+        [&] {
 #pragma omp parallel for schedule(static)
-      for (long i = 0; i < n; ++i) z[i] = x[i] + y[i];
-    }, bytes, opts);
+          for (long i = 0; i < n; ++i) z[i] = x[i] + y[i];
+        },
+        bytes, opts);
   }
 };
 
@@ -228,13 +246,16 @@ Row run_size(const Options& opts, const TypeInfo& type, size_t count, const Limi
   if (opts.op == "broadcast") {
     Owned input = make_tensor(type.dtype, count, opts.devices[0], 0);
     std::vector<dp_tensor*> out(n);
-    auto op = [&] {
-      check(dp_broadcast(input.t, opts.devices.data(), n, out.data()), "dp_broadcast");
-    };
+    auto op = [&] { check(dp_broadcast(input.t, opts.devices.data(), n, out.data()), "dp_broadcast"); };
     op();
     for (size_t d = 0; d < n; ++d) row.wrong += count_wrong(out[d], type.dtype, [](size_t i) { return pattern(i, 0); });
     for (dp_tensor* t : out) dp_tensor_destroy(t);
-    row.time_us = time_op([&] { op(); for (dp_tensor* t : out) dp_tensor_destroy(t); }, bytes, opts);
+    row.time_us = time_op(
+        [&] {
+          op();
+          for (dp_tensor* t : out) dp_tensor_destroy(t);
+        },
+        bytes, opts);
     // Read once, written to every other device: (n) * bytes moved against memcpy's 2 * bytes.
     row.limit_us = limits.memcpy_us * static_cast<double>(n) / 2.0;
   } else if (opts.op == "reduce_add") {
@@ -248,10 +269,12 @@ Row run_size(const Options& opts, const TypeInfo& type, size_t count, const Limi
       return sum;
     });
     dp_tensor_destroy(out);
-    row.time_us = time_op([&] {
-      check(dp_reduce_add(raw.data(), n, opts.devices[0], &out), "dp_reduce_add");
-      dp_tensor_destroy(out);
-    }, bytes, opts);
+    row.time_us = time_op(
+        [&] {
+          check(dp_reduce_add(raw.data(), n, opts.devices[0], &out), "dp_reduce_add");
+          dp_tensor_destroy(out);
+        },
+        bytes, opts);
     // n inputs read and one output written, against add's 3 * bytes.
     row.limit_us = limits.add_us * static_cast<double>(n + 1) / 3.0;
   } else if (opts.op == "scatter") {
@@ -272,7 +295,12 @@ Row run_size(const Options& opts, const TypeInfo& type, size_t count, const Limi
       for (size_t c = 0; c < chunks; ++c) dp_tensor_destroy(out[c]);
     };
     release();
-    row.time_us = time_op([&] { op(); release(); }, bytes, opts);
+    row.time_us = time_op(
+        [&] {
+          op();
+          release();
+        },
+        bytes, opts);
     row.busbw_factor = static_cast<double>(n - 1) / static_cast<double>(n);
     row.limit_us = limits.memcpy_us * row.busbw_factor;
   } else if (opts.op == "gather") {
@@ -283,10 +311,12 @@ Row run_size(const Options& opts, const TypeInfo& type, size_t count, const Limi
     check(dp_gather(raw.data(), n, 0, opts.devices[0], &out), "dp_gather");
     row.wrong = count_wrong(out, type.dtype, [&](size_t i) { return pattern(i % per, i / per); });
     dp_tensor_destroy(out);
-    row.time_us = time_op([&] {
-      check(dp_gather(raw.data(), n, 0, opts.devices[0], &out), "dp_gather");
-      dp_tensor_destroy(out);
-    }, bytes, opts);
+    row.time_us = time_op(
+        [&] {
+          check(dp_gather(raw.data(), n, 0, opts.devices[0], &out), "dp_gather");
+          dp_tensor_destroy(out);
+        },
+        bytes, opts);
     row.busbw_factor = static_cast<double>(n - 1) / static_cast<double>(n);
     row.limit_us = limits.memcpy_us;
   } else {
@@ -311,14 +341,22 @@ int main(int argc, char** argv) {
     std::string flag = argv[i];
     if (i + 1 >= argc) usage(("missing value after " + flag).c_str());
     const char* value = argv[++i];
-    if (flag == "-b") opts.min_bytes = parse_size(value);
-    else if (flag == "-e") opts.max_bytes = parse_size(value);
-    else if (flag == "-f") opts.factor = std::atof(value);
-    else if (flag == "-d") opts.devices = parse_devices(value);
-    else if (flag == "-t") opts.type = value;
-    else if (flag == "-s") opts.samples = std::max(1, std::atoi(value));
-    else if (flag == "-w") opts.warmup = std::max(0, std::atoi(value));
-    else usage(("unknown option " + flag).c_str());
+    if (flag == "-b")
+      opts.min_bytes = parse_size(value);
+    else if (flag == "-e")
+      opts.max_bytes = parse_size(value);
+    else if (flag == "-f")
+      opts.factor = std::atof(value);
+    else if (flag == "-d")
+      opts.devices = parse_devices(value);
+    else if (flag == "-t")
+      opts.type = value;
+    else if (flag == "-s")
+      opts.samples = std::max(1, std::atoi(value));
+    else if (flag == "-w")
+      opts.warmup = std::max(0, std::atoi(value));
+    else
+      usage(("unknown option " + flag).c_str());
   }
   if (opts.factor <= 1.0) usage("-f must be greater than 1");
   if (opts.min_bytes > opts.max_bytes) usage("-b must not exceed -e");

@@ -104,8 +104,8 @@ std::string random_token() {
 struct Rank {
   int rank = 0;
   pid_t pid = -1;
-  int out_fd = -1;           // the read end of the rank's stdout+stderr pipe
-  std::string pending;       // a partial line
+  int out_fd = -1;      // the read end of the rank's stdout+stderr pipe
+  std::string pending;  // a partial line
   bool running = false;
   int exit_code = 0;
 };
@@ -178,15 +178,25 @@ int main(int argc, char** argv) {
       if (i + 1 >= argc) usage((std::string(flag) + " needs a value").c_str());
       return argv[++i];
     };
-    if (a == "-n" || a == "--nproc-per-node") nproc = parse_int(value("-n"), "-n", 1, 4096);
-    else if (a == "--nnodes") nnodes = parse_int(value("--nnodes"), "--nnodes", 1, 100000);
-    else if (a == "--node-rank") node_rank = parse_int(value("--node-rank"), "--node-rank", 0, 99999);
-    else if (a == "--master-addr") master_addr = value("--master-addr");
-    else if (a == "--master-port") master_port = parse_int(value("--master-port"), "--master-port", 1, 65535);
-    else if (a == "--grace-ms") grace_ms = parse_int(value("--grace-ms"), "--grace-ms", 0, 3600000);
-    else if (a == "--") { ++i; break; }
-    else if (!a.empty() && a[0] == '-') usage(("unknown option " + a).c_str());
-    else break;
+    if (a == "-n" || a == "--nproc-per-node")
+      nproc = parse_int(value("-n"), "-n", 1, 4096);
+    else if (a == "--nnodes")
+      nnodes = parse_int(value("--nnodes"), "--nnodes", 1, 100000);
+    else if (a == "--node-rank")
+      node_rank = parse_int(value("--node-rank"), "--node-rank", 0, 99999);
+    else if (a == "--master-addr")
+      master_addr = value("--master-addr");
+    else if (a == "--master-port")
+      master_port = parse_int(value("--master-port"), "--master-port", 1, 65535);
+    else if (a == "--grace-ms")
+      grace_ms = parse_int(value("--grace-ms"), "--grace-ms", 0, 3600000);
+    else if (a == "--") {
+      ++i;
+      break;
+    } else if (!a.empty() && a[0] == '-')
+      usage(("unknown option " + a).c_str());
+    else
+      break;
   }
   if (nproc < 0) usage("-n is required");
   if (i >= argc) usage("no program given");

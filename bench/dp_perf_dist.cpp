@@ -8,7 +8,6 @@
 // median over samples (and the best busbw). #wrong counts elements of the
 // checked first op that differ from the expected result.
 #include "dp_perf_dist.h"
-#include "perf_values.h"
 
 #include <algorithm>
 #include <chrono>
@@ -20,6 +19,7 @@
 #include <vector>
 
 #include "dparallel/dparallel.h"
+#include "perf_values.h"
 
 namespace {
 
@@ -40,10 +40,20 @@ long long parse_size(const char* text) {
   char* end = nullptr;
   double v = std::strtod(text, &end);
   switch (*end) {
-    case 'K': case 'k': v *= 1024.0; break;
-    case 'M': case 'm': v *= 1024.0 * 1024.0; break;
-    case 'G': case 'g': v *= 1024.0 * 1024.0 * 1024.0; break;
-    default: break;
+    case 'K':
+    case 'k':
+      v *= 1024.0;
+      break;
+    case 'M':
+    case 'm':
+      v *= 1024.0 * 1024.0;
+      break;
+    case 'G':
+    case 'g':
+      v *= 1024.0 * 1024.0 * 1024.0;
+      break;
+    default:
+      break;
   }
   return static_cast<long long>(v);
 }
@@ -71,7 +81,6 @@ double now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 
 // Element i of rank r's buffer; small integers keep every dtype exact.
 double pattern(int r, long long i) { return static_cast<double>((r + 1) + (i % 5)); }
-
 
 struct Tensor {
   dp_tensor* t = nullptr;
@@ -134,18 +143,32 @@ int dp_perf_dist_main(const char* op_name, int argc, char** argv) {
       return 2;
     }
     const char* v = argv[++i];
-    if (a == "-b") o.min_bytes = parse_size(v);
-    else if (a == "-e") o.max_bytes = parse_size(v);
-    else if (a == "-f") o.factor = std::atof(v);
-    else if (a == "-t" || a == "-d") o.dtype = parse_dtype(v);  // -t as in single-process dp-perf
+    if (a == "-b")
+      o.min_bytes = parse_size(v);
+    else if (a == "-e")
+      o.max_bytes = parse_size(v);
+    else if (a == "-f")
+      o.factor = std::atof(v);
+    else if (a == "-t" || a == "-d")
+      o.dtype = parse_dtype(v);  // -t as in single-process dp-perf
     else if (a == "-o") {
       std::string s = v;
-      o.op = s == "sum" ? DP_SUM : s == "avg" ? DP_AVG : s == "min" ? DP_MIN : s == "max" ? DP_MAX : s == "prod" ? DP_PROD : -1;
-    } else if (a == "-r") o.root = std::atoi(v);
-    else if (a == "-n") o.ops = std::atol(v);
-    else if (a == "-s") o.samples = std::atoi(v);
-    else if (a == "-w") o.warmup = std::atol(v);
-    else if (a == "-c") o.check = std::atoi(v) != 0;
+      o.op = s == "sum"    ? DP_SUM
+             : s == "avg"  ? DP_AVG
+             : s == "min"  ? DP_MIN
+             : s == "max"  ? DP_MAX
+             : s == "prod" ? DP_PROD
+                           : -1;
+    } else if (a == "-r")
+      o.root = std::atoi(v);
+    else if (a == "-n")
+      o.ops = std::atol(v);
+    else if (a == "-s")
+      o.samples = std::atoi(v);
+    else if (a == "-w")
+      o.warmup = std::atol(v);
+    else if (a == "-c")
+      o.check = std::atoi(v) != 0;
     else {
       std::fprintf(stderr, "dp-perf: unknown option %s\n", a.c_str());
       return 2;
@@ -171,7 +194,8 @@ int dp_perf_dist_main(const char* op_name, int argc, char** argv) {
                 "time(us)", "algbw(GB/s)", "busbw(GB/s)", "busbw_best", "#wrong");
   }
   long long total_wrong = 0;
-  for (double sz = static_cast<double>(o.min_bytes); sz <= static_cast<double>(o.max_bytes) * 1.0000001; sz *= o.factor) {
+  for (double sz = static_cast<double>(o.min_bytes); sz <= static_cast<double>(o.max_bytes) * 1.0000001;
+       sz *= o.factor) {
     // Per-rank element count; all_gather and reduce_scatter sizes are whole buffers.
     bool whole = op == "all_gather" || op == "reduce_scatter";
     long long bytes = static_cast<long long>(sz);
@@ -200,14 +224,17 @@ int dp_perf_dist_main(const char* op_name, int argc, char** argv) {
     fail_on(run(), op.c_str());
     if (o.check) {
       for (long long i = 0; i < count; ++i) {
-        if (op == "all_reduce") wrong += !close_enough(o.dtype, perf::load(o.dtype, buf.data(), i), reduce_expected(o.op, world, i));
+        if (op == "all_reduce")
+          wrong += !close_enough(o.dtype, perf::load(o.dtype, buf.data(), i), reduce_expected(o.op, world, i));
         if (op == "broadcast") wrong += !close_enough(o.dtype, perf::load(o.dtype, buf.data(), i), pattern(o.root, i));
         if (op == "reduce_scatter") {
-          wrong += !close_enough(o.dtype, perf::load(o.dtype, buf.data(), i), reduce_expected(o.op, world, i + rank * count));
+          wrong += !close_enough(o.dtype, perf::load(o.dtype, buf.data(), i),
+                                 reduce_expected(o.op, world, i + rank * count));
         }
       }
       for (int r = 0; op == "all_gather" && r < world; ++r) {
-        for (long long i = 0; i < count; ++i) wrong += !close_enough(o.dtype, perf::load(o.dtype, many[r]->data(), i), pattern(r, i));
+        for (long long i = 0; i < count; ++i)
+          wrong += !close_enough(o.dtype, perf::load(o.dtype, many[r]->data(), i), pattern(r, i));
       }
       std::memset(buf.data(), 0, static_cast<size_t>(count) * esize);
       for (Tensor* t : many) std::memset(t->data(), 0, static_cast<size_t>(count) * esize);
@@ -237,7 +264,9 @@ int dp_perf_dist_main(const char* op_name, int argc, char** argv) {
 
     std::sort(t.begin(), t.end());
     double med = t[t.size() / 2], best = t[0];
-    double factor = op == "all_reduce" ? 2.0 * (world - 1) / world : op == "broadcast" ? 1.0 : double(world - 1) / world;
+    double factor = op == "all_reduce"  ? 2.0 * (world - 1) / world
+                    : op == "broadcast" ? 1.0
+                                        : double(world - 1) / world;
     double algbw = static_cast<double>(bytes) / med / 1e9;
     if (rank == 0) {
       std::printf("  %10lld %12lld %8s %6s %6d %11.1f %11.3f %11.3f %11.3f %8lld\n", bytes, count * (whole ? world : 1),

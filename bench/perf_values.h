@@ -31,9 +31,15 @@ inline float half_value(uint16_t h) {
 
 inline void store(int32_t dtype, void* base, int64_t i, double v) {
   switch (dtype) {
-    case DP_FLOAT32: static_cast<float*>(base)[i] = static_cast<float>(v); break;
-    case DP_FLOAT64: static_cast<double*>(base)[i] = v; break;
-    case DP_FLOAT16: static_cast<uint16_t*>(base)[i] = half_bits(static_cast<float>(v)); break;
+    case DP_FLOAT32:
+      static_cast<float*>(base)[i] = static_cast<float>(v);
+      break;
+    case DP_FLOAT64:
+      static_cast<double*>(base)[i] = v;
+      break;
+    case DP_FLOAT16:
+      static_cast<uint16_t*>(base)[i] = half_bits(static_cast<float>(v));
+      break;
     case DP_BFLOAT16: {
       float f = static_cast<float>(v);
       uint32_t x;
@@ -41,32 +47,52 @@ inline void store(int32_t dtype, void* base, int64_t i, double v) {
       static_cast<uint16_t*>(base)[i] = static_cast<uint16_t>(x >> 16);
       break;
     }
-    case DP_INT8: static_cast<int8_t*>(base)[i] = static_cast<int8_t>(v); break;
-    case DP_UINT8: static_cast<uint8_t*>(base)[i] = static_cast<uint8_t>(v); break;
-    case DP_INT32: static_cast<int32_t*>(base)[i] = static_cast<int32_t>(v); break;
-    case DP_INT64: static_cast<int64_t*>(base)[i] = static_cast<int64_t>(v); break;
-    case DP_BOOL: static_cast<uint8_t*>(base)[i] = v != 0 ? 1 : 0; break;
-    default: break;
+    case DP_INT8:
+      static_cast<int8_t*>(base)[i] = static_cast<int8_t>(v);
+      break;
+    case DP_UINT8:
+      static_cast<uint8_t*>(base)[i] = static_cast<uint8_t>(v);
+      break;
+    case DP_INT32:
+      static_cast<int32_t*>(base)[i] = static_cast<int32_t>(v);
+      break;
+    case DP_INT64:
+      static_cast<int64_t*>(base)[i] = static_cast<int64_t>(v);
+      break;
+    case DP_BOOL:
+      static_cast<uint8_t*>(base)[i] = v != 0 ? 1 : 0;
+      break;
+    default:
+      break;
   }
 }
 
 inline double load(int32_t dtype, const void* base, int64_t i) {
   switch (dtype) {
-    case DP_FLOAT32: return static_cast<const float*>(base)[i];
-    case DP_FLOAT64: return static_cast<const double*>(base)[i];
-    case DP_FLOAT16: return half_value(static_cast<const uint16_t*>(base)[i]);
+    case DP_FLOAT32:
+      return static_cast<const float*>(base)[i];
+    case DP_FLOAT64:
+      return static_cast<const double*>(base)[i];
+    case DP_FLOAT16:
+      return half_value(static_cast<const uint16_t*>(base)[i]);
     case DP_BFLOAT16: {
       uint32_t x = static_cast<uint32_t>(static_cast<const uint16_t*>(base)[i]) << 16;
       float f;
       std::memcpy(&f, &x, 4);
       return f;
     }
-    case DP_INT8: return static_cast<const int8_t*>(base)[i];
-    case DP_UINT8: return static_cast<const uint8_t*>(base)[i];
-    case DP_INT32: return static_cast<const int32_t*>(base)[i];
-    case DP_INT64: return static_cast<double>(static_cast<const int64_t*>(base)[i]);
-    case DP_BOOL: return static_cast<const uint8_t*>(base)[i];
-    default: return NAN;
+    case DP_INT8:
+      return static_cast<const int8_t*>(base)[i];
+    case DP_UINT8:
+      return static_cast<const uint8_t*>(base)[i];
+    case DP_INT32:
+      return static_cast<const int32_t*>(base)[i];
+    case DP_INT64:
+      return static_cast<double>(static_cast<const int64_t*>(base)[i]);
+    case DP_BOOL:
+      return static_cast<const uint8_t*>(base)[i];
+    default:
+      return NAN;
   }
 }
 

@@ -28,18 +28,30 @@ extern "C" {
 
 const char* dp_status_string(dp_status status) {
   switch (status) {
-    case DP_OK: return "ok";
-    case DP_EINVAL: return "invalid argument";
-    case DP_ENOMEM: return "out of memory";
-    case DP_EDEVICE: return "device unavailable or driver failure";
-    case DP_ETIMEOUT: return "timed out";
-    case DP_EREMOTE: return "a peer failed or disconnected";
-    case DP_EUSER: return "a host callback failed";
-    case DP_EIO: return "I/O error or malformed data";
-    case DP_ESTATE: return "call not valid in the current state";
-    case DP_EUNSUPPORTED: return "not supported";
-    case DP_EINTERNAL: return "internal error";
-    default: return "unknown status";
+    case DP_OK:
+      return "ok";
+    case DP_EINVAL:
+      return "invalid argument";
+    case DP_ENOMEM:
+      return "out of memory";
+    case DP_EDEVICE:
+      return "device unavailable or driver failure";
+    case DP_ETIMEOUT:
+      return "timed out";
+    case DP_EREMOTE:
+      return "a peer failed or disconnected";
+    case DP_EUSER:
+      return "a host callback failed";
+    case DP_EIO:
+      return "I/O error or malformed data";
+    case DP_ESTATE:
+      return "call not valid in the current state";
+    case DP_EUNSUPPORTED:
+      return "not supported";
+    case DP_EINTERNAL:
+      return "internal error";
+    default:
+      return "unknown status";
   }
 }
 
@@ -83,8 +95,6 @@ dp_status dp_device_format(dp_device device, char* buf, size_t cap) {
   DP_API_END
 }
 
-size_t dp_dtype_size(int32_t dtype) {
-  return dtype_is_valid(dtype) ? dtype_size(static_cast<DType>(dtype)) : 0;
-}
+size_t dp_dtype_size(int32_t dtype) { return dtype_is_valid(dtype) ? dtype_size(static_cast<DType>(dtype)) : 0; }
 
 }  // extern "C"

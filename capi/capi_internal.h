@@ -10,10 +10,10 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "core/tensor.h"
-#include "module/module.h"
-#include "module/replicate.h"
 #include "dparallel/dp_base.h"
 #include "dparallel/dp_tensor.h"
+#include "module/module.h"
+#include "module/replicate.h"
 
 // Handles carry a tag so that a destroyed or foreign pointer is reported, not used.
 constexpr uint64_t kTensorTag = 0x6470'7465'6e73'6f72ull;  // "dptensor"
@@ -71,23 +71,21 @@ dp_module* new_module_handle(std::shared_ptr<Module> module);
 void export_modules(const std::vector<std::shared_ptr<Module>>& modules, dp_module** out);
 std::string string_arg(const char* text, const char* name);
 
-inline dp_device to_c(const Device& device) {
-  return dp_device{static_cast<int32_t>(device.type), device.index};
-}
+inline dp_device to_c(const Device& device) { return dp_device{static_cast<int32_t>(device.type), device.index}; }
 
 }  // namespace dparallel::capi
 
 #define DP_API_BEGIN try {
-#define DP_API_END                                          \
-  return DP_OK;                                             \
-  }                                                         \
-  catch (...) {                                             \
-    return ::dparallel::capi::handle_exception(__func__);   \
+#define DP_API_END                                        \
+  return DP_OK;                                           \
+  }                                                       \
+  catch (...) {                                           \
+    return ::dparallel::capi::handle_exception(__func__); \
   }
 // For entry points that return a value rather than a status.
-#define DP_API_END_VALUE(fallback)                          \
-  }                                                         \
-  catch (...) {                                             \
-    ::dparallel::capi::handle_exception(__func__);          \
-    return fallback;                                        \
+#define DP_API_END_VALUE(fallback)                 \
+  }                                                \
+  catch (...) {                                    \
+    ::dparallel::capi::handle_exception(__func__); \
+    return fallback;                               \
   }

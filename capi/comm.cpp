@@ -1,8 +1,9 @@
 // dp_comm.h: in-process collectives.
+#include "comm/comm.h"
+
 #include <cstdint>
 
 #include "capi/capi_internal.h"
-#include "comm/comm.h"
 #include "dparallel/dp_comm.h"
 
 using namespace dparallel;

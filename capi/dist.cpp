@@ -10,13 +10,15 @@
 using namespace dparallel;
 
 static_assert(DP_BACKEND_NCCL == static_cast<int32_t>(dist::Backend::kNccl));
-static_assert(DP_PROD == static_cast<int32_t>(dist::ReduceOp::kProd) && DP_AVG == static_cast<int32_t>(dist::ReduceOp::kAvg));
+static_assert(DP_PROD == static_cast<int32_t>(dist::ReduceOp::kProd) &&
+              DP_AVG == static_cast<int32_t>(dist::ReduceOp::kAvg));
 
 namespace dparallel::capi {
 
 dist::Store& store_arg(const dp_store* handle, const char* name) {
   if (handle == nullptr) null_argument(name);
-  if (handle->tag != kStoreTag) fail_invalid("argument '", name, "' is not a live dp_store handle (destroyed, or another type)");
+  if (handle->tag != kStoreTag)
+    fail_invalid("argument '", name, "' is not a live dp_store handle (destroyed, or another type)");
   return *handle->store;
 }
 
@@ -34,7 +36,8 @@ namespace {
 
 dist::Work& work_arg(const dp_work* handle) {
   if (handle == nullptr) capi::null_argument("work");
-  if (handle->tag != kWorkTag) fail_invalid("argument 'work' is not a live dp_work handle (destroyed, or another type)");
+  if (handle->tag != kWorkTag)
+    fail_invalid("argument 'work' is not a live dp_work handle (destroyed, or another type)");
   return *handle->work;
 }
 
@@ -58,7 +61,8 @@ dp_process_group_options options_arg(const dp_process_group_options* opts) {
   dp_process_group_options o = DP_PROCESS_GROUP_OPTIONS_INIT;
   if (opts == nullptr) return o;
   if (opts->struct_size < sizeof(size_t)) {
-    fail_invalid("argument 'opts' has struct_size ", opts->struct_size, "; initialise it with DP_PROCESS_GROUP_OPTIONS_INIT");
+    fail_invalid("argument 'opts' has struct_size ", opts->struct_size,
+                 "; initialise it with DP_PROCESS_GROUP_OPTIONS_INIT");
   }
   std::memcpy(&o, opts, std::min(opts->struct_size, sizeof(o)));
   o.struct_size = sizeof(o);
@@ -68,7 +72,8 @@ dp_process_group_options options_arg(const dp_process_group_options* opts) {
 dp_process_group* new_group(dp_process_group_options o, const dist::LaunchEnv* env) {
   dist::ProcessGroupOptions options;
   if (o.backend < 0 || o.backend > DP_BACKEND_NCCL) {
-    fail_invalid("argument 'opts->backend' is ", o.backend, "; it must be DP_BACKEND_AUTO, DP_BACKEND_GLOO or DP_BACKEND_NCCL");
+    fail_invalid("argument 'opts->backend' is ", o.backend,
+                 "; it must be DP_BACKEND_AUTO, DP_BACKEND_GLOO or DP_BACKEND_NCCL");
   }
   options.backend = static_cast<dist::Backend>(o.backend);
   options.rank = env != nullptr ? env->rank : o.rank;
@@ -80,10 +85,13 @@ dp_process_group* new_group(dp_process_group_options o, const dist::LaunchEnv* e
   }
   options.timeout = timeout_arg(o.timeout_ms, "opts->timeout_ms");
   if (o.backend == DP_BACKEND_GLOO && o.device.type != DP_DEVICE_CPU) {
-    fail_invalid("argument 'opts->device' is not a cpu device, but the Gloo backend works on cpu tensors; use DP_BACKEND_NCCL");
+    fail_invalid(
+        "argument 'opts->device' is not a cpu device, but the Gloo backend works on cpu tensors; use DP_BACKEND_NCCL");
   }
   if (o.backend == DP_BACKEND_NCCL && o.device.type != DP_DEVICE_CUDA) {
-    fail_invalid("argument 'opts->device' is not a cuda device, but the NCCL backend works on cuda tensors; use DP_BACKEND_GLOO");
+    fail_invalid(
+        "argument 'opts->device' is not a cuda device, but the NCCL backend works on cuda tensors; use "
+        "DP_BACKEND_GLOO");
   }
   options.device = capi::device_arg(o.device, "opts->device");
   if (o.store != nullptr) {
@@ -285,7 +293,8 @@ dp_status dp_pg_all_reduce_async(dp_process_group* pg, dp_tensor* tensor, int32_
   DP_API_BEGIN
   capi::require_arg(out, "out");
   *out = nullptr;
-  auto work = capi::group_arg(pg, "pg").all_reduce(capi::tensor_arg(tensor, "tensor"), dist::reduce_op_arg(op, "op"), true);
+  auto work =
+      capi::group_arg(pg, "pg").all_reduce(capi::tensor_arg(tensor, "tensor"), dist::reduce_op_arg(op, "op"), true);
   return export_work(std::move(work), out);
   DP_API_END
 }
@@ -317,13 +326,13 @@ dp_status dp_pg_all_gather_async(dp_process_group* pg, const dp_tensor* input, d
   capi::require_arg(out, "out");
   *out = nullptr;
   dist::ProcessGroup& group = capi::group_arg(pg, "pg");
-  return export_work(group.all_gather(capi::tensor_arg(input, "input"), capi::tensors_arg(outputs, noutputs, "outputs"), true),
-                     out);
+  return export_work(
+      group.all_gather(capi::tensor_arg(input, "input"), capi::tensors_arg(outputs, noutputs, "outputs"), true), out);
   DP_API_END
 }
 
-dp_status dp_pg_reduce_scatter(dp_process_group* pg, const dp_tensor* const* inputs, size_t ninputs,
-                               dp_tensor* output, int32_t op) {
+dp_status dp_pg_reduce_scatter(dp_process_group* pg, const dp_tensor* const* inputs, size_t ninputs, dp_tensor* output,
+                               int32_t op) {
   DP_API_BEGIN
   dist::ProcessGroup& group = capi::group_arg(pg, "pg");
   group.reduce_scatter(capi::tensors_arg(inputs, ninputs, "inputs"), capi::tensor_arg(output, "output"),

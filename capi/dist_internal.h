@@ -7,9 +7,9 @@
 #include "distributed/process_group.h"
 #include "dparallel/dp_dist.h"
 
-constexpr uint64_t kStoreTag = 0x6470'7374'6f72'6521ull;    // "dpstore!"
-constexpr uint64_t kGroupTag = 0x6470'7072'6f63'6772ull;    // "dpprocgr"
-constexpr uint64_t kWorkTag = 0x6470'776f'726b'2121ull;     // "dpwork!!"
+constexpr uint64_t kStoreTag = 0x6470'7374'6f72'6521ull;  // "dpstore!"
+constexpr uint64_t kGroupTag = 0x6470'7072'6f63'6772ull;  // "dpprocgr"
+constexpr uint64_t kWorkTag = 0x6470'776f'726b'2121ull;   // "dpwork!!"
 
 struct dp_store {
   uint64_t tag = kStoreTag;

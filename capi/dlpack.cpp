@@ -13,15 +13,24 @@ constexpr uint8_t kDLPackBoolCode = 6;
 
 DLDataType to_dl(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return {kDLFloat, 32, 1};
-    case DType::kFloat64: return {kDLFloat, 64, 1};
-    case DType::kFloat16: return {kDLFloat, 16, 1};
-    case DType::kBFloat16: return {kDLBfloat, 16, 1};
-    case DType::kInt8: return {kDLInt, 8, 1};
-    case DType::kUInt8: return {kDLUInt, 8, 1};
-    case DType::kInt32: return {kDLInt, 32, 1};
-    case DType::kInt64: return {kDLInt, 64, 1};
-    case DType::kBool: return {kDLPackBoolCode, 8, 1};
+    case DType::kFloat32:
+      return {kDLFloat, 32, 1};
+    case DType::kFloat64:
+      return {kDLFloat, 64, 1};
+    case DType::kFloat16:
+      return {kDLFloat, 16, 1};
+    case DType::kBFloat16:
+      return {kDLBfloat, 16, 1};
+    case DType::kInt8:
+      return {kDLInt, 8, 1};
+    case DType::kUInt8:
+      return {kDLUInt, 8, 1};
+    case DType::kInt32:
+      return {kDLInt, 32, 1};
+    case DType::kInt64:
+      return {kDLInt, 64, 1};
+    case DType::kBool:
+      return {kDLPackBoolCode, 8, 1};
   }
   return {kDLUInt, 8, 1};
 }

@@ -84,8 +84,8 @@ static void die(const char *what) {
   exit(1);
 }
 
-#define CHECK(call)            \
-  do {                         \
+#define CHECK(call)                  \
+  do {                               \
     if ((call) != DP_OK) die(#call); \
   } while (0)
 
@@ -118,8 +118,7 @@ static float normal(uint64_t *state) {
  * full_batch rows (MSE, mean over rows and outputs) that these rows
  * contribute, and returns their part of the loss. */
 static double forward_backward(const model_math *m, float *const *w, float *const *b, float *const *gw,
-                               float *const *gb, const float *x, const float *y, int64_t ld, int64_t n,
-                               workspace *ws) {
+                               float *const *gb, const float *x, const float *y, int64_t ld, int64_t n, workspace *ws) {
   const int64_t W = m->width;
   const int L = m->layers;
   if (!ensure(&ws->data, &ws->capacity, (size_t)(L + 2) * (size_t)(n * W))) return NAN;
@@ -129,8 +128,8 @@ static double forward_backward(const model_math *m, float *const *w, float *cons
   for (int l = 0; l < L; ++l) {
     const float *in = l == 0 ? x : act + (size_t)(l - 1) * (size_t)(n * W);
     float *out = act + (size_t)l * (size_t)(n * W);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)W, (int)W, 1.0f, in, (int)(l == 0 ? ld : W),
-                w[l], (int)W, 0.0f, out, (int)W);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)W, (int)W, 1.0f, in, (int)(l == 0 ? ld : W), w[l],
+                (int)W, 0.0f, out, (int)W);
     for (int64_t r = 0; r < n; ++r) {
       float *row = out + r * W;
       for (int64_t j = 0; j < W; ++j) {
@@ -158,8 +157,8 @@ static double forward_backward(const model_math *m, float *const *w, float *cons
       for (int64_t j = 0; j < W; ++j) gb[l][j] += dz[r * W + j];
     }
     if (l == 0) break;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)n, (int)W, (int)W, 1.0f, dz, (int)W, w[l], (int)W,
-                0.0f, da, (int)W);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)n, (int)W, (int)W, 1.0f, dz, (int)W, w[l], (int)W, 0.0f,
+                da, (int)W);
     for (int64_t i = 0; i < n * W; ++i) {
       if (in[i] <= 0.0f) da[i] = 0.0f; /* ReLU: `in` is the previous layer's output */
     }
@@ -278,15 +277,24 @@ static options parse_options(int argc, char **argv) {
     }
     if (v == NULL) usage();
     ++i;
-    if (strcmp(a, "--devices") == 0) parse_devices(v, &o);
-    else if (strcmp(a, "--steps") == 0) o.steps = atoi(v);
-    else if (strcmp(a, "--batch") == 0) o.batch = atoll(v);
-    else if (strcmp(a, "--width") == 0) o.width = atoll(v);
-    else if (strcmp(a, "--layers") == 0) o.layers = atoi(v);
-    else if (strcmp(a, "--lr") == 0) o.lr = (float)atof(v);
-    else if (strcmp(a, "--max-rss-growth-kib") == 0) o.max_rss_growth_kib = atol(v);
-    else if (strcmp(a, "--save") == 0) o.save_path = v;
-    else usage();
+    if (strcmp(a, "--devices") == 0)
+      parse_devices(v, &o);
+    else if (strcmp(a, "--steps") == 0)
+      o.steps = atoi(v);
+    else if (strcmp(a, "--batch") == 0)
+      o.batch = atoll(v);
+    else if (strcmp(a, "--width") == 0)
+      o.width = atoll(v);
+    else if (strcmp(a, "--layers") == 0)
+      o.layers = atoi(v);
+    else if (strcmp(a, "--lr") == 0)
+      o.lr = (float)atof(v);
+    else if (strcmp(a, "--max-rss-growth-kib") == 0)
+      o.max_rss_growth_kib = atol(v);
+    else if (strcmp(a, "--save") == 0)
+      o.save_path = v;
+    else
+      usage();
   }
   if (o.steps < 1 || o.batch < 1 || o.width < 1 || o.layers < 1 || o.layers > MAX_LAYERS) usage();
   return o;
@@ -496,8 +504,8 @@ int main(int argc, char **argv) {
       scatter_gather += (t2 - t1) - (last - first);
       reduction += t3 - t2;
     }
-    printf("step %4d/%d  loss %.6f  %9.0f samples/s  %7.2f ms\n", step + 1, o.steps, loss,
-           (double)o.batch / step_time, step_time * 1e3);
+    printf("step %4d/%d  loss %.6f  %9.0f samples/s  %7.2f ms\n", step + 1, o.steps, loss, (double)o.batch / step_time,
+           step_time * 1e3);
     fflush(stdout);
     if (step + 1 == 10) rss_at_10 = rss_kib();
     if (step + 1 == o.steps) rss_at_end = rss_kib();
@@ -570,9 +578,10 @@ int main(int argc, char **argv) {
         dp_tensor_destroy(t);
       }
     }
-    printf("parity with single-device training on the full batch: max |difference| %.3g (%s), %ld values outside "
-           "rtol %.2g atol %.2g: %s\n",
-           worst, worst_name, bad, RTOL, ATOL, bad == 0 ? "OK" : "FAIL");
+    printf(
+        "parity with single-device training on the full batch: max |difference| %.3g (%s), %ld values outside "
+        "rtol %.2g atol %.2g: %s\n",
+        worst, worst_name, bad, RTOL, ATOL, bad == 0 ? "OK" : "FAIL");
     if (bad != 0) status = 1;
     free(reference.data);
   }

@@ -27,12 +27,30 @@ inline int cuda_count() {
 
 template <typename T>
 int32_t dtype_of();
-template <> inline int32_t dtype_of<float>() { return DP_FLOAT32; }
-template <> inline int32_t dtype_of<double>() { return DP_FLOAT64; }
-template <> inline int32_t dtype_of<int8_t>() { return DP_INT8; }
-template <> inline int32_t dtype_of<uint8_t>() { return DP_UINT8; }
-template <> inline int32_t dtype_of<int32_t>() { return DP_INT32; }
-template <> inline int32_t dtype_of<int64_t>() { return DP_INT64; }
+template <>
+inline int32_t dtype_of<float>() {
+  return DP_FLOAT32;
+}
+template <>
+inline int32_t dtype_of<double>() {
+  return DP_FLOAT64;
+}
+template <>
+inline int32_t dtype_of<int8_t>() {
+  return DP_INT8;
+}
+template <>
+inline int32_t dtype_of<uint8_t>() {
+  return DP_UINT8;
+}
+template <>
+inline int32_t dtype_of<int32_t>() {
+  return DP_INT32;
+}
+template <>
+inline int32_t dtype_of<int64_t>() {
+  return DP_INT64;
+}
 
 // A tensor on `device` holding `values` with `shape`.
 template <typename T>

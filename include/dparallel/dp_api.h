@@ -45,7 +45,8 @@ typedef struct dp_api {
   size_t (*dtype_size)(int32_t dtype);
   /* tensor */
   dp_status (*tensor_create)(dp_tensor **out, int32_t dtype, int32_t ndim, const int64_t *shape, dp_device device);
-  dp_status (*tensor_from_blob)(dp_tensor **out, void *data, int32_t dtype, int32_t ndim, const int64_t *shape, dp_device device, void (*deleter)(void *ctx), void *ctx);
+  dp_status (*tensor_from_blob)(dp_tensor **out, void *data, int32_t dtype, int32_t ndim, const int64_t *shape,
+                                dp_device device, void (*deleter)(void *ctx), void *ctx);
   void (*tensor_destroy)(dp_tensor *tensor);
   dp_status (*tensor_copy_from_host)(dp_tensor *tensor, const void *src, size_t nbytes);
   dp_status (*tensor_copy_to_host)(const dp_tensor *tensor, void *dst, size_t nbytes);
@@ -59,21 +60,25 @@ typedef struct dp_api {
   dp_status (*tensor_from_dlpack)(dp_tensor **out, DLManagedTensor *managed);
   dp_status (*tensor_to_dlpack)(const dp_tensor *tensor, DLManagedTensor **out);
   /* in-process collectives */
-  dp_status (*broadcast)(const dp_tensor *tensor, const dp_device *devices, size_t ndevices, dp_tensor **out );
-  dp_status (*broadcast_coalesced)(const dp_tensor *const *tensors, size_t ntensors, const dp_device *devices, size_t ndevices, size_t buffer_size, dp_tensor **out );
+  dp_status (*broadcast)(const dp_tensor *tensor, const dp_device *devices, size_t ndevices, dp_tensor **out);
+  dp_status (*broadcast_coalesced)(const dp_tensor *const *tensors, size_t ntensors, const dp_device *devices,
+                                   size_t ndevices, size_t buffer_size, dp_tensor **out);
   dp_status (*reduce_add)(const dp_tensor *const *inputs, size_t ninputs, dp_device destination, dp_tensor **out);
-  dp_status (*reduce_add_coalesced)(const dp_tensor *const *inputs, size_t ndevices, size_t ntensors, dp_device destination, size_t buffer_size, dp_tensor **out );
-  dp_status (*scatter)(const dp_tensor *tensor, const dp_device *devices, size_t ndevices, const int64_t *chunk_sizes , int32_t dim, dp_tensor **out , size_t *out_count);
-  dp_status (*gather)(const dp_tensor *const *tensors, size_t ntensors, int32_t dim, dp_device destination, dp_tensor **out);
+  dp_status (*reduce_add_coalesced)(const dp_tensor *const *inputs, size_t ndevices, size_t ntensors,
+                                    dp_device destination, size_t buffer_size, dp_tensor **out);
+  dp_status (*scatter)(const dp_tensor *tensor, const dp_device *devices, size_t ndevices, const int64_t *chunk_sizes,
+                       int32_t dim, dp_tensor **out, size_t *out_count);
+  dp_status (*gather)(const dp_tensor *const *tensors, size_t ntensors, int32_t dim, dp_device destination,
+                      dp_tensor **out);
   /* modules */
   dp_status (*module_create)(dp_module **out);
   void (*module_destroy)(dp_module *module);
-  dp_status (*module_register_parameter)(dp_module *module, const char *name, dp_tensor *value , int requires_grad);
-  dp_status (*module_register_buffer)(dp_module *module, const char *name, dp_tensor *value , int persistent);
+  dp_status (*module_register_parameter)(dp_module *module, const char *name, dp_tensor *value, int requires_grad);
+  dp_status (*module_register_buffer)(dp_module *module, const char *name, dp_tensor *value, int persistent);
   dp_status (*module_register_module)(dp_module *module, const char *name, dp_module *child);
   size_t (*module_num_parameters)(const dp_module *module);
   size_t (*module_num_buffers)(const dp_module *module);
-  dp_status (*module_parameter_at)(const dp_module *module, size_t index, const char **name_out , dp_tensor **out);
+  dp_status (*module_parameter_at)(const dp_module *module, size_t index, const char **name_out, dp_tensor **out);
   dp_status (*module_buffer_at)(const dp_module *module, size_t index, const char **name_out, dp_tensor **out);
   dp_status (*module_get_parameter)(const dp_module *module, const char *dotted_name, dp_tensor **out);
   dp_status (*module_get_buffer)(const dp_module *module, const char *dotted_name, dp_tensor **out);
@@ -83,7 +88,8 @@ typedef struct dp_api {
   dp_status (*module_save)(const dp_module *module, const char *path);
   dp_status (*module_load)(dp_module *module, const char *path, int strict);
   /* replication */
-  dp_status (*replicate)(const dp_module *module, const dp_device *devices, size_t ndevices, int detach, dp_module **out );
+  dp_status (*replicate)(const dp_module *module, const dp_device *devices, size_t ndevices, int detach,
+                         dp_module **out);
   dp_status (*reduce_gradients)(dp_module *const *replicas, size_t nreplicas, dp_module *target);
   dp_status (*replica_set_create)(dp_replica_set **out, dp_module *module, const dp_device *devices, size_t ndevices);
   dp_status (*replica_set_sync)(dp_replica_set *set);
@@ -91,12 +97,16 @@ typedef struct dp_api {
   dp_status (*replica_set_reduce_gradients)(dp_replica_set *set);
   void (*replica_set_destroy)(dp_replica_set *set);
   /* parallel */
-  dp_status (*parallel_apply)(dp_module *const *replicas, dp_tensor *const *inputs, const dp_device *devices , size_t n, dp_forward_fn fn, void *user_data, dp_tensor **out );
-  dp_status (*data_parallel)(dp_module *module, dp_tensor *input, const dp_device *devices, size_t ndevices, dp_device output_device, int32_t dim, dp_forward_fn fn, void *user_data, dp_tensor **out);
-  dp_status (*replica_set_apply)(dp_replica_set *set, dp_tensor *input, int32_t dim, dp_device output_device, dp_forward_fn fn, void *user_data, dp_tensor **out);
+  dp_status (*parallel_apply)(dp_module *const *replicas, dp_tensor *const *inputs, const dp_device *devices, size_t n,
+                              dp_forward_fn fn, void *user_data, dp_tensor **out);
+  dp_status (*data_parallel)(dp_module *module, dp_tensor *input, const dp_device *devices, size_t ndevices,
+                             dp_device output_device, int32_t dim, dp_forward_fn fn, void *user_data, dp_tensor **out);
+  dp_status (*replica_set_apply)(dp_replica_set *set, dp_tensor *input, int32_t dim, dp_device output_device,
+                                 dp_forward_fn fn, void *user_data, dp_tensor **out);
   /* distributed */
   dp_status (*store_create_file)(dp_store **out, const char *path, int32_t world_size);
-  dp_status (*store_create_tcp)(dp_store **out, const char *host, uint16_t port, int32_t world_size, int is_server, int32_t timeout_ms);
+  dp_status (*store_create_tcp)(dp_store **out, const char *host, uint16_t port, int32_t world_size, int is_server,
+                                int32_t timeout_ms);
   dp_status (*store_set)(dp_store *store, const char *key, const void *value, size_t len);
   dp_status (*store_get)(dp_store *store, const char *key, void *buf, size_t cap, size_t *len_out);
   dp_status (*store_add)(dp_store *store, const char *key, int64_t delta, int64_t *out);
@@ -104,15 +114,16 @@ typedef struct dp_api {
   void (*store_destroy)(dp_store *store);
   dp_status (*process_group_options_init)(dp_process_group_options *opts);
   dp_status (*process_group_create)(dp_process_group **out, const dp_process_group_options *opts);
-  dp_status (*process_group_create_from_env)(dp_process_group **out, const dp_process_group_options *opts );
+  dp_status (*process_group_create_from_env)(dp_process_group **out, const dp_process_group_options *opts);
   int32_t (*process_group_rank)(const dp_process_group *pg);
   int32_t (*process_group_size)(const dp_process_group *pg);
   void (*process_group_destroy)(dp_process_group *pg);
   dp_status (*pg_all_reduce)(dp_process_group *pg, dp_tensor *tensor, int32_t op);
   dp_status (*pg_all_reduce_async)(dp_process_group *pg, dp_tensor *tensor, int32_t op, dp_work **out);
   dp_status (*pg_broadcast)(dp_process_group *pg, dp_tensor *tensor, int32_t root);
-  dp_status (*pg_all_gather)(dp_process_group *pg, const dp_tensor *input, dp_tensor *const *outputs, size_t noutputs );
-  dp_status (*pg_reduce_scatter)(dp_process_group *pg, const dp_tensor *const *inputs, size_t ninputs , dp_tensor *output, int32_t op);
+  dp_status (*pg_all_gather)(dp_process_group *pg, const dp_tensor *input, dp_tensor *const *outputs, size_t noutputs);
+  dp_status (*pg_reduce_scatter)(dp_process_group *pg, const dp_tensor *const *inputs, size_t ninputs,
+                                 dp_tensor *output, int32_t op);
   dp_status (*pg_barrier)(dp_process_group *pg);
   dp_status (*work_wait)(dp_work *work);
   dp_status (*work_test)(dp_work *work, int *done);
@@ -125,8 +136,10 @@ typedef struct dp_api {
   dp_status (*store_tcp_port)(const dp_store *store, uint16_t *out);
   dp_status (*store_set_timeout)(dp_store *store, int32_t timeout_ms);
   dp_status (*pg_broadcast_async)(dp_process_group *pg, dp_tensor *tensor, int32_t root, dp_work **out);
-  dp_status (*pg_all_gather_async)(dp_process_group *pg, const dp_tensor *input, dp_tensor *const *outputs, size_t noutputs, dp_work **out);
-  dp_status (*pg_reduce_scatter_async)(dp_process_group *pg, const dp_tensor *const *inputs, size_t ninputs, dp_tensor *output, int32_t op, dp_work **out);
+  dp_status (*pg_all_gather_async)(dp_process_group *pg, const dp_tensor *input, dp_tensor *const *outputs,
+                                   size_t noutputs, dp_work **out);
+  dp_status (*pg_reduce_scatter_async)(dp_process_group *pg, const dp_tensor *const *inputs, size_t ninputs,
+                                       dp_tensor *output, int32_t op, dp_work **out);
   dp_status (*pg_barrier_async)(dp_process_group *pg, dp_work **out);
   const char *(*process_group_backend)(const dp_process_group *pg);
 } dp_api;

@@ -56,8 +56,8 @@ DP_API dp_status dp_store_create_file(dp_store **out, const char *path, int32_t 
  * Malformed or oversized messages close that client's connection only; so
  * do a greeting not done within 10 s and replies left unread for 5 s. A get
  * or wait never waits past its own timeout, whatever the store's. */
-DP_API dp_status dp_store_create_tcp(dp_store **out, const char *host, uint16_t port,
-                                     int32_t world_size, int is_server, int32_t timeout_ms);
+DP_API dp_status dp_store_create_tcp(dp_store **out, const char *host, uint16_t port, int32_t world_size, int is_server,
+                                     int32_t timeout_ms);
 DP_API dp_status dp_store_set(dp_store *store, const char *key, const void *value, size_t len);
 /* Waits up to the store's timeout for `key`, then copies its value into
  * `buf` and its length into `*len_out`. With buf NULL and cap 0 it only
@@ -77,15 +77,17 @@ typedef enum dp_backend { DP_BACKEND_AUTO = 0, DP_BACKEND_GLOO = 1, DP_BACKEND_N
 typedef enum dp_reduce_op { DP_SUM = 0, DP_AVG = 1, DP_MIN = 2, DP_MAX = 3, DP_PROD = 4 } dp_reduce_op;
 typedef struct dp_process_group_options {
   size_t struct_size;
-  int32_t backend;    /* dp_backend; AUTO: NCCL for a cuda device, Gloo for cpu */
+  int32_t backend; /* dp_backend; AUTO: NCCL for a cuda device, Gloo for cpu */
   int32_t rank;
   int32_t world_size;
   dp_store *store;    /* NULL: a TCP store at MASTER_ADDR:MASTER_PORT, served by rank 0 */
   int32_t timeout_ms; /* default 300000 */
   dp_device device;   /* the device this rank's tensors live on */
 } dp_process_group_options;
-#define DP_PROCESS_GROUP_OPTIONS_INIT \
-  { sizeof(dp_process_group_options), DP_BACKEND_AUTO, -1, -1, NULL, 300000, { DP_DEVICE_CPU, 0 } }
+#define DP_PROCESS_GROUP_OPTIONS_INIT                                                             \
+  {                                                                                               \
+    sizeof(dp_process_group_options), DP_BACKEND_AUTO, -1, -1, NULL, 300000, { DP_DEVICE_CPU, 0 } \
+  }
 DP_API dp_status dp_process_group_options_init(dp_process_group_options *opts);
 typedef struct dp_process_group dp_process_group;
 /* Joins the group: every rank calls it with the same world size and store.
@@ -112,8 +114,8 @@ DP_API dp_status dp_pg_all_reduce(dp_process_group *pg, dp_tensor *tensor, int32
 DP_API dp_status dp_pg_all_reduce_async(dp_process_group *pg, dp_tensor *tensor, int32_t op, dp_work **out);
 DP_API dp_status dp_pg_broadcast(dp_process_group *pg, dp_tensor *tensor, int32_t root);
 /* outputs[r] receives rank r's input; each has the input's dtype and numel. */
-DP_API dp_status dp_pg_all_gather(dp_process_group *pg, const dp_tensor *input,
-                                  dp_tensor *const *outputs, size_t noutputs /* = world size */);
+DP_API dp_status dp_pg_all_gather(dp_process_group *pg, const dp_tensor *input, dp_tensor *const *outputs,
+                                  size_t noutputs /* = world size */);
 /* output = reduction over ranks of their inputs[this rank]. */
 DP_API dp_status dp_pg_reduce_scatter(dp_process_group *pg, const dp_tensor *const *inputs,
                                       size_t ninputs /* = world size */, dp_tensor *output, int32_t op);

@@ -37,11 +37,11 @@ DP_API void dp_module_destroy(dp_module *module);
  * '.', and is not yet used in this module by a parameter, buffer or child;
  * else DP_EINVAL naming 'name'. The same rules hold for the next two.
  * `value` may be NULL (the slot stays NULL). */
-DP_API dp_status dp_module_register_parameter(dp_module *module, const char *name,
-                                              dp_tensor *value /* may be NULL */, int requires_grad);
+DP_API dp_status dp_module_register_parameter(dp_module *module, const char *name, dp_tensor *value /* may be NULL */,
+                                              int requires_grad);
 /* A non-persistent buffer is replicated but not part of the state dict. */
-DP_API dp_status dp_module_register_buffer(dp_module *module, const char *name,
-                                           dp_tensor *value /* may be NULL */, int persistent);
+DP_API dp_status dp_module_register_buffer(dp_module *module, const char *name, dp_tensor *value /* may be NULL */,
+                                           int persistent);
 /* `child` may be NULL; a child that contains `module` (a cycle) is DP_EINVAL. */
 DP_API dp_status dp_module_register_module(dp_module *module, const char *name, dp_module *child);
 /* Recursive counts, each shared tensor once; 0 for a NULL or invalid handle. */
@@ -50,10 +50,8 @@ DP_API size_t dp_module_num_buffers(const dp_module *module);
 /* The index-th parameter (buffer) in listing order. `name_out` (may be NULL)
  * receives its dotted name, valid while `module` lives. */
 DP_API dp_status dp_module_parameter_at(const dp_module *module, size_t index,
-                                        const char **name_out /* valid while module lives */,
-                                        dp_tensor **out);
-DP_API dp_status dp_module_buffer_at(const dp_module *module, size_t index,
-                                     const char **name_out, dp_tensor **out);
+                                        const char **name_out /* valid while module lives */, dp_tensor **out);
+DP_API dp_status dp_module_buffer_at(const dp_module *module, size_t index, const char **name_out, dp_tensor **out);
 /* Lookups by dotted name, any path to a shared child included. An unknown name
  * is DP_EINVAL with the name in the message; a NULL slot gives DP_OK and *out
  * NULL. dp_module_get_module("") is the module itself. */

@@ -30,8 +30,8 @@
 extern "C" {
 #endif
 
-typedef int (*dp_forward_fn)(void *user_data, size_t replica_index, dp_module *replica,
-                             dp_tensor *input, dp_device device, dp_tensor **output);
+typedef int (*dp_forward_fn)(void *user_data, size_t replica_index, dp_module *replica, dp_tensor *input,
+                             dp_device device, dp_tensor **output);
 
 /* out[i] = fn(user_data, i, replicas[i], inputs[i], devices[i]) for every i, in
  * parallel. All run to completion; then the first failure in replica order is
@@ -40,9 +40,8 @@ typedef int (*dp_forward_fn)(void *user_data, size_t replica_index, dp_module *r
  * released, leaving out[] NULL. Two replicas on one device (devices[i], or
  * with devices NULL each input's device) are DP_EINVAL. */
 DP_API dp_status dp_parallel_apply(dp_module *const *replicas, dp_tensor *const *inputs,
-                                   const dp_device *devices /* NULL: each input's device */,
-                                   size_t n, dp_forward_fn fn, void *user_data,
-                                   dp_tensor **out /* [n] */);
+                                   const dp_device *devices /* NULL: each input's device */, size_t n, dp_forward_fn fn,
+                                   void *user_data, dp_tensor **out /* [n] */);
 /* One device: fn is called directly, on the calling thread, with the module
  * itself (which must be on that device) and the input moved there. Several:
  * the input is scattered along `dim` (an input with fewer chunks than devices
@@ -50,15 +49,14 @@ DP_API dp_status dp_parallel_apply(dp_module *const *replicas, dp_tensor *const 
  * replicated, fn applied in parallel, the replicas' gradients reduced into the
  * module's (dp_reduce_gradients: zero them before a step), and the outputs
  * gathered along `dim` on `output_device`. No devices is DP_EINVAL. */
-DP_API dp_status dp_data_parallel(dp_module *module, dp_tensor *input, const dp_device *devices,
-                                  size_t ndevices, dp_device output_device, int32_t dim,
-                                  dp_forward_fn fn, void *user_data, dp_tensor **out);
+DP_API dp_status dp_data_parallel(dp_module *module, dp_tensor *input, const dp_device *devices, size_t ndevices,
+                                  dp_device output_device, int32_t dim, dp_forward_fn fn, void *user_data,
+                                  dp_tensor **out);
 /* Scatter along `dim`, apply over the set's kept replicas, gather on
  * `output_device` (0-d outputs as in dp_data_parallel). Gradients stay in the
  * replicas until dp_replica_set_reduce_gradients. */
-DP_API dp_status dp_replica_set_apply(dp_replica_set *set, dp_tensor *input, int32_t dim,
-                                      dp_device output_device, dp_forward_fn fn, void *user_data,
-                                      dp_tensor **out);
+DP_API dp_status dp_replica_set_apply(dp_replica_set *set, dp_tensor *input, int32_t dim, dp_device output_device,
+                                      dp_forward_fn fn, void *user_data, dp_tensor **out);
 
 #ifdef __cplusplus
 }

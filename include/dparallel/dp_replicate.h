@@ -25,8 +25,8 @@ extern "C" {
 /* out[i] is a new replica on devices[i]. With `detach`, no parameter or buffer
  * of a replica requires grad; otherwise each keeps the module's flag. An empty
  * device list yields no replicas. */
-DP_API dp_status dp_replicate(const dp_module *module, const dp_device *devices, size_t ndevices,
-                              int detach, dp_module **out /* [ndevices] */);
+DP_API dp_status dp_replicate(const dp_module *module, const dp_device *devices, size_t ndevices, int detach,
+                              dp_module **out /* [ndevices] */);
 /* For every parameter of `target` that requires grad: its gradient becomes its
  * old value plus the sum of the replicas' allocated gradients (of replica
  * parameters that require grad), on the target's device. Every replica must
@@ -37,8 +37,8 @@ DP_API dp_status dp_reduce_gradients(dp_module *const *replicas, size_t nreplica
 /* Replicas kept across steps: made once, refreshed in place by _sync. */
 typedef struct dp_replica_set dp_replica_set;
 /* A device listed twice is DP_EINVAL naming both indices. */
-DP_API dp_status dp_replica_set_create(dp_replica_set **out, dp_module *module,
-                                       const dp_device *devices, size_t ndevices);
+DP_API dp_status dp_replica_set_create(dp_replica_set **out, dp_module *module, const dp_device *devices,
+                                       size_t ndevices);
 /* Copies the module's current parameters and buffers, and their
  * requires_grad flags, into the replicas' existing storage (call it after
  * updating or freezing/unfreezing the module). DP_ESTATE if the module, or a

@@ -27,16 +27,14 @@ typedef struct dp_tensor dp_tensor;
 /* A new zero-filled tensor. ndim may be 0 (a scalar, numel 1); shape may be
  * NULL only when ndim is 0; every extent must be >= 0 and the byte size must
  * fit in size_t. */
-DP_API dp_status dp_tensor_create(dp_tensor **out, int32_t dtype, int32_t ndim,
-                                  const int64_t *shape, dp_device device);
+DP_API dp_status dp_tensor_create(dp_tensor **out, int32_t dtype, int32_t ndim, const int64_t *shape, dp_device device);
 /* A tensor over memory the caller owns (host memory for CPU devices, device
  * memory for CUDA ones), without copying. `deleter(ctx)` runs once when the
  * last tensor over this memory is destroyed; it may be NULL, and then the
  * caller keeps ownership and must keep the memory alive that long. On failure
  * the deleter is not called. `data` may be NULL only for an empty tensor. */
-DP_API dp_status dp_tensor_from_blob(dp_tensor **out, void *data, int32_t dtype,
-                                     int32_t ndim, const int64_t *shape, dp_device device,
-                                     void (*deleter)(void *ctx), void *ctx);
+DP_API dp_status dp_tensor_from_blob(dp_tensor **out, void *data, int32_t dtype, int32_t ndim, const int64_t *shape,
+                                     dp_device device, void (*deleter)(void *ctx), void *ctx);
 /* Drops this reference; NULL is accepted. */
 DP_API void dp_tensor_destroy(dp_tensor *tensor);
 /* Copies exactly dp_tensor_nbytes(tensor) bytes; `nbytes` must equal it. */

@@ -23,8 +23,8 @@ bool nccl_applies(const std::vector<Device>& inputs, const Device& destination) 
 void sum_into(void* out, const Device& destination, const std::vector<const void*>& srcs,
               const std::vector<Device>& devices, DType dtype, size_t numel) {
   if (numel == 0) return;
-  bool host = destination.is_cpu() &&
-              std::all_of(devices.begin(), devices.end(), [](const Device& d) { return d.is_cpu(); });
+  bool host =
+      destination.is_cpu() && std::all_of(devices.begin(), devices.end(), [](const Device& d) { return d.is_cpu(); });
   if (host) {
     cpu::add_n(dtype, out, srcs.data(), srcs.size(), numel);
     return;
@@ -116,9 +116,11 @@ std::vector<Tensor> reduce_add_coalesced(const std::vector<std::vector<Tensor>>&
     std::vector<Device> devices;
     for (const auto& list : inputs) devices.push_back(list[chunk.front()].device());
     bool per_device_flat = std::all_of(inputs.begin(), inputs.end(), [&](const std::vector<Tensor>& list) {
-      return std::all_of(chunk.begin(), chunk.end(), [&](size_t t) { return list[t].device() == list[chunk.front()].device(); });
+      return std::all_of(chunk.begin(), chunk.end(),
+                         [&](size_t t) { return list[t].device() == list[chunk.front()].device(); });
     });
-    bool gpu_lists = per_device_flat && std::any_of(devices.begin(), devices.end(), [](const Device& d) { return d.is_cuda(); });
+    bool gpu_lists =
+        per_device_flat && std::any_of(devices.begin(), devices.end(), [](const Device& d) { return d.is_cuda(); });
     if (gpu_lists && chunk.size() > 1) {
       // Flatten each list on its own device so the chunk is one reduction.
       std::vector<Tensor> flats;
@@ -132,7 +134,8 @@ std::vector<Tensor> reduce_add_coalesced(const std::vector<std::vector<Tensor>>&
           if (devices[d].is_cuda()) {
             segments.push_back({static_cast<char*>(flats.back().data()) + pos, src.data(), src.nbytes()});
           } else {
-            copy_bytes(static_cast<char*>(flats.back().data()) + pos, devices[d], src.data(), src.device(), src.nbytes());
+            copy_bytes(static_cast<char*>(flats.back().data()) + pos, devices[d], src.data(), src.device(),
+                       src.nbytes());
           }
           pos += src.nbytes();
         }

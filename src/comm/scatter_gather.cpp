@@ -36,7 +36,8 @@ std::vector<Tensor> scatter(const Tensor& tensor, const std::vector<Device>& dev
     }
     int64_t total = 0;
     for (size_t i = 0; i < chunk_sizes.size(); ++i) {
-      if (chunk_sizes[i] <= 0) fail_invalid("argument 'chunk_sizes[", i, "]' is ", chunk_sizes[i], "; chunk sizes must be positive");
+      if (chunk_sizes[i] <= 0)
+        fail_invalid("argument 'chunk_sizes[", i, "]' is ", chunk_sizes[i], "; chunk sizes must be positive");
       if (chunk_sizes[i] > extent) {
         fail_invalid("argument 'chunk_sizes[", i, "]' is ", chunk_sizes[i], ", larger than dimension ", dim, " (",
                      extent, ")");

@@ -41,8 +41,7 @@ Device parse_device(const std::string& text, const char* argument) {
   } else if (kind == "cuda") {
     device.type = DeviceType::kCuda;
   } else {
-    fail_invalid("argument '", argument, "' is \"", text,
-                 "\": expected \"cpu\", \"cpu:N\", \"cuda\" or \"cuda:N\"");
+    fail_invalid("argument '", argument, "' is \"", text, "\": expected \"cpu\", \"cpu:N\", \"cuda\" or \"cuda:N\"");
   }
   if (colon == std::string::npos) return device;
   bool digits = !index_text.empty() && index_text.size() <= 9;

@@ -20,9 +20,7 @@ struct Device {
   bool is_cuda() const { return type == DeviceType::kCuda; }
   bool operator==(const Device& other) const { return type == other.type && index == other.index; }
   bool operator!=(const Device& other) const { return !(*this == other); }
-  bool operator<(const Device& other) const {
-    return type != other.type ? type < other.type : index < other.index;
-  }
+  bool operator<(const Device& other) const { return type != other.type ? type < other.type : index < other.index; }
 };
 
 std::string to_string(const Device& device);

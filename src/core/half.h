@@ -40,7 +40,7 @@ inline uint16_t float_to_half(float value) {
     return static_cast<uint16_t>(sign | 0x7c00u | (abs_bits > 0x7f800000u ? 0x200u : 0u));
   }
   if (abs_bits >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to inf
-  if (abs_bits < 0x38800000u) {  // subnormal or zero in half
+  if (abs_bits < 0x38800000u) {                                               // subnormal or zero in half
     // Adding 0.5 shifts the mantissa so that float rounding does the half rounding.
     float magnitude = bits_to_float(abs_bits) + 0.5f;
     return static_cast<uint16_t>(sign | (float_to_bits(magnitude) - 0x3f000000u));

@@ -86,8 +86,8 @@ Tensor Tensor::wrap(std::shared_ptr<Storage> storage, size_t offset, DType dtype
   t.shape_ = shape;
   t.numel_ = checked_numel(shape, "shape");
   if (t.offset_ + t.nbytes() > t.storage_->nbytes()) {
-    fail(StatusCode::kInternal, "tensor view of ", t.nbytes(), " bytes at offset ", offset,
-         " exceeds its storage of ", t.storage_->nbytes(), " bytes");
+    fail(StatusCode::kInternal, "tensor view of ", t.nbytes(), " bytes at offset ", offset, " exceeds its storage of ",
+         t.storage_->nbytes(), " bytes");
   }
   return t;
 }

@@ -11,18 +11,24 @@ namespace dparallel::dist {
 
 const char* reduce_op_name(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kSum: return "sum";
-    case ReduceOp::kAvg: return "avg";
-    case ReduceOp::kMin: return "min";
-    case ReduceOp::kMax: return "max";
-    case ReduceOp::kProd: return "prod";
+    case ReduceOp::kSum:
+      return "sum";
+    case ReduceOp::kAvg:
+      return "avg";
+    case ReduceOp::kMin:
+      return "min";
+    case ReduceOp::kMax:
+      return "max";
+    case ReduceOp::kProd:
+      return "prod";
   }
   return "unknown";
 }
 
 ReduceOp reduce_op_arg(int32_t code, const char* argument) {
   if (code < 0 || code > static_cast<int32_t>(ReduceOp::kProd)) {
-    fail_invalid("argument '", argument, "' is ", code, "; it must be DP_SUM, DP_AVG, DP_MIN, DP_MAX or DP_PROD (0..4)");
+    fail_invalid("argument '", argument, "' is ", code,
+                 "; it must be DP_SUM, DP_AVG, DP_MIN, DP_MAX or DP_PROD (0..4)");
   }
   return static_cast<ReduceOp>(code);
 }
@@ -50,9 +56,10 @@ std::string find_missing_ranks(Store& store, const std::string& prefix, int32_t 
     ReplyDeadlineCap cap(left());
     store.set(base + std::to_string(rank), Bytes{1});
   } catch (const std::exception& e) {
-    return str_cat("the store is unreachable too, so the missing ranks are unknown (rank 0 serves it: it may have "
-                   "exited): ",
-                   e.what());
+    return str_cat(
+        "the store is unreachable too, so the missing ranks are unknown (rank 0 serves it: it may have "
+        "exited): ",
+        e.what());
   }
   auto pause = std::chrono::milliseconds(1);
   bool store_gone = false;
@@ -185,8 +192,10 @@ void ProcessGroup::check_tensor(const Tensor& t, const std::string& argument, co
 
 std::shared_ptr<Work> ProcessGroup::all_reduce(const Tensor& tensor, ReduceOp op, bool async) {
   check_tensor(tensor, "tensor", "all_reduce");
-  if (tensor.dtype() == DType::kBool && op == ReduceOp::kAvg) fail_invalid("all_reduce: DP_AVG is not defined for bool tensors");
-  return submit("all_reduce", [this, tensor, op] { run_all_reduce(tensor, op); }, async);
+  if (tensor.dtype() == DType::kBool && op == ReduceOp::kAvg)
+    fail_invalid("all_reduce: DP_AVG is not defined for bool tensors");
+  return submit(
+      "all_reduce", [this, tensor, op] { run_all_reduce(tensor, op); }, async);
 }
 
 std::shared_ptr<Work> ProcessGroup::broadcast(const Tensor& tensor, int32_t root, bool async) {
@@ -195,7 +204,8 @@ std::shared_ptr<Work> ProcessGroup::broadcast(const Tensor& tensor, int32_t root
     fail_invalid("broadcast: argument 'root' is ", root, "; it must be in 0..", world_size_ - 1, " (world size ",
                  world_size_, ")");
   }
-  return submit("broadcast", [this, tensor, root] { run_broadcast(tensor, root); }, async);
+  return submit(
+      "broadcast", [this, tensor, root] { run_broadcast(tensor, root); }, async);
 }
 
 std::shared_ptr<Work> ProcessGroup::all_gather(const Tensor& input, const std::vector<Tensor>& outputs, bool async) {
@@ -211,17 +221,19 @@ std::shared_ptr<Work> ProcessGroup::all_gather(const Tensor& input, const std::v
                    "; each output must have the input's dtype and element count");
     }
   }
-  return submit("all_gather", [this, input, outputs] { run_all_gather(input, outputs); }, async);
+  return submit(
+      "all_gather", [this, input, outputs] { run_all_gather(input, outputs); }, async);
 }
 
-std::shared_ptr<Work> ProcessGroup::reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output,
-                                                   ReduceOp op, bool async) {
+std::shared_ptr<Work> ProcessGroup::reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op,
+                                                   bool async) {
   check_tensor(output, "output", "reduce_scatter");
   if (output.dtype() == DType::kBool && op == ReduceOp::kAvg) {
     fail_invalid("reduce_scatter: DP_AVG is not defined for bool tensors");
   }
   if (inputs.size() != static_cast<size_t>(world_size_)) {
-    fail_invalid("reduce_scatter: argument 'ninputs' is ", inputs.size(), "; it must equal the world size ", world_size_);
+    fail_invalid("reduce_scatter: argument 'ninputs' is ", inputs.size(), "; it must equal the world size ",
+                 world_size_);
   }
   for (size_t i = 0; i < inputs.size(); ++i) {
     std::string name = str_cat("inputs[", i, "]");
@@ -231,11 +243,13 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter(const std::vector<Tensor>& in
                    "; each input must have the output's dtype and element count");
     }
   }
-  return submit("reduce_scatter", [this, inputs, output, op] { run_reduce_scatter(inputs, output, op); }, async);
+  return submit(
+      "reduce_scatter", [this, inputs, output, op] { run_reduce_scatter(inputs, output, op); }, async);
 }
 
 std::shared_ptr<Work> ProcessGroup::barrier(bool async) {
-  return submit("barrier", [this] { run_barrier(); }, async);
+  return submit(
+      "barrier", [this] { run_barrier(); }, async);
 }
 
 std::unique_ptr<ProcessGroup> create_process_group(ProcessGroupOptions options) {
@@ -244,7 +258,8 @@ std::unique_ptr<ProcessGroup> create_process_group(ProcessGroupOptions options) 
     fail_invalid("argument 'rank' is ", options.rank, "; it must be in 0..", options.world_size - 1, " (world size ",
                  options.world_size, ")");
   }
-  if (options.timeout.count() <= 0) fail_invalid("argument 'timeout_ms' is ", options.timeout.count(), "; it must be > 0");
+  if (options.timeout.count() <= 0)
+    fail_invalid("argument 'timeout_ms' is ", options.timeout.count(), "; it must be > 0");
   if (!options.store) fail_invalid("no store: pass one in the options");
   Backend backend = options.backend;
   if (backend == Backend::kAuto) backend = options.device.type == DeviceType::kCuda ? Backend::kNccl : Backend::kGloo;

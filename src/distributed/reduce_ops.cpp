@@ -13,19 +13,27 @@ namespace {
 
 struct Sum {
   template <typename T>
-  static T apply(T a, T b) { return static_cast<T>(a + b); }
+  static T apply(T a, T b) {
+    return static_cast<T>(a + b);
+  }
 };
 struct Prod {
   template <typename T>
-  static T apply(T a, T b) { return static_cast<T>(a * b); }
+  static T apply(T a, T b) {
+    return static_cast<T>(a * b);
+  }
 };
 struct Min {
   template <typename T>
-  static T apply(T a, T b) { return std::min(a, b); }
+  static T apply(T a, T b) {
+    return std::min(a, b);
+  }
 };
 struct Max {
   template <typename T>
-  static T apply(T a, T b) { return std::max(a, b); }
+  static T apply(T a, T b) {
+    return std::max(a, b);
+  }
 };
 
 template <typename T, typename Op>
@@ -66,15 +74,24 @@ template <typename Op>
 ReduceFn for_dtype(DType dtype) {
   constexpr bool kArith = std::is_same_v<Op, Sum> || std::is_same_v<Op, Prod>;
   switch (dtype) {
-    case DType::kFloat32: return &native<float, Op>;
-    case DType::kFloat64: return &native<double, Op>;
-    case DType::kFloat16: return &half_like<half_to_float, float_to_half, Op>;
-    case DType::kBFloat16: return &half_like<bfloat16_to_float, float_to_bfloat16, Op>;
-    case DType::kInt8: return kArith ? &wrapping<int8_t, Op> : &native<int8_t, Op>;
-    case DType::kUInt8: return &native<uint8_t, Op>;
-    case DType::kInt32: return kArith ? &wrapping<int32_t, Op> : &native<int32_t, Op>;
-    case DType::kInt64: return kArith ? &wrapping<int64_t, Op> : &native<int64_t, Op>;
-    case DType::kBool: return std::is_same_v<Op, Sum> || std::is_same_v<Op, Max> ? &logical<true> : &logical<false>;
+    case DType::kFloat32:
+      return &native<float, Op>;
+    case DType::kFloat64:
+      return &native<double, Op>;
+    case DType::kFloat16:
+      return &half_like<half_to_float, float_to_half, Op>;
+    case DType::kBFloat16:
+      return &half_like<bfloat16_to_float, float_to_bfloat16, Op>;
+    case DType::kInt8:
+      return kArith ? &wrapping<int8_t, Op> : &native<int8_t, Op>;
+    case DType::kUInt8:
+      return &native<uint8_t, Op>;
+    case DType::kInt32:
+      return kArith ? &wrapping<int32_t, Op> : &native<int32_t, Op>;
+    case DType::kInt64:
+      return kArith ? &wrapping<int64_t, Op> : &native<int64_t, Op>;
+    case DType::kBool:
+      return std::is_same_v<Op, Sum> || std::is_same_v<Op, Max> ? &logical<true> : &logical<false>;
   }
   fail_invalid("unknown dtype ", static_cast<int32_t>(dtype));
 }
@@ -96,25 +113,38 @@ void divide_half(void* data, size_t n, int64_t divisor) {
 ReduceFn reduce_function(DType dtype, ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum:
-    case ReduceOp::kAvg: return for_dtype<Sum>(dtype);
-    case ReduceOp::kProd: return for_dtype<Prod>(dtype);
-    case ReduceOp::kMin: return for_dtype<Min>(dtype);
-    case ReduceOp::kMax: return for_dtype<Max>(dtype);
+    case ReduceOp::kAvg:
+      return for_dtype<Sum>(dtype);
+    case ReduceOp::kProd:
+      return for_dtype<Prod>(dtype);
+    case ReduceOp::kMin:
+      return for_dtype<Min>(dtype);
+    case ReduceOp::kMax:
+      return for_dtype<Max>(dtype);
   }
   fail_invalid("unknown reduce op ", static_cast<int32_t>(op));
 }
 
 void divide_in_place(DType dtype, void* data, size_t n, int64_t divisor) {
   switch (dtype) {
-    case DType::kFloat32: return divide_native<float>(data, n, divisor);
-    case DType::kFloat64: return divide_native<double>(data, n, divisor);
-    case DType::kFloat16: return divide_half<half_to_float, float_to_half>(data, n, divisor);
-    case DType::kBFloat16: return divide_half<bfloat16_to_float, float_to_bfloat16>(data, n, divisor);
-    case DType::kInt8: return divide_native<int8_t>(data, n, divisor);
-    case DType::kUInt8: return divide_native<uint8_t>(data, n, divisor);
-    case DType::kInt32: return divide_native<int32_t>(data, n, divisor);
-    case DType::kInt64: return divide_native<int64_t>(data, n, divisor);
-    case DType::kBool: break;
+    case DType::kFloat32:
+      return divide_native<float>(data, n, divisor);
+    case DType::kFloat64:
+      return divide_native<double>(data, n, divisor);
+    case DType::kFloat16:
+      return divide_half<half_to_float, float_to_half>(data, n, divisor);
+    case DType::kBFloat16:
+      return divide_half<bfloat16_to_float, float_to_bfloat16>(data, n, divisor);
+    case DType::kInt8:
+      return divide_native<int8_t>(data, n, divisor);
+    case DType::kUInt8:
+      return divide_native<uint8_t>(data, n, divisor);
+    case DType::kInt32:
+      return divide_native<int32_t>(data, n, divisor);
+    case DType::kInt64:
+      return divide_native<int64_t>(data, n, divisor);
+    case DType::kBool:
+      break;
   }
   fail_invalid("DP_AVG is not defined for ", dtype_name(dtype), " tensors");
 }

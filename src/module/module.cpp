@@ -36,8 +36,10 @@ size_t invalid_utf8_at(const std::string& text) {
     const unsigned char c = p[i];
     size_t length = 0;
     unsigned char low = 0x80, high = 0xBF;  // the allowed range of the second byte
-    if (c < 0x80) length = 1;
-    else if (c >= 0xC2 && c <= 0xDF) length = 2;
+    if (c < 0x80)
+      length = 1;
+    else if (c >= 0xC2 && c <= 0xDF)
+      length = 2;
     else if (c >= 0xE0 && c <= 0xEF) {
       length = 3;
       if (c == 0xE0) low = 0xA0;

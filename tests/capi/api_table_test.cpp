@@ -7,9 +7,7 @@
 
 using namespace dptest;
 
-TEST(ApiTable, UnsupportedMajorIsNull) {
-  EXPECT_EQ(dp_get_api(DP_VERSION_MAJOR + 1), nullptr);
-}
+TEST(ApiTable, UnsupportedMajorIsNull) { EXPECT_EQ(dp_get_api(DP_VERSION_MAJOR + 1), nullptr); }
 
 TEST(ApiTable, EveryEntryIsTheExportedFunction) {
   const dp_api* api = dp_get_api(DP_VERSION_MAJOR);

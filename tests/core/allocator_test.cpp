@@ -1,8 +1,9 @@
+#include "core/allocator.h"
+
 #include <gtest/gtest.h>
 
 #include <cstring>
 
-#include "core/allocator.h"
 #include "core/tensor.h"
 
 using namespace dparallel;

@@ -1,10 +1,11 @@
+#include "backend/cpu/cpu_kernels.h"
+
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <limits>
 #include <vector>
 
-#include "backend/cpu/cpu_kernels.h"
 #include "core/half.h"
 
 using namespace dparallel;

@@ -1,9 +1,9 @@
+#include "core/device_worker.h"
+
 #include <gtest/gtest.h>
 
 #include <stdexcept>
 #include <thread>
-
-#include "core/device_worker.h"
 
 using namespace dparallel;
 

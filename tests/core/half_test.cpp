@@ -1,9 +1,9 @@
+#include "core/half.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <limits>
-
-#include "core/half.h"
 
 using namespace dparallel;
 
@@ -17,7 +17,7 @@ TEST(HalfConversion, KnownBitPatterns) {
   EXPECT_EQ(float_to_half(1.0f), 0x3c00);
   EXPECT_EQ(float_to_half(-2.0f), 0xc000);
   EXPECT_EQ(float_to_half(65504.0f), 0x7bff);
-  EXPECT_EQ(float_to_half(1e6f), 0x7c00);  // overflow rounds to inf
+  EXPECT_EQ(float_to_half(1e6f), 0x7c00);            // overflow rounds to inf
   EXPECT_EQ(float_to_half(5.9604645e-08f), 0x0001);  // smallest subnormal
   EXPECT_EQ(half_to_float(0x3555), 0.333251953125f);
 }

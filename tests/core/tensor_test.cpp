@@ -1,7 +1,8 @@
+#include "core/tensor.h"
+
 #include <gtest/gtest.h>
 
 #include "core/error.h"
-#include "core/tensor.h"
 
 using namespace dparallel;
 

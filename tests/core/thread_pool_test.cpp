@@ -1,11 +1,11 @@
+#include "core/thread_pool.h"
+
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <stdexcept>
 #include <thread>
 #include <vector>
-
-#include "core/thread_pool.h"
 
 using namespace dparallel;
 
@@ -16,9 +16,10 @@ TEST(ParallelFor, RunsEveryTaskExactlyOnce) {
 }
 
 TEST(ParallelFor, RethrowsTheFirstTaskException) {
-  EXPECT_THROW(parallel_for(8, [](size_t i) {
-                 if (i == 3) throw std::runtime_error("task 3");
-               }),
+  EXPECT_THROW(parallel_for(8,
+                            [](size_t i) {
+                              if (i == 3) throw std::runtime_error("task 3");
+                            }),
                std::runtime_error);
   // The pool still works afterwards.
   std::atomic<int> count{0};

@@ -139,9 +139,9 @@ class FakeServer {
     received_.insert(received_.end(), hello.begin(), hello.end());
     std::string client_nonce(hello.size() > 9 ? hello.begin() + 9 : hello.end(), hello.end());
     std::string server_nonce(dparallel::dist::wire::kNonceBytes, 's');
-    std::string payload =
-        answer != nullptr ? *answer
-                          : server_nonce + dparallel::dist::wire::server_proof(token, client_nonce, server_nonce);
+    std::string payload = answer != nullptr
+                              ? *answer
+                              : server_nonce + dparallel::dist::wire::server_proof(token, client_nonce, server_nonce);
     send_reply(fd, payload);
     if (answer != nullptr) return fd;
     std::vector<uint8_t> proof = read_frame(fd);
@@ -236,7 +236,7 @@ TEST(TcpStoreServer, IdleClientsThatNeverGreetCannotLockOutARank) {
   std::vector<int> idle;
   for (int i = 0; i < 64; ++i) idle.push_back(raw_connect(port));
   std::this_thread::sleep_for(std::chrono::milliseconds(100));  // all accepted
-  StorePtr client = tcp_store(port, 0, 2000);  // one more: the oldest idle one goes
+  StorePtr client = tcp_store(port, 0, 2000);                   // one more: the oldest idle one goes
   ASSERT_NE(client, nullptr);
   DP_EXPECT_OK(dp_store_set(client.get(), "k", "v", 1));
   EXPECT_TRUE(closed_within(idle.front(), std::chrono::milliseconds(1000)));

@@ -1,16 +1,16 @@
 // Stores through the C ABI: both kinds, timeouts, the job token, malformed
 // clients; and process-group argument checks that need no peers.
 #include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <sys/file.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <climits>
-#include <future>
 #include <cstdlib>
+#include <future>
 #include <string>
 #include <thread>
 
@@ -459,8 +459,8 @@ TEST(ProcessGroup, CreateFromEnvNamesTheMissingVariable) {
   DP_ASSERT_OK(dp_process_group_create_from_env(&pg, nullptr));
   EXPECT_EQ(dp_process_group_rank(pg), 0);
   dp_process_group_destroy(pg);
-  for (const char* v : {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "MASTER_ADDR",
-                        "MASTER_PORT"}) {
+  for (const char* v :
+       {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}) {
     ::unsetenv(v);
   }
 }

@@ -2,14 +2,14 @@
 // propagation; every run is bounded by coreutils' timeout.
 #include <gtest/gtest.h>
 #include <netinet/in.h>
-#include <sys/socket.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <chrono>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -39,19 +39,21 @@ LaunchResult launch(const std::string& args) {
 }
 
 TEST(Launcher, GivesEachRankTorchrunsEnvironmentAndPrefixesItsOutput) {
-  LaunchResult r = launch("-n 3 sh -c 'echo r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK lw=$LOCAL_WORLD_SIZE a=$MASTER_ADDR "
-              "p=${MASTER_PORT:+set} t=${DP_STORE_TOKEN:+set}'");
+  LaunchResult r = launch(
+      "-n 3 sh -c 'echo r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK lw=$LOCAL_WORLD_SIZE a=$MASTER_ADDR "
+      "p=${MASTER_PORT:+set} t=${DP_STORE_TOKEN:+set}'");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   for (int rank = 0; rank < 3; ++rank) {
-    std::string line = "[rank " + std::to_string(rank) + "] r=" + std::to_string(rank) + " w=3 l=" +
-                       std::to_string(rank) + " lw=3 a=127.0.0.1 p=set t=set";
+    std::string line = "[rank " + std::to_string(rank) + "] r=" + std::to_string(rank) +
+                       " w=3 l=" + std::to_string(rank) + " lw=3 a=127.0.0.1 p=set t=set";
     EXPECT_NE(r.output.find(line), std::string::npos) << r.output;
   }
 }
 
 TEST(Launcher, NumbersRanksByNodeInMultiNodeJobs) {
-  LaunchResult r = launch("-n 2 --nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --master-port 29999 "
-              "sh -c 'echo r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK p=$MASTER_PORT'");
+  LaunchResult r = launch(
+      "-n 2 --nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --master-port 29999 "
+      "sh -c 'echo r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK p=$MASTER_PORT'");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("[rank 2] r=2 w=4 l=0 p=29999"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("[rank 3] r=3 w=4 l=1 p=29999"), std::string::npos) << r.output;
@@ -61,7 +63,8 @@ TEST(Launcher, NumbersRanksByNodeInMultiNodeJobs) {
 }
 
 TEST(Launcher, StopsTheOtherRanksAndExitsWithTheFailedRanksCode) {
-  LaunchResult r = launch("-n 3 --grace-ms 2000 sh -c 'if [ $RANK = 1 ]; then echo failing; exit 3; fi; exec sleep 30'");
+  LaunchResult r =
+      launch("-n 3 --grace-ms 2000 sh -c 'if [ $RANK = 1 ]; then echo failing; exit 3; fi; exec sleep 30'");
   EXPECT_EQ(r.exit_code, 3) << r.output;
   EXPECT_LT(r.seconds, 10.0) << "the sleeping ranks were not stopped";
   EXPECT_NE(r.output.find("[rank 1] failing"), std::string::npos) << r.output;
@@ -98,8 +101,8 @@ TEST(Launcher, RanksDieWithAKilledLauncher) {
   int fd = ::mkstemp(path);
   ::close(fd);
   // The launcher is killed after 1 s; its ranks would sleep for 30.
-  std::string command = std::string(DP_RUN) + " -n 2 sh -c 'echo $$ >> " + path +
-                        "; exec sleep 30' & sleep 1; kill -9 $!; wait";
+  std::string command =
+      std::string(DP_RUN) + " -n 2 sh -c 'echo $$ >> " + path + "; exec sleep 30' & sleep 1; kill -9 $!; wait";
   FILE* shell = ::popen(command.c_str(), "r");
   ASSERT_NE(shell, nullptr);
   ::pclose(shell);
@@ -124,8 +127,9 @@ TEST(Launcher, StopsWhatARankStartedEvenAfterThatRankExited) {
 
 TEST(Launcher, ASecondInterruptDuringTheGracePeriodKillsAtOnce) {
   // The rank ignores SIGTERM and SIGINT; the grace period is 30 s.
-  std::string command = std::string("echo $$; exec ") + DP_RUN +
-                        " -n 1 --grace-ms 30000 sh -c 'trap \"\" TERM INT; echo up; sleep 30 >/dev/null 2>&1 & wait' 2>&1";
+  std::string command =
+      std::string("echo $$; exec ") + DP_RUN +
+      " -n 1 --grace-ms 30000 sh -c 'trap \"\" TERM INT; echo up; sleep 30 >/dev/null 2>&1 & wait' 2>&1";
   auto start = std::chrono::steady_clock::now();
   FILE* shell = ::popen(command.c_str(), "r");
   ASSERT_NE(shell, nullptr);
@@ -156,7 +160,8 @@ TEST(Launcher, ASecondInterruptDuringTheGracePeriodKillsAtOnce) {
 
 TEST(Launcher, HoldsThePortItPicksUntilTheJobEnds) {
   // The rank prints its MASTER_PORT and lives 3 s; meanwhile no other socket may bind that port.
-  std::string command = std::string("timeout -s KILL 30 ") + DP_RUN + " -n 1 sh -c 'echo port=$MASTER_PORT; sleep 3' 2>&1";
+  std::string command =
+      std::string("timeout -s KILL 30 ") + DP_RUN + " -n 1 sh -c 'echo port=$MASTER_PORT; sleep 3' 2>&1";
   FILE* shell = ::popen(command.c_str(), "r");
   ASSERT_NE(shell, nullptr);
   char line[256];

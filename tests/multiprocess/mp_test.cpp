@@ -1,12 +1,12 @@
 // Multi-process tests: real processes of mp_worker on loopback, each run
 // bounded in time; every process started is reaped before the test ends.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <chrono>

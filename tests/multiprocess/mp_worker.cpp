@@ -27,14 +27,14 @@ namespace {
 int g_failures = 0;
 int g_rank = -1;
 
-#define CHECK(cond, ...)                                              \
-  do {                                                                \
-    if (!(cond)) {                                                    \
+#define CHECK(cond, ...)                                                                       \
+  do {                                                                                         \
+    if (!(cond)) {                                                                             \
       std::fprintf(stderr, "rank %d: check failed at line %d: %s: ", g_rank, __LINE__, #cond); \
-      std::fprintf(stderr, __VA_ARGS__);                              \
-      std::fprintf(stderr, "\n");                                     \
-      ++g_failures;                                                   \
-    }                                                                 \
+      std::fprintf(stderr, __VA_ARGS__);                                                       \
+      std::fprintf(stderr, "\n");                                                              \
+      ++g_failures;                                                                            \
+    }                                                                                          \
   } while (0)
 
 #define CHECK_OK(expr) CHECK((expr) == DP_OK, "%s", dp_last_error())
@@ -54,29 +54,56 @@ double value(int32_t dtype, int r, size_t i) {
 
 void store(int32_t dtype, void* data, size_t i, double v) {
   switch (dtype) {
-    case DP_FLOAT32: static_cast<float*>(data)[i] = static_cast<float>(v); break;
-    case DP_FLOAT64: static_cast<double*>(data)[i] = v; break;
-    case DP_FLOAT16: static_cast<uint16_t*>(data)[i] = dparallel::float_to_half(static_cast<float>(v)); break;
-    case DP_BFLOAT16: static_cast<uint16_t*>(data)[i] = dparallel::float_to_bfloat16(static_cast<float>(v)); break;
-    case DP_INT8: static_cast<int8_t*>(data)[i] = static_cast<int8_t>(v); break;
-    case DP_UINT8: static_cast<uint8_t*>(data)[i] = static_cast<uint8_t>(v); break;
-    case DP_INT32: static_cast<int32_t*>(data)[i] = static_cast<int32_t>(v); break;
-    case DP_INT64: static_cast<int64_t*>(data)[i] = static_cast<int64_t>(v); break;
-    case DP_BOOL: static_cast<uint8_t*>(data)[i] = v != 0 ? 1 : 0; break;
+    case DP_FLOAT32:
+      static_cast<float*>(data)[i] = static_cast<float>(v);
+      break;
+    case DP_FLOAT64:
+      static_cast<double*>(data)[i] = v;
+      break;
+    case DP_FLOAT16:
+      static_cast<uint16_t*>(data)[i] = dparallel::float_to_half(static_cast<float>(v));
+      break;
+    case DP_BFLOAT16:
+      static_cast<uint16_t*>(data)[i] = dparallel::float_to_bfloat16(static_cast<float>(v));
+      break;
+    case DP_INT8:
+      static_cast<int8_t*>(data)[i] = static_cast<int8_t>(v);
+      break;
+    case DP_UINT8:
+      static_cast<uint8_t*>(data)[i] = static_cast<uint8_t>(v);
+      break;
+    case DP_INT32:
+      static_cast<int32_t*>(data)[i] = static_cast<int32_t>(v);
+      break;
+    case DP_INT64:
+      static_cast<int64_t*>(data)[i] = static_cast<int64_t>(v);
+      break;
+    case DP_BOOL:
+      static_cast<uint8_t*>(data)[i] = v != 0 ? 1 : 0;
+      break;
   }
 }
 
 double load(int32_t dtype, const void* data, size_t i) {
   switch (dtype) {
-    case DP_FLOAT32: return static_cast<const float*>(data)[i];
-    case DP_FLOAT64: return static_cast<const double*>(data)[i];
-    case DP_FLOAT16: return dparallel::half_to_float(static_cast<const uint16_t*>(data)[i]);
-    case DP_BFLOAT16: return dparallel::bfloat16_to_float(static_cast<const uint16_t*>(data)[i]);
-    case DP_INT8: return static_cast<const int8_t*>(data)[i];
-    case DP_UINT8: return static_cast<const uint8_t*>(data)[i];
-    case DP_INT32: return static_cast<const int32_t*>(data)[i];
-    case DP_INT64: return static_cast<double>(static_cast<const int64_t*>(data)[i]);
-    case DP_BOOL: return static_cast<const uint8_t*>(data)[i];
+    case DP_FLOAT32:
+      return static_cast<const float*>(data)[i];
+    case DP_FLOAT64:
+      return static_cast<const double*>(data)[i];
+    case DP_FLOAT16:
+      return dparallel::half_to_float(static_cast<const uint16_t*>(data)[i]);
+    case DP_BFLOAT16:
+      return dparallel::bfloat16_to_float(static_cast<const uint16_t*>(data)[i]);
+    case DP_INT8:
+      return static_cast<const int8_t*>(data)[i];
+    case DP_UINT8:
+      return static_cast<const uint8_t*>(data)[i];
+    case DP_INT32:
+      return static_cast<const int32_t*>(data)[i];
+    case DP_INT64:
+      return static_cast<double>(static_cast<const int64_t*>(data)[i]);
+    case DP_BOOL:
+      return static_cast<const uint8_t*>(data)[i];
   }
   return NAN;
 }
@@ -88,10 +115,18 @@ double expected(int32_t dtype, int32_t op, int world, size_t i) {
     double v = value(dtype, r, i);
     switch (op) {
       case DP_SUM:
-      case DP_AVG: acc = dtype == DP_BOOL ? (acc != 0 || v != 0) : acc + v; break;
-      case DP_MIN: acc = std::min(acc, v); break;
-      case DP_MAX: acc = std::max(acc, v); break;
-      case DP_PROD: acc = dtype == DP_BOOL ? (acc != 0 && v != 0) : acc * v; break;
+      case DP_AVG:
+        acc = dtype == DP_BOOL ? (acc != 0 || v != 0) : acc + v;
+        break;
+      case DP_MIN:
+        acc = std::min(acc, v);
+        break;
+      case DP_MAX:
+        acc = std::max(acc, v);
+        break;
+      case DP_PROD:
+        acc = dtype == DP_BOOL ? (acc != 0 && v != 0) : acc * v;
+        break;
     }
   }
   if (op == DP_AVG) acc = is_integer(dtype) ? std::trunc(acc / world) : acc / world;
@@ -121,21 +156,24 @@ void run_collectives(dp_process_group* pg) {
         for (size_t i = 0; i < n; ++i) {
           double want = expected(dtype, op, world, i), got = load(dtype, dp_tensor_data(t), i);
           if (got != want) {
-            CHECK(got == want, "all_reduce %s %s n=%zu [%zu]: got %g want %g", kDtypeNames[d], kOpNames[op], n, i, got, want);
+            CHECK(got == want, "all_reduce %s %s n=%zu [%zu]: got %g want %g", kDtypeNames[d], kOpNames[op], n, i, got,
+                  want);
             break;
           }
         }
         dp_tensor_destroy(t);
 
         std::vector<dp_tensor*> inputs(static_cast<size_t>(world));
-        for (int q = 0; q < world; ++q) inputs[static_cast<size_t>(q)] = make(dtype, n, rank, static_cast<size_t>(q) * n);
+        for (int q = 0; q < world; ++q)
+          inputs[static_cast<size_t>(q)] = make(dtype, n, rank, static_cast<size_t>(q) * n);
         dp_tensor* out = make(dtype, n, 0, 0);
         CHECK_OK(dp_pg_reduce_scatter(pg, inputs.data(), inputs.size(), out, op));
         for (size_t i = 0; i < n; ++i) {
           double want = expected(dtype, op, world, i + static_cast<size_t>(rank) * n);
           double got = load(dtype, dp_tensor_data(out), i);
           if (got != want) {
-            CHECK(got == want, "reduce_scatter %s %s n=%zu [%zu]: got %g want %g", kDtypeNames[d], kOpNames[op], n, i, got, want);
+            CHECK(got == want, "reduce_scatter %s %s n=%zu [%zu]: got %g want %g", kDtypeNames[d], kOpNames[op], n, i,
+                  got, want);
             break;
           }
         }

@@ -202,8 +202,7 @@ TEST(NestedCalls, SingleDeviceDataParallelInsideACallbackIsAStateError) {
   EXPECT_EQ(n.status, DP_ESTATE) << n.error;
   // The single-device path calls fn on this thread; a nested call there is refused too.
   dp_device device = cpu(0);
-  DP_ASSERT_OK(dp_data_parallel(m.get(), x.get(), &device, 1, cpu(0), 0, nested_single_device_data_parallel, &n,
-                                &out));
+  DP_ASSERT_OK(dp_data_parallel(m.get(), x.get(), &device, 1, cpu(0), 0, nested_single_device_data_parallel, &n, &out));
   dp_tensor_destroy(out);
   EXPECT_EQ(n.status, DP_ESTATE) << n.error;
 }

@@ -118,9 +118,8 @@ void copy_to_many(void* const* dsts, size_t ndsts, const void* src, size_t nbyte
 }
 
 void parallel_zero(void* dst, size_t nbytes) {
-  parallel_range(nbytes, kParallelBytes, [&](size_t begin, size_t end) {
-    std::memset(static_cast<char*>(dst) + begin, 0, end - begin);
-  });
+  parallel_range(nbytes, kParallelBytes,
+                 [&](size_t begin, size_t end) { std::memset(static_cast<char*>(dst) + begin, 0, end - begin); });
 }
 
 void copy_rows(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes, size_t rows) {
@@ -144,18 +143,24 @@ void add_n(DType dtype, void* out, const void* const* inputs, size_t count, size
     return;
   }
   switch (dtype) {
-    case DType::kFloat32: return add_typed<float>(out, inputs, count, numel);
-    case DType::kFloat64: return add_typed<double>(out, inputs, count, numel);
-    case DType::kInt8: return add_typed<int8_t>(out, inputs, count, numel);
-    case DType::kUInt8: return add_typed<uint8_t>(out, inputs, count, numel);
-    case DType::kInt32: return add_typed<int32_t>(out, inputs, count, numel);
-    case DType::kInt64: return add_typed<int64_t>(out, inputs, count, numel);
-    case DType::kBool: return add_blocks<uint8_t>(out, inputs, count, numel, or_block);
+    case DType::kFloat32:
+      return add_typed<float>(out, inputs, count, numel);
+    case DType::kFloat64:
+      return add_typed<double>(out, inputs, count, numel);
+    case DType::kInt8:
+      return add_typed<int8_t>(out, inputs, count, numel);
+    case DType::kUInt8:
+      return add_typed<uint8_t>(out, inputs, count, numel);
+    case DType::kInt32:
+      return add_typed<int32_t>(out, inputs, count, numel);
+    case DType::kInt64:
+      return add_typed<int64_t>(out, inputs, count, numel);
+    case DType::kBool:
+      return add_blocks<uint8_t>(out, inputs, count, numel, or_block);
     case DType::kFloat16:
       return add_blocks<uint16_t>(out, inputs, count, numel, add_half_block<half_to_float, float_to_half>);
     case DType::kBFloat16:
-      return add_blocks<uint16_t>(out, inputs, count, numel,
-                                  add_half_block<bfloat16_to_float, float_to_bfloat16>);
+      return add_blocks<uint16_t>(out, inputs, count, numel, add_half_block<bfloat16_to_float, float_to_bfloat16>);
   }
 }
 

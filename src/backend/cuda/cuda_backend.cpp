@@ -1,11 +1,12 @@
 // Host-side CUDA runtime use: devices, memory, copies and streams.
+#include "backend/cuda/cuda_backend.h"
+
 #include <cuda_runtime_api.h>
 
 #include <mutex>
 #include <string>
 #include <vector>
 
-#include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_check.h"
 
 namespace dparallel::cuda {

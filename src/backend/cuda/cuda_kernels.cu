@@ -99,14 +99,22 @@ void launch_add(T* out, const InputPointers& inputs, int count, size_t numel, cu
 
 void launch(DType dtype, void* out, const InputPointers& inputs, int count, size_t numel, cudaStream_t stream) {
   switch (dtype) {
-    case DType::kFloat32: return launch_add(static_cast<float*>(out), inputs, count, numel, stream);
-    case DType::kFloat64: return launch_add(static_cast<double*>(out), inputs, count, numel, stream);
-    case DType::kFloat16: return launch_add(static_cast<__half*>(out), inputs, count, numel, stream);
-    case DType::kBFloat16: return launch_add(static_cast<__nv_bfloat16*>(out), inputs, count, numel, stream);
-    case DType::kInt8: return launch_add(static_cast<int8_t*>(out), inputs, count, numel, stream);
-    case DType::kUInt8: return launch_add(static_cast<uint8_t*>(out), inputs, count, numel, stream);
-    case DType::kInt32: return launch_add(static_cast<int32_t*>(out), inputs, count, numel, stream);
-    case DType::kInt64: return launch_add(static_cast<int64_t*>(out), inputs, count, numel, stream);
+    case DType::kFloat32:
+      return launch_add(static_cast<float*>(out), inputs, count, numel, stream);
+    case DType::kFloat64:
+      return launch_add(static_cast<double*>(out), inputs, count, numel, stream);
+    case DType::kFloat16:
+      return launch_add(static_cast<__half*>(out), inputs, count, numel, stream);
+    case DType::kBFloat16:
+      return launch_add(static_cast<__nv_bfloat16*>(out), inputs, count, numel, stream);
+    case DType::kInt8:
+      return launch_add(static_cast<int8_t*>(out), inputs, count, numel, stream);
+    case DType::kUInt8:
+      return launch_add(static_cast<uint8_t*>(out), inputs, count, numel, stream);
+    case DType::kInt32:
+      return launch_add(static_cast<int32_t*>(out), inputs, count, numel, stream);
+    case DType::kInt64:
+      return launch_add(static_cast<int64_t*>(out), inputs, count, numel, stream);
     case DType::kBool:
       or_kernel<<<grid_for(numel), kThreads, 0, stream>>>(static_cast<uint8_t*>(out), inputs, count, numel);
       return;

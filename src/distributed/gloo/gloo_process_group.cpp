@@ -34,10 +34,10 @@
 
 #include <algorithm>
 #include <condition_variable>
-#include <mutex>
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <thread>
 
 #include "core/error.h"
@@ -63,11 +63,16 @@ enum class OpKind : uint32_t { kAllReduce = 1, kBroadcast = 2, kAllGather = 3, k
 
 const char* op_kind_name(uint32_t kind) {
   switch (static_cast<OpKind>(kind)) {
-    case OpKind::kAllReduce: return "all_reduce";
-    case OpKind::kBroadcast: return "broadcast";
-    case OpKind::kAllGather: return "all_gather";
-    case OpKind::kReduceScatter: return "reduce_scatter";
-    case OpKind::kBarrier: return "barrier";
+    case OpKind::kAllReduce:
+      return "all_reduce";
+    case OpKind::kBroadcast:
+      return "broadcast";
+    case OpKind::kAllGather:
+      return "all_gather";
+    case OpKind::kReduceScatter:
+      return "reduce_scatter";
+    case OpKind::kBarrier:
+      return "barrier";
   }
   return "unknown collective";
 }
@@ -106,8 +111,8 @@ class BlockExchange {
     for (auto& r : recv_) r.resize(block_bytes * static_cast<size_t>(size));
     if (size == 1) return;
     for (int i = 0; i < 2; ++i) {
-      rings_[i] = std::make_unique<gloo::AllgatherRing<uint8_t>>(
-          context, std::vector<const uint8_t*>{send_.data()}, recv_[i].data(), static_cast<int>(block_bytes));
+      rings_[i] = std::make_unique<gloo::AllgatherRing<uint8_t>>(context, std::vector<const uint8_t*>{send_.data()},
+                                                                 recv_[i].data(), static_cast<int>(block_bytes));
     }
   }
 
@@ -192,9 +197,8 @@ std::string gloo_host(const ProcessGroupOptions& options) {
   if (auto* tcp = dynamic_cast<TcpStore*>(options.store.get())) {
     sockaddr_storage local = tcp->local_address();
     char host[NI_MAXHOST] = {0};
-    if (local.ss_family != AF_UNSPEC &&
-        ::getnameinfo(reinterpret_cast<sockaddr*>(&local), sizeof(local), host, sizeof(host), nullptr, 0,
-                      NI_NUMERICHOST) == 0) {
+    if (local.ss_family != AF_UNSPEC && ::getnameinfo(reinterpret_cast<sockaddr*>(&local), sizeof(local), host,
+                                                      sizeof(host), nullptr, 0, NI_NUMERICHOST) == 0) {
       return host;
     }
   }
@@ -513,10 +517,18 @@ class GlooProcessGroup : public ProcessGroup {
 
   static void set_output(gloo::AllreduceOptions& opts, void* data, size_t nbytes, size_t element_size) {
     switch (element_size) {
-      case 1: opts.setOutput(static_cast<uint8_t*>(data), nbytes); break;
-      case 2: opts.setOutput(static_cast<uint16_t*>(data), nbytes / 2); break;
-      case 4: opts.setOutput(static_cast<uint32_t*>(data), nbytes / 4); break;
-      default: opts.setOutput(static_cast<uint64_t*>(data), nbytes / 8); break;
+      case 1:
+        opts.setOutput(static_cast<uint8_t*>(data), nbytes);
+        break;
+      case 2:
+        opts.setOutput(static_cast<uint16_t*>(data), nbytes / 2);
+        break;
+      case 4:
+        opts.setOutput(static_cast<uint32_t*>(data), nbytes / 4);
+        break;
+      default:
+        opts.setOutput(static_cast<uint64_t*>(data), nbytes / 8);
+        break;
     }
   }
 

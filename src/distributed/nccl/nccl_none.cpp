@@ -5,7 +5,8 @@
 namespace dparallel::dist {
 
 std::unique_ptr<ProcessGroup> create_nccl_process_group(const ProcessGroupOptions&) {
-  fail(StatusCode::kUnsupported, "DP_BACKEND_NCCL: dparallel was built without NCCL (DP_WITH_NCCL=OFF or NCCL not found)");
+  fail(StatusCode::kUnsupported,
+       "DP_BACKEND_NCCL: dparallel was built without NCCL (DP_WITH_NCCL=OFF or NCCL not found)");
 }
 
 }  // namespace dparallel::dist

@@ -40,11 +40,16 @@ const char* kind_name(uint32_t kind) {
 ncclRedOp_t nccl_op(DType dtype, ReduceOp op) {
   if (dtype == DType::kBool) return op == ReduceOp::kSum || op == ReduceOp::kMax ? ncclMax : ncclMin;
   switch (op) {
-    case ReduceOp::kSum: return ncclSum;
-    case ReduceOp::kAvg: return ncclAvg;
-    case ReduceOp::kMin: return ncclMin;
-    case ReduceOp::kMax: return ncclMax;
-    case ReduceOp::kProd: return ncclProd;
+    case ReduceOp::kSum:
+      return ncclSum;
+    case ReduceOp::kAvg:
+      return ncclAvg;
+    case ReduceOp::kMin:
+      return ncclMin;
+    case ReduceOp::kMax:
+      return ncclMax;
+    case ReduceOp::kProd:
+      return ncclProd;
   }
   return ncclSum;
 }
@@ -230,11 +235,12 @@ class NcclProcessGroup : public ProcessGroup {
     auto* all = static_cast<Header*>(host_headers_);
     all[rank()] = mine;
     auto* slot = static_cast<uint8_t*>(headers_) + sizeof(Header) * static_cast<size_t>(rank());
-    cuda::check(cudaMemcpyAsync(slot, &all[rank()], sizeof(Header), cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync");
-    enqueue(ncclAllGather(slot, headers_, sizeof(Header), ncclUint8, comm_, stream_), "ncclAllGather", deadline, false);
-    cuda::check(cudaMemcpyAsync(all, headers_, sizeof(Header) * static_cast<size_t>(size()), cudaMemcpyDeviceToHost,
-                                stream_),
+    cuda::check(cudaMemcpyAsync(slot, &all[rank()], sizeof(Header), cudaMemcpyHostToDevice, stream_),
                 "cudaMemcpyAsync");
+    enqueue(ncclAllGather(slot, headers_, sizeof(Header), ncclUint8, comm_, stream_), "ncclAllGather", deadline, false);
+    cuda::check(
+        cudaMemcpyAsync(all, headers_, sizeof(Header) * static_cast<size_t>(size()), cudaMemcpyDeviceToHost, stream_),
+        "cudaMemcpyAsync");
     await_header(deadline, kind_name(kind));
     for (int32_t r = 0; r < size(); ++r) {
       const Header h = all[r];

@@ -24,7 +24,7 @@ class FileStore : public Store {
  private:
   class Locked;
   Millis lock_timeout() const;  // the store's timeout, capped by the call's deadline
-  void refresh(int fd);  // reads records appended since the last refresh
+  void refresh(int fd);         // reads records appended since the last refresh
   void append(int fd, const std::string& key, const Bytes& value);
 
   std::string path_;

@@ -17,8 +17,8 @@ thread_local Clock::time_point t_reply_deadline = Clock::time_point::max();
 
 ReplyDeadlineCap::ReplyDeadlineCap(Millis cap) : previous_(t_reply_deadline) {
   auto now = Clock::now();
-  auto until = cap >= std::chrono::duration_cast<Millis>(Clock::time_point::max() - now) ? Clock::time_point::max()
-                                                                                          : now + cap;
+  auto until =
+      cap >= std::chrono::duration_cast<Millis>(Clock::time_point::max() - now) ? Clock::time_point::max() : now + cap;
   t_reply_deadline = std::min(until, previous_);
 }
 ReplyDeadlineCap::~ReplyDeadlineCap() { t_reply_deadline = previous_; }

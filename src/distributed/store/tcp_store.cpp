@@ -88,7 +88,7 @@ class TcpStoreServer {
     std::vector<uint8_t> out;
     size_t out_sent = 0;
     bool greeted = false;
-    bool closing = false;  // close once `out` is sent (a refusal)
+    bool closing = false;                    // close once `out` is sent (a refusal)
     std::string client_nonce, server_nonce;  // the greeting's, once it has begun
     std::string peer;
     Clock::time_point since;          // accepted; the greeting deadline counts from here
@@ -234,7 +234,8 @@ class TcpStoreServer {
       wire::Request request;
       size_t consumed = 0;
       std::string error;
-      auto result = wire::parse_request(client.in.data() + offset, client.in.size() - offset, &request, &consumed, &error);
+      auto result =
+          wire::parse_request(client.in.data() + offset, client.in.size() - offset, &request, &consumed, &error);
       if (result == wire::ParseResult::kNeedMore) break;
       if (result == wire::ParseResult::kMalformed) {
         log(client.peer, "malformed message (" + error + "); connection closed");
@@ -339,7 +340,8 @@ struct TcpStore::Reply {
 
 TcpStore::TcpStore(const TcpStoreOptions& options) : options_(options), port_(options.port) {
   if (options.host.empty()) fail_invalid("argument 'host' is empty");
-  if (options.timeout.count() <= 0) fail_invalid("argument 'timeout_ms' is ", options.timeout.count(), "; it must be > 0");
+  if (options.timeout.count() <= 0)
+    fail_invalid("argument 'timeout_ms' is ", options.timeout.count(), "; it must be > 0");
   if (!options.is_server && options.port == 0) fail_invalid("argument 'port' is 0; a client needs the server's port");
   set_default_timeout(options.timeout);
   if (options.is_server) {
@@ -420,7 +422,8 @@ TcpStore::Reply TcpStore::exchange(const std::vector<uint8_t>& frame, net::Clock
     disconnect();
     throw;
   }
-  if (r.status == ReplyStatus::kError) fail(StatusCode::kIo, what, ": ", std::string(r.payload.begin(), r.payload.end()));
+  if (r.status == ReplyStatus::kError)
+    fail(StatusCode::kIo, what, ": ", std::string(r.payload.begin(), r.payload.end()));
   return r;
 }
 

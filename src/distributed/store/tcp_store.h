@@ -17,10 +17,10 @@ class TcpStoreServer;
 
 struct TcpStoreOptions {
   std::string host;
-  uint16_t port = 0;        // server: 0 picks a free port
+  uint16_t port = 0;  // server: 0 picks a free port
   bool is_server = false;
-  Millis timeout{300000};   // connecting, and each request's reply (capped by the call's own timeout)
-  std::string token;        // empty: no token
+  Millis timeout{300000};  // connecting, and each request's reply (capped by the call's own timeout)
+  std::string token;       // empty: no token
 };
 
 class TcpStore : public Store {
