@@ -114,7 +114,7 @@ dp_process_group* new_group(dp_process_group_options o, const dist::LaunchEnv* e
   }
   auto* handle = new dp_process_group();
   try {
-    handle->group = dist::create_process_group(std::move(options));
+    handle->group = dist::create_process_group(options);
   } catch (...) {
     delete handle;
     throw;

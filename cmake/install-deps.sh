@@ -7,7 +7,7 @@ set -eu
 packages="build-essential cmake pkg-config ccache python3 \
   googletest libgtest-dev libgmock-dev libbenchmark-dev \
   libdlpack-dev libgloo-dev nlohmann-json3-dev libopenblas-dev \
-  clang libclang-rt-14-dev clang-format-14 abigail-tools git"
+  clang libclang-rt-14-dev clang-format-14 clang-tidy-14 abigail-tools git"
 
 missing=""
 for p in $packages; do

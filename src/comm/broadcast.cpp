@@ -28,6 +28,7 @@ bool nccl_applies(const Device& source, const std::vector<Device>& devices) {
 
 std::vector<int32_t> indices_of(const std::vector<Device>& devices) {
   std::vector<int32_t> indices;
+  indices.reserve(devices.size());
   for (const Device& d : devices) indices.push_back(d.index);
   return indices;
 }

@@ -31,6 +31,7 @@ void sum_into(void* out, const Device& destination, const std::vector<const void
   }
   if (nccl_applies(devices, destination)) {
     std::vector<int32_t> indices;
+    indices.reserve(devices.size());
     for (const Device& d : devices) indices.push_back(d.index);
     size_t root = static_cast<size_t>(std::find(devices.begin(), devices.end(), destination) - devices.begin());
     cuda::nccl_reduce_sum(indices, srcs, out, root, dtype, numel);
@@ -114,6 +115,7 @@ std::vector<Tensor> reduce_add_coalesced(const std::vector<std::vector<Tensor>>&
       offset += first[t].nbytes();
     }
     std::vector<Device> devices;
+    devices.reserve(inputs.size());
     for (const auto& list : inputs) devices.push_back(list[chunk.front()].device());
     bool per_device_flat = std::all_of(inputs.begin(), inputs.end(), [&](const std::vector<Tensor>& list) {
       return std::all_of(chunk.begin(), chunk.end(),

@@ -18,9 +18,9 @@ namespace dparallel {
 namespace {
 
 // Blocks below this come from malloc and are not cached.
-constexpr size_t kLargeBlock = 64 * 1024;
+constexpr size_t kLargeBlock = size_t{64} << 10;
 constexpr size_t kPage = 4096;
-constexpr size_t kHugePage = 2 * 1024 * 1024;
+constexpr size_t kHugePage = size_t{2} << 20;
 
 size_t cache_limit_bytes() {
   static const size_t limit = [] {

@@ -11,11 +11,9 @@ size_t dtype_size(DType dtype) {
     case DType::kFloat64:
       return 8;
     case DType::kFloat16:
-      return 2;
     case DType::kBFloat16:
       return 2;
     case DType::kInt8:
-      return 1;
     case DType::kUInt8:
       return 1;
     case DType::kInt32:

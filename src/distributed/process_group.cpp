@@ -252,7 +252,7 @@ std::shared_ptr<Work> ProcessGroup::barrier(bool async) {
       "barrier", [this] { run_barrier(); }, async);
 }
 
-std::unique_ptr<ProcessGroup> create_process_group(ProcessGroupOptions options) {
+std::unique_ptr<ProcessGroup> create_process_group(const ProcessGroupOptions& options) {
   if (options.world_size <= 0) fail_invalid("argument 'world_size' is ", options.world_size, "; it must be >= 1");
   if (options.rank < 0 || options.rank >= options.world_size) {
     fail_invalid("argument 'rank' is ", options.rank, "; it must be in 0..", options.world_size - 1, " (world size ",

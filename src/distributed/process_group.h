@@ -90,7 +90,7 @@ class ProcessGroup {
   std::thread worker_;
 };
 
-std::unique_ptr<ProcessGroup> create_process_group(ProcessGroupOptions options);
+std::unique_ptr<ProcessGroup> create_process_group(const ProcessGroupOptions& options);
 // After a failed collective #seq: reports this rank's failure through the
 // store under `prefix` and names the ranks that reported none for it (the
 // others fail at once too, so it listens briefly: under a second).

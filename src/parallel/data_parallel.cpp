@@ -29,6 +29,7 @@ Tensor gather_outputs(const std::vector<Tensor>& outputs, int32_t dim, const Dev
   for (const Tensor& t : outputs) all_scalars = all_scalars && t.ndim() == 0;
   if (!all_scalars) return comm::gather(outputs, dim, output_device);
   std::vector<Tensor> vectors;
+  vectors.reserve(outputs.size());
   for (const Tensor& t : outputs) vectors.push_back(t.view({1}));
   return comm::gather(vectors, 0, output_device);
 }

@@ -14,7 +14,7 @@ namespace dparallel::cpu {
 namespace {
 
 // Below this a second thread costs more to wake than it saves.
-constexpr size_t kParallelBytes = 256 * 1024;
+constexpr size_t kParallelBytes = size_t{256} << 10;
 // Elements summed per block, so that every input's block stays in L1/L2.
 constexpr size_t kBlock = 2048;
 
@@ -104,7 +104,7 @@ void copy_to_many(void* const* dsts, size_t ndsts, const void* src, size_t nbyte
     return;
   }
   // Blocks small enough that the source block is still in cache for the next destination.
-  constexpr size_t kCopyBlock = 64 * 1024;
+  constexpr size_t kCopyBlock = size_t{64} << 10;
   size_t nblocks = (nbytes + kCopyBlock - 1) / kCopyBlock;
   parallel_range(nblocks, std::max<size_t>(1, kParallelBytes / kCopyBlock), [&](size_t first, size_t last) {
     for (size_t b = first; b < last; ++b) {

@@ -208,7 +208,8 @@ std::string sha256(const std::string& data) {
   }
   std::string out(32, '\0');
   for (int i = 0; i < 8; ++i) {
-    for (int j = 0; j < 4; ++j) out[static_cast<size_t>(4 * i + j)] = static_cast<char>((h[i] >> (24 - 8 * j)) & 0xff);
+    for (int j = 0; j < 4; ++j)
+      out[4 * static_cast<size_t>(i) + static_cast<size_t>(j)] = static_cast<char>((h[i] >> (24 - 8 * j)) & 0xff);
   }
   return out;
 }
