@@ -200,6 +200,49 @@ TEST(Launcher, RunsARealJobThroughTheStoreWithItsToken) {
   EXPECT_NE(r.output.find("[rank 1] rank 1: collectives passed"), std::string::npos) << r.output;
 }
 
+// A port that was free a moment ago.
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  ::close(fd);
+  return port;
+}
+
+TEST(Launcher, TwoNodesFormOneJobThroughTheFirstNodesStore) {
+  int port = free_port();
+  ASSERT_GT(port, 0);
+  // Both nodes share the job token, as a multi-node job must.
+  std::string common = "DP_STORE_TOKEN=two-node-test timeout -s KILL 60 " + std::string(DP_RUN) +
+                       " -n 1 --nnodes 2 --master-addr 127.0.0.1 --master-port " + std::to_string(port);
+  std::string worker = std::string(" ") + DP_MP_WORKER + " collectives 2>&1";
+  FILE* node0 = ::popen((common + " --node-rank 0" + worker).c_str(), "r");
+  FILE* node1 = ::popen((common + " --node-rank 1" + worker).c_str(), "r");
+  ASSERT_NE(node0, nullptr);
+  ASSERT_NE(node1, nullptr);
+  std::string out[2];
+  FILE* nodes[2] = {node0, node1};
+  int status[2];
+  for (int i = 0; i < 2; ++i) {
+    char buf[4096];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof(buf), nodes[i])) > 0) out[i].append(buf, n);
+    status[i] = ::pclose(nodes[i]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_TRUE(WIFEXITED(status[i]) && WEXITSTATUS(status[i]) == 0) << "node " << i << ":\n" << out[i];
+    std::string passed = "[rank " + std::to_string(i) + "] rank " + std::to_string(i) + ": collectives passed";
+    EXPECT_NE(out[i].find(passed), std::string::npos) << "node " << i << ":\n" << out[i];
+  }
+}
+
 TEST(Launcher, RunsDpPerfAcrossRanksWithACheckedResult) {
   for (const char* op : {"all_reduce", "broadcast", "all_gather", "reduce_scatter"}) {
     LaunchResult r = launch("-n 2 " + std::string(DP_PERF_DIST) + " " + op + " -b 4K -e 64K -f 16 -s 2 -n 2");
