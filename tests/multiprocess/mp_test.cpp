@@ -136,6 +136,14 @@ TEST(MultiProcess, EveryCollectiveOpAndDtypeWithThreeRanksOverFileStore) {
   expect_all_passed(run_ranks("collectives", 3, true, std::chrono::seconds(90)));
 }
 
+TEST(MultiProcess, LargeReduceScatterGivesEveryOpAndDtypeWithTwoRanks) {
+  expect_all_passed(run_ranks("large_reduce_scatter", 2, false, std::chrono::seconds(120)));
+}
+
+TEST(MultiProcess, LargeReduceScatterGivesEveryOpAndDtypeWithThreeRanks) {
+  expect_all_passed(run_ranks("large_reduce_scatter", 3, false, std::chrono::seconds(120)));
+}
+
 TEST(MultiProcess, MismatchedSizesAreAnErrorOnEveryRank) {
   expect_all_passed(run_ranks("mismatch", 3, false, std::chrono::seconds(60)));
 }
@@ -164,6 +172,16 @@ TEST(MultiProcess, RankKilledMidCollectiveFailsTheOthersWithThreeRanks) {
 
 TEST(MultiProcess, StoppedRankTimesTheOthersOut) {
   expect_survivors_failed_cleanly(run_ranks("stop", 3, false, std::chrono::seconds(30), 2), 128 + SIGKILL, 2);
+}
+
+TEST(MultiProcess, RankKilledMidReduceScatterFailsTheOthersWithinTheTimeout) {
+  expect_survivors_failed_cleanly(run_ranks("die_reduce_scatter", 2, false, std::chrono::seconds(30)), 128 + SIGKILL,
+                                  1);
+}
+
+TEST(MultiProcess, RankStoppedMidReduceScatterTimesTheOthersOutWithThreeRanks) {
+  expect_survivors_failed_cleanly(run_ranks("stop_reduce_scatter", 3, false, std::chrono::seconds(30), 2),
+                                  128 + SIGKILL, 2);
 }
 
 TEST(MultiProcess, OutOfMemoryBeforeTheTransferLeavesTheGroupInStep) {

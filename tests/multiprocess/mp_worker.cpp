@@ -3,9 +3,11 @@
 // MASTER_PORT set; DP_TEST_STORE=<path> makes it use a file store instead.
 // Exit code 0 means every check passed; failures are printed.
 //   mp_worker collectives   every collective x op x dtype against expectations
+//   mp_worker large_reduce_scatter  reduce_scatter of 1 MiB and 4 MiB + 7 elements per rank
 //   mp_worker mismatch      sizes differ across ranks: every rank gets DP_EINVAL
 //   mp_worker die [rank]    a rank (default the last) is killed during a large all_reduce
 //   mp_worker stop [rank]   a rank (default the last) stops (SIGSTOP) before an all_reduce
+//   mp_worker die_reduce_scatter|stop_reduce_scatter [rank]   ... during a large reduce_scatter
 //   mp_worker oom           rank 0's all_gather runs out of memory; the group stays in step
 #include <signal.h>
 #include <unistd.h>
@@ -254,6 +256,51 @@ void run_collectives(dp_process_group* pg) {
   CHECK_OK(dp_pg_barrier(pg));
 }
 
+// Checks out = the reduction of every rank's part `rank` of n elements.
+void check_reduce_scatter(const dp_tensor* out, int32_t dtype_index, int32_t op, int world, int rank, size_t n) {
+  const int32_t dtype = kDtypes[dtype_index];
+  for (size_t i = 0; i < n; ++i) {
+    double want = expected(dtype, op, world, i + static_cast<size_t>(rank) * n);
+    double got = load(dtype, dp_tensor_data(out), i);
+    if (got != want) {
+      CHECK(got == want, "reduce_scatter %s %s n=%zu [%zu]: got %g want %g", kDtypeNames[dtype_index], kOpNames[op], n,
+            i, got, want);
+      break;
+    }
+  }
+}
+
+// Reduce-scatters beyond the small-block exchange, which take Gloo's
+// algorithms: every op, on outputs of 1 MiB (every dtype) and 4 MiB + 7
+// elements (an odd size, in a few dtypes).
+void run_large_reduce_scatter(dp_process_group* pg) {
+  const int rank = dp_process_group_rank(pg), world = dp_process_group_size(pg);
+  std::vector<size_t> sizes = {std::size_t(1) << 20, (std::size_t(4) << 20) + 7};
+  for (size_t bytes : sizes) {
+    for (int d = 0; d < 9; ++d) {
+      int32_t dtype = kDtypes[d];
+      bool odd = bytes % 2 != 0;
+      if (odd && dtype != DP_FLOAT32 && dtype != DP_FLOAT16 && dtype != DP_BFLOAT16 && dtype != DP_INT8 &&
+          dtype != DP_INT64) {
+        continue;
+      }
+      size_t esize = dp_dtype_size(dtype);
+      size_t n = odd ? ((bytes - 7) / esize) + 7 : bytes / esize;
+      std::vector<dp_tensor*> inputs(static_cast<size_t>(world));
+      for (int q = 0; q < world; ++q) inputs[static_cast<size_t>(q)] = make(dtype, n, rank, static_cast<size_t>(q) * n);
+      for (int32_t op = DP_SUM; op <= DP_PROD; ++op) {
+        if (dtype == DP_BOOL && op == DP_AVG) continue;
+        dp_tensor* out = make(dtype, n, 0, 1);
+        CHECK_OK(dp_pg_reduce_scatter(pg, inputs.data(), inputs.size(), out, op));
+        check_reduce_scatter(out, d, op, world, rank, n);
+        dp_tensor_destroy(out);
+      }
+      for (dp_tensor* in : inputs) dp_tensor_destroy(in);
+    }
+  }
+  CHECK_OK(dp_pg_barrier(pg));
+}
+
 void run_mismatch(dp_process_group* pg) {
   const int rank = dp_process_group_rank(pg);
   for (size_t base : {size_t(10), size_t(3000)}) {
@@ -273,32 +320,44 @@ void run_mismatch(dp_process_group* pg) {
 }
 
 // One rank (the last unless argv[2] names it) is killed during, or stops
-// before, a large all_reduce;
+// before, a large all_reduce; or is killed or stops during a large
+// reduce_scatter;
 // the others must fail within the timeout + 1 s, name the collective and the
 // missing rank, and still destroy the group.
-void run_failure(dp_process_group* pg, bool stop, int victim, int32_t timeout_ms) {
-  const int rank = dp_process_group_rank(pg);
+void run_failure(dp_process_group* pg, bool stop, bool reduce_scatter, int victim, int32_t timeout_ms) {
+  const int rank = dp_process_group_rank(pg), world = dp_process_group_size(pg);
   CHECK_OK(dp_pg_barrier(pg));
-  dp_tensor* t = make(DP_FLOAT32, 8u << 20, rank, 0);  // 32 MiB: the exit lands mid-transfer
+  // 32 MiB to all-reduce, or 16 MiB per rank to reduce-scatter: the exit lands mid-transfer.
+  const size_t n = reduce_scatter ? 4u << 20 : 8u << 20;
+  dp_tensor* t = make(DP_FLOAT32, n, rank, 0);
+  std::vector<dp_tensor*> inputs;
+  for (int q = 0; reduce_scatter && q < world; ++q) inputs.push_back(make(DP_FLOAT32, n, rank, 0));
+  auto start_collective = [&](dp_work** w) {
+    return reduce_scatter ? dp_pg_reduce_scatter_async(pg, inputs.data(), inputs.size(), t, DP_SUM, w)
+                          : dp_pg_all_reduce_async(pg, t, DP_SUM, w);
+  };
   if (rank == victim) {
-    if (stop) {
+    if (stop && !reduce_scatter) {
       raise(SIGSTOP);
     } else {
       dp_work* w = nullptr;
-      CHECK_OK(dp_pg_all_reduce_async(pg, t, DP_SUM, &w));
+      CHECK_OK(start_collective(&w));
       usleep(20000);
-      raise(SIGKILL);
+      raise(stop ? SIGSTOP : SIGKILL);
     }
   }
   auto start = std::chrono::steady_clock::now();
-  dp_status s = dp_pg_all_reduce(pg, t, DP_SUM);
+  dp_status s = reduce_scatter ? dp_pg_reduce_scatter(pg, inputs.data(), inputs.size(), t, DP_SUM)
+                               : dp_pg_all_reduce(pg, t, DP_SUM);
   double elapsed_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   std::string message = dp_last_error();
   std::printf("rank %d: status %d after %.0f ms: %s\n", rank, s, elapsed_ms, message.c_str());
   CHECK(s == DP_ETIMEOUT || s == DP_EREMOTE, "status %d", s);
   CHECK(elapsed_ms <= timeout_ms + 1000.0, "took %.0f ms", elapsed_ms);
-  CHECK(message.find("all_reduce") != std::string::npos, "names the collective: %s", message.c_str());
-  CHECK(message.find("float32 8388608") != std::string::npos, "names the tensor: %s", message.c_str());
+  const char* collective = reduce_scatter ? "reduce_scatter" : "all_reduce";
+  CHECK(message.find(collective) != std::string::npos, "names the collective: %s", message.c_str());
+  std::string tensor = "float32 " + std::to_string(n);
+  CHECK(message.find(tensor) != std::string::npos, "names the tensor: %s", message.c_str());
   if (victim != 0) {
     std::string missing = "rank(s) " + std::to_string(victim);
     CHECK(message.find(missing) != std::string::npos, "names the missing rank: %s", message.c_str());
@@ -307,6 +366,7 @@ void run_failure(dp_process_group* pg, bool stop, int victim, int32_t timeout_ms
   }
   CHECK(dp_pg_barrier(pg) == DP_ESTATE, "a broken group refuses further collectives: %s", dp_last_error());
   dp_tensor_destroy(t);
+  for (dp_tensor* in : inputs) dp_tensor_destroy(in);
   auto destroy_start = std::chrono::steady_clock::now();
   dp_process_group_destroy(pg);
   double destroy_ms =
@@ -345,13 +405,17 @@ void run_oom(dp_process_group* pg) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: mp_worker collectives|mismatch|die [rank]|stop [rank]\n");
+    std::fprintf(stderr,
+                 "usage: mp_worker collectives|large_reduce_scatter|mismatch|oom|die [rank]|stop [rank]|"
+                 "die_reduce_scatter [rank]|stop_reduce_scatter [rank]\n");
     return 2;
   }
   std::string scenario = argv[1];
   const char* rank_text = std::getenv("RANK");
   g_rank = rank_text != nullptr ? std::atoi(rank_text) : -1;
-  int32_t timeout_ms = scenario == "die" || scenario == "stop" || scenario == "oom" ? 3000 : 60000;
+  bool failure =
+      scenario == "die" || scenario == "stop" || scenario == "die_reduce_scatter" || scenario == "stop_reduce_scatter";
+  int32_t timeout_ms = failure || scenario == "oom" ? 3000 : 60000;
   dp_process_group_options opts = DP_PROCESS_GROUP_OPTIONS_INIT;
   opts.timeout_ms = timeout_ms;
   dp_store* store = nullptr;
@@ -368,13 +432,16 @@ int main(int argc, char** argv) {
   dp_store_destroy(store);  // the group keeps its own reference
   if (scenario == "collectives") {
     run_collectives(pg);
+  } else if (scenario == "large_reduce_scatter") {
+    run_large_reduce_scatter(pg);
   } else if (scenario == "mismatch") {
     run_mismatch(pg);
   } else if (scenario == "oom") {
     run_oom(pg);
-  } else if (scenario == "die" || scenario == "stop") {
+  } else if (failure) {
     int victim = argc > 2 ? std::atoi(argv[2]) : std::atoi(std::getenv("WORLD_SIZE")) - 1;
-    run_failure(pg, scenario == "stop", victim, timeout_ms);
+    run_failure(pg, scenario.rfind("stop", 0) == 0, scenario.find("reduce_scatter") != std::string::npos, victim,
+                timeout_ms);
     pg = nullptr;
   } else {
     std::fprintf(stderr, "unknown scenario '%s'\n", scenario.c_str());
