@@ -50,6 +50,8 @@ void copy_out(const void* src, const Device& source, const std::vector<void*>& d
     std::vector<void*> buffers = dsts;
     buffers[root] = const_cast<void*>(src);  // NCCL reads the root's buffer, never writes it
     cuda::nccl_broadcast(indices_of(devices), buffers, root, nbytes);
+    // NCCL wrote every GPU but the source's: an output there that is not the source gets a local copy.
+    copy_bytes(dsts[root], source, src, source, nbytes);
     return;
   }
   for (size_t i = 0; i < dsts.size(); ++i) {

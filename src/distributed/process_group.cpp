@@ -187,6 +187,11 @@ void ProcessGroup::check_tensor(const Tensor& t, const std::string& argument, co
     fail_invalid(op, ": argument '", argument, "' is ", t.describe(), " but this ", backend_name(),
                  " process group works on ", tensor_device_type() == DeviceType::kCpu ? "cpu" : "cuda", " tensors");
   }
+  // NCCL would take another GPU's memory and fail, or corrupt it, far from here.
+  if (t.device().is_cuda() && t.device() != device_) {
+    fail_invalid(op, ": argument '", argument, "' is ", t.describe(), " but this ", backend_name(),
+                 " process group is on ", to_string(device_));
+  }
   if (t.numel() > 0 && t.data() == nullptr) fail_invalid(op, ": argument '", argument, "' has no data");
 }
 

@@ -1,4 +1,6 @@
 // GPU paths. Compiled always; each test skips cleanly without a GPU.
+#include <thread>
+
 #include "test_util.h"
 
 using namespace dptest;
@@ -80,4 +82,32 @@ TEST(CudaComm, ScatterAndGatherThroughAGpuOnAnyDim) {
   EXPECT_EQ(values<int32_t>(back), iota<int32_t>(8));
   dp_tensor_destroy(back);
   for (auto* c : chunks) dp_tensor_destroy(c);
+}
+
+// Two threads broadcast through NCCL in opposite device orders (two distinct
+// communicator sets over the same GPUs and streams): launches that interleaved
+// would queue the kernels in different orders on the two GPUs and deadlock.
+TEST(CudaComm, ConcurrentNcclBroadcastsInOppositeOrdersFinishAndAreCorrect) {
+  REQUIRE_GPUS(2);
+  auto run = [](int first, int second, int32_t base, int* failures) {
+    for (int i = 0; i < 100; ++i) {
+      auto t = make<int32_t>({4096}, iota<int32_t>(4096, base + i), cuda(first));
+      dp_device devices[] = {cuda(first), cuda(second)};
+      dp_tensor* out[2] = {};
+      if (dp_broadcast(t.get(), devices, 2, out) != DP_OK) {
+        ++*failures;
+        continue;
+      }
+      if (values<int32_t>(out[1]) != iota<int32_t>(4096, base + i)) ++*failures;
+      dp_tensor_destroy(out[0]);
+      dp_tensor_destroy(out[1]);
+    }
+  };
+  int failures_a = 0, failures_b = 0;
+  std::thread a(run, 0, 1, 0, &failures_a);
+  std::thread b(run, 1, 0, 1000000, &failures_b);
+  a.join();
+  b.join();
+  EXPECT_EQ(failures_a, 0);
+  EXPECT_EQ(failures_b, 0);
 }

@@ -17,6 +17,8 @@
 #include <thread>
 #include <vector>
 
+#include "dparallel/dparallel.h"
+
 extern char** environ;
 
 namespace {
@@ -48,8 +50,9 @@ std::string read_file(const std::string& path) {
 }
 
 // Runs `world` ranks of mp_worker `scenario`; kills them all after `limit`.
+// With `cuda`, rank r works on cuda:r through NCCL.
 std::vector<Result> run_ranks(const std::string& scenario, int world, bool file_store, std::chrono::seconds limit,
-                              int stopped_rank = -1, const std::string& argument = "") {
+                              int stopped_rank = -1, const std::string& argument = "", bool cuda = false) {
   char dir_template[] = "/tmp/dp_mp_XXXXXX";
   std::string dir = ::mkdtemp(dir_template);
   int port = free_port();
@@ -63,6 +66,7 @@ std::vector<Result> run_ranks(const std::string& scenario, int world, bool file_
     env.push_back("MASTER_ADDR=127.0.0.1");
     env.push_back("MASTER_PORT=" + std::to_string(port));
     if (file_store) env.push_back("DP_TEST_STORE=" + dir + "/store");
+    if (cuda) env.push_back("DP_TEST_DEVICE=cuda");
     std::vector<char*> envp;
     for (auto& s : env) envp.push_back(s.data());
     envp.push_back(nullptr);
@@ -190,6 +194,48 @@ TEST(MultiProcess, OutOfMemoryBeforeTheTransferLeavesTheGroupInStep) {
 #else
   expect_all_passed(run_ranks("oom", 2, false, std::chrono::seconds(30)));
 #endif
+}
+
+// The same scenarios through NCCL, one GPU per rank: NCCL refuses two ranks
+// on one GPU ("duplicate GPU"), so these need two GPUs. Two ranks only: with
+// NCCL, a float AVG pre-multiplies by 1/size, exact for a power of two.
+int gpus() {
+  int32_t n = 0;
+  return dp_device_count(DP_DEVICE_CUDA, &n) == DP_OK ? n : 0;
+}
+
+#define REQUIRE_TWO_GPUS() \
+  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs (one per rank), found " << gpus()
+
+TEST(MultiProcessNccl, EveryCollectiveOpAndDtypeWithTwoRanksOnTwoGpus) {
+  REQUIRE_TWO_GPUS();
+  expect_all_passed(run_ranks("collectives", 2, false, std::chrono::seconds(120), -1, "", true));
+}
+
+TEST(MultiProcessNccl, MismatchedSizesAreAnErrorOnEveryRank) {
+  REQUIRE_TWO_GPUS();
+  expect_all_passed(run_ranks("mismatch", 2, true, std::chrono::seconds(90), -1, "", true));
+}
+
+TEST(MultiProcessNccl, RankKilledFailsTheOtherWithinTheTimeout) {
+  REQUIRE_TWO_GPUS();
+  expect_survivors_failed_cleanly(run_ranks("die", 2, false, std::chrono::seconds(60), -1, "", true), 128 + SIGKILL, 1);
+}
+
+TEST(MultiProcessNccl, StoreServingRankKilledFailsTheOther) {
+  REQUIRE_TWO_GPUS();
+  expect_survivors_failed_cleanly(run_ranks("die", 2, false, std::chrono::seconds(60), -1, "0", true), 128 + SIGKILL,
+                                  0);
+}
+
+TEST(MultiProcessNccl, StoppedRankTimesTheOtherOut) {
+  REQUIRE_TWO_GPUS();
+  expect_survivors_failed_cleanly(run_ranks("stop", 2, false, std::chrono::seconds(60), 1, "", true), 128 + SIGKILL, 1);
+}
+
+TEST(MultiProcessNccl, OutOfScratchMemoryBeforeTheTransferLeavesTheGroupInStep) {
+  REQUIRE_TWO_GPUS();
+  expect_all_passed(run_ranks("oom", 2, false, std::chrono::seconds(60), -1, "", true));
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // One rank of a multi-process test. The test driver (mp_test.cpp) starts
 // world-size copies with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
-// MASTER_PORT set; DP_TEST_STORE=<path> makes it use a file store instead.
+// MASTER_PORT set; DP_TEST_STORE=<path> makes it use a file store instead,
+// and DP_TEST_DEVICE=cuda puts each rank's tensors on cuda:LOCAL_RANK (NCCL).
 // Exit code 0 means every check passed; failures are printed.
 //   mp_worker collectives   every collective x op x dtype against expectations
 //   mp_worker large_reduce_scatter  reduce_scatter of 1 MiB and 4 MiB + 7 elements per rank
@@ -28,6 +29,7 @@ namespace {
 
 int g_failures = 0;
 int g_rank = -1;
+dp_device g_device = {DP_DEVICE_CPU, 0};  // where the collectives' tensors live
 
 #define CHECK(cond, ...)                                                                       \
   do {                                                                                         \
@@ -135,13 +137,28 @@ double expected(int32_t dtype, int32_t op, int world, size_t i) {
   return acc;
 }
 
+bool on_gpu() { return g_device.type == DP_DEVICE_CUDA; }
+
 dp_tensor* make(int32_t dtype, size_t n, int r, size_t offset) {
   int64_t shape[1] = {static_cast<int64_t>(n)};
   dp_tensor* t = nullptr;
   CHECK_OK(dp_tensor_create(&t, dtype, 1, shape, dp_device{DP_DEVICE_CPU, 0}));
   if (t == nullptr) std::exit(3);
   for (size_t i = 0; i < n; ++i) store(dtype, dp_tensor_data(t), i, value(dtype, r, i + offset));
-  return t;
+  if (!on_gpu()) return t;
+  dp_tensor* g = nullptr;
+  CHECK_OK(dp_tensor_create(&g, dtype, 1, shape, g_device));
+  if (g == nullptr) std::exit(3);
+  CHECK_OK(dp_tensor_copy_from_host(g, dp_tensor_data(t), dp_tensor_nbytes(t)));
+  dp_tensor_destroy(t);
+  return g;
+}
+
+// The tensor's bytes, readable on the host wherever it lives.
+std::vector<uint8_t> host(const dp_tensor* t) {
+  std::vector<uint8_t> bytes(dp_tensor_nbytes(t));
+  if (!bytes.empty()) CHECK_OK(dp_tensor_copy_to_host(t, bytes.data(), bytes.size()));
+  return bytes;
 }
 
 void run_collectives(dp_process_group* pg) {
@@ -155,8 +172,9 @@ void run_collectives(dp_process_group* pg) {
         if (dtype == DP_BOOL && op == DP_AVG) continue;
         dp_tensor* t = make(dtype, n, rank, 0);
         CHECK_OK(dp_pg_all_reduce(pg, t, op));
+        const std::vector<uint8_t> reduced = host(t);
         for (size_t i = 0; i < n; ++i) {
-          double want = expected(dtype, op, world, i), got = load(dtype, dp_tensor_data(t), i);
+          double want = expected(dtype, op, world, i), got = load(dtype, reduced.data(), i);
           if (got != want) {
             CHECK(got == want, "all_reduce %s %s n=%zu [%zu]: got %g want %g", kDtypeNames[d], kOpNames[op], n, i, got,
                   want);
@@ -170,9 +188,10 @@ void run_collectives(dp_process_group* pg) {
           inputs[static_cast<size_t>(q)] = make(dtype, n, rank, static_cast<size_t>(q) * n);
         dp_tensor* out = make(dtype, n, 0, 0);
         CHECK_OK(dp_pg_reduce_scatter(pg, inputs.data(), inputs.size(), out, op));
+        const std::vector<uint8_t> scattered = host(out);
         for (size_t i = 0; i < n; ++i) {
           double want = expected(dtype, op, world, i + static_cast<size_t>(rank) * n);
-          double got = load(dtype, dp_tensor_data(out), i);
+          double got = load(dtype, scattered.data(), i);
           if (got != want) {
             CHECK(got == want, "reduce_scatter %s %s n=%zu [%zu]: got %g want %g", kDtypeNames[d], kOpNames[op], n, i,
                   got, want);
@@ -186,8 +205,9 @@ void run_collectives(dp_process_group* pg) {
       int root = world - 1;
       dp_tensor* b = make(dtype, n, rank, 0);
       CHECK_OK(dp_pg_broadcast(pg, b, root));
+      const std::vector<uint8_t> broadcast = host(b);
       for (size_t i = 0; i < n; ++i) {
-        if (load(dtype, dp_tensor_data(b), i) != value(dtype, root, i)) {
+        if (load(dtype, broadcast.data(), i) != value(dtype, root, i)) {
           CHECK(false, "broadcast %s n=%zu [%zu] differs from root %d", kDtypeNames[d], n, i, root);
           break;
         }
@@ -199,8 +219,9 @@ void run_collectives(dp_process_group* pg) {
       for (int q = 0; q < world; ++q) outs[static_cast<size_t>(q)] = make(dtype, n, 0, 1);
       CHECK_OK(dp_pg_all_gather(pg, in, outs.data(), outs.size()));
       for (int q = 0; q < world; ++q) {
+        const std::vector<uint8_t> gathered = host(outs[static_cast<size_t>(q)]);
         for (size_t i = 0; i < n; ++i) {
-          if (load(dtype, dp_tensor_data(outs[static_cast<size_t>(q)]), i) != value(dtype, q, i)) {
+          if (load(dtype, gathered.data(), i) != value(dtype, q, i)) {
             CHECK(false, "all_gather %s n=%zu output %d [%zu] differs", kDtypeNames[d], n, q, i);
             break;
           }
@@ -212,7 +233,7 @@ void run_collectives(dp_process_group* pg) {
   }
 
   // Outputs that are consecutive views of one host buffer (gathered in place).
-  {
+  if (!on_gpu()) {
     const size_t n = 3000;
     std::vector<float> flat(n * static_cast<size_t>(world), -1.0f);
     std::vector<dp_tensor*> views(static_cast<size_t>(world));
@@ -246,8 +267,8 @@ void run_collectives(dp_process_group* pg) {
   int done = 0;
   CHECK_OK(dp_work_test(w1, &done));
   CHECK(done == 1, "a waited work is done");
-  CHECK(load(DP_FLOAT32, dp_tensor_data(a), 2999) == expected(DP_FLOAT32, DP_SUM, world, 2999), "async all_reduce");
-  CHECK(load(DP_INT64, dp_tensor_data(c), 4) == expected(DP_INT64, DP_MAX, world, 4), "async all_reduce max");
+  CHECK(load(DP_FLOAT32, host(a).data(), 2999) == expected(DP_FLOAT32, DP_SUM, world, 2999), "async all_reduce");
+  CHECK(load(DP_INT64, host(c).data(), 4) == expected(DP_INT64, DP_MAX, world, 4), "async all_reduce max");
   dp_work_destroy(w1);
   dp_work_destroy(w2);
   dp_work_destroy(w3);
@@ -259,9 +280,10 @@ void run_collectives(dp_process_group* pg) {
 // Checks out = the reduction of every rank's part `rank` of n elements.
 void check_reduce_scatter(const dp_tensor* out, int32_t dtype_index, int32_t op, int world, int rank, size_t n) {
   const int32_t dtype = kDtypes[dtype_index];
+  std::vector<uint8_t> result = host(out);
   for (size_t i = 0; i < n; ++i) {
     double want = expected(dtype, op, world, i + static_cast<size_t>(rank) * n);
-    double got = load(dtype, dp_tensor_data(out), i);
+    double got = load(dtype, result.data(), i);
     if (got != want) {
       CHECK(got == want, "reduce_scatter %s %s n=%zu [%zu]: got %g want %g", kDtypeNames[dtype_index], kOpNames[op], n,
             i, got, want);
@@ -339,6 +361,8 @@ void run_failure(dp_process_group* pg, bool stop, bool reduce_scatter, int victi
   if (rank == victim) {
     if (stop && !reduce_scatter) {
       raise(SIGSTOP);
+    } else if (on_gpu()) {
+      raise(SIGKILL);  // NCCL would finish 32 MiB well within 20 ms: die before it starts
     } else {
       dp_work* w = nullptr;
       CHECK_OK(start_collective(&w));
@@ -353,7 +377,8 @@ void run_failure(dp_process_group* pg, bool stop, bool reduce_scatter, int victi
   std::string message = dp_last_error();
   std::printf("rank %d: status %d after %.0f ms: %s\n", rank, s, elapsed_ms, message.c_str());
   CHECK(s == DP_ETIMEOUT || s == DP_EREMOTE, "status %d", s);
-  CHECK(elapsed_ms <= timeout_ms + 1000.0, "took %.0f ms", elapsed_ms);
+  // ncclCommAbort tears down NCCL's proxy threads too: a second more there.
+  CHECK(elapsed_ms <= timeout_ms + (on_gpu() ? 2000.0 : 1000.0), "took %.0f ms", elapsed_ms);
   const char* collective = reduce_scatter ? "reduce_scatter" : "all_reduce";
   CHECK(message.find(collective) != std::string::npos, "names the collective: %s", message.c_str());
   std::string tensor = "float32 " + std::to_string(n);
@@ -384,9 +409,9 @@ void run_oom(dp_process_group* pg) {
     void* nowhere = reinterpret_cast<void*>(uintptr_t(1) << 12);
     dp_tensor* in = nullptr;
     dp_tensor* outs[2] = {nullptr, nullptr};
-    CHECK_OK(dp_tensor_from_blob(&in, nowhere, DP_UINT8, 1, shape, dp_device{DP_DEVICE_CPU, 0}, nullptr, nullptr));
+    CHECK_OK(dp_tensor_from_blob(&in, nowhere, DP_UINT8, 1, shape, g_device, nullptr, nullptr));
     for (dp_tensor*& o : outs) {
-      CHECK_OK(dp_tensor_from_blob(&o, nowhere, DP_UINT8, 1, shape, dp_device{DP_DEVICE_CPU, 0}, nullptr, nullptr));
+      CHECK_OK(dp_tensor_from_blob(&o, nowhere, DP_UINT8, 1, shape, g_device, nullptr, nullptr));
     }
     dp_status s = dp_pg_all_gather(pg, in, outs, 2);
     CHECK(s == DP_ENOMEM, "status %d: %s", s, dp_last_error());
@@ -418,6 +443,13 @@ int main(int argc, char** argv) {
   int32_t timeout_ms = failure || scenario == "oom" ? 3000 : 60000;
   dp_process_group_options opts = DP_PROCESS_GROUP_OPTIONS_INIT;
   opts.timeout_ms = timeout_ms;
+  const char* device = std::getenv("DP_TEST_DEVICE");
+  if (device != nullptr && std::strcmp(device, "cuda") == 0) {
+    const char* local = std::getenv("LOCAL_RANK");
+    g_device = dp_device{DP_DEVICE_CUDA, local != nullptr ? std::atoi(local) : 0};
+    opts.backend = DP_BACKEND_NCCL;
+    opts.device = g_device;
+  }
   dp_store* store = nullptr;
   const char* store_path = std::getenv("DP_TEST_STORE");
   if (store_path != nullptr) {

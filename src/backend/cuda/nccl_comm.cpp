@@ -31,6 +31,23 @@ const std::vector<ncclComm_t>& comms_for(const std::vector<int32_t>& devices) {
   return cache->emplace(devices, std::move(comms)).first->second;
 }
 
+// Launches go one call at a time: two threads' group calls on communicators
+// that share GPUs (and the per-device streams) could otherwise interleave their
+// kernels in different orders on different GPUs and deadlock; NCCL
+// communicators are not thread-safe either.
+std::mutex& launch_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+// Fetched before ncclGroupStart: a throw between start and end would leave
+// this thread inside an NCCL group for good.
+std::vector<cudaStream_t> streams_of(const std::vector<int32_t>& devices) {
+  std::vector<cudaStream_t> streams;
+  for (int32_t index : devices) streams.push_back(stream_of(index));
+  return streams;
+}
+
 void synchronize(const std::vector<int32_t>& devices) {
   for (int32_t index : devices) {
     DeviceGuard guard(index);
@@ -45,15 +62,19 @@ bool nccl_compiled() { return true; }
 void nccl_broadcast(const std::vector<int32_t>& devices, const std::vector<void*>& buffers, size_t root,
                     size_t nbytes) {
   const auto& comms = comms_for(devices);
-  check_nccl(ncclGroupStart(), "ncclGroupStart");
-  ncclResult_t result = ncclSuccess;
-  for (size_t i = 0; i < devices.size() && result == ncclSuccess; ++i) {
-    result = ncclBroadcast(buffers[root], buffers[i], nbytes, ncclUint8, static_cast<int>(root), comms[i],
-                           stream_of(devices[i]));
+  const std::vector<cudaStream_t> streams = streams_of(devices);
+  {
+    std::lock_guard<std::mutex> lock(launch_mutex());
+    check_nccl(ncclGroupStart(), "ncclGroupStart");
+    ncclResult_t result = ncclSuccess;
+    for (size_t i = 0; i < devices.size() && result == ncclSuccess; ++i) {
+      result =
+          ncclBroadcast(buffers[root], buffers[i], nbytes, ncclUint8, static_cast<int>(root), comms[i], streams[i]);
+    }
+    ncclResult_t end = ncclGroupEnd();
+    check_nccl(result, "ncclBroadcast");
+    check_nccl(end, "ncclGroupEnd");
   }
-  ncclResult_t end = ncclGroupEnd();
-  check_nccl(result, "ncclBroadcast");
-  check_nccl(end, "ncclGroupEnd");
   synchronize(devices);
 }
 
@@ -62,15 +83,20 @@ void nccl_reduce_sum(const std::vector<int32_t>& devices, const std::vector<cons
   const auto& comms = comms_for(devices);
   // Logical or of 0/1 bytes is their maximum.
   ncclRedOp_t op = dtype == DType::kBool ? ncclMax : ncclSum;
-  check_nccl(ncclGroupStart(), "ncclGroupStart");
-  ncclResult_t result = ncclSuccess;
-  for (size_t i = 0; i < devices.size() && result == ncclSuccess; ++i) {
-    result = ncclReduce(sends[i], i == root ? recv : nullptr, numel, nccl_type(dtype), op, static_cast<int>(root),
-                        comms[i], stream_of(devices[i]));
+  const std::vector<cudaStream_t> streams = streams_of(devices);
+  {
+    std::lock_guard<std::mutex> lock(launch_mutex());
+    check_nccl(ncclGroupStart(), "ncclGroupStart");
+    ncclResult_t result = ncclSuccess;
+    for (size_t i = 0; i < devices.size() && result == ncclSuccess; ++i) {
+      // recvbuff is only read on the root.
+      result = ncclReduce(sends[i], i == root ? recv : nullptr, numel, nccl_type(dtype), op, static_cast<int>(root),
+                          comms[i], streams[i]);
+    }
+    ncclResult_t end = ncclGroupEnd();
+    check_nccl(result, "ncclReduce");
+    check_nccl(end, "ncclGroupEnd");
   }
-  ncclResult_t end = ncclGroupEnd();
-  check_nccl(result, "ncclReduce");
-  check_nccl(end, "ncclGroupEnd");
   synchronize(devices);
 }
 

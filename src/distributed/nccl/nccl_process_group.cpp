@@ -13,6 +13,8 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/nccl_types.h"
 #include "core/error.h"
+#include "distributed/nccl/nccl_header.h"
+#include "distributed/nccl/nccl_ops.h"
 #include "distributed/process_group.h"
 
 namespace dparallel::dist {
@@ -20,39 +22,8 @@ namespace dparallel::dist {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-struct Header {
-  uint32_t kind;
-  int32_t dtype;
-  int32_t op;
-  int32_t root;
-  int64_t numel;
-  uint64_t seq;
-  uint8_t reserved[32];
-};
-static_assert(sizeof(Header) == 64, "the header is part of the wire format");
-
-const char* kind_name(uint32_t kind) {
-  static const char* names[] = {"?", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"};
-  return kind < 6 ? names[kind] : "?";
-}
-
-ncclRedOp_t nccl_op(DType dtype, ReduceOp op) {
-  if (dtype == DType::kBool) return op == ReduceOp::kSum || op == ReduceOp::kMax ? ncclMax : ncclMin;
-  switch (op) {
-    case ReduceOp::kSum:
-      return ncclSum;
-    case ReduceOp::kAvg:
-      return ncclAvg;
-    case ReduceOp::kMin:
-      return ncclMin;
-    case ReduceOp::kMax:
-      return ncclMax;
-    case ReduceOp::kProd:
-      return ncclProd;
-  }
-  return ncclSum;
-}
+using nccl::Header;
+using nccl::Kind;
 
 class NcclProcessGroup : public ProcessGroup {
  public:
@@ -74,6 +45,7 @@ class NcclProcessGroup : public ProcessGroup {
       if (value.size() != sizeof(id)) fail(StatusCode::kRemote, "malformed NCCL unique id in the store");
       std::memcpy(&id, value.data(), sizeof(id));
     }
+    // NCCL binds the communicator to the device current at init.
     cuda::DeviceGuard guard(device().index);
     try {
       cuda::check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
@@ -86,15 +58,11 @@ class NcclProcessGroup : public ProcessGroup {
     }
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
+    op_ = "creating the NCCL communicator";
     auto deadline = Clock::now() + timeout();
     ncclResult_t rc = ncclCommInitRankConfig(&comm_, size(), id, rank(), &config);
-    if (rc != ncclSuccess && rc != ncclInProgress) {
-      abort_comm();
-      release();
-      check_nccl(rc, "ncclCommInitRankConfig");
-    }
     try {
-      await_comm(deadline, "creating the NCCL communicator", false);
+      enqueue(rc, "ncclCommInitRankConfig", deadline, false);
     } catch (...) {
       abort_comm();
       release();
@@ -114,119 +82,135 @@ class NcclProcessGroup : public ProcessGroup {
 
   void run_all_reduce(const Tensor& t, ReduceOp op) override {
     cuda::DeviceGuard guard(device().index);
-    auto deadline = exchange(1, t.dtype(), t.numel(), op, -1);
+    auto deadline = exchange(Kind::kAllReduce, t.dtype(), t.numel(), op, -1, t.describe());
     enqueue(ncclAllReduce(t.data(), t.data(), static_cast<size_t>(t.numel()), cuda::nccl_type(t.dtype()),
-                          nccl_op(t.dtype(), op), comm_, stream_),
-            "ncclAllReduce", deadline);
-    await(deadline, "all_reduce", t);
+                          nccl::nccl_op(t.dtype(), op), comm_, stream_),
+            "ncclAllReduce", deadline, true);
+    wait_stream(deadline, true);
   }
 
   void run_broadcast(const Tensor& t, int32_t root) override {
     cuda::DeviceGuard guard(device().index);
-    auto deadline = exchange(2, t.dtype(), t.numel(), ReduceOp::kSum, root);
-    enqueue(ncclBroadcast(t.data(), t.data(), t.nbytes(), ncclUint8, root, comm_, stream_), "ncclBroadcast", deadline);
-    await(deadline, "broadcast", t);
+    auto deadline = exchange(Kind::kBroadcast, t.dtype(), t.numel(), ReduceOp::kSum, root, t.describe());
+    enqueue(ncclBroadcast(t.data(), t.data(), t.nbytes(), ncclUint8, root, comm_, stream_), "ncclBroadcast", deadline,
+            true);
+    wait_stream(deadline, true);
   }
 
   void run_all_gather(const Tensor& input, const std::vector<Tensor>& outputs) override {
     cuda::DeviceGuard guard(device().index);
-    auto deadline = exchange(3, input.dtype(), input.numel(), ReduceOp::kSum, -1);
     size_t nbytes = input.nbytes();
-    uint8_t* flat = scratch(nbytes * static_cast<size_t>(size()));
-    enqueue(ncclAllGather(input.data(), flat, nbytes, ncclUint8, comm_, stream_), "ncclAllGather", deadline);
+    // Before the exchange: running out of memory here fails this rank alone, in step.
+    uint8_t* flat = scratch(nbytes * static_cast<size_t>(size()), "all_gather");
+    auto deadline = exchange(Kind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, input.describe());
+    enqueue(ncclAllGather(input.data(), flat, nbytes, ncclUint8, comm_, stream_), "ncclAllGather", deadline, true);
     for (int32_t r = 0; r < size(); ++r) {
-      cuda::check(cudaMemcpyAsync(outputs[r].data(), flat + nbytes * static_cast<size_t>(r), nbytes,
-                                  cudaMemcpyDeviceToDevice, stream_),
-                  "cudaMemcpyAsync");
+      check_cuda(cudaMemcpyAsync(outputs[r].data(), flat + nbytes * static_cast<size_t>(r), nbytes,
+                                 cudaMemcpyDeviceToDevice, stream_),
+                 "cudaMemcpyAsync");
     }
-    await(deadline, "all_gather", input);
+    wait_stream(deadline, true);
   }
 
   void run_reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override {
     cuda::DeviceGuard guard(device().index);
-    auto deadline = exchange(4, output.dtype(), output.numel(), op, -1);
     size_t nbytes = output.nbytes();
-    uint8_t* flat = scratch(nbytes * static_cast<size_t>(size()));
+    uint8_t* flat = scratch(nbytes * static_cast<size_t>(size()), "reduce_scatter");
+    auto deadline = exchange(Kind::kReduceScatter, output.dtype(), output.numel(), op, -1, output.describe());
     for (int32_t r = 0; r < size(); ++r) {
-      cuda::check(cudaMemcpyAsync(flat + nbytes * static_cast<size_t>(r), inputs[r].data(), nbytes,
-                                  cudaMemcpyDeviceToDevice, stream_),
-                  "cudaMemcpyAsync");
+      check_cuda(cudaMemcpyAsync(flat + nbytes * static_cast<size_t>(r), inputs[r].data(), nbytes,
+                                 cudaMemcpyDeviceToDevice, stream_),
+                 "cudaMemcpyAsync");
     }
+    // recvcount is per rank: the output's element count.
     enqueue(ncclReduceScatter(flat, output.data(), static_cast<size_t>(output.numel()), cuda::nccl_type(output.dtype()),
-                              nccl_op(output.dtype(), op), comm_, stream_),
-            "ncclReduceScatter", deadline);
-    await(deadline, "reduce_scatter", output);
+                              nccl::nccl_op(output.dtype(), op), comm_, stream_),
+            "ncclReduceScatter", deadline, true);
+    wait_stream(deadline, true);
   }
 
-  void run_barrier() override { exchange(5, DType::kUInt8, 0, ReduceOp::kSum, -1); }
+  void run_barrier() override {
+    cuda::DeviceGuard guard(device().index);
+    exchange(Kind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, "");
+  }
 
  private:
-  static void check_nccl(ncclResult_t rc, const char* call) {
-    if (rc != ncclSuccess && rc != ncclInProgress) {
-      fail(rc == ncclRemoteError || rc == ncclSystemError ? StatusCode::kRemote : StatusCode::kDevice, call,
-           " failed: ", ncclGetErrorString(rc), " (", ncclGetLastError(nullptr), ")");
+  void check_nccl(ncclResult_t rc, const char* call) const {
+    if (rc != ncclSuccess && rc != ncclInProgress) fail(nccl::status_of(rc), call, " failed: ", nccl_error(rc));
+  }
+
+  static std::string nccl_error(ncclResult_t rc) {
+    return str_cat(ncclGetErrorString(rc), " (", ncclGetLastError(nullptr), ")");
+  }
+
+  // A CUDA failure mid-collective leaves the ranks out of step: the communicator goes.
+  void check_cuda(cudaError_t rc, const char* call) {
+    if (rc == cudaSuccess) return;
+    abort_comm();
+    cuda::check(rc, call);
+  }
+
+  // A non-blocking communicator may return ncclInProgress while it is still
+  // taking a call in: nothing else may touch it or its stream until its state
+  // is ncclSuccess (NCCL's docs), so this waits for that, by the deadline.
+  void enqueue(ncclResult_t rc, const char* call, Clock::time_point deadline, bool exchanged) {
+    if (rc == ncclInProgress) {
+      wait(deadline, false, exchanged);
+    } else if (rc != ncclSuccess) {
+      abort_comm();
+      fail(nccl::status_of(rc), op_, tensor_.empty() ? "" : " of ", tensor_, " on rank ", rank(), " of ", size(), ": ",
+           call, " failed: ", nccl_error(rc));
     }
   }
 
-  // A non-blocking communicator may still be taking a call in when it
-  // returns ncclInProgress: the next call waits until it has (by the deadline).
-  void enqueue(ncclResult_t rc, const char* call, Clock::time_point deadline, bool exchanged = true) {
-    if (rc != ncclSuccess && rc != ncclInProgress) abort_comm();
-    check_nccl(rc, call);
-    if (rc == ncclInProgress) await_comm(deadline, call, exchanged);
-  }
-
-  void abort_comm() {
+  void abort_comm() noexcept {
     if (comm_ != nullptr) ncclCommAbort(comm_);
     comm_ = nullptr;
   }
 
-  void await_comm(Clock::time_point deadline, const char* what, bool exchanged) {
-    for (;;) {
-      ncclResult_t state = ncclSuccess;
-      check_nccl(ncclCommGetAsyncError(comm_, &state), "ncclCommGetAsyncError");
-      if (state == ncclSuccess) return;
-      if (state != ncclInProgress) {
-        abort_comm();
-        check_nccl(state, what);
-      }
-      if (Clock::now() >= deadline) {
-        abort_comm();
-        fail(StatusCode::kTimeout, what, " on rank ", rank(), " of ", size(), " timed out after ", timeout().count(),
-             " ms; the communicator was aborted: ", missing_ranks(exchanged));
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
-  }
+  void wait_stream(Clock::time_point deadline, bool exchanged) { wait(deadline, true, exchanged); }
 
-  // Polls the stream and the communicator until the queued work is done.
-  void await(Clock::time_point deadline, const char* op, const Tensor& t) {
+  // Polls the communicator's state, and with `stream` the stream, until done;
+  // an asynchronous error or the deadline aborts the communicator and fails.
+  void wait(Clock::time_point deadline, bool stream, bool exchanged) {
     for (;;) {
-      cudaError_t q = cudaStreamQuery(stream_);
-      if (q == cudaSuccess) return;
-      if (q != cudaErrorNotReady) cuda::check(q, "cudaStreamQuery");
+      if (stream) {
+        cudaError_t q = cudaStreamQuery(stream_);
+        if (q == cudaSuccess) return;
+        if (q != cudaErrorNotReady) check_cuda(q, "cudaStreamQuery");
+      }
       ncclResult_t state = ncclSuccess;
-      ncclCommGetAsyncError(comm_, &state);
+      ncclResult_t rc = ncclCommGetAsyncError(comm_, &state);
+      if (rc != ncclSuccess) state = rc;
+      if (!stream && state == ncclSuccess) return;
       if (state != ncclSuccess && state != ncclInProgress) {
         abort_comm();
-        fail(StatusCode::kRemote, op, " of ", t.describe(), " on rank ", rank(), " of ", size(),
-             " failed: ", ncclGetErrorString(state), "; the communicator was aborted: ", missing_ranks(true));
+        fail(nccl::status_of(state),
+             nccl::failure_message(op_, tensor_, rank(), size(), str_cat("failed: ", nccl_error(state)),
+                                   missing_ranks(exchanged)));
       }
       if (Clock::now() >= deadline) {
         abort_comm();
-        fail(StatusCode::kTimeout, op, " of ", t.describe(), " on rank ", rank(), " of ", size(), " timed out after ",
-             timeout().count(), " ms; the communicator was aborted: ", missing_ranks(true));
+        fail(StatusCode::kTimeout, nccl::failure_message(op_, tensor_, rank(), size(),
+                                                         str_cat("timed out after ", timeout().count(), " ms",
+                                                                 exchanged ? "" : " waiting for the other ranks"),
+                                                         missing_ranks(exchanged)));
       }
-      std::this_thread::yield();
+      if (stream) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
     }
   }
 
-  Clock::time_point exchange(uint32_t kind, DType dtype, int64_t numel, ReduceOp op, int32_t root) {
-    if (comm_ == nullptr) fail(StatusCode::kState, kind_name(kind), ": the NCCL communicator was aborted earlier");
+  Clock::time_point exchange(Kind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root, std::string tensor) {
+    op_ = nccl::kind_name(static_cast<uint32_t>(kind));
+    tensor_ = std::move(tensor);
+    if (comm_ == nullptr) fail(StatusCode::kState, op_, ": the NCCL communicator was aborted earlier");
     auto deadline = Clock::now() + timeout();
-    cuda::DeviceGuard guard(device().index);
     Header mine{};
-    mine.kind = kind;
+    mine.kind = static_cast<uint32_t>(kind);
     mine.dtype = static_cast<int32_t>(dtype);
     mine.op = static_cast<int32_t>(op);
     mine.root = root;
@@ -235,41 +219,15 @@ class NcclProcessGroup : public ProcessGroup {
     auto* all = static_cast<Header*>(host_headers_);
     all[rank()] = mine;
     auto* slot = static_cast<uint8_t*>(headers_) + sizeof(Header) * static_cast<size_t>(rank());
-    cuda::check(cudaMemcpyAsync(slot, &all[rank()], sizeof(Header), cudaMemcpyHostToDevice, stream_),
-                "cudaMemcpyAsync");
+    check_cuda(cudaMemcpyAsync(slot, &all[rank()], sizeof(Header), cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync");
+    // In place: this rank's slot of the gathered buffer is its send buffer.
     enqueue(ncclAllGather(slot, headers_, sizeof(Header), ncclUint8, comm_, stream_), "ncclAllGather", deadline, false);
-    cuda::check(
+    check_cuda(
         cudaMemcpyAsync(all, headers_, sizeof(Header) * static_cast<size_t>(size()), cudaMemcpyDeviceToHost, stream_),
         "cudaMemcpyAsync");
-    await_header(deadline, kind_name(kind));
-    for (int32_t r = 0; r < size(); ++r) {
-      const Header h = all[r];
-      if (h.kind != kind || h.seq != mine.seq) {
-        fail(StatusCode::kRemote, kind_name(kind), " (collective #", mine.seq, "): rank ", r, " called ",
-             kind_name(h.kind), " as its collective #", h.seq);
-      }
-      if (h.numel != numel || h.dtype != mine.dtype || h.op != mine.op || h.root != root) {
-        fail_invalid(kind_name(kind), ": arguments differ across ranks: rank ", rank(), " has ", numel, " elements of ",
-                     dtype_name(dtype), " (op ", reduce_op_name(op), ", root ", root, "), rank ", r, " has ", h.numel,
-                     " elements of ", dtype_name(static_cast<DType>(h.dtype)), " (op ",
-                     reduce_op_name(static_cast<ReduceOp>(h.op)), ", root ", h.root, ")");
-      }
-    }
+    wait_stream(deadline, false);
+    nccl::check_headers(mine, all, rank(), size());
     return deadline;
-  }
-
-  void await_header(Clock::time_point deadline, const char* op) {
-    for (;;) {
-      cudaError_t q = cudaStreamQuery(stream_);
-      if (q == cudaSuccess) return;
-      if (q != cudaErrorNotReady) cuda::check(q, "cudaStreamQuery");
-      if (Clock::now() >= deadline) {
-        abort_comm();
-        fail(StatusCode::kTimeout, op, " on rank ", rank(), " of ", size(), " timed out after ", timeout().count(),
-             " ms waiting for the other ranks' headers; the communicator was aborted: ", missing_ranks(false));
-      }
-      std::this_thread::yield();
-    }
   }
 
   // The ranks that did not report the failure of the current collective
@@ -278,12 +236,18 @@ class NcclProcessGroup : public ProcessGroup {
     return find_missing_ranks(*store_, prefix_, rank(), size(), seq_, exchanged);
   }
 
-  uint8_t* scratch(size_t nbytes) {
+  uint8_t* scratch(size_t nbytes, const char* op) {
     if (scratch_bytes_ < nbytes) {
       if (scratch_ != nullptr) cudaFree(scratch_);
       scratch_ = nullptr;
       scratch_bytes_ = 0;
-      cuda::check(cudaMalloc(&scratch_, nbytes), "cudaMalloc");
+      cudaError_t rc = cudaMalloc(&scratch_, nbytes);
+      if (rc == cudaErrorMemoryAllocation) {
+        cudaGetLastError();
+        fail(StatusCode::kOutOfMemory, op, ": could not allocate ", nbytes, " bytes of scratch on ",
+             to_string(device()));
+      }
+      cuda::check(rc, "cudaMalloc");
       scratch_bytes_ = nbytes;
     }
     return static_cast<uint8_t*>(scratch_);
@@ -291,15 +255,20 @@ class NcclProcessGroup : public ProcessGroup {
 
   // A healthy communicator is finalized (bounded by the timeout) and
   // destroyed; a failed one, or one whose finalize does not finish, aborted.
+  // Any thread may destroy the group, so the group's device is made current.
   void release() noexcept {
+    int previous = -1;
+    bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device().index &&
+                    cudaSetDevice(device().index) == cudaSuccess;
     if (comm_ != nullptr) {
       bool finalized = false;
-      if (!broken() && ncclCommFinalize(comm_) == ncclSuccess) {
+      if (!broken()) {
+        // Non-blocking: ncclInProgress means the finalize has started.
+        ncclResult_t state = ncclCommFinalize(comm_);
         auto deadline = Clock::now() + timeout();
-        ncclResult_t state = ncclInProgress;
-        while (ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state == ncclInProgress &&
-               Clock::now() < deadline) {
+        while (state == ncclInProgress && Clock::now() < deadline) {
           std::this_thread::sleep_for(std::chrono::microseconds(100));
+          if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) break;
         }
         finalized = state == ncclSuccess;
       }
@@ -315,7 +284,9 @@ class NcclProcessGroup : public ProcessGroup {
     if (host_headers_ != nullptr) cudaFreeHost(host_headers_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
     scratch_ = headers_ = host_headers_ = nullptr;
+    scratch_bytes_ = 0;
     stream_ = nullptr;
+    if (switched) cudaSetDevice(previous);
   }
 
   std::shared_ptr<Store> store_;
@@ -327,6 +298,9 @@ class NcclProcessGroup : public ProcessGroup {
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
   uint64_t seq_ = 0;
+  // The collective in progress and its tensor, for error messages.
+  const char* op_ = "";
+  std::string tensor_;
 };
 
 }  // namespace

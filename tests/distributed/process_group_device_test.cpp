@@ -1,0 +1,92 @@
+// The base class's tensor checks for a CUDA backend, on a stand-in group:
+// tensors on another GPU than the group's never reach the backend. Wrapped
+// host memory labelled cuda stands in for GPU memory; nothing reads it.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "distributed/process_group.h"
+
+namespace dparallel::dist {
+namespace {
+
+class CountingCudaGroup : public ProcessGroup {
+ public:
+  CountingCudaGroup() : ProcessGroup(0, 2, Device{DeviceType::kCuda, 0}, Millis(1000)) {}
+  ~CountingCudaGroup() override { drain(); }
+  const char* backend_name() const override { return "nccl"; }
+  int runs = 0;
+
+ protected:
+  DeviceType tensor_device_type() const override { return DeviceType::kCuda; }
+  void run_all_reduce(const Tensor&, ReduceOp) override { ++runs; }
+  void run_broadcast(const Tensor&, int32_t) override { ++runs; }
+  void run_all_gather(const Tensor&, const std::vector<Tensor>&) override { ++runs; }
+  void run_reduce_scatter(const std::vector<Tensor>&, const Tensor&, ReduceOp) override { ++runs; }
+  void run_barrier() override { ++runs; }
+};
+
+float g_memory[64];
+
+Tensor on(DeviceType type, int32_t index) {
+  return Tensor::wrap(Storage::wrap(Device{type, index}, g_memory, sizeof g_memory, nullptr), 0, DType::kFloat32, {16});
+}
+
+// The message of the invalid-argument error `call` raises ("" if none).
+template <typename F>
+std::string invalid(F&& call) {
+  try {
+    call();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "no error";
+  return "";
+}
+
+TEST(ProcessGroupDevice, TensorOnAnotherGpuIsRejectedNamingTheArgumentAndBothGpus) {
+  CountingCudaGroup group;
+  Tensor other = on(DeviceType::kCuda, 1);
+  std::string m = invalid([&] { group.all_reduce(other, ReduceOp::kSum, false); });
+  EXPECT_NE(m.find("all_reduce: argument 'tensor'"), std::string::npos) << m;
+  EXPECT_NE(m.find("cuda:1"), std::string::npos) << m;
+  EXPECT_NE(m.find("is on cuda:0"), std::string::npos) << m;
+  m = invalid([&] { group.broadcast(other, 0, true); });
+  EXPECT_NE(m.find("broadcast: argument 'tensor'"), std::string::npos) << m;
+  EXPECT_EQ(group.runs, 0);
+}
+
+TEST(ProcessGroupDevice, OneOutputOrInputOnAnotherGpuIsNamedByIndex) {
+  CountingCudaGroup group;
+  Tensor mine = on(DeviceType::kCuda, 0), other = on(DeviceType::kCuda, 3);
+  std::string m = invalid([&] { group.all_gather(mine, {mine, other}, false); });
+  EXPECT_NE(m.find("'outputs[1]'"), std::string::npos) << m;
+  m = invalid([&] { group.reduce_scatter({other, mine}, mine, ReduceOp::kSum, false); });
+  EXPECT_NE(m.find("'inputs[0]'"), std::string::npos) << m;
+  m = invalid([&] { group.reduce_scatter({mine, mine}, other, ReduceOp::kSum, false); });
+  EXPECT_NE(m.find("'output'"), std::string::npos) << m;
+  EXPECT_EQ(group.runs, 0);
+}
+
+TEST(ProcessGroupDevice, CpuTensorOnACudaGroupIsRejected) {
+  CountingCudaGroup group;
+  std::string m = invalid([&] { group.all_reduce(on(DeviceType::kCpu, 0), ReduceOp::kSum, false); });
+  EXPECT_NE(m.find("works on cuda tensors"), std::string::npos) << m;
+  EXPECT_EQ(group.runs, 0);
+}
+
+TEST(ProcessGroupDevice, TensorsOnTheGroupsGpuRun) {
+  CountingCudaGroup group;
+  Tensor mine = on(DeviceType::kCuda, 0);
+  group.all_reduce(mine, ReduceOp::kAvg, false);
+  group.all_gather(mine, {mine, mine}, false);
+  group.reduce_scatter({mine, mine}, mine, ReduceOp::kMax, false);
+  group.broadcast(mine, 1, true)->wait();
+  EXPECT_EQ(group.runs, 4);
+}
+
+}  // namespace
+}  // namespace dparallel::dist
