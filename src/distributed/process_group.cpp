@@ -35,19 +35,24 @@ ReduceOp reduce_op_arg(int32_t code, const char* argument) {
 
 namespace {
 // How long a failed rank listens for the others' failure reports: until none is
-// new for kReportQuiet, kReportLimit at most; no request starts in the last
-// kLastRequest.
+// new for the quiet time (kReportQuiet, or half the window when that is
+// longer), until kReportLimit past the deadline, or kReportLimit when it failed
+// late, and never past kEarlyLimit; no request starts in the last kLastRequest.
+// A rank that fails early has time to spare: the others, woken by its closed
+// connections, may take a while to report on a loaded machine.
 constexpr Millis kReportQuiet{300};
 constexpr Millis kReportLimit{700};
+constexpr Millis kEarlyLimit{2000};
 constexpr Millis kLastRequest{100};
 }  // namespace
 
 std::string find_missing_ranks(Store& store, const std::string& prefix, int32_t rank, int32_t size, uint64_t seq,
-                               bool exchanged) {
+                               bool exchanged, std::chrono::steady_clock::time_point deadline) {
   using Clock = std::chrono::steady_clock;
   auto start = Clock::now();
-  auto hard_end = start + kReportLimit;
-  auto quiet_end = start + kReportQuiet;
+  auto hard_end = std::max(start + kReportLimit, std::min(start + kEarlyLimit, deadline + kReportLimit));
+  Millis quiet = std::max(kReportQuiet, std::chrono::duration_cast<Millis>(hard_end - start) / 2);
+  auto quiet_end = start + quiet;
   auto left = [&] { return std::max(std::chrono::duration_cast<Millis>(hard_end - Clock::now()), Millis(1)); };
   std::string base = str_cat(prefix, "failed/", seq, "/");
   std::vector<bool> reported(static_cast<size_t>(size), false);
@@ -75,7 +80,7 @@ std::string find_missing_ranks(Store& store, const std::string& prefix, int32_t 
       } catch (const Error&) {
         store_gone = true;  // rank 0 may be done and gone: report what is known
       }
-      if (reported[r]) quiet_end = Clock::now() + kReportQuiet;
+      if (reported[r]) quiet_end = Clock::now() + quiet;
       missing += reported[r] ? 0 : 1;
     }
     auto now = Clock::now();

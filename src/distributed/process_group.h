@@ -5,6 +5,7 @@
 // later collectives fail at once with kState.
 #pragma once
 
+#include <chrono>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -91,11 +92,12 @@ class ProcessGroup {
 };
 
 std::unique_ptr<ProcessGroup> create_process_group(const ProcessGroupOptions& options);
-// After a failed collective #seq: reports this rank's failure through the
-// store under `prefix` and names the ranks that reported none for it (the
-// others fail at once too, so it listens briefly: under a second).
+// After a failed collective #seq whose deadline is `deadline`: reports this
+// rank's failure through the store under `prefix` and names the ranks that
+// reported none for it. The others fail soon too, so it listens briefly: under
+// a second past the deadline, at most 2 s when it failed early.
 std::string find_missing_ranks(Store& store, const std::string& prefix, int32_t rank, int32_t size, uint64_t seq,
-                               bool exchanged);
+                               bool exchanged, std::chrono::steady_clock::time_point deadline);
 // Each backend's factory; the NCCL one fails with kUnsupported in a build without NCCL.
 std::unique_ptr<ProcessGroup> create_gloo_process_group(const ProcessGroupOptions& options);
 // The address Gloo binds to and advertises when DP_SOCKET_IFNAME is unset:

@@ -339,6 +339,21 @@ void run_mismatch(dp_process_group* pg) {
   dp_tensor* t = make(DP_FLOAT32, 100, rank, 0);
   CHECK_OK(dp_pg_all_reduce(pg, t, DP_SUM));
   dp_tensor_destroy(t);
+  // With three ranks or more: rank 1's size differs and the last rank calls
+  // another collective. Every rank must see the out-of-step rank, which breaks
+  // the group, rather than some seeing only the size and carrying on.
+  const int world = dp_process_group_size(pg);
+  if (world < 3) return;
+  dp_status s;
+  if (rank == world - 1) {
+    s = dp_pg_barrier(pg);
+  } else {
+    dp_tensor* u = make(DP_FLOAT32, rank == 1 ? 20 : 10, rank, 0);
+    s = dp_pg_all_reduce(pg, u, DP_SUM);
+    dp_tensor_destroy(u);
+  }
+  CHECK(s == DP_EREMOTE, "out of step and mismatched at once gave %d: %s", s, dp_last_error());
+  CHECK(std::strstr(dp_last_error(), "same order") != nullptr, "message: %s", dp_last_error());
 }
 
 // One rank (the last unless argv[2] names it) is killed during, or stops

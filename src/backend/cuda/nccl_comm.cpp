@@ -44,6 +44,7 @@ std::mutex& launch_mutex() {
 // this thread inside an NCCL group for good.
 std::vector<cudaStream_t> streams_of(const std::vector<int32_t>& devices) {
   std::vector<cudaStream_t> streams;
+  streams.reserve(devices.size());
   for (int32_t index : devices) streams.push_back(stream_of(index));
   return streams;
 }

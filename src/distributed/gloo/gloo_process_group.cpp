@@ -538,6 +538,8 @@ class GlooProcessGroup : public ProcessGroup {
     std::memcpy(slabs_->send(), &o.header, sizeof(Header));
     guarded(o, what, [&] { slabs_->run(); });
     o.exchanged = true;
+    // Out-of-step ranks first, over all ranks, then differing arguments: every
+    // rank sees the same headers, so all of them reach the same verdict.
     for (int32_t r = 0; r < size(); ++r) {
       Header h;
       std::memcpy(&h, slab(r), sizeof(Header));
@@ -549,6 +551,10 @@ class GlooProcessGroup : public ProcessGroup {
              "): rank ", r, " called ", op_kind_name(h.kind), " as its collective #", h.seq,
              "; every rank must issue the same collectives in the same order");
       }
+    }
+    for (int32_t r = 0; r < size(); ++r) {
+      Header h;
+      std::memcpy(&h, slab(r), sizeof(Header));
       if (h.numel != o.header.numel || h.dtype != o.header.dtype) {
         fail_invalid(op_kind_name(o.header.kind), ": tensors differ across ranks: rank ", rank(), " has ",
                      o.header.numel, " elements of ", dtype_name(static_cast<DType>(o.header.dtype)), ", rank ", r,
@@ -589,15 +595,11 @@ class GlooProcessGroup : public ProcessGroup {
     }
     timed_out = timed_out || Clock::now() >= o.deadline;
     close_connections();
-    std::string missing = missing_ranks(o.header.seq, o.exchanged);
+    std::string missing = find_missing_ranks(*store_, prefix_, rank(), size(), o.header.seq, o.exchanged, o.deadline);
     fail(timed_out ? StatusCode::kTimeout : StatusCode::kRemote, op_kind_name(o.header.kind), " of ", what,
          " (collective #", o.header.seq, ") on rank ", rank(), " of ", size(),
          timed_out ? str_cat(" timed out after ", timeout().count(), " ms") : std::string(" failed"), ": ", missing,
          "; gloo: ", cause);
-  }
-
-  std::string missing_ranks(uint64_t seq, bool exchanged) {
-    return find_missing_ranks(*store_, prefix_, rank(), size(), seq, exchanged);
   }
 
   // A rank that closes its connections while a peer is still reading the

@@ -187,14 +187,14 @@ class NcclProcessGroup : public ProcessGroup {
         abort_comm();
         fail(nccl::status_of(state),
              nccl::failure_message(op_, tensor_, rank(), size(), str_cat("failed: ", nccl_error(state)),
-                                   missing_ranks(exchanged)));
+                                   missing_ranks(exchanged, deadline)));
       }
       if (Clock::now() >= deadline) {
         abort_comm();
         fail(StatusCode::kTimeout, nccl::failure_message(op_, tensor_, rank(), size(),
                                                          str_cat("timed out after ", timeout().count(), " ms",
                                                                  exchanged ? "" : " waiting for the other ranks"),
-                                                         missing_ranks(exchanged)));
+                                                         missing_ranks(exchanged, deadline)));
       }
       if (stream) {
         std::this_thread::yield();
@@ -232,8 +232,8 @@ class NcclProcessGroup : public ProcessGroup {
 
   // The ranks that did not report the failure of the current collective
   // (see find_missing_ranks); before the first collective, of the creation.
-  std::string missing_ranks(bool exchanged) {
-    return find_missing_ranks(*store_, prefix_, rank(), size(), seq_, exchanged);
+  std::string missing_ranks(bool exchanged, Clock::time_point deadline) {
+    return find_missing_ranks(*store_, prefix_, rank(), size(), seq_, exchanged, deadline);
   }
 
   uint8_t* scratch(size_t nbytes, const char* op) {
