@@ -1,7 +1,8 @@
 // Options (nccl-tests names): -b min bytes, -e max bytes, -f factor, -d dtype,
 // -o reduce op, -r root, -n ops per sample (default: 256 MiB / size, 1..200),
 // -s samples (21), -w warm-up ops (default max(2, n/10)), -c 0 to skip the
-// check. Sizes take K/M/G suffixes (KiB...). For all_gather and
+// check, --device cpu|cuda (default cpu; cuda puts each rank on cuda:LOCAL_RANK
+// and uses NCCL). Sizes take K/M/G suffixes (KiB...). For all_gather and
 // reduce_scatter the size is the whole gathered or scattered buffer, as in
 // nccl-tests. Time: per sample, a barrier then n back-to-back ops; per-op time
 // is the sample's time / n, the maximum over ranks; the table gives the
@@ -34,6 +35,7 @@ struct Options {
   int samples = 21;
   long warmup = -1;
   bool check = true;
+  int32_t device_type = DP_DEVICE_CPU;
 };
 
 long long parse_size(const char* text) {
@@ -82,26 +84,40 @@ double now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 // Element i of rank r's buffer; small integers keep every dtype exact.
 double pattern(int r, long long i) { return static_cast<double>((r + 1) + (i % 5)); }
 
-struct Tensor {
-  dp_tensor* t = nullptr;
-  Tensor(int32_t dtype, long long n) {
-    int64_t shape[1] = {n};
-    if (dp_tensor_create(&t, dtype, 1, shape, dp_device{DP_DEVICE_CPU, 0}) != DP_OK) {
-      std::fprintf(stderr, "dp-perf: %s\n", dp_last_error());
-      std::exit(1);
-    }
-  }
-  ~Tensor() { dp_tensor_destroy(t); }
-  Tensor(const Tensor&) = delete;
-  Tensor& operator=(const Tensor&) = delete;
-  void* data() const { return dp_tensor_data(t); }
-};
-
 void fail_on(dp_status s, const char* what) {
   if (s != DP_OK) {
     std::fprintf(stderr, "dp-perf: %s failed: %s\n", what, dp_last_error());
     std::exit(1);
   }
+}
+
+// A tensor on the group's device, written and read through host copies so
+// that CPU and GPU runs check the same way.
+struct Tensor {
+  dp_tensor* t = nullptr;
+  Tensor(int32_t dtype, long long n, dp_device device) {
+    int64_t shape[1] = {n};
+    fail_on(dp_tensor_create(&t, dtype, 1, shape, device), "creating a tensor");
+  }
+  ~Tensor() { dp_tensor_destroy(t); }
+  Tensor(const Tensor&) = delete;
+  Tensor& operator=(const Tensor&) = delete;
+  std::vector<uint8_t> read() const {
+    std::vector<uint8_t> bytes(dp_tensor_nbytes(t));
+    fail_on(dp_tensor_copy_to_host(t, bytes.data(), bytes.size()), "copying to the host");
+    return bytes;
+  }
+  void write(const std::vector<uint8_t>& bytes) {
+    fail_on(dp_tensor_copy_from_host(t, bytes.data(), bytes.size()), "copying from the host");
+  }
+};
+
+// This rank's device for --device: cuda:LOCAL_RANK (or mpirun's local rank).
+dp_device rank_device(int32_t type) {
+  if (type == DP_DEVICE_CPU) return dp_device{DP_DEVICE_CPU, 0};
+  const char* local = std::getenv("LOCAL_RANK");
+  if (local == nullptr) local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+  return dp_device{DP_DEVICE_CUDA, local != nullptr ? std::atoi(local) : 0};
 }
 
 }  // namespace
@@ -169,18 +185,24 @@ int dp_perf_dist_main(const char* op_name, int argc, char** argv) {
       o.warmup = std::atol(v);
     else if (a == "-c")
       o.check = std::atoi(v) != 0;
+    else if (a == "--device")
+      o.device_type = std::strcmp(v, "cpu") == 0 ? DP_DEVICE_CPU : std::strcmp(v, "cuda") == 0 ? DP_DEVICE_CUDA : -1;
     else {
       std::fprintf(stderr, "dp-perf: unknown option %s\n", a.c_str());
       return 2;
     }
   }
-  if (o.dtype < 0 || o.op < 0 || o.min_bytes <= 0 || o.max_bytes < o.min_bytes || o.factor <= 1 || o.samples <= 0) {
-    std::fprintf(stderr, "dp-perf: bad options (dtype, op, -b/-e sizes, -f > 1, -s > 0)\n");
+  if (o.dtype < 0 || o.op < 0 || o.min_bytes <= 0 || o.max_bytes < o.min_bytes || o.factor <= 1 || o.samples <= 0 ||
+      o.device_type < 0) {
+    std::fprintf(stderr, "dp-perf: bad options (dtype, op, -b/-e sizes, -f > 1, -s > 0, --device cpu|cuda)\n");
     return 2;
   }
 
+  const dp_device device = rank_device(o.device_type);
+  dp_process_group_options pg_options = DP_PROCESS_GROUP_OPTIONS_INIT;
+  pg_options.device = device;
   dp_process_group* pg = nullptr;
-  fail_on(dp_process_group_create_from_env(&pg, nullptr), "creating the process group from the environment");
+  fail_on(dp_process_group_create_from_env(&pg, &pg_options), "creating the process group from the environment");
   const int rank = dp_process_group_rank(pg), world = dp_process_group_size(pg);
   const size_t esize = dp_dtype_size(o.dtype);
   if (o.root < 0 || o.root >= world) {
@@ -202,9 +224,9 @@ int dp_perf_dist_main(const char* op_name, int argc, char** argv) {
     long long count = bytes / static_cast<long long>(esize) / (whole ? world : 1);
     if (count <= 0) continue;
     bytes = count * static_cast<long long>(esize) * (whole ? world : 1);
-    Tensor buf(o.dtype, count);
+    Tensor buf(o.dtype, count, device);
     std::vector<Tensor*> many;
-    for (int r = 0; r < (whole ? world : 0); ++r) many.push_back(new Tensor(o.dtype, count));
+    for (int r = 0; r < (whole ? world : 0); ++r) many.push_back(new Tensor(o.dtype, count, device));
     std::vector<dp_tensor*> handles;
     for (Tensor* t : many) handles.push_back(t->t);
     auto run = [&] {
@@ -216,28 +238,33 @@ int dp_perf_dist_main(const char* op_name, int argc, char** argv) {
 
     long long wrong = 0;
     if (o.check) {
-      for (long long i = 0; i < count; ++i) perf::store(o.dtype, buf.data(), i, pattern(rank, i));
+      std::vector<uint8_t> host(static_cast<size_t>(count) * esize);
+      for (long long i = 0; i < count; ++i) perf::store(o.dtype, host.data(), i, pattern(rank, i));
+      buf.write(host);
       for (int r = 0; r < static_cast<int>(many.size()); ++r) {
-        for (long long i = 0; i < count; ++i) perf::store(o.dtype, many[r]->data(), i, pattern(rank, i + r * count));
+        for (long long i = 0; i < count; ++i) perf::store(o.dtype, host.data(), i, pattern(rank, i + r * count));
+        many[r]->write(host);
       }
     }
     fail_on(run(), op.c_str());
     if (o.check) {
+      std::vector<uint8_t> result = buf.read();
       for (long long i = 0; i < count; ++i) {
-        if (op == "all_reduce")
-          wrong += !close_enough(o.dtype, perf::load(o.dtype, buf.data(), i), reduce_expected(o.op, world, i));
-        if (op == "broadcast") wrong += !close_enough(o.dtype, perf::load(o.dtype, buf.data(), i), pattern(o.root, i));
-        if (op == "reduce_scatter") {
-          wrong += !close_enough(o.dtype, perf::load(o.dtype, buf.data(), i),
-                                 reduce_expected(o.op, world, i + rank * count));
-        }
+        double got = perf::load(o.dtype, result.data(), i);
+        if (op == "all_reduce") wrong += !close_enough(o.dtype, got, reduce_expected(o.op, world, i));
+        if (op == "broadcast") wrong += !close_enough(o.dtype, got, pattern(o.root, i));
+        if (op == "reduce_scatter")
+          wrong += !close_enough(o.dtype, got, reduce_expected(o.op, world, i + rank * count));
       }
       for (int r = 0; op == "all_gather" && r < world; ++r) {
+        std::vector<uint8_t> gathered = many[r]->read();
         for (long long i = 0; i < count; ++i)
-          wrong += !close_enough(o.dtype, perf::load(o.dtype, many[r]->data(), i), pattern(r, i));
+          wrong += !close_enough(o.dtype, perf::load(o.dtype, gathered.data(), i), pattern(r, i));
       }
-      std::memset(buf.data(), 0, static_cast<size_t>(count) * esize);
-      for (Tensor* t : many) std::memset(t->data(), 0, static_cast<size_t>(count) * esize);
+      // Zeros keep repeated in-place reductions finite during the timing.
+      std::vector<uint8_t> zeros(static_cast<size_t>(count) * esize, 0);
+      buf.write(zeros);
+      for (Tensor* t : many) t->write(zeros);
     }
     long k = o.ops > 0 ? o.ops : std::max(1LL, std::min(200LL, (256LL << 20) / bytes));
     long warm = o.warmup >= 0 ? o.warmup : std::max(2L, k / 10);
@@ -250,15 +277,16 @@ int dp_perf_dist_main(const char* op_name, int argc, char** argv) {
       t[static_cast<size_t>(s)] = (now() - t0) / static_cast<double>(k);
     }
     // The op is done when the slowest rank is: the maximum over ranks.
-    int64_t shape[1] = {o.samples + 1};
-    dp_tensor* times = nullptr;
-    fail_on(dp_tensor_create(&times, DP_FLOAT64, 1, shape, dp_device{DP_DEVICE_CPU, 0}), "tensor");
-    std::memcpy(dp_tensor_data(times), t.data(), t.size() * sizeof(double));
-    static_cast<double*>(dp_tensor_data(times))[o.samples] = static_cast<double>(wrong);
-    fail_on(dp_pg_all_reduce(pg, times, DP_MAX), "all_reduce of the timings");
-    std::memcpy(t.data(), dp_tensor_data(times), t.size() * sizeof(double));
-    wrong = static_cast<long long>(static_cast<double*>(dp_tensor_data(times))[o.samples]);
-    dp_tensor_destroy(times);
+    Tensor times(DP_FLOAT64, o.samples + 1, device);
+    std::vector<uint8_t> time_bytes((t.size() + 1) * sizeof(double));
+    t.push_back(static_cast<double>(wrong));
+    std::memcpy(time_bytes.data(), t.data(), time_bytes.size());
+    times.write(time_bytes);
+    fail_on(dp_pg_all_reduce(pg, times.t, DP_MAX), "all_reduce of the timings");
+    time_bytes = times.read();
+    std::memcpy(t.data(), time_bytes.data(), time_bytes.size());
+    wrong = static_cast<long long>(t.back());
+    t.pop_back();
     total_wrong += wrong;
     for (Tensor* m : many) delete m;
 

@@ -65,6 +65,11 @@ devs="cpu:0,cuda:0"
 for op in broadcast reduce_add scatter gather; do
   step "dp-perf $op -d $devs" "$build/bench/dp-perf" "$op" -d "$devs" -b 1K -e 64M -f 8 -s 5 -w 2
 done
+# The NCCL process group across ranks, one rank per GPU (a 1-rank group on one GPU).
+for op in all_reduce broadcast all_gather reduce_scatter; do
+  step "dp-run -n $gpus dp-perf $op --device cuda" "$build/bench/dp-run" -n "$gpus" "$build/bench/dp-perf-dist" \
+    "$op" -b 4K -e 256M -f 4 -s 5 --device cuda
+done
 # dp-train: replicas on the GPUs against one device with the full batch.
 step "dp-train --devices cuda:0" "$build/examples/dp-train" --devices cuda:0 --steps 10
 step "dp-train --devices cuda:0,cpu:0" "$build/examples/dp-train" --devices cuda:0,cpu:0 --steps 10
