@@ -107,9 +107,15 @@ DP_API int32_t dp_process_group_size(const dp_process_group *pg);
 DP_API void dp_process_group_destroy(dp_process_group *pg);
 
 /* ---- collectives: in place; every rank passes tensors of equal sizes ---- */
+/* Tensors live on the group's device (DP_EINVAL naming the argument when
+ * not). Sizes, dtypes, ops or roots that differ across ranks are DP_EINVAL
+ * on every rank and the group stays usable; a rank out of step (another
+ * collective) is DP_EREMOTE and breaks the group. */
 typedef struct dp_work dp_work;
-/* DP_AVG divides the sum by the world size (integers truncate; not for bool).
- * On bool tensors SUM and MAX are logical or, PROD and MIN logical and. */
+/* DP_AVG divides the sum by the world size (integers truncate; not for bool);
+ * NCCL scales floats by 1/size instead, so results may differ from Gloo's in
+ * the last bit. On bool tensors SUM and MAX are logical or, PROD and MIN
+ * logical and. */
 DP_API dp_status dp_pg_all_reduce(dp_process_group *pg, dp_tensor *tensor, int32_t op);
 DP_API dp_status dp_pg_all_reduce_async(dp_process_group *pg, dp_tensor *tensor, int32_t op, dp_work **out);
 DP_API dp_status dp_pg_broadcast(dp_process_group *pg, dp_tensor *tensor, int32_t root);
