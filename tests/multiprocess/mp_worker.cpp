@@ -4,7 +4,7 @@
 // and DP_TEST_DEVICE=cuda puts each rank's tensors on cuda:LOCAL_RANK (NCCL).
 // Exit code 0 means every check passed; failures are printed.
 //   mp_worker collectives   every collective x op x dtype against expectations
-//   mp_worker large_reduce_scatter  reduce_scatter of 1 MiB and 4 MiB + 7 elements per rank
+//   mp_worker large_reduce_scatter  reduce_scatter of 1 MiB, 4 and 8 MiB + 7 elements per rank
 //   mp_worker mismatch      sizes differ across ranks: every rank gets DP_EINVAL
 //   mp_worker die [rank]    a rank (default the last) is killed during a large all_reduce
 //   mp_worker stop [rank]   a rank (default the last) stops (SIGSTOP) before an all_reduce
@@ -293,19 +293,22 @@ void check_reduce_scatter(const dp_tensor* out, int32_t dtype_index, int32_t op,
 }
 
 // Reduce-scatters beyond the small-block exchange, which take Gloo's
-// algorithms: every op, on outputs of 1 MiB (every dtype) and 4 MiB + 7
-// elements (an odd size, in a few dtypes).
+// algorithms: every op, on outputs of 1 MiB (every dtype), 4 MiB + 7
+// elements (an odd size, in a few dtypes) and 8 MiB + 7 elements.
 void run_large_reduce_scatter(dp_process_group* pg) {
   const int rank = dp_process_group_rank(pg), world = dp_process_group_size(pg);
-  std::vector<size_t> sizes = {std::size_t(1) << 20, (std::size_t(4) << 20) + 7};
+  // Past 8 MiB per rank the parts travel in several all-to-alls, the last one short.
+  std::vector<size_t> sizes = {std::size_t(1) << 20, (std::size_t(4) << 20) + 7, (std::size_t(8) << 20) + 7};
   for (size_t bytes : sizes) {
     for (int d = 0; d < 9; ++d) {
       int32_t dtype = kDtypes[d];
       bool odd = bytes % 2 != 0;
+      bool several = bytes > (std::size_t(8) << 20);
       if (odd && dtype != DP_FLOAT32 && dtype != DP_FLOAT16 && dtype != DP_BFLOAT16 && dtype != DP_INT8 &&
           dtype != DP_INT64) {
         continue;
       }
+      if (several && dtype != DP_FLOAT32 && dtype != DP_INT64) continue;
       size_t esize = dp_dtype_size(dtype);
       size_t n = odd ? ((bytes - 7) / esize) + 7 : bytes / esize;
       std::vector<dp_tensor*> inputs(static_cast<size_t>(world));
