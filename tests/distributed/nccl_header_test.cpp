@@ -10,14 +10,7 @@ namespace dparallel::dist::nccl {
 namespace {
 
 Header header(Kind kind, DType dtype, int64_t numel, uint64_t seq, ReduceOp op = ReduceOp::kSum, int32_t root = -1) {
-  Header h{};
-  h.kind = static_cast<uint32_t>(kind);
-  h.dtype = static_cast<int32_t>(dtype);
-  h.op = static_cast<int32_t>(op);
-  h.root = root;
-  h.numel = numel;
-  h.seq = seq;
-  return h;
+  return make_header(kind, dtype, numel, seq, op, root);
 }
 
 // The error rank `rank` raises for the gathered headers `all`, or kOk.

@@ -24,6 +24,18 @@ struct Header {
 };
 static_assert(sizeof(Header) == 64, "the header is part of the wire format");
 
+inline Header make_header(Kind kind, DType dtype, int64_t numel, uint64_t seq, ReduceOp op = ReduceOp::kSum,
+                          int32_t root = -1) {
+  Header h{};
+  h.kind = static_cast<uint32_t>(kind);
+  h.dtype = static_cast<int32_t>(dtype);
+  h.op = static_cast<int32_t>(op);
+  h.root = root;
+  h.numel = numel;
+  h.seq = seq;
+  return h;
+}
+
 inline const char* kind_name(uint32_t kind) {
   static const char* names[] = {"?", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"};
   return kind < 6 ? names[kind] : "?";

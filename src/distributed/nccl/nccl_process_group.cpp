@@ -209,13 +209,7 @@ class NcclProcessGroup : public ProcessGroup {
     tensor_ = std::move(tensor);
     if (comm_ == nullptr) fail(StatusCode::kState, op_, ": the NCCL communicator was aborted earlier");
     auto deadline = Clock::now() + timeout();
-    Header mine{};
-    mine.kind = static_cast<uint32_t>(kind);
-    mine.dtype = static_cast<int32_t>(dtype);
-    mine.op = static_cast<int32_t>(op);
-    mine.root = root;
-    mine.numel = numel;
-    mine.seq = ++seq_;
+    Header mine = nccl::make_header(kind, dtype, numel, ++seq_, op, root);
     auto* all = static_cast<Header*>(host_headers_);
     all[rank()] = mine;
     auto* slot = static_cast<uint8_t*>(headers_) + sizeof(Header) * static_cast<size_t>(rank());
