@@ -6,7 +6,8 @@
  * on every rank (DP_EINVAL for sizes and arguments), never a hang or silent
  * corruption. Every blocking call honours the group's timeout: when a peer
  * dies or stops answering, the call fails with DP_ETIMEOUT or DP_EREMOTE,
- * naming the collective, the tensor and the ranks that did not arrive, and
+ * naming the collective, the tensor and the ranks that did not arrive (or had
+ * not reported the failure when this rank stopped listening for them), and
  * the group is then broken (later collectives fail with DP_ESTATE) but can
  * still be destroyed.
  *

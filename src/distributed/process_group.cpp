@@ -93,7 +93,11 @@ std::string find_missing_ranks(Store& store, const std::string& prefix, int32_t 
     if (!reported[r]) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
   }
   if (missing.empty()) return "every rank reached it and failed";
-  if (exchanged) return "rank(s) " + missing + " stopped answering during the transfer (exited or stopped)";
+  if (exchanged) {
+    return str_cat("rank(s) ", missing, " did not report this failure within ",
+                   std::chrono::duration_cast<Millis>(Clock::now() - start).count(),
+                   " ms (exited or stopped, or still blocked in the transfer)");
+  }
   return "rank(s) " + missing + " did not arrive (exited, stopped, or in another call)";
 }
 

@@ -108,17 +108,23 @@ constexpr size_t kLargeSegmentBytes = 8 << 20;
 constexpr size_t kScatterSegmentBytes = 8 << 20;
 
 // An all-gather of fixed-size blocks over Gloo's ring with registered
-// buffers; two rings alternate (see above). All ranks must create their
-// exchanges in the same order.
+// buffers; two rings alternate (see above). Its buffers are allocated when it
+// is made, before a collective's header exchange; its rings, which take slots
+// of the context, by connect() or the first run, after the exchange: ranks
+// that passed different sizes make different exchanges, and the slots must
+// stay in step across ranks.
 class BlockExchange {
  public:
-  BlockExchange(const std::shared_ptr<gloo::Context>& context, int32_t rank, int32_t size, size_t block_bytes)
-      : rank_(rank), block_bytes_(block_bytes), send_(block_bytes) {
+  BlockExchange(std::shared_ptr<gloo::Context> context, int32_t rank, int32_t size, size_t block_bytes)
+      : context_(std::move(context)), rank_(rank), size_(size), block_bytes_(block_bytes), send_(block_bytes) {
     for (auto& r : recv_) r.resize(block_bytes * static_cast<size_t>(size));
-    if (size == 1) return;
+  }
+
+  void connect() {
+    if (size_ == 1 || rings_[0] != nullptr) return;
     for (int i = 0; i < 2; ++i) {
-      rings_[i] = std::make_unique<gloo::AllgatherRing<uint8_t>>(context, std::vector<const uint8_t*>{send_.data()},
-                                                                 recv_[i].data(), static_cast<int>(block_bytes));
+      rings_[i] = std::make_unique<gloo::AllgatherRing<uint8_t>>(context_, std::vector<const uint8_t*>{send_.data()},
+                                                                 recv_[i].data(), static_cast<int>(block_bytes_));
     }
   }
 
@@ -129,15 +135,18 @@ class BlockExchange {
 
   void run() {
     phase_ ^= 1;
-    if (rings_[phase_] == nullptr) {
+    if (size_ == 1) {
       std::memcpy(block(rank_), send_.data(), block_bytes_);
-    } else {
-      rings_[phase_]->run();
+      return;
     }
+    connect();
+    rings_[phase_]->run();
   }
 
  private:
+  std::shared_ptr<gloo::Context> context_;
   int32_t rank_;
+  int32_t size_;
   size_t block_bytes_;
   std::vector<uint8_t> send_;
   std::vector<uint8_t> recv_[2];
@@ -245,6 +254,7 @@ class GlooProcessGroup : public ProcessGroup {
         }
       }
       slabs_ = std::make_unique<BlockExchange>(slab_context_, rank(), size(), kSlabBytes);
+      slabs_->connect();
       if (size() > 1) watchdog_ = std::thread([this] { watch(); });
     } catch (const Error&) {
       throw;
