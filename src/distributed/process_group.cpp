@@ -40,8 +40,8 @@ namespace {
 // late, and never past kEarlyLimit; no request starts in the last kLastRequest.
 // A rank that fails early has time to spare: the others, woken by its closed
 // connections, may take a while to report on a loaded machine.
-constexpr Millis kReportQuiet{300};
-constexpr Millis kReportLimit{700};
+constexpr Millis kReportQuiet{250};
+constexpr Millis kReportLimit{500};
 constexpr Millis kEarlyLimit{2000};
 constexpr Millis kLastRequest{100};
 }  // namespace

@@ -1,7 +1,8 @@
 #!/bin/sh
 # The one command to verify dparallel's CUDA and NCCL paths on a GPU machine:
 #   tests/gpu/check.sh
-# Builds (Release, CUDA and NCCL on, sm_90) into build/gpu, runs every
+# Builds (Release, CUDA and NCCL on, for the GPUs present: CUDA_ARCHS
+# overrides) into build/gpu, runs every
 # CUDA/NCCL test, then the GPU benchmarks and dp-train on the GPUs. Fails if a
 # step fails, or if a GPU test skipped for a reason other than needing more
 # GPUs than this machine has.
@@ -30,18 +31,18 @@ echo "== $gpus GPU(s) visible to nvidia-smi"
 PATH="/usr/local/cuda/bin:$PATH"
 export PATH
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DDP_WITH_CUDA=ON -DDP_WITH_NCCL=ON \
-  -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null
+  -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-native}" >/dev/null
 cmake --build "$build" -j "$jobs"
 
 # Every CUDA/NCCL test, one at a time (the multi-process ones take the GPUs).
 regex='Cuda|Nccl'
 status=0
-ctest --test-dir "$build" -R "$regex" -V --timeout 600 >"$log" 2>&1 || status=$?
+ctest --test-dir "$build" -R "$regex" -V --timeout 600 --no-tests=error >"$log" 2>&1 || status=$?
 grep -E 'Test +#[0-9]+: ' "$log" | sed 's/^ *[0-9]*\/[0-9]* //'
 passed=$(grep -cE 'Test +#[0-9]+: .* Passed' "$log" || true)
 skipped=$(grep -cE 'Test +#[0-9]+: .*Skipped' "$log" || true)
 echo "== GPU tests: $passed passed, $skipped skipped, ctest status $status (full output: $log)"
-[ "$status" -eq 0 ] && note "PASS  GPU tests ($passed passed, $skipped skipped)" ||
+[ "$status" -eq 0 ] && [ "$passed" -gt 0 ] && note "PASS  GPU tests ($passed passed, $skipped skipped)" ||
   { note "FAIL  GPU tests (see $log)"; failed=1; }
 # A skip is fine only where the test needs more GPUs than there are, or
 # pins the behaviour without a GPU.

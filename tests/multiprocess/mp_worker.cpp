@@ -402,9 +402,9 @@ std::set<int> named_ranks(const std::string& message) {
 // missing rank, and still destroy the group.
 void run_failure(dp_process_group* pg, bool stop, bool reduce_scatter, int victim, int32_t timeout_ms) {
   const int rank = dp_process_group_rank(pg), world = dp_process_group_size(pg);
-  CHECK_OK(dp_pg_barrier(pg));
-  // 32 MiB to all-reduce, or 16 MiB per rank to reduce-scatter: the exit lands mid-transfer.
-  const size_t n = reduce_scatter ? 4u << 20 : 8u << 20;
+  // 32 MiB to all-reduce, or 64 MiB per rank to reduce-scatter (8 segments):
+  // the exit lands mid-transfer.
+  const size_t n = reduce_scatter ? 16u << 20 : 8u << 20;
   dp_tensor* t = make(DP_FLOAT32, n, rank, 0);
   std::vector<dp_tensor*> inputs;
   for (int q = 0; reduce_scatter && q < world; ++q) inputs.push_back(make(DP_FLOAT32, n, rank, 0));
@@ -412,6 +412,10 @@ void run_failure(dp_process_group* pg, bool stop, bool reduce_scatter, int victi
     return reduce_scatter ? dp_pg_reduce_scatter_async(pg, inputs.data(), inputs.size(), t, DP_SUM, w)
                           : dp_pg_all_reduce_async(pg, t, DP_SUM, w);
   };
+  // A first reduce_scatter allocates its scratch on every rank, so that the
+  // victim's exit lands in the transfer rather than before the header exchange.
+  if (reduce_scatter) CHECK_OK(dp_pg_reduce_scatter(pg, inputs.data(), inputs.size(), t, DP_SUM));
+  CHECK_OK(dp_pg_barrier(pg));
   if (rank == victim) {
     if (stop && !reduce_scatter) {
       raise(SIGSTOP);

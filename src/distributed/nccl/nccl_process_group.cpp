@@ -22,6 +22,9 @@ namespace dparallel::dist {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+// The longest a destroy waits for a healthy communicator's finalize, as a
+// Gloo group waits for its peers to leave.
+constexpr Millis kFinalizeBound{5000};
 using nccl::Header;
 using nccl::Kind;
 
@@ -247,8 +250,9 @@ class NcclProcessGroup : public ProcessGroup {
     return static_cast<uint8_t*>(scratch_);
   }
 
-  // A healthy communicator is finalized (bounded by the timeout) and
-  // destroyed; a failed one, or one whose finalize does not finish, aborted.
+  // A healthy communicator is finalized and destroyed; a failed one, or one
+  // whose finalize does not finish within kFinalizeBound (it waits for the
+  // peers to finalize too, and one may be gone), aborted.
   // Any thread may destroy the group, so the group's device is made current.
   void release() noexcept {
     int previous = -1;
@@ -259,7 +263,7 @@ class NcclProcessGroup : public ProcessGroup {
       if (!broken()) {
         // Non-blocking: ncclInProgress means the finalize has started.
         ncclResult_t state = ncclCommFinalize(comm_);
-        auto deadline = Clock::now() + timeout();
+        auto deadline = Clock::now() + std::min(timeout(), kFinalizeBound);
         while (state == ncclInProgress && Clock::now() < deadline) {
           std::this_thread::sleep_for(std::chrono::microseconds(100));
           if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) break;
