@@ -23,8 +23,10 @@ library=$1
 
 current=$(mktemp)
 trap 'rm -f "$current"' EXIT
+# Source and build paths are recorded relative to the checkout, so the
+# baseline names no machine's directories.
 abidw --headers-dir "$headers" --drop-private-types --exported-interfaces-only \
-  --no-show-locs --no-corpus-path "$library" >"$current"
+  --no-show-locs --no-corpus-path "$library" | sed "s|'$root/|'|g" >"$current"
 if ! grep -q "elf-symbol name='dp_get_api'" "$current"; then
   echo "error: abidw found no dp_get_api in $library (was it built with debug info?)" >&2
   exit 1
