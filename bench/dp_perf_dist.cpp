@@ -277,9 +277,10 @@ int dp_perf_dist_main(const char* op_name, int argc, char** argv) {
       t[static_cast<size_t>(s)] = (now() - t0) / static_cast<double>(k);
     }
     // The op is done when the slowest rank is: the maximum over ranks.
-    Tensor times(DP_FLOAT64, o.samples + 1, device);
-    std::vector<uint8_t> time_bytes((t.size() + 1) * sizeof(double));
+    // The count of wrong elements rides along with the timings.
     t.push_back(static_cast<double>(wrong));
+    Tensor times(DP_FLOAT64, static_cast<long long>(t.size()), device);
+    std::vector<uint8_t> time_bytes(t.size() * sizeof(double));
     std::memcpy(time_bytes.data(), t.data(), time_bytes.size());
     times.write(time_bytes);
     fail_on(dp_pg_all_reduce(pg, times.t, DP_MAX), "all_reduce of the timings");

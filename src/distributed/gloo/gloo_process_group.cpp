@@ -567,6 +567,13 @@ class GlooProcessGroup : public ProcessGroup {
 
   // Swaps headers (and inline payloads) with every rank, then checks that all
   // ranks called the same collective on the same sizes.
+  // Rank r's header of the last exchange (the slabs are not aligned for Header).
+  Header header_of(int32_t r) {
+    Header h;
+    std::memcpy(&h, slab(r), sizeof(Header));
+    return h;
+  }
+
   void exchange(Op& o, const std::string& what) {
     std::memcpy(slabs_->send(), &o.header, sizeof(Header));
     guarded(o, what, [&] { slabs_->run(); });
@@ -574,8 +581,7 @@ class GlooProcessGroup : public ProcessGroup {
     // Out-of-step ranks first, over all ranks, then differing arguments: every
     // rank sees the same headers, so all of them reach the same verdict.
     for (int32_t r = 0; r < size(); ++r) {
-      Header h;
-      std::memcpy(&h, slab(r), sizeof(Header));
+      const Header h = header_of(r);
       if (h.magic != kMagic || h.rank != r) {
         fail(StatusCode::kRemote, op_kind_name(o.header.kind), ": rank ", r, " sent a malformed header");
       }
@@ -586,8 +592,7 @@ class GlooProcessGroup : public ProcessGroup {
       }
     }
     for (int32_t r = 0; r < size(); ++r) {
-      Header h;
-      std::memcpy(&h, slab(r), sizeof(Header));
+      const Header h = header_of(r);
       if (h.numel != o.header.numel || h.dtype != o.header.dtype) {
         fail_invalid(op_kind_name(o.header.kind), ": tensors differ across ranks: rank ", rank(), " has ",
                      o.header.numel, " elements of ", dtype_name(static_cast<DType>(o.header.dtype)), ", rank ", r,
