@@ -51,7 +51,7 @@ dp_status handle_exception(const char* function) noexcept {
 const Tensor& tensor_arg(const dp_tensor* handle, const std::string& name) {
   if (handle == nullptr) fail_invalid("argument '", name, "' is NULL");
   if (handle->tag != kTensorTag) {
-    fail_invalid("argument '", name, "' is not a live dp_tensor handle (destroyed, or another type)");
+    fail_invalid("argument '", name, "' is not a dp_tensor handle");
   }
   return handle->tensor;
 }
@@ -107,7 +107,7 @@ void export_tensors(const std::vector<Tensor>& tensors, dp_tensor** out) {
 const std::shared_ptr<Module>& module_arg(const dp_module* handle, const std::string& name) {
   if (handle == nullptr) fail_invalid("argument '", name, "' is NULL");
   if (handle->tag != kModuleTag) {
-    fail_invalid("argument '", name, "' is not a live dp_module handle (destroyed, or another type)");
+    fail_invalid("argument '", name, "' is not a dp_module handle");
   }
   return handle->module;
 }
@@ -123,7 +123,7 @@ std::vector<std::shared_ptr<Module>> modules_arg(const dp_module* const* handles
 ReplicaSet& replica_set_arg(const dp_replica_set* handle, const char* name) {
   if (handle == nullptr) fail_invalid("argument '", name, "' is NULL");
   if (handle->tag != kReplicaSetTag) {
-    fail_invalid("argument '", name, "' is not a live dp_replica_set handle (destroyed, or another type)");
+    fail_invalid("argument '", name, "' is not a dp_replica_set handle");
   }
   return *handle->set;
 }

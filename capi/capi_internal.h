@@ -15,7 +15,9 @@
 #include "module/module.h"
 #include "module/replicate.h"
 
-// Handles carry a tag so that a destroyed or foreign pointer is reported, not used.
+// Handles carry a tag so that a handle of another type is refused. A destroyed
+// handle is undefined behaviour (dp_base.h); the tag is cleared on destroy only
+// to make such misuse likelier to be caught.
 constexpr uint64_t kTensorTag = 0x6470'7465'6e73'6f72ull;  // "dptensor"
 
 struct dp_tensor {

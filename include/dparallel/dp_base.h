@@ -8,8 +8,17 @@
  *   owned reference; release it with the matching `_destroy`, which accepts
  *   NULL. Arrays of output handles are caller-allocated and filled with new
  *   references. There are no borrowed handles.
- * - On failure, out-parameters are left NULL (handles) or untouched (values),
- *   and nothing the caller passed in is modified.
+ * - On failure: a handle out-parameter is set to NULL (when the pointer to it
+ *   is not itself NULL), value out-parameters and caller-allocated output
+ *   arrays are left untouched, no handle is created and nothing leaks. Inputs
+ *   are unchanged, with one exception: a call that writes tensors in place
+ *   (the dp_pg_* collectives and the in-process "_into" calls) may leave them
+ *   partly written when it fails after the transfer began. A failed
+ *   dp_tensor_from_blob/dp_tensor_from_dlpack leaves the memory with the
+ *   caller (the deleter is not called).
+ * - Handles are checked for NULL and for their type. Using a handle after its
+ *   `_destroy` (or destroying it twice) is undefined behaviour, as in libgit2
+ *   and zstd: the library may notice, but cannot promise to.
  * - No exception, abort or exit ever crosses this ABI.
  *
  * Thread safety: functions in this header are safe to call from any thread.

@@ -180,7 +180,7 @@ TEST(Module, BadRegistrationsAreRefused) {
   EXPECT_EQ(dp_module_register_module(root.get(), "self", root.get()), DP_EINVAL);
   // A tensor handle is not a module handle.
   EXPECT_EQ(dp_module_register_module(root.get(), "x", reinterpret_cast<dp_module*>(t.get())), DP_EINVAL);
-  EXPECT_TRUE(contains(last_error(), "not a live dp_module handle")) << last_error();
+  EXPECT_TRUE(contains(last_error(), "not a dp_module handle")) << last_error();
   EXPECT_EQ(dp_module_num_parameters(root.get()), 4u);
 }
 

@@ -255,7 +255,7 @@ TEST(ReplicaSet, ErrorsNameTheProblem) {
   EXPECT_TRUE(contains(last_error(), "changed since the replica set was made")) << last_error();
   EXPECT_EQ(dp_replica_set_sync(nullptr), DP_EINVAL);
   EXPECT_EQ(dp_replica_set_sync(reinterpret_cast<dp_replica_set*>(m.get())), DP_EINVAL);
-  EXPECT_TRUE(contains(last_error(), "not a live dp_replica_set handle")) << last_error();
+  EXPECT_TRUE(contains(last_error(), "not a dp_replica_set handle")) << last_error();
   EXPECT_EQ(dp_replica_set_size(nullptr), 0u);
   dp_replica_set_destroy(nullptr);
 }
