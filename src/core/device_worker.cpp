@@ -7,7 +7,7 @@
 #include <thread>
 #include <unordered_map>
 
-#include "backend/cuda/cuda_backend.h"
+#include "core/device_runtime.h"
 #include "core/error.h"
 
 namespace dparallel {
@@ -67,7 +67,7 @@ class Workers {
       // switches it cannot misplace the next one; a failure to do so is the
       // task's error.
       tasks[i].emplace_back([device = devices[i], work = std::move(works[i])] {
-        if (device.is_cuda()) cuda::set_device(device.index);
+        device_runtime(device.type).set_device(device.index);
         work();
       });
       done.push_back(tasks[i].front().get_future());
