@@ -18,8 +18,14 @@
  * released by dparallel. It must not call dp_parallel_apply, dp_data_parallel
  * or dp_replica_set_apply (DP_ESTATE, checked before anything changes).
  *
- * Thread safety: calls may come from any thread; the replicas and inputs of
- * one call must not be used elsewhere while it runs.
+ * Thread safety: calls may come from any thread, several at once, over the
+ * same devices in any order. Each call's replicas are queued on their
+ * devices' workers together, at the same place in every device's queue, so
+ * concurrent calls all finish as long as callbacks wait only on replicas of
+ * their own call (never on another call's callbacks, nor on anything that
+ * needs another call to finish first). Calls that share a device take turns
+ * on its worker. The replicas and inputs of one call (and a replica set) must
+ * not be used elsewhere while it runs.
  */
 #ifndef DPARALLEL_DP_PARALLEL_H
 #define DPARALLEL_DP_PARALLEL_H

@@ -1,7 +1,5 @@
 #include "core/allocator.h"
 
-#include <sys/mman.h>
-
 #include <atomic>
 #include <cstdlib>
 #include <map>
@@ -10,7 +8,6 @@
 #include <unordered_map>
 #include <vector>
 
-#include "backend/cuda/cuda_backend.h"
 #include "core/error.h"
 
 namespace dparallel {
@@ -36,14 +33,6 @@ size_t cache_limit_bytes() {
 }
 
 size_t round_up(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
-
-void* map_host(size_t bytes) {
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) fail(StatusCode::kOutOfMemory, "could not map ", bytes, " bytes of host memory");
-  // Fewer page faults and TLB misses for big buffers where the kernel allows it.
-  if (bytes >= kHugePage) madvise(p, bytes, MADV_HUGEPAGE);
-  return p;
-}
 
 // Freed large blocks of one device, keyed by rounded size.
 class BlockCache {
@@ -93,17 +82,12 @@ class BlockCache {
   }
 
  private:
-  Allocation fresh(size_t rounded) {
-    if (device_.is_cpu()) return {map_host(rounded), true};
-    return {cuda::allocate(device_.index, rounded), false};
-  }
+  Allocation fresh(size_t rounded) { return device_runtime(device_.type).allocate(device_.index, rounded); }
 
   void unmap(void* p, size_t rounded) noexcept {
-    if (device_.is_cpu()) {
-      munmap(p, rounded);
-    } else {
-      cuda::free(device_.index, p);
-    }
+    // A block exists only if its runtime allocated it.
+    const DeviceRuntime* runtime = find_device_runtime(device_.type);
+    if (runtime != nullptr) runtime->deallocate(device_.index, p, rounded);
   }
 
   Device device_;

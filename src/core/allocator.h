@@ -5,14 +5,9 @@
 
 #include <cstddef>
 
-#include "core/device.h"
+#include "core/device_runtime.h"
 
 namespace dparallel {
-
-struct Allocation {
-  void* data = nullptr;
-  bool zeroed = false;  // memory is known to hold zeros (fresh pages)
-};
 
 // Throws kOutOfMemory, or kDevice for a CUDA failure.
 Allocation device_allocate(const Device& device, size_t nbytes);

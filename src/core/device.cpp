@@ -4,7 +4,7 @@
 #include <string>
 #include <unordered_map>
 
-#include "backend/cuda/cuda_backend.h"
+#include "core/device_runtime.h"
 #include "core/error.h"
 
 namespace dparallel {
@@ -58,7 +58,10 @@ int32_t cpu_device_count() {
   return count;
 }
 
-int32_t cuda_device_count() { return cuda::device_count(); }
+int32_t cuda_device_count() {
+  const DeviceRuntime* runtime = find_device_runtime(DeviceType::kCuda);
+  return runtime == nullptr ? 0 : runtime->device_count();
+}
 
 Device check_device(int32_t type, int32_t index, const char* argument) {
   if (type != static_cast<int32_t>(DeviceType::kCpu) && type != static_cast<int32_t>(DeviceType::kCuda)) {
@@ -73,10 +76,15 @@ Device check_device(int32_t type, int32_t index, const char* argument) {
                    " logical CPU devices are allowed (set DP_NUM_CPU_DEVICES for more)");
     }
   } else {
-    int32_t gpus = cuda_device_count();
+    const DeviceRuntime* runtime = find_device_runtime(device.type);
+    if (runtime == nullptr) {
+      fail(StatusCode::kDevice, "argument '", argument, "' is ", to_string(device), " but ",
+           missing_runtime_reason(device.type));
+    }
+    int32_t gpus = runtime->device_count();
     if (index >= gpus) {
       fail(StatusCode::kDevice, "argument '", argument, "' is ", to_string(device), " but ",
-           gpus == 0 ? std::string(cuda::unavailable_reason()) : str_cat("only ", gpus, " GPU(s) are present"));
+           gpus == 0 ? std::string(runtime->unavailable_reason()) : str_cat("only ", gpus, " GPU(s) are present"));
     }
   }
   return device;

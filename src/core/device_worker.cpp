@@ -1,13 +1,14 @@
 #include "core/device_worker.h"
 
 #include <condition_variable>
-#include <deque>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
 
-#include "backend/cuda/cuda_backend.h"
+#include "core/device_runtime.h"
+#include "core/error.h"
 
 namespace dparallel {
 
@@ -15,63 +16,100 @@ namespace {
 
 thread_local Device t_current_device{DeviceType::kCpu, 0};
 
+using TaskList = std::list<std::packaged_task<void()>>;
+
+// Every worker's queue is guarded by one mutex, the workers' mutex, so that a
+// submission to several devices enters all their queues at once: every queue
+// then holds submissions in the same global order (see device_worker.h).
 class DeviceWorker {
  public:
-  explicit DeviceWorker(const Device& device) : device_(device) {
+  DeviceWorker(const Device& device, std::mutex& mutex) : device_(device), mutex_(mutex) {
     std::thread([this] { loop(); }).detach();
   }
 
-  std::future<void> submit(std::function<void()> work) {
-    // The device is made current before every task, so a task that switches
-    // it cannot misplace the next one; a failure to do so is the task's error.
-    std::packaged_task<void()> task([device = device_, work = std::move(work)] {
-      if (device.is_cuda()) cuda::set_device(device.index);
-      work();
-    });
-    std::future<void> done = task.get_future();
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      queue_.push_back(std::move(task));
-    }
-    wake_.notify_one();
-    return done;
-  }
+  // Appends the one task of `task`; the caller holds the workers' mutex.
+  // Splicing allocates nothing, so a submission cannot fail half-way.
+  void push_locked(TaskList& task) noexcept { queue_.splice(queue_.end(), task); }
+  void wake() { wake_.notify_one(); }
 
  private:
   void loop() {
     t_current_device = device_;
     for (;;) {
-      std::packaged_task<void()> task;
+      TaskList task;
       {
         std::unique_lock<std::mutex> lock(mutex_);
         wake_.wait(lock, [&] { return !queue_.empty(); });
-        task = std::move(queue_.front());
-        queue_.pop_front();
+        task.splice(task.end(), queue_, queue_.begin());
       }
-      task();
+      task.front()();
     }
   }
 
   Device device_;
-  std::mutex mutex_;
+  std::mutex& mutex_;
   std::condition_variable wake_;
-  std::deque<std::packaged_task<void()>> queue_;
+  TaskList queue_;
 };
 
-DeviceWorker& worker_of(const Device& device) {
+class Workers {
+ public:
+  std::vector<std::future<void>> submit(const std::vector<Device>& devices, std::vector<std::function<void()>> works) {
+    if (devices.size() != works.size()) {
+      fail(StatusCode::kInternal, devices.size(), " devices but ", works.size(), " works submitted");
+    }
+    // Everything that allocates happens before the lock is taken.
+    std::vector<TaskList> tasks(devices.size());
+    std::vector<std::future<void>> done;
+    done.reserve(devices.size());
+    for (size_t i = 0; i < devices.size(); ++i) {
+      // The device is made current before every task, so a task that
+      // switches it cannot misplace the next one; a failure to do so is the
+      // task's error.
+      tasks[i].emplace_back([device = devices[i], work = std::move(works[i])] {
+        device_runtime(device.type).set_device(device.index);
+        work();
+      });
+      done.push_back(tasks[i].front().get_future());
+    }
+    std::vector<DeviceWorker*> targets(devices.size());
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (size_t i = 0; i < devices.size(); ++i) targets[i] = &worker_locked(devices[i]);
+      for (size_t i = 0; i < devices.size(); ++i) targets[i]->push_locked(tasks[i]);
+    }
+    for (DeviceWorker* worker : targets) worker->wake();
+    return done;
+  }
+
+ private:
+  DeviceWorker& worker_locked(const Device& device) {
+    auto& slot = workers_[device];
+    if (!slot) slot = std::make_unique<DeviceWorker>(device, mutex_);
+    return *slot;
+  }
+
+  std::mutex mutex_;
+  std::unordered_map<Device, std::unique_ptr<DeviceWorker>> workers_;
+};
+
+Workers& workers() {
   // Leaked on purpose: the workers are detached threads that live as long as the process.
-  static auto* mutex = new std::mutex();
-  static auto* workers = new std::unordered_map<Device, std::unique_ptr<DeviceWorker>>();
-  std::lock_guard<std::mutex> lock(*mutex);
-  auto& slot = (*workers)[device];
-  if (!slot) slot = std::make_unique<DeviceWorker>(device);
-  return *slot;
+  static auto* instance = new Workers();
+  return *instance;
 }
 
 }  // namespace
 
 std::future<void> run_on_device(const Device& device, std::function<void()> work) {
-  return worker_of(device).submit(std::move(work));
+  std::vector<std::function<void()>> works;
+  works.push_back(std::move(work));
+  return std::move(workers().submit({device}, std::move(works)).front());
+}
+
+std::vector<std::future<void>> run_on_devices(const std::vector<Device>& devices,
+                                              std::vector<std::function<void()>> works) {
+  return workers().submit(devices, std::move(works));
 }
 
 Device current_device() { return t_current_device; }

@@ -3,9 +3,8 @@
 #include <cstring>
 #include <limits>
 
-#include "backend/cpu/cpu_kernels.h"
-#include "backend/cuda/cuda_backend.h"
 #include "core/allocator.h"
+#include "core/device_runtime.h"
 #include "core/error.h"
 
 namespace dparallel {
@@ -130,20 +129,13 @@ std::string Tensor::describe() const {
 
 void copy_bytes(void* dst, const Device& dst_device, const void* src, const Device& src_device, size_t nbytes) {
   if (nbytes == 0 || dst == src) return;
-  if (dst_device.is_cpu() && src_device.is_cpu()) {
-    cpu::parallel_copy(dst, src, nbytes);
-    return;
-  }
-  cuda::copy(dst, dst_device, src, src_device, nbytes);
+  copy_runtime(dst_device, src_device).copy_rows(dst, dst_device, nbytes, src, src_device, nbytes, nbytes, 1);
 }
 
 void copy_rows(void* dst, const Device& dst_device, size_t dst_pitch, const void* src, const Device& src_device,
                size_t src_pitch, size_t row_bytes, size_t rows) {
-  if (dst_device.is_cpu() && src_device.is_cpu()) {
-    cpu::copy_rows(dst, dst_pitch, src, src_pitch, row_bytes, rows);
-    return;
-  }
-  cuda::copy_rows(dst, dst_device, dst_pitch, src, src_device, src_pitch, row_bytes, rows);
+  copy_runtime(dst_device, src_device)
+      .copy_rows(dst, dst_device, dst_pitch, src, src_device, src_pitch, row_bytes, rows);
 }
 
 void copy_tensor(const Tensor& dst, const Tensor& src) {
@@ -155,11 +147,7 @@ void copy_tensor(const Tensor& dst, const Tensor& src) {
 
 void fill_zero(void* data, const Device& device, size_t nbytes) {
   if (nbytes == 0) return;
-  if (device.is_cpu()) {
-    cpu::parallel_zero(data, nbytes);
-  } else {
-    cuda::memset_zero(device.index, data, nbytes);
-  }
+  device_runtime(device.type).fill_zero(device.index, data, nbytes);
 }
 
 }  // namespace dparallel

@@ -43,25 +43,34 @@ std::vector<Tensor> parallel_apply(const std::vector<std::shared_ptr<Module>>& r
   }
   std::vector<Tensor> outputs(n);
   std::vector<std::exception_ptr> errors(n);
-  std::vector<std::future<void>> done;
-  done.reserve(n);
+  std::vector<std::function<void()>> works;
+  works.reserve(n);
   for (size_t i = 0; i < n; ++i) {
-    const Device& device = targets[i];
-    auto work = [&, i, device] {
+    works.emplace_back([&, i, device = targets[i]] {
       InsideReplicaForward inside;
       try {
         outputs[i] = fn(i, replicas[i], inputs[i], device);
       } catch (...) {
         errors[i] = std::current_exception();
       }
-    };
+    });
+  }
+  // Replicas may wait on each other, so they must all run at once. Queued one
+  // device at a time, two concurrent calls could interleave in opposite
+  // orders on two devices, each replica then waiting on a peer queued behind
+  // the other call's: a deadlock. Submitted together, the replicas hold the
+  // same place in every device's queue, so the earliest call always runs
+  // whole, and the persistent per-device workers (a callback's thread-local
+  // state, its current device) stay as they are.
+  std::vector<std::future<void>> done = run_on_devices(targets, std::move(works));
+  for (auto& f : done) f.wait();  // every replica finishes before anything is reported
+  for (size_t i = 0; i < n; ++i) {
     try {
-      done.push_back(run_on_device(device, work));
+      done[i].get();  // a device that could not be made current: the replica did not run
     } catch (...) {
-      errors[i] = std::current_exception();
+      if (!errors[i]) errors[i] = std::current_exception();
     }
   }
-  for (auto& f : done) f.wait();  // every replica finishes before anything is reported
   for (size_t i = 0; i < n; ++i) {
     if (!errors[i]) continue;
     try {

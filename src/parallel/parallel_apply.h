@@ -22,7 +22,9 @@ using ReplicaForward = std::function<Tensor(size_t index, const std::shared_ptr<
 // "replica i: " in front of its message. Two replicas on one device are
 // kInvalidArgument (they would run one after the other on its one worker, so
 // replicas that wait on each other would deadlock). Calling it from inside
-// `fn` is kState (it would wait on its own worker).
+// `fn` is kState (it would wait on its own worker). Concurrent calls from
+// other threads, over any of the same devices in any order, all finish when
+// every fn waits only on replicas of its own call (see run_on_devices).
 std::vector<Tensor> parallel_apply(const std::vector<std::shared_ptr<Module>>& replicas,
                                    const std::vector<Tensor>& inputs, const std::vector<Device>& devices,
                                    const ReplicaForward& fn);

@@ -221,3 +221,25 @@ TEST(ParallelApply, ArgumentsAreChecked) {
   EXPECT_TRUE(contains(last_error(), "'inputs[1]' is NULL")) << last_error();
   DP_EXPECT_OK(dp_parallel_apply(nullptr, nullptr, nullptr, 0, no_output, nullptr, nullptr));
 }
+
+// Before, the worker's failure to make the device current was dropped: the
+// call returned an empty output for a replica that never ran.
+TEST(ParallelApply, ADeviceThatCannotBeMadeCurrentFailsItsReplica) {
+  std::vector<std::shared_ptr<dparallel::Module>> replicas(1, std::make_shared<dparallel::Module>());
+  std::vector<dparallel::Tensor> inputs(1, dparallel::Tensor::zeros(dparallel::DType::kFloat32, {1}, {}));
+  std::vector<dparallel::Device> absent = {dparallel::Device{dparallel::DeviceType::kCuda, 9999}};
+  std::atomic<int> calls{0};
+  auto fn = [&](size_t, const std::shared_ptr<dparallel::Module>&, const dparallel::Tensor& x,
+                const dparallel::Device&) {
+    calls++;
+    return x;
+  };
+  try {
+    dparallel::parallel_apply(replicas, inputs, absent, fn);
+    FAIL() << "no error";
+  } catch (const dparallel::Error& e) {
+    EXPECT_EQ(e.code(), dparallel::StatusCode::kDevice);
+    EXPECT_TRUE(contains(e.what(), "replica 0: ")) << e.what();
+  }
+  EXPECT_EQ(calls.load(), 0);
+}

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "backend/cuda/cuda_check.h"
+#include "core/device_runtime.h"
 
 namespace dparallel::cuda {
 
@@ -58,11 +59,6 @@ int32_t device_count() { return probe().count; }
 
 const char* unavailable_reason() { return probe().reason.c_str(); }
 
-void set_device(int32_t index) {
-  require(index);
-  check(cudaSetDevice(index), "cudaSetDevice");
-}
-
 cudaStream_t stream_of(int32_t index) {
   static std::mutex mutex;
   static std::vector<cudaStream_t> streams;
@@ -77,62 +73,78 @@ cudaStream_t stream_of(int32_t index) {
   return stream;
 }
 
-void* allocate(int32_t index, size_t nbytes) {
-  require(index);
-  DeviceGuard guard(index);
-  void* data = nullptr;
-  cudaError_t status = cudaMalloc(&data, nbytes);
-  if (status == cudaErrorMemoryAllocation) {
-    cudaGetLastError();
-    fail(StatusCode::kOutOfMemory, "could not allocate ", nbytes, " bytes on cuda:", index);
+namespace {
+
+class CudaRuntime final : public DeviceRuntime {
+ public:
+  int32_t device_count() const override { return cuda::device_count(); }
+  const char* unavailable_reason() const override { return cuda::unavailable_reason(); }
+
+  void set_device(int32_t index) const override {
+    require(index);
+    check(cudaSetDevice(index), "cudaSetDevice");
   }
-  check(status, "cudaMalloc");
-  return data;
-}
 
-void free(int32_t index, void* data) noexcept {
-  if (data == nullptr || index < 0 || index >= device_count()) return;
-  int previous = 0;
-  cudaGetDevice(&previous);
-  cudaSetDevice(index);
-  cudaFree(data);
-  cudaSetDevice(previous);
-}
+  Allocation allocate(int32_t index, size_t nbytes) const override {
+    require(index);
+    DeviceGuard guard(index);
+    void* data = nullptr;
+    cudaError_t status = cudaMalloc(&data, nbytes);
+    if (status == cudaErrorMemoryAllocation) {
+      cudaGetLastError();
+      fail(StatusCode::kOutOfMemory, "could not allocate ", nbytes, " bytes on cuda:", index);
+    }
+    check(status, "cudaMalloc");
+    return {data, false};
+  }
 
-void memset_zero(int32_t index, void* data, size_t nbytes) {
-  require(index);
-  DeviceGuard guard(index);
-  cudaStream_t stream = stream_of(index);
-  check(cudaMemsetAsync(data, 0, nbytes, stream), "cudaMemsetAsync");
-  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-}
+  void deallocate(int32_t index, void* data, size_t) const noexcept override {
+    if (data == nullptr || index < 0 || index >= cuda::device_count()) return;
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(index);
+    cudaFree(data);
+    cudaSetDevice(previous);
+  }
 
-void copy(void* dst, const Device& dst_device, const void* src, const Device& src_device, size_t nbytes) {
-  copy_rows(dst, dst_device, nbytes, src, src_device, nbytes, nbytes, 1);
-}
+  void fill_zero(int32_t index, void* data, size_t nbytes) const override {
+    require(index);
+    DeviceGuard guard(index);
+    cudaStream_t stream = stream_of(index);
+    check(cudaMemsetAsync(data, 0, nbytes, stream), "cudaMemsetAsync");
+    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  }
 
-void copy_rows(void* dst, const Device& dst_device, size_t dst_pitch, const void* src, const Device& src_device,
-               size_t src_pitch, size_t row_bytes, size_t rows) {
-  if (row_bytes == 0 || rows == 0) return;
-  if (dst_device.is_cuda()) require(dst_device.index);
-  if (src_device.is_cuda()) require(src_device.index);
-  int32_t index = copy_device(dst_device, src_device);
-  DeviceGuard guard(index);
-  cudaStream_t stream = stream_of(index);
-  if (dst_device.is_cuda() && src_device.is_cuda() && dst_device.index != src_device.index) {
-    if (rows == 1) {
-      check(cudaMemcpyPeerAsync(dst, dst_device.index, src, src_device.index, row_bytes, stream),
-            "cudaMemcpyPeerAsync");
+  void copy_rows(void* dst, const Device& dst_device, size_t dst_pitch, const void* src, const Device& src_device,
+                 size_t src_pitch, size_t row_bytes, size_t rows) const override {
+    if (row_bytes == 0 || rows == 0) return;
+    if (dst_device.is_cuda()) require(dst_device.index);
+    if (src_device.is_cuda()) require(src_device.index);
+    int32_t index = copy_device(dst_device, src_device);
+    DeviceGuard guard(index);
+    cudaStream_t stream = stream_of(index);
+    if (dst_device.is_cuda() && src_device.is_cuda() && dst_device.index != src_device.index) {
+      if (rows == 1) {
+        check(cudaMemcpyPeerAsync(dst, dst_device.index, src, src_device.index, row_bytes, stream),
+              "cudaMemcpyPeerAsync");
+      } else {
+        // Unified addressing lets a 2D device-to-device copy cross GPUs.
+        check(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, cudaMemcpyDefault, stream),
+              "cudaMemcpy2DAsync");
+      }
     } else {
-      // Unified addressing lets a 2D device-to-device copy cross GPUs.
-      check(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, cudaMemcpyDefault, stream),
+      check(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, kind_of(dst_device, src_device), stream),
             "cudaMemcpy2DAsync");
     }
-  } else {
-    check(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, kind_of(dst_device, src_device), stream),
-          "cudaMemcpy2DAsync");
+    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
   }
-  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+};
+
+}  // namespace
+
+void register_runtime() {
+  static const DeviceRuntime* runtime = new CudaRuntime();  // lives as long as the process
+  register_device_runtime(DeviceType::kCuda, runtime);
 }
 
 }  // namespace dparallel::cuda

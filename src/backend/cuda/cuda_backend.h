@@ -1,5 +1,7 @@
-// The CUDA runtime as the core sees it. Every function is defined in both
-// builds: without CUDA, device_count() is 0 and the rest fail with kDevice.
+// The CUDA backend: its device runtime (registered with the core), kernels
+// and in-process NCCL, for comm/ and distributed/. Every function is defined
+// in both builds: without CUDA, no runtime is registered, device_count() is 0
+// and the rest fail with kDevice.
 #pragma once
 
 #include <cstddef>
@@ -12,17 +14,13 @@
 namespace dparallel::cuda {
 
 bool compiled();
+// Registers the cuda device runtime (memory, copies, fills, the current
+// device) with the core; without CUDA it registers nothing, so the core
+// reports cuda devices as unsupported by this build.
+void register_runtime();
 int32_t device_count();
 // Why no GPU can be used ("built without CUDA", the driver's error, ...).
 const char* unavailable_reason();
-void set_device(int32_t index);
-void* allocate(int32_t index, size_t nbytes);
-void free(int32_t index, void* data) noexcept;
-void memset_zero(int32_t index, void* data, size_t nbytes);
-// Any direction where at least one side is a GPU; returns when done.
-void copy(void* dst, const Device& dst_device, const void* src, const Device& src_device, size_t nbytes);
-void copy_rows(void* dst, const Device& dst_device, size_t dst_pitch, const void* src, const Device& src_device,
-               size_t src_pitch, size_t row_bytes, size_t rows);
 // Sum kernel on one GPU; every pointer is memory of that GPU. Semantics of cpu::add_n.
 void add_n(int32_t index, DType dtype, void* out, const void* const* inputs, size_t count, size_t numel);
 

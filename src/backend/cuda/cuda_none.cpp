@@ -10,14 +10,9 @@ namespace {
 }  // namespace
 
 bool compiled() { return false; }
+void register_runtime() {}
 int32_t device_count() { return 0; }
 const char* unavailable_reason() { return "dparallel was built without CUDA support (DP_WITH_CUDA=OFF)"; }
-void set_device(int32_t) { unavailable(); }
-void* allocate(int32_t, size_t) { unavailable(); }
-void free(int32_t, void*) noexcept {}
-void memset_zero(int32_t, void*, size_t) { unavailable(); }
-void copy(void*, const Device&, const void*, const Device&, size_t) { unavailable(); }
-void copy_rows(void*, const Device&, size_t, const void*, const Device&, size_t, size_t, size_t) { unavailable(); }
 void add_n(int32_t, DType, void*, const void* const*, size_t, size_t) { unavailable(); }
 void batched_copy(int32_t, const std::vector<Segment>&) { unavailable(); }
 

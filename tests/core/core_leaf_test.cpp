@@ -1,0 +1,109 @@
+// The base types linked alone, without any backend: that this binary links
+// at all pins that core/ needs nothing above it. With no runtime registered,
+// every device is a clear kDevice error; a registered one is what the core
+// allocates, copies, fills and switches devices with.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "core/allocator.h"
+#include "core/device_runtime.h"
+#include "core/device_worker.h"
+#include "core/error.h"
+#include "core/tensor.h"
+
+using namespace dparallel;
+
+namespace {
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+template <typename Fn>
+std::string device_error_of(Fn fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kDevice) << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "no error";
+  return "";
+}
+
+// Host memory behind a recording runtime.
+class RecordingRuntime final : public DeviceRuntime {
+ public:
+  int32_t device_count() const override { return 2; }
+  const char* unavailable_reason() const override { return ""; }
+  void set_device(int32_t index) const override { last_set_device = index; }
+  Allocation allocate(int32_t, size_t nbytes) const override {
+    ++allocations;
+    return {std::malloc(nbytes), false};
+  }
+  void deallocate(int32_t, void* data, size_t) const noexcept override {
+    ++deallocations;
+    std::free(data);
+  }
+  void fill_zero(int32_t, void* data, size_t nbytes) const override {
+    ++fills;
+    std::memset(data, 0, nbytes);
+  }
+  void copy_rows(void* dst, const Device&, size_t dst_pitch, const void* src, const Device&, size_t src_pitch,
+                 size_t row_bytes, size_t rows) const override {
+    ++copies;
+    for (size_t r = 0; r < rows; ++r) {
+      std::memcpy(static_cast<char*>(dst) + r * dst_pitch, static_cast<const char*>(src) + r * src_pitch, row_bytes);
+    }
+  }
+
+  mutable std::atomic<int> allocations{0}, deallocations{0}, fills{0}, copies{0}, last_set_device{-1};
+};
+
+}  // namespace
+
+TEST(CoreWithoutBackends, EveryDeviceTypeIsAClearDeviceErrorWithoutARuntime) {
+  ASSERT_EQ(find_device_runtime(DeviceType::kCpu), nullptr);
+  ASSERT_EQ(find_device_runtime(DeviceType::kCuda), nullptr);
+  EXPECT_TRUE(contains(device_error_of([] { Tensor::zeros(DType::kFloat32, {1}, Device{}); }),
+                       "no runtime is registered for cpu devices"));
+  std::string message = device_error_of([] {
+    Tensor::zeros(DType::kFloat32, {1 << 16}, Device{DeviceType::kCuda, 0});
+  });
+  EXPECT_TRUE(contains(message, "no runtime is registered for cuda devices")) << message;
+  message = device_error_of([] { check_device(Device{DeviceType::kCuda, 1}, "device"); });
+  EXPECT_TRUE(contains(message, "argument 'device' is cuda:1 but no runtime is registered for cuda devices"))
+      << message;
+  EXPECT_EQ(cuda_device_count(), 0);
+  EXPECT_TRUE(contains(device_error_of([] {
+                         run_on_device(Device{DeviceType::kCuda, 0}, [] {}).get();
+                       }),
+                       "no runtime is registered for cuda devices"));
+}
+
+TEST(CoreWithoutBackends, TheRegisteredRuntimeAllocatesCopiesFillsAndSetsTheDevice) {
+  static RecordingRuntime runtime;  // outlives the registration
+  register_device_runtime(DeviceType::kCuda, &runtime);
+  const Device gpu{DeviceType::kCuda, 1};
+  EXPECT_EQ(cuda_device_count(), 2);
+  EXPECT_EQ(check_device(gpu, "device"), gpu);
+  {
+    Tensor zeros = Tensor::zeros(DType::kInt32, {64}, gpu);
+    EXPECT_EQ(runtime.allocations.load(), 1);
+    EXPECT_EQ(runtime.fills.load(), 1);  // the runtime's memory is not known to be zero
+    for (int64_t i = 0; i < zeros.numel(); ++i) EXPECT_EQ(static_cast<const int32_t*>(zeros.data())[i], 0);
+    int32_t host[64];
+    for (int32_t i = 0; i < 64; ++i) host[i] = i;
+    copy_bytes(zeros.data(), gpu, host, Device{}, sizeof host);
+    EXPECT_EQ(runtime.copies.load(), 1);
+    EXPECT_EQ(static_cast<const int32_t*>(zeros.data())[63], 63);
+  }
+  release_cached_memory();
+  EXPECT_EQ(runtime.deallocations.load(), 1);
+  run_on_device(gpu, [] {}).get();
+  EXPECT_EQ(runtime.last_set_device.load(), 1);
+  register_device_runtime(DeviceType::kCuda, nullptr);
+  EXPECT_EQ(find_device_runtime(DeviceType::kCuda), nullptr);
+}

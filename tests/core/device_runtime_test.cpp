@@ -1,0 +1,70 @@
+// The device runtimes the library registers as it loads.
+#include "core/device_runtime.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "backend/cuda/cuda_backend.h"
+#include "core/device_worker.h"
+#include "core/error.h"
+#include "core/tensor.h"
+
+using namespace dparallel;
+
+namespace {
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// The message of the kDevice error `fn` throws, or "" (with a failure) if it does not.
+template <typename Fn>
+std::string device_error_of(Fn fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kDevice) << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "no error";
+  return "";
+}
+
+}  // namespace
+
+TEST(DeviceRuntimes, TheCpuRuntimeIsRegisteredWhenTheLibraryLoads) {
+  const DeviceRuntime* cpu = find_device_runtime(DeviceType::kCpu);
+  ASSERT_NE(cpu, nullptr);
+  EXPECT_EQ(cpu->device_count(), cpu_device_count());
+  // Large enough to come from the runtime rather than malloc.
+  std::vector<int32_t> values(size_t{1} << 16);
+  for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<int32_t>(i);
+  Tensor host = Tensor::zeros(DType::kInt32, {static_cast<int64_t>(values.size())}, Device{DeviceType::kCpu, 2});
+  copy_bytes(host.data(), host.device(), values.data(), Device{}, host.nbytes());
+  Tensor moved = host.to(Device{DeviceType::kCpu, 3});
+  EXPECT_EQ(std::vector<int32_t>(static_cast<const int32_t*>(moved.data()),
+                                 static_cast<const int32_t*>(moved.data()) + moved.numel()),
+            values);
+}
+
+TEST(DeviceRuntimes, CudaDevicesHaveARuntimeExactlyInBuildsWithCuda) {
+  const Device gpu{DeviceType::kCuda, 0};
+  if (cuda::compiled()) {
+    const DeviceRuntime* runtime = find_device_runtime(DeviceType::kCuda);
+    ASSERT_NE(runtime, nullptr);
+    EXPECT_EQ(runtime->device_count(), cuda::device_count());
+    EXPECT_EQ(cuda_device_count(), cuda::device_count());
+    return;
+  }
+  EXPECT_EQ(find_device_runtime(DeviceType::kCuda), nullptr);
+  EXPECT_EQ(cuda_device_count(), 0);
+  const std::string built_without = "dparallel was built without CUDA support";
+  EXPECT_TRUE(contains(device_error_of([] { device_runtime(DeviceType::kCuda); }), built_without));
+  std::string message = device_error_of([&] { check_device(gpu, "device"); });
+  EXPECT_TRUE(contains(message, "argument 'device' is cuda:0 but ")) << message;
+  EXPECT_TRUE(contains(message, built_without)) << message;
+  message = device_error_of([&] { Tensor::zeros(DType::kFloat32, {4}, gpu); });
+  EXPECT_TRUE(contains(message, built_without)) << message;
+  message = device_error_of([&] { run_on_device(gpu, [] {}).get(); });
+  EXPECT_TRUE(contains(message, built_without)) << message;
+}
