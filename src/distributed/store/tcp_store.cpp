@@ -19,6 +19,8 @@ using wire::ReplyStatus;
 namespace {
 
 constexpr const char* kJoinedKey = "__dp_store/joined";
+// How long a server whose workers did not all join may spend counting them.
+constexpr Millis kJoinedCountBound{2000};
 
 // How long past a held request's time the client waits for the server's answer.
 Millis reply_grace(Millis hold) { return std::clamp(hold / 10, Millis(100), Millis(1000)); }
@@ -83,18 +85,20 @@ TcpStore::~TcpStore() { disconnect(); }
 
 // Counts this handle as a worker; the server's waits for the last of them.
 void TcpStore::join_workers() {
-  ReplyDeadlineCap cap(options_.timeout);
-  int64_t number = add(kJoinedKey, 1);
-  set(str_cat(kJoinedKey, "/", number), {});
+  {
+    ReplyDeadlineCap cap(options_.timeout);
+    int64_t number = TcpStore::add(kJoinedKey, 1);
+    TcpStore::set(str_cat(kJoinedKey, "/", number), {});
+  }
   if (!options_.is_server) return;
   try {
-    wait({str_cat(kJoinedKey, "/", options_.world_size)}, options_.timeout);
+    TcpStore::wait({str_cat(kJoinedKey, "/", options_.world_size)}, options_.timeout);
   } catch (const Error& e) {
     if (e.code() != StatusCode::kTimeout) throw;
     int64_t joined = -1;
     try {
-      ReplyDeadlineCap brief(kMissingKeysBound);
-      joined = add(kJoinedKey, 0);
+      ReplyDeadlineCap brief(kJoinedCountBound);
+      joined = TcpStore::add(kJoinedKey, 0);
     } catch (const Error&) {
       // Only the count in the message is lost.
     }
