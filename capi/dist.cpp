@@ -156,6 +156,7 @@ dp_status dp_store_create_tcp(dp_store** out, const char* host, uint16_t port, i
   options.is_server = is_server != 0;
   options.timeout = timeout_arg(timeout_ms, "timeout_ms");
   options.token = env_token();
+  options.world_size = world_size;
   auto store = std::make_shared<dist::TcpStore>(options);
   *out = new dp_store{kStoreTag, store};
   DP_API_END

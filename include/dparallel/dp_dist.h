@@ -39,24 +39,53 @@ extern "C" {
 /* ---- stores: the contract of c10d's stores ---- */
 typedef struct dp_store dp_store;
 
-/* A store in the file at `path` on a filesystem every rank sees. The last of
- * `world_size` users to destroy it removes the file. Its default timeout of
- * get and wait is 300000 ms (see dp_store_set_timeout); it also bounds the
- * wait for the file's lock (held by a stopped process, say): DP_ETIMEOUT
- * naming the path. */
+/* A store in the file at `path` on a filesystem every rank sees, with the
+ * semantics of PyTorch's FileStore: the last set of a key wins and every
+ * handle on the file sees it. `path` must be a regular file or not exist
+ * yet (anything else, a FIFO say, is DP_EINVAL naming the path; it is
+ * never opened in a way that could block). The last of `world_size` users
+ * to destroy it removes the file. Its default timeout of get and wait is
+ * 300000 ms (see dp_store_set_timeout); it also bounds the wait for the
+ * file's lock (held by a stopped process, say): DP_ETIMEOUT naming the path. */
 DP_API dp_status dp_store_create_file(dp_store **out, const char *path, int32_t world_size);
 /* A TCP store. With `is_server`, this process serves it on `host`:`port`
  * (bound to that address only; port 0 picks a free one, see
  * dp_store_tcp_port) and is also a client. Clients connect, retrying until
  * `timeout_ms`, which also bounds each request and is the default timeout
- * of get and wait. `world_size` must be >= 1; the server does not wait for
- * that many clients (the process group's rendezvous does). With DP_STORE_TOKEN set, the server refuses (and logs)
- * clients whose DP_STORE_TOKEN differs: their create fails with DP_EREMOTE.
- * The greeting proves the token both ways without sending it: a client also
- * refuses (DP_EREMOTE) a server that cannot prove it knows the token.
- * Malformed or oversized messages close that client's connection only; so
- * do a greeting not done within 10 s and replies left unread for 5 s. A get
- * or wait never waits past its own timeout, whatever the store's. */
+ * of get and wait.
+ *
+ * `world_size` (>= 1) is the number of workers, as in PyTorch's TCPStore
+ * with wait_for_workers: every handle created here counts as one worker,
+ * the server's included, and the server's create returns only once
+ * `world_size` of them have connected: DP_ETIMEOUT (saying how many did)
+ * after `timeout_ms`. So create the server with world_size 1 when the
+ * clients are created after it in the same thread. Keys starting with
+ * "__dp_store/" are the store's own.
+ *
+ * Keys are at most 4096 bytes, values at most 64 MiB, and a wait takes at
+ * most 4096 keys: more is DP_EINVAL naming the limit, before anything is
+ * sent. get and wait are held by the server until the keys exist or the
+ * call's timeout passes; the caller waits at most its own timeout plus a
+ * tenth of it (0.1 to 1 s) for the server's answer, whatever the store's
+ * timeout.
+ *
+ * With DP_STORE_TOKEN set, the server refuses clients whose DP_STORE_TOKEN
+ * differs: their create fails with DP_EREMOTE. The greeting (HMAC-SHA256
+ * over fresh nonces) proves the token both ways without sending it: a
+ * client also refuses (DP_EREMOTE) a server that cannot prove it knows the
+ * token. Without a token, anyone who can reach the port can use the store.
+ *
+ * Limits per connection that keep one client, or many, from taking the
+ * server down; each closes only that client's connection. Malformed or
+ * oversized messages; no greeting within 10 s; replies left unread for 5 s;
+ * a request not arrived whole 30 s after its first byte. A client's
+ * requests are not read while more than 1 MiB of replies waits for it, so
+ * its pending output stays under 1 MiB plus one reply, and its buffered
+ * input under one request. Past 64 connections that have not greeted, the
+ * oldest of them is closed; past 1024 connections, the greeted one idle the
+ * longest (none of its requests pending) is closed to let the new one in,
+ * and its handle reconnects on its next call. Refused and closed clients
+ * are logged to stderr, at most 20 lines per 10 s (then a count). */
 DP_API dp_status dp_store_create_tcp(dp_store **out, const char *host, uint16_t port, int32_t world_size, int is_server,
                                      int32_t timeout_ms);
 DP_API dp_status dp_store_set(dp_store *store, const char *key, const void *value, size_t len);

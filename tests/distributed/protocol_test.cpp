@@ -6,6 +6,7 @@
 
 #include "core/half.h"
 #include "distributed/reduce_ops.h"
+#include "distributed/store/greeting.h"
 #include "distributed/store/tcp_protocol.h"
 
 namespace dparallel::dist {
@@ -26,7 +27,15 @@ TEST(StoreProtocol, RoundTripsEveryCommandAndWaitsForWholeFrames) {
   add.command = Command::kAdd;
   add.keys = {"n"};
   add.delta = -42;
-  for (const wire::Request& r : {set, check, add}) {
+  wire::Request get;
+  get.command = Command::kGet;
+  get.keys = {"g"};
+  get.timeout_ms = 1234;
+  wire::Request wait;
+  wait.command = Command::kWait;
+  wait.keys = {"x", "yy"};
+  wait.timeout_ms = 0xfffffffeu;
+  for (const wire::Request& r : {set, check, add, get, wait}) {
     std::vector<uint8_t> frame = wire::encode_request(r);
     wire::Request parsed;
     size_t consumed = 0;
@@ -40,17 +49,40 @@ TEST(StoreProtocol, RoundTripsEveryCommandAndWaitsForWholeFrames) {
     EXPECT_EQ(parsed.keys, r.keys);
     EXPECT_EQ(parsed.value, r.value);
     EXPECT_EQ(parsed.delta, r.delta);
+    EXPECT_EQ(parsed.timeout_ms, r.timeout_ms);
   }
+}
+
+// Little-endian on the wire whatever the host's order.
+TEST(StoreProtocol, EncodesIntegersLittleEndian) {
+  wire::Request get;
+  get.command = Command::kGet;
+  get.keys = {"k"};
+  get.timeout_ms = 0x01020304;
+  EXPECT_EQ(wire::encode_request(get), (std::vector<uint8_t>{10, 0, 0, 0, 3, 1, 0, 0, 0, 'k', 4, 3, 2, 1}));
+  wire::Request add;
+  add.command = Command::kAdd;
+  add.keys = {""};
+  add.delta = -2;
+  EXPECT_EQ(wire::encode_request(add),
+            (std::vector<uint8_t>{13, 0, 0, 0, 4, 0, 0, 0, 0, 0xfe, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff}));
+  const uint8_t le[8] = {0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01};
+  EXPECT_EQ(wire::get_le32(le), 0x05060708u);
+  EXPECT_EQ(wire::get_le64(le), 0x0102030405060708u);
+  EXPECT_EQ(wire::encode_reply(wire::ReplyStatus::kTimeout, {9}), (std::vector<uint8_t>{2, 0, 0, 0, 4, 9}));
+  std::vector<std::string> keys;
+  ASSERT_TRUE(wire::decode_keys(wire::encode_keys({"a", "bc"}), &keys));
+  EXPECT_EQ(keys, (std::vector<std::string>{"a", "bc"}));
+  EXPECT_FALSE(wire::decode_keys({1, 0, 0, 0}, &keys)) << "a list of one key with the key missing";
 }
 
 TEST(StoreProtocol, RejectsOversizedTruncatedAndUnknownMessages) {
   wire::Request parsed;
   size_t consumed = 0;
   std::string error;
-  uint8_t oversized[4];
-  uint32_t big = wire::kMaxBodyBytes + 1;
-  std::memcpy(oversized, &big, 4);
-  EXPECT_EQ(wire::parse_request(oversized, 4, &parsed, &consumed, &error), ParseResult::kMalformed);
+  std::vector<uint8_t> oversized;
+  wire::put_le32(oversized, wire::kMaxBodyBytes + 1);
+  EXPECT_EQ(wire::parse_request(oversized.data(), 4, &parsed, &consumed, &error), ParseResult::kMalformed);
   EXPECT_NE(error.find("exceeds"), std::string::npos);
   const uint8_t unknown[] = {1, 0, 0, 0, 99};
   EXPECT_EQ(wire::parse_request(unknown, sizeof(unknown), &parsed, &consumed, &error), ParseResult::kMalformed);
@@ -58,7 +90,7 @@ TEST(StoreProtocol, RejectsOversizedTruncatedAndUnknownMessages) {
   EXPECT_EQ(wire::parse_request(empty, sizeof(empty), &parsed, &consumed, &error), ParseResult::kMalformed);
   const uint8_t overrun[] = {6, 0, 0, 0, 3, 9, 0, 0, 0, 'k'};  // key length 9 in a 6-byte body
   EXPECT_EQ(wire::parse_request(overrun, sizeof(overrun), &parsed, &consumed, &error), ParseResult::kMalformed);
-  const uint8_t trailing[] = {7, 0, 0, 0, 3, 1, 0, 0, 0, 'k', 'x'};
+  const uint8_t trailing[] = {7, 0, 0, 0, 6, 1, 0, 0, 0, 'k', 'x'};  // a proof of 'k', then 'x'
   EXPECT_EQ(wire::parse_request(trailing, sizeof(trailing), &parsed, &consumed, &error), ParseResult::kMalformed);
   EXPECT_NE(error.find("trailing"), std::string::npos);
   const uint8_t many[] = {5, 0, 0, 0, 5, 0xff, 0xff, 0xff, 0xff};  // 4 G keys
@@ -97,14 +129,15 @@ TEST(StoreProtocol, HmacSha256MatchesRfc4231) {
     }
     return out;
   };
-  EXPECT_EQ(hex(wire::hmac_sha256("Jefe", "what do ya want for nothing?")),
+  EXPECT_EQ(hex(greeting::hmac_sha256("Jefe", "what do ya want for nothing?")),
             "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
   // A key longer than the block is hashed first (test case 6).
-  EXPECT_EQ(hex(wire::hmac_sha256(std::string(131, '\xaa'), "Test Using Larger Than Block-Size Key - Hash Key First")),
-            "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54");
-  EXPECT_TRUE(wire::equal_in_constant_time("abc", "abc"));
-  EXPECT_FALSE(wire::equal_in_constant_time("abc", "abd"));
-  EXPECT_FALSE(wire::equal_in_constant_time("abc", "ab"));
+  EXPECT_EQ(
+      hex(greeting::hmac_sha256(std::string(131, '\xaa'), "Test Using Larger Than Block-Size Key - Hash Key First")),
+      "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54");
+  EXPECT_TRUE(greeting::equal_in_constant_time("abc", "abc"));
+  EXPECT_FALSE(greeting::equal_in_constant_time("abc", "abd"));
+  EXPECT_FALSE(greeting::equal_in_constant_time("abc", "ab"));
 }
 
 }  // namespace

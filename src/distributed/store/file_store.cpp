@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -35,6 +36,15 @@ void write_all(int fd, const void* data, size_t size, const std::string& path) {
   }
 }
 
+const char* file_type_name(mode_t mode) {
+  if (S_ISFIFO(mode)) return "FIFO";
+  if (S_ISDIR(mode)) return "directory";
+  if (S_ISCHR(mode)) return "character device";
+  if (S_ISBLK(mode)) return "block device";
+  if (S_ISSOCK(mode)) return "socket";
+  return "special file";
+}
+
 }  // namespace
 
 // The file opened and exclusively locked for one operation.
@@ -42,8 +52,21 @@ class FileStore::Locked {
  public:
   // Waits for the lock until `timeout` passes: a stopped process holding it must not hang us.
   Locked(const std::string& path, Millis timeout) : path_(path) {
-    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    // O_NONBLOCK: opening a FIFO or a device must not block before fstat refuses it.
+    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0644);
     if (fd_ < 0) fail_errno("cannot open file store", path);
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) {
+      int err = errno;
+      ::close(fd_);
+      errno = err;
+      fail_errno("cannot stat file store", path);
+    }
+    if (!S_ISREG(st.st_mode)) {
+      ::close(fd_);
+      fail_invalid("file store path '", path, "' is not a regular file (it is a ", file_type_name(st.st_mode),
+                   "); pass the path of a regular file or of none yet");
+    }
     auto deadline = std::chrono::steady_clock::now() + timeout;
     auto pause = std::chrono::microseconds(200);
     while (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
@@ -162,6 +185,8 @@ void FileStore::set(const std::string& key, const Bytes& value) {
 Bytes FileStore::get(const std::string& key, Millis timeout) {
   wait({key}, timeout);
   std::lock_guard<std::mutex> lock(mutex_);
+  Locked file(path_, lock_timeout());
+  refresh(file.fd());  // the last set wins, whichever handle or process made it
   return cache_.at(key);
 }
 
@@ -179,13 +204,8 @@ int64_t FileStore::add(const std::string& key, int64_t delta) {
 
 bool FileStore::check(const std::vector<std::string>& keys) {
   std::lock_guard<std::mutex> lock(mutex_);
-  for (const std::string& key : keys) {
-    if (cache_.count(key) == 0) {
-      Locked file(path_, lock_timeout());
-      refresh(file.fd());
-      break;
-    }
-  }
+  Locked file(path_, lock_timeout());
+  refresh(file.fd());  // the file may have been removed and recreated: keys seen before may be gone
   for (const std::string& key : keys) {
     if (cache_.count(key) == 0) return false;
   }

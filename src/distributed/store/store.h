@@ -25,7 +25,8 @@ class Store {
   // True when every key exists, without waiting.
   virtual bool check(const std::vector<std::string>& keys) = 0;
   // Waits until every key exists; kTimeout names the keys still missing.
-  void wait(const std::vector<std::string>& keys, Millis timeout);
+  // This one polls check().
+  virtual void wait(const std::vector<std::string>& keys, Millis timeout);
 
   // The timeout of calls that take none (the C ABI's get and wait).
   Millis default_timeout() const { return Millis(default_timeout_ms_.load()); }

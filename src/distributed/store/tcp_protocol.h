@@ -1,6 +1,7 @@
 // The TCP store's wire format. Every message is a frame: a little-endian u32
 // body length, then the body. Request bodies start with a command byte;
-// strings are a u32 length and the bytes. Replies start with a status byte.
+// strings are a u32 length and the bytes; integers are little-endian
+// whatever the host's order. Replies start with a status byte.
 #pragma once
 
 #include <cstddef>
@@ -15,24 +16,30 @@ constexpr uint32_t kMaxValueBytes = 64u << 20;
 constexpr uint32_t kMaxKeys = 4096;
 // A body larger than this closes the connection.
 constexpr uint32_t kMaxBodyBytes = kMaxValueBytes + kMaxKeyBytes + 64;
+static_assert(kMaxBodyBytes >= 1 + 4 + 4 + kMaxKeys * (4 + kMaxKeyBytes), "a wait on kMaxKeys keys fits a body");
 
 constexpr size_t kNonceBytes = 16;
 constexpr size_t kProofBytes = 32;
 // The largest body before the greeting is done: a command byte and a proof as a string.
 constexpr uint32_t kMaxGreetingBytes = 1 + 4 + kProofBytes;
 
-// The greeting proves knowledge of the job token both ways without sending
-// it: the client's kHello carries its nonce; the server answers kOk with its
-// own nonce and proof; the client checks that and sends kProof with its
-// proof. Proofs are HMAC-SHA256 under the token over both nonces.
-enum class Command : uint8_t { kHello = 1, kSet = 2, kGet = 3, kAdd = 4, kCheck = 5, kProof = 6 };
-enum class ReplyStatus : uint8_t { kOk = 0, kNotFound = 1, kRefused = 2, kError = 3 };
+// The greeting (greeting.h) is kHello then kProof. kGet and kWait carry how
+// long the server may hold them: it answers as soon as the keys exist, or
+// kTimeout (a wait's payload lists the missing keys) when the time is up.
+enum class Command : uint8_t { kHello = 1, kSet = 2, kGet = 3, kAdd = 4, kCheck = 5, kProof = 6, kWait = 7 };
+enum class ReplyStatus : uint8_t { kOk = 0, kNotFound = 1, kRefused = 2, kError = 3, kTimeout = 4 };
 
 struct Request {
   Command command = Command::kHello;
-  std::vector<std::string> keys;  // kSet, kGet, kAdd: one; kCheck: any; kHello: a nonce; kProof: the proof
+  std::vector<std::string> keys;  // kSet, kGet, kAdd: one; kCheck, kWait: any; kHello: a nonce; kProof: the proof
   std::vector<uint8_t> value;     // kSet
   int64_t delta = 0;              // kAdd
+  uint32_t timeout_ms = 0;        // kGet, kWait
+};
+
+struct Reply {
+  ReplyStatus status = ReplyStatus::kError;
+  std::vector<uint8_t> payload;
 };
 
 enum class ParseResult { kNeedMore, kOk, kMalformed };
@@ -40,16 +47,22 @@ enum class ParseResult { kNeedMore, kOk, kMalformed };
 // Parses one request frame from the front of [data, data + size). On kOk,
 // `*consumed` is the frame's size; on kMalformed, `*error` says why.
 ParseResult parse_request(const uint8_t* data, size_t size, Request* out, size_t* consumed, std::string* error);
+// The body length a frame at `data` (4 bytes at least) announces.
+uint32_t frame_body_size(const uint8_t* data);
 
 std::vector<uint8_t> encode_request(const Request& request);
 std::vector<uint8_t> encode_reply(ReplyStatus status, const std::vector<uint8_t>& payload);
+// A reply body (status byte, payload); false when empty.
+bool decode_reply(const std::vector<uint8_t>& body, Reply* out);
 
-// HMAC-SHA256 (RFC 2104, FIPS 180-4) of `message` under `key`.
-std::string hmac_sha256(const std::string& key, const std::string& message);
-// The greeting's proofs: the server's over (client nonce, server nonce), the client's the other way round.
-std::string server_proof(const std::string& token, const std::string& client_nonce, const std::string& server_nonce);
-std::string client_proof(const std::string& token, const std::string& client_nonce, const std::string& server_nonce);
-// Compares in time independent of where the strings differ.
-bool equal_in_constant_time(const std::string& a, const std::string& b);
+// A list of keys as a payload (a wait's missing keys), and back; false when malformed.
+std::vector<uint8_t> encode_keys(const std::vector<std::string>& keys);
+bool decode_keys(const std::vector<uint8_t>& payload, std::vector<std::string>* keys);
+
+// Little-endian integers, whatever the host's byte order.
+void put_le32(std::vector<uint8_t>& out, uint32_t v);
+void put_le64(std::vector<uint8_t>& out, uint64_t v);
+uint32_t get_le32(const uint8_t* p);
+uint64_t get_le64(const uint8_t* p);
 
 }  // namespace dparallel::dist::wire
