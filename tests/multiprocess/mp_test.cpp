@@ -152,6 +152,20 @@ TEST(MultiProcess, MismatchedSizesAreAnErrorOnEveryRank) {
   expect_all_passed(run_ranks("mismatch", 3, false, std::chrono::seconds(60)));
 }
 
+// Without the refusal in the header exchange, the other ranks' call would
+// pair with the refusing rank's next one, or wait for the whole timeout.
+TEST(MultiProcess, RefusedCallsFailEveryRankAtOnceNamingTheRefusingRankWithTwoRanks) {
+  expect_all_passed(run_ranks("refuse", 2, false, std::chrono::seconds(90)));
+}
+
+TEST(MultiProcess, RefusedCallsFailEveryRankAtOnceNamingTheRefusingRankWithThreeRanks) {
+  expect_all_passed(run_ranks("refuse", 3, false, std::chrono::seconds(90), -1, "1"));
+}
+
+TEST(MultiProcess, RefusedCallsOfTheStoreServingRankFailEveryRankAtOnceWithThreeRanks) {
+  expect_all_passed(run_ranks("refuse", 3, true, std::chrono::seconds(90), -1, "0"));
+}
+
 void expect_survivors_failed_cleanly(const std::vector<Result>& results, int dead_exit_code, size_t victim) {
   ASSERT_GT(results.size(), victim);
   for (size_t r = 0; r < results.size(); ++r) {
@@ -163,15 +177,15 @@ void expect_survivors_failed_cleanly(const std::vector<Result>& results, int dea
 }
 
 TEST(MultiProcess, RankKilledMidCollectiveFailsTheOthersWithinTheTimeout) {
-  expect_survivors_failed_cleanly(run_ranks("die", 2, false, std::chrono::seconds(30)), 128 + SIGKILL, 1);
+  expect_survivors_failed_cleanly(run_ranks("die", 2, false, std::chrono::seconds(60)), 128 + SIGKILL, 1);
 }
 
 TEST(MultiProcess, StoreServingRankKilledMidCollectiveFailsTheOthers) {
-  expect_survivors_failed_cleanly(run_ranks("die", 3, false, std::chrono::seconds(30), -1, "0"), 128 + SIGKILL, 0);
+  expect_survivors_failed_cleanly(run_ranks("die", 3, false, std::chrono::seconds(60), -1, "0"), 128 + SIGKILL, 0);
 }
 
 TEST(MultiProcess, RankKilledMidCollectiveFailsTheOthersWithThreeRanks) {
-  expect_survivors_failed_cleanly(run_ranks("die", 3, false, std::chrono::seconds(30)), 128 + SIGKILL, 2);
+  expect_survivors_failed_cleanly(run_ranks("die", 3, false, std::chrono::seconds(60)), 128 + SIGKILL, 2);
 }
 
 TEST(MultiProcess, StoppedRankTimesTheOthersOut) {
@@ -179,7 +193,7 @@ TEST(MultiProcess, StoppedRankTimesTheOthersOut) {
 }
 
 TEST(MultiProcess, RankKilledMidReduceScatterFailsTheOthersWithinTheTimeout) {
-  expect_survivors_failed_cleanly(run_ranks("die_reduce_scatter", 2, false, std::chrono::seconds(30)), 128 + SIGKILL,
+  expect_survivors_failed_cleanly(run_ranks("die_reduce_scatter", 2, false, std::chrono::seconds(60)), 128 + SIGKILL,
                                   1);
 }
 
@@ -231,6 +245,11 @@ TEST(MultiProcessNccl, StoreServingRankKilledFailsTheOther) {
 TEST(MultiProcessNccl, StoppedRankTimesTheOtherOut) {
   REQUIRE_TWO_GPUS();
   expect_survivors_failed_cleanly(run_ranks("stop", 2, false, std::chrono::seconds(60), 1, "", true), 128 + SIGKILL, 1);
+}
+
+TEST(MultiProcessNccl, RefusedCallsFailEveryRankAtOnceNamingTheRefusingRank) {
+  REQUIRE_TWO_GPUS();
+  expect_all_passed(run_ranks("refuse", 2, false, std::chrono::seconds(120), -1, "", true));
 }
 
 TEST(MultiProcessNccl, OutOfScratchMemoryBeforeTheTransferLeavesTheGroupInStep) {
