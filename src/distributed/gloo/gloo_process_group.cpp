@@ -29,8 +29,10 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/address.h>
 #include <gloo/transport/tcp/device.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -78,6 +80,28 @@ constexpr size_t kLargeSegmentBytes = 8 << 20;
 // former all-reduce's time; 1 MiB segments lost at 64 MiB.
 constexpr size_t kScatterSegmentBytes = 8 << 20;
 
+// Gloo's AllgatherRing sends its notifications from an int member that its
+// constructor leaves uninitialised; built in zeroed memory, it sends zeros.
+using Ring = gloo::AllgatherRing<uint8_t>;
+struct RingDeleter {
+  void operator()(Ring* ring) const {
+    ring->~Ring();
+    ::operator delete(ring);
+  }
+};
+using RingPtr = std::unique_ptr<Ring, RingDeleter>;
+
+RingPtr make_ring(const std::shared_ptr<gloo::Context>& context, const uint8_t* send, uint8_t* recv, int count) {
+  void* memory = ::operator new(sizeof(Ring));
+  std::memset(memory, 0, sizeof(Ring));
+  try {
+    return RingPtr(new (memory) Ring(context, std::vector<const uint8_t*>{send}, recv, count));
+  } catch (...) {
+    ::operator delete(memory);
+    throw;
+  }
+}
+
 // An all-gather of fixed-size blocks over Gloo's ring with registered
 // buffers; two rings alternate (see above). Its buffers are allocated when it
 // is made, before a collective's header exchange; its rings, which take slots
@@ -94,8 +118,7 @@ class BlockExchange {
   void connect() {
     if (size_ == 1 || rings_[0] != nullptr) return;
     for (int i = 0; i < 2; ++i) {
-      rings_[i] = std::make_unique<gloo::AllgatherRing<uint8_t>>(context_, std::vector<const uint8_t*>{send_.data()},
-                                                                 recv_[i].data(), static_cast<int>(block_bytes_));
+      rings_[i] = make_ring(context_, send_.data(), recv_[i].data(), static_cast<int>(block_bytes_));
     }
   }
 
@@ -121,7 +144,7 @@ class BlockExchange {
   size_t block_bytes_;
   std::vector<uint8_t> send_;
   std::vector<uint8_t> recv_[2];
-  std::unique_ptr<gloo::AllgatherRing<uint8_t>> rings_[2];
+  RingPtr rings_[2];
   int phase_ = 0;
 };
 
@@ -130,14 +153,40 @@ Millis left_until(Clock::time_point deadline) {
   return std::max(std::chrono::duration_cast<Millis>(deadline - Clock::now()), Millis(1));
 }
 
+// Gloo's TCP address: a sockaddr_storage that getsockname filled only as far
+// as the address goes, the rest uninitialised stack memory, and a sequence
+// number. Rewritten over a zeroed sockaddr_storage before it leaves.
+class AddressBytes : public gloo::transport::tcp::Address {
+ public:
+  static constexpr size_t kSize = sizeof(Impl);
+
+  static void zero_padding(char* bytes) {
+    Impl impl;
+    std::memcpy(&impl, bytes, kSize);
+    size_t used = impl.ss.ss_family == AF_INET    ? sizeof(sockaddr_in)
+                  : impl.ss.ss_family == AF_INET6 ? sizeof(sockaddr_in6)
+                                                  : 0;
+    if (used == 0) return;
+    sockaddr_storage clean{};
+    std::memcpy(&clean, &impl.ss, used);
+    impl.ss = clean;
+    std::memcpy(bytes, &impl, kSize);
+  }
+};
+
 // Our store as Gloo's rendezvous store; every wait ends by the group's
 // creation deadline, so creating all the meshes is bounded by one timeout.
 class GlooStore : public gloo::rendezvous::Store {
  public:
   GlooStore(std::shared_ptr<dist::Store> store, Clock::time_point deadline)
       : store_(std::move(store)), deadline_(deadline) {}
+  // Gloo sets one key per rank: the addresses of its pairs, one after another.
   void set(const std::string& key, const std::vector<char>& data) override {
-    store_->set(key, Bytes(data.begin(), data.end()));
+    std::vector<char> value = data;
+    if (value.size() % AddressBytes::kSize == 0) {
+      for (size_t at = 0; at < value.size(); at += AddressBytes::kSize) AddressBytes::zero_padding(&value[at]);
+    }
+    store_->set(key, Bytes(value.begin(), value.end()));
   }
   std::vector<char> get(const std::string& key) override {
     Bytes value = store_->get(key, left_until(deadline_));
