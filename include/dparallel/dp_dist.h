@@ -81,7 +81,7 @@ typedef enum dp_backend { DP_BACKEND_AUTO = 0, DP_BACKEND_GLOO = 1, DP_BACKEND_N
 typedef enum dp_reduce_op { DP_SUM = 0, DP_AVG = 1, DP_MIN = 2, DP_MAX = 3, DP_PROD = 4 } dp_reduce_op;
 typedef struct dp_process_group_options {
   size_t struct_size;
-  int32_t backend; /* dp_backend; AUTO: NCCL for a cuda device, Gloo for cpu */
+  int32_t backend;    /* dp_backend; AUTO: NCCL for a cuda device, Gloo for cpu */
   int32_t rank;       /* -1 (the default): from RANK, or mpirun's OMPI_COMM_WORLD_RANK */
   int32_t world_size; /* -1 (the default): from WORLD_SIZE, or OMPI_COMM_WORLD_SIZE */
   dp_store *store;    /* NULL: a TCP store at MASTER_ADDR:MASTER_PORT, served by rank 0 */

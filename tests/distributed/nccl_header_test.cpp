@@ -1,6 +1,8 @@
 // The header every rank sends before each collective (Gloo's and NCCL's
 // groups alike), the one verdict on it, and the NCCL group's messages: all
 // host-side logic, which needs neither NCCL nor a GPU.
+#include "distributed/nccl/nccl_header.h"
+
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -8,7 +10,6 @@
 #include <vector>
 
 #include "distributed/call_header.h"
-#include "distributed/nccl/nccl_header.h"
 
 namespace dparallel::dist {
 namespace {
@@ -142,8 +143,7 @@ TEST(CallHeader, LongReasonIsCutAndAnUnterminatedOneIsReadWithinItsBuffer) {
   std::memset(all[1].reason, 'y', sizeof(all[1].reason));  // no NUL from a peer
   std::string message;
   EXPECT_EQ(status_on(all, 0, &message), StatusCode::kInvalidArgument);
-  EXPECT_NE(message.find("rank 1 refused the call: " + std::string(kRefusalReasonBytes, 'y') + " ("),
-            std::string::npos)
+  EXPECT_NE(message.find("rank 1 refused the call: " + std::string(kRefusalReasonBytes, 'y') + " ("), std::string::npos)
       << message;
 }
 

@@ -231,8 +231,8 @@ class NcclProcessGroup : public ProcessGroup {
     // In place: this rank's slot of the gathered buffer is its send buffer.
     enqueue(ncclAllGather(slot, headers_, sizeof(CallHeader), ncclUint8, comm_, stream_), "ncclAllGather", deadline,
             false);
-    check_cuda(cudaMemcpyAsync(all, headers_, sizeof(CallHeader) * static_cast<size_t>(size()),
-                               cudaMemcpyDeviceToHost, stream_),
+    check_cuda(cudaMemcpyAsync(all, headers_, sizeof(CallHeader) * static_cast<size_t>(size()), cudaMemcpyDeviceToHost,
+                               stream_),
                "cudaMemcpyAsync");
     wait_stream(deadline, false);
     check_call_headers(mine, rank(), size(), [&](int32_t r) { return all[r]; });
