@@ -208,7 +208,7 @@ TEST(MultiProcess, RankKilledMidCollectiveFailsTheOthersWithThreeRanks) {
 }
 
 TEST(MultiProcess, StoppedRankTimesTheOthersOut) {
-  expect_survivors_failed_cleanly(run_ranks("stop", 3, false, std::chrono::seconds(30), 2), 128 + SIGKILL, 2);
+  expect_survivors_failed_cleanly(run_ranks("stop", 3, false, std::chrono::seconds(60), 2), 128 + SIGKILL, 2);
 }
 
 TEST(MultiProcess, RankKilledMidReduceScatterFailsTheOthersWithinTheTimeout) {
@@ -217,7 +217,7 @@ TEST(MultiProcess, RankKilledMidReduceScatterFailsTheOthersWithinTheTimeout) {
 }
 
 TEST(MultiProcess, RankStoppedMidReduceScatterTimesTheOthersOutWithThreeRanks) {
-  expect_survivors_failed_cleanly(run_ranks("stop_reduce_scatter", 3, false, std::chrono::seconds(30), 2),
+  expect_survivors_failed_cleanly(run_ranks("stop_reduce_scatter", 3, false, std::chrono::seconds(60), 2),
                                   128 + SIGKILL, 2);
 }
 
@@ -225,7 +225,7 @@ TEST(MultiProcess, OutOfMemoryBeforeTheTransferLeavesTheGroupInStep) {
 #if defined(__SANITIZE_ADDRESS__)
   GTEST_SKIP() << "AddressSanitizer aborts on an impossible allocation instead of throwing";
 #else
-  expect_all_passed(run_ranks("oom", 2, false, std::chrono::seconds(30)));
+  expect_all_passed(run_ranks("oom", 2, false, std::chrono::seconds(60)));
 #endif
 }
 
