@@ -3,7 +3,7 @@
 #include <cstring>
 
 #include "capi/dist_internal.h"
-#include "distributed/launch_env.h"
+#include "distributed/rendezvous.h"
 #include "distributed/store/file_store.h"
 #include "distributed/store/tcp_store.h"
 
@@ -52,10 +52,7 @@ dist::Millis timeout_arg(int32_t timeout_ms, const char* name) {
   return dist::Millis(timeout_ms);
 }
 
-std::string env_token() {
-  const char* token = std::getenv("DP_STORE_TOKEN");
-  return token == nullptr ? std::string() : std::string(token);
-}
+std::string env_token() { return dist::job_token(dist::process_env()); }
 
 dp_process_group_options options_arg(const dp_process_group_options* opts) {
   dp_process_group_options o = DP_PROCESS_GROUP_OPTIONS_INIT;
@@ -69,20 +66,13 @@ dp_process_group_options options_arg(const dp_process_group_options* opts) {
   return o;
 }
 
-dp_process_group* new_group(dp_process_group_options o, const dist::LaunchEnv* env) {
+dp_process_group* new_group(dp_process_group_options o, dist::RankSource source) {
   dist::ProcessGroupOptions options;
   if (o.backend < 0 || o.backend > DP_BACKEND_NCCL) {
     fail_invalid("argument 'opts->backend' is ", o.backend,
                  "; it must be DP_BACKEND_AUTO, DP_BACKEND_GLOO or DP_BACKEND_NCCL");
   }
   options.backend = static_cast<dist::Backend>(o.backend);
-  options.rank = env != nullptr ? env->rank : o.rank;
-  options.world_size = env != nullptr ? env->world_size : o.world_size;
-  if (options.world_size <= 0) fail_invalid("argument 'opts->world_size' is ", options.world_size, "; it must be >= 1");
-  if (options.rank < 0 || options.rank >= options.world_size) {
-    fail_invalid("argument 'opts->rank' is ", options.rank, "; it must be in 0..", options.world_size - 1,
-                 " (world size ", options.world_size, ")");
-  }
   options.timeout = timeout_arg(o.timeout_ms, "opts->timeout_ms");
   if (o.backend == DP_BACKEND_GLOO && o.device.type != DP_DEVICE_CPU) {
     fail_invalid(
@@ -97,21 +87,17 @@ dp_process_group* new_group(dp_process_group_options o, const dist::LaunchEnv* e
   if (o.store != nullptr) {
     if (o.store->tag != kStoreTag) fail_invalid("argument 'opts->store' is not a live dp_store handle");
     options.store = o.store->store;
-  } else {
-    dist::LaunchEnv master = env != nullptr && !env->master_addr.empty() ? *env : dist::read_launch_env(true);
-    dist::TcpStoreOptions store_options;
-    store_options.host = master.master_addr;
-    store_options.port = master.master_port;
-    store_options.is_server = options.rank == 0;
-    store_options.timeout = options.timeout;
-    store_options.token = env_token();
-    options.store = std::make_shared<dist::TcpStore>(store_options);
-    options.master_addr = master.master_addr;
   }
-  if (options.master_addr.empty()) {
-    const char* addr = std::getenv("MASTER_ADDR");
-    if (addr != nullptr) options.master_addr = addr;
+  options.rank = o.rank;
+  options.world_size = o.world_size;
+  dist::EnvLookup env = dist::process_env();
+  dist::resolve_rank(options, source, env);
+  if (options.world_size <= 0) fail_invalid("argument 'opts->world_size' is ", options.world_size, "; it must be >= 1");
+  if (options.rank < 0 || options.rank >= options.world_size) {
+    fail_invalid("argument 'opts->rank' is ", options.rank, "; it must be in 0..", options.world_size - 1,
+                 " (world size ", options.world_size, ")");
   }
+  dist::connect_default_store(options, env);
   auto* handle = new dp_process_group();
   try {
     handle->group = dist::create_process_group(options);
@@ -241,7 +227,7 @@ dp_status dp_process_group_create(dp_process_group** out, const dp_process_group
   capi::require_arg(out, "out");
   *out = nullptr;
   capi::require_arg(opts, "opts");
-  *out = new_group(options_arg(opts), nullptr);
+  *out = new_group(options_arg(opts), dist::RankSource::kOptions);
   DP_API_END
 }
 
@@ -249,9 +235,7 @@ dp_status dp_process_group_create_from_env(dp_process_group** out, const dp_proc
   DP_API_BEGIN
   capi::require_arg(out, "out");
   *out = nullptr;
-  dp_process_group_options o = options_arg(opts);
-  dist::LaunchEnv env = dist::read_launch_env(o.store == nullptr);
-  *out = new_group(o, &env);
+  *out = new_group(options_arg(opts), dist::RankSource::kLaunchEnv);
   DP_API_END
 }
 
@@ -284,51 +268,85 @@ void dp_process_group_destroy(dp_process_group* pg) {
   delete pg;
 }
 
+// Past the group handle, every argument error refuses the call on this rank
+// (ProcessGroup::refuse), so that the other ranks' matching calls fail too.
+
 dp_status dp_pg_all_reduce(dp_process_group* pg, dp_tensor* tensor, int32_t op) {
   DP_API_BEGIN
-  capi::group_arg(pg, "pg").all_reduce(capi::tensor_arg(tensor, "tensor"), dist::reduce_op_arg(op, "op"), false);
+  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
+  Tensor t;
+  dist::ReduceOp o{};
+  group.check_arguments(dist::CallKind::kAllReduce, false, [&] {
+    t = capi::tensor_arg(tensor, "tensor");
+    o = dist::reduce_op_arg(op, "op");
+  });
+  group.all_reduce(t, o, false);
   DP_API_END
 }
 
 dp_status dp_pg_all_reduce_async(dp_process_group* pg, dp_tensor* tensor, int32_t op, dp_work** out) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
-  auto work =
-      capi::group_arg(pg, "pg").all_reduce(capi::tensor_arg(tensor, "tensor"), dist::reduce_op_arg(op, "op"), true);
-  return export_work(std::move(work), out);
+  if (out != nullptr) *out = nullptr;
+  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
+  Tensor t;
+  dist::ReduceOp o{};
+  group.check_arguments(dist::CallKind::kAllReduce, true, [&] {
+    capi::require_arg(out, "out");
+    t = capi::tensor_arg(tensor, "tensor");
+    o = dist::reduce_op_arg(op, "op");
+  });
+  return export_work(group.all_reduce(t, o, true), out);
   DP_API_END
 }
 
 dp_status dp_pg_broadcast(dp_process_group* pg, dp_tensor* tensor, int32_t root) {
   DP_API_BEGIN
-  capi::group_arg(pg, "pg").broadcast(capi::tensor_arg(tensor, "tensor"), root, false);
+  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
+  Tensor t;
+  group.check_arguments(dist::CallKind::kBroadcast, false, [&] { t = capi::tensor_arg(tensor, "tensor"); });
+  group.broadcast(t, root, false);
   DP_API_END
 }
 
 dp_status dp_pg_broadcast_async(dp_process_group* pg, dp_tensor* tensor, int32_t root, dp_work** out) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
-  return export_work(capi::group_arg(pg, "pg").broadcast(capi::tensor_arg(tensor, "tensor"), root, true), out);
+  if (out != nullptr) *out = nullptr;
+  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
+  Tensor t;
+  group.check_arguments(dist::CallKind::kBroadcast, true, [&] {
+    capi::require_arg(out, "out");
+    t = capi::tensor_arg(tensor, "tensor");
+  });
+  return export_work(group.broadcast(t, root, true), out);
   DP_API_END
 }
 
 dp_status dp_pg_all_gather(dp_process_group* pg, const dp_tensor* input, dp_tensor* const* outputs, size_t noutputs) {
   DP_API_BEGIN
   dist::ProcessGroup& group = capi::group_arg(pg, "pg");
-  group.all_gather(capi::tensor_arg(input, "input"), capi::tensors_arg(outputs, noutputs, "outputs"), false);
+  Tensor in;
+  std::vector<Tensor> outs;
+  group.check_arguments(dist::CallKind::kAllGather, false, [&] {
+    in = capi::tensor_arg(input, "input");
+    outs = capi::tensors_arg(outputs, noutputs, "outputs");
+  });
+  group.all_gather(in, outs, false);
   DP_API_END
 }
 
 dp_status dp_pg_all_gather_async(dp_process_group* pg, const dp_tensor* input, dp_tensor* const* outputs,
                                  size_t noutputs, dp_work** out) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  if (out != nullptr) *out = nullptr;
   dist::ProcessGroup& group = capi::group_arg(pg, "pg");
-  return export_work(
-      group.all_gather(capi::tensor_arg(input, "input"), capi::tensors_arg(outputs, noutputs, "outputs"), true), out);
+  Tensor in;
+  std::vector<Tensor> outs;
+  group.check_arguments(dist::CallKind::kAllGather, true, [&] {
+    capi::require_arg(out, "out");
+    in = capi::tensor_arg(input, "input");
+    outs = capi::tensors_arg(outputs, noutputs, "outputs");
+  });
+  return export_work(group.all_gather(in, outs, true), out);
   DP_API_END
 }
 
@@ -336,20 +354,33 @@ dp_status dp_pg_reduce_scatter(dp_process_group* pg, const dp_tensor* const* inp
                                int32_t op) {
   DP_API_BEGIN
   dist::ProcessGroup& group = capi::group_arg(pg, "pg");
-  group.reduce_scatter(capi::tensors_arg(inputs, ninputs, "inputs"), capi::tensor_arg(output, "output"),
-                       dist::reduce_op_arg(op, "op"), false);
+  std::vector<Tensor> ins;
+  Tensor o;
+  dist::ReduceOp reduce{};
+  group.check_arguments(dist::CallKind::kReduceScatter, false, [&] {
+    ins = capi::tensors_arg(inputs, ninputs, "inputs");
+    o = capi::tensor_arg(output, "output");
+    reduce = dist::reduce_op_arg(op, "op");
+  });
+  group.reduce_scatter(ins, o, reduce, false);
   DP_API_END
 }
 
 dp_status dp_pg_reduce_scatter_async(dp_process_group* pg, const dp_tensor* const* inputs, size_t ninputs,
                                      dp_tensor* output, int32_t op, dp_work** out) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  if (out != nullptr) *out = nullptr;
   dist::ProcessGroup& group = capi::group_arg(pg, "pg");
-  return export_work(group.reduce_scatter(capi::tensors_arg(inputs, ninputs, "inputs"),
-                                          capi::tensor_arg(output, "output"), dist::reduce_op_arg(op, "op"), true),
-                     out);
+  std::vector<Tensor> ins;
+  Tensor o;
+  dist::ReduceOp reduce{};
+  group.check_arguments(dist::CallKind::kReduceScatter, true, [&] {
+    capi::require_arg(out, "out");
+    ins = capi::tensors_arg(inputs, ninputs, "inputs");
+    o = capi::tensor_arg(output, "output");
+    reduce = dist::reduce_op_arg(op, "op");
+  });
+  return export_work(group.reduce_scatter(ins, o, reduce, true), out);
   DP_API_END
 }
 
@@ -361,9 +392,10 @@ dp_status dp_pg_barrier(dp_process_group* pg) {
 
 dp_status dp_pg_barrier_async(dp_process_group* pg, dp_work** out) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
-  return export_work(capi::group_arg(pg, "pg").barrier(true), out);
+  if (out != nullptr) *out = nullptr;
+  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
+  group.check_arguments(dist::CallKind::kBarrier, true, [&] { capi::require_arg(out, "out"); });
+  return export_work(group.barrier(true), out);
   DP_API_END
 }
 

@@ -18,6 +18,9 @@
  * Environment: DP_STORE_TOKEN (a job token the TCP store requires of every
  * client), DP_SOCKET_IFNAME (the network interface Gloo uses; default
  * loopback when the store is on a loopback address, else this host's name).
+ * The job token guards the rendezvous (the store) only: the collectives'
+ * own traffic, Gloo's and NCCL's connections, is not authenticated, so run
+ * jobs on networks only they and trusted hosts can reach.
  *
  * Thread safety:
  * - dp_store: safe to use from any number of threads at once.
@@ -107,9 +110,9 @@ typedef enum dp_backend { DP_BACKEND_AUTO = 0, DP_BACKEND_GLOO = 1, DP_BACKEND_N
 typedef enum dp_reduce_op { DP_SUM = 0, DP_AVG = 1, DP_MIN = 2, DP_MAX = 3, DP_PROD = 4 } dp_reduce_op;
 typedef struct dp_process_group_options {
   size_t struct_size;
-  int32_t backend; /* dp_backend; AUTO: NCCL for a cuda device, Gloo for cpu */
-  int32_t rank;
-  int32_t world_size;
+  int32_t backend;    /* dp_backend; AUTO: NCCL for a cuda device, Gloo for cpu */
+  int32_t rank;       /* -1 (the default): from RANK, or mpirun's OMPI_COMM_WORLD_RANK */
+  int32_t world_size; /* -1 (the default): from WORLD_SIZE, or OMPI_COMM_WORLD_SIZE */
   dp_store *store;    /* NULL: a TCP store at MASTER_ADDR:MASTER_PORT, served by rank 0 */
   int32_t timeout_ms; /* default 300000 */
   dp_device device;   /* the device this rank's tensors live on */
@@ -121,7 +124,10 @@ typedef struct dp_process_group_options {
 DP_API dp_status dp_process_group_options_init(dp_process_group_options *opts);
 typedef struct dp_process_group dp_process_group;
 /* Joins the group: every rank calls it with the same world size and store.
- * The group holds its own reference to the store. */
+ * The group holds its own reference to the store. The options' rank and
+ * world size win; only those left -1 are read from the environment. With a
+ * NULL store, MASTER_ADDR and MASTER_PORT are the only other variables read
+ * (LOCAL_RANK is never needed). A missing variable is DP_EINVAL naming it. */
 DP_API dp_status dp_process_group_create(dp_process_group **out, const dp_process_group_options *opts);
 /* As dp_process_group_create, with rank and world size from torchrun's
  * RANK, WORLD_SIZE, LOCAL_RANK or mpirun's OMPI_COMM_WORLD_RANK, _SIZE,
@@ -137,10 +143,16 @@ DP_API int32_t dp_process_group_size(const dp_process_group *pg);
 DP_API void dp_process_group_destroy(dp_process_group *pg);
 
 /* ---- collectives: in place; every rank passes tensors of equal sizes ---- */
-/* Tensors live on the group's device (DP_EINVAL naming the argument when
- * not). Sizes, dtypes, ops or roots that differ across ranks are DP_EINVAL
- * on every rank and the group stays usable; a rank out of step (another
- * collective) is DP_EREMOTE and breaks the group. */
+/* Tensors live on the group's device, cpu:i or cuda:i (DP_EINVAL naming the
+ * argument when not). Sizes, dtypes, ops or roots that differ across ranks
+ * are DP_EINVAL on every rank and the group stays usable; a rank out of step
+ * (another collective) is DP_EREMOTE and breaks the group.
+ * A call that a rank refuses for a bad argument (a NULL or wrong tensor, op,
+ * root or count: anything but the group handle itself) still takes its place
+ * in the sequence: the matching call on every other rank fails at
+ * once with DP_EINVAL naming the refusing rank and its reason, and the group
+ * stays usable. A refused synchronous call returns once every rank has seen
+ * the refusal; a refused _async call returns DP_EINVAL at once. */
 typedef struct dp_work dp_work;
 /* DP_AVG divides the sum by the world size (integers truncate; not for bool);
  * NCCL scales floats by 1/size instead, so results may differ from Gloo's in

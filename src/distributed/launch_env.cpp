@@ -7,8 +7,6 @@
 
 namespace dparallel::dist {
 
-namespace {
-
 int64_t integer_var(const EnvLookup& lookup, const char* name, int64_t min, int64_t max, const char* hint) {
   const char* text = lookup(name);
   if (text == nullptr || *text == '\0') fail_invalid("environment variable ", name, " is not set (", hint, ")");
@@ -21,7 +19,12 @@ int64_t integer_var(const EnvLookup& lookup, const char* name, int64_t min, int6
   return value;
 }
 
-}  // namespace
+void read_master(const EnvLookup& lookup, LaunchEnv& env, const char* hint) {
+  const char* addr = lookup("MASTER_ADDR");
+  if (addr == nullptr || *addr == '\0') fail_invalid("environment variable MASTER_ADDR is not set (", hint, ")");
+  env.master_addr = addr;
+  env.master_port = static_cast<uint16_t>(integer_var(lookup, "MASTER_PORT", 1, 65535, hint));
+}
 
 LaunchEnv read_launch_env(const EnvLookup& lookup, bool need_master) {
   LaunchEnv env;
@@ -41,16 +44,14 @@ LaunchEnv read_launch_env(const EnvLookup& lookup, bool need_master) {
   env.world_size = static_cast<int32_t>(integer_var(lookup, size_var, 1, INT32_MAX, hint));
   env.rank = static_cast<int32_t>(integer_var(lookup, rank_var, 0, env.world_size - 1, hint));
   env.local_rank = static_cast<int32_t>(integer_var(lookup, local_var, 0, env.world_size - 1, hint));
-  if (!need_master) return env;
-  const char* addr = lookup("MASTER_ADDR");
-  if (addr == nullptr || *addr == '\0') fail_invalid("environment variable MASTER_ADDR is not set (", hint, ")");
-  env.master_addr = addr;
-  env.master_port = static_cast<uint16_t>(integer_var(lookup, "MASTER_PORT", 1, 65535, hint));
+  if (need_master) read_master(lookup, env, hint);
   return env;
 }
 
-LaunchEnv read_launch_env(bool need_master) {
-  return read_launch_env([](const char* name) { return static_cast<const char*>(std::getenv(name)); }, need_master);
+EnvLookup process_env() {
+  return [](const char* name) { return static_cast<const char*>(std::getenv(name)); };
 }
+
+LaunchEnv read_launch_env(bool need_master) { return read_launch_env(process_env(), need_master); }
 
 }  // namespace dparallel::dist

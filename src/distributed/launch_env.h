@@ -23,5 +23,12 @@ using EnvLookup = std::function<const char*(const char*)>;
 // MASTER_PORT. A missing or malformed variable is kInvalidArgument naming it.
 LaunchEnv read_launch_env(const EnvLookup& lookup, bool need_master = true);
 LaunchEnv read_launch_env(bool need_master = true);
+// The process's environment (getenv).
+EnvLookup process_env();
+// The integer in variable `name`, in min..max; kInvalidArgument naming it
+// (and `hint`, when it is not set) otherwise.
+int64_t integer_var(const EnvLookup& lookup, const char* name, int64_t min, int64_t max, const char* hint);
+// MASTER_ADDR and MASTER_PORT into `env`.
+void read_master(const EnvLookup& lookup, LaunchEnv& env, const char* hint);
 
 }  // namespace dparallel::dist

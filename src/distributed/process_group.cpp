@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "distributed/call_header.h"
 
 namespace dparallel::dist {
 
@@ -196,67 +197,94 @@ void ProcessGroup::check_tensor(const Tensor& t, const std::string& argument, co
     fail_invalid(op, ": argument '", argument, "' is ", t.describe(), " but this ", backend_name(),
                  " process group works on ", tensor_device_type() == DeviceType::kCpu ? "cpu" : "cuda", " tensors");
   }
-  // NCCL would take another GPU's memory and fail, or corrupt it, far from here.
-  if (t.device().is_cuda() && t.device() != device_) {
+  // NCCL would take another GPU's memory and fail, or corrupt it, far from
+  // here; a cpu:i is a device of its own as well.
+  if (t.device() != device_) {
     fail_invalid(op, ": argument '", argument, "' is ", t.describe(), " but this ", backend_name(),
                  " process group is on ", to_string(device_));
   }
   if (t.numel() > 0 && t.data() == nullptr) fail_invalid(op, ": argument '", argument, "' has no data");
 }
 
+void ProcessGroup::refuse(CallKind kind, const std::string& reason, bool async) {
+  const char* name = call_kind_name(static_cast<uint32_t>(kind));
+  Task task = [this, kind, reason] { run_refused(kind, reason); };
+  if (async) {
+    submit(name, std::move(task), true);
+    fail_invalid(name, ": rank ", rank_, " refused the call: ", reason,
+                 " (the other ranks' matching call fails too; the group stays usable)");
+  }
+  try {
+    submit(name, std::move(task), false);
+  } catch (const Error& e) {
+    if (e.code() == StatusCode::kInvalidArgument) throw;  // the verdict every rank reached
+    fail_invalid(name, ": rank ", rank_, " refused the call: ", reason, "; telling the other ranks failed: ", e.what());
+  }
+  fail(StatusCode::kInternal, name, ": the header exchange of a refused call passed");
+}
+
 std::shared_ptr<Work> ProcessGroup::all_reduce(const Tensor& tensor, ReduceOp op, bool async) {
-  check_tensor(tensor, "tensor", "all_reduce");
-  if (tensor.dtype() == DType::kBool && op == ReduceOp::kAvg)
-    fail_invalid("all_reduce: DP_AVG is not defined for bool tensors");
+  check_arguments(CallKind::kAllReduce, async, [&] {
+    check_tensor(tensor, "tensor", "all_reduce");
+    if (tensor.dtype() == DType::kBool && op == ReduceOp::kAvg)
+      fail_invalid("all_reduce: DP_AVG is not defined for bool tensors");
+  });
   return submit(
       "all_reduce", [this, tensor, op] { run_all_reduce(tensor, op); }, async);
 }
 
 std::shared_ptr<Work> ProcessGroup::broadcast(const Tensor& tensor, int32_t root, bool async) {
-  check_tensor(tensor, "tensor", "broadcast");
-  if (root < 0 || root >= world_size_) {
-    fail_invalid("broadcast: argument 'root' is ", root, "; it must be in 0..", world_size_ - 1, " (world size ",
-                 world_size_, ")");
-  }
+  check_arguments(CallKind::kBroadcast, async, [&] {
+    check_tensor(tensor, "tensor", "broadcast");
+    if (root < 0 || root >= world_size_) {
+      fail_invalid("broadcast: argument 'root' is ", root, "; it must be in 0..", world_size_ - 1, " (world size ",
+                   world_size_, ")");
+    }
+  });
   return submit(
       "broadcast", [this, tensor, root] { run_broadcast(tensor, root); }, async);
 }
 
 std::shared_ptr<Work> ProcessGroup::all_gather(const Tensor& input, const std::vector<Tensor>& outputs, bool async) {
-  check_tensor(input, "input", "all_gather");
-  if (outputs.size() != static_cast<size_t>(world_size_)) {
-    fail_invalid("all_gather: argument 'noutputs' is ", outputs.size(), "; it must equal the world size ", world_size_);
-  }
-  for (size_t i = 0; i < outputs.size(); ++i) {
-    std::string name = str_cat("outputs[", i, "]");
-    check_tensor(outputs[i], name, "all_gather");
-    if (outputs[i].dtype() != input.dtype() || outputs[i].numel() != input.numel()) {
-      fail_invalid("all_gather: ", name, " is ", outputs[i].describe(), " but the input is ", input.describe(),
-                   "; each output must have the input's dtype and element count");
+  check_arguments(CallKind::kAllGather, async, [&] {
+    check_tensor(input, "input", "all_gather");
+    if (outputs.size() != static_cast<size_t>(world_size_)) {
+      fail_invalid("all_gather: argument 'noutputs' is ", outputs.size(), "; it must equal the world size ",
+                   world_size_);
     }
-  }
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      std::string name = str_cat("outputs[", i, "]");
+      check_tensor(outputs[i], name, "all_gather");
+      if (outputs[i].dtype() != input.dtype() || outputs[i].numel() != input.numel()) {
+        fail_invalid("all_gather: ", name, " is ", outputs[i].describe(), " but the input is ", input.describe(),
+                     "; each output must have the input's dtype and element count");
+      }
+    }
+  });
   return submit(
       "all_gather", [this, input, outputs] { run_all_gather(input, outputs); }, async);
 }
 
 std::shared_ptr<Work> ProcessGroup::reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op,
                                                    bool async) {
-  check_tensor(output, "output", "reduce_scatter");
-  if (output.dtype() == DType::kBool && op == ReduceOp::kAvg) {
-    fail_invalid("reduce_scatter: DP_AVG is not defined for bool tensors");
-  }
-  if (inputs.size() != static_cast<size_t>(world_size_)) {
-    fail_invalid("reduce_scatter: argument 'ninputs' is ", inputs.size(), "; it must equal the world size ",
-                 world_size_);
-  }
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    std::string name = str_cat("inputs[", i, "]");
-    check_tensor(inputs[i], name, "reduce_scatter");
-    if (inputs[i].dtype() != output.dtype() || inputs[i].numel() != output.numel()) {
-      fail_invalid("reduce_scatter: ", name, " is ", inputs[i].describe(), " but the output is ", output.describe(),
-                   "; each input must have the output's dtype and element count");
+  check_arguments(CallKind::kReduceScatter, async, [&] {
+    check_tensor(output, "output", "reduce_scatter");
+    if (output.dtype() == DType::kBool && op == ReduceOp::kAvg) {
+      fail_invalid("reduce_scatter: DP_AVG is not defined for bool tensors");
     }
-  }
+    if (inputs.size() != static_cast<size_t>(world_size_)) {
+      fail_invalid("reduce_scatter: argument 'ninputs' is ", inputs.size(), "; it must equal the world size ",
+                   world_size_);
+    }
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      std::string name = str_cat("inputs[", i, "]");
+      check_tensor(inputs[i], name, "reduce_scatter");
+      if (inputs[i].dtype() != output.dtype() || inputs[i].numel() != output.numel()) {
+        fail_invalid("reduce_scatter: ", name, " is ", inputs[i].describe(), " but the output is ", output.describe(),
+                     "; each input must have the output's dtype and element count");
+      }
+    }
+  });
   return submit(
       "reduce_scatter", [this, inputs, output, op] { run_reduce_scatter(inputs, output, op); }, async);
 }

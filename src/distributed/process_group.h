@@ -3,6 +3,9 @@
 // ones on the group's worker thread); backends implement the collectives.
 // After a collective fails with kTimeout or kRemote the group is broken:
 // later collectives fail at once with kState.
+// A call with a bad argument is refused, but still takes part in the ranks'
+// header exchange (see call_header.h): the other ranks' matching calls fail
+// at once naming this rank and why, and the group stays in step and usable.
 #pragma once
 
 #include <chrono>
@@ -20,6 +23,7 @@ namespace dparallel::dist {
 
 enum class Backend : int32_t { kAuto = 0, kGloo = 1, kNccl = 2 };
 enum class ReduceOp : int32_t { kSum = 0, kAvg = 1, kMin = 2, kMax = 3, kProd = 4 };
+enum class CallKind : uint32_t { kAllReduce = 1, kBroadcast = 2, kAllGather = 3, kReduceScatter = 4, kBarrier = 5 };
 const char* reduce_op_name(ReduceOp op);
 ReduceOp reduce_op_arg(int32_t code, const char* argument);
 
@@ -55,12 +59,33 @@ class ProcessGroup {
                                        bool async);
   std::shared_ptr<Work> barrier(bool async);
 
+  // Runs `check`, which translates a call's arguments; an argument error it
+  // throws (kInvalidArgument) refuses the collective `kind` (see refuse()).
+  template <typename Check>
+  void check_arguments(CallKind kind, bool async, Check&& check) {
+    try {
+      check();
+    } catch (const Error& e) {
+      if (e.code() != StatusCode::kInvalidArgument) throw;
+      refuse(kind, e.what(), async);
+    }
+  }
+  // Refuses this rank's call of `kind` for `reason`: the refusal takes the
+  // call's place in the sequence, so that the other ranks' matching calls
+  // fail naming this rank and `reason`. Always throws kInvalidArgument:
+  // synchronously once every rank has seen the refusal (the verdict, naming
+  // every rank that refused), with `async` at once (the refusal is queued).
+  [[noreturn]] void refuse(CallKind kind, const std::string& reason, bool async);
+
  protected:
   virtual void run_all_reduce(const Tensor& tensor, ReduceOp op) = 0;
   virtual void run_broadcast(const Tensor& tensor, int32_t root) = 0;
   virtual void run_all_gather(const Tensor& input, const std::vector<Tensor>& outputs) = 0;
   virtual void run_reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) = 0;
   virtual void run_barrier() = 0;
+  // Takes part in the header exchange of the collective `kind` as having
+  // refused it; throws the verdict (see check_call_headers).
+  virtual void run_refused(CallKind kind, const std::string& reason) = 0;
   // The device type this backend's tensors must live on.
   virtual DeviceType tensor_device_type() const = 0;
   // Backends call this from their destructor, before their members go.

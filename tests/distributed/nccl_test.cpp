@@ -224,14 +224,16 @@ TEST(NcclGroup, TensorOnAnotherGpuIsRejectedNamingBothGpus) {
 TEST(NcclGroup, CreateTimesOutAndAbortsWhenAPeerNeverJoins) {
   REQUIRE_GPUS(1);
   StorePtr store = file_store(2);
-  dp_process_group_options o = nccl_options(store.get(), 2, 2000);
+  constexpr int32_t kTimeoutMs = 4000;
+  dp_process_group_options o = nccl_options(store.get(), 2, kTimeoutMs);
   dp_process_group* pg = nullptr;
   auto start = std::chrono::steady_clock::now();
   EXPECT_EQ(dp_process_group_create(&pg, &o), DP_ETIMEOUT) << dp_last_error();
   auto elapsed = std::chrono::steady_clock::now() - start;
   EXPECT_EQ(pg, nullptr);
   EXPECT_NE(last_error().find("rank(s) 1"), std::string::npos) << last_error();
-  EXPECT_LT(elapsed, std::chrono::milliseconds(2000 + 3000));
+  // It waits out the timeout, then aborts: bounded, not hung, even on a loaded machine.
+  EXPECT_LT(elapsed, std::chrono::milliseconds(3 * kTimeoutMs));
   GroupPtr after = single_rank_group();
   ASSERT_NE(after, nullptr);
   auto t = make<int32_t>({3}, {4, 5, 6}, cuda(0));

@@ -1,5 +1,6 @@
-// The base class's tensor checks for a CUDA backend, on a stand-in group:
-// tensors on another GPU than the group's never reach the backend. Wrapped
+// The base class's tensor checks, on a stand-in group: tensors on another
+// device than the group's (another GPU, another logical cpu:i) never reach
+// the backend's transfer; the call is refused instead. Wrapped
 // host memory labelled cuda stands in for GPU memory; nothing reads it.
 #include <gtest/gtest.h>
 
@@ -12,20 +13,28 @@
 namespace dparallel::dist {
 namespace {
 
-class CountingCudaGroup : public ProcessGroup {
+class CountingGroup : public ProcessGroup {
  public:
-  CountingCudaGroup() : ProcessGroup(0, 2, Device{DeviceType::kCuda, 0}, Millis(1000)) {}
-  ~CountingCudaGroup() override { drain(); }
-  const char* backend_name() const override { return "nccl"; }
+  explicit CountingGroup(Device device = Device{DeviceType::kCuda, 0}) : ProcessGroup(0, 2, device, Millis(1000)) {}
+  ~CountingGroup() override { drain(); }
+  const char* backend_name() const override { return device().is_cuda() ? "nccl" : "gloo"; }
   int runs = 0;
 
  protected:
-  DeviceType tensor_device_type() const override { return DeviceType::kCuda; }
+  DeviceType tensor_device_type() const override { return device().type; }
   void run_all_reduce(const Tensor&, ReduceOp) override { ++runs; }
   void run_broadcast(const Tensor&, int32_t) override { ++runs; }
   void run_all_gather(const Tensor&, const std::vector<Tensor>&) override { ++runs; }
   void run_reduce_scatter(const std::vector<Tensor>&, const Tensor&, ReduceOp) override { ++runs; }
   void run_barrier() override { ++runs; }
+  // A one-rank verdict: the refusal comes back as the error.
+  void run_refused(CallKind, const std::string& reason) override {
+    ++refusals;
+    fail_invalid(reason);
+  }
+
+ public:
+  int refusals = 0;
 };
 
 float g_memory[64];
@@ -48,7 +57,7 @@ std::string invalid(F&& call) {
 }
 
 TEST(ProcessGroupDevice, TensorOnAnotherGpuIsRejectedNamingTheArgumentAndBothGpus) {
-  CountingCudaGroup group;
+  CountingGroup group;
   Tensor other = on(DeviceType::kCuda, 1);
   std::string m = invalid([&] { group.all_reduce(other, ReduceOp::kSum, false); });
   EXPECT_NE(m.find("all_reduce: argument 'tensor'"), std::string::npos) << m;
@@ -57,10 +66,26 @@ TEST(ProcessGroupDevice, TensorOnAnotherGpuIsRejectedNamingTheArgumentAndBothGpu
   m = invalid([&] { group.broadcast(other, 0, true); });
   EXPECT_NE(m.find("broadcast: argument 'tensor'"), std::string::npos) << m;
   EXPECT_EQ(group.runs, 0);
+  group.barrier(false);  // after the queued (async) refusal
+  EXPECT_EQ(group.refusals, 2);
+}
+
+TEST(ProcessGroupDevice, TensorOnAnotherLogicalCpuIsRefused) {
+  CountingGroup group(Device{DeviceType::kCpu, 0});
+  Tensor other = on(DeviceType::kCpu, 1), mine = on(DeviceType::kCpu, 0);
+  std::string m = invalid([&] { group.all_reduce(other, ReduceOp::kSum, false); });
+  EXPECT_NE(m.find("all_reduce: argument 'tensor' is float32 16 on cpu:1"), std::string::npos) << m;
+  EXPECT_NE(m.find("gloo process group is on cpu:0"), std::string::npos) << m;
+  m = invalid([&] { group.all_gather(mine, {mine, other}, false); });
+  EXPECT_NE(m.find("'outputs[1]' is float32 16 on cpu:1"), std::string::npos) << m;
+  EXPECT_EQ(group.runs, 0);
+  EXPECT_EQ(group.refusals, 2);
+  group.all_reduce(mine, ReduceOp::kSum, false);
+  EXPECT_EQ(group.runs, 1);
 }
 
 TEST(ProcessGroupDevice, OneOutputOrInputOnAnotherGpuIsNamedByIndex) {
-  CountingCudaGroup group;
+  CountingGroup group;
   Tensor mine = on(DeviceType::kCuda, 0), other = on(DeviceType::kCuda, 3);
   std::string m = invalid([&] { group.all_gather(mine, {mine, other}, false); });
   EXPECT_NE(m.find("'outputs[1]'"), std::string::npos) << m;
@@ -72,14 +97,14 @@ TEST(ProcessGroupDevice, OneOutputOrInputOnAnotherGpuIsNamedByIndex) {
 }
 
 TEST(ProcessGroupDevice, CpuTensorOnACudaGroupIsRejected) {
-  CountingCudaGroup group;
+  CountingGroup group;
   std::string m = invalid([&] { group.all_reduce(on(DeviceType::kCpu, 0), ReduceOp::kSum, false); });
   EXPECT_NE(m.find("works on cuda tensors"), std::string::npos) << m;
   EXPECT_EQ(group.runs, 0);
 }
 
 TEST(ProcessGroupDevice, TensorsOnTheGroupsGpuRun) {
-  CountingCudaGroup group;
+  CountingGroup group;
   Tensor mine = on(DeviceType::kCuda, 0);
   group.all_reduce(mine, ReduceOp::kAvg, false);
   group.all_gather(mine, {mine, mine}, false);

@@ -1,8 +1,9 @@
 // The Gloo backend: Gloo's TCP transport and algorithms for cpu tensors.
 //
 // Before every collective the ranks exchange a fixed-size slab: a header
-// (collective, dtype, element count, root, op, sequence number) and, for
-// payloads up to kInlineBytes, the data itself. Headers that differ are an
+// (call_header.h: collective, dtype, element count, root, op, sequence
+// number, whether the rank refused the call) and, for payloads up to
+// kInlineBytes, the data itself. Headers that differ, or a refusal, are an
 // error on every rank, so Gloo never sees mismatched sizes (its receive path
 // enforces them on its own thread, which would abort the process). Small
 // collectives finish within that one exchange: every rank reduces the slabs
@@ -28,8 +29,10 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/address.h>
 #include <gloo/transport/tcp/device.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -42,6 +45,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "distributed/call_header.h"
 #include "distributed/process_group.h"
 #include "distributed/reduce_ops.h"
 #include "distributed/store/socket.h"
@@ -54,43 +58,12 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr size_t kInlineBytes = 4096;
-constexpr uint32_t kMagic = 0x64704731;  // "dpG1"
 // How long a healthy group's destruction waits for the other ranks to leave.
 constexpr Millis kLeaveBound{5000};
 // How far past a collective's deadline its connections are closed.
 constexpr Millis kWatchSlack{50};
 
-enum class OpKind : uint32_t { kAllReduce = 1, kBroadcast = 2, kAllGather = 3, kReduceScatter = 4, kBarrier = 5 };
-
-const char* op_kind_name(uint32_t kind) {
-  switch (static_cast<OpKind>(kind)) {
-    case OpKind::kAllReduce:
-      return "all_reduce";
-    case OpKind::kBroadcast:
-      return "broadcast";
-    case OpKind::kAllGather:
-      return "all_gather";
-    case OpKind::kReduceScatter:
-      return "reduce_scatter";
-    case OpKind::kBarrier:
-      return "barrier";
-  }
-  return "unknown collective";
-}
-
-struct Header {
-  uint32_t magic;
-  uint32_t kind;
-  int32_t dtype;
-  int32_t op;
-  int32_t root;
-  int32_t rank;
-  int64_t numel;
-  uint64_t seq;
-  uint8_t reserved[24];
-};
-static_assert(sizeof(Header) == 64, "the header is part of the wire format");
-constexpr size_t kSlabBytes = sizeof(Header) + kInlineBytes;
+constexpr size_t kSlabBytes = sizeof(CallHeader) + kInlineBytes;
 constexpr size_t kMinBlockBytes = 8192;
 constexpr size_t kMaxBlockBytes = 256 << 10;
 constexpr size_t kBlockBudget = 1 << 20;
@@ -106,6 +79,28 @@ constexpr size_t kLargeSegmentBytes = 8 << 20;
 // took 2-rank reduce_scatters of 64-128 MiB from about 0.97 to 0.82 of the
 // former all-reduce's time; 1 MiB segments lost at 64 MiB.
 constexpr size_t kScatterSegmentBytes = 8 << 20;
+
+// Gloo's AllgatherRing sends its notifications from an int member that its
+// constructor leaves uninitialised; built in zeroed memory, it sends zeros.
+using Ring = gloo::AllgatherRing<uint8_t>;
+struct RingDeleter {
+  void operator()(Ring* ring) const {
+    ring->~Ring();
+    ::operator delete(ring);
+  }
+};
+using RingPtr = std::unique_ptr<Ring, RingDeleter>;
+
+RingPtr make_ring(const std::shared_ptr<gloo::Context>& context, const uint8_t* send, uint8_t* recv, int count) {
+  void* memory = ::operator new(sizeof(Ring));
+  std::memset(memory, 0, sizeof(Ring));
+  try {
+    return RingPtr(new (memory) Ring(context, std::vector<const uint8_t*>{send}, recv, count));
+  } catch (...) {
+    ::operator delete(memory);
+    throw;
+  }
+}
 
 // An all-gather of fixed-size blocks over Gloo's ring with registered
 // buffers; two rings alternate (see above). Its buffers are allocated when it
@@ -123,8 +118,7 @@ class BlockExchange {
   void connect() {
     if (size_ == 1 || rings_[0] != nullptr) return;
     for (int i = 0; i < 2; ++i) {
-      rings_[i] = std::make_unique<gloo::AllgatherRing<uint8_t>>(context_, std::vector<const uint8_t*>{send_.data()},
-                                                                 recv_[i].data(), static_cast<int>(block_bytes_));
+      rings_[i] = make_ring(context_, send_.data(), recv_[i].data(), static_cast<int>(block_bytes_));
     }
   }
 
@@ -150,7 +144,7 @@ class BlockExchange {
   size_t block_bytes_;
   std::vector<uint8_t> send_;
   std::vector<uint8_t> recv_[2];
-  std::unique_ptr<gloo::AllgatherRing<uint8_t>> rings_[2];
+  RingPtr rings_[2];
   int phase_ = 0;
 };
 
@@ -159,14 +153,40 @@ Millis left_until(Clock::time_point deadline) {
   return std::max(std::chrono::duration_cast<Millis>(deadline - Clock::now()), Millis(1));
 }
 
+// Gloo's TCP address: a sockaddr_storage that getsockname filled only as far
+// as the address goes, the rest uninitialised stack memory, and a sequence
+// number. Rewritten over a zeroed sockaddr_storage before it leaves.
+class AddressBytes : public gloo::transport::tcp::Address {
+ public:
+  static constexpr size_t kSize = sizeof(Impl);
+
+  static void zero_padding(char* bytes) {
+    Impl impl;
+    std::memcpy(&impl, bytes, kSize);
+    size_t used = impl.ss.ss_family == AF_INET    ? sizeof(sockaddr_in)
+                  : impl.ss.ss_family == AF_INET6 ? sizeof(sockaddr_in6)
+                                                  : 0;
+    if (used == 0) return;
+    sockaddr_storage clean{};
+    std::memcpy(&clean, &impl.ss, used);
+    impl.ss = clean;
+    std::memcpy(bytes, &impl, kSize);
+  }
+};
+
 // Our store as Gloo's rendezvous store; every wait ends by the group's
 // creation deadline, so creating all the meshes is bounded by one timeout.
 class GlooStore : public gloo::rendezvous::Store {
  public:
   GlooStore(std::shared_ptr<dist::Store> store, Clock::time_point deadline)
       : store_(std::move(store)), deadline_(deadline) {}
+  // Gloo sets one key per rank: the addresses of its pairs, one after another.
   void set(const std::string& key, const std::vector<char>& data) override {
-    store_->set(key, Bytes(data.begin(), data.end()));
+    std::vector<char> value = data;
+    if (value.size() % AddressBytes::kSize == 0) {
+      for (size_t at = 0; at < value.size(); at += AddressBytes::kSize) AddressBytes::zero_padding(&value[at]);
+    }
+    store_->set(key, Bytes(value.begin(), value.end()));
   }
   std::vector<char> get(const std::string& key) override {
     Bytes value = store_->get(key, left_until(deadline_));
@@ -286,7 +306,7 @@ class GlooProcessGroup : public ProcessGroup {
 
   void run_all_reduce(const Tensor& tensor, ReduceOp op) override {
     size_t nbytes = tensor.nbytes();
-    Op o = begin(OpKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1, nbytes);
+    Op o = begin(CallKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1, nbytes);
     size_t n = static_cast<size_t>(tensor.numel());
     ReduceFn fn = reduce_function(tensor.dtype(), op);
     if (gather_small(o, tensor.describe(), nbytes, [&](uint8_t* out) { std::memcpy(out, tensor.data(), nbytes); })) {
@@ -308,7 +328,7 @@ class GlooProcessGroup : public ProcessGroup {
 
   void run_broadcast(const Tensor& tensor, int32_t root) override {
     size_t nbytes = tensor.nbytes();
-    Op o = begin(OpKind::kBroadcast, tensor.dtype(), tensor.numel(), ReduceOp::kSum, root, nbytes);
+    Op o = begin(CallKind::kBroadcast, tensor.dtype(), tensor.numel(), ReduceOp::kSum, root, nbytes);
     auto fill = [&](uint8_t* out) {
       if (rank() == root) std::memcpy(out, tensor.data(), nbytes);
     };
@@ -336,7 +356,7 @@ class GlooProcessGroup : public ProcessGroup {
     auto* in = static_cast<const uint8_t*>(input.data());
     consecutive = consecutive && (in + nbytes <= first || in >= first + nbytes * static_cast<size_t>(size()));
     if (!consecutive && !fits_exchange(nbytes)) scratch(nbytes * static_cast<size_t>(size()));  // see begin()
-    Op o = begin(OpKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, nbytes);
+    Op o = begin(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, nbytes);
     if (gather_small(o, input.describe(), nbytes, [&](uint8_t* out) { std::memcpy(out, input.data(), nbytes); })) {
       for (int32_t r = 0; r < size(); ++r) std::memcpy(outputs[r].data(), gathered(r), nbytes);
       return;
@@ -366,7 +386,7 @@ class GlooProcessGroup : public ProcessGroup {
     };
     size_t segment = std::min(nbytes, kScatterSegmentBytes);
     if (!fits_exchange(total)) scratch(total + segment * static_cast<size_t>(size()));  // see begin()
-    Op o = begin(OpKind::kReduceScatter, output.dtype(), output.numel(), op, -1, total);
+    Op o = begin(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, total);
     if (gather_small(o, output.describe(), total, concatenate)) {
       std::memcpy(output.data(), gathered(0) + mine, nbytes);
       for (int32_t r = 1; r < size(); ++r) fn(output.data(), output.data(), gathered(r) + mine, n);
@@ -406,8 +426,13 @@ class GlooProcessGroup : public ProcessGroup {
   }
 
   void run_barrier() override {
-    Op o = begin(OpKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, 0);
+    Op o = begin(CallKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, 0);
     exchange(o, "no tensor");
+  }
+
+  void run_refused(CallKind kind, const std::string& reason) override {
+    Op o = start(refused_call_header(kind, rank(), ++seq_, reason));
+    exchange(o, "a refused call");
   }
 
  private:
@@ -421,24 +446,20 @@ class GlooProcessGroup : public ProcessGroup {
   }
 
   struct Op {
-    Header header;
+    CallHeader header;
     Clock::time_point deadline;
     bool exchanged = false;  // every rank's header has arrived
   };
 
   // Starts a collective of `nbytes` per rank. What it may need is allocated
   // first: failing after the header exchange would leave the peers waiting.
-  Op begin(OpKind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root, size_t nbytes) {
+  Op begin(CallKind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root, size_t nbytes) {
     if (nbytes > kInlineBytes) blocks_for(nbytes);
+    return start(make_call_header(kind, rank(), ++seq_, dtype, numel, op, root));
+  }
+  Op start(const CallHeader& header) const {
     Op o{};
-    o.header.magic = kMagic;
-    o.header.kind = static_cast<uint32_t>(kind);
-    o.header.dtype = static_cast<int32_t>(dtype);
-    o.header.op = static_cast<int32_t>(op);
-    o.header.root = root;
-    o.header.rank = rank();
-    o.header.numel = numel;
-    o.header.seq = ++seq_;
+    o.header = header;
     o.deadline = Clock::now() + timeout();
     return o;
   }
@@ -456,7 +477,7 @@ class GlooProcessGroup : public ProcessGroup {
       fill(payload(slabs_->send()));
       exchange(o, what);
       gathered_from_ = slabs_.get();
-      gathered_offset_ = sizeof(Header);
+      gathered_offset_ = sizeof(CallHeader);
       return true;
     }
     exchange(o, what);
@@ -488,7 +509,7 @@ class GlooProcessGroup : public ProcessGroup {
   }
   // True when `bytes` per rank go through the slabs or a block exchange, not Gloo's algorithms.
   bool fits_exchange(size_t bytes) const { return bytes <= kInlineBytes || block_size_for(bytes) != 0; }
-  static uint8_t* payload(uint8_t* slab) { return slab + sizeof(Header); }
+  static uint8_t* payload(uint8_t* slab) { return slab + sizeof(CallHeader); }
 
   // Closes the connections when a transfer runs past its collective's
   // deadline: a ring's steps each wait up to the full timeout otherwise.
@@ -539,8 +560,9 @@ class GlooProcessGroup : public ProcessGroup {
 
   uint32_t next_tag() { return tag_++; }
 
+  // Rounded up: a Gloo wait that times out then ends at or past the deadline.
   std::chrono::milliseconds remaining(const Op& o) const {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(o.deadline - Clock::now());
+    auto left = std::chrono::ceil<std::chrono::milliseconds>(o.deadline - Clock::now());
     return std::max(left, std::chrono::milliseconds(1));
   }
 
@@ -565,45 +587,20 @@ class GlooProcessGroup : public ProcessGroup {
     }
   }
 
-  // Swaps headers (and inline payloads) with every rank, then checks that all
-  // ranks called the same collective on the same sizes.
-  // Rank r's header of the last exchange (the slabs are not aligned for Header).
-  Header header_of(int32_t r) {
-    Header h;
-    std::memcpy(&h, slab(r), sizeof(Header));
+  // Rank r's header of the last exchange (the slabs are not aligned for CallHeader).
+  CallHeader header_of(int32_t r) {
+    CallHeader h;
+    std::memcpy(&h, slab(r), sizeof(CallHeader));
     return h;
   }
 
+  // Swaps headers (and inline payloads) with every rank, then checks that all
+  // ranks called the same collective on the same sizes.
   void exchange(Op& o, const std::string& what) {
-    std::memcpy(slabs_->send(), &o.header, sizeof(Header));
+    std::memcpy(slabs_->send(), &o.header, sizeof(CallHeader));
     guarded(o, what, [&] { slabs_->run(); });
     o.exchanged = true;
-    // Out-of-step ranks first, over all ranks, then differing arguments: every
-    // rank sees the same headers, so all of them reach the same verdict.
-    for (int32_t r = 0; r < size(); ++r) {
-      const Header h = header_of(r);
-      if (h.magic != kMagic || h.rank != r) {
-        fail(StatusCode::kRemote, op_kind_name(o.header.kind), ": rank ", r, " sent a malformed header");
-      }
-      if (h.kind != o.header.kind || h.seq != o.header.seq) {
-        fail(StatusCode::kRemote, op_kind_name(o.header.kind), " (collective #", o.header.seq, " of rank ", rank(),
-             "): rank ", r, " called ", op_kind_name(h.kind), " as its collective #", h.seq,
-             "; every rank must issue the same collectives in the same order");
-      }
-    }
-    for (int32_t r = 0; r < size(); ++r) {
-      const Header h = header_of(r);
-      if (h.numel != o.header.numel || h.dtype != o.header.dtype) {
-        fail_invalid(op_kind_name(o.header.kind), ": tensors differ across ranks: rank ", rank(), " has ",
-                     o.header.numel, " elements of ", dtype_name(static_cast<DType>(o.header.dtype)), ", rank ", r,
-                     " has ", h.numel, " elements of ", dtype_name(static_cast<DType>(h.dtype)));
-      }
-      if (h.op != o.header.op || h.root != o.header.root) {
-        fail_invalid(op_kind_name(o.header.kind), ": arguments differ across ranks: rank ", rank(), " has op ",
-                     reduce_op_name(static_cast<ReduceOp>(o.header.op)), " root ", o.header.root, ", rank ", r,
-                     " has op ", reduce_op_name(static_cast<ReduceOp>(h.op)), " root ", h.root);
-      }
-    }
+    check_call_headers(o.header, rank(), size(), [&](int32_t r) { return header_of(r); });
   }
 
   // Runs a Gloo call; its failures become kTimeout or kRemote naming the
@@ -620,21 +617,22 @@ class GlooProcessGroup : public ProcessGroup {
       timed_out = true;
     } catch (const gloo::IoException& e) {
       cause = e.what();
-      timed_out = cause.find("imed out") != std::string::npos || cause.find("imeout") != std::string::npos;
     } catch (const Error&) {
       throw;
     } catch (const std::bad_alloc&) {
       // Peers are mid-transfer with this rank: fail them now, and this group for good.
       close_connections();
-      mark_broken(str_cat(op_kind_name(o.header.kind), " of ", what, ": out of memory during the transfer"));
+      mark_broken(str_cat(call_kind_name(o.header.kind), " of ", what, ": out of memory during the transfer"));
       throw;
     } catch (const std::exception& e) {  // gloo::Exception and gloo::EnforceNotMet
       cause = e.what();
     }
+    // Gloo's waits end at the deadline (see remaining()) and the watchdog's
+    // just after it, so a failure from then on is the timeout.
     timed_out = timed_out || Clock::now() >= o.deadline;
     close_connections();
     std::string missing = find_missing_ranks(*store_, prefix_, rank(), size(), o.header.seq, o.exchanged, o.deadline);
-    fail(timed_out ? StatusCode::kTimeout : StatusCode::kRemote, op_kind_name(o.header.kind), " of ", what,
+    fail(timed_out ? StatusCode::kTimeout : StatusCode::kRemote, call_kind_name(o.header.kind), " of ", what,
          " (collective #", o.header.seq, ") on rank ", rank(), " of ", size(),
          timed_out ? str_cat(" timed out after ", timeout().count(), " ms") : std::string(" failed"), ": ", missing,
          "; gloo: ", cause);

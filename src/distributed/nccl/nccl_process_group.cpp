@@ -2,7 +2,8 @@
 // store, created non-blocking. Every wait polls the stream and
 // ncclCommGetAsyncError and aborts the communicator at the group's deadline,
 // so a dead peer is an error, not a hang. As with Gloo, the ranks swap a
-// header first (an all-gather of 64 bytes) so mismatched sizes are an error.
+// header first (an all-gather of a CallHeader) so mismatched sizes, and a
+// call another rank refused, are an error on every rank.
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
@@ -13,6 +14,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/nccl_types.h"
 #include "core/error.h"
+#include "distributed/call_header.h"
 #include "distributed/nccl/nccl_header.h"
 #include "distributed/nccl/nccl_ops.h"
 #include "distributed/process_group.h"
@@ -25,8 +27,6 @@ using Clock = std::chrono::steady_clock;
 // The longest a destroy waits for a healthy communicator's finalize, as a
 // Gloo group waits for its peers to leave.
 constexpr Millis kFinalizeBound{5000};
-using nccl::Header;
-using nccl::Kind;
 
 class NcclProcessGroup : public ProcessGroup {
  public:
@@ -52,9 +52,9 @@ class NcclProcessGroup : public ProcessGroup {
     cuda::DeviceGuard guard(device().index);
     try {
       cuda::check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-      cuda::check(cudaMalloc(&headers_, sizeof(Header) * static_cast<size_t>(size())), "cudaMalloc");
+      cuda::check(cudaMalloc(&headers_, sizeof(CallHeader) * static_cast<size_t>(size())), "cudaMalloc");
       // Pinned, so that copies to and from it never block the host behind NCCL work.
-      cuda::check(cudaMallocHost(&host_headers_, sizeof(Header) * static_cast<size_t>(size())), "cudaMallocHost");
+      cuda::check(cudaMallocHost(&host_headers_, sizeof(CallHeader) * static_cast<size_t>(size())), "cudaMallocHost");
     } catch (...) {
       release();  // the destructor does not run for a constructor that throws
       throw;
@@ -85,7 +85,7 @@ class NcclProcessGroup : public ProcessGroup {
 
   void run_all_reduce(const Tensor& t, ReduceOp op) override {
     cuda::DeviceGuard guard(device().index);
-    auto deadline = exchange(Kind::kAllReduce, t.dtype(), t.numel(), op, -1, t.describe());
+    auto deadline = exchange(CallKind::kAllReduce, t.dtype(), t.numel(), op, -1, t.describe());
     enqueue(ncclAllReduce(t.data(), t.data(), static_cast<size_t>(t.numel()), cuda::nccl_type(t.dtype()),
                           nccl::nccl_op(t.dtype(), op), comm_, stream_),
             "ncclAllReduce", deadline, true);
@@ -94,7 +94,7 @@ class NcclProcessGroup : public ProcessGroup {
 
   void run_broadcast(const Tensor& t, int32_t root) override {
     cuda::DeviceGuard guard(device().index);
-    auto deadline = exchange(Kind::kBroadcast, t.dtype(), t.numel(), ReduceOp::kSum, root, t.describe());
+    auto deadline = exchange(CallKind::kBroadcast, t.dtype(), t.numel(), ReduceOp::kSum, root, t.describe());
     enqueue(ncclBroadcast(t.data(), t.data(), t.nbytes(), ncclUint8, root, comm_, stream_), "ncclBroadcast", deadline,
             true);
     wait_stream(deadline, true);
@@ -105,7 +105,7 @@ class NcclProcessGroup : public ProcessGroup {
     size_t nbytes = input.nbytes();
     // Before the exchange: running out of memory here fails this rank alone, in step.
     uint8_t* flat = scratch(nbytes * static_cast<size_t>(size()), "all_gather");
-    auto deadline = exchange(Kind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, input.describe());
+    auto deadline = exchange(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, input.describe());
     enqueue(ncclAllGather(input.data(), flat, nbytes, ncclUint8, comm_, stream_), "ncclAllGather", deadline, true);
     for (int32_t r = 0; r < size(); ++r) {
       check_cuda(cudaMemcpyAsync(outputs[r].data(), flat + nbytes * static_cast<size_t>(r), nbytes,
@@ -119,7 +119,7 @@ class NcclProcessGroup : public ProcessGroup {
     cuda::DeviceGuard guard(device().index);
     size_t nbytes = output.nbytes();
     uint8_t* flat = scratch(nbytes * static_cast<size_t>(size()), "reduce_scatter");
-    auto deadline = exchange(Kind::kReduceScatter, output.dtype(), output.numel(), op, -1, output.describe());
+    auto deadline = exchange(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, output.describe());
     for (int32_t r = 0; r < size(); ++r) {
       check_cuda(cudaMemcpyAsync(flat + nbytes * static_cast<size_t>(r), inputs[r].data(), nbytes,
                                  cudaMemcpyDeviceToDevice, stream_),
@@ -134,7 +134,12 @@ class NcclProcessGroup : public ProcessGroup {
 
   void run_barrier() override {
     cuda::DeviceGuard guard(device().index);
-    exchange(Kind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, "");
+    exchange(CallKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, "");
+  }
+
+  void run_refused(CallKind kind, const std::string& reason) override {
+    cuda::DeviceGuard guard(device().index);
+    exchange(refused_call_header(kind, rank(), seq_ + 1, reason), "");
   }
 
  private:
@@ -207,23 +212,30 @@ class NcclProcessGroup : public ProcessGroup {
     }
   }
 
-  Clock::time_point exchange(Kind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root, std::string tensor) {
-    op_ = nccl::kind_name(static_cast<uint32_t>(kind));
+  Clock::time_point exchange(CallKind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root, std::string tensor) {
+    return exchange(make_call_header(kind, rank(), seq_ + 1, dtype, numel, op, root), std::move(tensor));
+  }
+
+  // Swaps `mine` (for collective #seq_ + 1) with every rank and checks them all.
+  Clock::time_point exchange(const CallHeader& mine, std::string tensor) {
+    op_ = call_kind_name(mine.kind);
     tensor_ = std::move(tensor);
     if (comm_ == nullptr) fail(StatusCode::kState, op_, ": the NCCL communicator was aborted earlier");
+    ++seq_;
     auto deadline = Clock::now() + timeout();
-    Header mine = nccl::make_header(kind, dtype, numel, ++seq_, op, root);
-    auto* all = static_cast<Header*>(host_headers_);
+    auto* all = static_cast<CallHeader*>(host_headers_);
     all[rank()] = mine;
-    auto* slot = static_cast<uint8_t*>(headers_) + sizeof(Header) * static_cast<size_t>(rank());
-    check_cuda(cudaMemcpyAsync(slot, &all[rank()], sizeof(Header), cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync");
+    auto* slot = static_cast<uint8_t*>(headers_) + sizeof(CallHeader) * static_cast<size_t>(rank());
+    check_cuda(cudaMemcpyAsync(slot, &all[rank()], sizeof(CallHeader), cudaMemcpyHostToDevice, stream_),
+               "cudaMemcpyAsync");
     // In place: this rank's slot of the gathered buffer is its send buffer.
-    enqueue(ncclAllGather(slot, headers_, sizeof(Header), ncclUint8, comm_, stream_), "ncclAllGather", deadline, false);
-    check_cuda(
-        cudaMemcpyAsync(all, headers_, sizeof(Header) * static_cast<size_t>(size()), cudaMemcpyDeviceToHost, stream_),
-        "cudaMemcpyAsync");
+    enqueue(ncclAllGather(slot, headers_, sizeof(CallHeader), ncclUint8, comm_, stream_), "ncclAllGather", deadline,
+            false);
+    check_cuda(cudaMemcpyAsync(all, headers_, sizeof(CallHeader) * static_cast<size_t>(size()), cudaMemcpyDeviceToHost,
+                               stream_),
+               "cudaMemcpyAsync");
     wait_stream(deadline, false);
-    nccl::check_headers(mine, all, rank(), size());
+    check_call_headers(mine, rank(), size(), [&](int32_t r) { return all[r]; });
     return deadline;
   }
 

@@ -1,0 +1,81 @@
+#include "distributed/call_header.h"
+
+#include <cstring>
+
+#include "core/error.h"
+
+namespace dparallel::dist {
+
+const char* call_kind_name(uint32_t kind) {
+  switch (static_cast<CallKind>(kind)) {
+    case CallKind::kAllReduce:
+      return "all_reduce";
+    case CallKind::kBroadcast:
+      return "broadcast";
+    case CallKind::kAllGather:
+      return "all_gather";
+    case CallKind::kReduceScatter:
+      return "reduce_scatter";
+    case CallKind::kBarrier:
+      return "barrier";
+  }
+  return "unknown collective";
+}
+
+CallHeader make_call_header(CallKind kind, int32_t rank, uint64_t seq, DType dtype, int64_t numel, ReduceOp op,
+                            int32_t root) {
+  CallHeader h{};
+  h.magic = kCallHeaderMagic;
+  h.kind = static_cast<uint32_t>(kind);
+  h.dtype = static_cast<int32_t>(dtype);
+  h.op = static_cast<int32_t>(op);
+  h.root = root;
+  h.rank = rank;
+  h.numel = numel;
+  h.seq = seq;
+  return h;
+}
+
+CallHeader refused_call_header(CallKind kind, int32_t rank, uint64_t seq, const std::string& reason) {
+  CallHeader h = make_call_header(kind, rank, seq, DType::kUInt8, 0);
+  h.refused = 1;
+  std::string text = reason;
+  if (text.size() >= kRefusalReasonBytes) text = text.substr(0, kRefusalReasonBytes - 4) + "...";
+  std::memcpy(h.reason, text.data(), text.size());
+  return h;
+}
+
+namespace detail {
+
+void fail_malformed(const CallHeader& mine, int32_t r) {
+  fail(StatusCode::kRemote, call_kind_name(mine.kind), ": rank ", r, " sent a malformed header");
+}
+
+void fail_out_of_step(const CallHeader& mine, int32_t rank, const CallHeader& theirs, int32_t r) {
+  fail(StatusCode::kRemote, call_kind_name(mine.kind), " (collective #", mine.seq, " of rank ", rank, "): rank ", r,
+       " called ", call_kind_name(theirs.kind), " as its collective #", theirs.seq,
+       "; every rank must issue the same collectives in the same order");
+}
+
+void add_refusal(std::string& refusals, const CallHeader& h, int32_t r) {
+  // The reason came over the wire: read it only up to its buffer's end.
+  std::string reason(h.reason, ::strnlen(h.reason, kRefusalReasonBytes));
+  refusals += str_cat(refusals.empty() ? "" : "; ", "rank ", r, " refused the call: ", reason);
+}
+
+void fail_refused(const CallHeader& mine, const std::string& refusals) {
+  fail_invalid(call_kind_name(mine.kind), " (collective #", mine.seq, "): ", refusals,
+               " (every rank's call failed; the group stays usable)");
+}
+
+void fail_differ(const CallHeader& mine, int32_t rank, const CallHeader& theirs, int32_t r) {
+  auto op = [](const CallHeader& h) { return reduce_op_name(static_cast<ReduceOp>(h.op)); };
+  auto dtype = [](const CallHeader& h) { return dtype_name(static_cast<DType>(h.dtype)); };
+  fail_invalid(call_kind_name(mine.kind), ": arguments differ across ranks: rank ", rank, " has ", mine.numel,
+               " elements of ", dtype(mine), " (op ", op(mine), ", root ", mine.root, "), rank ", r, " has ",
+               theirs.numel, " elements of ", dtype(theirs), " (op ", op(theirs), ", root ", theirs.root, ")");
+}
+
+}  // namespace detail
+
+}  // namespace dparallel::dist

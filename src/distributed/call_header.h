@@ -1,0 +1,79 @@
+// What every rank of a process group sends the others before each
+// collective, whatever the backend, and the one verdict all ranks reach on
+// what they received. Every rank sees the same headers and applies the same
+// checks in the same order, so all of them fail alike or none does.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/dtype.h"
+#include "distributed/process_group.h"
+
+namespace dparallel::dist {
+
+constexpr uint32_t kCallHeaderMagic = 0x64704732;  // "dpG2"
+constexpr size_t kRefusalReasonBytes = 448;
+
+struct CallHeader {
+  uint32_t magic;
+  uint32_t kind;  // CallKind
+  int32_t dtype;
+  int32_t op;
+  int32_t root;
+  int32_t rank;
+  int64_t numel;
+  uint64_t seq;
+  // Nonzero: this rank refused its call (an argument error found on it) and
+  // takes part only so that the others fail now and stay in step.
+  uint32_t refused;
+  uint8_t reserved[20];
+  char reason[kRefusalReasonBytes];  // why it refused; NUL-terminated
+};
+static_assert(sizeof(CallHeader) == 512, "the header is part of the wire format");
+
+const char* call_kind_name(uint32_t kind);
+
+CallHeader make_call_header(CallKind kind, int32_t rank, uint64_t seq, DType dtype, int64_t numel,
+                            ReduceOp op = ReduceOp::kSum, int32_t root = -1);
+// The header of a call this rank refused; `reason` is cut to fit.
+CallHeader refused_call_header(CallKind kind, int32_t rank, uint64_t seq, const std::string& reason);
+
+// Throws unless every rank's header matches `mine`: kRemote for a malformed
+// header or a rank out of step (another collective or sequence number; the
+// group breaks), else kInvalidArgument for refusals (naming each refusing
+// rank and its reason), then for sizes, dtypes, ops or roots that differ.
+// `header_of(r)` returns rank r's header.
+template <typename HeaderOf>
+void check_call_headers(const CallHeader& mine, int32_t rank, int32_t size, HeaderOf&& header_of);
+
+namespace detail {
+[[noreturn]] void fail_malformed(const CallHeader& mine, int32_t r);
+[[noreturn]] void fail_out_of_step(const CallHeader& mine, int32_t rank, const CallHeader& theirs, int32_t r);
+[[noreturn]] void fail_refused(const CallHeader& mine, const std::string& refusals);
+[[noreturn]] void fail_differ(const CallHeader& mine, int32_t rank, const CallHeader& theirs, int32_t r);
+void add_refusal(std::string& refusals, const CallHeader& h, int32_t r);
+}  // namespace detail
+
+template <typename HeaderOf>
+void check_call_headers(const CallHeader& mine, int32_t rank, int32_t size, HeaderOf&& header_of) {
+  for (int32_t r = 0; r < size; ++r) {
+    const CallHeader h = header_of(r);
+    if (h.magic != kCallHeaderMagic || h.rank != r) detail::fail_malformed(mine, r);
+    if (h.kind != mine.kind || h.seq != mine.seq) detail::fail_out_of_step(mine, rank, h, r);
+  }
+  std::string refusals;
+  for (int32_t r = 0; r < size; ++r) {
+    const CallHeader h = header_of(r);
+    if (h.refused != 0) detail::add_refusal(refusals, h, r);
+  }
+  if (!refusals.empty()) detail::fail_refused(mine, refusals);
+  for (int32_t r = 0; r < size; ++r) {
+    const CallHeader h = header_of(r);
+    if (h.numel != mine.numel || h.dtype != mine.dtype || h.op != mine.op || h.root != mine.root) {
+      detail::fail_differ(mine, rank, h, r);
+    }
+  }
+}
+
+}  // namespace dparallel::dist
