@@ -46,8 +46,8 @@ std::vector<Tensor> scatter(const Tensor& tensor, const std::vector<Device>& dev
                      extent, ")");
       }
       if (__builtin_add_overflow(total, chunk_sizes[i], &total)) {
-        fail_invalid("chunk sizes must sum to the size of dimension ", dim, " (", extent,
-                     "), but sum(chunk_sizes[0..", i, "]) overflows int64");
+        fail_invalid("chunk sizes must sum to the size of dimension ", dim, " (", extent, "), but sum(chunk_sizes[0..",
+                     i, "]) overflows int64");
       }
     }
     if (total != extent) {

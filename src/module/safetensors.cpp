@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
-#include <unordered_set>
 #include <nlohmann/json.hpp>
+#include <unordered_set>
 
 #include "core/error.h"
 

@@ -6,8 +6,8 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdio>
 #include <climits>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -103,7 +103,8 @@ std::string save_target(const std::string& path) {
       io_error("cannot stat", target);
     }
     if (!S_ISLNK(info.st_mode)) return target;
-    if (links == kMaxLinks) fail(StatusCode::kIo, "cannot save to '", path, "': more than ", kMaxLinks, " symbolic links");
+    if (links == kMaxLinks)
+      fail(StatusCode::kIo, "cannot save to '", path, "': more than ", kMaxLinks, " symbolic links");
     std::vector<char> buffer(static_cast<size_t>(info.st_size > 0 ? info.st_size : PATH_MAX) + 1);
     ssize_t n = ::readlink(target.c_str(), buffer.data(), buffer.size());
     if (n < 0) io_error("cannot read the symbolic link", target);

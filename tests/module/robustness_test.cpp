@@ -167,8 +167,8 @@ void write_many_keys(const std::string& path, size_t count, size_t data_bytes) {
   std::string header = "{";
   for (size_t i = 0; i < count; ++i) {
     if (i > 0) header += ',';
-    header += "\"t" + std::to_string(i) + "\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[" +
-              std::to_string(i) + "," + std::to_string(i + 1) + "]}";
+    header += "\"t" + std::to_string(i) + "\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[" + std::to_string(i) +
+              "," + std::to_string(i + 1) + "]}";
   }
   header += "}";
   std::string bytes(8, '\0');
