@@ -111,7 +111,12 @@ std::string save_target(const std::string& path) {
     if (static_cast<size_t>(n) >= buffer.size()) fail(StatusCode::kIo, "the symbolic link '", target, "' changed");
     std::string link(buffer.data(), static_cast<size_t>(n));
     const size_t slash = target.rfind('/');
-    target = link.empty() || link[0] == '/' || slash == std::string::npos ? link : target.substr(0, slash + 1) + link;
+    if (link.empty() || link[0] == '/' || slash == std::string::npos) {
+      target = link;
+    } else {
+      target.resize(slash + 1);  // a relative link is relative to its own folder
+      target += link;
+    }
   }
 }
 
