@@ -78,7 +78,6 @@ dp_status dp_scatter(const dp_tensor* tensor, const dp_device* devices, size_t n
   DP_API_BEGIN
   require_out(out, ndevices, "out");
   capi::require_arg(out_count, "out_count");
-  *out_count = 0;
   const Tensor& source = capi::tensor_arg(tensor, "tensor");
   if (ndevices == 0) fail_invalid("argument 'ndevices' is 0: scatter needs at least one device");
   std::vector<Device> targets = capi::devices_arg(devices, ndevices, "devices");

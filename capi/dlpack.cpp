@@ -89,6 +89,7 @@ dp_status dp_tensor_from_dlpack(dp_tensor** out, DLManagedTensor* managed) {
   Shape shape(dl.shape, dl.shape + dl.ndim);
   int64_t numel = checked_numel(shape, "managed->dl_tensor.shape");
   DType dtype = from_dl(dl.dtype);
+  const size_t nbytes = checked_nbytes(dtype, shape, "managed->dl_tensor.shape");
   Device device = from_dl(dl.device);
   if (dl.strides != nullptr && numel > 0) {
     int64_t expected = 1;
@@ -102,7 +103,6 @@ dp_status dp_tensor_from_dlpack(dp_tensor** out, DLManagedTensor* managed) {
   }
   if (dl.data == nullptr && numel > 0) fail_invalid("DLPack tensor has NULL data but ", numel, " elements");
   void* data = dl.data == nullptr ? nullptr : static_cast<char*>(dl.data) + dl.byte_offset;
-  size_t nbytes = static_cast<size_t>(numel) * dtype_size(dtype);
   Storage::Deleter release = [managed](void*) {
     if (managed->deleter != nullptr) managed->deleter(managed);
   };

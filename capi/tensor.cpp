@@ -38,10 +38,10 @@ dp_status dp_tensor_from_blob(dp_tensor** out, void* data, int32_t dtype, int32_
   DType type = capi::dtype_arg(dtype, "dtype");
   Shape dims = capi::shape_arg(ndim, shape, "shape");
   Device dev = capi::device_arg(device, "device");
-  int64_t numel = checked_numel(dims, "shape");
-  if (data == nullptr && numel > 0)
-    fail_invalid("argument 'data' is NULL but the shape ", shape_string(dims), " has ", numel, " elements");
-  size_t nbytes = static_cast<size_t>(numel) * dtype_size(type);
+  const size_t nbytes = checked_nbytes(type, dims, "shape");
+  if (data == nullptr && nbytes > 0)
+    fail_invalid("argument 'data' is NULL but the shape ", shape_string(dims), " has ", checked_numel(dims, "shape"),
+                 " elements");
   Storage::Deleter release;
   if (deleter != nullptr) release = [deleter, ctx](void*) { deleter(ctx); };
   auto storage = Storage::wrap(dev, data, nbytes, nullptr);

@@ -31,7 +31,8 @@ typedef struct dp_module dp_module;
 /* A new, empty module. */
 DP_API dp_status dp_module_create(dp_module **out);
 /* Drops this reference; NULL is accepted. The tree lives while any handle to
- * it or to a module holding it lives. */
+ * it or to a module holding it lives. Tearing a tree down does not recurse,
+ * however deep it is. */
 DP_API void dp_module_destroy(dp_module *module);
 /* `name` is non-empty valid UTF-8 (checkpoint headers are JSON), holds no
  * '.', and is not yet used in this module by a parameter, buffer or child;
@@ -42,7 +43,10 @@ DP_API dp_status dp_module_register_parameter(dp_module *module, const char *nam
 /* A non-persistent buffer is replicated but not part of the state dict. */
 DP_API dp_status dp_module_register_buffer(dp_module *module, const char *name, dp_tensor *value /* may be NULL */,
                                            int persistent);
-/* `child` may be NULL; a child that contains `module` (a cycle) is DP_EINVAL. */
+/* `child` may be NULL; a child that contains `module` (a cycle) is DP_EINVAL.
+ * Trees of any depth can be built, but walks over a tree (counts, *_at,
+ * save, load, replication) refuse one deeper than 1024 levels below the
+ * module they start from with DP_EINVAL: dotted names grow with depth. */
 DP_API dp_status dp_module_register_module(dp_module *module, const char *name, dp_module *child);
 /* Recursive counts, each shared tensor once; 0 for a NULL or invalid handle. */
 DP_API size_t dp_module_num_parameters(const dp_module *module);
@@ -65,19 +69,35 @@ DP_API dp_status dp_module_grad(dp_module *module, const char *dotted_name, dp_t
 DP_API dp_status dp_module_zero_grad(dp_module *module);
 /* The state dict (parameters and persistent buffers, each tensor once) as a
  * safetensors file with metadata {"format": "pt"}, written to a new
- * temporary file beside it (`path` + ".XXXXXX", removed on failure) and
- * renamed over `path`, so concurrent saves never share a temporary file. Saving the same state twice gives the same
- * bytes. DP_EIO with the system's reason on an I/O failure. */
+ * temporary file (".dp-save-" and six random characters, removed on failure)
+ * in the folder of the file it replaces, then renamed over that file, so
+ * concurrent saves never share a temporary file and a name up to NAME_MAX
+ * can be saved. Saving the same state twice gives the same bytes.
+ * - A symbolic link `path` is kept: the file it (finally) names is replaced,
+ *   or created when it does not exist.
+ * - An existing file keeps its permission bits; a new one gets 0666 & ~umask.
+ * - An existing file that is read-only (no write permission bit) or that this
+ *   user cannot write is not replaced: DP_EIO naming it, with the system's
+ *   reason. (Checked before writing; a file changed meanwhile is not.)
+ * - An existing `path` that is not a regular file (a directory, a FIFO, a
+ *   device) is DP_EINVAL naming it.
+ * - A module tree deeper than 1024 levels is DP_EINVAL (as for every walk:
+ *   counts, *_at, replication); destroying one works at any depth.
+ * DP_EIO with the system's reason on an I/O failure. */
 DP_API dp_status dp_module_save(const dp_module *module, const char *path);
 /* Copies a safetensors file into the module's tensors; a key may name any
- * path to a tensor. A malformed file (truncated, bad header length, bad JSON,
- * unknown dtype, overlapping or out-of-range offsets) is DP_EIO. With
+ * path to a tensor. A `path` that is not a regular file (checked without
+ * opening a FIFO for reading, so never blocking) is DP_EINVAL naming it. A
+ * malformed file (truncated, bad header length, bad JSON, a key twice at any
+ * level, unknown dtype, overlapping or out-of-range offsets) is DP_EIO. With
  * `strict`, missing and unexpected keys are DP_EINVAL naming all of them; a
- * shape or dtype mismatch always is, naming the key and both shapes. The
- * header is checked before any tensor data is read, and the data is read
+ * shape or dtype mismatch always is, naming the key and both shapes. Checking
+ * the header takes time linear in its size. The header is checked against
+ * the file's size before any tensor data is read, and the data is read
  * straight into the tensors (no second copy of the file in memory). On any
  * failure the module is unchanged, except for a read error while copying
- * (the file changed during the load): DP_EIO, possibly partly loaded. */
+ * (the file shrank or failed during the load): DP_EIO, possibly partly
+ * loaded. */
 DP_API dp_status dp_module_load(dp_module *module, const char *path, int strict);
 
 /* Additions beyond the base contract. */

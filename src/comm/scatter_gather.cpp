@@ -12,6 +12,9 @@ struct Layout {
   size_t inner_bytes = 0;  // bytes of one index along dim
 };
 
+// Only for a shape with at least one element, whose partial products are all
+// bounded by its byte count (checked when the tensor was made). A zero-byte
+// tensor copies nothing and needs no layout.
 Layout layout_of(const Shape& shape, int32_t dim, size_t element_size) {
   Layout layout;
   size_t inner = 1;
@@ -42,35 +45,42 @@ std::vector<Tensor> scatter(const Tensor& tensor, const std::vector<Device>& dev
         fail_invalid("argument 'chunk_sizes[", i, "]' is ", chunk_sizes[i], ", larger than dimension ", dim, " (",
                      extent, ")");
       }
-      total += chunk_sizes[i];
+      if (__builtin_add_overflow(total, chunk_sizes[i], &total)) {
+        fail_invalid("chunk sizes must sum to the size of dimension ", dim, " (", extent, "), but sum(chunk_sizes[0..",
+                     i, "]) overflows int64");
+      }
     }
     if (total != extent) {
       fail_invalid("chunk sizes must sum to the size of dimension ", dim, " (", extent, "), but sum(chunk_sizes) is ",
                    total);
     }
     sizes = chunk_sizes;
+  } else if (extent == 0) {
+    sizes.assign(devices.size(), 0);
   } else {
     const int64_t n = static_cast<int64_t>(devices.size());
-    const int64_t split = (extent + n - 1) / n;
-    if (extent == 0) {
-      sizes.assign(devices.size(), 0);
-    } else {
-      for (int64_t start = 0; start < extent; start += split) sizes.push_back(std::min(split, extent - start));
+    const int64_t split = extent / n + (extent % n != 0 ? 1 : 0);  // ceil without overflow
+    for (int64_t start = 0; start < extent;) {
+      const int64_t size = std::min(split, extent - start);
+      sizes.push_back(size);
+      start += size;
     }
   }
-  const Layout layout = layout_of(tensor.shape(), dim, tensor.element_size());
+  const bool has_bytes = tensor.nbytes() > 0;
+  const Layout layout = has_bytes ? layout_of(tensor.shape(), dim, tensor.element_size()) : Layout{};
   const size_t src_pitch = static_cast<size_t>(extent) * layout.inner_bytes;
   std::vector<Tensor> out;
   int64_t start = 0;
   for (size_t i = 0; i < sizes.size(); ++i) {
     Shape shape = tensor.shape();
     shape[static_cast<size_t>(dim)] = sizes[i];
-    size_t offset = static_cast<size_t>(start) * layout.inner_bytes;
-    if (devices[i] == tensor.device() && layout.outer == 1) {
+    // start <= extent: within the tensor's bytes when it has any, 0 when not.
+    const size_t offset = static_cast<size_t>(start) * layout.inner_bytes;
+    if (devices[i] == tensor.device() && (layout.outer == 1 || !has_bytes)) {
       out.push_back(tensor.view_at(offset, tensor.dtype(), shape));  // contiguous: a view, like torch
     } else {
       Tensor chunk = Tensor::empty(tensor.dtype(), shape, devices[i]);
-      size_t row = static_cast<size_t>(sizes[i]) * layout.inner_bytes;
+      const size_t row = static_cast<size_t>(sizes[i]) * layout.inner_bytes;
       if (row > 0 && layout.outer > 0) {
         copy_rows(chunk.data(), devices[i], row, static_cast<const char*>(tensor.data()) + offset, tensor.device(),
                   src_pitch, row, layout.outer);
@@ -101,15 +111,19 @@ Tensor gather(const std::vector<Tensor>& tensors, int32_t dim, const Device& des
       fail_invalid("input ", i, " has invalid shape ", shape_string(t.shape()), ": it must equal input 0's (",
                    shape_string(first.shape()), ") in every dimension but dim ", dim);
     }
-    total += t.shape()[static_cast<size_t>(dim)];
+    if (__builtin_add_overflow(total, t.shape()[static_cast<size_t>(dim)], &total)) {
+      fail_invalid("the inputs' extents along dim ", dim, " sum to more than int64 holds (at input ", i, ", ",
+                   shape_string(t.shape()), ")");
+    }
   }
   shape[static_cast<size_t>(dim)] = total;
   Tensor out = Tensor::empty(first.dtype(), shape, destination);
+  if (out.nbytes() == 0) return out;
   const Layout layout = layout_of(shape, dim, first.element_size());
   const size_t dst_pitch = static_cast<size_t>(total) * layout.inner_bytes;
   size_t offset = 0;
   for (const Tensor& t : tensors) {
-    size_t row = static_cast<size_t>(t.shape()[static_cast<size_t>(dim)]) * layout.inner_bytes;
+    const size_t row = static_cast<size_t>(t.shape()[static_cast<size_t>(dim)]) * layout.inner_bytes;
     if (row > 0 && layout.outer > 0) {
       copy_rows(static_cast<char*>(out.data()) + offset, destination, dst_pitch, t.data(), t.device(), row, row,
                 layout.outer);

@@ -34,6 +34,16 @@ int64_t checked_numel(const Shape& shape, const char* argument) {
   return numel;
 }
 
+size_t checked_nbytes(DType dtype, const Shape& shape, const char* argument) {
+  const int64_t numel = checked_numel(shape, argument);
+  const size_t element = dtype_size(dtype);
+  if (static_cast<uint64_t>(numel) > std::numeric_limits<size_t>::max() / element) {
+    fail_invalid("argument '", argument, "' (", shape_string(shape), ") holds ", numel, " ", dtype_name(dtype),
+                 " elements, more bytes than fit in size_t");
+  }
+  return static_cast<size_t>(numel) * element;
+}
+
 std::shared_ptr<Storage> Storage::allocate(const Device& device, size_t nbytes, bool zero) {
   Allocation allocation = device_allocate(device, nbytes);
   auto storage = std::shared_ptr<Storage>(new Storage(device, allocation.data, nbytes, nullptr, true));
@@ -57,24 +67,12 @@ Storage::~Storage() {
   }
 }
 
-namespace {
-size_t checked_nbytes(DType dtype, int64_t numel) {
-  size_t element = dtype_size(dtype);
-  if (static_cast<uint64_t>(numel) > std::numeric_limits<size_t>::max() / element) {
-    fail_invalid("a tensor of ", numel, " ", dtype_name(dtype), " elements does not fit in memory");
-  }
-  return static_cast<size_t>(numel) * element;
-}
-}  // namespace
-
 Tensor Tensor::empty(DType dtype, const Shape& shape, const Device& device) {
-  int64_t numel = checked_numel(shape, "shape");
-  return wrap(Storage::allocate(device, checked_nbytes(dtype, numel), false), 0, dtype, shape);
+  return wrap(Storage::allocate(device, checked_nbytes(dtype, shape, "shape"), false), 0, dtype, shape);
 }
 
 Tensor Tensor::zeros(DType dtype, const Shape& shape, const Device& device) {
-  int64_t numel = checked_numel(shape, "shape");
-  return wrap(Storage::allocate(device, checked_nbytes(dtype, numel), true), 0, dtype, shape);
+  return wrap(Storage::allocate(device, checked_nbytes(dtype, shape, "shape"), true), 0, dtype, shape);
 }
 
 Tensor Tensor::wrap(std::shared_ptr<Storage> storage, size_t offset, DType dtype, const Shape& shape) {
@@ -83,10 +81,12 @@ Tensor Tensor::wrap(std::shared_ptr<Storage> storage, size_t offset, DType dtype
   t.offset_ = offset;
   t.dtype_ = dtype;
   t.shape_ = shape;
+  const size_t nbytes = checked_nbytes(dtype, shape, "shape");
   t.numel_ = checked_numel(shape, "shape");
-  if (t.offset_ + t.nbytes() > t.storage_->nbytes()) {
-    fail(StatusCode::kInternal, "tensor view of ", t.nbytes(), " bytes at offset ", offset, " exceeds its storage of ",
-         t.storage_->nbytes(), " bytes");
+  const size_t available = t.storage_->nbytes();
+  if (offset > available || nbytes > available - offset) {
+    fail(StatusCode::kInternal, "tensor view of ", nbytes, " bytes at offset ", offset, " exceeds its storage of ",
+         available, " bytes");
   }
   return t;
 }
@@ -107,6 +107,9 @@ Tensor Tensor::narrow_rows(int64_t start, int64_t length) const {
 }
 
 Tensor Tensor::view_at(size_t byte_offset, DType dtype, const Shape& shape) const {
+  if (byte_offset > std::numeric_limits<size_t>::max() - offset_) {
+    fail(StatusCode::kInternal, "view at byte offset ", byte_offset, " of ", describe(), " overflows size_t");
+  }
   return wrap(storage_, offset_ + byte_offset, dtype, shape);
 }
 

@@ -22,6 +22,10 @@ std::string shape_string(const Shape& shape);  // "2x3", "scalar" for ndim 0
 // Elements of `shape`; throws kInvalidArgument (naming `argument`) for a
 // negative extent or a product that overflows.
 int64_t checked_numel(const Shape& shape, const char* argument);
+// Bytes of a `dtype` tensor of `shape`: the one size computation every tensor
+// goes through. Throws kInvalidArgument (naming `argument`) where
+// checked_numel does, or when the byte count overflows size_t.
+size_t checked_nbytes(DType dtype, const Shape& shape, const char* argument);
 
 class Storage {
  public:
@@ -61,6 +65,8 @@ class Tensor {
   // Uninitialised contents.
   static Tensor empty(DType dtype, const Shape& shape, const Device& device);
   static Tensor zeros(DType dtype, const Shape& shape, const Device& device);
+  // Throws kInvalidArgument when the shape's byte count overflows, kInternal
+  // when those bytes at `offset` lie outside `storage`.
   static Tensor wrap(std::shared_ptr<Storage> storage, size_t offset, DType dtype, const Shape& shape);
 
   bool defined() const { return storage_ != nullptr; }
@@ -69,7 +75,7 @@ class Tensor {
   int32_t ndim() const { return static_cast<int32_t>(shape_.size()); }
   int64_t numel() const { return numel_; }
   size_t element_size() const { return dtype_size(dtype_); }
-  size_t nbytes() const { return static_cast<size_t>(numel_) * element_size(); }
+  size_t nbytes() const { return static_cast<size_t>(numel_) * element_size(); }  // wrap checked it fits
   const Device& device() const { return storage_->device(); }
   void* data() const;
   const std::shared_ptr<Storage>& storage() const { return storage_; }

@@ -113,6 +113,26 @@ void Parameter::zero_grad() {
   if (grad.defined()) fill_zero(grad.data(), grad.device(), grad.nbytes());
 }
 
+Module::~Module() {
+  // Children whose last reference this is give up their own children first,
+  // so that each release below frees a module with none: no recursion per
+  // level. Nothing else can take a new reference to a module whose only one
+  // is held here (modules are never held weakly).
+  std::vector<std::shared_ptr<Module>> pending;
+  auto take_children = [&](Module& m) {
+    for (ChildSlot& c : m.children_) {
+      if (c.module) pending.push_back(std::move(c.module));
+    }
+    m.children_.clear();
+  };
+  take_children(*this);
+  while (!pending.empty()) {
+    std::shared_ptr<Module> m = std::move(pending.back());
+    pending.pop_back();
+    if (m.use_count() == 1) take_children(*m);
+  }
+}
+
 void Module::check_new_name(const std::string& name) const {
   if (name.empty()) fail_invalid("argument 'name' is empty");
   if (name.find('.') != std::string::npos) fail_invalid("argument 'name' (\"", name, "\") must not contain '.'");
@@ -185,20 +205,33 @@ bool Module::contains(const Module* other) const {
 std::vector<NamedModule> Module::named_modules() {
   std::vector<NamedModule> out{{"", this}};
   // Depth-first with an explicit stack; the first visit of a shared child names it.
-  std::vector<std::pair<std::string, Module*>> stack;
+  struct Pending {
+    std::string name;
+    Module* module;
+    size_t depth;
+  };
+  std::vector<Pending> stack;
   std::set<const Module*> seen{this};
-  auto push_children = [&](const std::string& prefix, Module* m) {
+  auto push_children = [&](const std::string& prefix, Module* m, size_t depth) {
     for (auto it = m->children_.rbegin(); it != m->children_.rend(); ++it) {
-      if (it->module) stack.emplace_back(prefix.empty() ? it->name : prefix + "." + it->name, it->module.get());
+      if (!it->module) continue;
+      std::string name = prefix.empty() ? it->name : prefix + "." + it->name;
+      if (depth > kMaxModuleDepth) {
+        constexpr size_t kShown = 80;
+        fail_invalid("the module tree is deeper than ", kMaxModuleDepth, " levels (at \"",
+                     name.size() > kShown ? name.substr(0, kShown) + "..." : name, "\", ", depth,
+                     " levels down); such a tree cannot be listed, saved or replicated");
+      }
+      stack.push_back(Pending{std::move(name), it->module.get(), depth});
     }
   };
-  push_children("", this);
+  push_children("", this, 1);
   while (!stack.empty()) {
-    auto [name, m] = stack.back();
+    Pending next = std::move(stack.back());
     stack.pop_back();
-    if (!seen.insert(m).second) continue;
-    out.push_back(NamedModule{name, m});
-    push_children(name, m);
+    if (!seen.insert(next.module).second) continue;
+    out.push_back(NamedModule{next.name, next.module});
+    push_children(next.name, next.module, next.depth + 1);
   }
   return out;
 }

@@ -71,6 +71,11 @@ struct NamedModule {
   Module* module;
 };
 
+// Deepest module tree that walks (listings, state dicts, saves, replicas)
+// accept: a dotted name grows with depth, so deeper trees would make listing
+// quadratic. Destruction and lookups by name work at any depth.
+constexpr size_t kMaxModuleDepth = 1024;
+
 class Module {
  public:
   struct ParameterSlot {
@@ -83,6 +88,8 @@ class Module {
   };
 
   Module() = default;
+  // Iterative: a chain of nested modules is torn down without recursing per level.
+  ~Module();
   Module(const Module&) = delete;
   Module& operator=(const Module&) = delete;
 
@@ -93,7 +100,8 @@ class Module {
   // Refuses a child that contains this module (a cycle).
   void register_module(const std::string& name, std::shared_ptr<Module> child);
 
-  // Modules in pre-order, each once (torch's named_modules()).
+  // Modules in pre-order, each once (torch's named_modules()). A tree deeper
+  // than kMaxModuleDepth is kInvalidArgument.
   std::vector<NamedModule> named_modules();
   // Every distinct parameter once, in registration order (torch's named_parameters()).
   std::vector<NamedParameter> named_parameters() const;

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <unordered_set>
 
 #include "core/error.h"
 
@@ -11,7 +12,7 @@ namespace dparallel::safetensors {
 
 namespace {
 
-using Json = nlohmann::ordered_json;
+using Json = nlohmann::json;
 
 // A header is one object of objects of arrays: anything deeper is hostile.
 constexpr int kMaxJsonDepth = 3;
@@ -146,26 +147,92 @@ Header parse(const uint8_t* data, size_t size) {
   return parse_header(reinterpret_cast<const char*>(data + 8), header_bytes, size);
 }
 
+namespace {
+
+// Builds the header while the JSON parser reads it: each tensor's object is
+// checked and dropped as soon as it ends, so no document of the whole header
+// is kept, nothing is looked up by key in a growing object (which made large
+// headers quadratic), and a key seen twice at any level is refused.
+class HeaderBuilder {
+ public:
+  HeaderBuilder(Header& out, uint64_t data_size) : out_(out), data_size_(data_size) {}
+
+  bool operator()(int depth, Json::parse_event_t event, Json& parsed) {
+    switch (event) {
+      case Json::parse_event_t::object_start:
+        if (depth == 1) check_value_is_object(true);
+        keys_.emplace_back();
+        return true;
+      case Json::parse_event_t::key:
+        note_key(depth, parsed.get_ref<const std::string&>());
+        return true;
+      case Json::parse_event_t::object_end:
+        keys_.pop_back();
+        if (depth == 1) {
+          take_value(parsed);
+          return false;  // dropped from the root object once taken
+        }
+        return true;
+      case Json::parse_event_t::array_start:
+        if (depth == 1) check_value_is_object(false);
+        return true;
+      case Json::parse_event_t::array_end:
+        return true;
+      case Json::parse_event_t::value:
+        if (depth == 1) check_value_is_object(false);
+        return true;
+    }
+    return true;
+  }
+
+ private:
+  void note_key(int depth, const std::string& key) {
+    if (keys_.empty() || keys_.back().insert(key).second) {
+      if (depth == 1) current_ = key;
+      return;
+    }
+    if (depth == 1) {
+      malformed("the header has the key \"", key, "\" twice (keys must be unique)");
+    } else if (depth == 2) {
+      malformed("\"", current_, "\" has the key \"", key, "\" twice (keys must be unique)");
+    }
+    malformed("the header repeats the key \"", key, "\" inside \"", current_, "\" (keys must be unique)");
+  }
+
+  void check_value_is_object(bool is_object) const {
+    if (is_object) return;
+    if (current_ == "__metadata__") malformed("\"__metadata__\" is not an object");
+    malformed("the value of \"", current_, "\" is not an object");
+  }
+
+  void take_value(const Json& value) {
+    if (current_ == "__metadata__") {
+      for (auto m = value.begin(); m != value.end(); ++m) {
+        if (!m.value().is_string()) malformed("\"__metadata__\" value of \"", m.key(), "\" is not a string");
+        out_.metadata[m.key()] = m.value().get<std::string>();
+      }
+      return;
+    }
+    out_.entries.push_back(parse_entry(current_, value, data_size_));
+  }
+
+  Header& out_;
+  const uint64_t data_size_;
+  std::vector<std::unordered_set<std::string>> keys_;  // one set per open object
+  std::string current_;                                // the last top-level key
+};
+
+}  // namespace
+
 Header parse_header(const char* text, uint64_t header_bytes, uint64_t size) {
   if (header_bytes == 0 || text[0] != '{') malformed("the header does not start with '{'");
   check_depth(text, header_bytes);
-  Json header = Json::parse(text, text + header_bytes, nullptr, /*allow_exceptions=*/false);
-  if (header.is_discarded() || !header.is_object()) malformed("the header is not a JSON object");
-
   Header out;
   out.data_offset = 8 + header_bytes;
+  HeaderBuilder builder(out, size - out.data_offset);
+  Json root = Json::parse(text, text + header_bytes, std::ref(builder), /*allow_exceptions=*/false);
+  if (root.is_discarded() || !root.is_object()) malformed("the header is not a JSON object");
   const uint64_t data_size = size - out.data_offset;
-  for (auto it = header.begin(); it != header.end(); ++it) {
-    if (it.key() == "__metadata__") {
-      if (!it.value().is_object()) malformed("\"__metadata__\" is not an object");
-      for (auto m = it.value().begin(); m != it.value().end(); ++m) {
-        if (!m.value().is_string()) malformed("\"__metadata__\" value of \"", m.key(), "\" is not a string");
-        out.metadata[m.key()] = m.value().get<std::string>();
-      }
-      continue;
-    }
-    out.entries.push_back(parse_entry(it.key(), it.value(), data_size));
-  }
   // The tensors must tile the data section: no overlap, no hole, nothing after.
   std::vector<const Entry*> by_offset;
   for (const Entry& e : out.entries) by_offset.push_back(&e);
@@ -187,16 +254,26 @@ Header parse_header(const char* text, uint64_t header_bytes, uint64_t size) {
 }
 
 std::string encode_header(const std::vector<Entry>& entries, const std::map<std::string, std::string>& metadata) {
-  Json header = Json::object();
+  // Written piece by piece (a JSON object built key by key costs a lookup per key).
+  auto quoted = [](const std::string& text) { return Json(text).dump(); };
+  std::string text = "{";
   if (!metadata.empty()) {
-    Json meta = Json::object();
-    for (const auto& [key, value] : metadata) meta[key] = value;
-    header["__metadata__"] = std::move(meta);
+    text += "\"__metadata__\":{";
+    for (const auto& [key, value] : metadata) {
+      if (text.back() != '{') text += ',';
+      text += quoted(key) + ":" + quoted(value);
+    }
+    text += "}";
   }
+  std::unordered_set<std::string> names;
   for (const Entry& e : entries) {
-    header[e.name] = Json{{"dtype", dtype_code(e.dtype)}, {"shape", e.shape}, {"data_offsets", {e.begin, e.end}}};
+    if (!names.insert(e.name).second) fail(StatusCode::kInternal, "two tensors to save are named \"", e.name, "\"");
+    if (text.back() != '{') text += ',';
+    text += quoted(e.name) + ":{\"dtype\":\"" + dtype_code(e.dtype) + "\",\"shape\":[";
+    for (size_t i = 0; i < e.shape.size(); ++i) text += (i > 0 ? "," : "") + std::to_string(e.shape[i]);
+    text += "],\"data_offsets\":[" + std::to_string(e.begin) + "," + std::to_string(e.end) + "]}";
   }
-  std::string text = header.dump();
+  text += "}";
   text.append((8 - text.size() % 8) % 8, ' ');  // the data section starts 8-byte aligned
   std::string out(8, '\0');
   uint64_t n = text.size();

@@ -33,8 +33,9 @@ struct Header {
 // The format's name of a dtype: "F32", "BF16", ...
 const char* dtype_code(DType dtype);
 
-// Validates a whole file image: header length, JSON, dtypes, shapes, and that
-// the tensors tile the data section exactly. Throws Error(kIo) with a message.
+// Validates a whole file image: header length, JSON (no key twice in any
+// object), dtypes, shapes, and that the tensors tile the data section
+// exactly, in time linear in the header's size. Throws Error(kIo) with a message.
 Header parse(const uint8_t* data, size_t size);
 // The same in two steps, for a file read piecewise: the header length from
 // the first min(8, size) bytes of a `size`-byte file, then the header text

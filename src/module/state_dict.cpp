@@ -6,11 +6,14 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstdio>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <set>
+#include <string_view>
+#include <unordered_map>
 
 #include "core/error.h"
 #include "module/safetensors.h"
@@ -30,14 +33,38 @@ using File = std::unique_ptr<std::FILE, FileCloser>;
   fail(StatusCode::kIo, what, " '", path, "': ", std::strerror(errno));
 }
 
+const char* file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+[[noreturn]] void not_regular(const std::string& path, mode_t mode) {
+  fail_invalid("argument 'path' ('", path, "') is ", file_kind(mode), "; checkpoints are regular files");
+}
+
 // A file read by offset, closed on scope exit.
 class InputFile {
  public:
-  explicit InputFile(const std::string& path) : path_(path), fd_(::open(path.c_str(), O_RDONLY | O_CLOEXEC)) {
+  // O_NONBLOCK: opening a FIFO must not wait for a writer before its type is
+  // known. It changes nothing for the regular files read after the check.
+  explicit InputFile(const std::string& path)
+      : path_(path), fd_(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK)) {
     if (fd_ < 0) io_error("cannot open", path);
     struct stat info {};
-    if (fstat(fd_, &info) != 0) io_error("cannot stat", path);
-    if (!S_ISREG(info.st_mode)) fail(StatusCode::kIo, "'", path, "' is not a regular file");
+    if (fstat(fd_, &info) != 0) {
+      int saved = errno;
+      ::close(fd_);
+      errno = saved;
+      io_error("cannot stat", path);
+    }
+    if (!S_ISREG(info.st_mode)) {
+      ::close(fd_);
+      not_regular(path, info.st_mode);
+    }
     size_ = static_cast<uint64_t>(info.st_size);
   }
   ~InputFile() { ::close(fd_); }
@@ -64,6 +91,41 @@ class InputFile {
   uint64_t size_ = 0;
 };
 
+// Where a save to `path` lands: `path`, or for a symbolic link the file it
+// finally names (which may not exist yet), so that the link is kept.
+std::string save_target(const std::string& path) {
+  constexpr int kMaxLinks = 40;  // as the kernel's ELOOP limit
+  std::string target = path;
+  for (int links = 0;; ++links) {
+    struct stat info {};
+    if (::lstat(target.c_str(), &info) != 0) {
+      if (errno == ENOENT) return target;  // a new file, made where the path (or link) points
+      io_error("cannot stat", target);
+    }
+    if (!S_ISLNK(info.st_mode)) return target;
+    if (links == kMaxLinks)
+      fail(StatusCode::kIo, "cannot save to '", path, "': more than ", kMaxLinks, " symbolic links");
+    std::vector<char> buffer(static_cast<size_t>(info.st_size > 0 ? info.st_size : PATH_MAX) + 1);
+    ssize_t n = ::readlink(target.c_str(), buffer.data(), buffer.size());
+    if (n < 0) io_error("cannot read the symbolic link", target);
+    if (static_cast<size_t>(n) >= buffer.size()) fail(StatusCode::kIo, "the symbolic link '", target, "' changed");
+    std::string link(buffer.data(), static_cast<size_t>(n));
+    const size_t slash = target.rfind('/');
+    if (link.empty() || link[0] == '/' || slash == std::string::npos) {
+      target = link;
+    } else {
+      target.resize(slash + 1);  // a relative link is relative to its own folder
+      target += link;
+    }
+  }
+}
+
+// The folder part of `path` with its trailing '/', or "" for a bare name.
+std::string folder_of(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? std::string() : path.substr(0, slash + 1);
+}
+
 // The process's umask, read without changing it (umask() would, for every thread).
 mode_t current_umask() {
   File f(std::fopen("/proc/self/status", "r"));
@@ -75,28 +137,52 @@ mode_t current_umask() {
   return 022;
 }
 
-// The tensor a state-dict key names, or an undefined tensor when it names none.
-Tensor resolve(Module& root, const std::string& key) {
-  Module* m = &root;
-  size_t start = 0;
-  for (size_t dot; (dot = key.find('.', start)) != std::string::npos; start = dot + 1) {
-    std::string part = key.substr(start, dot - start);
-    Module* next = nullptr;
-    for (const auto& c : m->child_slots()) {
-      if (c.name == part) next = c.module.get();
+// Finds the tensor a state-dict key names, through per-module name indexes
+// built on first use: one lookup per key component, however wide a module.
+class KeyResolver {
+ public:
+  explicit KeyResolver(Module& root) : root_(root) {}
+
+  // The tensor `key` names, or an undefined tensor when it names none.
+  Tensor resolve(const std::string& key) {
+    const Module* m = &root_;
+    size_t start = 0;
+    for (size_t dot; (dot = key.find('.', start)) != std::string::npos; start = dot + 1) {
+      const Index& index = index_of(*m);
+      auto child = index.children.find(std::string_view(key).substr(start, dot - start));
+      if (child == index.children.end()) return Tensor();
+      m = child->second;
     }
-    if (next == nullptr) return Tensor();
-    m = next;
+    const Index& index = index_of(*m);
+    auto tensor = index.tensors.find(std::string_view(key).substr(start));
+    return tensor == index.tensors.end() ? Tensor() : tensor->second;
   }
-  std::string leaf = key.substr(start);
-  for (const auto& p : m->parameter_slots()) {
-    if (p.name == leaf && p.parameter) return p.parameter->value();
+
+ private:
+  struct Index {
+    std::unordered_map<std::string_view, const Module*> children;  // views of the modules' own names
+    std::unordered_map<std::string_view, Tensor> tensors;          // parameters and persistent buffers
+  };
+
+  const Index& index_of(const Module& m) {
+    auto [it, inserted] = indexes_.try_emplace(&m);
+    if (!inserted) return it->second;
+    Index& index = it->second;
+    for (const auto& c : m.child_slots()) {
+      if (c.module) index.children.emplace(c.name, c.module.get());
+    }
+    for (const auto& p : m.parameter_slots()) {
+      if (p.parameter) index.tensors.emplace(p.name, p.parameter->value());
+    }
+    for (const auto& b : m.buffer_slots()) {
+      if (b.persistent && b.value.defined()) index.tensors.emplace(b.name, b.value);
+    }
+    return index;
   }
-  for (const auto& b : m->buffer_slots()) {
-    if (b.name == leaf && b.persistent) return b.value;
-  }
-  return Tensor();
-}
+
+  Module& root_;
+  std::unordered_map<const Module*, Index> indexes_;
+};
 
 std::string join(const std::vector<std::string>& names) {
   std::string out;
@@ -135,14 +221,31 @@ void save_module(Module& module, const std::string& path) {
     offset += e.value.nbytes();
   }
   std::string header = safetensors::encode_header(layout, {{"format", "pt"}});
-  // A fresh name beside `path` (rename stays within one file system): saves
-  // to one path do not collide, and no file of the user's is overwritten.
-  std::string temporary = path + ".XXXXXX";
+  const std::string target = save_target(path);
+  const std::string named = target == path ? "'" + path + "'" : "'" + target + "' (the target of '" + path + "')";
+  mode_t mode = 0666 & ~current_umask();  // what a new file gets
+  struct stat existing {};
+  if (::stat(target.c_str(), &existing) == 0) {
+    if (!S_ISREG(existing.st_mode)) not_regular(path, existing.st_mode);
+    // Replacing by rename needs only the folder's permission: ask the file's.
+    if ((existing.st_mode & 0222) == 0) {
+      errno = EACCES;
+      fail(StatusCode::kIo, "refusing to replace the read-only file ", named, ": ", std::strerror(errno));
+    }
+    if (::faccessat(AT_FDCWD, target.c_str(), W_OK, AT_EACCESS) != 0) {
+      fail(StatusCode::kIo, "refusing to replace ", named, ", which this user cannot write: ", std::strerror(errno));
+    }
+    mode = existing.st_mode & 07777;  // a replaced file keeps its permissions
+  }
+  // A fresh short name beside the target (rename stays within one file
+  // system; a name built from the target's could pass NAME_MAX): saves to one
+  // path do not collide, and no file of the user's is overwritten.
+  std::string temporary = folder_of(target) + ".dp-save-XXXXXX";
   {
     int fd = ::mkstemp(temporary.data());
-    if (fd < 0) io_error("cannot create a temporary file beside", path);
-    // mkstemp makes the file 0600; a saved checkpoint gets the usual 0666 & ~umask.
-    File f(fchmod(fd, 0666 & ~current_umask()) == 0 ? ::fdopen(fd, "wb") : nullptr);
+    if (fd < 0) io_error("cannot create a temporary file beside", target);
+    // mkstemp makes the file 0600.
+    File f(fchmod(fd, mode) == 0 ? ::fdopen(fd, "wb") : nullptr);
     if (!f) {
       int saved = errno;
       ::close(fd);
@@ -174,11 +277,11 @@ void save_module(Module& module, const std::string& path) {
       io_error("cannot write", temporary);
     }
   }
-  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
+  if (std::rename(temporary.c_str(), target.c_str()) != 0) {
     int saved = errno;
     std::remove(temporary.c_str());
     errno = saved;
-    io_error("cannot rename the saved file to", path);
+    io_error("cannot rename the saved file to", target);
   }
 }
 
@@ -204,8 +307,9 @@ Copies plan_load(Module& module, const safetensors::Header& header, const std::s
   std::vector<bool> covered(expected.size(), false);
   std::vector<std::string> unexpected, mismatches;
   Copies copies;
+  KeyResolver resolver(module);
   for (const safetensors::Entry& e : header.entries) {
-    Tensor target = resolve(module, e.name);
+    Tensor target = resolver.resolve(e.name);
     auto found = target.defined() ? index_of.find(identity_of(target)) : index_of.end();
     if (found == index_of.end()) {
       unexpected.push_back(e.name);

@@ -21,13 +21,16 @@ struct StateEntry {
 std::vector<StateEntry> state_dict(Module& module);
 
 // Writes a safetensors file (metadata {"format": "pt"}) through a temporary
-// file (mkstemp, beside `path`) renamed into place.
+// file (mkstemp, short fixed prefix) renamed into place. A symbolic link is
+// followed and kept; an existing target must be a regular file
+// (kInvalidArgument) that is writable (kIo), and keeps its permissions.
 void save_module(Module& module, const std::string& path);
 
 // Copies a safetensors file into the module's tensors. A key may name any
 // path to a tensor (a shared one included). With `strict`, missing and
 // unexpected keys are kInvalidArgument naming all of them; a shape or dtype
-// mismatch always is. A malformed file is kIo. The header is read and
+// mismatch always is. A path that is not a regular file is kInvalidArgument
+// (a FIFO is never opened for a blocking read); a malformed file is kIo. The header is read and
 // checked first, then each tensor's bytes are read straight into it. On any
 // error found before that the module is unchanged; a read failure while
 // copying (the file changed meanwhile) is kIo and may leave it partly loaded.

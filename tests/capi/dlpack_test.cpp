@@ -88,6 +88,21 @@ TEST(DLPackImport, RejectsWhatItCannotRepresentAndLeavesOwnership) {
   EXPECT_EQ(p->deletes, 0);
 }
 
+TEST(DLPackImport, ShapeWhoseByteCountWrapsSizeTIsRefused) {
+  std::unique_ptr<Producer> p(make_producer());
+  // 2^61 + 1 float64 elements are 2^64 + 8 bytes: 8 once wrapped.
+  p->shape[0] = (int64_t{1} << 61) + 1;
+  p->shape[1] = 1;
+  p->managed.dl_tensor.strides = nullptr;
+  p->managed.dl_tensor.dtype = DLDataType{kDLFloat, 64, 1};
+  dp_tensor* t = nullptr;
+  EXPECT_EQ(dp_tensor_from_dlpack(&t, &p->managed), DP_EINVAL);
+  EXPECT_NE(last_error().find("managed->dl_tensor.shape"), std::string::npos) << last_error();
+  EXPECT_NE(last_error().find("size_t"), std::string::npos) << last_error();
+  EXPECT_EQ(t, nullptr);
+  EXPECT_EQ(p->deletes, 0);
+}
+
 TEST(DLPackExport, BoolAndBfloat16UseTheirDLPackCodes) {
   const int64_t dims[] = {2};
   dp_tensor* b = nullptr;

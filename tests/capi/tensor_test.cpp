@@ -134,6 +134,27 @@ TEST(TensorFromBlob, FailureDoesNotCallTheDeleter) {
   EXPECT_EQ(t, nullptr);
 }
 
+TEST(TensorFromBlob, ShapeWhoseByteCountWrapsSizeTIsRefusedLikeCreate) {
+  // 2^61 + 1 float64 elements are 2^64 + 8 bytes: 8 once wrapped.
+  const int64_t dims[] = {(int64_t{1} << 61) + 1};
+  double blob = 0;
+  DeleterProbe probe;
+  dp_tensor* t = nullptr;
+  EXPECT_EQ(dp_tensor_from_blob(&t, &blob, DP_FLOAT64, 1, dims, cpu(0), count_delete, &probe), DP_EINVAL);
+  EXPECT_NE(last_error().find("argument 'shape'"), std::string::npos) << last_error();
+  EXPECT_NE(last_error().find("size_t"), std::string::npos) << last_error();
+  EXPECT_EQ(t, nullptr);
+  EXPECT_EQ(probe.calls, 0);
+  EXPECT_EQ(dp_tensor_create(&t, DP_FLOAT64, 1, dims, cpu(0)), DP_EINVAL);
+  EXPECT_NE(last_error().find("size_t"), std::string::npos) << last_error();
+  EXPECT_EQ(t, nullptr);
+  // Zero elements stay fine however large the other extents.
+  const int64_t empty[] = {int64_t{1} << 62, 0};
+  DP_ASSERT_OK(dp_tensor_from_blob(&t, nullptr, DP_FLOAT64, 2, empty, cpu(0), nullptr, nullptr));
+  EXPECT_EQ(dp_tensor_nbytes(t), 0u);
+  dp_tensor_destroy(t);
+}
+
 TEST(TensorCopy, RoundTripsAndRejectsWrongByteCounts) {
   auto t = make<int64_t>({3}, {5, -6, 7});
   EXPECT_EQ(values<int64_t>(t.get()), (std::vector<int64_t>{5, -6, 7}));

@@ -1,3 +1,5 @@
+#include <limits>
+
 #include "test_util.h"
 
 using namespace dptest;
@@ -149,4 +151,105 @@ TEST(ScatterGather, RoundTripRestoresTheTensorOnEveryDim) {
     dp_tensor_destroy(back);
     for (auto* c : chunks) dp_tensor_destroy(c);
   }
+}
+
+namespace {
+constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
+
+// A zero-byte float32 tensor of `dims` on cpu:0.
+TensorPtr empty_tensor(const std::vector<int64_t>& dims) {
+  dp_tensor* t = nullptr;
+  EXPECT_EQ(dp_tensor_create(&t, DP_FLOAT32, static_cast<int32_t>(dims.size()), dims.data(), cpu(0)), DP_OK)
+      << dp_last_error();
+  return TensorPtr(t);
+}
+}  // namespace
+
+TEST(Gather, ExtentsThatSumPastInt64AreRefusedNotWrapped) {
+  // 4 x 2^62 rows would wrap to 0 rows.
+  std::vector<TensorPtr> owned;
+  std::vector<const dp_tensor*> inputs;
+  for (int i = 0; i < 4; ++i) {
+    owned.push_back(empty_tensor({int64_t{1} << 62, 0}));
+    inputs.push_back(owned.back().get());
+  }
+  dp_tensor* out = nullptr;
+  EXPECT_EQ(dp_gather(inputs.data(), 4, 0, cpu(0), &out), DP_EINVAL);
+  EXPECT_NE(last_error().find("sum to more than int64 holds"), std::string::npos) << last_error();
+  EXPECT_EQ(out, nullptr);
+  // Along the zero dim the same inputs gather to 2^62 x 0.
+  DP_ASSERT_OK(dp_gather(inputs.data(), 4, 1, cpu(1), &out));
+  EXPECT_EQ(shape(out), (std::vector<int64_t>{int64_t{1} << 62, 0}));
+  dp_tensor_destroy(out);
+}
+
+TEST(Gather, ZeroByteInputsGiveTheSummedShape) {
+  TensorPtr a = empty_tensor({int64_t{1} << 61, 0}), b = empty_tensor({int64_t{1} << 61, 0}),
+            c = empty_tensor({int64_t{1} << 61, 0});
+  const dp_tensor* inputs[] = {a.get(), b.get(), c.get()};
+  dp_tensor* out = nullptr;
+  DP_ASSERT_OK(dp_gather(inputs, 3, 0, cpu(0), &out));
+  EXPECT_EQ(shape(out), (std::vector<int64_t>{3 * (int64_t{1} << 61), 0}));
+  EXPECT_EQ(dp_tensor_nbytes(out), 0u);
+  dp_tensor_destroy(out);
+  // Large extents around a zero one: their products overflow, and nothing is copied.
+  TensorPtr wide = empty_tensor({int64_t{1} << 40, 0, int64_t{1} << 40});
+  const dp_tensor* pair[] = {wide.get(), wide.get()};
+  DP_ASSERT_OK(dp_gather(pair, 2, 2, cpu(0), &out));
+  EXPECT_EQ(shape(out), (std::vector<int64_t>{int64_t{1} << 40, 0, int64_t{1} << 41}));
+  dp_tensor_destroy(out);
+}
+
+TEST(Scatter, EvenChunksOfTheLargestExtentDoNotOverflow) {
+  // ceil(INT64_MAX / 2) computed as (extent + n - 1) / n overflows.
+  TensorPtr t = empty_tensor({kInt64Max, 0});
+  dp_device devices[] = {cpu(0), cpu(1)};
+  dp_tensor* out[2] = {};
+  size_t count = 0;
+  DP_ASSERT_OK(dp_scatter(t.get(), devices, 2, nullptr, 0, out, &count));
+  ASSERT_EQ(count, 2u);
+  EXPECT_EQ(shape(out[0]), (std::vector<int64_t>{int64_t{1} << 62, 0}));
+  EXPECT_EQ(shape(out[1]), (std::vector<int64_t>{(int64_t{1} << 62) - 1, 0}));
+  for (auto* o : out) dp_tensor_destroy(o);
+}
+
+TEST(Scatter, ZeroByteTensorsScatterAlongAnyDim) {
+  TensorPtr t = empty_tensor({int64_t{1} << 40, 6, 0, int64_t{1} << 40});
+  dp_device devices[] = {cpu(0), cpu(1)};
+  for (int32_t dim = 0; dim < 4; ++dim) {
+    dp_tensor* out[2] = {};
+    size_t count = 0;
+    DP_ASSERT_OK(dp_scatter(t.get(), devices, 2, nullptr, dim, out, &count)) << "dim " << dim;
+    std::vector<int64_t> expected = shape(t.get());
+    if (dim != 2) expected[static_cast<size_t>(dim)] /= 2;
+    EXPECT_EQ(count, 2u);
+    EXPECT_EQ(shape(out[0]), expected) << "dim " << dim;
+    EXPECT_EQ(shape(out[1]), expected) << "dim " << dim;
+    for (auto* o : out) dp_tensor_destroy(o);
+  }
+}
+
+TEST(Scatter, ChunkSizesThatSumPastInt64AreRefusedNotWrapped) {
+  // INT64_MAX * 3 + 2 wraps to INT64_MAX, the extent.
+  TensorPtr t = empty_tensor({kInt64Max, 0});
+  dp_device devices[] = {cpu(0), cpu(1), cpu(2), cpu(3), cpu(4)};
+  const int64_t sizes[] = {kInt64Max, kInt64Max, 1, 1, kInt64Max};
+  dp_tensor* out[5] = {};
+  size_t count = 77;
+  EXPECT_EQ(dp_scatter(t.get(), devices, 5, sizes, 0, out, &count), DP_EINVAL);
+  EXPECT_NE(last_error().find("overflows int64"), std::string::npos) << last_error();
+  for (auto* o : out) EXPECT_EQ(o, nullptr);
+  EXPECT_EQ(count, 77u);
+}
+
+TEST(Scatter, FailureLeavesOutCountUntouched) {
+  auto t = make<float>({6, 4}, {});
+  dp_device devices[] = {cpu(0), cpu(1)};
+  const int64_t short_sizes[] = {2, 3};
+  dp_tensor* out[2] = {};
+  size_t count = 42;
+  EXPECT_EQ(dp_scatter(t.get(), devices, 2, short_sizes, 0, out, &count), DP_EINVAL);
+  EXPECT_EQ(count, 42u);
+  EXPECT_EQ(dp_scatter(nullptr, devices, 2, nullptr, 0, out, &count), DP_EINVAL);
+  EXPECT_EQ(count, 42u);
 }

@@ -1,5 +1,9 @@
 // Module edge cases: UTF-8 names, the cycle check on shared
-// children, temporary files of saves, and bounded memory when loading.
+// children, temporary files of saves, bounded memory and time when loading,
+// files that are not regular, and deep module trees.
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -7,6 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <future>
 #include <iterator>
 #include <thread>
 
@@ -151,5 +156,257 @@ TEST(ModuleLoad, TensorBytesAreReadStraightIntoPlace) {
   const float* data = static_cast<const float*>(dp_tensor_data(big.get()));
   EXPECT_EQ(data[0], 1.5f);
   EXPECT_EQ(data[n - 1], 1.5f);
+  std::remove(path.c_str());
+}
+
+namespace {
+
+// A safetensors file of `count` one-byte U8 tensors "t0", "t1", ... whose
+// data section holds `data_bytes` bytes.
+void write_many_keys(const std::string& path, size_t count, size_t data_bytes) {
+  std::string header = "{";
+  for (size_t i = 0; i < count; ++i) {
+    if (i > 0) header += ',';
+    header += "\"t" + std::to_string(i) + "\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[" + std::to_string(i) +
+              "," + std::to_string(i + 1) + "]}";
+  }
+  header += "}";
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i) bytes[static_cast<size_t>(i)] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  std::ofstream out(path, std::ios::binary);
+  out << bytes << header << std::string(data_bytes, '\x01');
+}
+
+}  // namespace
+
+TEST(ModuleLoad, AHeaderWithManyKeysIsCheckedInNearLinearTime) {
+  // Looking each key up in the object built so far made this quadratic: 400k
+  // keys took minutes. Linear work takes seconds even under sanitizers; the
+  // bound is half the test timeout.
+  const size_t keys = 400000;
+  std::string path = temp_path("many_keys.safetensors");
+  write_many_keys(path, keys, keys - 1);  // one byte short: refused once every key is read
+  ModulePtr m = linear(1, 1);
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(dp_module_load(m.get(), path.c_str(), 0), DP_EIO);
+  EXPECT_TRUE(contains(last_error(), "\"t399999\" has data_offsets [399999, 400000] outside")) << last_error();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60));
+  std::remove(path.c_str());
+}
+
+TEST(ModuleSave, ManyTensorsSaveAndLoadInNearLinearTime) {
+  // 200 children of 1000 one-byte parameters each; writing the header key by
+  // key into a JSON object was quadratic too.
+  ModulePtr root = new_module();
+  for (int c = 0; c < 200; ++c) {
+    ModulePtr child = new_module();
+    for (int p = 0; p < 1000; ++p) {
+      auto t = make<uint8_t>({1}, {static_cast<uint8_t>(p)});
+      DP_ASSERT_OK(dp_module_register_parameter(child.get(), ("p" + std::to_string(p)).c_str(), t.get(), 1));
+    }
+    DP_ASSERT_OK(dp_module_register_module(root.get(), ("c" + std::to_string(c)).c_str(), child.get()));
+  }
+  std::string path = temp_path("many_tensors.safetensors");
+  auto start = std::chrono::steady_clock::now();
+  DP_ASSERT_OK(dp_module_save(root.get(), path.c_str()));
+  DP_EXPECT_OK(dp_module_load(root.get(), path.c_str(), 1));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60));
+  EXPECT_EQ(values<uint8_t>(parameter(root.get(), "c199.p999").get()), (std::vector<uint8_t>{999 % 256}));
+  std::remove(path.c_str());
+}
+
+namespace {
+
+std::string header_image(const std::string& header, const std::string& data) {
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[static_cast<size_t>(i)] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  return out + header + data;
+}
+
+void write_file(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary);
+  out << bytes;
+}
+
+// Names in the test temp folder that start with `prefix`.
+std::vector<std::string> temp_entries(const std::string& prefix) {
+  std::vector<std::string> names;
+  DIR* dir = opendir(::testing::TempDir().c_str());
+  if (dir == nullptr) return names;
+  while (dirent* e = readdir(dir)) {
+    if (std::string(e->d_name).rfind(prefix, 0) == 0) names.push_back(e->d_name);
+  }
+  closedir(dir);
+  return names;
+}
+
+}  // namespace
+
+TEST(ModuleLoad, DuplicateKeysAreRefusedNamingTheKey) {
+  ModulePtr m = linear(1, 1, 5.0f);
+  const std::string weight = R"("weight":{"dtype":"F32","shape":[1,1],"data_offsets":[0,4]})";
+  const std::string bias = R"("bias":{"dtype":"F32","shape":[1],"data_offsets":[4,8]})";
+  const std::string data(8, '\0');
+  struct Case {
+    std::string header;
+    std::string expected;
+  };
+  const Case cases[] = {
+      // The second "weight" would win before: one checker sees one tensor, a loader another.
+      {"{" + weight + "," + bias + "," + R"("weight":{"dtype":"F32","shape":[1,1],"data_offsets":[0,4]})" + "}",
+       R"(the header has the key "weight" twice)"},
+      {"{" + weight + "," + R"("bias":{"dtype":"F32","dtype":"I32","shape":[1],"data_offsets":[4,8]})" + "}",
+       R"("bias" has the key "dtype" twice)"},
+      {R"({"__metadata__":{"format":"pt","format":"np"},)" + weight + "," + bias + "}",
+       R"("__metadata__" has the key "format" twice)"},
+      {R"({"__metadata__":{},"__metadata__":{},)" + weight + "," + bias + "}",
+       R"(the header has the key "__metadata__" twice)"},
+  };
+  std::string path = temp_path("duplicate.safetensors");
+  for (const Case& c : cases) {
+    write_file(path, header_image(c.header, data));
+    EXPECT_EQ(dp_module_load(m.get(), path.c_str(), 1), DP_EIO) << c.header;
+    EXPECT_TRUE(contains(last_error(), c.expected)) << last_error();
+  }
+  EXPECT_EQ(values<float>(parameter(m.get(), "weight").get()), (std::vector<float>{5.0f}));
+  std::remove(path.c_str());
+}
+
+TEST(ModuleLoad, AFifoIsRefusedWithoutWaitingForAWriter) {
+  std::string path = temp_path("fifo.safetensors");
+  std::remove(path.c_str());
+  ASSERT_EQ(mkfifo(path.c_str(), 0600), 0) << std::strerror(errno);
+  ModulePtr m = linear(1, 1);
+  auto load = std::async(std::launch::async, [&] {
+    dp_status status = dp_module_load(m.get(), path.c_str(), 1);
+    return std::make_pair(status, last_error());
+  });
+  const bool returned = load.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  if (!returned) {
+    int writer = ::open(path.c_str(), O_WRONLY);  // meets the blocked reader, which then sees end of file
+    if (writer >= 0) ::close(writer);
+  }
+  auto [status, message] = load.get();
+  EXPECT_TRUE(returned) << "dp_module_load blocked opening a FIFO";
+  EXPECT_EQ(status, DP_EINVAL);
+  EXPECT_TRUE(contains(message, "'" + path + "') is a FIFO")) << message;
+  // Saving over it is refused too, and leaves it in place.
+  EXPECT_EQ(dp_module_save(m.get(), path.c_str()), DP_EINVAL);
+  EXPECT_TRUE(contains(last_error(), "is a FIFO")) << last_error();
+  struct stat info {};
+  ASSERT_EQ(::lstat(path.c_str(), &info), 0);
+  EXPECT_TRUE(S_ISFIFO(info.st_mode));
+  std::remove(path.c_str());
+}
+
+TEST(ModuleSave, ASymbolicLinkIsKeptAndItsTargetReplaced) {
+  ModulePtr m = linear(2, 2, 3.0f);
+  const std::string name = "dp_robustness_" + std::to_string(::getpid()) + "_link_target.safetensors";
+  std::string target = ::testing::TempDir() + name, link = temp_path("link.safetensors");
+  write_file(target, "old");
+  std::remove(link.c_str());
+  ASSERT_EQ(::symlink(name.c_str(), link.c_str()), 0) << std::strerror(errno);  // relative, as ln -s makes
+  DP_ASSERT_OK(dp_module_save(m.get(), link.c_str()));
+  struct stat info {};
+  ASSERT_EQ(::lstat(link.c_str(), &info), 0);
+  EXPECT_TRUE(S_ISLNK(info.st_mode)) << "the link was replaced by a file";
+  EXPECT_NE(read_bytes(target), "old");
+  ModulePtr loaded = linear(2, 2);
+  DP_EXPECT_OK(dp_module_load(loaded.get(), target.c_str(), 1));
+  EXPECT_EQ(values<float>(parameter(loaded.get(), "weight").get()), iota<float>(4, 3.0f));
+  // A dangling link: the save creates the file it names.
+  std::remove(target.c_str());
+  DP_ASSERT_OK(dp_module_save(m.get(), link.c_str()));
+  ASSERT_EQ(::lstat(link.c_str(), &info), 0);
+  EXPECT_TRUE(S_ISLNK(info.st_mode));
+  DP_EXPECT_OK(dp_module_load(loaded.get(), link.c_str(), 1));
+  std::remove(link.c_str());
+  std::remove(target.c_str());
+}
+
+TEST(ModuleSave, AReadOnlyFileIsNotOverwritten) {
+  ModulePtr m = linear(1, 1);
+  std::string path = temp_path("read_only.safetensors");
+  write_file(path, "keep me");
+  ASSERT_EQ(::chmod(path.c_str(), 0444), 0);
+  EXPECT_EQ(dp_module_save(m.get(), path.c_str()), DP_EIO);
+  EXPECT_TRUE(contains(last_error(), "read-only file '" + path + "'")) << last_error();
+  EXPECT_TRUE(contains(last_error(), std::strerror(EACCES))) << last_error();
+  EXPECT_EQ(read_bytes(path), "keep me");
+  EXPECT_TRUE(temp_entries(".dp-save-").empty());
+  ::chmod(path.c_str(), 0644);
+  std::remove(path.c_str());
+}
+
+TEST(ModuleSave, AReplacedFileKeepsItsPermissions) {
+  ModulePtr m = linear(1, 1);
+  std::string path = temp_path("mode.safetensors");
+  write_file(path, "old");
+  ASSERT_EQ(::chmod(path.c_str(), 0640), 0);
+  DP_ASSERT_OK(dp_module_save(m.get(), path.c_str()));
+  struct stat info {};
+  ASSERT_EQ(::stat(path.c_str(), &info), 0);
+  EXPECT_EQ(info.st_mode & 07777, 0640u);
+  std::remove(path.c_str());
+}
+
+TEST(ModuleSave, ABasenameNearNameMaxCanBeSaved) {
+  // path + ".XXXXXX" as the temporary name passed NAME_MAX (255) from 249 characters on.
+  ModulePtr m = linear(1, 1);
+  const std::string prefix = "dp_robustness_" + std::to_string(::getpid()) + "_";
+  std::string path = ::testing::TempDir() + prefix + std::string(255 - prefix.size(), 'n');
+  DP_ASSERT_OK(dp_module_save(m.get(), path.c_str()));
+  DP_EXPECT_OK(dp_module_load(m.get(), path.c_str(), 1));
+  EXPECT_TRUE(temp_entries(".dp-save-").empty());
+  std::remove(path.c_str());
+}
+
+TEST(ModuleTree, AChainOf200000NestedModulesIsDestroyedWithoutRecursing) {
+  ModulePtr root = new_module();
+  dp_module* deepest = root.get();
+  for (int level = 0; level < 200000; ++level) {
+    dp_module* child = nullptr;
+    DP_ASSERT_OK(dp_module_create(&child));
+    DP_ASSERT_OK(dp_module_register_module(deepest, "a", child));
+    if (deepest != root.get()) dp_module_destroy(deepest);  // the tree holds it
+    deepest = child;
+  }
+  dp_module_destroy(deepest);
+  // Walks refuse it (dotted names 400k characters long) rather than build them.
+  EXPECT_EQ(dp_module_num_parameters(root.get()), 0u);
+  EXPECT_TRUE(contains(last_error(), "deeper than 1024 levels")) << last_error();
+  root.reset();  // recursed once per level before: a stack overflow
+}
+
+TEST(ModuleTree, WalksAcceptTreesUpToTheDepthLimitAndRefuseDeeperOnes) {
+  // kMaxModuleDepth (1024) levels below the root, a parameter at the bottom.
+  ModulePtr root = new_module();
+  std::vector<ModulePtr> chain;
+  dp_module* deepest = root.get();
+  for (int level = 0; level < 1024; ++level) {
+    chain.push_back(new_module());
+    DP_ASSERT_OK(dp_module_register_module(deepest, "m", chain.back().get()));
+    deepest = chain.back().get();
+  }
+  auto t = make<float>({1}, {2.0f});
+  DP_ASSERT_OK(dp_module_register_parameter(deepest, "w", t.get(), 1));
+  EXPECT_EQ(dp_module_num_parameters(root.get()), 1u);
+  std::string path = temp_path("deep_tree.safetensors");
+  DP_ASSERT_OK(dp_module_save(root.get(), path.c_str()));
+  DP_EXPECT_OK(dp_module_load(root.get(), path.c_str(), 1));
+  // One level more: every walk says why.
+  ModulePtr extra = new_module();
+  DP_ASSERT_OK(dp_module_register_module(deepest, "m", extra.get()));
+  EXPECT_EQ(dp_module_num_parameters(root.get()), 0u);
+  EXPECT_TRUE(contains(last_error(), "the module tree is deeper than 1024 levels")) << last_error();
+  EXPECT_EQ(dp_module_save(root.get(), path.c_str()), DP_EINVAL);
+  EXPECT_TRUE(contains(last_error(), "deeper than 1024 levels")) << last_error();
+  EXPECT_EQ(dp_module_load(root.get(), path.c_str(), 1), DP_EINVAL);
+  dp_replica_set* set = nullptr;
+  const dp_device devices[] = {cpu(0), cpu(1)};
+  EXPECT_EQ(dp_replica_set_create(&set, root.get(), devices, 2), DP_EINVAL);
+  EXPECT_EQ(set, nullptr);
+  // The subtree below the root is within the limit again.
+  EXPECT_EQ(dp_module_num_parameters(chain[0].get()), 1u);
   std::remove(path.c_str());
 }

@@ -155,8 +155,11 @@ TEST(StateDict, IoFailuresAreReported) {
   EXPECT_TRUE(contains(last_error(), "cannot open '/nonexistent/dir/x.safetensors'")) << last_error();
   EXPECT_EQ(dp_module_save(m.get(), "/nonexistent/dir/x.safetensors"), DP_EIO);
   EXPECT_TRUE(contains(last_error(), "cannot create")) << last_error();
-  EXPECT_EQ(dp_module_load(m.get(), ::testing::TempDir().c_str(), 1), DP_EIO);
-  EXPECT_TRUE(contains(last_error(), "is not a regular file")) << last_error();
+  // Not a regular file: a bad argument, refused before any read or write.
+  EXPECT_EQ(dp_module_load(m.get(), ::testing::TempDir().c_str(), 1), DP_EINVAL);
+  EXPECT_TRUE(contains(last_error(), "is a directory; checkpoints are regular files")) << last_error();
+  EXPECT_EQ(dp_module_save(m.get(), ::testing::TempDir().c_str()), DP_EINVAL);
+  EXPECT_TRUE(contains(last_error(), "is a directory; checkpoints are regular files")) << last_error();
   EXPECT_EQ(dp_module_save(m.get(), nullptr), DP_EINVAL);
   EXPECT_EQ(dp_module_load(nullptr, "x", 1), DP_EINVAL);
 }
