@@ -10,7 +10,7 @@ rounds=${3:-2}
 i=1
 while [ "$i" -le "$rounds" ]; do
   echo "== round $i: dparallel (dp-run -n 2 dp-perf-dist all_reduce -b 4K -e 64M -f 4)"
-  "$build/bench/dp-run" -n 2 "$build/bench/dp-perf-dist" all_reduce -b 4K -e 64M -f 4
+  "$build/tools/dp-run" -n 2 "$build/bench/dp-perf-dist" all_reduce -b 4K -e 64M -f 4
   echo "== round $i: torch.distributed + gloo"
   /usr/bin/python3 "$anchors/src/torch_gloo_coll.py" --sizes 4K,64K,1M,16M,64M --bcast-sizes ''
   echo "== round $i: gloo directly"

@@ -12,6 +12,10 @@
 // check. Beside every row stand this machine's memcpy and add bandwidth for
 // the same size, measured in the same run with every core, and the share of
 // that physical limit the operation reached.
+//
+// Exit codes: 0 all results right, 1 wrong results or a failed call (out of
+// memory included), 2 bad usage: a bad option value, or sizes whose buffers
+// do not fit in the memory this machine has free.
 #include <omp.h>
 
 #include <algorithm>
@@ -21,11 +25,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <new>
 #include <string>
 #include <vector>
 
 #include "dp_perf_dist.h"
 #include "dparallel/dparallel.h"
+#include "perf_args.h"
 #include "perf_values.h"
 
 namespace {
@@ -49,7 +55,8 @@ struct Options {
                "               [-s SAMPLES] [-w WARMUP]\n"
                "       dp-run -n RANKS dp-perf <all_reduce|broadcast|all_gather|reduce_scatter> [-b 4K] [-e 64M]\n"
                "               [-f 4] [-t float] [-o sum] [-r ROOT]\n"
-               "sizes take K, M or G suffixes (powers of 1024)\n",
+               "sizes: 1 to 1024G, with K, M or G suffixes (powers of 1024); -f: above 1, at most 1024;\n"
+               "-s: 1..100000; -w: 0..100000\n",
                message);
   std::exit(2);
 }
@@ -61,34 +68,6 @@ void check(dp_status status, const char* what) {
   }
 }
 
-size_t parse_size(const char* text) {
-  char* end = nullptr;
-  double value = std::strtod(text, &end);
-  if (end == text || value < 0) usage("bad size");
-  double scale = 1;
-  switch (*end) {
-    case 'K':
-    case 'k':
-      scale = 1024.0;
-      ++end;
-      break;
-    case 'M':
-    case 'm':
-      scale = 1024.0 * 1024;
-      ++end;
-      break;
-    case 'G':
-    case 'g':
-      scale = 1024.0 * 1024 * 1024;
-      ++end;
-      break;
-    default:
-      break;
-  }
-  if (*end != '\0') usage("bad size suffix");
-  return static_cast<size_t>(value * scale);
-}
-
 std::vector<dp_device> parse_devices(const std::string& list) {
   std::vector<dp_device> devices;
   size_t start = 0;
@@ -96,7 +75,9 @@ std::vector<dp_device> parse_devices(const std::string& list) {
     size_t comma = list.find(',', start);
     std::string item = list.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
     dp_device d{};
-    if (dp_device_parse(item.c_str(), &d) != DP_OK) usage(dp_last_error());
+    if (dp_device_parse(item.c_str(), &d) != DP_OK) {
+      throw perf::UsageError("-d takes devices like cpu:0,cpu:1; '" + item + "' is not one: " + dp_last_error());
+    }
     devices.push_back(d);
     if (comma == std::string::npos) break;
     start = comma + 1;
@@ -116,7 +97,28 @@ TypeInfo parse_type(const std::string& name) {
   for (const TypeInfo& t : types) {
     if (name == t.name) return t;
   }
-  usage("unknown type");
+  perf::bad_value("-t", name, "float, double, half, bfloat16, int8, uint8, int32 or int64");
+}
+
+bool known_op(const std::string& op) {
+  return op == "broadcast" || op == "reduce_add" || op == "scatter" || op == "gather";
+}
+
+// Host memory at the largest size: the reference buffers (3), one host copy
+// for a check (1), and the op's tensors on CPU devices.
+double needed_bytes(const Options& opts) {
+  const double size = static_cast<double>(opts.max_bytes);
+  const size_t n = opts.devices.size();
+  size_t cpu = 0;
+  for (const dp_device& d : opts.devices) cpu += d.type == DP_DEVICE_CPU;
+  const double first_on_cpu = opts.devices[0].type == DP_DEVICE_CPU ? 1.0 : 0.0;
+  double tensors = 0;
+  if (opts.op == "broadcast" || opts.op == "reduce_add") {
+    tensors = first_on_cpu + static_cast<double>(cpu);  // one per device, and the root's input or output
+  } else {
+    tensors = first_on_cpu + static_cast<double>(cpu) / static_cast<double>(n);  // the whole, and its parts
+  }
+  return size * (4.0 + tensors);
 }
 
 // Small integers, exact in every dtype, so sums can be checked exactly.
@@ -325,42 +327,47 @@ Row run_size(const Options& opts, const TypeInfo& type, size_t count, const Limi
   return row;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  if (argc < 2) usage("missing op");
-  const std::string op = argv[1];
-  const bool under_launcher = std::getenv("WORLD_SIZE") != nullptr || std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr;
-  if (under_launcher || op == "all_reduce" || op == "all_gather" || op == "reduce_scatter") {
-    return dp_perf_dist_main(argv[1], argc - 1, argv + 1);
-  }
+int run(int argc, char** argv) {
   Options opts;
+  TypeInfo type{};
   opts.op = argv[1];
-  opts.devices = parse_devices("cpu:0,cpu:1");
-  for (int i = 2; i < argc; ++i) {
-    std::string flag = argv[i];
-    if (i + 1 >= argc) usage(("missing value after " + flag).c_str());
-    const char* value = argv[++i];
-    if (flag == "-b")
-      opts.min_bytes = parse_size(value);
-    else if (flag == "-e")
-      opts.max_bytes = parse_size(value);
-    else if (flag == "-f")
-      opts.factor = std::atof(value);
-    else if (flag == "-d")
-      opts.devices = parse_devices(value);
-    else if (flag == "-t")
-      opts.type = value;
-    else if (flag == "-s")
-      opts.samples = std::max(1, std::atoi(value));
-    else if (flag == "-w")
-      opts.warmup = std::max(0, std::atoi(value));
-    else
-      usage(("unknown option " + flag).c_str());
+  if (!known_op(opts.op)) {
+    usage(("unknown op '" + opts.op +
+           "' (broadcast, reduce_add, scatter, gather; across ranks: all_reduce, "
+           "broadcast, all_gather, reduce_scatter)")
+              .c_str());
   }
-  if (opts.factor <= 1.0) usage("-f must be greater than 1");
-  if (opts.min_bytes > opts.max_bytes) usage("-b must not exceed -e");
-  const TypeInfo type = parse_type(opts.type);
+  try {
+    opts.devices = parse_devices("cpu:0,cpu:1");
+    for (int i = 2; i < argc; ++i) {
+      std::string flag = argv[i];
+      if (i + 1 >= argc) usage(("missing value after " + flag).c_str());
+      const std::string value = argv[++i];
+      if (flag == "-b")
+        opts.min_bytes = perf::parse_size(flag, value);
+      else if (flag == "-e")
+        opts.max_bytes = perf::parse_size(flag, value);
+      else if (flag == "-f")
+        opts.factor = perf::parse_factor(flag, value);
+      else if (flag == "-d")
+        opts.devices = parse_devices(value);
+      else if (flag == "-t")
+        opts.type = value;
+      else if (flag == "-s")
+        opts.samples = static_cast<int>(perf::parse_int(flag, value, 1, 100000));
+      else if (flag == "-w")
+        opts.warmup = static_cast<int>(perf::parse_int(flag, value, 0, 100000));
+      else
+        usage(("unknown option " + flag).c_str());
+    }
+    type = parse_type(opts.type);
+    perf::check_size_steps(opts.min_bytes, opts.max_bytes, opts.factor);
+    perf::check_fits("-e " + std::to_string(opts.max_bytes) + " (" + opts.op + " on " +
+                         std::to_string(opts.devices.size()) + " devices)",
+                     needed_bytes(opts));
+  } catch (const perf::UsageError& e) {
+    usage(e.what());
+  }
   const size_t element = dp_dtype_size(type.dtype);
   const size_t n = opts.devices.size();
 
@@ -398,4 +405,22 @@ int main(int argc, char** argv) {
   }
   std::printf("# wrong elements in total: %zu\n", total_wrong);
   return total_wrong == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) usage("missing op");
+  const std::string op = argv[1];
+  const bool under_launcher = std::getenv("WORLD_SIZE") != nullptr || std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr;
+  if (under_launcher || op == "all_reduce" || op == "all_gather" || op == "reduce_scatter") {
+    return dp_perf_dist_main(argv[1], argc - 1, argv + 1);
+  }
+  // Memory can still run out after the check (other programs allocate too): reported, never an abort.
+  try {
+    return run(argc, argv);
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "dp-perf: out of memory; a smaller -e needs less\n");
+    return 1;
+  }
 }

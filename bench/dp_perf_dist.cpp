@@ -7,7 +7,9 @@
 // nccl-tests. Time: per sample, a barrier then n back-to-back ops; per-op time
 // is the sample's time / n, the maximum over ranks; the table gives the
 // median over samples (and the best busbw). #wrong counts elements of the
-// checked first op that differ from the expected result.
+// checked first op that differ from the expected result. Exit codes: 0 all
+// right, 1 wrong results or a failed call, 2 bad usage (a bad option value,
+// or sizes whose buffers do not fit in the memory this machine has free).
 #include "dp_perf_dist.h"
 
 #include <algorithm>
@@ -16,17 +18,20 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
 #include "dparallel/dparallel.h"
+#include "perf_args.h"
 #include "perf_values.h"
 
 namespace {
 
 struct Options {
-  long long min_bytes = 4 << 10;
-  long long max_bytes = 64 << 20;
+  size_t min_bytes = 4 << 10;
+  size_t max_bytes = 64 << 20;
   double factor = 4;
   int32_t dtype = DP_FLOAT32;
   int32_t op = DP_SUM;
@@ -37,28 +42,6 @@ struct Options {
   bool check = true;
   int32_t device_type = DP_DEVICE_CPU;
 };
-
-long long parse_size(const char* text) {
-  char* end = nullptr;
-  double v = std::strtod(text, &end);
-  switch (*end) {
-    case 'K':
-    case 'k':
-      v *= 1024.0;
-      break;
-    case 'M':
-    case 'm':
-      v *= 1024.0 * 1024.0;
-      break;
-    case 'G':
-    case 'g':
-      v *= 1024.0 * 1024.0 * 1024.0;
-      break;
-    default:
-      break;
-  }
-  return static_cast<long long>(v);
-}
 
 int32_t parse_dtype(const std::string& s) {
   const char* names[] = {"float", "double", "half", "bfloat16", "int8", "uint8", "int32", "int64"};
@@ -142,62 +125,7 @@ bool close_enough(int32_t dtype, double got, double want) {
   return std::fabs(got - want) <= tol * std::max(1.0, std::fabs(want));
 }
 
-}  // namespace
-
-int dp_perf_dist_main(const char* op_name, int argc, char** argv) {
-  std::string op = op_name;
-  if (op != "all_reduce" && op != "broadcast" && op != "all_gather" && op != "reduce_scatter") {
-    std::fprintf(stderr, "dp-perf: unknown collective '%s' (all_reduce, broadcast, all_gather, reduce_scatter)\n",
-                 op_name);
-    return 2;
-  }
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (i + 1 >= argc) {
-      std::fprintf(stderr, "dp-perf: option %s needs a value\n", a.c_str());
-      return 2;
-    }
-    const char* v = argv[++i];
-    if (a == "-b")
-      o.min_bytes = parse_size(v);
-    else if (a == "-e")
-      o.max_bytes = parse_size(v);
-    else if (a == "-f")
-      o.factor = std::atof(v);
-    else if (a == "-t" || a == "-d")
-      o.dtype = parse_dtype(v);  // -t as in single-process dp-perf
-    else if (a == "-o") {
-      std::string s = v;
-      o.op = s == "sum"    ? DP_SUM
-             : s == "avg"  ? DP_AVG
-             : s == "min"  ? DP_MIN
-             : s == "max"  ? DP_MAX
-             : s == "prod" ? DP_PROD
-                           : -1;
-    } else if (a == "-r")
-      o.root = std::atoi(v);
-    else if (a == "-n")
-      o.ops = std::atol(v);
-    else if (a == "-s")
-      o.samples = std::atoi(v);
-    else if (a == "-w")
-      o.warmup = std::atol(v);
-    else if (a == "-c")
-      o.check = std::atoi(v) != 0;
-    else if (a == "--device")
-      o.device_type = std::strcmp(v, "cpu") == 0 ? DP_DEVICE_CPU : std::strcmp(v, "cuda") == 0 ? DP_DEVICE_CUDA : -1;
-    else {
-      std::fprintf(stderr, "dp-perf: unknown option %s\n", a.c_str());
-      return 2;
-    }
-  }
-  if (o.dtype < 0 || o.op < 0 || o.min_bytes <= 0 || o.max_bytes < o.min_bytes || o.factor <= 1 || o.samples <= 0 ||
-      o.device_type < 0) {
-    std::fprintf(stderr, "dp-perf: bad options (dtype, op, -b/-e sizes, -f > 1, -s > 0, --device cpu|cuda)\n");
-    return 2;
-  }
-
+int run(const std::string& op, const Options& o) {
   const dp_device device = rank_device(o.device_type);
   dp_process_group_options pg_options = DP_PROCESS_GROUP_OPTIONS_INIT;
   pg_options.device = device;
@@ -207,6 +135,7 @@ int dp_perf_dist_main(const char* op_name, int argc, char** argv) {
   const size_t esize = dp_dtype_size(o.dtype);
   if (o.root < 0 || o.root >= world) {
     std::fprintf(stderr, "dp-perf: -r %d is not a rank of this %d-rank job\n", o.root, world);
+    dp_process_group_destroy(pg);
     return 2;
   }
   if (rank == 0) {
@@ -225,10 +154,10 @@ int dp_perf_dist_main(const char* op_name, int argc, char** argv) {
     if (count <= 0) continue;
     bytes = count * static_cast<long long>(esize) * (whole ? world : 1);
     Tensor buf(o.dtype, count, device);
-    std::vector<Tensor*> many;
-    for (int r = 0; r < (whole ? world : 0); ++r) many.push_back(new Tensor(o.dtype, count, device));
+    std::vector<std::unique_ptr<Tensor>> many;
+    for (int r = 0; r < (whole ? world : 0); ++r) many.push_back(std::make_unique<Tensor>(o.dtype, count, device));
     std::vector<dp_tensor*> handles;
-    for (Tensor* t : many) handles.push_back(t->t);
+    for (const auto& t : many) handles.push_back(t->t);
     auto run = [&] {
       if (op == "all_reduce") return dp_pg_all_reduce(pg, buf.t, o.op);
       if (op == "broadcast") return dp_pg_broadcast(pg, buf.t, o.root);
@@ -264,7 +193,7 @@ int dp_perf_dist_main(const char* op_name, int argc, char** argv) {
       // Zeros keep repeated in-place reductions finite during the timing.
       std::vector<uint8_t> zeros(static_cast<size_t>(count) * esize, 0);
       buf.write(zeros);
-      for (Tensor* t : many) t->write(zeros);
+      for (const auto& t : many) t->write(zeros);
     }
     long k = o.ops > 0 ? o.ops : std::max(1LL, std::min(200LL, (256LL << 20) / bytes));
     long warm = o.warmup >= 0 ? o.warmup : std::max(2L, k / 10);
@@ -289,7 +218,6 @@ int dp_perf_dist_main(const char* op_name, int argc, char** argv) {
     wrong = static_cast<long long>(t.back());
     t.pop_back();
     total_wrong += wrong;
-    for (Tensor* m : many) delete m;
 
     std::sort(t.begin(), t.end());
     double med = t[t.size() / 2], best = t[0];
@@ -308,4 +236,73 @@ int dp_perf_dist_main(const char* op_name, int argc, char** argv) {
   if (rank == 0) std::printf("# out of bounds values: %lld %s\n", total_wrong, total_wrong == 0 ? "OK" : "FAILED");
   dp_process_group_destroy(pg);
   return total_wrong == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int dp_perf_dist_main(const char* op_name, int argc, char** argv) {
+  std::string op = op_name;
+  if (op != "all_reduce" && op != "broadcast" && op != "all_gather" && op != "reduce_scatter") {
+    std::fprintf(stderr, "dp-perf: unknown collective '%s' (all_reduce, broadcast, all_gather, reduce_scatter)\n",
+                 op_name);
+    return 2;
+  }
+  Options o;
+  try {
+    for (int i = 1; i < argc; ++i) {
+      std::string a = argv[i];
+      if (i + 1 >= argc) throw perf::UsageError("option " + a + " needs a value");
+      const std::string v = argv[++i];
+      if (a == "-b") {
+        o.min_bytes = perf::parse_size(a, v);
+      } else if (a == "-e") {
+        o.max_bytes = perf::parse_size(a, v);
+      } else if (a == "-f") {
+        o.factor = perf::parse_factor(a, v);
+      } else if (a == "-t" || a == "-d") {  // -t as in single-process dp-perf
+        o.dtype = parse_dtype(v);
+        if (o.dtype < 0) perf::bad_value(a, v, "float, double, half, bfloat16, int8, uint8, int32 or int64");
+      } else if (a == "-o") {
+        o.op = v == "sum"    ? DP_SUM
+               : v == "avg"  ? DP_AVG
+               : v == "min"  ? DP_MIN
+               : v == "max"  ? DP_MAX
+               : v == "prod" ? DP_PROD
+                             : -1;
+        if (o.op < 0) perf::bad_value(a, v, "sum, avg, min, max or prod");
+      } else if (a == "-r") {
+        o.root = static_cast<int32_t>(perf::parse_int(a, v, 0, 1 << 30));
+      } else if (a == "-n") {
+        o.ops = perf::parse_int(a, v, 1, 1000000);
+      } else if (a == "-s") {
+        o.samples = static_cast<int>(perf::parse_int(a, v, 1, 100000));
+      } else if (a == "-w") {
+        o.warmup = perf::parse_int(a, v, 0, 1000000);
+      } else if (a == "-c") {
+        o.check = perf::parse_int(a, v, 0, 1) != 0;
+      } else if (a == "--device") {
+        o.device_type = v == "cpu" ? DP_DEVICE_CPU : v == "cuda" ? DP_DEVICE_CUDA : -1;
+        if (o.device_type < 0) perf::bad_value(a, v, "cpu or cuda");
+      } else {
+        throw perf::UsageError("unknown option " + a);
+      }
+    }
+    perf::check_size_steps(o.min_bytes, o.max_bytes, o.factor);
+    // Per rank at the largest size: the buffers and their host copies (about
+    // 3 times the size), for every rank on this machine.
+    const char* local_ranks_text = std::getenv("LOCAL_WORLD_SIZE");
+    const long local_ranks = local_ranks_text != nullptr ? std::max(1L, std::atol(local_ranks_text)) : 1;
+    perf::check_fits("-e " + std::to_string(o.max_bytes) + " on " + std::to_string(local_ranks) + " local rank(s)",
+                     3.0 * static_cast<double>(o.max_bytes) * static_cast<double>(local_ranks));
+  } catch (const perf::UsageError& e) {
+    std::fprintf(stderr, "dp-perf: %s\n", e.what());
+    return 2;
+  }
+  // Memory can still run out after the check (other programs allocate too): reported, never an abort.
+  try {
+    return run(op, o);
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "dp-perf: out of memory; a smaller -e needs less\n");
+    return 1;
+  }
 }

@@ -5,11 +5,12 @@
 set -eu
 root=$(cd "$(dirname "$0")/.." && pwd)
 clang_format=${1:-clang-format-14}
+command -v "$clang_format" >/dev/null 2>&1 || { echo "error: $clang_format not found (cmake/install-deps.sh installs it)" >&2; exit 1; }
 cd "$root"
 if [ -d .git ] || [ -f .git ]; then
   files=$(git ls-files '*.c' '*.h' '*.cpp' '*.cu' '*.cuh')
 else
-  files=$(find bench capi examples include src tests -type f \
+  files=$(find bench capi examples include src tests tools -type f \
     \( -name '*.c' -o -name '*.h' -o -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' \))
 fi
 bad=""

@@ -1,25 +1,60 @@
 #!/bin/sh
 # Sets up, builds and runs every test: once in a normal build and once under
 # AddressSanitizer + UndefinedBehaviorSanitizer.
-#   tests/run.sh            both builds
+#   tests/run.sh            both builds (what CI runs)
 #   tests/run.sh normal     the normal build only
 #   tests/run.sh sanitize   the sanitized build only
+#   tests/run.sh stress [CTEST ARGS...]
+#                           the normal build, then the whole suite (or what the
+#                           ctest arguments select, e.g. -R Launcher) twice in a
+#                           row with ctest -j2 beside a CPU hog: one busy loop
+#                           per core, stopped when the script ends however it
+#                           ends. No test may depend on an idle machine.
 set -eu
 root=$(cd "$(dirname "$0")/.." && pwd)
 mode=${1:-all}
+[ $# -gt 0 ] && shift
 jobs=$(nproc 2>/dev/null || echo 2)
+
+case "$mode" in
+  stress) ;;
+  all | normal | sanitize) [ $# -eq 0 ] || { echo "usage: only tests/run.sh stress takes ctest arguments" >&2; exit 2; } ;;
+  *) echo "usage: tests/run.sh [all|normal|sanitize|stress [CTEST ARGS...]]" >&2; exit 2 ;;
+esac
 
 "$root/cmake/install-deps.sh"
 
-run_suite() {  # name, extra cmake arguments...
+build_suite() {  # name, extra cmake arguments...
   name=$1
   shift
   build="$root/build/$name"
   echo "== $name build ($build)"
   cmake -S "$root" -B "$build" "$@" >/dev/null
   cmake --build "$build" -j "$jobs"
-  echo "== $name tests"
+}
+
+run_suite() {  # name, extra cmake arguments...
+  build_suite "$@"
+  echo "== $1 tests"
   ctest --test-dir "$build" --output-on-failure --timeout 300 -j "$jobs"
+}
+
+hog_pids=""
+start_hog() {
+  i=0
+  while [ "$i" -lt "$jobs" ]; do
+    # Each loop also ends when this script is gone, even killed with SIGKILL.
+    sh -c 'while kill -0 "$1" 2>/dev/null; do :; done' hog $$ &
+    hog_pids="$hog_pids $!"
+    i=$((i + 1))
+  done
+  echo "== CPU hog: $jobs busy loop(s):$hog_pids"
+}
+stop_hog() {
+  for pid in $hog_pids; do
+    kill "$pid" 2>/dev/null || true
+  done
+  hog_pids=""
 }
 
 case "$mode" in
@@ -27,5 +62,16 @@ case "$mode" in
   all) run_suite normal -DCMAKE_BUILD_TYPE=Release && run_suite sanitize -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDP_SANITIZE=ON ;;
   normal) run_suite normal -DCMAKE_BUILD_TYPE=Release ;;
   sanitize) run_suite sanitize -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDP_SANITIZE=ON ;;
-  *) echo "usage: tests/run.sh [all|normal|sanitize]" >&2; exit 2 ;;
+  stress)
+    build_suite normal -DCMAKE_BUILD_TYPE=Release
+    trap stop_hog EXIT
+    trap 'exit 130' INT
+    trap 'exit 143' TERM
+    start_hog
+    for round in 1 2; do
+      echo "== normal tests beside the CPU hog, round $round of 2"
+      ctest --test-dir "$build" --output-on-failure --timeout 300 -j 2 "$@"
+    done
+    echo "== the tests passed twice beside the CPU hog"
+    ;;
 esac

@@ -8,6 +8,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:?usage: tests/tidy_check.sh BUILD_DIR [clang-tidy] [jobs]}
 clang_tidy=${2:-clang-tidy-14}
 jobs=${3:-$(nproc 2>/dev/null || echo 2)}
+command -v "$clang_tidy" >/dev/null 2>&1 || { echo "error: $clang_tidy not found (cmake/install-deps.sh installs it)" >&2; exit 1; }
 [ -f "$build/compile_commands.json" ] || { echo "error: no $build/compile_commands.json" >&2; exit 1; }
 out=$(mktemp)
 files=$(mktemp)

@@ -20,6 +20,9 @@ if [ $# -ne 1 ] || [ ! -f "$1" ]; then
   exit 2
 fi
 library=$1
+for tool in abidw abidiff; do
+  command -v "$tool" >/dev/null 2>&1 || { echo "error: $tool not found (abigail-tools; cmake/install-deps.sh installs it)" >&2; exit 1; }
+done
 
 current=$(mktemp)
 trap 'rm -f "$current"' EXIT

@@ -68,7 +68,7 @@ for op in broadcast reduce_add scatter gather; do
 done
 # The NCCL process group across ranks, one rank per GPU (a 1-rank group on one GPU).
 for op in all_reduce broadcast all_gather reduce_scatter; do
-  step "dp-run -n $gpus dp-perf $op --device cuda" "$build/bench/dp-run" -n "$gpus" "$build/bench/dp-perf-dist" \
+  step "dp-run -n $gpus dp-perf $op --device cuda" "$build/tools/dp-run" -n "$gpus" "$build/bench/dp-perf-dist" \
     "$op" -b 4K -e 256M -f 4 -s 5 --device cuda
 done
 # dp-train: replicas on the GPUs against one device with the full batch.

@@ -7,19 +7,24 @@
 // and MASTER_PORT and, on a single node without one, a fresh DP_STORE_TOKEN.
 // Without a port on a single node, dp-run picks a free one and keeps it bound
 // (not listening) while it runs, so no other program takes it before rank 0
-// listens on it. Their output is prefixed with "[rank R] ". When a rank fails, the others get SIGTERM (SIGKILL after
+// listens on it. Their output is prefixed with "[rank R] " (a line longer
+// than 64 KiB is split, so a rank's output never piles up in dp-run's
+// memory). When a rank fails, the others get SIGTERM (SIGKILL after
 // the grace period) and dp-run exits with the failed rank's code (128 + signal
 // for a signal). SIGINT and SIGTERM to dp-run are passed on to every rank; a
 // second one during the grace period sends SIGKILL. Signals go to each rank's
 // whole process group, so what a rank started is stopped with it, also after
-// the rank itself has exited; nothing a rank started outlives dp-run. If
-// dp-run itself is killed, the ranks are killed too.
+// the rank itself has exited; what left the group (setsid) is stopped once
+// the ranks are done: nothing a rank started outlives dp-run. If dp-run
+// itself is killed, the ranks are killed too. Usage errors exit with 2.
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -110,11 +115,17 @@ struct Rank {
   int exit_code = 0;
 };
 
+// A partial line this long is printed as a line of its own.
+constexpr size_t kMaxLine = 64 * 1024;
+
 void emit(Rank& r, const char* data, size_t size) {
   r.pending.append(data, size);
   size_t start = 0;
   for (size_t nl; (nl = r.pending.find('\n', start)) != std::string::npos; start = nl + 1) {
     std::fprintf(stdout, "[rank %d] %.*s\n", r.rank, static_cast<int>(nl - start), r.pending.data() + start);
+  }
+  for (; r.pending.size() - start >= kMaxLine; start += kMaxLine) {
+    std::fprintf(stdout, "[rank %d] %.*s\n", r.rank, static_cast<int>(kMaxLine), r.pending.data() + start);
   }
   r.pending.erase(0, start);
   std::fflush(stdout);
@@ -165,6 +176,51 @@ void reap(std::vector<Rank>& ranks) {
   }
 }
 
+// dp-run's own living children: as the subreaper, what escaped a rank's
+// process group comes to dp-run once its parent is gone.
+std::vector<pid_t> own_children() {
+  std::vector<pid_t> children;
+  DIR* proc = ::opendir("/proc");
+  if (proc == nullptr) return children;
+  const pid_t self = ::getpid();
+  while (dirent* entry = ::readdir(proc)) {
+    char* end = nullptr;
+    long pid = std::strtol(entry->d_name, &end, 10);
+    if (*end != '\0' || pid <= 0) continue;
+    FILE* stat = std::fopen(("/proc/" + std::string(entry->d_name) + "/stat").c_str(), "r");
+    if (stat == nullptr) continue;
+    // "pid (comm) state ppid ...": comm may hold spaces and parentheses, so read after the last ')'.
+    char buf[512];
+    size_t n = std::fread(buf, 1, sizeof(buf) - 1, stat);
+    std::fclose(stat);
+    buf[n] = '\0';
+    const char* close = std::strrchr(buf, ')');
+    char state = 0;
+    int ppid = 0;
+    if (close != nullptr && std::sscanf(close + 1, " %c %d", &state, &ppid) == 2 && ppid == self && state != 'Z') {
+      children.push_back(static_cast<pid_t>(pid));
+    }
+  }
+  ::closedir(proc);
+  return children;
+}
+
+// Stops what the ranks left outside their process groups: SIGTERM, SIGKILL
+// after the grace period or a further signal, until dp-run has no children.
+void stop_escaped(std::vector<Rank>& ranks, long grace_ms, sig_atomic_t signals_seen) {
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(grace_ms);
+  for (;;) {
+    while (::waitpid(-1, nullptr, WNOHANG) > 0) {
+    }
+    std::vector<pid_t> children = own_children();
+    if (children.empty()) return;
+    bool kill_now = std::chrono::steady_clock::now() >= deadline || g_signal_count > signals_seen;
+    for (pid_t pid : children) ::kill(pid, kill_now ? SIGKILL : SIGTERM);
+    for (Rank& r : ranks) drain(r);
+    ::usleep(10000);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -200,6 +256,20 @@ int main(int argc, char** argv) {
   }
   if (nproc < 0) usage("-n is required");
   if (i >= argc) usage("no program given");
+  // One pipe per rank stays open: past the open-file limit, ranks would start and then be killed.
+  rlimit files{};
+  if (::getrlimit(RLIMIT_NOFILE, &files) == 0) {
+    const rlim_t needed = static_cast<rlim_t>(nproc) + 16;
+    if (files.rlim_cur < needed && files.rlim_max >= needed) {
+      files.rlim_cur = needed;
+      ::setrlimit(RLIMIT_NOFILE, &files);
+    }
+    if (files.rlim_cur < needed) {
+      usage(("-n " + std::to_string(nproc) + " needs " + std::to_string(needed) + " open files; the limit is " +
+             std::to_string(files.rlim_cur))
+                .c_str());
+    }
+  }
   if (node_rank >= nnodes) usage("--node-rank must be below --nnodes");
   if (nnodes > 1 && (master_addr.empty() || master_port < 0)) {
     usage("with --nnodes > 1, --master-addr and --master-port are required (node 0 serves the store there)");
@@ -329,6 +399,7 @@ int main(int argc, char** argv) {
       reap(ranks);
     }
   }
+  stop_escaped(ranks, grace_ms, signals_at_stop);
   // The ranks are gone; read what they left, but do not wait on a leftover
   // child of theirs that still holds the pipe.
   auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(1);
