@@ -18,14 +18,14 @@ namespace dparallel::capi {
 dist::Store& store_arg(const dp_store* handle, const char* name) {
   if (handle == nullptr) null_argument(name);
   if (handle->tag != kStoreTag)
-    fail_invalid("argument '", name, "' is not a live dp_store handle (destroyed, or another type)");
+    fail_invalid("argument '", name, "' is not a dp_store handle");
   return *handle->store;
 }
 
 dist::ProcessGroup& group_arg(const dp_process_group* handle, const char* name) {
   if (handle == nullptr) null_argument(name);
   if (handle->tag != kGroupTag) {
-    fail_invalid("argument '", name, "' is not a live dp_process_group handle (destroyed, or another type)");
+    fail_invalid("argument '", name, "' is not a dp_process_group handle");
   }
   return *handle->group;
 }
@@ -37,7 +37,7 @@ namespace {
 dist::Work& work_arg(const dp_work* handle) {
   if (handle == nullptr) capi::null_argument("work");
   if (handle->tag != kWorkTag)
-    fail_invalid("argument 'work' is not a live dp_work handle (destroyed, or another type)");
+    fail_invalid("argument 'work' is not a dp_work handle");
   return *handle->work;
 }
 
@@ -85,7 +85,7 @@ dp_process_group* new_group(dp_process_group_options o, dist::RankSource source)
   }
   options.device = capi::device_arg(o.device, "opts->device");
   if (o.store != nullptr) {
-    if (o.store->tag != kStoreTag) fail_invalid("argument 'opts->store' is not a live dp_store handle");
+    if (o.store->tag != kStoreTag) fail_invalid("argument 'opts->store' is not a dp_store handle");
     options.store = o.store->store;
   }
   options.rank = o.rank;

@@ -28,7 +28,7 @@ ReplicaForward wrap_forward(dp_forward_fn fn, void* user_data) {
     if (output == nullptr) fail(StatusCode::kUser, "the callback returned 0 but stored no output");
     if (output_is_input) return input;
     if (output->tag != kTensorTag)
-      fail(StatusCode::kUser, "the callback stored an output that is not a live dp_tensor");
+      fail(StatusCode::kUser, "the callback stored an output that is not a dp_tensor handle");
     Tensor result = output->tensor;
     dp_tensor_destroy(output);
     return result;
