@@ -17,8 +17,7 @@ namespace dparallel::capi {
 
 dist::Store& store_arg(const dp_store* handle, const char* name) {
   if (handle == nullptr) null_argument(name);
-  if (handle->tag != kStoreTag)
-    fail_invalid("argument '", name, "' is not a dp_store handle");
+  if (handle->tag != kStoreTag) fail_invalid("argument '", name, "' is not a dp_store handle");
   return *handle->store;
 }
 
@@ -36,8 +35,7 @@ namespace {
 
 dist::Work& work_arg(const dp_work* handle) {
   if (handle == nullptr) capi::null_argument("work");
-  if (handle->tag != kWorkTag)
-    fail_invalid("argument 'work' is not a dp_work handle");
+  if (handle->tag != kWorkTag) fail_invalid("argument 'work' is not a dp_work handle");
   return *handle->work;
 }
 
