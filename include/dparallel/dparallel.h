@@ -5,6 +5,7 @@
 #include "dparallel/dp_api.h"
 #include "dparallel/dp_base.h"
 #include "dparallel/dp_comm.h"
+#include "dparallel/dp_ddp.h"
 #include "dparallel/dp_dist.h"
 #include "dparallel/dp_dlpack.h"
 #include "dparallel/dp_module.h"

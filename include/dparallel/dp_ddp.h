@@ -1,0 +1,150 @@
+/* dparallel — DistributedDataParallel for any host: a gradient reducer with
+ * the semantics of PyTorch's DDP (torch/csrc/distributed/c10d/reducer.cpp)
+ * and its composable replicate.
+ *
+ * The host owns its tensors and its autograd. Each step:
+ *   dp_ddp_pre_forward(ddp);                 broadcasts buffers (option)
+ *   ...forward, then backward; as each parameter's gradient is final:
+ *   dp_ddp_mark_grad_ready(ddp, "fc3.weight");   or _index / _stream
+ *   dp_ddp_finish_backward(ddp);             the module's gradients now hold
+ *                                            the average over every rank
+ * Gradients are copied into flat buckets as they are marked; a bucket's
+ * reduction starts, asynchronously, as soon as its last gradient is marked
+ * (buckets start in index order), so communication overlaps the host's
+ * remaining backward. Average = sum divided by the world size.
+ *
+ * Managed parameters: those of `module` that require grad, in registration
+ * order (dp_module_parameter_at), minus ignored modules (with all their
+ * descendants) and ignored parameters. Their indices (for _index, _stream
+ * and dp_ddp_bucket_parameters) count managed parameters only, from 0.
+ * Names are relative to `module`; an unknown name is DP_EINVAL naming it.
+ * A parameter can be managed by one live dp_ddp at a time (DP_EINVAL); several
+ * dp_ddp over disjoint submodules of one module work side by side. Names and
+ * the state dict are unchanged by wrapping.
+ *
+ * Buckets: per dtype and device, filled in reverse registration order, a
+ * bucket closed when adding the next parameter would pass its cap (the
+ * first bucket's cap is first_bucket_cap_mb, the others bucket_cap_mb); a
+ * parameter is never split and a parameter larger than the cap has a bucket
+ * of its own. The plan is the same on every rank. After the first synced
+ * iteration the buckets are rebuilt once, in the order rank 0's gradients
+ * became ready, so that later iterations overlap better.
+ *
+ * Errors: every rank that finds a problem reports it. finish_backward with
+ * parameters never marked (without find_unused_parameters) is DP_ESTATE
+ * naming them and suggesting the option; marking one twice in a backward is
+ * DP_ESTATE. A finish_backward that waits past the group's timeout is
+ * DP_ETIMEOUT naming the bucket, its parameters this rank has not seen
+ * ready, and the ranks that did not arrive. A collective failure breaks the
+ * group (see dp_dist.h) and leaves the dp_ddp usable only for destroy.
+ *
+ * Environment: DP_DEBUG=INFO logs the bucket plan and per-iteration timings
+ * to stderr; DP_DEBUG=DETAIL also checks, before each bucket's reduction,
+ * that every rank reduces the same bucket (index, size, dtype), failing with
+ * DP_EINVAL naming the first difference. DP_TIMELINE=path writes a Chrome
+ * trace (one track per rank) of ready marks, reductions and waits.
+ *
+ * Thread safety: one thread at a time per dp_ddp (mark_grad_ready may come
+ * from any thread, but calls on one dp_ddp must not overlap). The comm hook
+ * runs on the library's worker thread. The module's managed parameters and
+ * gradients must not be reallocated or freed while the dp_ddp lives.
+ */
+#ifndef DPARALLEL_DP_DDP_H
+#define DPARALLEL_DP_DDP_H
+
+#include "dparallel/dp_dist.h"
+#include "dparallel/dp_module.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum dp_comm_hook {
+  DP_HOOK_ALLREDUCE = 0, /* sum, then divide by the world size */
+  DP_HOOK_FP16 = 1,      /* cast to float16, reduce, cast back, divide */
+  DP_HOOK_BF16 = 2,      /* cast to bfloat16, reduce, cast back, divide */
+  DP_HOOK_CUSTOM = 3     /* hook_fn reduces the flat bucket in place */
+} dp_comm_hook;
+/* Receives the flat bucket (the concatenated gradients of bucket
+ * `bucket_index`, this rank's values) and must leave in it what the module's
+ * gradients should hold, typically by collectives on `pg`. Both handles are
+ * valid only during the call and must not be destroyed by it. Returns 0 on
+ * success; non-zero fails finish_backward with DP_EUSER. Runs on the
+ * library's worker thread. */
+typedef int (*dp_comm_hook_fn)(void *user_data, dp_process_group *pg, size_t bucket_index, dp_tensor *flat_bucket);
+
+typedef struct dp_ddp_options {
+  size_t struct_size;
+  double bucket_cap_mb;               /* 25 */
+  double first_bucket_cap_mb;         /* 1 */
+  int gradient_as_bucket_view;        /* 0; 1: gradients are views into the buckets (no copy) */
+  int broadcast_buffers;              /* 1: dp_ddp_pre_forward broadcasts buffers from rank 0 */
+  int find_unused_parameters;         /* 0 */
+  int init_sync;                      /* 1: check agreement, then broadcast from rank 0 */
+  const char *const *ignored_modules; /* dotted module names; descendants ignored too */
+  size_t num_ignored_modules;
+  const char *const *ignored_parameters; /* dotted parameter names */
+  size_t num_ignored_parameters;
+  int32_t comm_hook; /* dp_comm_hook */
+  dp_comm_hook_fn hook_fn;
+  void *hook_user_data;
+} dp_ddp_options;
+#define DP_DDP_OPTIONS_INIT \
+  { sizeof(dp_ddp_options), 25.0, 1.0, 0, 1, 0, 1, NULL, 0, NULL, 0, DP_HOOK_ALLREDUCE, NULL, NULL }
+DP_API dp_status dp_ddp_options_init(dp_ddp_options *opts);
+
+typedef struct dp_ddp dp_ddp;
+/* Wraps `module` for data-parallel training over `pg` (every rank calls it
+ * with equal options). Holds references to the module and the group. With
+ * init_sync, every rank checks that parameter count, names, dtypes and
+ * shapes agree (an error names the first mismatch, the rank and both
+ * values, on every rank), then parameters and buffers are broadcast from
+ * rank 0. */
+DP_API dp_status dp_ddp_create(dp_ddp **out, dp_module *module, dp_process_group *pg,
+                               const dp_ddp_options *opts /* may be NULL */);
+/* With broadcast_buffers, broadcasts the module's buffers from rank 0. */
+DP_API dp_status dp_ddp_pre_forward(dp_ddp *ddp);
+DP_API dp_status dp_ddp_mark_grad_ready(dp_ddp *ddp, const char *param_name);
+DP_API dp_status dp_ddp_mark_grad_ready_index(dp_ddp *ddp, size_t param_index);
+/* Waits for every bucket, leaves the averaged gradients in the module's
+ * gradient tensors and resets for the next iteration. */
+DP_API dp_status dp_ddp_finish_backward(dp_ddp *ddp);
+/* 0: later backwards only accumulate gradients locally (no communication);
+ * the next synced backward reduces the accumulated sum. */
+DP_API dp_status dp_ddp_set_requires_gradient_sync(dp_ddp *ddp, int requires_sync);
+/* 0 (and dp_last_error set) for a NULL or invalid handle. */
+DP_API size_t dp_ddp_num_buckets(const dp_ddp *ddp);
+/* Bucket `bucket`'s managed-parameter indices in their order inside it:
+ * `*count` receives how many; up to `cap` of them go to `indices` (which may
+ * be NULL when cap is 0). */
+DP_API dp_status dp_ddp_bucket_parameters(const dp_ddp *ddp, size_t bucket, size_t *indices, size_t cap, size_t *count);
+/* Waits for reductions in flight (bounded by the group's timeout), releases
+ * the module and the group; NULL is accepted. */
+DP_API void dp_ddp_destroy(dp_ddp *ddp);
+
+/* Additions beyond the base contract. */
+
+/* CUDA: the gradient is final once the work queued so far on `cuda_stream`
+ * (a cudaStream_t; NULL = the legacy default stream) completes; the library
+ * waits on an event, never the whole device. For a CPU parameter this is
+ * dp_ddp_mark_grad_ready_index. */
+DP_API dp_status dp_ddp_mark_grad_ready_stream(dp_ddp *ddp, size_t param_index, void *cuda_stream);
+/* What the last synced iteration cost: the time from the first ready mark
+ * to the end of finish_backward, the time the reductions ran, and the part
+ * of it not hidden behind the host's backward (spent inside
+ * finish_backward). */
+typedef struct dp_ddp_stats {
+  size_t struct_size;
+  double backward_ms;
+  double reduce_ms;
+  double exposed_ms;
+  size_t num_buckets;
+  int buckets_rebuilt;
+} dp_ddp_stats;
+DP_API dp_status dp_ddp_last_stats(const dp_ddp *ddp, dp_ddp_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DPARALLEL_DP_DDP_H */
