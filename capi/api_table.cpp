@@ -17,7 +17,8 @@ static_assert(offsetof(dp_api, parallel_apply) == slot(50), "dp_api layout chang
 static_assert(offsetof(dp_api, store_create_file) == slot(53), "dp_api layout changed");
 static_assert(offsetof(dp_api, tensor_to_device) == slot(75), "dp_api layout changed");
 static_assert(offsetof(dp_api, process_group_backend) == slot(85), "dp_api layout changed");
-static_assert(sizeof(dp_api) == slot(86), "dp_api layout changed");
+static_assert(offsetof(dp_api, ddp_options_init) == slot(86), "dp_api layout changed");
+static_assert(sizeof(dp_api) == slot(98), "dp_api layout changed");
 
 const dp_api kApi = {
     sizeof(dp_api),
@@ -109,6 +110,18 @@ const dp_api kApi = {
     dp_pg_reduce_scatter_async,
     dp_pg_barrier_async,
     dp_process_group_backend,
+    dp_ddp_options_init,
+    dp_ddp_create,
+    dp_ddp_pre_forward,
+    dp_ddp_mark_grad_ready,
+    dp_ddp_mark_grad_ready_index,
+    dp_ddp_finish_backward,
+    dp_ddp_set_requires_gradient_sync,
+    dp_ddp_num_buckets,
+    dp_ddp_bucket_parameters,
+    dp_ddp_destroy,
+    dp_ddp_mark_grad_ready_stream,
+    dp_ddp_last_stats,
 };
 
 }  // namespace

@@ -16,6 +16,7 @@
 
 #include "dparallel/dp_base.h"
 #include "dparallel/dp_comm.h"
+#include "dparallel/dp_ddp.h"
 #include "dparallel/dp_dist.h"
 #include "dparallel/dp_dlpack.h"
 #include "dparallel/dp_module.h"
@@ -28,7 +29,7 @@ extern "C" {
 #endif
 
 /* abi_minor of the table this header describes. */
-#define DP_API_MINOR 1
+#define DP_API_MINOR 2
 
 typedef struct dp_api {
   size_t struct_size;
@@ -142,6 +143,19 @@ typedef struct dp_api {
                                        dp_tensor *output, int32_t op, dp_work **out);
   dp_status (*pg_barrier_async)(dp_process_group *pg, dp_work **out);
   const char *(*process_group_backend)(const dp_process_group *pg);
+  /* the DDP reducer (dp_ddp.h) */
+  dp_status (*ddp_options_init)(dp_ddp_options *opts);
+  dp_status (*ddp_create)(dp_ddp **out, dp_module *module, dp_process_group *pg, const dp_ddp_options *opts);
+  dp_status (*ddp_pre_forward)(dp_ddp *ddp);
+  dp_status (*ddp_mark_grad_ready)(dp_ddp *ddp, const char *param_name);
+  dp_status (*ddp_mark_grad_ready_index)(dp_ddp *ddp, size_t param_index);
+  dp_status (*ddp_finish_backward)(dp_ddp *ddp);
+  dp_status (*ddp_set_requires_gradient_sync)(dp_ddp *ddp, int requires_sync);
+  size_t (*ddp_num_buckets)(const dp_ddp *ddp);
+  dp_status (*ddp_bucket_parameters)(const dp_ddp *ddp, size_t bucket, size_t *indices, size_t cap, size_t *count);
+  void (*ddp_destroy)(dp_ddp *ddp);
+  dp_status (*ddp_mark_grad_ready_stream)(dp_ddp *ddp, size_t param_index, void *cuda_stream);
+  dp_status (*ddp_last_stats)(const dp_ddp *ddp, dp_ddp_stats *out);
 } dp_api;
 
 /* The table for `abi_major` (DP_VERSION_MAJOR), or NULL for a major this

@@ -22,13 +22,17 @@
  * dp_ddp over disjoint submodules of one module work side by side. Names and
  * the state dict are unchanged by wrapping.
  *
- * Buckets: per dtype and device, filled in reverse registration order, a
- * bucket closed when adding the next parameter would pass its cap (the
- * first bucket's cap is first_bucket_cap_mb, the others bucket_cap_mb); a
- * parameter is never split and a parameter larger than the cap has a bucket
- * of its own. The plan is the same on every rank. After the first synced
- * iteration the buckets are rebuilt once, in the order rank 0's gradients
- * became ready, so that later iterations overlap better.
+ * Buckets: per dtype and device, filled in reverse registration order; a
+ * parameter joins its dtype's open bucket, which is closed once its size
+ * reaches its cap (PyTorch's rule; each dtype's first bucket has
+ * first_bucket_cap_mb, its later ones bucket_cap_mb; 1 MB = 2^20 bytes); a
+ * parameter is never split. Buckets are numbered in the order of their
+ * first parameter. The plan is the same on every rank. At the end of the
+ * first synced finish_backward the buckets are rebuilt once, by the same
+ * rule, in the order rank 0's gradients became ready (those it never marked
+ * last), so that later iterations overlap better; with
+ * gradient_as_bucket_view the gradient tensors are then replaced by views
+ * of the new buckets, values kept: fetch dp_module_grad again after it.
  *
  * Errors: every rank that finds a problem reports it. finish_backward with
  * parameters never marked (without find_unused_parameters) is DP_ESTATE
@@ -44,10 +48,23 @@
  * DP_EINVAL naming the first difference. DP_TIMELINE=path writes a Chrome
  * trace (one track per rank) of ready marks, reductions and waits.
  *
- * Thread safety: one thread at a time per dp_ddp (mark_grad_ready may come
- * from any thread, but calls on one dp_ddp must not overlap). The comm hook
- * runs on the library's worker thread. The module's managed parameters and
- * gradients must not be reallocated or freed while the dp_ddp lives.
+ * Unused parameters (find_unused_parameters = 1): after the reductions the
+ * ranks agree on which parameters any rank marked since the last synced
+ * backward; those are averaged (a rank that did not mark one contributes
+ * zeros, or what earlier unsynced backwards accumulated); a parameter no
+ * rank marked keeps its gradient. Without the option, a parameter left
+ * unmarked fails finish_backward on that rank (DP_ESTATE) and the other
+ * ranks' matching reductions at once (DP_EINVAL naming that rank); the
+ * group stays usable and the next backward starts afresh.
+ *
+ * Thread safety: mark_grad_ready (all three forms) may be called from
+ * several threads at once; every other call on one dp_ddp must not overlap
+ * another. The comm hook runs on the library's worker thread. While a
+ * backward is in flight (from the first mark to the end of
+ * finish_backward) the host must not run collectives of its own on the
+ * same group: they would interleave with the buckets' in an order the
+ * other ranks do not share. The module's managed parameters and gradients
+ * must not be reallocated or freed while the dp_ddp lives.
  */
 #ifndef DPARALLEL_DP_DDP_H
 #define DPARALLEL_DP_DDP_H

@@ -108,6 +108,11 @@ Tensor Parameter::grad_if_allocated() const {
   return grad_;
 }
 
+void Parameter::set_grad(const Tensor& grad) {
+  std::lock_guard<std::mutex> lock(grad_mutex_);
+  grad_ = grad;
+}
+
 void Parameter::zero_grad() {
   Tensor grad = grad_if_allocated();
   if (grad.defined()) fill_zero(grad.data(), grad.device(), grad.nbytes());

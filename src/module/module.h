@@ -34,6 +34,9 @@ class Parameter {
   Tensor grad();
   // The gradient if allocated, else an undefined tensor.
   Tensor grad_if_allocated() const;
+  // Makes `grad` (this parameter's dtype, shape and device) the gradient: the
+  // DDP reducer's bucket views.
+  void set_grad(const Tensor& grad);
   void zero_grad();
 
  private:

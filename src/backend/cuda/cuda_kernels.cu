@@ -1,4 +1,5 @@
-// GPU kernels: element-wise sums and batched segment copies.
+// GPU kernels: element-wise sums, casts and divisions, batched segment copies;
+// events for the DDP reducer's waits on a host's stream.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -137,6 +138,71 @@ __global__ void batched_copy_kernel(const Segment* segments) {
   for (size_t b = i + threadIdx.x; b < s.nbytes; b += blockDim.x) dst[b] = src[b];
 }
 
+// Floating types through float (double through double), rounded once.
+template <typename T>
+struct Float {
+  using Wide = float;
+  __device__ static Wide load(T v) { return static_cast<Wide>(v); }
+  __device__ static T store(Wide v) { return static_cast<T>(v); }
+};
+template <>
+struct Float<double> {
+  using Wide = double;
+  __device__ static Wide load(double v) { return v; }
+  __device__ static double store(Wide v) { return v; }
+};
+template <>
+struct Float<__half> {
+  using Wide = float;
+  __device__ static Wide load(__half v) { return __half2float(v); }
+  __device__ static __half store(Wide v) { return __float2half_rn(v); }
+};
+template <>
+struct Float<__nv_bfloat16> {
+  using Wide = float;
+  __device__ static Wide load(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __device__ static __nv_bfloat16 store(Wide v) { return __float2bfloat16_rn(v); }
+};
+
+template <typename D, typename S>
+__global__ void cast_kernel(D* dst, const S* src, size_t numel) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < numel;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    dst[i] = Float<D>::store(static_cast<typename Float<D>::Wide>(Float<S>::load(src[i])));
+  }
+}
+
+template <typename T>
+__global__ void divide_kernel(T* data, size_t numel, double divisor) {
+  using W = typename Float<T>::Wide;
+  const W d = static_cast<W>(divisor);
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < numel;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    data[i] = Float<T>::store(Float<T>::load(data[i]) / d);
+  }
+}
+
+// Calls f(T*) with `data` as the floating type `dtype` names; false for other dtypes.
+template <typename F>
+bool with_float_type(DType dtype, void* data, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32:
+      f(static_cast<float*>(data));
+      return true;
+    case DType::kFloat64:
+      f(static_cast<double*>(data));
+      return true;
+    case DType::kFloat16:
+      f(static_cast<__half*>(data));
+      return true;
+    case DType::kBFloat16:
+      f(static_cast<__nv_bfloat16*>(data));
+      return true;
+    default:
+      return false;
+  }
+}
+
 }  // namespace
 
 void add_n(int32_t index, DType dtype, void* out, const void* const* inputs, size_t count, size_t numel) {
@@ -171,6 +237,50 @@ void batched_copy(int32_t index, const std::vector<Segment>& segments) {
   cudaFreeAsync(table, stream);
   check(status, "batched copy kernel");
   check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+}
+
+void cast(int32_t index, DType dst_dtype, void* dst, DType src_dtype, const void* src, size_t numel) {
+  if (numel == 0) return;
+  DeviceGuard guard(index);
+  cudaStream_t stream = stream_of(index);
+  bool launched = false;
+  bool known = with_float_type(dst_dtype, dst, [&](auto* d) {
+    launched = with_float_type(src_dtype, const_cast<void*>(src),
+                               [&](auto* s) { cast_kernel<<<grid_for(numel), kThreads, 0, stream>>>(d, s, numel); });
+  });
+  if (!known || !launched) fail_invalid("cuda cast: only floating dtypes convert");
+  check(cudaGetLastError(), "cast kernel launch");
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+}
+
+void divide(int32_t index, DType dtype, void* data, size_t numel, int64_t divisor) {
+  if (numel == 0) return;
+  DeviceGuard guard(index);
+  cudaStream_t stream = stream_of(index);
+  bool known = with_float_type(dtype, data, [&](auto* d) {
+    divide_kernel<<<grid_for(numel), kThreads, 0, stream>>>(d, numel, static_cast<double>(divisor));
+  });
+  if (!known) fail_invalid("cuda divide: only floating dtypes divide");
+  check(cudaGetLastError(), "divide kernel launch");
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+}
+
+void* record_event(int32_t index, void* stream) {
+  DeviceGuard guard(index);
+  cudaEvent_t event = nullptr;
+  check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  cudaError_t status = cudaEventRecord(event, static_cast<cudaStream_t>(stream));
+  if (status != cudaSuccess) {
+    cudaEventDestroy(event);
+    check(status, "cudaEventRecord");
+  }
+  return event;
+}
+
+void wait_event(void* event) { check(cudaEventSynchronize(static_cast<cudaEvent_t>(event)), "cudaEventSynchronize"); }
+
+void destroy_event(void* event) noexcept {
+  if (event != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event));
 }
 
 }  // namespace dparallel::cuda

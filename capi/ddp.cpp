@@ -1,0 +1,202 @@
+// dp_ddp.h: the DDP reducer.
+#include <cmath>
+#include <cstring>
+
+#include "capi/dist_internal.h"
+#include "ddp/reducer.h"
+#include "dparallel/dp_ddp.h"
+
+using namespace dparallel;
+
+static_assert(DP_HOOK_CUSTOM == static_cast<int32_t>(ddp::HookKind::kCustom));
+
+constexpr uint64_t kDdpTag = 0x6470'6464'7021'2121ull;  // "dpddp!!!"
+
+struct dp_ddp {
+  uint64_t tag = kDdpTag;
+  std::unique_ptr<ddp::Reducer> reducer;
+};
+
+namespace {
+
+ddp::Reducer& ddp_arg(const dp_ddp* handle) {
+  if (handle == nullptr) capi::null_argument("ddp");
+  if (handle->tag != kDdpTag) fail_invalid("argument 'ddp' is not a dp_ddp handle");
+  return *handle->reducer;
+}
+
+// Largest cap accepted: 1 TiB, far beyond any bucket worth having.
+constexpr double kMaxCapMb = 1024.0 * 1024.0;
+
+size_t cap_arg(double mb, const char* name) {
+  if (!std::isfinite(mb) || mb <= 0 || mb > kMaxCapMb) {
+    fail_invalid("argument '", name, "' is ", mb, "; it must be a number of MiB in (0, ", kMaxCapMb, "]");
+  }
+  double bytes = std::round(mb * 1024.0 * 1024.0);
+  return bytes < 1 ? 1 : static_cast<size_t>(bytes);
+}
+
+std::vector<std::string> names_arg(const char* const* names, size_t count, const char* name) {
+  if (count > 0 && names == nullptr) fail_invalid("argument '", name, "' is NULL but its count is ", count);
+  std::vector<std::string> out;
+  for (size_t i = 0; i < count; ++i) {
+    if (names[i] == nullptr) fail_invalid("argument '", name, "[", i, "]' is NULL");
+    out.emplace_back(names[i]);
+  }
+  return out;
+}
+
+ddp::ReducerOptions options_arg(const dp_ddp_options* opts, const std::shared_ptr<dist::ProcessGroup>& group) {
+  dp_ddp_options o = DP_DDP_OPTIONS_INIT;
+  if (opts != nullptr) {
+    if (opts->struct_size < sizeof(size_t)) {
+      fail_invalid("argument 'opts' has struct_size ", opts->struct_size, "; initialise it with DP_DDP_OPTIONS_INIT");
+    }
+    std::memcpy(&o, opts, std::min(opts->struct_size, sizeof(o)));
+  }
+  ddp::ReducerOptions options;
+  options.bucket_cap_bytes = cap_arg(o.bucket_cap_mb, "opts->bucket_cap_mb");
+  options.first_bucket_cap_bytes = cap_arg(o.first_bucket_cap_mb, "opts->first_bucket_cap_mb");
+  options.gradient_as_bucket_view = o.gradient_as_bucket_view != 0;
+  options.broadcast_buffers = o.broadcast_buffers != 0;
+  options.find_unused_parameters = o.find_unused_parameters != 0;
+  options.init_sync = o.init_sync != 0;
+  options.ignored_modules = names_arg(o.ignored_modules, o.num_ignored_modules, "opts->ignored_modules");
+  options.ignored_parameters = names_arg(o.ignored_parameters, o.num_ignored_parameters, "opts->ignored_parameters");
+  if (o.comm_hook < DP_HOOK_ALLREDUCE || o.comm_hook > DP_HOOK_CUSTOM) {
+    fail_invalid("argument 'opts->comm_hook' is ", o.comm_hook,
+                 "; it must be DP_HOOK_ALLREDUCE, DP_HOOK_FP16, DP_HOOK_BF16 or DP_HOOK_CUSTOM (0..3)");
+  }
+  options.hook = static_cast<ddp::HookKind>(o.comm_hook);
+  if (options.hook == ddp::HookKind::kCustom) {
+    if (o.hook_fn == nullptr) fail_invalid("argument 'opts->hook_fn' is NULL but 'opts->comm_hook' is DP_HOOK_CUSTOM");
+    dp_comm_hook_fn fn = o.hook_fn;
+    void* user_data = o.hook_user_data;
+    std::weak_ptr<dist::ProcessGroup> weak_group = group;
+    options.custom_hook = [fn, user_data, weak_group](size_t bucket, const Tensor& flat) {
+      auto locked = weak_group.lock();
+      if (!locked) fail(StatusCode::kState, "the process group is gone");
+      // Borrowed for the call (dp_ddp.h): the hook must not destroy them.
+      dp_process_group group_handle;
+      group_handle.group = std::move(locked);
+      dp_tensor tensor_handle;
+      tensor_handle.tensor = flat;
+      int rc = fn(user_data, &group_handle, bucket, &tensor_handle);
+      if (rc != 0) {
+        fail(StatusCode::kUser, "the comm hook returned ", rc, " for bucket ", bucket, " (", flat.describe(), ")");
+      }
+    };
+  }
+  return options;
+}
+
+}  // namespace
+
+extern "C" {
+
+dp_status dp_ddp_options_init(dp_ddp_options* opts) {
+  DP_API_BEGIN
+  capi::require_arg(opts, "opts");
+  *opts = DP_DDP_OPTIONS_INIT;
+  DP_API_END
+}
+
+dp_status dp_ddp_create(dp_ddp** out, dp_module* module, dp_process_group* pg, const dp_ddp_options* opts) {
+  DP_API_BEGIN
+  capi::require_arg(out, "out");
+  *out = nullptr;
+  const std::shared_ptr<Module>& m = capi::module_arg(module, "module");
+  capi::group_arg(pg, "pg");
+  ddp::ReducerOptions options = options_arg(opts, pg->group);
+  auto handle = std::make_unique<dp_ddp>();
+  handle->reducer = std::make_unique<ddp::Reducer>(m, pg->group, std::move(options));
+  *out = handle.release();
+  DP_API_END
+}
+
+dp_status dp_ddp_pre_forward(dp_ddp* ddp) {
+  DP_API_BEGIN
+  ddp_arg(ddp).pre_forward();
+  DP_API_END
+}
+
+dp_status dp_ddp_mark_grad_ready(dp_ddp* ddp, const char* param_name) {
+  DP_API_BEGIN
+  ddp::Reducer& reducer = ddp_arg(ddp);
+  capi::require_arg(param_name, "param_name");
+  reducer.mark_ready(reducer.index_of(param_name), false, nullptr);
+  DP_API_END
+}
+
+dp_status dp_ddp_mark_grad_ready_index(dp_ddp* ddp, size_t param_index) {
+  DP_API_BEGIN
+  ddp_arg(ddp).mark_ready(param_index, false, nullptr);
+  DP_API_END
+}
+
+dp_status dp_ddp_mark_grad_ready_stream(dp_ddp* ddp, size_t param_index, void* cuda_stream) {
+  DP_API_BEGIN
+  ddp_arg(ddp).mark_ready(param_index, true, cuda_stream);
+  DP_API_END
+}
+
+dp_status dp_ddp_finish_backward(dp_ddp* ddp) {
+  DP_API_BEGIN
+  ddp_arg(ddp).finish_backward();
+  DP_API_END
+}
+
+dp_status dp_ddp_set_requires_gradient_sync(dp_ddp* ddp, int requires_sync) {
+  DP_API_BEGIN
+  ddp_arg(ddp).set_requires_sync(requires_sync != 0);
+  DP_API_END
+}
+
+size_t dp_ddp_num_buckets(const dp_ddp* ddp) {
+  DP_API_BEGIN
+  return ddp_arg(ddp).num_buckets();
+  DP_API_END_VALUE(0)
+}
+
+dp_status dp_ddp_bucket_parameters(const dp_ddp* ddp, size_t bucket, size_t* indices, size_t cap, size_t* count) {
+  DP_API_BEGIN
+  const ddp::Reducer& reducer = ddp_arg(ddp);
+  capi::require_arg(count, "count");
+  if (indices == nullptr && cap > 0) fail_invalid("argument 'indices' is NULL but 'cap' is ", cap);
+  std::vector<size_t> params = reducer.bucket_parameters(bucket);
+  for (size_t i = 0; i < params.size() && i < cap; ++i) indices[i] = params[i];
+  *count = params.size();
+  DP_API_END
+}
+
+dp_status dp_ddp_last_stats(const dp_ddp* ddp, dp_ddp_stats* out) {
+  DP_API_BEGIN
+  const ddp::Reducer& reducer = ddp_arg(ddp);
+  capi::require_arg(out, "out");
+  if (out->struct_size < sizeof(size_t)) {
+    fail_invalid("argument 'out' has struct_size ", out->struct_size, "; set it to sizeof(dp_ddp_stats)");
+  }
+  ddp::ReducerStats s = reducer.last_stats();
+  dp_ddp_stats full{};
+  full.struct_size = out->struct_size;
+  full.backward_ms = s.backward_ms;
+  full.reduce_ms = s.reduce_ms;
+  full.exposed_ms = s.exposed_ms;
+  full.num_buckets = s.num_buckets;
+  full.buckets_rebuilt = s.buckets_rebuilt ? 1 : 0;
+  std::memcpy(out, &full, std::min(out->struct_size, sizeof(full)));
+  DP_API_END
+}
+
+void dp_ddp_destroy(dp_ddp* ddp) {
+  if (ddp == nullptr || ddp->tag != kDdpTag) return;
+  ddp->tag = 0;
+  try {
+    ddp->reducer.reset();
+  } catch (...) {
+    // Tearing down cannot fail in a way the caller could act on.
+  }
+  delete ddp;
+}
+
+}  // extern "C"

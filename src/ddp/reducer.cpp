@@ -1,0 +1,1000 @@
+#include "ddp/reducer.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "backend/cuda/cuda_backend.h"
+#include "comm/comm.h"
+#include "core/error.h"
+#include "core/half.h"
+#include "ddp/bucket_plan.h"
+#include "distributed/call_header.h"
+#include "distributed/reduce_ops.h"
+
+namespace dparallel::ddp {
+
+namespace {
+
+using dist::ReduceOp;
+
+// Parameters managed by a live reducer: one reducer per parameter.
+std::mutex& managed_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+std::set<const Parameter*>& managed_set() {
+  static std::set<const Parameter*> managed;
+  return managed;
+}
+
+// Tensors exchanged for agreement checks are this big at most per chunk.
+constexpr size_t kStateBroadcastChunk = 64u << 20;
+
+bool is_floating(DType dtype) {
+  return dtype == DType::kFloat32 || dtype == DType::kFloat64 || dtype == DType::kFloat16 || dtype == DType::kBFloat16;
+}
+
+const Device kHost{DeviceType::kCpu, 0};
+
+double ms_between(Reducer::Clock::time_point a, Reducer::Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+Tensor host_int64(const std::vector<int64_t>& values) {
+  Tensor t = Tensor::empty(DType::kInt64, {static_cast<int64_t>(values.size())}, kHost);
+  if (!values.empty()) std::memcpy(t.data(), values.data(), values.size() * sizeof(int64_t));
+  return t;
+}
+
+std::vector<int64_t> read_int64(const Tensor& t) {
+  Tensor host = t.device() == kHost ? t : t.to(kHost);
+  std::vector<int64_t> values(static_cast<size_t>(host.numel()));
+  if (!values.empty()) std::memcpy(values.data(), host.data(), values.size() * sizeof(int64_t));
+  return values;
+}
+
+Tensor to_device(const Tensor& t, const Device& device) { return t.device() == device ? t : t.to(device); }
+
+// Host loops for the 16-bit hooks' casts (cpu tensors).
+template <typename Load, typename Store>
+void convert(size_t n, Load load, Store store) {
+  for (size_t i = 0; i < n; ++i) store(i, load(i));
+}
+
+float load_float(DType dtype, const void* data, size_t i) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return static_cast<const float*>(data)[i];
+    case DType::kFloat64:
+      return static_cast<float>(static_cast<const double*>(data)[i]);
+    case DType::kFloat16:
+      return half_to_float(static_cast<const uint16_t*>(data)[i]);
+    case DType::kBFloat16:
+      return bfloat16_to_float(static_cast<const uint16_t*>(data)[i]);
+    default:
+      fail(StatusCode::kInternal, "cast from ", dtype_name(dtype));
+  }
+}
+
+void store_float(DType dtype, void* data, size_t i, float value) {
+  switch (dtype) {
+    case DType::kFloat32:
+      static_cast<float*>(data)[i] = value;
+      return;
+    case DType::kFloat64:
+      static_cast<double*>(data)[i] = value;
+      return;
+    case DType::kFloat16:
+      static_cast<uint16_t*>(data)[i] = float_to_half(value);
+      return;
+    case DType::kBFloat16:
+      static_cast<uint16_t*>(data)[i] = float_to_bfloat16(value);
+      return;
+    default:
+      fail(StatusCode::kInternal, "cast to ", dtype_name(dtype));
+  }
+}
+
+// dst = src converted (same element count, floating dtypes, same device).
+void cast_into(const Tensor& dst, const Tensor& src) {
+  size_t n = static_cast<size_t>(src.numel());
+  if (dst.device().type == DeviceType::kCuda) {
+    cuda::cast(dst.device().index, dst.dtype(), dst.data(), src.dtype(), src.data(), n);
+    return;
+  }
+  const void* in = src.data();
+  void* out = dst.data();
+  convert(
+      n, [&](size_t i) { return load_float(src.dtype(), in, i); },
+      [&](size_t i, float v) { store_float(dst.dtype(), out, i, v); });
+}
+
+void divide(const Tensor& t, int64_t divisor) {
+  if (divisor == 1) return;
+  if (t.device().type == DeviceType::kCuda) {
+    cuda::divide(t.device().index, t.dtype(), t.data(), static_cast<size_t>(t.numel()), divisor);
+    return;
+  }
+  dist::divide_in_place(t.dtype(), t.data(), static_cast<size_t>(t.numel()), divisor);
+}
+
+std::vector<std::string> split_lines(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+bool starts_with(const std::string& s, const std::string& prefix) { return s.compare(0, prefix.size(), prefix) == 0; }
+
+std::string json_escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (static_cast<unsigned char>(c) < 0x20) continue;
+    out += c;
+  }
+  return out;
+}
+
+}  // namespace
+
+const char* hook_name(HookKind hook) {
+  switch (hook) {
+    case HookKind::kAllReduce:
+      return "allreduce";
+    case HookKind::kFp16:
+      return "fp16";
+    case HookKind::kBf16:
+      return "bf16";
+    case HookKind::kCustom:
+      return "custom";
+  }
+  return "unknown";
+}
+
+DebugLevel debug_level_from_env() {
+  const char* text = std::getenv("DP_DEBUG");
+  if (text == nullptr) return DebugLevel::kOff;
+  std::string level(text);
+  for (char& c : level) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  if (level == "DETAIL") return DebugLevel::kDetail;
+  if (level == "INFO") return DebugLevel::kInfo;
+  return DebugLevel::kOff;
+}
+
+Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGroup> group, ReducerOptions options)
+    : module_(std::move(module)), group_(std::move(group)), options_(std::move(options)) {
+  debug_ = debug_level_from_env();
+  if (const char* path = std::getenv("DP_TIMELINE"); path != nullptr && *path != '\0') timeline_path_ = path;
+  const Device device = group_->device();
+
+  // Checks that could fail on one rank only are collected, so that with
+  // init_sync every rank fails naming them instead of waiting for this one.
+  std::string local_error;
+  std::vector<std::pair<std::string, Tensor>> state;  // broadcast from rank 0 with init_sync
+  std::vector<std::string> description;
+  try {
+    if (options_.bucket_cap_bytes == 0) fail_invalid("argument 'opts->bucket_cap_mb' must be > 0");
+    if (options_.first_bucket_cap_bytes == 0) fail_invalid("argument 'opts->first_bucket_cap_mb' must be > 0");
+    if (options_.hook == HookKind::kCustom && !options_.custom_hook) {
+      fail_invalid("argument 'opts->hook_fn' is NULL but 'opts->comm_hook' is DP_HOOK_CUSTOM");
+    }
+    std::vector<std::string> ignored_prefixes;
+    for (size_t i = 0; i < options_.ignored_modules.size(); ++i) {
+      const std::string& name = options_.ignored_modules[i];
+      try {
+        module_->get_module(name);
+      } catch (const Error& e) {
+        fail_invalid("argument 'opts->ignored_modules[", i, "]' is '", name, "': ", e.what());
+      }
+      ignored_prefixes.push_back(name.empty() ? "" : name + ".");
+    }
+    std::set<std::string> ignored_params;
+    for (size_t i = 0; i < options_.ignored_parameters.size(); ++i) {
+      const std::string& name = options_.ignored_parameters[i];
+      try {
+        module_->get_parameter(name);
+      } catch (const Error& e) {
+        fail_invalid("argument 'opts->ignored_parameters[", i, "]' is '", name, "': ", e.what());
+      }
+      ignored_params.insert(name);
+    }
+    auto ignored = [&](const std::string& name) {
+      for (const auto& prefix : ignored_prefixes) {
+        if (starts_with(name, prefix)) return true;
+      }
+      return false;
+    };
+    for (const NamedParameter& np : module_->named_parameters()) {
+      const std::string& name = *np.name;
+      if (!np.parameter || ignored(name) || ignored_params.count(name) != 0) continue;
+      const Tensor& value = np.parameter->value();
+      state.emplace_back(name, value);
+      if (!np.parameter->requires_grad()) continue;
+      if (value.device() != device) {
+        fail_invalid("parameter '", name, "' is ", value.describe(), " but the process group works on ",
+                     to_string(device), "; move the module there first");
+      }
+      if (!is_floating(value.dtype())) {
+        fail_invalid("parameter '", name, "' is ", value.describe(),
+                     "; gradients are reduced for floating-point parameters only (float32, float64, float16, "
+                     "bfloat16): set requires_grad to 0 for it or ignore it");
+      }
+      params_.push_back(Managed{name, np.parameter, value.nbytes(), 0, 0});
+    }
+    for (const NamedBuffer& nb : module_->named_buffers()) {
+      const std::string& name = *nb.name;
+      if (!nb.slot->value.defined() || ignored(name)) continue;
+      if (nb.slot->value.device() != device) {
+        fail_invalid("buffer '", name, "' is ", nb.slot->value.describe(), " but the process group works on ",
+                     to_string(device));
+      }
+      buffers_.emplace_back(name, nb.slot->value);
+      state.emplace_back(name, nb.slot->value);
+    }
+    if (params_.empty()) {
+      fail_invalid(
+          "argument 'module' has no parameter that requires grad and is not ignored: the dp_ddp would have nothing "
+          "to reduce");
+    }
+    std::lock_guard<std::mutex> lock(managed_mutex());
+    for (const Managed& m : params_) {
+      if (managed_set().count(m.parameter.get()) != 0) {
+        fail_invalid("parameter '", m.name,
+                     "' is already managed by another live dp_ddp; wrap disjoint submodules, or destroy the other "
+                     "dp_ddp first");
+      }
+    }
+    for (const Managed& m : params_) managed_set().insert(m.parameter.get());
+  } catch (const Error& e) {
+    if (e.code() != StatusCode::kInvalidArgument || !options_.init_sync) throw;
+    local_error = e.what();
+    params_.clear();
+  }
+  auto unregister = [&] {
+    std::lock_guard<std::mutex> lock(managed_mutex());
+    for (const Managed& m : params_) managed_set().erase(m.parameter.get());
+  };
+
+  try {
+    if (options_.init_sync) {
+      if (!local_error.empty()) {
+        description.push_back("error " + local_error);
+      } else {
+        description.push_back(str_cat("options bucket_cap ", options_.bucket_cap_bytes, " B, first_bucket_cap ",
+                                      options_.first_bucket_cap_bytes, " B, comm_hook ", hook_name(options_.hook),
+                                      ", gradient_as_bucket_view ", options_.gradient_as_bucket_view,
+                                      ", find_unused_parameters ", options_.find_unused_parameters));
+        description.push_back(str_cat(params_.size(), " managed parameters"));
+        for (size_t i = 0; i < params_.size(); ++i) {
+          const Tensor& v = params_[i].parameter->value();
+          description.push_back(str_cat("managed parameter ", i, " is '", params_[i].name, "' ", dtype_name(v.dtype()),
+                                        " ", shape_string(v.shape())));
+        }
+        description.push_back(str_cat(state.size(), " parameters and buffers to broadcast"));
+        for (size_t i = 0; i < state.size(); ++i) {
+          description.push_back(str_cat("state tensor ", i, " is '", state[i].first, "' ",
+                                        dtype_name(state[i].second.dtype()), " ",
+                                        shape_string(state[i].second.shape())));
+        }
+      }
+      check_agreement(description);
+      broadcast_state(state);
+    }
+    std::vector<size_t> order(params_.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = params_.size() - 1 - i;
+    build_buckets(plan_for(order));
+  } catch (...) {
+    unregister();
+    throw;
+  }
+  marked_.assign(params_.size(), 0);
+  used_since_sync_.assign(params_.size(), 0);
+  reset_iteration_locked();
+  stats_.num_buckets = buckets_.size();
+  if (debug_ != DebugLevel::kOff) {
+    std::fprintf(stderr, "[dparallel ddp rank %d] %zu managed parameters in %zu buckets (comm hook %s):\n",
+                 group_->rank(), params_.size(), buckets_.size(), hook_name(options_.hook));
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      std::fprintf(stderr, "[dparallel ddp rank %d]   bucket %zu: %s, %zu bytes: %s\n", group_->rank(), b,
+                   dtype_name(buckets_[b].dtype), buckets_[b].flat.nbytes(),
+                   describe_params(buckets_[b].params).c_str());
+    }
+  }
+  if (!timeline_path_.empty() && group_->rank() == 0) {
+    int fd = ::open(timeline_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd >= 0) ::close(fd);
+  }
+  try {
+    worker_ = std::thread([this] { worker_loop(); });
+  } catch (...) {
+    unregister();
+    throw;
+  }
+}
+
+Reducer::~Reducer() {
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    stopping_ = true;
+    cv_.notify_all();
+  }
+  if (worker_.joinable()) worker_.join();
+  flush_trace();
+  for (Bucket& b : buckets_) {
+    for (void* e : b.events) cuda::destroy_event(e);
+  }
+  std::lock_guard<std::mutex> lock(managed_mutex());
+  for (const Managed& m : params_) managed_set().erase(m.parameter.get());
+}
+
+std::vector<std::vector<size_t>> Reducer::plan_for(const std::vector<size_t>& order) const {
+  std::vector<PlanItem> items;
+  items.reserve(params_.size());
+  for (const Managed& m : params_) items.push_back(PlanItem{m.parameter->value().dtype(), m.nbytes});
+  return compute_bucket_plan(items, order, options_.first_bucket_cap_bytes, options_.bucket_cap_bytes);
+}
+
+void Reducer::build_buckets(const std::vector<std::vector<size_t>>& plan) {
+  std::vector<Bucket> buckets(plan.size());
+  for (size_t b = 0; b < plan.size(); ++b) {
+    Bucket& bucket = buckets[b];
+    bucket.params = plan[b];
+    bucket.dtype = params_[plan[b].front()].parameter->value().dtype();
+    int64_t numel = 0;
+    for (size_t p : plan[b]) numel += params_[p].parameter->value().numel();
+    bucket.flat = Tensor::zeros(bucket.dtype, {numel}, group_->device());
+  }
+  // Offsets are assigned only once every allocation succeeded.
+  for (size_t b = 0; b < plan.size(); ++b) {
+    size_t offset = 0;
+    for (size_t p : plan[b]) {
+      params_[p].bucket = b;
+      params_[p].offset = offset;
+      offset += params_[p].nbytes;
+    }
+  }
+  if (options_.gradient_as_bucket_view) {
+    for (Managed& m : params_) {
+      const Tensor& value = m.parameter->value();
+      Tensor view = buckets[m.bucket].flat.view_at(m.offset, value.dtype(), value.shape());
+      Tensor current = m.parameter->grad_if_allocated();
+      if (current.defined()) copy_tensor(view, current);
+      m.parameter->set_grad(view);
+    }
+  }
+  buckets_ = std::move(buckets);
+}
+
+Tensor Reducer::slot_of(size_t index) const {
+  const Managed& m = params_[index];
+  const Tensor& value = m.parameter->value();
+  return buckets_[m.bucket].flat.view_at(m.offset, value.dtype(), value.shape());
+}
+
+std::string Reducer::describe_params(const std::vector<size_t>& indices) const {
+  std::string out;
+  for (size_t i : indices) {
+    if (!out.empty()) out += ", ";
+    out += str_cat("'", params_[i].name, "' (index ", i, ")");
+  }
+  return out;
+}
+
+// Every rank all-gathers every rank's description and reports the same first
+// difference from rank 0 (or the lowest rank's own error).
+void Reducer::check_agreement(const std::vector<std::string>& description) {
+  const Device device = group_->device();
+  const int32_t world = group_->size();
+  std::string mine;
+  for (const auto& line : description) mine += line + "\n";
+  std::vector<Tensor> lengths;
+  for (int32_t r = 0; r < world; ++r) lengths.push_back(Tensor::empty(DType::kInt64, {1}, device));
+  group_->all_gather(to_device(host_int64({static_cast<int64_t>(mine.size())}), device), lengths, false);
+  size_t longest = 0;
+  std::vector<size_t> sizes;
+  for (const Tensor& t : lengths) {
+    int64_t n = read_int64(t).at(0);
+    if (n < 0 || n > (int64_t(1) << 31)) fail(StatusCode::kRemote, "a rank sent a malformed description");
+    sizes.push_back(static_cast<size_t>(n));
+    longest = std::max(longest, static_cast<size_t>(n));
+  }
+  Tensor padded = Tensor::zeros(DType::kUInt8, {static_cast<int64_t>(longest)}, kHost);
+  std::memcpy(padded.data(), mine.data(), mine.size());
+  std::vector<Tensor> all;
+  for (int32_t r = 0; r < world; ++r)
+    all.push_back(Tensor::empty(DType::kUInt8, {static_cast<int64_t>(longest)}, device));
+  group_->all_gather(to_device(padded, device), all, false);
+  std::vector<std::vector<std::string>> lines;
+  for (int32_t r = 0; r < world; ++r) {
+    Tensor host = to_device(all[r], kHost);
+    lines.push_back(split_lines(std::string(static_cast<const char*>(host.data()), sizes[r])));
+  }
+  for (int32_t r = 0; r < world; ++r) {
+    if (!lines[r].empty() && starts_with(lines[r][0], "error ")) {
+      fail_invalid("rank ", r, " refused: ", lines[r][0].substr(6));
+    }
+  }
+  for (int32_t r = 1; r < world; ++r) {
+    size_t n = std::max(lines[r].size(), lines[0].size());
+    for (size_t i = 0; i < n; ++i) {
+      std::string theirs = i < lines[r].size() ? lines[r][i] : "(nothing more)";
+      std::string first = i < lines[0].size() ? lines[0][i] : "(nothing more)";
+      if (theirs == first) continue;
+      fail_invalid("rank ", r, " disagrees with rank 0: rank ", r, " has ", theirs, " but rank 0 has ", first);
+    }
+  }
+}
+
+// Broadcasts `tensors` from rank 0, coalesced per dtype.
+void Reducer::broadcast_state(const std::vector<std::pair<std::string, Tensor>>& tensors) {
+  if (tensors.empty() || group_->size() == 1) return;
+  std::vector<Tensor> list;
+  for (const auto& t : tensors) list.push_back(t.second);
+  const Device device = group_->device();
+  for (const auto& chunk : comm::take_tensors(list, kStateBroadcastChunk)) {
+    int64_t numel = 0;
+    for (size_t i : chunk) numel += list[i].numel();
+    if (numel == 0) continue;
+    Tensor flat = Tensor::empty(list[chunk.front()].dtype(), {numel}, device);
+    size_t offset = 0;
+    for (size_t i : chunk) {
+      copy_bytes(static_cast<char*>(flat.data()) + offset, device, list[i].data(), list[i].device(), list[i].nbytes());
+      offset += list[i].nbytes();
+    }
+    group_->broadcast(flat, 0, false);
+    if (group_->rank() == 0) continue;
+    offset = 0;
+    for (size_t i : chunk) {
+      copy_bytes(list[i].data(), list[i].device(), static_cast<const char*>(flat.data()) + offset, device,
+                 list[i].nbytes());
+      offset += list[i].nbytes();
+    }
+  }
+}
+
+void Reducer::pre_forward() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (broken_) fail(StatusCode::kState, "the dp_ddp is unusable after an earlier failure");
+    if (any_mark_) {
+      fail(StatusCode::kState,
+           "a backward is in progress (parameters were marked ready); call "
+           "dp_ddp_finish_backward first");
+    }
+  }
+  if (options_.broadcast_buffers) broadcast_state(buffers_);
+}
+
+size_t Reducer::index_of(const std::string& name) const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].name == name) return i;
+  }
+  module_->get_parameter(name);  // throws naming an unknown name
+  fail_invalid("argument 'param_name' is '", name,
+               "', a parameter this dp_ddp does not manage (ignored, or it does not require grad)");
+}
+
+void Reducer::mark_ready(size_t index, bool has_stream, void* stream) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (broken_) fail(StatusCode::kState, "the dp_ddp is unusable after an earlier failure");
+  if (index >= params_.size()) {
+    fail_invalid("argument 'param_index' is ", index, " but this dp_ddp manages ", params_.size(),
+                 " parameters (indices 0..", params_.size() - 1, ")");
+  }
+  if (marked_[index] != 0) {
+    fail(StatusCode::kState, "parameter '", params_[index].name, "' (index ", index,
+         ") was already marked ready in this backward; mark each parameter once per backward");
+  }
+  marked_[index] = 1;
+  used_since_sync_[index] = 1;
+  auto now = Clock::now();
+  if (!any_mark_) {
+    any_mark_ = true;
+    first_mark_ = now;
+  }
+  if (!timeline_path_.empty()) {
+    trace(str_cat("{\"name\":\"ready ", json_escape(params_[index].name),
+                  "\",\"ph\":\"i\",\"s\":\"t\",\"tid\":0,\"ts\":",
+                  std::chrono::duration_cast<std::chrono::microseconds>(now.time_since_epoch()).count(), "}"));
+  }
+  if (!requires_sync_) return;
+  if (!rebuilt_) ready_order_.push_back(index);
+  Managed& m = params_[index];
+  Bucket& bucket = buckets_[m.bucket];
+  if (m.parameter->value().device().type == DeviceType::kCuda) {
+    // The gradient is final once the host's stream gets there: the worker
+    // waits on this event, then copies.
+    bucket.events.push_back(cuda::record_event(m.parameter->value().device().index, has_stream ? stream : nullptr));
+    if (!options_.gradient_as_bucket_view) bucket.deferred.push_back(index);
+  } else if (!options_.gradient_as_bucket_view) {
+    Tensor slot = slot_of(index);
+    lock.unlock();
+    copy_tensor(slot, m.parameter->grad());
+    lock.lock();
+  }
+  --bucket.pending;
+  queue_ready_buckets_locked();
+}
+
+void Reducer::queue_ready_buckets_locked() {
+  bool queued = false;
+  while (next_queue_ < buckets_.size() && buckets_[next_queue_].pending == 0) {
+    jobs_.push_back(Job{next_queue_, ""});
+    buckets_[next_queue_].queued = true;
+    ++next_queue_;
+    queued = true;
+  }
+  if (queued) cv_.notify_all();
+}
+
+void Reducer::worker_loop() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
+    if (stopping_) {
+      // Reductions not started are dropped: the dp_ddp is going away.
+      for (const Job& job : jobs_) {
+        buckets_[job.bucket].code = StatusCode::kState;
+        buckets_[job.bucket].error = "the dp_ddp was destroyed";
+        buckets_[job.bucket].done = true;
+      }
+      jobs_.clear();
+      cv_.notify_all();
+      return;
+    }
+    Job job = jobs_.front();
+    jobs_.pop_front();
+    running_job_ = true;
+    lock.unlock();
+    run_job(job);
+    lock.lock();
+    running_job_ = false;
+    buckets_[job.bucket].done = true;
+    cv_.notify_all();
+  }
+}
+
+void Reducer::run_job(const Job& job) {
+  Bucket& bucket = buckets_[job.bucket];
+  bucket.start = Clock::now();
+  StatusCode code = StatusCode::kOk;
+  std::string error;
+  try {
+    if (!job.refusal.empty()) {
+      // Stands in for this bucket's first collective, so that the other
+      // ranks' matching call fails at once naming this rank's reason.
+      try {
+        group_->refuse(debug_ == DebugLevel::kDetail ? dist::CallKind::kAllGather : dist::CallKind::kAllReduce,
+                       job.refusal, false);
+      } catch (const Error& e) {
+        if (e.code() != StatusCode::kInvalidArgument) throw;
+      }
+      code = StatusCode::kState;
+      error = job.refusal;
+    } else {
+      copy_into_bucket(job.bucket);
+      if (debug_ == DebugLevel::kDetail) check_fingerprint(job.bucket);
+      reduce_bucket(job.bucket);
+    }
+  } catch (const Error& e) {
+    code = e.code();
+    error = e.what();
+  } catch (const std::bad_alloc&) {
+    code = StatusCode::kOutOfMemory;
+    error = "out of memory";
+  } catch (const std::exception& e) {
+    code = StatusCode::kInternal;
+    error = e.what();
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  bucket.end = Clock::now();
+  bucket.code = code;
+  bucket.error = std::move(error);
+}
+
+// CUDA: waits for the host's streams, then copies the gradients in.
+void Reducer::copy_into_bucket(size_t index) {
+  std::vector<void*> events;
+  std::vector<size_t> deferred;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    events.swap(buckets_[index].events);
+    deferred.swap(buckets_[index].deferred);
+  }
+  std::exception_ptr failure;
+  for (void* e : events) {
+    try {
+      if (!failure) cuda::wait_event(e);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    cuda::destroy_event(e);
+  }
+  if (failure) std::rethrow_exception(failure);
+  for (size_t p : deferred) copy_tensor(slot_of(p), params_[p].parameter->grad());
+}
+
+void Reducer::check_fingerprint(size_t index) {
+  const Bucket& bucket = buckets_[index];
+  const Device device = group_->device();
+  const int32_t world = group_->size();
+  std::vector<Tensor> all;
+  for (int32_t r = 0; r < world; ++r) all.push_back(Tensor::empty(DType::kInt64, {3}, device));
+  Tensor mine = host_int64({static_cast<int64_t>(index), bucket.flat.numel(), static_cast<int64_t>(bucket.dtype)});
+  group_->all_gather(to_device(mine, device), all, false);
+  std::vector<int64_t> first = read_int64(all[0]);
+  auto describe = [](const std::vector<int64_t>& f) {
+    const char* dtype = f[2] >= 0 && f[2] <= static_cast<int64_t>(DType::kBool) ? dtype_name(static_cast<DType>(f[2]))
+                                                                                : "unknown-dtype";
+    return str_cat("bucket ", f[0], " (", f[1], " ", dtype, " elements)");
+  };
+  for (int32_t r = 1; r < world; ++r) {
+    std::vector<int64_t> theirs = read_int64(all[r]);
+    if (theirs != first) {
+      fail_invalid("DP_DEBUG=DETAIL: the ranks' graphs diverge: rank ", r, " reduces ", describe(theirs),
+                   " where rank 0 reduces ", describe(first),
+                   "; every rank must manage the same parameters and mark the same ones");
+    }
+  }
+}
+
+void Reducer::reduce_bucket(size_t index) {
+  const Tensor& flat = buckets_[index].flat;
+  if (flat.numel() == 0) return;  // only empty parameters: the same on every rank
+  switch (options_.hook) {
+    case HookKind::kAllReduce:
+      group_->all_reduce(flat, ReduceOp::kAvg, false);
+      return;
+    case HookKind::kFp16:
+    case HookKind::kBf16: {
+      DType wire = options_.hook == HookKind::kFp16 ? DType::kFloat16 : DType::kBFloat16;
+      if (flat.dtype() == wire) {
+        group_->all_reduce(flat, ReduceOp::kAvg, false);
+        return;
+      }
+      Tensor compressed = Tensor::empty(wire, flat.shape(), flat.device());
+      cast_into(compressed, flat);
+      group_->all_reduce(compressed, ReduceOp::kSum, false);
+      cast_into(flat, compressed);
+      divide(flat, group_->size());
+      return;
+    }
+    case HookKind::kCustom:
+      options_.custom_hook(index, flat);
+      return;
+  }
+}
+
+void Reducer::wait_all_done(std::unique_lock<std::mutex>& lock) {
+  // Each collective ends by the group's timeout; the margin covers the
+  // failure reports. A bucket finishing restarts the bound.
+  const auto bound = group_->timeout() + std::chrono::seconds(10);
+  size_t done_before = 0;
+  auto deadline = Clock::now() + bound;
+  for (;;) {
+    size_t done = 0;
+    size_t stuck = buckets_.size();
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      if (buckets_[b].done) {
+        ++done;
+      } else if (stuck == buckets_.size()) {
+        stuck = b;
+      }
+    }
+    if (done == buckets_.size()) return;
+    if (done != done_before) {
+      done_before = done;
+      deadline = Clock::now() + bound;
+    }
+    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && Clock::now() >= deadline) {
+      bool all_done = std::all_of(buckets_.begin(), buckets_.end(), [](const Bucket& b) { return b.done; });
+      if (all_done) return;
+      broken_ = true;
+      fail(StatusCode::kTimeout, "bucket ", stuck, " (", describe_params(buckets_[stuck].params),
+           ") did not finish within ", std::chrono::duration_cast<std::chrono::milliseconds>(bound).count(),
+           " ms (its comm hook or the device never returned); the dp_ddp is unusable");
+    }
+  }
+}
+
+void Reducer::reset_iteration_locked() {
+  std::fill(marked_.begin(), marked_.end(), 0);
+  any_mark_ = false;
+  next_queue_ = 0;
+  for (Bucket& b : buckets_) {
+    b.pending = b.params.size();
+    b.queued = false;
+    b.done = false;
+    b.code = StatusCode::kOk;
+    b.error.clear();
+    for (void* e : b.events) cuda::destroy_event(e);
+    b.events.clear();
+    b.deferred.clear();
+  }
+}
+
+void Reducer::finish_backward() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (broken_) fail(StatusCode::kState, "the dp_ddp is unusable after an earlier failure");
+  const auto finish_start = Clock::now();
+  if (!requires_sync_) {
+    // No communication: the gradients stay as accumulated; the next synced
+    // backward reduces them.
+    std::fill(marked_.begin(), marked_.end(), 0);
+    any_mark_ = false;
+    lock.unlock();
+    flush_trace();
+    return;
+  }
+  std::vector<size_t> unmarked;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (marked_[i] == 0) unmarked.push_back(i);
+  }
+  const int32_t rank = group_->rank();
+  if (!unmarked.empty() && !options_.find_unused_parameters) {
+    std::string names = describe_params(unmarked);
+    std::string message = str_cat(
+        "", unmarked.size(), " parameter(s) were not marked ready in this backward: ", names,
+        ". Mark every managed parameter once per backward, or create the dp_ddp with find_unused_parameters = 1 if "
+        "some parameters are unused in some iterations");
+    // The buckets that cannot start are refused, so that the other ranks fail
+    // at once instead of waiting for them until the timeout.
+    std::string refusal = str_cat("rank ", rank, " did not mark parameter(s) ", names, " ready");
+    for (size_t b = next_queue_; b < buckets_.size(); ++b) {
+      jobs_.push_back(Job{b, refusal});
+      buckets_[b].queued = true;
+    }
+    next_queue_ = buckets_.size();
+    cv_.notify_all();
+    wait_all_done(lock);
+    std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
+    ready_order_.clear();
+    reset_iteration_locked();
+    fail(StatusCode::kState, message);
+  }
+  // find_unused_parameters: what this rank did not use goes in as zeros (or
+  // as what earlier unsynced backwards accumulated).
+  std::map<size_t, Tensor> saved_views;
+  for (size_t i : unmarked) {
+    Tensor slot = slot_of(i);
+    if (used_since_sync_[i] != 0) {
+      if (!options_.gradient_as_bucket_view) copy_tensor(slot, params_[i].parameter->grad());
+    } else {
+      if (options_.gradient_as_bucket_view) saved_views[i] = slot.to(slot.device());
+      fill_zero(slot.data(), slot.device(), slot.nbytes());
+    }
+    --buckets_[params_[i].bucket].pending;
+  }
+  queue_ready_buckets_locked();
+  wait_all_done(lock);
+  const auto reduced = Clock::now();
+
+  std::vector<uint8_t> used(params_.size(), 1);
+  size_t failed = buckets_.size();
+  for (size_t b = 0; b < buckets_.size() && failed == buckets_.size(); ++b) {
+    if (buckets_[b].code != StatusCode::kOk) failed = b;
+  }
+  if (failed == buckets_.size() && options_.find_unused_parameters) {
+    // Which parameters any rank used: after the buckets, so that every rank
+    // issues it at the same place in the group's sequence.
+    lock.unlock();
+    try {
+      Tensor map = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(params_.size())}, kHost);
+      std::memcpy(map.data(), used_since_sync_.data(), used_since_sync_.size());
+      Tensor on_device = to_device(map, group_->device());
+      group_->all_reduce(on_device, ReduceOp::kMax, false);
+      Tensor back = to_device(on_device, kHost);
+      std::memcpy(used.data(), back.data(), used.size());
+    } catch (...) {
+      lock.lock();
+      std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
+      reset_iteration_locked();
+      throw;
+    }
+    lock.lock();
+  }
+  if (failed != buckets_.size()) {
+    const Bucket& bucket = buckets_[failed];
+    std::vector<size_t> not_ready;
+    for (size_t p : bucket.params) {
+      if (marked_[p] == 0) not_ready.push_back(p);
+    }
+    StatusCode code = bucket.code;
+    std::string message =
+        str_cat("the reduction of bucket ", failed, " (", describe_params(bucket.params), ") failed; ",
+                not_ready.empty() ? std::string("this rank marked all of them ready")
+                                  : "this rank has not seen ready: " + describe_params(not_ready),
+                ": ", bucket.error);
+    std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
+    ready_order_.clear();
+    reset_iteration_locked();
+    throw Error(code, message);
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (used[i] == 0) {
+      auto it = saved_views.find(i);
+      if (it != saved_views.end()) copy_tensor(slot_of(i), it->second);
+      continue;
+    }
+    if (!options_.gradient_as_bucket_view) copy_tensor(params_[i].parameter->grad(), slot_of(i));
+  }
+  const auto end = Clock::now();
+
+  ReducerStats stats;
+  stats.num_buckets = buckets_.size();
+  stats.backward_ms = ms_between(any_mark_ ? first_mark_ : finish_start, end);
+  for (const Bucket& b : buckets_) {
+    stats.reduce_ms += ms_between(b.start, b.end);
+    auto exposed_from = std::max(b.start, finish_start);
+    if (b.end > exposed_from) stats.exposed_ms += ms_between(exposed_from, b.end);
+  }
+  if (!timeline_path_.empty()) {
+    auto us = [](Clock::time_point t) {
+      return std::chrono::duration_cast<std::chrono::microseconds>(t.time_since_epoch()).count();
+    };
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      trace(str_cat("{\"name\":\"reduce bucket ", b, "\",\"ph\":\"X\",\"tid\":1,\"ts\":", us(buckets_[b].start),
+                    ",\"dur\":", us(buckets_[b].end) - us(buckets_[b].start), "}"));
+    }
+    trace(str_cat("{\"name\":\"finish_backward wait\",\"ph\":\"X\",\"tid\":0,\"ts\":", us(finish_start),
+                  ",\"dur\":", us(reduced) - us(finish_start), "}"));
+  }
+  std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
+  std::vector<size_t> order = std::move(ready_order_);
+  ready_order_.clear();
+  reset_iteration_locked();
+  if (!rebuilt_) {
+    lock.unlock();
+    std::vector<size_t> rank0_order;
+    try {
+      // Rank 0's ready order, then what it never marked, latest registered first.
+      std::vector<int64_t> values;
+      std::vector<bool> seen(params_.size(), false);
+      for (size_t i : order) {
+        values.push_back(static_cast<int64_t>(i));
+        seen[i] = true;
+      }
+      for (size_t i = params_.size(); i-- > 0;) {
+        if (!seen[i]) values.push_back(static_cast<int64_t>(i));
+      }
+      Tensor t = to_device(host_int64(values), group_->device());
+      group_->broadcast(t, 0, false);
+      for (int64_t v : read_int64(t)) {
+        if (v < 0 || static_cast<size_t>(v) >= params_.size()) {
+          fail_invalid("rank 0's ready order names parameter ", v, " but this rank manages ", params_.size());
+        }
+        rank0_order.push_back(static_cast<size_t>(v));
+      }
+    } catch (...) {
+      lock.lock();
+      throw;
+    }
+    lock.lock();
+    rebuild(rank0_order);
+    stats.buckets_rebuilt = true;
+  }
+  stats.num_buckets = buckets_.size();
+  stats.buckets_rebuilt = rebuilt_;
+  stats_ = stats;
+  if (debug_ != DebugLevel::kOff) {
+    std::fprintf(stderr, "[dparallel ddp rank %d] backward %.3f ms, reductions %.3f ms, exposed %.3f ms\n", rank,
+                 stats.backward_ms, stats.reduce_ms, stats.exposed_ms);
+  }
+  lock.unlock();
+  flush_trace();
+}
+
+void Reducer::rebuild(const std::vector<size_t>& rank0_order) {
+  std::vector<bool> seen(params_.size(), false);
+  for (size_t i : rank0_order) {
+    if (seen[i]) fail_invalid("rank 0's ready order lists parameter ", i, " twice");
+    seen[i] = true;
+  }
+  if (rank0_order.size() != params_.size()) {
+    fail_invalid("rank 0's ready order lists ", rank0_order.size(), " parameters but this rank manages ",
+                 params_.size());
+  }
+  auto plan = plan_for(rank0_order);
+  std::vector<std::vector<size_t>> current;
+  for (const Bucket& b : buckets_) current.push_back(b.params);
+  if (plan != current) {
+    build_buckets(plan);
+    reset_iteration_locked();
+  }
+  rebuilt_ = true;
+  if (debug_ != DebugLevel::kOff) {
+    std::fprintf(stderr, "[dparallel ddp rank %d] buckets rebuilt in rank 0's ready order: %zu buckets\n",
+                 group_->rank(), buckets_.size());
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      std::fprintf(stderr, "[dparallel ddp rank %d]   bucket %zu: %s, %zu bytes: %s\n", group_->rank(), b,
+                   dtype_name(buckets_[b].dtype), buckets_[b].flat.nbytes(),
+                   describe_params(buckets_[b].params).c_str());
+    }
+  }
+}
+
+void Reducer::set_requires_sync(bool requires_sync) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (any_mark_) {
+    fail(StatusCode::kState,
+         "a backward is in progress (parameters were marked ready); call it "
+         "before the backward or after dp_ddp_finish_backward");
+  }
+  requires_sync_ = requires_sync;
+}
+
+size_t Reducer::num_buckets() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return buckets_.size();
+}
+
+std::vector<size_t> Reducer::bucket_parameters(size_t bucket) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (bucket >= buckets_.size()) {
+    fail_invalid("argument 'bucket' is ", bucket, " but the dp_ddp has ", buckets_.size(), " buckets");
+  }
+  return buckets_[bucket].params;
+}
+
+ReducerStats Reducer::last_stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ReducerStats stats = stats_;
+  stats.num_buckets = buckets_.size();
+  stats.buckets_rebuilt = rebuilt_;
+  return stats;
+}
+
+void Reducer::trace(const std::string& event) { trace_events_.push_back(event); }
+
+// Appends this rank's events to the shared trace file; ranks take turns
+// under an advisory lock. The file is a JSON array left open at the end,
+// which trace viewers accept.
+void Reducer::flush_trace() {
+  std::vector<std::string> events;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    events.swap(trace_events_);
+  }
+  if (timeline_path_.empty() || events.empty()) return;
+  const int32_t rank = group_->rank();
+  // Steady-clock stamps are per boot; the ranks of one host share them.
+  std::string text;
+  auto add = [&](const std::string& event) {
+    std::string with_pid = event;
+    with_pid.insert(1, str_cat("\"pid\":", rank, ","));
+    text += ",\n" + with_pid;
+  };
+  add(str_cat("{\"name\":\"process_name\",\"ph\":\"M\",\"args\":{\"name\":\"rank ", rank, "\"}}"));
+  for (const auto& e : events) add(e);
+  int fd = ::open(timeline_path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd < 0) return;
+  if (::flock(fd, LOCK_EX) == 0) {
+    struct stat st {};
+    if (::fstat(fd, &st) == 0 && st.st_size == 0) text.replace(0, 1, "[");
+    const char* p = text.data();
+    size_t left = text.size();
+    while (left > 0) {
+      ssize_t n = ::write(fd, p, left);
+      if (n <= 0) break;
+      p += n;
+      left -= static_cast<size_t>(n);
+    }
+    ::flock(fd, LOCK_UN);
+  }
+  ::close(fd);
+}
+
+}  // namespace dparallel::ddp

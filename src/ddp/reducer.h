@@ -1,0 +1,152 @@
+// The DDP reducer: averages the gradients of a module's parameters across the
+// ranks of a process group, bucket by bucket, while the host's backward still
+// runs (PyTorch's c10d Reducer, driven by explicit ready marks instead of
+// autograd hooks). See dparallel/dp_ddp.h for the contract.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/tensor.h"
+#include "distributed/process_group.h"
+#include "module/module.h"
+
+namespace dparallel::ddp {
+
+enum class HookKind : int32_t { kAllReduce = 0, kFp16 = 1, kBf16 = 2, kCustom = 3 };
+
+// Reduces `flat` (bucket `bucket`'s gradients, this rank's values) in place;
+// throws on failure. Runs on the reducer's worker thread.
+using CustomHook = std::function<void(size_t bucket, const Tensor& flat)>;
+
+struct ReducerOptions {
+  size_t bucket_cap_bytes = 25u << 20;
+  size_t first_bucket_cap_bytes = 1u << 20;
+  bool gradient_as_bucket_view = false;
+  bool broadcast_buffers = true;
+  bool find_unused_parameters = false;
+  bool init_sync = true;
+  std::vector<std::string> ignored_modules;
+  std::vector<std::string> ignored_parameters;
+  HookKind hook = HookKind::kAllReduce;
+  CustomHook custom_hook;
+};
+
+struct ReducerStats {
+  double backward_ms = 0;
+  double reduce_ms = 0;
+  double exposed_ms = 0;
+  size_t num_buckets = 0;
+  bool buckets_rebuilt = false;
+};
+
+enum class DebugLevel { kOff, kInfo, kDetail };
+
+class Reducer {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  // Collective when init_sync is set: every rank must call it.
+  Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGroup> group, ReducerOptions options);
+  ~Reducer();
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  void pre_forward();
+  // Managed index of a dotted name relative to the module; kInvalidArgument when unknown or not managed.
+  size_t index_of(const std::string& name) const;
+  // `stream` (a cudaStream_t) is used only with `has_stream`, for CUDA parameters.
+  void mark_ready(size_t index, bool has_stream, void* stream);
+  void finish_backward();
+  void set_requires_sync(bool requires_sync);
+
+  size_t num_parameters() const { return params_.size(); }
+  size_t num_buckets() const;
+  std::vector<size_t> bucket_parameters(size_t bucket) const;
+  ReducerStats last_stats() const;
+
+ private:
+  struct Managed {
+    std::string name;
+    std::shared_ptr<Parameter> parameter;
+    size_t nbytes = 0;
+    size_t bucket = 0;
+    size_t offset = 0;  // bytes into the bucket
+  };
+  struct Bucket {
+    std::vector<size_t> params;
+    DType dtype = DType::kFloat32;
+    Tensor flat;
+    size_t pending = 0;            // parameters not yet marked this iteration
+    std::vector<void*> events;     // CUDA: wait for these, then copy the gradients in
+    std::vector<size_t> deferred;  // parameters whose copy waits for `events`
+    bool queued = false;
+    bool done = false;
+    StatusCode code = StatusCode::kOk;
+    std::string error;
+    Clock::time_point start, end;
+  };
+  struct Job {
+    size_t bucket;
+    std::string refusal;  // non-empty: refuse this bucket's reduction for this reason
+  };
+
+  void build_buckets(const std::vector<std::vector<size_t>>& plan);
+  std::vector<std::vector<size_t>> plan_for(const std::vector<size_t>& order) const;
+  void check_agreement(const std::vector<std::string>& description);
+  void broadcast_state(const std::vector<std::pair<std::string, Tensor>>& tensors);
+  void queue_ready_buckets_locked();
+  void worker_loop();
+  void run_job(const Job& job);
+  void reduce_bucket(size_t index);
+  void check_fingerprint(size_t index);
+  void copy_into_bucket(size_t index);
+  Tensor slot_of(size_t index) const;
+  void wait_all_done(std::unique_lock<std::mutex>& lock);
+  void reset_iteration_locked();
+  void rebuild(const std::vector<size_t>& rank0_order);
+  std::string describe_params(const std::vector<size_t>& indices) const;
+  void trace(const std::string& event);
+  void flush_trace();
+
+  std::shared_ptr<Module> module_;
+  std::shared_ptr<dist::ProcessGroup> group_;
+  ReducerOptions options_;
+  DebugLevel debug_ = DebugLevel::kOff;
+  std::string timeline_path_;
+  std::vector<Managed> params_;
+  std::vector<std::pair<std::string, Tensor>> buffers_;  // broadcast by pre_forward
+
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  std::vector<Bucket> buckets_;
+  std::deque<Job> jobs_;
+  bool running_job_ = false;
+  bool stopping_ = false;
+  bool broken_ = false;  // a wait outlived its bound: only destroy is left
+  std::thread worker_;
+
+  bool requires_sync_ = true;
+  bool rebuilt_ = false;
+  size_t next_queue_ = 0;  // buckets queue in index order
+  std::vector<uint8_t> marked_;
+  std::vector<uint8_t> used_since_sync_;
+  std::vector<size_t> ready_order_;
+  bool any_mark_ = false;
+  Clock::time_point first_mark_;
+  ReducerStats stats_;
+  std::vector<std::string> trace_events_;
+};
+
+const char* hook_name(HookKind hook);
+DebugLevel debug_level_from_env();
+
+}  // namespace dparallel::ddp
