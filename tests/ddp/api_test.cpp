@@ -1,0 +1,468 @@
+// dp_ddp in one process, world size 1: argument checks, bucket plans,
+// the one-live-owner rule, marks and their errors, gradient_as_bucket_view.
+#include <unistd.h>
+
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "module/module_test_util.h"
+
+namespace {
+
+using dptest::make;
+using dptest::ModulePtr;
+using dptest::TensorPtr;
+
+struct DdpDeleter {
+  void operator()(dp_ddp* d) const { dp_ddp_destroy(d); }
+};
+using DdpPtr = std::unique_ptr<dp_ddp, DdpDeleter>;
+
+const char* const kParams[] = {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"};
+
+// fc1, fc2, fc3: Linear(2, 2) each.
+ModulePtr net() {
+  ModulePtr root = dptest::new_module();
+  const char* layers[] = {"fc1", "fc2", "fc3"};
+  for (int l = 0; l < 3; ++l) {
+    ModulePtr fc = dptest::linear(2, 2, static_cast<float>(l));
+    EXPECT_EQ(dp_module_register_module(root.get(), layers[l], fc.get()), DP_OK) << dp_last_error();
+  }
+  return root;
+}
+
+// One 1-D parameter per entry: (name, dtype, elements).
+struct Spec {
+  const char* name;
+  int32_t dtype;
+  int64_t numel;
+};
+ModulePtr flat(const std::vector<Spec>& specs) {
+  ModulePtr root = dptest::new_module();
+  for (const Spec& s : specs) {
+    dp_tensor* t = nullptr;
+    EXPECT_EQ(dp_tensor_create(&t, s.dtype, 1, &s.numel, dptest::cpu(0)), DP_OK) << dp_last_error();
+    EXPECT_EQ(dp_module_register_parameter(root.get(), s.name, t, 1), DP_OK) << dp_last_error();
+    dp_tensor_destroy(t);
+  }
+  return root;
+}
+
+TensorPtr grad(dp_module* m, const char* name) {
+  dp_tensor* g = nullptr;
+  EXPECT_EQ(dp_module_grad(m, name, &g), DP_OK) << dp_last_error();
+  return TensorPtr(g);
+}
+
+double cap_mb(double bytes) { return bytes / 1048576.0; }
+
+std::string plan(const dp_ddp* ddp) {
+  std::string out;
+  for (size_t b = 0; b < dp_ddp_num_buckets(ddp); ++b) {
+    size_t count = 0;
+    EXPECT_EQ(dp_ddp_bucket_parameters(ddp, b, nullptr, 0, &count), DP_OK) << dp_last_error();
+    std::vector<size_t> idx(count);
+    EXPECT_EQ(dp_ddp_bucket_parameters(ddp, b, idx.data(), idx.size(), &count), DP_OK) << dp_last_error();
+    out += b == 0 ? "{" : ",{";
+    for (size_t i = 0; i < idx.size(); ++i) out += (i == 0 ? "" : ",") + std::to_string(idx[i]);
+    out += "}";
+  }
+  return out;
+}
+
+class DdpApi : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    path_ = dptest::temp_path("ddp_api_", "store");
+    ::unlink(path_.c_str());
+    dp_store* store = nullptr;
+    DP_ASSERT_OK(dp_store_create_file(&store, path_.c_str(), 1));
+    dp_process_group_options o = DP_PROCESS_GROUP_OPTIONS_INIT;
+    o.rank = 0;
+    o.world_size = 1;
+    o.store = store;
+    o.timeout_ms = 60000;
+    dp_status st = dp_process_group_create(&pg_, &o);
+    dp_store_destroy(store);  // the group holds its own reference
+    ASSERT_EQ(st, DP_OK) << dp_last_error();
+  }
+  void TearDown() override {
+    dp_process_group_destroy(pg_);
+    ::unlink(path_.c_str());
+  }
+
+  DdpPtr create(dp_module* m, const dp_ddp_options* opts = nullptr) {
+    dp_ddp* d = nullptr;
+    EXPECT_EQ(dp_ddp_create(&d, m, pg_, opts), DP_OK) << dp_last_error();
+    return DdpPtr(d);
+  }
+
+  // The status of a create that must fail; its message in *message.
+  dp_status refused(dp_module* m, const dp_ddp_options* opts, std::string* message) {
+    dp_ddp* d = reinterpret_cast<dp_ddp*>(this);  // set to NULL on failure
+    dp_status st = dp_ddp_create(&d, m, pg_, opts);
+    *message = dp_last_error();
+    EXPECT_EQ(d, nullptr);
+    if (st == DP_OK) dp_ddp_destroy(d);
+    return st;
+  }
+
+  std::string path_;
+  dp_process_group* pg_ = nullptr;
+};
+
+TEST_F(DdpApi, OptionsInitGivesTheMacrosDefaults) {
+  dp_ddp_options macro = DP_DDP_OPTIONS_INIT, o;
+  std::memset(&o, 0xA5, sizeof(o));
+  DP_ASSERT_OK(dp_ddp_options_init(&o));
+  EXPECT_EQ(o.struct_size, sizeof(dp_ddp_options));
+  EXPECT_EQ(o.bucket_cap_mb, 25.0);
+  EXPECT_EQ(o.first_bucket_cap_mb, 1.0);
+  EXPECT_EQ(o.gradient_as_bucket_view, macro.gradient_as_bucket_view);
+  EXPECT_EQ(o.broadcast_buffers, 1);
+  EXPECT_EQ(o.find_unused_parameters, 0);
+  EXPECT_EQ(o.init_sync, 1);
+  EXPECT_EQ(o.ignored_modules, nullptr);
+  EXPECT_EQ(o.num_ignored_modules, 0u);
+  EXPECT_EQ(o.ignored_parameters, nullptr);
+  EXPECT_EQ(o.num_ignored_parameters, 0u);
+  EXPECT_EQ(o.comm_hook, DP_HOOK_ALLREDUCE);
+  EXPECT_EQ(o.hook_fn, nullptr);
+  EXPECT_EQ(o.hook_user_data, nullptr);
+  EXPECT_EQ(dp_ddp_options_init(nullptr), DP_EINVAL);
+}
+
+TEST_F(DdpApi, NullOutModuleOrGroupIsEinvalNamingTheArgument) {
+  ModulePtr m = net();
+  EXPECT_EQ(dp_ddp_create(nullptr, m.get(), pg_, nullptr), DP_EINVAL);
+  EXPECT_NE(std::string(dp_last_error()).find("'out'"), std::string::npos) << dp_last_error();
+  dp_ddp* d = nullptr;
+  EXPECT_EQ(dp_ddp_create(&d, nullptr, pg_, nullptr), DP_EINVAL);
+  EXPECT_NE(std::string(dp_last_error()).find("'module'"), std::string::npos) << dp_last_error();
+  EXPECT_EQ(d, nullptr);
+  EXPECT_EQ(dp_ddp_create(&d, m.get(), nullptr, nullptr), DP_EINVAL);
+  EXPECT_NE(std::string(dp_last_error()).find("'pg'"), std::string::npos) << dp_last_error();
+  EXPECT_EQ(d, nullptr);
+}
+
+TEST_F(DdpApi, BadCapsHookOrStructSizeAreEinvalNamingTheOption) {
+  ModulePtr m = net();
+  std::string message;
+  const double bad[] = {0.0, -1.0, std::nan(""), std::numeric_limits<double>::infinity()};
+  for (double v : bad) {
+    dp_ddp_options o = DP_DDP_OPTIONS_INIT;
+    o.bucket_cap_mb = v;
+    EXPECT_EQ(refused(m.get(), &o, &message), DP_EINVAL) << "bucket_cap_mb " << v;
+    EXPECT_NE(message.find("bucket_cap_mb"), std::string::npos) << message;
+    o = DP_DDP_OPTIONS_INIT;
+    o.first_bucket_cap_mb = v;
+    EXPECT_EQ(refused(m.get(), &o, &message), DP_EINVAL) << "first_bucket_cap_mb " << v;
+    EXPECT_NE(message.find("first_bucket_cap_mb"), std::string::npos) << message;
+  }
+  dp_ddp_options o = DP_DDP_OPTIONS_INIT;
+  o.comm_hook = 7;
+  EXPECT_EQ(refused(m.get(), &o, &message), DP_EINVAL);
+  EXPECT_NE(message.find("comm_hook"), std::string::npos) << message;
+  o = DP_DDP_OPTIONS_INIT;
+  o.comm_hook = DP_HOOK_CUSTOM;
+  EXPECT_EQ(refused(m.get(), &o, &message), DP_EINVAL);
+  EXPECT_NE(message.find("hook_fn"), std::string::npos) << message;
+  o = DP_DDP_OPTIONS_INIT;
+  o.struct_size = 0;
+  EXPECT_EQ(refused(m.get(), &o, &message), DP_EINVAL);
+  EXPECT_NE(message.find("struct_size"), std::string::npos) << message;
+}
+
+// A cap under a byte counts as one byte: each parameter alone.
+TEST_F(DdpApi, TinyPositiveCapGivesEachParameterItsOwnBucket) {
+  ModulePtr m = net();
+  dp_ddp_options o = DP_DDP_OPTIONS_INIT;
+  o.bucket_cap_mb = o.first_bucket_cap_mb = 1e-12;
+  DdpPtr d = create(m.get(), &o);
+  ASSERT_NE(d, nullptr);
+  EXPECT_EQ(plan(d.get()), "{5},{4},{3},{2},{1},{0}");
+}
+
+TEST_F(DdpApi, UnknownIgnoredModuleOrParameterIsEinvalNamingIt) {
+  ModulePtr m = net();
+  std::string message;
+  const char* const modules[] = {"fc9"};
+  dp_ddp_options o = DP_DDP_OPTIONS_INIT;
+  o.ignored_modules = modules;
+  o.num_ignored_modules = 1;
+  EXPECT_EQ(refused(m.get(), &o, &message), DP_EINVAL);
+  EXPECT_NE(message.find("fc9"), std::string::npos) << message;
+  const char* const params[] = {"fc1.nope"};
+  o = DP_DDP_OPTIONS_INIT;
+  o.ignored_parameters = params;
+  o.num_ignored_parameters = 1;
+  EXPECT_EQ(refused(m.get(), &o, &message), DP_EINVAL);
+  EXPECT_NE(message.find("fc1.nope"), std::string::npos) << message;
+  // A count without an array.
+  o = DP_DDP_OPTIONS_INIT;
+  o.num_ignored_modules = 1;
+  EXPECT_EQ(refused(m.get(), &o, &message), DP_EINVAL);
+}
+
+TEST_F(DdpApi, NothingToManageOrANonFloatOrMisplacedParameterIsEinval) {
+  std::string message;
+  ModulePtr m = net();
+  const char* const everything[] = {"fc1", "fc2", "fc3"};
+  dp_ddp_options o = DP_DDP_OPTIONS_INIT;
+  o.ignored_modules = everything;
+  o.num_ignored_modules = 3;
+  EXPECT_EQ(refused(m.get(), &o, &message), DP_EINVAL);
+
+  ModulePtr ints = flat({{"w", DP_FLOAT32, 4}, {"steps", DP_INT64, 1}});
+  EXPECT_EQ(refused(ints.get(), nullptr, &message), DP_EINVAL);
+  EXPECT_NE(message.find("steps"), std::string::npos) << message;
+  // Without requires_grad it is not managed, so it is fine.
+  DP_ASSERT_OK(dp_module_set_requires_grad(ints.get(), "steps", 0));
+  EXPECT_NE(create(ints.get()), nullptr);
+
+  ModulePtr elsewhere = flat({{"w", DP_FLOAT32, 4}});
+  auto far = make<float>({2}, {1.0f, 2.0f}, dptest::cpu(1));
+  DP_ASSERT_OK(dp_module_register_parameter(elsewhere.get(), "far", far.get(), 1));
+  EXPECT_EQ(refused(elsewhere.get(), nullptr, &message), DP_EINVAL);
+  EXPECT_NE(message.find("far"), std::string::npos) << message;
+}
+
+TEST_F(DdpApi, ParameterManagedByTwoLiveDdpsIsEinvalAndAllowedAgainOnceTheFirstIsDestroyed) {
+  ModulePtr m = net();
+  DdpPtr whole = create(m.get());
+  ASSERT_NE(whole, nullptr);
+  std::string message;
+  EXPECT_EQ(refused(m.get(), nullptr, &message), DP_EINVAL);
+  EXPECT_NE(message.find("fc1.weight"), std::string::npos) << message;
+  dp_module* fc2 = nullptr;
+  DP_ASSERT_OK(dp_module_get_module(m.get(), "fc2", &fc2));
+  ModulePtr fc2_ptr(fc2);
+  EXPECT_EQ(refused(fc2, nullptr, &message), DP_EINVAL);
+  EXPECT_NE(message.find("weight"), std::string::npos) << message;
+  whole.reset();
+  DdpPtr layer = create(fc2);
+  EXPECT_NE(layer, nullptr);
+  EXPECT_EQ(refused(m.get(), nullptr, &message), DP_EINVAL);  // fc2 is still managed by `layer`
+  EXPECT_NE(message.find("fc2.weight"), std::string::npos) << message;
+  layer.reset();
+  EXPECT_NE(create(m.get()), nullptr);
+}
+
+TEST_F(DdpApi, DisjointSubmodulesWorkSideBySideIncludingAnIgnoredOne) {
+  ModulePtr m = net();
+  const char* const fc1[] = {"fc1"};
+  dp_ddp_options o = DP_DDP_OPTIONS_INIT;
+  o.ignored_modules = fc1;
+  o.num_ignored_modules = 1;
+  DdpPtr rest = create(m.get(), &o);
+  dp_module* sub = nullptr;
+  DP_ASSERT_OK(dp_module_get_module(m.get(), "fc1", &sub));
+  ModulePtr sub_ptr(sub);
+  DdpPtr first = create(sub);
+  ASSERT_NE(rest, nullptr);
+  ASSERT_NE(first, nullptr);
+  for (size_t i = 0; i < 4; ++i) DP_EXPECT_OK(dp_ddp_mark_grad_ready_index(rest.get(), i));
+  DP_EXPECT_OK(dp_ddp_mark_grad_ready(first.get(), "weight"));
+  DP_EXPECT_OK(dp_ddp_mark_grad_ready(first.get(), "bias"));
+  DP_EXPECT_OK(dp_ddp_finish_backward(rest.get()));
+  DP_EXPECT_OK(dp_ddp_finish_backward(first.get()));
+  // Ignored: fc1's names are not the first dp_ddp's.
+  EXPECT_EQ(dp_ddp_mark_grad_ready(rest.get(), "fc1.weight"), DP_EINVAL);
+}
+
+TEST_F(DdpApi, MarkingAnUnknownNameOrAnOutOfRangeIndexIsEinval) {
+  ModulePtr m = net();
+  DdpPtr d = create(m.get());
+  ASSERT_NE(d, nullptr);
+  EXPECT_EQ(dp_ddp_mark_grad_ready(d.get(), "fc4.weight"), DP_EINVAL);
+  EXPECT_NE(std::string(dp_last_error()).find("fc4.weight"), std::string::npos) << dp_last_error();
+  EXPECT_EQ(dp_ddp_mark_grad_ready(d.get(), nullptr), DP_EINVAL);
+  EXPECT_EQ(dp_ddp_mark_grad_ready_index(d.get(), 6), DP_EINVAL);
+  EXPECT_NE(std::string(dp_last_error()).find("6"), std::string::npos) << dp_last_error();
+  EXPECT_EQ(dp_ddp_mark_grad_ready_index(d.get(), static_cast<size_t>(-1)), DP_EINVAL);
+  EXPECT_EQ(dp_ddp_mark_grad_ready(nullptr, "fc1.weight"), DP_EINVAL);
+  EXPECT_EQ(dp_ddp_mark_grad_ready_index(nullptr, 0), DP_EINVAL);
+  EXPECT_EQ(dp_ddp_finish_backward(nullptr), DP_EINVAL);
+  EXPECT_EQ(dp_ddp_pre_forward(nullptr), DP_EINVAL);
+  EXPECT_EQ(dp_ddp_set_requires_gradient_sync(nullptr, 1), DP_EINVAL);
+  // The refused marks left nothing behind: a full backward works.
+  for (const char* name : kParams) DP_EXPECT_OK(dp_ddp_mark_grad_ready(d.get(), name));
+  DP_EXPECT_OK(dp_ddp_finish_backward(d.get()));
+}
+
+TEST_F(DdpApi, NullHandlesAreAcceptedByDestroyAndCountZeroBuckets) {
+  dp_ddp_destroy(nullptr);
+  EXPECT_EQ(dp_ddp_num_buckets(nullptr), 0u);
+  EXPECT_STRNE(dp_last_error(), "");
+  size_t count = 7;
+  EXPECT_EQ(dp_ddp_bucket_parameters(nullptr, 0, nullptr, 0, &count), DP_EINVAL);
+  EXPECT_EQ(count, 7u);
+  dp_ddp_stats stats{sizeof(dp_ddp_stats), 0, 0, 0, 0, 0};
+  EXPECT_EQ(dp_ddp_last_stats(nullptr, &stats), DP_EINVAL);
+}
+
+TEST_F(DdpApi, BucketParametersChecksItsArguments) {
+  ModulePtr m = net();
+  DdpPtr d = create(m.get());
+  ASSERT_NE(d, nullptr);
+  ASSERT_EQ(dp_ddp_num_buckets(d.get()), 1u);
+  size_t count = 0;
+  EXPECT_EQ(dp_ddp_bucket_parameters(d.get(), 1, nullptr, 0, &count), DP_EINVAL);
+  EXPECT_EQ(dp_ddp_bucket_parameters(d.get(), 0, nullptr, 0, nullptr), DP_EINVAL);
+  EXPECT_EQ(dp_ddp_bucket_parameters(d.get(), 0, nullptr, 3, &count), DP_EINVAL);
+  // A short array gets the first `cap` indices and the full count.
+  size_t two[2] = {99, 99};
+  DP_EXPECT_OK(dp_ddp_bucket_parameters(d.get(), 0, two, 2, &count));
+  EXPECT_EQ(count, 6u);
+  EXPECT_EQ(two[0], 5u);
+  EXPECT_EQ(two[1], 4u);
+}
+
+// The example of SEMANTICS.md: 400, 800, 400, 200 bytes, both caps 400 bytes.
+TEST_F(DdpApi, PlanFillsBucketsInReverseOrderClosingEachOnceItReachesItsCap) {
+  ModulePtr m = flat({{"a", DP_FLOAT32, 100}, {"b", DP_FLOAT32, 200}, {"c", DP_FLOAT32, 100}, {"d", DP_FLOAT32, 50}});
+  dp_ddp_options o = DP_DDP_OPTIONS_INIT;
+  o.bucket_cap_mb = o.first_bucket_cap_mb = cap_mb(400);
+  DdpPtr d = create(m.get(), &o);
+  ASSERT_NE(d, nullptr);
+  EXPECT_EQ(plan(d.get()), "{3,2},{1},{0}");
+}
+
+TEST_F(DdpApi, PlanUsesTheFirstCapForTheFirstBucketOnly) {
+  ModulePtr m = flat({{"a", DP_FLOAT32, 100}, {"b", DP_FLOAT32, 200}, {"c", DP_FLOAT32, 100}, {"d", DP_FLOAT32, 50}});
+  dp_ddp_options o = DP_DDP_OPTIONS_INIT;
+  o.first_bucket_cap_mb = cap_mb(400);
+  o.bucket_cap_mb = cap_mb(1000);
+  DdpPtr d = create(m.get(), &o);
+  ASSERT_NE(d, nullptr);
+  EXPECT_EQ(plan(d.get()), "{3,2},{1,0}");
+  d.reset();
+  o.first_bucket_cap_mb = cap_mb(1);  // every parameter passes it alone
+  o.bucket_cap_mb = 25;
+  d = create(m.get(), &o);
+  ASSERT_NE(d, nullptr);
+  EXPECT_EQ(plan(d.get()), "{3},{2,1,0}");
+}
+
+// Each dtype fills its own buckets; buckets come in the order of their first
+// parameter: d (float64) and c (float32) open them.
+TEST_F(DdpApi, PlanKeepsEachDtypeInItsOwnBuckets) {
+  ModulePtr m = flat({{"a", DP_FLOAT32, 100}, {"b", DP_FLOAT64, 50}, {"c", DP_FLOAT32, 100}, {"d", DP_FLOAT64, 50}});
+  dp_ddp_options o = DP_DDP_OPTIONS_INIT;
+  o.bucket_cap_mb = o.first_bucket_cap_mb = cap_mb(800);
+  DdpPtr d = create(m.get(), &o);
+  ASSERT_NE(d, nullptr);
+  EXPECT_EQ(plan(d.get()), "{3,1},{2,0}");
+}
+
+TEST_F(DdpApi, DefaultCapsPutTheNetInOneBucketAndTheStatsCountIt) {
+  ModulePtr m = net();
+  DdpPtr d = create(m.get());
+  ASSERT_NE(d, nullptr);
+  EXPECT_EQ(plan(d.get()), "{5,4,3,2,1,0}");
+  for (size_t i = 6; i-- > 0;) DP_ASSERT_OK(dp_ddp_mark_grad_ready_index(d.get(), i));
+  DP_ASSERT_OK(dp_ddp_finish_backward(d.get()));
+  dp_ddp_stats stats{sizeof(dp_ddp_stats), -1, -1, -1, 0, 0};
+  DP_ASSERT_OK(dp_ddp_last_stats(d.get(), &stats));
+  EXPECT_EQ(stats.num_buckets, 1u);
+  EXPECT_EQ(stats.buckets_rebuilt, 1);
+  EXPECT_GE(stats.backward_ms, 0.0);
+  EXPECT_GE(stats.reduce_ms, 0.0);
+  EXPECT_GE(stats.exposed_ms, 0.0);
+}
+
+TEST_F(DdpApi, AtWorldSizeOneTheAveragedGradientIsTheLocalOne) {
+  ModulePtr m = net();
+  DdpPtr d = create(m.get());
+  ASSERT_NE(d, nullptr);
+  for (int step = 0; step < 2; ++step) {
+    DP_ASSERT_OK(dp_module_zero_grad(m.get()));
+    for (int p = 5; p >= 0; --p) {
+      TensorPtr g = grad(m.get(), kParams[p]);
+      float* v = static_cast<float*>(dp_tensor_data(g.get()));
+      for (int64_t i = 0; i < dp_tensor_numel(g.get()); ++i)
+        v[i] = 0.37f * static_cast<float>(p + 1) + 0.01f * i - step;
+      DP_ASSERT_OK(dp_ddp_mark_grad_ready(d.get(), kParams[p]));
+    }
+    DP_ASSERT_OK(dp_ddp_finish_backward(d.get()));
+    for (int p = 0; p < 6; ++p) {
+      std::vector<float> got = dptest::values<float>(grad(m.get(), kParams[p]).get());
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_EQ(got[i], 0.37f * static_cast<float>(p + 1) + 0.01f * static_cast<float>(i) - step)
+            << kParams[p] << "[" << i << "] step " << step;
+      }
+    }
+  }
+}
+
+TEST_F(DdpApi, MarkingTwiceIsEstateAndAnUnmarkedParameterFailsFinishNamingIt) {
+  ModulePtr m = net();
+  DdpPtr d = create(m.get());
+  ASSERT_NE(d, nullptr);
+  DP_ASSERT_OK(dp_ddp_mark_grad_ready(d.get(), "fc3.bias"));
+  EXPECT_EQ(dp_ddp_mark_grad_ready(d.get(), "fc3.bias"), DP_ESTATE);
+  EXPECT_NE(std::string(dp_last_error()).find("fc3.bias"), std::string::npos) << dp_last_error();
+  EXPECT_EQ(dp_ddp_mark_grad_ready_index(d.get(), 5), DP_ESTATE);
+  for (int p = 4; p >= 1; --p) DP_ASSERT_OK(dp_ddp_mark_grad_ready(d.get(), kParams[p]));
+  EXPECT_EQ(dp_ddp_finish_backward(d.get()), DP_ESTATE);
+  std::string message = dp_last_error();
+  EXPECT_NE(message.find("fc1.weight"), std::string::npos) << message;
+  EXPECT_NE(message.find("find_unused_parameters"), std::string::npos) << message;
+  // The next backward starts afresh.
+  for (int p = 5; p >= 0; --p) DP_EXPECT_OK(dp_ddp_mark_grad_ready(d.get(), kParams[p]));
+  DP_EXPECT_OK(dp_ddp_finish_backward(d.get()));
+}
+
+TEST_F(DdpApi, GradientAsBucketViewMakesEachBucketsGradientsOneContiguousBlockKeepingTheirValues) {
+  ModulePtr m = net();
+  for (int p = 0; p < 6; ++p) {
+    TensorPtr g = grad(m.get(), kParams[p]);
+    float* v = static_cast<float*>(dp_tensor_data(g.get()));
+    for (int64_t i = 0; i < dp_tensor_numel(g.get()); ++i) v[i] = static_cast<float>(10 * p + i);
+  }
+  dp_ddp_options o = DP_DDP_OPTIONS_INIT;
+  o.gradient_as_bucket_view = 1;
+  DdpPtr d = create(m.get(), &o);
+  ASSERT_NE(d, nullptr);
+  ASSERT_EQ(dp_ddp_num_buckets(d.get()), 1u);
+  // In the bucket's order the gradients follow one another in memory.
+  size_t idx[6], count = 0;
+  DP_ASSERT_OK(dp_ddp_bucket_parameters(d.get(), 0, idx, 6, &count));
+  ASSERT_EQ(count, 6u);
+  const char* expected_next = nullptr;
+  for (size_t k = 0; k < 6; ++k) {
+    TensorPtr g = grad(m.get(), kParams[idx[k]]);
+    const char* data = static_cast<const char*>(dp_tensor_data(g.get()));
+    if (expected_next != nullptr) {
+      EXPECT_EQ(data, expected_next) << kParams[idx[k]] << " is not next in the bucket";
+    }
+    expected_next = data + dp_tensor_nbytes(g.get());
+    std::vector<float> got = dptest::values<float>(g.get());
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], static_cast<float>(10 * idx[k] + i));
+  }
+}
+
+// Marks may come from several threads at once.
+TEST_F(DdpApi, MarksFromSeveralThreadsAtOnce) {
+  ModulePtr m = net();
+  dp_ddp_options o = DP_DDP_OPTIONS_INIT;
+  o.bucket_cap_mb = o.first_bucket_cap_mb = cap_mb(24);
+  DdpPtr d = create(m.get(), &o);
+  ASSERT_NE(d, nullptr);
+  for (int step = 0; step < 20; ++step) {
+    std::vector<std::thread> threads;
+    std::vector<dp_status> status(6, DP_EINTERNAL);
+    for (size_t i = 0; i < 6; ++i) {
+      threads.emplace_back([&, i] { status[i] = dp_ddp_mark_grad_ready_index(d.get(), i); });
+    }
+    for (auto& t : threads) t.join();
+    for (size_t i = 0; i < 6; ++i) EXPECT_EQ(status[i], DP_OK) << "step " << step << " index " << i;
+    ASSERT_EQ(dp_ddp_finish_backward(d.get()), DP_OK) << "step " << step << ": " << dp_last_error();
+  }
+}
+
+}  // namespace
