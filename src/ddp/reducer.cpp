@@ -66,6 +66,14 @@ std::vector<int64_t> read_int64(const Tensor& t) {
 
 Tensor to_device(const Tensor& t, const Device& device) { return t.device() == device ? t : t.to(device); }
 
+// One output per rank for an all_gather.
+std::vector<Tensor> gather_outputs(int32_t world, DType dtype, int64_t numel, const Device& device) {
+  std::vector<Tensor> outputs;
+  outputs.reserve(static_cast<size_t>(world));
+  for (int32_t r = 0; r < world; ++r) outputs.push_back(Tensor::empty(dtype, {numel}, device));
+  return outputs;
+}
+
 // Host loops for the 16-bit hooks' casts (cpu tensors).
 template <typename Load, typename Store>
 void convert(size_t n, Load load, Store store) {
@@ -318,7 +326,7 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
     if (fd >= 0) ::close(fd);
   }
   try {
-    worker_ = std::thread([this] { worker_loop(); });
+    queue_ = CommQueue::for_group(group_.get());
   } catch (...) {
     unregister();
     throw;
@@ -326,12 +334,8 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
 }
 
 Reducer::~Reducer() {
-  {
-    std::unique_lock<std::mutex> lock(mutex_);
-    stopping_ = true;
-    cv_.notify_all();
-  }
-  if (worker_.joinable()) worker_.join();
+  if (queue_) queue_->cancel(this);
+  queue_.reset();
   flush_trace();
   for (Bucket& b : buckets_) {
     for (void* e : b.events) cuda::destroy_event(e);
@@ -400,8 +404,7 @@ void Reducer::check_agreement(const std::vector<std::string>& description) {
   const int32_t world = group_->size();
   std::string mine;
   for (const auto& line : description) mine += line + "\n";
-  std::vector<Tensor> lengths;
-  for (int32_t r = 0; r < world; ++r) lengths.push_back(Tensor::empty(DType::kInt64, {1}, device));
+  std::vector<Tensor> lengths = gather_outputs(world, DType::kInt64, 1, device);
   group_->all_gather(to_device(host_int64({static_cast<int64_t>(mine.size())}), device), lengths, false);
   size_t longest = 0;
   std::vector<size_t> sizes;
@@ -413,9 +416,7 @@ void Reducer::check_agreement(const std::vector<std::string>& description) {
   }
   Tensor padded = Tensor::zeros(DType::kUInt8, {static_cast<int64_t>(longest)}, kHost);
   std::memcpy(padded.data(), mine.data(), mine.size());
-  std::vector<Tensor> all;
-  for (int32_t r = 0; r < world; ++r)
-    all.push_back(Tensor::empty(DType::kUInt8, {static_cast<int64_t>(longest)}, device));
+  std::vector<Tensor> all = gather_outputs(world, DType::kUInt8, static_cast<int64_t>(longest), device);
   group_->all_gather(to_device(padded, device), all, false);
   std::vector<std::vector<std::string>> lines;
   for (int32_t r = 0; r < world; ++r) {
@@ -442,6 +443,7 @@ void Reducer::check_agreement(const std::vector<std::string>& description) {
 void Reducer::broadcast_state(const std::vector<std::pair<std::string, Tensor>>& tensors) {
   if (tensors.empty() || group_->size() == 1) return;
   std::vector<Tensor> list;
+  list.reserve(tensors.size());
   for (const auto& t : tensors) list.push_back(t.second);
   const Device device = group_->device();
   for (const auto& chunk : comm::take_tensors(list, kStateBroadcastChunk)) {
@@ -530,64 +532,85 @@ void Reducer::mark_ready(size_t index, bool has_stream, void* stream) {
 }
 
 void Reducer::queue_ready_buckets_locked() {
-  bool queued = false;
   while (next_queue_ < buckets_.size() && buckets_[next_queue_].pending == 0) {
-    jobs_.push_back(Job{next_queue_, ""});
     buckets_[next_queue_].queued = true;
+    queue_->push(this, next_queue_, "");
     ++next_queue_;
-    queued = true;
   }
-  if (queued) cv_.notify_all();
 }
 
-void Reducer::worker_loop() {
+std::shared_ptr<CommQueue> CommQueue::for_group(const dist::ProcessGroup* group) {
+  static std::mutex mutex;
+  static std::map<const dist::ProcessGroup*, std::weak_ptr<CommQueue>> queues;
+  std::lock_guard<std::mutex> lock(mutex);
+  for (auto it = queues.begin(); it != queues.end();) it = it->second.expired() ? queues.erase(it) : std::next(it);
+  auto& slot = queues[group];
+  if (auto existing = slot.lock()) return existing;
+  auto created = std::make_shared<CommQueue>();
+  slot = created;
+  return created;
+}
+
+CommQueue::CommQueue() : thread_([this] { loop(); }) {}
+
+CommQueue::~CommQueue() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+    cv_.notify_all();
+  }
+  thread_.join();
+}
+
+void CommQueue::push(Reducer* owner, size_t bucket, std::string refusal) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  jobs_.push_back(Job{owner, bucket, std::move(refusal)});
+  cv_.notify_all();
+}
+
+void CommQueue::cancel(const Reducer* owner) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  jobs_.erase(std::remove_if(jobs_.begin(), jobs_.end(), [&](const Job& j) { return j.owner == owner; }), jobs_.end());
+  cv_.wait(lock, [&] { return running_ != owner; });
+}
+
+void CommQueue::loop() {
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
     cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
-    if (stopping_) {
-      // Reductions not started are dropped: the dp_ddp is going away.
-      for (const Job& job : jobs_) {
-        buckets_[job.bucket].code = StatusCode::kState;
-        buckets_[job.bucket].error = "the dp_ddp was destroyed";
-        buckets_[job.bucket].done = true;
-      }
-      jobs_.clear();
-      cv_.notify_all();
-      return;
-    }
-    Job job = jobs_.front();
+    if (jobs_.empty()) return;  // stopping: every owner is gone
+    Job job = std::move(jobs_.front());
     jobs_.pop_front();
-    running_job_ = true;
+    running_ = job.owner;
     lock.unlock();
-    run_job(job);
+    job.owner->run_job(job.bucket, job.refusal);
     lock.lock();
-    running_job_ = false;
-    buckets_[job.bucket].done = true;
+    running_ = nullptr;
     cv_.notify_all();
   }
 }
 
-void Reducer::run_job(const Job& job) {
-  Bucket& bucket = buckets_[job.bucket];
+void Reducer::run_job(size_t index, const std::string& refusal) {
+  Bucket& bucket = buckets_[index];
   bucket.start = Clock::now();
   StatusCode code = StatusCode::kOk;
   std::string error;
   try {
-    if (!job.refusal.empty()) {
+    if (!refusal.empty()) {
       // Stands in for this bucket's first collective, so that the other
       // ranks' matching call fails at once naming this rank's reason.
       try {
-        group_->refuse(debug_ == DebugLevel::kDetail ? dist::CallKind::kAllGather : dist::CallKind::kAllReduce,
-                       job.refusal, false);
+        group_->refuse(debug_ == DebugLevel::kDetail ? dist::CallKind::kAllGather : dist::CallKind::kAllReduce, refusal,
+                       false);
       } catch (const Error& e) {
         if (e.code() != StatusCode::kInvalidArgument) throw;
       }
       code = StatusCode::kState;
-      error = job.refusal;
+      error = refusal;
     } else {
-      copy_into_bucket(job.bucket);
-      if (debug_ == DebugLevel::kDetail) check_fingerprint(job.bucket);
-      reduce_bucket(job.bucket);
+      copy_into_bucket(index);
+      if (debug_ == DebugLevel::kDetail) check_fingerprint(index);
+      reduce_bucket(index);
     }
   } catch (const Error& e) {
     code = e.code();
@@ -603,6 +626,8 @@ void Reducer::run_job(const Job& job) {
   bucket.end = Clock::now();
   bucket.code = code;
   bucket.error = std::move(error);
+  bucket.done = true;
+  cv_.notify_all();
 }
 
 // CUDA: waits for the host's streams, then copies the gradients in.
@@ -631,8 +656,7 @@ void Reducer::check_fingerprint(size_t index) {
   const Bucket& bucket = buckets_[index];
   const Device device = group_->device();
   const int32_t world = group_->size();
-  std::vector<Tensor> all;
-  for (int32_t r = 0; r < world; ++r) all.push_back(Tensor::empty(DType::kInt64, {3}, device));
+  std::vector<Tensor> all = gather_outputs(world, DType::kInt64, 3, device);
   Tensor mine = host_int64({static_cast<int64_t>(index), bucket.flat.numel(), static_cast<int64_t>(bucket.dtype)});
   group_->all_gather(to_device(mine, device), all, false);
   std::vector<int64_t> first = read_int64(all[0]);
@@ -754,11 +778,10 @@ void Reducer::finish_backward() {
     // at once instead of waiting for them until the timeout.
     std::string refusal = str_cat("rank ", rank, " did not mark parameter(s) ", names, " ready");
     for (size_t b = next_queue_; b < buckets_.size(); ++b) {
-      jobs_.push_back(Job{b, refusal});
       buckets_[b].queued = true;
+      queue_->push(this, b, refusal);
     }
     next_queue_ = buckets_.size();
-    cv_.notify_all();
     wait_all_done(lock);
     std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
     ready_order_.clear();

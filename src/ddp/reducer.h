@@ -50,6 +50,41 @@ struct ReducerStats {
 
 enum class DebugLevel { kOff, kInfo, kDetail };
 
+class Reducer;
+
+// The one worker that runs every reducer's bucket reductions on a process
+// group, in the order buckets became ready: reducers over disjoint
+// submodules of one model share a group, and their collectives must reach
+// it in the same order on every rank.
+class CommQueue {
+ public:
+  static std::shared_ptr<CommQueue> for_group(const dist::ProcessGroup* group);
+  CommQueue();
+  ~CommQueue();
+  CommQueue(const CommQueue&) = delete;
+  CommQueue& operator=(const CommQueue&) = delete;
+
+  // Runs owner->run_job(bucket, refusal) on the worker, after what is queued.
+  void push(Reducer* owner, size_t bucket, std::string refusal);
+  // Drops the owner's queued jobs and waits for its running one to end.
+  void cancel(const Reducer* owner);
+
+ private:
+  struct Job {
+    Reducer* owner;
+    size_t bucket;
+    std::string refusal;
+  };
+  void loop();
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Job> jobs_;
+  const Reducer* running_ = nullptr;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
 class Reducer {
  public:
   using Clock = std::chrono::steady_clock;
@@ -94,18 +129,15 @@ class Reducer {
     std::string error;
     Clock::time_point start, end;
   };
-  struct Job {
-    size_t bucket;
-    std::string refusal;  // non-empty: refuse this bucket's reduction for this reason
-  };
 
   void build_buckets(const std::vector<std::vector<size_t>>& plan);
   std::vector<std::vector<size_t>> plan_for(const std::vector<size_t>& order) const;
   void check_agreement(const std::vector<std::string>& description);
   void broadcast_state(const std::vector<std::pair<std::string, Tensor>>& tensors);
   void queue_ready_buckets_locked();
-  void worker_loop();
-  void run_job(const Job& job);
+  friend class CommQueue;
+  // On the queue's worker: one bucket's reduction (or, with `refusal`, its refusal).
+  void run_job(size_t index, const std::string& refusal);
   void reduce_bucket(size_t index);
   void check_fingerprint(size_t index);
   void copy_into_bucket(size_t index);
@@ -128,11 +160,8 @@ class Reducer {
   mutable std::mutex mutex_;
   std::condition_variable cv_;
   std::vector<Bucket> buckets_;
-  std::deque<Job> jobs_;
-  bool running_job_ = false;
-  bool stopping_ = false;
   bool broken_ = false;  // a wait outlived its bound: only destroy is left
-  std::thread worker_;
+  std::shared_ptr<CommQueue> queue_;
 
   bool requires_sync_ = true;
   bool rebuilt_ = false;
