@@ -41,6 +41,11 @@ std::set<const Parameter*>& managed_set() {
 // Tensors exchanged for agreement checks are this big at most per chunk.
 constexpr size_t kStateBroadcastChunk = 64u << 20;
 
+[[noreturn]] void fail_finishing() {
+  fail(StatusCode::kState,
+       "dp_ddp_finish_backward is running on another thread; calls on one dp_ddp must not overlap it");
+}
+
 bool is_floating(DType dtype) {
   return dtype == DType::kFloat32 || dtype == DType::kFloat64 || dtype == DType::kFloat16 || dtype == DType::kBFloat16;
 }
@@ -471,6 +476,7 @@ void Reducer::pre_forward() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (broken_) fail(StatusCode::kState, "the dp_ddp is unusable after an earlier failure");
+    if (finishing_) fail_finishing();
     if (any_mark_) {
       fail(StatusCode::kState,
            "a backward is in progress (parameters were marked ready); call "
@@ -492,6 +498,7 @@ size_t Reducer::index_of(const std::string& name) const {
 void Reducer::mark_ready(size_t index, bool has_stream, void* stream) {
   std::unique_lock<std::mutex> lock(mutex_);
   if (broken_) fail(StatusCode::kState, "the dp_ddp is unusable after an earlier failure");
+  if (finishing_) fail_finishing();
   if (index >= params_.size()) {
     fail_invalid("argument 'param_index' is ", index, " but this dp_ddp manages ", params_.size(),
                  " parameters (indices 0..", params_.size() - 1, ")");
@@ -753,6 +760,17 @@ void Reducer::reset_iteration_locked() {
 void Reducer::finish_backward() {
   std::unique_lock<std::mutex> lock(mutex_);
   if (broken_) fail(StatusCode::kState, "the dp_ddp is unusable after an earlier failure");
+  if (finishing_) fail_finishing();
+  finishing_ = true;
+  // Cleared however this ends; the lock is held or retaken by then.
+  struct ClearFinishing {
+    std::unique_lock<std::mutex>& lock;
+    bool& flag;
+    ~ClearFinishing() {
+      if (!lock.owns_lock()) lock.lock();
+      flag = false;
+    }
+  } clear_finishing{lock, finishing_};
   const auto finish_start = Clock::now();
   if (!requires_sync_) {
     // No communication: the gradients stay as accumulated; the next synced
@@ -771,7 +789,7 @@ void Reducer::finish_backward() {
   if (!unmarked.empty() && !options_.find_unused_parameters) {
     std::string names = describe_params(unmarked);
     std::string message = str_cat(
-        "", unmarked.size(), " parameter(s) were not marked ready in this backward: ", names,
+        unmarked.size(), " parameter(s) were not marked ready in this backward: ", names,
         ". Mark every managed parameter once per backward, or create the dp_ddp with find_unused_parameters = 1 if "
         "some parameters are unused in some iterations");
     // The buckets that cannot start are refused, so that the other ranks fail
@@ -951,6 +969,7 @@ void Reducer::rebuild(const std::vector<size_t>& rank0_order) {
 
 void Reducer::set_requires_sync(bool requires_sync) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (finishing_) fail_finishing();
   if (any_mark_) {
     fail(StatusCode::kState,
          "a backward is in progress (parameters were marked ready); call it "

@@ -170,6 +170,7 @@ class Reducer {
   std::vector<uint8_t> used_since_sync_;
   std::vector<size_t> ready_order_;
   bool any_mark_ = false;
+  bool finishing_ = false;  // a finish_backward is running: other calls are refused
   Clock::time_point first_mark_;
   ReducerStats stats_;
   std::vector<std::string> trace_events_;
