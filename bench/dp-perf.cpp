@@ -6,6 +6,8 @@
 // reduce_add, scatter, gather) across the devices of -d. Under a launcher
 // (dp-run, torchrun or mpirun set WORLD_SIZE), it measures the process
 // group's collectives across the ranks: dp-run -n 2 dp-perf all_reduce.
+// `dp-run -n 2 dp-perf ddp` times a training step with and without the DDP
+// reducer (built with OpenBLAS; see dp_perf_ddp.cpp).
 //
 // One row per size: size, count, type, time (us), algbw and busbw (GB/s, as
 // nccl-tests defines them) and the number of wrong elements found by a real
@@ -30,6 +32,9 @@
 #include <vector>
 
 #include "dp_perf_dist.h"
+#ifdef DP_PERF_WITH_DDP
+#include "dp_perf_ddp.h"
+#endif
 #include "dparallel/dparallel.h"
 #include "perf_args.h"
 #include "perf_values.h"
@@ -55,6 +60,8 @@ struct Options {
                "               [-s SAMPLES] [-w WARMUP]\n"
                "       dp-run -n RANKS dp-perf <all_reduce|broadcast|all_gather|reduce_scatter> [-b 4K] [-e 64M]\n"
                "               [-f 4] [-t float] [-o sum] [-r ROOT]\n"
+               "       dp-run -n RANKS dp-perf ddp [--layers 10] [--width 1024] [--batch 32] [--steps 41]\n"
+               "               [--warmup 5] [--bucket-cap-mb 25] [--grad-as-bucket-view] [--modes ...]\n"
                "sizes: 1 to 1024G, with K, M or G suffixes (powers of 1024); -f: above 1, at most 1024;\n"
                "-s: 1..100000; -w: 0..100000\n",
                message);
@@ -412,6 +419,14 @@ int run(int argc, char** argv) {
 int main(int argc, char** argv) {
   if (argc < 2) usage("missing op");
   const std::string op = argv[1];
+  if (op == "ddp") {
+#ifdef DP_PERF_WITH_DDP
+    return dp_perf_ddp_main(argc - 1, argv + 1);
+#else
+    std::fprintf(stderr, "dp-perf: ddp needs OpenBLAS (libopenblas-dev) when dp-perf is built\n");
+    return 2;
+#endif
+  }
   const bool under_launcher = std::getenv("WORLD_SIZE") != nullptr || std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr;
   if (under_launcher || op == "all_reduce" || op == "all_gather" || op == "reduce_scatter") {
     return dp_perf_dist_main(argv[1], argc - 1, argv + 1);

@@ -1,0 +1,483 @@
+// dp-perf ddp: what the DDP reducer adds to a training step, measured the
+// way ../shared/anchors/5_ddp.sh measures PyTorch's DDP (same model, same
+// modes, same report), so the two can run side by side.
+//
+//   dp-run -n 2 dp-perf ddp --layers 10 --width 1024 --batch 32
+//
+// Model: `layers` x Linear(width, width) with ReLU between, MSE loss, SGD
+// (lr 1e-3), `batch` rows per rank of fixed random inputs and targets; the
+// host's math is OpenBLAS with one thread per rank (the anchor's torch uses
+// one thread per rank too). A step is forward, backward and SGD:
+//   local           a plain model of this process's own (no dparallel)
+//   ddp_no_sync     the DDP-wrapped model with dp_ddp_set_requires_gradient_sync(0)
+//   ddp             pre_forward, forward, backward marking each layer's weight
+//                   and bias ready as they are produced (last layer first, as
+//                   an autograd hook would), finish_backward, SGD
+//   allreduce_only  dp_pg_all_reduce of one flat float32 tensor with as many
+//                   elements as the model has parameters
+// Each step is timed after a barrier; a step's time is the maximum over the
+// ranks; the table gives the median and the minimum over the steps. Then:
+// the overhead of ddp over local in percent of the local step, the share of
+// the reductions' time hidden behind the backward (dp_ddp_last_stats,
+// summed over the measured ddp steps), and this rank's resident memory
+// before and after the DDP model's gradients and buckets exist, with its
+// peak (VmHWM). Run once with and once without --grad-as-bucket-view to see
+// the gradient copy that the view removes (a fresh process each: freed
+// blocks stay in the library's cache, so a second mode in one process would
+// reuse the first one's memory; DP_CACHE_LIMIT_MB=0 turns the cache off and
+// leaves only the memory in use).
+#include "dp_perf_ddp.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <new>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "dparallel/dparallel.h"
+#include "perf_args.h"
+
+namespace {
+
+struct Options {
+  int layers = 10;
+  int64_t width = 1024;
+  int64_t batch = 32;
+  int steps = 41;
+  int warmup = 5;
+  double bucket_cap_mb = 25;
+  double first_bucket_cap_mb = 1;
+  bool grad_as_bucket_view = false;
+  std::vector<std::string> modes{"local", "ddp_no_sync", "ddp", "allreduce_only"};
+};
+
+constexpr float kLearningRate = 1e-3f;
+
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+void fail_on(dp_status s, const char* what) {
+  if (s != DP_OK) {
+    std::fprintf(stderr, "dp-perf ddp: %s failed: %s\n", what, dp_last_error());
+    std::exit(1);
+  }
+}
+
+// VmRSS or VmHWM of this process, in KiB (-1 when /proc is not there).
+long status_kib(const char* key) {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind(key, 0) == 0) return std::atol(line.c_str() + std::strlen(key));
+  }
+  return -1;
+}
+
+uint64_t next_random(uint64_t* state) {
+  uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+float uniform(uint64_t* state, float bound) {
+  double u = static_cast<double>(next_random(state) >> 11) * (1.0 / 9007199254740992.0);
+  return static_cast<float>((2.0 * u - 1.0) * bound);
+}
+
+// The host's half of training: forward and backward over pointers it is
+// given (a plain model's arrays, or a dp_module's tensors), with scratch kept
+// across steps.
+class Mlp {
+ public:
+  Mlp(int layers, int64_t width, int64_t batch)
+      : layers_(layers),
+        width_(width),
+        batch_(batch),
+        act_(static_cast<size_t>(layers * batch * width)),
+        dz_(static_cast<size_t>(batch * width)),
+        da_(static_cast<size_t>(batch * width)) {}
+
+  // Writes every layer's gradients (MSE, mean over rows and outputs); after
+  // layer l's weight and bias gradients, calls ready(l) when given.
+  template <typename Ready>
+  void forward_backward(float* const* w, float* const* b, float* const* gw, float* const* gb, const float* x,
+                        const float* y, Ready&& ready) {
+    const int L = layers_;
+    const int n = static_cast<int>(batch_), W = static_cast<int>(width_);
+    for (int l = 0; l < L; ++l) {
+      const float* in = l == 0 ? x : out(l - 1);
+      float* o = out(l);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, W, W, 1.0f, in, W, w[l], W, 0.0f, o, W);
+      for (int r = 0; r < n; ++r) {
+        float* row = o + static_cast<size_t>(r) * W;
+        for (int j = 0; j < W; ++j) {
+          float v = row[j] + b[l][j];
+          row[j] = (l < L - 1 && v < 0.0f) ? 0.0f : v;
+        }
+      }
+    }
+    const float scale = 2.0f / static_cast<float>(static_cast<int64_t>(n) * W);
+    const float* pred = out(L - 1);
+    float* dz = dz_.data();
+    float* da = da_.data();
+    for (size_t i = 0; i < static_cast<size_t>(n) * W; ++i) dz[i] = (pred[i] - y[i]) * scale;
+    for (int l = L - 1; l >= 0; --l) {
+      const float* in = l == 0 ? x : out(l - 1);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, W, W, n, 1.0f, dz, W, in, W, 0.0f, gw[l], W);
+      std::fill(gb[l], gb[l] + W, 0.0f);
+      for (int r = 0; r < n; ++r) {
+        for (int j = 0; j < W; ++j) gb[l][j] += dz[static_cast<size_t>(r) * W + j];
+      }
+      ready(l);
+      if (l == 0) break;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, W, W, 1.0f, dz, W, w[l], W, 0.0f, da, W);
+      for (size_t i = 0; i < static_cast<size_t>(n) * W; ++i) {
+        if (in[i] <= 0.0f) da[i] = 0.0f;  // ReLU: `in` is its output
+      }
+      std::swap(dz, da);
+    }
+  }
+
+ private:
+  float* out(int l) { return act_.data() + static_cast<size_t>(l) * static_cast<size_t>(batch_ * width_); }
+
+  int layers_;
+  int64_t width_, batch_;
+  std::vector<float> act_, dz_, da_;
+};
+
+void sgd(float* p, const float* g, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) p[i] -= kLearningRate * g[i];
+}
+
+// torch.nn.Linear's default initialisation, the same on every rank.
+void init_layer(uint64_t* rng, float* w, float* b, int64_t width) {
+  const float bound = 1.0f / std::sqrt(static_cast<float>(width));
+  for (int64_t i = 0; i < width * width; ++i) w[i] = uniform(rng, bound);
+  for (int64_t i = 0; i < width; ++i) b[i] = uniform(rng, bound);
+}
+
+struct Timing {
+  double median = 0, min = 0;
+};
+
+// Median and minimum of the steps' times, each the maximum over the ranks.
+Timing summarize(dp_process_group* pg, std::vector<double> times) {
+  int64_t n = static_cast<int64_t>(times.size());
+  dp_tensor* t = nullptr;
+  fail_on(dp_tensor_create(&t, DP_FLOAT64, 1, &n, dp_device{DP_DEVICE_CPU, 0}), "creating the timing tensor");
+  fail_on(dp_tensor_copy_from_host(t, times.data(), times.size() * sizeof(double)), "copying the times");
+  fail_on(dp_pg_all_reduce(pg, t, DP_MAX), "all_reduce MAX of the times");
+  fail_on(dp_tensor_copy_to_host(t, times.data(), times.size() * sizeof(double)), "copying the times back");
+  dp_tensor_destroy(t);
+  std::sort(times.begin(), times.end());
+  return {times[times.size() / 2], times.front()};
+}
+
+// Runs warm-up steps, then timed steps, each after a barrier.
+template <typename Step>
+Timing measure(dp_process_group* pg, const Options& o, Step&& step) {
+  for (int i = 0; i < o.warmup; ++i) step(-1);
+  std::vector<double> times;
+  for (int i = 0; i < o.steps; ++i) {
+    fail_on(dp_pg_barrier(pg), "barrier");
+    double t0 = now();
+    step(i);
+    times.push_back(now() - t0);
+  }
+  return summarize(pg, times);
+}
+
+int run(const Options& o) {
+  dp_process_group* pg = nullptr;
+  fail_on(dp_process_group_create_from_env(&pg, nullptr), "joining the process group (run it under dp-run)");
+  const int rank = dp_process_group_rank(pg), world = dp_process_group_size(pg);
+  openblas_set_num_threads(1);
+  const int L = o.layers;
+  const int64_t W = o.width, B = o.batch;
+  const int64_t nparams = static_cast<int64_t>(L) * (W * W + W);
+  const size_t per_layer = static_cast<size_t>(W * W + W);
+
+  // Inputs and targets of this rank, fixed across steps (as in the anchor).
+  std::vector<float> x(static_cast<size_t>(B * W)), y(static_cast<size_t>(B * W));
+  uint64_t data_rng = 1000 + static_cast<uint64_t>(rank);
+  for (float& v : x) v = uniform(&data_rng, 1.7f);
+  for (float& v : y) v = uniform(&data_rng, 1.7f);
+  Mlp mlp(L, W, B);
+  auto no_marks = [](int) {};
+
+  if (rank == 0) {
+    std::printf(
+        "# dparallel DDP/%s, world=%d, model %dxLinear(%lld,%lld) = %.2f M params (%.1f MB grads), batch=%lld/rank, "
+        "BLAS threads/rank=1, steps=%d (+%d warm-up), buckets %g MB (first %g MB), gradient_as_bucket_view=%d, "
+        "blas=%s\n",
+        dp_process_group_backend(pg), world, L, static_cast<long long>(W), static_cast<long long>(W),
+        static_cast<double>(nparams) / 1e6, static_cast<double>(nparams) * 4 / 1e6, static_cast<long long>(B), o.steps,
+        o.warmup, o.bucket_cap_mb, o.first_bucket_cap_mb, o.grad_as_bucket_view ? 1 : 0, openblas_get_config());
+    std::printf("%-15s %9s %9s %16s\n", "mode", "t_med_ms", "t_min_ms", "vs_local_med_ms");
+    std::fflush(stdout);
+  }
+  std::vector<std::pair<std::string, Timing>> results;
+  auto report = [&](const std::string& name, Timing t) {
+    results.emplace_back(name, t);
+    if (rank != 0) return;
+    std::string rel(16, ' ');
+    if (name != "local" && !results.empty() && results.front().first == "local") {
+      char text[32];
+      std::snprintf(text, sizeof text, "%+16.2f", (t.median - results.front().second.median) * 1e3);
+      rel = text;
+    }
+    std::printf("%-15s %9.2f %9.2f %s\n", name.c_str(), t.median * 1e3, t.min * 1e3, rel.c_str());
+    std::fflush(stdout);
+  };
+  auto wants = [&](const char* mode) { return std::find(o.modes.begin(), o.modes.end(), mode) != o.modes.end(); };
+
+  // local: the host's own arrays, no dparallel call in the step.
+  if (wants("local")) {
+    std::vector<float> params(per_layer * L), grads(per_layer * L);
+    std::vector<float*> w(L), b(L), gw(L), gb(L);
+    uint64_t rng = 42;
+    for (int l = 0; l < L; ++l) {
+      w[l] = params.data() + per_layer * l;
+      b[l] = w[l] + W * W;
+      gw[l] = grads.data() + per_layer * l;
+      gb[l] = gw[l] + W * W;
+      init_layer(&rng, w[l], b[l], W);
+    }
+    report("local", measure(pg, o, [&](int) {
+             mlp.forward_backward(w.data(), b.data(), gw.data(), gb.data(), x.data(), y.data(), no_marks);
+             sgd(params.data(), grads.data(), nparams);
+           }));
+  }
+
+  // The DDP model: a dp_module whose parameters are library tensors; its
+  // gradients are left to the reducer (with gradient_as_bucket_view they are
+  // views into the buckets and never allocated on their own).
+  double hidden_share = -1, reduce_ms = 0, exposed_ms = 0;
+  size_t num_buckets = 0;
+  long rss_before = -1, rss_after = -1, hwm_before = -1, hwm_after = -1;
+  if (wants("ddp_no_sync") || wants("ddp")) {
+    dp_module* model = nullptr;
+    fail_on(dp_module_create(&model), "dp_module_create");
+    std::vector<std::string> names;
+    uint64_t rng = 42;
+    for (int l = 0; l < L; ++l) {
+      dp_module* linear = nullptr;
+      dp_tensor *weight = nullptr, *bias = nullptr;
+      int64_t wshape[2] = {W, W};
+      fail_on(dp_module_create(&linear), "dp_module_create");
+      fail_on(dp_tensor_create(&weight, DP_FLOAT32, 2, wshape, dp_device{DP_DEVICE_CPU, 0}), "dp_tensor_create");
+      fail_on(dp_tensor_create(&bias, DP_FLOAT32, 1, &W, dp_device{DP_DEVICE_CPU, 0}), "dp_tensor_create");
+      init_layer(&rng, static_cast<float*>(dp_tensor_data(weight)), static_cast<float*>(dp_tensor_data(bias)), W);
+      fail_on(dp_module_register_parameter(linear, "weight", weight, 1), "registering a weight");
+      fail_on(dp_module_register_parameter(linear, "bias", bias, 1), "registering a bias");
+      fail_on(dp_module_register_module(model, std::to_string(2 * l).c_str(), linear), "registering a layer");
+      if (l < L - 1) {
+        dp_module* relu = nullptr;
+        fail_on(dp_module_create(&relu), "dp_module_create");
+        fail_on(dp_module_register_module(model, std::to_string(2 * l + 1).c_str(), relu), "registering a ReLU");
+        dp_module_destroy(relu);
+      }
+      names.push_back(std::to_string(2 * l) + ".weight");
+      names.push_back(std::to_string(2 * l) + ".bias");
+      dp_tensor_destroy(weight);
+      dp_tensor_destroy(bias);
+      dp_module_destroy(linear);
+    }
+    rss_before = status_kib("VmRSS:");
+    hwm_before = status_kib("VmHWM:");
+    dp_ddp_options dopts;
+    fail_on(dp_ddp_options_init(&dopts), "dp_ddp_options_init");
+    dopts.bucket_cap_mb = o.bucket_cap_mb;
+    dopts.first_bucket_cap_mb = o.first_bucket_cap_mb;
+    dopts.gradient_as_bucket_view = o.grad_as_bucket_view ? 1 : 0;
+    dp_ddp* ddp = nullptr;
+    fail_on(dp_ddp_create(&ddp, model, pg, &dopts), "dp_ddp_create");
+
+    std::vector<float*> w(L), b(L), gw(L), gb(L);
+    // Fetched every step: with gradient_as_bucket_view the gradients move
+    // into the rebuilt buckets after the first synced step.
+    auto fetch = [&] {
+      for (size_t i = 0; i < names.size(); ++i) {
+        dp_tensor *p = nullptr, *g = nullptr;
+        fail_on(dp_module_get_parameter(model, names[i].c_str(), &p), "dp_module_get_parameter");
+        fail_on(dp_module_grad(model, names[i].c_str(), &g), "dp_module_grad");
+        (i % 2 == 0 ? w : b)[i / 2] = static_cast<float*>(dp_tensor_data(p));
+        (i % 2 == 0 ? gw : gb)[i / 2] = static_cast<float*>(dp_tensor_data(g));
+        dp_tensor_destroy(p);  // the module keeps both alive
+        dp_tensor_destroy(g);
+      }
+    };
+    // Managed index of layer l's weight is 2l, its bias 2l + 1.
+    auto mark = [&](int l) {
+      fail_on(dp_ddp_mark_grad_ready_index(ddp, static_cast<size_t>(2 * l)), "dp_ddp_mark_grad_ready_index");
+      fail_on(dp_ddp_mark_grad_ready_index(ddp, static_cast<size_t>(2 * l + 1)), "dp_ddp_mark_grad_ready_index");
+    };
+    double reduce_sum = 0, exposed_sum = 0;
+    auto ddp_step = [&](int timed) {
+      fail_on(dp_ddp_pre_forward(ddp), "dp_ddp_pre_forward");
+      fetch();
+      mlp.forward_backward(w.data(), b.data(), gw.data(), gb.data(), x.data(), y.data(), mark);
+      fail_on(dp_ddp_finish_backward(ddp), "dp_ddp_finish_backward");
+      fetch();
+      for (int l = 0; l < L; ++l) {
+        sgd(w[l], gw[l], W * W);
+        sgd(b[l], gb[l], W);
+      }
+      if (timed >= 0) {
+        dp_ddp_stats stats{};
+        stats.struct_size = sizeof stats;
+        fail_on(dp_ddp_last_stats(ddp, &stats), "dp_ddp_last_stats");
+        reduce_sum += stats.reduce_ms;
+        exposed_sum += stats.exposed_ms;
+        num_buckets = stats.num_buckets;
+      }
+    };
+    if (wants("ddp_no_sync")) {
+      fail_on(dp_ddp_set_requires_gradient_sync(ddp, 0), "dp_ddp_set_requires_gradient_sync");
+      report("ddp_no_sync", measure(pg, o, ddp_step));
+      fail_on(dp_ddp_set_requires_gradient_sync(ddp, 1), "dp_ddp_set_requires_gradient_sync");
+    }
+    if (wants("ddp")) {
+      reduce_sum = exposed_sum = 0;
+      report("ddp", measure(pg, o, ddp_step));
+      reduce_ms = reduce_sum / o.steps;
+      exposed_ms = exposed_sum / o.steps;
+      hidden_share = reduce_sum > 0 ? 1.0 - exposed_sum / reduce_sum : 0.0;
+    }
+    rss_after = status_kib("VmRSS:");
+    hwm_after = status_kib("VmHWM:");
+    dp_ddp_destroy(ddp);
+    dp_module_destroy(model);
+  }
+
+  if (wants("allreduce_only")) {
+    dp_tensor* flat = nullptr;
+    fail_on(dp_tensor_create(&flat, DP_FLOAT32, 1, &nparams, dp_device{DP_DEVICE_CPU, 0}), "dp_tensor_create");
+    report("allreduce_only", measure(pg, o, [&](int) { fail_on(dp_pg_all_reduce(pg, flat, DP_SUM), "all_reduce"); }));
+    dp_tensor_destroy(flat);
+  }
+
+  if (rank == 0) {
+    auto find = [&](const char* name) -> const Timing* {
+      for (const auto& [n, t] : results) {
+        if (n == name) return &t;
+      }
+      return nullptr;
+    };
+    const Timing *local = find("local"), *no_sync = find("ddp_no_sync"), *ddp = find("ddp"),
+                 *flat = find("allreduce_only");
+    if (local != nullptr && ddp != nullptr) {
+      const double l = local->median, d = ddp->median;
+      std::printf("# comm overhead (median): ddp - local = %.2f ms (%.1f%% of local step)", (d - l) * 1e3,
+                  (d / l - 1) * 100);
+      if (no_sync != nullptr) {
+        std::printf("; ddp - ddp_no_sync = %.2f ms; ddp_no_sync - local = %.2f ms", (d - no_sync->median) * 1e3,
+                    (no_sync->median - l) * 1e3);
+      }
+      std::printf("\n");
+    }
+    if (flat != nullptr && ddp != nullptr && no_sync != nullptr) {
+      std::printf("# flat all_reduce of all grads alone = %.2f ms; exposed share of it in ddp = %.0f%%\n",
+                  flat->median * 1e3, (ddp->median - no_sync->median) / flat->median * 100);
+    }
+    if (hidden_share >= 0) {
+      std::printf(
+          "# reducer (dp_ddp_last_stats, mean over the timed ddp steps, rank 0): reductions %.2f ms, %.2f ms of it "
+          "exposed in finish_backward: %.0f%% hidden behind the backward; %zu buckets\n",
+          reduce_ms, exposed_ms, hidden_share * 100, num_buckets);
+    }
+    if (rss_before >= 0 && rss_after >= 0) {
+      // Freed blocks stay resident in the library's cache (up to
+      // DP_CACHE_LIMIT_MB, default 1024): 0 shows what is in use.
+      const char* cache = std::getenv("DP_CACHE_LIMIT_MB");
+      std::printf(
+          "# memory (rank 0, gradient_as_bucket_view=%d, DP_CACHE_LIMIT_MB=%s): resident %.1f MiB before "
+          "dp_ddp_create, %.1f MiB after the ddp steps (%+.1f MiB; the gradients are %.1f MiB); peak (VmHWM) %.1f "
+          "MiB, %+.1f MiB over the peak before\n",
+          o.grad_as_bucket_view ? 1 : 0, cache != nullptr && *cache != '\0' ? cache : "default", rss_before / 1024.0,
+          rss_after / 1024.0, (rss_after - rss_before) / 1024.0, static_cast<double>(nparams) * 4 / 1048576.0,
+          hwm_after / 1024.0, (hwm_after - hwm_before) / 1024.0);
+    }
+    std::fflush(stdout);
+  }
+  fail_on(dp_pg_barrier(pg), "final barrier");
+  dp_process_group_destroy(pg);
+  return 0;
+}
+
+}  // namespace
+
+int dp_perf_ddp_main(int argc, char** argv) {
+  Options o;
+  try {
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      if (a == "--grad-as-bucket-view") {
+        o.grad_as_bucket_view = true;
+        continue;
+      }
+      if (i + 1 >= argc) throw perf::UsageError("option " + a + " needs a value");
+      const std::string v = argv[++i];
+      if (a == "--layers") {
+        o.layers = static_cast<int>(perf::parse_int(a, v, 1, 1000));
+      } else if (a == "--width") {
+        o.width = perf::parse_int(a, v, 1, 16384);
+      } else if (a == "--batch") {
+        o.batch = perf::parse_int(a, v, 1, 1 << 20);
+      } else if (a == "--steps") {
+        o.steps = static_cast<int>(perf::parse_int(a, v, 1, 100000));
+      } else if (a == "--warmup") {
+        o.warmup = static_cast<int>(perf::parse_int(a, v, 0, 100000));
+      } else if (a == "--bucket-cap-mb" || a == "--first-bucket-cap-mb") {
+        char* end = nullptr;
+        double mb = std::strtod(v.c_str(), &end);
+        if (end == v.c_str() || *end != '\0' || !std::isfinite(mb) || mb <= 0 || mb > 1048576) {
+          perf::bad_value(a, v, "a number of MB above 0 and at most 1048576");
+        }
+        (a == "--bucket-cap-mb" ? o.bucket_cap_mb : o.first_bucket_cap_mb) = mb;
+      } else if (a == "--modes") {
+        o.modes.clear();
+        std::stringstream list(v);
+        for (std::string mode; std::getline(list, mode, ',');) {
+          if (mode != "local" && mode != "ddp_no_sync" && mode != "ddp" && mode != "allreduce_only") {
+            perf::bad_value(a, v, "a comma-separated list of local, ddp_no_sync, ddp, allreduce_only");
+          }
+          o.modes.push_back(mode);
+        }
+        if (o.modes.empty()) perf::bad_value(a, v, "a comma-separated list of local, ddp_no_sync, ddp, allreduce_only");
+      } else {
+        throw perf::UsageError("unknown option " + a);
+      }
+    }
+    // Per rank: the local model and the DDP model (parameters, gradients,
+    // buckets, rebuilt buckets: 6 model-sized buffers), for every rank here.
+    const char* local_ranks_text = std::getenv("LOCAL_WORLD_SIZE");
+    const long local_ranks = local_ranks_text != nullptr ? std::max(1L, std::atol(local_ranks_text)) : 1;
+    const double model_bytes = 4.0 * static_cast<double>(o.layers) * static_cast<double>(o.width * o.width + o.width);
+    const double act_bytes =
+        4.0 * static_cast<double>(o.layers + 2) * static_cast<double>(o.batch) * static_cast<double>(o.width);
+    perf::check_fits("this model on " + std::to_string(local_ranks) + " local rank(s)",
+                     (8 * model_bytes + act_bytes) * static_cast<double>(local_ranks));
+  } catch (const perf::UsageError& e) {
+    std::fprintf(stderr, "dp-perf ddp: %s\n", e.what());
+    std::fprintf(stderr,
+                 "usage: dp-run -n 2 dp-perf ddp [--layers 10] [--width 1024] [--batch 32] [--steps 41] [--warmup 5]\n"
+                 "       [--bucket-cap-mb 25] [--first-bucket-cap-mb 1] [--grad-as-bucket-view]\n"
+                 "       [--modes local,ddp_no_sync,ddp,allreduce_only]\n");
+    return 2;
+  }
+  try {
+    return run(o);
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "dp-perf ddp: out of memory; a smaller --width or --layers needs less\n");
+    return 1;
+  }
+}
