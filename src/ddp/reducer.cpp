@@ -313,6 +313,7 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
     unregister();
     throw;
   }
+  for (size_t i = 0; i < params_.size(); ++i) index_by_name_.emplace(params_[i].name, i);
   marked_.assign(params_.size(), 0);
   used_since_sync_.assign(params_.size(), 0);
   reset_iteration_locked();
@@ -394,11 +395,14 @@ Tensor Reducer::slot_of(size_t index) const {
 }
 
 std::string Reducer::describe_params(const std::vector<size_t>& indices) const {
+  // Messages stay readable (and small) for buckets of thousands of parameters.
+  constexpr size_t kMaxListed = 32;
   std::string out;
-  for (size_t i : indices) {
+  for (size_t k = 0; k < indices.size() && k < kMaxListed; ++k) {
     if (!out.empty()) out += ", ";
-    out += str_cat("'", params_[i].name, "' (index ", i, ")");
+    out += str_cat("'", params_[indices[k]].name, "' (index ", indices[k], ")");
   }
+  if (indices.size() > kMaxListed) out += str_cat(" and ", indices.size() - kMaxListed, " more");
   return out;
 }
 
@@ -487,9 +491,8 @@ void Reducer::pre_forward() {
 }
 
 size_t Reducer::index_of(const std::string& name) const {
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (params_[i].name == name) return i;
-  }
+  auto it = index_by_name_.find(name);
+  if (it != index_by_name_.end()) return it->second;
   module_->get_parameter(name);  // throws naming an unknown name
   fail_invalid("argument 'param_name' is '", name,
                "', a parameter this dp_ddp does not manage (ignored, or it does not require grad)");

@@ -13,6 +13,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "core/tensor.h"
@@ -156,6 +157,7 @@ class Reducer {
   std::string timeline_path_;
   std::vector<Managed> params_;
   std::vector<std::pair<std::string, Tensor>> buffers_;  // broadcast by pre_forward
+  std::unordered_map<std::string, size_t> index_by_name_;
 
   mutable std::mutex mutex_;
   std::condition_variable cv_;

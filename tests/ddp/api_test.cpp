@@ -465,4 +465,60 @@ TEST_F(DdpApi, MarksFromSeveralThreadsAtOnce) {
   }
 }
 
+// Many parameters: marks by name stay cheap (no scan per mark) and error
+// messages list a bounded number of names.
+TEST_F(DdpApi, TwentyThousandParametersMarkedByNameAndAnUnmarkedListIsBounded) {
+  std::vector<std::string> names;
+  std::vector<Spec> specs;
+  for (int i = 0; i < 20000; ++i) names.push_back("p" + std::to_string(i));
+  for (const auto& n : names) specs.push_back(Spec{n.c_str(), DP_FLOAT32, 3});
+  ModulePtr m = flat(specs);
+  dp_ddp_options o = DP_DDP_OPTIONS_INIT;
+  o.bucket_cap_mb = o.first_bucket_cap_mb = cap_mb(4096);
+  DdpPtr d = create(m.get(), &o);
+  ASSERT_NE(d, nullptr);
+  EXPECT_EQ(dp_ddp_num_buckets(d.get()), 20000u * 12 / 4096 + 1);
+  for (size_t i = names.size(); i-- > 0;) DP_ASSERT_OK(dp_ddp_mark_grad_ready(d.get(), names[i].c_str()));
+  DP_ASSERT_OK(dp_ddp_finish_backward(d.get()));
+  // All but the first 100 unmarked: the message names some and counts the rest.
+  for (size_t i = 0; i < 100; ++i) DP_ASSERT_OK(dp_ddp_mark_grad_ready(d.get(), names[i].c_str()));
+  ASSERT_EQ(dp_ddp_finish_backward(d.get()), DP_ESTATE);
+  std::string message = dp_last_error();
+  EXPECT_NE(message.find("19900 parameter(s) were not marked"), std::string::npos) << message;
+  EXPECT_NE(message.find("more"), std::string::npos) << message;
+  EXPECT_LT(message.size(), 4096u) << message;
+}
+
+// Names that are not managed parameters: empty, a module, a path past a
+// parameter, a buffer.
+TEST_F(DdpApi, MarkingByANameThatIsNotAManagedParameterIsEinvalNamingIt) {
+  ModulePtr m = net();
+  TensorPtr buf = make<float>({2}, {1, 2});
+  DP_ASSERT_OK(dp_module_register_buffer(m.get(), "running", buf.get(), 1));
+  DdpPtr d = create(m.get());
+  ASSERT_NE(d, nullptr);
+  for (const char* name : {"", "fc1", "fc1.weight.x", "running", "fc9.bias", ".", "fc1..weight"}) {
+    SCOPED_TRACE(name);
+    EXPECT_EQ(dp_ddp_mark_grad_ready(d.get(), name), DP_EINVAL);
+    if (*name != '\0') {
+      EXPECT_NE(std::string(dp_last_error()).find(name), std::string::npos) << dp_last_error();
+    }
+  }
+  // The failed marks left no trace: a full backward still works.
+  for (const char* p : kParams) DP_EXPECT_OK(dp_ddp_mark_grad_ready(d.get(), p));
+  DP_EXPECT_OK(dp_ddp_finish_backward(d.get()));
+}
+
+// For a CPU parameter the _stream form is the _index form.
+TEST_F(DdpApi, MarkWithAStreamOnACpuParameterIsAPlainMark) {
+  ModulePtr m = net();
+  DdpPtr d = create(m.get());
+  ASSERT_NE(d, nullptr);
+  for (size_t i = 0; i < 6; ++i) DP_ASSERT_OK(dp_ddp_mark_grad_ready_stream(d.get(), i, nullptr));
+  EXPECT_EQ(dp_ddp_mark_grad_ready_stream(d.get(), 0, nullptr), DP_ESTATE);
+  EXPECT_EQ(dp_ddp_mark_grad_ready_stream(d.get(), 6, nullptr), DP_EINVAL);
+  DP_EXPECT_OK(dp_ddp_finish_backward(d.get()));
+  EXPECT_EQ(dp_ddp_mark_grad_ready_stream(nullptr, 0, nullptr), DP_EINVAL);
+}
+
 }  // namespace
