@@ -1,5 +1,6 @@
 /* dparallel — collectives across processes and machines: stores, process
- * groups (Gloo for cpu tensors, NCCL for cuda tensors) and their async work.
+ * groups (for cpu tensors, shared memory between the ranks of one host and
+ * Gloo across hosts; NCCL for cuda tensors) and their async work.
  *
  * Semantics follow PyTorch's c10d. Every rank of a group must issue the same
  * collectives in the same order with the same sizes; a mismatch is an error
@@ -17,7 +18,11 @@
  *
  * Environment: DP_STORE_TOKEN (a job token the TCP store requires of every
  * client), DP_SOCKET_IFNAME (the network interface Gloo uses; default
- * loopback when the store is on a loopback address, else this host's name).
+ * loopback when the store is on a loopback address, else this host's name),
+ * DP_SHM ("0": cpu groups always use Gloo; otherwise a cpu group whose ranks
+ * all run on one host uses shared memory, through a segment private to the
+ * job and gone from /dev/shm once every rank has mapped it), DP_HOST_ID
+ * (the host a rank counts as on, instead of the boot id and host name).
  * The job token guards the rendezvous (the store) only: the collectives'
  * own traffic, Gloo's and NCCL's connections, is not authenticated, so run
  * jobs on networks only they and trusted hosts can reach.
@@ -110,7 +115,7 @@ typedef enum dp_backend { DP_BACKEND_AUTO = 0, DP_BACKEND_GLOO = 1, DP_BACKEND_N
 typedef enum dp_reduce_op { DP_SUM = 0, DP_AVG = 1, DP_MIN = 2, DP_MAX = 3, DP_PROD = 4 } dp_reduce_op;
 typedef struct dp_process_group_options {
   size_t struct_size;
-  int32_t backend;    /* dp_backend; AUTO: NCCL for a cuda device, Gloo for cpu */
+  int32_t backend;    /* dp_backend; AUTO: NCCL for cuda, Gloo (or shared memory on one host) for cpu */
   int32_t rank;       /* -1 (the default): from RANK, or mpirun's OMPI_COMM_WORLD_RANK */
   int32_t world_size; /* -1 (the default): from WORLD_SIZE, or OMPI_COMM_WORLD_SIZE */
   dp_store *store;    /* NULL: a TCP store at MASTER_ADDR:MASTER_PORT, served by rank 0 */
@@ -188,7 +193,7 @@ DP_API dp_status dp_pg_all_gather_async(dp_process_group *pg, const dp_tensor *i
 DP_API dp_status dp_pg_reduce_scatter_async(dp_process_group *pg, const dp_tensor *const *inputs, size_t ninputs,
                                             dp_tensor *output, int32_t op, dp_work **out);
 DP_API dp_status dp_pg_barrier_async(dp_process_group *pg, dp_work **out);
-/* "gloo" or "nccl" (static text); NULL for an invalid handle. */
+/* "shm", "gloo" or "nccl" (static text); NULL for an invalid handle. */
 DP_API const char *dp_process_group_backend(const dp_process_group *pg);
 
 #ifdef __cplusplus

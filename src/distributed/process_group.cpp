@@ -310,7 +310,7 @@ std::unique_ptr<ProcessGroup> create_process_group(const ProcessGroupOptions& op
       if (options.device.type != DeviceType::kCpu) {
         fail_invalid("the Gloo backend works on cpu tensors but 'device' is a cuda device; use DP_BACKEND_NCCL");
       }
-      return create_gloo_process_group(options);
+      return create_cpu_process_group(options);
     case Backend::kNccl:
       if (options.device.type != DeviceType::kCuda) {
         fail_invalid("the NCCL backend works on cuda tensors but 'device' is a cpu device; use DP_BACKEND_GLOO");

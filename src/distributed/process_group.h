@@ -125,6 +125,9 @@ std::string find_missing_ranks(Store& store, const std::string& prefix, int32_t 
                                bool exchanged, std::chrono::steady_clock::time_point deadline);
 // Each backend's factory; the NCCL one fails with kUnsupported in a build without NCCL.
 std::unique_ptr<ProcessGroup> create_gloo_process_group(const ProcessGroupOptions& options);
+// A cpu group: through shared memory (shm/) when every rank runs on this
+// host and DP_SHM is not "0" on any of them, else through Gloo.
+std::unique_ptr<ProcessGroup> create_cpu_process_group(const ProcessGroupOptions& options);
 // The address Gloo binds to and advertises when DP_SOCKET_IFNAME is unset:
 // with a TCP store, this end's address of its connection to the store.
 std::string gloo_host(const ProcessGroupOptions& options);

@@ -1,0 +1,617 @@
+// The shared-memory backend for the ranks of one host.
+//
+// Rank 0 creates the segment (segment.h) and hands its name to the others
+// through the store; the last rank to map it unlinks it. The segment holds a
+// control block, every rank's pid, and two sets of slots: per rank a call
+// header and `slot` bytes of data. Collectives run in rounds; round k uses
+// set k % 2. Each round, every rank writes its part into its own slot, then
+// all meet at a barrier, then read the others' slots. A rank writes set k % 2
+// again only in round k + 2, after the barrier of round k + 1, which no rank
+// reaches before it has read everything of round k.
+//
+// The first barrier of a collective also swaps the call headers
+// (call_header.h), and every rank checks them before it reads any data, so
+// mismatched or refused calls fail alike on every rank after one barrier.
+//
+// all_reduce: small payloads go whole into each slot and every rank reduces
+// all slots in rank order (one barrier). Larger ones go in blocks of a slot's
+// size: every rank owns a part of each block, reduces it over the ranks in
+// rank order into its own slot (its own input read in place), and after a
+// second barrier every rank copies the owners' results: a reduce-scatter and
+// an all-gather through the segment, every rank reading and writing at once.
+// One owner computes each element, so all ranks get the same bits, run to run.
+// reduce_scatter works like the first half; broadcast and all_gather copy
+// through the slots in one barrier per round.
+//
+// Waiting: a barrier spins briefly, then sleeps on a futex on the shared
+// arrival counter, waking at least every kSleepSlice to check the deadline,
+// whether another rank gave up, and whether a peer's process is gone
+// (pidfds, which also see a zombie as gone).
+#include "distributed/shm/shm_process_group.h"
+
+#include <linux/futex.h>
+#include <poll.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <new>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+#include "distributed/call_header.h"
+#include "distributed/reduce_ops.h"
+#include "distributed/shm/segment.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace dparallel::dist {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr uint64_t kMagic = 0x31736d5370645f64ULL;  // "d_dpSms1"
+constexpr size_t kLine = 64;
+// Data bytes per rank and set: large enough that a barrier per block costs
+// little, small enough that a round's slots stay in the last-level cache.
+constexpr size_t kSlotBytes = size_t(1) << 20;
+constexpr size_t kMinSlotBytes = size_t(64) << 10;
+// Both sets of every rank's slots stay within this; more ranks, smaller slots.
+constexpr size_t kSegmentDataBudget = size_t(64) << 20;
+// all_reduce payloads up to this are reduced whole by every rank.
+constexpr size_t kSmallAllReduceBytes = size_t(32) << 10;
+// Reductions run over pieces of this size, so that a piece stays in cache
+// while every rank's contribution is folded into it.
+constexpr size_t kPieceBytes = size_t(16) << 10;
+// How long a barrier spins before it sleeps, and how long it sleeps at most
+// between checks of the deadline, the other ranks' failures and their pids.
+constexpr std::chrono::microseconds kSpin{50};
+constexpr std::chrono::microseconds kShortSpin{2};
+constexpr Millis kSleepSlice{50};
+// Beyond this many ranks a round's piece per rank would not fill a cache line.
+constexpr int32_t kMaxRanks = 1024;
+
+struct Control {
+  alignas(kLine) std::atomic<uint32_t> mapped;    // ranks that mapped the segment
+  alignas(kLine) std::atomic<uint32_t> arrivals;  // barrier arrivals, all ranks together (wraps)
+  alignas(kLine) std::atomic<uint32_t> sleepers;  // ranks asleep on `arrivals`
+  alignas(kLine) std::atomic<int32_t> aborted;    // 0, or 1 + the rank that gave up first
+  int32_t world;
+  uint64_t magic;
+  uint64_t total_bytes;
+  uint64_t slot_bytes;
+};
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "shared atomics must be lock-free");
+
+size_t align_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+// Where things are in a segment for `world` ranks.
+struct Layout {
+  Layout(int32_t world, size_t slot_bytes) : slot(slot_bytes) {
+    auto ranks = static_cast<size_t>(world);
+    pids = align_up(sizeof(Control), kLine);
+    headers = align_up(pids + sizeof(std::atomic<int32_t>) * ranks, kLine);
+    data = align_up(headers + 2 * ranks * sizeof(CallHeader), 4096);
+    total = data + 2 * ranks * slot;
+  }
+  size_t pids;
+  size_t headers;
+  size_t data;
+  size_t slot;
+  size_t total;
+};
+
+size_t slot_bytes_for(int32_t world) {
+  size_t budget = kSegmentDataBudget / (2 * static_cast<size_t>(world));
+  return std::max(kMinSlotBytes, std::min(kSlotBytes, budget / 4096 * 4096));
+}
+
+void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// True once the wrapping counter `value` has reached `target`.
+bool reached(uint32_t value, uint32_t target) { return static_cast<int32_t>(value - target) >= 0; }
+
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, Millis timeout) {
+  timespec ts{};
+  ts.tv_sec = static_cast<time_t>(timeout.count() / 1000);
+  ts.tv_nsec = static_cast<long>((timeout.count() % 1000) * 1000000);
+  // Not FUTEX_PRIVATE_FLAG: the word is shared between processes.
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void futex_wake(std::atomic<uint32_t>* word) {
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+int pidfd_open(pid_t pid) { return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)); }
+
+Millis left_until(Clock::time_point deadline) {
+  return std::max(std::chrono::duration_cast<Millis>(deadline - Clock::now()), Millis(1));
+}
+
+// [begin, end) of `a` and `b` overlap.
+bool overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
+  auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return a_bytes > 0 && b_bytes > 0 && x < y + b_bytes && y < x + a_bytes;
+}
+
+class ShmProcessGroup : public ProcessGroup {
+ public:
+  ShmProcessGroup(const ProcessGroupOptions& options, std::string prefix)
+      : ProcessGroup(options.rank, options.world_size, options.device, options.timeout),
+        store_(options.store),
+        prefix_(std::move(prefix)),
+        layout_(options.world_size, slot_bytes_for(options.world_size)) {
+    bool spare_cores = std::thread::hardware_concurrency() >= static_cast<unsigned>(size());
+    spin_ = spare_cores ? kSpin : kShortSpin;
+    auto deadline = Clock::now() + timeout();
+    ReplyDeadlineCap cap(timeout());
+    std::string key = prefix_ + "shm_segment";
+    std::string name;
+    if (rank() == 0) {
+      name = ShmSegment::random_name();
+      try {
+        segment_ = ShmSegment::create(name, layout_.total);
+      } catch (const Error& e) {
+        std::string why = str_cat("!", e.what());
+        store_->set(key, Bytes(why.begin(), why.end()));
+        throw;
+      }
+      auto* control = new (segment_.data()) Control{};
+      control->magic = kMagic;
+      control->total_bytes = layout_.total;
+      control->slot_bytes = layout_.slot;
+      control->world = size();
+      for (int32_t r = 0; r < size(); ++r) new (pid_word(r)) std::atomic<int32_t>(0);
+      std::atomic_thread_fence(std::memory_order_release);
+      try {
+        store_->set(key, Bytes(name.begin(), name.end()));
+      } catch (...) {
+        ShmSegment::unlink(name);
+        throw;
+      }
+    } else {
+      Bytes value = store_->get(key, left_until(deadline));
+      name.assign(value.begin(), value.end());
+      if (!name.empty() && name[0] == '!') {
+        fail(StatusCode::kIo, "rank 0 could not set up shared memory for the ranks on this host: ", name.substr(1));
+      }
+      if (name.rfind("/dparallel-", 0) != 0 || name.find('/', 1) != std::string::npos) {
+        fail(StatusCode::kIo, "the store holds no shared-memory segment name under '", key, "'");
+      }
+      try {
+        segment_ = ShmSegment::attach(name, layout_.total);
+      } catch (...) {
+        ShmSegment::unlink(name);  // the others then fail to map it too, instead of waiting
+        throw;
+      }
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if (control()->magic != kMagic || control()->total_bytes != layout_.total ||
+          control()->slot_bytes != layout_.slot || control()->world != size()) {
+        ShmSegment::unlink(name);
+        fail(StatusCode::kIo, "the shared-memory segment ", name, " has another layout than this rank expects");
+      }
+    }
+    pid_word(rank())->store(static_cast<int32_t>(::getpid()), std::memory_order_release);
+    if (control()->mapped.fetch_add(1) + 1 == static_cast<uint32_t>(size())) ShmSegment::unlink(name);
+    // Every rank waits until all have mapped it, so that none is left to
+    // open a name that is gone.
+    auto pause = std::chrono::microseconds(50);
+    while (control()->mapped.load() < static_cast<uint32_t>(size())) {
+      if (Clock::now() >= deadline) {
+        ShmSegment::unlink(name);
+        std::string missing;
+        for (int32_t r = 0; r < size(); ++r) {
+          if (pid_word(r)->load() == 0) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        }
+        fail(StatusCode::kTimeout, "setting up shared memory on rank ", rank(), " of ", size(), " timed out after ",
+             timeout().count(), " ms: rank(s) ", missing, " did not map the segment");
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(20000));
+    }
+    pidfds_.assign(static_cast<size_t>(size()), -1);
+    for (int32_t r = 0; r < size(); ++r) {
+      // A pid from another pid namespace is not this one's: that rank is
+      // then watched by the deadline only.
+      if (r != rank()) pidfds_[static_cast<size_t>(r)] = pidfd_open(pid_word(r)->load());
+    }
+  }
+
+  ~ShmProcessGroup() override {
+    drain();
+    for (int fd : pidfds_) {
+      if (fd >= 0) ::close(fd);
+    }
+  }
+
+  const char* backend_name() const override { return "shm"; }
+
+ protected:
+  DeviceType tensor_device_type() const override { return DeviceType::kCpu; }
+
+  void run_all_reduce(const Tensor& tensor, ReduceOp op) override {
+    const size_t esize = tensor.element_size();
+    const auto n = static_cast<size_t>(tensor.numel());
+    const size_t nbytes = tensor.nbytes();
+    auto* data = static_cast<uint8_t*>(tensor.data());
+    ReduceFn fn = reduce_function(tensor.dtype(), op);
+    Op o = begin(CallKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1, &tensor);
+    if (nbytes <= std::min(kSmallAllReduceBytes, layout_.slot)) {
+      copy(slot(rank()), data, nbytes);
+      exchange(o);
+      fold(
+          fn, data, [&](int32_t q) { return slot(q); }, n, esize);
+      if (op == ReduceOp::kAvg) divide_in_place(tensor.dtype(), data, n, size());
+      next_round();
+      return;
+    }
+    const size_t block = layout_.slot / esize;                // elements per round
+    const size_t align = std::max<size_t>(1, kLine / esize);  // parts start on cache lines
+    for (size_t start = 0; start < n; start += block) {
+      const size_t count = std::min(block, n - start);
+      const size_t part = align_up((count + static_cast<size_t>(size()) - 1) / static_cast<size_t>(size()), align);
+      auto part_begin = [&](int32_t q) { return std::min(count, part * static_cast<size_t>(q)) * esize; };
+      auto part_end = [&](int32_t q) { return std::min(count, part * static_cast<size_t>(q + 1)) * esize; };
+      uint8_t* in = data + start * esize;
+      uint8_t* mine = slot(rank());
+      const size_t my_begin = part_begin(rank()), my_end = part_end(rank());
+      // This rank's own part is read where it is, by this rank alone.
+      copy(mine, in, my_begin);
+      copy(mine + my_end, in + my_end, count * esize - my_end);
+      if (start == 0) {
+        exchange(o);
+      } else {
+        barrier(o);
+      }
+      uint8_t* result = mine + my_begin;
+      fold(
+          fn, result, [&](int32_t q) { return (q == rank() ? in : slot(q)) + my_begin; }, (my_end - my_begin) / esize,
+          esize);
+      if (op == ReduceOp::kAvg) divide_in_place(tensor.dtype(), result, (my_end - my_begin) / esize, size());
+      copy(in + my_begin, result, my_end - my_begin);
+      barrier(o);
+      for (int32_t q = 0; q < size(); ++q) {
+        if (q != rank()) copy(in + part_begin(q), slot(q) + part_begin(q), part_end(q) - part_begin(q));
+      }
+      next_round();
+    }
+  }
+
+  void run_broadcast(const Tensor& tensor, int32_t root) override {
+    const size_t nbytes = tensor.nbytes();
+    auto* data = static_cast<uint8_t*>(tensor.data());
+    Op o = begin(CallKind::kBroadcast, tensor.dtype(), tensor.numel(), ReduceOp::kSum, root, &tensor);
+    // The root writes the whole set: every rank's slots are contiguous.
+    const size_t block = layout_.slot * static_cast<size_t>(size());
+    size_t offset = 0;
+    do {
+      const size_t len = std::min(block, nbytes - offset);
+      if (rank() == root) copy(slot(0), data + offset, len);
+      if (offset == 0) {
+        exchange(o);
+      } else {
+        barrier(o);
+      }
+      if (rank() != root) copy(data + offset, slot(0), len);
+      next_round();
+      offset += len;
+    } while (offset < nbytes);
+  }
+
+  void run_all_gather(const Tensor& input, const std::vector<Tensor>& outputs) override {
+    const size_t nbytes = input.nbytes();
+    auto* in = static_cast<const uint8_t*>(input.data());
+    // An input that overlaps an output other than its own (exactly) would be
+    // overwritten before it is all sent: send a copy, made before the call
+    // starts (failing after the header exchange would leave the others waiting).
+    std::vector<uint8_t> copied;
+    for (int32_t q = 0; q < size(); ++q) {
+      const Tensor& out = outputs[static_cast<size_t>(q)];
+      bool own = q == rank() && out.data() == input.data();
+      if (!own && overlap(out.data(), out.nbytes(), in, nbytes)) {
+        copied.assign(in, in + nbytes);
+        in = copied.data();
+        break;
+      }
+    }
+    Op o = begin(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, &input);
+    size_t offset = 0;
+    do {
+      const size_t len = std::min(layout_.slot, nbytes - offset);
+      copy(slot(rank()), in + offset, len);
+      if (offset == 0) {
+        exchange(o);
+      } else {
+        barrier(o);
+      }
+      for (int32_t q = 0; q < size(); ++q) {
+        auto* out = static_cast<uint8_t*>(outputs[static_cast<size_t>(q)].data());
+        if (out + offset != in + offset) copy(out + offset, slot(q), len);
+      }
+      next_round();
+      offset += len;
+    } while (offset < nbytes);
+  }
+
+  void run_reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override {
+    const size_t esize = output.element_size();
+    const auto n = static_cast<size_t>(output.numel());
+    const size_t nbytes = output.nbytes();
+    const auto ranks = static_cast<size_t>(size());
+    auto* out = static_cast<uint8_t*>(output.data());
+    ReduceFn fn = reduce_function(output.dtype(), op);
+    // Inputs the output overlaps (other than exactly this rank's own part,
+    // which is read just before it is written) are copied first; see all_gather.
+    std::vector<const uint8_t*> in(ranks);
+    for (size_t q = 0; q < ranks; ++q) in[q] = static_cast<const uint8_t*>(inputs[q].data());
+    std::vector<uint8_t> copied;
+    for (size_t q = 0; q < ranks; ++q) {
+      bool own = q == static_cast<size_t>(rank()) && in[q] == out;
+      if (!own && overlap(in[q], nbytes, out, nbytes)) {
+        copied.resize(nbytes * ranks);
+        for (size_t p = 0; p < ranks; ++p) {
+          copy(copied.data() + p * nbytes, in[p], nbytes);
+          in[p] = copied.data() + p * nbytes;
+        }
+        break;
+      }
+    }
+    Op o = begin(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output);
+    // Each round carries a piece of every rank's part, piece q at q * piece.
+    const size_t align = std::max<size_t>(1, kLine / esize);
+    const size_t piece_elems = std::max(align, layout_.slot / ranks / esize / align * align);
+    const size_t piece = piece_elems * esize;
+    size_t start = 0;
+    do {
+      const size_t count = std::min(piece_elems, n - start);
+      const size_t len = count * esize, offset = start * esize;
+      uint8_t* mine = slot(rank());
+      for (size_t q = 0; q < ranks; ++q) {
+        if (q != static_cast<size_t>(rank())) copy(mine + q * piece, in[q] + offset, len);
+      }
+      if (start == 0) {
+        exchange(o);
+      } else {
+        barrier(o);
+      }
+      const size_t my_piece = static_cast<size_t>(rank()) * piece;
+      uint8_t* result = mine + my_piece;
+      fold(
+          fn, result, [&](int32_t q) { return q == rank() ? in[static_cast<size_t>(q)] + offset : slot(q) + my_piece; },
+          count, esize);
+      if (op == ReduceOp::kAvg) divide_in_place(output.dtype(), result, count, size());
+      copy(out + offset, result, len);
+      next_round();
+      start += count;
+    } while (start < n);
+  }
+
+  void run_barrier() override {
+    Op o = begin(CallKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, nullptr);
+    exchange(o);
+    next_round();
+  }
+
+  void run_refused(CallKind kind, const std::string& reason) override {
+    Op o = start(refused_call_header(kind, rank(), ++seq_, reason), nullptr);
+    exchange(o);
+    next_round();
+  }
+
+ private:
+  struct Op {
+    CallHeader header;
+    const Tensor* tensor;  // named in failures; null for none
+    Clock::time_point deadline;
+    bool exchanged = false;  // every rank's header has arrived
+  };
+
+  Control* control() const { return reinterpret_cast<Control*>(segment_.data()); }
+  std::atomic<int32_t>* pid_word(int32_t r) const {
+    return reinterpret_cast<std::atomic<int32_t>*>(segment_.data() + layout_.pids) + r;
+  }
+  uint8_t* header_slot(int32_t r) const {
+    size_t index = static_cast<size_t>(set()) * static_cast<size_t>(size()) + static_cast<size_t>(r);
+    return segment_.data() + layout_.headers + index * sizeof(CallHeader);
+  }
+  // Rank r's data slot in this round's set.
+  uint8_t* slot(int32_t r) const {
+    size_t index = static_cast<size_t>(set()) * static_cast<size_t>(size()) + static_cast<size_t>(r);
+    return segment_.data() + layout_.data + index * layout_.slot;
+  }
+  int set() const { return static_cast<int>(round_ & 1); }
+  void next_round() { ++round_; }
+
+  static void copy(void* to, const void* from, size_t bytes) {
+    if (bytes > 0) std::memcpy(to, from, bytes);
+  }
+
+  // out = the reduction of source(0), source(1), ... in rank order, n
+  // elements, piece by piece so that each piece stays in cache.
+  template <typename Source>
+  void fold(ReduceFn fn, uint8_t* out, Source&& source, size_t n, size_t esize) const {
+    const size_t step = std::max<size_t>(1, kPieceBytes / esize);
+    for (size_t at = 0; at < n; at += step) {
+      const size_t m = std::min(step, n - at);
+      const size_t offset = at * esize;
+      if (size() == 1) {
+        const uint8_t* only = source(0) + offset;
+        if (only != out + offset) std::memmove(out + offset, only, m * esize);
+        continue;
+      }
+      fn(out + offset, source(0) + offset, source(1) + offset, m);
+      for (int32_t q = 2; q < size(); ++q) fn(out + offset, out + offset, source(q) + offset, m);
+    }
+  }
+
+  Op begin(CallKind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root, const Tensor* tensor) {
+    return start(make_call_header(kind, rank(), ++seq_, dtype, numel, op, root), tensor);
+  }
+  Op start(const CallHeader& header, const Tensor* tensor) const {
+    Op o{};
+    o.header = header;
+    o.tensor = tensor;
+    o.deadline = Clock::now() + timeout();
+    return o;
+  }
+
+  // Swaps headers with every rank at this round's barrier, then checks that
+  // all ranks called the same collective on the same sizes.
+  void exchange(Op& o) {
+    std::memcpy(header_slot(rank()), &o.header, sizeof(CallHeader));
+    barrier(o);
+    o.exchanged = true;
+    try {
+      check_call_headers(o.header, rank(), size(), [&](int32_t r) {
+        CallHeader h;
+        std::memcpy(&h, header_slot(r), sizeof(CallHeader));
+        return h;
+      });
+    } catch (...) {
+      next_round();  // every rank fails here alike, so all stay in step
+      throw;
+    }
+  }
+
+  // Arrives at the next barrier and returns once every rank has.
+  void barrier(Op& o) {
+    if (size() == 1) return;
+    ++barriers_;
+    const uint32_t target = barriers_ * static_cast<uint32_t>(size());
+    auto& arrivals = control()->arrivals;
+    if (arrivals.fetch_add(1) + 1 == target) {
+      if (control()->sleepers.load() != 0) futex_wake(&arrivals);
+      return;
+    }
+    const auto spin_end = Clock::now() + spin_;
+    for (uint32_t i = 1;; ++i) {
+      if (reached(arrivals.load(std::memory_order_acquire), target)) return;
+      cpu_relax();
+      if (i % 64 == 0 && Clock::now() >= spin_end) break;
+    }
+    for (;;) {
+      check_peers(o);
+      control()->sleepers.fetch_add(1);
+      uint32_t seen = arrivals.load();
+      if (!reached(seen, target)) futex_wait(&arrivals, seen, std::min(kSleepSlice, left_until(o.deadline)));
+      control()->sleepers.fetch_sub(1);
+      if (reached(arrivals.load(std::memory_order_acquire), target)) return;
+    }
+  }
+
+  // Fails the collective when a peer's process is gone, another rank gave
+  // up (a dead peer, the likelier cause, is named first), or the deadline passed.
+  void check_peers(Op& o) {
+    std::vector<pollfd> fds;
+    for (int32_t r = 0; r < size(); ++r) {
+      int fd = pidfds_[static_cast<size_t>(r)];
+      if (fd >= 0) fds.push_back(pollfd{fd, POLLIN, 0});
+    }
+    if (!fds.empty() && ::poll(fds.data(), fds.size(), 0) > 0) {
+      std::string gone;
+      for (const pollfd& p : fds) {
+        if (p.revents == 0) continue;
+        for (int32_t r = 0; r < size(); ++r) {
+          if (pidfds_[static_cast<size_t>(r)] == p.fd) {
+            gone += str_cat(gone.empty() ? "" : ", ", "rank ", r, " (pid ", pid_word(r)->load(), ")");
+          }
+        }
+      }
+      give_up(o, false, str_cat("the process of ", gone, " on this host is gone"));
+    }
+    int32_t aborted = control()->aborted.load();
+    if (aborted != 0) give_up(o, false, str_cat("rank ", aborted - 1, " gave up on the group first"));
+    if (Clock::now() >= o.deadline) give_up(o, true, "a rank did not arrive at the collective's barrier in time");
+  }
+
+  // Tells the other ranks that this one gives up (the group is broken for
+  // all), then fails naming the ranks that did not report the failure.
+  [[noreturn]] void give_up(const Op& o, bool timed_out, const std::string& cause) {
+    int32_t none = 0;
+    control()->aborted.compare_exchange_strong(none, rank() + 1);
+    futex_wake(&control()->arrivals);
+    std::string missing = find_missing_ranks(*store_, prefix_, rank(), size(), o.header.seq, o.exchanged, o.deadline);
+    fail(timed_out ? StatusCode::kTimeout : StatusCode::kRemote, call_kind_name(o.header.kind), " of ",
+         o.tensor != nullptr ? o.tensor->describe()
+                             : std::string(o.header.refused != 0 ? "a refused call" : "no tensor"),
+         " (collective #", o.header.seq, ") on rank ", rank(), " of ", size(),
+         timed_out ? str_cat(" timed out after ", timeout().count(), " ms") : std::string(" failed"), ": ", missing,
+         "; shm: ", cause);
+  }
+
+  std::shared_ptr<Store> store_;
+  std::string prefix_;
+  Layout layout_;
+  ShmSegment segment_;
+  std::vector<int> pidfds_;  // by rank; -1 for this rank and unknown pids
+  std::chrono::microseconds spin_{0};
+  uint64_t seq_ = 0;
+  uint64_t round_ = 0;
+  uint32_t barriers_ = 0;  // wraps, as the shared arrival counter does
+};
+
+std::string read_first_line(const char* path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+}  // namespace
+
+std::string host_key(const EnvLookup& lookup) {
+  const char* id = lookup("DP_HOST_ID");
+  if (id != nullptr && *id != '\0') return str_cat("id:", id);
+  char host[256] = {0};
+  if (::gethostname(host, sizeof(host) - 1) != 0) host[0] = '\0';
+  return str_cat("boot:", read_first_line("/proc/sys/kernel/random/boot_id"), "/host:", host);
+}
+
+std::unique_ptr<ProcessGroup> create_shm_process_group(const ProcessGroupOptions& options, const std::string& prefix) {
+  return std::make_unique<ShmProcessGroup>(options, prefix);
+}
+
+std::unique_ptr<ProcessGroup> create_cpu_process_group(const ProcessGroupOptions& options) {
+  EnvLookup lookup = process_env();
+  const char* shm = lookup("DP_SHM");
+  bool wanted = shm == nullptr || std::strcmp(shm, "0") != 0;
+  auto deadline = Clock::now() + options.timeout;
+  std::string prefix;
+  bool local = wanted && options.world_size <= kMaxRanks;
+  {
+    // Every rank publishes its host and whether it wants shared memory; all
+    // read the same values, so all choose the same backend.
+    ReplyDeadlineCap cap(options.timeout);
+    int64_t generation = options.store->add(str_cat("dp/cpu_count/", options.rank), 1);
+    prefix = str_cat("dp/cpu", generation, "/");
+    std::string mine = str_cat(wanted ? "shm " : "gloo ", host_key(lookup));
+    options.store->set(str_cat(prefix, "host/", options.rank), Bytes(mine.begin(), mine.end()));
+    for (int32_t r = 0; r < options.world_size; ++r) {
+      if (r == options.rank) continue;
+      Bytes theirs = options.store->get(str_cat(prefix, "host/", r), left_until(deadline));
+      local = local && std::string(theirs.begin(), theirs.end()) == mine;
+    }
+  }
+  // Ranks on several hosts keep Gloo for everything (no hierarchy yet).
+  if (local) return create_shm_process_group(options, prefix);
+  return create_gloo_process_group(options);
+}
+
+}  // namespace dparallel::dist

@@ -1,0 +1,21 @@
+// The shared-memory backend: the ranks of a cpu group that all run on one
+// host reduce through a segment they map (segment.h) instead of sockets.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "distributed/launch_env.h"
+#include "distributed/process_group.h"
+
+namespace dparallel::dist {
+
+// This host as the ranks compare it: DP_HOST_ID when set (tests pretend to be
+// several hosts with it), else the kernel's boot id and the host name.
+std::string host_key(const EnvLookup& lookup);
+
+// A group of the ranks in `options` on this one host, through shared memory;
+// `prefix` is the group's own namespace in the store.
+std::unique_ptr<ProcessGroup> create_shm_process_group(const ProcessGroupOptions& options, const std::string& prefix);
+
+}  // namespace dparallel::dist

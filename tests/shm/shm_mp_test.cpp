@@ -1,0 +1,318 @@
+// The shared-memory backend across real processes of shm_worker on one host:
+// world sizes 2, 3 and 4, failures, the segment's privacy, and the choice
+// between shared memory and Gloo. Each run is bounded in time and every
+// process started is reaped before the test ends. No test asserts on time
+// beyond generous no-hang bounds.
+#include <dirent.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+extern char** environ;
+
+namespace {
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// The segments in /dev/shm (every job's: tests run side by side).
+std::set<std::string> segments() {
+  std::set<std::string> names;
+  DIR* dir = ::opendir("/dev/shm");
+  if (dir == nullptr) return names;
+  while (dirent* e = ::readdir(dir)) {
+    std::string name = e->d_name;
+    if (name.rfind("dparallel-", 0) == 0) names.insert(name);
+  }
+  ::closedir(dir);
+  return names;
+}
+
+struct Result {
+  int exit_code = -1;  // 128 + signal when killed
+  std::string output;
+};
+
+struct Ranks {
+  std::string scenario;
+  std::string argument;
+  int world = 2;
+  std::chrono::seconds limit{120};
+  int stopped_rank = -1;                        // this rank may stop; killed once the others are done
+  std::map<int, std::vector<std::string>> env;  // extra variables by rank (-1: every rank)
+  // Called every few ms while ranks run, with their output so far; returns
+  // true once it has acted (it runs until then).
+  std::function<bool(const std::vector<pid_t>&, const std::vector<std::string>&)> watch;
+};
+
+std::vector<Result> run_ranks(const Ranks& run) {
+  char dir_template[] = "/tmp/dp_shm_XXXXXX";
+  std::string dir = ::mkdtemp(dir_template);
+  int port = free_port();
+  std::vector<pid_t> pids;
+  std::vector<std::string> outputs;
+  for (int r = 0; r < run.world; ++r) {
+    std::vector<std::string> env;
+    for (char** e = environ; *e != nullptr; ++e) {
+      std::string var = *e;
+      if (var.rfind("DP_SHM=", 0) != 0 && var.rfind("DP_HOST_ID=", 0) != 0 && var.rfind("DP_STORE_TOKEN=", 0) != 0) {
+        env.push_back(var);
+      }
+    }
+    env.push_back("RANK=" + std::to_string(r));
+    env.push_back("WORLD_SIZE=" + std::to_string(run.world));
+    env.push_back("LOCAL_RANK=" + std::to_string(r));
+    env.push_back("MASTER_ADDR=127.0.0.1");
+    env.push_back("MASTER_PORT=" + std::to_string(port));
+    for (int key : {-1, r}) {
+      auto it = run.env.find(key);
+      if (it != run.env.end()) env.insert(env.end(), it->second.begin(), it->second.end());
+    }
+    std::vector<char*> envp;
+    for (auto& s : env) envp.push_back(s.data());
+    envp.push_back(nullptr);
+    std::string out = dir + "/rank" + std::to_string(r) + ".txt";
+    outputs.push_back(out);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&actions, 1, 2);
+    std::string worker = DP_SHM_WORKER;
+    std::vector<char*> argv = {worker.data(), const_cast<char*>(run.scenario.c_str())};
+    if (!run.argument.empty()) argv.push_back(const_cast<char*>(run.argument.c_str()));
+    argv.push_back(nullptr);
+    pid_t pid = -1;
+    int rc = posix_spawn(&pid, worker.c_str(), &actions, nullptr, argv.data(), envp.data());
+    posix_spawn_file_actions_destroy(&actions);
+    EXPECT_EQ(rc, 0) << "posix_spawn " << worker;
+    if (rc == 0) pids.push_back(pid);
+  }
+  std::vector<Result> results(pids.size());
+  std::vector<bool> reaped(pids.size(), false);
+  auto deadline = std::chrono::steady_clock::now() + run.limit;
+  size_t left = pids.size();
+  bool watched = !run.watch;
+  while (left > 0) {
+    for (size_t r = 0; r < pids.size(); ++r) {
+      if (reaped[r]) continue;
+      int status = 0;
+      pid_t got = ::waitpid(pids[r], &status, WNOHANG | WUNTRACED);
+      if (got != pids[r]) continue;
+      if (WIFSTOPPED(status)) {
+        EXPECT_EQ(static_cast<int>(r), run.stopped_rank) << "rank " << r << " stopped unexpectedly";
+        continue;
+      }
+      results[r].exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      reaped[r] = true;
+      --left;
+    }
+    if (!watched) {
+      std::vector<std::string> so_far;
+      for (const auto& path : outputs) so_far.push_back(read_file(path));
+      watched = run.watch(pids, so_far);
+    }
+    if (run.stopped_rank >= 0 && left == 1 && !reaped[static_cast<size_t>(run.stopped_rank)]) {
+      ::kill(pids[static_cast<size_t>(run.stopped_rank)], SIGKILL);
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      ADD_FAILURE() << run.scenario << ": ranks still running after " << run.limit.count() << " s; killing them";
+      for (size_t r = 0; r < pids.size(); ++r) {
+        if (!reaped[r]) ::kill(pids[r], SIGKILL);
+      }
+      deadline = std::chrono::steady_clock::now() + std::chrono::hours(1);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  for (size_t r = 0; r < pids.size(); ++r) {
+    results[r].output = read_file(outputs[r]);
+    ::unlink(outputs[r].c_str());
+  }
+  ::rmdir(dir.c_str());
+  return results;
+}
+
+void expect_all_passed(const std::vector<Result>& results) {
+  for (size_t r = 0; r < results.size(); ++r) {
+    EXPECT_EQ(results[r].exit_code, 0) << "rank " << r << " output:\n" << results[r].output;
+  }
+}
+
+// No segment that appeared since `before` stays: the ranks' own are unlinked
+// once mapped; another test's may exist for a moment while it sets up.
+void expect_no_segment_left(const std::set<std::string>& before) {
+  std::set<std::string> left;
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  do {
+    left.clear();
+    for (const auto& name : segments()) {
+      if (before.count(name) == 0) left.insert(name);
+    }
+    if (left.empty()) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  } while (std::chrono::steady_clock::now() < until);
+  for (const auto& name : left) ADD_FAILURE() << "left in /dev/shm: " << name;
+}
+
+class ShmWorld : public ::testing::TestWithParam<int> {};
+
+TEST_P(ShmWorld, EveryCollectiveOpAndDtypeMatchesTheExpectedValues) {
+  Ranks run{"collectives"};
+  run.world = GetParam();
+  run.limit = std::chrono::seconds(240);
+  expect_all_passed(run_ranks(run));
+}
+
+TEST_P(ShmWorld, SizesOpsAndRootsThatDifferFailEveryRankAlike) {
+  Ranks run{"mismatch"};
+  run.world = GetParam();
+  expect_all_passed(run_ranks(run));
+}
+
+// The victim dies a moment into a 32 MiB all_reduce (the others are in it
+// or the next): they fail with DP_EREMOTE naming it, long before their 60 s
+// timeout, destroy the group and exit; nothing is left in /dev/shm.
+TEST_P(ShmWorld, RankKilledMidAllReduceFailsTheOthersNamingIt) {
+  auto before = segments();
+  Ranks run{"die", std::to_string(GetParam() - 1)};
+  run.world = GetParam();
+  auto results = run_ranks(run);
+  for (size_t r = 0; r + 1 < results.size(); ++r) {
+    EXPECT_EQ(results[r].exit_code, 0) << "survivor rank " << r << " output:\n" << results[r].output;
+  }
+  EXPECT_EQ(results.back().exit_code, 128 + SIGKILL) << results.back().output;
+  expect_no_segment_left(before);
+}
+
+// A stopped rank is alive: the others wait for it until their timeout.
+TEST_P(ShmWorld, RankStoppedMidAllReduceTimesTheOthersOut) {
+  auto before = segments();
+  Ranks run{"stop", std::to_string(GetParam() - 1)};
+  run.world = GetParam();
+  run.stopped_rank = GetParam() - 1;
+  run.env[-1] = {"DP_TEST_TIMEOUT_MS=5000"};
+  auto results = run_ranks(run);
+  for (size_t r = 0; r + 1 < results.size(); ++r) {
+    EXPECT_EQ(results[r].exit_code, 0) << "survivor rank " << r << " output:\n" << results[r].output;
+  }
+  EXPECT_EQ(results.back().exit_code, 128 + SIGKILL) << results.back().output;
+  expect_no_segment_left(before);
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, ShmWorld, ::testing::Values(2, 3, 4),
+                         [](const ::testing::TestParamInfo<int>& world) {
+                           return std::to_string(world.param) + "Ranks";
+                         });
+
+TEST(Shm, StoreServingRankKilledMidAllReduceFailsTheOthersNamingIt) {
+  auto before = segments();
+  Ranks run{"die", "0"};
+  run.world = 3;
+  auto results = run_ranks(run);
+  EXPECT_EQ(results[0].exit_code, 128 + SIGKILL) << results[0].output;
+  for (size_t r = 1; r < results.size(); ++r) {
+    EXPECT_EQ(results[r].exit_code, 0) << "survivor rank " << r << " output:\n" << results[r].output;
+  }
+  expect_no_segment_left(before);
+}
+
+TEST(Shm, AllRanksKilledMidAllReduceLeaveNothingInDevShm) {
+  auto before = segments();
+  Ranks run{"loop"};
+  run.world = 3;
+  run.watch = [](const std::vector<pid_t>& pids, const std::vector<std::string>& outputs) {
+    for (const auto& out : outputs) {
+      if (out.find("looping") == std::string::npos) return false;
+    }
+    for (pid_t pid : pids) ::kill(pid, SIGKILL);
+    return true;
+  };
+  auto results = run_ranks(run);
+  for (const Result& r : results) EXPECT_EQ(r.exit_code, 128 + SIGKILL) << r.output;
+  expect_no_segment_left(before);
+}
+
+TEST(Shm, ProcessWithoutTheJobTokenCannotJoin) {
+  auto before = segments();
+  Ranks run{"backend", "shm"};
+  run.world = 2;
+  run.env[0] = {"DP_STORE_TOKEN=the-job-token", "DP_TEST_TIMEOUT_MS=3000"};
+  run.env[1] = {"DP_STORE_TOKEN=another-token", "DP_TEST_TIMEOUT_MS=3000"};
+  auto results = run_ranks(run);
+  ASSERT_EQ(results.size(), 2u);
+  EXPECT_EQ(results[1].exit_code, 3) << results[1].output;
+  EXPECT_NE(results[1].output.find("create failed"), std::string::npos) << results[1].output;
+  EXPECT_EQ(results[0].exit_code, 3) << results[0].output;
+  expect_no_segment_left(before);
+}
+
+TEST(Shm, RanksWithTheJobTokenUseSharedMemory) {
+  Ranks run{"backend", "shm"};
+  run.world = 2;
+  run.env[-1] = {"DP_STORE_TOKEN=the-job-token"};
+  expect_all_passed(run_ranks(run));
+}
+
+TEST(Shm, DpShmZeroGivesGloo) {
+  Ranks run{"backend", "gloo"};
+  run.world = 3;
+  run.env[-1] = {"DP_SHM=0"};
+  expect_all_passed(run_ranks(run));
+}
+
+TEST(Shm, OneRankWithDpShmZeroGivesGlooOnEveryRank) {
+  Ranks run{"backend", "gloo"};
+  run.world = 2;
+  run.env[1] = {"DP_SHM=0"};
+  expect_all_passed(run_ranks(run));
+}
+
+// Ranks that report different hosts keep Gloo for everything (for now).
+TEST(Shm, RanksOnSeveralHostsUseGloo) {
+  Ranks run{"backend", "gloo"};
+  run.world = 4;
+  run.env[0] = {"DP_HOST_ID=a"};
+  run.env[1] = {"DP_HOST_ID=a"};
+  run.env[2] = {"DP_HOST_ID=b"};
+  run.env[3] = {"DP_HOST_ID=b"};
+  expect_all_passed(run_ranks(run));
+}
+
+TEST(Shm, RanksThatShareAHostIdUseSharedMemory) {
+  Ranks run{"backend", "shm"};
+  run.world = 2;
+  run.env[-1] = {"DP_HOST_ID=pretend"};
+  expect_all_passed(run_ranks(run));
+}
+
+}  // namespace
