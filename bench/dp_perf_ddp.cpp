@@ -16,7 +16,9 @@
 //   allreduce_only  dp_pg_all_reduce of one flat float32 tensor with as many
 //                   elements as the model has parameters
 // Each step is timed after a barrier; a step's time is the maximum over the
-// ranks; the table gives the median and the minimum over the steps. Then:
+// ranks; the table gives the median and the minimum over the steps, and
+// cpu_ms, the CPU time a step costs (this process with all its threads: the
+// reducer's and Gloo's too; mean over the steps, the larger rank's). Then:
 // the overhead of ddp over local in percent of the local step, the share of
 // the reductions' time hidden behind the backward (dp_ddp_last_stats,
 // summed over the measured ddp steps), and this rank's resident memory
@@ -29,6 +31,7 @@
 #include "dp_perf_ddp.h"
 
 #include <cblas.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -166,10 +169,20 @@ void init_layer(uint64_t* rng, float* w, float* b, int64_t width) {
 
 struct Timing {
   double median = 0, min = 0;
+  double cpu = 0;  // mean CPU time per step of this process, all its threads
 };
 
-// Median and minimum of the steps' times, each the maximum over the ranks.
-Timing summarize(dp_process_group* pg, std::vector<double> times) {
+double cpu_seconds() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) +
+         static_cast<double>(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec) * 1e-6;
+}
+
+// Median and minimum of the steps' times, each the maximum over the ranks,
+// and the largest rank's mean CPU time per step.
+Timing summarize(dp_process_group* pg, std::vector<double> times, double cpu) {
+  times.push_back(cpu);
   int64_t n = static_cast<int64_t>(times.size());
   dp_tensor* t = nullptr;
   fail_on(dp_tensor_create(&t, DP_FLOAT64, 1, &n, dp_device{DP_DEVICE_CPU, 0}), "creating the timing tensor");
@@ -177,8 +190,10 @@ Timing summarize(dp_process_group* pg, std::vector<double> times) {
   fail_on(dp_pg_all_reduce(pg, t, DP_MAX), "all_reduce MAX of the times");
   fail_on(dp_tensor_copy_to_host(t, times.data(), times.size() * sizeof(double)), "copying the times back");
   dp_tensor_destroy(t);
+  cpu = times.back();
+  times.pop_back();
   std::sort(times.begin(), times.end());
-  return {times[times.size() / 2], times.front()};
+  return {times[times.size() / 2], times.front(), cpu};
 }
 
 // Runs warm-up steps, then timed steps, each after a barrier.
@@ -186,13 +201,16 @@ template <typename Step>
 Timing measure(dp_process_group* pg, const Options& o, Step&& step) {
   for (int i = 0; i < o.warmup; ++i) step(-1);
   std::vector<double> times;
+  double cpu = 0;
   for (int i = 0; i < o.steps; ++i) {
     fail_on(dp_pg_barrier(pg), "barrier");
+    double c0 = cpu_seconds();
     double t0 = now();
     step(i);
     times.push_back(now() - t0);
+    cpu += cpu_seconds() - c0;
   }
-  return summarize(pg, times);
+  return summarize(pg, times, cpu / o.steps);
 }
 
 int run(const Options& o) {
@@ -221,7 +239,7 @@ int run(const Options& o) {
         dp_process_group_backend(pg), world, L, static_cast<long long>(W), static_cast<long long>(W),
         static_cast<double>(nparams) / 1e6, static_cast<double>(nparams) * 4 / 1e6, static_cast<long long>(B), o.steps,
         o.warmup, o.bucket_cap_mb, o.first_bucket_cap_mb, o.grad_as_bucket_view ? 1 : 0, openblas_get_config());
-    std::printf("%-15s %9s %9s %16s\n", "mode", "t_med_ms", "t_min_ms", "vs_local_med_ms");
+    std::printf("%-15s %9s %9s %16s %10s\n", "mode", "t_med_ms", "t_min_ms", "vs_local_med_ms", "cpu_ms");
     std::fflush(stdout);
   }
   std::vector<std::pair<std::string, Timing>> results;
@@ -234,7 +252,7 @@ int run(const Options& o) {
       std::snprintf(text, sizeof text, "%+16.2f", (t.median - results.front().second.median) * 1e3);
       rel = text;
     }
-    std::printf("%-15s %9.2f %9.2f %s\n", name.c_str(), t.median * 1e3, t.min * 1e3, rel.c_str());
+    std::printf("%-15s %9.2f %9.2f %s %10.2f\n", name.c_str(), t.median * 1e3, t.min * 1e3, rel.c_str(), t.cpu * 1e3);
     std::fflush(stdout);
   };
   auto wants = [&](const char* mode) { return std::find(o.modes.begin(), o.modes.end(), mode) != o.modes.end(); };
