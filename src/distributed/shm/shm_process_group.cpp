@@ -31,6 +31,7 @@
 
 #include <linux/futex.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -73,10 +74,11 @@ constexpr size_t kSmallAllReduceBytes = size_t(32) << 10;
 // Reductions run over pieces of this size, so that a piece stays in cache
 // while every rank's contribution is folded into it.
 constexpr size_t kPieceBytes = size_t(16) << 10;
-// How long a barrier spins before it sleeps, and how long it sleeps at most
+// How long a barrier spins, then spins yielding the core (a peer waiting for
+// this core runs at once), before it sleeps; and how long it sleeps at most
 // between checks of the deadline, the other ranks' failures and their pids.
-constexpr std::chrono::microseconds kSpin{50};
-constexpr std::chrono::microseconds kShortSpin{2};
+constexpr std::chrono::microseconds kSpin{4};
+constexpr std::chrono::microseconds kYieldingSpin{50};
 constexpr Millis kSleepSlice{50};
 // Beyond this many ranks a round's piece per rank would not fill a cache line.
 constexpr int32_t kMaxRanks = 1024;
@@ -158,8 +160,6 @@ class ShmProcessGroup : public ProcessGroup {
         store_(options.store),
         prefix_(std::move(prefix)),
         layout_(options.world_size, slot_bytes_for(options.world_size)) {
-    bool spare_cores = std::thread::hardware_concurrency() >= static_cast<unsigned>(size());
-    spin_ = spare_cores ? kSpin : kShortSpin;
     auto deadline = Clock::now() + timeout();
     ReplyDeadlineCap cap(timeout());
     std::string key = prefix_ + "shm_segment";
@@ -500,14 +500,22 @@ class ShmProcessGroup : public ProcessGroup {
       if (control()->sleepers.load() != 0) futex_wake(&arrivals);
       return;
     }
-    const auto spin_end = Clock::now() + spin_;
+    const auto start = Clock::now();
     for (uint32_t i = 1;; ++i) {
       if (reached(arrivals.load(std::memory_order_acquire), target)) return;
       cpu_relax();
-      if (i % 64 == 0 && Clock::now() >= spin_end) break;
+      if (i % 64 == 0 && Clock::now() - start >= kSpin) break;
+    }
+    while (Clock::now() - start < kYieldingSpin) {
+      if (reached(arrivals.load(std::memory_order_acquire), target)) return;
+      sched_yield();
     }
     for (;;) {
-      check_peers(o);
+      // A peer may arrive and exit at once: its arrival counts, so it is
+      // checked first, and again when a peer is seen gone.
+      if (reached(arrivals.load(std::memory_order_acquire), target)) return;
+      check_peers(o, [&] { return reached(arrivals.load(std::memory_order_acquire), target); });
+      if (reached(arrivals.load(std::memory_order_acquire), target)) return;
       control()->sleepers.fetch_add(1);
       uint32_t seen = arrivals.load();
       if (!reached(seen, target)) futex_wait(&arrivals, seen, std::min(kSleepSlice, left_until(o.deadline)));
@@ -517,8 +525,10 @@ class ShmProcessGroup : public ProcessGroup {
   }
 
   // Fails the collective when a peer's process is gone, another rank gave
-  // up (a dead peer, the likelier cause, is named first), or the deadline passed.
-  void check_peers(Op& o) {
+  // up (a dead peer, the likelier cause, is named first), or the deadline
+  // passed, unless `arrived()` says the barrier was reached meanwhile.
+  template <typename Arrived>
+  void check_peers(Op& o, Arrived&& arrived) {
     std::vector<pollfd> fds;
     for (int32_t r = 0; r < size(); ++r) {
       int fd = pidfds_[static_cast<size_t>(r)];
@@ -534,11 +544,13 @@ class ShmProcessGroup : public ProcessGroup {
           }
         }
       }
+      if (arrived()) return;
       give_up(o, false, str_cat("the process of ", gone, " on this host is gone"));
     }
     int32_t aborted = control()->aborted.load();
-    if (aborted != 0) give_up(o, false, str_cat("rank ", aborted - 1, " gave up on the group first"));
-    if (Clock::now() >= o.deadline) give_up(o, true, "a rank did not arrive at the collective's barrier in time");
+    if (aborted != 0 && !arrived()) give_up(o, false, str_cat("rank ", aborted - 1, " gave up on the group first"));
+    if (Clock::now() >= o.deadline && !arrived())
+      give_up(o, true, "a rank did not arrive at the collective's barrier in time");
   }
 
   // Tells the other ranks that this one gives up (the group is broken for
@@ -561,7 +573,6 @@ class ShmProcessGroup : public ProcessGroup {
   Layout layout_;
   ShmSegment segment_;
   std::vector<int> pidfds_;  // by rank; -1 for this rank and unknown pids
-  std::chrono::microseconds spin_{0};
   uint64_t seq_ = 0;
   uint64_t round_ = 0;
   uint32_t barriers_ = 0;  // wraps, as the shared arrival counter does
