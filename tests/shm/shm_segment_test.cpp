@@ -75,7 +75,7 @@ TEST(ShmSegment, AttachRefusesOtherModesSizesAndMissingNames) {
   ShmSegment::unlink(name);  // gone already: nothing happens
 }
 
-TEST(ShmHostKey, DpHostIdOverridesTheBootIdAndHostName) {
+TEST(ShmHostKey, DpHostIdOverridesTheBootIdAndHostNameOnly) {
   auto none = [](const char*) -> const char* { return nullptr; };
   auto pretend = [](const char* name) -> const char* {
     return std::strcmp(name, "DP_HOST_ID") == 0 ? "pretend-host" : nullptr;
@@ -83,7 +83,12 @@ TEST(ShmHostKey, DpHostIdOverridesTheBootIdAndHostName) {
   std::string real = host_key(none);
   EXPECT_NE(real.find("boot:"), std::string::npos) << real;
   EXPECT_EQ(real, host_key(none));
-  EXPECT_EQ(host_key(pretend), "id:pretend-host");
+  std::string pretended = host_key(pretend);
+  EXPECT_EQ(pretended.rfind("id:pretend-host/", 0), 0u) << pretended;
+  EXPECT_EQ(pretended.find("boot:"), std::string::npos) << pretended;
+  // What the process shares with others on this machine stays in the key.
+  EXPECT_EQ(pretended.substr(pretended.find("/shm:")), real.substr(real.find("/shm:")));
+  EXPECT_NE(real.find("pid:["), std::string::npos) << real;
 }
 
 }  // namespace

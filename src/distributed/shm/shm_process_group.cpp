@@ -32,6 +32,7 @@
 #include <linux/futex.h>
 #include <poll.h>
 #include <sched.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -588,11 +589,22 @@ std::string read_first_line(const char* path) {
 }  // namespace
 
 std::string host_key(const EnvLookup& lookup) {
+  std::string host;
   const char* id = lookup("DP_HOST_ID");
-  if (id != nullptr && *id != '\0') return str_cat("id:", id);
-  char host[256] = {0};
-  if (::gethostname(host, sizeof(host) - 1) != 0) host[0] = '\0';
-  return str_cat("boot:", read_first_line("/proc/sys/kernel/random/boot_id"), "/host:", host);
+  if (id != nullptr && *id != '\0') {
+    host = str_cat("id:", id);
+  } else {
+    char name[256] = {0};
+    if (::gethostname(name, sizeof(name) - 1) != 0) name[0] = '\0';
+    host = str_cat("boot:", read_first_line("/proc/sys/kernel/random/boot_id"), "/host:", name);
+  }
+  // Containers on one machine share shared memory only when they see the
+  // same /dev/shm, and each other's pids only in the same pid namespace.
+  struct stat shm {};
+  std::string shm_device = ::stat("/dev/shm", &shm) == 0 ? std::to_string(shm.st_dev) : "none";
+  char pid_ns[64] = {0};
+  if (::readlink("/proc/self/ns/pid", pid_ns, sizeof(pid_ns) - 1) < 0) pid_ns[0] = '\0';
+  return str_cat(host, "/shm:", shm_device, "/", pid_ns);
 }
 
 std::unique_ptr<ProcessGroup> create_shm_process_group(const ProcessGroupOptions& options, const std::string& prefix) {
