@@ -21,13 +21,13 @@
 // reducer's and Gloo's too; mean over the steps, the larger rank's). Then:
 // the overhead of ddp over local in percent of the local step, the share of
 // the reductions' time hidden behind the backward (dp_ddp_last_stats,
-// summed over the measured ddp steps), and this rank's resident memory
-// before and after the DDP model's gradients and buckets exist, with its
-// peak (VmHWM). Run once with and once without --grad-as-bucket-view to see
-// the gradient copy that the view removes (a fresh process each: freed
-// blocks stay in the library's cache, so a second mode in one process would
-// reuse the first one's memory; DP_CACHE_LIMIT_MB=0 turns the cache off and
-// leaves only the memory in use).
+// summed over the measured ddp steps), and rank 0's resident memory before
+// the DDP model's gradients and buckets exist and after, with its peak
+// (VmHWM) over the warm-up, which holds the one-time bucket rebuild, and,
+// reset through /proc/self/clear_refs, over the timed steps. Run once with and once without --grad-as-bucket-view to
+// see the gradient copy that the view removes (a fresh process each: freed blocks stay in the library's cache, so a
+// second mode in one process would reuse the first one's memory; DP_CACHE_LIMIT_MB=0 turns the cache off and leaves
+// only the memory in use).
 #include "dp_perf_ddp.h"
 
 #include <cblas.h>
@@ -196,10 +196,21 @@ Timing summarize(dp_process_group* pg, std::vector<double> times, double cpu) {
   return {times[times.size() / 2], times.front(), cpu};
 }
 
-// Runs warm-up steps, then timed steps, each after a barrier.
-template <typename Step>
-Timing measure(dp_process_group* pg, const Options& o, Step&& step) {
+// Resets this process's VmHWM to its current resident size (Linux 4.0+);
+// false where that is not possible.
+bool reset_peak() {
+  std::ofstream clear("/proc/self/clear_refs");
+  clear << "5";
+  clear.flush();
+  return static_cast<bool>(clear);
+}
+
+// Runs warm-up steps, then timed steps, each after a barrier; after_warmup
+// runs in between.
+template <typename Step, typename AfterWarmup>
+Timing measure(dp_process_group* pg, const Options& o, Step&& step, AfterWarmup&& after_warmup) {
   for (int i = 0; i < o.warmup; ++i) step(-1);
+  after_warmup();
   std::vector<double> times;
   double cpu = 0;
   for (int i = 0; i < o.steps; ++i) {
@@ -211,6 +222,11 @@ Timing measure(dp_process_group* pg, const Options& o, Step&& step) {
     cpu += cpu_seconds() - c0;
   }
   return summarize(pg, times, cpu / o.steps);
+}
+
+template <typename Step>
+Timing measure(dp_process_group* pg, const Options& o, Step&& step) {
+  return measure(pg, o, step, [] {});
 }
 
 int run(const Options& o) {
@@ -280,7 +296,11 @@ int run(const Options& o) {
   // views into the buckets and never allocated on their own).
   double hidden_share = -1, reduce_ms = 0, exposed_ms = 0;
   size_t num_buckets = 0;
-  long rss_before = -1, rss_after = -1, hwm_before = -1, hwm_after = -1;
+  // Resident size before dp_ddp_create; peak and resident size after the
+  // ddp warm-up (which holds the one-time bucket rebuild: old and new
+  // buckets at once); peak over the timed ddp steps; resident size after.
+  long rss_before = -1, hwm_warm = -1, rss_warm = -1, hwm_timed = -1, rss_after = -1;
+  bool peak_reset = false;
   if (wants("ddp_no_sync") || wants("ddp")) {
     dp_module* model = nullptr;
     fail_on(dp_module_create(&model), "dp_module_create");
@@ -310,7 +330,6 @@ int run(const Options& o) {
       dp_module_destroy(linear);
     }
     rss_before = status_kib("VmRSS:");
-    hwm_before = status_kib("VmHWM:");
     dp_ddp_options dopts;
     fail_on(dp_ddp_options_init(&dopts), "dp_ddp_options_init");
     dopts.bucket_cap_mb = o.bucket_cap_mb;
@@ -365,13 +384,17 @@ int run(const Options& o) {
     }
     if (wants("ddp")) {
       reduce_sum = exposed_sum = 0;
-      report("ddp", measure(pg, o, ddp_step));
+      report("ddp", measure(pg, o, ddp_step, [&] {
+               hwm_warm = status_kib("VmHWM:");
+               rss_warm = status_kib("VmRSS:");
+               peak_reset = reset_peak();
+             }));
+      hwm_timed = status_kib("VmHWM:");
       reduce_ms = reduce_sum / o.steps;
       exposed_ms = exposed_sum / o.steps;
       hidden_share = reduce_sum > 0 ? 1.0 - exposed_sum / reduce_sum : 0.0;
     }
     rss_after = status_kib("VmRSS:");
-    hwm_after = status_kib("VmHWM:");
     dp_ddp_destroy(ddp);
     dp_module_destroy(model);
   }
@@ -412,17 +435,22 @@ int run(const Options& o) {
           "exposed in finish_backward: %.0f%% hidden behind the backward; %zu buckets\n",
           reduce_ms, exposed_ms, hidden_share * 100, num_buckets);
     }
-    if (rss_before >= 0 && rss_after >= 0) {
+    if (rss_before >= 0 && rss_warm >= 0) {
       // Freed blocks stay resident in the library's cache (up to
       // DP_CACHE_LIMIT_MB, default 1024): 0 shows what is in use.
       const char* cache = std::getenv("DP_CACHE_LIMIT_MB");
+      auto mib = [](long kib) { return static_cast<double>(kib) / 1024.0; };
       std::printf(
-          "# memory (rank 0, gradient_as_bucket_view=%d, DP_CACHE_LIMIT_MB=%s): resident %.1f MiB before "
-          "dp_ddp_create, %.1f MiB after the ddp steps (%+.1f MiB; the gradients are %.1f MiB); peak (VmHWM) %.1f "
-          "MiB, %+.1f MiB over the peak before\n",
-          o.grad_as_bucket_view ? 1 : 0, cache != nullptr && *cache != '\0' ? cache : "default", rss_before / 1024.0,
-          rss_after / 1024.0, (rss_after - rss_before) / 1024.0, static_cast<double>(nparams) * 4 / 1048576.0,
-          hwm_after / 1024.0, (hwm_after - hwm_before) / 1024.0);
+          "# memory (rank 0, gradient_as_bucket_view=%d, DP_CACHE_LIMIT_MB=%s; the gradients are %.1f MiB): "
+          "resident %.1f MiB before dp_ddp_create; after the ddp warm-up %.1f MiB (%+.1f), its peak %.1f MiB (%+.1f, "
+          "the one-time bucket rebuild included)",
+          o.grad_as_bucket_view ? 1 : 0, cache != nullptr && *cache != '\0' ? cache : "default",
+          static_cast<double>(nparams) * 4 / 1048576.0, mib(rss_before), mib(rss_warm), mib(rss_warm - rss_before),
+          mib(hwm_warm), mib(hwm_warm - rss_before));
+      if (peak_reset && hwm_timed >= 0) {
+        std::printf("; peak over the timed ddp steps %.1f MiB (%+.1f)", mib(hwm_timed), mib(hwm_timed - rss_before));
+      }
+      std::printf("; resident at the end %.1f MiB (%+.1f)\n", mib(rss_after), mib(rss_after - rss_before));
     }
     std::fflush(stdout);
   }
