@@ -729,11 +729,11 @@ static void run_ddp(run_state *r, dp_process_group *pg) {
   CHECK(dp_ddp_create(&ddp, r->model, pg, &dopts));
   if (rank == 0) {
     printf(
-        "dp-train --ddp: %d x Linear(%lld, %lld) + Tanh, %zu parameters, batch %lld over %d ranks (%lld rows on "
+        "dp-train --ddp: %d x Linear(%lld, %lld) + Tanh, %zu parameters, batch %lld over %d ranks (%s; %lld rows on "
         "rank 0), BLAS threads per rank %d, %zu buckets (cap %g MB, first %g MB)%s\n",
         o->layers, (long long)W, (long long)W, dp_module_num_parameters(r->model), (long long)o->batch, world,
-        (long long)(hi - lo), r->blas_threads, dp_ddp_num_buckets(ddp), o->bucket_cap_mb, o->first_bucket_cap_mb,
-        o->grad_as_bucket_view ? ", gradients as bucket views" : "");
+        dp_process_group_backend(pg), (long long)(hi - lo), r->blas_threads, dp_ddp_num_buckets(ddp), o->bucket_cap_mb,
+        o->first_bucket_cap_mb, o->grad_as_bucket_view ? ", gradients as bucket views" : "");
   }
 
   dp_tensor *loss_sum = NULL;
