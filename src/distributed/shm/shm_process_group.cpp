@@ -38,6 +38,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <climits>
 #include <cstdlib>
@@ -170,8 +171,13 @@ class ShmProcessGroup : public ProcessGroup {
       try {
         segment_ = ShmSegment::create(name, layout_.total);
       } catch (const Error& e) {
+        // The others fail with this reason instead of waiting for a name.
         std::string why = str_cat("!", e.what());
-        store_->set(key, Bytes(why.begin(), why.end()));
+        try {
+          store_->set(key, Bytes(why.begin(), why.end()));
+        } catch (const Error&) {
+          // They time out instead.
+        }
         throw;
       }
       auto* control = new (segment_.data()) Control{};
@@ -229,9 +235,17 @@ class ShmProcessGroup : public ProcessGroup {
     }
     pidfds_.assign(static_cast<size_t>(size()), -1);
     for (int32_t r = 0; r < size(); ++r) {
-      // A pid from another pid namespace is not this one's: that rank is
-      // then watched by the deadline only.
-      if (r != rank()) pidfds_[static_cast<size_t>(r)] = pidfd_open(pid_word(r)->load());
+      if (r == rank()) continue;
+      int fd = pidfd_open(pid_word(r)->load());
+      if (fd < 0 && errno == ESRCH) {
+        for (int open_fd : pidfds_) {
+          if (open_fd >= 0) ::close(open_fd);
+        }
+        fail(StatusCode::kRemote, "setting up shared memory on rank ", rank(), " of ", size(), ": rank ", r, " (pid ",
+             pid_word(r)->load(), ") exited after it mapped the segment");
+      }
+      // Without pidfds (an old kernel), a dead peer is noticed at the deadline only.
+      pidfds_[static_cast<size_t>(r)] = fd;
     }
   }
 
