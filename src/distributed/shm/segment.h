@@ -1,7 +1,9 @@
 // A POSIX shared-memory segment that the ranks of a job on one host map.
 // Private to the job: created with O_EXCL and mode 0600 under a name of
 // random bytes that only the store carries, and unlinked as soon as every
-// local rank has mapped it, so that no rank's death leaves it behind.
+// local rank has mapped it, so that no rank's death leaves it behind (except
+// when every rank dies in the milliseconds between its creation and the last
+// rank's mapping: then the name stays until it is removed or the host reboots).
 #pragma once
 
 #include <cstddef>
