@@ -57,6 +57,10 @@
  * ranks' matching reductions at once (DP_EINVAL naming that rank); the
  * group stays usable and the next backward starts afresh.
  *
+ * A gradient marked ready belongs to the library until finish_backward
+ * returns: the host must neither read nor write it in between (its bucket
+ * may be reduced, and the result written back, while the backward goes on).
+ *
  * Thread safety: mark_grad_ready (all three forms) may be called from
  * several threads at once; every other call on one dp_ddp must not overlap
  * another. The comm hook runs on the library's worker thread. While a

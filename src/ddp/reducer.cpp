@@ -621,6 +621,12 @@ void Reducer::run_job(size_t index, const std::string& refusal) {
       copy_into_bucket(index);
       if (debug_ == DebugLevel::kDetail) check_fingerprint(index);
       reduce_bucket(index);
+      // The results go back into the gradients here, while the host's
+      // backward goes on, unless the used map must decide it first.
+      if (!options_.gradient_as_bucket_view && !options_.find_unused_parameters) {
+        for (size_t p : bucket.params) copy_tensor(params_[p].parameter->grad(), slot_of(p));
+        bucket.copied_back = true;
+      }
     }
   } catch (const Error& e) {
     code = e.code();
@@ -752,6 +758,7 @@ void Reducer::reset_iteration_locked() {
     b.pending = b.params.size();
     b.queued = false;
     b.done = false;
+    b.copied_back = false;
     b.code = StatusCode::kOk;
     b.error.clear();
     for (void* e : b.events) cuda::destroy_event(e);
@@ -873,7 +880,9 @@ void Reducer::finish_backward() {
       if (it != saved_views.end()) copy_tensor(slot_of(i), it->second);
       continue;
     }
-    if (!options_.gradient_as_bucket_view) copy_tensor(params_[i].parameter->grad(), slot_of(i));
+    if (!options_.gradient_as_bucket_view && !buckets_[params_[i].bucket].copied_back) {
+      copy_tensor(params_[i].parameter->grad(), slot_of(i));
+    }
   }
   const auto end = Clock::now();
 

@@ -126,6 +126,7 @@ class Reducer {
     std::vector<size_t> deferred;  // parameters whose copy waits for `events`
     bool queued = false;
     bool done = false;
+    bool copied_back = false;  // its gradients already hold the result
     StatusCode code = StatusCode::kOk;
     std::string error;
     Clock::time_point start, end;
