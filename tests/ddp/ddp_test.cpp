@@ -21,30 +21,14 @@
 #include <thread>
 #include <vector>
 
+#include "process_util.h"
+
 extern char** environ;
 
 namespace {
 
-// A port that was free a moment ago (the kernel hands out ephemeral ports in
-// sequence, so a parallel test rarely gets the same one).
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using dptest::free_port;
+using dptest::read_file;
 
 struct Ranks {
   std::vector<int> exit_codes;  // 128 + signal when killed

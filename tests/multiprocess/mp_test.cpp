@@ -18,36 +18,19 @@
 #include <vector>
 
 #include "dparallel/dparallel.h"
+#include "process_util.h"
 
 extern char** environ;
 
 namespace {
 
-// A port that was free a moment ago (the kernel hands out ephemeral ports in
-// sequence, so a parallel test rarely gets the same one).
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
+using dptest::free_port;
+using dptest::read_file;
 
 struct Result {
   int exit_code = -1;  // 128 + signal when killed
   std::string output;
 };
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 // Runs `world` ranks of mp_worker `scenario`; kills them all after `limit`.
 // With `cuda`, rank r works on cuda:r through NCCL. `wrapper` (a program and
