@@ -388,6 +388,7 @@ class ShmProcessGroup : public ProcessGroup {
         break;
       }
     }
+    const bool in_place_late = in[static_cast<size_t>(rank())] == out && rank() >= 2;
     Op o = begin(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output);
     // Each round carries a piece of every rank's part, piece q at q * piece.
     const size_t align = std::max<size_t>(1, kLine / esize);
@@ -407,12 +408,14 @@ class ShmProcessGroup : public ProcessGroup {
         barrier(o);
       }
       const size_t my_piece = static_cast<size_t>(rank()) * piece;
-      uint8_t* result = mine + my_piece;
+      // Folded straight into the output, unless the output is this rank's
+      // own input and the fold would write it before reading it (rank >= 2).
+      uint8_t* result = in_place_late ? mine + my_piece : out + offset;
       fold(
           fn, result, [&](int32_t q) { return q == rank() ? in[static_cast<size_t>(q)] + offset : slot(q) + my_piece; },
           count, esize);
       if (op == ReduceOp::kAvg) divide_in_place(output.dtype(), result, count, size());
-      copy(out + offset, result, len);
+      if (in_place_late) copy(out + offset, result, len);
       next_round();
       start += count;
     } while (start < n);
