@@ -306,6 +306,8 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
       check_agreement(description);
       broadcast_state(state);
     }
+    in_place_ = device.type == DeviceType::kCpu && options_.hook == HookKind::kAllReduce &&
+                !options_.gradient_as_bucket_view && !options_.find_unused_parameters;
     std::vector<size_t> order(params_.size());
     for (size_t i = 0; i < order.size(); ++i) order[i] = params_.size() - 1 - i;
     build_buckets(plan_for(order));
@@ -323,7 +325,8 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
                  group_->rank(), params_.size(), buckets_.size(), hook_name(options_.hook));
     for (size_t b = 0; b < buckets_.size(); ++b) {
       std::fprintf(stderr, "[dparallel ddp rank %d]   bucket %zu: %s, %zu bytes: %s\n", group_->rank(), b,
-                   dtype_name(buckets_[b].dtype), buckets_[b].flat.nbytes(),
+                   dtype_name(buckets_[b].dtype),
+                   static_cast<size_t>(buckets_[b].numel) * dtype_size(buckets_[b].dtype),
                    describe_params(buckets_[b].params).c_str());
     }
   }
@@ -365,7 +368,8 @@ void Reducer::build_buckets(const std::vector<std::vector<size_t>>& plan) {
     bucket.dtype = params_[plan[b].front()].parameter->value().dtype();
     int64_t numel = 0;
     for (size_t p : plan[b]) numel += params_[p].parameter->value().numel();
-    bucket.flat = Tensor::zeros(bucket.dtype, {numel}, group_->device());
+    bucket.numel = numel;
+    if (!in_place_) bucket.flat = Tensor::zeros(bucket.dtype, {numel}, group_->device());
   }
   // Offsets are assigned only once every allocation succeeded.
   for (size_t b = 0; b < plan.size(); ++b) {
@@ -531,7 +535,7 @@ void Reducer::mark_ready(size_t index, bool has_stream, void* stream) {
     // waits on this event, then copies.
     bucket.events.push_back(cuda::record_event(m.parameter->value().device().index, has_stream ? stream : nullptr));
     if (!options_.gradient_as_bucket_view) bucket.deferred.push_back(index);
-  } else if (!options_.gradient_as_bucket_view) {
+  } else if (!options_.gradient_as_bucket_view && !in_place_) {
     Tensor slot = slot_of(index);
     lock.unlock();
     copy_tensor(slot, m.parameter->grad());
@@ -623,7 +627,9 @@ void Reducer::run_job(size_t index, const std::string& refusal) {
       reduce_bucket(index);
       // The results go back into the gradients here, while the host's
       // backward goes on, unless the used map must decide it first.
-      if (!options_.gradient_as_bucket_view && !options_.find_unused_parameters) {
+      if (in_place_) {
+        bucket.copied_back = true;
+      } else if (!options_.gradient_as_bucket_view && !options_.find_unused_parameters) {
         for (size_t p : bucket.params) copy_tensor(params_[p].parameter->grad(), slot_of(p));
         bucket.copied_back = true;
       }
@@ -673,7 +679,7 @@ void Reducer::check_fingerprint(size_t index) {
   const Device device = group_->device();
   const int32_t world = group_->size();
   std::vector<Tensor> all = gather_outputs(world, DType::kInt64, 3, device);
-  Tensor mine = host_int64({static_cast<int64_t>(index), bucket.flat.numel(), static_cast<int64_t>(bucket.dtype)});
+  Tensor mine = host_int64({static_cast<int64_t>(index), bucket.numel, static_cast<int64_t>(bucket.dtype)});
   group_->all_gather(to_device(mine, device), all, false);
   std::vector<int64_t> first = read_int64(all[0]);
   auto describe = [](const std::vector<int64_t>& f) {
@@ -692,8 +698,16 @@ void Reducer::check_fingerprint(size_t index) {
 }
 
 void Reducer::reduce_bucket(size_t index) {
-  const Tensor& flat = buckets_[index].flat;
-  if (flat.numel() == 0) return;  // only empty parameters: the same on every rank
+  const Bucket& bucket = buckets_[index];
+  if (bucket.numel == 0) return;  // only empty parameters: the same on every rank
+  if (in_place_) {
+    std::vector<Tensor> grads;
+    grads.reserve(bucket.params.size());
+    for (size_t p : bucket.params) grads.push_back(params_[p].parameter->grad());
+    group_->all_reduce_coalesced(grads, ReduceOp::kAvg, false);
+    return;
+  }
+  const Tensor& flat = bucket.flat;
   switch (options_.hook) {
     case HookKind::kAllReduce:
       group_->all_reduce(flat, ReduceOp::kAvg, false);
@@ -973,7 +987,8 @@ void Reducer::rebuild(const std::vector<size_t>& rank0_order) {
                  group_->rank(), buckets_.size());
     for (size_t b = 0; b < buckets_.size(); ++b) {
       std::fprintf(stderr, "[dparallel ddp rank %d]   bucket %zu: %s, %zu bytes: %s\n", group_->rank(), b,
-                   dtype_name(buckets_[b].dtype), buckets_[b].flat.nbytes(),
+                   dtype_name(buckets_[b].dtype),
+                   static_cast<size_t>(buckets_[b].numel) * dtype_size(buckets_[b].dtype),
                    describe_params(buckets_[b].params).c_str());
     }
   }

@@ -120,7 +120,8 @@ class Reducer {
   struct Bucket {
     std::vector<size_t> params;
     DType dtype = DType::kFloat32;
-    Tensor flat;
+    Tensor flat;  // undefined when the reduction reads the gradients in place
+    int64_t numel = 0;
     size_t pending = 0;            // parameters not yet marked this iteration
     std::vector<void*> events;     // CUDA: wait for these, then copy the gradients in
     std::vector<size_t> deferred;  // parameters whose copy waits for `events`
@@ -154,6 +155,10 @@ class Reducer {
   std::shared_ptr<Module> module_;
   std::shared_ptr<dist::ProcessGroup> group_;
   ReducerOptions options_;
+  // The default hook on cpu gradients without views or the used map: each
+  // bucket is one coalesced all_reduce straight over the module's gradients,
+  // with no bucket memory and no copies in or out.
+  bool in_place_ = false;
   DebugLevel debug_ = DebugLevel::kOff;
   std::string timeline_path_;
   std::vector<Managed> params_;

@@ -233,6 +233,57 @@ std::shared_ptr<Work> ProcessGroup::all_reduce(const Tensor& tensor, ReduceOp op
       "all_reduce", [this, tensor, op] { run_all_reduce(tensor, op); }, async);
 }
 
+std::shared_ptr<Work> ProcessGroup::all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op, bool async) {
+  check_arguments(CallKind::kAllReduce, async, [&] {
+    if (tensors.empty()) fail_invalid("all_reduce_coalesced: argument 'tensors' is empty");
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      std::string name = str_cat("tensors[", i, "]");
+      check_tensor(tensors[i], name, "all_reduce_coalesced");
+      if (tensors[i].dtype() != tensors[0].dtype()) {
+        fail_invalid("all_reduce_coalesced: ", name, " is ", tensors[i].describe(), " but tensors[0] is ",
+                     tensors[0].describe(), "; every tensor must have one dtype");
+      }
+    }
+    if (tensors[0].dtype() == DType::kBool && op == ReduceOp::kAvg) {
+      fail_invalid("all_reduce_coalesced: DP_AVG is not defined for bool tensors");
+    }
+  });
+  return submit(
+      "all_reduce", [this, tensors, op] { run_all_reduce_coalesced(tensors, op); }, async);
+}
+
+void ProcessGroup::run_all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op) {
+  if (tensors.size() == 1) return run_all_reduce(tensors[0], op);
+  int64_t numel = 0;
+  for (const Tensor& t : tensors) numel += t.numel();
+  Tensor flat;
+  try {
+    flat = Tensor::empty(tensors[0].dtype(), {numel}, device_);
+  } catch (const Error& e) {
+    if (e.code() != StatusCode::kOutOfMemory) throw;
+    // Refused in the call's place, so that the other ranks fail too and the
+    // group stays in step.
+    std::string reason = str_cat("out of memory for the ", numel, "-element scratch of a coalesced all_reduce");
+    try {
+      run_refused(CallKind::kAllReduce, reason);
+    } catch (const Error&) {
+      // The verdict; this rank reports its own reason below.
+    }
+    fail(StatusCode::kOutOfMemory, "all_reduce_coalesced: ", reason, " (the other ranks' matching call fails too)");
+  }
+  size_t offset = 0;
+  for (const Tensor& t : tensors) {
+    copy_bytes(static_cast<char*>(flat.data()) + offset, device_, t.data(), t.device(), t.nbytes());
+    offset += t.nbytes();
+  }
+  run_all_reduce(flat, op);
+  offset = 0;
+  for (const Tensor& t : tensors) {
+    copy_bytes(t.data(), t.device(), static_cast<const char*>(flat.data()) + offset, device_, t.nbytes());
+    offset += t.nbytes();
+  }
+}
+
 std::shared_ptr<Work> ProcessGroup::broadcast(const Tensor& tensor, int32_t root, bool async) {
   check_arguments(CallKind::kBroadcast, async, [&] {
     check_tensor(tensor, "tensor", "broadcast");

@@ -53,6 +53,11 @@ class ProcessGroup {
   // With `async`, returns at once with the Work to wait on; otherwise returns
   // when done (the Work is then already finished).
   std::shared_ptr<Work> all_reduce(const Tensor& tensor, ReduceOp op, bool async);
+  // One all_reduce over `tensors` (one dtype, any shapes) as if they were
+  // concatenated: the other ranks' matching call may be this or a plain
+  // all_reduce of the concatenation. Backends that read and write the pieces
+  // in place override run_all_reduce_coalesced; the others flatten.
+  std::shared_ptr<Work> all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op, bool async);
   std::shared_ptr<Work> broadcast(const Tensor& tensor, int32_t root, bool async);
   std::shared_ptr<Work> all_gather(const Tensor& input, const std::vector<Tensor>& outputs, bool async);
   std::shared_ptr<Work> reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op,
@@ -79,6 +84,8 @@ class ProcessGroup {
 
  protected:
   virtual void run_all_reduce(const Tensor& tensor, ReduceOp op) = 0;
+  // Default: copies the pieces into one scratch tensor, all-reduces it, copies back.
+  virtual void run_all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op);
   virtual void run_broadcast(const Tensor& tensor, int32_t root) = 0;
   virtual void run_all_gather(const Tensor& input, const std::vector<Tensor>& outputs) = 0;
   virtual void run_reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) = 0;
