@@ -155,6 +155,46 @@ bool overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
   return a_bytes > 0 && b_bytes > 0 && x < y + b_bytes && y < x + a_bytes;
 }
 
+// Tensors of one dtype seen as their concatenation: byte offsets into it.
+class Pieces {
+ public:
+  explicit Pieces(const std::vector<Tensor>& tensors) {
+    size_t at = 0;
+    for (const Tensor& t : tensors) {
+      if (t.nbytes() == 0) continue;
+      data_.push_back(static_cast<uint8_t*>(t.data()));
+      begin_.push_back(at);
+      at += t.nbytes();
+    }
+    bytes_ = at;
+  }
+  size_t bytes() const { return bytes_; }
+
+  // Calls f(data, offset, len) for each piece's share of [begin, end).
+  template <typename F>
+  void each(size_t begin, size_t end, F&& f) const {
+    if (begin >= end) return;
+    size_t i = static_cast<size_t>(std::upper_bound(begin_.begin(), begin_.end(), begin) - begin_.begin()) - 1;
+    for (; i < data_.size() && begin_[i] < end; ++i) {
+      size_t piece_end = i + 1 < begin_.size() ? begin_[i + 1] : bytes_;
+      size_t from = std::max(begin, begin_[i]), to = std::min(end, piece_end);
+      if (from < to) f(data_[i] + (from - begin_[i]), from, to - from);
+    }
+  }
+  // Copies bytes [at, at + len) of the concatenation to `to`, or from `from` into them.
+  void copy_out(uint8_t* to, size_t at, size_t len) const {
+    each(at, at + len, [&](uint8_t* data, size_t offset, size_t n) { std::memcpy(to + (offset - at), data, n); });
+  }
+  void copy_in(size_t at, const uint8_t* from, size_t len) const {
+    each(at, at + len, [&](uint8_t* data, size_t offset, size_t n) { std::memcpy(data, from + (offset - at), n); });
+  }
+
+ private:
+  std::vector<uint8_t*> data_;
+  std::vector<size_t> begin_;  // each piece's offset in the concatenation
+  size_t bytes_ = 0;
+};
+
 class ShmProcessGroup : public ProcessGroup {
  public:
   ShmProcessGroup(const ProcessGroupOptions& options, std::string prefix)
@@ -262,51 +302,19 @@ class ShmProcessGroup : public ProcessGroup {
   DeviceType tensor_device_type() const override { return DeviceType::kCpu; }
 
   void run_all_reduce(const Tensor& tensor, ReduceOp op) override {
-    const size_t esize = tensor.element_size();
-    const auto n = static_cast<size_t>(tensor.numel());
-    const size_t nbytes = tensor.nbytes();
-    auto* data = static_cast<uint8_t*>(tensor.data());
-    ReduceFn fn = reduce_function(tensor.dtype(), op);
+    Pieces pieces({tensor});
     Op o = begin(CallKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1, &tensor);
-    if (nbytes <= std::min(kSmallAllReduceBytes, layout_.slot)) {
-      copy(slot(rank()), data, nbytes);
-      exchange(o);
-      fold(
-          fn, data, [&](int32_t q) { return slot(q); }, n, esize);
-      if (op == ReduceOp::kAvg) divide_in_place(tensor.dtype(), data, n, size());
-      next_round();
-      return;
-    }
-    const size_t block = layout_.slot / esize;                // elements per round
-    const size_t align = std::max<size_t>(1, kLine / esize);  // parts start on cache lines
-    for (size_t start = 0; start < n; start += block) {
-      const size_t count = std::min(block, n - start);
-      const size_t part = align_up((count + static_cast<size_t>(size()) - 1) / static_cast<size_t>(size()), align);
-      auto part_begin = [&](int32_t q) { return std::min(count, part * static_cast<size_t>(q)) * esize; };
-      auto part_end = [&](int32_t q) { return std::min(count, part * static_cast<size_t>(q + 1)) * esize; };
-      uint8_t* in = data + start * esize;
-      uint8_t* mine = slot(rank());
-      const size_t my_begin = part_begin(rank()), my_end = part_end(rank());
-      // This rank's own part is read where it is, by this rank alone.
-      copy(mine, in, my_begin);
-      copy(mine + my_end, in + my_end, count * esize - my_end);
-      if (start == 0) {
-        exchange(o);
-      } else {
-        barrier(o);
-      }
-      uint8_t* result = mine + my_begin;
-      fold(
-          fn, result, [&](int32_t q) { return (q == rank() ? in : slot(q)) + my_begin; }, (my_end - my_begin) / esize,
-          esize);
-      if (op == ReduceOp::kAvg) divide_in_place(tensor.dtype(), result, (my_end - my_begin) / esize, size());
-      copy(in + my_begin, result, my_end - my_begin);
-      barrier(o);
-      for (int32_t q = 0; q < size(); ++q) {
-        if (q != rank()) copy(in + part_begin(q), slot(q) + part_begin(q), part_end(q) - part_begin(q));
-      }
-      next_round();
-    }
+    all_reduce(o, pieces, tensor.dtype(), op);
+  }
+
+  // In place: the same collective as an all_reduce of the concatenation.
+  void run_all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op) override {
+    if (tensors.size() == 1) return run_all_reduce(tensors[0], op);
+    Pieces pieces(tensors);
+    Op o = begin(CallKind::kAllReduce, tensors[0].dtype(),
+                 static_cast<int64_t>(pieces.bytes() / tensors[0].element_size()), op, -1, &tensors[0]);
+    o.pieces = tensors.size();
+    all_reduce(o, pieces, tensors[0].dtype(), op);
   }
 
   void run_broadcast(const Tensor& tensor, int32_t root) override {
@@ -437,9 +445,60 @@ class ShmProcessGroup : public ProcessGroup {
   struct Op {
     CallHeader header;
     const Tensor* tensor;  // named in failures; null for none
+    size_t pieces = 1;     // tensors reduced as one (coalesced), tensor the first
     Clock::time_point deadline;
     bool exchanged = false;  // every rank's header has arrived
   };
+
+  // all_reduce of `pieces` (see the file's comment).
+  void all_reduce(Op& o, const Pieces& pieces, DType dtype, ReduceOp op) {
+    const size_t esize = dtype_size(dtype);
+    const size_t nbytes = pieces.bytes();
+    const size_t n = nbytes / esize;
+    ReduceFn fn = reduce_function(dtype, op);
+    if (nbytes <= std::min(kSmallAllReduceBytes, layout_.slot)) {
+      pieces.copy_out(slot(rank()), 0, nbytes);
+      exchange(o);
+      pieces.each(0, nbytes, [&](uint8_t* data, size_t at, size_t len) {
+        fold(
+            fn, data, [&](int32_t q) { return slot(q) + at; }, len / esize, esize);
+        if (op == ReduceOp::kAvg) divide_in_place(dtype, data, len / esize, size());
+      });
+      next_round();
+      return;
+    }
+    const size_t block = layout_.slot / esize;                // elements per round
+    const size_t align = std::max<size_t>(1, kLine / esize);  // parts start on cache lines
+    for (size_t start = 0; start < n; start += block) {
+      const size_t count = std::min(block, n - start);
+      const size_t part = align_up((count + static_cast<size_t>(size()) - 1) / static_cast<size_t>(size()), align);
+      auto part_begin = [&](int32_t q) { return std::min(count, part * static_cast<size_t>(q)) * esize; };
+      auto part_end = [&](int32_t q) { return std::min(count, part * static_cast<size_t>(q + 1)) * esize; };
+      const size_t in = start * esize;  // the block's offset in the pieces
+      uint8_t* mine = slot(rank());
+      const size_t my_begin = part_begin(rank()), my_end = part_end(rank());
+      // This rank's own part is read where it is, by this rank alone.
+      pieces.copy_out(mine, in, my_begin);
+      pieces.copy_out(mine + my_end, in + my_end, count * esize - my_end);
+      if (start == 0) {
+        exchange(o);
+      } else {
+        barrier(o);
+      }
+      pieces.each(in + my_begin, in + my_end, [&](uint8_t* data, size_t at, size_t len) {
+        uint8_t* result = mine + (at - in);
+        fold(
+            fn, result, [&](int32_t q) { return q == rank() ? data : slot(q) + (at - in); }, len / esize, esize);
+        if (op == ReduceOp::kAvg) divide_in_place(dtype, result, len / esize, size());
+        copy(data, result, len);
+      });
+      barrier(o);
+      for (int32_t q = 0; q < size(); ++q) {
+        if (q != rank()) pieces.copy_in(in + part_begin(q), slot(q) + part_begin(q), part_end(q) - part_begin(q));
+      }
+      next_round();
+    }
+  }
 
   Control* control() const { return reinterpret_cast<Control*>(segment_.data()); }
   std::atomic<int32_t>* pid_word(int32_t r) const {
@@ -579,8 +638,9 @@ class ShmProcessGroup : public ProcessGroup {
     futex_wake(&control()->arrivals);
     std::string missing = find_missing_ranks(*store_, prefix_, rank(), size(), o.header.seq, o.exchanged, o.deadline);
     fail(timed_out ? StatusCode::kTimeout : StatusCode::kRemote, call_kind_name(o.header.kind), " of ",
-         o.tensor != nullptr ? o.tensor->describe()
-                             : std::string(o.header.refused != 0 ? "a refused call" : "no tensor"),
+         o.tensor == nullptr ? std::string(o.header.refused != 0 ? "a refused call" : "no tensor")
+         : o.pieces > 1      ? str_cat(dtype_name(o.tensor->dtype()), " ", o.header.numel, " in ", o.pieces, " tensors")
+                             : o.tensor->describe(),
          " (collective #", o.header.seq, ") on rank ", rank(), " of ", size(),
          timed_out ? str_cat(" timed out after ", timeout().count(), " ms") : std::string(" failed"), ": ", missing,
          "; shm: ", cause);
