@@ -8,10 +8,14 @@
  *   dp_ddp_mark_grad_ready(ddp, "fc3.weight");   or _index / _stream
  *   dp_ddp_finish_backward(ddp);             the module's gradients now hold
  *                                            the average over every rank
- * Gradients are copied into flat buckets as they are marked; a bucket's
- * reduction starts, asynchronously, as soon as its last gradient is marked
- * (buckets start in index order), so communication overlaps the host's
- * remaining backward. Average = sum divided by the world size.
+ * A bucket's reduction starts, asynchronously, as soon as its last gradient
+ * is marked (buckets start in index order), so communication overlaps the
+ * host's remaining backward. Average = sum divided by the world size. On a
+ * cpu group with the default hook, without gradient_as_bucket_view and
+ * find_unused_parameters, a bucket is one all-reduce straight over the
+ * module's gradient tensors (no bucket memory, no copies); otherwise
+ * gradients are copied into flat buckets as they are marked (or are views
+ * into them) and the results copied back.
  *
  * Managed parameters: those of `module` that require grad, in registration
  * order (dp_module_parameter_at), minus ignored modules (with all their
