@@ -21,8 +21,11 @@
  * loopback when the store is on a loopback address, else this host's name),
  * DP_SHM ("0": cpu groups always use Gloo; otherwise a cpu group whose ranks
  * all run on one host uses shared memory, through a segment private to the
- * job and gone from /dev/shm once every rank has mapped it), DP_HOST_ID
- * (the host a rank counts as on, instead of the boot id and host name).
+ * job and gone from /dev/shm once every rank has mapped it; ranks on several
+ * hosts with the same number of ranks, at least 2, on each are hierarchical:
+ * shared memory inside each host and Gloo across, "shm+gloo"; uneven hosts
+ * use Gloo and rank 0 says why on stderr), DP_HOST_ID (the host a rank
+ * counts as on, instead of the boot id and host name).
  * The job token guards the rendezvous (the store) only: the collectives'
  * own traffic, Gloo's and NCCL's connections, is not authenticated, so run
  * jobs on networks only they and trusted hosts can reach.
@@ -193,7 +196,7 @@ DP_API dp_status dp_pg_all_gather_async(dp_process_group *pg, const dp_tensor *i
 DP_API dp_status dp_pg_reduce_scatter_async(dp_process_group *pg, const dp_tensor *const *inputs, size_t ninputs,
                                             dp_tensor *output, int32_t op, dp_work **out);
 DP_API dp_status dp_pg_barrier_async(dp_process_group *pg, dp_work **out);
-/* "shm", "gloo" or "nccl" (static text); NULL for an invalid handle. */
+/* "shm", "shm+gloo", "gloo" or "nccl" (static text); NULL for an invalid handle. */
 DP_API const char *dp_process_group_backend(const dp_process_group *pg);
 
 #ifdef __cplusplus

@@ -121,9 +121,9 @@ bool ProcessGroup::broken() {
   return !broken_.empty();
 }
 
-void ProcessGroup::mark_broken(const std::string& why) {
+void ProcessGroup::mark_broken(const std::string& why) noexcept {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (broken_.empty()) broken_ = why;
+  if (broken_.empty()) broken_ = why.empty() ? "broken" : why;
 }
 
 void ProcessGroup::worker_loop() {

@@ -82,6 +82,12 @@ class ProcessGroup {
   // every rank that refused), with `async` at once (the refusal is queued).
   [[noreturn]] void refuse(CallKind kind, const std::string& reason, bool async);
 
+  // Breaks the group for good and makes the peers' current or next
+  // collective with it fail now rather than at their timeout (a group built
+  // over this one calls it when another of its parts failed). Only between
+  // collectives: not while one runs on this group.
+  virtual void abort(const std::string& why) noexcept { mark_broken(why); }
+
  protected:
   virtual void run_all_reduce(const Tensor& tensor, ReduceOp op) = 0;
   // Default: copies the pieces into one scratch tensor, all-reduces it, copies back.
@@ -100,7 +106,7 @@ class ProcessGroup {
   // True once a collective has failed with kTimeout, kRemote or kInternal.
   bool broken();
   // Marks the group unusable: a failure that left the ranks out of step.
-  void mark_broken(const std::string& why);
+  void mark_broken(const std::string& why) noexcept;
 
  private:
   using Task = std::function<void()>;
@@ -132,8 +138,10 @@ std::string find_missing_ranks(Store& store, const std::string& prefix, int32_t 
                                bool exchanged, std::chrono::steady_clock::time_point deadline);
 // Each backend's factory; the NCCL one fails with kUnsupported in a build without NCCL.
 std::unique_ptr<ProcessGroup> create_gloo_process_group(const ProcessGroupOptions& options);
-// A cpu group: through shared memory (shm/) when every rank runs on this
-// host and DP_SHM is not "0" on any of them, else through Gloo.
+// A cpu group, unless DP_SHM is "0" on any rank: through shared memory
+// (shm/) when every rank runs on this host; hierarchical (shared memory
+// inside each host, Gloo across) when the ranks span hosts with the same
+// number of ranks, at least 2, on each; else through Gloo.
 std::unique_ptr<ProcessGroup> create_cpu_process_group(const ProcessGroupOptions& options);
 // The address Gloo binds to and advertises when DP_SOCKET_IFNAME is unset:
 // with a TCP store, this end's address of its connection to the store.

@@ -109,8 +109,12 @@ std::vector<Result> run_ranks(const Ranks& run) {
     posix_spawn_file_actions_addopen(&actions, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     posix_spawn_file_actions_adddup2(&actions, 1, 2);
     std::string worker = DP_SHM_WORKER;
+    // The argument's words are arguments of their own.
+    std::vector<std::string> words;
+    std::istringstream argument(run.argument);
+    for (std::string word; argument >> word;) words.push_back(word);
     std::vector<char*> argv = {worker.data(), const_cast<char*>(run.scenario.c_str())};
-    if (!run.argument.empty()) argv.push_back(const_cast<char*>(run.argument.c_str()));
+    for (auto& word : words) argv.push_back(word.data());
     argv.push_back(nullptr);
     pid_t pid = -1;
     int rc = posix_spawn(&pid, worker.c_str(), &actions, nullptr, argv.data(), envp.data());
@@ -297,9 +301,10 @@ TEST(Shm, OneRankWithDpShmZeroGivesGlooOnEveryRank) {
   expect_all_passed(run_ranks(run));
 }
 
-// Ranks that report different hosts keep Gloo for everything (for now).
-TEST(Shm, RanksOnSeveralHostsUseGloo) {
-  Ranks run{"backend", "gloo"};
+// Ranks on several hosts with the same number on each: shared memory inside
+// each host, Gloo across.
+TEST(Shm, RanksOnSeveralHostsUseSharedMemoryAndGloo) {
+  Ranks run{"backend", "shm+gloo"};
   run.world = 4;
   run.env[0] = {"DP_HOST_ID=a"};
   run.env[1] = {"DP_HOST_ID=a"};
@@ -307,6 +312,95 @@ TEST(Shm, RanksOnSeveralHostsUseGloo) {
   run.env[3] = {"DP_HOST_ID=b"};
   expect_all_passed(run_ranks(run));
 }
+
+// Hosts with different numbers of ranks fall back to Gloo and say why.
+TEST(Shm, UnevenHostsUseGlooAndSayWhy) {
+  Ranks run{"backend", "gloo"};
+  run.world = 3;
+  run.env[0] = {"DP_HOST_ID=a"};
+  run.env[1] = {"DP_HOST_ID=a"};
+  run.env[2] = {"DP_HOST_ID=b"};
+  auto results = run_ranks(run);
+  expect_all_passed(results);
+  ASSERT_EQ(results.size(), 3u);
+  EXPECT_NE(results[0].output.find("different numbers of ranks (2, 1)"), std::string::npos) << results[0].output;
+}
+
+TEST(Shm, OneRankPerHostUsesGloo) {
+  Ranks run{"backend", "gloo"};
+  run.world = 2;
+  run.env[0] = {"DP_HOST_ID=a"};
+  run.env[1] = {"DP_HOST_ID=b"};
+  expect_all_passed(run_ranks(run));
+}
+
+TEST(Shm, DpShmZeroOnSeveralHostsGivesGloo) {
+  Ranks run{"backend", "gloo"};
+  run.world = 4;
+  run.env[0] = {"DP_HOST_ID=a"};
+  run.env[1] = {"DP_HOST_ID=a", "DP_SHM=0"};
+  run.env[2] = {"DP_HOST_ID=b"};
+  run.env[3] = {"DP_HOST_ID=b"};
+  expect_all_passed(run_ranks(run));
+}
+
+// Two pretend hosts of `per_host` ranks each (ranks 0..per_host-1 on the first).
+Ranks on_two_hosts(const std::string& scenario, const std::string& argument, int per_host) {
+  Ranks run{scenario, argument};
+  run.world = 2 * per_host;
+  for (int r = 0; r < run.world; ++r) run.env[r] = {r < per_host ? "DP_HOST_ID=first" : "DP_HOST_ID=second"};
+  return run;
+}
+
+TEST(Hierarchical, EveryCollectiveOpAndDtypeMatchesTheExpectedValues) {
+  Ranks run = on_two_hosts("collectives", "shm+gloo 2", 2);
+  run.limit = std::chrono::seconds(240);
+  expect_all_passed(run_ranks(run));
+}
+
+TEST(Hierarchical, SizesOpsAndRootsThatDifferFailEveryRankAlike) {
+  expect_all_passed(run_ranks(on_two_hosts("mismatch", "", 2)));
+}
+
+// A rank killed a moment into a 32 MiB all_reduce: the survivors on both
+// hosts fail with DP_EREMOTE naming it, destroy the group and exit, long
+// before their timeout; nothing is left in /dev/shm. Rank 3 shares a host
+// with rank 2; rank 1 with rank 0, which serves the store.
+class HierarchicalKilled : public ::testing::TestWithParam<int> {};
+
+TEST_P(HierarchicalKilled, RankKilledMidAllReduceFailsTheOthersNamingIt) {
+  auto before = segments();
+  const int victim = GetParam();
+  auto results = run_ranks(on_two_hosts("die", std::to_string(victim), 2));
+  for (size_t r = 0; r < results.size(); ++r) {
+    if (static_cast<int>(r) == victim) {
+      EXPECT_EQ(results[r].exit_code, 128 + SIGKILL) << results[r].output;
+    } else {
+      EXPECT_EQ(results[r].exit_code, 0) << "survivor rank " << r << " output:\n" << results[r].output;
+    }
+  }
+  expect_no_segment_left(before);
+}
+
+// A stopped rank is alive: its local peer times out, and the failure spreads
+// to the other host through the parts the survivors abort.
+TEST(Hierarchical, RankStoppedMidAllReduceTimesTheOthersOut) {
+  auto before = segments();
+  Ranks run = on_two_hosts("stop", "3", 2);
+  run.stopped_rank = 3;
+  for (auto& entry : run.env) entry.second.push_back("DP_TEST_TIMEOUT_MS=5000");
+  auto results = run_ranks(run);
+  for (size_t r = 0; r + 1 < results.size(); ++r) {
+    EXPECT_EQ(results[r].exit_code, 0) << "survivor rank " << r << " output:\n" << results[r].output;
+  }
+  EXPECT_EQ(results.back().exit_code, 128 + SIGKILL) << results.back().output;
+  expect_no_segment_left(before);
+}
+
+INSTANTIATE_TEST_SUITE_P(Victims, HierarchicalKilled, ::testing::Values(1, 3),
+                         [](const ::testing::TestParamInfo<int>& victim) {
+                           return "Rank" + std::to_string(victim.param);
+                         });
 
 TEST(Shm, RanksThatShareAHostIdUseSharedMemory) {
   Ranks run{"backend", "shm"};

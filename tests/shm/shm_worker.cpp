@@ -3,9 +3,14 @@
 // group's timeout is DP_TEST_TIMEOUT_MS, default 60 s). Exit code 0 means every
 // check passed; 3 that the group could not be created; failures are printed.
 //   shm_worker backend NAME   the group reports backend NAME and all-reduces right
-//   shm_worker collectives    every collective x op x dtype against expectations,
+//   shm_worker collectives [BACKEND [HOSTS]]
+//                             every collective x op x dtype against expectations,
 //                             over one and several rounds of the segment; bitwise
-//                             repeatable float sums in rank order
+//                             repeatable float sums in rank order. The group must
+//                             report BACKEND (default shm); with HOSTS, the ranks
+//                             run on that many (pretend) hosts, consecutive ranks
+//                             on each, and float sums add each host's in rank
+//                             order, then the hosts' in host order
 //   shm_worker mismatch       sizes, ops or roots that differ, refusals and an
 //                             out-of-step rank: the verdicts every backend gives
 //   shm_worker die|stop RANK  RANK is killed (stops) in a stream of large all_reduces
@@ -160,9 +165,10 @@ void expect_values(const dp_tensor* t, int d, size_t n, const char* what, int32_
   }
 }
 
-void run_collectives(dp_process_group* pg) {
+void run_collectives(dp_process_group* pg, const char* backend, int hosts) {
   const int rank = dp_process_group_rank(pg), world = dp_process_group_size(pg);
-  CHECK(std::strcmp(dp_process_group_backend(pg), "shm") == 0, "backend %s", dp_process_group_backend(pg));
+  CHECK(std::strcmp(dp_process_group_backend(pg), backend) == 0, "backend %s, want %s", dp_process_group_backend(pg),
+        backend);
   // Empty; whole in one slot; past the small all_reduce; several rounds (the
   // slots hold 1 MiB per rank) with an odd remainder.
   const size_t sizes[] = {0, 7, 12000, 300007};
@@ -255,9 +261,14 @@ void run_collectives(dp_process_group* pg) {
     return static_cast<float>(static_cast<double>(x % 2000003) / 7.0 - 142857.0);
   };
   std::vector<float> want(m), first(m);
+  const int per_host = world / hosts;
   for (size_t i = 0; i < m; ++i) {
-    float acc = noise(0, i);
-    for (int r = 1; r < world; ++r) acc = acc + noise(r, i);
+    float acc = 0;
+    for (int h = 0; h < hosts; ++h) {
+      float host_sum = noise(h * per_host, i);
+      for (int r = h * per_host + 1; r < (h + 1) * per_host; ++r) host_sum = host_sum + noise(r, i);
+      acc = h == 0 ? host_sum : acc + host_sum;
+    }
     want[i] = acc;
   }
   int64_t mshape[1] = {static_cast<int64_t>(m)};
@@ -359,7 +370,8 @@ void run_failure(dp_process_group* pg, bool stop, int victim, int32_t timeout_ms
     for (int i = 0; i < 3; ++i) CHECK_OK(dp_pg_all_reduce(pg, t, DP_SUM));
     dp_work* w = nullptr;
     CHECK_OK(dp_pg_all_reduce_async(pg, t, DP_SUM, &w));
-    usleep(1000);
+    const char* delay = std::getenv("DP_TEST_DIE_DELAY_US");  // default 1 ms into it
+    usleep(delay != nullptr ? static_cast<useconds_t>(std::atoi(delay)) : 1000);
     raise(stop ? SIGSTOP : SIGKILL);
     // Continued (SIGCONT) only to be killed.
     pause();
@@ -417,7 +429,8 @@ void run_loop(dp_process_group* pg) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: shm_worker backend NAME|collectives|mismatch|die RANK|stop RANK|loop\n");
+    std::fprintf(stderr,
+                 "usage: shm_worker backend NAME|collectives [BACKEND [HOSTS]]|mismatch|die RANK|stop RANK|loop\n");
     return 2;
   }
   std::string scenario = argv[1];
@@ -437,7 +450,7 @@ int main(int argc, char** argv) {
           argv[2]);
     expect_group_works(pg, 300000);
   } else if (scenario == "collectives") {
-    run_collectives(pg);
+    run_collectives(pg, argc > 2 ? argv[2] : "shm", argc > 3 ? std::atoi(argv[3]) : 1);
   } else if (scenario == "mismatch") {
     run_mismatch(pg);
   } else if ((scenario == "die" || scenario == "stop") && argc > 2) {

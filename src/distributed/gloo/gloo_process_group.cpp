@@ -229,7 +229,7 @@ void ignore_sigpipe() {
 std::string gloo_host(const ProcessGroupOptions& options) {
   // The address this host reaches the store from is one the other ranks can
   // reach it on too; the host name may resolve to a loopback address.
-  if (auto* tcp = dynamic_cast<TcpStore*>(options.store.get())) {
+  if (auto* tcp = dynamic_cast<TcpStore*>(PrefixStore::innermost(options.store.get()))) {
     sockaddr_storage local = tcp->local_address();
     char host[NI_MAXHOST] = {0};
     if (local.ss_family != AF_UNSPEC && ::getnameinfo(reinterpret_cast<sockaddr*>(&local), sizeof(local), host,
@@ -300,6 +300,11 @@ class GlooProcessGroup : public ProcessGroup {
   }
 
   const char* backend_name() const override { return "gloo"; }
+
+  void abort(const std::string& why) noexcept override {
+    mark_broken(why);
+    close_connections();
+  }
 
  protected:
   DeviceType tensor_device_type() const override { return DeviceType::kCpu; }

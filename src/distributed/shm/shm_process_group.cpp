@@ -41,6 +41,7 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -297,6 +298,14 @@ class ShmProcessGroup : public ProcessGroup {
   }
 
   const char* backend_name() const override { return "shm"; }
+
+  void abort(const std::string& why) noexcept override {
+    mark_broken(why);
+    if (size() == 1) return;
+    int32_t none = 0;
+    control()->aborted.compare_exchange_strong(none, rank() + 1);
+    futex_wake(&control()->arrivals);
+  }
 
  protected:
   DeviceType tensor_device_type() const override { return DeviceType::kCpu; }
@@ -694,23 +703,74 @@ std::unique_ptr<ProcessGroup> create_cpu_process_group(const ProcessGroupOptions
   bool wanted = shm == nullptr || std::strcmp(shm, "0") != 0;
   auto deadline = Clock::now() + options.timeout;
   std::string prefix;
-  bool local = wanted && options.world_size <= kMaxRanks;
+  const std::string mine_host = host_key(lookup);
+  std::vector<std::string> hosts(static_cast<size_t>(options.world_size));
+  bool every_rank_wants_shm = wanted;
   {
     // Every rank publishes its host and whether it wants shared memory; all
     // read the same values, so all choose the same backend.
     ReplyDeadlineCap cap(options.timeout);
     int64_t generation = options.store->add(str_cat("dp/cpu_count/", options.rank), 1);
     prefix = str_cat("dp/cpu", generation, "/");
-    std::string mine = str_cat(wanted ? "shm " : "gloo ", host_key(lookup));
+    std::string mine = str_cat(wanted ? "shm " : "gloo ", mine_host);
     options.store->set(str_cat(prefix, "host/", options.rank), Bytes(mine.begin(), mine.end()));
     for (int32_t r = 0; r < options.world_size; ++r) {
-      if (r == options.rank) continue;
-      Bytes theirs = options.store->get(str_cat(prefix, "host/", r), left_until(deadline));
-      local = local && std::string(theirs.begin(), theirs.end()) == mine;
+      std::string theirs = mine;
+      if (r != options.rank) {
+        Bytes value = options.store->get(str_cat(prefix, "host/", r), left_until(deadline));
+        theirs.assign(value.begin(), value.end());
+      }
+      every_rank_wants_shm = every_rank_wants_shm && theirs.rfind("shm ", 0) == 0;
+      hosts[static_cast<size_t>(r)] = theirs.substr(theirs.find(' ') + 1);
     }
   }
-  // Ranks on several hosts keep Gloo for everything (no hierarchy yet).
-  if (local) return create_shm_process_group(options, prefix);
+  if (!every_rank_wants_shm) return create_gloo_process_group(options);
+  // The hosts in the order of their lowest ranks, and their ranks.
+  std::vector<std::string> keys;
+  std::vector<std::vector<int32_t>> members;
+  for (int32_t r = 0; r < options.world_size; ++r) {
+    auto it = std::find(keys.begin(), keys.end(), hosts[static_cast<size_t>(r)]);
+    if (it == keys.end()) {
+      keys.push_back(hosts[static_cast<size_t>(r)]);
+      members.emplace_back();
+      it = keys.end() - 1;
+    }
+    members[static_cast<size_t>(it - keys.begin())].push_back(r);
+  }
+  if (keys.size() == 1) {
+    if (options.world_size <= kMaxRanks) return create_shm_process_group(options, prefix);
+    return create_gloo_process_group(options);
+  }
+  bool even = true;
+  std::string counts;
+  for (const auto& m : members) {
+    even = even && m.size() == members[0].size();
+    counts += str_cat(counts.empty() ? "" : ", ", m.size());
+  }
+  const auto local_size = static_cast<int32_t>(members[0].size());
+  if (even && local_size >= 2 && local_size <= kMaxRanks) {
+    HostLayout layout;
+    layout.hosts = static_cast<int32_t>(keys.size());
+    layout.local_size = local_size;
+    for (size_t h = 0; h < members.size(); ++h) {
+      for (size_t i = 0; i < members[h].size(); ++i) {
+        if (members[h][i] == options.rank) {
+          layout.host = static_cast<int32_t>(h);
+          layout.local_rank = static_cast<int32_t>(i);
+        }
+      }
+    }
+    return create_hierarchical_process_group(options, prefix, layout);
+  }
+  // One rank per host has nothing to share; uneven hosts would leave some
+  // local ranks without peers across hosts.
+  if (!even && options.rank == 0) {
+    std::fprintf(stderr,
+                 "[dparallel] cpu process group: using Gloo for everything, not shared memory inside each host: "
+                 "its %zu hosts run different numbers of ranks (%s), and the hierarchical path needs the same "
+                 "number on every host\n",
+                 keys.size(), counts.c_str());
+  }
   return create_gloo_process_group(options);
 }
 

@@ -20,4 +20,17 @@ std::string host_key(const EnvLookup& lookup);
 // `prefix` is the group's own namespace in the store.
 std::unique_ptr<ProcessGroup> create_shm_process_group(const ProcessGroupOptions& options, const std::string& prefix);
 
+// Where a rank sits when the ranks span several hosts with the same number on each.
+struct HostLayout {
+  int32_t host = 0;  // this rank's host, 0..hosts-1 in the order of the hosts' lowest ranks
+  int32_t hosts = 1;
+  int32_t local_rank = 0;  // its index among its host's ranks, in rank order
+  int32_t local_size = 1;  // ranks on every host
+};
+
+// A group of ranks on several hosts: shared memory inside each, Gloo across
+// (hierarchical_process_group.cpp); `prefix` is the group's own namespace in the store.
+std::unique_ptr<ProcessGroup> create_hierarchical_process_group(const ProcessGroupOptions& options,
+                                                                const std::string& prefix, const HostLayout& layout);
+
 }  // namespace dparallel::dist

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <functional>
 #include <thread>
+#include <utility>
 
 #include "core/error.h"
 
@@ -14,6 +15,26 @@ namespace {
 using Clock = std::chrono::steady_clock;
 thread_local Clock::time_point t_reply_deadline = Clock::time_point::max();
 }  // namespace
+
+PrefixStore::PrefixStore(std::shared_ptr<Store> base, std::string prefix)
+    : base_(std::move(base)), prefix_(std::move(prefix)) {
+  set_default_timeout(base_->default_timeout());
+}
+void PrefixStore::set(const std::string& key, const Bytes& value) { base_->set(prefix_ + key, value); }
+Bytes PrefixStore::get(const std::string& key, Millis timeout) { return base_->get(prefix_ + key, timeout); }
+int64_t PrefixStore::add(const std::string& key, int64_t delta) { return base_->add(prefix_ + key, delta); }
+bool PrefixStore::check(const std::vector<std::string>& keys) { return base_->check(prefixed(keys)); }
+void PrefixStore::wait(const std::vector<std::string>& keys, Millis timeout) { base_->wait(prefixed(keys), timeout); }
+std::vector<std::string> PrefixStore::prefixed(const std::vector<std::string>& keys) const {
+  std::vector<std::string> out;
+  out.reserve(keys.size());
+  for (const auto& key : keys) out.push_back(prefix_ + key);
+  return out;
+}
+Store* PrefixStore::innermost(Store* store) {
+  while (auto* prefix = dynamic_cast<PrefixStore*>(store)) store = prefix->base_.get();
+  return store;
+}
 
 ReplyDeadlineCap::ReplyDeadlineCap(Millis cap) : previous_(t_reply_deadline) {
   auto now = Clock::now();

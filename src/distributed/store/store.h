@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,26 @@ class Store {
 
  private:
   std::atomic<int64_t> default_timeout_ms_{300000};
+};
+
+// The keys of `base` under `prefix`: a namespace of its own for a group
+// built inside another one (whose keys the base group's ranks already use).
+class PrefixStore : public Store {
+ public:
+  PrefixStore(std::shared_ptr<Store> base, std::string prefix);
+  void set(const std::string& key, const Bytes& value) override;
+  Bytes get(const std::string& key, Millis timeout) override;
+  int64_t add(const std::string& key, int64_t delta) override;
+  bool check(const std::vector<std::string>& keys) override;
+  void wait(const std::vector<std::string>& keys, Millis timeout) override;
+  // The store this one prefixes, and the innermost one below any prefixes.
+  const std::shared_ptr<Store>& base() const { return base_; }
+  static Store* innermost(Store* store);
+
+ private:
+  std::vector<std::string> prefixed(const std::vector<std::string>& keys) const;
+  std::shared_ptr<Store> base_;
+  std::string prefix_;
 };
 
 // Caps how long this thread's store requests wait for a reply while it lives:

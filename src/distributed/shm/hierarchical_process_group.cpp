@@ -1,0 +1,242 @@
+// The hierarchical cpu group: ranks on several hosts, the same number (at
+// least 2) on each. Three groups inside it, made in this order on every rank:
+//   local: the ranks of this host, through shared memory (shm_process_group);
+//   cross: the ranks with this rank's local index, one per host, through Gloo;
+//   world: every rank, through Gloo.
+// Each collective first swaps this group's call headers (call_header.h)
+// through a small all-gather on the world group, and every rank checks them:
+// mismatched, refused or out-of-step calls get the same verdicts as on a
+// flat group, before any data moves. Then:
+//   all_reduce: a reduce-scatter inside the host (each local rank gets one
+//   slice), an all-reduce of its slice with its peers on the other hosts,
+//   and an all-gather inside the host. DP_AVG sums at both levels and divides
+//   once by the world size. Every step reduces in a fixed order, so results
+//   are bitwise the same run to run (and on every rank).
+//   broadcast, all_gather, reduce_scatter: the world group's.
+//   barrier: the header exchange itself.
+// A step that fails (a dead or stopped peer, a timeout) aborts all three
+// groups, so that peers blocked in another of them fail now too, and every
+// rank reports the failure through the store naming the ranks, by their rank
+// in this group, that did not.
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "distributed/call_header.h"
+#include "distributed/reduce_ops.h"
+#include "distributed/shm/shm_process_group.h"
+
+namespace dparallel::dist {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+class HierarchicalProcessGroup : public ProcessGroup {
+ public:
+  HierarchicalProcessGroup(const ProcessGroupOptions& options, const std::string& prefix, const HostLayout& layout)
+      : ProcessGroup(options.rank, options.world_size, options.device, options.timeout),
+        store_(options.store),
+        prefix_(prefix + "hier/"),
+        local_rank_(layout.local_rank),
+        local_size_(layout.local_size) {
+    ProcessGroupOptions local = options;
+    local.rank = layout.local_rank;
+    local.world_size = layout.local_size;
+    local_ = create_shm_process_group(local, str_cat(prefix_, "host", layout.host, "/"));
+    ProcessGroupOptions cross = options;
+    cross.rank = layout.host;
+    cross.world_size = layout.hosts;
+    cross.store = std::make_shared<PrefixStore>(options.store, str_cat(prefix_, "cross", layout.local_rank, "/"));
+    cross_ = create_gloo_process_group(cross);
+    ProcessGroupOptions world = options;
+    world.store = std::make_shared<PrefixStore>(options.store, prefix_ + "world/");
+    world_ = create_gloo_process_group(world);
+    const auto ranks = static_cast<size_t>(size());
+    headers_ = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(ranks * sizeof(CallHeader))}, device());
+    for (size_t r = 0; r < ranks; ++r) {
+      header_views_.push_back(headers_.view_at(r * sizeof(CallHeader), DType::kUInt8, {sizeof(CallHeader)}));
+    }
+    mine_ = Tensor::empty(DType::kUInt8, {sizeof(CallHeader)}, device());
+  }
+
+  ~HierarchicalProcessGroup() override { drain(); }
+
+  const char* backend_name() const override { return "shm+gloo"; }
+
+  void abort(const std::string& why) noexcept override {
+    mark_broken(why);
+    abort_parts(why);
+  }
+
+ protected:
+  DeviceType tensor_device_type() const override { return DeviceType::kCpu; }
+
+  void run_all_reduce(const Tensor& tensor, ReduceOp op) override {
+    const auto n = static_cast<size_t>(tensor.numel());
+    const auto local = static_cast<size_t>(local_size_);
+    const size_t chunk = (n + local - 1) / local;
+    const size_t esize = tensor.element_size();
+    // The slices: views of the tensor when it splits evenly, else of a
+    // scratch tensor, allocated before the header exchange (failing after it
+    // would leave the peers waiting).
+    const bool direct = n % local == 0;
+    Tensor base = tensor.view({static_cast<int64_t>(n)});
+    if (!direct) {
+      try {
+        base = scratch(tensor.dtype(), chunk * local);
+      } catch (const Error& e) {
+        if (e.code() != StatusCode::kOutOfMemory) throw;
+        std::string reason = str_cat("out of memory for the ", chunk * local, "-element scratch of an all_reduce");
+        try {
+          run_refused(CallKind::kAllReduce, reason);
+        } catch (const Error&) {
+          // The verdict; this rank reports its own reason below.
+        }
+        fail(StatusCode::kOutOfMemory, "all_reduce: ", reason, " (the other ranks' matching call fails too)");
+      }
+    }
+    Op o = begin(CallKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1, tensor.describe());
+    exchange(o);
+    if (n == 0) return;
+    if (!direct) {
+      std::memcpy(base.data(), tensor.data(), n * esize);
+      std::memset(static_cast<uint8_t*>(base.data()) + n * esize, 0, (chunk * local - n) * esize);
+    }
+    std::vector<Tensor> slices;
+    for (size_t q = 0; q < local; ++q) {
+      slices.push_back(base.view_at(q * chunk * esize, tensor.dtype(), {static_cast<int64_t>(chunk)}));
+    }
+    const Tensor& mine = slices[static_cast<size_t>(local_rank_)];
+    const ReduceOp inner = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+    step(o, "shm reduce-scatter among this host's ranks", [&] { local_->reduce_scatter(slices, mine, inner, false); });
+    step(o, "gloo all-reduce with the ranks of this local index on the other hosts",
+         [&] { cross_->all_reduce(mine, inner, false); });
+    if (op == ReduceOp::kAvg) divide_in_place(tensor.dtype(), mine.data(), chunk, size());
+    step(o, "shm all-gather among this host's ranks", [&] { local_->all_gather(mine, slices, false); });
+    if (!direct) std::memcpy(tensor.data(), base.data(), n * esize);
+  }
+
+  void run_broadcast(const Tensor& tensor, int32_t root) override {
+    Op o = begin(CallKind::kBroadcast, tensor.dtype(), tensor.numel(), ReduceOp::kSum, root, tensor.describe());
+    exchange(o);
+    step(o, "gloo broadcast", [&] { world_->broadcast(tensor, root, false); });
+  }
+
+  void run_all_gather(const Tensor& input, const std::vector<Tensor>& outputs) override {
+    Op o = begin(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, input.describe());
+    exchange(o);
+    step(o, "gloo all-gather", [&] { world_->all_gather(input, outputs, false); });
+  }
+
+  void run_reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override {
+    Op o = begin(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, output.describe());
+    exchange(o);
+    step(o, "gloo reduce-scatter", [&] { world_->reduce_scatter(inputs, output, op, false); });
+  }
+
+  void run_barrier() override {
+    Op o = begin(CallKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, "no tensor");
+    exchange(o);
+  }
+
+  void run_refused(CallKind kind, const std::string& reason) override {
+    Op o = start(refused_call_header(kind, rank(), ++seq_, reason), "a refused call");
+    exchange(o);
+  }
+
+ private:
+  struct Op {
+    CallHeader header;
+    std::string what;  // the tensor, named in failures
+    Clock::time_point deadline;
+    bool exchanged = false;  // every rank's header has arrived
+  };
+
+  Op begin(CallKind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root, std::string what) {
+    return start(make_call_header(kind, rank(), ++seq_, dtype, numel, op, root), std::move(what));
+  }
+  Op start(const CallHeader& header, std::string what) const {
+    Op o{};
+    o.header = header;
+    o.what = std::move(what);
+    o.deadline = Clock::now() + timeout();
+    return o;
+  }
+
+  // Swaps the call headers through the world group and checks them.
+  void exchange(Op& o) {
+    std::memcpy(mine_.data(), &o.header, sizeof(CallHeader));
+    step(o, "gloo header exchange", [&] { world_->all_gather(mine_, header_views_, false); });
+    o.exchanged = true;
+    check_call_headers(o.header, rank(), size(), [&](int32_t r) {
+      CallHeader h;
+      std::memcpy(&h, header_views_[static_cast<size_t>(r)].data(), sizeof(CallHeader));
+      return h;
+    });
+  }
+
+  // Runs one step of a collective on a part; a failure aborts every part and
+  // names the ranks of this group that did not report it.
+  template <typename F>
+  void step(const Op& o, const char* what, F&& f) {
+    try {
+      f();
+      return;
+    } catch (const Error& e) {
+      if (e.code() == StatusCode::kInvalidArgument) throw;  // a verdict every rank of the part reached
+      StatusCode code =
+          e.code() == StatusCode::kTimeout || e.code() == StatusCode::kOutOfMemory ? e.code() : StatusCode::kRemote;
+      // The part numbers its ranks its own way; this group's ranks are named above.
+      std::string cause = str_cat(what, " (ranks numbered within that group): ", e.what());
+      abort(cause);
+      std::string missing = find_missing_ranks(*store_, prefix_, rank(), size(), o.header.seq, o.exchanged, o.deadline);
+      fail(code, call_kind_name(o.header.kind), " of ", o.what, " (collective #", o.header.seq, ") on rank ", rank(),
+           " of ", size(),
+           code == StatusCode::kTimeout ? str_cat(" timed out after ", timeout().count(), " ms")
+                                        : std::string(" failed"),
+           ": ", missing, "; ", cause);
+    }
+  }
+
+  void abort_parts(const std::string& why) noexcept {
+    for (ProcessGroup* part : {local_.get(), cross_.get(), world_.get()}) {
+      if (part != nullptr) part->abort(why);
+    }
+  }
+
+  // A tensor of `numel` elements of `dtype` over scratch memory kept across calls.
+  Tensor scratch(DType dtype, size_t numel) {
+    const size_t bytes = numel * dtype_size(dtype);
+    if (!scratch_.defined() || scratch_.nbytes() < bytes) {
+      scratch_ = Tensor();
+      scratch_ = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(bytes)}, device());
+    }
+    return scratch_.view_at(0, dtype, {static_cast<int64_t>(numel)});
+  }
+
+  std::shared_ptr<Store> store_;
+  std::string prefix_;
+  int32_t local_rank_;
+  int32_t local_size_;
+  std::unique_ptr<ProcessGroup> local_;
+  std::unique_ptr<ProcessGroup> cross_;
+  std::unique_ptr<ProcessGroup> world_;
+  Tensor mine_;                       // this rank's call header
+  Tensor headers_;                    // every rank's, after an exchange
+  std::vector<Tensor> header_views_;  // rank r's in headers_
+  Tensor scratch_;
+  uint64_t seq_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<ProcessGroup> create_hierarchical_process_group(const ProcessGroupOptions& options,
+                                                                const std::string& prefix, const HostLayout& layout) {
+  return std::make_unique<HierarchicalProcessGroup>(options, prefix, layout);
+}
+
+}  // namespace dparallel::dist
