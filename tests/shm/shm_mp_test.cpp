@@ -294,6 +294,16 @@ TEST(Shm, DpShmZeroGivesGloo) {
   expect_all_passed(run_ranks(run));
 }
 
+// The same collectives through Gloo, as uneven hosts get them (two ranks:
+// Gloo's float sums then equal the rank-order sum too).
+TEST(Shm, DpShmZeroPassesEveryCollectiveThroughGloo) {
+  Ranks run{"collectives", "gloo"};
+  run.world = 2;
+  run.limit = std::chrono::seconds(240);
+  run.env[-1] = {"DP_SHM=0"};
+  expect_all_passed(run_ranks(run));
+}
+
 TEST(Shm, OneRankWithDpShmZeroGivesGlooOnEveryRank) {
   Ranks run{"backend", "gloo"};
   run.world = 2;

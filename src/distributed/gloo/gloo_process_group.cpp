@@ -148,6 +148,11 @@ class BlockExchange {
   int phase_ = 0;
 };
 
+// memcpy that takes the null data of empty tensors.
+void copy(void* to, const void* from, size_t bytes) {
+  if (bytes > 0) std::memcpy(to, from, bytes);
+}
+
 // Time left until `deadline`, at least 1 ms.
 Millis left_until(Clock::time_point deadline) {
   return std::max(std::chrono::duration_cast<Millis>(deadline - Clock::now()), Millis(1));
@@ -314,8 +319,8 @@ class GlooProcessGroup : public ProcessGroup {
     Op o = begin(CallKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1, nbytes);
     size_t n = static_cast<size_t>(tensor.numel());
     ReduceFn fn = reduce_function(tensor.dtype(), op);
-    if (gather_small(o, tensor.describe(), nbytes, [&](uint8_t* out) { std::memcpy(out, tensor.data(), nbytes); })) {
-      std::memcpy(tensor.data(), gathered(0), nbytes);
+    if (gather_small(o, tensor.describe(), nbytes, [&](uint8_t* out) { copy(out, tensor.data(), nbytes); })) {
+      copy(tensor.data(), gathered(0), nbytes);
       for (int32_t r = 1; r < size(); ++r) fn(tensor.data(), tensor.data(), gathered(r), n);
     } else {
       guarded(o, tensor.describe(), [&] {
@@ -335,10 +340,10 @@ class GlooProcessGroup : public ProcessGroup {
     size_t nbytes = tensor.nbytes();
     Op o = begin(CallKind::kBroadcast, tensor.dtype(), tensor.numel(), ReduceOp::kSum, root, nbytes);
     auto fill = [&](uint8_t* out) {
-      if (rank() == root) std::memcpy(out, tensor.data(), nbytes);
+      if (rank() == root) copy(out, tensor.data(), nbytes);
     };
     if (gather_small(o, tensor.describe(), nbytes, fill)) {
-      if (rank() != root) std::memcpy(tensor.data(), gathered(root), nbytes);
+      if (rank() != root) copy(tensor.data(), gathered(root), nbytes);
       return;
     }
     guarded(o, tensor.describe(), [&] {
@@ -362,8 +367,8 @@ class GlooProcessGroup : public ProcessGroup {
     consecutive = consecutive && (in + nbytes <= first || in >= first + nbytes * static_cast<size_t>(size()));
     if (!consecutive && !fits_exchange(nbytes)) scratch(nbytes * static_cast<size_t>(size()));  // see begin()
     Op o = begin(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, nbytes);
-    if (gather_small(o, input.describe(), nbytes, [&](uint8_t* out) { std::memcpy(out, input.data(), nbytes); })) {
-      for (int32_t r = 0; r < size(); ++r) std::memcpy(outputs[r].data(), gathered(r), nbytes);
+    if (gather_small(o, input.describe(), nbytes, [&](uint8_t* out) { copy(out, input.data(), nbytes); })) {
+      for (int32_t r = 0; r < size(); ++r) copy(outputs[r].data(), gathered(r), nbytes);
       return;
     }
     // Outputs that are consecutive pieces of one buffer are gathered into in place.
@@ -377,7 +382,7 @@ class GlooProcessGroup : public ProcessGroup {
       gloo::allgather(opts);
     });
     if (consecutive) return;
-    for (int32_t r = 0; r < size(); ++r) std::memcpy(outputs[r].data(), all + nbytes * static_cast<size_t>(r), nbytes);
+    for (int32_t r = 0; r < size(); ++r) copy(outputs[r].data(), all + nbytes * static_cast<size_t>(r), nbytes);
   }
 
   void run_reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override {
@@ -387,13 +392,13 @@ class GlooProcessGroup : public ProcessGroup {
     size_t mine = nbytes * static_cast<size_t>(rank());
     ReduceFn fn = reduce_function(output.dtype(), op);
     auto concatenate = [&](uint8_t* out) {
-      for (int32_t r = 0; r < size(); ++r) std::memcpy(out + nbytes * static_cast<size_t>(r), inputs[r].data(), nbytes);
+      for (int32_t r = 0; r < size(); ++r) copy(out + nbytes * static_cast<size_t>(r), inputs[r].data(), nbytes);
     };
     size_t segment = std::min(nbytes, kScatterSegmentBytes);
     if (!fits_exchange(total)) scratch(total + segment * static_cast<size_t>(size()));  // see begin()
     Op o = begin(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, total);
     if (gather_small(o, output.describe(), total, concatenate)) {
-      std::memcpy(output.data(), gathered(0) + mine, nbytes);
+      copy(output.data(), gathered(0) + mine, nbytes);
       for (int32_t r = 1; r < size(); ++r) fn(output.data(), output.data(), gathered(r) + mine, n);
     } else {
       // Gloo's current API has no reduce-scatter: all-to-alls bring every

@@ -123,18 +123,21 @@ class HierarchicalProcessGroup : public ProcessGroup {
   void run_broadcast(const Tensor& tensor, int32_t root) override {
     Op o = begin(CallKind::kBroadcast, tensor.dtype(), tensor.numel(), ReduceOp::kSum, root, tensor.describe());
     exchange(o);
+    if (tensor.numel() == 0) return;  // every rank's is empty: the headers matched
     step(o, "gloo broadcast", [&] { world_->broadcast(tensor, root, false); });
   }
 
   void run_all_gather(const Tensor& input, const std::vector<Tensor>& outputs) override {
     Op o = begin(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, input.describe());
     exchange(o);
+    if (input.numel() == 0) return;
     step(o, "gloo all-gather", [&] { world_->all_gather(input, outputs, false); });
   }
 
   void run_reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override {
     Op o = begin(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, output.describe());
     exchange(o);
+    if (output.numel() == 0) return;
     step(o, "gloo reduce-scatter", [&] { world_->reduce_scatter(inputs, output, op, false); });
   }
 
