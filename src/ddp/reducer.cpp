@@ -79,40 +79,22 @@ std::vector<Tensor> gather_outputs(int32_t world, DType dtype, int64_t numel, co
   return outputs;
 }
 
-// Host loops for the 16-bit hooks' casts (cpu tensors).
-template <typename Load, typename Store>
-void convert(size_t n, Load load, Store store) {
-  for (size_t i = 0; i < n; ++i) store(i, load(i));
-}
-
-float load_float(DType dtype, const void* data, size_t i) {
+// Host loops for the 16-bit hooks' casts (cpu tensors): the dtypes are
+// dispatched once per call, not per element.
+template <typename Load>
+void store_floats(DType dtype, void* out, size_t n, Load load) {
   switch (dtype) {
     case DType::kFloat32:
-      return static_cast<const float*>(data)[i];
-    case DType::kFloat64:
-      return static_cast<float>(static_cast<const double*>(data)[i]);
-    case DType::kFloat16:
-      return half_to_float(static_cast<const uint16_t*>(data)[i]);
-    case DType::kBFloat16:
-      return bfloat16_to_float(static_cast<const uint16_t*>(data)[i]);
-    default:
-      fail(StatusCode::kInternal, "cast from ", dtype_name(dtype));
-  }
-}
-
-void store_float(DType dtype, void* data, size_t i, float value) {
-  switch (dtype) {
-    case DType::kFloat32:
-      static_cast<float*>(data)[i] = value;
+      for (size_t i = 0; i < n; ++i) static_cast<float*>(out)[i] = load(i);
       return;
     case DType::kFloat64:
-      static_cast<double*>(data)[i] = value;
+      for (size_t i = 0; i < n; ++i) static_cast<double*>(out)[i] = load(i);
       return;
     case DType::kFloat16:
-      static_cast<uint16_t*>(data)[i] = float_to_half(value);
+      for (size_t i = 0; i < n; ++i) static_cast<uint16_t*>(out)[i] = float_to_half(load(i));
       return;
     case DType::kBFloat16:
-      static_cast<uint16_t*>(data)[i] = float_to_bfloat16(value);
+      for (size_t i = 0; i < n; ++i) static_cast<uint16_t*>(out)[i] = float_to_bfloat16(load(i));
       return;
     default:
       fail(StatusCode::kInternal, "cast to ", dtype_name(dtype));
@@ -128,9 +110,21 @@ void cast_into(const Tensor& dst, const Tensor& src) {
   }
   const void* in = src.data();
   void* out = dst.data();
-  convert(
-      n, [&](size_t i) { return load_float(src.dtype(), in, i); },
-      [&](size_t i, float v) { store_float(dst.dtype(), out, i, v); });
+  switch (src.dtype()) {
+    case DType::kFloat32:
+      return store_floats(dst.dtype(), out, n, [in](size_t i) { return static_cast<const float*>(in)[i]; });
+    case DType::kFloat64:
+      return store_floats(dst.dtype(), out, n,
+                          [in](size_t i) { return static_cast<float>(static_cast<const double*>(in)[i]); });
+    case DType::kFloat16:
+      return store_floats(dst.dtype(), out, n,
+                          [in](size_t i) { return half_to_float(static_cast<const uint16_t*>(in)[i]); });
+    case DType::kBFloat16:
+      return store_floats(dst.dtype(), out, n,
+                          [in](size_t i) { return bfloat16_to_float(static_cast<const uint16_t*>(in)[i]); });
+    default:
+      fail(StatusCode::kInternal, "cast from ", dtype_name(src.dtype()));
+  }
 }
 
 void divide(const Tensor& t, int64_t divisor) {
@@ -320,16 +314,8 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
   used_since_sync_.assign(params_.size(), 0);
   reset_iteration_locked();
   stats_.num_buckets = buckets_.size();
-  if (debug_ != DebugLevel::kOff) {
-    std::fprintf(stderr, "[dparallel ddp rank %d] %zu managed parameters in %zu buckets (comm hook %s):\n",
-                 group_->rank(), params_.size(), buckets_.size(), hook_name(options_.hook));
-    for (size_t b = 0; b < buckets_.size(); ++b) {
-      std::fprintf(stderr, "[dparallel ddp rank %d]   bucket %zu: %s, %zu bytes: %s\n", group_->rank(), b,
-                   dtype_name(buckets_[b].dtype),
-                   static_cast<size_t>(buckets_[b].numel) * dtype_size(buckets_[b].dtype),
-                   describe_params(buckets_[b].params).c_str());
-    }
-  }
+  log_plan(str_cat(params_.size(), " managed parameters in ", buckets_.size(), " buckets (comm hook ",
+                   hook_name(options_.hook), ")"));
   if (!timeline_path_.empty() && group_->rank() == 0) {
     int fd = ::open(timeline_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd >= 0) ::close(fd);
@@ -547,7 +533,6 @@ void Reducer::mark_ready(size_t index, bool has_stream, void* stream) {
 
 void Reducer::queue_ready_buckets_locked() {
   while (next_queue_ < buckets_.size() && buckets_[next_queue_].pending == 0) {
-    buckets_[next_queue_].queued = true;
     queue_->push(this, next_queue_, "");
     ++next_queue_;
   }
@@ -770,7 +755,6 @@ void Reducer::reset_iteration_locked() {
   next_queue_ = 0;
   for (Bucket& b : buckets_) {
     b.pending = b.params.size();
-    b.queued = false;
     b.done = false;
     b.copied_back = false;
     b.code = StatusCode::kOk;
@@ -820,7 +804,6 @@ void Reducer::finish_backward() {
     // at once instead of waiting for them until the timeout.
     std::string refusal = str_cat("rank ", rank, " did not mark parameter(s) ", names, " ready");
     for (size_t b = next_queue_; b < buckets_.size(); ++b) {
-      buckets_[b].queued = true;
       queue_->push(this, b, refusal);
     }
     next_queue_ = buckets_.size();
@@ -901,7 +884,6 @@ void Reducer::finish_backward() {
   const auto end = Clock::now();
 
   ReducerStats stats;
-  stats.num_buckets = buckets_.size();
   stats.backward_ms = ms_between(any_mark_ ? first_mark_ : finish_start, end);
   for (const Bucket& b : buckets_) {
     stats.reduce_ms += ms_between(b.start, b.end);
@@ -926,7 +908,7 @@ void Reducer::finish_backward() {
   if (!rebuilt_) {
     lock.unlock();
     std::vector<size_t> rank0_order;
-    try {
+    {
       // Rank 0's ready order, then what it never marked, latest registered first.
       std::vector<int64_t> values;
       std::vector<bool> seen(params_.size(), false);
@@ -945,13 +927,9 @@ void Reducer::finish_backward() {
         }
         rank0_order.push_back(static_cast<size_t>(v));
       }
-    } catch (...) {
-      lock.lock();
-      throw;
     }
-    lock.lock();
+    lock.lock();  // on failure the finishing guard retakes it
     rebuild(rank0_order);
-    stats.buckets_rebuilt = true;
   }
   stats.num_buckets = buckets_.size();
   stats.buckets_rebuilt = rebuilt_;
@@ -982,15 +960,16 @@ void Reducer::rebuild(const std::vector<size_t>& rank0_order) {
     reset_iteration_locked();
   }
   rebuilt_ = true;
-  if (debug_ != DebugLevel::kOff) {
-    std::fprintf(stderr, "[dparallel ddp rank %d] buckets rebuilt in rank 0's ready order: %zu buckets\n",
-                 group_->rank(), buckets_.size());
-    for (size_t b = 0; b < buckets_.size(); ++b) {
-      std::fprintf(stderr, "[dparallel ddp rank %d]   bucket %zu: %s, %zu bytes: %s\n", group_->rank(), b,
-                   dtype_name(buckets_[b].dtype),
-                   static_cast<size_t>(buckets_[b].numel) * dtype_size(buckets_[b].dtype),
-                   describe_params(buckets_[b].params).c_str());
-    }
+  log_plan(str_cat("buckets rebuilt in rank 0's ready order: ", buckets_.size(), " buckets"));
+}
+
+void Reducer::log_plan(const std::string& title) const {
+  if (debug_ == DebugLevel::kOff) return;
+  std::fprintf(stderr, "[dparallel ddp rank %d] %s:\n", group_->rank(), title.c_str());
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    std::fprintf(stderr, "[dparallel ddp rank %d]   bucket %zu: %s, %zu bytes: %s\n", group_->rank(), b,
+                 dtype_name(buckets_[b].dtype), static_cast<size_t>(buckets_[b].numel) * dtype_size(buckets_[b].dtype),
+                 describe_params(buckets_[b].params).c_str());
   }
 }
 

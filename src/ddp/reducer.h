@@ -125,7 +125,6 @@ class Reducer {
     size_t pending = 0;            // parameters not yet marked this iteration
     std::vector<void*> events;     // CUDA: wait for these, then copy the gradients in
     std::vector<size_t> deferred;  // parameters whose copy waits for `events`
-    bool queued = false;
     bool done = false;
     bool copied_back = false;  // its gradients already hold the result
     StatusCode code = StatusCode::kOk;
@@ -149,6 +148,8 @@ class Reducer {
   void reset_iteration_locked();
   void rebuild(const std::vector<size_t>& rank0_order);
   std::string describe_params(const std::vector<size_t>& indices) const;
+  // DP_DEBUG=INFO and DETAIL: `title`, then every bucket and its parameters.
+  void log_plan(const std::string& title) const;
   void trace(const std::string& event);
   void flush_trace();
 
