@@ -33,6 +33,28 @@ std::vector<std::vector<size_t>> take_tensors(const std::vector<Tensor>& tensors
   return chunks;
 }
 
+void flatten_into(const Tensor& flat, const std::vector<Tensor>& tensors) {
+  size_t offset = 0;
+  for (const Tensor& t : tensors) {
+    copy_bytes(static_cast<char*>(flat.data()) + offset, flat.device(), t.data(), t.device(), t.nbytes());
+    offset += t.nbytes();
+  }
+}
+
+void unflatten_into(const std::vector<Tensor>& tensors, const Tensor& flat) {
+  size_t offset = 0;
+  for (const Tensor& t : tensors) {
+    copy_bytes(t.data(), t.device(), static_cast<const char*>(flat.data()) + offset, flat.device(), t.nbytes());
+    offset += t.nbytes();
+  }
+}
+
+int64_t total_numel(const std::vector<Tensor>& tensors) {
+  int64_t numel = 0;
+  for (const Tensor& t : tensors) numel += t.numel();
+  return numel;
+}
+
 int32_t wrap_dim(int32_t dim, int32_t ndim, const char* argument) {
   if (ndim == 0) fail_invalid("argument '", argument, "' is ", dim, " but the tensor has no dimensions (a scalar)");
   if (dim < -ndim || dim >= ndim) {

@@ -31,6 +31,13 @@ std::vector<Tensor> scatter(const Tensor& tensor, const std::vector<Device>& dev
                             const std::vector<int64_t>& chunk_sizes, int32_t dim);
 Tensor gather(const std::vector<Tensor>& tensors, int32_t dim, const Device& destination);
 
+// `flat` (as many bytes as the tensors together) = the tensors' bytes one
+// after another; unflatten_into copies them back out. Any devices.
+void flatten_into(const Tensor& flat, const std::vector<Tensor>& tensors);
+void unflatten_into(const std::vector<Tensor>& tensors, const Tensor& flat);
+// The tensors' elements together, for a flat tensor that holds them all.
+int64_t total_numel(const std::vector<Tensor>& tensors);
+
 // Wraps a possibly negative `dim` for a tensor of `ndim` dimensions, naming `argument`.
 int32_t wrap_dim(int32_t dim, int32_t ndim, const char* argument);
 

@@ -446,23 +446,15 @@ void Reducer::broadcast_state(const std::vector<std::pair<std::string, Tensor>>&
   for (const auto& t : tensors) list.push_back(t.second);
   const Device device = group_->device();
   for (const auto& chunk : comm::take_tensors(list, kStateBroadcastChunk)) {
-    int64_t numel = 0;
-    for (size_t i : chunk) numel += list[i].numel();
+    std::vector<Tensor> pieces;
+    pieces.reserve(chunk.size());
+    for (size_t i : chunk) pieces.push_back(list[i]);
+    int64_t numel = comm::total_numel(pieces);
     if (numel == 0) continue;
-    Tensor flat = Tensor::empty(list[chunk.front()].dtype(), {numel}, device);
-    size_t offset = 0;
-    for (size_t i : chunk) {
-      copy_bytes(static_cast<char*>(flat.data()) + offset, device, list[i].data(), list[i].device(), list[i].nbytes());
-      offset += list[i].nbytes();
-    }
+    Tensor flat = Tensor::empty(pieces.front().dtype(), {numel}, device);
+    comm::flatten_into(flat, pieces);
     group_->broadcast(flat, 0, false);
-    if (group_->rank() == 0) continue;
-    offset = 0;
-    for (size_t i : chunk) {
-      copy_bytes(list[i].data(), list[i].device(), static_cast<const char*>(flat.data()) + offset, device,
-                 list[i].nbytes());
-      offset += list[i].nbytes();
-    }
+    if (group_->rank() != 0) comm::unflatten_into(pieces, flat);
   }
 }
 

@@ -5,6 +5,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/comm.h"
 #include "core/error.h"
 #include "distributed/call_header.h"
 
@@ -254,8 +255,7 @@ std::shared_ptr<Work> ProcessGroup::all_reduce_coalesced(const std::vector<Tenso
 
 void ProcessGroup::run_all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op) {
   if (tensors.size() == 1) return run_all_reduce(tensors[0], op);
-  int64_t numel = 0;
-  for (const Tensor& t : tensors) numel += t.numel();
+  int64_t numel = comm::total_numel(tensors);
   Tensor flat;
   try {
     flat = Tensor::empty(tensors[0].dtype(), {numel}, device_);
@@ -271,17 +271,9 @@ void ProcessGroup::run_all_reduce_coalesced(const std::vector<Tensor>& tensors, 
     }
     fail(StatusCode::kOutOfMemory, "all_reduce_coalesced: ", reason, " (the other ranks' matching call fails too)");
   }
-  size_t offset = 0;
-  for (const Tensor& t : tensors) {
-    copy_bytes(static_cast<char*>(flat.data()) + offset, device_, t.data(), t.device(), t.nbytes());
-    offset += t.nbytes();
-  }
+  comm::flatten_into(flat, tensors);
   run_all_reduce(flat, op);
-  offset = 0;
-  for (const Tensor& t : tensors) {
-    copy_bytes(t.data(), t.device(), static_cast<const char*>(flat.data()) + offset, device_, t.nbytes());
-    offset += t.nbytes();
-  }
+  comm::unflatten_into(tensors, flat);
 }
 
 std::shared_ptr<Work> ProcessGroup::broadcast(const Tensor& tensor, int32_t root, bool async) {
