@@ -405,9 +405,15 @@ TEST(TcpStoreServer, IdleClientsThatNeverGreetCannotLockOutARank) {
 }
 
 // Runs `body` in a child process, which exits with its result; bounded by `limit`.
-int run_in_child(const std::function<int()>& body, std::chrono::seconds limit) {
+// `after_fork` runs in the parent once the child exists: threads the test
+// needs beside the child start there, since a child forked while another
+// thread is starting may inherit a lock held mid-start (the sanitizers'
+// allocator) and hang.
+int run_in_child(const std::function<int()>& body, std::chrono::seconds limit,
+                 const std::function<void()>& after_fork = {}) {
   pid_t pid = ::fork();
   if (pid == 0) ::_exit(body());
+  if (after_fork) after_fork();
   int status = 0;
   for (auto end = Clock::now() + limit; Clock::now() < end;) {
     if (::waitpid(pid, &status, WNOHANG) == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 100;
@@ -423,7 +429,8 @@ TEST(TcpStoreServer, BacksOffWhenAcceptRunsOutOfDescriptors) {
   ASSERT_EQ(::pipe(ports), 0);
   int conns[2];
   ASSERT_EQ(::pipe(conns), 0);
-  std::thread client([&] {
+  std::thread client;
+  auto connect_clients = [&] {
     uint16_t port = 0;
     if (::read(ports[0], &port, 2) != 2) return;
     std::vector<int> fds;
@@ -431,7 +438,7 @@ TEST(TcpStoreServer, BacksOffWhenAcceptRunsOutOfDescriptors) {
     char done = 0;
     (void)!::read(conns[0], &done, 1);  // the child has measured
     for (int fd : fds) ::close(fd);
-  });
+  };
   int result = run_in_child(
       [&] {
         dp_store* server = nullptr;
@@ -459,11 +466,13 @@ TEST(TcpStoreServer, BacksOffWhenAcceptRunsOutOfDescriptors) {
         std::fprintf(stderr, "server CPU over 1 s while accept() fails: %.3f s\n", cpu);
         return cpu < 0.3 ? 0 : 1;  // spinning takes the whole second
       },
-      std::chrono::seconds(20));
+      std::chrono::seconds(20), [&] { client = std::thread(connect_clients); });
+  // A child that never sent the port leaves the client reading: EOF ends it.
+  ::close(ports[1]);
   char done = 1;
   (void)!::write(conns[1], &done, 1);
   client.join();
-  for (int fd : {ports[0], ports[1], conns[0], conns[1]}) ::close(fd);
+  for (int fd : {ports[0], conns[0], conns[1]}) ::close(fd);
   EXPECT_EQ(result, 0);
 }
 
