@@ -1,4 +1,6 @@
 // dp_dlpack.h: zero-copy exchange through DLManagedTensor.
+#include <dlpack/dlpack.h>
+
 #include <memory>
 
 #include "capi/capi_internal.h"
