@@ -1,3 +1,5 @@
+#include <dlpack/dlpack.h>
+
 #include "test_util.h"
 
 using namespace dptest;
