@@ -169,6 +169,8 @@ extern "C" {
   X(dp_status, ddp_last_stats, (const dp_ddp *ddp, dp_ddp_stats *out))
 /* clang-format on */
 
+/* A type, a name and a parameter list cannot be parenthesised. */
+/* NOLINTNEXTLINE(bugprone-macro-parentheses) */
 #define DP_API_SLOT_FIELD_(ret, name, params) ret(*name) params;
 typedef struct dp_api {
   size_t struct_size;
