@@ -39,12 +39,7 @@ typedef struct params {
   float b[LAYERS][WIDTH];
 } params;
 
-typedef struct host {
-  const dp_api *api;
-  const char *weight_names[LAYERS];
-  const char *bias_names[LAYERS];
-} host;
-
+/* The Linear layers' parameters, as torch.nn.Sequential names them. */
 static const char *const kWeightNames[LAYERS] = {"0.weight", "2.weight", "4.weight"};
 static const char *const kBiasNames[LAYERS] = {"0.bias", "2.bias", "4.bias"};
 
@@ -190,8 +185,7 @@ static int train_reference(const float *rows, params *p, double *first_loss, dou
  * gradients written into the replica's gradient tensors. */
 static int replica_step(void *user_data, size_t index, dp_module *replica, dp_tensor *input, dp_device device,
                         dp_tensor **output) {
-  const host *h = user_data;
-  const dp_api *api = h->api;
+  const dp_api *api = user_data;
   dp_tensor *handles[4 * LAYERS] = {0};
   float *w[LAYERS] = {0}, *b[LAYERS] = {0}, *gw[LAYERS] = {0}, *gb[LAYERS] = {0};
   int64_t shape[2];
@@ -200,10 +194,10 @@ static int replica_step(void *user_data, size_t index, dp_module *replica, dp_te
   if (api->tensor_shape(input, shape, 2) != DP_OK || shape[1] != 2 * WIDTH) return 1;
   for (int l = 0; l < LAYERS && rc == 0; ++l) {
     dp_tensor **t = handles + 4 * l;
-    if (api->module_get_parameter(replica, h->weight_names[l], &t[0]) != DP_OK ||
-        api->module_get_parameter(replica, h->bias_names[l], &t[1]) != DP_OK ||
-        api->module_grad(replica, h->weight_names[l], &t[2]) != DP_OK ||
-        api->module_grad(replica, h->bias_names[l], &t[3]) != DP_OK) {
+    if (api->module_get_parameter(replica, kWeightNames[l], &t[0]) != DP_OK ||
+        api->module_get_parameter(replica, kBiasNames[l], &t[1]) != DP_OK ||
+        api->module_grad(replica, kWeightNames[l], &t[2]) != DP_OK ||
+        api->module_grad(replica, kBiasNames[l], &t[3]) != DP_OK) {
       rc = 2;
       break;
     }
@@ -242,16 +236,11 @@ static int fail(const dp_api *api, const char *what) {
  * names it, on cpu:0, trained for STEPS steps over cpu:0 and cpu:1. Every
  * handle is destroyed before returning. */
 static int train_data_parallel(const dp_api *api, const float *rows, params *p, double *last_loss) {
-  host h = {api, {0}, {0}};
   dp_device devices[NDEVICES];
   dp_module *root = NULL;
   dp_replica_set *set = NULL;
   dp_tensor *input = NULL;
   int rc = 0;
-  for (int l = 0; l < LAYERS; ++l) {
-    h.weight_names[l] = kWeightNames[l];
-    h.bias_names[l] = kBiasNames[l];
-  }
   TRY(api->device_parse("cpu:0", &devices[0]));
   TRY(api->device_parse("cpu:1", &devices[1]));
   TRY(api->module_create(&root));
@@ -290,7 +279,7 @@ static int train_data_parallel(const dp_api *api, const float *rows, params *p, 
     dp_tensor *losses = NULL;
     float parts[NDEVICES];
     TRY(api->replica_set_sync(set));
-    TRY(api->replica_set_apply(set, input, 0, devices[0], replica_step, &h, &losses));
+    TRY(api->replica_set_apply(set, input, 0, devices[0], replica_step, (void *)api, &losses));
     int copied =
         api->tensor_numel(losses) == NDEVICES && api->tensor_copy_to_host(losses, parts, sizeof parts) == DP_OK;
     api->tensor_destroy(losses);
