@@ -205,6 +205,7 @@ class ShmProcessGroup : public ProcessGroup {
         layout_(options.world_size, slot_bytes_for(options.world_size)) {
     auto deadline = Clock::now() + timeout();
     ReplyDeadlineCap cap(timeout());
+    set_failure_reports(store_, prefix_);
     std::string key = prefix_ + "shm_segment";
     std::string name;
     if (rank() == 0) {
@@ -312,7 +313,7 @@ class ShmProcessGroup : public ProcessGroup {
 
   void run_all_reduce(const Tensor& tensor, ReduceOp op) override {
     Pieces pieces({tensor});
-    Op o = begin(CallKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1, &tensor);
+    Call o = begin_call(CallKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1, &tensor);
     all_reduce(o, pieces, tensor.dtype(), op);
   }
 
@@ -320,8 +321,8 @@ class ShmProcessGroup : public ProcessGroup {
   void run_all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op) override {
     if (tensors.size() == 1) return run_all_reduce(tensors[0], op);
     Pieces pieces(tensors);
-    Op o = begin(CallKind::kAllReduce, tensors[0].dtype(),
-                 static_cast<int64_t>(pieces.bytes() / tensors[0].element_size()), op, -1, &tensors[0]);
+    Call o = begin_call(CallKind::kAllReduce, tensors[0].dtype(),
+                        static_cast<int64_t>(pieces.bytes() / tensors[0].element_size()), op, -1, &tensors[0]);
     o.pieces = tensors.size();
     all_reduce(o, pieces, tensors[0].dtype(), op);
   }
@@ -329,7 +330,7 @@ class ShmProcessGroup : public ProcessGroup {
   void run_broadcast(const Tensor& tensor, int32_t root) override {
     const size_t nbytes = tensor.nbytes();
     auto* data = static_cast<uint8_t*>(tensor.data());
-    Op o = begin(CallKind::kBroadcast, tensor.dtype(), tensor.numel(), ReduceOp::kSum, root, &tensor);
+    Call o = begin_call(CallKind::kBroadcast, tensor.dtype(), tensor.numel(), ReduceOp::kSum, root, &tensor);
     // The root writes the whole set: every rank's slots are contiguous.
     const size_t block = layout_.slot * static_cast<size_t>(size());
     size_t offset = 0;
@@ -337,7 +338,7 @@ class ShmProcessGroup : public ProcessGroup {
       const size_t len = std::min(block, nbytes - offset);
       if (rank() == root) copy(slot(0), data + offset, len);
       if (offset == 0) {
-        exchange(o);
+        exchange_headers(o);
       } else {
         barrier(o);
       }
@@ -363,13 +364,13 @@ class ShmProcessGroup : public ProcessGroup {
         break;
       }
     }
-    Op o = begin(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, &input);
+    Call o = begin_call(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, &input);
     size_t offset = 0;
     do {
       const size_t len = std::min(layout_.slot, nbytes - offset);
       copy(slot(rank()), in + offset, len);
       if (offset == 0) {
-        exchange(o);
+        exchange_headers(o);
       } else {
         barrier(o);
       }
@@ -406,7 +407,7 @@ class ShmProcessGroup : public ProcessGroup {
       }
     }
     const bool in_place_late = in[static_cast<size_t>(rank())] == out && rank() >= 2;
-    Op o = begin(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output);
+    Call o = begin_call(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output);
     // Each round carries a piece of every rank's part, piece q at q * piece.
     const size_t align = std::max<size_t>(1, kLine / esize);
     const size_t piece_elems = std::max(align, layout_.slot / ranks / esize / align * align);
@@ -420,7 +421,7 @@ class ShmProcessGroup : public ProcessGroup {
         if (q != static_cast<size_t>(rank())) copy(mine + q * piece, in[q] + offset, len);
       }
       if (start == 0) {
-        exchange(o);
+        exchange_headers(o);
       } else {
         barrier(o);
       }
@@ -439,35 +440,33 @@ class ShmProcessGroup : public ProcessGroup {
   }
 
   void run_barrier() override {
-    Op o = begin(CallKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, nullptr);
-    exchange(o);
+    Call o = begin_call(CallKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, nullptr);
+    exchange_headers(o);
     next_round();
   }
 
-  void run_refused(CallKind kind, const std::string& reason) override {
-    Op o = start(refused_call_header(kind, rank(), ++seq_, reason), nullptr);
-    exchange(o);
-    next_round();
+  // Swaps headers with every rank at this round's barrier.
+  void swap_headers(Call& o) override {
+    std::memcpy(header_slot(rank()), &o.header, sizeof(CallHeader));
+    barrier(o);
   }
+  CallHeader received_header(int32_t r) override {
+    CallHeader h;
+    std::memcpy(&h, header_slot(r), sizeof(CallHeader));
+    return h;
+  }
+  void after_failed_verdict() override { next_round(); }  // every rank fails here alike, so all stay in step
 
  private:
-  struct Op {
-    CallHeader header;
-    const Tensor* tensor;  // named in failures; null for none
-    size_t pieces = 1;     // tensors reduced as one (coalesced), tensor the first
-    Clock::time_point deadline;
-    bool exchanged = false;  // every rank's header has arrived
-  };
-
   // all_reduce of `pieces` (see the file's comment).
-  void all_reduce(Op& o, const Pieces& pieces, DType dtype, ReduceOp op) {
+  void all_reduce(Call& o, const Pieces& pieces, DType dtype, ReduceOp op) {
     const size_t esize = dtype_size(dtype);
     const size_t nbytes = pieces.bytes();
     const size_t n = nbytes / esize;
     ReduceFn fn = reduce_function(dtype, op);
     if (nbytes <= std::min(kSmallAllReduceBytes, layout_.slot)) {
       pieces.copy_out(slot(rank()), 0, nbytes);
-      exchange(o);
+      exchange_headers(o);
       pieces.each(0, nbytes, [&](uint8_t* data, size_t at, size_t len) {
         fold(
             fn, data, [&](int32_t q) { return slot(q) + at; }, len / esize, esize);
@@ -490,7 +489,7 @@ class ShmProcessGroup : public ProcessGroup {
       pieces.copy_out(mine, in, my_begin);
       pieces.copy_out(mine + my_end, in + my_end, count * esize - my_end);
       if (start == 0) {
-        exchange(o);
+        exchange_headers(o);
       } else {
         barrier(o);
       }
@@ -547,37 +546,8 @@ class ShmProcessGroup : public ProcessGroup {
     }
   }
 
-  Op begin(CallKind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root, const Tensor* tensor) {
-    return start(make_call_header(kind, rank(), ++seq_, dtype, numel, op, root), tensor);
-  }
-  Op start(const CallHeader& header, const Tensor* tensor) const {
-    Op o{};
-    o.header = header;
-    o.tensor = tensor;
-    o.deadline = Clock::now() + timeout();
-    return o;
-  }
-
-  // Swaps headers with every rank at this round's barrier, then checks that
-  // all ranks called the same collective on the same sizes.
-  void exchange(Op& o) {
-    std::memcpy(header_slot(rank()), &o.header, sizeof(CallHeader));
-    barrier(o);
-    o.exchanged = true;
-    try {
-      check_call_headers(o.header, rank(), size(), [&](int32_t r) {
-        CallHeader h;
-        std::memcpy(&h, header_slot(r), sizeof(CallHeader));
-        return h;
-      });
-    } catch (...) {
-      next_round();  // every rank fails here alike, so all stay in step
-      throw;
-    }
-  }
-
   // Arrives at the next barrier and returns once every rank has.
-  void barrier(Op& o) {
+  void barrier(Call& o) {
     if (size() == 1) return;
     ++barriers_;
     const uint32_t target = barriers_ * static_cast<uint32_t>(size());
@@ -614,7 +584,7 @@ class ShmProcessGroup : public ProcessGroup {
   // up (a dead peer, the likelier cause, is named first), or the deadline
   // passed, unless `arrived()` says the barrier was reached meanwhile.
   template <typename Arrived>
-  void check_peers(Op& o, Arrived&& arrived) {
+  void check_peers(Call& o, Arrived&& arrived) {
     std::vector<pollfd> fds;
     for (int32_t r = 0; r < size(); ++r) {
       int fd = pidfds_[static_cast<size_t>(r)];
@@ -641,18 +611,11 @@ class ShmProcessGroup : public ProcessGroup {
 
   // Tells the other ranks that this one gives up (the group is broken for
   // all), then fails naming the ranks that did not report the failure.
-  [[noreturn]] void give_up(const Op& o, bool timed_out, const std::string& cause) {
+  [[noreturn]] void give_up(const Call& o, bool timed_out, const std::string& cause) {
     int32_t none = 0;
     control()->aborted.compare_exchange_strong(none, rank() + 1);
     futex_wake(&control()->arrivals);
-    std::string missing = find_missing_ranks(*store_, prefix_, rank(), size(), o.header.seq, o.exchanged, o.deadline);
-    fail(timed_out ? StatusCode::kTimeout : StatusCode::kRemote, call_kind_name(o.header.kind), " of ",
-         o.tensor == nullptr ? std::string(o.header.refused != 0 ? "a refused call" : "no tensor")
-         : o.pieces > 1      ? str_cat(dtype_name(o.tensor->dtype()), " ", o.header.numel, " in ", o.pieces, " tensors")
-                             : o.tensor->describe(),
-         " (collective #", o.header.seq, ") on rank ", rank(), " of ", size(),
-         timed_out ? str_cat(" timed out after ", timeout().count(), " ms") : std::string(" failed"), ": ", missing,
-         "; shm: ", cause);
+    fail_call(o, timed_out ? StatusCode::kTimeout : StatusCode::kRemote, "shm: " + cause);
   }
 
   std::shared_ptr<Store> store_;
@@ -660,7 +623,6 @@ class ShmProcessGroup : public ProcessGroup {
   Layout layout_;
   ShmSegment segment_;
   std::vector<int> pidfds_;  // by rank; -1 for this rank and unknown pids
-  uint64_t seq_ = 0;
   uint64_t round_ = 0;
   uint32_t barriers_ = 0;  // wraps, as the shared arrival counter does
 };
