@@ -121,8 +121,10 @@ func batchOf(step int, teacherW, teacherB [][]float32) []float32 {
 
 // forwardBackward over n rows of [x | y]: writes the gradients of the MSE
 // over fullBatch rows (mean over rows and outputs) that these rows
-// contribute, and returns their part of the loss.
-func forwardBackward(w, b, gw, gb [][]float32, rows []float32, n, fullBatch int) float64 {
+// contribute, and returns their part of the loss. layerDone (may be nil) is
+// called once a layer's gradients are final, last layer first.
+func forwardBackward(w, b, gw, gb [][]float32, rows []float32, n, fullBatch int, layerDone func(int) error) (float64,
+	error) {
 	act := make([][]float32, layers)
 	for l := range act {
 		act[l] = make([]float32, n*width)
@@ -161,6 +163,11 @@ func forwardBackward(w, b, gw, gb [][]float32, rows []float32, n, fullBatch int)
 				}
 			}
 		}
+		if layerDone != nil {
+			if err := layerDone(l); err != nil {
+				return 0, err
+			}
+		}
 		if l == 0 {
 			break
 		}
@@ -176,7 +183,7 @@ func forwardBackward(w, b, gw, gb [][]float32, rows []float32, n, fullBatch int)
 		}
 		dz, da = da, dz
 	}
-	return loss / float64(fullBatch*width)
+	return loss / float64(fullBatch*width), nil
 }
 
 func weightName(l int) string { return fmt.Sprintf("fc%d.weight", l) }
@@ -271,7 +278,10 @@ func replicaStep(lib *Library) ForwardFunc {
 			return nil, err
 		}
 		defer v.close()
-		loss := forwardBackward(v.w, v.b, v.gw, v.gb, rows, int(shape[0]), batch)
+		loss, err := forwardBackward(v.w, v.b, v.gw, v.gb, rows, int(shape[0]), batch, nil)
+		if err != nil {
+			return nil, err
+		}
 		return lib.TensorFromFloat32s([]float32{float32(loss)}, []int64{1}, device)
 	}
 }
@@ -293,7 +303,8 @@ func reference(teacherW, teacherB [][]float32) (w, b [][]float32, losses []float
 	}
 	for step := 0; step < steps; step++ {
 		rows := batchOf(step, teacherW, teacherB)
-		losses = append(losses, forwardBackward(w, b, gw, gb, rows, batch, batch))
+		loss, _ := forwardBackward(w, b, gw, gb, rows, batch, batch, nil)
+		losses = append(losses, loss)
 		for l := 0; l < layers; l++ {
 			sgd(w[l], gw[l])
 			sgd(b[l], gb[l])
@@ -412,7 +423,7 @@ func TestDataParallelStepGivesFullBatchGradients(t *testing.T) {
 		gw[l] = make([]float32, width*width)
 		gb[l] = make([]float32, width)
 	}
-	loss := forwardBackward(w, b, gw, gb, rows, batch, batch)
+	loss, _ := forwardBackward(w, b, gw, gb, rows, batch, batch, nil)
 	got := float64(parts[0]) + float64(parts[1])
 	if math.Abs(got-loss) > 1e-5*loss {
 		t.Errorf("loss %g, single device %g", got, loss)
@@ -595,5 +606,82 @@ func TestCloseAndReopenLibrary(t *testing.T) {
 		input.Close()
 		model.Close()
 		must(t, lib.Close())
+	}
+}
+
+// Under dp-run -n 2: each rank trains its half of every batch, marking each
+// layer's gradients ready for the DDP reducer during the backward, and both
+// ranks reach the parameters of single-process training on the full batch
+// (rank 1 starts from other parameters: DDP starts it from rank 0's).
+func TestDDPTwoRanks(t *testing.T) {
+	if os.Getenv("RANK") == "" {
+		if os.Getenv("DP_GO_DDP_WORLD") != "" {
+			t.Fatal("RANK is not set: run this test under dp-run -n 2")
+		}
+		t.Skip("a multi-process test: run it under dp-run -n 2")
+	}
+	lib := openLibrary(t)
+	pg, err := lib.ProcessGroupFromEnv()
+	must(t, err)
+	defer pg.Close()
+	rank, world := pg.Rank(), pg.Size()
+	if want := os.Getenv("DP_GO_DDP_WORLD"); want != "" && want != fmt.Sprint(world) {
+		t.Fatalf("world size %d, want %s", world, want)
+	}
+	if batch%world != 0 {
+		t.Fatalf("batch %d does not split over %d ranks", batch, world)
+	}
+	teacherW, teacherB := initialParameters(99)
+	w0, b0 := initialParameters(7 + uint64(rank))
+	model := buildModel(t, lib, w0, b0)
+	defer model.Close()
+	ddp, err := lib.NewDDP(model, pg, &DDPOptions{BucketCapMB: 0.001, FirstBucketCapMB: 0.001})
+	must(t, err)
+	defer ddp.Close()
+	t.Logf("rank %d of %d (%s), %d buckets", rank, world, pg.Backend(), ddp.NumBuckets())
+
+	share := batch / world
+	lossSum, err := lib.NewTensor(Float32, []int64{1}, CPU(0))
+	must(t, err)
+	defer lossSum.Close()
+	lossView, err := lossSum.Float32s()
+	must(t, err)
+	markReady := func(l int) error {
+		if err := ddp.MarkGradReady(weightName(l)); err != nil {
+			return err
+		}
+		return ddp.MarkGradReady(biasName(l))
+	}
+	var losses []float64
+	for step := 0; step < steps; step++ {
+		rows := batchOf(step, teacherW, teacherB)[rank*share*2*width : (rank+1)*share*2*width]
+		must(t, ddp.PreForward())
+		// Fetched every step: the reducer may move the gradients.
+		v, err := moduleViews(model)
+		must(t, err)
+		// The reducer averages over ranks: each contributes world x its share
+		// of the full-batch gradient, i.e. the gradient of its own rows' mean.
+		loss, err := forwardBackward(v.w, v.b, v.gw, v.gb, rows, share, share, markReady)
+		must(t, err)
+		must(t, ddp.FinishBackward())
+		for l := 0; l < layers; l++ {
+			sgd(v.w[l], v.gw[l])
+			sgd(v.b[l], v.gb[l])
+		}
+		v.close()
+		lossView[0] = float32(loss)
+		must(t, pg.AllReduce(lossSum, Avg))
+		losses = append(losses, float64(lossView[0]))
+	}
+	wantW, wantB, wantLosses := reference(teacherW, teacherB)
+	v, err := moduleViews(model)
+	must(t, err)
+	defer v.close()
+	compare(t, fmt.Sprintf("rank %d weights", rank), v.w, wantW)
+	compare(t, fmt.Sprintf("rank %d biases", rank), v.b, wantB)
+	t.Logf("loss %.6f -> %.6f (single process %.6f -> %.6f)", losses[0], losses[steps-1], wantLosses[0],
+		wantLosses[steps-1])
+	if math.Abs(losses[0]-wantLosses[0]) > 1e-5*wantLosses[0] {
+		t.Errorf("first step's loss %g, single process %g", losses[0], wantLosses[0])
 	}
 }
