@@ -48,9 +48,11 @@ func (pg *ProcessGroup) Close() {
 	pg.h = nil
 }
 
-func (pg *ProcessGroup) Rank() int       { return int(C.dpgo_process_group_rank(pg.lib.api, pg.h)) }
-func (pg *ProcessGroup) Size() int       { return int(C.dpgo_process_group_size(pg.lib.api, pg.h)) }
-func (pg *ProcessGroup) Backend() string { return C.GoString(C.dpgo_process_group_backend(pg.lib.api, pg.h)) }
+func (pg *ProcessGroup) Rank() int { return int(C.dpgo_process_group_rank(pg.lib.api, pg.h)) }
+func (pg *ProcessGroup) Size() int { return int(C.dpgo_process_group_size(pg.lib.api, pg.h)) }
+func (pg *ProcessGroup) Backend() string {
+	return C.GoString(C.dpgo_process_group_backend(pg.lib.api, pg.h))
+}
 
 // AllReduce combines t across ranks, in place.
 func (pg *ProcessGroup) AllReduce(t *Tensor, op ReduceOp) error {

@@ -152,7 +152,9 @@ func (l *Library) Close() error {
 func (l *Library) Path() string { return l.path }
 
 // ABI is the major and minor version of the library's entry-point table.
-func (l *Library) ABI() (major, minor uint32) { return uint32(l.api.abi_major), uint32(l.api.abi_minor) }
+func (l *Library) ABI() (major, minor uint32) {
+	return uint32(l.api.abi_major), uint32(l.api.abi_minor)
+}
 
 // Version is the library's version number, major*10000 + minor*100 + patch.
 func (l *Library) Version() uint32 { return uint32(C.dpgo_version_number(l.api)) }

@@ -89,8 +89,8 @@ func (t *Tensor) Close() {
 }
 
 // DType, Numel, Device and Shape describe the tensor.
-func (t *Tensor) DType() DType { return DType(C.dpgo_tensor_dtype(t.lib.api, t.h)) }
-func (t *Tensor) Numel() int64 { return int64(C.dpgo_tensor_numel(t.lib.api, t.h)) }
+func (t *Tensor) DType() DType   { return DType(C.dpgo_tensor_dtype(t.lib.api, t.h)) }
+func (t *Tensor) Numel() int64   { return int64(C.dpgo_tensor_numel(t.lib.api, t.h)) }
 func (t *Tensor) Device() Device { return goDevice(C.dpgo_tensor_device(t.lib.api, t.h)) }
 
 func (t *Tensor) Shape() ([]int64, error) {
