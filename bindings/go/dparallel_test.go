@@ -507,6 +507,12 @@ func TestBadArgumentsAreErrorsNamingThem(t *testing.T) {
 		{"a device name", func() error { _, err := lib.ParseDevice("tpu:0"); return err }(), "tpu:0"},
 		{"a nil forward", func() error { _, err := lib.DataParallel(m, x, []Device{CPU(0)}, CPU(0), 0, nil); return err }(),
 			"'fn'"},
+		{"a closed tensor", func() error {
+			y, err := lib.NewTensor(Float32, []int64{2}, CPU(0))
+			must(t, err)
+			y.Close()
+			return m.RegisterParameter("w", y, true)
+		}(), "'value'"},
 		{"a short copy", x.CopyFromFloat32s([]float32{1, 2, 3}), "nbytes"},
 		{"a wrong dtype view", func() error {
 			y, err := lib.NewTensor(Int64, []int64{2}, CPU(0))

@@ -37,12 +37,16 @@ func (m *Module) Close() {
 // RegisterParameter adds a parameter; the module holds its own reference to
 // value, which the caller still closes.
 func (m *Module) RegisterParameter(name string, value *Tensor, requiresGrad bool) error {
-	cname := C.CString(name)
-	defer C.free(unsafe.Pointer(cname))
 	var h *C.dp_tensor
 	if value != nil {
+		// nil registers an empty slot; a closed tensor is a mistake.
+		if value.h == nil {
+			return invalid("dp_module_register_parameter", "argument 'value' (for %q) is a closed tensor", name)
+		}
 		h = value.h
 	}
+	cname := C.CString(name)
+	defer C.free(unsafe.Pointer(cname))
 	rg := C.int(0)
 	if requiresGrad {
 		rg = 1
@@ -54,12 +58,15 @@ func (m *Module) RegisterParameter(name string, value *Tensor, requiresGrad bool
 
 // RegisterModule adds child under name.
 func (m *Module) RegisterModule(name string, child *Module) error {
-	cname := C.CString(name)
-	defer C.free(unsafe.Pointer(cname))
 	var h *C.dp_module
 	if child != nil {
+		if child.h == nil {
+			return invalid("dp_module_register_module", "argument 'child' (for %q) is a closed module", name)
+		}
 		h = child.h
 	}
+	cname := C.CString(name)
+	defer C.free(unsafe.Pointer(cname))
 	return m.lib.call("dp_module_register_module", func() C.dp_status {
 		return C.dpgo_module_register_module(m.lib.api, m.h, cname, h)
 	})
