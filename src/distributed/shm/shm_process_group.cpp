@@ -1,7 +1,8 @@
 // The shared-memory backend for the ranks of one host.
 //
-// Rank 0 creates the segment (segment.h) and hands its name to the others
-// through the store; the last rank to map it unlinks it. The segment holds a
+// Rank 0 creates the segment (segment.h), an anonymous file, and hands its
+// descriptor to the others through a door whose name and secret only the
+// store carries; nothing of it outlives the ranks. The segment holds a
 // control block, every rank's pid, and two sets of slots: per rank a call
 // header and `slot` bytes of data. Collectives run in rounds; round k uses
 // set k % 2. Each round, every rank writes its part into its own slot, then
@@ -207,19 +208,24 @@ class ShmProcessGroup : public ProcessGroup {
     ReplyDeadlineCap cap(timeout());
     set_failure_reports(store_, prefix_);
     std::string key = prefix_ + "shm_segment";
-    std::string name;
     if (rank() == 0) {
-      name = ShmSegment::random_name();
-      try {
-        segment_ = ShmSegment::create(name, layout_.total);
-      } catch (const Error& e) {
-        // The others fail with this reason instead of waiting for a name.
+      // The others fail with this reason instead of waiting for the door.
+      auto tell_others = [&](const Error& e) {
         std::string why = str_cat("!", e.what());
         try {
           store_->set(key, Bytes(why.begin(), why.end()));
         } catch (const Error&) {
           // They time out instead.
         }
+      };
+      std::unique_ptr<SegmentDoor> door;
+      std::string name = random_hex128();
+      std::string secret = random_hex128();
+      try {
+        segment_ = ShmSegment::create(layout_.total);
+        door = std::make_unique<SegmentDoor>(name);
+      } catch (const Error& e) {
+        tell_others(e);
         throw;
       }
       auto* control = new (segment_.data()) Control{};
@@ -229,42 +235,34 @@ class ShmProcessGroup : public ProcessGroup {
       control->world = size();
       for (int32_t r = 0; r < size(); ++r) new (pid_word(r)) std::atomic<int32_t>(0);
       std::atomic_thread_fence(std::memory_order_release);
-      try {
-        store_->set(key, Bytes(name.begin(), name.end()));
-      } catch (...) {
-        ShmSegment::unlink(name);
-        throw;
-      }
+      std::string value = name + " " + secret;
+      store_->set(key, Bytes(value.begin(), value.end()));
+      // A peer that never comes is named by the wait below, at the deadline.
+      door->serve(segment_.fd(), secret, size() - 1, deadline);
+      segment_.close_fd();
     } else {
       Bytes value = store_->get(key, left_until(deadline));
-      name.assign(value.begin(), value.end());
-      if (!name.empty() && name[0] == '!') {
-        fail(StatusCode::kIo, "rank 0 could not set up shared memory for the ranks on this host: ", name.substr(1));
+      std::string door(value.begin(), value.end());
+      if (!door.empty() && door[0] == '!') {
+        fail(StatusCode::kIo, "rank 0 could not set up shared memory for the ranks on this host: ", door.substr(1));
       }
-      if (name.rfind("/dparallel-", 0) != 0 || name.find('/', 1) != std::string::npos) {
-        fail(StatusCode::kIo, "the store holds no shared-memory segment name under '", key, "'");
+      if (door.size() != 65 || door[32] != ' ' || door.find_first_not_of("0123456789abcdef ") != std::string::npos) {
+        fail(StatusCode::kIo, "the store holds no shared-memory door under '", key, "'");
       }
-      try {
-        segment_ = ShmSegment::attach(name, layout_.total);
-      } catch (...) {
-        ShmSegment::unlink(name);  // the others then fail to map it too, instead of waiting
-        throw;
-      }
+      segment_ =
+          ShmSegment::map_received(SegmentDoor::fetch(door.substr(0, 32), door.substr(33), deadline), layout_.total);
       std::atomic_thread_fence(std::memory_order_acquire);
       if (control()->magic != kMagic || control()->total_bytes != layout_.total ||
           control()->slot_bytes != layout_.slot || control()->world != size()) {
-        ShmSegment::unlink(name);
-        fail(StatusCode::kIo, "the shared-memory segment ", name, " has another layout than this rank expects");
+        fail(StatusCode::kIo, "the shared-memory segment rank 0 handed out has another layout than this rank expects");
       }
     }
     pid_word(rank())->store(static_cast<int32_t>(::getpid()), std::memory_order_release);
-    if (control()->mapped.fetch_add(1) + 1 == static_cast<uint32_t>(size())) ShmSegment::unlink(name);
-    // Every rank waits until all have mapped it, so that none is left to
-    // open a name that is gone.
+    control()->mapped.fetch_add(1);
+    // Every rank waits until all have mapped it, so that each knows every pid.
     auto pause = std::chrono::microseconds(50);
     while (control()->mapped.load() < static_cast<uint32_t>(size())) {
       if (Clock::now() >= deadline) {
-        ShmSegment::unlink(name);
         std::string missing;
         for (int32_t r = 0; r < size(); ++r) {
           if (pid_word(r)->load() == 0) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
@@ -646,13 +644,13 @@ std::string host_key(const EnvLookup& lookup) {
     if (::gethostname(name, sizeof(name) - 1) != 0) name[0] = '\0';
     host = str_cat("boot:", read_first_line("/proc/sys/kernel/random/boot_id"), "/host:", name);
   }
-  // Containers on one machine share shared memory only when they see the
-  // same /dev/shm, and each other's pids only in the same pid namespace.
-  struct stat shm {};
-  std::string shm_device = ::stat("/dev/shm", &shm) == 0 ? std::to_string(shm.st_dev) : "none";
+  // Ranks reach rank 0's door (an abstract socket) only in the same network
+  // namespace, and see each other's pids only in the same pid namespace.
+  char net_ns[64] = {0};
+  if (::readlink("/proc/self/ns/net", net_ns, sizeof(net_ns) - 1) < 0) net_ns[0] = '\0';
   char pid_ns[64] = {0};
   if (::readlink("/proc/self/ns/pid", pid_ns, sizeof(pid_ns) - 1) < 0) pid_ns[0] = '\0';
-  return str_cat(host, "/shm:", shm_device, "/", pid_ns);
+  return str_cat(host, "/", net_ns, "/", pid_ns);
 }
 
 std::unique_ptr<ProcessGroup> create_shm_process_group(const ProcessGroupOptions& options, const std::string& prefix) {
