@@ -955,6 +955,12 @@ pub struct ReplicaSet {
 
 unsafe impl Send for ReplicaSet {}
 
+impl fmt::Debug for ReplicaSet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ReplicaSet({} replicas)", self.len())
+    }
+}
+
 impl Drop for ReplicaSet {
     fn drop(&mut self) {
         unsafe { (self.lib.api().replica_set_destroy)(self.raw) };
@@ -1183,6 +1189,12 @@ pub struct ProcessGroup {
 unsafe impl Send for ProcessGroup {}
 unsafe impl Sync for ProcessGroup {}
 
+impl fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ProcessGroup(rank {} of {}, {})", self.rank(), self.size(), self.backend())
+    }
+}
+
 impl Drop for ProcessGroup {
     fn drop(&mut self) {
         unsafe { (self.lib.api().process_group_destroy)(self.raw) };
@@ -1264,6 +1276,12 @@ pub struct Work<'t> {
 }
 
 unsafe impl Send for Work<'_> {}
+
+impl fmt::Debug for Work<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Work")
+    }
+}
 
 impl Work<'_> {
     /// The collective's result once it has finished.
@@ -1357,6 +1375,12 @@ pub struct Ddp {
 
 unsafe impl Send for Ddp {}
 unsafe impl Sync for Ddp {}
+
+impl fmt::Debug for Ddp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Ddp({} buckets)", self.num_buckets())
+    }
+}
 
 impl Drop for Ddp {
     fn drop(&mut self) {
