@@ -8,15 +8,29 @@
 //! gradients ready during the backward, last layer first, and after
 //! finish_backward holds the average. Each rank then checks its parameters
 //! against single-process training on the full batch.
+//!
+//!   train_ddp --comm-hook         the buckets are averaged by a Rust closure
+//!                                 (all_reduce, then divide) instead
+//!   train_ddp --comm-hook-panics  every rank's hook panics: finish_backward
+//!                                 is DP_EUSER with the panic's message
 
 mod mlp;
 
+use std::collections::BTreeMap;
 use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
 
-use dparallel::{DType, Ddp, DdpOptions, Device, Library, Module, ProcessGroup, ReduceOp, Result, Tensor};
+use dparallel::{DType, Ddp, DdpOptions, Device, Library, Module, ProcessGroup, ReduceOp, Result, Tensor, DP_EUSER};
 use mlp::CONFIG;
 
-fn run() -> Result<bool> {
+#[derive(Clone, Copy, PartialEq)]
+enum Hook {
+    Library,
+    Closure,
+    Panics,
+}
+
+fn run(hook: Hook) -> Result<bool> {
     let c = CONFIG;
     let lib = Library::open(None)?;
     let pg = ProcessGroup::from_env(&lib)?;
@@ -27,7 +41,23 @@ fn run() -> Result<bool> {
     let mut model = mlp::build_module(&lib, &c, &mlp::init_network(&c, 42 + rank as u64), Device::cpu(0))?;
     // Small buckets, so that several reductions overlap the backward.
     let options = DdpOptions { bucket_cap_mb: 0.002, first_bucket_cap_mb: 0.001, ..DdpOptions::default() };
-    let mut ddp = Ddp::new(&model, &pg, &options)?;
+    let hook_calls = Arc::new(Mutex::new(BTreeMap::<usize, usize>::new()));
+    let mut ddp = match hook {
+        Hook::Library => Ddp::new(&model, &pg, &options)?,
+        Hook::Closure => {
+            let calls = hook_calls.clone();
+            Ddp::with_comm_hook(&model, &pg, &options, move |group, index, bucket| {
+                *calls.lock().unwrap().entry(index).or_default() += 1;
+                group.all_reduce(bucket, ReduceOp::Sum)?;
+                let size = group.size() as f32;
+                bucket.as_mut_slice::<f32>()?.iter_mut().for_each(|g| *g /= size);
+                Ok(())
+            })?
+        }
+        Hook::Panics => {
+            Ddp::with_comm_hook(&model, &pg, &options, |_, index, _| panic!("hook panic on bucket {index}"))?
+        }
+    };
     let buckets = ddp.num_buckets();
     say(format!("{world} ranks over {}, {} parameters in {buckets} buckets", pg.backend(), model.num_parameters()));
     if buckets < 2 {
@@ -43,11 +73,34 @@ fn run() -> Result<bool> {
         ok = false;
     }
 
+    if hook == Hook::Panics {
+        // Every rank's hook panics, so no rank waits on another.
+        println!("(panic messages from the comm hook follow)");
+        let rows = mlp::batch(&c, &mlp::make_dataset(&c), 0);
+        ddp.pre_forward()?;
+        let shard = &rows[c.batch * rank / world * 2 * c.width..c.batch * (rank + 1) / world * 2 * c.width];
+        mlp::module_forward_backward(&c, &model, shard, shard.len() / (2 * c.width), world, |layer| {
+            ddp.mark_grad_ready(&mlp::weight_name(layer))?;
+            ddp.mark_grad_ready(&mlp::bias_name(layer))
+        })?;
+        return Ok(match ddp.finish_backward() {
+            Err(e) if e.code() == DP_EUSER && e.message().contains("the comm hook panicked: hook panic on bucket") => {
+                say(format!("ok: finish_backward: {e}"));
+                ok
+            }
+            other => {
+                eprintln!("FAIL: rank {rank}: finish_backward gave {other:?}, want DP_EUSER with the hook's panic");
+                false
+            }
+        });
+    }
+
     let data = mlp::make_dataset(&c);
     let (expected, reference_losses) = mlp::reference_training(&c, &data, &init);
     let pitch = 2 * c.width;
     let (lo, hi) = (c.batch * rank / world, c.batch * (rank + 1) / world);
     let mid = (lo + hi) / 2;
+    let mut synced_buckets = 0;
     let mut loss_sum = Tensor::zeros(&lib, DType::F32, &[1], Device::cpu(0))?;
     for step in 0..c.steps {
         let rows = mlp::batch(&c, &data, step);
@@ -61,6 +114,10 @@ fn run() -> Result<bool> {
                 ddp.mark_grad_ready(&mlp::weight_name(layer))?;
                 ddp.mark_grad_ready(&mlp::bias_name(layer))
             })?;
+            if sync {
+                // The plan in force for this backward (it is rebuilt once, after the first).
+                synced_buckets += ddp.num_buckets();
+            }
             ddp.finish_backward()?;
             // Unsynced gradients are this rank's own; synced ones the same everywhere.
             let (low, high) = gradient_checksum_range(&model, &pg)?;
@@ -95,6 +152,17 @@ fn run() -> Result<bool> {
         eprintln!("FAIL: rank {rank}: stats count {} buckets, the plan {}", stats.num_buckets, ddp.num_buckets());
         ok = false;
     }
+    if hook == Hook::Closure {
+        // One call per bucket of every synced backward, and every bucket reduced.
+        let calls = hook_calls.lock().unwrap().clone();
+        let total: usize = calls.values().sum();
+        let all: Vec<usize> = (0..ddp.num_buckets()).collect();
+        say(format!("the Rust comm hook reduced {total} buckets: {calls:?}"));
+        if calls.keys().copied().collect::<Vec<_>>() != all || total != synced_buckets {
+            eprintln!("FAIL: rank {rank}: hook calls per bucket {calls:?}, want {synced_buckets} in all over {all:?}");
+            ok = false;
+        }
+    }
     let (bad, worst) = mlp::compare(&c, &model, &expected)?;
     say(format!(
         "parity with single-process training on the full batch: max |difference| {worst:.3e}, {bad} values outside rtol {} atol {}: {}",
@@ -120,7 +188,17 @@ fn gradient_checksum_range(model: &Module, pg: &ProcessGroup) -> Result<(f64, f6
 }
 
 fn main() -> ExitCode {
-    match run() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let hook = match args.iter().map(String::as_str).collect::<Vec<_>>()[..] {
+        [] => Hook::Library,
+        ["--comm-hook"] => Hook::Closure,
+        ["--comm-hook-panics"] => Hook::Panics,
+        _ => {
+            eprintln!("usage: train_ddp [--comm-hook | --comm-hook-panics]");
+            return ExitCode::from(2);
+        }
+    };
+    match run(hook) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
         Err(e) => {

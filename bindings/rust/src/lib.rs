@@ -591,6 +591,24 @@ impl Tensor {
     }
 }
 
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// Tensors a collective may write in place: `Tensor`, and the `Bucket` a
+/// comm hook is lent.
+pub trait InPlace: sealed::Sealed {
+    #[doc(hidden)]
+    fn raw_mut(&mut self) -> *mut sys::dp_tensor;
+}
+
+impl sealed::Sealed for Tensor {}
+impl InPlace for Tensor {
+    fn raw_mut(&mut self) -> *mut sys::dp_tensor {
+        self.raw
+    }
+}
+
 // ---------------------------------------------------------------------------
 // modules
 
@@ -1184,6 +1202,7 @@ impl ProcessGroupOptions<'_> {
 pub struct ProcessGroup {
     raw: *mut sys::dp_process_group,
     lib: Library,
+    owned: bool,
 }
 
 unsafe impl Send for ProcessGroup {}
@@ -1197,7 +1216,9 @@ impl fmt::Debug for ProcessGroup {
 
 impl Drop for ProcessGroup {
     fn drop(&mut self) {
-        unsafe { (self.lib.api().process_group_destroy)(self.raw) };
+        if self.owned {
+            unsafe { (self.lib.api().process_group_destroy)(self.raw) };
+        }
     }
 }
 
@@ -1207,7 +1228,7 @@ impl ProcessGroup {
     pub fn from_env(lib: &Library) -> Result<ProcessGroup> {
         let mut out = ptr::null_mut();
         lib.check(unsafe { (lib.api().process_group_create_from_env)(&mut out, ptr::null()) })?;
-        Ok(ProcessGroup { raw: out, lib: lib.clone() })
+        Ok(ProcessGroup { raw: out, lib: lib.clone(), owned: true })
     }
 
     /// As `from_env`, with options.
@@ -1215,7 +1236,7 @@ impl ProcessGroup {
         let o = options.to_raw(lib)?;
         let mut out = ptr::null_mut();
         lib.check(unsafe { (lib.api().process_group_create_from_env)(&mut out, &o) })?;
-        Ok(ProcessGroup { raw: out, lib: lib.clone() })
+        Ok(ProcessGroup { raw: out, lib: lib.clone(), owned: true })
     }
 
     /// dp_process_group_create: the options' rank and world size win.
@@ -1223,7 +1244,7 @@ impl ProcessGroup {
         let o = options.to_raw(lib)?;
         let mut out = ptr::null_mut();
         lib.check(unsafe { (lib.api().process_group_create)(&mut out, &o) })?;
-        Ok(ProcessGroup { raw: out, lib: lib.clone() })
+        Ok(ProcessGroup { raw: out, lib: lib.clone(), owned: true })
     }
 
     pub fn rank(&self) -> i32 {
@@ -1239,20 +1260,21 @@ impl ProcessGroup {
         unsafe { owned_text((self.lib.api().process_group_backend)(self.raw)) }
     }
 
-    pub fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<()> {
-        self.lib.check(unsafe { (self.lib.api().pg_all_reduce)(self.raw, tensor.raw, op as i32) })
+    pub fn all_reduce<T: InPlace + ?Sized>(&self, tensor: &mut T, op: ReduceOp) -> Result<()> {
+        self.lib.check(unsafe { (self.lib.api().pg_all_reduce)(self.raw, tensor.raw_mut(), op as i32) })
     }
 
     /// Starts an all_reduce; the tensor stays borrowed until the work is
     /// waited for or dropped (dropping waits).
-    pub fn all_reduce_async<'t>(&self, tensor: &'t mut Tensor, op: ReduceOp) -> Result<Work<'t>> {
+    pub fn all_reduce_async<'t, T: InPlace + ?Sized>(&self, tensor: &'t mut T, op: ReduceOp) -> Result<Work<'t>> {
         let mut out = ptr::null_mut();
-        self.lib.check(unsafe { (self.lib.api().pg_all_reduce_async)(self.raw, tensor.raw, op as i32, &mut out) })?;
+        let raw = tensor.raw_mut();
+        self.lib.check(unsafe { (self.lib.api().pg_all_reduce_async)(self.raw, raw, op as i32, &mut out) })?;
         Ok(Work { raw: out, lib: self.lib.clone(), done: false, _tensor: PhantomData })
     }
 
-    pub fn broadcast(&self, tensor: &mut Tensor, root: i32) -> Result<()> {
-        self.lib.check(unsafe { (self.lib.api().pg_broadcast)(self.raw, tensor.raw, root) })
+    pub fn broadcast<T: InPlace + ?Sized>(&self, tensor: &mut T, root: i32) -> Result<()> {
+        self.lib.check(unsafe { (self.lib.api().pg_broadcast)(self.raw, tensor.raw_mut(), root) })
     }
 
     /// outputs[r] receives rank r's input.
@@ -1272,7 +1294,7 @@ pub struct Work<'t> {
     raw: *mut sys::dp_work,
     lib: Library,
     done: bool,
-    _tensor: PhantomData<&'t mut Tensor>,
+    _tensor: PhantomData<&'t mut ()>,
 }
 
 unsafe impl Send for Work<'_> {}
@@ -1371,6 +1393,69 @@ pub struct DdpStats {
 pub struct Ddp {
     raw: *mut sys::dp_ddp,
     lib: Library,
+    // Dropped after dp_ddp_destroy, which waits for reductions in flight.
+    hook: Option<Box<HookState>>,
+}
+
+/// The flat bucket a comm hook is lent: this rank's gradients of one
+/// bucket, to be replaced by what the module's gradients should hold.
+pub struct Bucket<'a> {
+    tensor: Tensor,
+    _call: PhantomData<&'a mut ()>,
+}
+
+impl std::ops::Deref for Bucket<'_> {
+    type Target = Tensor;
+    fn deref(&self) -> &Tensor {
+        &self.tensor
+    }
+}
+
+impl Bucket<'_> {
+    /// The bucket's elements, writable in place.
+    pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T]> {
+        self.tensor.as_mut_slice()
+    }
+}
+
+impl sealed::Sealed for Bucket<'_> {}
+impl InPlace for Bucket<'_> {
+    fn raw_mut(&mut self) -> *mut sys::dp_tensor {
+        self.tensor.raw
+    }
+}
+
+type CommHookFn = dyn Fn(&ProcessGroup, usize, &mut Bucket<'_>) -> Result<()> + Send + Sync;
+
+struct HookState {
+    hook: Box<CommHookFn>,
+    lib: Library,
+    failures: Mutex<Vec<String>>,
+}
+
+/// The dp_comm_hook_fn behind a closure, on the library's worker thread:
+/// nothing unwinds out of it.
+unsafe extern "C" fn comm_hook_trampoline(
+    user_data: *mut c_void,
+    pg: *mut sys::dp_process_group,
+    bucket_index: usize,
+    flat_bucket: *mut sys::dp_tensor,
+) -> c_int {
+    let state = &*(user_data as *const HookState);
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        let group = ProcessGroup { raw: pg, lib: state.lib.clone(), owned: false };
+        let mut bucket = Bucket { tensor: Tensor::borrowed(&state.lib, flat_bucket), _call: PhantomData };
+        (state.hook)(&group, bucket_index, &mut bucket)
+    }));
+    let (code, failure) = match outcome {
+        Ok(Ok(())) => return 0,
+        Ok(Err(e)) => (1, format!("bucket {bucket_index}: the comm hook returned {e}")),
+        Err(payload) => (2, format!("bucket {bucket_index}: the comm hook panicked: {}", panic_text(payload.as_ref()))),
+    };
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        state.failures.lock().unwrap_or_else(|p| p.into_inner()).push(failure);
+    }));
+    code
 }
 
 unsafe impl Send for Ddp {}
@@ -1392,6 +1477,22 @@ impl Ddp {
     /// Wraps `module` for data-parallel training over `pg`; every rank calls
     /// it with equal options. Holds its own references to both.
     pub fn new(module: &Module, pg: &ProcessGroup, options: &DdpOptions) -> Result<Ddp> {
+        Ddp::create(module, pg, options, None)
+    }
+
+    /// As `new`, with `hook` reducing each flat bucket in place instead of
+    /// `options.comm_hook` (DP_HOOK_CUSTOM), typically by collectives on the
+    /// group it is lent. It runs on the library's worker thread; an `Err`
+    /// or a panic fails `finish_backward` with DP_EUSER and its message.
+    pub fn with_comm_hook<F>(module: &Module, pg: &ProcessGroup, options: &DdpOptions, hook: F) -> Result<Ddp>
+    where
+        F: Fn(&ProcessGroup, usize, &mut Bucket<'_>) -> Result<()> + Send + Sync + 'static,
+    {
+        let state = HookState { hook: Box::new(hook), lib: module.lib.clone(), failures: Mutex::new(Vec::new()) };
+        Ddp::create(module, pg, options, Some(Box::new(state)))
+    }
+
+    fn create(module: &Module, pg: &ProcessGroup, options: &DdpOptions, hook: Option<Box<HookState>>) -> Result<Ddp> {
         let lib = module.lib.clone();
         let mut o = sys::dp_ddp_options {
             struct_size: std::mem::size_of::<sys::dp_ddp_options>(),
@@ -1427,9 +1528,14 @@ impl Ddp {
         o.ignored_parameters = if param_ptrs.is_empty() { ptr::null() } else { param_ptrs.as_ptr() };
         o.num_ignored_parameters = param_ptrs.len();
         o.comm_hook = options.comm_hook as i32;
+        if let Some(state) = hook.as_ref() {
+            o.comm_hook = sys::DP_HOOK_CUSTOM;
+            o.hook_fn = Some(comm_hook_trampoline);
+            o.hook_user_data = &**state as *const HookState as *mut c_void;
+        }
         let mut out = ptr::null_mut();
         lib.check(unsafe { (lib.api().ddp_create)(&mut out, module.raw, pg.raw, &o) })?;
-        Ok(Ddp { raw: out, lib })
+        Ok(Ddp { raw: out, lib, hook })
     }
 
     /// With broadcast_buffers, broadcasts the module's buffers from rank 0.
@@ -1450,7 +1556,18 @@ impl Ddp {
     /// Waits for every bucket; the module's gradients then hold the average
     /// over the ranks.
     pub fn finish_backward(&mut self) -> Result<()> {
-        self.lib.check(unsafe { (self.lib.api().ddp_finish_backward)(self.raw) })
+        let st = unsafe { (self.lib.api().ddp_finish_backward)(self.raw) };
+        if st == sys::DP_OK {
+            return Ok(());
+        }
+        let mut err = self.lib.error(st);
+        if let Some(state) = self.hook.as_ref() {
+            for text in std::mem::take(&mut *state.failures.lock().unwrap_or_else(|p| p.into_inner())) {
+                err.message.push_str("; ");
+                err.message.push_str(&text);
+            }
+        }
+        Err(err)
     }
 
     /// `false`: later backwards only accumulate locally (PyTorch's

@@ -41,6 +41,8 @@ pub const DP_DEVICE_CUDA: i32 = 2;
 
 pub const DP_FLOAT32: i32 = 0;
 
+pub const DP_HOOK_CUSTOM: i32 = 3;
+
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct dp_device {
