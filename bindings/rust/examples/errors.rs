@@ -10,8 +10,8 @@
 use std::process::ExitCode;
 
 use dparallel::{
-    parallel_apply, DType, Device, Error, Library, Module, ProcessGroup, Replica, ReplicaSet, Result, Tensor,
-    DP_EINVAL, DP_EIO, DP_EUNSUPPORTED, DP_EUSER,
+    parallel_apply, DType, Device, Error, Library, Module, ProcessGroup, ProcessGroupOptions, ReduceOp, Replica,
+    ReplicaSet, Result, Store, Tensor, DP_EINVAL, DP_EIO, DP_ETIMEOUT, DP_EUNSUPPORTED, DP_EUSER,
 };
 
 struct Checks {
@@ -191,6 +191,33 @@ fn environment_errors(lib: &Library, c: &mut Checks) {
     );
 }
 
+/// A file store and a one-rank group made from explicit options.
+fn store_and_group(lib: &Library, c: &mut Checks) -> Result<()> {
+    let path = std::env::temp_dir().join(format!("dp-rust-store-{}", std::process::id()));
+    let path = path.to_str().expect("a UTF-8 temporary path");
+    let store = Store::file(lib, path, 1)?;
+    store.set("greeting", b"hello")?;
+    let value = store.get("greeting")?;
+    let counter = store.add("counter", 5)? + store.add("counter", -2)?;
+    c.expect("the store gives back what was set", value == b"hello" && counter == 8, format!("{value:?}, {counter}"));
+    store.set_timeout(50)?;
+    c.expect_err("a missing key times out naming it", store.get("absent-key"), DP_ETIMEOUT, &["absent-key"]);
+
+    let options = ProcessGroupOptions { rank: Some(0), world_size: Some(1), store: Some(&store), ..Default::default() };
+    let pg = ProcessGroup::new(lib, &options)?;
+    let mut t = Tensor::from_slice(lib, &[1.5f32, -2.0], &[2], Device::cpu(0))?;
+    pg.all_reduce(&mut t, ReduceOp::Max)?;
+    let got = t.to_vec::<f32>()?;
+    c.expect(
+        "a one-rank group from options reduces in place",
+        pg.rank() == 0 && pg.size() == 1 && got == [1.5, -2.0],
+        format!("rank {} of {}, {got:?}", pg.rank(), pg.size()),
+    );
+    let bad = ProcessGroupOptions { rank: Some(3), world_size: Some(2), store: Some(&store), ..Default::default() };
+    c.expect_err("a rank past the world size names rank", ProcessGroup::new(lib, &bad), DP_EINVAL, &["rank"]);
+    Ok(())
+}
+
 /// Three rounds of load, use, drop everything, dlclose.
 fn reload() -> Result<bool> {
     let devices = [Device::cpu(0), Device::cpu(1)];
@@ -240,7 +267,9 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let outcome = argument_errors(&lib, &mut c).and_then(|_| callback_errors(&lib, &mut c));
+    let outcome = argument_errors(&lib, &mut c)
+        .and_then(|_| callback_errors(&lib, &mut c))
+        .and_then(|_| store_and_group(&lib, &mut c));
     loading_errors(&mut c);
     environment_errors(&lib, &mut c);
     if let Err(e) = outcome {

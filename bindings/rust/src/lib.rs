@@ -1091,20 +1091,14 @@ impl Store {
     pub fn get(&self, key: &str) -> Result<Vec<u8>> {
         let c = cstring("key", key)?;
         let api = self.lib.api();
-        loop {
-            let mut len = 0usize;
-            self.lib.check(unsafe { (api.store_get)(self.raw, c.as_ptr(), ptr::null_mut(), 0, &mut len) })?;
-            let mut buf = vec![0u8; len];
-            let st = unsafe { (api.store_get)(self.raw, c.as_ptr(), buf.as_mut_ptr() as *mut c_void, len, &mut len) };
-            if st == sys::DP_OK {
-                buf.truncate(len);
-                return Ok(buf);
-            }
-            // The value grew between the two calls: ask again.
-            if st != DP_EINVAL || len <= buf.len() {
-                return Err(self.lib.error(st));
-            }
-        }
+        let mut len = 0usize;
+        self.lib.check(unsafe { (api.store_get)(self.raw, c.as_ptr(), ptr::null_mut(), 0, &mut len) })?;
+        let mut buf = vec![0u8; len];
+        // A value that grew in between is DP_EINVAL giving its length.
+        self.lib
+            .check(unsafe { (api.store_get)(self.raw, c.as_ptr(), buf.as_mut_ptr() as *mut c_void, len, &mut len) })?;
+        buf.truncate(len);
+        Ok(buf)
     }
 
     pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
@@ -1176,7 +1170,7 @@ impl Default for ProcessGroupOptions<'_> {
 }
 
 impl ProcessGroupOptions<'_> {
-    fn to_raw(&self, lib: &Library) -> Result<sys::dp_process_group_options> {
+    fn raw_options(&self, lib: &Library) -> Result<sys::dp_process_group_options> {
         let mut o = sys::dp_process_group_options {
             struct_size: std::mem::size_of::<sys::dp_process_group_options>(),
             backend: 0,
@@ -1233,7 +1227,7 @@ impl ProcessGroup {
 
     /// As `from_env`, with options.
     pub fn from_env_with(lib: &Library, options: &ProcessGroupOptions<'_>) -> Result<ProcessGroup> {
-        let o = options.to_raw(lib)?;
+        let o = options.raw_options(lib)?;
         let mut out = ptr::null_mut();
         lib.check(unsafe { (lib.api().process_group_create_from_env)(&mut out, &o) })?;
         Ok(ProcessGroup { raw: out, lib: lib.clone(), owned: true })
@@ -1241,7 +1235,7 @@ impl ProcessGroup {
 
     /// dp_process_group_create: the options' rank and world size win.
     pub fn new(lib: &Library, options: &ProcessGroupOptions<'_>) -> Result<ProcessGroup> {
-        let o = options.to_raw(lib)?;
+        let o = options.raw_options(lib)?;
         let mut out = ptr::null_mut();
         lib.check(unsafe { (lib.api().process_group_create)(&mut out, &o) })?;
         Ok(ProcessGroup { raw: out, lib: lib.clone(), owned: true })

@@ -48,7 +48,7 @@ impl Rng {
     pub fn normal(&mut self) -> f32 {
         let u = self.uniform01();
         let v = self.uniform01();
-        ((-2.0 * (u + 1e-300).ln()).sqrt() * (6.283185307179586 * v).cos()) as f32
+        ((-2.0 * (u + 1e-300).ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
     }
 }
 
@@ -322,6 +322,8 @@ pub fn compare(c: &Config, m: &Module, expected: &Params) -> Result<(usize, f64)
             }
             for (g, e) in got.iter().zip(want.iter()) {
                 let diff = (*g as f64 - *e as f64).abs();
+                // A NaN fails too.
+                #[allow(clippy::neg_cmp_op_on_partial_ord)]
                 if !(diff <= ATOL + RTOL * (*e as f64).abs()) {
                     bad += 1;
                 }
