@@ -12,6 +12,5 @@ fn main() -> dparallel::Result<()> {
         Tensor::from_vec(r.module.library(), out, &r.input.shape(), r.device)
     })?;
     assert_eq!(y.as_slice::<f32>()?, &[3.0, 6.0, 9.0, 12.0]);
-    println!("{y:?}: {:?}", y.as_slice::<f32>()?);
     Ok(())
 }
