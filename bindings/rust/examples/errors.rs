@@ -69,6 +69,18 @@ fn argument_errors(lib: &Library, c: &mut Checks) -> Result<()> {
         DP_EINVAL,
         &["shape[0]", "-2"],
     );
+    c.expect_err(
+        "a vector the shape does not fit names shape",
+        Tensor::from_vec(lib, vec![1.0f32; 3], &[2, 2], cpu0),
+        DP_EINVAL,
+        &["shape", "[2, 2]", "3 elements"],
+    );
+    c.expect_err(
+        "a vector for a cuda device names device",
+        Tensor::from_vec(lib, vec![1.0f32; 4], &[4], Device::cuda(0)),
+        DP_EINVAL,
+        &["device", "cuda:0"],
+    );
     let mut m = Module::new(lib)?;
     let t = Tensor::zeros(lib, DType::F32, &[3], cpu0)?;
     c.expect_err(

@@ -183,7 +183,7 @@ impl Library {
             if api.is_null() {
                 return Err(Error::new(
                     DP_EUNSUPPORTED,
-                    format!("{path}: dp_get_api({abi_major}) returned NULL: the library does not provide ABI major {abi_major}"),
+                    format!("{path}: dp_get_api({abi_major}) returned NULL: the library has no table for ABI major {abi_major}; refusing it"),
                 ));
             }
             // Read the header through raw pointers: the slots are checked
@@ -434,6 +434,20 @@ impl Tensor {
     /// the last tensor over it is destroyed.
     pub fn from_vec<T: Element>(lib: &Library, data: Vec<T>, shape: &[i64], device: Device) -> Result<Tensor> {
         let ndim = i32::try_from(shape.len()).map_err(|_| Error::new(DP_EINVAL, "shape: too many dimensions"))?;
+        if !device.is_cpu() {
+            return Err(Error::new(
+                DP_EINVAL,
+                format!("device: {device}; a vector is host memory, for cpu devices only"),
+            ));
+        }
+        // The library cannot see the vector's length: the shape must match it.
+        let numel = shape.iter().try_fold(1i64, |n, &d| if d < 0 { None } else { n.checked_mul(d) });
+        if numel != Some(data.len() as i64) {
+            return Err(Error::new(
+                DP_EINVAL,
+                format!("shape: {shape:?} does not hold the {} elements of data", data.len()),
+            ));
+        }
         let mut boxed = Box::new(data);
         let ptr_data = boxed.as_mut_ptr() as *mut c_void;
         let ctx = Box::into_raw(boxed);
