@@ -8,9 +8,9 @@ use std::os::raw::{c_char, c_int, c_void};
 pub const RTLD_NOW: c_int = 2;
 pub const RTLD_LOCAL: c_int = 0;
 
-// glibc 2.34 moved these into libc; libdl.so.2 still exports them for
-// binaries linked against older glibc, and libc is always linked.
-#[link(name = "c")]
+// libdl: where glibc before 2.34 has them; later ones keep it as a stub
+// (the functions moved into libc), so -ldl links everywhere.
+#[link(name = "dl")]
 extern "C" {
     pub fn dlopen(filename: *const c_char, flags: c_int) -> *mut c_void;
     pub fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
