@@ -143,25 +143,39 @@ pub type dp_get_api_fn = unsafe extern "C" fn(abi_major: u32) -> *const dp_api;
 
 type St = dp_status;
 
-/// `struct dp_api` of abi_minor 2. Every slot after the header is a function
-/// pointer; `Library::open` checks that none is NULL before this type is read.
-#[repr(C)]
-pub struct dp_api {
-    pub struct_size: usize,
-    pub abi_major: u32,
-    pub abi_minor: u32,
+/// Declares `dp_api` and `SLOT_NAMES` from one list, so that the names a
+/// test compares with dp_api.h are the fields themselves.
+macro_rules! dp_api_slots {
+    ($($(#[$doc:meta])* $name:ident: $ty:ty,)*) => {
+        /// `struct dp_api` of abi_minor 2. Every slot after the header is a
+        /// function pointer; `Library::open` checks that none is NULL before
+        /// this type is read.
+        #[repr(C)]
+        pub struct dp_api {
+            pub struct_size: usize,
+            pub abi_major: u32,
+            pub abi_minor: u32,
+            $($(#[$doc])* pub $name: $ty,)*
+        }
+
+        /// The slots' names in table order.
+        pub const SLOT_NAMES: &[&str] = &[$(stringify!($name)),*];
+    };
+}
+
+dp_api_slots! {
     // ---- abi_minor 1 ----
     // base
-    pub status_string: unsafe extern "C" fn(St) -> *const c_char,
-    pub last_error: unsafe extern "C" fn() -> *const c_char,
-    pub version_number: unsafe extern "C" fn() -> u32,
-    pub device_count: unsafe extern "C" fn(i32, *mut i32) -> St,
-    pub device_parse: unsafe extern "C" fn(*const c_char, *mut dp_device) -> St,
-    pub device_format: unsafe extern "C" fn(dp_device, *mut c_char, usize) -> St,
-    pub dtype_size: unsafe extern "C" fn(i32) -> usize,
+    status_string: unsafe extern "C" fn(St) -> *const c_char,
+    last_error: unsafe extern "C" fn() -> *const c_char,
+    version_number: unsafe extern "C" fn() -> u32,
+    device_count: unsafe extern "C" fn(i32, *mut i32) -> St,
+    device_parse: unsafe extern "C" fn(*const c_char, *mut dp_device) -> St,
+    device_format: unsafe extern "C" fn(dp_device, *mut c_char, usize) -> St,
+    dtype_size: unsafe extern "C" fn(i32) -> usize,
     // tensor
-    pub tensor_create: unsafe extern "C" fn(*mut *mut dp_tensor, i32, i32, *const i64, dp_device) -> St,
-    pub tensor_from_blob: unsafe extern "C" fn(
+    tensor_create: unsafe extern "C" fn(*mut *mut dp_tensor, i32, i32, *const i64, dp_device) -> St,
+    tensor_from_blob: unsafe extern "C" fn(
         *mut *mut dp_tensor,
         *mut c_void,
         i32,
@@ -171,26 +185,26 @@ pub struct dp_api {
         Option<unsafe extern "C" fn(*mut c_void)>,
         *mut c_void,
     ) -> St,
-    pub tensor_destroy: unsafe extern "C" fn(*mut dp_tensor),
-    pub tensor_copy_from_host: unsafe extern "C" fn(*mut dp_tensor, *const c_void, usize) -> St,
-    pub tensor_copy_to_host: unsafe extern "C" fn(*const dp_tensor, *mut c_void, usize) -> St,
-    pub tensor_dtype: unsafe extern "C" fn(*const dp_tensor) -> i32,
-    pub tensor_ndim: unsafe extern "C" fn(*const dp_tensor) -> i32,
-    pub tensor_shape: unsafe extern "C" fn(*const dp_tensor, *mut i64, i32) -> St,
-    pub tensor_numel: unsafe extern "C" fn(*const dp_tensor) -> i64,
-    pub tensor_nbytes: unsafe extern "C" fn(*const dp_tensor) -> usize,
-    pub tensor_device: unsafe extern "C" fn(*const dp_tensor) -> dp_device,
-    pub tensor_data: unsafe extern "C" fn(*const dp_tensor) -> *mut c_void,
-    pub tensor_from_dlpack: unsafe extern "C" fn(*mut *mut dp_tensor, *mut DLManagedTensor) -> St,
-    pub tensor_to_dlpack: unsafe extern "C" fn(*const dp_tensor, *mut *mut DLManagedTensor) -> St,
+    tensor_destroy: unsafe extern "C" fn(*mut dp_tensor),
+    tensor_copy_from_host: unsafe extern "C" fn(*mut dp_tensor, *const c_void, usize) -> St,
+    tensor_copy_to_host: unsafe extern "C" fn(*const dp_tensor, *mut c_void, usize) -> St,
+    tensor_dtype: unsafe extern "C" fn(*const dp_tensor) -> i32,
+    tensor_ndim: unsafe extern "C" fn(*const dp_tensor) -> i32,
+    tensor_shape: unsafe extern "C" fn(*const dp_tensor, *mut i64, i32) -> St,
+    tensor_numel: unsafe extern "C" fn(*const dp_tensor) -> i64,
+    tensor_nbytes: unsafe extern "C" fn(*const dp_tensor) -> usize,
+    tensor_device: unsafe extern "C" fn(*const dp_tensor) -> dp_device,
+    tensor_data: unsafe extern "C" fn(*const dp_tensor) -> *mut c_void,
+    tensor_from_dlpack: unsafe extern "C" fn(*mut *mut dp_tensor, *mut DLManagedTensor) -> St,
+    tensor_to_dlpack: unsafe extern "C" fn(*const dp_tensor, *mut *mut DLManagedTensor) -> St,
     // in-process collectives
-    pub broadcast: unsafe extern "C" fn(*const dp_tensor, *const dp_device, usize, *mut *mut dp_tensor) -> St,
-    pub broadcast_coalesced:
+    broadcast: unsafe extern "C" fn(*const dp_tensor, *const dp_device, usize, *mut *mut dp_tensor) -> St,
+    broadcast_coalesced:
         unsafe extern "C" fn(*const *const dp_tensor, usize, *const dp_device, usize, usize, *mut *mut dp_tensor) -> St,
-    pub reduce_add: unsafe extern "C" fn(*const *const dp_tensor, usize, dp_device, *mut *mut dp_tensor) -> St,
-    pub reduce_add_coalesced:
+    reduce_add: unsafe extern "C" fn(*const *const dp_tensor, usize, dp_device, *mut *mut dp_tensor) -> St,
+    reduce_add_coalesced:
         unsafe extern "C" fn(*const *const dp_tensor, usize, usize, dp_device, usize, *mut *mut dp_tensor) -> St,
-    pub scatter: unsafe extern "C" fn(
+    scatter: unsafe extern "C" fn(
         *const dp_tensor,
         *const dp_device,
         usize,
@@ -199,36 +213,36 @@ pub struct dp_api {
         *mut *mut dp_tensor,
         *mut usize,
     ) -> St,
-    pub gather: unsafe extern "C" fn(*const *const dp_tensor, usize, i32, dp_device, *mut *mut dp_tensor) -> St,
+    gather: unsafe extern "C" fn(*const *const dp_tensor, usize, i32, dp_device, *mut *mut dp_tensor) -> St,
     // modules
-    pub module_create: unsafe extern "C" fn(*mut *mut dp_module) -> St,
-    pub module_destroy: unsafe extern "C" fn(*mut dp_module),
-    pub module_register_parameter: unsafe extern "C" fn(*mut dp_module, *const c_char, *mut dp_tensor, c_int) -> St,
-    pub module_register_buffer: unsafe extern "C" fn(*mut dp_module, *const c_char, *mut dp_tensor, c_int) -> St,
-    pub module_register_module: unsafe extern "C" fn(*mut dp_module, *const c_char, *mut dp_module) -> St,
-    pub module_num_parameters: unsafe extern "C" fn(*const dp_module) -> usize,
-    pub module_num_buffers: unsafe extern "C" fn(*const dp_module) -> usize,
-    pub module_parameter_at:
+    module_create: unsafe extern "C" fn(*mut *mut dp_module) -> St,
+    module_destroy: unsafe extern "C" fn(*mut dp_module),
+    module_register_parameter: unsafe extern "C" fn(*mut dp_module, *const c_char, *mut dp_tensor, c_int) -> St,
+    module_register_buffer: unsafe extern "C" fn(*mut dp_module, *const c_char, *mut dp_tensor, c_int) -> St,
+    module_register_module: unsafe extern "C" fn(*mut dp_module, *const c_char, *mut dp_module) -> St,
+    module_num_parameters: unsafe extern "C" fn(*const dp_module) -> usize,
+    module_num_buffers: unsafe extern "C" fn(*const dp_module) -> usize,
+    module_parameter_at:
         unsafe extern "C" fn(*const dp_module, usize, *mut *const c_char, *mut *mut dp_tensor) -> St,
-    pub module_buffer_at: unsafe extern "C" fn(*const dp_module, usize, *mut *const c_char, *mut *mut dp_tensor) -> St,
-    pub module_get_parameter: unsafe extern "C" fn(*const dp_module, *const c_char, *mut *mut dp_tensor) -> St,
-    pub module_get_buffer: unsafe extern "C" fn(*const dp_module, *const c_char, *mut *mut dp_tensor) -> St,
-    pub module_get_module: unsafe extern "C" fn(*const dp_module, *const c_char, *mut *mut dp_module) -> St,
-    pub module_grad: unsafe extern "C" fn(*mut dp_module, *const c_char, *mut *mut dp_tensor) -> St,
-    pub module_zero_grad: unsafe extern "C" fn(*mut dp_module) -> St,
-    pub module_save: unsafe extern "C" fn(*const dp_module, *const c_char) -> St,
-    pub module_load: unsafe extern "C" fn(*mut dp_module, *const c_char, c_int) -> St,
+    module_buffer_at: unsafe extern "C" fn(*const dp_module, usize, *mut *const c_char, *mut *mut dp_tensor) -> St,
+    module_get_parameter: unsafe extern "C" fn(*const dp_module, *const c_char, *mut *mut dp_tensor) -> St,
+    module_get_buffer: unsafe extern "C" fn(*const dp_module, *const c_char, *mut *mut dp_tensor) -> St,
+    module_get_module: unsafe extern "C" fn(*const dp_module, *const c_char, *mut *mut dp_module) -> St,
+    module_grad: unsafe extern "C" fn(*mut dp_module, *const c_char, *mut *mut dp_tensor) -> St,
+    module_zero_grad: unsafe extern "C" fn(*mut dp_module) -> St,
+    module_save: unsafe extern "C" fn(*const dp_module, *const c_char) -> St,
+    module_load: unsafe extern "C" fn(*mut dp_module, *const c_char, c_int) -> St,
     // replication
-    pub replicate: unsafe extern "C" fn(*const dp_module, *const dp_device, usize, c_int, *mut *mut dp_module) -> St,
-    pub reduce_gradients: unsafe extern "C" fn(*const *mut dp_module, usize, *mut dp_module) -> St,
-    pub replica_set_create:
+    replicate: unsafe extern "C" fn(*const dp_module, *const dp_device, usize, c_int, *mut *mut dp_module) -> St,
+    reduce_gradients: unsafe extern "C" fn(*const *mut dp_module, usize, *mut dp_module) -> St,
+    replica_set_create:
         unsafe extern "C" fn(*mut *mut dp_replica_set, *mut dp_module, *const dp_device, usize) -> St,
-    pub replica_set_sync: unsafe extern "C" fn(*mut dp_replica_set) -> St,
-    pub replica_set_replica: unsafe extern "C" fn(*const dp_replica_set, usize, *mut *mut dp_module) -> St,
-    pub replica_set_reduce_gradients: unsafe extern "C" fn(*mut dp_replica_set) -> St,
-    pub replica_set_destroy: unsafe extern "C" fn(*mut dp_replica_set),
+    replica_set_sync: unsafe extern "C" fn(*mut dp_replica_set) -> St,
+    replica_set_replica: unsafe extern "C" fn(*const dp_replica_set, usize, *mut *mut dp_module) -> St,
+    replica_set_reduce_gradients: unsafe extern "C" fn(*mut dp_replica_set) -> St,
+    replica_set_destroy: unsafe extern "C" fn(*mut dp_replica_set),
     // parallel
-    pub parallel_apply: unsafe extern "C" fn(
+    parallel_apply: unsafe extern "C" fn(
         *const *mut dp_module,
         *const *mut dp_tensor,
         *const dp_device,
@@ -237,7 +251,7 @@ pub struct dp_api {
         *mut c_void,
         *mut *mut dp_tensor,
     ) -> St,
-    pub data_parallel: unsafe extern "C" fn(
+    data_parallel: unsafe extern "C" fn(
         *mut dp_module,
         *mut dp_tensor,
         *const dp_device,
@@ -248,7 +262,7 @@ pub struct dp_api {
         *mut c_void,
         *mut *mut dp_tensor,
     ) -> St,
-    pub replica_set_apply: unsafe extern "C" fn(
+    replica_set_apply: unsafe extern "C" fn(
         *mut dp_replica_set,
         *mut dp_tensor,
         i32,
@@ -258,47 +272,47 @@ pub struct dp_api {
         *mut *mut dp_tensor,
     ) -> St,
     // distributed
-    pub store_create_file: unsafe extern "C" fn(*mut *mut dp_store, *const c_char, i32) -> St,
-    pub store_create_tcp: unsafe extern "C" fn(*mut *mut dp_store, *const c_char, u16, i32, c_int, i32) -> St,
-    pub store_set: unsafe extern "C" fn(*mut dp_store, *const c_char, *const c_void, usize) -> St,
-    pub store_get: unsafe extern "C" fn(*mut dp_store, *const c_char, *mut c_void, usize, *mut usize) -> St,
-    pub store_add: unsafe extern "C" fn(*mut dp_store, *const c_char, i64, *mut i64) -> St,
-    pub store_wait: unsafe extern "C" fn(*mut dp_store, *const *const c_char, usize, i32) -> St,
-    pub store_destroy: unsafe extern "C" fn(*mut dp_store),
-    pub process_group_options_init: unsafe extern "C" fn(*mut dp_process_group_options) -> St,
-    pub process_group_create: unsafe extern "C" fn(*mut *mut dp_process_group, *const dp_process_group_options) -> St,
-    pub process_group_create_from_env:
+    store_create_file: unsafe extern "C" fn(*mut *mut dp_store, *const c_char, i32) -> St,
+    store_create_tcp: unsafe extern "C" fn(*mut *mut dp_store, *const c_char, u16, i32, c_int, i32) -> St,
+    store_set: unsafe extern "C" fn(*mut dp_store, *const c_char, *const c_void, usize) -> St,
+    store_get: unsafe extern "C" fn(*mut dp_store, *const c_char, *mut c_void, usize, *mut usize) -> St,
+    store_add: unsafe extern "C" fn(*mut dp_store, *const c_char, i64, *mut i64) -> St,
+    store_wait: unsafe extern "C" fn(*mut dp_store, *const *const c_char, usize, i32) -> St,
+    store_destroy: unsafe extern "C" fn(*mut dp_store),
+    process_group_options_init: unsafe extern "C" fn(*mut dp_process_group_options) -> St,
+    process_group_create: unsafe extern "C" fn(*mut *mut dp_process_group, *const dp_process_group_options) -> St,
+    process_group_create_from_env:
         unsafe extern "C" fn(*mut *mut dp_process_group, *const dp_process_group_options) -> St,
-    pub process_group_rank: unsafe extern "C" fn(*const dp_process_group) -> i32,
-    pub process_group_size: unsafe extern "C" fn(*const dp_process_group) -> i32,
-    pub process_group_destroy: unsafe extern "C" fn(*mut dp_process_group),
-    pub pg_all_reduce: unsafe extern "C" fn(*mut dp_process_group, *mut dp_tensor, i32) -> St,
-    pub pg_all_reduce_async: unsafe extern "C" fn(*mut dp_process_group, *mut dp_tensor, i32, *mut *mut dp_work) -> St,
-    pub pg_broadcast: unsafe extern "C" fn(*mut dp_process_group, *mut dp_tensor, i32) -> St,
-    pub pg_all_gather:
+    process_group_rank: unsafe extern "C" fn(*const dp_process_group) -> i32,
+    process_group_size: unsafe extern "C" fn(*const dp_process_group) -> i32,
+    process_group_destroy: unsafe extern "C" fn(*mut dp_process_group),
+    pg_all_reduce: unsafe extern "C" fn(*mut dp_process_group, *mut dp_tensor, i32) -> St,
+    pg_all_reduce_async: unsafe extern "C" fn(*mut dp_process_group, *mut dp_tensor, i32, *mut *mut dp_work) -> St,
+    pg_broadcast: unsafe extern "C" fn(*mut dp_process_group, *mut dp_tensor, i32) -> St,
+    pg_all_gather:
         unsafe extern "C" fn(*mut dp_process_group, *const dp_tensor, *const *mut dp_tensor, usize) -> St,
-    pub pg_reduce_scatter:
+    pg_reduce_scatter:
         unsafe extern "C" fn(*mut dp_process_group, *const *const dp_tensor, usize, *mut dp_tensor, i32) -> St,
-    pub pg_barrier: unsafe extern "C" fn(*mut dp_process_group) -> St,
-    pub work_wait: unsafe extern "C" fn(*mut dp_work) -> St,
-    pub work_test: unsafe extern "C" fn(*mut dp_work, *mut c_int) -> St,
-    pub work_destroy: unsafe extern "C" fn(*mut dp_work),
+    pg_barrier: unsafe extern "C" fn(*mut dp_process_group) -> St,
+    work_wait: unsafe extern "C" fn(*mut dp_work) -> St,
+    work_test: unsafe extern "C" fn(*mut dp_work, *mut c_int) -> St,
+    work_destroy: unsafe extern "C" fn(*mut dp_work),
     // additions beyond the base contract
-    pub tensor_to_device: unsafe extern "C" fn(*mut *mut dp_tensor, *const dp_tensor, dp_device) -> St,
-    pub module_set_requires_grad: unsafe extern "C" fn(*mut dp_module, *const c_char, c_int) -> St,
-    pub module_requires_grad: unsafe extern "C" fn(*const dp_module, *const c_char, *mut c_int) -> St,
-    pub replica_set_size: unsafe extern "C" fn(*const dp_replica_set) -> usize,
-    pub store_tcp_port: unsafe extern "C" fn(*const dp_store, *mut u16) -> St,
-    pub store_set_timeout: unsafe extern "C" fn(*mut dp_store, i32) -> St,
-    pub pg_broadcast_async: unsafe extern "C" fn(*mut dp_process_group, *mut dp_tensor, i32, *mut *mut dp_work) -> St,
-    pub pg_all_gather_async: unsafe extern "C" fn(
+    tensor_to_device: unsafe extern "C" fn(*mut *mut dp_tensor, *const dp_tensor, dp_device) -> St,
+    module_set_requires_grad: unsafe extern "C" fn(*mut dp_module, *const c_char, c_int) -> St,
+    module_requires_grad: unsafe extern "C" fn(*const dp_module, *const c_char, *mut c_int) -> St,
+    replica_set_size: unsafe extern "C" fn(*const dp_replica_set) -> usize,
+    store_tcp_port: unsafe extern "C" fn(*const dp_store, *mut u16) -> St,
+    store_set_timeout: unsafe extern "C" fn(*mut dp_store, i32) -> St,
+    pg_broadcast_async: unsafe extern "C" fn(*mut dp_process_group, *mut dp_tensor, i32, *mut *mut dp_work) -> St,
+    pg_all_gather_async: unsafe extern "C" fn(
         *mut dp_process_group,
         *const dp_tensor,
         *const *mut dp_tensor,
         usize,
         *mut *mut dp_work,
     ) -> St,
-    pub pg_reduce_scatter_async: unsafe extern "C" fn(
+    pg_reduce_scatter_async: unsafe extern "C" fn(
         *mut dp_process_group,
         *const *const dp_tensor,
         usize,
@@ -306,22 +320,22 @@ pub struct dp_api {
         i32,
         *mut *mut dp_work,
     ) -> St,
-    pub pg_barrier_async: unsafe extern "C" fn(*mut dp_process_group, *mut *mut dp_work) -> St,
-    pub process_group_backend: unsafe extern "C" fn(*const dp_process_group) -> *const c_char,
+    pg_barrier_async: unsafe extern "C" fn(*mut dp_process_group, *mut *mut dp_work) -> St,
+    process_group_backend: unsafe extern "C" fn(*const dp_process_group) -> *const c_char,
     // the DDP reducer (dp_ddp.h)
-    pub ddp_options_init: unsafe extern "C" fn(*mut dp_ddp_options) -> St,
-    pub ddp_create:
+    ddp_options_init: unsafe extern "C" fn(*mut dp_ddp_options) -> St,
+    ddp_create:
         unsafe extern "C" fn(*mut *mut dp_ddp, *mut dp_module, *mut dp_process_group, *const dp_ddp_options) -> St,
-    pub ddp_pre_forward: unsafe extern "C" fn(*mut dp_ddp) -> St,
-    pub ddp_mark_grad_ready: unsafe extern "C" fn(*mut dp_ddp, *const c_char) -> St,
-    pub ddp_mark_grad_ready_index: unsafe extern "C" fn(*mut dp_ddp, usize) -> St,
-    pub ddp_finish_backward: unsafe extern "C" fn(*mut dp_ddp) -> St,
-    pub ddp_set_requires_gradient_sync: unsafe extern "C" fn(*mut dp_ddp, c_int) -> St,
-    pub ddp_num_buckets: unsafe extern "C" fn(*const dp_ddp) -> usize,
-    pub ddp_bucket_parameters: unsafe extern "C" fn(*const dp_ddp, usize, *mut usize, usize, *mut usize) -> St,
-    pub ddp_destroy: unsafe extern "C" fn(*mut dp_ddp),
-    pub ddp_mark_grad_ready_stream: unsafe extern "C" fn(*mut dp_ddp, usize, *mut c_void) -> St,
-    pub ddp_last_stats: unsafe extern "C" fn(*const dp_ddp, *mut dp_ddp_stats) -> St,
+    ddp_pre_forward: unsafe extern "C" fn(*mut dp_ddp) -> St,
+    ddp_mark_grad_ready: unsafe extern "C" fn(*mut dp_ddp, *const c_char) -> St,
+    ddp_mark_grad_ready_index: unsafe extern "C" fn(*mut dp_ddp, usize) -> St,
+    ddp_finish_backward: unsafe extern "C" fn(*mut dp_ddp) -> St,
+    ddp_set_requires_gradient_sync: unsafe extern "C" fn(*mut dp_ddp, c_int) -> St,
+    ddp_num_buckets: unsafe extern "C" fn(*const dp_ddp) -> usize,
+    ddp_bucket_parameters: unsafe extern "C" fn(*const dp_ddp, usize, *mut usize, usize, *mut usize) -> St,
+    ddp_destroy: unsafe extern "C" fn(*mut dp_ddp),
+    ddp_mark_grad_ready_stream: unsafe extern "C" fn(*mut dp_ddp, usize, *mut c_void) -> St,
+    ddp_last_stats: unsafe extern "C" fn(*const dp_ddp, *mut dp_ddp_stats) -> St,
 }
 
 /// Offset of the first function pointer.
