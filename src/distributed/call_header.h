@@ -8,7 +8,7 @@
 #include <string>
 
 #include "core/dtype.h"
-#include "distributed/process_group.h"
+#include "distributed/collective.h"
 
 namespace dparallel::dist {
 

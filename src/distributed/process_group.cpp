@@ -103,6 +103,57 @@ std::string find_missing_ranks(Store& store, const std::string& prefix, int32_t 
   return "rank(s) " + missing + " did not arrive (exited, stopped, or in another call)";
 }
 
+ProcessGroup::Call ProcessGroup::begin_call(CallKind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root,
+                                            const Tensor* tensor) {
+  Call call;
+  call.header = make_call_header(kind, rank_, ++seq_, dtype, numel, op, root);
+  call.deadline = Clock::now() + timeout_;
+  call.tensor = tensor;
+  return call;
+}
+
+void ProcessGroup::exchange_headers(Call& call) {
+  swap_headers(call);
+  call.exchanged = true;
+  try {
+    check_call_headers(call.header, rank_, world_size_, [&](int32_t r) { return received_header(r); });
+  } catch (...) {
+    after_failed_verdict();
+    throw;
+  }
+}
+
+void ProcessGroup::run_refused(CallKind kind, const std::string& reason) {
+  Call call;
+  call.header = refused_call_header(kind, rank_, ++seq_, reason);
+  call.deadline = Clock::now() + timeout_;
+  exchange_headers(call);
+  fail(StatusCode::kInternal, call_kind_name(call.header.kind), ": the header exchange of a refused call passed");
+}
+
+void ProcessGroup::set_failure_reports(std::shared_ptr<Store> store, std::string prefix) {
+  report_store_ = std::move(store);
+  report_prefix_ = std::move(prefix);
+}
+
+std::string ProcessGroup::describe_call(const Call& call) {
+  if (call.tensor == nullptr) return call.header.refused != 0 ? "a refused call" : "no tensor";
+  if (call.pieces > 1) {
+    return str_cat(dtype_name(call.tensor->dtype()), " ", call.header.numel, " in ", call.pieces, " tensors");
+  }
+  return call.tensor->describe();
+}
+
+void ProcessGroup::fail_call(const Call& call, StatusCode code, const std::string& cause) {
+  std::string missing = report_store_ ? find_missing_ranks(*report_store_, report_prefix_, rank_, world_size_,
+                                                           call.header.seq, call.exchanged, call.deadline)
+                                      : std::string("the missing ranks are unknown (no store)");
+  fail(code, call_kind_name(call.header.kind), " of ", describe_call(call), " (collective #", call.header.seq,
+       ") on rank ", rank_, " of ", world_size_,
+       code == StatusCode::kTimeout ? str_cat(" timed out after ", timeout_.count(), " ms") : std::string(" failed"),
+       ": ", missing, "; ", cause);
+}
+
 ProcessGroup::ProcessGroup(int32_t rank, int32_t world_size, Device device, Millis timeout)
     : rank_(rank), world_size_(world_size), device_(device), timeout_(timeout) {}
 

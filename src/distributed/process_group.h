@@ -1,11 +1,17 @@
-// Process groups: collectives across the processes of a job. The base class
-// checks arguments and runs collectives one at a time in issue order (async
-// ones on the group's worker thread); backends implement the collectives.
+// Process groups: collectives across the processes of a job, as a front over
+// backends (Gloo, NCCL, shared memory, and the hierarchical group over them).
+// The front owns what every backend needs: argument checks, the ordered
+// queue (async collectives on the group's worker thread), Work, the broken
+// state, each collective's sequence number and deadline, the cross-rank
+// check that calls agree (the call header and its one verdict, see
+// call_header.h), refusals, and the failure reports that name the ranks
+// that did not arrive. Backends move bytes: they swap the headers
+// (swap_headers) and run the collectives' transfers.
 // After a collective fails with kTimeout or kRemote the group is broken:
 // later collectives fail at once with kState.
 // A call with a bad argument is refused, but still takes part in the ranks'
-// header exchange (see call_header.h): the other ranks' matching calls fail
-// at once naming this rank and why, and the group stays in step and usable.
+// header exchange: the other ranks' matching calls fail at once naming this
+// rank and why, and the group stays in step and usable.
 #pragma once
 
 #include <chrono>
@@ -16,16 +22,14 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "distributed/call_header.h"
+#include "distributed/collective.h"
 #include "distributed/store/store.h"
 #include "distributed/work.h"
 
 namespace dparallel::dist {
 
 enum class Backend : int32_t { kAuto = 0, kGloo = 1, kNccl = 2 };
-enum class ReduceOp : int32_t { kSum = 0, kAvg = 1, kMin = 2, kMax = 3, kProd = 4 };
-enum class CallKind : uint32_t { kAllReduce = 1, kBroadcast = 2, kAllGather = 3, kReduceScatter = 4, kBarrier = 5 };
-const char* reduce_op_name(ReduceOp op);
-ReduceOp reduce_op_arg(int32_t code, const char* argument);
 
 struct ProcessGroupOptions {
   Backend backend = Backend::kAuto;
@@ -89,6 +93,44 @@ class ProcessGroup {
   virtual void abort(const std::string& why) noexcept { mark_broken(why); }
 
  protected:
+  using Clock = std::chrono::steady_clock;
+
+  // One collective as the front tracks it for every backend.
+  struct Call {
+    CallHeader header;
+    Clock::time_point deadline;
+    bool exchanged = false;          // every rank's header has arrived
+    const Tensor* tensor = nullptr;  // named in failures (the first of `pieces`); null for none
+    size_t pieces = 1;               // tensors reduced as one (coalesced)
+  };
+  // Collective #n+1 of this group: its header and deadline. What it may need
+  // must be allocated before: failing after the header exchange would leave
+  // the peers waiting.
+  Call begin_call(CallKind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root, const Tensor* tensor);
+  // Swaps `call`'s header with every rank (the backend's swap_headers) and
+  // reaches the verdict every rank reaches (check_call_headers); a verdict
+  // that fails calls after_failed_verdict() first.
+  void exchange_headers(Call& call);
+  // Takes part in the header exchange of the collective `kind` as having
+  // refused it; throws the verdict.
+  void run_refused(CallKind kind, const std::string& reason);
+  // A collective whose transfer failed (`code`: kTimeout, kRemote, or
+  // kOutOfMemory): reports the failure through the store, then throws `code`
+  // naming the collective, its tensor, the ranks that did not report the
+  // failure, and `cause`.
+  [[noreturn]] void fail_call(const Call& call, StatusCode code, const std::string& cause);
+  // Where failure reports go (find_missing_ranks); set by the backend's constructor.
+  void set_failure_reports(std::shared_ptr<Store> store, std::string prefix);
+  // What `call` moves, for messages: its tensor, or "no tensor", "a refused call".
+  static std::string describe_call(const Call& call);
+
+  // Moves `call.header` to every rank; afterwards received_header(r) is
+  // rank r's. A transfer that fails goes through fail_call.
+  virtual void swap_headers(Call& call) = 0;
+  virtual CallHeader received_header(int32_t r) = 0;
+  // After headers were swapped whose verdict failed (every rank fails alike).
+  virtual void after_failed_verdict() {}
+
   virtual void run_all_reduce(const Tensor& tensor, ReduceOp op) = 0;
   // Default: copies the pieces into one scratch tensor, all-reduces it, copies back.
   virtual void run_all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op);
@@ -96,9 +138,6 @@ class ProcessGroup {
   virtual void run_all_gather(const Tensor& input, const std::vector<Tensor>& outputs) = 0;
   virtual void run_reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) = 0;
   virtual void run_barrier() = 0;
-  // Takes part in the header exchange of the collective `kind` as having
-  // refused it; throws the verdict (see check_call_headers).
-  virtual void run_refused(CallKind kind, const std::string& reason) = 0;
   // The device type this backend's tensors must live on.
   virtual DeviceType tensor_device_type() const = 0;
   // Backends call this from their destructor, before their members go.
@@ -127,6 +166,9 @@ class ProcessGroup {
   bool stopping_ = false;
   std::string broken_;  // the failure that broke the group
   std::thread worker_;
+  uint64_t seq_ = 0;  // the last collective's number; only the running collective touches it
+  std::shared_ptr<Store> report_store_;
+  std::string report_prefix_;
 };
 
 std::unique_ptr<ProcessGroup> create_process_group(const ProcessGroupOptions& options);

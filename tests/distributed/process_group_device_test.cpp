@@ -27,14 +27,22 @@ class CountingGroup : public ProcessGroup {
   void run_all_gather(const Tensor&, const std::vector<Tensor>&) override { ++runs; }
   void run_reduce_scatter(const std::vector<Tensor>&, const Tensor&, ReduceOp) override { ++runs; }
   void run_barrier() override { ++runs; }
-  // A one-rank verdict: the refusal comes back as the error.
-  void run_refused(CallKind, const std::string& reason) override {
-    ++refusals;
-    fail_invalid(reason);
+  // The peer agrees with every header; a refusal comes back as the verdict.
+  void swap_headers(Call& call) override {
+    refusals += call.header.refused != 0 ? 1 : 0;
+    mine_ = call.header;
+  }
+  CallHeader received_header(int32_t r) override {
+    CallHeader h = mine_;
+    h.rank = r;
+    return h;
   }
 
  public:
   int refusals = 0;
+
+ private:
+  CallHeader mine_{};
 };
 
 float g_memory[64];

@@ -259,6 +259,7 @@ class GlooProcessGroup : public ProcessGroup {
     ReplyDeadlineCap cap(timeout());  // every store request of the creation ends by its deadline
     int64_t generation = store_->add(str_cat("dp/pg_count/", rank()), 1);
     prefix_ = str_cat("dp/pg", generation, "/");
+    set_failure_reports(store_, prefix_);
     auto attr = transport_attr(options);
     try {
       device_ = gloo::transport::tcp::CreateDevice(attr);
@@ -316,14 +317,14 @@ class GlooProcessGroup : public ProcessGroup {
 
   void run_all_reduce(const Tensor& tensor, ReduceOp op) override {
     size_t nbytes = tensor.nbytes();
-    Op o = begin(CallKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1, nbytes);
+    Call o = begin(CallKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1, nbytes, &tensor);
     size_t n = static_cast<size_t>(tensor.numel());
     ReduceFn fn = reduce_function(tensor.dtype(), op);
-    if (gather_small(o, tensor.describe(), nbytes, [&](uint8_t* out) { copy(out, tensor.data(), nbytes); })) {
+    if (gather_small(o, nbytes, [&](uint8_t* out) { copy(out, tensor.data(), nbytes); })) {
       copy(tensor.data(), gathered(0), nbytes);
       for (int32_t r = 1; r < size(); ++r) fn(tensor.data(), tensor.data(), gathered(r), n);
     } else {
-      guarded(o, tensor.describe(), [&] {
+      guarded(o, [&] {
         gloo::AllreduceOptions opts(context_);
         set_output(opts, tensor.data(), nbytes, tensor.element_size());
         opts.setReduceFunction(fn);
@@ -338,15 +339,15 @@ class GlooProcessGroup : public ProcessGroup {
 
   void run_broadcast(const Tensor& tensor, int32_t root) override {
     size_t nbytes = tensor.nbytes();
-    Op o = begin(CallKind::kBroadcast, tensor.dtype(), tensor.numel(), ReduceOp::kSum, root, nbytes);
+    Call o = begin(CallKind::kBroadcast, tensor.dtype(), tensor.numel(), ReduceOp::kSum, root, nbytes, &tensor);
     auto fill = [&](uint8_t* out) {
       if (rank() == root) copy(out, tensor.data(), nbytes);
     };
-    if (gather_small(o, tensor.describe(), nbytes, fill)) {
+    if (gather_small(o, nbytes, fill)) {
       if (rank() != root) copy(tensor.data(), gathered(root), nbytes);
       return;
     }
-    guarded(o, tensor.describe(), [&] {
+    guarded(o, [&] {
       gloo::BroadcastOptions opts(context_);
       opts.setOutput(static_cast<uint8_t*>(tensor.data()), nbytes);
       opts.setRoot(root);
@@ -366,14 +367,14 @@ class GlooProcessGroup : public ProcessGroup {
     auto* in = static_cast<const uint8_t*>(input.data());
     consecutive = consecutive && (in + nbytes <= first || in >= first + nbytes * static_cast<size_t>(size()));
     if (!consecutive && !fits_exchange(nbytes)) scratch(nbytes * static_cast<size_t>(size()));  // see begin()
-    Op o = begin(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, nbytes);
-    if (gather_small(o, input.describe(), nbytes, [&](uint8_t* out) { copy(out, input.data(), nbytes); })) {
+    Call o = begin(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, nbytes, &input);
+    if (gather_small(o, nbytes, [&](uint8_t* out) { copy(out, input.data(), nbytes); })) {
       for (int32_t r = 0; r < size(); ++r) copy(outputs[r].data(), gathered(r), nbytes);
       return;
     }
     // Outputs that are consecutive pieces of one buffer are gathered into in place.
     uint8_t* all = consecutive ? first : scratch_.data();
-    guarded(o, input.describe(), [&] {
+    guarded(o, [&] {
       gloo::AllgatherOptions opts(context_);
       opts.setInput(static_cast<uint8_t*>(input.data()), nbytes);
       opts.setOutput(all, nbytes * static_cast<size_t>(size()));
@@ -396,8 +397,8 @@ class GlooProcessGroup : public ProcessGroup {
     };
     size_t segment = std::min(nbytes, kScatterSegmentBytes);
     if (!fits_exchange(total)) scratch(total + segment * static_cast<size_t>(size()));  // see begin()
-    Op o = begin(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, total);
-    if (gather_small(o, output.describe(), total, concatenate)) {
+    Call o = begin(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, total, &output);
+    if (gather_small(o, total, concatenate)) {
       copy(output.data(), gathered(0) + mine, nbytes);
       for (int32_t r = 1; r < size(); ++r) fn(output.data(), output.data(), gathered(r) + mine, n);
     } else {
@@ -417,7 +418,7 @@ class GlooProcessGroup : public ProcessGroup {
         }
       }
       auto* out = static_cast<uint8_t*>(output.data());
-      guarded(o, output.describe(), [&] {
+      guarded(o, [&] {
         for (size_t offset = 0; offset < nbytes; offset += segment) {
           size_t len = std::min(segment, nbytes - offset);
           gloo::AlltoallOptions opts(context_);
@@ -436,13 +437,22 @@ class GlooProcessGroup : public ProcessGroup {
   }
 
   void run_barrier() override {
-    Op o = begin(CallKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, 0);
-    exchange(o, "no tensor");
+    Call o = begin(CallKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, 0, nullptr);
+    exchange_headers(o);
   }
 
-  void run_refused(CallKind kind, const std::string& reason) override {
-    Op o = start(refused_call_header(kind, rank(), ++seq_, reason));
-    exchange(o, "a refused call");
+  // Swaps the header (and, for small payloads, the data gather_small put
+  // beside it) with every rank.
+  void swap_headers(Call& o) override {
+    std::memcpy(slabs_->send(), &o.header, sizeof(CallHeader));
+    guarded(o, [&] { slabs_->run(); });
+  }
+
+  // Rank r's header of the last exchange (the slabs are not aligned for CallHeader).
+  CallHeader received_header(int32_t r) override {
+    CallHeader h;
+    std::memcpy(&h, slab(r), sizeof(CallHeader));
+    return h;
   }
 
  private:
@@ -455,23 +465,12 @@ class GlooProcessGroup : public ProcessGroup {
     return context;
   }
 
-  struct Op {
-    CallHeader header;
-    Clock::time_point deadline;
-    bool exchanged = false;  // every rank's header has arrived
-  };
-
   // Starts a collective of `nbytes` per rank. What it may need is allocated
   // first: failing after the header exchange would leave the peers waiting.
-  Op begin(CallKind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root, size_t nbytes) {
+  Call begin(CallKind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root, size_t nbytes,
+             const Tensor* tensor) {
     if (nbytes > kInlineBytes) blocks_for(nbytes);
-    return start(make_call_header(kind, rank(), ++seq_, dtype, numel, op, root));
-  }
-  Op start(const CallHeader& header) const {
-    Op o{};
-    o.header = header;
-    o.deadline = Clock::now() + timeout();
-    return o;
+    return begin_call(kind, dtype, numel, op, root, tensor);
   }
 
   // Rank r's slab of the last exchange.
@@ -482,19 +481,19 @@ class GlooProcessGroup : public ProcessGroup {
   // afterwards gathered(r) is rank r's payload. False (only the headers
   // swapped) when the payload needs Gloo's own algorithms.
   template <typename Fill>
-  bool gather_small(Op& o, const std::string& what, size_t nbytes, Fill&& fill) {
+  bool gather_small(Call& o, size_t nbytes, Fill&& fill) {
     if (nbytes <= kInlineBytes) {
       fill(payload(slabs_->send()));
-      exchange(o, what);
+      exchange_headers(o);
       gathered_from_ = slabs_.get();
       gathered_offset_ = sizeof(CallHeader);
       return true;
     }
-    exchange(o, what);
-    BlockExchange* blocks = blocks_for(nbytes);  // made by prepare()
+    exchange_headers(o);
+    BlockExchange* blocks = blocks_for(nbytes);  // made by begin()
     if (blocks == nullptr) return false;
     fill(blocks->send());
-    guarded(o, what, [&] { blocks->run(); });
+    guarded(o, [&] { blocks->run(); });
     gathered_from_ = blocks;
     gathered_offset_ = 0;
     return true;
@@ -571,7 +570,7 @@ class GlooProcessGroup : public ProcessGroup {
   uint32_t next_tag() { return tag_++; }
 
   // Rounded up: a Gloo wait that times out then ends at or past the deadline.
-  std::chrono::milliseconds remaining(const Op& o) const {
+  std::chrono::milliseconds remaining(const Call& o) const {
     auto left = std::chrono::ceil<std::chrono::milliseconds>(o.deadline - Clock::now());
     return std::max(left, std::chrono::milliseconds(1));
   }
@@ -597,26 +596,10 @@ class GlooProcessGroup : public ProcessGroup {
     }
   }
 
-  // Rank r's header of the last exchange (the slabs are not aligned for CallHeader).
-  CallHeader header_of(int32_t r) {
-    CallHeader h;
-    std::memcpy(&h, slab(r), sizeof(CallHeader));
-    return h;
-  }
-
-  // Swaps headers (and inline payloads) with every rank, then checks that all
-  // ranks called the same collective on the same sizes.
-  void exchange(Op& o, const std::string& what) {
-    std::memcpy(slabs_->send(), &o.header, sizeof(CallHeader));
-    guarded(o, what, [&] { slabs_->run(); });
-    o.exchanged = true;
-    check_call_headers(o.header, rank(), size(), [&](int32_t r) { return header_of(r); });
-  }
-
   // Runs a Gloo call; its failures become kTimeout or kRemote naming the
   // collective, the tensor and the ranks that did not report the failure.
   template <typename F>
-  void guarded(const Op& o, const std::string& what, F&& call) {
+  void guarded(const Call& o, F&& call) {
     std::string cause;
     bool timed_out = false;
     try {
@@ -632,7 +615,8 @@ class GlooProcessGroup : public ProcessGroup {
     } catch (const std::bad_alloc&) {
       // Peers are mid-transfer with this rank: fail them now, and this group for good.
       close_connections();
-      mark_broken(str_cat(call_kind_name(o.header.kind), " of ", what, ": out of memory during the transfer"));
+      mark_broken(
+          str_cat(call_kind_name(o.header.kind), " of ", describe_call(o), ": out of memory during the transfer"));
       throw;
     } catch (const std::exception& e) {  // gloo::Exception and gloo::EnforceNotMet
       cause = e.what();
@@ -641,11 +625,7 @@ class GlooProcessGroup : public ProcessGroup {
     // just after it, so a failure from then on is the timeout.
     timed_out = timed_out || Clock::now() >= o.deadline;
     close_connections();
-    std::string missing = find_missing_ranks(*store_, prefix_, rank(), size(), o.header.seq, o.exchanged, o.deadline);
-    fail(timed_out ? StatusCode::kTimeout : StatusCode::kRemote, call_kind_name(o.header.kind), " of ", what,
-         " (collective #", o.header.seq, ") on rank ", rank(), " of ", size(),
-         timed_out ? str_cat(" timed out after ", timeout().count(), " ms") : std::string(" failed"), ": ", missing,
-         "; gloo: ", cause);
+    fail_call(o, timed_out ? StatusCode::kTimeout : StatusCode::kRemote, "gloo: " + cause);
   }
 
   // A rank that closes its connections while a peer is still reading the
@@ -680,7 +660,6 @@ class GlooProcessGroup : public ProcessGroup {
   std::string prefix_;
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::Context> context_;
-  uint64_t seq_ = 0;
   uint32_t tag_ = 1;
   std::shared_ptr<gloo::Context> slab_context_;
   std::shared_ptr<gloo::Context> block_context_;

@@ -1,9 +1,8 @@
 // The NCCL backend: one communicator per rank, its unique id through the
 // store, created non-blocking. Every wait polls the stream and
 // ncclCommGetAsyncError and aborts the communicator at the group's deadline,
-// so a dead peer is an error, not a hang. As with Gloo, the ranks swap a
-// header first (an all-gather of a CallHeader) so mismatched sizes, and a
-// call another rank refused, are an error on every rank.
+// so a dead peer is an error, not a hang. The headers the front checks
+// before each collective travel as an all-gather on the stream.
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
@@ -15,7 +14,6 @@
 #include "backend/cuda/nccl_types.h"
 #include "core/error.h"
 #include "distributed/call_header.h"
-#include "distributed/nccl/nccl_header.h"
 #include "distributed/nccl/nccl_ops.h"
 #include "distributed/process_group.h"
 
@@ -23,7 +21,6 @@ namespace dparallel::dist {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
 // The longest a destroy waits for a healthy communicator's finalize, as a
 // Gloo group waits for its peers to leave.
 constexpr Millis kFinalizeBound{5000};
@@ -38,6 +35,7 @@ class NcclProcessGroup : public ProcessGroup {
     }
     int64_t generation = store_->add(str_cat("dp/pg_count/", rank()), 1);
     prefix_ = str_cat("dp/pg", generation, "/");
+    set_failure_reports(store_, prefix_);
     std::string key = prefix_ + "nccl_id";
     ncclUniqueId id;
     if (rank() == 0) {
@@ -61,7 +59,6 @@ class NcclProcessGroup : public ProcessGroup {
     }
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
-    op_ = "creating the NCCL communicator";
     auto deadline = Clock::now() + timeout();
     ncclResult_t rc = ncclCommInitRankConfig(&comm_, size(), id, rank(), &config);
     try {
@@ -85,7 +82,7 @@ class NcclProcessGroup : public ProcessGroup {
 
   void run_all_reduce(const Tensor& t, ReduceOp op) override {
     cuda::DeviceGuard guard(device().index);
-    auto deadline = exchange(CallKind::kAllReduce, t.dtype(), t.numel(), op, -1, t.describe());
+    auto deadline = exchange(CallKind::kAllReduce, t.dtype(), t.numel(), op, -1, &t);
     enqueue(ncclAllReduce(t.data(), t.data(), static_cast<size_t>(t.numel()), cuda::nccl_type(t.dtype()),
                           nccl::nccl_op(t.dtype(), op), comm_, stream_),
             "ncclAllReduce", deadline, true);
@@ -94,7 +91,7 @@ class NcclProcessGroup : public ProcessGroup {
 
   void run_broadcast(const Tensor& t, int32_t root) override {
     cuda::DeviceGuard guard(device().index);
-    auto deadline = exchange(CallKind::kBroadcast, t.dtype(), t.numel(), ReduceOp::kSum, root, t.describe());
+    auto deadline = exchange(CallKind::kBroadcast, t.dtype(), t.numel(), ReduceOp::kSum, root, &t);
     enqueue(ncclBroadcast(t.data(), t.data(), t.nbytes(), ncclUint8, root, comm_, stream_), "ncclBroadcast", deadline,
             true);
     wait_stream(deadline, true);
@@ -105,7 +102,7 @@ class NcclProcessGroup : public ProcessGroup {
     size_t nbytes = input.nbytes();
     // Before the exchange: running out of memory here fails this rank alone, in step.
     uint8_t* flat = scratch(nbytes * static_cast<size_t>(size()), "all_gather");
-    auto deadline = exchange(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, input.describe());
+    auto deadline = exchange(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, &input);
     enqueue(ncclAllGather(input.data(), flat, nbytes, ncclUint8, comm_, stream_), "ncclAllGather", deadline, true);
     for (int32_t r = 0; r < size(); ++r) {
       check_cuda(cudaMemcpyAsync(outputs[r].data(), flat + nbytes * static_cast<size_t>(r), nbytes,
@@ -119,7 +116,7 @@ class NcclProcessGroup : public ProcessGroup {
     cuda::DeviceGuard guard(device().index);
     size_t nbytes = output.nbytes();
     uint8_t* flat = scratch(nbytes * static_cast<size_t>(size()), "reduce_scatter");
-    auto deadline = exchange(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, output.describe());
+    auto deadline = exchange(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output);
     for (int32_t r = 0; r < size(); ++r) {
       check_cuda(cudaMemcpyAsync(flat + nbytes * static_cast<size_t>(r), inputs[r].data(), nbytes,
                                  cudaMemcpyDeviceToDevice, stream_),
@@ -134,13 +131,32 @@ class NcclProcessGroup : public ProcessGroup {
 
   void run_barrier() override {
     cuda::DeviceGuard guard(device().index);
-    exchange(CallKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, "");
+    exchange(CallKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, nullptr);
   }
 
-  void run_refused(CallKind kind, const std::string& reason) override {
+  // An all-gather of the headers on the stream, into pinned host memory.
+  void swap_headers(Call& call) override {
     cuda::DeviceGuard guard(device().index);
-    exchange(refused_call_header(kind, rank(), seq_ + 1, reason), "");
+    current_ = call;
+    in_call_ = true;
+    if (comm_ == nullptr) {
+      fail(StatusCode::kState, call_kind_name(call.header.kind), ": the NCCL communicator was aborted earlier");
+    }
+    auto* all = static_cast<CallHeader*>(host_headers_);
+    all[rank()] = call.header;
+    auto* slot = static_cast<uint8_t*>(headers_) + sizeof(CallHeader) * static_cast<size_t>(rank());
+    check_cuda(cudaMemcpyAsync(slot, &all[rank()], sizeof(CallHeader), cudaMemcpyHostToDevice, stream_),
+               "cudaMemcpyAsync");
+    // In place: this rank's slot of the gathered buffer is its send buffer.
+    enqueue(ncclAllGather(slot, headers_, sizeof(CallHeader), ncclUint8, comm_, stream_), "ncclAllGather",
+            call.deadline, false);
+    check_cuda(cudaMemcpyAsync(all, headers_, sizeof(CallHeader) * static_cast<size_t>(size()), cudaMemcpyDeviceToHost,
+                               stream_),
+               "cudaMemcpyAsync");
+    wait_stream(call.deadline, false);
   }
+
+  CallHeader received_header(int32_t r) override { return static_cast<const CallHeader*>(host_headers_)[r]; }
 
  private:
   void check_nccl(ncclResult_t rc, const char* call) const {
@@ -166,8 +182,10 @@ class NcclProcessGroup : public ProcessGroup {
       wait(deadline, false, exchanged);
     } else if (rc != ncclSuccess) {
       abort_comm();
-      fail(nccl::status_of(rc), op_, tensor_.empty() ? "" : " of ", tensor_, " on rank ", rank(), " of ", size(), ": ",
-           call, " failed: ", nccl_error(rc));
+      fail(nccl::status_of(rc),
+           in_call_ ? str_cat(call_kind_name(current_.header.kind), " of ", describe_call(current_))
+                    : std::string("creating the NCCL communicator"),
+           " on rank ", rank(), " of ", size(), ": ", call, " failed: ", nccl_error(rc));
     }
   }
 
@@ -193,16 +211,14 @@ class NcclProcessGroup : public ProcessGroup {
       if (!stream && state == ncclSuccess) return;
       if (state != ncclSuccess && state != ncclInProgress) {
         abort_comm();
-        fail(nccl::status_of(state),
-             nccl::failure_message(op_, tensor_, rank(), size(), str_cat("failed: ", nccl_error(state)),
-                                   missing_ranks(exchanged, deadline)));
+        fail_nccl(nccl::status_of(state), str_cat("nccl: ", nccl_error(state), "; the communicator was aborted"),
+                  exchanged, deadline);
       }
       if (Clock::now() >= deadline) {
         abort_comm();
-        fail(StatusCode::kTimeout, nccl::failure_message(op_, tensor_, rank(), size(),
-                                                         str_cat("timed out after ", timeout().count(), " ms",
-                                                                 exchanged ? "" : " waiting for the other ranks"),
-                                                         missing_ranks(exchanged, deadline)));
+        fail_nccl(StatusCode::kTimeout,
+                  str_cat("nccl: the communicator was aborted", exchanged ? "" : " waiting for the other ranks"),
+                  exchanged, deadline);
       }
       if (stream) {
         std::this_thread::yield();
@@ -212,37 +228,26 @@ class NcclProcessGroup : public ProcessGroup {
     }
   }
 
-  Clock::time_point exchange(CallKind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root, std::string tensor) {
-    return exchange(make_call_header(kind, rank(), seq_ + 1, dtype, numel, op, root), std::move(tensor));
+  // Starts a collective: its header goes to every rank and every rank reaches the verdict.
+  Clock::time_point exchange(CallKind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root,
+                             const Tensor* tensor) {
+    Call call = begin_call(kind, dtype, numel, op, root, tensor);
+    exchange_headers(call);
+    return call.deadline;
   }
 
-  // Swaps `mine` (for collective #seq_ + 1) with every rank and checks them all.
-  Clock::time_point exchange(const CallHeader& mine, std::string tensor) {
-    op_ = call_kind_name(mine.kind);
-    tensor_ = std::move(tensor);
-    if (comm_ == nullptr) fail(StatusCode::kState, op_, ": the NCCL communicator was aborted earlier");
-    ++seq_;
-    auto deadline = Clock::now() + timeout();
-    auto* all = static_cast<CallHeader*>(host_headers_);
-    all[rank()] = mine;
-    auto* slot = static_cast<uint8_t*>(headers_) + sizeof(CallHeader) * static_cast<size_t>(rank());
-    check_cuda(cudaMemcpyAsync(slot, &all[rank()], sizeof(CallHeader), cudaMemcpyHostToDevice, stream_),
-               "cudaMemcpyAsync");
-    // In place: this rank's slot of the gathered buffer is its send buffer.
-    enqueue(ncclAllGather(slot, headers_, sizeof(CallHeader), ncclUint8, comm_, stream_), "ncclAllGather", deadline,
-            false);
-    check_cuda(cudaMemcpyAsync(all, headers_, sizeof(CallHeader) * static_cast<size_t>(size()), cudaMemcpyDeviceToHost,
-                               stream_),
-               "cudaMemcpyAsync");
-    wait_stream(deadline, false);
-    check_call_headers(mine, rank(), size(), [&](int32_t r) { return all[r]; });
-    return deadline;
-  }
-
-  // The ranks that did not report the failure of the current collective
-  // (see find_missing_ranks); before the first collective, of the creation.
-  std::string missing_ranks(bool exchanged, Clock::time_point deadline) {
-    return find_missing_ranks(*store_, prefix_, rank(), size(), seq_, exchanged, deadline);
+  // A failure of the current collective (after `exchanged` headers), or
+  // before the first one, of the communicator's creation: names the ranks
+  // that did not report it.
+  [[noreturn]] void fail_nccl(StatusCode code, const std::string& cause, bool exchanged, Clock::time_point deadline) {
+    if (in_call_) {
+      Call call = current_;
+      call.exchanged = exchanged;
+      fail_call(call, code, cause);
+    }
+    fail(code, "creating the NCCL communicator on rank ", rank(), " of ", size(),
+         code == StatusCode::kTimeout ? str_cat(" timed out after ", timeout().count(), " ms") : std::string(" failed"),
+         ": ", find_missing_ranks(*store_, prefix_, rank(), size(), 0, false, deadline), "; ", cause);
   }
 
   uint8_t* scratch(size_t nbytes, const char* op) {
@@ -307,10 +312,10 @@ class NcclProcessGroup : public ProcessGroup {
   void* host_headers_ = nullptr;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
-  uint64_t seq_ = 0;
-  // The collective in progress and its tensor, for error messages.
-  const char* op_ = "";
-  std::string tensor_;
+  // The collective in progress (from its header exchange on), for error
+  // messages; before the first, the communicator's creation is.
+  Call current_;
+  bool in_call_ = false;
 };
 
 }  // namespace

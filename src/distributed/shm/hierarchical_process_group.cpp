@@ -33,8 +33,6 @@ namespace dparallel::dist {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
 class HierarchicalProcessGroup : public ProcessGroup {
  public:
   HierarchicalProcessGroup(const ProcessGroupOptions& options, const std::string& prefix, const HostLayout& layout)
@@ -43,6 +41,7 @@ class HierarchicalProcessGroup : public ProcessGroup {
         prefix_(prefix + "hier/"),
         local_rank_(layout.local_rank),
         local_size_(layout.local_size) {
+    set_failure_reports(store_, prefix_);
     ProcessGroupOptions local = options;
     local.rank = layout.local_rank;
     local.world_size = layout.local_size;
@@ -99,8 +98,8 @@ class HierarchicalProcessGroup : public ProcessGroup {
         fail(StatusCode::kOutOfMemory, "all_reduce: ", reason, " (the other ranks' matching call fails too)");
       }
     }
-    Op o = begin(CallKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1, tensor.describe());
-    exchange(o);
+    Call o = begin_call(CallKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1, &tensor);
+    exchange_headers(o);
     if (n == 0) return;
     if (!direct) {
       std::memcpy(base.data(), tensor.data(), n * esize);
@@ -121,71 +120,47 @@ class HierarchicalProcessGroup : public ProcessGroup {
   }
 
   void run_broadcast(const Tensor& tensor, int32_t root) override {
-    Op o = begin(CallKind::kBroadcast, tensor.dtype(), tensor.numel(), ReduceOp::kSum, root, tensor.describe());
-    exchange(o);
+    Call o = begin_call(CallKind::kBroadcast, tensor.dtype(), tensor.numel(), ReduceOp::kSum, root, &tensor);
+    exchange_headers(o);
     if (tensor.numel() == 0) return;  // every rank's is empty: the headers matched
     step(o, "gloo broadcast", [&] { world_->broadcast(tensor, root, false); });
   }
 
   void run_all_gather(const Tensor& input, const std::vector<Tensor>& outputs) override {
-    Op o = begin(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, input.describe());
-    exchange(o);
+    Call o = begin_call(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, &input);
+    exchange_headers(o);
     if (input.numel() == 0) return;
     step(o, "gloo all-gather", [&] { world_->all_gather(input, outputs, false); });
   }
 
   void run_reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override {
-    Op o = begin(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, output.describe());
-    exchange(o);
+    Call o = begin_call(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output);
+    exchange_headers(o);
     if (output.numel() == 0) return;
     step(o, "gloo reduce-scatter", [&] { world_->reduce_scatter(inputs, output, op, false); });
   }
 
   void run_barrier() override {
-    Op o = begin(CallKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, "no tensor");
-    exchange(o);
+    Call o = begin_call(CallKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, nullptr);
+    exchange_headers(o);
   }
 
-  void run_refused(CallKind kind, const std::string& reason) override {
-    Op o = start(refused_call_header(kind, rank(), ++seq_, reason), "a refused call");
-    exchange(o);
+  // Swaps the call headers through the world group.
+  void swap_headers(Call& o) override {
+    std::memcpy(mine_.data(), &o.header, sizeof(CallHeader));
+    step(o, "gloo header exchange", [&] { world_->all_gather(mine_, header_views_, false); });
+  }
+  CallHeader received_header(int32_t r) override {
+    CallHeader h;
+    std::memcpy(&h, header_views_[static_cast<size_t>(r)].data(), sizeof(CallHeader));
+    return h;
   }
 
  private:
-  struct Op {
-    CallHeader header;
-    std::string what;  // the tensor, named in failures
-    Clock::time_point deadline;
-    bool exchanged = false;  // every rank's header has arrived
-  };
-
-  Op begin(CallKind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root, std::string what) {
-    return start(make_call_header(kind, rank(), ++seq_, dtype, numel, op, root), std::move(what));
-  }
-  Op start(const CallHeader& header, std::string what) const {
-    Op o{};
-    o.header = header;
-    o.what = std::move(what);
-    o.deadline = Clock::now() + timeout();
-    return o;
-  }
-
-  // Swaps the call headers through the world group and checks them.
-  void exchange(Op& o) {
-    std::memcpy(mine_.data(), &o.header, sizeof(CallHeader));
-    step(o, "gloo header exchange", [&] { world_->all_gather(mine_, header_views_, false); });
-    o.exchanged = true;
-    check_call_headers(o.header, rank(), size(), [&](int32_t r) {
-      CallHeader h;
-      std::memcpy(&h, header_views_[static_cast<size_t>(r)].data(), sizeof(CallHeader));
-      return h;
-    });
-  }
-
   // Runs one step of a collective on a part; a failure aborts every part and
   // names the ranks of this group that did not report it.
   template <typename F>
-  void step(const Op& o, const char* what, F&& f) {
+  void step(const Call& o, const char* what, F&& f) {
     try {
       f();
       return;
@@ -196,12 +171,7 @@ class HierarchicalProcessGroup : public ProcessGroup {
       // The part numbers its ranks its own way; this group's ranks are named above.
       std::string cause = str_cat(what, " (ranks numbered within that group): ", e.what());
       abort(cause);
-      std::string missing = find_missing_ranks(*store_, prefix_, rank(), size(), o.header.seq, o.exchanged, o.deadline);
-      fail(code, call_kind_name(o.header.kind), " of ", o.what, " (collective #", o.header.seq, ") on rank ", rank(),
-           " of ", size(),
-           code == StatusCode::kTimeout ? str_cat(" timed out after ", timeout().count(), " ms")
-                                        : std::string(" failed"),
-           ": ", missing, "; ", cause);
+      fail_call(o, code, cause);
     }
   }
 
@@ -232,7 +202,6 @@ class HierarchicalProcessGroup : public ProcessGroup {
   Tensor headers_;                    // every rank's, after an exchange
   std::vector<Tensor> header_views_;  // rank r's in headers_
   Tensor scratch_;
-  uint64_t seq_ = 0;
 };
 
 }  // namespace

@@ -1,13 +1,19 @@
 #include "distributed/shm/segment.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/random.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 #include "core/error.h"
@@ -16,37 +22,64 @@ namespace dparallel::dist {
 
 namespace {
 
-// Maps `bytes` of `fd` and closes it; the mapping keeps the memory alive.
-uint8_t* map_and_close(int fd, size_t bytes, const std::string& name) {
-  void* data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-  int error = errno;
-  ::close(fd);
-  if (data == MAP_FAILED) {
-    fail(StatusCode::kIo, "mapping ", bytes, " bytes of the shared-memory segment ", name,
-         " failed: ", std::strerror(error));
+using Clock = SegmentDoor::Clock;
+
+// How long the door waits for one connection's secret: a connection that
+// sends nothing must not hold the door for the others until the deadline.
+constexpr std::chrono::milliseconds kSecretWait{2000};
+
+int millis_until(Clock::time_point deadline) {
+  auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
+  return static_cast<int>(std::clamp<int64_t>(left, 0, 1000));
+}
+
+// Waits until `fd` has `events` or the deadline passes; false at the deadline.
+bool wait_for(int fd, short events, Clock::time_point deadline) {
+  for (;;) {
+    int ms = millis_until(deadline);
+    if (ms <= 0) return false;
+    pollfd p{fd, events, 0};
+    int n = ::poll(&p, 1, ms);
+    if (n > 0) return true;
+    if (n < 0 && errno != EINTR) return false;
   }
-  return static_cast<uint8_t*>(data);
+}
+
+// The abstract address "\0dparallel-<name>" (no file; gone with its socket).
+socklen_t door_address(const std::string& name, sockaddr_un& address) {
+  std::string path = "dparallel-" + name;
+  address = sockaddr_un{};
+  address.sun_family = AF_UNIX;
+  if (path.size() + 1 > sizeof(address.sun_path)) fail(StatusCode::kInternal, "door name too long: ", name);
+  std::memcpy(address.sun_path + 1, path.data(), path.size());
+  return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + path.size());
+}
+
+// Reads exactly `n` bytes by the deadline.
+bool read_exactly(int fd, char* out, size_t n, Clock::time_point deadline) {
+  size_t got = 0;
+  while (got < n) {
+    if (!wait_for(fd, POLLIN, deadline)) return false;
+    ssize_t r = ::recv(fd, out + got, n - got, MSG_DONTWAIT);
+    if (r == 0) return false;
+    if (r < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      return false;
+    }
+    got += static_cast<size_t>(r);
+  }
+  return true;
+}
+
+bool same_secret(const char* a, const std::string& b) {
+  unsigned char diff = 0;  // every byte compared: the time says nothing of where they differ
+  for (size_t i = 0; i < b.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
 }
 
 }  // namespace
 
-ShmSegment::~ShmSegment() {
-  if (data_ != nullptr) ::munmap(data_, size_);
-}
-
-ShmSegment::ShmSegment(ShmSegment&& other) noexcept
-    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
-
-ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
-  if (this != &other) {
-    if (data_ != nullptr) ::munmap(data_, size_);
-    data_ = std::exchange(other.data_, nullptr);
-    size_ = std::exchange(other.size_, 0);
-  }
-  return *this;
-}
-
-std::string ShmSegment::random_name() {
+std::string random_hex128() {
   uint8_t bytes[16];
   size_t got = 0;
   while (got < sizeof(bytes)) {
@@ -58,56 +91,178 @@ std::string ShmSegment::random_name() {
     got += static_cast<size_t>(n);
   }
   static const char kHex[] = "0123456789abcdef";
-  std::string name = "/dparallel-";
+  std::string hex;
   for (uint8_t b : bytes) {
-    name += kHex[b >> 4];
-    name += kHex[b & 15];
+    hex += kHex[b >> 4];
+    hex += kHex[b & 15];
   }
-  return name;
+  return hex;
 }
 
-ShmSegment ShmSegment::create(const std::string& name, size_t bytes) {
-  int fd = ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+ShmSegment::~ShmSegment() {
+  if (data_ != nullptr) ::munmap(data_, size_);
+  close_fd();
+}
+
+ShmSegment::ShmSegment(ShmSegment&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)),
+      fd_(std::exchange(other.fd_, -1)) {}
+
+ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
+  if (this != &other) {
+    if (data_ != nullptr) ::munmap(data_, size_);
+    close_fd();
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+    fd_ = std::exchange(other.fd_, -1);
+  }
+  return *this;
+}
+
+void ShmSegment::close_fd() noexcept {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+ShmSegment ShmSegment::create(size_t bytes) {
+  int fd = ::memfd_create("dparallel-shm", MFD_CLOEXEC);
   if (fd < 0) {
-    fail(StatusCode::kIo, "creating the shared-memory segment ", name, " failed: ", std::strerror(errno),
+    fail(StatusCode::kIo, "creating shared memory (memfd_create) failed: ", std::strerror(errno),
          " (DP_SHM=0 makes the ranks on one host use Gloo instead)");
   }
-  // A umask may only narrow 0600; fchmod pins it whatever the umask.
-  int rc = ::fchmod(fd, 0600) == 0 ? ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)) : errno;
+  int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
   if (rc != 0) {
     ::close(fd);
-    unlink(name);
-    fail(StatusCode::kIo, "reserving ", bytes, " bytes of shared memory for ", name, " failed: ", std::strerror(rc),
-         " (is /dev/shm full or small? DP_SHM=0 makes the ranks on one host use Gloo instead)");
+    fail(StatusCode::kIo, "reserving ", bytes, " bytes of shared memory failed: ", std::strerror(rc),
+         " (DP_SHM=0 makes the ranks on one host use Gloo instead)");
   }
-  try {
-    return ShmSegment(map_and_close(fd, bytes, name), bytes);
-  } catch (...) {
-    unlink(name);
-    throw;
+  void* data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  if (data == MAP_FAILED) {
+    int error = errno;
+    ::close(fd);
+    fail(StatusCode::kIo, "mapping ", bytes, " bytes of shared memory failed: ", std::strerror(error));
   }
+  return ShmSegment(static_cast<uint8_t*>(data), bytes, fd);
 }
 
-ShmSegment ShmSegment::attach(const std::string& name, size_t bytes) {
-  int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0);
-  if (fd < 0) fail(StatusCode::kIo, "opening the shared-memory segment ", name, " failed: ", std::strerror(errno));
+ShmSegment ShmSegment::map_received(int fd, size_t bytes) {
   struct stat st {};
   std::string wrong;
   if (::fstat(fd, &st) != 0) {
     wrong = str_cat("fstat failed: ", std::strerror(errno));
-  } else if (!S_ISREG(st.st_mode) || st.st_uid != ::geteuid() || (st.st_mode & 07777) != 0600) {
-    wrong = str_cat("it is not a regular file of user ", ::geteuid(), " with mode 0600 (uid ", st.st_uid, ", mode ",
-                    std::oct, st.st_mode & 07777, ")");
+  } else if (!S_ISREG(st.st_mode)) {
+    wrong = "it is not a regular file";
   } else if (static_cast<size_t>(st.st_size) != bytes) {
     wrong = str_cat("it is ", st.st_size, " bytes, not ", bytes);
   }
   if (!wrong.empty()) {
     ::close(fd);
-    fail(StatusCode::kIo, "the shared-memory segment ", name, " is not this job's: ", wrong);
+    fail(StatusCode::kIo, "the shared memory rank 0 handed out is not this job's segment: ", wrong);
   }
-  return ShmSegment(map_and_close(fd, bytes, name), bytes);
+  void* data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  int error = errno;
+  ::close(fd);
+  if (data == MAP_FAILED) {
+    fail(StatusCode::kIo, "mapping ", bytes, " bytes of shared memory failed: ", std::strerror(error));
+  }
+  return ShmSegment(static_cast<uint8_t*>(data), bytes, -1);
 }
 
-void ShmSegment::unlink(const std::string& name) noexcept { ::shm_unlink(name.c_str()); }
+SegmentDoor::SegmentDoor(const std::string& name) {
+  sockaddr_un address{};
+  socklen_t length = door_address(name, address);
+  listener_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (listener_ < 0) fail(StatusCode::kIo, "creating the shared-memory door socket failed: ", std::strerror(errno));
+  if (::bind(listener_, reinterpret_cast<const sockaddr*>(&address), length) != 0 || ::listen(listener_, 128) != 0) {
+    int error = errno;
+    ::close(listener_);
+    listener_ = -1;
+    fail(StatusCode::kIo, "opening the shared-memory door failed: ", std::strerror(error));
+  }
+}
+
+SegmentDoor::~SegmentDoor() {
+  if (listener_ >= 0) ::close(listener_);
+}
+
+bool SegmentDoor::serve(int fd, const std::string& secret, int count, Clock::time_point deadline) {
+  int served = 0;
+  while (served < count) {
+    if (!wait_for(listener_, POLLIN, deadline)) return false;
+    int peer = ::accept4(listener_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (peer < 0) continue;  // gone again, or interrupted
+    ucred cred{};
+    socklen_t cred_length = sizeof(cred);
+    std::string presented(secret.size(), '\0');
+    bool ok = ::getsockopt(peer, SOL_SOCKET, SO_PEERCRED, &cred, &cred_length) == 0 && cred.uid == ::geteuid() &&
+              read_exactly(peer, presented.data(), secret.size(), std::min(deadline, Clock::now() + kSecretWait)) &&
+              same_secret(presented.data(), secret);
+    if (ok) {
+      char byte = 'd';
+      iovec io{&byte, 1};
+      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+      msghdr message{};
+      message.msg_iov = &io;
+      message.msg_iovlen = 1;
+      message.msg_control = control;
+      message.msg_controllen = sizeof(control);
+      cmsghdr* header = CMSG_FIRSTHDR(&message);
+      header->cmsg_level = SOL_SOCKET;
+      header->cmsg_type = SCM_RIGHTS;
+      header->cmsg_len = CMSG_LEN(sizeof(int));
+      std::memcpy(CMSG_DATA(header), &fd, sizeof(int));
+      ok = ::sendmsg(peer, &message, MSG_NOSIGNAL) == 1;
+    }
+    ::close(peer);
+    if (ok) ++served;
+  }
+  return true;
+}
+
+int SegmentDoor::fetch(const std::string& name, const std::string& secret, Clock::time_point deadline) {
+  sockaddr_un address{};
+  socklen_t length = door_address(name, address);
+  int sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (sock < 0) fail(StatusCode::kIo, "creating a socket failed: ", std::strerror(errno));
+  auto fail_closed = [&](StatusCode code, const std::string& why) {
+    ::close(sock);
+    fail(code, "receiving the shared-memory segment from rank 0 failed: ", why);
+  };
+  // A full backlog refuses a non-blocking connect with EAGAIN: try again.
+  while (::connect(sock, reinterpret_cast<const sockaddr*>(&address), length) != 0) {
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN) {
+      fail_closed(StatusCode::kRemote, str_cat("no door to connect to (", std::strerror(errno),
+                                               "): rank 0 exited, or runs in another network namespace"));
+    }
+    if (Clock::now() >= deadline) fail_closed(StatusCode::kTimeout, "rank 0's door stayed full until the deadline");
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (::send(sock, secret.data(), secret.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(secret.size())) {
+    fail_closed(StatusCode::kRemote, str_cat("sending the job's secret failed: ", std::strerror(errno)));
+  }
+  if (!wait_for(sock, POLLIN, deadline)) fail_closed(StatusCode::kTimeout, "rank 0 did not answer by the deadline");
+  char byte = 0;
+  iovec io{&byte, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr message{};
+  message.msg_iov = &io;
+  message.msg_iovlen = 1;
+  message.msg_control = control;
+  message.msg_controllen = sizeof(control);
+  ssize_t n = ::recvmsg(sock, &message, MSG_CMSG_CLOEXEC);
+  ::close(sock);
+  cmsghdr* header = n == 1 ? CMSG_FIRSTHDR(&message) : nullptr;
+  if (header == nullptr || header->cmsg_level != SOL_SOCKET || header->cmsg_type != SCM_RIGHTS ||
+      header->cmsg_len != CMSG_LEN(sizeof(int))) {
+    fail(StatusCode::kRemote,
+         "receiving the shared-memory segment from rank 0 failed: rank 0 closed the connection without handing it "
+         "out (it exited, or refused this process: another user, or not this job's secret)");
+  }
+  int fd = -1;
+  std::memcpy(&fd, CMSG_DATA(header), sizeof(int));
+  return fd;
+}
 
 }  // namespace dparallel::dist

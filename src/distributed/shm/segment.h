@@ -1,11 +1,12 @@
-// A POSIX shared-memory segment that the ranks of a job on one host map.
-// Private to the job: created with O_EXCL and mode 0600 under a name of
-// random bytes that only the store carries, and unlinked as soon as every
-// local rank has mapped it, so that no rank's death leaves it behind (except
-// when every rank dies in the milliseconds between its creation and the last
-// rank's mapping: then the name stays until it is removed or the host reboots).
+// The shared memory that the ranks of a job on one host map: an anonymous
+// file (memfd) that has no name anywhere, so nothing is left behind whenever
+// and however its ranks die. Its creator hands the file descriptor to the
+// other ranks through a SegmentDoor: an abstract unix socket (gone with its
+// process) that serves only processes of this user that present the job's
+// secret, which only the store carries.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -21,24 +22,51 @@ class ShmSegment {
   ShmSegment(const ShmSegment&) = delete;
   ShmSegment& operator=(const ShmSegment&) = delete;
 
-  // "/dparallel-" and 32 hex digits from the kernel's random source.
-  static std::string random_name();
-  // Creates `name` (O_EXCL, mode 0600) of `bytes`, its memory reserved so
-  // that a full /dev/shm fails here (kIo) rather than as SIGBUS later, and maps it.
-  static ShmSegment create(const std::string& name, size_t bytes);
-  // Maps the existing `name`; kIo unless it is a regular file of this user's,
-  // mode 0600 and `bytes` long.
-  static ShmSegment attach(const std::string& name, size_t bytes);
-  // Removes the name (the mappings stay); nothing when it is gone already.
-  static void unlink(const std::string& name) noexcept;
+  // A new segment of `bytes`, its memory reserved so that running out fails
+  // here (kIo) rather than as SIGBUS later, and mapped. Its descriptor stays
+  // open (fd()) until close_fd(), to be handed out.
+  static ShmSegment create(size_t bytes);
+  // Maps the segment behind `fd`, which it takes over; kIo unless that is a
+  // regular file of `bytes`.
+  static ShmSegment map_received(int fd, size_t bytes);
 
   uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
+  int fd() const { return fd_; }
+  void close_fd() noexcept;
 
  private:
-  ShmSegment(uint8_t* data, size_t size) : data_(data), size_(size) {}
+  ShmSegment(uint8_t* data, size_t size, int fd) : data_(data), size_(size), fd_(fd) {}
   uint8_t* data_ = nullptr;
   size_t size_ = 0;
+  int fd_ = -1;
+};
+
+// 32 hex digits from the kernel's random source.
+std::string random_hex128();
+
+// The creator's end: listens on the abstract socket "dparallel-<name>".
+class SegmentDoor {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  explicit SegmentDoor(const std::string& name);
+  ~SegmentDoor();
+  SegmentDoor(const SegmentDoor&) = delete;
+  SegmentDoor& operator=(const SegmentDoor&) = delete;
+
+  // Hands `fd` to `count` peers that present `secret`, one connection at a
+  // time; a connection of another user or with a wrong secret is closed
+  // and not counted. False when the deadline came first.
+  bool serve(int fd, const std::string& secret, int count, Clock::time_point deadline);
+
+  // A peer's end: the descriptor the door at `name` hands out for `secret`.
+  // kRemote when no door is there or it closed without handing one out,
+  // kTimeout at the deadline.
+  static int fetch(const std::string& name, const std::string& secret, Clock::time_point deadline);
+
+ private:
+  int listener_ = -1;
 };
 
 }  // namespace dparallel::dist

@@ -1,7 +1,8 @@
 // The shared-memory backend for the ranks of one host.
 //
-// Rank 0 creates the segment (segment.h) and hands its name to the others
-// through the store; the last rank to map it unlinks it. The segment holds a
+// Rank 0 creates the segment (segment.h), an anonymous file, and hands its
+// descriptor to the others through a door whose name and secret only the
+// store carries; nothing of it outlives the ranks. The segment holds a
 // control block, every rank's pid, and two sets of slots: per rank a call
 // header and `slot` bytes of data. Collectives run in rounds; round k uses
 // set k % 2. Each round, every rank writes its part into its own slot, then
@@ -205,20 +206,26 @@ class ShmProcessGroup : public ProcessGroup {
         layout_(options.world_size, slot_bytes_for(options.world_size)) {
     auto deadline = Clock::now() + timeout();
     ReplyDeadlineCap cap(timeout());
+    set_failure_reports(store_, prefix_);
     std::string key = prefix_ + "shm_segment";
-    std::string name;
     if (rank() == 0) {
-      name = ShmSegment::random_name();
-      try {
-        segment_ = ShmSegment::create(name, layout_.total);
-      } catch (const Error& e) {
-        // The others fail with this reason instead of waiting for a name.
+      // The others fail with this reason instead of waiting for the door.
+      auto tell_others = [&](const Error& e) {
         std::string why = str_cat("!", e.what());
         try {
           store_->set(key, Bytes(why.begin(), why.end()));
         } catch (const Error&) {
           // They time out instead.
         }
+      };
+      std::unique_ptr<SegmentDoor> door;
+      std::string name = random_hex128();
+      std::string secret = random_hex128();
+      try {
+        segment_ = ShmSegment::create(layout_.total);
+        door = std::make_unique<SegmentDoor>(name);
+      } catch (const Error& e) {
+        tell_others(e);
         throw;
       }
       auto* control = new (segment_.data()) Control{};
@@ -228,42 +235,34 @@ class ShmProcessGroup : public ProcessGroup {
       control->world = size();
       for (int32_t r = 0; r < size(); ++r) new (pid_word(r)) std::atomic<int32_t>(0);
       std::atomic_thread_fence(std::memory_order_release);
-      try {
-        store_->set(key, Bytes(name.begin(), name.end()));
-      } catch (...) {
-        ShmSegment::unlink(name);
-        throw;
-      }
+      std::string value = name + " " + secret;
+      store_->set(key, Bytes(value.begin(), value.end()));
+      // A peer that never comes is named by the wait below, at the deadline.
+      door->serve(segment_.fd(), secret, size() - 1, deadline);
+      segment_.close_fd();
     } else {
       Bytes value = store_->get(key, left_until(deadline));
-      name.assign(value.begin(), value.end());
-      if (!name.empty() && name[0] == '!') {
-        fail(StatusCode::kIo, "rank 0 could not set up shared memory for the ranks on this host: ", name.substr(1));
+      std::string door(value.begin(), value.end());
+      if (!door.empty() && door[0] == '!') {
+        fail(StatusCode::kIo, "rank 0 could not set up shared memory for the ranks on this host: ", door.substr(1));
       }
-      if (name.rfind("/dparallel-", 0) != 0 || name.find('/', 1) != std::string::npos) {
-        fail(StatusCode::kIo, "the store holds no shared-memory segment name under '", key, "'");
+      if (door.size() != 65 || door[32] != ' ' || door.find_first_not_of("0123456789abcdef ") != std::string::npos) {
+        fail(StatusCode::kIo, "the store holds no shared-memory door under '", key, "'");
       }
-      try {
-        segment_ = ShmSegment::attach(name, layout_.total);
-      } catch (...) {
-        ShmSegment::unlink(name);  // the others then fail to map it too, instead of waiting
-        throw;
-      }
+      segment_ =
+          ShmSegment::map_received(SegmentDoor::fetch(door.substr(0, 32), door.substr(33), deadline), layout_.total);
       std::atomic_thread_fence(std::memory_order_acquire);
       if (control()->magic != kMagic || control()->total_bytes != layout_.total ||
           control()->slot_bytes != layout_.slot || control()->world != size()) {
-        ShmSegment::unlink(name);
-        fail(StatusCode::kIo, "the shared-memory segment ", name, " has another layout than this rank expects");
+        fail(StatusCode::kIo, "the shared-memory segment rank 0 handed out has another layout than this rank expects");
       }
     }
     pid_word(rank())->store(static_cast<int32_t>(::getpid()), std::memory_order_release);
-    if (control()->mapped.fetch_add(1) + 1 == static_cast<uint32_t>(size())) ShmSegment::unlink(name);
-    // Every rank waits until all have mapped it, so that none is left to
-    // open a name that is gone.
+    control()->mapped.fetch_add(1);
+    // Every rank waits until all have mapped it, so that each knows every pid.
     auto pause = std::chrono::microseconds(50);
     while (control()->mapped.load() < static_cast<uint32_t>(size())) {
       if (Clock::now() >= deadline) {
-        ShmSegment::unlink(name);
         std::string missing;
         for (int32_t r = 0; r < size(); ++r) {
           if (pid_word(r)->load() == 0) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
@@ -312,7 +311,7 @@ class ShmProcessGroup : public ProcessGroup {
 
   void run_all_reduce(const Tensor& tensor, ReduceOp op) override {
     Pieces pieces({tensor});
-    Op o = begin(CallKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1, &tensor);
+    Call o = begin_call(CallKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1, &tensor);
     all_reduce(o, pieces, tensor.dtype(), op);
   }
 
@@ -320,8 +319,8 @@ class ShmProcessGroup : public ProcessGroup {
   void run_all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op) override {
     if (tensors.size() == 1) return run_all_reduce(tensors[0], op);
     Pieces pieces(tensors);
-    Op o = begin(CallKind::kAllReduce, tensors[0].dtype(),
-                 static_cast<int64_t>(pieces.bytes() / tensors[0].element_size()), op, -1, &tensors[0]);
+    Call o = begin_call(CallKind::kAllReduce, tensors[0].dtype(),
+                        static_cast<int64_t>(pieces.bytes() / tensors[0].element_size()), op, -1, &tensors[0]);
     o.pieces = tensors.size();
     all_reduce(o, pieces, tensors[0].dtype(), op);
   }
@@ -329,7 +328,7 @@ class ShmProcessGroup : public ProcessGroup {
   void run_broadcast(const Tensor& tensor, int32_t root) override {
     const size_t nbytes = tensor.nbytes();
     auto* data = static_cast<uint8_t*>(tensor.data());
-    Op o = begin(CallKind::kBroadcast, tensor.dtype(), tensor.numel(), ReduceOp::kSum, root, &tensor);
+    Call o = begin_call(CallKind::kBroadcast, tensor.dtype(), tensor.numel(), ReduceOp::kSum, root, &tensor);
     // The root writes the whole set: every rank's slots are contiguous.
     const size_t block = layout_.slot * static_cast<size_t>(size());
     size_t offset = 0;
@@ -337,7 +336,7 @@ class ShmProcessGroup : public ProcessGroup {
       const size_t len = std::min(block, nbytes - offset);
       if (rank() == root) copy(slot(0), data + offset, len);
       if (offset == 0) {
-        exchange(o);
+        exchange_headers(o);
       } else {
         barrier(o);
       }
@@ -363,13 +362,13 @@ class ShmProcessGroup : public ProcessGroup {
         break;
       }
     }
-    Op o = begin(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, &input);
+    Call o = begin_call(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, &input);
     size_t offset = 0;
     do {
       const size_t len = std::min(layout_.slot, nbytes - offset);
       copy(slot(rank()), in + offset, len);
       if (offset == 0) {
-        exchange(o);
+        exchange_headers(o);
       } else {
         barrier(o);
       }
@@ -406,7 +405,7 @@ class ShmProcessGroup : public ProcessGroup {
       }
     }
     const bool in_place_late = in[static_cast<size_t>(rank())] == out && rank() >= 2;
-    Op o = begin(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output);
+    Call o = begin_call(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output);
     // Each round carries a piece of every rank's part, piece q at q * piece.
     const size_t align = std::max<size_t>(1, kLine / esize);
     const size_t piece_elems = std::max(align, layout_.slot / ranks / esize / align * align);
@@ -420,7 +419,7 @@ class ShmProcessGroup : public ProcessGroup {
         if (q != static_cast<size_t>(rank())) copy(mine + q * piece, in[q] + offset, len);
       }
       if (start == 0) {
-        exchange(o);
+        exchange_headers(o);
       } else {
         barrier(o);
       }
@@ -439,35 +438,33 @@ class ShmProcessGroup : public ProcessGroup {
   }
 
   void run_barrier() override {
-    Op o = begin(CallKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, nullptr);
-    exchange(o);
+    Call o = begin_call(CallKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, nullptr);
+    exchange_headers(o);
     next_round();
   }
 
-  void run_refused(CallKind kind, const std::string& reason) override {
-    Op o = start(refused_call_header(kind, rank(), ++seq_, reason), nullptr);
-    exchange(o);
-    next_round();
+  // Swaps headers with every rank at this round's barrier.
+  void swap_headers(Call& o) override {
+    std::memcpy(header_slot(rank()), &o.header, sizeof(CallHeader));
+    barrier(o);
   }
+  CallHeader received_header(int32_t r) override {
+    CallHeader h;
+    std::memcpy(&h, header_slot(r), sizeof(CallHeader));
+    return h;
+  }
+  void after_failed_verdict() override { next_round(); }  // every rank fails here alike, so all stay in step
 
  private:
-  struct Op {
-    CallHeader header;
-    const Tensor* tensor;  // named in failures; null for none
-    size_t pieces = 1;     // tensors reduced as one (coalesced), tensor the first
-    Clock::time_point deadline;
-    bool exchanged = false;  // every rank's header has arrived
-  };
-
   // all_reduce of `pieces` (see the file's comment).
-  void all_reduce(Op& o, const Pieces& pieces, DType dtype, ReduceOp op) {
+  void all_reduce(Call& o, const Pieces& pieces, DType dtype, ReduceOp op) {
     const size_t esize = dtype_size(dtype);
     const size_t nbytes = pieces.bytes();
     const size_t n = nbytes / esize;
     ReduceFn fn = reduce_function(dtype, op);
     if (nbytes <= std::min(kSmallAllReduceBytes, layout_.slot)) {
       pieces.copy_out(slot(rank()), 0, nbytes);
-      exchange(o);
+      exchange_headers(o);
       pieces.each(0, nbytes, [&](uint8_t* data, size_t at, size_t len) {
         fold(
             fn, data, [&](int32_t q) { return slot(q) + at; }, len / esize, esize);
@@ -490,7 +487,7 @@ class ShmProcessGroup : public ProcessGroup {
       pieces.copy_out(mine, in, my_begin);
       pieces.copy_out(mine + my_end, in + my_end, count * esize - my_end);
       if (start == 0) {
-        exchange(o);
+        exchange_headers(o);
       } else {
         barrier(o);
       }
@@ -547,37 +544,8 @@ class ShmProcessGroup : public ProcessGroup {
     }
   }
 
-  Op begin(CallKind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root, const Tensor* tensor) {
-    return start(make_call_header(kind, rank(), ++seq_, dtype, numel, op, root), tensor);
-  }
-  Op start(const CallHeader& header, const Tensor* tensor) const {
-    Op o{};
-    o.header = header;
-    o.tensor = tensor;
-    o.deadline = Clock::now() + timeout();
-    return o;
-  }
-
-  // Swaps headers with every rank at this round's barrier, then checks that
-  // all ranks called the same collective on the same sizes.
-  void exchange(Op& o) {
-    std::memcpy(header_slot(rank()), &o.header, sizeof(CallHeader));
-    barrier(o);
-    o.exchanged = true;
-    try {
-      check_call_headers(o.header, rank(), size(), [&](int32_t r) {
-        CallHeader h;
-        std::memcpy(&h, header_slot(r), sizeof(CallHeader));
-        return h;
-      });
-    } catch (...) {
-      next_round();  // every rank fails here alike, so all stay in step
-      throw;
-    }
-  }
-
   // Arrives at the next barrier and returns once every rank has.
-  void barrier(Op& o) {
+  void barrier(Call& o) {
     if (size() == 1) return;
     ++barriers_;
     const uint32_t target = barriers_ * static_cast<uint32_t>(size());
@@ -614,7 +582,7 @@ class ShmProcessGroup : public ProcessGroup {
   // up (a dead peer, the likelier cause, is named first), or the deadline
   // passed, unless `arrived()` says the barrier was reached meanwhile.
   template <typename Arrived>
-  void check_peers(Op& o, Arrived&& arrived) {
+  void check_peers(Call& o, Arrived&& arrived) {
     std::vector<pollfd> fds;
     for (int32_t r = 0; r < size(); ++r) {
       int fd = pidfds_[static_cast<size_t>(r)];
@@ -641,18 +609,11 @@ class ShmProcessGroup : public ProcessGroup {
 
   // Tells the other ranks that this one gives up (the group is broken for
   // all), then fails naming the ranks that did not report the failure.
-  [[noreturn]] void give_up(const Op& o, bool timed_out, const std::string& cause) {
+  [[noreturn]] void give_up(const Call& o, bool timed_out, const std::string& cause) {
     int32_t none = 0;
     control()->aborted.compare_exchange_strong(none, rank() + 1);
     futex_wake(&control()->arrivals);
-    std::string missing = find_missing_ranks(*store_, prefix_, rank(), size(), o.header.seq, o.exchanged, o.deadline);
-    fail(timed_out ? StatusCode::kTimeout : StatusCode::kRemote, call_kind_name(o.header.kind), " of ",
-         o.tensor == nullptr ? std::string(o.header.refused != 0 ? "a refused call" : "no tensor")
-         : o.pieces > 1      ? str_cat(dtype_name(o.tensor->dtype()), " ", o.header.numel, " in ", o.pieces, " tensors")
-                             : o.tensor->describe(),
-         " (collective #", o.header.seq, ") on rank ", rank(), " of ", size(),
-         timed_out ? str_cat(" timed out after ", timeout().count(), " ms") : std::string(" failed"), ": ", missing,
-         "; shm: ", cause);
+    fail_call(o, timed_out ? StatusCode::kTimeout : StatusCode::kRemote, "shm: " + cause);
   }
 
   std::shared_ptr<Store> store_;
@@ -660,7 +621,6 @@ class ShmProcessGroup : public ProcessGroup {
   Layout layout_;
   ShmSegment segment_;
   std::vector<int> pidfds_;  // by rank; -1 for this rank and unknown pids
-  uint64_t seq_ = 0;
   uint64_t round_ = 0;
   uint32_t barriers_ = 0;  // wraps, as the shared arrival counter does
 };
@@ -684,13 +644,13 @@ std::string host_key(const EnvLookup& lookup) {
     if (::gethostname(name, sizeof(name) - 1) != 0) name[0] = '\0';
     host = str_cat("boot:", read_first_line("/proc/sys/kernel/random/boot_id"), "/host:", name);
   }
-  // Containers on one machine share shared memory only when they see the
-  // same /dev/shm, and each other's pids only in the same pid namespace.
-  struct stat shm {};
-  std::string shm_device = ::stat("/dev/shm", &shm) == 0 ? std::to_string(shm.st_dev) : "none";
+  // Ranks reach rank 0's door (an abstract socket) only in the same network
+  // namespace, and see each other's pids only in the same pid namespace.
+  char net_ns[64] = {0};
+  if (::readlink("/proc/self/ns/net", net_ns, sizeof(net_ns) - 1) < 0) net_ns[0] = '\0';
   char pid_ns[64] = {0};
   if (::readlink("/proc/self/ns/pid", pid_ns, sizeof(pid_ns) - 1) < 0) pid_ns[0] = '\0';
-  return str_cat(host, "/shm:", shm_device, "/", pid_ns);
+  return str_cat(host, "/", net_ns, "/", pid_ns);
 }
 
 std::unique_ptr<ProcessGroup> create_shm_process_group(const ProcessGroupOptions& options, const std::string& prefix) {

@@ -12,8 +12,8 @@ namespace dparallel::dist {
 
 // This host as the ranks compare it: DP_HOST_ID when set (tests pretend to be
 // several hosts with it), else the kernel's boot id and the host name; and
-// the /dev/shm and pid namespace this process sees (containers on one machine
-// may see their own).
+// the network and pid namespaces this process is in (containers on one
+// machine may have their own).
 std::string host_key(const EnvLookup& lookup);
 
 // A group of the ranks in `options` on this one host, through shared memory;

@@ -1,7 +1,7 @@
-// The header every rank sends before each collective (Gloo's and NCCL's
-// groups alike), the one verdict on it, and the NCCL group's messages: all
-// host-side logic, which needs neither NCCL nor a GPU.
-#include "distributed/nccl/nccl_header.h"
+// The header every rank sends before each collective (every backend alike)
+// and the one verdict on it.
+
+#include "distributed/call_header.h"
 
 #include <gtest/gtest.h>
 
@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "distributed/call_header.h"
+#include "core/error.h"
 
 namespace dparallel::dist {
 namespace {
@@ -155,16 +155,6 @@ TEST(CallHeader, UnknownKindsAndValuesAreNamedWithoutCrashing) {
   all[1].dtype = 77;
   all[1].op = -5;
   EXPECT_EQ(status_on(all, 0), StatusCode::kInvalidArgument);
-}
-
-TEST(NcclHeader, FailureMessageNamesTheCollectiveTensorRankAndMissingRanks) {
-  std::string m = nccl::failure_message("all_reduce", "float32 8388608 on cuda:0", 0, 2, "timed out after 3000 ms",
-                                        "rank(s) 1 did not arrive");
-  EXPECT_EQ(m,
-            "all_reduce of float32 8388608 on cuda:0 on rank 0 of 2 timed out after 3000 ms; the communicator was "
-            "aborted: rank(s) 1 did not arrive");
-  EXPECT_EQ(nccl::failure_message("barrier", "", 1, 3, "failed: x", "y"),
-            "barrier on rank 1 of 3 failed: x; the communicator was aborted: y");
 }
 
 }  // namespace

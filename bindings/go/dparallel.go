@@ -1,0 +1,227 @@
+// Package dparallel is the Go binding of dparallel: it loads libdparallel.so
+// with dlopen, takes the table of entry points from its one exported lookup,
+// dp_get_api, and calls everything through that table. Nothing links against
+// the library, so a program picks the library at run time (Open, or Load with
+// DP_LIBRARY).
+//
+// Handles (Tensor, Module, ReplicaSet, ProcessGroup, DDP) are released by
+// Close; there are no finalizers, because the slices from Tensor.Float32s
+// view the tensor's memory and must not lose it behind the program's back.
+// Failures come back as *Error, carrying the status code and the library's
+// message.
+package dparallel
+
+/*
+#cgo CFLAGS: -Wall
+#cgo LDFLAGS: -ldl
+#include <stdlib.h>
+#include "dpgo.h"
+*/
+import "C"
+
+import (
+	"fmt"
+	"os"
+	"runtime"
+	"unsafe"
+)
+
+// abiMajor is the ABI major of the headers this binding is compiled against;
+// a library whose table has another major is refused.
+const abiMajor = uint32(C.DP_VERSION_MAJOR)
+
+// Status is a dparallel status code. The non-zero ones are errors, so that
+// errors.Is(err, dparallel.StatusInvalid) tells what kind of failure err is.
+type Status int32
+
+const (
+	StatusOK          Status = 0
+	StatusInvalid     Status = -1  // bad argument, null handle, shape/dtype/device mismatch
+	StatusNoMemory    Status = -2  // an allocation failed
+	StatusDevice      Status = -3  // device missing, or a driver failure
+	StatusTimeout     Status = -4  // a blocking call ran past its timeout
+	StatusRemote      Status = -5  // a peer failed or disconnected
+	StatusUser        Status = -6  // a host callback failed
+	StatusIO          Status = -7  // file or socket I/O failed, or malformed data
+	StatusState       Status = -8  // the call is not valid in the object's current state
+	StatusUnsupported Status = -9  // valid request this build or device cannot do
+	StatusInternal    Status = -10 // a bug in dparallel
+)
+
+var statusNames = map[Status]string{
+	StatusOK: "DP_OK", StatusInvalid: "DP_EINVAL", StatusNoMemory: "DP_ENOMEM", StatusDevice: "DP_EDEVICE",
+	StatusTimeout: "DP_ETIMEOUT", StatusRemote: "DP_EREMOTE", StatusUser: "DP_EUSER", StatusIO: "DP_EIO",
+	StatusState: "DP_ESTATE", StatusUnsupported: "DP_EUNSUPPORTED", StatusInternal: "DP_EINTERNAL",
+}
+
+func (s Status) Error() string {
+	if name, ok := statusNames[s]; ok {
+		return name
+	}
+	return fmt.Sprintf("dparallel status %d", int32(s))
+}
+
+// Error is a failed call: the status, the entry point, dp_last_error()'s
+// message, and for a failed forward callback the Go error (or panic) that
+// made it fail.
+type Error struct {
+	Status  Status
+	Op      string
+	Message string
+	Cause   error
+}
+
+func (e *Error) Error() string {
+	text := "dparallel: " + e.Op + ": " + e.Status.Error()
+	if e.Message != "" {
+		text += ": " + e.Message
+	}
+	if e.Cause != nil {
+		text += ": " + e.Cause.Error()
+	}
+	return text
+}
+
+func (e *Error) Unwrap() error { return e.Cause }
+
+// Is matches the error's Status: errors.Is(err, dparallel.StatusInvalid).
+func (e *Error) Is(target error) bool {
+	s, ok := target.(Status)
+	return ok && s == e.Status
+}
+
+// invalid is a bad argument caught before calling the library.
+func invalid(op, format string, args ...interface{}) error {
+	return &Error{Status: StatusInvalid, Op: op, Message: fmt.Sprintf(format, args...)}
+}
+
+// Library is one loaded libdparallel. Its methods, and those of the handles
+// made from it, may be called from any goroutine as the C ABI allows.
+type Library struct {
+	api    *C.dp_api
+	handle unsafe.Pointer
+	path   string
+}
+
+// Open loads the library at path (a file name without a slash is searched
+// the way dlopen searches) and refuses one whose ABI major differs from this
+// binding's.
+func Open(path string) (*Library, error) { return openMajor(path, abiMajor) }
+
+// Load opens the library named by the environment variable DP_LIBRARY, or
+// libdparallel.so from the loader's search path when it is unset.
+func Load() (*Library, error) {
+	path := os.Getenv("DP_LIBRARY")
+	if path == "" {
+		path = "libdparallel.so"
+	}
+	return Open(path)
+}
+
+func openMajor(path string, major uint32) (*Library, error) {
+	if path == "" {
+		return nil, invalid("Open", "argument 'path' is empty")
+	}
+	cpath := C.CString(path)
+	defer C.free(unsafe.Pointer(cpath))
+	var handle unsafe.Pointer
+	var msg [1024]C.char
+	api := C.dpgo_open(cpath, C.uint32_t(major), &handle, &msg[0], C.size_t(len(msg)))
+	if api == nil {
+		return nil, &Error{Status: StatusInvalid, Op: "Open", Message: C.GoString(&msg[0])}
+	}
+	return &Library{api: api, handle: handle, path: path}, nil
+}
+
+// Close unloads the library (dlclose). Every handle made from it must be
+// closed first; the Library must not be used afterwards.
+func (l *Library) Close() error {
+	if l.handle == nil {
+		return nil
+	}
+	var msg [1024]C.char
+	rc := C.dpgo_close(l.handle, &msg[0], C.size_t(len(msg)))
+	l.handle, l.api = nil, nil
+	if rc != 0 {
+		return &Error{Status: StatusInternal, Op: "Close", Message: C.GoString(&msg[0])}
+	}
+	return nil
+}
+
+// Path is the file name the library was opened with.
+func (l *Library) Path() string { return l.path }
+
+// ABI is the major and minor version of the library's entry-point table.
+func (l *Library) ABI() (major, minor uint32) {
+	return uint32(l.api.abi_major), uint32(l.api.abi_minor)
+}
+
+// Version is the library's version number, major*10000 + minor*100 + patch.
+func (l *Library) Version() uint32 { return uint32(C.dpgo_version_number(l.api)) }
+
+// call runs one fallible entry point. The library's last error is per
+// thread, so the goroutine stays on its thread until the message is read.
+func (l *Library) call(op string, f func() C.dp_status) error {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	if s := f(); s != 0 {
+		return l.lastError(op, Status(s))
+	}
+	return nil
+}
+
+// lastError reads this thread's message; the caller holds the thread.
+func (l *Library) lastError(op string, s Status) *Error {
+	return &Error{Status: s, Op: op, Message: C.GoString(C.dpgo_last_error(l.api))}
+}
+
+// DeviceType is where a device's memory lives.
+type DeviceType int32
+
+const (
+	DeviceCPU  DeviceType = 1
+	DeviceCUDA DeviceType = 2
+)
+
+// Device is a logical CPU device ("cpu:1": its own allocations and worker
+// thread) or a GPU ("cuda:0").
+type Device struct {
+	Type  DeviceType
+	Index int
+}
+
+// CPU is the logical CPU device cpu:index.
+func CPU(index int) Device { return Device{DeviceCPU, index} }
+
+func (d Device) String() string {
+	switch d.Type {
+	case DeviceCPU:
+		return fmt.Sprintf("cpu:%d", d.Index)
+	case DeviceCUDA:
+		return fmt.Sprintf("cuda:%d", d.Index)
+	}
+	return fmt.Sprintf("device(%d):%d", int32(d.Type), d.Index)
+}
+
+func (d Device) c() C.dp_device {
+	return C.dp_device{_type: C.int32_t(d.Type), index: C.int32_t(d.Index)}
+}
+
+func goDevice(d C.dp_device) Device { return Device{DeviceType(d._type), int(d.index)} }
+
+func cDevices(devices []Device) []C.dp_device {
+	out := make([]C.dp_device, len(devices))
+	for i, d := range devices {
+		out[i] = d.c()
+	}
+	return out
+}
+
+// ParseDevice reads "cpu", "cpu:3", "cuda", "cuda:1".
+func (l *Library) ParseDevice(text string) (Device, error) {
+	ctext := C.CString(text)
+	defer C.free(unsafe.Pointer(ctext))
+	var d C.dp_device
+	err := l.call("dp_device_parse", func() C.dp_status { return C.dpgo_device_parse(l.api, ctext, &d) })
+	return goDevice(d), err
+}

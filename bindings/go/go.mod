@@ -1,0 +1,3 @@
+module dparallel.org/dparallel
+
+go 1.19

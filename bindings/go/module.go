@@ -1,0 +1,145 @@
+package dparallel
+
+/*
+#include <stdlib.h>
+#include "dpgo.h"
+*/
+import "C"
+
+import "unsafe"
+
+// Module is a tree of named parameters and child modules. A replica handed
+// to a forward callback is the library's: valid during the call only.
+type Module struct {
+	lib      *Library
+	h        *C.dp_module
+	borrowed bool
+}
+
+// NewModule makes an empty module.
+func (l *Library) NewModule() (*Module, error) {
+	var h *C.dp_module
+	if err := l.call("dp_module_create", func() C.dp_status { return C.dpgo_module_create(l.api, &h) }); err != nil {
+		return nil, err
+	}
+	return &Module{lib: l, h: h}, nil
+}
+
+// Close drops this reference (the tree lives while any handle to it does).
+func (m *Module) Close() {
+	if m == nil || m.h == nil || m.borrowed {
+		return
+	}
+	C.dpgo_module_destroy(m.lib.api, m.h)
+	m.h = nil
+}
+
+// RegisterParameter adds a parameter; the module holds its own reference to
+// value, which the caller still closes.
+func (m *Module) RegisterParameter(name string, value *Tensor, requiresGrad bool) error {
+	var h *C.dp_tensor
+	if value != nil {
+		// nil registers an empty slot; a closed tensor is a mistake.
+		if value.h == nil {
+			return invalid("dp_module_register_parameter", "argument 'value' (for %q) is a closed tensor", name)
+		}
+		h = value.h
+	}
+	cname := C.CString(name)
+	defer C.free(unsafe.Pointer(cname))
+	rg := C.int(0)
+	if requiresGrad {
+		rg = 1
+	}
+	return m.lib.call("dp_module_register_parameter", func() C.dp_status {
+		return C.dpgo_module_register_parameter(m.lib.api, m.h, cname, h, rg)
+	})
+}
+
+// RegisterModule adds child under name.
+func (m *Module) RegisterModule(name string, child *Module) error {
+	var h *C.dp_module
+	if child != nil {
+		if child.h == nil {
+			return invalid("dp_module_register_module", "argument 'child' (for %q) is a closed module", name)
+		}
+		h = child.h
+	}
+	cname := C.CString(name)
+	defer C.free(unsafe.Pointer(cname))
+	return m.lib.call("dp_module_register_module", func() C.dp_status {
+		return C.dpgo_module_register_module(m.lib.api, m.h, cname, h)
+	})
+}
+
+// NumParameters counts the tree's parameters, each shared tensor once.
+func (m *Module) NumParameters() int { return int(C.dpgo_module_num_parameters(m.lib.api, m.h)) }
+
+// ParameterNames lists the dotted names in registration order, depth first.
+func (m *Module) ParameterNames() ([]string, error) {
+	n := m.NumParameters()
+	names := make([]string, 0, n)
+	for i := 0; i < n; i++ {
+		var name *C.char
+		var h *C.dp_tensor
+		err := m.lib.call("dp_module_parameter_at", func() C.dp_status {
+			return C.dpgo_module_parameter_at(m.lib.api, m.h, C.size_t(i), &name, &h)
+		})
+		if err != nil {
+			return nil, err
+		}
+		names = append(names, C.GoString(name))
+		C.dpgo_tensor_destroy(m.lib.api, h)
+	}
+	return names, nil
+}
+
+// Parameter is a new reference to the parameter at the dotted name; it
+// shares the module's storage.
+func (m *Module) Parameter(name string) (*Tensor, error) {
+	cname := C.CString(name)
+	defer C.free(unsafe.Pointer(cname))
+	var h *C.dp_tensor
+	err := m.lib.call("dp_module_get_parameter", func() C.dp_status {
+		return C.dpgo_module_get_parameter(m.lib.api, m.h, cname, &h)
+	})
+	if err != nil {
+		return nil, err
+	}
+	return m.lib.ownedTensor(h), nil
+}
+
+// Grad is a new reference to the parameter's gradient (allocated zeroed on
+// first use, then the same storage every time).
+func (m *Module) Grad(name string) (*Tensor, error) {
+	cname := C.CString(name)
+	defer C.free(unsafe.Pointer(cname))
+	var h *C.dp_tensor
+	err := m.lib.call("dp_module_grad", func() C.dp_status { return C.dpgo_module_grad(m.lib.api, m.h, cname, &h) })
+	if err != nil {
+		return nil, err
+	}
+	return m.lib.ownedTensor(h), nil
+}
+
+// ZeroGrad fills every allocated gradient with zeros.
+func (m *Module) ZeroGrad() error {
+	return m.lib.call("dp_module_zero_grad", func() C.dp_status { return C.dpgo_module_zero_grad(m.lib.api, m.h) })
+}
+
+// Save writes the state dict as a safetensors file; Load reads one back.
+func (m *Module) Save(path string) error {
+	cpath := C.CString(path)
+	defer C.free(unsafe.Pointer(cpath))
+	return m.lib.call("dp_module_save", func() C.dp_status { return C.dpgo_module_save(m.lib.api, m.h, cpath) })
+}
+
+func (m *Module) Load(path string, strict bool) error {
+	cpath := C.CString(path)
+	defer C.free(unsafe.Pointer(cpath))
+	s := C.int(0)
+	if strict {
+		s = 1
+	}
+	return m.lib.call("dp_module_load", func() C.dp_status { return C.dpgo_module_load(m.lib.api, m.h, cpath, s) })
+}

@@ -1,0 +1,286 @@
+package dparallel
+
+/*
+#include <stdint.h>
+#include "dpgo.h"
+*/
+import "C"
+
+import (
+	"errors"
+	"fmt"
+	"runtime/cgo"
+	"sort"
+	"sync"
+)
+
+// ForwardFunc runs one replica's forward (and, for training, backward) on
+// that replica's device worker thread; several run at once, one per device.
+// replica and input belong to the library and are valid during the call
+// only. It returns a new tensor, whose reference passes to the library, or
+// input itself. An error, or a panic, fails the whole call: the caller gets
+// an *Error with StatusUser whose Cause is the Go error of the first failed
+// replica.
+type ForwardFunc func(index int, replica *Module, input *Tensor, device Device) (*Tensor, error)
+
+// forwardCall is what a call's callbacks share, behind a cgo.Handle.
+type forwardCall struct {
+	lib  *Library
+	fn   ForwardFunc
+	mu   sync.Mutex
+	errs map[int]error
+}
+
+func (c *forwardCall) fail(index int, err error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.errs == nil {
+		c.errs = map[int]error{}
+	}
+	c.errs[index] = err
+}
+
+// run makes the call with the handle and attaches the first replica's Go
+// error to a failure.
+func (l *Library) runForward(op string, fn ForwardFunc, f func(call C.uintptr_t) C.dp_status) error {
+	if fn == nil {
+		return invalid(op, "argument 'fn' is nil")
+	}
+	c := &forwardCall{lib: l, fn: fn}
+	h := cgo.NewHandle(c)
+	defer h.Delete()
+	err := l.call(op, func() C.dp_status { return f(C.uintptr_t(h)) })
+	if err != nil {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		if len(c.errs) > 0 {
+			indices := make([]int, 0, len(c.errs))
+			for i := range c.errs {
+				indices = append(indices, i)
+			}
+			sort.Ints(indices)
+			err.(*Error).Cause = c.errs[indices[0]]
+		}
+	}
+	return err
+}
+
+//export dpgoForward
+func dpgoForward(call C.uintptr_t, index C.size_t, replica *C.dp_module, input *C.dp_tensor, device C.dp_device,
+	output **C.dp_tensor) (code C.int) {
+	c := cgo.Handle(call).Value().(*forwardCall)
+	i := int(index)
+	m := &Module{lib: c.lib, h: replica, borrowed: true}
+	in := &Tensor{lib: c.lib, h: input, borrowed: true}
+	defer func() {
+		// The library's handles end with the call.
+		m.h, in.h = nil, nil
+		// A panic must not unwind into C: it becomes this replica's error.
+		if r := recover(); r != nil {
+			c.fail(i, fmt.Errorf("forward of replica %d panicked: %v", i, r))
+			code = 1
+		}
+	}()
+	out, err := c.fn(i, m, in, goDevice(device))
+	if err != nil {
+		c.fail(i, err)
+		return 2
+	}
+	if out == nil || out.h == nil {
+		c.fail(i, errors.New("the forward returned no tensor"))
+		return 3
+	}
+	*output = out.h
+	if !out.borrowed {
+		out.h = nil // the library has taken the reference over
+	}
+	return 0
+}
+
+// ParallelApply calls fn(i, replicas[i], inputs[i], devices[i]) for every i
+// in parallel and returns the outputs. devices may be nil: each input's
+// device.
+func (l *Library) ParallelApply(replicas []*Module, inputs []*Tensor, devices []Device,
+	fn ForwardFunc) ([]*Tensor, error) {
+	const op = "dp_parallel_apply"
+	n := len(replicas)
+	if len(inputs) != n {
+		return nil, invalid(op, "argument 'inputs' has %d tensors for %d replicas", len(inputs), n)
+	}
+	if devices != nil && len(devices) != n {
+		return nil, invalid(op, "argument 'devices' has %d devices for %d replicas", len(devices), n)
+	}
+	if n == 0 {
+		return nil, nil
+	}
+	rh := make([]*C.dp_module, n)
+	ih := make([]*C.dp_tensor, n)
+	for i := 0; i < n; i++ {
+		if replicas[i] == nil || inputs[i] == nil {
+			return nil, invalid(op, "replica or input %d is nil", i)
+		}
+		rh[i], ih[i] = replicas[i].h, inputs[i].h
+	}
+	var dptr *C.dp_device
+	if devices != nil {
+		cd := cDevices(devices)
+		dptr = &cd[0]
+	}
+	out := make([]*C.dp_tensor, n)
+	err := l.runForward(op, fn, func(call C.uintptr_t) C.dp_status {
+		return C.dpgo_parallel_apply(l.api, &rh[0], &ih[0], dptr, C.size_t(n), call, &out[0])
+	})
+	if err != nil {
+		return nil, err
+	}
+	tensors := make([]*Tensor, n)
+	for i, h := range out {
+		tensors[i] = l.ownedTensor(h)
+	}
+	return tensors, nil
+}
+
+// DataParallel scatters input along dim over devices, replicates module,
+// runs fn on every replica in parallel, adds the replicas' gradients into
+// module's, and gathers the outputs along dim on outputDevice.
+func (l *Library) DataParallel(module *Module, input *Tensor, devices []Device, outputDevice Device, dim int,
+	fn ForwardFunc) (*Tensor, error) {
+	const op = "dp_data_parallel"
+	if module == nil || input == nil {
+		return nil, invalid(op, "argument 'module' or 'input' is nil")
+	}
+	if len(devices) == 0 {
+		return nil, invalid(op, "argument 'devices' is empty")
+	}
+	cd := cDevices(devices)
+	var out *C.dp_tensor
+	err := l.runForward(op, fn, func(call C.uintptr_t) C.dp_status {
+		return C.dpgo_data_parallel(l.api, module.h, input.h, &cd[0], C.size_t(len(cd)), outputDevice.c(), C.int32_t(dim),
+			call, &out)
+	})
+	if err != nil {
+		return nil, err
+	}
+	return l.ownedTensor(out), nil
+}
+
+// Replicate makes a replica of module on each device.
+func (l *Library) Replicate(module *Module, devices []Device, detach bool) ([]*Module, error) {
+	if len(devices) == 0 {
+		return nil, nil
+	}
+	cd := cDevices(devices)
+	out := make([]*C.dp_module, len(devices))
+	d := C.int(0)
+	if detach {
+		d = 1
+	}
+	err := l.call("dp_replicate", func() C.dp_status {
+		return C.dpgo_replicate(l.api, module.h, &cd[0], C.size_t(len(cd)), d, &out[0])
+	})
+	if err != nil {
+		return nil, err
+	}
+	replicas := make([]*Module, len(out))
+	for i, h := range out {
+		replicas[i] = &Module{lib: l, h: h}
+	}
+	return replicas, nil
+}
+
+// ReduceGradients adds the replicas' gradients into target's.
+func (l *Library) ReduceGradients(replicas []*Module, target *Module) error {
+	if len(replicas) == 0 {
+		return invalid("dp_reduce_gradients", "argument 'replicas' is empty")
+	}
+	rh := make([]*C.dp_module, len(replicas))
+	for i, r := range replicas {
+		rh[i] = r.h
+	}
+	return l.call("dp_reduce_gradients", func() C.dp_status {
+		return C.dpgo_reduce_gradients(l.api, &rh[0], C.size_t(len(rh)), target.h)
+	})
+}
+
+// ReplicaSet keeps a module's replicas across steps.
+type ReplicaSet struct {
+	lib *Library
+	h   *C.dp_replica_set
+}
+
+// NewReplicaSet replicates module onto devices (each listed once).
+func (l *Library) NewReplicaSet(module *Module, devices []Device) (*ReplicaSet, error) {
+	const op = "dp_replica_set_create"
+	if module == nil {
+		return nil, invalid(op, "argument 'module' is nil")
+	}
+	if len(devices) == 0 {
+		return nil, invalid(op, "argument 'devices' is empty")
+	}
+	cd := cDevices(devices)
+	var h *C.dp_replica_set
+	err := l.call(op, func() C.dp_status {
+		return C.dpgo_replica_set_create(l.api, &h, module.h, &cd[0], C.size_t(len(cd)))
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &ReplicaSet{lib: l, h: h}, nil
+}
+
+func (s *ReplicaSet) Close() {
+	if s == nil || s.h == nil {
+		return
+	}
+	C.dpgo_replica_set_destroy(s.lib.api, s.h)
+	s.h = nil
+}
+
+// Size is the number of replicas.
+func (s *ReplicaSet) Size() int { return int(C.dpgo_replica_set_size(s.lib.api, s.h)) }
+
+// Sync copies the module's current parameters into the replicas.
+func (s *ReplicaSet) Sync() error {
+	return s.lib.call("dp_replica_set_sync", func() C.dp_status { return C.dpgo_replica_set_sync(s.lib.api, s.h) })
+}
+
+// Replica is a new reference to replica index.
+func (s *ReplicaSet) Replica(index int) (*Module, error) {
+	if index < 0 {
+		return nil, invalid("dp_replica_set_replica", "argument 'index' is negative (%d)", index)
+	}
+	var h *C.dp_module
+	err := s.lib.call("dp_replica_set_replica", func() C.dp_status {
+		return C.dpgo_replica_set_replica(s.lib.api, s.h, C.size_t(index), &h)
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &Module{lib: s.lib, h: h}, nil
+}
+
+// Apply scatters input along dim, runs fn on the kept replicas in parallel
+// and gathers the outputs on outputDevice. Gradients stay in the replicas
+// until ReduceGradients.
+func (s *ReplicaSet) Apply(input *Tensor, dim int, outputDevice Device, fn ForwardFunc) (*Tensor, error) {
+	const op = "dp_replica_set_apply"
+	if input == nil {
+		return nil, invalid(op, "argument 'input' is nil")
+	}
+	var out *C.dp_tensor
+	err := s.lib.runForward(op, fn, func(call C.uintptr_t) C.dp_status {
+		return C.dpgo_replica_set_apply(s.lib.api, s.h, input.h, C.int32_t(dim), outputDevice.c(), call, &out)
+	})
+	if err != nil {
+		return nil, err
+	}
+	return s.lib.ownedTensor(out), nil
+}
+
+// ReduceGradients adds the replicas' gradients into the module's and zeroes
+// the replicas'.
+func (s *ReplicaSet) ReduceGradients() error {
+	return s.lib.call("dp_replica_set_reduce_gradients", func() C.dp_status {
+		return C.dpgo_replica_set_reduce_gradients(s.lib.api, s.h)
+	})
+}

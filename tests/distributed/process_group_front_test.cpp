@@ -1,0 +1,196 @@
+// The process-group front over a scripted backend that only moves headers:
+// sequence numbers, the verdict on the peers' headers, refusals, and the
+// failure of a transfer, all decided by the front whatever the backend.
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "distributed/call_header.h"
+#include "distributed/process_group.h"
+#include "distributed/store/file_store.h"
+
+namespace dparallel::dist {
+namespace {
+
+constexpr int32_t kWorld = 3;
+
+// Rank 0 of kWorld; the peers' headers are `peer(mine, r)`. A swap may fail
+// its transfer instead, through the front's fail_call.
+class ScriptedGroup : public ProcessGroup {
+ public:
+  ScriptedGroup() : ProcessGroup(0, kWorld, Device{DeviceType::kCpu, 0}, Millis(60000)) {}
+  ~ScriptedGroup() override { drain(); }
+
+  const char* backend_name() const override { return "scripted"; }
+
+  std::function<CallHeader(const CallHeader& mine, int32_t r)> peer = [](const CallHeader& mine, int32_t r) {
+    CallHeader h = mine;
+    h.rank = r;
+    h.refused = 0;
+    h.reason[0] = '\0';
+    return h;
+  };
+  StatusCode transfer_failure = StatusCode::kOk;  // kOk: the swap succeeds
+  std::vector<CallHeader> sent;                   // every header this rank swapped
+  std::vector<uint64_t> ran;                      // the collectives that passed the verdict
+  int failed_verdicts = 0;
+
+  void report_to(std::shared_ptr<Store> store) { set_failure_reports(std::move(store), "front/"); }
+
+ protected:
+  DeviceType tensor_device_type() const override { return DeviceType::kCpu; }
+
+  void swap_headers(Call& call) override {
+    sent.push_back(call.header);
+    if (transfer_failure != StatusCode::kOk) fail_call(call, transfer_failure, "scripted: the link went down");
+    received_.assign(1, call.header);
+    for (int32_t r = 1; r < kWorld; ++r) received_.push_back(peer(call.header, r));
+  }
+  CallHeader received_header(int32_t r) override { return received_[static_cast<size_t>(r)]; }
+  void after_failed_verdict() override { ++failed_verdicts; }
+
+  void run_all_reduce(const Tensor& tensor, ReduceOp op) override {
+    run(begin_call(CallKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1, &tensor));
+  }
+  void run_broadcast(const Tensor& tensor, int32_t root) override {
+    run(begin_call(CallKind::kBroadcast, tensor.dtype(), tensor.numel(), ReduceOp::kSum, root, &tensor));
+  }
+  void run_all_gather(const Tensor& input, const std::vector<Tensor>&) override {
+    run(begin_call(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, &input));
+  }
+  void run_reduce_scatter(const std::vector<Tensor>&, const Tensor& output, ReduceOp op) override {
+    run(begin_call(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output));
+  }
+  void run_barrier() override { run(begin_call(CallKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, nullptr)); }
+
+ private:
+  void run(Call call) {
+    exchange_headers(call);
+    ran.push_back(call.header.seq);
+  }
+
+  std::vector<CallHeader> received_;
+};
+
+// The error a call raises, or kOk; its message in *message.
+template <typename F>
+StatusCode status_of(F&& f, std::string* message = nullptr) {
+  try {
+    f();
+  } catch (const Error& e) {
+    if (message != nullptr) *message = e.what();
+    return e.code();
+  }
+  return StatusCode::kOk;
+}
+
+Tensor floats(int64_t n) { return Tensor::empty(DType::kFloat32, {n}, Device{DeviceType::kCpu, 0}); }
+
+TEST(ProcessGroupFront, NumbersEveryCollectiveInIssueOrderAcrossKinds) {
+  ScriptedGroup g;
+  Tensor t = floats(8);
+  g.all_reduce(t, ReduceOp::kSum, false);
+  g.broadcast(t, 2, false);
+  g.barrier(true)->wait();
+  g.all_reduce(t, ReduceOp::kMax, true)->wait();
+  EXPECT_EQ(g.ran, (std::vector<uint64_t>{1, 2, 3, 4}));
+  ASSERT_EQ(g.sent.size(), 4u);
+  EXPECT_EQ(g.sent[1].kind, static_cast<uint32_t>(CallKind::kBroadcast));
+  EXPECT_EQ(g.sent[1].root, 2);
+  EXPECT_EQ(g.sent[3].op, static_cast<int32_t>(ReduceOp::kMax));
+  EXPECT_EQ(g.failed_verdicts, 0);
+}
+
+TEST(ProcessGroupFront, APeerWithAnotherSizeFailsEveryCollectiveAliveAndTheGroupStaysUsable) {
+  ScriptedGroup g;
+  g.peer = [](const CallHeader& mine, int32_t r) {
+    CallHeader h = mine;
+    h.rank = r;
+    if (r == 2) h.numel = mine.numel + 1;
+    return h;
+  };
+  Tensor t = floats(8);
+  std::string message;
+  EXPECT_EQ(status_of([&] { g.all_reduce(t, ReduceOp::kSum, false); }, &message), StatusCode::kInvalidArgument);
+  EXPECT_NE(message.find("rank 2"), std::string::npos) << message;
+  EXPECT_EQ(g.failed_verdicts, 1);
+  EXPECT_TRUE(g.ran.empty());
+  g.peer = [](const CallHeader& mine, int32_t r) {
+    CallHeader h = mine;
+    h.rank = r;
+    return h;
+  };
+  g.all_reduce(t, ReduceOp::kSum, false);
+  EXPECT_EQ(g.ran, (std::vector<uint64_t>{2}));
+}
+
+TEST(ProcessGroupFront, APeerOutOfStepBreaksTheGroup) {
+  ScriptedGroup g;
+  g.peer = [](const CallHeader& mine, int32_t r) {
+    CallHeader h = mine;
+    h.rank = r;
+    if (r == 1) h.seq = mine.seq + 1;
+    return h;
+  };
+  Tensor t = floats(4);
+  std::string message;
+  EXPECT_EQ(status_of([&] { g.all_reduce(t, ReduceOp::kSum, false); }, &message), StatusCode::kRemote);
+  EXPECT_NE(message.find("rank 1"), std::string::npos) << message;
+  EXPECT_EQ(status_of([&] { g.barrier(false); }), StatusCode::kState);
+}
+
+TEST(ProcessGroupFront, ARefusedCallTakesItsNumberAndTellsThePeers) {
+  ScriptedGroup g;
+  Tensor flags = Tensor::empty(DType::kBool, {4}, Device{DeviceType::kCpu, 0});
+  std::string message;
+  EXPECT_EQ(status_of([&] { g.all_reduce(flags, ReduceOp::kAvg, false); }, &message), StatusCode::kInvalidArgument);
+  EXPECT_NE(message.find("DP_AVG"), std::string::npos) << message;
+  ASSERT_EQ(g.sent.size(), 1u);
+  EXPECT_NE(g.sent[0].refused, 0u);
+  EXPECT_EQ(g.sent[0].seq, 1u);
+  EXPECT_NE(std::string(g.sent[0].reason).find("DP_AVG"), std::string::npos);
+  Tensor t = floats(4);
+  g.all_reduce(t, ReduceOp::kSum, false);
+  EXPECT_EQ(g.ran, (std::vector<uint64_t>{2}));
+}
+
+TEST(ProcessGroupFront, AFailedTransferNamesTheCallItsTensorAndTheRanksThatDidNotReport) {
+  std::string path = str_cat(::testing::TempDir(), "front_store_", ::getpid());
+  auto store = std::make_shared<FileStore>(path, 1);
+  ScriptedGroup g;
+  g.report_to(store);
+  g.transfer_failure = StatusCode::kRemote;
+  Tensor t = floats(8);
+  std::string message;
+  EXPECT_EQ(status_of([&] { g.all_reduce(t, ReduceOp::kSum, false); }, &message), StatusCode::kRemote);
+  EXPECT_NE(message.find("all_reduce of " + t.describe() +
+                         " (collective #1) on rank 0 of 3 failed: rank(s) 1, 2 did "
+                         "not arrive"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("; scripted: the link went down"), std::string::npos) << message;
+  EXPECT_TRUE(store->check({"front/failed/1/0"})) << "this rank reported its failure";
+  g.transfer_failure = StatusCode::kOk;
+  EXPECT_EQ(status_of([&] { g.barrier(false); }, &message), StatusCode::kState);
+  EXPECT_NE(message.find("unusable"), std::string::npos) << message;
+}
+
+TEST(ProcessGroupFront, ATimedOutTransferSaysHowLongItWaited) {
+  ScriptedGroup g;
+  g.transfer_failure = StatusCode::kTimeout;
+  std::string message;
+  EXPECT_EQ(status_of([&] { g.barrier(false); }, &message), StatusCode::kTimeout);
+  EXPECT_NE(message.find("barrier of no tensor (collective #1) on rank 0 of 3 timed out after 60000 ms"),
+            std::string::npos)
+      << message;
+}
+
+}  // namespace
+}  // namespace dparallel::dist
