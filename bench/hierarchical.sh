@@ -13,8 +13,12 @@ build=$1
 rounds=${2:-2}
 run="$build/tools/dp-run"
 perf="$build/bench/dp-perf"
-[ -x "$run" ] && [ -x "$perf" ] || { echo "build dp-run and dp-perf in $build first (-DDP_BUILD_BENCH=ON)" >&2; exit 2; }
-# Ranks 0-1 on one host, 2-3 on the other.
+if [ ! -x "$run" ] || [ ! -x "$perf" ]; then
+  echo "build dp-run and dp-perf in $build first (-DDP_BUILD_BENCH=ON)" >&2
+  exit 2
+fi
+# Ranks 0-1 on one host, 2-3 on the other (expanded by each rank's shell).
+# shellcheck disable=SC2016
 by_rank='export DP_HOST_ID=host$((RANK / 2)); exec "$@"'
 
 veth=""

@@ -34,7 +34,7 @@ if [ "$(id -u)" != 0 ]; then
   skip "needs root to create network namespaces"
 fi
 command -v "$ip_command" >/dev/null 2>&1 || fail "$ip_command (iproute2) not found"
-ip() { "$ip_command" "$@"; }
+ip() { command "$ip_command" "$@"; }
 [ -x "$worker" ] || fail "no worker at $worker"
 
 prefix=dpveth-
@@ -58,7 +58,7 @@ trap 'exit 143' TERM
 trap 'exit 129' HUP
 
 # Namespaces of runs that were killed before their trap ran (pid gone).
-for ns in $(ip netns list 2>/dev/null | sed -n "s/^\($prefix[0-9]*-[ab]\).*/\1/p"); do
+for ns in $(ip netns list 2>/dev/null | sed -n "s/^\(${prefix}[0-9]*-[ab]\).*/\1/p"); do
   owner=${ns#"$prefix"}
   owner=${owner%-*}
   kill -0 "$owner" 2>/dev/null || ip netns del "$ns" 2>/dev/null
@@ -120,6 +120,7 @@ cat "$dir"/rank*.txt
 
 gd_after=$(counters gd-a) || fail "reading gd-a's counters"
 st_after=$(counters st-a) || fail "reading st-a's counters"
+# shellcheck disable=SC2086 # split into the eight counters
 set -- $gd_before $gd_after $st_before $st_after
 gd_rx=$(($3 - $1)) gd_tx=$(($4 - $2)) st_rx=$(($7 - $5)) st_tx=$(($8 - $6))
 echo "gd-a (Gloo): rx $gd_rx B, tx $gd_tx B; st-a (store): rx $st_rx B, tx $st_tx B"
