@@ -13,7 +13,8 @@
 # so DP_HOST_ID tells the hosts apart.
 # Needs root and iproute2: exits 77 (skipped) without them, unless CI is
 # non-empty, where not being root fails. The namespaces and links are removed
-# on every exit; those of an earlier run killed outright go at the next start.
+# on every exit; those of an earlier run killed outright (and its output
+# folder) go at the next start.
 set -u
 worker=$1
 ip_command=${2:-ip}
@@ -40,7 +41,7 @@ ip() { command "$ip_command" "$@"; }
 prefix=dpveth-
 ns_a=$prefix$$-a
 ns_b=$prefix$$-b
-dir=$(mktemp -d /tmp/dp_veth_XXXXXX) || fail "mktemp"
+dir=$(mktemp -d "/tmp/dp_veth_$$_XXXXXX") || fail "mktemp"
 pids=""
 
 cleanup() {
@@ -62,6 +63,11 @@ for ns in $(ip netns list 2>/dev/null | sed -n "s/^\(${prefix}[0-9]*-[ab]\).*/\1
   owner=${ns#"$prefix"}
   owner=${owner%-*}
   kill -0 "$owner" 2>/dev/null || ip netns del "$ns" 2>/dev/null
+done
+for old in /tmp/dp_veth_*_*; do
+  owner=${old#/tmp/dp_veth_}
+  owner=${owner%%_*}
+  [ -d "$old" ] && ! kill -0 "$owner" 2>/dev/null && rm -rf "$old"
 done
 
 ip netns add "$ns_a" 2>"$dir/err" || skip "ip netns add failed (no CAP_SYS_ADMIN?): $(cat "$dir/err")"
