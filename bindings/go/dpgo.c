@@ -31,8 +31,8 @@ const dp_api *dpgo_open(const char *path, uint32_t major, void **handle, char *e
     return NULL;
   }
   if (api->struct_size < sizeof(dp_api)) {
-    snprintf(err, cap, "%s provides ABI %u.%u, older than the %u.%u this binding needs", path,
-             (unsigned)api->abi_major, (unsigned)api->abi_minor, (unsigned)major, (unsigned)DP_API_MINOR);
+    snprintf(err, cap, "%s provides ABI %u.%u, older than the %u.%u this binding needs", path, (unsigned)api->abi_major,
+             (unsigned)api->abi_minor, (unsigned)major, (unsigned)DP_API_MINOR);
     dlclose(lib);
     return NULL;
   }
