@@ -3,8 +3,9 @@
 //   local: the ranks of this host, through shared memory (shm_process_group);
 //   cross: the ranks with this rank's local index, one per host, through Gloo;
 //   world: every rank, through Gloo.
-// Each collective first swaps this group's call headers (call_header.h)
-// through a small all-gather on the world group, and every rank checks them:
+// Each collective first swaps this group's call headers (call_header.h),
+// inside each host through shared memory, then across hosts through Gloo,
+// and every rank checks them:
 // mismatched, refused or out-of-step calls get the same verdicts as on a
 // flat group, before any data moves. Then:
 //   all_reduce: a reduce-scatter inside the host (each local rank gets one
@@ -54,12 +55,20 @@ class HierarchicalProcessGroup : public ProcessGroup {
     ProcessGroupOptions world = options;
     world.store = std::make_shared<PrefixStore>(options.store, prefix_ + "world/");
     world_ = create_gloo_process_group(world);
-    const auto ranks = static_cast<size_t>(size());
-    headers_ = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(ranks * sizeof(CallHeader))}, device());
-    for (size_t r = 0; r < ranks; ++r) {
-      header_views_.push_back(headers_.view_at(r * sizeof(CallHeader), DType::kUInt8, {sizeof(CallHeader)}));
+    const size_t header = sizeof(CallHeader);
+    const auto per_host = static_cast<size_t>(layout.local_size);
+    const auto hosts = static_cast<size_t>(layout.hosts);
+    mine_ = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(header)}, device());
+    host_headers_ = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(per_host * header)}, device());
+    for (size_t i = 0; i < per_host; ++i) {
+      host_header_views_.push_back(host_headers_.view_at(i * header, DType::kUInt8, {static_cast<int64_t>(header)}));
     }
-    mine_ = Tensor::empty(DType::kUInt8, {sizeof(CallHeader)}, device());
+    gathered_headers_ = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(hosts * per_host * header)}, device());
+    for (size_t h = 0; h < hosts; ++h) {
+      gathered_host_views_.push_back(
+          gathered_headers_.view_at(h * per_host * header, DType::kUInt8, {static_cast<int64_t>(per_host * header)}));
+    }
+    headers_.resize(static_cast<size_t>(size()));
   }
 
   ~HierarchicalProcessGroup() override { drain(); }
@@ -145,16 +154,27 @@ class HierarchicalProcessGroup : public ProcessGroup {
     exchange_headers(o);
   }
 
-  // Swaps the call headers through the world group.
+  // Swaps the call headers in two steps: among this host's ranks through
+  // shared memory, then the host's headers with the ranks of this local
+  // index on the other hosts through Gloo (only 2 of Gloo's ranks per
+  // exchange with 2 hosts, not every rank). Each header lands in the slot its
+  // rank field names; a slot nobody filled stays zero, which the verdict
+  // reads as a malformed header.
   void swap_headers(Call& o) override {
     std::memcpy(mine_.data(), &o.header, sizeof(CallHeader));
-    step(o, "gloo header exchange", [&] { world_->all_gather(mine_, header_views_, false); });
+    step(o, "shm header exchange among this host's ranks",
+         [&] { local_->all_gather(mine_, host_header_views_, false); });
+    step(o, "gloo header exchange with the other hosts",
+         [&] { cross_->all_gather(host_headers_, gathered_host_views_, false); });
+    std::fill(headers_.begin(), headers_.end(), CallHeader{});
+    const auto* gathered = static_cast<const uint8_t*>(gathered_headers_.data());
+    for (int64_t i = 0; i < gathered_headers_.numel() / static_cast<int64_t>(sizeof(CallHeader)); ++i) {
+      CallHeader h;
+      std::memcpy(&h, gathered + static_cast<size_t>(i) * sizeof(CallHeader), sizeof(CallHeader));
+      if (h.rank >= 0 && h.rank < size()) headers_[static_cast<size_t>(h.rank)] = h;
+    }
   }
-  CallHeader received_header(int32_t r) override {
-    CallHeader h;
-    std::memcpy(&h, header_views_[static_cast<size_t>(r)].data(), sizeof(CallHeader));
-    return h;
-  }
+  CallHeader received_header(int32_t r) override { return headers_[static_cast<size_t>(r)]; }
 
  private:
   // Runs one step of a collective on a part; a failure aborts every part and
@@ -198,9 +218,12 @@ class HierarchicalProcessGroup : public ProcessGroup {
   std::unique_ptr<ProcessGroup> local_;
   std::unique_ptr<ProcessGroup> cross_;
   std::unique_ptr<ProcessGroup> world_;
-  Tensor mine_;                       // this rank's call header
-  Tensor headers_;                    // every rank's, after an exchange
-  std::vector<Tensor> header_views_;  // rank r's in headers_
+  Tensor mine_;                              // this rank's call header
+  Tensor host_headers_;                      // this host's ranks' headers, by local index
+  std::vector<Tensor> host_header_views_;    // local rank i's in host_headers_
+  Tensor gathered_headers_;                  // every host's host_headers_, by host
+  std::vector<Tensor> gathered_host_views_;  // host h's in gathered_headers_
+  std::vector<CallHeader> headers_;          // every rank's, by rank, after an exchange
   Tensor scratch_;
 };
 
