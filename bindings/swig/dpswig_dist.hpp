@@ -56,7 +56,7 @@ class Store {
     check(dp_store_add(handle(), key.c_str(), delta, &out));
     return out;
   }
-  void wait(const std::vector<std::string>& keys, int timeoutMs = -1) {
+  void waitFor(const std::vector<std::string>& keys, int timeoutMs = -1) {
     std::vector<const char*> k;
     for (const std::string& key : keys) k.push_back(key.c_str());
     check(dp_store_wait(handle(), k.data(), k.size(), timeoutMs));

@@ -5,7 +5,7 @@
 // exceptions thrown in callbacks surface in the caller and that bad
 // arguments raise DParallelException naming the argument.
 //
-//   mono DParallelTest.exe data-parallel|forward-throws|bad-argument
+//   mono DParallelTest.exe data-parallel|forward-throws|bad-argument|store
 //   dp-run -n 2 mono DParallelTest.exe ddp
 using System;
 using System.IO;
@@ -356,6 +356,28 @@ public static class DParallelTest {
                   "'fn'");
   }
 
+  /// A TCP store served and used in this process; a missing key times out.
+  static void RunStore() {
+    using (var server = Store.Tcp("127.0.0.1", 0, 1, true, 10000)) {
+      int port = server.Port();
+      Expect(port > 0, "the server picked a free port: " + port);
+      using (var client = Store.Tcp("127.0.0.1", port, 1, false, 10000)) {
+        server.Set("greeting", "hello");
+        Expect(client.Get("greeting") == "hello", "the client reads what the server set");
+        Expect(client.Add("counter", 5) == 5 && server.Add("counter", 2) == 7, "add counts across handles");
+        client.WaitFor(new StringVector { "greeting", "counter" }, 1000);
+        client.SetTimeout(200);
+        try {
+          client.Get("missing");
+          Fail("Get of a missing key returned");
+        } catch (DParallelException e) {
+          Expect(e.Code == Status.TIMEOUT, "a missing key times out: " + e.Message);
+          Console.WriteLine("DParallelException: " + e.Message);
+        }
+      }
+    }
+  }
+
   class Average : CommHook {
     public int Calls;
 
@@ -410,6 +432,19 @@ public static class DParallelTest {
       ddp.Dispose();
       CheckParity(model, "DDP rank " + rank + " of " + world);
 
+      // Collectives of the group, from C#.
+      using (var t = Tensor.Of(new float[] { rank + 1, 10 * (rank + 1), rank == 0 ? 7 : 0 }, 3)) {
+        using (var work = pg.AllReduceAsync(t, ReduceOp.SUM)) {
+          work.WaitFor();
+          Expect(work.Test(), "the work is done after WaitFor");
+        }
+        float[] sum = t.ToArray();
+        Expect(sum[0] == world * (world + 1) / 2f && sum[1] == 10 * sum[0], "all-reduce sums: " + sum[0] + ", " + sum[1]);
+        pg.Broadcast(t, 0);
+        Expect(t.ToArray()[2] == 7, "broadcast from rank 0");
+        pg.Barrier();
+      }
+
       // A hook that throws: FinishBackward rethrows it on every rank.
       using (var bad = new Ddp(model, pg, options, new Refusing())) {
         bad.PreForward();
@@ -434,8 +469,9 @@ public static class DParallelTest {
       case "data-parallel": RunDataParallel(); break;
       case "forward-throws": ForwardThrows(); break;
       case "bad-argument": BadArgument(); break;
+      case "store": RunStore(); break;
       case "ddp": RunDdp(); break;
-      default: Fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|ddp"); break;
+      default: Fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|ddp"); break;
     }
     GC.Collect();
     GC.WaitForPendingFinalizers();

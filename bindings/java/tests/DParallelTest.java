@@ -5,7 +5,7 @@
 // that exceptions thrown in callbacks surface in the caller and that bad
 // arguments raise DParallelException naming the argument.
 //
-//   java -cp dparallel.jar:. DParallelTest data-parallel|forward-throws|bad-argument
+//   java -cp dparallel.jar:. DParallelTest data-parallel|forward-throws|bad-argument|store
 //   dp-run -n 2 java -cp dparallel.jar:. DParallelTest ddp
 import java.io.IOException;
 import java.nio.FloatBuffer;
@@ -364,6 +364,31 @@ public class DParallelTest {
     expectInvalid(() -> Parallel.dataParallel(new Module(), new Tensor(2), Device.list("cpu:0"), new Device(), 0, null), "'fn'");
   }
 
+  /** A TCP store served and used in this process; a missing key times out. */
+  static void store() {
+    try (Store server = Store.tcp("127.0.0.1", 0, 1, true, 10000)) {
+      int port = server.port();
+      expect(port > 0, "the server picked a free port: " + port);
+      try (Store client = Store.tcp("127.0.0.1", port, 1, false, 10000)) {
+        server.set("greeting", "hello");
+        expect(client.get("greeting").equals("hello"), "the client reads what the server set");
+        expect(client.add("counter", 5) == 5 && server.add("counter", 2) == 7, "add counts across handles");
+        StringVector keys = new StringVector();
+        keys.add("greeting");
+        keys.add("counter");
+        client.waitFor(keys, 1000);
+        client.setTimeout(200);
+        try {
+          client.get("missing");
+          fail("get of a missing key returned");
+        } catch (DParallelException e) {
+          expect(e.getCode() == Status.TIMEOUT, "a missing key times out: " + e.getMessage());
+          System.out.println("DParallelException: " + e.getMessage());
+        }
+      }
+    }
+  }
+
   /** One rank of DDP training: rows [lo, hi) of every batch; the gradients are averaged across ranks. */
   static void ddp() {
     Device cpu0 = new Device("cpu:0");
@@ -412,6 +437,20 @@ public class DParallelTest {
       ddp.close();
       checkParity(model, "DDP rank " + rank + " of " + world);
 
+      // Collectives of the group, from Java.
+      try (Tensor t = new Tensor(cpu0, 3)) {
+        t.floats().put(new float[] {rank + 1, 10 * (rank + 1), rank == 0 ? 7 : 0});
+        try (Work work = pg.allReduceAsync(t, ReduceOp.SUM)) {
+          work.waitFor();
+          expect(work.test(), "the work is done after waitFor");
+        }
+        float[] sum = t.toArray();
+        expect(sum[0] == world * (world + 1) / 2f && sum[1] == 10 * sum[0], "all-reduce sums: " + sum[0] + ", " + sum[1]);
+        pg.broadcast(t, 0);
+        expect(t.toArray()[2] == 7, "broadcast from rank 0");
+        pg.barrier();
+      }
+
       // A hook that throws: finishBackward rethrows it on every rank.
       CommHook throwing = new CommHook() {
         @Override
@@ -451,8 +490,11 @@ public class DParallelTest {
       case "ddp":
         ddp();
         break;
+      case "store":
+        store();
+        break;
       default:
-        fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|ddp");
+        fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|ddp");
     }
     System.gc();
     System.out.println("OK " + mode);

@@ -91,6 +91,11 @@ extern "C" SWIGEXPORT void SWIGSTDCALL DParallelRegisterExceptionCallback(DParal
 %csmethodmodifiers dpswig::ReplicaSet::apply "internal";
 %csmethodmodifiers dpswig::Ddp::finishBackward "internal";
 %csmethodmodifiers dpswig::Ddp::withHook "internal";
+// Host callbacks derive from ForwardFunction and CommHook, which catch what
+// the host code throws (an exception must not unwind through the library's
+// threads); the bases cannot be derived outside the assembly.
+%csmethodmodifiers dpswig::ForwardFunction::ForwardFunction "internal";
+%csmethodmodifiers dpswig::CommHook::CommHook "internal";
 %typemap(csclassmodifiers) dpswig::ForwardFunction "public abstract class"
 %typemap(csclassmodifiers) dpswig::CommHook "public abstract class"
 %typemap(csclassmodifiers) dpswig::Tensor "public partial class"

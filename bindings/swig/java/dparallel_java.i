@@ -97,6 +97,11 @@ class JavaFloatArray : public FloatSource, public FloatSink {
 %javamethodmodifiers dpswig::Ddp::finishBackward "";
 %javamethodmodifiers dpswig::ForwardFunction::invoke "protected";
 %javamethodmodifiers dpswig::CommHook::invoke "protected";
+// Host callbacks derive from ForwardFunction and CommHook (this package),
+// which catch what the host code throws; the bases cannot be derived
+// elsewhere.
+%javamethodmodifiers dpswig::ForwardFunction::ForwardFunction "";
+%javamethodmodifiers dpswig::CommHook::CommHook "";
 %typemap(javaclassmodifiers) dpswig::ForwardFunction "public abstract class";
 %typemap(javaclassmodifiers) dpswig::CommHook "public abstract class";
 
