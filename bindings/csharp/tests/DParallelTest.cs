@@ -301,6 +301,13 @@ public static class DParallelTest {
     }
   }
 
+  class BadName : ForwardFunction {
+    public override Tensor Forward(uint index, Module replica, Tensor input, Device device) {
+      replica.GetParameter("no.such.parameter").Dispose();
+      return input;
+    }
+  }
+
   static void ForwardThrows() {
     DeviceList devices = Device.List("cpu:0,cpu:1");
     var cpu0 = new Device("cpu:0");
@@ -319,6 +326,16 @@ public static class DParallelTest {
         Fail("DataParallel returned although the forward threw");
       } catch (IOException e) {
         Console.WriteLine("DataParallel rethrew: " + e.GetType().Name + ": " + e.Message);
+      }
+      // A failing call inside the forward throws DParallelException on the
+      // worker thread; it surfaces in the caller like any other exception.
+      try {
+        set.Apply(input, 0, cpu0, new BadName()).Dispose();
+        Fail("ReplicaSet.Apply returned although the forward's call failed");
+      } catch (DParallelException e) {
+        Expect(e.Code == Status.INVALID && e.Message.Contains("no.such.parameter"),
+               "the worker thread's DParallelException surfaces: " + e.Message);
+        Console.WriteLine("ReplicaSet.Apply rethrew: " + e.Message);
       }
       // The library and the set stay usable.
       using (var output = set.Apply(input, 0, cpu0, new Step())) {

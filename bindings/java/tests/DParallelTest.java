@@ -330,6 +330,23 @@ public class DParallelTest {
         expect(e instanceof IOException, "a checked exception surfaces as itself, not " + e);
         System.out.println("dataParallel rethrew: " + e);
       }
+      // A failing call inside the forward throws DParallelException on the
+      // worker thread; it surfaces in the caller like any other exception.
+      ForwardFunction badName = new ForwardFunction() {
+        @Override
+        public Tensor forward(long index, Module replica, Tensor in, Device device) {
+          replica.getParameter("no.such.parameter").close();
+          return in;
+        }
+      };
+      try {
+        set.apply(input, 0, cpu0, badName).close();
+        fail("ReplicaSet.apply returned although the forward's call failed");
+      } catch (DParallelException e) {
+        expect(e.getCode() == Status.INVALID && e.getMessage().contains("no.such.parameter"),
+               "the worker thread's DParallelException surfaces: " + e.getMessage());
+        System.out.println("ReplicaSet.apply rethrew: " + e.getMessage());
+      }
       // The library and the set stay usable.
       try (Tensor out = set.apply(input, 0, cpu0, new Step())) {
         expect(out.numel() == 2, "apply works after a failed forward");

@@ -23,13 +23,27 @@
 #include <jni.h>
 #include "dpswig_common.hpp"
 
-static void dpswig_java_throw(JNIEnv *jenv, int code, const char *message) {
+/* DParallelException's class, looked up once through the class loader that
+ * loaded this library: a FindClass on one of the library's worker threads
+ * (a callback's failing call) would only see the system class loader. */
+static jclass dpswig_exception_class = nullptr;
+static jmethodID dpswig_exception_ctor = nullptr;
+
+extern "C" JNIEXPORT jint JNICALL JNI_OnLoad(JavaVM *vm, void *) {
+  JNIEnv *jenv = nullptr;
+  if (vm->GetEnv((void **)&jenv, JNI_VERSION_1_6) != JNI_OK) return JNI_ERR;
   jclass cls = jenv->FindClass("org/dparallel/DParallelException");
-  if (cls == nullptr) return; /* NoClassDefFoundError is pending */
-  jmethodID ctor = jenv->GetMethodID(cls, "<init>", "(ILjava/lang/String;)V");
-  if (ctor == nullptr) return;
+  if (cls == nullptr) return JNI_ERR;
+  dpswig_exception_class = (jclass)jenv->NewGlobalRef(cls);
+  dpswig_exception_ctor = jenv->GetMethodID(cls, "<init>", "(ILjava/lang/String;)V");
+  jenv->DeleteLocalRef(cls);
+  return dpswig_exception_class != nullptr && dpswig_exception_ctor != nullptr ? JNI_VERSION_1_6 : JNI_ERR;
+}
+
+static void dpswig_java_throw(JNIEnv *jenv, int code, const char *message) {
   jstring text = jenv->NewStringUTF(message);
-  jobject error = jenv->NewObject(cls, ctor, (jint)code, text);
+  if (text == nullptr) return; /* OutOfMemoryError is pending */
+  jobject error = jenv->NewObject(dpswig_exception_class, dpswig_exception_ctor, (jint)code, text);
   if (error != nullptr) jenv->Throw((jthrowable)error);
 }
 
