@@ -17,9 +17,9 @@ public abstract class ForwardFunction : ForwardFunctionBase {
 
   /// <summary>Returns the output: a new tensor (the library takes it over)
   /// or <c>input</c>.</summary>
-  public abstract Tensor Forward(uint index, Module replica, Tensor input, Device device);
+  public abstract Tensor Forward(ulong index, Module replica, Tensor input, Device device);
 
-  public sealed override Tensor Invoke(uint index, Module replica, Tensor input, Device device) {
+  public sealed override Tensor Invoke(ulong index, Module replica, Tensor input, Device device) {
     Worker.Attach();
     try {
       Tensor output = Forward(index, replica, input, device);
@@ -75,9 +75,9 @@ static class Worker {
 public abstract class CommHook : CommHookBase {
   Exception pending;
 
-  public abstract void Reduce(ProcessGroup pg, uint bucketIndex, Tensor bucket);
+  public abstract void Reduce(ProcessGroup pg, ulong bucketIndex, Tensor bucket);
 
-  public sealed override bool Invoke(ProcessGroup pg, uint bucketIndex, Tensor bucket) {
+  public sealed override bool Invoke(ProcessGroup pg, ulong bucketIndex, Tensor bucket) {
     Worker.Attach();
     try {
       Reduce(pg, bucketIndex, bucket);

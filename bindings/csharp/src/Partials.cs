@@ -24,13 +24,13 @@ public partial class Tensor {
   /// <summary>Copies exactly Numel() values in (one copy from the pinned array).</summary>
   public void CopyFrom(float[] values) {
     if (values == null) throw new DParallelException(Status.INVALID, "invalid argument: 'values' is null");
-    CopyFromRaw(values, (uint)values.Length);
+    CopyFromRaw(values, (ulong)values.Length);
   }
 
   /// <summary>Copies exactly Numel() values out (one copy into the pinned array).</summary>
   public void CopyTo(float[] values) {
     if (values == null) throw new DParallelException(Status.INVALID, "invalid argument: 'values' is null");
-    CopyToRaw(values, (uint)values.Length);
+    CopyToRaw(values, (ulong)values.Length);
   }
 
   /// <summary>A new array with the tensor's values.</summary>

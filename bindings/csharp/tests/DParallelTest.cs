@@ -215,7 +215,7 @@ public static class DParallelTest {
     public volatile bool OnCallerThread;
     readonly Thread caller = Thread.CurrentThread;
 
-    public override Tensor Forward(uint index, Module replica, Tensor input, Device device) {
+    public override Tensor Forward(ulong index, Module replica, Tensor input, Device device) {
       Interlocked.Increment(ref Calls);
       if (Thread.CurrentThread == caller) OnCallerThread = true;
       int n = (int)input.ShapeArray()[0];
@@ -289,20 +289,20 @@ public static class DParallelTest {
   }
 
   class Throwing : ForwardFunction {
-    public override Tensor Forward(uint index, Module replica, Tensor input, Device device) {
+    public override Tensor Forward(ulong index, Module replica, Tensor input, Device device) {
       if (index == 1) throw new InvalidOperationException("forward failed on replica " + index);
       return input;
     }
   }
 
   class ThrowingIo : ForwardFunction {
-    public override Tensor Forward(uint index, Module replica, Tensor input, Device device) {
+    public override Tensor Forward(ulong index, Module replica, Tensor input, Device device) {
       throw new IOException("I/O failure in replica " + index);
     }
   }
 
   class BadName : ForwardFunction {
-    public override Tensor Forward(uint index, Module replica, Tensor input, Device device) {
+    public override Tensor Forward(ulong index, Module replica, Tensor input, Device device) {
       replica.GetParameter("no.such.parameter").Dispose();
       return input;
     }
@@ -398,7 +398,7 @@ public static class DParallelTest {
   class Average : CommHook {
     public int Calls;
 
-    public override void Reduce(ProcessGroup group, uint bucketIndex, Tensor bucket) {
+    public override void Reduce(ProcessGroup group, ulong bucketIndex, Tensor bucket) {
       Interlocked.Increment(ref Calls);
       group.AllReduce(bucket, ReduceOp.SUM);
       Span<float> v = bucket.AsSpan();
@@ -407,7 +407,7 @@ public static class DParallelTest {
   }
 
   class Refusing : CommHook {
-    public override void Reduce(ProcessGroup group, uint bucketIndex, Tensor bucket) {
+    public override void Reduce(ProcessGroup group, ulong bucketIndex, Tensor bucket) {
       throw new NotSupportedException("hook refused bucket " + bucketIndex);
     }
   }

@@ -7,6 +7,10 @@
 
 %include <arrays_csharp.i>
 
+// Sizes and indices as ulong, not SWIG's default uint: tensors pass 4 GiB.
+%apply unsigned long long { size_t };
+%apply const unsigned long long & { const size_t & };
+
 %{
 #include "dpswig_common.hpp"
 
