@@ -24,6 +24,10 @@ public abstract class ForwardFunction : ForwardFunctionBase {
     try {
       Tensor output = Forward(index, replica, input, device);
       if (output == null) throw new NullReferenceException("ForwardFunction.Forward returned null for replica " + index);
+      // The library takes the returned tensor over: it must not be disposed.
+      if (Tensor.getCPtr(output).Handle == IntPtr.Zero || output.IsClosed()) {
+        throw new InvalidOperationException("ForwardFunction.Forward returned a disposed tensor for replica " + index);
+      }
       return output;
     } catch (Exception e) {
       Interlocked.CompareExchange(ref pending, e, null);

@@ -308,6 +308,12 @@ public static class DParallelTest {
     }
   }
 
+  class Disposes : ForwardFunction {
+    public override Tensor Forward(ulong index, Module replica, Tensor input, Device device) {
+      using (var output = new Tensor(device, 1)) return output;
+    }
+  }
+
   static void ForwardThrows() {
     DeviceList devices = Device.List("cpu:0,cpu:1");
     var cpu0 = new Device("cpu:0");
@@ -335,6 +341,14 @@ public static class DParallelTest {
       } catch (DParallelException e) {
         Expect(e.Code == Status.INVALID && e.Message.Contains("no.such.parameter"),
                "the worker thread's DParallelException surfaces: " + e.Message);
+        Console.WriteLine("ReplicaSet.Apply rethrew: " + e.Message);
+      }
+      // Returning a tensor that `using` already disposed is caught.
+      try {
+        set.Apply(input, 0, cpu0, new Disposes()).Dispose();
+        Fail("ReplicaSet.Apply returned although the forward returned a disposed tensor");
+      } catch (InvalidOperationException e) {
+        Expect(e.Message.Contains("disposed tensor"), "a disposed output is refused: " + e.Message);
         Console.WriteLine("ReplicaSet.Apply rethrew: " + e.Message);
       }
       // The library and the set stay usable.
@@ -371,6 +385,16 @@ public static class DParallelTest {
     }
     ExpectInvalid(() => Parallel.DataParallel(new Module(), new Tensor(2), Device.List("cpu:0"), new Device(), 0, null),
                   "'fn'");
+    // A disposed handle throws, it does not crash.
+    var disposed = new Tensor(2);
+    disposed.Dispose();
+    try {
+      disposed.Numel();
+      Fail("a call on a disposed tensor returned");
+    } catch (DParallelException e) {
+      Expect(e.Code == Status.STATE, "a disposed handle is Status.STATE: " + e.Message);
+      Console.WriteLine("DParallelException: " + e.Message);
+    }
   }
 
   /// A TCP store served and used in this process; a missing key times out.

@@ -347,6 +347,22 @@ public class DParallelTest {
                "the worker thread's DParallelException surfaces: " + e.getMessage());
         System.out.println("ReplicaSet.apply rethrew: " + e.getMessage());
       }
+      // Returning a tensor that try-with-resources already closed is caught.
+      ForwardFunction closes = new ForwardFunction() {
+        @Override
+        public Tensor forward(long index, Module replica, Tensor in, Device device) {
+          try (Tensor out = new Tensor(device, 1)) {
+            return out;
+          }
+        }
+      };
+      try {
+        set.apply(input, 0, cpu0, closes).close();
+        fail("ReplicaSet.apply returned although the forward returned a closed tensor");
+      } catch (IllegalStateException e) {
+        expect(e.getMessage().contains("closed tensor"), "a closed output is refused: " + e.getMessage());
+        System.out.println("ReplicaSet.apply rethrew: " + e.getMessage());
+      }
       // The library and the set stay usable.
       try (Tensor out = set.apply(input, 0, cpu0, new Step())) {
         expect(out.numel() == 2, "apply works after a failed forward");
@@ -379,6 +395,16 @@ public class DParallelTest {
       expectInvalid(() -> m.getParameter("nope").close(), "\"nope\"");
     }
     expectInvalid(() -> Parallel.dataParallel(new Module(), new Tensor(2), Device.list("cpu:0"), new Device(), 0, null), "'fn'");
+    // A closed handle throws, it does not crash.
+    Tensor closed = new Tensor(2);
+    closed.close();
+    try {
+      closed.numel();
+      fail("a call on a closed tensor returned");
+    } catch (DParallelException e) {
+      expect(e.getCode() == Status.STATE, "a closed handle is Status.STATE: " + e.getMessage());
+      System.out.println("DParallelException: " + e.getMessage());
+    }
   }
 
   /** A TCP store served and used in this process; a missing key times out. */

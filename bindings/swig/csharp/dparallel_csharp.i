@@ -57,6 +57,14 @@ extern "C" SWIGEXPORT void SWIGSTDCALL DParallelRegisterExceptionCallback(DParal
 // PascalCase, except the lowercase methods std_vector.i's C# code calls
 // (ours named like them are renamed one by one). The internal *Raw calls
 // keep their names.
+// A call on a disposed handle throws instead of dereferencing null.
+%typemap(check) SWIGTYPE *self %{
+  if (!$1) {
+    dparallel_exception_callback(DP_ESTATE, "invalid state: the object is disposed");
+    return $null;
+  }
+%}
+
 %rename("%(firstuppercase)s", %$isfunction, notregexmatch$name="^(size|capacity|reserve|getitem|getitemcopy|setitem)$") "";
 %rename("%(firstuppercase)s", %$isvariable) "";
 %rename(Size) dpswig::TensorList::size;

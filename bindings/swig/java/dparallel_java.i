@@ -76,6 +76,15 @@ class JavaFloatArray : public FloatSource, public FloatSink {
   }
 }
 
+// A call on a closed handle (its native object deleted by close()) throws
+// instead of dereferencing null.
+%typemap(check) SWIGTYPE *self %{
+  if (!$1) {
+    dpswig_java_throw(jenv, DP_ESTATE, "invalid state: the object is closed");
+    return $null;
+  }
+%}
+
 // float[] in and out, one copy.
 %typemap(jni) const dpswig::FloatSource &, dpswig::FloatSink & "jfloatArray"
 %typemap(jtype) const dpswig::FloatSource &, dpswig::FloatSink & "float[]"
