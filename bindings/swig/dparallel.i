@@ -11,6 +11,7 @@
 
 %include "common.i"
 %include "tensor.i"
+%include "comm.i"
 %include "module.i"
 %include "parallel.i"
 %include "dist.i"

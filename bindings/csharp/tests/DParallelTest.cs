@@ -248,29 +248,30 @@ public static class DParallelTest {
           } else if (s % 3 == 1) {
             losses = Parallel.DataParallel(model, input, devices, cpu0, 0, step);
           } else {
-            // ParallelApply over fresh replicas and the two halves.
+            // ParallelApply over fresh replicas and the scattered halves;
+            // the losses gathered, and summed with ReduceAdd.
             using (var replicas = Parallel.Replicate(model, devices))
+            using (var chunks = Parallel.Scatter(input, devices, 0))
             using (var r0 = replicas.Get(0))
-            using (var r1 = replicas.Get(1)) {
-              float[] rows = input.ToArray();
-              int half = BATCH / 2 * 2 * WIDTH;
-              var first = new float[half];
-              var second = new float[rows.Length - half];
-              Array.Copy(rows, 0, first, 0, half);
-              Array.Copy(rows, half, second, 0, second.Length);
-              using (var in0 = Tensor.Of(first, BATCH / 2, 2 * WIDTH))
-              using (var in1 = new Tensor(new Device("cpu:1"), BATCH / 2, 2 * WIDTH)) {
-                in1.CopyFrom(second);
-                var mv = new ModuleVector { r0, r1 };
-                var tv = new TensorVector { in0, in1 };
-                using (var outs = Parallel.ParallelApply(mv, tv, new DeviceList(), step)) {
-                  Expect(outs.Size() == 2, "ParallelApply gives one output per replica");
-                  using (var o1 = outs.Get(1)) {
-                    Expect(o1.GetDevice().ToString() == "cpu:1", "replica 1's output is on cpu:1, not " + o1.GetDevice());
-                  }
+            using (var r1 = replicas.Get(1))
+            using (var in0 = chunks.Get(0))
+            using (var in1 = chunks.Get(1)) {
+              Expect(chunks.Size() == 2 && in1.GetDevice().ToString() == "cpu:1", "Scatter puts chunk 1 on cpu:1");
+              var mv = new ModuleVector { r0, r1 };
+              var tv = new TensorVector { in0, in1 };
+              using (var outs = Parallel.ParallelApply(mv, tv, new DeviceList(), step))
+              using (var o0 = outs.Get(0))
+              using (var o1 = outs.Get(1)) {
+                Expect(outs.Size() == 2, "ParallelApply gives one output per replica");
+                Expect(o1.GetDevice().ToString() == "cpu:1", "replica 1's output is on cpu:1, not " + o1.GetDevice());
+                var ov = new TensorVector { o0, o1 };
+                using (var sum = Parallel.ReduceAdd(ov, cpu0)) {
+                  losses = Parallel.Gather(ov, 0, cpu0);
+                  float[] l = losses.ToArray();
+                  Expect(sum.ToArray()[0] == l[0] + l[1], "ReduceAdd sums what Gather concatenates");
                 }
-                Parallel.ReduceGradients(mv, model);
               }
+              Parallel.ReduceGradients(mv, model);
             }
           }
           if (losses != null) {
@@ -281,6 +282,11 @@ public static class DParallelTest {
           }
           Sgd(model);
         }
+      }
+      using (var t = Tensor.Of(new float[] { 1, 2, 3 }, 3))
+      using (var copies = Parallel.Broadcast(t, devices))
+      using (var c1 = copies.Get(1)) {
+        Expect(c1.GetDevice().ToString() == "cpu:1" && c1.ToArray()[2] == 3, "Broadcast copies to cpu:1");
       }
       Expect(step.Calls == 2 * STEPS, "the forward ran once per replica and step: " + step.Calls);
       Expect(!step.OnCallerThread, "the forward ran on the library's worker threads, not the caller's");

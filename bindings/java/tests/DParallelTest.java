@@ -253,33 +253,34 @@ public class DParallelTest {
           } else if (s % 3 == 1) {
             losses = Parallel.dataParallel(model, input, devices, cpu0, 0, step);
           } else {
-            // parallelApply over fresh replicas and scattered halves.
-            try (ModuleList replicas = Parallel.replicate(model, devices, false)) {
+            // parallelApply over fresh replicas and the scattered halves;
+            // the losses gathered, and summed with reduceAdd.
+            try (ModuleList replicas = Parallel.replicate(model, devices, false);
+                 TensorList chunks = Parallel.scatter(input, devices, 0);
+                 Module r0 = replicas.get(0); Module r1 = replicas.get(1);
+                 Tensor in0 = chunks.get(0); Tensor in1 = chunks.get(1)) {
+              expect(chunks.size() == 2 && in1.device().toString().equals("cpu:1"), "scatter puts chunk 1 on cpu:1");
               ModuleVector mv = new ModuleVector();
-              TensorVector tv = new TensorVector();
-              Module r0 = replicas.get(0), r1 = replicas.get(1);
               mv.add(r0);
               mv.add(r1);
-              float[] rows = input.toArray();
-              int half = BATCH / 2 * 2 * WIDTH;
-              Tensor in0 = Tensor.of(java.util.Arrays.copyOfRange(rows, 0, half), BATCH / 2, 2 * WIDTH);
-              Tensor in1 = new Tensor(new Device("cpu:1"), BATCH / 2, 2 * WIDTH);
-              in1.copyFrom(java.util.Arrays.copyOfRange(rows, half, rows.length));
+              TensorVector tv = new TensorVector();
               tv.add(in0);
               tv.add(in1);
-              try (TensorList outs = Parallel.parallelApply(mv, tv, new DeviceList(), step)) {
+              try (TensorList outs = Parallel.parallelApply(mv, tv, new DeviceList(), step);
+                   Tensor o0 = outs.get(0); Tensor o1 = outs.get(1)) {
                 expect(outs.size() == 2, "parallelApply gives one output per replica");
-                Tensor o1 = outs.get(1);
                 expect(o1.device().toString().equals("cpu:1"), "replica 1's output is on cpu:1, not " + o1.device().toString());
-                o1.close();
+                TensorVector ov = new TensorVector();
+                ov.add(o0);
+                ov.add(o1);
+                try (Tensor sum = Parallel.reduceAdd(ov, cpu0)) {
+                  losses = Parallel.gather(ov, 0, cpu0);
+                  float[] l = losses.toArray();
+                  expect(sum.toArray()[0] == l[0] + l[1], "reduceAdd sums what gather concatenates");
+                }
               }
               Parallel.reduceGradients(mv, model);
-              in0.close();
-              in1.close();
-              r0.close();
-              r1.close();
             }
-            losses = null;
           }
           if (losses != null) {
             expect(losses.numel() == 2, "one loss per replica, got " + losses.numel());
@@ -289,6 +290,10 @@ public class DParallelTest {
           }
           sgd(model);
         }
+      }
+      try (Tensor t = Tensor.of(new float[] {1, 2, 3}, 3); TensorList copies = Parallel.broadcast(t, devices);
+           Tensor c1 = copies.get(1)) {
+        expect(c1.device().toString().equals("cpu:1") && c1.toArray()[2] == 3, "broadcast copies to cpu:1");
       }
       expect(step.calls.get() == 2 * STEPS, "the forward ran once per replica and step: " + step.calls.get());
       expect(!step.onCallerThread, "the forward ran on the library's worker threads, not the caller's");
