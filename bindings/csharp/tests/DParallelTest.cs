@@ -1,0 +1,530 @@
+// Trains a small tanh MLP with its forward and backward written in C#, on
+// two logical CPU devices (replica sets, DataParallel, ParallelApply) or one
+// process per rank under dp-run (DDP, with the default and a C# comm hook),
+// and checks parity with plain single-device training. Also pins that
+// exceptions thrown in callbacks surface in the caller and that bad
+// arguments raise DParallelException naming the argument.
+//
+//   mono DParallelTest.exe data-parallel|forward-throws|bad-argument|store
+//   dp-run -n 2 mono DParallelTest.exe ddp
+using System;
+using System.IO;
+using System.Threading;
+using DParallel;
+
+public static class DParallelTest {
+  const int LAYERS = 3, WIDTH = 8, BATCH = 24, STEPS = 6;
+  const float LR = 0.5f;
+  // Observed differences are ~1e-8 (summation order); a learning rate 0.1%
+  // off already moves parameters by ~3e-5.
+  const double RTOL = 1e-5, ATOL = 1e-6;
+
+  static void Fail(string message) {
+    Console.Error.WriteLine("FAIL: " + message);
+    Environment.Exit(1);
+  }
+
+  static void Expect(bool ok, string message) {
+    if (!ok) Fail(message);
+  }
+
+  // ---- deterministic data (splitmix64) ----
+  static ulong state;
+
+  static float Uniform() {
+    ulong z = (state += 0x9e3779b97f4a7c15UL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9UL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebUL;
+    z = z ^ (z >> 31);
+    return (float)((z >> 11) * (1.0 / 9007199254740992.0)) - 0.5f;
+  }
+
+  static float[][] InitialWeights(bool bias) {
+    var output = new float[LAYERS][];
+    for (int l = 0; l < LAYERS; ++l) {
+      output[l] = new float[bias ? WIDTH : WIDTH * WIDTH];
+      for (int i = 0; i < output[l].Length; ++i) output[l][i] = Uniform() * (bias ? 0.2f : 1.2f / (float)Math.Sqrt(WIDTH));
+    }
+    return output;
+  }
+
+  static float[][] Zeros(int n) {
+    var output = new float[LAYERS][];
+    for (int l = 0; l < LAYERS; ++l) output[l] = new float[n];
+    return output;
+  }
+
+  /// Rows of [x | y] for step `step`, BATCH x 2*WIDTH.
+  static float[] Batch(int step) {
+    state = (ulong)(1000 + step);
+    var rows = new float[BATCH * 2 * WIDTH];
+    for (int i = 0; i < rows.Length; ++i) rows[i] = Uniform();
+    return rows;
+  }
+
+  static string WeightName(int l) { return "fc" + l + ".weight"; }
+  static string BiasName(int l) { return "fc" + l + ".bias"; }
+
+  /// Forward and backward of the MLP (tanh after every layer but the last,
+  /// MSE over fullBatch rows) over `n` rows of `rows` from row `first`;
+  /// writes into gw/gb this part's gradient times `world`, calls layerDone
+  /// after each layer's gradients, and returns its part of the loss.
+  static double ForwardBackward(float[][] w, float[][] b, float[][] gw, float[][] gb, float[] rows, int first, int n,
+                                int fullBatch, int world, Action<int> layerDone) {
+    const int W = WIDTH, L = LAYERS, ld = 2 * WIDTH;
+    var act = new float[L][];
+    for (int l = 0; l < L; ++l) {
+      act[l] = new float[n * W];
+      for (int r = 0; r < n; ++r) {
+        for (int j = 0; j < W; ++j) {
+          float s = 0;
+          for (int k = 0; k < W; ++k) {
+            float input = l == 0 ? rows[(first + r) * ld + k] : act[l - 1][r * W + k];
+            s += input * w[l][j * W + k];
+          }
+          float v = s + b[l][j];
+          act[l][r * W + j] = l < L - 1 ? (float)Math.Tanh(v) : v;
+        }
+      }
+    }
+    double loss = 0;
+    var dz = new float[n * W];
+    float scale = 2.0f * world / (float)(fullBatch * W);
+    for (int r = 0; r < n; ++r) {
+      for (int j = 0; j < W; ++j) {
+        float diff = act[L - 1][r * W + j] - rows[(first + r) * ld + W + j];
+        loss += (double)diff * diff;
+        dz[r * W + j] = diff * scale;
+      }
+    }
+    for (int l = L - 1; l >= 0; --l) {
+      for (int j = 0; j < W; ++j) {
+        for (int k = 0; k < W; ++k) {
+          float s = 0;
+          for (int r = 0; r < n; ++r) {
+            float input = l == 0 ? rows[(first + r) * ld + k] : act[l - 1][r * W + k];
+            s += dz[r * W + j] * input;
+          }
+          gw[l][j * W + k] = s;
+        }
+        float sb = 0;
+        for (int r = 0; r < n; ++r) sb += dz[r * W + j];
+        gb[l][j] = sb;
+      }
+      layerDone?.Invoke(l);
+      if (l == 0) break;
+      var da = new float[n * W];
+      for (int r = 0; r < n; ++r) {
+        for (int k = 0; k < W; ++k) {
+          float s = 0;
+          for (int j = 0; j < W; ++j) s += dz[r * W + j] * w[l][j * W + k];
+          float a = act[l - 1][r * W + k];
+          da[r * W + k] = s * (1.0f - a * a);
+        }
+      }
+      dz = da;
+    }
+    return loss / (double)(fullBatch * W);
+  }
+
+  /// Plain single-device training on full batches: the reference.
+  static float[][][] Reference() {
+    state = 7;
+    float[][] w = InitialWeights(false), b = InitialWeights(true);
+    float[][] gw = Zeros(WIDTH * WIDTH), gb = Zeros(WIDTH);
+    for (int step = 0; step < STEPS; ++step) {
+      ForwardBackward(w, b, gw, gb, Batch(step), 0, BATCH, BATCH, 1, null);
+      for (int l = 0; l < LAYERS; ++l) {
+        for (int i = 0; i < w[l].Length; ++i) w[l][i] -= LR * gw[l][i];
+        for (int i = 0; i < b[l].Length; ++i) b[l][i] -= LR * gb[l][i];
+      }
+    }
+    return new[] { w, b };
+  }
+
+  static Module BuildModel() {
+    state = 7;
+    float[][] w = InitialWeights(false), b = InitialWeights(true);
+    var model = new Module();
+    for (int l = 0; l < LAYERS; ++l) {
+      using (var layer = new Module())
+      using (var weight = Tensor.Of(w[l], WIDTH, WIDTH))
+      using (var bias = Tensor.Of(b[l], WIDTH)) {
+        layer.RegisterParameter("weight", weight);
+        layer.RegisterParameter("bias", bias);
+        model.RegisterModule("fc" + l, layer);
+      }
+    }
+    return model;
+  }
+
+  /// Reads the parameters through zero-copy spans.
+  static void LoadParams(Module m, float[][] w, float[][] b) {
+    for (int l = 0; l < LAYERS; ++l) {
+      using (var tw = m.GetParameter(WeightName(l)))
+      using (var tb = m.GetParameter(BiasName(l))) {
+        tw.AsSpan().CopyTo(w[l]);
+        tb.AsSpan().CopyTo(b[l]);
+      }
+    }
+  }
+
+  static void StoreGrads(Module m, int l, float[][] gw, float[][] gb) {
+    using (var tw = m.Grad(WeightName(l)))
+    using (var tb = m.Grad(BiasName(l))) {
+      new Span<float>(gw[l]).CopyTo(tw.AsSpan());
+      new Span<float>(gb[l]).CopyTo(tb.AsSpan());
+    }
+  }
+
+  static void Sgd(Module m) {
+    for (int l = 0; l < LAYERS; ++l) {
+      foreach (string name in new[] { WeightName(l), BiasName(l) }) {
+        using (var p = m.GetParameter(name))
+        using (var g = m.Grad(name)) {
+          Span<float> pv = p.AsSpan(), gv = g.AsSpan();
+          for (int i = 0; i < pv.Length; ++i) pv[i] -= LR * gv[i];
+        }
+      }
+    }
+  }
+
+  static void CheckParity(Module m, string what) {
+    float[][][] reference = Reference();
+    double worst = 0;
+    int bad = 0;
+    for (int l = 0; l < LAYERS; ++l) {
+      for (int part = 0; part < 2; ++part) {
+        float[] got;
+        using (var t = m.GetParameter(part == 0 ? WeightName(l) : BiasName(l))) got = t.ToArray();
+        float[] want = reference[part][l];
+        for (int i = 0; i < want.Length; ++i) {
+          double diff = Math.Abs((double)got[i] - want[i]);
+          if (!(diff <= ATOL + RTOL * Math.Abs(want[i]))) ++bad;
+          worst = Math.Max(worst, diff);
+        }
+      }
+    }
+    Console.WriteLine("{0}: parity with single-device training: max |difference| {1:G3}, {2} values off", what, worst, bad);
+    Expect(bad == 0, what + ": parameters differ from single-device training");
+  }
+
+  /// The replica's forward and backward, in C#, reading the replica's
+  /// parameters and writing its gradients through spans; returns the loss as
+  /// a 1-element tensor on the replica's device.
+  class Step : ForwardFunction {
+    public int Calls;
+    public volatile bool OnCallerThread;
+    readonly Thread caller = Thread.CurrentThread;
+
+    public override Tensor Forward(ulong index, Module replica, Tensor input, Device device) {
+      Interlocked.Increment(ref Calls);
+      if (Thread.CurrentThread == caller) OnCallerThread = true;
+      int n = (int)input.ShapeArray()[0];
+      var rows = input.ToArray();
+      float[][] w = Zeros(WIDTH * WIDTH), b = Zeros(WIDTH), gw = Zeros(WIDTH * WIDTH), gb = Zeros(WIDTH);
+      LoadParams(replica, w, b);
+      double loss = ForwardBackward(w, b, gw, gb, rows, 0, n, BATCH, 1, null);
+      for (int l = 0; l < LAYERS; ++l) StoreGrads(replica, l, gw, gb);
+      var output = new Tensor(device, 1);
+      Span<float> value = output.AsSpan();
+      value[0] = (float)loss;
+      return output;
+    }
+  }
+
+  static void RunDataParallel() {
+    DeviceList devices = Device.List("cpu:0,cpu:1");
+    var cpu0 = new Device("cpu:0");
+    var step = new Step();
+    using (var model = BuildModel())
+    using (var set = new ReplicaSet(model, devices)) {
+      for (int s = 0; s < STEPS; ++s) {
+        using (var input = Tensor.Of(Batch(s), BATCH, 2 * WIDTH)) {
+          model.ZeroGrad();
+          Tensor losses = null;
+          if (s % 3 == 0) {
+            set.Sync();
+            losses = set.Apply(input, 0, cpu0, step);
+            set.ReduceGradients();
+          } else if (s % 3 == 1) {
+            losses = Parallel.DataParallel(model, input, devices, cpu0, 0, step);
+          } else {
+            // ParallelApply over fresh replicas and the scattered halves;
+            // the losses gathered, and summed with ReduceAdd.
+            using (var replicas = Parallel.Replicate(model, devices))
+            using (var chunks = Parallel.Scatter(input, devices, 0))
+            using (var r0 = replicas.Get(0))
+            using (var r1 = replicas.Get(1))
+            using (var in0 = chunks.Get(0))
+            using (var in1 = chunks.Get(1)) {
+              Expect(chunks.Size() == 2 && in1.GetDevice().ToString() == "cpu:1", "Scatter puts chunk 1 on cpu:1");
+              var mv = new ModuleVector { r0, r1 };
+              var tv = new TensorVector { in0, in1 };
+              using (var outs = Parallel.ParallelApply(mv, tv, new DeviceList(), step))
+              using (var o0 = outs.Get(0))
+              using (var o1 = outs.Get(1)) {
+                Expect(outs.Size() == 2, "ParallelApply gives one output per replica");
+                Expect(o1.GetDevice().ToString() == "cpu:1", "replica 1's output is on cpu:1, not " + o1.GetDevice());
+                var ov = new TensorVector { o0, o1 };
+                using (var sum = Parallel.ReduceAdd(ov, cpu0)) {
+                  losses = Parallel.Gather(ov, 0, cpu0);
+                  float[] l = losses.ToArray();
+                  Expect(sum.ToArray()[0] == l[0] + l[1], "ReduceAdd sums what Gather concatenates");
+                }
+              }
+              Parallel.ReduceGradients(mv, model);
+            }
+          }
+          if (losses != null) {
+            Expect(losses.Numel() == 2, "one loss per replica, got " + losses.Numel());
+            float[] l = losses.ToArray();
+            Console.WriteLine("step {0} loss {1:F6}", s + 1, l[0] + l[1]);
+            losses.Dispose();
+          }
+          Sgd(model);
+        }
+      }
+      using (var t = Tensor.Of(new float[] { 1, 2, 3 }, 3))
+      using (var copies = Parallel.Broadcast(t, devices))
+      using (var c1 = copies.Get(1)) {
+        Expect(c1.GetDevice().ToString() == "cpu:1" && c1.ToArray()[2] == 3, "Broadcast copies to cpu:1");
+      }
+      Expect(step.Calls == 2 * STEPS, "the forward ran once per replica and step: " + step.Calls);
+      Expect(!step.OnCallerThread, "the forward ran on the library's worker threads, not the caller's");
+      CheckParity(model, "data-parallel on cpu:0,cpu:1");
+    }
+  }
+
+  class Throwing : ForwardFunction {
+    public override Tensor Forward(ulong index, Module replica, Tensor input, Device device) {
+      if (index == 1) throw new InvalidOperationException("forward failed on replica " + index);
+      return input;
+    }
+  }
+
+  class ThrowingIo : ForwardFunction {
+    public override Tensor Forward(ulong index, Module replica, Tensor input, Device device) {
+      throw new IOException("I/O failure in replica " + index);
+    }
+  }
+
+  class BadName : ForwardFunction {
+    public override Tensor Forward(ulong index, Module replica, Tensor input, Device device) {
+      replica.GetParameter("no.such.parameter").Dispose();
+      return input;
+    }
+  }
+
+  class Disposes : ForwardFunction {
+    public override Tensor Forward(ulong index, Module replica, Tensor input, Device device) {
+      using (var output = new Tensor(device, 1)) return output;
+    }
+  }
+
+  static void ForwardThrows() {
+    DeviceList devices = Device.List("cpu:0,cpu:1");
+    var cpu0 = new Device("cpu:0");
+    using (var model = BuildModel())
+    using (var set = new ReplicaSet(model, devices))
+    using (var input = Tensor.Of(Batch(0), BATCH, 2 * WIDTH)) {
+      try {
+        set.Apply(input, 0, cpu0, new Throwing());
+        Fail("ReplicaSet.Apply returned although the forward threw");
+      } catch (InvalidOperationException e) {
+        Expect(e.Message == "forward failed on replica 1", "the forward's own exception surfaces: " + e);
+        Console.WriteLine("ReplicaSet.Apply rethrew: " + e.GetType().Name + ": " + e.Message);
+      }
+      try {
+        Parallel.DataParallel(model, input, devices, cpu0, 0, new ThrowingIo()).Dispose();
+        Fail("DataParallel returned although the forward threw");
+      } catch (IOException e) {
+        Console.WriteLine("DataParallel rethrew: " + e.GetType().Name + ": " + e.Message);
+      }
+      // A failing call inside the forward throws DParallelException on the
+      // worker thread; it surfaces in the caller like any other exception.
+      try {
+        set.Apply(input, 0, cpu0, new BadName()).Dispose();
+        Fail("ReplicaSet.Apply returned although the forward's call failed");
+      } catch (DParallelException e) {
+        Expect(e.Code == Status.INVALID && e.Message.Contains("no.such.parameter"),
+               "the worker thread's DParallelException surfaces: " + e.Message);
+        Console.WriteLine("ReplicaSet.Apply rethrew: " + e.Message);
+      }
+      // Returning a tensor that `using` already disposed is caught.
+      try {
+        set.Apply(input, 0, cpu0, new Disposes()).Dispose();
+        Fail("ReplicaSet.Apply returned although the forward returned a disposed tensor");
+      } catch (InvalidOperationException e) {
+        Expect(e.Message.Contains("disposed tensor"), "a disposed output is refused: " + e.Message);
+        Console.WriteLine("ReplicaSet.Apply rethrew: " + e.Message);
+      }
+      // The library and the set stay usable.
+      using (var output = set.Apply(input, 0, cpu0, new Step())) {
+        Expect(output.Numel() == 2, "Apply works after a failed forward");
+      }
+    }
+  }
+
+  /// `call` fails with Status.INVALID and a message that contains `naming`.
+  static void ExpectInvalid(Action call, string naming) {
+    try {
+      call();
+      Fail("no exception; expected one naming " + naming);
+    } catch (DParallelException e) {
+      Expect(e.Code == Status.INVALID, "code " + e.Code + " is Status.INVALID");
+      Expect(e.Message.Contains(naming), "the message names " + naming + ": " + e.Message);
+      Console.WriteLine("DParallelException: " + e.Message);
+    }
+  }
+
+  static void BadArgument() {
+    ExpectInvalid(() => new Device("gpu:0"), "'text'");
+    ExpectInvalid(() => new Tensor(4, -2).Dispose(), "'shape[1]'");
+    using (var t = new Tensor(2, 3)) {
+      ExpectInvalid(() => t.CopyFrom(new float[5]), "'values'");
+      ExpectInvalid(() => t.CopyFrom(null), "'values'");
+    }
+    using (var m = new Module())
+    using (var t = new Tensor(3)) {
+      m.RegisterParameter("w", t);
+      ExpectInvalid(() => m.RegisterParameter("w", t), "'name'");
+      ExpectInvalid(() => m.GetParameter("nope").Dispose(), "\"nope\"");
+    }
+    ExpectInvalid(() => Parallel.DataParallel(new Module(), new Tensor(2), Device.List("cpu:0"), new Device(), 0, null),
+                  "'fn'");
+    // A disposed handle throws, it does not crash.
+    var disposed = new Tensor(2);
+    disposed.Dispose();
+    try {
+      disposed.Numel();
+      Fail("a call on a disposed tensor returned");
+    } catch (DParallelException e) {
+      Expect(e.Code == Status.STATE, "a disposed handle is Status.STATE: " + e.Message);
+      Console.WriteLine("DParallelException: " + e.Message);
+    }
+  }
+
+  /// A TCP store served and used in this process; a missing key times out.
+  static void RunStore() {
+    using (var server = Store.Tcp("127.0.0.1", 0, 1, true, 10000)) {
+      int port = server.Port();
+      Expect(port > 0, "the server picked a free port: " + port);
+      using (var client = Store.Tcp("127.0.0.1", port, 1, false, 10000)) {
+        server.Set("greeting", "hello");
+        Expect(client.Get("greeting") == "hello", "the client reads what the server set");
+        Expect(client.Add("counter", 5) == 5 && server.Add("counter", 2) == 7, "add counts across handles");
+        client.WaitFor(new StringVector { "greeting", "counter" }, 1000);
+        client.SetTimeout(200);
+        try {
+          client.Get("missing");
+          Fail("Get of a missing key returned");
+        } catch (DParallelException e) {
+          Expect(e.Code == Status.TIMEOUT, "a missing key times out: " + e.Message);
+          Console.WriteLine("DParallelException: " + e.Message);
+        }
+      }
+    }
+  }
+
+  class Average : CommHook {
+    public int Calls;
+
+    public override void Reduce(ProcessGroup group, ulong bucketIndex, Tensor bucket) {
+      Interlocked.Increment(ref Calls);
+      group.AllReduce(bucket, ReduceOp.SUM);
+      Span<float> v = bucket.AsSpan();
+      for (int i = 0; i < v.Length; ++i) v[i] /= group.Size();
+    }
+  }
+
+  class Refusing : CommHook {
+    public override void Reduce(ProcessGroup group, ulong bucketIndex, Tensor bucket) {
+      throw new NotSupportedException("hook refused bucket " + bucketIndex);
+    }
+  }
+
+  /// One rank of DDP training: rows [lo, hi) of every batch; the gradients
+  /// are averaged across ranks.
+  static void RunDdp() {
+    var cpu0 = new Device("cpu:0");
+    using (var pg = ProcessGroup.FromEnv(cpu0, 60000))
+    using (var model = BuildModel()) {
+      int rank = pg.Rank(), world = pg.Size();
+      int lo = BATCH * rank / world, hi = BATCH * (rank + 1) / world;
+      var average = new Average();
+      var options = new DdpOptions();
+      options.FirstBucketCapMb = 1e-4;  // several buckets, reduced while the backward goes on
+      options.BucketCapMb = 1e-4;
+      var ddp = new Ddp(model, pg, options);
+      float[][] w = Zeros(WIDTH * WIDTH), b = Zeros(WIDTH), gw = Zeros(WIDTH * WIDTH), gb = Zeros(WIDTH);
+      for (int s = 0; s < STEPS; ++s) {
+        if (s == STEPS / 2) {
+          // The second half of the steps reduces through the C# hook.
+          ddp.Dispose();
+          ddp = new Ddp(model, pg, options, average);
+        }
+        Ddp d = ddp;
+        d.PreForward();
+        LoadParams(model, w, b);
+        double loss = ForwardBackward(w, b, gw, gb, Batch(s), lo, hi - lo, BATCH, world, layer => {
+          StoreGrads(model, layer, gw, gb);
+          d.MarkGradReady(WeightName(layer));
+          d.MarkGradReady(BiasName(layer));
+        });
+        d.FinishBackward();
+        Sgd(model);
+        if (rank == 0) Console.WriteLine("step {0} loss part {1:F6}", s + 1, loss);
+      }
+      Expect(average.Calls > 0, "the C# comm hook ran");
+      Console.WriteLine("rank {0}: {1} buckets, the C# hook ran {2} times", rank, ddp.NumBuckets(), average.Calls);
+      ddp.Dispose();
+      CheckParity(model, "DDP rank " + rank + " of " + world);
+
+      // Collectives of the group, from C#.
+      using (var t = Tensor.Of(new float[] { rank + 1, 10 * (rank + 1), rank == 0 ? 7 : 0 }, 3)) {
+        using (var work = pg.AllReduceAsync(t, ReduceOp.SUM)) {
+          work.WaitFor();
+          Expect(work.Test(), "the work is done after WaitFor");
+        }
+        float[] sum = t.ToArray();
+        Expect(sum[0] == world * (world + 1) / 2f && sum[1] == 10 * sum[0], "all-reduce sums: " + sum[0] + ", " + sum[1]);
+        pg.Broadcast(t, 0);
+        Expect(t.ToArray()[2] == 7, "broadcast from rank 0");
+        pg.Barrier();
+      }
+
+      // A hook that throws: FinishBackward rethrows it on every rank.
+      using (var bad = new Ddp(model, pg, options, new Refusing())) {
+        bad.PreForward();
+        for (int l = LAYERS - 1; l >= 0; --l) {
+          bad.MarkGradReady(WeightName(l));
+          bad.MarkGradReady(BiasName(l));
+        }
+        try {
+          bad.FinishBackward();
+          Fail("FinishBackward returned although the hook threw");
+        } catch (NotSupportedException e) {
+          Expect(e.Message.StartsWith("hook refused bucket"), "the hook's own exception surfaces: " + e);
+          Console.WriteLine("rank {0}: FinishBackward rethrew: {1}", rank, e.Message);
+        }
+      }
+    }
+  }
+
+  public static int Main(string[] args) {
+    string mode = args.Length > 0 ? args[0] : "";
+    switch (mode) {
+      case "data-parallel": RunDataParallel(); break;
+      case "forward-throws": ForwardThrows(); break;
+      case "bad-argument": BadArgument(); break;
+      case "store": RunStore(); break;
+      case "ddp": RunDdp(); break;
+      default: Fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|ddp"); break;
+    }
+    GC.Collect();
+    GC.WaitForPendingFinalizers();
+    Console.WriteLine("OK " + mode);
+    return 0;
+  }
+}

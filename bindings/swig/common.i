@@ -1,0 +1,33 @@
+// Errors, constants and devices. Handles are closed through the language's
+// own close()/Dispose(), so the C++ close() and the raw handle accessors stay
+// hidden everywhere.
+%{
+#include "dpswig_common.hpp"
+%}
+%include <std_string.i>
+%include <std_vector.i>
+%include <stdint.i>
+
+%ignore dpswig::Error;
+%ignore dpswig::check;
+%ignore dpswig::fail_argument;
+%ignore dpswig::rawDevices;
+%ignore dpswig::PendingException;
+%ignore dpswig::FloatSource;
+%ignore dpswig::FloatSink;
+%ignore dpswig::HostBytes;
+%ignore dpswig::Device::raw;
+%ignore dpswig::Device::fromRaw;
+%ignore *::close;
+%ignore *::handle;
+%ignore *::release;
+%ignore *::handles;
+%ignore *::trampoline;
+%ignore *::rethrowPending;
+
+%include "dpswig_common.hpp"
+
+%template(DeviceList) std::vector<dpswig::Device>;
+%template(LongVector) std::vector<long long>;
+%template(StringVector) std::vector<std::string>;
+%template(SizeVector) std::vector<size_t>;

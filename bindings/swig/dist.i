@@ -1,0 +1,13 @@
+// Stores, process groups and their async work.
+%{
+#include "dpswig_dist.hpp"
+%}
+%newobject dpswig::Store::tcp;
+%newobject dpswig::Store::file;
+%newobject dpswig::ProcessGroup::fromEnv;
+%newobject dpswig::ProcessGroup::create;
+%newobject dpswig::ProcessGroup::allReduceAsync;
+%ignore dpswig::Work::Work(dp_work*);
+%ignore dpswig::ProcessGroup::ProcessGroup(dp_process_group*, bool);
+
+%include "dpswig_dist.hpp"

@@ -1,0 +1,170 @@
+// dparallel's SWIG layer: C++ classes over the C ABI that SWIG turns into
+// Java and C# classes. One class per handle; a failing dp_status becomes a
+// dpswig::Error (code and dp_last_error()), which each language's typemaps
+// turn into its DParallelException. Host callbacks (forward functions, comm
+// hooks) are director classes: the language side catches its own exceptions
+// and keeps them for the caller's thread (see java/ and csharp/), so nothing
+// is ever thrown through the library's worker threads.
+//
+// This header: errors, constants, devices, host memory views.
+#ifndef DPARALLEL_BINDINGS_SWIG_COMMON_HPP
+#define DPARALLEL_BINDINGS_SWIG_COMMON_HPP
+
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dparallel/dparallel.h"
+
+namespace dpswig {
+
+class Error : public std::exception {
+ public:
+  Error(int code, std::string message) : code_(code), message_(std::move(message)) {}
+  int code() const { return code_; }
+  const char* what() const noexcept override { return message_.c_str(); }
+
+ private:
+  int code_;
+  std::string message_;
+};
+
+inline void check(dp_status status) {
+  if (status < 0) {
+    const char* message = dp_last_error();
+    throw Error(status, std::string(dp_status_string(status)) + ": " + (message != nullptr ? message : ""));
+  }
+}
+
+inline void fail_argument(const char* message) { throw Error(DP_EINVAL, std::string("invalid argument: ") + message); }
+
+// Status codes, dtypes, reduce ops and comm hooks as constants of the
+// language side's classes.
+struct Status {
+  static const int OK = DP_OK;
+  static const int INVALID = DP_EINVAL;
+  static const int NO_MEMORY = DP_ENOMEM;
+  static const int DEVICE = DP_EDEVICE;
+  static const int TIMEOUT = DP_ETIMEOUT;
+  static const int REMOTE = DP_EREMOTE;
+  static const int USER = DP_EUSER;
+  static const int IO = DP_EIO;
+  static const int STATE = DP_ESTATE;
+  static const int UNSUPPORTED = DP_EUNSUPPORTED;
+  static const int INTERNAL = DP_EINTERNAL;
+  static std::string name(int code) { return dp_status_string(code); }
+};
+struct DType {
+  static const int FLOAT32 = DP_FLOAT32;
+  static const int FLOAT64 = DP_FLOAT64;
+  static const int FLOAT16 = DP_FLOAT16;
+  static const int BFLOAT16 = DP_BFLOAT16;
+  static const int INT8 = DP_INT8;
+  static const int UINT8 = DP_UINT8;
+  static const int INT32 = DP_INT32;
+  static const int INT64 = DP_INT64;
+  static const int BOOL = DP_BOOL;
+};
+inline std::string lastError() { return dp_last_error(); }
+inline unsigned versionNumber() { return dp_version_number(); }
+
+class Device {
+ public:
+  Device() : d_{DP_DEVICE_CPU, 0} {}
+  // "cpu", "cpu:1", "cuda:0".
+  explicit Device(const std::string& text) : d_{DP_DEVICE_CPU, 0} { check(dp_device_parse(text.c_str(), &d_)); }
+  int type() const { return d_.type; }
+  int index() const { return d_.index; }
+  bool isCpu() const { return d_.type == DP_DEVICE_CPU; }
+  std::string toString() const {
+    char buf[64];
+    check(dp_device_format(d_, buf, sizeof buf));
+    return buf;
+  }
+  bool equals(const Device& other) const { return d_.type == other.d_.type && d_.index == other.d_.index; }
+  // "cpu:0,cpu:1" as a list.
+  static std::vector<Device> list(const std::string& commaSeparated) {
+    std::vector<Device> out;
+    size_t start = 0;
+    while (start <= commaSeparated.size()) {
+      size_t end = commaSeparated.find(',', start);
+      if (end == std::string::npos) end = commaSeparated.size();
+      out.emplace_back(commaSeparated.substr(start, end - start));
+      start = end + 1;
+    }
+    return out;
+  }
+  static int count(int type) {
+    int32_t n = 0;
+    check(dp_device_count(type, &n));
+    return n;
+  }
+  static const int CPU = DP_DEVICE_CPU;
+  static const int CUDA = DP_DEVICE_CUDA;
+
+  dp_device raw() const { return d_; }
+  static Device fromRaw(dp_device d) {
+    Device out;
+    out.d_ = d;
+    return out;
+  }
+
+ private:
+  dp_device d_;
+};
+
+inline std::vector<dp_device> rawDevices(const std::vector<Device>& devices) {
+  std::vector<dp_device> out;
+  out.reserve(devices.size());
+  for (const Device& d : devices) out.push_back(d.raw());
+  return out;
+}
+
+// A range of host memory for the languages' zero-copy views.
+struct HostBytes {
+  void* data;
+  size_t size;
+};
+
+// Where Java's float[] is read from and written to without a staging copy.
+class FloatSource {
+ public:
+  virtual ~FloatSource() {}
+  virtual size_t size() const = 0;
+  virtual void read(float* dst) const = 0;
+};
+class FloatSink {
+ public:
+  virtual ~FloatSink() {}
+  virtual size_t size() const = 0;
+  virtual void write(const float* src) = 0;
+};
+
+// Keeps the first C++ exception a callback raised on a worker thread, for
+// the caller's thread to rethrow.
+class PendingException {
+ public:
+  void set(std::exception_ptr e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!e_) e_ = e;
+  }
+  void rethrow() {
+    std::exception_ptr e;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      std::swap(e, e_);
+    }
+    if (e) std::rethrow_exception(e);
+  }
+
+ private:
+  std::mutex mu_;
+  std::exception_ptr e_;
+};
+
+}  // namespace dpswig
+
+#endif  // DPARALLEL_BINDINGS_SWIG_COMMON_HPP

@@ -1,0 +1,170 @@
+// dparallel's SWIG layer: stores, process groups and their async work.
+#ifndef DPARALLEL_BINDINGS_SWIG_DIST_HPP
+#define DPARALLEL_BINDINGS_SWIG_DIST_HPP
+
+#include "dpswig_tensor.hpp"
+
+namespace dpswig {
+
+struct ReduceOp {
+  static const int SUM = DP_SUM;
+  static const int AVG = DP_AVG;
+  static const int MIN = DP_MIN;
+  static const int MAX = DP_MAX;
+  static const int PROD = DP_PROD;
+};
+// ---- processes ----
+
+class Store {
+ public:
+  static Store* tcp(const std::string& host, int port, int worldSize, bool isServer, int timeoutMs) {
+    if (port < 0 || port > 65535) fail_argument("'port' must be in 0..65535");
+    Store* s = new Store();
+    dp_status st =
+        dp_store_create_tcp(&s->h_, host.c_str(), static_cast<uint16_t>(port), worldSize, isServer ? 1 : 0, timeoutMs);
+    if (st < 0) delete s;
+    check(st);
+    return s;
+  }
+  static Store* file(const std::string& path, int worldSize) {
+    Store* s = new Store();
+    dp_status st = dp_store_create_file(&s->h_, path.c_str(), worldSize);
+    if (st < 0) delete s;
+    check(st);
+    return s;
+  }
+  ~Store() { dp_store_destroy(h_); }
+  Store(const Store&) = delete;
+  Store& operator=(const Store&) = delete;
+  void close() {
+    dp_store_destroy(h_);
+    h_ = nullptr;
+  }
+  void set(const std::string& key, const std::string& value) {
+    check(dp_store_set(handle(), key.c_str(), value.data(), value.size()));
+  }
+  std::string get(const std::string& key) {
+    size_t len = 0;
+    check(dp_store_get(handle(), key.c_str(), nullptr, 0, &len));
+    std::string out(len, '\0');
+    check(dp_store_get(handle(), key.c_str(), len > 0 ? &out[0] : nullptr, len, &len));
+    out.resize(len);
+    return out;
+  }
+  long long add(const std::string& key, long long delta) {
+    int64_t out = 0;
+    check(dp_store_add(handle(), key.c_str(), delta, &out));
+    return out;
+  }
+  void waitFor(const std::vector<std::string>& keys, int timeoutMs = -1) {
+    std::vector<const char*> k;
+    for (const std::string& key : keys) k.push_back(key.c_str());
+    check(dp_store_wait(handle(), k.data(), k.size(), timeoutMs));
+  }
+  int port() const {
+    uint16_t p = 0;
+    check(dp_store_tcp_port(handle(), &p));
+    return p;
+  }
+  void setTimeout(int timeoutMs) { check(dp_store_set_timeout(handle(), timeoutMs)); }
+  dp_store* handle() const {
+    if (h_ == nullptr) throw Error(DP_ESTATE, "the store is closed");
+    return h_;
+  }
+
+ private:
+  Store() {}
+  dp_store* h_ = nullptr;
+};
+
+class Work {
+ public:
+  ~Work() { dp_work_destroy(h_); }
+  Work(const Work&) = delete;
+  Work& operator=(const Work&) = delete;
+  void close() {
+    dp_work_destroy(h_);
+    h_ = nullptr;
+  }
+  void waitFor() { check(dp_work_wait(handle())); }
+  bool test() {
+    int done = 0;
+    check(dp_work_test(handle(), &done));
+    return done != 0;
+  }
+  explicit Work(dp_work* handle) : h_(handle) {}
+
+ private:
+  dp_work* handle() const {
+    if (h_ == nullptr) throw Error(DP_ESTATE, "the work is closed");
+    return h_;
+  }
+  dp_work* h_ = nullptr;
+};
+
+class ProcessGroup {
+ public:
+  // Rank, world size and store from the environment dp-run, torchrun or
+  // mpirun sets; tensors on `device`.
+  static ProcessGroup* fromEnv(const Device& device = Device(), int timeoutMs = 300000) {
+    dp_process_group_options opts;
+    check(dp_process_group_options_init(&opts));
+    opts.device = device.raw();
+    opts.timeout_ms = timeoutMs;
+    ProcessGroup* pg = new ProcessGroup(nullptr, true);
+    dp_status s = dp_process_group_create_from_env(&pg->h_, &opts);
+    if (s < 0) delete pg;
+    check(s);
+    return pg;
+  }
+  // Every rank calls it with the same store and world size.
+  static ProcessGroup* create(Store& store, int rank, int worldSize, const Device& device = Device(),
+                              int timeoutMs = 300000) {
+    dp_process_group_options opts;
+    check(dp_process_group_options_init(&opts));
+    opts.store = store.handle();
+    opts.rank = rank;
+    opts.world_size = worldSize;
+    opts.device = device.raw();
+    opts.timeout_ms = timeoutMs;
+    ProcessGroup* pg = new ProcessGroup(nullptr, true);
+    dp_status s = dp_process_group_create(&pg->h_, &opts);
+    if (s < 0) delete pg;
+    check(s);
+    return pg;
+  }
+  ~ProcessGroup() {
+    if (owned_) dp_process_group_destroy(h_);
+  }
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+  void close() {
+    if (owned_) dp_process_group_destroy(h_);
+    h_ = nullptr;
+  }
+  int rank() const { return dp_process_group_rank(handle()); }
+  int size() const { return dp_process_group_size(handle()); }
+  std::string backend() const { return dp_process_group_backend(handle()); }
+  void allReduce(Tensor& tensor, int op = DP_SUM) { check(dp_pg_all_reduce(handle(), tensor.handle(), op)); }
+  Work* allReduceAsync(Tensor& tensor, int op = DP_SUM) {
+    dp_work* w = nullptr;
+    check(dp_pg_all_reduce_async(handle(), tensor.handle(), op, &w));
+    return new Work(w);
+  }
+  void broadcast(Tensor& tensor, int root) { check(dp_pg_broadcast(handle(), tensor.handle(), root)); }
+  void barrier() { check(dp_pg_barrier(handle())); }
+
+  ProcessGroup(dp_process_group* handle, bool owned) : h_(handle), owned_(owned) {}
+  dp_process_group* handle() const {
+    if (h_ == nullptr) throw Error(DP_ESTATE, "the process group is closed");
+    return h_;
+  }
+
+ private:
+  dp_process_group* h_ = nullptr;
+  bool owned_ = true;
+};
+
+}  // namespace dpswig
+
+#endif  // DPARALLEL_BINDINGS_SWIG_DIST_HPP

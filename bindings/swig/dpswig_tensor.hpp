@@ -1,0 +1,146 @@
+// dparallel's SWIG layer: tensors and lists of them.
+#ifndef DPARALLEL_BINDINGS_SWIG_TENSOR_HPP
+#define DPARALLEL_BINDINGS_SWIG_TENSOR_HPP
+
+#include "dpswig_common.hpp"
+
+namespace dpswig {
+
+class Tensor {
+ public:
+  Tensor(const std::vector<long long>& shape, const Device& device = Device(), int dtype = DP_FLOAT32) {
+    std::vector<int64_t> extents(shape.begin(), shape.end());
+    check(dp_tensor_create(&h_, dtype, static_cast<int32_t>(extents.size()), extents.empty() ? nullptr : extents.data(),
+                           device.raw()));
+  }
+  ~Tensor() {
+    if (owned_) dp_tensor_destroy(h_);
+  }
+  Tensor(const Tensor&) = delete;
+  Tensor& operator=(const Tensor&) = delete;
+  // Releases this reference now; later calls on the object fail.
+  void close() {
+    if (owned_) dp_tensor_destroy(h_);
+    h_ = nullptr;
+  }
+  bool isClosed() const { return h_ == nullptr; }
+  int dtype() const { return dp_tensor_dtype(handle()); }
+  int ndim() const { return dp_tensor_ndim(handle()); }
+  std::vector<long long> shape() const {
+    std::vector<int64_t> out(static_cast<size_t>(ndim()));
+    check(dp_tensor_shape(handle(), out.data(), static_cast<int32_t>(out.size())));
+    return std::vector<long long>(out.begin(), out.end());
+  }
+  long long numel() const { return dp_tensor_numel(handle()); }
+  size_t nbytes() const { return dp_tensor_nbytes(handle()); }
+  Device device() const { return Device::fromRaw(dp_tensor_device(handle())); }
+  // The tensor's own memory (cpu tensors only), valid while the tensor lives.
+  HostBytes hostBytes() const {
+    dp_tensor* t = handle();
+    if (dp_tensor_device(t).type != DP_DEVICE_CPU) {
+      throw Error(DP_EUNSUPPORTED, "a view of the tensor's memory needs a cpu tensor; copy it with to() first");
+    }
+    return HostBytes{dp_tensor_data(t), dp_tensor_nbytes(t)};
+  }
+  // One copy from or to a host array of exactly numel float32 values.
+  void copyFrom(const FloatSource& values) {
+    dp_tensor* t = floatTensor(values.size(), "values");
+    if (dp_tensor_device(t).type == DP_DEVICE_CPU) {
+      values.read(static_cast<float*>(dp_tensor_data(t)));
+    } else {
+      std::vector<float> staging(values.size());
+      values.read(staging.data());
+      check(dp_tensor_copy_from_host(t, staging.data(), staging.size() * sizeof(float)));
+    }
+  }
+  void copyTo(FloatSink& values) const {
+    dp_tensor* t = floatTensor(values.size(), "values");
+    if (dp_tensor_device(t).type == DP_DEVICE_CPU) {
+      values.write(static_cast<const float*>(dp_tensor_data(t)));
+    } else {
+      std::vector<float> staging(values.size());
+      check(dp_tensor_copy_to_host(t, staging.data(), staging.size() * sizeof(float)));
+      values.write(staging.data());
+    }
+  }
+  void copyFrom(const float* values, size_t count) {
+    dp_tensor* t = floatTensor(count, "values");
+    check(dp_tensor_copy_from_host(t, values, count * sizeof(float)));
+  }
+  void copyTo(float* values, size_t count) const {
+    dp_tensor* t = floatTensor(count, "values");
+    check(dp_tensor_copy_to_host(t, values, count * sizeof(float)));
+  }
+  // A copy on `device`.
+  Tensor* to(const Device& device) const {
+    dp_tensor* out = nullptr;
+    check(dp_tensor_to_device(&out, handle(), device.raw()));
+    return new Tensor(out, true);
+  }
+  // A new reference to the same memory: it stays valid after this one closes.
+  Tensor* share() const {
+    dp_tensor* t = handle();
+    dp_device d = dp_tensor_device(t);
+    dp_tensor* out = nullptr;
+    check(dp_broadcast(t, &d, 1, &out));
+    return new Tensor(out, true);
+  }
+
+  Tensor(dp_tensor* handle, bool owned) : h_(handle), owned_(owned) {}
+  dp_tensor* handle() const {
+    if (h_ == nullptr) throw Error(DP_ESTATE, "the tensor is closed");
+    return h_;
+  }
+  // Hands the handle over (to the library); this object is closed after.
+  dp_tensor* release() {
+    dp_tensor* h = handle();
+    h_ = nullptr;
+    return h;
+  }
+
+ private:
+  dp_tensor* floatTensor(size_t count, const char* name) const {
+    dp_tensor* t = handle();
+    if (dp_tensor_dtype(t) != DP_FLOAT32) fail_argument("the tensor is not float32; float arrays copy only float32");
+    if (static_cast<int64_t>(count) != dp_tensor_numel(t)) {
+      throw Error(DP_EINVAL, "invalid argument: '" + std::string(name) + "' has " + std::to_string(count) +
+                                 " elements but the tensor has " + std::to_string(dp_tensor_numel(t)));
+    }
+    return t;
+  }
+
+  dp_tensor* h_ = nullptr;
+  bool owned_ = true;
+};
+
+inline dp_tensor* tensorArg(Tensor* t, const char* name) {
+  if (t == nullptr) throw Error(DP_EINVAL, "invalid argument: '" + std::string(name) + "' is null");
+  return t->handle();
+}
+
+class TensorList {
+ public:
+  TensorList() {}
+  ~TensorList() { close(); }
+  TensorList(const TensorList&) = delete;
+  TensorList& operator=(const TensorList&) = delete;
+  size_t size() const { return h_.size(); }
+  Tensor* get(size_t index) const {
+    if (index >= h_.size()) fail_argument("'index' is past the end of the list");
+    if (h_[index] == nullptr) return nullptr;
+    Tensor borrowed(h_[index], false);
+    return borrowed.share();
+  }
+  void close() {
+    for (dp_tensor* t : h_) dp_tensor_destroy(t);
+    h_.clear();
+  }
+  std::vector<dp_tensor*>& handles() { return h_; }
+
+ private:
+  std::vector<dp_tensor*> h_;
+};
+
+}  // namespace dpswig
+
+#endif  // DPARALLEL_BINDINGS_SWIG_TENSOR_HPP

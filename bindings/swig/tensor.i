@@ -1,0 +1,14 @@
+// Tensors: created on a device, read and written in place (the language
+// folders map hostBytes() to a direct buffer or a pointer) or from arrays.
+%{
+#include "dpswig_tensor.hpp"
+%}
+%newobject dpswig::Tensor::to;
+%newobject dpswig::Tensor::share;
+%newobject dpswig::TensorList::get;
+%ignore dpswig::Tensor::Tensor(dp_tensor*, bool);
+%ignore dpswig::tensorArg;
+
+%include "dpswig_tensor.hpp"
+
+%template(TensorVector) std::vector<dpswig::Tensor*>;
