@@ -71,6 +71,24 @@ bool read_exactly(int fd, char* out, size_t n, Clock::time_point deadline) {
   return true;
 }
 
+// One byte with room for one descriptor beside it (SCM_RIGHTS); msghdr
+// points into the object itself, so it is neither copied nor moved.
+struct FdMessage {
+  FdMessage() {
+    message.msg_iov = &io;
+    message.msg_iovlen = 1;
+    message.msg_control = control;
+    message.msg_controllen = sizeof(control);
+  }
+  FdMessage(const FdMessage&) = delete;
+  FdMessage& operator=(const FdMessage&) = delete;
+
+  char byte = 'd';
+  iovec io{&byte, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr message{};
+};
+
 bool same_secret(const char* a, const std::string& b) {
   unsigned char diff = 0;  // every byte compared: the time says nothing of where they differ
   for (size_t i = 0; i < b.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
@@ -199,20 +217,13 @@ bool SegmentDoor::serve(int fd, const std::string& secret, int count, Clock::tim
               read_exactly(peer, presented.data(), secret.size(), std::min(deadline, Clock::now() + kSecretWait)) &&
               same_secret(presented.data(), secret);
     if (ok) {
-      char byte = 'd';
-      iovec io{&byte, 1};
-      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-      msghdr message{};
-      message.msg_iov = &io;
-      message.msg_iovlen = 1;
-      message.msg_control = control;
-      message.msg_controllen = sizeof(control);
-      cmsghdr* header = CMSG_FIRSTHDR(&message);
+      FdMessage out;
+      cmsghdr* header = CMSG_FIRSTHDR(&out.message);
       header->cmsg_level = SOL_SOCKET;
       header->cmsg_type = SCM_RIGHTS;
       header->cmsg_len = CMSG_LEN(sizeof(int));
       std::memcpy(CMSG_DATA(header), &fd, sizeof(int));
-      ok = ::sendmsg(peer, &message, MSG_NOSIGNAL) == 1;
+      ok = ::sendmsg(peer, &out.message, MSG_NOSIGNAL) == 1;
     }
     ::close(peer);
     if (ok) ++served;
@@ -243,17 +254,10 @@ int SegmentDoor::fetch(const std::string& name, const std::string& secret, Clock
     fail_closed(StatusCode::kRemote, str_cat("sending the job's secret failed: ", std::strerror(errno)));
   }
   if (!wait_for(sock, POLLIN, deadline)) fail_closed(StatusCode::kTimeout, "rank 0 did not answer by the deadline");
-  char byte = 0;
-  iovec io{&byte, 1};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr message{};
-  message.msg_iov = &io;
-  message.msg_iovlen = 1;
-  message.msg_control = control;
-  message.msg_controllen = sizeof(control);
-  ssize_t n = ::recvmsg(sock, &message, MSG_CMSG_CLOEXEC);
+  FdMessage in;
+  ssize_t n = ::recvmsg(sock, &in.message, MSG_CMSG_CLOEXEC);
   ::close(sock);
-  cmsghdr* header = n == 1 ? CMSG_FIRSTHDR(&message) : nullptr;
+  cmsghdr* header = n == 1 ? CMSG_FIRSTHDR(&in.message) : nullptr;
   if (header == nullptr || header->cmsg_level != SOL_SOCKET || header->cmsg_type != SCM_RIGHTS ||
       header->cmsg_len != CMSG_LEN(sizeof(int))) {
     fail(StatusCode::kRemote,
