@@ -257,15 +257,20 @@ int SegmentDoor::fetch(const std::string& name, const std::string& secret, Clock
   FdMessage in;
   ssize_t n = ::recvmsg(sock, &in.message, MSG_CMSG_CLOEXEC);
   ::close(sock);
-  cmsghdr* header = n == 1 ? CMSG_FIRSTHDR(&in.message) : nullptr;
-  if (header == nullptr || header->cmsg_level != SOL_SOCKET || header->cmsg_type != SCM_RIGHTS ||
-      header->cmsg_len != CMSG_LEN(sizeof(int))) {
+  // A descriptor that came is taken (and closed again on any failure); room
+  // for one only: the kernel closes any more that a peer sent.
+  cmsghdr* header = n >= 0 ? CMSG_FIRSTHDR(&in.message) : nullptr;
+  int fd = -1;
+  if (header != nullptr && header->cmsg_level == SOL_SOCKET && header->cmsg_type == SCM_RIGHTS &&
+      header->cmsg_len == CMSG_LEN(sizeof(int))) {
+    std::memcpy(&fd, CMSG_DATA(header), sizeof(int));
+  }
+  if (n != 1 || fd < 0) {
+    if (fd >= 0) ::close(fd);
     fail(StatusCode::kRemote,
          "receiving the shared-memory segment from rank 0 failed: rank 0 closed the connection without handing it "
          "out (it exited, or refused this process: another user, or not this job's secret)");
   }
-  int fd = -1;
-  std::memcpy(&fd, CMSG_DATA(header), sizeof(int));
   return fd;
 }
 
