@@ -3,13 +3,8 @@
 // ends. The worker checks the numbers; here every rank's exit code and the
 // key text of the errors it met are checked.
 #include <dirent.h>
-#include <fcntl.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <spawn.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -23,11 +18,8 @@
 
 #include "process_util.h"
 
-extern char** environ;
-
 namespace {
 
-using dptest::free_port;
 using dptest::read_file;
 
 struct Ranks {
@@ -36,89 +28,46 @@ struct Ranks {
   std::map<std::string, std::string> files;  // what the ranks left in DP_TEST_DIR
 };
 
-// Variables the driver sets, or that would change a scenario when inherited.
-bool overridden(const std::string& entry) {
-  static const char* const names[] = {"RANK=",        "WORLD_SIZE=",  "LOCAL_RANK=", "MASTER_ADDR=",
-                                      "MASTER_PORT=", "DP_TEST_DIR=", "DP_DEBUG=",   "DP_TIMELINE="};
-  for (const char* n : names) {
-    if (entry.rfind(n, 0) == 0) return true;
-  }
-  return false;
-}
-
 // Runs `world` ranks of ddp_worker `scenario` with `env` added ("{dir}" in a
-// value is the run's folder); kills them all after `limit`.
+// value is the run's folder, DP_TEST_DIR); kills them all after `limit`.
 Ranks run_ranks(const std::string& scenario, int world, std::vector<std::string> env = {},
                 std::chrono::seconds limit = std::chrono::seconds(60)) {
   char dir_template[] = "/tmp/dp_ddp_XXXXXX";
-  std::string dir = ::mkdtemp(dir_template);
-  int port = free_port();
+  dptest::RankJob job;
+  job.name = scenario;
+  job.dir = ::mkdtemp(dir_template);
   for (auto& e : env) {
-    for (size_t at = e.find("{dir}"); at != std::string::npos; at = e.find("{dir}")) e.replace(at, 5, dir);
+    for (size_t at = e.find("{dir}"); at != std::string::npos; at = e.find("{dir}")) e.replace(at, 5, job.dir);
   }
-  std::vector<pid_t> pids;
-  for (int r = 0; r < world; ++r) {
-    std::vector<std::string> vars;
-    for (char** e = environ; *e != nullptr; ++e) {
-      if (!overridden(*e)) vars.emplace_back(*e);
-    }
-    vars.push_back("RANK=" + std::to_string(r));
-    vars.push_back("WORLD_SIZE=" + std::to_string(world));
-    vars.push_back("LOCAL_RANK=" + std::to_string(r));
-    vars.push_back("MASTER_ADDR=127.0.0.1");
-    vars.push_back("MASTER_PORT=" + std::to_string(port));
-    vars.push_back("DP_TEST_DIR=" + dir);
-    for (const auto& e : env) vars.push_back(e);
-    std::vector<char*> envp;
-    for (auto& s : vars) envp.push_back(s.data());
-    envp.push_back(nullptr);
-    std::string out = dir + "/rank" + std::to_string(r) + ".out";
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_addopen(&actions, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&actions, 1, 2);
-    std::string worker = DP_DDP_WORKER;
-    std::vector<char*> argv = {worker.data(), const_cast<char*>(scenario.c_str()), nullptr};
-    pid_t pid = -1;
-    int rc = posix_spawn(&pid, worker.c_str(), &actions, nullptr, argv.data(), envp.data());
-    posix_spawn_file_actions_destroy(&actions);
-    EXPECT_EQ(rc, 0) << "posix_spawn " << worker;
-    if (rc == 0) pids.push_back(pid);
-  }
+  job.argv = {DP_DDP_WORKER, scenario};
+  job.world = world;
+  // Inherited, these would change a scenario.
+  job.drop_inherited = [](const std::string& entry) {
+    return entry.rfind("DP_TEST_DIR=", 0) == 0 || entry.rfind("DP_DEBUG=", 0) == 0 ||
+           entry.rfind("DP_TIMELINE=", 0) == 0;
+  };
+  job.env = [&](int) {
+    std::vector<std::string> vars = {"DP_TEST_DIR=" + job.dir};
+    vars.insert(vars.end(), env.begin(), env.end());
+    return vars;
+  };
+  job.limit = limit;
   Ranks run;
-  run.exit_codes.assign(pids.size(), -1);
-  std::vector<bool> reaped(pids.size(), false);
-  auto deadline = std::chrono::steady_clock::now() + limit;
-  size_t left = pids.size();
-  while (left > 0) {
-    for (size_t r = 0; r < pids.size(); ++r) {
-      if (reaped[r]) continue;
-      int status = 0;
-      if (::waitpid(pids[r], &status, WNOHANG) != pids[r]) continue;
-      run.exit_codes[r] = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      reaped[r] = true;
-      --left;
-    }
-    if (std::chrono::steady_clock::now() > deadline) {
-      ADD_FAILURE() << scenario << ": ranks still running after " << limit.count() << " s; killing them";
-      for (size_t r = 0; r < pids.size(); ++r) {
-        if (!reaped[r]) ::kill(pids[r], SIGKILL);
-      }
-      deadline = std::chrono::steady_clock::now() + std::chrono::hours(1);
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  for (auto& exit : dptest::run_rank_processes(job)) {
+    run.exit_codes.push_back(exit.exit_code);
+    run.outputs.push_back(std::move(exit.output));
   }
-  for (size_t r = 0; r < pids.size(); ++r) run.outputs.push_back(read_file(dir + "/rank" + std::to_string(r) + ".out"));
-  if (DIR* d = ::opendir(dir.c_str())) {
+  // What the ranks left besides their output.
+  if (DIR* d = ::opendir(job.dir.c_str())) {
     while (dirent* e = ::readdir(d)) {
       std::string name = e->d_name;
       if (name == "." || name == "..") continue;
-      run.files[name] = read_file(dir + "/" + name);
-      ::unlink((dir + "/" + name).c_str());
+      run.files[name] = read_file(job.dir + "/" + name);
+      ::unlink((job.dir + "/" + name).c_str());
     }
     ::closedir(d);
   }
-  ::rmdir(dir.c_str());
+  ::rmdir(job.dir.c_str());
   return run;
 }
 

@@ -1,36 +1,19 @@
 // Multi-process tests: real processes of mp_worker on loopback, each run
 // bounded in time; every process started is reaped before the test ends.
-#include <fcntl.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
-#include <fstream>
-#include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "dparallel/dparallel.h"
 #include "process_util.h"
 
-extern char** environ;
-
 namespace {
 
-using dptest::free_port;
-using dptest::read_file;
-
-struct Result {
-  int exit_code = -1;  // 128 + signal when killed
-  std::string output;
-};
+using Result = dptest::RankExit;
 
 // Runs `world` ranks of mp_worker `scenario`; kills them all after `limit`.
 // With `cuda`, rank r works on cuda:r through NCCL. `wrapper` (a program and
@@ -39,79 +22,25 @@ std::vector<Result> run_ranks(const std::string& scenario, int world, bool file_
                               int stopped_rank = -1, const std::string& argument = "", bool cuda = false,
                               std::vector<std::string> wrapper = {}) {
   char dir_template[] = "/tmp/dp_mp_XXXXXX";
-  std::string dir = ::mkdtemp(dir_template);
-  int port = free_port();
-  std::vector<pid_t> pids;
-  for (int r = 0; r < world; ++r) {
-    std::vector<std::string> env;
-    for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
-    env.push_back("RANK=" + std::to_string(r));
-    env.push_back("WORLD_SIZE=" + std::to_string(world));
-    env.push_back("LOCAL_RANK=" + std::to_string(r));
-    env.push_back("MASTER_ADDR=127.0.0.1");
-    env.push_back("MASTER_PORT=" + std::to_string(port));
-    if (file_store) env.push_back("DP_TEST_STORE=" + dir + "/store");
-    if (cuda) env.push_back("DP_TEST_DEVICE=cuda");
-    std::vector<char*> envp;
-    for (auto& s : env) envp.push_back(s.data());
-    envp.push_back(nullptr);
-    std::string out = dir + "/rank" + std::to_string(r) + ".txt";
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_addopen(&actions, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&actions, 1, 2);
-    std::string worker = DP_MP_WORKER;
-    std::string program = wrapper.empty() ? worker : wrapper[0];
-    std::vector<char*> argv;
-    for (auto& w : wrapper) argv.push_back(w.data());
-    argv.push_back(worker.data());
-    argv.push_back(const_cast<char*>(scenario.c_str()));
-    if (!argument.empty()) argv.push_back(const_cast<char*>(argument.c_str()));
-    argv.push_back(nullptr);
-    pid_t pid = -1;
-    int rc = posix_spawn(&pid, program.c_str(), &actions, nullptr, argv.data(), envp.data());
-    posix_spawn_file_actions_destroy(&actions);
-    EXPECT_EQ(rc, 0) << "posix_spawn " << program;
-    if (rc == 0) pids.push_back(pid);
-  }
-  std::vector<Result> results(pids.size());
-  std::vector<bool> reaped(pids.size(), false);
-  auto deadline = std::chrono::steady_clock::now() + limit;
-  size_t left = pids.size();
-  while (left > 0) {
-    for (size_t r = 0; r < pids.size(); ++r) {
-      if (reaped[r]) continue;
-      int status = 0;
-      pid_t got = ::waitpid(pids[r], &status, WNOHANG | WUNTRACED);
-      if (got != pids[r]) continue;
-      if (WIFSTOPPED(status)) {
-        EXPECT_EQ(static_cast<int>(r), stopped_rank) << "rank " << r << " stopped unexpectedly";
-        continue;
-      }
-      results[r].exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      reaped[r] = true;
-      --left;
-    }
-    // A stopped rank is killed once the others are done with it.
-    if (stopped_rank >= 0 && left == 1 && !reaped[static_cast<size_t>(stopped_rank)]) {
-      ::kill(pids[static_cast<size_t>(stopped_rank)], SIGKILL);
-    }
-    if (std::chrono::steady_clock::now() > deadline) {
-      ADD_FAILURE() << scenario << ": ranks still running after " << limit.count() << " s; killing them";
-      for (size_t r = 0; r < pids.size(); ++r) {
-        if (!reaped[r]) ::kill(pids[r], SIGKILL);
-      }
-      deadline = std::chrono::steady_clock::now() + std::chrono::hours(1);
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  for (size_t r = 0; r < pids.size(); ++r) {
-    std::string path = dir + "/rank" + std::to_string(r) + ".txt";
-    results[r].output = read_file(path);
-    ::unlink(path.c_str());
-  }
-  ::unlink((dir + "/store").c_str());
-  ::rmdir(dir.c_str());
+  dptest::RankJob job;
+  job.name = scenario;
+  job.dir = ::mkdtemp(dir_template);
+  job.argv = std::move(wrapper);
+  job.argv.push_back(DP_MP_WORKER);
+  job.argv.push_back(scenario);
+  if (!argument.empty()) job.argv.push_back(argument);
+  job.world = world;
+  job.env = [&](int) {
+    std::vector<std::string> vars;
+    if (file_store) vars.push_back("DP_TEST_STORE=" + job.dir + "/store");
+    if (cuda) vars.push_back("DP_TEST_DEVICE=cuda");
+    return vars;
+  };
+  job.limit = limit;
+  job.stopped_rank = stopped_rank;
+  std::vector<Result> results = dptest::run_rank_processes(job);
+  ::unlink((job.dir + "/store").c_str());
+  ::rmdir(job.dir.c_str());
   return results;
 }
 

@@ -4,13 +4,8 @@
 // process started is reaped before the test ends. No test asserts on time
 // beyond generous no-hang bounds.
 #include <dirent.h>
-#include <fcntl.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <spawn.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -25,11 +20,8 @@
 
 #include "process_util.h"
 
-extern char** environ;
-
 namespace {
 
-using dptest::free_port;
 using dptest::read_file;
 
 // The segments in /dev/shm (every job's: tests run side by side).
@@ -45,10 +37,7 @@ std::set<std::string> segments() {
   return names;
 }
 
-struct Result {
-  int exit_code = -1;  // 128 + signal when killed
-  std::string output;
-};
+using Result = dptest::RankExit;
 
 struct Ranks {
   std::string scenario;
@@ -64,91 +53,31 @@ struct Ranks {
 
 std::vector<Result> run_ranks(const Ranks& run) {
   char dir_template[] = "/tmp/dp_shm_XXXXXX";
-  std::string dir = ::mkdtemp(dir_template);
-  int port = free_port();
-  std::vector<pid_t> pids;
-  std::vector<std::string> outputs;
-  for (int r = 0; r < run.world; ++r) {
-    std::vector<std::string> env;
-    for (char** e = environ; *e != nullptr; ++e) {
-      std::string var = *e;
-      if (var.rfind("DP_SHM=", 0) != 0 && var.rfind("DP_HOST_ID=", 0) != 0 && var.rfind("DP_STORE_TOKEN=", 0) != 0) {
-        env.push_back(var);
-      }
-    }
-    env.push_back("RANK=" + std::to_string(r));
-    env.push_back("WORLD_SIZE=" + std::to_string(run.world));
-    env.push_back("LOCAL_RANK=" + std::to_string(r));
-    env.push_back("MASTER_ADDR=127.0.0.1");
-    env.push_back("MASTER_PORT=" + std::to_string(port));
+  dptest::RankJob job;
+  job.name = run.scenario;
+  job.dir = ::mkdtemp(dir_template);
+  job.argv = {DP_SHM_WORKER, run.scenario};
+  // The argument's words are arguments of their own.
+  std::istringstream argument(run.argument);
+  for (std::string word; argument >> word;) job.argv.push_back(word);
+  job.world = run.world;
+  job.drop_inherited = [](const std::string& entry) {
+    return entry.rfind("DP_SHM=", 0) == 0 || entry.rfind("DP_HOST_ID=", 0) == 0 ||
+           entry.rfind("DP_STORE_TOKEN=", 0) == 0;
+  };
+  job.env = [&](int r) {
+    std::vector<std::string> vars;
     for (int key : {-1, r}) {
       auto it = run.env.find(key);
-      if (it != run.env.end()) env.insert(env.end(), it->second.begin(), it->second.end());
+      if (it != run.env.end()) vars.insert(vars.end(), it->second.begin(), it->second.end());
     }
-    std::vector<char*> envp;
-    for (auto& s : env) envp.push_back(s.data());
-    envp.push_back(nullptr);
-    std::string out = dir + "/rank" + std::to_string(r) + ".txt";
-    outputs.push_back(out);
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_addopen(&actions, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&actions, 1, 2);
-    std::string worker = DP_SHM_WORKER;
-    // The argument's words are arguments of their own.
-    std::vector<std::string> words;
-    std::istringstream argument(run.argument);
-    for (std::string word; argument >> word;) words.push_back(word);
-    std::vector<char*> argv = {worker.data(), const_cast<char*>(run.scenario.c_str())};
-    for (auto& word : words) argv.push_back(word.data());
-    argv.push_back(nullptr);
-    pid_t pid = -1;
-    int rc = posix_spawn(&pid, worker.c_str(), &actions, nullptr, argv.data(), envp.data());
-    posix_spawn_file_actions_destroy(&actions);
-    EXPECT_EQ(rc, 0) << "posix_spawn " << worker;
-    if (rc == 0) pids.push_back(pid);
-  }
-  std::vector<Result> results(pids.size());
-  std::vector<bool> reaped(pids.size(), false);
-  auto deadline = std::chrono::steady_clock::now() + run.limit;
-  size_t left = pids.size();
-  bool watched = !run.watch;
-  while (left > 0) {
-    for (size_t r = 0; r < pids.size(); ++r) {
-      if (reaped[r]) continue;
-      int status = 0;
-      pid_t got = ::waitpid(pids[r], &status, WNOHANG | WUNTRACED);
-      if (got != pids[r]) continue;
-      if (WIFSTOPPED(status)) {
-        EXPECT_EQ(static_cast<int>(r), run.stopped_rank) << "rank " << r << " stopped unexpectedly";
-        continue;
-      }
-      results[r].exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      reaped[r] = true;
-      --left;
-    }
-    if (!watched) {
-      std::vector<std::string> so_far;
-      for (const auto& path : outputs) so_far.push_back(read_file(path));
-      watched = run.watch(pids, so_far);
-    }
-    if (run.stopped_rank >= 0 && left == 1 && !reaped[static_cast<size_t>(run.stopped_rank)]) {
-      ::kill(pids[static_cast<size_t>(run.stopped_rank)], SIGKILL);
-    }
-    if (std::chrono::steady_clock::now() > deadline) {
-      ADD_FAILURE() << run.scenario << ": ranks still running after " << run.limit.count() << " s; killing them";
-      for (size_t r = 0; r < pids.size(); ++r) {
-        if (!reaped[r]) ::kill(pids[r], SIGKILL);
-      }
-      deadline = std::chrono::steady_clock::now() + std::chrono::hours(1);
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  for (size_t r = 0; r < pids.size(); ++r) {
-    results[r].output = read_file(outputs[r]);
-    ::unlink(outputs[r].c_str());
-  }
-  ::rmdir(dir.c_str());
+    return vars;
+  };
+  job.limit = run.limit;
+  job.stopped_rank = run.stopped_rank;
+  job.watch = run.watch;
+  std::vector<Result> results = dptest::run_rank_processes(job);
+  ::rmdir(job.dir.c_str());
   return results;
 }
 
