@@ -131,6 +131,15 @@ void ProcessGroup::run_refused(CallKind kind, const std::string& reason) {
   fail(StatusCode::kInternal, call_kind_name(call.header.kind), ": the header exchange of a refused call passed");
 }
 
+void ProcessGroup::refuse_out_of_memory(CallKind kind, const char* op, const std::string& reason) {
+  try {
+    run_refused(kind, reason);
+  } catch (const Error&) {
+    // The verdict; this rank reports its own reason below.
+  }
+  fail(StatusCode::kOutOfMemory, op, ": ", reason, " (the other ranks' matching call fails too)");
+}
+
 void ProcessGroup::set_failure_reports(std::shared_ptr<Store> store, std::string prefix) {
   report_store_ = std::move(store);
   report_prefix_ = std::move(prefix);
@@ -312,15 +321,8 @@ void ProcessGroup::run_all_reduce_coalesced(const std::vector<Tensor>& tensors, 
     flat = Tensor::empty(tensors[0].dtype(), {numel}, device_);
   } catch (const Error& e) {
     if (e.code() != StatusCode::kOutOfMemory) throw;
-    // Refused in the call's place, so that the other ranks fail too and the
-    // group stays in step.
-    std::string reason = str_cat("out of memory for the ", numel, "-element scratch of a coalesced all_reduce");
-    try {
-      run_refused(CallKind::kAllReduce, reason);
-    } catch (const Error&) {
-      // The verdict; this rank reports its own reason below.
-    }
-    fail(StatusCode::kOutOfMemory, "all_reduce_coalesced: ", reason, " (the other ranks' matching call fails too)");
+    refuse_out_of_memory(CallKind::kAllReduce, "all_reduce_coalesced",
+                         str_cat("out of memory for the ", numel, "-element scratch of a coalesced all_reduce"));
   }
   comm::flatten_into(flat, tensors);
   run_all_reduce(flat, op);

@@ -114,6 +114,10 @@ class ProcessGroup {
   // Takes part in the header exchange of the collective `kind` as having
   // refused it; throws the verdict.
   void run_refused(CallKind kind, const std::string& reason);
+  // Scratch for a collective could not be allocated before its header
+  // exchange: refuses the call in its place (the other ranks fail too and the
+  // group stays in step), then fails with kOutOfMemory naming `op` and `reason`.
+  [[noreturn]] void refuse_out_of_memory(CallKind kind, const char* op, const std::string& reason);
   // A collective whose transfer failed (`code`: kTimeout, kRemote, or
   // kOutOfMemory): reports the failure through the store, then throws `code`
   // naming the collective, its tensor, the ranks that did not report the

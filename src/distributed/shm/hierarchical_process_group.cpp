@@ -98,13 +98,8 @@ class HierarchicalProcessGroup : public ProcessGroup {
         base = scratch(tensor.dtype(), chunk * local);
       } catch (const Error& e) {
         if (e.code() != StatusCode::kOutOfMemory) throw;
-        std::string reason = str_cat("out of memory for the ", chunk * local, "-element scratch of an all_reduce");
-        try {
-          run_refused(CallKind::kAllReduce, reason);
-        } catch (const Error&) {
-          // The verdict; this rank reports its own reason below.
-        }
-        fail(StatusCode::kOutOfMemory, "all_reduce: ", reason, " (the other ranks' matching call fails too)");
+        refuse_out_of_memory(CallKind::kAllReduce, "all_reduce",
+                             str_cat("out of memory for the ", chunk * local, "-element scratch of an all_reduce"));
       }
     }
     Call o = begin_call(CallKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1, &tensor);

@@ -28,6 +28,17 @@ using Clock = SegmentDoor::Clock;
 // sends nothing must not hold the door for the others until the deadline.
 constexpr std::chrono::milliseconds kSecretWait{2000};
 
+// Maps `bytes` of `fd`; on failure closes it and fails.
+uint8_t* map_shared(int fd, size_t bytes) {
+  void* data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  if (data == MAP_FAILED) {
+    int error = errno;
+    ::close(fd);
+    fail(StatusCode::kIo, "mapping ", bytes, " bytes of shared memory failed: ", std::strerror(error));
+  }
+  return static_cast<uint8_t*>(data);
+}
+
 int millis_until(Clock::time_point deadline) {
   auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
   return static_cast<int>(std::clamp<int64_t>(left, 0, 1000));
@@ -155,13 +166,7 @@ ShmSegment ShmSegment::create(size_t bytes) {
     fail(StatusCode::kIo, "reserving ", bytes, " bytes of shared memory failed: ", std::strerror(rc),
          " (DP_SHM=0 makes the ranks on one host use Gloo instead)");
   }
-  void* data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-  if (data == MAP_FAILED) {
-    int error = errno;
-    ::close(fd);
-    fail(StatusCode::kIo, "mapping ", bytes, " bytes of shared memory failed: ", std::strerror(error));
-  }
-  return ShmSegment(static_cast<uint8_t*>(data), bytes, fd);
+  return ShmSegment(map_shared(fd, bytes), bytes, fd);
 }
 
 ShmSegment ShmSegment::map_received(int fd, size_t bytes) {
@@ -178,13 +183,9 @@ ShmSegment ShmSegment::map_received(int fd, size_t bytes) {
     ::close(fd);
     fail(StatusCode::kIo, "the shared memory rank 0 handed out is not this job's segment: ", wrong);
   }
-  void* data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-  int error = errno;
-  ::close(fd);
-  if (data == MAP_FAILED) {
-    fail(StatusCode::kIo, "mapping ", bytes, " bytes of shared memory failed: ", std::strerror(error));
-  }
-  return ShmSegment(static_cast<uint8_t*>(data), bytes, -1);
+  uint8_t* data = map_shared(fd, bytes);
+  ::close(fd);  // the mapping keeps the memory
+  return ShmSegment(data, bytes, -1);
 }
 
 SegmentDoor::SegmentDoor(const std::string& name) {

@@ -33,7 +33,6 @@
 #include <linux/futex.h>
 #include <poll.h>
 #include <sched.h>
-#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -300,10 +299,7 @@ class ShmProcessGroup : public ProcessGroup {
 
   void abort(const std::string& why) noexcept override {
     mark_broken(why);
-    if (size() == 1) return;
-    int32_t none = 0;
-    control()->aborted.compare_exchange_strong(none, rank() + 1);
-    futex_wake(&control()->arrivals);
+    if (size() > 1) tell_peers_this_rank_gave_up();
   }
 
  protected:
@@ -607,12 +603,18 @@ class ShmProcessGroup : public ProcessGroup {
       give_up(o, true, "a rank did not arrive at the collective's barrier in time");
   }
 
-  // Tells the other ranks that this one gives up (the group is broken for
-  // all), then fails naming the ranks that did not report the failure.
-  [[noreturn]] void give_up(const Call& o, bool timed_out, const std::string& cause) {
+  // Marks the group broken for every rank (the first to give up is named)
+  // and wakes the ones asleep in a barrier.
+  void tell_peers_this_rank_gave_up() noexcept {
     int32_t none = 0;
     control()->aborted.compare_exchange_strong(none, rank() + 1);
     futex_wake(&control()->arrivals);
+  }
+
+  // Tells the other ranks that this one gives up (the group is broken for
+  // all), then fails naming the ranks that did not report the failure.
+  [[noreturn]] void give_up(const Call& o, bool timed_out, const std::string& cause) {
+    tell_peers_this_rank_gave_up();
     fail_call(o, timed_out ? StatusCode::kTimeout : StatusCode::kRemote, "shm: " + cause);
   }
 

@@ -47,8 +47,7 @@ class PrefixStore : public Store {
   int64_t add(const std::string& key, int64_t delta) override;
   bool check(const std::vector<std::string>& keys) override;
   void wait(const std::vector<std::string>& keys, Millis timeout) override;
-  // The store this one prefixes, and the innermost one below any prefixes.
-  const std::shared_ptr<Store>& base() const { return base_; }
+  // The innermost store below any prefixes.
   static Store* innermost(Store* store);
 
  private:
