@@ -20,9 +20,12 @@
 // to make such misuse likelier to be caught.
 constexpr uint64_t kTensorTag = 0x6470'7465'6e73'6f72ull;  // "dptensor"
 
+// A borrowed handle is lent to a callback for the call only: destroying it
+// there is refused (it would free what the library still uses).
 struct dp_tensor {
   uint64_t tag = kTensorTag;
   dparallel::Tensor tensor;
+  bool borrowed = false;
 };
 
 constexpr uint64_t kModuleTag = 0x6470'6d6f'6475'6c65ull;      // "dpmodule"
@@ -31,6 +34,7 @@ constexpr uint64_t kReplicaSetTag = 0x6470'7265'706c'7365ull;  // "dpreplse"
 struct dp_module {
   uint64_t tag = kModuleTag;
   std::shared_ptr<dparallel::Module> module;
+  bool borrowed = false;
 };
 
 struct dp_replica_set {
@@ -44,6 +48,15 @@ namespace dparallel::capi {
 // returns its status; `function` prefixes the message.
 dp_status handle_exception(const char* function) noexcept;
 void set_last_error(const std::string& message) noexcept;
+// True when `handle` may be destroyed; otherwise records why not (it is
+// borrowed for a callback) as `function`'s last error.
+template <typename Handle>
+bool destroy_allowed(const Handle* handle, const char* function) noexcept {
+  if (!handle->borrowed) return true;
+  set_last_error(std::string(function) +
+                 ": the handle is lent to a callback for the call only; it was not destroyed (the library frees it)");
+  return false;
+}
 
 [[noreturn]] inline void null_argument(const char* name) { fail_invalid("argument '", name, "' is NULL"); }
 

@@ -15,13 +15,31 @@ constexpr uint64_t kDdpTag = 0x6470'6464'7021'2121ull;  // "dpddp!!!"
 struct dp_ddp {
   uint64_t tag = kDdpTag;
   std::unique_ptr<ddp::Reducer> reducer;
+  ProcessOrigin origin;
 };
 
 namespace {
 
-ddp::Reducer& ddp_arg(const dp_ddp* handle) {
+// Why a call that changes a dp_ddp cannot run on this thread, or "" when it can.
+std::string refusal_inside_comm_hook(const dp_ddp* handle) {
+  ddp::RunningHook hook = ddp::running_hook();
+  if (hook.reducer == nullptr) return "";
+  bool own = handle != nullptr && handle->tag == kDdpTag && handle->reducer.get() == hook.reducer;
+  return str_cat("called from inside the comm hook of ", own ? "this dp_ddp" : "a dp_ddp", " (bucket ", hook.bucket,
+                 "): a hook may run collectives on the process group it is given and use dp_tensor functions, but "
+                 "not call dp_ddp functions that change a dp_ddp (they wait for the hook's own bucket)");
+}
+
+// `changes_state`: the call waits for or alters the reductions, so that a
+// comm hook may not make it.
+ddp::Reducer& ddp_arg(const dp_ddp* handle, bool changes_state = true) {
   if (handle == nullptr) capi::null_argument("ddp");
   if (handle->tag != kDdpTag) fail_invalid("argument 'ddp' is not a dp_ddp handle");
+  capi::check_origin(handle->origin, "ddp");
+  if (changes_state) {
+    std::string refusal = refusal_inside_comm_hook(handle);
+    if (!refusal.empty()) fail(StatusCode::kState, refusal);
+  }
   return *handle->reducer;
 }
 
@@ -79,8 +97,10 @@ ddp::ReducerOptions options_arg(const dp_ddp_options* opts, const std::shared_pt
       // Borrowed for the call (dp_ddp.h): the hook must not destroy them.
       dp_process_group group_handle;
       group_handle.group = std::move(locked);
+      group_handle.borrowed = true;
       dp_tensor tensor_handle;
       tensor_handle.tensor = flat;
+      tensor_handle.borrowed = true;
       int rc = fn(user_data, &group_handle, bucket, &tensor_handle);
       if (rc != 0) {
         fail(StatusCode::kUser, "the comm hook returned ", rc, " for bucket ", bucket, " (", flat.describe(), ")");
@@ -105,6 +125,8 @@ dp_status dp_ddp_create(dp_ddp** out, dp_module* module, dp_process_group* pg, c
   DP_API_BEGIN
   capi::require_arg(out, "out");
   *out = nullptr;
+  std::string refusal = refusal_inside_comm_hook(nullptr);
+  if (!refusal.empty()) fail(StatusCode::kState, refusal);
   const std::shared_ptr<Module>& m = capi::module_arg(module, "module");
   capi::group_arg(pg, "pg");
   ddp::ReducerOptions options = options_arg(opts, pg->group);
@@ -154,13 +176,13 @@ dp_status dp_ddp_set_requires_gradient_sync(dp_ddp* ddp, int requires_sync) {
 
 size_t dp_ddp_num_buckets(const dp_ddp* ddp) {
   DP_API_BEGIN
-  return ddp_arg(ddp).num_buckets();
+  return ddp_arg(ddp, false).num_buckets();
   DP_API_END_VALUE(0)
 }
 
 dp_status dp_ddp_bucket_parameters(const dp_ddp* ddp, size_t bucket, size_t* indices, size_t cap, size_t* count) {
   DP_API_BEGIN
-  const ddp::Reducer& reducer = ddp_arg(ddp);
+  const ddp::Reducer& reducer = ddp_arg(ddp, false);
   capi::require_arg(count, "count");
   if (indices == nullptr && cap > 0) fail_invalid("argument 'indices' is NULL but 'cap' is ", cap);
   std::vector<size_t> params = reducer.bucket_parameters(bucket);
@@ -171,7 +193,7 @@ dp_status dp_ddp_bucket_parameters(const dp_ddp* ddp, size_t bucket, size_t* ind
 
 dp_status dp_ddp_last_stats(const dp_ddp* ddp, dp_ddp_stats* out) {
   DP_API_BEGIN
-  const ddp::Reducer& reducer = ddp_arg(ddp);
+  const ddp::Reducer& reducer = ddp_arg(ddp, false);
   capi::require_arg(out, "out");
   if (out->struct_size < sizeof(size_t)) {
     fail_invalid("argument 'out' has struct_size ", out->struct_size, "; set it to sizeof(dp_ddp_stats)");
@@ -189,7 +211,12 @@ dp_status dp_ddp_last_stats(const dp_ddp* ddp, dp_ddp_stats* out) {
 }
 
 void dp_ddp_destroy(dp_ddp* ddp) {
-  if (ddp == nullptr || ddp->tag != kDdpTag) return;
+  if (ddp == nullptr || ddp->tag != kDdpTag || !ddp->origin.is_current()) return;
+  std::string refusal = refusal_inside_comm_hook(ddp);
+  if (!refusal.empty()) {
+    capi::set_last_error(str_cat(__func__, ": ", refusal, "; nothing was destroyed"));
+    return;
+  }
   ddp->tag = 0;
   try {
     ddp->reducer.reset();

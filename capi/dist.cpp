@@ -15,9 +15,14 @@ static_assert(DP_PROD == static_cast<int32_t>(dist::ReduceOp::kProd) &&
 
 namespace dparallel::capi {
 
+void check_origin(const ProcessOrigin& origin, const char* name) {
+  if (!origin.is_current()) origin.check(str_cat("argument '", name, "'").c_str());
+}
+
 dist::Store& store_arg(const dp_store* handle, const char* name) {
   if (handle == nullptr) null_argument(name);
   if (handle->tag != kStoreTag) fail_invalid("argument '", name, "' is not a dp_store handle");
+  check_origin(handle->origin, name);
   return *handle->store;
 }
 
@@ -26,6 +31,7 @@ dist::ProcessGroup& group_arg(const dp_process_group* handle, const char* name) 
   if (handle->tag != kGroupTag) {
     fail_invalid("argument '", name, "' is not a dp_process_group handle");
   }
+  check_origin(handle->origin, name);
   return *handle->group;
 }
 
@@ -36,6 +42,7 @@ namespace {
 dist::Work& work_arg(const dp_work* handle) {
   if (handle == nullptr) capi::null_argument("work");
   if (handle->tag != kWorkTag) fail_invalid("argument 'work' is not a dp_work handle");
+  capi::check_origin(handle->origin, "work");
   return *handle->work;
 }
 
@@ -83,7 +90,7 @@ dp_process_group* new_group(dp_process_group_options o, dist::RankSource source)
   }
   options.device = capi::device_arg(o.device, "opts->device");
   if (o.store != nullptr) {
-    if (o.store->tag != kStoreTag) fail_invalid("argument 'opts->store' is not a dp_store handle");
+    capi::store_arg(o.store, "opts->store");  // checks its tag and process
     options.store = o.store->store;
   }
   options.rank = o.rank;
@@ -193,7 +200,7 @@ dp_status dp_store_wait(dp_store* store, const char* const* keys, size_t nkeys, 
 }
 
 void dp_store_destroy(dp_store* store) {
-  if (store == nullptr || store->tag != kStoreTag) return;
+  if (store == nullptr || store->tag != kStoreTag || !store->origin.is_current()) return;
   store->tag = 0;
   delete store;
 }
@@ -256,7 +263,9 @@ const char* dp_process_group_backend(const dp_process_group* pg) {
 }
 
 void dp_process_group_destroy(dp_process_group* pg) {
-  if (pg == nullptr || pg->tag != kGroupTag) return;
+  if (pg == nullptr || pg->tag != kGroupTag || !pg->origin.is_current() || !capi::destroy_allowed(pg, __func__)) {
+    return;
+  }
   pg->tag = 0;
   try {
     pg->group.reset();
@@ -411,7 +420,7 @@ dp_status dp_work_test(dp_work* work, int* done) {
 }
 
 void dp_work_destroy(dp_work* work) {
-  if (work == nullptr || work->tag != kWorkTag) return;
+  if (work == nullptr || work->tag != kWorkTag || !work->origin.is_current()) return;
   work->tag = 0;
   delete work;
 }

@@ -4,6 +4,7 @@
 #include <memory>
 
 #include "capi/capi_internal.h"
+#include "core/process_origin.h"
 #include "distributed/process_group.h"
 #include "dparallel/dp_dist.h"
 
@@ -11,24 +12,33 @@ constexpr uint64_t kStoreTag = 0x6470'7374'6f72'6521ull;  // "dpstore!"
 constexpr uint64_t kGroupTag = 0x6470'7072'6f63'6772ull;  // "dpprocgr"
 constexpr uint64_t kWorkTag = 0x6470'776f'726b'2121ull;   // "dpwork!!"
 
+// These handles talk to other processes, or wait on the library's threads:
+// each knows the process it was made in, and a forked child may not use it
+// (ProcessOrigin); destroying it there frees nothing and touches nothing.
 struct dp_store {
   uint64_t tag = kStoreTag;
   std::shared_ptr<dparallel::dist::Store> store;
+  dparallel::ProcessOrigin origin;
 };
 
 struct dp_process_group {
   uint64_t tag = kGroupTag;
   std::shared_ptr<dparallel::dist::ProcessGroup> group;
+  dparallel::ProcessOrigin origin;
+  bool borrowed = false;  // lent to a comm hook
 };
 
 struct dp_work {
   uint64_t tag = kWorkTag;
   std::shared_ptr<dparallel::dist::Work> work;
+  dparallel::ProcessOrigin origin;
 };
 
 namespace dparallel::capi {
 
 dist::Store& store_arg(const dp_store* handle, const char* name);
 dist::ProcessGroup& group_arg(const dp_process_group* handle, const char* name);
+// kState naming `name` when `origin` is another process (this is a forked child).
+void check_origin(const ProcessOrigin& origin, const char* name);
 
 }  // namespace dparallel::capi

@@ -33,7 +33,7 @@ dp_status dp_module_create(dp_module** out) {
 }
 
 void dp_module_destroy(dp_module* module) {
-  if (module == nullptr || module->tag != kModuleTag) return;
+  if (module == nullptr || module->tag != kModuleTag || !capi::destroy_allowed(module, __func__)) return;
   module->tag = 0;
   delete module;
 }

@@ -13,6 +13,8 @@ ReplicaForward wrap_forward(dp_forward_fn fn, void* user_data) {
   return [fn, user_data](size_t index, const ModulePtr& replica, const Tensor& input, const Device& device) {
     std::unique_ptr<dp_module> replica_handle(capi::new_module_handle(replica));
     std::unique_ptr<dp_tensor> input_handle(capi::new_tensor_handle(input));
+    replica_handle->borrowed = true;
+    input_handle->borrowed = true;
     dp_tensor* output = nullptr;
     capi::set_last_error("");
     int code = fn(user_data, index, replica_handle.get(), input_handle.get(), capi::to_c(device), &output);
@@ -29,6 +31,7 @@ ReplicaForward wrap_forward(dp_forward_fn fn, void* user_data) {
     if (output_is_input) return input;
     if (output->tag != kTensorTag)
       fail(StatusCode::kUser, "the callback stored an output that is not a dp_tensor handle");
+    if (output->borrowed) fail(StatusCode::kUser, "the callback stored a handle lent to it as its output");
     Tensor result = output->tensor;
     dp_tensor_destroy(output);
     return result;

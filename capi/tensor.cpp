@@ -52,7 +52,7 @@ dp_status dp_tensor_from_blob(dp_tensor** out, void* data, int32_t dtype, int32_
 }
 
 void dp_tensor_destroy(dp_tensor* tensor) {
-  if (tensor == nullptr || tensor->tag != kTensorTag) return;
+  if (tensor == nullptr || tensor->tag != kTensorTag || !capi::destroy_allowed(tensor, __func__)) return;
   try {
     tensor->tag = 0;
     delete tensor;

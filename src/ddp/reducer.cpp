@@ -155,7 +155,11 @@ std::string json_escape(const std::string& s) {
   return out;
 }
 
+thread_local RunningHook t_running_hook;
+
 }  // namespace
+
+RunningHook running_hook() noexcept { return t_running_hook; }
 
 const char* hook_name(HookKind hook) {
   switch (hook) {
@@ -276,6 +280,7 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
   };
 
   try {
+    queue_ = CommQueue::for_group(group_.get());
     if (options_.init_sync) {
       if (!local_error.empty()) {
         description.push_back("error " + local_error);
@@ -297,8 +302,10 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
                                         shape_string(state[i].second.shape())));
         }
       }
-      check_agreement(description);
-      broadcast_state(state);
+      on_queue("dp_ddp_create's agreement check and broadcast", [&] {
+        check_agreement(description);
+        broadcast_state(state);
+      });
     }
     in_place_ = device.type == DeviceType::kCpu && options_.hook == HookKind::kAllReduce &&
                 !options_.gradient_as_bucket_view && !options_.find_unused_parameters;
@@ -319,12 +326,6 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
   if (!timeline_path_.empty() && group_->rank() == 0) {
     int fd = ::open(timeline_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd >= 0) ::close(fd);
-  }
-  try {
-    queue_ = CommQueue::for_group(group_.get());
-  } catch (...) {
-    unregister();
-    throw;
   }
 }
 
@@ -458,6 +459,10 @@ void Reducer::broadcast_state(const std::vector<std::pair<std::string, Tensor>>&
   }
 }
 
+void Reducer::on_queue(const char* what, const std::function<void()>& fn) {
+  queue_->call(this, what, fn, group_->timeout() + std::chrono::seconds(10));
+}
+
 void Reducer::pre_forward() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -469,7 +474,7 @@ void Reducer::pre_forward() {
            "dp_ddp_finish_backward first");
     }
   }
-  if (options_.broadcast_buffers) broadcast_state(buffers_);
+  if (options_.broadcast_buffers) on_queue("the buffers' broadcast", [&] { broadcast_state(buffers_); });
 }
 
 size_t Reducer::index_of(const std::string& name) const {
@@ -555,8 +560,55 @@ CommQueue::~CommQueue() {
 
 void CommQueue::push(Reducer* owner, size_t bucket, std::string refusal) {
   std::lock_guard<std::mutex> lock(mutex_);
-  jobs_.push_back(Job{owner, bucket, std::move(refusal)});
+  jobs_.push_back(Job{owner, [owner, bucket, refusal = std::move(refusal)] { owner->run_job(bucket, refusal); }});
   cv_.notify_all();
+}
+
+void CommQueue::call(const Reducer* owner, const char* what, const std::function<void()>& fn,
+                     std::chrono::steady_clock::duration bound) {
+  if (on_worker()) return fn();
+  struct Outcome {
+    bool started = false;
+    bool done = false;
+    std::exception_ptr error;
+  };
+  auto outcome = std::make_shared<Outcome>();
+  std::unique_lock<std::mutex> lock(mutex_);
+  // `fn` is the caller's, alive until this returns: the job runs it only
+  // if it starts before the caller gives up, and the caller then waits.
+  jobs_.push_back(Job{owner,
+                      [this, outcome, &fn] {
+                        {
+                          std::lock_guard<std::mutex> guard(mutex_);
+                          outcome->started = true;
+                          cv_.notify_all();
+                        }
+                        std::exception_ptr error;
+                        try {
+                          fn();
+                        } catch (...) {
+                          error = std::current_exception();
+                        }
+                        std::lock_guard<std::mutex> guard(mutex_);
+                        outcome->error = error;
+                        outcome->done = true;
+                      },
+                      ++next_id_});
+  const uint64_t id = next_id_;
+  cv_.notify_all();
+  if (!cv_.wait_for(lock, bound, [&] { return outcome->started; })) {
+    for (auto it = jobs_.begin(); it != jobs_.end(); ++it) {
+      if (it->id != id) continue;
+      jobs_.erase(it);
+      fail(StatusCode::kTimeout, what, " did not start within ",
+           std::chrono::duration_cast<std::chrono::milliseconds>(bound).count(),
+           " ms: the collectives queued before it on this process group (a comm hook that does not return?) "
+           "did not finish");
+    }
+  }
+  // Once started, its collectives end by the group's timeout.
+  cv_.wait(lock, [&] { return outcome->done; });
+  if (outcome->error) std::rethrow_exception(outcome->error);
 }
 
 void CommQueue::cancel(const Reducer* owner) {
@@ -574,7 +626,7 @@ void CommQueue::loop() {
     jobs_.pop_front();
     running_ = job.owner;
     lock.unlock();
-    job.owner->run_job(job.bucket, job.refusal);
+    job.run();
     lock.lock();
     running_ = nullptr;
     cv_.notify_all();
@@ -703,9 +755,16 @@ void Reducer::reduce_bucket(size_t index) {
       divide(flat, group_->size());
       return;
     }
-    case HookKind::kCustom:
+    case HookKind::kCustom: {
+      struct Running {
+        explicit Running(RunningHook hook) { t_running_hook = hook; }
+        ~Running() { t_running_hook = RunningHook{}; }
+        Running(const Running&) = delete;
+        Running& operator=(const Running&) = delete;
+      } running(RunningHook{this, index});
       options_.custom_hook(index, flat);
       return;
+    }
   }
 }
 
@@ -835,7 +894,7 @@ void Reducer::finish_backward() {
       Tensor map = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(params_.size())}, kHost);
       std::memcpy(map.data(), used_since_sync_.data(), used_since_sync_.size());
       Tensor on_device = to_device(map, group_->device());
-      group_->all_reduce(on_device, ReduceOp::kMax, false);
+      on_queue("the used parameters' all_reduce", [&] { group_->all_reduce(on_device, ReduceOp::kMax, false); });
       Tensor back = to_device(on_device, kHost);
       std::memcpy(used.data(), back.data(), used.size());
     } catch (...) {
@@ -912,7 +971,7 @@ void Reducer::finish_backward() {
         if (!seen[i]) values.push_back(static_cast<int64_t>(i));
       }
       Tensor t = to_device(host_int64(values), group_->device());
-      group_->broadcast(t, 0, false);
+      on_queue("the ready order's broadcast", [&] { group_->broadcast(t, 0, false); });
       for (int64_t v : read_int64(t)) {
         if (v < 0 || static_cast<size_t>(v) >= params_.size()) {
           fail_invalid("rank 0's ready order names parameter ", v, " but this rank manages ", params_.size());

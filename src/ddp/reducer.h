@@ -53,10 +53,12 @@ enum class DebugLevel { kOff, kInfo, kDetail };
 
 class Reducer;
 
-// The one worker that runs every reducer's bucket reductions on a process
-// group, in the order buckets became ready: reducers over disjoint
-// submodules of one model share a group, and their collectives must reach
-// it in the same order on every rank.
+// The one worker that runs every collective of every reducer on a process
+// group: bucket reductions in the order buckets became ready, and the
+// reducers' other collectives (agreement checks, broadcasts, the used map)
+// in their place. Reducers over disjoint submodules of one model share a
+// group; their collectives must reach it in the same order on every rank,
+// and from one thread (a group refuses calls that overlap from two).
 class CommQueue {
  public:
   static std::shared_ptr<CommQueue> for_group(const dist::ProcessGroup* group);
@@ -67,14 +69,20 @@ class CommQueue {
 
   // Runs owner->run_job(bucket, refusal) on the worker, after what is queued.
   void push(Reducer* owner, size_t bucket, std::string refusal);
+  // Runs `fn` on the worker after what is queued and returns once it has,
+  // rethrowing what it threw. When it has not started within `bound` (a
+  // job before it never ends), it is dropped: kTimeout naming `what`.
+  void call(const Reducer* owner, const char* what, const std::function<void()>& fn,
+            std::chrono::steady_clock::duration bound);
   // Drops the owner's queued jobs and waits for its running one to end.
   void cancel(const Reducer* owner);
+  bool on_worker() const { return std::this_thread::get_id() == thread_.get_id(); }
 
  private:
   struct Job {
-    Reducer* owner;
-    size_t bucket;
-    std::string refusal;
+    const Reducer* owner;
+    std::function<void()> run;
+    uint64_t id = 0;
   };
   void loop();
 
@@ -82,6 +90,7 @@ class CommQueue {
   std::condition_variable cv_;
   std::deque<Job> jobs_;
   const Reducer* running_ = nullptr;
+  uint64_t next_id_ = 0;
   bool stopping_ = false;
   std::thread thread_;
 };
@@ -136,6 +145,9 @@ class Reducer {
   std::vector<std::vector<size_t>> plan_for(const std::vector<size_t>& order) const;
   void check_agreement(const std::vector<std::string>& description);
   void broadcast_state(const std::vector<std::pair<std::string, Tensor>>& tensors);
+  // Runs `fn`, which issues collectives on the group, on the comm queue's
+  // worker, in its place among the bucket reductions.
+  void on_queue(const char* what, const std::function<void()>& fn);
   void queue_ready_buckets_locked();
   friend class CommQueue;
   // On the queue's worker: one bucket's reduction (or, with `refusal`, its refusal).
@@ -184,6 +196,13 @@ class Reducer {
   ReducerStats stats_;
   std::vector<std::string> trace_events_;
 };
+
+// What this thread is running: a reducer's comm hook, for its bucket, or nothing.
+struct RunningHook {
+  const Reducer* reducer = nullptr;
+  size_t bucket = 0;
+};
+RunningHook running_hook() noexcept;
 
 const char* hook_name(HookKind hook);
 DebugLevel debug_level_from_env();

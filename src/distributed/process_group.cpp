@@ -1,5 +1,8 @@
 #include "distributed/process_group.h"
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <thread>
@@ -203,13 +206,74 @@ void ProcessGroup::worker_loop() {
   }
 }
 
-std::shared_ptr<Work> ProcessGroup::submit(const char* name, Task task, bool async) {
+namespace {
+long this_thread_tid() {
+  thread_local const long tid = static_cast<long>(::syscall(SYS_gettid));
+  return tid;
+}
+}  // namespace
+
+void ProcessGroup::claim_for_this_thread_locked(CallKind kind) {
+  const char* name = call_kind_name(static_cast<uint32_t>(kind));
+  ++submitted_;
+  if (calls_in_flight_ > 0 && driver_ != std::this_thread::get_id()) {
+    std::string why = str_cat("thread ", this_thread_tid(), " called ", name, " (call ", submitted_,
+                              " on this rank) while thread ", driver_tid_, "'s ", driver_call_,
+                              " was in flight; one group is driven by one thread at a time, in the same order on "
+                              "every rank: use one group per thread");
+    if (misdriven_.empty()) misdriven_ = why;
+    ++misdrives_;
+    fail(StatusCode::kState, name, ": ", why,
+         " (the group is unusable now: which call each rank paired with which "
+         "is unknown)");
+  }
+  driver_ = std::this_thread::get_id();
+  driver_tid_ = this_thread_tid();
+  driver_call_ = str_cat(name, " (call ", submitted_, " on this rank)");
+  ++calls_in_flight_;
+}
+
+void ProcessGroup::release_claim() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  --calls_in_flight_;
+  cv_.notify_all();
+}
+
+void ProcessGroup::refuse_misdriven(CallKind kind) {
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    why = misdriven_;
+  }
+  std::string reason = str_cat("its process group was driven by several threads at once: ", why);
+  try {
+    run_refused(kind, reason);
+  } catch (const Error& e) {
+    if (e.code() != StatusCode::kInvalidArgument) throw;
+  }
+  fail(StatusCode::kState, call_kind_name(static_cast<uint32_t>(kind)), ": refused on rank ", rank_,
+       " (the other ranks' matching call fails too): ", reason);
+}
+
+std::shared_ptr<Work> ProcessGroup::submit(CallKind kind, Task task, bool async) {
+  origin_.check("this process group");
   auto work = std::make_shared<Work>();
-  auto run = [this, name, task = std::move(task), work] { execute(name, task, *work); };
+  auto run = [this, kind, task = std::move(task), work] {
+    Outcome outcome = execute(kind, task);
+    // Released before the Work finishes: a thread that waited for it may call next.
+    release_claim();
+    work->finish(outcome.code, std::move(outcome.message));
+  };
   std::unique_lock<std::mutex> lock(mutex_);
+  claim_for_this_thread_locked(kind);
   if (async) {
-    if (!worker_.joinable()) worker_ = std::thread([this] { worker_loop(); });
-    queue_.emplace_back(std::move(run), work);
+    try {
+      if (!worker_.joinable()) worker_ = std::thread([this] { worker_loop(); });
+      queue_.emplace_back(std::move(run), work);
+    } catch (...) {
+      --calls_in_flight_;
+      throw;
+    }
     cv_.notify_all();
     return work;
   }
@@ -226,30 +290,41 @@ std::shared_ptr<Work> ProcessGroup::submit(const char* name, Task task, bool asy
   return work;
 }
 
-void ProcessGroup::execute(const char* name, const Task& task, Work& work) {
+ProcessGroup::Outcome ProcessGroup::execute(CallKind kind, const Task& task) {
+  const char* name = call_kind_name(static_cast<uint32_t>(kind));
+  uint64_t misdrives_before = 0;
+  bool misdriven = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!broken_.empty()) {
-      work.finish(StatusCode::kState,
-                  str_cat(name, ": the process group is unusable after an earlier failure: ", broken_));
-      return;
+      return {StatusCode::kState, str_cat(name, ": the process group is unusable after an earlier failure: ", broken_)};
     }
+    misdrives_before = misdrives_;
+    misdriven = !misdriven_.empty();
   }
   try {
+    if (misdriven) refuse_misdriven(kind);
     task();
-    work.finish(StatusCode::kOk, "");
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (misdrives_ != misdrives_before) {
+      // Another thread called while this ran: its result may be another call's.
+      return {StatusCode::kState, str_cat(name, " on rank ", rank_, ": ", misdriven_,
+                                          "; this call ran meanwhile, so which call each rank paired it with is "
+                                          "unknown")};
+    }
+    return {StatusCode::kOk, ""};
   } catch (const Error& e) {
     if (e.code() == StatusCode::kTimeout || e.code() == StatusCode::kRemote || e.code() == StatusCode::kInternal) {
       std::lock_guard<std::mutex> lock(mutex_);
       if (broken_.empty()) broken_ = e.what();
     }
-    work.finish(e.code(), e.what());
+    return {e.code(), e.what()};
   } catch (const std::bad_alloc&) {
-    work.finish(StatusCode::kOutOfMemory, str_cat(name, ": out of memory"));
+    return {StatusCode::kOutOfMemory, str_cat(name, ": out of memory")};
   } catch (const std::exception& e) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (broken_.empty()) broken_ = e.what();
-    work.finish(StatusCode::kInternal, str_cat(name, ": ", e.what()));
+    return {StatusCode::kInternal, str_cat(name, ": ", e.what())};
   }
 }
 
@@ -271,14 +346,15 @@ void ProcessGroup::refuse(CallKind kind, const std::string& reason, bool async) 
   const char* name = call_kind_name(static_cast<uint32_t>(kind));
   Task task = [this, kind, reason] { run_refused(kind, reason); };
   if (async) {
-    submit(name, std::move(task), true);
+    submit(kind, std::move(task), true);
     fail_invalid(name, ": rank ", rank_, " refused the call: ", reason,
                  " (the other ranks' matching call fails too; the group stays usable)");
   }
   try {
-    submit(name, std::move(task), false);
+    submit(kind, std::move(task), false);
   } catch (const Error& e) {
-    if (e.code() == StatusCode::kInvalidArgument) throw;  // the verdict every rank reached
+    // The verdict every rank reached, or this call was not this thread's to make.
+    if (e.code() == StatusCode::kInvalidArgument || e.code() == StatusCode::kState) throw;
     fail_invalid(name, ": rank ", rank_, " refused the call: ", reason, "; telling the other ranks failed: ", e.what());
   }
   fail(StatusCode::kInternal, name, ": the header exchange of a refused call passed");
@@ -291,7 +367,7 @@ std::shared_ptr<Work> ProcessGroup::all_reduce(const Tensor& tensor, ReduceOp op
       fail_invalid("all_reduce: DP_AVG is not defined for bool tensors");
   });
   return submit(
-      "all_reduce", [this, tensor, op] { run_all_reduce(tensor, op); }, async);
+      CallKind::kAllReduce, [this, tensor, op] { run_all_reduce(tensor, op); }, async);
 }
 
 std::shared_ptr<Work> ProcessGroup::all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op, bool async) {
@@ -310,7 +386,7 @@ std::shared_ptr<Work> ProcessGroup::all_reduce_coalesced(const std::vector<Tenso
     }
   });
   return submit(
-      "all_reduce", [this, tensors, op] { run_all_reduce_coalesced(tensors, op); }, async);
+      CallKind::kAllReduce, [this, tensors, op] { run_all_reduce_coalesced(tensors, op); }, async);
 }
 
 void ProcessGroup::run_all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op) {
@@ -338,7 +414,7 @@ std::shared_ptr<Work> ProcessGroup::broadcast(const Tensor& tensor, int32_t root
     }
   });
   return submit(
-      "broadcast", [this, tensor, root] { run_broadcast(tensor, root); }, async);
+      CallKind::kBroadcast, [this, tensor, root] { run_broadcast(tensor, root); }, async);
 }
 
 std::shared_ptr<Work> ProcessGroup::all_gather(const Tensor& input, const std::vector<Tensor>& outputs, bool async) {
@@ -358,7 +434,7 @@ std::shared_ptr<Work> ProcessGroup::all_gather(const Tensor& input, const std::v
     }
   });
   return submit(
-      "all_gather", [this, input, outputs] { run_all_gather(input, outputs); }, async);
+      CallKind::kAllGather, [this, input, outputs] { run_all_gather(input, outputs); }, async);
 }
 
 std::shared_ptr<Work> ProcessGroup::reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op,
@@ -382,12 +458,12 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter(const std::vector<Tensor>& in
     }
   });
   return submit(
-      "reduce_scatter", [this, inputs, output, op] { run_reduce_scatter(inputs, output, op); }, async);
+      CallKind::kReduceScatter, [this, inputs, output, op] { run_reduce_scatter(inputs, output, op); }, async);
 }
 
 std::shared_ptr<Work> ProcessGroup::barrier(bool async) {
   return submit(
-      "barrier", [this] { run_barrier(); }, async);
+      CallKind::kBarrier, [this] { run_barrier(); }, async);
 }
 
 std::unique_ptr<ProcessGroup> create_process_group(const ProcessGroupOptions& options) {

@@ -12,15 +12,25 @@
 // A call with a bad argument is refused, but still takes part in the ranks'
 // header exchange: the other ranks' matching calls fail at once naming this
 // rank and why, and the group stays in step and usable.
+// One thread drives a group at a time: a call made while another thread's
+// call is in flight (running or queued) is refused with kState, and since
+// which call each rank then paired with which is unknown, the call in flight
+// fails too and every later call is refused through the header exchange
+// (the other ranks fail naming this rank). A group made in another process
+// (this one is a forked child) refuses every call with kState.
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <deque>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "core/process_origin.h"
 #include "core/tensor.h"
 #include "distributed/call_header.h"
 #include "distributed/collective.h"
@@ -153,8 +163,19 @@ class ProcessGroup {
 
  private:
   using Task = std::function<void()>;
-  std::shared_ptr<Work> submit(const char* name, Task task, bool async);
-  void execute(const char* name, const Task& task, Work& work);
+  struct Outcome {
+    StatusCode code;
+    std::string message;
+  };
+  std::shared_ptr<Work> submit(CallKind kind, Task task, bool async);
+  Outcome execute(CallKind kind, const Task& task);
+  // Counts a call of `kind` from this thread as in flight; kState when
+  // another thread's call is (the group is then misdriven for good).
+  void claim_for_this_thread_locked(CallKind kind);
+  void release_claim();
+  // The call `kind` of a misdriven group, in its place in the sequence:
+  // refused, so that the other ranks fail too.
+  [[noreturn]] void refuse_misdriven(CallKind kind);
   void worker_loop();
   void check_tensor(const Tensor& t, const std::string& argument, const char* op) const;
 
@@ -171,6 +192,15 @@ class ProcessGroup {
   std::string broken_;  // the failure that broke the group
   std::thread worker_;
   uint64_t seq_ = 0;  // the last collective's number; only the running collective touches it
+  ProcessOrigin origin_;
+  // The thread driving the group: its calls in flight, running or queued.
+  std::thread::id driver_;
+  long driver_tid_ = 0;
+  std::string driver_call_;  // its latest call, for messages
+  size_t calls_in_flight_ = 0;
+  uint64_t submitted_ = 0;  // calls submitted so far, named in messages
+  std::string misdriven_;   // why the group was driven by several threads at once
+  uint64_t misdrives_ = 0;  // grows when misdriven_ is set or a later overlap is seen
   std::shared_ptr<Store> report_store_;
   std::string report_prefix_;
 };
