@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"runtime"
 	"strings"
 	"testing"
 )
@@ -578,6 +579,117 @@ func TestForwardPanicAndErrorBecomeErrors(t *testing.T) {
 	out, err := set.Apply(input, 0, CPU(0), replicaStep(lib))
 	must(t, err)
 	out.Close()
+}
+
+// A forward that ends its goroutine with runtime.Goexit (as t.Fatal and
+// t.FailNow do) fails the call with DP_EUSER, on the library's worker
+// threads and, with one device, on the calling thread; the process and the
+// library carry on.
+func TestForwardGoexitBecomesError(t *testing.T) {
+	lib := openLibrary(t)
+	w, b := initialParameters(7)
+	model := buildModel(t, lib, w, b)
+	defer model.Close()
+	input, err := lib.NewTensor(Float32, []int64{4, 2 * width}, CPU(0))
+	must(t, err)
+	defer input.Close()
+	for _, devices := range [][]Device{{CPU(0), CPU(1)}, {CPU(0)}} {
+		last := len(devices) - 1
+		_, err := lib.DataParallel(model, input, devices, CPU(0), 0, func(index int, replica *Module, in *Tensor,
+			d Device) (*Tensor, error) {
+			if index == last {
+				runtime.Goexit()
+			}
+			return in, nil
+		})
+		var de *Error
+		if !errors.As(err, &de) || de.Status != StatusUser || de.Cause == nil ||
+			!strings.Contains(de.Cause.Error(), fmt.Sprintf("replica %d exited its goroutine (runtime.Goexit", last)) {
+			t.Fatalf("on %d device(s), a forward calling runtime.Goexit gave %v, want DP_EUSER naming runtime.Goexit",
+				len(devices), err)
+		}
+		t.Log(err)
+	}
+	out, err := lib.DataParallel(model, input, []Device{CPU(0), CPU(1)}, CPU(0), 0, replicaStep(lib))
+	must(t, err)
+	out.Close()
+}
+
+// panic(nil) in a forward is a failure that says so, not a success with no
+// output (before Go 1.21 recover() returns nil for it).
+func TestForwardPanicNilBecomesError(t *testing.T) {
+	lib := openLibrary(t)
+	w, b := initialParameters(7)
+	model := buildModel(t, lib, w, b)
+	defer model.Close()
+	set, err := lib.NewReplicaSet(model, []Device{CPU(0), CPU(1)})
+	must(t, err)
+	defer set.Close()
+	input, err := lib.NewTensor(Float32, []int64{4, 2 * width}, CPU(0))
+	must(t, err)
+	defer input.Close()
+	_, err = set.Apply(input, 0, CPU(0), func(index int, replica *Module, in *Tensor, d Device) (*Tensor, error) {
+		if index == 1 {
+			panic(nil)
+		}
+		return in, nil
+	})
+	var de *Error
+	// Go 1.21 and later panic with a *runtime.PanicNilError instead.
+	if !errors.As(err, &de) || de.Status != StatusUser || de.Cause == nil ||
+		!strings.Contains(de.Cause.Error(), "replica 1 panicked") ||
+		!(strings.Contains(de.Cause.Error(), "panic(nil)") || strings.Contains(de.Cause.Error(), "nil argument")) {
+		t.Fatalf("a forward calling panic(nil) gave %v, want DP_EUSER naming panic(nil)", err)
+	}
+	t.Log(err)
+	out, err := set.Apply(input, 0, CPU(0), replicaStep(lib))
+	must(t, err)
+	out.Close()
+}
+
+// A forward that calls DataParallel, ParallelApply or ReplicaSet.Apply
+// would wait for the devices its own call holds: it gets DP_ESTATE, not a
+// deadlock.
+func TestApplyInsideForwardIsRefused(t *testing.T) {
+	lib := openLibrary(t)
+	w, b := initialParameters(7)
+	model := buildModel(t, lib, w, b)
+	defer model.Close()
+	set, err := lib.NewReplicaSet(model, []Device{CPU(0), CPU(1)})
+	must(t, err)
+	defer set.Close()
+	input, err := lib.NewTensor(Float32, []int64{4, 2 * width}, CPU(0))
+	must(t, err)
+	defer input.Close()
+	devices := []Device{CPU(0), CPU(1)}
+	nested := []struct {
+		op   string
+		call func() error
+	}{
+		{"dp_data_parallel", func() error {
+			_, err := lib.DataParallel(model, input, devices, CPU(0), 0, replicaStep(lib))
+			return err
+		}},
+		{"dp_replica_set_apply", func() error { _, err := set.Apply(input, 0, CPU(0), replicaStep(lib)); return err }},
+		{"dp_parallel_apply", func() error {
+			_, err := lib.ParallelApply([]*Module{model}, []*Tensor{input}, []Device{CPU(2)}, replicaStep(lib))
+			return err
+		}},
+	}
+	for _, n := range nested {
+		_, err := lib.DataParallel(model, input, devices, CPU(0), 0, func(index int, replica *Module, in *Tensor,
+			d Device) (*Tensor, error) {
+			if err := n.call(); err != nil {
+				return nil, err
+			}
+			return in, nil
+		})
+		var outer, inner *Error
+		if !errors.As(err, &outer) || outer.Status != StatusUser || !errors.As(outer.Cause, &inner) ||
+			inner.Status != StatusState || inner.Op != n.op {
+			t.Errorf("%s from inside a forward gave %v, want DP_EUSER caused by its DP_ESTATE", n.op, err)
+		}
+	}
 }
 
 // A library of another ABI major is refused with a message.

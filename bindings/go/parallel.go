@@ -14,13 +14,18 @@ import (
 	"sync"
 )
 
-// ForwardFunc runs one replica's forward (and, for training, backward) on
-// that replica's device worker thread; several run at once, one per device.
-// replica and input belong to the library and are valid during the call
-// only. It returns a new tensor, whose reference passes to the library, or
-// input itself. An error, or a panic, fails the whole call: the caller gets
-// an *Error with StatusUser whose Cause is the Go error of the first failed
-// replica.
+// ForwardFunc runs one replica's forward (and, for training, backward) while
+// that replica's device worker thread waits for it; several run at once, one
+// per device. It runs on a goroutine of its own, not locked to the worker
+// thread, so that runtime.Goexit in it (t.Fatal) can end that goroutine:
+// cgo code in it that needs the device current on its thread (CUDA) must
+// make it current itself. replica and input belong to the library and are
+// valid during the call only. It returns a new tensor, whose reference
+// passes to the library, or input itself. An error, a panic (panic(nil)
+// included) or a runtime.Goexit fails the whole call: the caller gets an
+// *Error with StatusUser whose Cause is the Go error of the first failed
+// replica. Calling ParallelApply, DataParallel or ReplicaSet.Apply from it
+// would deadlock and is StatusState.
 type ForwardFunc func(index int, replica *Module, input *Tensor, device Device) (*Tensor, error)
 
 // forwardCall is what a call's callbacks share, behind a cgo.Handle.
@@ -40,9 +45,12 @@ func (c *forwardCall) fail(index int, err error) {
 	c.errs[index] = err
 }
 
-// run makes the call with the handle and attaches the first replica's Go
+// runForward makes the call with the handle and attaches the first replica's Go
 // error to a failure.
 func (l *Library) runForward(op string, fn ForwardFunc, f func(call C.uintptr_t) C.dp_status) error {
+	if insideCallback() {
+		return &Error{Status: StatusState, Op: op, Message: "called from inside a replica's forward, which would deadlock"}
+	}
 	if fn == nil {
 		return invalid(op, "argument 'fn' is nil")
 	}
@@ -67,26 +75,24 @@ func (l *Library) runForward(op string, fn ForwardFunc, f func(call C.uintptr_t)
 
 //export dpgoForward
 func dpgoForward(call C.uintptr_t, index C.size_t, replica *C.dp_module, input *C.dp_tensor, device C.dp_device,
-	output **C.dp_tensor) (code C.int) {
+	output **C.dp_tensor) C.int {
 	c := cgo.Handle(call).Value().(*forwardCall)
 	i := int(index)
 	m := &Module{lib: c.lib, h: replica, borrowed: true}
 	in := &Tensor{lib: c.lib, h: input, borrowed: true}
-	defer func() {
-		// The library's handles end with the call.
-		m.h, in.h = nil, nil
-		// A panic must not unwind into C: it becomes this replica's error.
-		if r := recover(); r != nil {
-			c.fail(i, fmt.Errorf("forward of replica %d panicked: %v", i, r))
-			code = 1
-		}
-	}()
-	out, err := c.fn(i, m, in, goDevice(device))
-	if err != nil {
+	// The library's handles end with the call.
+	defer func() { m.h, in.h = nil, nil }()
+	var out *Tensor
+	var err error
+	failure := runCallback(func() { out, err = c.fn(i, m, in, goDevice(device)) })
+	switch {
+	case failure != nil:
+		c.fail(i, fmt.Errorf("forward of replica %d %w", i, failure))
+		return 1
+	case err != nil:
 		c.fail(i, err)
 		return 2
-	}
-	if out == nil || out.h == nil {
+	case out == nil || out.h == nil:
 		c.fail(i, errors.New("the forward returned no tensor"))
 		return 3
 	}
