@@ -47,7 +47,7 @@ func (c *forwardCall) fail(index int, err error) {
 
 // runForward makes the call with the handle and attaches the first replica's Go
 // error to a failure.
-func (l *Library) runForward(op string, fn ForwardFunc, f func(call C.uintptr_t) C.dp_status) error {
+func (l *Library) runForward(op string, fn ForwardFunc, f func(api *C.dp_api, call C.uintptr_t) C.dp_status) error {
 	if insideCallback() {
 		return &Error{Status: StatusState, Op: op, Message: "called from inside a replica's forward, which would deadlock"}
 	}
@@ -57,7 +57,7 @@ func (l *Library) runForward(op string, fn ForwardFunc, f func(call C.uintptr_t)
 	c := &forwardCall{lib: l, fn: fn}
 	h := cgo.NewHandle(c)
 	defer h.Delete()
-	err := l.call(op, func() C.dp_status { return f(C.uintptr_t(h)) })
+	err := l.call(op, func(api *C.dp_api) C.dp_status { return f(api, C.uintptr_t(h)) })
 	if err != nil {
 		c.mu.Lock()
 		defer c.mu.Unlock()
@@ -133,8 +133,8 @@ func (l *Library) ParallelApply(replicas []*Module, inputs []*Tensor, devices []
 		dptr = &cd[0]
 	}
 	out := make([]*C.dp_tensor, n)
-	err := l.runForward(op, fn, func(call C.uintptr_t) C.dp_status {
-		return C.dpgo_parallel_apply(l.api, &rh[0], &ih[0], dptr, C.size_t(n), call, &out[0])
+	err := l.runForward(op, fn, func(api *C.dp_api, call C.uintptr_t) C.dp_status {
+		return C.dpgo_parallel_apply(api, &rh[0], &ih[0], dptr, C.size_t(n), call, &out[0])
 	})
 	if err != nil {
 		return nil, err
@@ -160,8 +160,8 @@ func (l *Library) DataParallel(module *Module, input *Tensor, devices []Device, 
 	}
 	cd := cDevices(devices)
 	var out *C.dp_tensor
-	err := l.runForward(op, fn, func(call C.uintptr_t) C.dp_status {
-		return C.dpgo_data_parallel(l.api, module.h, input.h, &cd[0], C.size_t(len(cd)), outputDevice.c(), C.int32_t(dim),
+	err := l.runForward(op, fn, func(api *C.dp_api, call C.uintptr_t) C.dp_status {
+		return C.dpgo_data_parallel(api, module.h, input.h, &cd[0], C.size_t(len(cd)), outputDevice.c(), C.int32_t(dim),
 			call, &out)
 	})
 	if err != nil {
@@ -181,8 +181,8 @@ func (l *Library) Replicate(module *Module, devices []Device, detach bool) ([]*M
 	if detach {
 		d = 1
 	}
-	err := l.call("dp_replicate", func() C.dp_status {
-		return C.dpgo_replicate(l.api, module.h, &cd[0], C.size_t(len(cd)), d, &out[0])
+	err := l.call("dp_replicate", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_replicate(api, module.h, &cd[0], C.size_t(len(cd)), d, &out[0])
 	})
 	if err != nil {
 		return nil, err
@@ -203,8 +203,8 @@ func (l *Library) ReduceGradients(replicas []*Module, target *Module) error {
 	for i, r := range replicas {
 		rh[i] = r.h
 	}
-	return l.call("dp_reduce_gradients", func() C.dp_status {
-		return C.dpgo_reduce_gradients(l.api, &rh[0], C.size_t(len(rh)), target.h)
+	return l.call("dp_reduce_gradients", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_reduce_gradients(api, &rh[0], C.size_t(len(rh)), target.h)
 	})
 }
 
@@ -225,8 +225,8 @@ func (l *Library) NewReplicaSet(module *Module, devices []Device) (*ReplicaSet, 
 	}
 	cd := cDevices(devices)
 	var h *C.dp_replica_set
-	err := l.call(op, func() C.dp_status {
-		return C.dpgo_replica_set_create(l.api, &h, module.h, &cd[0], C.size_t(len(cd)))
+	err := l.call(op, func(api *C.dp_api) C.dp_status {
+		return C.dpgo_replica_set_create(api, &h, module.h, &cd[0], C.size_t(len(cd)))
 	})
 	if err != nil {
 		return nil, err
@@ -238,16 +238,19 @@ func (s *ReplicaSet) Close() {
 	if s == nil || s.h == nil {
 		return
 	}
-	C.dpgo_replica_set_destroy(s.lib.api, s.h)
+	s.lib.use("dp_replica_set_destroy", func(api *C.dp_api) { C.dpgo_replica_set_destroy(api, s.h) })
 	s.h = nil
 }
 
-// Size is the number of replicas.
-func (s *ReplicaSet) Size() int { return int(C.dpgo_replica_set_size(s.lib.api, s.h)) }
+// Size is the number of replicas; 0 on a closed set or library.
+func (s *ReplicaSet) Size() (n int) {
+	s.lib.use("dp_replica_set_size", func(api *C.dp_api) { n = int(C.dpgo_replica_set_size(api, s.h)) })
+	return n
+}
 
 // Sync copies the module's current parameters into the replicas.
 func (s *ReplicaSet) Sync() error {
-	return s.lib.call("dp_replica_set_sync", func() C.dp_status { return C.dpgo_replica_set_sync(s.lib.api, s.h) })
+	return s.lib.call("dp_replica_set_sync", func(api *C.dp_api) C.dp_status { return C.dpgo_replica_set_sync(api, s.h) })
 }
 
 // Replica is a new reference to replica index.
@@ -256,8 +259,8 @@ func (s *ReplicaSet) Replica(index int) (*Module, error) {
 		return nil, invalid("dp_replica_set_replica", "argument 'index' is negative (%d)", index)
 	}
 	var h *C.dp_module
-	err := s.lib.call("dp_replica_set_replica", func() C.dp_status {
-		return C.dpgo_replica_set_replica(s.lib.api, s.h, C.size_t(index), &h)
+	err := s.lib.call("dp_replica_set_replica", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_replica_set_replica(api, s.h, C.size_t(index), &h)
 	})
 	if err != nil {
 		return nil, err
@@ -274,8 +277,8 @@ func (s *ReplicaSet) Apply(input *Tensor, dim int, outputDevice Device, fn Forwa
 		return nil, invalid(op, "argument 'input' is nil")
 	}
 	var out *C.dp_tensor
-	err := s.lib.runForward(op, fn, func(call C.uintptr_t) C.dp_status {
-		return C.dpgo_replica_set_apply(s.lib.api, s.h, input.h, C.int32_t(dim), outputDevice.c(), call, &out)
+	err := s.lib.runForward(op, fn, func(api *C.dp_api, call C.uintptr_t) C.dp_status {
+		return C.dpgo_replica_set_apply(api, s.h, input.h, C.int32_t(dim), outputDevice.c(), call, &out)
 	})
 	if err != nil {
 		return nil, err
@@ -286,7 +289,7 @@ func (s *ReplicaSet) Apply(input *Tensor, dim int, outputDevice Device, fn Forwa
 // ReduceGradients adds the replicas' gradients into the module's and zeroes
 // the replicas'.
 func (s *ReplicaSet) ReduceGradients() error {
-	return s.lib.call("dp_replica_set_reduce_gradients", func() C.dp_status {
-		return C.dpgo_replica_set_reduce_gradients(s.lib.api, s.h)
+	return s.lib.call("dp_replica_set_reduce_gradients", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_replica_set_reduce_gradients(api, s.h)
 	})
 }
