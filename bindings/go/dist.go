@@ -30,8 +30,8 @@ type ProcessGroup struct {
 // default options: Gloo (or shared memory on one host) on cpu:0.
 func (l *Library) ProcessGroupFromEnv() (*ProcessGroup, error) {
 	var h *C.dp_process_group
-	err := l.call("dp_process_group_create_from_env", func() C.dp_status {
-		return C.dpgo_process_group_create_from_env(l.api, &h, nil)
+	err := l.call("dp_process_group_create_from_env", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_process_group_create_from_env(api, &h, nil)
 	})
 	if err != nil {
 		return nil, err
@@ -44,32 +44,47 @@ func (pg *ProcessGroup) Close() {
 	if pg == nil || pg.h == nil {
 		return
 	}
-	C.dpgo_process_group_destroy(pg.lib.api, pg.h)
+	pg.lib.use("dp_process_group_destroy", func(api *C.dp_api) { C.dpgo_process_group_destroy(api, pg.h) })
 	pg.h = nil
 }
 
-func (pg *ProcessGroup) Rank() int { return int(C.dpgo_process_group_rank(pg.lib.api, pg.h)) }
-func (pg *ProcessGroup) Size() int { return int(C.dpgo_process_group_size(pg.lib.api, pg.h)) }
-func (pg *ProcessGroup) Backend() string {
-	return C.GoString(C.dpgo_process_group_backend(pg.lib.api, pg.h))
+// Rank, Size and Backend describe the group; -1, -1 and "" on a closed group
+// or library, as the library answers for an invalid handle.
+func (pg *ProcessGroup) Rank() int {
+	rank := -1
+	pg.lib.use("dp_process_group_rank", func(api *C.dp_api) { rank = int(C.dpgo_process_group_rank(api, pg.h)) })
+	return rank
+}
+
+func (pg *ProcessGroup) Size() int {
+	size := -1
+	pg.lib.use("dp_process_group_size", func(api *C.dp_api) { size = int(C.dpgo_process_group_size(api, pg.h)) })
+	return size
+}
+
+func (pg *ProcessGroup) Backend() (backend string) {
+	pg.lib.use("dp_process_group_backend", func(api *C.dp_api) {
+		backend = C.GoString(C.dpgo_process_group_backend(api, pg.h))
+	})
+	return backend
 }
 
 // AllReduce combines t across ranks, in place.
 func (pg *ProcessGroup) AllReduce(t *Tensor, op ReduceOp) error {
-	return pg.lib.call("dp_pg_all_reduce", func() C.dp_status {
-		return C.dpgo_pg_all_reduce(pg.lib.api, pg.h, t.h, C.int32_t(op))
+	return pg.lib.call("dp_pg_all_reduce", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_pg_all_reduce(api, pg.h, t.h, C.int32_t(op))
 	})
 }
 
 // Broadcast copies root's t to every rank, in place.
 func (pg *ProcessGroup) Broadcast(t *Tensor, root int) error {
-	return pg.lib.call("dp_pg_broadcast", func() C.dp_status {
-		return C.dpgo_pg_broadcast(pg.lib.api, pg.h, t.h, C.int32_t(root))
+	return pg.lib.call("dp_pg_broadcast", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_pg_broadcast(api, pg.h, t.h, C.int32_t(root))
 	})
 }
 
 func (pg *ProcessGroup) Barrier() error {
-	return pg.lib.call("dp_pg_barrier", func() C.dp_status { return C.dpgo_pg_barrier(pg.lib.api, pg.h) })
+	return pg.lib.call("dp_pg_barrier", func(api *C.dp_api) C.dp_status { return C.dpgo_pg_barrier(api, pg.h) })
 }
 
 // DDPOptions are the reducer's settings; zero values take the library's
@@ -96,7 +111,10 @@ func (l *Library) NewDDP(module *Module, pg *ProcessGroup, opts *DDPOptions) (*D
 		return nil, invalid(op, "argument 'module' or 'pg' is nil")
 	}
 	var copts C.dp_ddp_options
-	if err := l.call("dp_ddp_options_init", func() C.dp_status { return C.dpgo_ddp_options_init(l.api, &copts) }); err != nil {
+	err := l.call("dp_ddp_options_init", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_ddp_options_init(api, &copts)
+	})
+	if err != nil {
 		return nil, err
 	}
 	if opts != nil {
@@ -111,7 +129,7 @@ func (l *Library) NewDDP(module *Module, pg *ProcessGroup, opts *DDPOptions) (*D
 		}
 	}
 	var h *C.dp_ddp
-	err := l.call(op, func() C.dp_status { return C.dpgo_ddp_create(l.api, &h, module.h, pg.h, &copts) })
+	err = l.call(op, func(api *C.dp_api) C.dp_status { return C.dpgo_ddp_create(api, &h, module.h, pg.h, &copts) })
 	if err != nil {
 		return nil, err
 	}
@@ -122,27 +140,34 @@ func (d *DDP) Close() {
 	if d == nil || d.h == nil {
 		return
 	}
-	C.dpgo_ddp_destroy(d.lib.api, d.h)
+	d.lib.use("dp_ddp_destroy", func(api *C.dp_api) { C.dpgo_ddp_destroy(api, d.h) })
 	d.h = nil
 }
 
 // PreForward starts a step.
 func (d *DDP) PreForward() error {
-	return d.lib.call("dp_ddp_pre_forward", func() C.dp_status { return C.dpgo_ddp_pre_forward(d.lib.api, d.h) })
+	return d.lib.call("dp_ddp_pre_forward", func(api *C.dp_api) C.dp_status { return C.dpgo_ddp_pre_forward(api, d.h) })
 }
 
 // MarkGradReady says the named parameter's gradient is final for this step.
 func (d *DDP) MarkGradReady(name string) error {
 	cname := C.CString(name)
 	defer C.free(unsafe.Pointer(cname))
-	return d.lib.call("dp_ddp_mark_grad_ready", func() C.dp_status {
-		return C.dpgo_ddp_mark_grad_ready(d.lib.api, d.h, cname)
+	return d.lib.call("dp_ddp_mark_grad_ready", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_ddp_mark_grad_ready(api, d.h, cname)
 	})
 }
 
 // FinishBackward waits for the reductions: the gradients are then averaged.
 func (d *DDP) FinishBackward() error {
-	return d.lib.call("dp_ddp_finish_backward", func() C.dp_status { return C.dpgo_ddp_finish_backward(d.lib.api, d.h) })
+	return d.lib.call("dp_ddp_finish_backward", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_ddp_finish_backward(api, d.h)
+	})
 }
 
-func (d *DDP) NumBuckets() int { return int(C.dpgo_ddp_num_buckets(d.lib.api, d.h)) }
+// NumBuckets is the number of gradient buckets; 0 on a closed reducer or
+// library.
+func (d *DDP) NumBuckets() (n int) {
+	d.lib.use("dp_ddp_num_buckets", func(api *C.dp_api) { n = int(C.dpgo_ddp_num_buckets(api, d.h)) })
+	return n
+}

@@ -23,6 +23,8 @@ import (
 	"fmt"
 	"os"
 	"runtime"
+	"sync"
+	"sync/atomic"
 	"unsafe"
 )
 
@@ -96,12 +98,21 @@ func invalid(op, format string, args ...interface{}) error {
 }
 
 // Library is one loaded libdparallel. Its methods, and those of the handles
-// made from it, may be called from any goroutine as the C ABI allows.
+// made from it, may be called from any goroutine as the C ABI allows. Close
+// may be too: it waits for the calls in flight, and every later call, on the
+// library or on a handle made from it, is a StatusState error.
 type Library struct {
 	api    *C.dp_api
 	handle unsafe.Pointer
 	path   string
+	// calls counts the calls in flight, plus closedFlag once Close began.
+	calls     atomic.Int64
+	drained   chan struct{} // closed once Close began and no call is in flight
+	drainOnce sync.Once
+	closeMu   sync.Mutex // one Close at a time
 }
+
+const closedFlag = int64(1) << 62
 
 // Open loads the library at path (a file name without a slash is searched
 // the way dlopen searches) and refuses one whose ABI major differs from this
@@ -130,49 +141,91 @@ func openMajor(path string, major uint32) (*Library, error) {
 	if api == nil {
 		return nil, &Error{Status: StatusInvalid, Op: "Open", Message: C.GoString(&msg[0])}
 	}
-	return &Library{api: api, handle: handle, path: path}, nil
+	return &Library{api: api, handle: handle, path: path, drained: make(chan struct{})}, nil
 }
 
-// Close unloads the library (dlclose). Every handle made from it must be
-// closed first; the Library must not be used afterwards.
+// Close unloads the library (dlclose) once the calls in flight have
+// returned; calls made meanwhile, and after, are StatusState errors. Close
+// the handles made from it first: closing one afterwards does nothing, and
+// its memory stays with the library. Closing twice does nothing; Close from
+// inside a forward, which would wait for itself, is StatusState.
 func (l *Library) Close() error {
-	if l.handle == nil {
+	if l == nil || l.api == nil {
 		return nil
 	}
+	if insideCallback() {
+		return &Error{Status: StatusState, Op: "Close", Message: "called from inside a replica's forward, " +
+			"which would wait for itself"}
+	}
+	l.closeMu.Lock()
+	defer l.closeMu.Unlock()
+	if l.calls.Load()&closedFlag != 0 {
+		return nil
+	}
+	if l.calls.Add(closedFlag) != closedFlag {
+		<-l.drained
+	}
 	var msg [1024]C.char
-	rc := C.dpgo_close(l.handle, &msg[0], C.size_t(len(msg)))
-	l.handle, l.api = nil, nil
-	if rc != 0 {
+	if C.dpgo_close(l.handle, &msg[0], C.size_t(len(msg))) != 0 {
 		return &Error{Status: StatusInternal, Op: "Close", Message: C.GoString(&msg[0])}
 	}
 	return nil
 }
 
-// Path is the file name the library was opened with.
-func (l *Library) Path() string { return l.path }
-
-// ABI is the major and minor version of the library's entry-point table.
-func (l *Library) ABI() (major, minor uint32) {
-	return uint32(l.api.abi_major), uint32(l.api.abi_minor)
-}
-
-// Version is the library's version number, major*10000 + minor*100 + patch.
-func (l *Library) Version() uint32 { return uint32(C.dpgo_version_number(l.api)) }
-
-// call runs one fallible entry point. The library's last error is per
-// thread, so the goroutine stays on its thread until the message is read.
-func (l *Library) call(op string, f func() C.dp_status) error {
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	if s := f(); s != 0 {
-		return l.lastError(op, Status(s))
+// use runs f with the entry-point table unless the library is closed. Every
+// path into the library goes through here, so that no call uses the table
+// after Close and Close never unloads code that a call is running.
+func (l *Library) use(op string, f func(api *C.dp_api)) error {
+	if l == nil || l.api == nil {
+		return &Error{Status: StatusState, Op: op, Message: "library not opened (use Open or Load)"}
 	}
+	if l.calls.Add(1)&closedFlag != 0 {
+		l.leave()
+		return &Error{Status: StatusState, Op: op, Message: "library closed"}
+	}
+	defer l.leave()
+	f(l.api)
 	return nil
 }
 
-// lastError reads this thread's message; the caller holds the thread.
-func (l *Library) lastError(op string, s Status) *Error {
-	return &Error{Status: s, Op: op, Message: C.GoString(C.dpgo_last_error(l.api))}
+func (l *Library) leave() {
+	if l.calls.Add(-1) == closedFlag {
+		l.drainOnce.Do(func() { close(l.drained) })
+	}
+}
+
+// Path is the file name the library was opened with.
+func (l *Library) Path() string { return l.path }
+
+// ABI is the major and minor version of the library's entry-point table;
+// zeros once closed.
+func (l *Library) ABI() (major, minor uint32) {
+	l.use("ABI", func(api *C.dp_api) { major, minor = uint32(api.abi_major), uint32(api.abi_minor) })
+	return major, minor
+}
+
+// Version is the library's version number, major*10000 + minor*100 + patch;
+// 0 once closed.
+func (l *Library) Version() (version uint32) {
+	l.use("dp_version_number", func(api *C.dp_api) { version = uint32(C.dpgo_version_number(api)) })
+	return version
+}
+
+// call runs one fallible entry point (f may call several, returning the
+// first failure). The library's last error is per thread, so the goroutine
+// stays on its thread until the message is read.
+func (l *Library) call(op string, f func(api *C.dp_api) C.dp_status) error {
+	var err error
+	if useErr := l.use(op, func(api *C.dp_api) {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		if s := f(api); s != 0 {
+			err = &Error{Status: Status(s), Op: op, Message: C.GoString(C.dpgo_last_error(api))}
+		}
+	}); useErr != nil {
+		return useErr
+	}
+	return err
 }
 
 // DeviceType is where a device's memory lives.
@@ -222,6 +275,6 @@ func (l *Library) ParseDevice(text string) (Device, error) {
 	ctext := C.CString(text)
 	defer C.free(unsafe.Pointer(ctext))
 	var d C.dp_device
-	err := l.call("dp_device_parse", func() C.dp_status { return C.dpgo_device_parse(l.api, ctext, &d) })
+	err := l.call("dp_device_parse", func(api *C.dp_api) C.dp_status { return C.dpgo_device_parse(api, ctext, &d) })
 	return goDevice(d), err
 }

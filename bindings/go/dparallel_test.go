@@ -4,9 +4,13 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"net"
 	"os"
+	"runtime"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
 )
 
 // The task of examples/dp-train.c at a small size: an MLP of tanh layers
@@ -578,6 +582,254 @@ func TestForwardPanicAndErrorBecomeErrors(t *testing.T) {
 	out, err := set.Apply(input, 0, CPU(0), replicaStep(lib))
 	must(t, err)
 	out.Close()
+}
+
+// A forward that ends its goroutine with runtime.Goexit (as t.Fatal and
+// t.FailNow do) fails the call with DP_EUSER, on the library's worker
+// threads and, with one device, on the calling thread; the process and the
+// library carry on.
+func TestForwardGoexitBecomesError(t *testing.T) {
+	lib := openLibrary(t)
+	w, b := initialParameters(7)
+	model := buildModel(t, lib, w, b)
+	defer model.Close()
+	input, err := lib.NewTensor(Float32, []int64{4, 2 * width}, CPU(0))
+	must(t, err)
+	defer input.Close()
+	for _, devices := range [][]Device{{CPU(0), CPU(1)}, {CPU(0)}} {
+		last := len(devices) - 1
+		_, err := lib.DataParallel(model, input, devices, CPU(0), 0, func(index int, replica *Module, in *Tensor,
+			d Device) (*Tensor, error) {
+			if index == last {
+				runtime.Goexit()
+			}
+			return in, nil
+		})
+		var de *Error
+		if !errors.As(err, &de) || de.Status != StatusUser || de.Cause == nil ||
+			!strings.Contains(de.Cause.Error(), fmt.Sprintf("replica %d exited its goroutine (runtime.Goexit", last)) {
+			t.Fatalf("on %d device(s), a forward calling runtime.Goexit gave %v, want DP_EUSER naming runtime.Goexit",
+				len(devices), err)
+		}
+		t.Log(err)
+	}
+	out, err := lib.DataParallel(model, input, []Device{CPU(0), CPU(1)}, CPU(0), 0, replicaStep(lib))
+	must(t, err)
+	out.Close()
+}
+
+// panic(nil) in a forward is a failure that says so, not a success with no
+// output (before Go 1.21 recover() returns nil for it).
+func TestForwardPanicNilBecomesError(t *testing.T) {
+	lib := openLibrary(t)
+	w, b := initialParameters(7)
+	model := buildModel(t, lib, w, b)
+	defer model.Close()
+	set, err := lib.NewReplicaSet(model, []Device{CPU(0), CPU(1)})
+	must(t, err)
+	defer set.Close()
+	input, err := lib.NewTensor(Float32, []int64{4, 2 * width}, CPU(0))
+	must(t, err)
+	defer input.Close()
+	_, err = set.Apply(input, 0, CPU(0), func(index int, replica *Module, in *Tensor, d Device) (*Tensor, error) {
+		if index == 1 {
+			panic(nil)
+		}
+		return in, nil
+	})
+	var de *Error
+	// Go 1.21 and later panic with a *runtime.PanicNilError instead.
+	if !errors.As(err, &de) || de.Status != StatusUser || de.Cause == nil ||
+		!strings.Contains(de.Cause.Error(), "replica 1 panicked") ||
+		!(strings.Contains(de.Cause.Error(), "panic(nil)") || strings.Contains(de.Cause.Error(), "nil argument")) {
+		t.Fatalf("a forward calling panic(nil) gave %v, want DP_EUSER naming panic(nil)", err)
+	}
+	t.Log(err)
+	out, err := set.Apply(input, 0, CPU(0), replicaStep(lib))
+	must(t, err)
+	out.Close()
+}
+
+// A forward that calls DataParallel, ParallelApply or ReplicaSet.Apply
+// would wait for the devices its own call holds: it gets DP_ESTATE, not a
+// deadlock.
+func TestApplyInsideForwardIsRefused(t *testing.T) {
+	lib := openLibrary(t)
+	w, b := initialParameters(7)
+	model := buildModel(t, lib, w, b)
+	defer model.Close()
+	set, err := lib.NewReplicaSet(model, []Device{CPU(0), CPU(1)})
+	must(t, err)
+	defer set.Close()
+	input, err := lib.NewTensor(Float32, []int64{4, 2 * width}, CPU(0))
+	must(t, err)
+	defer input.Close()
+	devices := []Device{CPU(0), CPU(1)}
+	nested := []struct {
+		op   string
+		call func() error
+	}{
+		{"dp_data_parallel", func() error {
+			_, err := lib.DataParallel(model, input, devices, CPU(0), 0, replicaStep(lib))
+			return err
+		}},
+		{"dp_replica_set_apply", func() error { _, err := set.Apply(input, 0, CPU(0), replicaStep(lib)); return err }},
+		{"dp_parallel_apply", func() error {
+			_, err := lib.ParallelApply([]*Module{model}, []*Tensor{input}, []Device{CPU(2)}, replicaStep(lib))
+			return err
+		}},
+	}
+	for _, n := range nested {
+		_, err := lib.DataParallel(model, input, devices, CPU(0), 0, func(index int, replica *Module, in *Tensor,
+			d Device) (*Tensor, error) {
+			if err := n.call(); err != nil {
+				return nil, err
+			}
+			return in, nil
+		})
+		var outer, inner *Error
+		if !errors.As(err, &outer) || outer.Status != StatusUser || !errors.As(outer.Cause, &inner) ||
+			inner.Status != StatusState || inner.Op != n.op {
+			t.Errorf("%s from inside a forward gave %v, want DP_EUSER caused by its DP_ESTATE", n.op, err)
+		}
+	}
+}
+
+// After Library.Close every call on the library, or on a handle made from
+// it, is a DP_ESTATE error saying so; accessors give their invalid-handle
+// values; closing handles then, or the library again, does nothing.
+func TestCallsAfterCloseAreErrors(t *testing.T) {
+	lib := openLibrary(t)
+	w, b := initialParameters(7)
+	model := buildModel(t, lib, w, b)
+	x, err := lib.NewTensor(Float32, []int64{4, 2 * width}, CPU(0))
+	must(t, err)
+	set, err := lib.NewReplicaSet(model, []Device{CPU(0), CPU(1)})
+	must(t, err)
+	// A group of one rank, served by its own TCP store.
+	listener, err := net.Listen("tcp", "127.0.0.1:0")
+	must(t, err)
+	port := listener.Addr().(*net.TCPAddr).Port
+	listener.Close()
+	t.Setenv("RANK", "0")
+	t.Setenv("LOCAL_RANK", "0")
+	t.Setenv("WORLD_SIZE", "1")
+	t.Setenv("MASTER_ADDR", "127.0.0.1")
+	t.Setenv("MASTER_PORT", fmt.Sprint(port))
+	pg, err := lib.ProcessGroupFromEnv()
+	must(t, err)
+	ddp, err := lib.NewDDP(model, pg, nil)
+	must(t, err)
+	must(t, lib.Close())
+	must(t, lib.Close())
+
+	fn := replicaStep(lib)
+	calls := []struct {
+		what string
+		err  error
+	}{
+		{"ParseDevice", func() error { _, err := lib.ParseDevice("cpu:1"); return err }()},
+		{"NewTensor", func() error { _, err := lib.NewTensor(Float32, []int64{2}, CPU(0)); return err }()},
+		{"TensorFromFloat32s", func() error {
+			_, err := lib.TensorFromFloat32s([]float32{1}, []int64{1}, CPU(0))
+			return err
+		}()},
+		{"NewModule", func() error { _, err := lib.NewModule(); return err }()},
+		{"Replicate", func() error { _, err := lib.Replicate(model, []Device{CPU(1)}, false); return err }()},
+		{"ReduceGradients", lib.ReduceGradients([]*Module{model}, model)},
+		{"ParallelApply", func() error {
+			_, err := lib.ParallelApply([]*Module{model}, []*Tensor{x}, nil, fn)
+			return err
+		}()},
+		{"DataParallel", func() error {
+			_, err := lib.DataParallel(model, x, []Device{CPU(0)}, CPU(0), 0, fn)
+			return err
+		}()},
+		{"NewReplicaSet", func() error { _, err := lib.NewReplicaSet(model, []Device{CPU(0)}); return err }()},
+		{"ProcessGroupFromEnv", func() error { _, err := lib.ProcessGroupFromEnv(); return err }()},
+		{"NewDDP", func() error { _, err := lib.NewDDP(model, pg, nil); return err }()},
+		{"Tensor.Shape", func() error { _, err := x.Shape(); return err }()},
+		{"Tensor.Float32s", func() error { _, err := x.Float32s(); return err }()},
+		{"Tensor.CopyFromFloat32s", x.CopyFromFloat32s(make([]float32, 4*2*width))},
+		{"Tensor.CopyToFloat32s", x.CopyToFloat32s(make([]float32, 4*2*width))},
+		{"Module.RegisterParameter", model.RegisterParameter("extra", nil, false)},
+		{"Module.RegisterModule", model.RegisterModule("extra", nil)},
+		{"Module.ParameterNames", func() error { _, err := model.ParameterNames(); return err }()},
+		{"Module.Parameter", func() error { _, err := model.Parameter(weightName(0)); return err }()},
+		{"Module.Grad", func() error { _, err := model.Grad(weightName(0)); return err }()},
+		{"Module.ZeroGrad", model.ZeroGrad()},
+		{"Module.Save", model.Save(t.TempDir() + "/model.safetensors")},
+		{"Module.Load", model.Load(t.TempDir()+"/model.safetensors", true)},
+		{"ReplicaSet.Sync", set.Sync()},
+		{"ReplicaSet.Replica", func() error { _, err := set.Replica(0); return err }()},
+		{"ReplicaSet.Apply", func() error { _, err := set.Apply(x, 0, CPU(0), fn); return err }()},
+		{"ReplicaSet.ReduceGradients", set.ReduceGradients()},
+		{"ProcessGroup.AllReduce", pg.AllReduce(x, Sum)},
+		{"ProcessGroup.Broadcast", pg.Broadcast(x, 0)},
+		{"ProcessGroup.Barrier", pg.Barrier()},
+		{"DDP.PreForward", ddp.PreForward()},
+		{"DDP.MarkGradReady", ddp.MarkGradReady(weightName(0))},
+		{"DDP.FinishBackward", ddp.FinishBackward()},
+	}
+	for _, c := range calls {
+		if !errors.Is(c.err, StatusState) || !strings.Contains(c.err.Error(), "library closed") {
+			t.Errorf("%s after Close gave %v, want DP_ESTATE: library closed", c.what, c.err)
+		}
+	}
+	if major, minor := lib.ABI(); major != 0 || minor != 0 || lib.Version() != 0 {
+		t.Errorf("a closed library reports ABI %d.%d, version %d; want zeros", major, minor, lib.Version())
+	}
+	if x.DType() != -1 || x.Numel() != -1 || x.Device().Index != -1 || model.NumParameters() != 0 ||
+		set.Size() != 0 || pg.Rank() != -1 || pg.Size() != -1 || pg.Backend() != "" || ddp.NumBuckets() != 0 {
+		t.Errorf("accessors after Close: dtype %d numel %d device %v parameters %d replicas %d rank %d size %d "+
+			"backend %q buckets %d; want the library's invalid-handle values", x.DType(), x.Numel(), x.Device(),
+			model.NumParameters(), set.Size(), pg.Rank(), pg.Size(), pg.Backend(), ddp.NumBuckets())
+	}
+	for i := 0; i < 2; i++ {
+		ddp.Close()
+		pg.Close()
+		set.Close()
+		x.Close()
+		model.Close()
+	}
+}
+
+// Close waits for the calls in flight, which meanwhile find the library
+// closed to new calls; Close from inside a forward, which would wait for
+// itself, is refused.
+func TestCloseWaitsForCallsInFlight(t *testing.T) {
+	lib := openLibrary(t)
+	model, err := lib.NewModule()
+	must(t, err)
+	defer model.Close()
+	input, err := lib.TensorFromFloat32s([]float32{1, 2}, []int64{2, 1}, CPU(0))
+	must(t, err)
+	defer input.Close()
+	var forwardDone atomic.Bool
+	closeReturned := make(chan error)
+	_, err = lib.DataParallel(model, input, []Device{CPU(0)}, CPU(0), 0, func(index int, replica *Module, in *Tensor,
+		d Device) (*Tensor, error) {
+		defer forwardDone.Store(true)
+		if err := lib.Close(); !errors.Is(err, StatusState) {
+			return nil, fmt.Errorf("Close from inside a forward gave %v, want DP_ESTATE", err)
+		}
+		go func() { closeReturned <- lib.Close() }()
+		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+			m, err := lib.NewModule()
+			if err != nil {
+				return nil, err
+			}
+			m.Close()
+		}
+		return nil, errors.New("calls were still admitted 10 s after Close began")
+	})
+	if !errors.Is(err, StatusUser) || !strings.Contains(err.Error(), "library closed") {
+		t.Errorf("the call in flight gave %v, want DP_EUSER caused by 'library closed'", err)
+	}
+	must(t, <-closeReturned)
+	if !forwardDone.Load() {
+		t.Error("Close returned before the call in flight")
+	}
 }
 
 // A library of another ABI major is refused with a message.

@@ -19,7 +19,8 @@ type Module struct {
 // NewModule makes an empty module.
 func (l *Library) NewModule() (*Module, error) {
 	var h *C.dp_module
-	if err := l.call("dp_module_create", func() C.dp_status { return C.dpgo_module_create(l.api, &h) }); err != nil {
+	err := l.call("dp_module_create", func(api *C.dp_api) C.dp_status { return C.dpgo_module_create(api, &h) })
+	if err != nil {
 		return nil, err
 	}
 	return &Module{lib: l, h: h}, nil
@@ -30,7 +31,7 @@ func (m *Module) Close() {
 	if m == nil || m.h == nil || m.borrowed {
 		return
 	}
-	C.dpgo_module_destroy(m.lib.api, m.h)
+	m.lib.use("dp_module_destroy", func(api *C.dp_api) { C.dpgo_module_destroy(api, m.h) })
 	m.h = nil
 }
 
@@ -51,8 +52,8 @@ func (m *Module) RegisterParameter(name string, value *Tensor, requiresGrad bool
 	if requiresGrad {
 		rg = 1
 	}
-	return m.lib.call("dp_module_register_parameter", func() C.dp_status {
-		return C.dpgo_module_register_parameter(m.lib.api, m.h, cname, h, rg)
+	return m.lib.call("dp_module_register_parameter", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_module_register_parameter(api, m.h, cname, h, rg)
 	})
 }
 
@@ -67,29 +68,37 @@ func (m *Module) RegisterModule(name string, child *Module) error {
 	}
 	cname := C.CString(name)
 	defer C.free(unsafe.Pointer(cname))
-	return m.lib.call("dp_module_register_module", func() C.dp_status {
-		return C.dpgo_module_register_module(m.lib.api, m.h, cname, h)
+	return m.lib.call("dp_module_register_module", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_module_register_module(api, m.h, cname, h)
 	})
 }
 
-// NumParameters counts the tree's parameters, each shared tensor once.
-func (m *Module) NumParameters() int { return int(C.dpgo_module_num_parameters(m.lib.api, m.h)) }
+// NumParameters counts the tree's parameters, each shared tensor once; 0 on
+// a closed module or library.
+func (m *Module) NumParameters() (n int) {
+	m.lib.use("dp_module_num_parameters", func(api *C.dp_api) { n = int(C.dpgo_module_num_parameters(api, m.h)) })
+	return n
+}
 
 // ParameterNames lists the dotted names in registration order, depth first.
 func (m *Module) ParameterNames() ([]string, error) {
-	n := m.NumParameters()
-	names := make([]string, 0, n)
-	for i := 0; i < n; i++ {
-		var name *C.char
-		var h *C.dp_tensor
-		err := m.lib.call("dp_module_parameter_at", func() C.dp_status {
-			return C.dpgo_module_parameter_at(m.lib.api, m.h, C.size_t(i), &name, &h)
-		})
-		if err != nil {
-			return nil, err
+	var names []string
+	err := m.lib.call("dp_module_parameter_at", func(api *C.dp_api) C.dp_status {
+		n := int(C.dpgo_module_num_parameters(api, m.h))
+		names = make([]string, 0, n)
+		for i := 0; i < n; i++ {
+			var name *C.char
+			var h *C.dp_tensor
+			if s := C.dpgo_module_parameter_at(api, m.h, C.size_t(i), &name, &h); s != 0 {
+				return s
+			}
+			names = append(names, C.GoString(name))
+			C.dpgo_tensor_destroy(api, h)
 		}
-		names = append(names, C.GoString(name))
-		C.dpgo_tensor_destroy(m.lib.api, h)
+		return 0
+	})
+	if err != nil {
+		return nil, err
 	}
 	return names, nil
 }
@@ -100,8 +109,8 @@ func (m *Module) Parameter(name string) (*Tensor, error) {
 	cname := C.CString(name)
 	defer C.free(unsafe.Pointer(cname))
 	var h *C.dp_tensor
-	err := m.lib.call("dp_module_get_parameter", func() C.dp_status {
-		return C.dpgo_module_get_parameter(m.lib.api, m.h, cname, &h)
+	err := m.lib.call("dp_module_get_parameter", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_module_get_parameter(api, m.h, cname, &h)
 	})
 	if err != nil {
 		return nil, err
@@ -115,7 +124,7 @@ func (m *Module) Grad(name string) (*Tensor, error) {
 	cname := C.CString(name)
 	defer C.free(unsafe.Pointer(cname))
 	var h *C.dp_tensor
-	err := m.lib.call("dp_module_grad", func() C.dp_status { return C.dpgo_module_grad(m.lib.api, m.h, cname, &h) })
+	err := m.lib.call("dp_module_grad", func(api *C.dp_api) C.dp_status { return C.dpgo_module_grad(api, m.h, cname, &h) })
 	if err != nil {
 		return nil, err
 	}
@@ -124,14 +133,14 @@ func (m *Module) Grad(name string) (*Tensor, error) {
 
 // ZeroGrad fills every allocated gradient with zeros.
 func (m *Module) ZeroGrad() error {
-	return m.lib.call("dp_module_zero_grad", func() C.dp_status { return C.dpgo_module_zero_grad(m.lib.api, m.h) })
+	return m.lib.call("dp_module_zero_grad", func(api *C.dp_api) C.dp_status { return C.dpgo_module_zero_grad(api, m.h) })
 }
 
 // Save writes the state dict as a safetensors file; Load reads one back.
 func (m *Module) Save(path string) error {
 	cpath := C.CString(path)
 	defer C.free(unsafe.Pointer(cpath))
-	return m.lib.call("dp_module_save", func() C.dp_status { return C.dpgo_module_save(m.lib.api, m.h, cpath) })
+	return m.lib.call("dp_module_save", func(api *C.dp_api) C.dp_status { return C.dpgo_module_save(api, m.h, cpath) })
 }
 
 func (m *Module) Load(path string, strict bool) error {
@@ -141,5 +150,5 @@ func (m *Module) Load(path string, strict bool) error {
 	if strict {
 		s = 1
 	}
-	return m.lib.call("dp_module_load", func() C.dp_status { return C.dpgo_module_load(m.lib.api, m.h, cpath, s) })
+	return m.lib.call("dp_module_load", func(api *C.dp_api) C.dp_status { return C.dpgo_module_load(api, m.h, cpath, s) })
 }

@@ -14,13 +14,18 @@ import (
 	"sync"
 )
 
-// ForwardFunc runs one replica's forward (and, for training, backward) on
-// that replica's device worker thread; several run at once, one per device.
-// replica and input belong to the library and are valid during the call
-// only. It returns a new tensor, whose reference passes to the library, or
-// input itself. An error, or a panic, fails the whole call: the caller gets
-// an *Error with StatusUser whose Cause is the Go error of the first failed
-// replica.
+// ForwardFunc runs one replica's forward (and, for training, backward) while
+// that replica's device worker thread waits for it; several run at once, one
+// per device. It runs on a goroutine of its own, not locked to the worker
+// thread, so that runtime.Goexit in it (t.Fatal) can end that goroutine:
+// cgo code in it that needs the device current on its thread (CUDA) must
+// make it current itself. replica and input belong to the library and are
+// valid during the call only. It returns a new tensor, whose reference
+// passes to the library, or input itself. An error, a panic (panic(nil)
+// included) or a runtime.Goexit fails the whole call: the caller gets an
+// *Error with StatusUser whose Cause is the Go error of the first failed
+// replica. Calling ParallelApply, DataParallel or ReplicaSet.Apply from it
+// would deadlock and is StatusState.
 type ForwardFunc func(index int, replica *Module, input *Tensor, device Device) (*Tensor, error)
 
 // forwardCall is what a call's callbacks share, behind a cgo.Handle.
@@ -40,16 +45,19 @@ func (c *forwardCall) fail(index int, err error) {
 	c.errs[index] = err
 }
 
-// run makes the call with the handle and attaches the first replica's Go
+// runForward makes the call with the handle and attaches the first replica's Go
 // error to a failure.
-func (l *Library) runForward(op string, fn ForwardFunc, f func(call C.uintptr_t) C.dp_status) error {
+func (l *Library) runForward(op string, fn ForwardFunc, f func(api *C.dp_api, call C.uintptr_t) C.dp_status) error {
+	if insideCallback() {
+		return &Error{Status: StatusState, Op: op, Message: "called from inside a replica's forward, which would deadlock"}
+	}
 	if fn == nil {
 		return invalid(op, "argument 'fn' is nil")
 	}
 	c := &forwardCall{lib: l, fn: fn}
 	h := cgo.NewHandle(c)
 	defer h.Delete()
-	err := l.call(op, func() C.dp_status { return f(C.uintptr_t(h)) })
+	err := l.call(op, func(api *C.dp_api) C.dp_status { return f(api, C.uintptr_t(h)) })
 	if err != nil {
 		c.mu.Lock()
 		defer c.mu.Unlock()
@@ -67,26 +75,24 @@ func (l *Library) runForward(op string, fn ForwardFunc, f func(call C.uintptr_t)
 
 //export dpgoForward
 func dpgoForward(call C.uintptr_t, index C.size_t, replica *C.dp_module, input *C.dp_tensor, device C.dp_device,
-	output **C.dp_tensor) (code C.int) {
+	output **C.dp_tensor) C.int {
 	c := cgo.Handle(call).Value().(*forwardCall)
 	i := int(index)
 	m := &Module{lib: c.lib, h: replica, borrowed: true}
 	in := &Tensor{lib: c.lib, h: input, borrowed: true}
-	defer func() {
-		// The library's handles end with the call.
-		m.h, in.h = nil, nil
-		// A panic must not unwind into C: it becomes this replica's error.
-		if r := recover(); r != nil {
-			c.fail(i, fmt.Errorf("forward of replica %d panicked: %v", i, r))
-			code = 1
-		}
-	}()
-	out, err := c.fn(i, m, in, goDevice(device))
-	if err != nil {
+	// The library's handles end with the call.
+	defer func() { m.h, in.h = nil, nil }()
+	var out *Tensor
+	var err error
+	failure := runCallback(func() { out, err = c.fn(i, m, in, goDevice(device)) })
+	switch {
+	case failure != nil:
+		c.fail(i, fmt.Errorf("forward of replica %d %w", i, failure))
+		return 1
+	case err != nil:
 		c.fail(i, err)
 		return 2
-	}
-	if out == nil || out.h == nil {
+	case out == nil || out.h == nil:
 		c.fail(i, errors.New("the forward returned no tensor"))
 		return 3
 	}
@@ -127,8 +133,8 @@ func (l *Library) ParallelApply(replicas []*Module, inputs []*Tensor, devices []
 		dptr = &cd[0]
 	}
 	out := make([]*C.dp_tensor, n)
-	err := l.runForward(op, fn, func(call C.uintptr_t) C.dp_status {
-		return C.dpgo_parallel_apply(l.api, &rh[0], &ih[0], dptr, C.size_t(n), call, &out[0])
+	err := l.runForward(op, fn, func(api *C.dp_api, call C.uintptr_t) C.dp_status {
+		return C.dpgo_parallel_apply(api, &rh[0], &ih[0], dptr, C.size_t(n), call, &out[0])
 	})
 	if err != nil {
 		return nil, err
@@ -154,8 +160,8 @@ func (l *Library) DataParallel(module *Module, input *Tensor, devices []Device, 
 	}
 	cd := cDevices(devices)
 	var out *C.dp_tensor
-	err := l.runForward(op, fn, func(call C.uintptr_t) C.dp_status {
-		return C.dpgo_data_parallel(l.api, module.h, input.h, &cd[0], C.size_t(len(cd)), outputDevice.c(), C.int32_t(dim),
+	err := l.runForward(op, fn, func(api *C.dp_api, call C.uintptr_t) C.dp_status {
+		return C.dpgo_data_parallel(api, module.h, input.h, &cd[0], C.size_t(len(cd)), outputDevice.c(), C.int32_t(dim),
 			call, &out)
 	})
 	if err != nil {
@@ -175,8 +181,8 @@ func (l *Library) Replicate(module *Module, devices []Device, detach bool) ([]*M
 	if detach {
 		d = 1
 	}
-	err := l.call("dp_replicate", func() C.dp_status {
-		return C.dpgo_replicate(l.api, module.h, &cd[0], C.size_t(len(cd)), d, &out[0])
+	err := l.call("dp_replicate", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_replicate(api, module.h, &cd[0], C.size_t(len(cd)), d, &out[0])
 	})
 	if err != nil {
 		return nil, err
@@ -197,8 +203,8 @@ func (l *Library) ReduceGradients(replicas []*Module, target *Module) error {
 	for i, r := range replicas {
 		rh[i] = r.h
 	}
-	return l.call("dp_reduce_gradients", func() C.dp_status {
-		return C.dpgo_reduce_gradients(l.api, &rh[0], C.size_t(len(rh)), target.h)
+	return l.call("dp_reduce_gradients", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_reduce_gradients(api, &rh[0], C.size_t(len(rh)), target.h)
 	})
 }
 
@@ -219,8 +225,8 @@ func (l *Library) NewReplicaSet(module *Module, devices []Device) (*ReplicaSet, 
 	}
 	cd := cDevices(devices)
 	var h *C.dp_replica_set
-	err := l.call(op, func() C.dp_status {
-		return C.dpgo_replica_set_create(l.api, &h, module.h, &cd[0], C.size_t(len(cd)))
+	err := l.call(op, func(api *C.dp_api) C.dp_status {
+		return C.dpgo_replica_set_create(api, &h, module.h, &cd[0], C.size_t(len(cd)))
 	})
 	if err != nil {
 		return nil, err
@@ -232,16 +238,19 @@ func (s *ReplicaSet) Close() {
 	if s == nil || s.h == nil {
 		return
 	}
-	C.dpgo_replica_set_destroy(s.lib.api, s.h)
+	s.lib.use("dp_replica_set_destroy", func(api *C.dp_api) { C.dpgo_replica_set_destroy(api, s.h) })
 	s.h = nil
 }
 
-// Size is the number of replicas.
-func (s *ReplicaSet) Size() int { return int(C.dpgo_replica_set_size(s.lib.api, s.h)) }
+// Size is the number of replicas; 0 on a closed set or library.
+func (s *ReplicaSet) Size() (n int) {
+	s.lib.use("dp_replica_set_size", func(api *C.dp_api) { n = int(C.dpgo_replica_set_size(api, s.h)) })
+	return n
+}
 
 // Sync copies the module's current parameters into the replicas.
 func (s *ReplicaSet) Sync() error {
-	return s.lib.call("dp_replica_set_sync", func() C.dp_status { return C.dpgo_replica_set_sync(s.lib.api, s.h) })
+	return s.lib.call("dp_replica_set_sync", func(api *C.dp_api) C.dp_status { return C.dpgo_replica_set_sync(api, s.h) })
 }
 
 // Replica is a new reference to replica index.
@@ -250,8 +259,8 @@ func (s *ReplicaSet) Replica(index int) (*Module, error) {
 		return nil, invalid("dp_replica_set_replica", "argument 'index' is negative (%d)", index)
 	}
 	var h *C.dp_module
-	err := s.lib.call("dp_replica_set_replica", func() C.dp_status {
-		return C.dpgo_replica_set_replica(s.lib.api, s.h, C.size_t(index), &h)
+	err := s.lib.call("dp_replica_set_replica", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_replica_set_replica(api, s.h, C.size_t(index), &h)
 	})
 	if err != nil {
 		return nil, err
@@ -268,8 +277,8 @@ func (s *ReplicaSet) Apply(input *Tensor, dim int, outputDevice Device, fn Forwa
 		return nil, invalid(op, "argument 'input' is nil")
 	}
 	var out *C.dp_tensor
-	err := s.lib.runForward(op, fn, func(call C.uintptr_t) C.dp_status {
-		return C.dpgo_replica_set_apply(s.lib.api, s.h, input.h, C.int32_t(dim), outputDevice.c(), call, &out)
+	err := s.lib.runForward(op, fn, func(api *C.dp_api, call C.uintptr_t) C.dp_status {
+		return C.dpgo_replica_set_apply(api, s.h, input.h, C.int32_t(dim), outputDevice.c(), call, &out)
 	})
 	if err != nil {
 		return nil, err
@@ -280,7 +289,7 @@ func (s *ReplicaSet) Apply(input *Tensor, dim int, outputDevice Device, fn Forwa
 // ReduceGradients adds the replicas' gradients into the module's and zeroes
 // the replicas'.
 func (s *ReplicaSet) ReduceGradients() error {
-	return s.lib.call("dp_replica_set_reduce_gradients", func() C.dp_status {
-		return C.dpgo_replica_set_reduce_gradients(s.lib.api, s.h)
+	return s.lib.call("dp_replica_set_reduce_gradients", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_replica_set_reduce_gradients(api, s.h)
 	})
 }

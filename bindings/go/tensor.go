@@ -47,8 +47,8 @@ func (l *Library) NewTensor(dtype DType, shape []int64, device Device) (*Tensor,
 	if len(shape) > 0 {
 		shapePtr = (*C.int64_t)(unsafe.Pointer(&shape[0]))
 	}
-	err := l.call("dp_tensor_create", func() C.dp_status {
-		return C.dpgo_tensor_create(l.api, &h, C.int32_t(dtype), C.int32_t(len(shape)), shapePtr, device.c())
+	err := l.call("dp_tensor_create", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_tensor_create(api, &h, C.int32_t(dtype), C.int32_t(len(shape)), shapePtr, device.c())
 	})
 	if err != nil {
 		return nil, err
@@ -84,25 +84,45 @@ func (t *Tensor) Close() {
 	if t == nil || t.h == nil || t.borrowed {
 		return
 	}
-	C.dpgo_tensor_destroy(t.lib.api, t.h)
+	t.lib.use("dp_tensor_destroy", func(api *C.dp_api) { C.dpgo_tensor_destroy(api, t.h) })
 	t.h = nil
 }
 
-// DType, Numel, Device and Shape describe the tensor.
-func (t *Tensor) DType() DType   { return DType(C.dpgo_tensor_dtype(t.lib.api, t.h)) }
-func (t *Tensor) Numel() int64   { return int64(C.dpgo_tensor_numel(t.lib.api, t.h)) }
-func (t *Tensor) Device() Device { return goDevice(C.dpgo_tensor_device(t.lib.api, t.h)) }
+// DType, Numel and Device describe the tensor; on a closed tensor or
+// library they are -1, -1 and device index -1, as the library answers for
+// an invalid handle.
+func (t *Tensor) DType() DType {
+	dtype := DType(-1)
+	t.lib.use("dp_tensor_dtype", func(api *C.dp_api) { dtype = DType(C.dpgo_tensor_dtype(api, t.h)) })
+	return dtype
+}
+
+func (t *Tensor) Numel() int64 {
+	numel := int64(-1)
+	t.lib.use("dp_tensor_numel", func(api *C.dp_api) { numel = int64(C.dpgo_tensor_numel(api, t.h)) })
+	return numel
+}
+
+func (t *Tensor) Device() Device {
+	device := Device{Index: -1}
+	t.lib.use("dp_tensor_device", func(api *C.dp_api) { device = goDevice(C.dpgo_tensor_device(api, t.h)) })
+	return device
+}
 
 func (t *Tensor) Shape() ([]int64, error) {
-	ndim := int(C.dpgo_tensor_ndim(t.lib.api, t.h))
-	if ndim < 0 {
-		return nil, invalid("Shape", "the tensor handle is invalid")
-	}
-	shape := make([]int64, ndim+1) // +1: a valid pointer for 0-d tensors
-	err := t.lib.call("dp_tensor_shape", func() C.dp_status {
-		return C.dpgo_tensor_shape(t.lib.api, t.h, (*C.int64_t)(unsafe.Pointer(&shape[0])), C.int32_t(ndim))
+	var shape []int64
+	err := t.lib.call("dp_tensor_shape", func(api *C.dp_api) C.dp_status {
+		ndim := C.dpgo_tensor_ndim(api, t.h)
+		if ndim < 0 {
+			return C.DP_EINVAL // an invalid handle: dp_tensor_ndim set the message
+		}
+		shape = make([]int64, ndim+1) // +1: a valid pointer for 0-d tensors
+		return C.dpgo_tensor_shape(api, t.h, (*C.int64_t)(unsafe.Pointer(&shape[0])), ndim)
 	})
-	return shape[:ndim], err
+	if err != nil {
+		return nil, err
+	}
+	return shape[:len(shape)-1], nil
 }
 
 // Float32s is the tensor's memory as a slice, without a copy: writes go
@@ -110,21 +130,30 @@ func (t *Tensor) Shape() ([]int64, error) {
 // slice is valid while the storage lives (this reference, or a module holding
 // the tensor).
 func (t *Tensor) Float32s() ([]float32, error) {
+	const op = "Float32s"
 	if t == nil || t.h == nil {
-		return nil, invalid("Float32s", "the tensor is closed (or nil)")
+		return nil, invalid(op, "the tensor is closed (or nil)")
 	}
-	if dt := t.DType(); dt != Float32 {
-		return nil, invalid("Float32s", "the tensor's dtype is %d, not float32", int32(dt))
+	var data []float32
+	var refusal error
+	err := t.lib.use(op, func(api *C.dp_api) {
+		if dt := DType(C.dpgo_tensor_dtype(api, t.h)); dt != Float32 {
+			refusal = invalid(op, "the tensor's dtype is %d, not float32", int32(dt))
+			return
+		}
+		if d := goDevice(C.dpgo_tensor_device(api, t.h)); d.Type != DeviceCPU {
+			refusal = invalid(op, "the tensor is on %v; only CPU memory can be viewed (use CopyToFloat32s)", d)
+			return
+		}
+		data = []float32{}
+		if n := int64(C.dpgo_tensor_numel(api, t.h)); n > 0 {
+			data = unsafe.Slice((*float32)(C.dpgo_tensor_data(api, t.h)), n)
+		}
+	})
+	if err != nil {
+		return nil, err
 	}
-	if d := t.Device(); d.Type != DeviceCPU {
-		return nil, invalid("Float32s", "the tensor is on %v; only CPU memory can be viewed (use CopyToFloat32s)", d)
-	}
-	n := t.Numel()
-	if n == 0 {
-		return []float32{}, nil
-	}
-	data := C.dpgo_tensor_data(t.lib.api, t.h)
-	return unsafe.Slice((*float32)(data), n), nil
+	return data, refusal
 }
 
 // CopyFromFloat32s copies src, which holds exactly Numel elements, into a
@@ -133,8 +162,8 @@ func (t *Tensor) CopyFromFloat32s(src []float32) error {
 	if len(src) == 0 {
 		return invalid("CopyFromFloat32s", "argument 'src' is empty")
 	}
-	return t.lib.call("dp_tensor_copy_from_host", func() C.dp_status {
-		return C.dpgo_tensor_copy_from_host(t.lib.api, t.h, unsafe.Pointer(&src[0]), C.size_t(4*len(src)))
+	return t.lib.call("dp_tensor_copy_from_host", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_tensor_copy_from_host(api, t.h, unsafe.Pointer(&src[0]), C.size_t(4*len(src)))
 	})
 }
 
@@ -144,7 +173,7 @@ func (t *Tensor) CopyToFloat32s(dst []float32) error {
 	if len(dst) == 0 {
 		return invalid("CopyToFloat32s", "argument 'dst' is empty")
 	}
-	return t.lib.call("dp_tensor_copy_to_host", func() C.dp_status {
-		return C.dpgo_tensor_copy_to_host(t.lib.api, t.h, unsafe.Pointer(&dst[0]), C.size_t(4*len(dst)))
+	return t.lib.call("dp_tensor_copy_to_host", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_tensor_copy_to_host(api, t.h, unsafe.Pointer(&dst[0]), C.size_t(4*len(dst)))
 	})
 }
