@@ -2,10 +2,11 @@
 // two logical CPU devices (replica sets, DataParallel, ParallelApply) or one
 // process per rank under dp-run (DDP, with the default and a C# comm hook),
 // and checks parity with plain single-device training. Also pins that
-// exceptions thrown in callbacks surface in the caller and that bad
-// arguments raise DParallelException naming the argument.
+// exceptions thrown in callbacks surface in the caller, that bad arguments
+// raise DParallelException naming the argument, and that every handle
+// answers IsClosed() after Dispose().
 //
-//   mono DParallelTest.exe data-parallel|forward-throws|bad-argument|store
+//   mono DParallelTest.exe data-parallel|forward-throws|bad-argument|store|closed-handles
 //   dp-run -n 2 mono DParallelTest.exe ddp
 using System;
 using System.IO;
@@ -366,6 +367,56 @@ public static class DParallelTest {
     }
   }
 
+  // ---- closed handles ----
+
+  /// `handle` is open; after Dispose() IsClosed() is true (not a throw), a
+  /// second Dispose() does nothing and `use` throws DParallelException with
+  /// Status.STATE.
+  static void CheckCloses(string what, IDisposable handle, Func<bool> isClosed, Action use) {
+    Expect(!isClosed(), what + " is open after it is made");
+    use();
+    handle.Dispose();
+    Expect(isClosed(), what + ".IsClosed() after Dispose()");
+    handle.Dispose();
+    Expect(isClosed(), what + ".IsClosed() after a second Dispose()");
+    try {
+      use();
+      Fail("a call on a disposed " + what + " returned");
+    } catch (DParallelException e) {
+      Expect(e.Code == Status.STATE, "a disposed " + what + " is Status.STATE: " + e.Message);
+    }
+  }
+
+  static void ClosedHandles() {
+    DeviceList devices = Device.List("cpu:0,cpu:1");
+    var cpu0 = new Device("cpu:0");
+    var tensor = Tensor.Of(new float[] { 1, 2, 3, 4 }, 4);
+    CheckCloses("Tensor", tensor, tensor.IsClosed, () => tensor.Numel());
+    using (var input = Tensor.Of(new float[] { 1, 2, 3, 4 }, 4)) {
+      TensorList chunks = Parallel.Scatter(input, devices, 0);
+      CheckCloses("TensorList", chunks, chunks.IsClosed, () => chunks.Get(0).Dispose());
+    }
+    var module = new Module();
+    CheckCloses("Module", module, module.IsClosed, () => module.NumParameters());
+    using (Module model = BuildModel()) {
+      ModuleList replicas = Parallel.Replicate(model, devices, false);
+      CheckCloses("ModuleList", replicas, replicas.IsClosed, () => replicas.Get(0).Dispose());
+      var set = new ReplicaSet(model, devices);
+      CheckCloses("ReplicaSet", set, set.IsClosed, set.Sync);
+      Store store = Store.Tcp("127.0.0.1", 0, 1, true, 10000);
+      ProcessGroup pg = ProcessGroup.Create(store, 0, 1, cpu0, 10000);
+      using (var t = Tensor.Of(new float[] { 1, 2 }, 2)) {
+        Work work = pg.AllReduceAsync(t, ReduceOp.SUM);
+        CheckCloses("Work", work, work.IsClosed, work.WaitFor);
+      }
+      var ddp = new Ddp(model, pg, new DdpOptions());
+      CheckCloses("Ddp", ddp, ddp.IsClosed, () => ddp.NumBuckets());
+      CheckCloses("ProcessGroup", pg, pg.IsClosed, () => pg.Rank());
+      CheckCloses("Store", store, store.IsClosed, () => store.Port());
+    }
+    Console.WriteLine("every handle answers IsClosed() after Dispose()");
+  }
+
   /// `call` fails with Status.INVALID and a message that contains `naming`.
   static void ExpectInvalid(Action call, string naming) {
     try {
@@ -519,8 +570,9 @@ public static class DParallelTest {
       case "forward-throws": ForwardThrows(); break;
       case "bad-argument": BadArgument(); break;
       case "store": RunStore(); break;
+      case "closed-handles": ClosedHandles(); break;
       case "ddp": RunDdp(); break;
-      default: Fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|ddp"); break;
+      default: Fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|closed-handles|ddp"); break;
     }
     GC.Collect();
     GC.WaitForPendingFinalizers();

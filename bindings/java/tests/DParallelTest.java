@@ -2,13 +2,15 @@
 // two logical CPU devices (replica sets, dataParallel, parallelApply) or one
 // process per rank under dp-run (DDP, with the default and a Java comm
 // hook), and checks parity with plain single-device training. Also pins
-// that exceptions thrown in callbacks surface in the caller and that bad
-// arguments raise DParallelException naming the argument.
+// that exceptions thrown in callbacks surface in the caller, that bad
+// arguments raise DParallelException naming the argument, and that every
+// handle answers isClosed() after close().
 //
-//   java -cp dparallel.jar:. DParallelTest data-parallel|forward-throws|bad-argument|store
+//   java -cp dparallel.jar:. DParallelTest data-parallel|forward-throws|bad-argument|store|closed-handles
 //   dp-run -n 2 java -cp dparallel.jar:. DParallelTest ddp
 import java.io.IOException;
 import java.nio.FloatBuffer;
+import java.util.function.BooleanSupplier;
 import java.util.concurrent.atomic.AtomicInteger;
 import org.dparallel.*;
 import org.dparallel.Module;
@@ -377,6 +379,55 @@ public class DParallelTest {
     }
   }
 
+  // ---- closed handles ----
+
+  /** `handle` is open; after close() isClosed() is true (not a throw), a second close() does nothing and
+   * `use` throws DParallelException with Status.STATE. */
+  static void checkCloses(String what, AutoCloseable handle, BooleanSupplier isClosed, Runnable use) throws Exception {
+    expect(!isClosed.getAsBoolean(), what + " is open after it is made");
+    use.run();
+    handle.close();
+    expect(isClosed.getAsBoolean(), what + ".isClosed() after close()");
+    handle.close();
+    expect(isClosed.getAsBoolean(), what + ".isClosed() after a second close()");
+    try {
+      use.run();
+      fail("a call on a closed " + what + " returned");
+    } catch (DParallelException e) {
+      expect(e.getCode() == Status.STATE, "a closed " + what + " is Status.STATE: " + e.getMessage());
+    }
+  }
+
+  static void closedHandles() throws Exception {
+    DeviceList devices = Device.list("cpu:0,cpu:1");
+    Device cpu0 = new Device("cpu:0");
+    Tensor tensor = Tensor.of(new float[] {1, 2, 3, 4}, 4);
+    checkCloses("Tensor", tensor, tensor::isClosed, tensor::numel);
+    try (Tensor input = Tensor.of(new float[] {1, 2, 3, 4}, 4)) {
+      TensorList chunks = Parallel.scatter(input, devices, 0);
+      checkCloses("TensorList", chunks, chunks::isClosed, () -> chunks.get(0).close());
+    }
+    Module module = new Module();
+    checkCloses("Module", module, module::isClosed, module::numParameters);
+    try (Module model = buildModel()) {
+      ModuleList replicas = Parallel.replicate(model, devices, false);
+      checkCloses("ModuleList", replicas, replicas::isClosed, () -> replicas.get(0).close());
+      ReplicaSet set = new ReplicaSet(model, devices);
+      checkCloses("ReplicaSet", set, set::isClosed, set::sync);
+      Store store = Store.tcp("127.0.0.1", 0, 1, true, 10000);
+      ProcessGroup pg = ProcessGroup.create(store, 0, 1, cpu0, 10000);
+      try (Tensor t = Tensor.of(new float[] {1, 2}, 2)) {
+        Work work = pg.allReduceAsync(t, ReduceOp.SUM);
+        checkCloses("Work", work, work::isClosed, work::waitFor);
+      }
+      Ddp ddp = new Ddp(model, pg, new DdpOptions());
+      checkCloses("Ddp", ddp, ddp::isClosed, ddp::numBuckets);
+      checkCloses("ProcessGroup", pg, pg::isClosed, pg::rank);
+      checkCloses("Store", store, store::isClosed, store::port);
+    }
+    System.out.println("every handle answers isClosed() after close()");
+  }
+
   /** `call` fails with Status.INVALID and a message that contains `naming` (the argument, or the bad name). */
   static void expectInvalid(Runnable call, String naming) {
     try {
@@ -525,7 +576,7 @@ public class DParallelTest {
     }
   }
 
-  public static void main(String[] args) {
+  public static void main(String[] args) throws Exception {
     String mode = args.length > 0 ? args[0] : "";
     switch (mode) {
       case "data-parallel":
@@ -543,8 +594,11 @@ public class DParallelTest {
       case "store":
         store();
         break;
+      case "closed-handles":
+        closedHandles();
+        break;
       default:
-        fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|ddp");
+        fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|closed-handles|ddp");
     }
     System.gc();
     System.out.println("OK " + mode);

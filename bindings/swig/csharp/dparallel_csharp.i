@@ -115,3 +115,31 @@ extern "C" SWIGEXPORT void SWIGSTDCALL DParallelRegisterExceptionCallback(DParal
 %typemap(csclassmodifiers) dpswig::Ddp "public partial class"
 %typemap(csclassmodifiers) dpswig::Device "public partial class"
 %pragma(csharp) moduleclassmodifiers="public partial class"
+
+// Every handle: IsClosed() reads the proxy, so it answers on a disposed
+// object instead of throwing. CLOSED is the test, with the native half
+// where the library can take the handle.
+%csmethodmodifiers dpswig::Tensor::isClosed "private";
+%csmethodmodifiers dpswig::Module::isClosed "private";
+%define DP_CSHARP_CLOSEABLE(CLASS, CLOSED)
+%extend CLASS {
+%proxycode %{
+  /// <summary>Whether this object is disposed: its other calls then throw
+  /// DParallelException (Status.STATE).</summary>
+  public bool IsClosed() {
+    lock (this) {
+      return CLOSED;
+    }
+  }
+%}
+}
+%enddef
+DP_CSHARP_CLOSEABLE(dpswig::Tensor, swigCPtr.Handle == global::System.IntPtr.Zero || isClosedRaw())
+DP_CSHARP_CLOSEABLE(dpswig::TensorList, swigCPtr.Handle == global::System.IntPtr.Zero)
+DP_CSHARP_CLOSEABLE(dpswig::Module, swigCPtr.Handle == global::System.IntPtr.Zero || isClosedRaw())
+DP_CSHARP_CLOSEABLE(dpswig::ModuleList, swigCPtr.Handle == global::System.IntPtr.Zero)
+DP_CSHARP_CLOSEABLE(dpswig::ReplicaSet, swigCPtr.Handle == global::System.IntPtr.Zero)
+DP_CSHARP_CLOSEABLE(dpswig::Store, swigCPtr.Handle == global::System.IntPtr.Zero)
+DP_CSHARP_CLOSEABLE(dpswig::ProcessGroup, swigCPtr.Handle == global::System.IntPtr.Zero)
+DP_CSHARP_CLOSEABLE(dpswig::Work, swigCPtr.Handle == global::System.IntPtr.Zero)
+DP_CSHARP_CLOSEABLE(dpswig::Ddp, swigCPtr.Handle == global::System.IntPtr.Zero)

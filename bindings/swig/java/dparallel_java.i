@@ -130,18 +130,37 @@ class JavaFloatArray : public FloatSource, public FloatSink {
 
 %javamethodmodifiers dpswig::Ddp::withHook "";
 
-%define DP_JAVA_CLOSEABLE(CLASS)
+// Every handle: close() deletes the native object now, and isClosed() reads
+// the proxy, so it answers on a closed object instead of throwing. CLOSED
+// is the test, with the native half where the library can take the handle.
+%javamethodmodifiers dpswig::Tensor::isClosed "private";
+%javamethodmodifiers dpswig::Module::isClosed "private";
+%define DP_JAVA_CLOSEABLE(CLASS, CLOSED)
 %typemap(javainterfaces) CLASS "AutoCloseable"
+%extend CLASS {
+%proxycode %{
+  /** Releases the native handle now (a second call does nothing); the finalizer is only a safety net. */
+  @Override
+  public void close() {
+    delete();
+  }
+
+  /** Whether this object is closed: its other calls then throw DParallelException (Status.STATE). */
+  public synchronized boolean isClosed() {
+    return CLOSED;
+  }
+%}
+}
 %enddef
-DP_JAVA_CLOSEABLE(dpswig::Tensor)
-DP_JAVA_CLOSEABLE(dpswig::TensorList)
-DP_JAVA_CLOSEABLE(dpswig::Module)
-DP_JAVA_CLOSEABLE(dpswig::ModuleList)
-DP_JAVA_CLOSEABLE(dpswig::ReplicaSet)
-DP_JAVA_CLOSEABLE(dpswig::Store)
-DP_JAVA_CLOSEABLE(dpswig::ProcessGroup)
-DP_JAVA_CLOSEABLE(dpswig::Work)
-DP_JAVA_CLOSEABLE(dpswig::Ddp)
+DP_JAVA_CLOSEABLE(dpswig::Tensor, swigCPtr == 0 || isClosedRaw())
+DP_JAVA_CLOSEABLE(dpswig::TensorList, swigCPtr == 0)
+DP_JAVA_CLOSEABLE(dpswig::Module, swigCPtr == 0 || isClosedRaw())
+DP_JAVA_CLOSEABLE(dpswig::ModuleList, swigCPtr == 0)
+DP_JAVA_CLOSEABLE(dpswig::ReplicaSet, swigCPtr == 0)
+DP_JAVA_CLOSEABLE(dpswig::Store, swigCPtr == 0)
+DP_JAVA_CLOSEABLE(dpswig::ProcessGroup, swigCPtr == 0)
+DP_JAVA_CLOSEABLE(dpswig::Work, swigCPtr == 0)
+DP_JAVA_CLOSEABLE(dpswig::Ddp, swigCPtr == 0)
 
 %typemap(javacode) dpswig::Tensor %{
   /** A tensor of the given shape (zeros), float32 on cpu:0. */
@@ -184,12 +203,6 @@ DP_JAVA_CLOSEABLE(dpswig::Ddp)
     for (int i = 0; i < out.length; ++i) out[i] = v.get(i);
     return out;
   }
-
-  /** Releases the native handle now; the finalizer is only a safety net. */
-  @Override
-  public void close() {
-    delete();
-  }
 %}
 
 %typemap(javacode) std::vector<long long> %{
@@ -200,22 +213,6 @@ DP_JAVA_CLOSEABLE(dpswig::Ddp)
   }
 %}
 
-%define DP_JAVA_CLOSE_ONLY(CLASS)
-%typemap(javacode) CLASS %{
-  /** Releases the native handle now; the finalizer is only a safety net. */
-  @Override
-  public void close() {
-    delete();
-  }
-%}
-%enddef
-DP_JAVA_CLOSE_ONLY(dpswig::TensorList)
-DP_JAVA_CLOSE_ONLY(dpswig::Module)
-DP_JAVA_CLOSE_ONLY(dpswig::ModuleList)
-DP_JAVA_CLOSE_ONLY(dpswig::Store)
-DP_JAVA_CLOSE_ONLY(dpswig::ProcessGroup)
-DP_JAVA_CLOSE_ONLY(dpswig::Work)
-
 %typemap(javacode) dpswig::ReplicaSet %{
   /** Scatters {@code input} along {@code dim}, runs {@code fn} on every replica, gathers on {@code outputDevice}. */
   public Tensor apply(Tensor input, int dim, Device outputDevice, ForwardFunction fn) {
@@ -225,12 +222,6 @@ DP_JAVA_CLOSE_ONLY(dpswig::Work)
     } catch (DParallelException e) {
       throw ForwardFunction.surface(fn, e);
     }
-  }
-
-  /** Releases the native handle now; the finalizer is only a safety net. */
-  @Override
-  public void close() {
-    delete();
   }
 %}
 
@@ -259,12 +250,6 @@ DP_JAVA_CLOSE_ONLY(dpswig::Work)
       if (hookRef instanceof CommHook) throw ((CommHook) hookRef).surface(e);
       throw e;
     }
-  }
-
-  /** Releases the native handle now (the hook stays with this object); the finalizer is only a safety net. */
-  @Override
-  public void close() {
-    delete();
   }
 %}
 
