@@ -101,7 +101,9 @@ class JavaFloatArray : public FloatSource, public FloatSink {
 %ignore dpswig::Tensor::copyFrom(const float *, size_t);
 %ignore dpswig::Tensor::copyTo(float *, size_t) const;
 
-// The tensor's memory as a direct ByteBuffer in native byte order.
+// The tensor's memory as a direct ByteBuffer in native byte order. JNI's
+// buffer holds nothing alive: Tensor.buffer() takes it from a reference of
+// its own (viewReference) that a Cleaner drops when the buffer goes.
 %typemap(jni) dpswig::HostBytes "jobject"
 %typemap(jtype) dpswig::HostBytes "java.nio.ByteBuffer"
 %typemap(jstype) dpswig::HostBytes "java.nio.ByteBuffer"
@@ -112,7 +114,8 @@ class JavaFloatArray : public FloatSource, public FloatSink {
 %typemap(javaout) dpswig::HostBytes {
     return $jnicall.order(java.nio.ByteOrder.nativeOrder());
   }
-%rename(buffer) dpswig::Tensor::hostBytes;
+%javamethodmodifiers dpswig::Tensor::hostBytes "private";
+%javamethodmodifiers dpswig::Tensor::viewReference "private";
 
 %javamethodmodifiers dpswig::dataParallel "";
 %javamethodmodifiers dpswig::parallelApply "";
@@ -185,7 +188,42 @@ DP_JAVA_CLOSEABLE(dpswig::Ddp, swigCPtr == 0)
     return t;
   }
 
-  /** The tensor's memory as floats, without a copy (cpu tensors; valid while the tensor is open). */
+  // Drops the reference a view owns, once the view is unreachable; it must
+  // not hold the view itself, or the view would never become unreachable.
+  private static final class ViewRelease implements Runnable {
+    private final long reference;
+
+    ViewRelease(long reference) {
+      this.reference = reference;
+    }
+
+    @Override
+    public void run() {
+      ParallelJNI.delete_Tensor(reference);
+    }
+  }
+
+  private static final java.lang.ref.Cleaner VIEW_CLEANER = java.lang.ref.Cleaner.create();
+
+  /** The tensor's memory as a direct ByteBuffer in native byte order, without a copy (cpu tensors). The
+   * buffer owns a reference to the memory: it stays valid after this tensor is closed or collected, until
+   * it and every buffer made from it (asFloatBuffer(), slice(), duplicate()) are unreachable. */
+  public java.nio.ByteBuffer buffer() {
+    Tensor owner = viewReference();
+    java.nio.ByteBuffer view;
+    try {
+      view = owner.hostBytes();
+    } catch (RuntimeException e) {
+      owner.delete();
+      throw e;
+    }
+    // From here the cleaner, not the owner object, deletes the reference.
+    owner.swigCMemOwn = false;
+    VIEW_CLEANER.register(view, new ViewRelease(owner.swigCPtr));
+    return view;
+  }
+
+  /** The tensor's memory as floats, without a copy (cpu tensors); it stays valid as {@link #buffer()} does. */
   public java.nio.FloatBuffer floats() {
     return buffer().asFloatBuffer();
   }
