@@ -85,7 +85,9 @@ extern "C" SWIGEXPORT void SWIGSTDCALL DParallelRegisterExceptionCallback(DParal
 %ignore dpswig::Tensor::copyFrom(const FloatSource &);
 %ignore dpswig::Tensor::copyTo(FloatSink &) const;
 
-// The tensor's memory as an IntPtr.
+// The tensor's memory as an IntPtr, valid while the tensor is referenced
+// and not disposed; AsMemory() (Partials.cs) owns a viewReference instead.
+%csmethodmodifiers dpswig::Tensor::viewReference "internal";
 %typemap(ctype) dpswig::HostBytes "void *"
 %typemap(imtype) dpswig::HostBytes "global::System.IntPtr"
 %typemap(cstype) dpswig::HostBytes "global::System.IntPtr"
