@@ -24,6 +24,9 @@
 %ignore *::handles;
 %ignore *::trampoline;
 %ignore *::rethrowPending;
+// Each language's isClosed()/IsClosed() answers on a closed proxy too; the
+// C++ one (the handle was handed to the library) is its native half.
+%rename(isClosedRaw) *::isClosed;
 
 %include "dpswig_common.hpp"
 

@@ -34,13 +34,17 @@ class Tensor {
   long long numel() const { return dp_tensor_numel(handle()); }
   size_t nbytes() const { return dp_tensor_nbytes(handle()); }
   Device device() const { return Device::fromRaw(dp_tensor_device(handle())); }
-  // The tensor's own memory (cpu tensors only), valid while the tensor lives.
+  // The tensor's own memory (cpu tensors only), valid while this reference
+  // lives: a view that may outlive the tensor takes it from viewReference().
   HostBytes hostBytes() const {
-    dp_tensor* t = handle();
-    if (dp_tensor_device(t).type != DP_DEVICE_CPU) {
-      throw Error(DP_EUNSUPPORTED, "a view of the tensor's memory needs a cpu tensor; copy it with to() first");
-    }
+    dp_tensor* t = cpuHandle();
     return HostBytes{dp_tensor_data(t), dp_tensor_nbytes(t)};
+  }
+  // A new reference to this cpu tensor's memory for a zero-copy view to own,
+  // so the view stays valid however this object is closed or collected.
+  Tensor* viewReference() const {
+    cpuHandle();
+    return share();
   }
   // One copy from or to a host array of exactly numel float32 values.
   void copyFrom(const FloatSource& values) {
@@ -99,6 +103,13 @@ class Tensor {
   }
 
  private:
+  dp_tensor* cpuHandle() const {
+    dp_tensor* t = handle();
+    if (dp_tensor_device(t).type != DP_DEVICE_CPU) {
+      throw Error(DP_EUNSUPPORTED, "a view of the tensor's memory needs a cpu tensor; copy it with to() first");
+    }
+    return t;
+  }
   dp_tensor* floatTensor(size_t count, const char* name) const {
     dp_tensor* t = handle();
     if (dp_tensor_dtype(t) != DP_FLOAT32) fail_argument("the tensor is not float32; float arrays copy only float32");

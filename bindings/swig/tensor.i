@@ -5,6 +5,7 @@
 %}
 %newobject dpswig::Tensor::to;
 %newobject dpswig::Tensor::share;
+%newobject dpswig::Tensor::viewReference;
 %newobject dpswig::TensorList::get;
 %ignore dpswig::Tensor::Tensor(dp_tensor*, bool);
 %ignore dpswig::tensorArg;

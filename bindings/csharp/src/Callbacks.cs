@@ -25,7 +25,7 @@ public abstract class ForwardFunction : ForwardFunctionBase {
       Tensor output = Forward(index, replica, input, device);
       if (output == null) throw new NullReferenceException("ForwardFunction.Forward returned null for replica " + index);
       // The library takes the returned tensor over: it must not be disposed.
-      if (Tensor.getCPtr(output).Handle == IntPtr.Zero || output.IsClosed()) {
+      if (output.IsClosed()) {
         throw new InvalidOperationException("ForwardFunction.Forward returned a disposed tensor for replica " + index);
       }
       return output;

@@ -41,10 +41,22 @@ public partial class Tensor {
   }
 
   /// <summary>The tensor's memory as floats, without a copy (cpu float32
-  /// tensors; valid while the tensor is not disposed).</summary>
+  /// tensors). A Span roots nothing: it is valid only while this tensor is
+  /// referenced and not disposed (inside its <c>using</c>, or before a
+  /// <c>GC.KeepAlive(tensor)</c> after the Span's last use). For a view
+  /// that may outlive the tensor, use <see cref="AsMemory"/>.</summary>
   public unsafe Span<float> AsSpan() {
     if (Dtype() != DType.FLOAT32) throw new DParallelException(Status.INVALID, "invalid argument: AsSpan() needs a float32 tensor");
     return new Span<float>((void*)Data(), checked((int)Numel()));
+  }
+
+  /// <summary>The tensor's memory as floats, without a copy (cpu float32
+  /// tensors), owning a reference to it: valid after this tensor is
+  /// disposed or collected, while the Memory (or one sliced from it) is
+  /// referenced. Its <c>.Span</c> is valid while the Memory is.</summary>
+  public Memory<float> AsMemory() {
+    if (Dtype() != DType.FLOAT32) throw new DParallelException(Status.INVALID, "invalid argument: AsMemory() needs a float32 tensor");
+    return new TensorMemory(ViewReference()).Memory;
   }
 
   public long[] ShapeArray() {
@@ -53,6 +65,37 @@ public partial class Tensor {
     v.CopyTo(output);
     return output;
   }
+}
+
+// The memory behind Tensor.AsMemory(): it holds its own Tensor reference to
+// the storage, which that Tensor's finalizer drops once no Memory refers to
+// this manager. Dispose does nothing: the manager is never handed out, and
+// releasing early would leave those Memory values dangling.
+sealed unsafe class TensorMemory : System.Buffers.MemoryManager<float> {
+  readonly Tensor storage;
+  readonly IntPtr data;
+  readonly int length;
+
+  internal TensorMemory(Tensor storage) {
+    this.storage = storage;
+    data = this.storage.Data();
+    length = checked((int)this.storage.Numel());
+  }
+
+  public override Span<float> GetSpan() {
+    return new Span<float>((void*)data, length);
+  }
+
+  // Native memory never moves; the handle keeps this manager, and so the
+  // storage, reachable until it is disposed.
+  public override System.Buffers.MemoryHandle Pin(int elementIndex = 0) {
+    if (elementIndex < 0 || elementIndex > length) throw new ArgumentOutOfRangeException(nameof(elementIndex));
+    return new System.Buffers.MemoryHandle((float*)data + elementIndex, default(System.Runtime.InteropServices.GCHandle), this);
+  }
+
+  public override void Unpin() {}
+
+  protected override void Dispose(bool disposing) {}
 }
 
 public partial class Device {

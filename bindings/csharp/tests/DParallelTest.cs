@@ -2,12 +2,15 @@
 // two logical CPU devices (replica sets, DataParallel, ParallelApply) or one
 // process per rank under dp-run (DDP, with the default and a C# comm hook),
 // and checks parity with plain single-device training. Also pins that
-// exceptions thrown in callbacks surface in the caller and that bad
-// arguments raise DParallelException naming the argument.
+// exceptions thrown in callbacks surface in the caller, that bad arguments
+// raise DParallelException naming the argument, that AsMemory() views keep
+// the tensor's memory alive after the tensor is disposed or collected, and
+// that every handle answers IsClosed() after Dispose().
 //
-//   mono DParallelTest.exe data-parallel|forward-throws|bad-argument|store
+//   mono DParallelTest.exe data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles
 //   dp-run -n 2 mono DParallelTest.exe ddp
 using System;
+using System.Collections.Generic;
 using System.IO;
 using System.Threading;
 using DParallel;
@@ -366,6 +369,172 @@ public static class DParallelTest {
     }
   }
 
+  // ---- view lifetime ----
+
+  static float[] DistinctValues(int n, int seed) {
+    var output = new float[n];
+    for (int i = 0; i < n; ++i) output[i] = seed * 100000 + i + 0.5f;
+    return output;
+  }
+
+  class DroppedView {
+    public string Name;
+    public float[] Want;
+    public Memory<float> View;
+    public WeakReference Tensor;
+  }
+
+  /// AsMemory() views of tensors that nothing references once this returns:
+  /// made on a thread of their own, so that no stale slot of this stack
+  /// (which Mono scans conservatively) keeps a tensor alive.
+  static List<DroppedView> ViewsOfDroppedTensors(int[] sizes) {
+    var views = new List<DroppedView>();
+    var maker = new Thread(() => {
+      for (int k = 0; k < sizes.Length; ++k) {
+        float[] a = DistinctValues(sizes[k], 2 * k + 1), b = DistinctValues(sizes[k], 2 * k + 2);
+        var ta = Tensor.Of(a, sizes[k]);
+        views.Add(new DroppedView { Name = "AsMemory() of a dropped tensor of " + sizes[k], Want = a,
+                                    View = ta.AsMemory(), Tensor = new WeakReference(ta) });
+        // A slice keeps the whole view's reference.
+        var tb = Tensor.Of(new float[sizes[k] + 1], sizes[k] + 1);
+        Memory<float> whole = tb.AsMemory();
+        b.CopyTo(whole.Span.Slice(1));
+        views.Add(new DroppedView { Name = "a slice of AsMemory() of a dropped tensor of " + sizes[k], Want = b,
+                                    View = whole.Slice(1), Tensor = new WeakReference(tb) });
+      }
+    });
+    maker.Start();
+    maker.Join();
+    return views;
+  }
+
+  /// Collects until every tensor is unreachable and finalized.
+  static void AwaitCollected(List<DroppedView> views) {
+    var deadline = DateTime.UtcNow.AddSeconds(30);
+    while (views.Exists(v => v.Tensor.IsAlive)) {
+      GC.Collect();
+      GC.WaitForPendingFinalizers();
+      Expect(DateTime.UtcNow < deadline, "the dropped tensors were collected within 30 s");
+    }
+    GC.Collect();
+    GC.WaitForPendingFinalizers();
+  }
+
+  /// Tensors of `n` elements filled with `fill`: what would take over freed
+  /// memory of that size.
+  static List<Tensor> ReuseCandidates(int n, float fill) {
+    var values = new float[n];
+    for (int i = 0; i < n; ++i) values[i] = fill;
+    var output = new List<Tensor>();
+    for (int i = 0; i < 16; ++i) output.Add(Tensor.Of(values, n));
+    return output;
+  }
+
+  /// `view` still holds `want`; writing through it changes none of `others`.
+  static void CheckViewOwnsMemory(string what, Memory<float> view, float[] want, List<Tensor> others, float fill) {
+    Span<float> v = view.Span;
+    Expect(v.Length == want.Length, what + ": length " + v.Length);
+    for (int i = 0; i < want.Length; ++i) {
+      if (v[i] != want[i]) Fail(what + ": element " + i + " reads " + v[i] + ", not " + want[i]);
+    }
+    for (int i = 0; i < want.Length; ++i) v[i] = -want[i];
+    foreach (Tensor other in others) {
+      float[] got = other.ToArray();
+      for (int i = 0; i < got.Length; ++i) {
+        if (got[i] != fill) Fail(what + ": a write through the view landed in another tensor (element " + i + ")");
+      }
+    }
+    for (int i = 0; i < want.Length; ++i) {
+      if (v[i] != -want[i]) Fail(what + ": element " + i + " does not keep what was written");
+    }
+  }
+
+  /// An AsMemory() view keeps the tensor's memory: after the tensor is
+  /// collected without Dispose(), or disposed while the view is in use, and
+  /// after new tensors of the same size were made.
+  static void ViewOutlivesTensor() {
+    // Under and over 64 KiB: a malloc block, and one of the allocator's
+    // cache, which hands a freed block to the next tensor of its size.
+    int[] sizes = { 1000, 40000 };
+    List<DroppedView> views = ViewsOfDroppedTensors(sizes);
+    AwaitCollected(views);
+    foreach (int n in sizes) {
+      List<Tensor> others = ReuseCandidates(n, -1);
+      foreach (DroppedView v in views.FindAll(v => v.Want.Length == n)) CheckViewOwnsMemory(v.Name, v.View, v.Want, others, -1);
+      foreach (Tensor t in others) t.Dispose();
+    }
+    foreach (int n in sizes) {
+      float[] want = DistinctValues(n, 7);
+      var t = Tensor.Of(want, n);
+      Memory<float> view = t.AsMemory();
+      t.Dispose();
+      Expect(t.IsClosed(), "Dispose() disposes the tensor although a view of it is in use");
+      List<Tensor> others = ReuseCandidates(n, -3);
+      CheckViewOwnsMemory("AsMemory() of a disposed tensor of " + n, view, want, others, -3);
+      foreach (Tensor o in others) o.Dispose();
+    }
+    Console.WriteLine("views of {0} collected and 2 disposed tensors kept their memory", views.Count);
+    // The views' own references go when the views do; the library stays sound.
+    views.Clear();
+    for (int i = 0; i < 3; ++i) {
+      GC.Collect();
+      GC.WaitForPendingFinalizers();
+    }
+    using (var t = Tensor.Of(DistinctValues(40000, 9), 40000)) {
+      Expect(t.ToArray()[1] == 900001.5f, "a new tensor after the views are gone holds its values");
+    }
+  }
+
+  // ---- closed handles ----
+
+  /// `handle` is open; after Dispose() IsClosed() is true (not a throw), a
+  /// second Dispose() does nothing and `use` throws DParallelException with
+  /// Status.STATE.
+  static void CheckCloses(string what, IDisposable handle, Func<bool> isClosed, Action use) {
+    Expect(!isClosed(), what + " is open after it is made");
+    use();
+    handle.Dispose();
+    Expect(isClosed(), what + ".IsClosed() after Dispose()");
+    handle.Dispose();
+    Expect(isClosed(), what + ".IsClosed() after a second Dispose()");
+    try {
+      use();
+      Fail("a call on a disposed " + what + " returned");
+    } catch (DParallelException e) {
+      Expect(e.Code == Status.STATE, "a disposed " + what + " is Status.STATE: " + e.Message);
+    }
+  }
+
+  static void ClosedHandles() {
+    DeviceList devices = Device.List("cpu:0,cpu:1");
+    var cpu0 = new Device("cpu:0");
+    var tensor = Tensor.Of(new float[] { 1, 2, 3, 4 }, 4);
+    CheckCloses("Tensor", tensor, tensor.IsClosed, () => tensor.Numel());
+    using (var input = Tensor.Of(new float[] { 1, 2, 3, 4 }, 4)) {
+      TensorList chunks = Parallel.Scatter(input, devices, 0);
+      CheckCloses("TensorList", chunks, chunks.IsClosed, () => chunks.Get(0).Dispose());
+    }
+    var module = new Module();
+    CheckCloses("Module", module, module.IsClosed, () => module.NumParameters());
+    using (Module model = BuildModel()) {
+      ModuleList replicas = Parallel.Replicate(model, devices, false);
+      CheckCloses("ModuleList", replicas, replicas.IsClosed, () => replicas.Get(0).Dispose());
+      var set = new ReplicaSet(model, devices);
+      CheckCloses("ReplicaSet", set, set.IsClosed, set.Sync);
+      Store store = Store.Tcp("127.0.0.1", 0, 1, true, 10000);
+      ProcessGroup pg = ProcessGroup.Create(store, 0, 1, cpu0, 10000);
+      using (var t = Tensor.Of(new float[] { 1, 2 }, 2)) {
+        Work work = pg.AllReduceAsync(t, ReduceOp.SUM);
+        CheckCloses("Work", work, work.IsClosed, work.WaitFor);
+      }
+      var ddp = new Ddp(model, pg, new DdpOptions());
+      CheckCloses("Ddp", ddp, ddp.IsClosed, () => ddp.NumBuckets());
+      CheckCloses("ProcessGroup", pg, pg.IsClosed, () => pg.Rank());
+      CheckCloses("Store", store, store.IsClosed, () => store.Port());
+    }
+    Console.WriteLine("every handle answers IsClosed() after Dispose()");
+  }
+
   /// `call` fails with Status.INVALID and a message that contains `naming`.
   static void ExpectInvalid(Action call, string naming) {
     try {
@@ -519,8 +688,10 @@ public static class DParallelTest {
       case "forward-throws": ForwardThrows(); break;
       case "bad-argument": BadArgument(); break;
       case "store": RunStore(); break;
+      case "view-outlives-tensor": ViewOutlivesTensor(); break;
+      case "closed-handles": ClosedHandles(); break;
       case "ddp": RunDdp(); break;
-      default: Fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|ddp"); break;
+      default: Fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|ddp"); break;
     }
     GC.Collect();
     GC.WaitForPendingFinalizers();

@@ -2,13 +2,22 @@
 // two logical CPU devices (replica sets, dataParallel, parallelApply) or one
 // process per rank under dp-run (DDP, with the default and a Java comm
 // hook), and checks parity with plain single-device training. Also pins
-// that exceptions thrown in callbacks surface in the caller and that bad
-// arguments raise DParallelException naming the argument.
+// that exceptions thrown in callbacks surface in the caller, that bad
+// arguments raise DParallelException naming the argument, that zero-copy
+// views keep the tensor's memory alive after the tensor is closed or
+// collected, and that every handle answers isClosed() after close().
 //
-//   java -cp dparallel.jar:. DParallelTest data-parallel|forward-throws|bad-argument|store
+//   java -cp dparallel.jar:. DParallelTest data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles
 //   dp-run -n 2 java -cp dparallel.jar:. DParallelTest ddp
 import java.io.IOException;
+import java.lang.ref.PhantomReference;
+import java.lang.ref.Reference;
+import java.lang.ref.ReferenceQueue;
+import java.nio.ByteBuffer;
 import java.nio.FloatBuffer;
+import java.util.ArrayList;
+import java.util.List;
+import java.util.function.BooleanSupplier;
 import java.util.concurrent.atomic.AtomicInteger;
 import org.dparallel.*;
 import org.dparallel.Module;
@@ -377,6 +386,164 @@ public class DParallelTest {
     }
   }
 
+  // ---- view lifetime ----
+
+  static float[] distinctValues(int n, int seed) {
+    float[] out = new float[n];
+    for (int i = 0; i < n; ++i) out[i] = seed * 100000 + i + 0.5f;
+    return out;
+  }
+
+  /** floats() of a tensor that nothing references once this returns. */
+  static FloatBuffer floatsOfDroppedTensor(float[] values, ReferenceQueue<Tensor> collected, List<Reference<Tensor>> refs) {
+    Tensor t = Tensor.of(values, values.length);
+    refs.add(new PhantomReference<>(t, collected));
+    return t.floats();
+  }
+
+  /** buffer() of a tensor that nothing references once this returns. */
+  static ByteBuffer bufferOfDroppedTensor(float[] values, ReferenceQueue<Tensor> collected, List<Reference<Tensor>> refs) {
+    Tensor t = Tensor.of(values, values.length);
+    refs.add(new PhantomReference<>(t, collected));
+    return t.buffer();
+  }
+
+  /** Collects until `count` tensors were finalized (their phantom references come after the finalizer). */
+  static void awaitCollected(ReferenceQueue<Tensor> collected, int count) throws InterruptedException {
+    long deadline = System.nanoTime() + 30_000_000_000L;
+    for (int seen = 0; seen < count;) {
+      System.gc();
+      byte[][] pressure = new byte[32][];
+      for (int i = 0; i < pressure.length; ++i) pressure[i] = new byte[1 << 16];
+      for (Reference<? extends Tensor> r = collected.remove(50); r != null; r = collected.poll()) ++seen;
+      expect(System.nanoTime() < deadline, "the dropped tensors were collected within 30 s (" + seen + " of " + count + ")");
+    }
+  }
+
+  /** Tensors of `n` elements filled with `fill`: what would take over freed memory of that size. */
+  static List<Tensor> reuseCandidates(int n, float fill) {
+    float[] values = new float[n];
+    java.util.Arrays.fill(values, fill);
+    List<Tensor> out = new ArrayList<>();
+    for (int i = 0; i < 16; ++i) out.add(Tensor.of(values, n));
+    return out;
+  }
+
+  /** `view` still holds `want`; writing through it changes none of `others`. */
+  static void checkViewOwnsMemory(String what, FloatBuffer view, float[] want, List<Tensor> others, float fill) {
+    expect(view.capacity() == want.length, what + ": capacity " + view.capacity());
+    for (int i = 0; i < want.length; ++i) {
+      if (view.get(i) != want[i]) fail(what + ": element " + i + " reads " + view.get(i) + ", not " + want[i]);
+    }
+    for (int i = 0; i < want.length; ++i) view.put(i, -want[i]);
+    for (Tensor other : others) {
+      float[] got = other.toArray();
+      for (int i = 0; i < got.length; ++i) {
+        if (got[i] != fill) fail(what + ": a write through the view landed in another tensor (element " + i + ")");
+      }
+    }
+    for (int i = 0; i < want.length; ++i) {
+      if (view.get(i) != -want[i]) fail(what + ": element " + i + " does not keep what was written");
+    }
+  }
+
+  /** A view made by floats() or buffer() keeps the tensor's memory: after the tensor is collected without
+   * close(), or closed while the view is in use, and after new tensors of the same size were made. */
+  static void viewOutlivesTensor() throws InterruptedException {
+    // Under and over 64 KiB: a malloc block, and one of the allocator's cache, which hands a freed block to
+    // the next tensor of its size.
+    int[] sizes = {1000, 40000};
+    ReferenceQueue<Tensor> collected = new ReferenceQueue<>();
+    List<Reference<Tensor>> refs = new ArrayList<>();
+    List<float[]> wants = new ArrayList<>();
+    List<FloatBuffer> views = new ArrayList<>();
+    List<String> names = new ArrayList<>();
+    for (int k = 0; k < sizes.length; ++k) {
+      float[] a = distinctValues(sizes[k], 2 * k + 1), b = distinctValues(sizes[k], 2 * k + 2);
+      wants.add(a);
+      views.add(floatsOfDroppedTensor(a, collected, refs));
+      names.add("floats() of a dropped tensor of " + sizes[k]);
+      wants.add(b);
+      views.add(bufferOfDroppedTensor(b, collected, refs).asFloatBuffer());
+      names.add("buffer() of a dropped tensor of " + sizes[k]);
+    }
+    awaitCollected(collected, refs.size());
+    for (int k = 0; k < sizes.length; ++k) {
+      List<Tensor> others = reuseCandidates(sizes[k], -1);
+      for (int v = 2 * k; v < 2 * k + 2; ++v) checkViewOwnsMemory(names.get(v), views.get(v), wants.get(v), others, -1);
+      for (Tensor t : others) t.close();
+    }
+    for (int n : sizes) {
+      float[] want = distinctValues(n, 7);
+      Tensor t = Tensor.of(want, n);
+      FloatBuffer view = t.floats();
+      t.close();
+      expect(t.isClosed(), "close() closes the tensor although a view of it is in use");
+      List<Tensor> others = reuseCandidates(n, -3);
+      checkViewOwnsMemory("floats() of a closed tensor of " + n, view, want, others, -3);
+      for (Tensor o : others) o.close();
+    }
+    System.out.println("views of " + views.size() + " collected and 2 closed tensors kept their memory");
+    // The views' own references go when the views do; the library stays sound.
+    views.clear();
+    for (int i = 0; i < 3; ++i) {
+      System.gc();
+      Thread.sleep(20);
+    }
+    try (Tensor t = Tensor.of(distinctValues(40000, 9), 40000)) {
+      expect(t.toArray()[1] == 900001.5f, "a new tensor after the views are gone holds its values");
+    }
+  }
+
+  // ---- closed handles ----
+
+  /** `handle` is open; after close() isClosed() is true (not a throw), a second close() does nothing and
+   * `use` throws DParallelException with Status.STATE. */
+  static void checkCloses(String what, AutoCloseable handle, BooleanSupplier isClosed, Runnable use) throws Exception {
+    expect(!isClosed.getAsBoolean(), what + " is open after it is made");
+    use.run();
+    handle.close();
+    expect(isClosed.getAsBoolean(), what + ".isClosed() after close()");
+    handle.close();
+    expect(isClosed.getAsBoolean(), what + ".isClosed() after a second close()");
+    try {
+      use.run();
+      fail("a call on a closed " + what + " returned");
+    } catch (DParallelException e) {
+      expect(e.getCode() == Status.STATE, "a closed " + what + " is Status.STATE: " + e.getMessage());
+    }
+  }
+
+  static void closedHandles() throws Exception {
+    DeviceList devices = Device.list("cpu:0,cpu:1");
+    Device cpu0 = new Device("cpu:0");
+    Tensor tensor = Tensor.of(new float[] {1, 2, 3, 4}, 4);
+    checkCloses("Tensor", tensor, tensor::isClosed, tensor::numel);
+    try (Tensor input = Tensor.of(new float[] {1, 2, 3, 4}, 4)) {
+      TensorList chunks = Parallel.scatter(input, devices, 0);
+      checkCloses("TensorList", chunks, chunks::isClosed, () -> chunks.get(0).close());
+    }
+    Module module = new Module();
+    checkCloses("Module", module, module::isClosed, module::numParameters);
+    try (Module model = buildModel()) {
+      ModuleList replicas = Parallel.replicate(model, devices, false);
+      checkCloses("ModuleList", replicas, replicas::isClosed, () -> replicas.get(0).close());
+      ReplicaSet set = new ReplicaSet(model, devices);
+      checkCloses("ReplicaSet", set, set::isClosed, set::sync);
+      Store store = Store.tcp("127.0.0.1", 0, 1, true, 10000);
+      ProcessGroup pg = ProcessGroup.create(store, 0, 1, cpu0, 10000);
+      try (Tensor t = Tensor.of(new float[] {1, 2}, 2)) {
+        Work work = pg.allReduceAsync(t, ReduceOp.SUM);
+        checkCloses("Work", work, work::isClosed, work::waitFor);
+      }
+      Ddp ddp = new Ddp(model, pg, new DdpOptions());
+      checkCloses("Ddp", ddp, ddp::isClosed, ddp::numBuckets);
+      checkCloses("ProcessGroup", pg, pg::isClosed, pg::rank);
+      checkCloses("Store", store, store::isClosed, store::port);
+    }
+    System.out.println("every handle answers isClosed() after close()");
+  }
+
   /** `call` fails with Status.INVALID and a message that contains `naming` (the argument, or the bad name). */
   static void expectInvalid(Runnable call, String naming) {
     try {
@@ -525,7 +692,7 @@ public class DParallelTest {
     }
   }
 
-  public static void main(String[] args) {
+  public static void main(String[] args) throws Exception {
     String mode = args.length > 0 ? args[0] : "";
     switch (mode) {
       case "data-parallel":
@@ -543,8 +710,14 @@ public class DParallelTest {
       case "store":
         store();
         break;
+      case "view-outlives-tensor":
+        viewOutlivesTensor();
+        break;
+      case "closed-handles":
+        closedHandles();
+        break;
       default:
-        fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|ddp");
+        fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|ddp");
     }
     System.gc();
     System.out.println("OK " + mode);

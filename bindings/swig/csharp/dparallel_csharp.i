@@ -85,7 +85,9 @@ extern "C" SWIGEXPORT void SWIGSTDCALL DParallelRegisterExceptionCallback(DParal
 %ignore dpswig::Tensor::copyFrom(const FloatSource &);
 %ignore dpswig::Tensor::copyTo(FloatSink &) const;
 
-// The tensor's memory as an IntPtr.
+// The tensor's memory as an IntPtr, valid while the tensor is referenced
+// and not disposed; AsMemory() (Partials.cs) owns a viewReference instead.
+%csmethodmodifiers dpswig::Tensor::viewReference "internal";
 %typemap(ctype) dpswig::HostBytes "void *"
 %typemap(imtype) dpswig::HostBytes "global::System.IntPtr"
 %typemap(cstype) dpswig::HostBytes "global::System.IntPtr"
@@ -115,3 +117,31 @@ extern "C" SWIGEXPORT void SWIGSTDCALL DParallelRegisterExceptionCallback(DParal
 %typemap(csclassmodifiers) dpswig::Ddp "public partial class"
 %typemap(csclassmodifiers) dpswig::Device "public partial class"
 %pragma(csharp) moduleclassmodifiers="public partial class"
+
+// Every handle: IsClosed() reads the proxy, so it answers on a disposed
+// object instead of throwing. CLOSED is the test, with the native half
+// where the library can take the handle.
+%csmethodmodifiers dpswig::Tensor::isClosed "private";
+%csmethodmodifiers dpswig::Module::isClosed "private";
+%define DP_CSHARP_CLOSEABLE(CLASS, CLOSED)
+%extend CLASS {
+%proxycode %{
+  /// <summary>Whether this object is disposed: its other calls then throw
+  /// DParallelException (Status.STATE).</summary>
+  public bool IsClosed() {
+    lock (this) {
+      return CLOSED;
+    }
+  }
+%}
+}
+%enddef
+DP_CSHARP_CLOSEABLE(dpswig::Tensor, swigCPtr.Handle == global::System.IntPtr.Zero || isClosedRaw())
+DP_CSHARP_CLOSEABLE(dpswig::TensorList, swigCPtr.Handle == global::System.IntPtr.Zero)
+DP_CSHARP_CLOSEABLE(dpswig::Module, swigCPtr.Handle == global::System.IntPtr.Zero || isClosedRaw())
+DP_CSHARP_CLOSEABLE(dpswig::ModuleList, swigCPtr.Handle == global::System.IntPtr.Zero)
+DP_CSHARP_CLOSEABLE(dpswig::ReplicaSet, swigCPtr.Handle == global::System.IntPtr.Zero)
+DP_CSHARP_CLOSEABLE(dpswig::Store, swigCPtr.Handle == global::System.IntPtr.Zero)
+DP_CSHARP_CLOSEABLE(dpswig::ProcessGroup, swigCPtr.Handle == global::System.IntPtr.Zero)
+DP_CSHARP_CLOSEABLE(dpswig::Work, swigCPtr.Handle == global::System.IntPtr.Zero)
+DP_CSHARP_CLOSEABLE(dpswig::Ddp, swigCPtr.Handle == global::System.IntPtr.Zero)

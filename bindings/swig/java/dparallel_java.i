@@ -101,7 +101,9 @@ class JavaFloatArray : public FloatSource, public FloatSink {
 %ignore dpswig::Tensor::copyFrom(const float *, size_t);
 %ignore dpswig::Tensor::copyTo(float *, size_t) const;
 
-// The tensor's memory as a direct ByteBuffer in native byte order.
+// The tensor's memory as a direct ByteBuffer in native byte order. JNI's
+// buffer holds nothing alive: Tensor.buffer() takes it from a reference of
+// its own (viewReference) that a Cleaner drops when the buffer goes.
 %typemap(jni) dpswig::HostBytes "jobject"
 %typemap(jtype) dpswig::HostBytes "java.nio.ByteBuffer"
 %typemap(jstype) dpswig::HostBytes "java.nio.ByteBuffer"
@@ -112,7 +114,8 @@ class JavaFloatArray : public FloatSource, public FloatSink {
 %typemap(javaout) dpswig::HostBytes {
     return $jnicall.order(java.nio.ByteOrder.nativeOrder());
   }
-%rename(buffer) dpswig::Tensor::hostBytes;
+%javamethodmodifiers dpswig::Tensor::hostBytes "private";
+%javamethodmodifiers dpswig::Tensor::viewReference "private";
 
 %javamethodmodifiers dpswig::dataParallel "";
 %javamethodmodifiers dpswig::parallelApply "";
@@ -130,18 +133,37 @@ class JavaFloatArray : public FloatSource, public FloatSink {
 
 %javamethodmodifiers dpswig::Ddp::withHook "";
 
-%define DP_JAVA_CLOSEABLE(CLASS)
+// Every handle: close() deletes the native object now, and isClosed() reads
+// the proxy, so it answers on a closed object instead of throwing. CLOSED
+// is the test, with the native half where the library can take the handle.
+%javamethodmodifiers dpswig::Tensor::isClosed "private";
+%javamethodmodifiers dpswig::Module::isClosed "private";
+%define DP_JAVA_CLOSEABLE(CLASS, CLOSED)
 %typemap(javainterfaces) CLASS "AutoCloseable"
+%extend CLASS {
+%proxycode %{
+  /** Releases the native handle now (a second call does nothing); the finalizer is only a safety net. */
+  @Override
+  public void close() {
+    delete();
+  }
+
+  /** Whether this object is closed: its other calls then throw DParallelException (Status.STATE). */
+  public synchronized boolean isClosed() {
+    return CLOSED;
+  }
+%}
+}
 %enddef
-DP_JAVA_CLOSEABLE(dpswig::Tensor)
-DP_JAVA_CLOSEABLE(dpswig::TensorList)
-DP_JAVA_CLOSEABLE(dpswig::Module)
-DP_JAVA_CLOSEABLE(dpswig::ModuleList)
-DP_JAVA_CLOSEABLE(dpswig::ReplicaSet)
-DP_JAVA_CLOSEABLE(dpswig::Store)
-DP_JAVA_CLOSEABLE(dpswig::ProcessGroup)
-DP_JAVA_CLOSEABLE(dpswig::Work)
-DP_JAVA_CLOSEABLE(dpswig::Ddp)
+DP_JAVA_CLOSEABLE(dpswig::Tensor, swigCPtr == 0 || isClosedRaw())
+DP_JAVA_CLOSEABLE(dpswig::TensorList, swigCPtr == 0)
+DP_JAVA_CLOSEABLE(dpswig::Module, swigCPtr == 0 || isClosedRaw())
+DP_JAVA_CLOSEABLE(dpswig::ModuleList, swigCPtr == 0)
+DP_JAVA_CLOSEABLE(dpswig::ReplicaSet, swigCPtr == 0)
+DP_JAVA_CLOSEABLE(dpswig::Store, swigCPtr == 0)
+DP_JAVA_CLOSEABLE(dpswig::ProcessGroup, swigCPtr == 0)
+DP_JAVA_CLOSEABLE(dpswig::Work, swigCPtr == 0)
+DP_JAVA_CLOSEABLE(dpswig::Ddp, swigCPtr == 0)
 
 %typemap(javacode) dpswig::Tensor %{
   /** A tensor of the given shape (zeros), float32 on cpu:0. */
@@ -166,7 +188,42 @@ DP_JAVA_CLOSEABLE(dpswig::Ddp)
     return t;
   }
 
-  /** The tensor's memory as floats, without a copy (cpu tensors; valid while the tensor is open). */
+  // Drops the reference a view owns, once the view is unreachable; it must
+  // not hold the view itself, or the view would never become unreachable.
+  private static final class ViewRelease implements Runnable {
+    private final long reference;
+
+    ViewRelease(long reference) {
+      this.reference = reference;
+    }
+
+    @Override
+    public void run() {
+      ParallelJNI.delete_Tensor(reference);
+    }
+  }
+
+  private static final java.lang.ref.Cleaner VIEW_CLEANER = java.lang.ref.Cleaner.create();
+
+  /** The tensor's memory as a direct ByteBuffer in native byte order, without a copy (cpu tensors). The
+   * buffer owns a reference to the memory: it stays valid after this tensor is closed or collected, until
+   * it and every buffer made from it (asFloatBuffer(), slice(), duplicate()) are unreachable. */
+  public java.nio.ByteBuffer buffer() {
+    Tensor owner = viewReference();
+    java.nio.ByteBuffer view;
+    try {
+      view = owner.hostBytes();
+    } catch (RuntimeException e) {
+      owner.delete();
+      throw e;
+    }
+    // From here the cleaner, not the owner object, deletes the reference.
+    owner.swigCMemOwn = false;
+    VIEW_CLEANER.register(view, new ViewRelease(owner.swigCPtr));
+    return view;
+  }
+
+  /** The tensor's memory as floats, without a copy (cpu tensors); it stays valid as {@link #buffer()} does. */
   public java.nio.FloatBuffer floats() {
     return buffer().asFloatBuffer();
   }
@@ -184,12 +241,6 @@ DP_JAVA_CLOSEABLE(dpswig::Ddp)
     for (int i = 0; i < out.length; ++i) out[i] = v.get(i);
     return out;
   }
-
-  /** Releases the native handle now; the finalizer is only a safety net. */
-  @Override
-  public void close() {
-    delete();
-  }
 %}
 
 %typemap(javacode) std::vector<long long> %{
@@ -200,22 +251,6 @@ DP_JAVA_CLOSEABLE(dpswig::Ddp)
   }
 %}
 
-%define DP_JAVA_CLOSE_ONLY(CLASS)
-%typemap(javacode) CLASS %{
-  /** Releases the native handle now; the finalizer is only a safety net. */
-  @Override
-  public void close() {
-    delete();
-  }
-%}
-%enddef
-DP_JAVA_CLOSE_ONLY(dpswig::TensorList)
-DP_JAVA_CLOSE_ONLY(dpswig::Module)
-DP_JAVA_CLOSE_ONLY(dpswig::ModuleList)
-DP_JAVA_CLOSE_ONLY(dpswig::Store)
-DP_JAVA_CLOSE_ONLY(dpswig::ProcessGroup)
-DP_JAVA_CLOSE_ONLY(dpswig::Work)
-
 %typemap(javacode) dpswig::ReplicaSet %{
   /** Scatters {@code input} along {@code dim}, runs {@code fn} on every replica, gathers on {@code outputDevice}. */
   public Tensor apply(Tensor input, int dim, Device outputDevice, ForwardFunction fn) {
@@ -225,12 +260,6 @@ DP_JAVA_CLOSE_ONLY(dpswig::Work)
     } catch (DParallelException e) {
       throw ForwardFunction.surface(fn, e);
     }
-  }
-
-  /** Releases the native handle now; the finalizer is only a safety net. */
-  @Override
-  public void close() {
-    delete();
   }
 %}
 
@@ -259,12 +288,6 @@ DP_JAVA_CLOSE_ONLY(dpswig::Work)
       if (hookRef instanceof CommHook) throw ((CommHook) hookRef).surface(e);
       throw e;
     }
-  }
-
-  /** Releases the native handle now (the hook stays with this object); the finalizer is only a safety net. */
-  @Override
-  public void close() {
-    delete();
   }
 %}
 

@@ -18,7 +18,7 @@ public abstract class ForwardFunction extends ForwardFunctionBase {
       Tensor out = forward(index, replica, input, device);
       if (out == null) throw new NullPointerException("ForwardFunction.forward returned null for replica " + index);
       // The library takes the returned tensor over: it must still be open.
-      if (Tensor.getCPtr(out) == 0 || out.isClosed()) {
+      if (out.isClosed()) {
         throw new IllegalStateException("ForwardFunction.forward returned a closed tensor for replica " + index);
       }
       return out;
