@@ -71,8 +71,12 @@
  * backward is in flight (from the first mark to the end of
  * finish_backward) the host must not run collectives of its own on the
  * same group: they would interleave with the buckets' in an order the
- * other ranks do not share. The module's managed parameters and gradients
- * must not be reallocated or freed while the dp_ddp lives.
+ * other ranks do not share (and, from another thread than the library's,
+ * the group refuses them, see dp_dist.h). The module's managed parameters
+ * and gradients must not be reallocated or freed while the dp_ddp lives.
+ * Every collective of every dp_ddp on a group runs on one library thread.
+ * A dp_ddp belongs to the process that created it: in a forked child every
+ * call on an inherited one is DP_ESTATE and its destroy frees nothing.
  */
 #ifndef DPARALLEL_DP_DDP_H
 #define DPARALLEL_DP_DDP_H
@@ -93,9 +97,14 @@ typedef enum dp_comm_hook {
 /* Receives the flat bucket (the concatenated gradients of bucket
  * `bucket_index`, this rank's values) and must leave in it what the module's
  * gradients should hold, typically by collectives on `pg`. Both handles are
- * valid only during the call and must not be destroyed by it. Returns 0 on
- * success; non-zero fails finish_backward with DP_EUSER. Runs on the
- * library's worker thread. */
+ * valid only during the call; destroying them there is refused (nothing
+ * is destroyed; dp_last_error says why). Returns 0 on success; non-zero
+ * fails finish_backward with DP_EUSER. Runs on the library's worker thread.
+ * A hook may run collectives on `pg`, use dp_tensor functions and read a
+ * dp_ddp (num_buckets, bucket_parameters, last_stats); any other dp_ddp
+ * call from a hook (on its own dp_ddp or another) would wait for the hook's
+ * own bucket, so it is refused at once with DP_ESTATE, and dp_ddp_destroy
+ * there destroys nothing. */
 typedef int (*dp_comm_hook_fn)(void *user_data, dp_process_group *pg, size_t bucket_index, dp_tensor *flat_bucket);
 
 typedef struct dp_ddp_options {

@@ -32,10 +32,25 @@
  *
  * Thread safety:
  * - dp_store: safe to use from any number of threads at once.
- * - dp_process_group: calls from several threads are serialised; the
- *   collectives run in the order the calls were made. Destroying a group
- *   while another thread uses that same handle is the caller's to prevent.
+ * - dp_process_group: one group is driven by one thread at a time, in the
+ *   same order on every rank; use one group per thread. Threads may take
+ *   turns (a call made once the previous thread's calls, async ones
+ *   included, have finished), and one thread may mix async and blocking
+ *   calls, which run in the order made. A call made while another thread's
+ *   call on the group is in flight (running or queued) is DP_ESTATE naming
+ *   that call; since the ranks may then have paired one thread's call with
+ *   another's, the call in flight fails with DP_ESTATE too, and every later
+ *   call on the group is DP_ESTATE on this rank and fails the other ranks'
+ *   matching call at once (DP_EINVAL naming this rank): make a new group.
+ *   Destroying a group while another thread uses that same handle is the
+ *   caller's to prevent.
  * - dp_work: one thread at a time per handle.
+ *
+ * Processes: a store, group or work belongs to the process that created
+ * it. In a forked child every call on an inherited one is DP_ESTATE ("this
+ * is a forked child"), without a byte on the parent's connections or shared
+ * memory, and destroying it there frees nothing and touches nothing the
+ * parent uses; the child makes its own.
  */
 #ifndef DPARALLEL_DP_DIST_H
 #define DPARALLEL_DP_DIST_H

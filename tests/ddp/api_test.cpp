@@ -521,4 +521,94 @@ TEST_F(DdpApi, MarkWithAStreamOnACpuParameterIsAPlainMark) {
   EXPECT_EQ(dp_ddp_mark_grad_ready_stream(nullptr, 0, nullptr), DP_EINVAL);
 }
 
+// What a comm hook saw when it called back into the library.
+struct ReentrantHook {
+  dp_ddp* self = nullptr;
+  dp_ddp* other = nullptr;  // another live dp_ddp on the same group
+  int calls = 0;
+  std::vector<std::pair<std::string, dp_status>> statuses;
+  std::vector<std::string> messages;
+  size_t buckets_seen = 0;
+  int32_t rank_after_destroy = -2;
+  int64_t numel_after_destroy = -2;
+};
+
+int reentrant_hook(void* user_data, dp_process_group* pg, size_t /*bucket*/, dp_tensor* flat) {
+  auto* h = static_cast<ReentrantHook*>(user_data);
+  ++h->calls;
+  auto note = [&](const char* what, dp_status s) {
+    h->statuses.emplace_back(what, s);
+    h->messages.emplace_back(dp_last_error());
+  };
+  note("finish_backward", dp_ddp_finish_backward(h->self));
+  note("mark_grad_ready_index", dp_ddp_mark_grad_ready_index(h->self, 0));
+  note("pre_forward", dp_ddp_pre_forward(h->self));
+  note("set_requires_gradient_sync", dp_ddp_set_requires_gradient_sync(h->self, 0));
+  note("finish_backward of another dp_ddp", dp_ddp_finish_backward(h->other));
+  dp_ddp_destroy(h->self);
+  h->messages.emplace_back(dp_last_error());
+  h->buckets_seen = dp_ddp_num_buckets(h->self);  // reads are allowed, and it is still alive
+  dp_process_group_destroy(pg);                   // lent: not destroyed
+  h->rank_after_destroy = dp_process_group_rank(pg);
+  dp_tensor_destroy(flat);  // lent: not destroyed
+  h->numel_after_destroy = dp_tensor_numel(flat);
+  return dp_pg_all_reduce(pg, flat, DP_AVG) == DP_OK ? 0 : 1;
+}
+
+// A host's hook that calls into the dp_ddp it serves would wait for its own
+// bucket (for good, or until the timeout): such calls are refused at once,
+// destroy included, and the handles lent to it cannot be destroyed; the
+// backward then completes as if the hook had only reduced.
+TEST_F(DdpApi, CommHookCallingIntoItsOwnDdpIsRefusedAtOnceAndItsLentHandlesCannotBeDestroyed) {
+  ModulePtr m = net();
+  ReentrantHook hook;
+  dp_ddp_options o = DP_DDP_OPTIONS_INIT;
+  o.comm_hook = DP_HOOK_CUSTOM;
+  o.hook_fn = reentrant_hook;
+  o.hook_user_data = &hook;
+  const char* ignored[] = {"fc3"};
+  o.ignored_modules = ignored;
+  o.num_ignored_modules = 1;
+  DdpPtr d = create(m.get(), &o);
+  ASSERT_NE(d, nullptr);
+  dp_ddp_options other_options = DP_DDP_OPTIONS_INIT;
+  const char* others[] = {"fc1", "fc2"};
+  other_options.ignored_modules = others;
+  other_options.num_ignored_modules = 2;
+  DdpPtr other = create(m.get(), &other_options);
+  ASSERT_NE(other, nullptr);
+  hook.self = d.get();
+  hook.other = other.get();
+  for (int step = 0; step < 2; ++step) {
+    hook.statuses.clear();
+    hook.messages.clear();
+    DP_ASSERT_OK(dp_module_zero_grad(m.get()));
+    for (int p = 3; p >= 0; --p) {
+      TensorPtr g = grad(m.get(), kParams[p]);
+      float* v = static_cast<float*>(dp_tensor_data(g.get()));
+      for (int64_t i = 0; i < dp_tensor_numel(g.get()); ++i) v[i] = 0.5f * static_cast<float>(p + 1) + step;
+      DP_ASSERT_OK(dp_ddp_mark_grad_ready(d.get(), kParams[p]));
+    }
+    ASSERT_EQ(dp_ddp_finish_backward(d.get()), DP_OK) << dp_last_error();
+    ASSERT_EQ(hook.statuses.size(), 5u);
+    for (size_t i = 0; i < hook.statuses.size(); ++i) {
+      EXPECT_EQ(hook.statuses[i].second, DP_ESTATE) << hook.statuses[i].first << ": " << hook.messages[i];
+      EXPECT_NE(hook.messages[i].find("inside the comm hook"), std::string::npos) << hook.messages[i];
+    }
+    EXPECT_NE(hook.messages[0].find("this dp_ddp"), std::string::npos) << hook.messages[0];
+    EXPECT_NE(hook.messages[5].find("nothing was destroyed"), std::string::npos) << hook.messages[5];
+    EXPECT_GE(hook.buckets_seen, 1u);
+    EXPECT_EQ(hook.rank_after_destroy, 0);
+    EXPECT_GT(hook.numel_after_destroy, 0);
+    for (int p = 0; p < 4; ++p) {
+      std::vector<float> got = dptest::values<float>(grad(m.get(), kParams[p]).get());
+      for (float v : got) EXPECT_EQ(v, 0.5f * static_cast<float>(p + 1) + step) << kParams[p] << " step " << step;
+    }
+  }
+  EXPECT_GE(hook.calls, 2);
+  // The other dp_ddp, whose finish the hook tried, still works.
+  for (int p = 5; p >= 4; --p) DP_ASSERT_OK(dp_ddp_mark_grad_ready(other.get(), kParams[p]));
+  DP_EXPECT_OK(dp_ddp_finish_backward(other.get()));
+}
+
 }  // namespace

@@ -86,6 +86,22 @@ TEST(MultiProcess, RefusedCallsOfTheStoreServingRankFailEveryRankAtOnceWithThree
 
 // Nothing uninitialised goes out over a socket: not Gloo's addresses through
 // the store at setup, nor the bytes of its ring all-gathers.
+TEST(MultiProcess, ForkedChildIsRefusedEveryCallOnTheInheritedGroupAndTheParentsStayRight) {
+  expect_all_passed(run_ranks("fork", 2, false, std::chrono::seconds(90)));
+}
+
+TEST(MultiProcess, ThreadsTakingTurnsOnOneGroupAndAsyncThenSyncFromOneThreadAreAllowed) {
+  expect_all_passed(run_ranks("thread_handover", 2, false, std::chrono::seconds(90)));
+}
+
+TEST(MultiProcess, CallFromASecondThreadWhileOneIsInFlightIsEstateAndEveryRankFailsAtOnce) {
+  expect_all_passed(run_ranks("thread_overlap", 2, false, std::chrono::seconds(90)));
+}
+
+TEST(MultiProcess, FourThreadsHammeringOneGroupEndInErrorsThatSaySoNotAHang) {
+  expect_all_passed(run_ranks("threads", 2, false, std::chrono::seconds(100)));
+}
+
 TEST(MultiProcess, NoUninitialisedBytesGoOutOverSocketsUnderValgrind) {
 #if defined(__SANITIZE_ADDRESS__) || !defined(DP_VALGRIND)
   GTEST_SKIP() << "needs valgrind and a build without AddressSanitizer";

@@ -12,9 +12,17 @@
 //   mp_worker oom           rank 0's all_gather runs out of memory; the group stays in step
 //   mp_worker refuse [rank] a rank (default the last) refuses calls for bad arguments:
 //                           every rank fails at once naming it, and the group carries on
+//   mp_worker fork          rank 0's forked child is refused every call on the inherited
+//                           group; the parents' collectives stay right
+//   mp_worker thread_handover  one thread after another drives the group: allowed
+//   mp_worker thread_overlap   rank 0 calls from a second thread while its first
+//                           thread's call is in flight: refused, and every rank fails
+//   mp_worker threads       4 threads x 50 all_reduces on one group: errors, never a hang
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -23,6 +31,7 @@
 #include <cstring>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dparallel/dparallel.h"
@@ -471,13 +480,192 @@ void run_refuse(dp_process_group* pg, int refuser, int32_t timeout_ms) {
   CHECK_OK(dp_pg_barrier(pg));
 }
 
+// An all_reduce (sum) of 1000 float32 elements whose rank-r values are
+// r + 1 + tag: the sum must be world * (world + 1) / 2 + world * tag.
+// Returns its status; checks the sum when it is DP_OK and `check`.
+dp_status tagged_all_reduce(dp_process_group* pg, int tag, bool check, std::string* message = nullptr) {
+  const int rank = dp_process_group_rank(pg), world = dp_process_group_size(pg);
+  int64_t shape[1] = {1000};
+  dp_tensor* t = nullptr;
+  CHECK_OK(dp_tensor_create(&t, DP_FLOAT32, 1, shape, dp_device{DP_DEVICE_CPU, 0}));
+  if (t == nullptr) std::exit(3);
+  auto* v = static_cast<float*>(dp_tensor_data(t));
+  for (int i = 0; i < 1000; ++i) v[i] = static_cast<float>(rank + 1 + tag);
+  dp_status s = dp_pg_all_reduce(pg, t, DP_SUM);
+  if (message != nullptr) *message = dp_last_error();
+  const float want = static_cast<float>(world * (world + 1) / 2 + world * tag);
+  if (s == DP_OK && check) {
+    for (int i = 0; i < 1000; i += 111)
+      CHECK(v[i] == want, "all_reduce tag %d [%d]: got %g want %g", tag, i, v[i], want);
+  }
+  dp_tensor_destroy(t);
+  return s;
+}
+
+// Rank 0 forks; its child uses the inherited group, which must refuse every
+// call without a byte on the parent's connections or shared memory. Then the
+// parents' collectives must still give the right sums.
+void run_fork(dp_process_group* pg) {
+  const int rank = dp_process_group_rank(pg);
+  CHECK(tagged_all_reduce(pg, 1, true) == DP_OK, "all_reduce before the fork: %s", dp_last_error());
+  if (rank == 0) {
+    pid_t child = ::fork();
+    if (child == 0) {
+      int bad = 0;
+      std::string m;
+      dp_status s = tagged_all_reduce(pg, 7, false, &m);
+      if (s != DP_ESTATE || m.find("forked child") == std::string::npos) {
+        std::fprintf(stderr, "child: all_reduce gave %d: %s\n", s, m.c_str());
+        ++bad;
+      }
+      dp_work* w = nullptr;
+      if (dp_pg_barrier_async(pg, &w) != DP_ESTATE || w != nullptr) {
+        std::fprintf(stderr, "child: barrier_async was not refused: %s\n", dp_last_error());
+        ++bad;
+      }
+      if (dp_process_group_rank(pg) != -1) {
+        std::fprintf(stderr, "child: the group's rank was answered\n");
+        ++bad;
+      }
+      dp_process_group_destroy(pg);  // frees nothing of the parent's, and returns
+      ::_exit(bad == 0 ? 0 : 1);
+    }
+    CHECK(child > 0, "fork failed");
+    int status = 0;
+    pid_t got = 0;
+    for (int i = 0; i < 3000 && got == 0; ++i) {
+      got = ::waitpid(child, &status, WNOHANG);
+      if (got == 0) ::usleep(10000);
+    }
+    if (got == 0) {
+      ::kill(child, SIGKILL);
+      ::waitpid(child, &status, 0);
+      CHECK(false, "the forked child did not finish within 30 s");
+    } else {
+      CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the forked child's checks failed (status %d)", status);
+    }
+  }
+  for (int tag = 2; tag < 5; ++tag) {
+    CHECK(tagged_all_reduce(pg, tag, true) == DP_OK, "all_reduce %d after the fork: %s", tag, dp_last_error());
+  }
+  CHECK_OK(dp_pg_barrier(pg));
+}
+
+// One thread after another drives the group (each joined before the next
+// starts), and one thread mixes async and sync calls: all allowed.
+void run_thread_handover(dp_process_group* pg) {
+  for (int tag = 0; tag < 4; ++tag) {
+    std::thread([&] {
+      CHECK(tagged_all_reduce(pg, tag, true) == DP_OK, "all_reduce from thread %d: %s", tag, dp_last_error());
+    }).join();
+  }
+  const int rank = dp_process_group_rank(pg);
+  int64_t shape[1] = {64};
+  dp_tensor* t = nullptr;
+  CHECK_OK(dp_tensor_create(&t, DP_INT32, 1, shape, dp_device{DP_DEVICE_CPU, 0}));
+  for (int i = 0; i < 64; ++i) static_cast<int32_t*>(dp_tensor_data(t))[i] = rank + 1;
+  dp_work* w = nullptr;
+  CHECK_OK(dp_pg_all_reduce_async(pg, t, DP_SUM, &w));
+  CHECK(tagged_all_reduce(pg, 9, true) == DP_OK, "a sync call after this thread's async one: %s", dp_last_error());
+  CHECK_OK(dp_work_wait(w));
+  dp_work_destroy(w);
+  const int world = dp_process_group_size(pg);
+  CHECK(static_cast<int32_t*>(dp_tensor_data(t))[0] == world * (world + 1) / 2, "the async sum");
+  dp_tensor_destroy(t);
+  CHECK_OK(dp_pg_barrier(pg));
+}
+
+// Rank 0's main thread has an async all_reduce in flight (rank 1 holds its
+// own back until told) when a second thread calls: that call is refused
+// naming the first, the first fails too once it ran, and every later call
+// fails on every rank at once, none at its timeout.
+void run_thread_overlap(dp_process_group* pg, int32_t timeout_ms) {
+  const int rank = dp_process_group_rank(pg);
+  dp_store* store = nullptr;
+  std::string path = std::string("/tmp/dp_mp_overlap_") + std::getenv("MASTER_PORT");
+  CHECK_OK(dp_store_create_file(&store, path.c_str(), dp_process_group_size(pg)));
+  using Clock = std::chrono::steady_clock;
+  if (rank == 0) {
+    int64_t shape[1] = {1000};
+    dp_tensor* t = nullptr;
+    CHECK_OK(dp_tensor_create(&t, DP_FLOAT32, 1, shape, dp_device{DP_DEVICE_CPU, 0}));
+    for (int i = 0; i < 1000; ++i) static_cast<float*>(dp_tensor_data(t))[i] = 1.0f;  // tag 0 of rank 0
+    dp_work* first = nullptr;
+    CHECK_OK(dp_pg_all_reduce_async(pg, t, DP_SUM, &first));
+    std::string second_message;
+    dp_status second = DP_OK;
+    std::thread([&] { second = tagged_all_reduce(pg, 0, false, &second_message); }).join();
+    CHECK(second == DP_ESTATE, "the overlapping call gave %d: %s", second, second_message.c_str());
+    CHECK(second_message.find("use one group per thread") != std::string::npos &&
+              second_message.find("all_reduce (call 1 on this rank)") != std::string::npos,
+          "the refusal names the call in flight: %s", second_message.c_str());
+    CHECK_OK(dp_store_set(store, "overlap_refused", "1", 1));
+    dp_status first_status = dp_work_wait(first);
+    std::string m = dp_last_error();
+    CHECK(first_status == DP_ESTATE && m.find("paired it with is unknown") != std::string::npos,
+          "the call in flight gave %d: %s", first_status, m.c_str());
+    dp_work_destroy(first);
+    dp_tensor_destroy(t);
+  } else {
+    const char* key = "overlap_refused";
+    CHECK_OK(dp_store_wait(store, &key, 1, -1));
+    CHECK(tagged_all_reduce(pg, 0, true) == DP_OK, "the peer's matching all_reduce: %s", dp_last_error());
+  }
+  for (int i = 0; i < 3; ++i) {
+    auto start = Clock::now();
+    std::string m;
+    dp_status s = tagged_all_reduce(pg, i, false, &m);
+    double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+    CHECK(s == (rank == 0 ? DP_ESTATE : DP_EINVAL), "all_reduce %d after the overlap gave %d: %s", i, s, m.c_str());
+    CHECK(m.find("several threads at once") != std::string::npos, "it says why: %s", m.c_str());
+    if (rank != 0) CHECK(m.find("rank 0 refused") != std::string::npos, "it names rank 0: %s", m.c_str());
+    CHECK(ms < timeout_ms / 2.0, "all_reduce %d after the overlap took %.0f ms of a %d ms timeout", i, ms, timeout_ms);
+  }
+  dp_store_destroy(store);
+  if (rank == 0) ::unlink(path.c_str());
+}
+
+// Four threads make 50 all_reduces each on one group, as a host that never
+// read the thread-safety note would: the calls must end (no hang) in errors
+// that say so, and the group must end unusable rather than go on pairing
+// one thread's call with another's.
+void run_threads(dp_process_group* pg) {
+  std::atomic<int> ok{0}, refused{0}, other{0};
+  std::atomic<bool> told{false};
+  std::vector<std::thread> threads;
+  for (int k = 0; k < 4; ++k) {
+    threads.emplace_back([&, k] {
+      for (int i = 0; i < 50; ++i) {
+        std::string m;
+        dp_status s = tagged_all_reduce(pg, k, false, &m);
+        if (s == DP_OK) {
+          ++ok;
+        } else if (s == DP_ESTATE || s == DP_EINVAL || s == DP_EREMOTE || s == DP_ETIMEOUT) {
+          ++refused;
+          if (m.find("one group per thread") != std::string::npos || m.find("several threads") != std::string::npos) {
+            told = true;
+          }
+        } else {
+          ++other;
+          std::fprintf(stderr, "rank %d: thread %d call %d gave %d: %s\n", g_rank, k, i, s, m.c_str());
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  std::printf("rank %d: %d calls ok, %d refused or failed\n", g_rank, ok.load(), refused.load());
+  CHECK(other == 0, "%d calls gave another status", other.load());
+  CHECK(refused > 0 && told, "no call was refused for the threads (%d ok)", ok.load());
+  CHECK(tagged_all_reduce(pg, 0, false) != DP_OK, "the group is still used after being driven by several threads");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr,
                  "usage: mp_worker collectives|large_reduce_scatter|mismatch|oom|refuse [rank]|die [rank]|stop [rank]|"
-                 "die_reduce_scatter [rank]|stop_reduce_scatter [rank]\n");
+                 "die_reduce_scatter [rank]|stop_reduce_scatter [rank]|fork|thread_handover|thread_overlap|threads\n");
     return 2;
   }
   std::string scenario = argv[1];
@@ -498,7 +686,7 @@ int main(int argc, char** argv) {
   // once" in the refusals is checked against half of a long one.
   int32_t timeout_ms = 60000;
   if (failure || scenario == "oom") timeout_ms = 10000;
-  if (scenario == "refuse") timeout_ms = 20000;
+  if (scenario == "refuse" || scenario == "thread_overlap" || scenario == "threads") timeout_ms = 20000;
   opts.timeout_ms = timeout_ms;
   dp_store* store = nullptr;
   const char* store_path = std::getenv("DP_TEST_STORE");
@@ -522,6 +710,14 @@ int main(int argc, char** argv) {
     run_oom(pg);
   } else if (scenario == "refuse") {
     run_refuse(pg, argc > 2 ? std::atoi(argv[2]) : std::atoi(std::getenv("WORLD_SIZE")) - 1, timeout_ms);
+  } else if (scenario == "fork") {
+    run_fork(pg);
+  } else if (scenario == "thread_handover") {
+    run_thread_handover(pg);
+  } else if (scenario == "thread_overlap") {
+    run_thread_overlap(pg, timeout_ms);
+  } else if (scenario == "threads") {
+    run_threads(pg);
   } else if (failure) {
     int victim = argc > 2 ? std::atoi(argv[2]) : std::atoi(std::getenv("WORLD_SIZE")) - 1;
     run_failure(pg, scenario.rfind("stop", 0) == 0, scenario.find("reduce_scatter") != std::string::npos, victim,
