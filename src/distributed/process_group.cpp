@@ -160,6 +160,11 @@ void ProcessGroup::fail_call(const Call& call, StatusCode code, const std::strin
   std::string missing = report_store_ ? find_missing_ranks(*report_store_, report_prefix_, rank_, world_size_,
                                                            call.header.seq, call.exchanged, call.deadline)
                                       : std::string("the missing ranks are unknown (no store)");
+  fail_call_knowing(call, code, missing, cause);
+}
+
+void ProcessGroup::fail_call_knowing(const Call& call, StatusCode code, const std::string& missing,
+                                     const std::string& cause) {
   fail(code, call_kind_name(call.header.kind), " of ", describe_call(call), " (collective #", call.header.seq,
        ") on rank ", rank_, " of ", world_size_,
        code == StatusCode::kTimeout ? str_cat(" timed out after ", timeout_.count(), " ms") : std::string(" failed"),

@@ -133,6 +133,10 @@ class ProcessGroup {
   // naming the collective, its tensor, the ranks that did not report the
   // failure, and `cause`.
   [[noreturn]] void fail_call(const Call& call, StatusCode code, const std::string& cause);
+  // As fail_call, when this rank already knows who is missing (`missing`,
+  // e.g. peers whose processes it saw exit): no listening for reports.
+  [[noreturn]] void fail_call_knowing(const Call& call, StatusCode code, const std::string& missing,
+                                      const std::string& cause);
   // Where failure reports go (find_missing_ranks); set by the backend's constructor.
   void set_failure_reports(std::shared_ptr<Store> store, std::string prefix);
   // What `call` moves, for messages: its tensor, or "no tensor", "a refused call".

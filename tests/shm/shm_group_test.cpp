@@ -2,8 +2,11 @@
 // file store): all_reduce_coalesced reads and writes the pieces in place,
 // as one all_reduce of their concatenation, across rounds and parts.
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -14,6 +17,7 @@
 
 #include "core/error.h"
 #include "distributed/process_group.h"
+#include "distributed/shm/shm_process_group.h"
 #include "distributed/store/file_store.h"
 
 namespace dparallel::dist {
@@ -142,6 +146,86 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, ShmGroup, ::testing::Values(1, 2, 3),
                          [](const ::testing::TestParamInfo<int32_t>& world) {
                            return std::to_string(world.param) + "Ranks";
                          });
+
+// Ranks as forked processes of a fresh test process (no threads yet), each
+// told every rank's pid before it creates the group; rank `victim` exits
+// instead. The survivors must fail with kRemote naming it, long before
+// their 60 s timeout, whether they wait for the door (victim 0) or for the
+// victim to map the segment. Returns "" or what went wrong.
+std::string survivors_fail_at_once_when_a_rank_exits_before_mapping(int32_t world, int32_t victim) {
+  char dir_template[] = "/tmp/dp_shm_setup_XXXXXX";
+  std::string dir = ::mkdtemp(dir_template);
+  std::string path = dir + "/store";
+  std::vector<pid_t> children;
+  std::vector<int> pid_pipes, result_pipes;
+  for (int32_t r = 0; r < world; ++r) {
+    int to_child[2], from_child[2];
+    if (::pipe(to_child) != 0 || ::pipe(from_child) != 0) return "pipe failed";
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      ::close(to_child[1]);
+      ::close(from_child[0]);
+      std::vector<int32_t> pids(static_cast<size_t>(world));
+      size_t want = pids.size() * sizeof(int32_t);
+      if (::read(to_child[0], pids.data(), want) != static_cast<ssize_t>(want)) ::_exit(2);
+      if (r == victim) ::_exit(0);
+      std::string outcome;
+      auto start = std::chrono::steady_clock::now();
+      try {
+        ProcessGroupOptions options;
+        options.rank = r;
+        options.world_size = world;
+        options.store = std::make_shared<FileStore>(path, world);
+        options.timeout = Millis(60000);
+        create_shm_process_group(options, "setup/", pids);
+        outcome = "created the group";
+      } catch (const Error& e) {
+        outcome = str_cat(static_cast<int>(e.code()), " ", e.what());
+      }
+      double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      outcome = str_cat(static_cast<int64_t>(ms), " ms: ", outcome);
+      if (::write(from_child[1], outcome.data(), outcome.size()) < 0) ::_exit(3);
+      ::_exit(0);
+    }
+    ::close(to_child[0]);
+    ::close(from_child[1]);
+    children.push_back(pid);
+    pid_pipes.push_back(to_child[1]);
+    result_pipes.push_back(from_child[0]);
+  }
+  std::vector<int32_t> pids(children.begin(), children.end());
+  for (int fd : pid_pipes) {
+    if (::write(fd, pids.data(), pids.size() * sizeof(int32_t)) < 0) return "write failed";
+    ::close(fd);
+  }
+  std::string problems;
+  for (int32_t r = 0; r < world; ++r) {
+    std::string outcome;
+    char buf[4096];
+    for (ssize_t n; (n = ::read(result_pipes[static_cast<size_t>(r)], buf, sizeof(buf))) > 0;) outcome.append(buf, n);
+    ::close(result_pipes[static_cast<size_t>(r)]);
+    int status = 0;
+    ::waitpid(children[static_cast<size_t>(r)], &status, 0);
+    if (r == victim) continue;
+    std::string named = str_cat("rank ", victim, " (pid ", pids[static_cast<size_t>(victim)], ") exited");
+    long ms = std::atol(outcome.c_str());
+    bool remote = outcome.find(str_cat(" ms: ", static_cast<int>(StatusCode::kRemote), " ")) != std::string::npos;
+    if (!remote || outcome.find(named) == std::string::npos || ms > 30000) {
+      problems += str_cat("rank ", r, ": ", outcome, "\n");
+    }
+  }
+  ::unlink(path.c_str());
+  ::rmdir(dir.c_str());
+  return problems;
+}
+
+TEST(ShmSetup, RankThatExitsBeforeMappingFailsTheOthersAtOnceNamingIt) {
+  EXPECT_EQ(survivors_fail_at_once_when_a_rank_exits_before_mapping(3, 2), "");
+}
+
+TEST(ShmSetup, DoorKeepingRankThatExitsBeforeServingFailsTheOthersAtOnceNamingIt) {
+  EXPECT_EQ(survivors_fail_at_once_when_a_rank_exits_before_mapping(3, 0), "");
+}
 
 }  // namespace
 }  // namespace dparallel::dist

@@ -46,7 +46,7 @@ class HierarchicalProcessGroup : public ProcessGroup {
     ProcessGroupOptions local = options;
     local.rank = layout.local_rank;
     local.world_size = layout.local_size;
-    local_ = create_shm_process_group(local, str_cat(prefix_, "host", layout.host, "/"));
+    local_ = create_shm_process_group(local, str_cat(prefix_, "host", layout.host, "/"), layout.local_pids);
     ProcessGroupOptions cross = options;
     cross.rank = layout.host;
     cross.world_size = layout.hosts;

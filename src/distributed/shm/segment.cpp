@@ -205,10 +205,16 @@ SegmentDoor::~SegmentDoor() {
   if (listener_ >= 0) ::close(listener_);
 }
 
-bool SegmentDoor::serve(int fd, const std::string& secret, int count, Clock::time_point deadline) {
+bool SegmentDoor::serve(int fd, const std::string& secret, int count, Clock::time_point deadline,
+                        const std::function<void()>& between) {
+  constexpr auto kBetween = std::chrono::milliseconds(100);
   int served = 0;
   while (served < count) {
-    if (!wait_for(listener_, POLLIN, deadline)) return false;
+    if (between) between();
+    if (!wait_for(listener_, POLLIN, std::min(deadline, Clock::now() + kBetween))) {
+      if (Clock::now() >= deadline) return false;
+      continue;
+    }
     int peer = ::accept4(listener_, nullptr, nullptr, SOCK_CLOEXEC);
     if (peer < 0) continue;  // gone again, or interrupted
     ucred cred{};

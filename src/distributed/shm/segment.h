@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace dparallel::dist {
@@ -57,8 +58,11 @@ class SegmentDoor {
 
   // Hands `fd` to `count` peers that present `secret`, one connection at a
   // time; a connection of another user or with a wrong secret is closed
-  // and not counted. False when the deadline came first.
-  bool serve(int fd, const std::string& secret, int count, Clock::time_point deadline);
+  // and not counted. False when the deadline came first. `between`, when
+  // given, runs at least every 100 ms while it waits (it may throw: a
+  // peer that can no longer come).
+  bool serve(int fd, const std::string& secret, int count, Clock::time_point deadline,
+             const std::function<void()>& between = {});
 
   // A peer's end: the descriptor the door at `name` hands out for `secret`.
   // kRemote when no door is there or it closed without handing one out,

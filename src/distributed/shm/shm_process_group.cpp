@@ -198,14 +198,75 @@ class Pieces {
 
 class ShmProcessGroup : public ProcessGroup {
  public:
-  ShmProcessGroup(const ProcessGroupOptions& options, std::string prefix)
+  // `pids`: every rank's pid, when known before the segment exists (the
+  // host exchange), so that a rank that dies before it maps the segment is
+  // seen at once; empty: learnt from the segment once every rank mapped it.
+  ShmProcessGroup(const ProcessGroupOptions& options, std::string prefix, const std::vector<int32_t>& pids)
       : ProcessGroup(options.rank, options.world_size, options.device, options.timeout),
         store_(options.store),
         prefix_(std::move(prefix)),
         layout_(options.world_size, slot_bytes_for(options.world_size)) {
+    pidfds_.assign(static_cast<size_t>(size()), -1);
+    try {
+      set_up(pids);
+    } catch (...) {
+      close_pidfds();
+      throw;
+    }
+  }
+
+  ~ShmProcessGroup() override {
+    drain();
+    close_pidfds();
+  }
+
+ private:
+  void close_pidfds() noexcept {
+    for (int& fd : pidfds_) {
+      if (fd >= 0) ::close(fd);
+      fd = -1;
+    }
+  }
+
+  // Opens a pidfd on rank r's process `pid` (kGoneWhenWatched when none is left).
+  void watch_peer(int32_t r, int32_t pid) {
+    int fd = pidfd_open(pid);
+    // Without pidfds (an old kernel), a dead peer is noticed at the deadline only.
+    pidfds_[static_cast<size_t>(r)] = fd < 0 && errno == ESRCH ? kGoneWhenWatched : fd;
+  }
+
+  // kRemote naming every watched peer whose process is gone.
+  void check_peers_alive(const std::vector<int32_t>& pids) {
+    std::string gone;
+    for (int32_t r = 0; r < size(); ++r) {
+      int fd = pidfds_[static_cast<size_t>(r)];
+      if (fd < 0 && fd != kGoneWhenWatched) continue;
+      pollfd p{fd, POLLIN, 0};
+      if (fd >= 0 && ::poll(&p, 1, 0) <= 0) continue;
+      bool mapped = pid_word_if_mapped(r) != 0;
+      gone += str_cat(gone.empty() ? "" : ", ", "rank ", r, " (pid ", pids[static_cast<size_t>(r)], ") exited ",
+                      mapped ? "after" : "before", " it mapped the segment");
+    }
+    if (!gone.empty()) fail(StatusCode::kRemote, "setting up shared memory on rank ", rank(), " of ", size(), ": ", gone);
+  }
+
+  // Rank r's pid in the segment, or 0 before this rank mapped it or r did.
+  int32_t pid_word_if_mapped(int32_t r) const { return segment_.data() == nullptr ? 0 : pid_word(r)->load(); }
+
+  void set_up(std::vector<int32_t> pids) {
     auto deadline = Clock::now() + timeout();
     ReplyDeadlineCap cap(timeout());
     set_failure_reports(store_, prefix_);
+    const bool pids_known = pids.size() == static_cast<size_t>(size());
+    if (pids_known) {
+      for (int32_t r = 0; r < size(); ++r) {
+        if (r != rank()) watch_peer(r, pids[static_cast<size_t>(r)]);
+      }
+      check_peers_alive(pids);
+    }
+    auto check_alive = [&] {
+      if (pids_known) check_peers_alive(pids);
+    };
     std::string key = prefix_ + "shm_segment";
     if (rank() == 0) {
       // The others fail with this reason instead of waiting for the door.
@@ -237,9 +298,16 @@ class ShmProcessGroup : public ProcessGroup {
       std::string value = name + " " + secret;
       store_->set(key, Bytes(value.begin(), value.end()));
       // A peer that never comes is named by the wait below, at the deadline.
-      door->serve(segment_.fd(), secret, size() - 1, deadline);
+      door->serve(segment_.fd(), secret, size() - 1, deadline, check_alive);
       segment_.close_fd();
     } else {
+      // Rank 0's door, once it is up; with the pids, rank 0's death ends the wait.
+      auto pause = std::chrono::milliseconds(1);
+      while (pids_known && !store_->check({key}) && Clock::now() < deadline) {
+        check_alive();
+        std::this_thread::sleep_for(pause);
+        pause = std::min(pause * 2, std::chrono::milliseconds(50));
+      }
       Bytes value = store_->get(key, left_until(deadline));
       std::string door(value.begin(), value.end());
       if (!door.empty() && door[0] == '!') {
@@ -261,6 +329,7 @@ class ShmProcessGroup : public ProcessGroup {
     // Every rank waits until all have mapped it, so that each knows every pid.
     auto pause = std::chrono::microseconds(50);
     while (control()->mapped.load() < static_cast<uint32_t>(size())) {
+      check_alive();
       if (Clock::now() >= deadline) {
         std::string missing;
         for (int32_t r = 0; r < size(); ++r) {
@@ -272,29 +341,16 @@ class ShmProcessGroup : public ProcessGroup {
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, std::chrono::microseconds(20000));
     }
-    pidfds_.assign(static_cast<size_t>(size()), -1);
+    if (pids_known) return;
+    pids.assign(static_cast<size_t>(size()), 0);
     for (int32_t r = 0; r < size(); ++r) {
-      if (r == rank()) continue;
-      int fd = pidfd_open(pid_word(r)->load());
-      if (fd < 0 && errno == ESRCH) {
-        for (int open_fd : pidfds_) {
-          if (open_fd >= 0) ::close(open_fd);
-        }
-        fail(StatusCode::kRemote, "setting up shared memory on rank ", rank(), " of ", size(), ": rank ", r, " (pid ",
-             pid_word(r)->load(), ") exited after it mapped the segment");
-      }
-      // Without pidfds (an old kernel), a dead peer is noticed at the deadline only.
-      pidfds_[static_cast<size_t>(r)] = fd;
+      pids[static_cast<size_t>(r)] = pid_word(r)->load();
+      if (r != rank()) watch_peer(r, pids[static_cast<size_t>(r)]);
     }
+    check_peers_alive(pids);
   }
 
-  ~ShmProcessGroup() override {
-    drain();
-    for (int fd : pidfds_) {
-      if (fd >= 0) ::close(fd);
-    }
-  }
-
+ public:
   const char* backend_name() const override { return "shm"; }
 
   void abort(const std::string& why) noexcept override {
@@ -579,25 +635,30 @@ class ShmProcessGroup : public ProcessGroup {
   // passed, unless `arrived()` says the barrier was reached meanwhile.
   template <typename Arrived>
   void check_peers(Call& o, Arrived&& arrived) {
+    // Read first: a rank that gave up because a peer died did so after the
+    // death, which the pidfds then show too.
+    int32_t aborted = control()->aborted.load();
     std::vector<pollfd> fds;
     for (int32_t r = 0; r < size(); ++r) {
       int fd = pidfds_[static_cast<size_t>(r)];
       if (fd >= 0) fds.push_back(pollfd{fd, POLLIN, 0});
     }
     if (!fds.empty() && ::poll(fds.data(), fds.size(), 0) > 0) {
-      std::string gone;
+      std::string ranks, gone;
       for (const pollfd& p : fds) {
         if (p.revents == 0) continue;
         for (int32_t r = 0; r < size(); ++r) {
-          if (pidfds_[static_cast<size_t>(r)] == p.fd) {
-            gone += str_cat(gone.empty() ? "" : ", ", "rank ", r, " (pid ", pid_word(r)->load(), ")");
-          }
+          if (pidfds_[static_cast<size_t>(r)] != p.fd) continue;
+          ranks += str_cat(ranks.empty() ? "" : ", ", r);
+          gone += str_cat(gone.empty() ? "" : ", ", "rank ", r, " (pid ", pid_word(r)->load(), ")");
         }
       }
       if (arrived()) return;
-      give_up(o, false, str_cat("the process of ", gone, " on this host is gone"));
+      // Who is missing is known: no waiting for the others' failure reports.
+      tell_peers_this_rank_gave_up();
+      fail_call_knowing(o, StatusCode::kRemote, str_cat("rank(s) ", ranks, " exited"),
+                        str_cat("shm: the process of ", gone, " on this host is gone"));
     }
-    int32_t aborted = control()->aborted.load();
     if (aborted != 0 && !arrived()) give_up(o, false, str_cat("rank ", aborted - 1, " gave up on the group first"));
     if (Clock::now() >= o.deadline && !arrived())
       give_up(o, true, "a rank did not arrive at the collective's barrier in time");
@@ -622,7 +683,10 @@ class ShmProcessGroup : public ProcessGroup {
   std::string prefix_;
   Layout layout_;
   ShmSegment segment_;
-  std::vector<int> pidfds_;  // by rank; -1 for this rank and unknown pids
+  // By rank; -1 for this rank and unknown pids, kGoneWhenWatched for a
+  // process gone before its pidfd was opened.
+  std::vector<int> pidfds_;
+  static constexpr int kGoneWhenWatched = -2;
   uint64_t round_ = 0;
   uint32_t barriers_ = 0;  // wraps, as the shared arrival counter does
 };
@@ -655,8 +719,9 @@ std::string host_key(const EnvLookup& lookup) {
   return str_cat(host, "/", net_ns, "/", pid_ns);
 }
 
-std::unique_ptr<ProcessGroup> create_shm_process_group(const ProcessGroupOptions& options, const std::string& prefix) {
-  return std::make_unique<ShmProcessGroup>(options, prefix);
+std::unique_ptr<ProcessGroup> create_shm_process_group(const ProcessGroupOptions& options, const std::string& prefix,
+                                                       const std::vector<int32_t>& pids) {
+  return std::make_unique<ShmProcessGroup>(options, prefix, pids);
 }
 
 std::unique_ptr<ProcessGroup> create_cpu_process_group(const ProcessGroupOptions& options) {
@@ -667,6 +732,7 @@ std::unique_ptr<ProcessGroup> create_cpu_process_group(const ProcessGroupOptions
   std::string prefix;
   const std::string mine_host = host_key(lookup);
   std::vector<std::string> hosts(static_cast<size_t>(options.world_size));
+  std::vector<int32_t> pids(static_cast<size_t>(options.world_size));
   bool every_rank_wants_shm = wanted;
   {
     // Every rank publishes its host and whether it wants shared memory; all
@@ -674,7 +740,8 @@ std::unique_ptr<ProcessGroup> create_cpu_process_group(const ProcessGroupOptions
     ReplyDeadlineCap cap(options.timeout);
     int64_t generation = options.store->add(str_cat("dp/cpu_count/", options.rank), 1);
     prefix = str_cat("dp/cpu", generation, "/");
-    std::string mine = str_cat(wanted ? "shm " : "gloo ", mine_host);
+    // "<shm|gloo> <pid> <host key>"
+    std::string mine = str_cat(wanted ? "shm " : "gloo ", ::getpid(), " ", mine_host);
     options.store->set(str_cat(prefix, "host/", options.rank), Bytes(mine.begin(), mine.end()));
     for (int32_t r = 0; r < options.world_size; ++r) {
       std::string theirs = mine;
@@ -682,8 +749,12 @@ std::unique_ptr<ProcessGroup> create_cpu_process_group(const ProcessGroupOptions
         Bytes value = options.store->get(str_cat(prefix, "host/", r), left_until(deadline));
         theirs.assign(value.begin(), value.end());
       }
+      size_t pid_at = theirs.find(' ');
+      size_t host_at = pid_at == std::string::npos ? std::string::npos : theirs.find(' ', pid_at + 1);
+      if (host_at == std::string::npos) fail(StatusCode::kRemote, "rank ", r, " published a malformed host entry");
       every_rank_wants_shm = every_rank_wants_shm && theirs.rfind("shm ", 0) == 0;
-      hosts[static_cast<size_t>(r)] = theirs.substr(theirs.find(' ') + 1);
+      pids[static_cast<size_t>(r)] = std::atoi(theirs.substr(pid_at + 1, host_at - pid_at - 1).c_str());
+      hosts[static_cast<size_t>(r)] = theirs.substr(host_at + 1);
     }
   }
   if (!every_rank_wants_shm) return create_gloo_process_group(options);
@@ -700,7 +771,7 @@ std::unique_ptr<ProcessGroup> create_cpu_process_group(const ProcessGroupOptions
     members[static_cast<size_t>(it - keys.begin())].push_back(r);
   }
   if (keys.size() == 1) {
-    if (options.world_size <= kMaxRanks) return create_shm_process_group(options, prefix);
+    if (options.world_size <= kMaxRanks) return create_shm_process_group(options, prefix, pids);
     return create_gloo_process_group(options);
   }
   bool even = true;
@@ -719,6 +790,7 @@ std::unique_ptr<ProcessGroup> create_cpu_process_group(const ProcessGroupOptions
         if (members[h][i] == options.rank) {
           layout.host = static_cast<int32_t>(h);
           layout.local_rank = static_cast<int32_t>(i);
+          for (int32_t member : members[h]) layout.local_pids.push_back(pids[static_cast<size_t>(member)]);
         }
       }
     }

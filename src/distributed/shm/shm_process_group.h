@@ -2,8 +2,10 @@
 // host reduce through a segment they map (segment.h) instead of sockets.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "distributed/launch_env.h"
 #include "distributed/process_group.h"
@@ -17,8 +19,11 @@ namespace dparallel::dist {
 std::string host_key(const EnvLookup& lookup);
 
 // A group of the ranks in `options` on this one host, through shared memory;
-// `prefix` is the group's own namespace in the store.
-std::unique_ptr<ProcessGroup> create_shm_process_group(const ProcessGroupOptions& options, const std::string& prefix);
+// `prefix` is the group's own namespace in the store. `pids`, each rank's
+// process id when known beforehand, lets a rank that dies before it maps
+// the segment fail the others at once rather than at their timeout.
+std::unique_ptr<ProcessGroup> create_shm_process_group(const ProcessGroupOptions& options, const std::string& prefix,
+                                                       const std::vector<int32_t>& pids = {});
 
 // Where a rank sits when the ranks span several hosts with the same number on each.
 struct HostLayout {
@@ -26,6 +31,7 @@ struct HostLayout {
   int32_t hosts = 1;
   int32_t local_rank = 0;  // its index among its host's ranks, in rank order
   int32_t local_size = 1;  // ranks on every host
+  std::vector<int32_t> local_pids;  // this host's ranks' pids, by local rank
 };
 
 // A group of ranks on several hosts: shared memory inside each, Gloo across
