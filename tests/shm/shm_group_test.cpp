@@ -19,6 +19,7 @@
 #include "distributed/process_group.h"
 #include "distributed/shm/shm_process_group.h"
 #include "distributed/store/file_store.h"
+#include "distributed/store/tcp_store.h"
 
 namespace dparallel::dist {
 namespace {
@@ -226,6 +227,54 @@ TEST(ShmSetup, RankThatExitsBeforeMappingFailsTheOthersAtOnceNamingIt) {
 TEST(ShmSetup, DoorKeepingRankThatExitsBeforeServingFailsTheOthersAtOnceNamingIt) {
   EXPECT_EQ(survivors_fail_at_once_when_a_rank_exits_before_mapping(3, 0), "");
 }
+
+// A finished rendezvous leaves nothing behind: creating and destroying
+// groups over one store, shm and Gloo alike, keeps its key count constant
+// after the first (only the per-rank generation counters stay).
+void expect_no_keys_left_per_group(const char* dp_shm) {
+  ::setenv("DP_SHM", dp_shm, 1);
+  TcpStoreOptions server_options;
+  server_options.host = "127.0.0.1";
+  server_options.is_server = true;
+  server_options.world_size = 1;
+  server_options.timeout = Millis(60000);
+  auto server = std::make_shared<TcpStore>(server_options);
+  TcpStoreOptions client_options = server_options;
+  client_options.is_server = false;
+  client_options.port = server->port();
+  auto client = std::make_shared<TcpStore>(client_options);
+  std::vector<int64_t> counts;
+  std::string error;
+  for (int g = 0; g < 6 && error.empty(); ++g) {
+    std::vector<std::thread> ranks;
+    std::vector<std::string> errors(2);
+    for (int32_t r = 0; r < 2; ++r) {
+      ranks.emplace_back([&, r] {
+        try {
+          ProcessGroupOptions options;
+          options.rank = r;
+          options.world_size = 2;
+          options.store = r == 0 ? std::static_pointer_cast<Store>(server) : client;
+          options.timeout = Millis(60000);
+          auto group = create_process_group(options);
+          group->barrier(false);
+        } catch (const std::exception& e) {
+          errors[static_cast<size_t>(r)] = e.what();
+        }
+      });
+    }
+    for (auto& t : ranks) t.join();
+    error = errors[0] + errors[1];
+    counts.push_back(server->num_keys());
+  }
+  ::unsetenv("DP_SHM");
+  ASSERT_EQ(error, "");
+  for (size_t g = 1; g < counts.size(); ++g) EXPECT_EQ(counts[g], counts[0]) << "after group " << g + 1;
+}
+
+TEST(StoreKeys, ShmGroupsLeaveNoKeysBehind) { expect_no_keys_left_per_group("1"); }
+
+TEST(StoreKeys, GlooGroupsLeaveNoKeysBehind) { expect_no_keys_left_per_group("0"); }
 
 }  // namespace
 }  // namespace dparallel::dist

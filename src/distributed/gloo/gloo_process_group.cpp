@@ -192,7 +192,10 @@ class GlooStore : public gloo::rendezvous::Store {
       for (size_t at = 0; at < value.size(); at += AddressBytes::kSize) AddressBytes::zero_padding(&value[at]);
     }
     store_->set(key, Bytes(value.begin(), value.end()));
+    keys_set_.push_back(key);
   }
+  // This rank's keys: once every mesh is connected, every peer has read them.
+  const std::vector<std::string>& keys_set() const { return keys_set_; }
   std::vector<char> get(const std::string& key) override {
     Bytes value = store_->get(key, left_until(deadline_));
     return std::vector<char>(value.begin(), value.end());
@@ -205,6 +208,7 @@ class GlooStore : public gloo::rendezvous::Store {
  private:
   std::shared_ptr<dist::Store> store_;
   Clock::time_point deadline_;
+  std::vector<std::string> keys_set_;
 };
 
 gloo::transport::tcp::attr transport_attr(const ProcessGroupOptions& options) {
@@ -281,6 +285,7 @@ class GlooProcessGroup : public ProcessGroup {
       }
       slabs_ = std::make_unique<BlockExchange>(slab_context_, rank(), size(), kSlabBytes);
       slabs_->connect();
+      forget_keys(*store_, gloo_store.keys_set());
       if (size() > 1) watchdog_ = std::thread([this] { watch(); });
     } catch (const Error&) {
       throw;
@@ -639,6 +644,9 @@ class GlooProcessGroup : public ProcessGroup {
       std::string key = prefix_ + "leaving";
       store_->add(key, 1);
       poll_until([&] { return parse_counter(store_->get(key, bound), key) >= size(); }, bound);
+      // The last rank past the wait removes both counters.
+      std::string left = prefix_ + "left";
+      if (store_->add(left, 1) == size()) forget_keys(*store_, {key, left});
     } catch (...) {
       // The store is gone (rank 0 left first) or slow: close anyway.
     }

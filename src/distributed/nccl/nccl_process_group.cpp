@@ -68,6 +68,8 @@ class NcclProcessGroup : public ProcessGroup {
       release();
       throw;
     }
+    // Every rank joined the communicator with the id: it is no longer needed.
+    if (rank() == 0) forget_keys(*store_, {key});
   }
 
   ~NcclProcessGroup() override {

@@ -247,7 +247,8 @@ class ShmProcessGroup : public ProcessGroup {
       gone += str_cat(gone.empty() ? "" : ", ", "rank ", r, " (pid ", pids[static_cast<size_t>(r)], ") exited ",
                       mapped ? "after" : "before", " it mapped the segment");
     }
-    if (!gone.empty()) fail(StatusCode::kRemote, "setting up shared memory on rank ", rank(), " of ", size(), ": ", gone);
+    if (!gone.empty())
+      fail(StatusCode::kRemote, "setting up shared memory on rank ", rank(), " of ", size(), ": ", gone);
   }
 
   // Rank r's pid in the segment, or 0 before this rank mapped it or r did.
@@ -341,6 +342,8 @@ class ShmProcessGroup : public ProcessGroup {
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, std::chrono::microseconds(20000));
     }
+    // Every rank has read the door (and its secret) by now.
+    if (rank() == 0) forget_keys(*store_, {key});
     if (pids_known) return;
     pids.assign(static_cast<size_t>(size()), 0);
     for (int32_t r = 0; r < size(); ++r) {
@@ -724,12 +727,15 @@ std::unique_ptr<ProcessGroup> create_shm_process_group(const ProcessGroupOptions
   return std::make_unique<ShmProcessGroup>(options, prefix, pids);
 }
 
-std::unique_ptr<ProcessGroup> create_cpu_process_group(const ProcessGroupOptions& options) {
+namespace {
+
+// The backend for `options` and the host entries of the ranks (`prefix`:
+// where they were published).
+std::unique_ptr<ProcessGroup> choose_cpu_process_group(const ProcessGroupOptions& options, std::string& prefix) {
   EnvLookup lookup = process_env();
   const char* shm = lookup("DP_SHM");
   bool wanted = shm == nullptr || std::strcmp(shm, "0") != 0;
   auto deadline = Clock::now() + options.timeout;
-  std::string prefix;
   const std::string mine_host = host_key(lookup);
   std::vector<std::string> hosts(static_cast<size_t>(options.world_size));
   std::vector<int32_t> pids(static_cast<size_t>(options.world_size));
@@ -806,6 +812,16 @@ std::unique_ptr<ProcessGroup> create_cpu_process_group(const ProcessGroupOptions
                  keys.size(), counts.c_str());
   }
   return create_gloo_process_group(options);
+}
+
+}  // namespace
+
+std::unique_ptr<ProcessGroup> create_cpu_process_group(const ProcessGroupOptions& options) {
+  std::string prefix;
+  std::unique_ptr<ProcessGroup> group = choose_cpu_process_group(options, prefix);
+  // Every rank read the host entries before it could take part in creating the group.
+  forget_keys(*options.store, {str_cat(prefix, "host/", options.rank)});
+  return group;
 }
 
 }  // namespace dparallel::dist

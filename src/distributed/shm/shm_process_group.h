@@ -29,8 +29,8 @@ std::unique_ptr<ProcessGroup> create_shm_process_group(const ProcessGroupOptions
 struct HostLayout {
   int32_t host = 0;  // this rank's host, 0..hosts-1 in the order of the hosts' lowest ranks
   int32_t hosts = 1;
-  int32_t local_rank = 0;  // its index among its host's ranks, in rank order
-  int32_t local_size = 1;  // ranks on every host
+  int32_t local_rank = 0;           // its index among its host's ranks, in rank order
+  int32_t local_size = 1;           // ranks on every host
   std::vector<int32_t> local_pids;  // this host's ranks' pids, by local rank
 };
 

@@ -19,7 +19,8 @@ namespace {
 
 constexpr const char* kFinishedKey = "__dp_file_store_finished";
 constexpr uint32_t kMaxRecordPart = 1u << 30;
-constexpr Millis kCleanupLockBound{5000};  // a destructor waits no longer for the lock
+constexpr uint32_t kTombstone = 0xffffffffu;  // a value length that erases the key
+constexpr Millis kCleanupLockBound{5000};     // a destructor waits no longer for the lock
 
 [[noreturn]] void fail_errno(const std::string& what, const std::string& path) {
   fail(StatusCode::kIo, what, " '", path, "': ", std::strerror(errno));
@@ -43,6 +44,12 @@ const char* file_type_name(mode_t mode) {
   if (S_ISBLK(mode)) return "block device";
   if (S_ISSOCK(mode)) return "socket";
   return "special file";
+}
+
+uint32_t wire_u32(const uint8_t* p) {
+  uint32_t v = 0;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 
 }  // namespace
@@ -113,7 +120,8 @@ FileStore::~FileStore() {
     refresh(file.fd());
     auto it = cache_.find(kFinishedKey);
     int64_t finished = it == cache_.end() ? 0 : parse_counter(it->second, kFinishedKey);
-    append(file.fd(), kFinishedKey, format_counter(finished + 1));
+    Bytes text = format_counter(finished + 1);
+    append(file.fd(), kFinishedKey, &text);
     if (finished + 1 >= world_size_) ::unlink(path_.c_str());
   } catch (...) {
     // A store that cannot be cleaned up is left behind; destruction must not fail.
@@ -152,6 +160,11 @@ void FileStore::refresh(int fd) {
     }
     std::string key(reinterpret_cast<const char*>(data.data() + pos), key_len);
     pos += key_len;
+    if (data.size() - pos >= 4 && wire_u32(data.data() + pos) == kTombstone) {
+      pos += 4;
+      cache_.erase(key);
+      continue;
+    }
     if (!take_u32(&value_len) || data.size() - pos < value_len) {
       pos = start;
       break;
@@ -163,14 +176,16 @@ void FileStore::refresh(int fd) {
   read_offset_ += static_cast<off_t>(pos);
 }
 
-void FileStore::append(int fd, const std::string& key, const Bytes& value) {
-  if (key.size() > kMaxRecordPart || value.size() > kMaxRecordPart) fail_invalid("store key or value exceeds 1 GiB");
-  std::vector<uint8_t> record(8 + key.size() + value.size());
-  uint32_t key_len = static_cast<uint32_t>(key.size()), value_len = static_cast<uint32_t>(value.size());
+void FileStore::append(int fd, const std::string& key, const Bytes* value) {
+  const size_t value_size = value == nullptr ? 0 : value->size();
+  if (key.size() > kMaxRecordPart || value_size > kMaxRecordPart) fail_invalid("store key or value exceeds 1 GiB");
+  std::vector<uint8_t> record(8 + key.size() + value_size);
+  uint32_t key_len = static_cast<uint32_t>(key.size());
+  uint32_t value_len = value == nullptr ? kTombstone : static_cast<uint32_t>(value_size);
   std::memcpy(record.data(), &key_len, 4);
   std::memcpy(record.data() + 4, key.data(), key.size());
   std::memcpy(record.data() + 4 + key.size(), &value_len, 4);
-  if (!value.empty()) std::memcpy(record.data() + 8 + key.size(), value.data(), value.size());
+  if (value_size > 0) std::memcpy(record.data() + 8 + key.size(), value->data(), value_size);
   if (::lseek(fd, 0, SEEK_END) < 0) fail_errno("cannot seek file store", path_);
   write_all(fd, record.data(), record.size(), path_);
 }
@@ -179,7 +194,7 @@ void FileStore::set(const std::string& key, const Bytes& value) {
   std::lock_guard<std::mutex> lock(mutex_);
   Locked file(path_, lock_timeout());
   refresh(file.fd());
-  append(file.fd(), key, value);
+  append(file.fd(), key, &value);
 }
 
 Bytes FileStore::get(const std::string& key, Millis timeout) {
@@ -198,7 +213,8 @@ int64_t FileStore::add(const std::string& key, int64_t delta) {
   int64_t value = it == cache_.end() ? 0 : parse_counter(it->second, key);
   // Wraps like the TCP store's integers rather than overflowing.
   value = static_cast<int64_t>(static_cast<uint64_t>(value) + static_cast<uint64_t>(delta));
-  append(file.fd(), key, format_counter(value));
+  Bytes text = format_counter(value);
+  append(file.fd(), key, &text);
   return value;
 }
 
@@ -210,6 +226,23 @@ bool FileStore::check(const std::vector<std::string>& keys) {
     if (cache_.count(key) == 0) return false;
   }
   return true;
+}
+
+bool FileStore::erase(const std::string& key) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Locked file(path_, lock_timeout());
+  refresh(file.fd());
+  if (cache_.count(key) == 0) return false;
+  append(file.fd(), key, nullptr);
+  cache_.erase(key);
+  return true;
+}
+
+int64_t FileStore::num_keys() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Locked file(path_, lock_timeout());
+  refresh(file.fd());
+  return static_cast<int64_t>(cache_.size());
 }
 
 }  // namespace dparallel::dist

@@ -1,5 +1,6 @@
-// A store in one file on a shared filesystem: an append-only log of records,
-// read and appended under flock. The last of `world_size` users removes it.
+// A store in one file on a shared filesystem: an append-only log of records
+// (a tombstone record erases a key), read and appended under flock. The last
+// of `world_size` users removes it.
 #pragma once
 
 #include <map>
@@ -20,12 +21,15 @@ class FileStore : public Store {
   Bytes get(const std::string& key, Millis timeout) override;
   int64_t add(const std::string& key, int64_t delta) override;
   bool check(const std::vector<std::string>& keys) override;
+  bool erase(const std::string& key) override;
+  int64_t num_keys() override;  // the store's own bookkeeping key included
 
  private:
   class Locked;
   Millis lock_timeout() const;  // the store's timeout, capped by the call's deadline
   void refresh(int fd);         // reads records appended since the last refresh
-  void append(int fd, const std::string& key, const Bytes& value);
+  // A record of `value`; none (`value` null) is a tombstone: the key is erased.
+  void append(int fd, const std::string& key, const Bytes* value);
 
   std::string path_;
   int32_t world_size_;

@@ -24,6 +24,8 @@ void PrefixStore::set(const std::string& key, const Bytes& value) { base_->set(p
 Bytes PrefixStore::get(const std::string& key, Millis timeout) { return base_->get(prefix_ + key, timeout); }
 int64_t PrefixStore::add(const std::string& key, int64_t delta) { return base_->add(prefix_ + key, delta); }
 bool PrefixStore::check(const std::vector<std::string>& keys) { return base_->check(prefixed(keys)); }
+bool PrefixStore::erase(const std::string& key) { return base_->erase(prefix_ + key); }
+int64_t PrefixStore::num_keys() { return base_->num_keys(); }
 void PrefixStore::wait(const std::vector<std::string>& keys, Millis timeout) { base_->wait(prefixed(keys), timeout); }
 std::vector<std::string> PrefixStore::prefixed(const std::vector<std::string>& keys) const {
   std::vector<std::string> out;
@@ -34,6 +36,16 @@ std::vector<std::string> PrefixStore::prefixed(const std::vector<std::string>& k
 Store* PrefixStore::innermost(Store* store) {
   while (auto* prefix = dynamic_cast<PrefixStore*>(store)) store = prefix->base_.get();
   return store;
+}
+
+void forget_keys(Store& store, const std::vector<std::string>& keys) noexcept {
+  for (const std::string& key : keys) {
+    try {
+      store.erase(key);
+    } catch (...) {
+      return;  // the store is gone or failing: the keys stay
+    }
+  }
 }
 
 ReplyDeadlineCap::ReplyDeadlineCap(Millis cap) : previous_(t_reply_deadline) {

@@ -25,6 +25,10 @@ class Store {
   virtual int64_t add(const std::string& key, int64_t delta) = 0;
   // True when every key exists, without waiting.
   virtual bool check(const std::vector<std::string>& keys) = 0;
+  // Removes `key`; true when it existed (c10d's deleteKey).
+  virtual bool erase(const std::string& key) = 0;
+  // How many keys the whole store holds (c10d's getNumKeys).
+  virtual int64_t num_keys() = 0;
   // Waits until every key exists; kTimeout names the keys still missing.
   // This one polls check().
   virtual void wait(const std::vector<std::string>& keys, Millis timeout);
@@ -46,6 +50,8 @@ class PrefixStore : public Store {
   Bytes get(const std::string& key, Millis timeout) override;
   int64_t add(const std::string& key, int64_t delta) override;
   bool check(const std::vector<std::string>& keys) override;
+  bool erase(const std::string& key) override;
+  int64_t num_keys() override;  // the base store's, every prefix included
   void wait(const std::vector<std::string>& keys, Millis timeout) override;
   // The innermost store below any prefixes.
   static Store* innermost(Store* store);
@@ -74,6 +80,10 @@ class ReplyDeadlineCap {
 
 // How long a timed-out wait may spend asking which keys are missing.
 constexpr Millis kMissingKeysBound{200};
+
+// Erases `keys` a finished rendezvous no longer needs, as far as the store
+// lets it: a store gone or failing leaves them (they cost memory only).
+void forget_keys(Store& store, const std::vector<std::string>& keys) noexcept;
 
 // Polls `check` with a growing pause until it holds or `timeout` passes.
 bool poll_until(const std::function<bool()>& check, Millis timeout);

@@ -136,6 +136,14 @@ bool parse_body(Reader& in, Request* out, std::string* error) {
       out->keys.push_back(key);
       out->command = Command::kAdd;
       return true;
+    case Command::kNumKeys:
+      out->command = Command::kNumKeys;
+      return true;
+    case Command::kErase:
+      if (!in.string(&key, kMaxKeyBytes)) break;
+      out->keys.push_back(key);
+      out->command = Command::kErase;
+      return true;
     case Command::kCheck:
       if (!in.key_list(&out->keys)) {
         *error = "truncated or oversized key list";
@@ -185,6 +193,7 @@ std::vector<uint8_t> encode_request(const Request& request) {
     if (request.command == Command::kWait) put_le32(body, request.timeout_ms);
     return frame(body);
   }
+  if (request.command == Command::kNumKeys) return frame(body);
   const std::string& key = request.keys.at(0);
   put_string(body, key.data(), key.size());
   if (request.command == Command::kSet) put_string(body, request.value.data(), request.value.size());

@@ -26,15 +26,26 @@ constexpr uint32_t kMaxGreetingBytes = 1 + 4 + kProofBytes;
 // The greeting (greeting.h) is kHello then kProof. kGet and kWait carry how
 // long the server may hold them: it answers as soon as the keys exist, or
 // kTimeout (a wait's payload lists the missing keys) when the time is up.
-enum class Command : uint8_t { kHello = 1, kSet = 2, kGet = 3, kAdd = 4, kCheck = 5, kProof = 6, kWait = 7 };
+enum class Command : uint8_t {
+  kHello = 1,
+  kSet = 2,
+  kGet = 3,
+  kAdd = 4,
+  kCheck = 5,
+  kProof = 6,
+  kWait = 7,
+  kErase = 8,   // kOk when the key existed, kNotFound when not
+  kNumKeys = 9  // no key; the reply's payload is the count (le64)
+};
 enum class ReplyStatus : uint8_t { kOk = 0, kNotFound = 1, kRefused = 2, kError = 3, kTimeout = 4 };
 
 struct Request {
   Command command = Command::kHello;
-  std::vector<std::string> keys;  // kSet, kGet, kAdd: one; kCheck, kWait: any; kHello: a nonce; kProof: the proof
-  std::vector<uint8_t> value;     // kSet
-  int64_t delta = 0;              // kAdd
-  uint32_t timeout_ms = 0;        // kGet, kWait
+  std::vector<std::string>
+      keys;                    // kSet, kGet, kAdd, kErase: one; kCheck, kWait: any; kHello: a nonce; kProof: the proof
+  std::vector<uint8_t> value;  // kSet
+  int64_t delta = 0;           // kAdd
+  uint32_t timeout_ms = 0;     // kGet, kWait
 };
 
 struct Reply {

@@ -250,4 +250,22 @@ bool TcpStore::check(const std::vector<std::string>& keys) {
   return request(r, "store check").status == ReplyStatus::kOk;
 }
 
+bool TcpStore::erase(const std::string& key) {
+  check_key(key, "store erase");
+  wire::Request r;
+  r.command = Command::kErase;
+  r.keys.push_back(key);
+  return request(r, "store erase").status == ReplyStatus::kOk;
+}
+
+int64_t TcpStore::num_keys() {
+  wire::Request r;
+  r.command = Command::kNumKeys;
+  wire::Reply reply = request(r, "store num_keys");
+  if (reply.status != ReplyStatus::kOk || reply.payload.size() != 8) {
+    fail(StatusCode::kIo, "store num_keys: malformed reply from the store");
+  }
+  return static_cast<int64_t>(wire::get_le64(reply.payload.data()));
+}
+
 }  // namespace dparallel::dist

@@ -39,6 +39,8 @@ class TcpStore : public Store {
   Bytes get(const std::string& key, Millis timeout) override;
   int64_t add(const std::string& key, int64_t delta) override;
   bool check(const std::vector<std::string>& keys) override;
+  bool erase(const std::string& key) override;
+  int64_t num_keys() override;  // the server's own keys ("__dp_store/...") included
   // The server holds the request; a timeout names the keys it still misses.
   void wait(const std::vector<std::string>& keys, Millis timeout) override;
   // The port served or connected to.

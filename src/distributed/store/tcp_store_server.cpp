@@ -389,6 +389,14 @@ bool TcpStoreServer::handle(Client& client, const wire::Request& request, bool* 
       reply(client, ReplyStatus::kOk, le64_bytes(value));
       return true;
     }
+    case Command::kNumKeys:
+      reply(client, ReplyStatus::kOk, le64_bytes(static_cast<int64_t>(data_.size())));
+      return true;
+    case Command::kErase: {
+      bool existed = data_.erase(request.keys[0]) != 0;
+      reply(client, existed ? ReplyStatus::kOk : ReplyStatus::kNotFound, {});
+      return true;
+    }
     case Command::kCheck: {
       bool all = true;
       for (const std::string& k : request.keys) all = all && data_.count(k) != 0;
