@@ -743,16 +743,14 @@ void Reducer::reduce_bucket(size_t index) {
       return;
     case HookKind::kFp16:
     case HookKind::kBf16: {
+      // As PyTorch's fp16/bf16_compress_hook: cast, divide by the world
+      // size, then sum, so that large gradients do not overflow the sum.
       DType wire = options_.hook == HookKind::kFp16 ? DType::kFloat16 : DType::kBFloat16;
-      if (flat.dtype() == wire) {
-        group_->all_reduce(flat, ReduceOp::kAvg, false);
-        return;
-      }
-      Tensor compressed = Tensor::empty(wire, flat.shape(), flat.device());
-      cast_into(compressed, flat);
+      Tensor compressed = flat.dtype() == wire ? flat : Tensor::empty(wire, flat.shape(), flat.device());
+      if (compressed.data() != flat.data()) cast_into(compressed, flat);
+      divide(compressed, group_->size());
       group_->all_reduce(compressed, ReduceOp::kSum, false);
-      cast_into(flat, compressed);
-      divide(flat, group_->size());
+      if (compressed.data() != flat.data()) cast_into(flat, compressed);
       return;
     }
     case HookKind::kCustom: {

@@ -146,6 +146,10 @@ TEST(Ddp, Fp16HookAveragesWithinHalfPrecision) { passing("hook_fp16"); }
 
 TEST(Ddp, Bf16HookAveragesWithinBfloat16Precision) { passing("hook_bf16"); }
 
+TEST(Ddp, Fp16HookDividesBeforeSummingSoGradientsNearTheFp16MaximumDoNotOverflowOverThreeRanks) {
+  passing("hook_fp16_large", 3);
+}
+
 TEST(Ddp, CustomHookReducesEveryBucketAndItsFailureIsEuserOnEveryRank) {
   Ranks run = passing("hook_custom");
   for (size_t r = 0; r < 2; ++r) expect_mentions(run, r, {"a hook returning 7: status -6"});

@@ -1041,6 +1041,41 @@ static void hook_bf16(dp_process_group *pg) {
   run_compressed(pg, DP_HOOK_BF16, ldexp(1.0, -8), 1.0f + (float)ldexp(1.0, -12));
 }
 
+/* Gradients near the fp16 maximum on every rank: each one fits, their sum
+ * does not. Divided before the sum (as PyTorch's hooks do), the average
+ * comes back finite and within fp16's precision of the true one. */
+static void hook_fp16_large(dp_process_group *pg) {
+  dp_ddp_options o = DP_DDP_OPTIONS_INIT;
+  Net net;
+  Wrap w;
+  Params grads[MAXN], avg, got;
+  int r, q, i;
+  net_create(&net, 42, 2, 0);
+  memset(grads, 0, sizeof(grads));
+  for (r = 0; r < g_world; ++r) {
+    for (q = 0; q < NP; ++q) {
+      for (i = 0; i < param_numel(q); ++i)
+        grads[r].v[q][i] = (float)(50000 + 4000 * r + 8 * i) * (q % 2 ? -1.0f : 1.0f);
+    }
+  }
+  average(&avg, grads, g_world);
+  o.comm_hook = DP_HOOK_FP16;
+  CHECK_OK(wrap_whole(&w, &net, pg, &o));
+  CHECK_OK(dp_module_zero_grad(net.root));
+  backward(&net, &w, &grads[g_rank], NULL, 0);
+  CHECK_OK(wrap_finish(&w));
+  grads_get(&net, &got);
+  for (q = 0; q < NP; ++q) {
+    for (i = 0; i < param_numel(q); ++i) {
+      CHECK(isfinite(got.v[q][i]) && close_to(got.v[q][i], avg.v[q][i], 0, 4 * ldexp(1.0, -11) * fabs(avg.v[q][i])),
+            "%s[%d] is %.9g, want %.9g: the fp16 sum overflowed", kParam[q], i, (double)got.v[q][i],
+            (double)avg.v[q][i]);
+    }
+  }
+  wrap_destroy(&w);
+  net_destroy(&net);
+}
+
 typedef struct HookState {
   int calls;
   int problems;
@@ -1302,6 +1337,7 @@ static const Scenario kScenarios[] = {
     {"unused_found", unused_found, 60000},
     {"hook_fp16", hook_fp16, 60000},
     {"hook_bf16", hook_bf16, 60000},
+    {"hook_fp16_large", hook_fp16_large, 60000},
     {"hook_custom", hook_custom, 60000},
     {"double_ready", double_ready, 60000},
     {"stop_marking", stop_marking, 5000},
