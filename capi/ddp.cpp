@@ -14,7 +14,7 @@ constexpr uint64_t kDdpTag = 0x6470'6464'7021'2121ull;  // "dpddp!!!"
 
 struct dp_ddp {
   uint64_t tag = kDdpTag;
-  std::unique_ptr<ddp::Reducer> reducer;
+  std::shared_ptr<ddp::Reducer> reducer;  // a job of its still running may keep it alive after destroy
   ProcessOrigin origin;
 };
 
@@ -131,7 +131,7 @@ dp_status dp_ddp_create(dp_ddp** out, dp_module* module, dp_process_group* pg, c
   capi::group_arg(pg, "pg");
   ddp::ReducerOptions options = options_arg(opts, pg->group);
   auto handle = std::make_unique<dp_ddp>();
-  handle->reducer = std::make_unique<ddp::Reducer>(m, pg->group, std::move(options));
+  handle->reducer = std::make_shared<ddp::Reducer>(m, pg->group, std::move(options));
   *out = handle.release();
   DP_API_END
 }
@@ -219,6 +219,7 @@ void dp_ddp_destroy(dp_ddp* ddp) {
   }
   ddp->tag = 0;
   try {
+    ddp->reducer->close();
     ddp->reducer.reset();
   } catch (...) {
     // Tearing down cannot fail in a way the caller could act on.

@@ -104,7 +104,14 @@ typedef enum dp_comm_hook {
  * dp_ddp (num_buckets, bucket_parameters, last_stats); any other dp_ddp
  * call from a hook (on its own dp_ddp or another) would wait for the hook's
  * own bucket, so it is refused at once with DP_ESTATE, and dp_ddp_destroy
- * there destroys nothing. */
+ * there destroys nothing.
+ *
+ * A hook that does not return makes its finish_backward DP_ETIMEOUT once
+ * the group's timeout plus 3 s has passed with no bucket done. Every
+ * dp_ddp on that group then shares one stuck lane: their queued and later
+ * reductions fail at once with DP_ESTATE naming the hook's bucket, and
+ * their destroy returns at once; the hook is left running, and what it
+ * uses stays alive until it returns. Make a new group to go on. */
 typedef int (*dp_comm_hook_fn)(void *user_data, dp_process_group *pg, size_t bucket_index, dp_tensor *flat_bucket);
 
 typedef struct dp_ddp_options {
@@ -152,8 +159,9 @@ DP_API size_t dp_ddp_num_buckets(const dp_ddp *ddp);
  * `*count` receives how many; up to `cap` of them go to `indices` (which may
  * be NULL when cap is 0). */
 DP_API dp_status dp_ddp_bucket_parameters(const dp_ddp *ddp, size_t bucket, size_t *indices, size_t cap, size_t *count);
-/* Waits for reductions in flight (bounded by the group's timeout), releases
- * the module and the group; NULL is accepted. */
+/* Drops its queued reductions, waits for the running one (bounded by the
+ * group's timeout plus 3 s), releases the module and the group; NULL is
+ * accepted. A comm hook that never returns is left running (see below). */
 DP_API void dp_ddp_destroy(dp_ddp *ddp);
 
 /* Additions beyond the base contract. */

@@ -329,15 +329,23 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
   }
 }
 
-Reducer::~Reducer() {
-  if (queue_) queue_->cancel(this);
-  queue_.reset();
+Reducer::Clock::duration Reducer::lane_bound() const { return group_->timeout() + std::chrono::seconds(3); }
+
+void Reducer::close() {
+  if (closed_) return;
+  closed_ = true;
+  if (queue_) queue_->cancel(this, lane_bound());
   flush_trace();
+  std::lock_guard<std::mutex> lock(managed_mutex());
+  for (const Managed& m : params_) managed_set().erase(m.parameter.get());
+}
+
+Reducer::~Reducer() {
+  close();
+  queue_.reset();
   for (Bucket& b : buckets_) {
     for (void* e : b.events) cuda::destroy_event(e);
   }
-  std::lock_guard<std::mutex> lock(managed_mutex());
-  for (const Managed& m : params_) managed_set().erase(m.parameter.get());
 }
 
 std::vector<std::vector<size_t>> Reducer::plan_for(const std::vector<size_t>& order) const {
@@ -460,7 +468,7 @@ void Reducer::broadcast_state(const std::vector<std::pair<std::string, Tensor>>&
 }
 
 void Reducer::on_queue(const char* what, const std::function<void()>& fn) {
-  queue_->call(this, what, fn, group_->timeout() + std::chrono::seconds(10));
+  queue_->call(this, what, fn, lane_bound());
 }
 
 void Reducer::pre_forward() {
@@ -530,7 +538,7 @@ void Reducer::mark_ready(size_t index, bool has_stream, void* stream) {
 
 void Reducer::queue_ready_buckets_locked() {
   while (next_queue_ < buckets_.size() && buckets_[next_queue_].pending == 0) {
-    queue_->push(this, next_queue_, "");
+    if (!queue_->push(shared_from_this(), next_queue_, "")) fail_bucket_locked(next_queue_, queue_->stuck_reason());
     ++next_queue_;
   }
 }
@@ -547,25 +555,51 @@ std::shared_ptr<CommQueue> CommQueue::for_group(const dist::ProcessGroup* group)
   return created;
 }
 
-CommQueue::CommQueue() : thread_([this] { loop(); }) {}
+CommQueue::CommQueue() : lane_(std::make_shared<Lane>()) {
+  thread_ = std::thread([lane = lane_] { loop(lane); });
+  worker_id_ = thread_.get_id();
+}
 
 CommQueue::~CommQueue() {
+  bool stuck = false;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
-    cv_.notify_all();
+    std::lock_guard<std::mutex> lock(lane_->mutex);
+    lane_->stopping = true;
+    stuck = !lane_->stuck.empty();
+    lane_->cv.notify_all();
   }
-  thread_.join();
+  // A worker stuck in a job (or this very thread, when the job's reducer
+  // was the last owner) ends on its own; the lane lives as long as it.
+  if (stuck || on_worker()) {
+    thread_.detach();
+  } else {
+    thread_.join();
+  }
 }
 
-void CommQueue::push(Reducer* owner, size_t bucket, std::string refusal) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  jobs_.push_back(Job{owner, [owner, bucket, refusal = std::move(refusal)] { owner->run_job(bucket, refusal); }});
-  cv_.notify_all();
+std::string CommQueue::stuck_reason() {
+  std::lock_guard<std::mutex> lock(lane_->mutex);
+  return lane_->stuck;
 }
 
-void CommQueue::call(const Reducer* owner, const char* what, const std::function<void()>& fn,
-                     std::chrono::steady_clock::duration bound) {
+bool CommQueue::push(const std::shared_ptr<Reducer>& owner, size_t bucket, std::string refusal) {
+  std::lock_guard<std::mutex> lock(lane_->mutex);
+  if (!lane_->stuck.empty()) return false;
+  Job job;
+  job.owner = owner.get();
+  job.what = str_cat("bucket ", bucket, refusal.empty() ? "'s reduction" : "'s refusal");
+  job.run = [owner, bucket, refusal = std::move(refusal)] { owner->run_job(bucket, refusal); };
+  std::weak_ptr<Reducer> weak = owner;
+  job.drop = [weak, bucket](const std::string& why) {
+    if (auto reducer = weak.lock()) reducer->drop_job(bucket, why);
+  };
+  job.id = ++lane_->next_id;
+  lane_->jobs.push_back(std::move(job));
+  lane_->cv.notify_all();
+  return true;
+}
+
+void CommQueue::call(const Reducer* owner, const char* what, const std::function<void()>& fn, Clock::duration bound) {
   if (on_worker()) return fn();
   struct Outcome {
     bool started = false;
@@ -573,63 +607,123 @@ void CommQueue::call(const Reducer* owner, const char* what, const std::function
     std::exception_ptr error;
   };
   auto outcome = std::make_shared<Outcome>();
-  std::unique_lock<std::mutex> lock(mutex_);
+  Lane& lane = *lane_;
+  std::unique_lock<std::mutex> lock(lane.mutex);
+  if (!lane.stuck.empty()) fail(StatusCode::kState, what, ": ", lane.stuck);
   // `fn` is the caller's, alive until this returns: the job runs it only
   // if it starts before the caller gives up, and the caller then waits.
-  jobs_.push_back(Job{owner,
-                      [this, outcome, &fn] {
-                        {
-                          std::lock_guard<std::mutex> guard(mutex_);
-                          outcome->started = true;
-                          cv_.notify_all();
-                        }
-                        std::exception_ptr error;
-                        try {
-                          fn();
-                        } catch (...) {
-                          error = std::current_exception();
-                        }
-                        std::lock_guard<std::mutex> guard(mutex_);
-                        outcome->error = error;
-                        outcome->done = true;
-                      },
-                      ++next_id_});
-  const uint64_t id = next_id_;
-  cv_.notify_all();
-  if (!cv_.wait_for(lock, bound, [&] { return outcome->started; })) {
-    for (auto it = jobs_.begin(); it != jobs_.end(); ++it) {
+  Job job;
+  job.owner = owner;
+  job.what = what;
+  job.run = [&lane, outcome, &fn] {
+    {
+      std::lock_guard<std::mutex> guard(lane.mutex);
+      outcome->started = true;
+      lane.cv.notify_all();
+    }
+    std::exception_ptr error;
+    try {
+      fn();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard<std::mutex> guard(lane.mutex);
+    outcome->error = error;
+    outcome->done = true;
+  };
+  job.drop = [&lane, outcome, what = std::string(what)](const std::string& why) {
+    std::lock_guard<std::mutex> guard(lane.mutex);
+    outcome->error = std::make_exception_ptr(Error(StatusCode::kState, str_cat(what, ": ", why)));
+    outcome->done = true;
+    lane.cv.notify_all();
+  };
+  job.id = ++lane.next_id;
+  const uint64_t id = job.id;
+  lane.jobs.push_back(std::move(job));
+  lane.cv.notify_all();
+  if (!lane.cv.wait_for(lock, bound, [&] { return outcome->started || outcome->done; })) {
+    for (auto it = lane.jobs.begin(); it != lane.jobs.end(); ++it) {
       if (it->id != id) continue;
-      jobs_.erase(it);
+      lane.jobs.erase(it);
       fail(StatusCode::kTimeout, what, " did not start within ",
-           std::chrono::duration_cast<std::chrono::milliseconds>(bound).count(),
-           " ms: the collectives queued before it on this process group (a comm hook that does not return?) "
-           "did not finish");
+           std::chrono::duration_cast<std::chrono::milliseconds>(bound).count(), " ms: ", lane.running_what,
+           " before it on this process group's comm lane did not finish (a comm hook that does not return?)");
     }
   }
   // Once started, its collectives end by the group's timeout.
-  cv_.wait(lock, [&] { return outcome->done; });
+  lane.cv.wait(lock, [&] { return outcome->done; });
   if (outcome->error) std::rethrow_exception(outcome->error);
 }
 
-void CommQueue::cancel(const Reducer* owner) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  jobs_.erase(std::remove_if(jobs_.begin(), jobs_.end(), [&](const Job& j) { return j.owner == owner; }), jobs_.end());
-  cv_.wait(lock, [&] { return running_ != owner; });
+std::deque<CommQueue::Job> CommQueue::stick_locked(const std::string& why) {
+  if (lane_->stuck.empty()) {
+    lane_->stuck =
+        str_cat("the process group's comm lane is stuck for good: ", lane_->running_what, " has run for ",
+                std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - lane_->running_since).count(),
+                " ms (", why, "); destroy the dp_ddp on it and make a new group");
+  }
+  std::deque<Job> dropped;
+  dropped.swap(lane_->jobs);
+  lane_->cv.notify_all();
+  return dropped;
 }
 
-void CommQueue::loop() {
-  std::unique_lock<std::mutex> lock(mutex_);
+void CommQueue::drop_all(std::deque<Job>& jobs, const std::string& why) {
+  for (Job& job : jobs) {
+    if (job.drop) job.drop(why);
+  }
+  jobs.clear();
+}
+
+void CommQueue::give_up(const std::string& why) {
+  std::deque<Job> dropped;
+  std::string reason;
+  {
+    std::lock_guard<std::mutex> lock(lane_->mutex);
+    if (lane_->running == nullptr && lane_->stuck.empty()) return;
+    dropped = stick_locked(why);
+    reason = lane_->stuck;
+  }
+  drop_all(dropped, reason);
+}
+
+bool CommQueue::cancel(const Reducer* owner, Clock::duration bound) {
+  std::deque<Job> dropped;
+  std::string reason;
+  {
+    std::unique_lock<std::mutex> lock(lane_->mutex);
+    auto& jobs = lane_->jobs;
+    jobs.erase(std::remove_if(jobs.begin(), jobs.end(), [&](const Job& j) { return j.owner == owner; }), jobs.end());
+    if (on_worker() || lane_->running != owner) return true;
+    if (lane_->stuck.empty() && lane_->cv.wait_for(lock, bound, [&] { return lane_->running != owner; })) {
+      return true;
+    }
+    if (lane_->running != owner) return true;
+    dropped = stick_locked("its dp_ddp was destroyed meanwhile");
+    reason = lane_->stuck;
+  }
+  drop_all(dropped, reason);
+  return false;
+}
+
+void CommQueue::loop(const std::shared_ptr<Lane>& lane) {
+  std::unique_lock<std::mutex> lock(lane->mutex);
   for (;;) {
-    cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
-    if (jobs_.empty()) return;  // stopping: every owner is gone
-    Job job = std::move(jobs_.front());
-    jobs_.pop_front();
-    running_ = job.owner;
+    lane->cv.wait(lock, [&] { return lane->stopping || !lane->jobs.empty(); });
+    if (lane->jobs.empty()) return;  // stopping: every owner is gone
+    Job job = std::move(lane->jobs.front());
+    lane->jobs.pop_front();
+    lane->running = job.owner;
+    lane->running_what = job.what;
+    lane->running_since = Clock::now();
     lock.unlock();
     job.run();
+    job = Job{};  // releases what the job kept alive, before the lock
     lock.lock();
-    running_ = nullptr;
-    cv_.notify_all();
+    lane->running = nullptr;
+    lane->running_what.clear();
+    lane->cv.notify_all();
+    if (!lane->stuck.empty() && lane->stopping) return;
   }
 }
 
@@ -679,6 +773,20 @@ void Reducer::run_job(size_t index, const std::string& refusal) {
   bucket.error = std::move(error);
   bucket.done = true;
   cv_.notify_all();
+}
+
+void Reducer::fail_bucket_locked(size_t index, const std::string& why) {
+  Bucket& bucket = buckets_[index];
+  bucket.start = bucket.end = Clock::now();
+  bucket.code = StatusCode::kState;
+  bucket.error = why;
+  bucket.done = true;
+  cv_.notify_all();
+}
+
+void Reducer::drop_job(size_t index, const std::string& why) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (index < buckets_.size() && !buckets_[index].done) fail_bucket_locked(index, why);
 }
 
 // CUDA: waits for the host's streams, then copies the gradients in.
@@ -769,7 +877,7 @@ void Reducer::reduce_bucket(size_t index) {
 void Reducer::wait_all_done(std::unique_lock<std::mutex>& lock) {
   // Each collective ends by the group's timeout; the margin covers the
   // failure reports. A bucket finishing restarts the bound.
-  const auto bound = group_->timeout() + std::chrono::seconds(10);
+  const auto bound = lane_bound();
   size_t done_before = 0;
   auto deadline = Clock::now() + bound;
   for (;;) {
@@ -791,9 +899,15 @@ void Reducer::wait_all_done(std::unique_lock<std::mutex>& lock) {
       bool all_done = std::all_of(buckets_.begin(), buckets_.end(), [](const Bucket& b) { return b.done; });
       if (all_done) return;
       broken_ = true;
-      fail(StatusCode::kTimeout, "bucket ", stuck, " (", describe_params(buckets_[stuck].params),
-           ") did not finish within ", std::chrono::duration_cast<std::chrono::milliseconds>(bound).count(),
-           " ms (its comm hook or the device never returned); the dp_ddp is unusable");
+      std::string why =
+          str_cat("bucket ", stuck, " (", describe_params(buckets_[stuck].params), ") did not finish within ",
+                  std::chrono::duration_cast<std::chrono::milliseconds>(bound).count(),
+                  " ms (its comm hook or the device never returned)");
+      // The other reducers on the group fail now rather than at their own bound.
+      lock.unlock();
+      queue_->give_up(why);
+      lock.lock();
+      fail(StatusCode::kTimeout, why, "; the dp_ddp is unusable");
     }
   }
 }
@@ -853,7 +967,7 @@ void Reducer::finish_backward() {
     // at once instead of waiting for them until the timeout.
     std::string refusal = str_cat("rank ", rank, " did not mark parameter(s) ", names, " ready");
     for (size_t b = next_queue_; b < buckets_.size(); ++b) {
-      queue_->push(this, b, refusal);
+      if (!queue_->push(shared_from_this(), b, refusal)) fail_bucket_locked(b, queue_->stuck_reason());
     }
     next_queue_ = buckets_.size();
     wait_all_done(lock);

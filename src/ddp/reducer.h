@@ -61,47 +61,74 @@ class Reducer;
 // and from one thread (a group refuses calls that overlap from two).
 class CommQueue {
  public:
+  using Clock = std::chrono::steady_clock;
   static std::shared_ptr<CommQueue> for_group(const dist::ProcessGroup* group);
   CommQueue();
   ~CommQueue();
   CommQueue(const CommQueue&) = delete;
   CommQueue& operator=(const CommQueue&) = delete;
 
-  // Runs owner->run_job(bucket, refusal) on the worker, after what is queued.
-  void push(Reducer* owner, size_t bucket, std::string refusal);
+  // Queues owner->run_job(bucket, refusal) after what is queued; the job
+  // keeps the reducer alive until it ran. False when the lane is stuck
+  // (stuck_reason()): nothing was queued.
+  bool push(const std::shared_ptr<Reducer>& owner, size_t bucket, std::string refusal);
   // Runs `fn` on the worker after what is queued and returns once it has,
   // rethrowing what it threw. When it has not started within `bound` (a
-  // job before it never ends), it is dropped: kTimeout naming `what`.
-  void call(const Reducer* owner, const char* what, const std::function<void()>& fn,
-            std::chrono::steady_clock::duration bound);
-  // Drops the owner's queued jobs and waits for its running one to end.
-  void cancel(const Reducer* owner);
-  bool on_worker() const { return std::this_thread::get_id() == thread_.get_id(); }
+  // job before it never ends), it is dropped: kTimeout naming `what`; on a
+  // stuck lane, kState at once.
+  void call(const Reducer* owner, const char* what, const std::function<void()>& fn, Clock::duration bound);
+  // Drops the owner's queued jobs and waits up to `bound` for its running
+  // one to end. False when it did not: the lane is then stuck for good.
+  bool cancel(const Reducer* owner, Clock::duration bound);
+  // A reducer gave up waiting for its jobs: when one is running, the lane
+  // is stuck for good (`why` and the running job in the reason), and every
+  // queued job is dropped with that reason.
+  void give_up(const std::string& why);
+  bool on_worker() const { return std::this_thread::get_id() == worker_id_; }
+  std::string stuck_reason();
 
  private:
   struct Job {
-    const Reducer* owner;
-    std::function<void()> run;
+    const Reducer* owner = nullptr;
+    std::string what;                              // for messages
+    std::function<void()> run;                     // may keep its owner alive
+    std::function<void(const std::string&)> drop;  // when the lane drops it unrun
     uint64_t id = 0;
   };
-  void loop();
+  // What the worker thread shares with the queue: it outlives the queue
+  // when the worker is stuck in a job that never returns.
+  struct Lane {
+    std::mutex mutex;
+    std::condition_variable cv;
+    std::deque<Job> jobs;
+    const Reducer* running = nullptr;
+    std::string running_what;
+    Clock::time_point running_since;
+    std::string stuck;  // why the lane stopped for good
+    uint64_t next_id = 0;
+    bool stopping = false;
+  };
+  static void loop(const std::shared_ptr<Lane>& lane);
+  // Marks the lane stuck (locked) and returns the jobs to drop.
+  std::deque<Job> stick_locked(const std::string& why);
+  static void drop_all(std::deque<Job>& jobs, const std::string& why);
 
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<Job> jobs_;
-  const Reducer* running_ = nullptr;
-  uint64_t next_id_ = 0;
-  bool stopping_ = false;
+  std::shared_ptr<Lane> lane_;
   std::thread thread_;
+  std::thread::id worker_id_;
 };
 
-class Reducer {
+class Reducer : public std::enable_shared_from_this<Reducer> {
  public:
   using Clock = std::chrono::steady_clock;
 
   // Collective when init_sync is set: every rank must call it.
   Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGroup> group, ReducerOptions options);
   ~Reducer();
+  // Stops for good: drops its queued reductions and waits, bounded by the
+  // group's timeout, for its running one (a comm hook that never returns
+  // is left running; the job keeps the reducer alive until it does).
+  void close();
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
 
@@ -152,11 +179,17 @@ class Reducer {
   friend class CommQueue;
   // On the queue's worker: one bucket's reduction (or, with `refusal`, its refusal).
   void run_job(size_t index, const std::string& refusal);
+  // The lane dropped bucket `index`'s job unrun: it fails with `why`.
+  void drop_job(size_t index, const std::string& why);
+  void fail_bucket_locked(size_t index, const std::string& why);
   void reduce_bucket(size_t index);
   void check_fingerprint(size_t index);
   void copy_into_bucket(size_t index);
   Tensor slot_of(size_t index) const;
   void wait_all_done(std::unique_lock<std::mutex>& lock);
+  // How long a wait for the lane may last: the group's timeout, and time
+  // for a failed collective's reports.
+  Clock::duration lane_bound() const;
   void reset_iteration_locked();
   void rebuild(const std::vector<size_t>& rank0_order);
   std::string describe_params(const std::vector<size_t>& indices) const;
@@ -192,6 +225,7 @@ class Reducer {
   std::vector<size_t> ready_order_;
   bool any_mark_ = false;
   bool finishing_ = false;  // a finish_backward is running: other calls are refused
+  bool closed_ = false;
   Clock::time_point first_mark_;
   ReducerStats stats_;
   std::vector<std::string> trace_events_;

@@ -2,9 +2,12 @@
 // the one-live-owner rule, marks and their errors, gradient_as_bucket_view.
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -609,6 +612,106 @@ TEST_F(DdpApi, CommHookCallingIntoItsOwnDdpIsRefusedAtOnceAndItsLentHandlesCanno
   // The other dp_ddp, whose finish the hook tried, still works.
   for (int p = 5; p >= 4; --p) DP_ASSERT_OK(dp_ddp_mark_grad_ready(other.get(), kParams[p]));
   DP_EXPECT_OK(dp_ddp_finish_backward(other.get()));
+}
+
+// A comm hook that blocks until the test lets it go.
+struct HungHook {
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool entered = false;
+  bool released = false;
+};
+
+int hung_hook(void* user_data, dp_process_group* pg, size_t /*bucket*/, dp_tensor* flat) {
+  auto* h = static_cast<HungHook*>(user_data);
+  std::unique_lock<std::mutex> lock(h->mutex);
+  h->entered = true;
+  h->cv.notify_all();
+  h->cv.wait(lock, [&] { return h->released; });
+  lock.unlock();
+  return dp_pg_all_reduce(pg, flat, DP_AVG) == DP_OK ? 0 : 1;
+}
+
+// A hook that never returns: its finish_backward is DP_ETIMEOUT by the
+// group's timeout (plus the reports' margin), another dp_ddp on the group
+// fails at once naming the stuck hook instead of waiting for its own
+// bound, both destroys return, and once the hook returns everything is
+// freed (the sanitized build checks for leaks).
+TEST(DdpHungHook, FinishTimesOutDestroyReturnsAndTheOtherDdpFailsAtOnceNamingIt) {
+  std::string path = dptest::temp_path("ddp_hung_", "store");
+  ::unlink(path.c_str());
+  dp_store* store = nullptr;
+  DP_ASSERT_OK(dp_store_create_file(&store, path.c_str(), 1));
+  const int32_t timeout_ms = 2000;
+  dp_process_group_options o = DP_PROCESS_GROUP_OPTIONS_INIT;
+  o.rank = 0;
+  o.world_size = 1;
+  o.store = store;
+  o.timeout_ms = timeout_ms;
+  dp_process_group* pg = nullptr;
+  DP_ASSERT_OK(dp_process_group_create(&pg, &o));
+  dp_store_destroy(store);
+  ModulePtr m = net();
+  HungHook hook;
+  dp_ddp_options hung = DP_DDP_OPTIONS_INIT;
+  const char* not_fc1[] = {"fc2", "fc3"};
+  hung.ignored_modules = not_fc1;
+  hung.num_ignored_modules = 2;
+  hung.comm_hook = DP_HOOK_CUSTOM;
+  hung.hook_fn = hung_hook;
+  hung.hook_user_data = &hook;
+  dp_ddp* a = nullptr;
+  DP_ASSERT_OK(dp_ddp_create(&a, m.get(), pg, &hung));
+  dp_ddp_options other = DP_DDP_OPTIONS_INIT;
+  const char* fc1[] = {"fc1"};
+  other.ignored_modules = fc1;
+  other.num_ignored_modules = 1;
+  dp_ddp* b = nullptr;
+  DP_ASSERT_OK(dp_ddp_create(&b, m.get(), pg, &other));
+
+  DP_ASSERT_OK(dp_ddp_mark_grad_ready(a, "fc1.weight"));
+  DP_ASSERT_OK(dp_ddp_mark_grad_ready(a, "fc1.bias"));
+  {
+    std::unique_lock<std::mutex> lock(hook.mutex);
+    ASSERT_TRUE(hook.cv.wait_for(lock, std::chrono::seconds(60), [&] { return hook.entered; }));
+  }
+  for (int p = 5; p >= 2; --p) DP_ASSERT_OK(dp_ddp_mark_grad_ready(b, kParams[p]));
+
+  using Clock = std::chrono::steady_clock;
+  auto start = Clock::now();
+  EXPECT_EQ(dp_ddp_finish_backward(a), DP_ETIMEOUT);
+  std::string message = dp_last_error();
+  double a_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  EXPECT_NE(message.find("comm hook"), std::string::npos) << message;
+  EXPECT_NE(message.find("fc1.weight"), std::string::npos) << message;
+  EXPECT_LT(a_ms, 10.0 * timeout_ms) << message;
+
+  start = Clock::now();
+  EXPECT_EQ(dp_ddp_finish_backward(b), DP_ESTATE);
+  message = dp_last_error();
+  double b_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  EXPECT_NE(message.find("stuck"), std::string::npos) << message;
+  EXPECT_NE(message.find("bucket 0's reduction"), std::string::npos) << message;
+  EXPECT_LT(b_ms, timeout_ms) << "the other dp_ddp waited for its own bound: " << message;
+  // Later marks on the stuck lane fail at once too, and say why.
+  DP_EXPECT_OK(dp_ddp_mark_grad_ready(b, "fc3.bias"));
+  EXPECT_NE(dp_ddp_finish_backward(b), DP_OK);
+
+  start = Clock::now();
+  dp_ddp_destroy(a);
+  dp_ddp_destroy(b);
+  double destroy_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  EXPECT_LT(destroy_ms, 10.0 * timeout_ms);
+  {
+    std::lock_guard<std::mutex> lock(hook.mutex);
+    hook.released = true;
+    hook.cv.notify_all();
+  }
+  // Once the hook returns, the lane's worker frees the reducer; the module
+  // and group are the test's to free.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  dp_process_group_destroy(pg);
+  ::unlink(path.c_str());
 }
 
 }  // namespace
