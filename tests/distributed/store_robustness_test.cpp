@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -183,6 +184,18 @@ class FakeServer {
     (void)read_frame(fd);
     send_reply(fd, "");
     return fd;
+  }
+  // Accepts one connection within `limit` and closes it: after reading its
+  // hello (the client sees the connection closed), or at once (reset, when
+  // the hello is there unread). False on none.
+  bool accept_and_close(std::chrono::milliseconds limit, bool read_hello) {
+    pollfd p{fd_, POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(limit.count())) <= 0) return false;
+    int fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) return false;
+    if (read_hello) (void)read_frame(fd);
+    ::close(fd);
+    return true;
   }
   static void send_reply(int fd, const std::string& payload) {
     std::vector<uint8_t> out;
@@ -551,6 +564,56 @@ TEST(TcpStoreClient, NeverSendsTheTokenItself) {
   std::string wire(fake.received().begin(), fake.received().end());
   EXPECT_FALSE(wire.empty());
   EXPECT_EQ(wire.find("job-token-never-on-the-wire"), std::string::npos);
+}
+
+// A server under a flood closes newcomers; the client tries again, with the
+// connection closed after its hello or reset with the hello unread.
+TEST(TcpStoreClient, AGreetingCutShortByTheServerIsRetriedUntilItSucceeds) {
+  FakeServer fake;
+  bool closed = false, reset = false;
+  std::thread server([&] {
+    closed = fake.accept_and_close(std::chrono::seconds(20), true);
+    reset = closed && fake.accept_and_close(std::chrono::seconds(20), false);
+    if (reset) fake.accept_and_greet(std::chrono::seconds(20));
+  });
+  dp_store* c = nullptr;
+  dp_status created = dp_store_create_tcp(&c, "127.0.0.1", fake.port(), 2, 0, 60000);
+  std::string error = dptest::last_error();
+  server.join();
+  StorePtr store(c);
+  EXPECT_TRUE(closed && reset);
+  EXPECT_EQ(created, DP_OK) << error;
+}
+
+TEST(TcpStoreClient, ATimeoutAfterGreetingsCutShortSaysWhatEndedTheLastAttempt) {
+  FakeServer fake;
+  std::atomic<bool> done{false};
+  std::thread server([&] {
+    while (!done) fake.accept_and_close(std::chrono::milliseconds(50), true);
+  });
+  dp_store* c = nullptr;
+  EXPECT_EQ(dp_store_create_tcp(&c, "127.0.0.1", fake.port(), 2, 0, 1500), DP_ETIMEOUT);
+  std::string error = dptest::last_error();
+  done = true;
+  server.join();
+  EXPECT_EQ(c, nullptr);
+  EXPECT_NE(error.find("closed by the peer"), std::string::npos) << error;
+  EXPECT_NE(error.find("attempts"), std::string::npos) << error;
+  EXPECT_NE(error.find(std::to_string(fake.port())), std::string::npos) << error;
+}
+
+TEST(TcpStoreClient, AWrongTokenFailsAtOnceWithoutRetrying) {
+  ::setenv("DP_STORE_TOKEN", "the-job-token", 1);
+  StorePtr server = tcp_store(0, 1, 20000);
+  ::setenv("DP_STORE_TOKEN", "another-token", 1);
+  dp_store* c = nullptr;
+  auto start = Clock::now();
+  EXPECT_EQ(dp_store_create_tcp(&c, "127.0.0.1", port_of(server.get()), 2, 0, 60000), DP_EREMOTE);
+  double took = ms_since(start);
+  ::unsetenv("DP_STORE_TOKEN");
+  EXPECT_EQ(c, nullptr);
+  EXPECT_NE(dptest::last_error().find("DP_STORE_TOKEN"), std::string::npos) << dptest::last_error();
+  EXPECT_LT(took, 30000.0) << "retried a refusal until the timeout (60 s)";
 }
 
 }  // namespace

@@ -104,8 +104,8 @@ int connect_to(const std::string& host, uint16_t port, Clock::time_point deadlin
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(100));
   }
-  fail(StatusCode::kTimeout, "cannot connect to the store at ", host, ":", port,
-       " before the timeout: ", std::strerror(last_errno));
+  fail(StatusCode::kTimeout, "connecting to ", host, ":", port, ": ",
+       last_errno == EINPROGRESS ? "no answer" : std::strerror(last_errno));
 }
 
 void send_all(int fd, const void* data, size_t size, Clock::time_point deadline, const char* what) {
