@@ -61,7 +61,9 @@ int listen_on(const std::string& host, uint16_t port, uint16_t* bound_port) {
     if (fd < 0) continue;
     int one = 1;
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(fd, 128) == 0) {
+    // A deep backlog (the kernel caps it at net.core.somaxconn) rides out a
+    // flood while the server is busy, instead of dropping real clients' handshakes.
+    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(fd, 4096) == 0) {
       sockaddr_storage addr{};
       socklen_t len = sizeof(addr);
       ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
