@@ -867,6 +867,7 @@ TEST(TcpStoreClient, AGreetingCutShortByTheServerIsRetriedUntilItSucceeds) {
 
 TEST(TcpStoreClient, ATimeoutAfterGreetingsCutShortSaysWhatEndedTheLastAttempt) {
   FakeServer fake;
+  size_t descriptors_before = open_descriptors();
   std::atomic<bool> done{false};
   std::thread server([&] {
     while (!done) fake.accept_and_close(std::chrono::milliseconds(50), true);
@@ -880,6 +881,7 @@ TEST(TcpStoreClient, ATimeoutAfterGreetingsCutShortSaysWhatEndedTheLastAttempt) 
   EXPECT_NE(error.find("closed by the peer"), std::string::npos) << error;
   EXPECT_NE(error.find("attempts"), std::string::npos) << error;
   EXPECT_NE(error.find(std::to_string(fake.port())), std::string::npos) << error;
+  EXPECT_EQ(open_descriptors(), descriptors_before) << "an attempt's connection was left open";
 }
 
 TEST(TcpStoreClient, AWrongTokenFailsAtOnceWithoutRetrying) {
