@@ -4,18 +4,23 @@
 // process behind.
 #include <arpa/inet.h>
 #include <dirent.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <functional>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -62,8 +67,15 @@ uint16_t port_of(dp_store* s) {
   return port;
 }
 
-int raw_connect(uint16_t port) {
+// A connection to the loopback server, from the loopback address `from` when given.
+int raw_connect(uint16_t port, const char* from = nullptr) {
   int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (from != nullptr) {
+    sockaddr_in source{};
+    source.sin_family = AF_INET;
+    ::inet_pton(AF_INET, from, &source.sin_addr);
+    EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&source), sizeof(source)), 0) << std::strerror(errno);
+  }
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(port);
@@ -116,8 +128,8 @@ bool hung_up_within(int fd, std::chrono::milliseconds limit) {
 }
 
 // Connects and greets like a store client with an empty job token.
-int greeted_connect(uint16_t port, int rcvbuf = 0) {
-  int fd = raw_connect(port);
+int greeted_connect(uint16_t port, int rcvbuf = 0, const char* from = nullptr) {
+  int fd = raw_connect(port, from);
   if (rcvbuf > 0) ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof(rcvbuf));
   std::string client_nonce(wire::kNonceBytes, 'c');
   std::vector<uint8_t> hello = frame(1, client_nonce);
@@ -183,6 +195,18 @@ class FakeServer {
     (void)read_frame(fd);
     send_reply(fd, "");
     return fd;
+  }
+  // Accepts one connection within `limit` and closes it: after reading its
+  // hello (the client sees the connection closed), or at once (reset, when
+  // the hello is there unread). False on none.
+  bool accept_and_close(std::chrono::milliseconds limit, bool read_hello) {
+    pollfd p{fd_, POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(limit.count())) <= 0) return false;
+    int fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) return false;
+    if (read_hello) (void)read_frame(fd);
+    ::close(fd);
+    return true;
   }
   static void send_reply(int fd, const std::string& payload) {
     std::vector<uint8_t> out;
@@ -404,6 +428,275 @@ TEST(TcpStoreServer, IdleClientsThatNeverGreetCannotLockOutARank) {
   for (int fd : idle) ::close(fd);
 }
 
+// A child process that floods a loopback port the way a hostile peer does:
+// connections as fast as it can make them, each sending one byte and then
+// nothing, at most `max_open` of them open (the oldest closed first). Forked
+// when made, before the test starts any thread; it floods once given the
+// port, and stops when destroyed (or on its own after a while, or with the
+// test's process).
+class Flooder {
+ public:
+  explicit Flooder(size_t max_open) {
+    int port[2], progress[2];
+    EXPECT_EQ(::pipe2(port, O_CLOEXEC), 0);
+    EXPECT_EQ(::pipe2(progress, O_CLOEXEC), 0);
+    pid_t parent = ::getpid();
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(0);
+      ::close(port[1]);
+      ::close(progress[0]);
+      uint16_t to = 0;
+      if (::read(port[0], &to, sizeof(to)) != sizeof(to)) ::_exit(0);
+      ::_exit(flood(to, max_open, progress[1]));
+    }
+    ::close(port[0]);
+    ::close(progress[1]);
+    port_ = port[1];
+    progress_ = progress[0];
+  }
+  ~Flooder() {
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+    ::close(port_);
+    ::close(progress_);
+  }
+  void start(uint16_t port) { EXPECT_EQ(::write(port_, &port, sizeof(port)), static_cast<ssize_t>(sizeof(port))); }
+  // Waits until the flood has made `count` connections in all; false past `limit`.
+  bool made_at_least(uint64_t count, std::chrono::milliseconds limit) {
+    for (auto end = Clock::now() + limit; made_ < count;) {
+      if (Clock::now() >= end) return false;
+      pollfd p{progress_, POLLIN, 0};
+      if (::poll(&p, 1, 50) <= 0) continue;
+      uint64_t made = 0;
+      ssize_t n = ::read(progress_, &made, sizeof(made));
+      if (n <= 0) return false;  // the flood is over
+      if (n == sizeof(made)) made_ = made;
+    }
+    return true;
+  }
+
+ private:
+  static constexpr int kBatch = 64;
+  static constexpr auto kLongest = std::chrono::seconds(110);  // within ctest's timeout of a test
+
+  // Writes how many connections it has made to `progress` after each batch.
+  static int flood(uint16_t port, size_t max_open, int progress) {
+    ::fcntl(progress, F_SETFL, O_NONBLOCK);  // a full pipe skips a report, never stalls the flood
+    rlimit limit{};
+    ::getrlimit(RLIMIT_NOFILE, &limit);
+    limit.rlim_cur = std::min<rlim_t>(std::max<rlim_t>(limit.rlim_cur, 4096), limit.rlim_max);
+    ::setrlimit(RLIMIT_NOFILE, &limit);
+    max_open = std::min<size_t>(max_open, limit.rlim_cur - kBatch - 16);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(port);
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    std::vector<int> open(max_open, -1);
+    size_t oldest = 0;
+    uint64_t made = 0;
+    const char byte = 'x';
+    for (auto end = Clock::now() + kLongest; Clock::now() < end;) {
+      pollfd batch[kBatch];
+      int n = 0;
+      for (int i = 0; i < kBatch; ++i) {
+        int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+        if (fd < 0) break;
+        if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 || errno == EINPROGRESS) {
+          batch[n++] = {fd, POLLOUT, 0};
+        } else {
+          ::close(fd);
+        }
+      }
+      ::poll(batch, n, 20);
+      for (int i = 0; i < n; ++i) {
+        int fd = batch[i].fd, error = 0;
+        socklen_t len = sizeof(error);
+        bool up = (batch[i].revents & POLLOUT) && ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len) == 0 &&
+                  error == 0 && ::send(fd, &byte, 1, MSG_NOSIGNAL | MSG_DONTWAIT) == 1;
+        if (!up) {
+          ::close(fd);
+          continue;
+        }
+        if (open[oldest] >= 0) ::close(open[oldest]);
+        open[oldest] = fd;
+        oldest = (oldest + 1) % open.size();
+        ++made;
+      }
+      (void)!::write(progress, &made, sizeof(made));
+    }
+    return 0;
+  }
+
+  pid_t pid_ = -1;
+  int port_ = -1, progress_ = -1;
+  uint64_t made_ = 0;
+};
+
+// The number of descriptors this process has open.
+size_t open_descriptors() {
+  size_t count = 0;
+  if (DIR* dir = ::opendir("/proc/self/fd")) {
+    while (dirent* e = ::readdir(dir)) count += e->d_name[0] != '.';
+    ::closedir(dir);
+  }
+  return count;
+}
+
+// A free loopback port below the ephemeral range: the flood takes the source
+// ports of its connections from that range, and would take this one too.
+uint16_t free_port_below_the_ephemeral_range() {
+  unsigned low = 32768, high = 60999;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> low >> high;
+  std::mt19937 pick(std::random_device{}());
+  for (int attempt = 0; attempt < 100 && low > 11000; ++attempt) {
+    auto port = static_cast<uint16_t>(10000 + pick() % (low - 10000));
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(port);
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    bool free = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    ::close(fd);
+    if (free) return port;
+  }
+  return 0;
+}
+
+// One rank of a job over the TCP store: it joins, publishes its key, waits
+// for everyone's, and reads its neighbour's; rank 0 serves until all are
+// done. Empty on success, else what failed.
+std::string run_store_rank(uint16_t port, int rank, int ranks, int32_t timeout_ms) {
+  dp_store* s = nullptr;
+  if (dp_store_create_tcp(&s, "127.0.0.1", port, ranks, rank == 0, timeout_ms) != DP_OK) {
+    return "create: " + dptest::last_error();
+  }
+  StorePtr store(s);
+  std::string key = "rank/" + std::to_string(rank);
+  if (dp_store_set(s, key.c_str(), "here", 4) != DP_OK) return "set: " + dptest::last_error();
+  std::vector<std::string> keys;
+  for (int r = 0; r < ranks; ++r) keys.push_back("rank/" + std::to_string(r));
+  std::vector<const char*> names;
+  for (const std::string& k : keys) names.push_back(k.c_str());
+  if (dp_store_wait(s, names.data(), names.size(), timeout_ms) != DP_OK) return "wait: " + dptest::last_error();
+  char value[8];
+  size_t len = 0;
+  if (dp_store_get(s, keys[(rank + 1) % ranks].c_str(), value, sizeof(value), &len) != DP_OK) {
+    return "get: " + dptest::last_error();
+  }
+  if (std::string(value, len) != "here") return "get: a wrong value";
+  std::string done = "done/" + std::to_string(rank);
+  if (dp_store_set(s, done.c_str(), "", 0) != DP_OK) return "set done: " + dptest::last_error();
+  if (rank == 0) {
+    for (std::string& k : keys) k.replace(0, 4, "done");
+    if (dp_store_wait(s, names.data(), names.size(), timeout_ms) != DP_OK) {
+      return "wait for the others to be done: " + dptest::last_error();
+    }
+  }
+  return "";
+}
+
+// The flood: a peer opening connections as fast as it can, each
+// sending one byte, hundreds open. Every rank, rank 0's own client included,
+// must greet and form the job within its timeout.
+TEST(TcpStoreServer, AJobWithATokenFormsUnderAFloodOfOneByteConnections) {
+  uint16_t port = free_port_below_the_ephemeral_range();
+  if (port == 0) GTEST_SKIP() << "no free port below the ephemeral range";
+  Flooder flood(900);
+  flood.start(port);  // refused until rank 0 listens; flooded from then on
+  ::setenv("DP_STORE_TOKEN", "flood-test-token", 1);
+  constexpr int kRanks = 4;
+  constexpr int32_t kTimeoutMs = 60000;
+  size_t descriptors_before = open_descriptors();
+  std::vector<std::string> errors(kRanks);
+  std::vector<std::thread> ranks;
+  ranks.emplace_back([&] { errors[0] = run_store_rank(port, 0, kRanks, kTimeoutMs); });
+  // The others come once the flood has reached the server.
+  bool flooded = flood.made_at_least(2000, std::chrono::milliseconds(kTimeoutMs / 2));
+  for (int r = 1; r < kRanks; ++r)
+    ranks.emplace_back([&, r] { errors[r] = run_store_rank(port, r, kRanks, kTimeoutMs); });
+  // The server keeps what the flood leaves it bounded: its ungreeted slots, the ranks, and their clients.
+  size_t descriptors_during = open_descriptors();
+  for (std::thread& t : ranks) t.join();
+  ::unsetenv("DP_STORE_TOKEN");
+  EXPECT_TRUE(flooded) << "the flood did not reach the server";
+  for (int r = 0; r < kRanks; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+  EXPECT_LE(descriptors_during, descriptors_before + TcpStoreServerLimits().max_ungreeted + 2 * kRanks + 16);
+}
+
+// A client between the two messages of its greeting has sent each whole:
+// connections that sent one byte and stopped go before it, however many come.
+TEST(TcpStoreServer, AFloodOfOneByteConnectionsDoesNotEvictAClientMidGreeting) {
+  Flooder flood(900);
+  TcpStoreServerLimits limits;
+  limits.greeting_deadline = limits.greeting_idle_limit = std::chrono::seconds(600);  // it takes its time
+  auto server = server_with(limits);
+  int fd = raw_connect(server->port());
+  std::string client_nonce(wire::kNonceBytes, 'c');
+  std::vector<uint8_t> hello = frame(1, client_nonce);
+  ASSERT_EQ(::send(fd, hello.data(), hello.size(), 0), static_cast<ssize_t>(hello.size()));
+  uint8_t answer[4 + 1 + wire::kNonceBytes + wire::kProofBytes];
+  ASSERT_EQ(::recv(fd, answer, sizeof(answer), MSG_WAITALL), static_cast<ssize_t>(sizeof(answer)));
+  flood.start(server->port());
+  // Past the listen backlog (4096 at most), many times the ungreeted slots:
+  // "the oldest goes" closed this client long before.
+  EXPECT_TRUE(flood.made_at_least(4096 + 16 * limits.max_ungreeted, std::chrono::seconds(60)));
+  std::string server_nonce(reinterpret_cast<char*>(answer) + 5, wire::kNonceBytes);
+  std::vector<uint8_t> proof = frame(6, greeting::client_proof("", client_nonce, server_nonce));
+  ASSERT_EQ(::send(fd, proof.data(), proof.size(), MSG_NOSIGNAL), static_cast<ssize_t>(proof.size()));
+  uint8_t ok[5] = {0, 0, 0, 0, 0xff};
+  EXPECT_EQ(::recv(fd, ok, sizeof(ok), MSG_WAITALL), 5) << "the client was closed mid-greeting";
+  EXPECT_EQ(ok[4], 0);
+  ::close(fd);
+}
+
+// Greeted clients are the ranks: a connection that has not greeted, however
+// many come, never takes a greeted client's place.
+TEST(TcpStoreServer, UngreetedConnectionsNeverEvictAGreetedClient) {
+  TcpStoreServerLimits limits;
+  limits.max_clients = 2;  // the server's own handle and one more
+  auto server = server_with(limits);
+  int greeted = greeted_connect(server->port());
+  server->set("k", {1});  // the server's own handle is not the idlest greeted client
+  std::vector<int> ungreeted;
+  for (int i = 0; i < 100; ++i) {
+    ungreeted.push_back(raw_connect(server->port()));
+    ASSERT_EQ(::send(ungreeted.back(), "x", 1, 0), 1);
+  }
+  EXPECT_FALSE(hung_up_within(greeted, std::chrono::seconds(2)));
+  // It is still served.
+  wire::Request check;
+  check.command = wire::Command::kCheck;
+  check.keys = {"k"};
+  std::vector<uint8_t> request = wire::encode_request(check);
+  ASSERT_EQ(::send(greeted, request.data(), request.size(), MSG_NOSIGNAL), static_cast<ssize_t>(request.size()));
+  uint8_t reply[5] = {0, 0, 0, 0, 0xff};
+  EXPECT_EQ(::recv(greeted, reply, sizeof(reply), MSG_WAITALL), 5);
+  EXPECT_EQ(reply[4], 0);
+  for (int fd : ungreeted) ::close(fd);
+  ::close(greeted);
+}
+
+// Connections from one host that take their time cannot keep another host's
+// clients out; nor do they lose their slots to more of their own.
+TEST(TcpStoreServer, TheAddressHoldingTheMostUngreetedSlotsGivesOneUpToAnotherAddress) {
+  TcpStoreServerLimits limits;
+  limits.max_ungreeted = 8;
+  limits.greeting_deadline = limits.greeting_idle_limit = std::chrono::seconds(600);  // none stalls within the test
+  auto server = server_with(limits);
+  std::vector<int> slow;
+  for (size_t i = 0; i < limits.max_ungreeted; ++i) slow.push_back(raw_connect(server->port(), "127.0.0.1"));
+  int one_more = raw_connect(server->port(), "127.0.0.1");
+  EXPECT_TRUE(closed_within(one_more, std::chrono::seconds(60))) << "no room was made for it";
+  int other = greeted_connect(server->port(), 0, "127.0.0.2");
+  EXPECT_TRUE(closed_within(slow.front(), std::chrono::seconds(60))) << "the idlest of 127.0.0.1 stays";
+  for (size_t i = 1; i < slow.size(); ++i) EXPECT_FALSE(hung_up_within(slow[i], std::chrono::milliseconds(50)));
+  for (int fd : slow) ::close(fd);
+  ::close(one_more);
+  ::close(other);
+}
+
 // Runs `body` in a child process, which exits with its result; bounded by `limit`.
 // `after_fork` runs in the parent once the child exists: threads the test
 // needs beside the child start there, since a child forked while another
@@ -551,6 +844,58 @@ TEST(TcpStoreClient, NeverSendsTheTokenItself) {
   std::string wire(fake.received().begin(), fake.received().end());
   EXPECT_FALSE(wire.empty());
   EXPECT_EQ(wire.find("job-token-never-on-the-wire"), std::string::npos);
+}
+
+// A server under a flood closes newcomers; the client tries again, with the
+// connection closed after its hello or reset with the hello unread.
+TEST(TcpStoreClient, AGreetingCutShortByTheServerIsRetriedUntilItSucceeds) {
+  FakeServer fake;
+  bool closed = false, reset = false;
+  std::thread server([&] {
+    closed = fake.accept_and_close(std::chrono::seconds(20), true);
+    reset = closed && fake.accept_and_close(std::chrono::seconds(20), false);
+    if (reset) fake.accept_and_greet(std::chrono::seconds(20));
+  });
+  dp_store* c = nullptr;
+  dp_status created = dp_store_create_tcp(&c, "127.0.0.1", fake.port(), 2, 0, 60000);
+  std::string error = dptest::last_error();
+  server.join();
+  StorePtr store(c);
+  EXPECT_TRUE(closed && reset);
+  EXPECT_EQ(created, DP_OK) << error;
+}
+
+TEST(TcpStoreClient, ATimeoutAfterGreetingsCutShortSaysWhatEndedTheLastAttempt) {
+  FakeServer fake;
+  size_t descriptors_before = open_descriptors();
+  std::atomic<bool> done{false};
+  std::thread server([&] {
+    while (!done) fake.accept_and_close(std::chrono::milliseconds(50), true);
+  });
+  dp_store* c = nullptr;
+  EXPECT_EQ(dp_store_create_tcp(&c, "127.0.0.1", fake.port(), 2, 0, 1500), DP_ETIMEOUT);
+  std::string error = dptest::last_error();
+  done = true;
+  server.join();
+  EXPECT_EQ(c, nullptr);
+  EXPECT_NE(error.find("closed by the peer"), std::string::npos) << error;
+  EXPECT_NE(error.find("attempts"), std::string::npos) << error;
+  EXPECT_NE(error.find(std::to_string(fake.port())), std::string::npos) << error;
+  EXPECT_EQ(open_descriptors(), descriptors_before) << "an attempt's connection was left open";
+}
+
+TEST(TcpStoreClient, AWrongTokenFailsAtOnceWithoutRetrying) {
+  ::setenv("DP_STORE_TOKEN", "the-job-token", 1);
+  StorePtr server = tcp_store(0, 1, 20000);
+  ::setenv("DP_STORE_TOKEN", "another-token", 1);
+  dp_store* c = nullptr;
+  auto start = Clock::now();
+  EXPECT_EQ(dp_store_create_tcp(&c, "127.0.0.1", port_of(server.get()), 2, 0, 60000), DP_EREMOTE);
+  double took = ms_since(start);
+  ::unsetenv("DP_STORE_TOKEN");
+  EXPECT_EQ(c, nullptr);
+  EXPECT_NE(dptest::last_error().find("DP_STORE_TOKEN"), std::string::npos) << dptest::last_error();
+  EXPECT_LT(took, 30000.0) << "retried a refusal until the timeout (60 s)";
 }
 
 }  // namespace

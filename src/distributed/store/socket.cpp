@@ -61,7 +61,9 @@ int listen_on(const std::string& host, uint16_t port, uint16_t* bound_port) {
     if (fd < 0) continue;
     int one = 1;
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(fd, 128) == 0) {
+    // A deep backlog (the kernel caps it at net.core.somaxconn) rides out a
+    // flood while the server is busy, instead of dropping real clients' handshakes.
+    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(fd, 4096) == 0) {
       sockaddr_storage addr{};
       socklen_t len = sizeof(addr);
       ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
@@ -104,8 +106,8 @@ int connect_to(const std::string& host, uint16_t port, Clock::time_point deadlin
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(100));
   }
-  fail(StatusCode::kTimeout, "cannot connect to the store at ", host, ":", port,
-       " before the timeout: ", std::strerror(last_errno));
+  fail(StatusCode::kTimeout, "connecting to ", host, ":", port, ": ",
+       last_errno == EINPROGRESS ? "no answer" : std::strerror(last_errno));
 }
 
 void send_all(int fd, const void* data, size_t size, Clock::time_point deadline, const char* what) {

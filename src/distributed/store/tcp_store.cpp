@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <limits>
+#include <random>
+#include <thread>
 
 #include "core/error.h"
 #include "distributed/store/greeting.h"
@@ -21,6 +23,19 @@ namespace {
 constexpr const char* kJoinedKey = "__dp_store/joined";
 // How long a server whose workers did not all join may spend counting them.
 constexpr Millis kJoinedCountBound{2000};
+
+// A connection that is not up within this is tried afresh: under a flood,
+// a dropped handshake would otherwise wait out the kernel's growing retries.
+constexpr Millis kConnectAttemptLimit{2000};
+// The pause between attempts to connect and greet: doubling, with jitter.
+constexpr Millis kFirstRetryPause{10};
+constexpr Millis kLongestRetryPause{250};
+
+// A greeting cut short by the connection (closed, reset, refused): worth
+// another attempt, unlike a refusal of the token.
+struct GreetingCutShort {
+  std::string what;
+};
 
 // How long past a held request's time the client waits for the server's answer.
 Millis reply_grace(Millis hold) { return std::clamp(hold / 10, Millis(100), Millis(1000)); }
@@ -108,15 +123,44 @@ void TcpStore::join_workers() {
   }
 }
 
+// Connects and greets, again and again until `deadline` while the
+// connection fails (a server under a flood closes newcomers); a refusal of
+// the token, or a peer that is no dparallel store, fails at once.
 void TcpStore::connect(net::Clock::time_point deadline) {
-  fd_ = net::connect_to(options_.host, port_, deadline);
-  try {
-    greeting::greet_server(
-        [&](const std::vector<uint8_t>& frame) { return exchange(frame, deadline, "store greeting"); }, options_.token,
-        str_cat(options_.host, ":", port_));
-  } catch (...) {
+  std::string where = str_cat(options_.host, ":", port_);
+  auto greeting_exchange = [&](const std::vector<uint8_t>& frame) {
+    try {
+      return exchange(frame, deadline, "store greeting");
+    } catch (const Error& e) {
+      if (e.code() == StatusCode::kRemote) throw GreetingCutShort{e.what()};
+      throw;
+    }
+  };
+  auto start = net::Clock::now();
+  thread_local std::minstd_rand jitter(static_cast<unsigned>(start.time_since_epoch().count()));
+  Millis pause = kFirstRetryPause;
+  std::string last;  // what ended the last attempt
+  for (int attempt = 1;; ++attempt) {
+    try {
+      fd_ = net::connect_to(options_.host, port_, std::min(deadline, net::Clock::now() + kConnectAttemptLimit));
+      greeting::greet_server(greeting_exchange, options_.token, where);
+      return;
+    } catch (const GreetingCutShort& e) {
+      last = e.what;
+    } catch (const Error& e) {
+      disconnect();
+      if (e.code() != StatusCode::kTimeout) throw;
+      last = e.what();
+    }
     disconnect();
-    throw;
+    auto now = net::Clock::now();
+    if (now + pause >= deadline) {
+      fail(StatusCode::kTimeout, "cannot connect to the store at ", where, " before the timeout (", attempt,
+           attempt == 1 ? " attempt in " : " attempts in ", std::chrono::duration_cast<Millis>(now - start).count(),
+           " ms); the last one: ", last);
+    }
+    std::this_thread::sleep_for(pause / 2 + Millis(jitter() % (pause.count() / 2 + 1)));
+    pause = std::min(pause * 2, kLongestRetryPause);
   }
 }
 

@@ -21,6 +21,9 @@ using wire::ReplyStatus;
 namespace {
 
 constexpr auto kAcceptBackoff = std::chrono::milliseconds(100);
+// Connections accepted per round: enough to keep a flood from filling the
+// listen backlog (where real clients' connections would be dropped).
+constexpr int kAcceptsPerRound = 256;
 // The log prints at most this many lines per window, then counts the rest.
 constexpr size_t kLogLinesPerWindow = 20;
 constexpr auto kLogWindow = std::chrono::seconds(10);
@@ -39,6 +42,8 @@ TcpStoreServer::TcpStoreServer(const std::string& host, uint16_t port, std::stri
                                const TcpStoreServerLimits& limits)
     : host_(host), token_(std::move(token)), limits_(limits) {
   listen_fd_ = net::listen_on(host, port, &port_);
+  // accept_clients() takes what is waiting, never blocking once it is all taken.
+  ::fcntl(listen_fd_, F_SETFL, ::fcntl(listen_fd_, F_GETFL) | O_NONBLOCK);
   if (::pipe2(wake_, O_CLOEXEC) != 0) {
     ::close(listen_fd_);
     fail(StatusCode::kIo, "cannot create the store server's wake pipe: ", std::strerror(errno));
@@ -119,14 +124,13 @@ void TcpStoreServer::run() {
       return;
     }
     if (fds[0].revents != 0) return;
-    if (fds[1].revents & POLLIN) accept_client();
     now = Clock::now();
     doomed.clear();
     // Input and output first; requests after, so that a set answers the gets held for it in the same round.
     for (size_t i = 2; i < fds.size(); ++i) {
       int fd = fds[i].fd;
       auto it = clients_.find(fd);
-      if (it == clients_.end()) continue;  // evicted by accept_client() this round
+      if (it == clients_.end()) continue;  // evicted this round, by a client that greeted
       Client& client = it->second;
       bool keep = true;
       if (fds[i].revents & POLLOUT) keep = flush(client, fd);
@@ -148,6 +152,8 @@ void TcpStoreServer::run() {
       for (int fd : doomed) close_client(fd);
       doomed.clear();
     }
+    // After the reads, so that room is made by what each connection has sent.
+    if (fds[1].revents & POLLIN) accept_clients();
     more = false;
     for (auto& [fd, client] : clients_) {
       bool keep = client.pending() == 0 || flush(client, fd);
@@ -181,56 +187,108 @@ void TcpStoreServer::run() {
   }
 }
 
-void TcpStoreServer::accept_client() {
-  int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-  if (fd < 0) {
-    // Out of descriptors: the listener stays readable, so stop polling it for a while.
-    if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
-      accept_paused_until_ = Clock::now() + kAcceptBackoff;
+void TcpStoreServer::accept_clients() {
+  for (int i = 0; i < kAcceptsPerRound; ++i) {
+    int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) {
+      // Out of descriptors: the listener stays readable, so stop polling it for a while.
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        accept_paused_until_ = Clock::now() + kAcceptBackoff;
+      }
+      return;
     }
-    return;
+    Client& client = clients_.emplace(fd, Client(token_)).first->second;
+    client.peer = net::peer_name(fd);
+    client.address = client.peer.substr(0, client.peer.rfind(':'));
+    client.since = client.last_progress = client.last_request = client.last_input = Clock::now();
+    // A real client's greeting is usually here already: reading it now lets
+    // the room be made by what the newcomer sent.
+    bool changed = false;
+    if (!read_input(client, fd) || !process(client, &changed) || !flush(client, fd)) {
+      close_client(fd);
+      continue;
+    }
+    make_room_for_ungreeted(fd);
   }
-  evict_for_room(fd);
-  Client& client = clients_.emplace(fd, Client(token_)).first->second;
-  client.peer = net::peer_name(fd);
-  client.since = client.last_progress = client.last_request = Clock::now();
 }
 
-// Idle or ungreeted connections must not lock out the ranks: over the
-// limits, the oldest ungreeted one goes, or the greeted one idle the longest.
-void TcpStoreServer::evict_for_room(int newcomer) {
+// Under a flood of connections that never greet, a real client must keep its
+// slot while it greets. It sends each message whole and at once, so the
+// first to go is a connection holding part of a message, then one silent
+// past the idle limit; of these, the one quiet the longest. Failing that, an
+// address holding more slots than the newcomer's gives one up (a flood from
+// one host does not lock out the others); failing that, the newcomer goes,
+// and a real client tries again.
+void TcpStoreServer::make_room_for_ungreeted(int newcomer) {
+  auto now = Clock::now();
   size_t ungreeted = 0;
-  int oldest_ungreeted = -1, idlest = -1;
+  int partial = -1, silent = -1;
+  std::map<std::string, size_t> per_address;
+  auto quieter = [&](int fd, int than) {
+    return than < 0 || clients_.at(fd).last_input < clients_.at(than).last_input;
+  };
   for (auto& [fd, client] : clients_) {
-    if (!client.greeted) {
-      ++ungreeted;
-      if (oldest_ungreeted < 0 || client.since < clients_.at(oldest_ungreeted).since) oldest_ungreeted = fd;
-    } else if (!client.held && client.pending() == 0 && client.in.empty()) {
-      if (idlest < 0 || client.last_request < clients_.at(idlest).last_request) idlest = fd;
+    if (client.greeted) continue;
+    ++ungreeted;
+    ++per_address[client.address];
+    if (!client.in.empty()) {
+      if (quieter(fd, partial)) partial = fd;
+    } else if (now - client.last_input >= limits_.greeting_idle_limit && quieter(fd, silent)) {
+      silent = fd;
     }
   }
-  if (ungreeted >= limits_.max_ungreeted && oldest_ungreeted >= 0) {
-    log(clients_.at(oldest_ungreeted).peer, "closed: too many clients have not greeted; the oldest goes");
-    close_client(oldest_ungreeted);
-    return;
+  if (ungreeted <= limits_.max_ungreeted) return;
+  int victim = partial >= 0 ? partial : silent;
+  const char* why = partial >= 0 ? "it sent part of a message and stopped" : "it has sent nothing for a while";
+  if (victim < 0) {
+    auto most = std::max_element(per_address.begin(), per_address.end(),
+                                 [](const auto& a, const auto& b) { return a.second < b.second; });
+    if (most->second > per_address[clients_.at(newcomer).address]) {
+      for (auto& [fd, client] : clients_) {
+        if (!client.greeted && client.address == most->first && quieter(fd, victim)) victim = fd;
+      }
+      why = "its address holds the most of them";
+    }
   }
-  if (clients_.size() < limits_.max_clients) return;
-  int victim = oldest_ungreeted >= 0 ? oldest_ungreeted : idlest;
-  if (victim >= 0) {
-    log(clients_.at(victim).peer, str_cat("closed: ", limits_.max_clients, " clients are connected; ",
-                                          victim == idlest ? "the one idle the longest" : "the oldest ungreeted one",
-                                          " goes to let a new one in"));
-    close_client(victim);
-    return;
+  if (victim < 0) {
+    victim = newcomer;
+    why = "none has stalled; it may try again";
   }
-  std::string peer = net::peer_name(newcomer);
-  log(peer, str_cat("refused: ", limits_.max_clients, " clients are connected and all are busy"));
-  ::close(newcomer);
+  log(clients_.at(victim).peer, str_cat(victim == newcomer ? "refused: " : "closed: ", limits_.max_ungreeted,
+                                        " connections have not greeted and ", why));
+  close_client(victim);
 }
 
+// A client that has greeted takes the place of the greeted one idle the
+// longest when all places are taken; false when every one is busy.
+bool TcpStoreServer::make_room_for_greeted(const Client& newcomer) {
+  size_t greeted = 0;
+  int idlest = -1;
+  for (auto& [fd, client] : clients_) {
+    if (!client.greeted || &client == &newcomer) continue;
+    ++greeted;
+    if (!client.held && client.pending() == 0 && client.in.empty() &&
+        (idlest < 0 || client.last_request < clients_.at(idlest).last_request)) {
+      idlest = fd;
+    }
+  }
+  if (greeted < limits_.max_clients) return true;
+  if (idlest < 0) {
+    log(newcomer.peer, str_cat("refused: ", limits_.max_clients, " clients are connected and all are busy"));
+    return false;
+  }
+  log(clients_.at(idlest).peer, str_cat("closed: ", limits_.max_clients,
+                                        " clients are connected; the one idle the longest goes to let a new one in"));
+  close_client(idlest);
+  return true;
+}
+
+// Closing twice is harmless: the second finds nothing (the number may be another's by then).
 void TcpStoreServer::close_client(int fd) {
+  auto it = clients_.find(fd);
+  if (it == clients_.end()) return;
   ::close(fd);
-  clients_.erase(fd);
+  clients_.erase(it);
 }
 
 bool TcpStoreServer::flush(Client& client, int fd) {
@@ -262,6 +320,7 @@ bool TcpStoreServer::read_input(Client& client, int fd) {
   }
   if (n < 0) return errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK;
   client.in.insert(client.in.end(), chunk, chunk + n);
+  client.last_input = Clock::now();
   return true;
 }
 
@@ -340,6 +399,7 @@ bool TcpStoreServer::handle(Client& client, const wire::Request& request, bool* 
         reply(client, answer.status, answer.payload);
         return true;
       case greeting::ServerGreeting::Step::kGreeted:
+        if (!make_room_for_greeted(client)) return false;
         client.greeted = true;
         reply(client, answer.status, answer.payload);
         return true;

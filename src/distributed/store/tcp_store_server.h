@@ -21,11 +21,16 @@
 namespace dparallel::dist {
 
 struct TcpStoreServerLimits {
-  // Connections beyond this evict the greeted client idle the longest.
+  // A client greeting beyond this many greeted ones evicts the greeted client
+  // idle the longest. Connections that have not greeted never evict one.
   size_t max_clients = 1024;
-  // Ungreeted connections beyond this evict the oldest of them.
+  // An ungreeted connection beyond this many closes a stalled one, else one
+  // of the address holding the most of them, else itself.
   size_t max_ungreeted = 64;
   Millis greeting_deadline{10000};
+  // An ungreeted connection silent this long has stalled; one holding part
+  // of a message has at once: a real client sends each message whole.
+  Millis greeting_idle_limit{250};
   // A client whose pending replies make no progress for this long is closed.
   Millis stall_limit{5000};
   // A request begun must arrive whole within this.
@@ -60,15 +65,18 @@ class TcpStoreServer {
     bool closing = false;  // close once `out` is sent (a refusal)
     std::optional<Held> held;
     std::string peer;
+    std::string address;                                       // the peer's host: its share of the ungreeted slots
     Clock::time_point since;                                   // accepted; the greeting deadline counts from here
+    Clock::time_point last_input;                              // the last byte received, or the accept
     Clock::time_point last_progress;                           // last time pending output moved
     Clock::time_point last_request;                            // for evicting the client idle the longest
     Clock::time_point frame_since = Clock::time_point::max();  // the first byte of an unfinished request
     size_t pending() const { return out.size() - out_sent; }
   };
   void run();
-  void accept_client();
-  void evict_for_room(int newcomer);
+  void accept_clients();
+  void make_room_for_ungreeted(int newcomer);
+  bool make_room_for_greeted(const Client& newcomer);
   void close_client(int fd);
   bool flush(Client& client, int fd);
   bool read_input(Client& client, int fd);
