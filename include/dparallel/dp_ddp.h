@@ -61,6 +61,14 @@
  * ranks' matching reductions at once (DP_EINVAL naming that rank); the
  * group stays usable and the next backward starts afresh.
  *
+ * A failed finish_backward leaves every managed gradient as this rank
+ * computed it (its own, unaveraged values), also in buckets reduced before
+ * the failure, so the host may retry or skip the step; the next backward
+ * starts afresh. Two failures are not undone: DP_ETIMEOUT (a reduction
+ * still runs, the dp_ddp is unusable) and a failure of the group itself.
+ * The reducer keeps a copy of each bucket's own values for this: memory
+ * the size of the managed gradients.
+ *
  * A gradient marked ready belongs to the library until finish_backward
  * returns: the host must neither read nor write it in between (its bucket
  * may be reduced, and the result written back, while the backward goes on).

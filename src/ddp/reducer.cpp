@@ -365,6 +365,7 @@ void Reducer::build_buckets(const std::vector<std::vector<size_t>>& plan) {
     for (size_t p : plan[b]) numel += params_[p].parameter->value().numel();
     bucket.numel = numel;
     if (!in_place_) bucket.flat = Tensor::zeros(bucket.dtype, {numel}, group_->device());
+    bucket.local = Tensor::empty(bucket.dtype, {numel}, group_->device());
   }
   // Offsets are assigned only once every allocation succeeded.
   for (size_t b = 0; b < plan.size(); ++b) {
@@ -747,6 +748,7 @@ void Reducer::run_job(size_t index, const std::string& refusal) {
     } else {
       copy_into_bucket(index);
       if (debug_ == DebugLevel::kDetail) check_fingerprint(index);
+      save_local(index);
       reduce_bucket(index);
       // The results go back into the gradients here, while the host's
       // backward goes on, unless the used map must decide it first.
@@ -773,6 +775,36 @@ void Reducer::run_job(size_t index, const std::string& refusal) {
   bucket.error = std::move(error);
   bucket.done = true;
   cv_.notify_all();
+}
+
+void Reducer::save_local(size_t index) {
+  Bucket& bucket = buckets_[index];
+  if (bucket.numel == 0) return;
+  if (in_place_) {
+    std::vector<Tensor> grads;
+    grads.reserve(bucket.params.size());
+    for (size_t p : bucket.params) grads.push_back(params_[p].parameter->grad());
+    comm::flatten_into(bucket.local, grads);
+  } else {
+    copy_tensor(bucket.local, bucket.flat);
+  }
+  bucket.reduced = true;
+}
+
+void Reducer::restore_local_locked(const std::map<size_t, Tensor>& saved_views) {
+  for (Bucket& bucket : buckets_) {
+    if (!bucket.reduced) continue;
+    bucket.reduced = false;
+    if (options_.gradient_as_bucket_view) {
+      copy_tensor(bucket.flat, bucket.local);  // the gradients are views into it
+    } else if (in_place_ || bucket.copied_back) {
+      std::vector<Tensor> grads;
+      grads.reserve(bucket.params.size());
+      for (size_t p : bucket.params) grads.push_back(params_[p].parameter->grad());
+      comm::unflatten_into(grads, bucket.local);
+    }
+  }
+  for (const auto& [index, values] : saved_views) copy_tensor(slot_of(index), values);
 }
 
 void Reducer::fail_bucket_locked(size_t index, const std::string& why) {
@@ -920,6 +952,7 @@ void Reducer::reset_iteration_locked() {
     b.pending = b.params.size();
     b.done = false;
     b.copied_back = false;
+    b.reduced = false;
     b.code = StatusCode::kOk;
     b.error.clear();
     for (void* e : b.events) cuda::destroy_event(e);
@@ -971,6 +1004,7 @@ void Reducer::finish_backward() {
     }
     next_queue_ = buckets_.size();
     wait_all_done(lock);
+    restore_local_locked({});
     std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
     ready_order_.clear();
     reset_iteration_locked();
@@ -1011,6 +1045,7 @@ void Reducer::finish_backward() {
       std::memcpy(used.data(), back.data(), used.size());
     } catch (...) {
       lock.lock();
+      restore_local_locked(saved_views);
       std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
       reset_iteration_locked();
       throw;
@@ -1029,6 +1064,7 @@ void Reducer::finish_backward() {
                 not_ready.empty() ? std::string("this rank marked all of them ready")
                                   : "this rank has not seen ready: " + describe_params(not_ready),
                 ": ", bucket.error);
+    restore_local_locked(saved_views);
     std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
     ready_order_.clear();
     reset_iteration_locked();

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -163,6 +164,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     std::vector<size_t> deferred;  // parameters whose copy waits for `events`
     bool done = false;
     bool copied_back = false;  // its gradients already hold the result
+    // This rank's own values, kept from just before the reduction, so that
+    // a failed finish_backward can leave every gradient local.
+    Tensor local;
+    bool reduced = false;  // its reduction started: `local` holds the values to restore
     StatusCode code = StatusCode::kOk;
     std::string error;
     Clock::time_point start, end;
@@ -191,6 +196,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // for a failed collective's reports.
   Clock::duration lane_bound() const;
   void reset_iteration_locked();
+  // The bucket's gradients as this rank holds them now, into `local`.
+  void save_local(size_t index);
+  // After a failed iteration: every reduced bucket's gradients back to this
+  // rank's own values (and `saved_views`, unused views' own values).
+  void restore_local_locked(const std::map<size_t, Tensor>& saved_views);
   void rebuild(const std::vector<size_t>& rank0_order);
   std::string describe_params(const std::vector<size_t>& indices) const;
   // DP_DEBUG=INFO and DETAIL: `title`, then every bucket and its parameters.

@@ -917,7 +917,7 @@ static void no_sync(dp_process_group *pg) {
 static void run_unused_error(dp_process_group *pg, const dp_ddp_options *opts) {
   Net net;
   Wrap w;
-  Params cur, grads[MAXN], avg, got;
+  Params cur, grads[MAXN], avg, got, local;
   double start, elapsed;
   dp_status st;
   net_create(&net, 42, 2, 0);
@@ -936,6 +936,12 @@ static void run_unused_error(dp_process_group *pg, const dp_ddp_options *opts) {
     EXPECT_ERROR("finish while rank 1 left fc2.bias unmarked", st, DP_EINVAL, "rank 1");
     CHECK(elapsed < 30000.0, "rank 0 failed only after %.0f ms: it waited for the timeout", elapsed);
   }
+  /* Every gradient is this rank's own again, also in buckets reduced
+   * before the refusal: never a mix of averaged and local ones. */
+  local = grads[g_rank];
+  if (g_rank == 1) memset(local.v[3], 0, sizeof(local.v[3]));
+  grads_get(&net, &got);
+  EXPECT_PARAMS("the gradients after a failed finish (this rank's own)", &got, &local, ALL_PARAMS, 0, 0);
 
   CHECK_OK(dp_module_zero_grad(net.root));
   backward(&net, &w, &grads[g_rank], NULL, 0);
@@ -951,6 +957,13 @@ static void unused_error(dp_process_group *pg) { run_unused_error(pg, NULL); }
 static void unused_error_buckets(dp_process_group *pg) {
   dp_ddp_options o = DP_DDP_OPTIONS_INIT;
   o.bucket_cap_mb = o.first_bucket_cap_mb = CAP_MB(24);
+  run_unused_error(pg, &o);
+}
+
+static void unused_error_views(dp_process_group *pg) {
+  dp_ddp_options o = DP_DDP_OPTIONS_INIT;
+  o.bucket_cap_mb = o.first_bucket_cap_mb = CAP_MB(24);
+  o.gradient_as_bucket_view = 1;
   run_unused_error(pg, &o);
 }
 
@@ -1334,6 +1347,7 @@ static const Scenario kScenarios[] = {
     {"no_sync", no_sync, 60000},
     {"unused_error", unused_error, 60000},
     {"unused_error_buckets", unused_error_buckets, 60000},
+    {"unused_error_views", unused_error_views, 60000},
     {"unused_found", unused_found, 60000},
     {"hook_fp16", hook_fp16, 60000},
     {"hook_bf16", hook_bf16, 60000},
