@@ -177,6 +177,7 @@ struct Rank {
   std::string pending;  // a partial line
   bool running = false;
   int exit_code = 0;
+  bool group_gone = false;  // seen empty once the rank was reaped
 };
 
 // A partial line this long is printed as a line of its own.
@@ -220,18 +221,27 @@ void drain(Rank& r) {
 }
 
 // Each rank leads its own process group; it is signalled even after the rank
-// exited, for what the rank left running in it.
+// exited, for what the rank left running in it, but not once seen empty.
 void signal_all(std::vector<Rank>& ranks, int sig) {
   for (Rank& r : ranks) {
-    if (r.pid > 0) ::kill(-r.pid, sig);
+    if (r.pid > 0 && !r.group_gone) ::kill(-r.pid, sig);
   }
 }
 
 bool any_group_alive(const std::vector<Rank>& ranks) {
   for (const Rank& r : ranks) {
-    if (r.pid > 0 && ::kill(-r.pid, 0) == 0) return true;
+    if (r.pid > 0 && !r.group_gone && ::kill(-r.pid, 0) == 0) return true;
   }
   return false;
+}
+
+// A group's id is free for reuse once its last member is reaped (while the
+// rank itself is unreaped, its pid holds it): an empty group is forgotten, so
+// that a new group with the same id is never signalled.
+void forget_empty_groups(std::vector<Rank>& ranks) {
+  for (Rank& r : ranks) {
+    if (r.pid > 0 && !r.running && !r.group_gone && ::kill(-r.pid, 0) != 0 && errno == ESRCH) r.group_gone = true;
+  }
 }
 
 // Reaps every exited child: ranks, and (as the subreaper) what they left.
@@ -244,6 +254,7 @@ void reap(std::vector<Rank>& ranks) {
       r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
     }
   }
+  forget_empty_groups(ranks);
 }
 
 // dp-run's own living children: as the subreaper, what escaped a rank's

@@ -148,7 +148,7 @@ class Job {
       ::waitpid(pid_, nullptr, 0);
     }
     for (int pid : read_pids(pids_path())) ::kill(pid, SIGKILL);
-    for (const char* name : {"/pids", "/out", "/rank.sh", "/go"}) ::unlink((dir_ + name).c_str());
+    for (const char* name : {"/pids", "/out", "/rank.sh", "/go", "/rank0"}) ::unlink((dir_ + name).c_str());
     ::rmdir(dir_.c_str());
   }
 
@@ -406,6 +406,61 @@ TEST(DpRun, StopsTheJobWhenTheReaderOfItsOutputGoesAway) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGPIPE) << "dp-run ended with " << exit_text(status);
   std::vector<int> left = still_running(read_pids(job.pids_path()));
   EXPECT_TRUE(left.empty()) << "outlived dp-run:" << describe(left);
+}
+
+// Once a rank's process group is empty, its id may become another group's;
+// dp-run must not signal that one. The test hands the id of rank 0's group,
+// which exits at once, to a new group through ns_last_pid, then has rank 1
+// fail, which stops the job.
+TEST(DpRun, LeavesAloneANewProcessGroupWithTheIdOfAnEmptyRankGroup) {
+  const char* last_pid_path = "/proc/sys/kernel/ns_last_pid";
+  if (::access(last_pid_path, W_OK) != 0) GTEST_SKIP() << "cannot choose the next pid through " << last_pid_path;
+  Job job;
+  const std::string rank0 = job.dir() + "/rank0", go = job.dir() + "/go";
+  ASSERT_TRUE(job.start({"-n", "2", "--grace-ms", "300", "sh", "-c",
+                         "if [ $RANK = 0 ]; then echo $$ > " + rank0 + "; exit 0; fi; echo $$ >> " + job.pids_path() +
+                             "; for i in $(seq 600); do [ -e " + go + " ] && exit 3; sleep 0.05; done"},
+                        {}));
+  ASSERT_TRUE(job.wait_for_pids(1)) << job.output();
+  const std::vector<int> rank0_pid = read_pids(rank0);
+  ASSERT_EQ(rank0_pid.size(), 1u);
+  const int group = rank0_pid[0];
+  // Rank 0 is reaped (not a zombie) once its /proc entry is gone.
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (::access(("/proc/" + std::to_string(group)).c_str(), F_OK) == 0 &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  // A process that leads a new group: the next pid is `group`, unless another process takes it first.
+  pid_t impostor = -1;
+  for (int attempt = 0; attempt < 50 && impostor != group; ++attempt) {
+    if (impostor > 0) {
+      ::kill(impostor, SIGKILL);
+      ::waitpid(impostor, nullptr, 0);
+    }
+    std::ofstream(last_pid_path) << group - 1;
+    posix_spawnattr_t attr;
+    posix_spawnattr_init(&attr);
+    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
+    posix_spawnattr_setpgroup(&attr, 0);
+    const char* argv[] = {"sleep", "60", nullptr};
+    if (::posix_spawn(&impostor, "/bin/sleep", nullptr, &attr, const_cast<char**>(argv), environ) != 0) impostor = -1;
+    posix_spawnattr_destroy(&attr);
+  }
+  if (impostor != group) {
+    if (impostor > 0) ::kill(impostor, SIGKILL);
+    GTEST_SKIP() << "pid " << group << " went to another process";
+  }
+  std::ofstream(go) << "go\n";
+  int status = job.wait();
+  int impostor_status = 0;
+  bool impostor_running = ::waitpid(impostor, &impostor_status, WNOHANG) == 0;
+  ::kill(impostor, SIGKILL);
+  ::waitpid(impostor, nullptr, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 3) << "dp-run ended with " << exit_text(status);
+  EXPECT_TRUE(impostor_running) << "dp-run signalled process group " << group
+                                << ", no longer a rank's: " << exit_text(impostor_status);
 }
 
 }  // namespace
