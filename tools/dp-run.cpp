@@ -166,7 +166,7 @@ int hold_free_port(const std::string& addr, long* port) {
 std::string random_token() {
   std::random_device rd;
   char buf[33];
-  for (int i = 0; i < 4; ++i) std::snprintf(buf + 8 * i, 9, "%08x", rd());
+  for (size_t i = 0; i < 4; ++i) std::snprintf(buf + 8 * i, 9, "%08x", rd());
   return buf;
 }
 
@@ -181,7 +181,7 @@ struct Rank {
 };
 
 // A partial line this long is printed as a line of its own.
-constexpr size_t kMaxLine = 64 * 1024;
+constexpr size_t kMaxLine = size_t{64} * 1024;
 
 void emit(Rank& r, const char* data, size_t size) {
   if (g_output_lost) return;
