@@ -32,11 +32,13 @@
 // they mean dp-run itself failed, and are handled as SIGKILL is.
 //
 // Killed: dp-run is two processes, the one started, which passes signals on,
-// and below it, in a process group of its own, the launcher: the ranks'
-// parent and the subreaper of everything they start. When either one dies
-// (SIGKILL, also of dp-run's process group), the other kills the rest of the
-// job at once. Only both killed together leaves what the ranks started
-// running (the ranks themselves die with the launcher).
+// and below it, in a process group of its own, the launcher (named
+// dp-run-launcher): the ranks' parent and the subreaper of everything they
+// start. It takes signals from the first one only (a signal sent to both, as
+// by `pkill dp-run`, counts once). When either one dies (SIGKILL, also of
+// dp-run's process group), the other kills the rest of the job at once. Only
+// both killed together leaves what the ranks started running (the ranks
+// themselves die with the launcher).
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
@@ -418,12 +420,13 @@ int main(int argc, char** argv) {
 
   // The launcher. Its own process group keeps it alive when dp-run's group is
   // killed. The stop signals reach it only through the control socket, so one
-  // the terminal sends to both processes counts once; SIGTTOU is blocked too,
-  // for writing to a terminal (with `stty tostop`) from a background group.
+  // sent to both processes counts once; SIGTTOU is blocked too, for writing to
+  // a terminal (with `stty tostop`) from a background group.
   ::close(control[0]);
   g_control_fd = -1;
   ::setpgid(0, 0);
-  ::prctl(PR_SET_CHILD_SUBREAPER, 1);  // not inherited across fork
+  ::prctl(PR_SET_NAME, "dp-run-launcher");  // for ps and pkill -x
+  ::prctl(PR_SET_CHILD_SUBREAPER, 1);       // not inherited across fork
   sigset_t ttou;
   sigemptyset(&ttou);
   sigaddset(&ttou, SIGTTOU);

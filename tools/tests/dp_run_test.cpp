@@ -355,13 +355,31 @@ TEST(DpRun, KillingItsLauncherProcessStopsTheJob) {
   Job job;
   ASSERT_TRUE(job.start_ranks_with_children({}));
   ASSERT_TRUE(job.wait_for_pids(kRanks * kPidsPerRank)) << job.output();
-  std::vector<int> launcher = children_named(job.pid(), "dp-run");
+  std::vector<int> launcher = children_named(job.pid(), "dp-run-launcher");
   ASSERT_EQ(launcher.size(), 1u) << "no launcher process below dp-run";
   ::kill(launcher[0], SIGKILL);
   int status = job.wait();
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGKILL) << "dp-run ended with " << exit_text(status);
   std::vector<int> left = still_running(read_pids(job.pids_path()));
   EXPECT_TRUE(left.empty()) << "outlived dp-run:" << describe(left);
+}
+
+// As `pkill dp-run` does: the ranks still get their grace period.
+TEST(DpRun, ASignalSentToBothOfItsProcessesCountsOnce) {
+  Job job;
+  ASSERT_TRUE(job.start(
+      {"-n", "2", "--grace-ms", "30000", "sh", "-c",
+       "trap 'sleep 1; echo cleaned up; exit 0' TERM; echo $$ >> " + job.pids_path() + "; while :; do sleep 0.1; done"},
+      {}));
+  ASSERT_TRUE(job.wait_for_pids(2)) << job.output();
+  std::vector<int> launcher = children_named(job.pid(), "dp-run-launcher");
+  ASSERT_EQ(launcher.size(), 1u) << "no launcher process below dp-run";
+  ::kill(job.pid(), SIGTERM);
+  ::kill(launcher[0], SIGTERM);
+  int status = job.wait();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM) << "dp-run ended with " << exit_text(status);
+  EXPECT_NE(job.output().find("[rank 0] cleaned up"), std::string::npos) << job.output();
+  EXPECT_NE(job.output().find("[rank 1] cleaned up"), std::string::npos) << job.output();
 }
 
 // As under nohup: the job goes on, and the ranks ignore SIGHUP too.
