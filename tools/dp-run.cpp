@@ -64,7 +64,7 @@
 namespace {
 
 // The signals that stop the job (see the header): every one whose default
-// action ends the process and that can be caught, but the fault signals.
+// action ends the process and that can be caught, except the fault signals.
 std::vector<int> stop_signals() {
   std::vector<int> signals = {SIGHUP,    SIGINT,  SIGQUIT, SIGTERM, SIGUSR1, SIGUSR2,   SIGPIPE, SIGALRM,
                               SIGVTALRM, SIGPROF, SIGIO,   SIGPWR,  SIGXCPU, SIGSTKFLT, SIGXFSZ};
@@ -72,7 +72,7 @@ std::vector<int> stop_signals() {
   return signals;
 }
 
-// The front's end of the control socket, and the signals the front got.
+// The front's end of the control socket, and how many signals the front got.
 int g_control_fd = -1;
 volatile sig_atomic_t g_front_signals = 0;
 
@@ -94,20 +94,20 @@ struct Requests {
   bool front_gone = false;
 };
 
-void read_requests(Requests& q) {
+void read_requests(Requests& requests) {
   unsigned char buf[64];
-  while (q.fd >= 0) {
-    ssize_t n = ::recv(q.fd, buf, sizeof(buf), MSG_DONTWAIT);
+  while (requests.fd >= 0) {
+    ssize_t n = ::recv(requests.fd, buf, sizeof(buf), MSG_DONTWAIT);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
     if (n <= 0) {
-      q.front_gone = true;
-      ::close(q.fd);
-      q.fd = -1;
+      requests.front_gone = true;
+      ::close(requests.fd);
+      requests.fd = -1;
       return;
     }
-    if (q.first_signal == 0) q.first_signal = buf[0];
-    q.signals += static_cast<int>(n);
+    if (requests.first_signal == 0) requests.first_signal = buf[0];
+    requests.signals += static_cast<int>(n);
   }
 }
 
@@ -397,6 +397,12 @@ int main(int argc, char** argv) {
     caught.push_back(sig);
     sigaddset(&caught_set, sig);
   }
+  // Inherited, a SIGCHLD ignore would have the kernel reap the ranks before
+  // dp-run learns how they exited; the ranks get it back.
+  struct sigaction started_sigchld {};
+  struct sigaction default_action {};
+  default_action.sa_handler = SIG_DFL;
+  ::sigaction(SIGCHLD, &default_action, &started_sigchld);
   // Blocked until the front unblocks them: the launcher keeps them blocked.
   sigset_t started_mask;
   ::sigprocmask(SIG_BLOCK, &caught_set, &started_mask);
@@ -451,6 +457,7 @@ int main(int argc, char** argv) {
       // The rank starts with the dispositions and mask dp-run was started
       // with; a signal sent to its group before this stays pending until then.
       for (int sig : caught) ::signal(sig, SIG_DFL);
+      ::sigaction(SIGCHLD, &started_sigchld, nullptr);
       ::sigprocmask(SIG_SETMASK, &started_mask, nullptr);
       ::setpgid(0, 0);
       // Ranks do not outlive a launcher that was killed.

@@ -113,6 +113,28 @@ std::string read_text(const std::string& path) {
   return text.str();
 }
 
+// The children of `parent` named `comm`.
+std::vector<int> children_named(pid_t parent, const std::string& comm) {
+  std::vector<int> children;
+  DIR* proc = ::opendir("/proc");
+  if (proc == nullptr) return children;
+  while (dirent* entry = ::readdir(proc)) {
+    int pid = std::atoi(entry->d_name);
+    if (pid <= 0) continue;
+    std::string stat = read_text("/proc/" + std::to_string(pid) + "/stat");
+    size_t open = stat.find('('), close = stat.rfind(')');
+    if (open == std::string::npos || close == std::string::npos) continue;
+    char state = 0;
+    int ppid = 0;
+    if (stat.substr(open + 1, close - open - 1) == comm &&
+        std::sscanf(stat.c_str() + close + 1, " %c %d", &state, &ppid) == 2 && ppid == parent) {
+      children.push_back(pid);
+    }
+  }
+  ::closedir(proc);
+  return children;
+}
+
 // Each rank starts a child in its process group and a grandchild that leaves
 // the rank's session, orphaned at once, and ignores SIGTERM; all three write
 // their pids to $1, then the rank waits.
@@ -131,7 +153,7 @@ constexpr size_t kPidsPerRank = 3;
 class Job {
  public:
   struct Options {
-    std::string ignored = "INT QUIT";  // as a script's `dp-run &` starts it
+    std::vector<int> ignored = {SIGINT, SIGQUIT};  // as a script's `dp-run &` starts it
     bool own_process_group = false;
     int stdout_fd = -1;  // else dp-run's output goes to the file output()
   };
@@ -143,10 +165,7 @@ class Job {
   Job(const Job&) = delete;
   Job& operator=(const Job&) = delete;
   ~Job() {
-    if (pid_ > 0 && !exited_) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, nullptr, 0);
-    }
+    if (pid_ > 0 && !exited_) kill_dp_run();
     for (int pid : read_pids(pids_path())) ::kill(pid, SIGKILL);
     for (const char* name : {"/pids", "/out", "/rank.sh", "/go", "/rank0"}) ::unlink((dir_ + name).c_str());
     ::rmdir(dir_.c_str());
@@ -158,42 +177,35 @@ class Job {
   pid_t pid() const { return pid_; }
 
   // Starts `dp-run args` with the signals in options.ignored ignored, every
-  // other one at its default, and no core files (the ranks may get SIGQUIT).
+  // other one at its default and none blocked, and no core files (the ranks
+  // may get SIGQUIT).
   bool start(const std::vector<std::string>& args, const Options& options) {
     if (dir_.empty()) return false;
-    std::vector<std::string> words = {"sh", "-c", "trap '' " + options.ignored + "; ulimit -c 0; exec \"$0\" \"$@\"",
-                                      DP_RUN};
+    std::vector<std::string> words = {DP_RUN};
     words.insert(words.end(), args.begin(), args.end());
     std::vector<char*> argv;
     argv.reserve(words.size() + 1);
     for (std::string& w : words) argv.push_back(w.data());
     argv.push_back(nullptr);
-    posix_spawnattr_t attr;
-    posix_spawnattr_init(&attr);
-    sigset_t all, none;
-    sigfillset(&all);
+    const std::string out_path = dir_ + "/out";
+    pid_ = ::fork();
+    if (pid_ != 0) return pid_ > 0;
+    for (int sig = 1; sig < NSIG; ++sig) ::signal(sig, SIG_DFL);
+    for (int sig : options.ignored) ::signal(sig, SIG_IGN);
+    sigset_t none;
     sigemptyset(&none);
-    posix_spawnattr_setsigdefault(&attr, &all);
-    posix_spawnattr_setsigmask(&attr, &none);
-    short flags = POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK;
-    if (options.own_process_group) {
-      flags |= POSIX_SPAWN_SETPGROUP;
-      posix_spawnattr_setpgroup(&attr, 0);
-    }
-    posix_spawnattr_setflags(&attr, flags);
-    posix_spawn_file_actions_t files;
-    posix_spawn_file_actions_init(&files);
-    posix_spawn_file_actions_addopen(&files, 0, "/dev/null", O_RDONLY, 0);
-    if (options.stdout_fd >= 0) {
-      posix_spawn_file_actions_adddup2(&files, options.stdout_fd, 1);
-    } else {
-      posix_spawn_file_actions_addopen(&files, 1, (dir_ + "/out").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    }
-    posix_spawn_file_actions_adddup2(&files, 1, 2);
-    int rc = ::posix_spawn(&pid_, "/bin/sh", &files, &attr, argv.data(), environ);
-    posix_spawn_file_actions_destroy(&files);
-    posix_spawnattr_destroy(&attr);
-    return rc == 0;
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    rlimit core{};
+    ::getrlimit(RLIMIT_CORE, &core);
+    core.rlim_cur = 0;
+    ::setrlimit(RLIMIT_CORE, &core);
+    if (options.own_process_group) ::setpgid(0, 0);
+    ::dup2(::open("/dev/null", O_RDONLY), 0);
+    ::dup2(options.stdout_fd >= 0 ? options.stdout_fd : ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600),
+           1);
+    ::dup2(1, 2);
+    ::execv(DP_RUN, argv.data());
+    ::_exit(127);
   }
 
   // dp-run with kRanks ranks running kRankScript.
@@ -223,13 +235,24 @@ class Job {
         exited_ = true;
         break;
       }
-      if (std::chrono::steady_clock::now() > deadline) ::kill(pid_, SIGKILL);
+      if (std::chrono::steady_clock::now() > deadline) {
+        kill_dp_run();
+        break;
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     return status_;
   }
 
  private:
+  // Both processes: a launcher left alone could hang on.
+  void kill_dp_run() {
+    for (int launcher : children_named(pid_, "dp-run-launcher")) ::kill(launcher, SIGKILL);
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, &status_, 0);
+    exited_ = true;
+  }
+
   std::string dir_;
   pid_t pid_ = -1;
   bool exited_ = false;
@@ -266,28 +289,6 @@ std::string exit_text(int status) {
   if (WIFEXITED(status)) return "exit code " + std::to_string(WEXITSTATUS(status));
   if (WIFSIGNALED(status)) return std::string("killed by ") + strsignal(WTERMSIG(status));
   return "status " + std::to_string(status);
-}
-
-// The children of `parent` named `comm`.
-std::vector<int> children_named(pid_t parent, const std::string& comm) {
-  std::vector<int> children;
-  DIR* proc = ::opendir("/proc");
-  if (proc == nullptr) return children;
-  while (dirent* entry = ::readdir(proc)) {
-    int pid = std::atoi(entry->d_name);
-    if (pid <= 0) continue;
-    std::string stat = read_text("/proc/" + std::to_string(pid) + "/stat");
-    size_t open = stat.find('('), close = stat.rfind(')');
-    if (open == std::string::npos || close == std::string::npos) continue;
-    char state = 0;
-    int ppid = 0;
-    if (stat.substr(open + 1, close - open - 1) == comm &&
-        std::sscanf(stat.c_str() + close + 1, " %c %d", &state, &ppid) == 2 && ppid == parent) {
-      children.push_back(pid);
-    }
-  }
-  ::closedir(proc);
-  return children;
 }
 
 struct StopSignal {
@@ -386,7 +387,7 @@ TEST(DpRun, ASignalSentToBothOfItsProcessesCountsOnce) {
 TEST(DpRun, KeepsRunningThroughASignalItWasStartedWithIgnored) {
   Job job;
   Job::Options options;
-  options.ignored = "HUP";
+  options.ignored = {SIGHUP};
   const std::string go = job.dir() + "/go";
   ASSERT_TRUE(job.start({"-n", "2", "sh", "-c",
                          "echo $$ >> " + job.pids_path() + "; for i in $(seq 600); do [ -e " + go +
@@ -401,6 +402,17 @@ TEST(DpRun, KeepsRunningThroughASignalItWasStartedWithIgnored) {
                                                              << job.output();
   EXPECT_NE(job.output().find("[rank 0] survived"), std::string::npos) << job.output();
   EXPECT_NE(job.output().find("[rank 1] survived"), std::string::npos) << job.output();
+}
+
+// Left ignored, SIGCHLD would have the kernel reap the ranks unseen.
+TEST(DpRun, TellsHowTheRanksExitedWhenStartedWithSigchldIgnored) {
+  Job job;
+  Job::Options options;
+  options.ignored = {SIGCHLD};
+  ASSERT_TRUE(job.start({"-n", "2", "sh", "-c", "[ $RANK = 1 ] && exit 3; exit 0"}, options));
+  int status = job.wait(std::chrono::seconds(30));
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 3) << "dp-run ended with " << exit_text(status) << "\n"
+                                                             << job.output();
 }
 
 // A closed ssh session or `dp-run ... | head`: the job stops as for SIGPIPE.
