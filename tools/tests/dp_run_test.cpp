@@ -338,7 +338,7 @@ TEST(DpRun, KillingItKillsEveryProcessOfTheJob) {
   EXPECT_TRUE(left.empty()) << "outlived dp-run:" << describe(left);
 }
 
-// As `timeout -s KILL` and a terminal's job control do.
+// As `timeout -s KILL` and `kill -9 -PGID` do.
 TEST(DpRun, KillingItsProcessGroupKillsEveryProcessOfTheJob) {
   Job job;
   Job::Options options;
