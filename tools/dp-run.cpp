@@ -11,12 +11,34 @@
 // than 64 KiB is split, so a rank's output never piles up in dp-run's
 // memory). When a rank fails, the others get SIGTERM (SIGKILL after
 // the grace period) and dp-run exits with the failed rank's code (128 + signal
-// for a signal). SIGINT and SIGTERM to dp-run are passed on to every rank; a
-// second one during the grace period sends SIGKILL. Signals go to each rank's
+// for a signal). Usage errors exit with 2.
+//
+// Stopping: nothing a rank started outlives dp-run. Signals go to each rank's
 // whole process group, so what a rank started is stopped with it, also after
 // the rank itself has exited; what left the group (setsid) is stopped once
-// the ranks are done: nothing a rank started outlives dp-run. If dp-run
-// itself is killed, the ranks are killed too. Usage errors exit with 2.
+// the ranks are done. Every signal that would end dp-run and can be caught
+// stops the job: SIGHUP (a closed terminal), SIGINT, SIGQUIT, SIGTERM,
+// SIGUSR1, SIGUSR2, SIGPIPE, SIGALRM, SIGVTALRM, SIGPROF, SIGIO, SIGPWR,
+// SIGSTKFLT, SIGXCPU, SIGXFSZ and SIGRTMIN..SIGRTMAX. Every rank's group gets
+// the same signal, as torchrun does (SIGPIPE becomes SIGTERM: the ranks'
+// own output still works), then SIGKILL after the grace period or at a second
+// signal, and dp-run exits with 128 + the signal. Output that can no longer be
+// written (EPIPE: its reader, a closed ssh session or `| head`, is gone)
+// stops the job as SIGPIPE does. A signal dp-run was started with ignored
+// stays ignored, for the ranks too, so `nohup dp-run` outlives its terminal;
+// but SIGINT, SIGQUIT and SIGTERM always stop the job (a shell starts
+// `dp-run &` with SIGINT and SIGQUIT ignored). The fault signals (SIGSEGV,
+// SIGBUS, SIGILL, SIGFPE, SIGABRT, SIGTRAP, SIGSYS) keep their default action:
+// they mean dp-run itself failed, and are handled as SIGKILL is.
+//
+// Killed: dp-run is two processes, the one started, which passes signals on,
+// and below it, in a process group of its own, the launcher (named
+// dp-run-launcher): the ranks' parent and the subreaper of everything they
+// start. It takes signals from the first one only (a signal sent to both, as
+// by `pkill dp-run`, counts once). When either one dies (SIGKILL, also of
+// dp-run's process group), the other kills the rest of the job at once. Only
+// both killed together leaves what the ranks started running (the ranks
+// themselves die with the launcher).
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
@@ -34,19 +56,63 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
 
 namespace {
 
-volatile sig_atomic_t g_signal = 0;
-volatile sig_atomic_t g_signal_count = 0;
-
-void on_signal(int sig) {
-  g_signal = sig;
-  g_signal_count = g_signal_count + 1;
+// The signals that stop the job (see the header): every one whose default
+// action ends the process and that can be caught, except the fault signals.
+std::vector<int> stop_signals() {
+  std::vector<int> signals = {SIGHUP,    SIGINT,  SIGQUIT, SIGTERM, SIGUSR1, SIGUSR2,   SIGPIPE, SIGALRM,
+                              SIGVTALRM, SIGPROF, SIGIO,   SIGPWR,  SIGXCPU, SIGSTKFLT, SIGXFSZ};
+  for (int sig = SIGRTMIN; sig <= SIGRTMAX; ++sig) signals.push_back(sig);
+  return signals;
 }
+
+// The front's end of the control socket, and how many signals the front got.
+int g_control_fd = -1;
+volatile sig_atomic_t g_front_signals = 0;
+
+// The front passes each signal on to the launcher as one byte (MSG_NOSIGNAL:
+// a launcher that is gone must not raise SIGPIPE in the handler).
+void pass_on(int sig) {
+  const int saved_errno = errno;
+  g_front_signals = g_front_signals + 1;
+  const auto byte = static_cast<unsigned char>(sig);
+  ::send(g_control_fd, &byte, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+  errno = saved_errno;
+}
+
+// What the launcher was asked through the control socket.
+struct Requests {
+  int fd = -1;           // the launcher's end; -1 once the front is gone
+  int first_signal = 0;  // the signal that stops the job
+  int signals = 0;       // how many came
+  bool front_gone = false;
+};
+
+void read_requests(Requests& requests) {
+  unsigned char buf[64];
+  while (requests.fd >= 0) {
+    ssize_t n = ::recv(requests.fd, buf, sizeof(buf), MSG_DONTWAIT);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+    if (n <= 0) {
+      requests.front_gone = true;
+      ::close(requests.fd);
+      requests.fd = -1;
+      return;
+    }
+    if (requests.first_signal == 0) requests.first_signal = buf[0];
+    requests.signals += static_cast<int>(n);
+  }
+}
+
+// Set once writing to stdout failed with EPIPE: its reader is gone.
+bool g_output_lost = false;
 
 [[noreturn]] void usage(const char* message) {
   std::fprintf(stderr,
@@ -102,7 +168,7 @@ int hold_free_port(const std::string& addr, long* port) {
 std::string random_token() {
   std::random_device rd;
   char buf[33];
-  for (int i = 0; i < 4; ++i) std::snprintf(buf + 8 * i, 9, "%08x", rd());
+  for (size_t i = 0; i < 4; ++i) std::snprintf(buf + 8 * i, 9, "%08x", rd());
   return buf;
 }
 
@@ -113,13 +179,16 @@ struct Rank {
   std::string pending;  // a partial line
   bool running = false;
   int exit_code = 0;
+  bool group_gone = false;  // seen empty once the rank was reaped
 };
 
 // A partial line this long is printed as a line of its own.
-constexpr size_t kMaxLine = 64 * 1024;
+constexpr size_t kMaxLine = size_t{64} * 1024;
 
 void emit(Rank& r, const char* data, size_t size) {
+  if (g_output_lost) return;
   r.pending.append(data, size);
+  errno = 0;
   size_t start = 0;
   for (size_t nl; (nl = r.pending.find('\n', start)) != std::string::npos; start = nl + 1) {
     std::fprintf(stdout, "[rank %d] %.*s\n", r.rank, static_cast<int>(nl - start), r.pending.data() + start);
@@ -129,6 +198,10 @@ void emit(Rank& r, const char* data, size_t size) {
   }
   r.pending.erase(0, start);
   std::fflush(stdout);
+  if (std::ferror(stdout) != 0) {
+    g_output_lost = errno == EPIPE;
+    std::clearerr(stdout);
+  }
 }
 
 void drain(Rank& r) {
@@ -150,18 +223,27 @@ void drain(Rank& r) {
 }
 
 // Each rank leads its own process group; it is signalled even after the rank
-// exited, for what the rank left running in it.
+// exited, for what the rank left running in it, but not once seen empty.
 void signal_all(std::vector<Rank>& ranks, int sig) {
   for (Rank& r : ranks) {
-    if (r.pid > 0) ::kill(-r.pid, sig);
+    if (r.pid > 0 && !r.group_gone) ::kill(-r.pid, sig);
   }
 }
 
 bool any_group_alive(const std::vector<Rank>& ranks) {
   for (const Rank& r : ranks) {
-    if (r.pid > 0 && ::kill(-r.pid, 0) == 0) return true;
+    if (r.pid > 0 && !r.group_gone && ::kill(-r.pid, 0) == 0) return true;
   }
   return false;
+}
+
+// A group's id is free for reuse once its last member is reaped (while the
+// rank itself is unreaped, its pid holds it): an empty group is forgotten, so
+// that a new group with the same id is never signalled.
+void forget_empty_groups(std::vector<Rank>& ranks) {
+  for (Rank& r : ranks) {
+    if (r.pid > 0 && !r.running && !r.group_gone && ::kill(-r.pid, 0) != 0 && errno == ESRCH) r.group_gone = true;
+  }
 }
 
 // Reaps every exited child: ranks, and (as the subreaper) what they left.
@@ -174,6 +256,7 @@ void reap(std::vector<Rank>& ranks) {
       r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
     }
   }
+  forget_empty_groups(ranks);
 }
 
 // dp-run's own living children: as the subreaper, what escaped a rank's
@@ -206,19 +289,41 @@ std::vector<pid_t> own_children() {
 }
 
 // Stops what the ranks left outside their process groups: SIGTERM, SIGKILL
-// after the grace period or a further signal, until dp-run has no children.
-void stop_escaped(std::vector<Rank>& ranks, long grace_ms, sig_atomic_t signals_seen) {
+// after the grace period or once `hurry` says so, until this process has no
+// children. `meanwhile` runs between rounds.
+void stop_escaped(long grace_ms, const std::function<bool()>& hurry, const std::function<void()>& meanwhile) {
   auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(grace_ms);
   for (;;) {
     while (::waitpid(-1, nullptr, WNOHANG) > 0) {
     }
     std::vector<pid_t> children = own_children();
     if (children.empty()) return;
-    bool kill_now = std::chrono::steady_clock::now() >= deadline || g_signal_count > signals_seen;
+    bool kill_now = std::chrono::steady_clock::now() >= deadline || hurry();
     for (pid_t pid : children) ::kill(pid, kill_now ? SIGKILL : SIGTERM);
-    for (Rank& r : ranks) drain(r);
+    meanwhile();
     ::usleep(10000);
   }
+}
+
+// The process dp-run was started as: it passes the stop signals on to the
+// launcher and exits as the launcher does. A launcher that died of a signal
+// took its ranks along (PR_SET_PDEATHSIG); what they started comes here, to
+// the next subreaper up, and is killed.
+int front(pid_t launcher, const sigset_t& caught, long grace_ms) {
+  if (launcher < 0) {
+    std::perror("dp-run: fork");
+    return 1;
+  }
+  ::setpgid(launcher, launcher);  // also here, as in the launcher: whichever runs first
+  ::sigprocmask(SIG_UNBLOCK, &caught, nullptr);
+  int status = 0;
+  while (::waitpid(launcher, &status, 0) < 0 && errno == EINTR) {
+  }
+  const bool killed = WIFSIGNALED(status);
+  const sig_atomic_t signals_seen = g_front_signals;
+  stop_escaped(
+      grace_ms, [&] { return killed || g_front_signals > signals_seen; }, [] {});
+  return killed ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
 }
 
 }  // namespace
@@ -280,16 +385,63 @@ int main(int argc, char** argv) {
   }
   if (nnodes == 1 && std::getenv("DP_STORE_TOKEN") == nullptr) setenv("DP_STORE_TOKEN", random_token().c_str(), 1);
 
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
-  signal(SIGPIPE, SIG_IGN);
-  // Orphans of the ranks come to dp-run, so they can be reaped and counted as gone.
+  // The signals the front catches: the stop signals, but those it was started
+  // with ignored (nohup), except SIGINT, SIGQUIT and SIGTERM.
+  std::vector<int> caught;
+  sigset_t caught_set;
+  sigemptyset(&caught_set);
+  for (int sig : stop_signals()) {
+    struct sigaction started {};
+    ::sigaction(sig, nullptr, &started);
+    if (started.sa_handler == SIG_IGN && sig != SIGINT && sig != SIGQUIT && sig != SIGTERM) continue;
+    caught.push_back(sig);
+    sigaddset(&caught_set, sig);
+  }
+  // Inherited, a SIGCHLD ignore would have the kernel reap the ranks before
+  // dp-run learns how they exited; the ranks get it back.
+  struct sigaction started_sigchld {};
+  struct sigaction default_action {};
+  default_action.sa_handler = SIG_DFL;
+  ::sigaction(SIGCHLD, &default_action, &started_sigchld);
+  // Blocked until the front unblocks them: the launcher keeps them blocked.
+  sigset_t started_mask;
+  ::sigprocmask(SIG_BLOCK, &caught_set, &started_mask);
+  int control[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, control) != 0) {
+    std::perror("dp-run: socketpair");
+    return 1;
+  }
+  g_control_fd = control[0];
+  struct sigaction pass {};
+  pass.sa_handler = pass_on;
+  pass.sa_mask = caught_set;
+  for (int sig : caught) ::sigaction(sig, &pass, nullptr);
+  // Orphans come to the launcher (and, if it dies, to the front), so they can be reaped and counted as gone.
   ::prctl(PR_SET_CHILD_SUBREAPER, 1);
+  const pid_t launcher = ::fork();
+  if (launcher != 0) {
+    ::close(control[1]);
+    return front(launcher, caught_set, grace_ms);
+  }
+
+  // The launcher. Its own process group keeps it alive when dp-run's group is
+  // killed. The stop signals reach it only through the control socket, so one
+  // sent to both processes counts once; SIGTTOU is blocked too, for writing to
+  // a terminal (with `stty tostop`) from a background group.
+  ::close(control[0]);
+  g_control_fd = -1;
+  ::setpgid(0, 0);
+  ::prctl(PR_SET_NAME, "dp-run-launcher");  // for ps and pkill -x
+  ::prctl(PR_SET_CHILD_SUBREAPER, 1);       // not inherited across fork
+  sigset_t ttou;
+  sigemptyset(&ttou);
+  sigaddset(&ttou, SIGTTOU);
+  ::sigprocmask(SIG_BLOCK, &ttou, nullptr);
+  Requests requests;
+  requests.fd = control[1];
 
   const long world = nnodes * nproc;
-  const pid_t launcher = ::getpid();
+  const pid_t launcher_pid = ::getpid();
   std::vector<Rank> ranks(static_cast<size_t>(nproc));
   for (long local = 0; local < nproc; ++local) {
     Rank& r = ranks[static_cast<size_t>(local)];
@@ -300,22 +452,17 @@ int main(int argc, char** argv) {
       signal_all(ranks, SIGKILL);
       return 1;
     }
-    // A signal that comes between fork and exec must not reach dp-run's handler in the child.
-    sigset_t stop_signals, previous;
-    sigemptyset(&stop_signals);
-    sigaddset(&stop_signals, SIGINT);
-    sigaddset(&stop_signals, SIGTERM);
-    ::sigprocmask(SIG_BLOCK, &stop_signals, &previous);
     pid_t pid = ::fork();
     if (pid == 0) {
-      ::signal(SIGINT, SIG_DFL);
-      ::signal(SIGTERM, SIG_DFL);
-      ::sigprocmask(SIG_SETMASK, &previous, nullptr);
+      // The rank starts with the dispositions and mask dp-run was started
+      // with; a signal sent to its group before this stays pending until then.
+      for (int sig : caught) ::signal(sig, SIG_DFL);
+      ::sigaction(SIGCHLD, &started_sigchld, nullptr);
+      ::sigprocmask(SIG_SETMASK, &started_mask, nullptr);
       ::setpgid(0, 0);
       // Ranks do not outlive a launcher that was killed.
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != launcher) ::_exit(128 + SIGKILL);
-      ::signal(SIGPIPE, SIG_DFL);  // an ignored signal would stay ignored across exec
+      if (::getppid() != launcher_pid) ::_exit(128 + SIGKILL);
       ::dup2(fds[1], 1);
       ::dup2(fds[1], 2);
       setenv("RANK", std::to_string(r.rank).c_str(), 1);
@@ -329,7 +476,6 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "dp-run: cannot run '%s': %s\n", argv[i], std::strerror(errno));
       ::_exit(127);
     }
-    ::sigprocmask(SIG_SETMASK, &previous, nullptr);
     ::close(fds[1]);
     if (pid < 0) {
       std::perror("dp-run: fork");
@@ -346,15 +492,26 @@ int main(int argc, char** argv) {
 
   int result = 0;
   bool stopping = false;
-  sig_atomic_t signals_at_stop = 0;  // a signal after stopping began escalates to SIGKILL
+  int signals_at_stop = 0;  // a signal after stopping began escalates to SIGKILL
   auto kill_at = std::chrono::steady_clock::time_point::max();
+  auto stop = [&](int exit_code, int sig) {
+    stopping = true;
+    signals_at_stop = requests.signals;
+    result = exit_code;
+    signal_all(ranks, sig);
+    kill_at = std::chrono::steady_clock::now() + std::chrono::milliseconds(grace_ms);
+  };
+  // With the front gone (killed), the rest of the job is killed at once.
+  auto hurry = [&] { return requests.front_gone || requests.signals > signals_at_stop; };
   for (;;) {
     std::vector<pollfd> fds;
     for (Rank& r : ranks) {
       if (r.out_fd >= 0) fds.push_back({r.out_fd, POLLIN, 0});
     }
-    ::poll(fds.data(), fds.size(), fds.empty() ? 10 : 20);
+    if (requests.fd >= 0) fds.push_back({requests.fd, POLLIN, 0});
+    ::poll(fds.data(), fds.size(), 20);
     for (Rank& r : ranks) drain(r);
+    read_requests(requests);
     reap(ranks);
     bool any_running = false;
     for (Rank& r : ranks) {
@@ -364,21 +521,16 @@ int main(int argc, char** argv) {
       }
       if (r.exit_code != 0 && !stopping) {
         std::fprintf(stderr, "dp-run: rank %d exited with code %d; stopping the other ranks\n", r.rank, r.exit_code);
-        result = r.exit_code;
-        stopping = true;
-        signals_at_stop = g_signal_count;
-        signal_all(ranks, SIGTERM);
-        kill_at = std::chrono::steady_clock::now() + std::chrono::milliseconds(grace_ms);
+        stop(r.exit_code, SIGTERM);
       }
     }
-    if (g_signal != 0 && !stopping) {
-      stopping = true;
-      signals_at_stop = g_signal_count;
-      result = 128 + g_signal;
-      signal_all(ranks, g_signal);
-      kill_at = std::chrono::steady_clock::now() + std::chrono::milliseconds(grace_ms);
+    // The ranks get the signal dp-run got, but SIGPIPE: their own output still works.
+    if (!stopping && requests.first_signal != 0) {
+      stop(128 + requests.first_signal, requests.first_signal == SIGPIPE ? SIGTERM : requests.first_signal);
     }
-    if (stopping && g_signal_count > signals_at_stop) kill_at = std::chrono::steady_clock::now();
+    if (!stopping && g_output_lost) stop(128 + SIGPIPE, SIGTERM);
+    if (!stopping && requests.front_gone) stop(128 + SIGKILL, SIGKILL);
+    if (stopping && hurry()) kill_at = std::chrono::steady_clock::now();
     if (stopping && std::chrono::steady_clock::now() >= kill_at) {
       signal_all(ranks, SIGKILL);
       kill_at = std::chrono::steady_clock::time_point::max();
@@ -390,16 +542,20 @@ int main(int argc, char** argv) {
     signal_all(ranks, SIGTERM);
     auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(grace_ms);
     while (any_group_alive(ranks)) {
-      if (std::chrono::steady_clock::now() >= deadline || g_signal_count > signals_at_stop) {
+      if (std::chrono::steady_clock::now() >= deadline || hurry()) {
         signal_all(ranks, SIGKILL);
         deadline = std::chrono::steady_clock::time_point::max();
       }
       for (Rank& r : ranks) drain(r);
+      read_requests(requests);
       ::usleep(10000);
       reap(ranks);
     }
   }
-  stop_escaped(ranks, grace_ms, signals_at_stop);
+  stop_escaped(grace_ms, hurry, [&] {
+    for (Rank& r : ranks) drain(r);
+    read_requests(requests);
+  });
   // The ranks are gone; read what they left, but do not wait on a leftover
   // child of theirs that still holds the pipe.
   auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(1);

@@ -1,5 +1,8 @@
 // dp-run against hostile ranks: endless output lines, processes that leave
-// the rank's process group and ignore SIGTERM. Every run is bounded.
+// the rank's process group and ignore SIGTERM, and every way dp-run itself
+// is stopped or killed. Every run is bounded.
+#include <dirent.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
@@ -10,8 +13,12 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 extern char** environ;
 
@@ -89,6 +96,401 @@ TEST(DpRun, StopsAProcessThatLeftTheRanksSessionAndIgnoresSigterm) {
   ASSERT_GT(pid, 0) << "the escaped process never started";
   EXPECT_FALSE(left_running) << "process " << pid << " outlived dp-run";
   EXPECT_LT(r.seconds, 30.0);
+}
+
+// The pids written to `path`, one a line.
+std::vector<int> read_pids(const std::string& path) {
+  std::vector<int> pids;
+  std::ifstream in(path);
+  for (int pid = 0; in >> pid;) pids.push_back(pid);
+  return pids;
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// The children of `parent` named `comm`.
+std::vector<int> children_named(pid_t parent, const std::string& comm) {
+  std::vector<int> children;
+  DIR* proc = ::opendir("/proc");
+  if (proc == nullptr) return children;
+  while (dirent* entry = ::readdir(proc)) {
+    int pid = std::atoi(entry->d_name);
+    if (pid <= 0) continue;
+    std::string stat = read_text("/proc/" + std::to_string(pid) + "/stat");
+    size_t open = stat.find('('), close = stat.rfind(')');
+    if (open == std::string::npos || close == std::string::npos) continue;
+    char state = 0;
+    int ppid = 0;
+    if (stat.substr(open + 1, close - open - 1) == comm &&
+        std::sscanf(stat.c_str() + close + 1, " %c %d", &state, &ppid) == 2 && ppid == parent) {
+      children.push_back(pid);
+    }
+  }
+  ::closedir(proc);
+  return children;
+}
+
+// Each rank starts a child in its process group and a grandchild that leaves
+// the rank's session, orphaned at once, and ignores SIGTERM; all three write
+// their pids to $1, then the rank waits.
+constexpr const char* kRankScript = R"(pids=$1
+sleep 300 &
+echo $! >> "$pids"
+sh -c 'setsid sh -c "trap \"\" TERM; echo \$\$ >> \"\$0\"; exec sleep 300" "$0" &' "$pids"
+echo $$ >> "$pids"
+wait
+)";
+constexpr size_t kRanks = 2;
+constexpr size_t kPidsPerRank = 3;
+
+// dp-run running a job in a directory of its own; whatever the test
+// does, the job's processes are killed and the directory removed at the end.
+class Job {
+ public:
+  struct Options {
+    std::vector<int> ignored = {SIGINT, SIGQUIT};  // as a script's `dp-run &` starts it
+    bool own_process_group = false;
+    int stdout_fd = -1;  // else dp-run's output goes to the file output()
+  };
+
+  Job() {
+    char dir[] = "/tmp/dp_run_job_XXXXXX";
+    if (::mkdtemp(dir) != nullptr) dir_ = dir;
+  }
+  Job(const Job&) = delete;
+  Job& operator=(const Job&) = delete;
+  ~Job() {
+    if (pid_ > 0 && !exited_) kill_dp_run();
+    for (int pid : read_pids(pids_path())) ::kill(pid, SIGKILL);
+    for (const char* name : {"/pids", "/out", "/rank.sh", "/go", "/rank0"}) ::unlink((dir_ + name).c_str());
+    ::rmdir(dir_.c_str());
+  }
+
+  const std::string& dir() const { return dir_; }
+  std::string pids_path() const { return dir_ + "/pids"; }
+  std::string output() const { return read_text(dir_ + "/out"); }
+  pid_t pid() const { return pid_; }
+
+  // Starts `dp-run args` with the signals in options.ignored ignored, every
+  // other one at its default and none blocked, and no core files (the ranks
+  // may get SIGQUIT).
+  bool start(const std::vector<std::string>& args, const Options& options) {
+    if (dir_.empty()) return false;
+    std::vector<std::string> words = {DP_RUN};
+    words.insert(words.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    argv.reserve(words.size() + 1);
+    for (std::string& w : words) argv.push_back(w.data());
+    argv.push_back(nullptr);
+    const std::string out_path = dir_ + "/out";
+    pid_ = ::fork();
+    if (pid_ != 0) return pid_ > 0;
+    for (int sig = 1; sig < NSIG; ++sig) ::signal(sig, SIG_DFL);
+    for (int sig : options.ignored) ::signal(sig, SIG_IGN);
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    rlimit core{};
+    ::getrlimit(RLIMIT_CORE, &core);
+    core.rlim_cur = 0;
+    ::setrlimit(RLIMIT_CORE, &core);
+    if (options.own_process_group) ::setpgid(0, 0);
+    ::dup2(::open("/dev/null", O_RDONLY), 0);
+    ::dup2(options.stdout_fd >= 0 ? options.stdout_fd : ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600),
+           1);
+    ::dup2(1, 2);
+    ::execv(DP_RUN, argv.data());
+    ::_exit(127);
+  }
+
+  // dp-run with kRanks ranks running kRankScript.
+  bool start_ranks_with_children(const Options& options) {
+    std::ofstream(dir_ + "/rank.sh") << kRankScript;
+    return start({"-n", std::to_string(kRanks), "--grace-ms", "300", "sh", dir_ + "/rank.sh", pids_path()}, options);
+  }
+
+  // Waits up to 30 s until `count` pids were written; false if dp-run exited first.
+  bool wait_for_pids(size_t count) {
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (read_pids(pids_path()).size() >= count) return true;
+      if (!exited_ && ::waitpid(pid_, &status_, WNOHANG) == pid_) exited_ = true;
+      if (exited_) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return false;
+  }
+
+  // dp-run's wait status; it is killed after `limit`.
+  int wait(std::chrono::seconds limit = std::chrono::seconds(60)) {
+    auto deadline = std::chrono::steady_clock::now() + limit;
+    while (!exited_) {
+      pid_t got = ::waitpid(pid_, &status_, WNOHANG);
+      if (got == pid_ || got < 0) {
+        exited_ = true;
+        break;
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        kill_dp_run();
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return status_;
+  }
+
+ private:
+  // Both processes: a launcher left alone could hang on.
+  void kill_dp_run() {
+    for (int launcher : children_named(pid_, "dp-run-launcher")) ::kill(launcher, SIGKILL);
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, &status_, 0);
+    exited_ = true;
+  }
+
+  std::string dir_;
+  pid_t pid_ = -1;
+  bool exited_ = false;
+  int status_ = -1;
+};
+
+// The pids among `pids` still running 10 s from now (a process outliving dp-run sleeps for 300 s).
+std::vector<int> still_running(const std::vector<int>& pids) {
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  std::vector<int> left;
+  do {
+    left.clear();
+    for (int pid : pids) {
+      if (running(pid)) left.push_back(pid);
+    }
+    if (left.empty()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  } while (std::chrono::steady_clock::now() < deadline);
+  return left;
+}
+
+std::string describe(const std::vector<int>& pids) {
+  std::string text;
+  for (int pid : pids) {
+    text += " " + std::to_string(pid) + ":";
+    std::string cmdline = read_text("/proc/" + std::to_string(pid) + "/cmdline");
+    for (char& c : cmdline) c = c == '\0' ? ' ' : c;
+    text += cmdline;
+  }
+  return text;
+}
+
+std::string exit_text(int status) {
+  if (WIFEXITED(status)) return "exit code " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return std::string("killed by ") + strsignal(WTERMSIG(status));
+  return "status " + std::to_string(status);
+}
+
+struct StopSignal {
+  int number;
+  std::string name;
+};
+
+void PrintTo(const StopSignal& sig, std::ostream* out) { *out << "SIG" << sig.name; }
+
+// Every signal dp-run's header lists as stopping the job.
+std::vector<StopSignal> stop_signals() {
+  return {{SIGHUP, "HUP"},           {SIGINT, "INT"},    {SIGQUIT, "QUIT"}, {SIGTERM, "TERM"},
+          {SIGUSR1, "USR1"},         {SIGUSR2, "USR2"},  {SIGPIPE, "PIPE"}, {SIGALRM, "ALRM"},
+          {SIGVTALRM, "VTALRM"},     {SIGPROF, "PROF"},  {SIGIO, "IO"},     {SIGPWR, "PWR"},
+          {SIGSTKFLT, "STKFLT"},     {SIGXCPU, "XCPU"},  {SIGXFSZ, "XFSZ"}, {SIGRTMIN, "RTMIN"},
+          {SIGRTMIN + 1, "RTMIN_1"}, {SIGRTMAX, "RTMAX"}};
+}
+
+class DpRunStopSignal : public ::testing::TestWithParam<StopSignal> {};
+
+// Also SIGINT and SIGQUIT, which the job is started with ignored, as a
+// script's `dp-run &` is.
+TEST_P(DpRunStopSignal, StopsEveryProcessOfTheJobAndExitsWith128PlusTheSignal) {
+  const int sig = GetParam().number;
+  Job job;
+  ASSERT_TRUE(job.start_ranks_with_children({}));
+  ASSERT_TRUE(job.wait_for_pids(kRanks * kPidsPerRank)) << job.output();
+  ::kill(job.pid(), sig);
+  int status = job.wait();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + sig)
+      << "dp-run ended with " << exit_text(status) << "\n"
+      << job.output();
+  std::vector<int> left = still_running(read_pids(job.pids_path()));
+  EXPECT_TRUE(left.empty()) << "outlived dp-run:" << describe(left);
+}
+
+INSTANTIATE_TEST_SUITE_P(Signals, DpRunStopSignal, ::testing::ValuesIn(stop_signals()),
+                         [](const ::testing::TestParamInfo<StopSignal>& param) { return param.param.name; });
+
+TEST(DpRun, KillingItKillsEveryProcessOfTheJob) {
+  Job job;
+  ASSERT_TRUE(job.start_ranks_with_children({}));
+  ASSERT_TRUE(job.wait_for_pids(kRanks * kPidsPerRank)) << job.output();
+  ::kill(job.pid(), SIGKILL);
+  job.wait();
+  std::vector<int> left = still_running(read_pids(job.pids_path()));
+  EXPECT_TRUE(left.empty()) << "outlived dp-run:" << describe(left);
+}
+
+// As `timeout -s KILL` and `kill -9 -PGID` do.
+TEST(DpRun, KillingItsProcessGroupKillsEveryProcessOfTheJob) {
+  Job job;
+  Job::Options options;
+  options.own_process_group = true;
+  ASSERT_TRUE(job.start_ranks_with_children(options));
+  ASSERT_TRUE(job.wait_for_pids(kRanks * kPidsPerRank)) << job.output();
+  ::kill(-job.pid(), SIGKILL);
+  job.wait();
+  std::vector<int> left = still_running(read_pids(job.pids_path()));
+  EXPECT_TRUE(left.empty()) << "outlived dp-run:" << describe(left);
+}
+
+// dp-run is two processes: the one started, and the launcher below it.
+TEST(DpRun, KillingItsLauncherProcessStopsTheJob) {
+  Job job;
+  ASSERT_TRUE(job.start_ranks_with_children({}));
+  ASSERT_TRUE(job.wait_for_pids(kRanks * kPidsPerRank)) << job.output();
+  std::vector<int> launcher = children_named(job.pid(), "dp-run-launcher");
+  ASSERT_EQ(launcher.size(), 1u) << "no launcher process below dp-run";
+  ::kill(launcher[0], SIGKILL);
+  int status = job.wait();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGKILL) << "dp-run ended with " << exit_text(status);
+  std::vector<int> left = still_running(read_pids(job.pids_path()));
+  EXPECT_TRUE(left.empty()) << "outlived dp-run:" << describe(left);
+}
+
+// As `pkill dp-run` does: the ranks still get their grace period.
+TEST(DpRun, ASignalSentToBothOfItsProcessesCountsOnce) {
+  Job job;
+  ASSERT_TRUE(job.start(
+      {"-n", "2", "--grace-ms", "30000", "sh", "-c",
+       "trap 'sleep 1; echo cleaned up; exit 0' TERM; echo $$ >> " + job.pids_path() + "; while :; do sleep 0.1; done"},
+      {}));
+  ASSERT_TRUE(job.wait_for_pids(2)) << job.output();
+  std::vector<int> launcher = children_named(job.pid(), "dp-run-launcher");
+  ASSERT_EQ(launcher.size(), 1u) << "no launcher process below dp-run";
+  ::kill(job.pid(), SIGTERM);
+  ::kill(launcher[0], SIGTERM);
+  int status = job.wait();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM) << "dp-run ended with " << exit_text(status);
+  EXPECT_NE(job.output().find("[rank 0] cleaned up"), std::string::npos) << job.output();
+  EXPECT_NE(job.output().find("[rank 1] cleaned up"), std::string::npos) << job.output();
+}
+
+// As under nohup: the job goes on, and the ranks ignore SIGHUP too.
+TEST(DpRun, KeepsRunningThroughASignalItWasStartedWithIgnored) {
+  Job job;
+  Job::Options options;
+  options.ignored = {SIGHUP};
+  const std::string go = job.dir() + "/go";
+  ASSERT_TRUE(job.start({"-n", "2", "sh", "-c",
+                         "echo $$ >> " + job.pids_path() + "; for i in $(seq 600); do [ -e " + go +
+                             " ] && break; sleep 0.05; done; kill -HUP $$; echo survived"},
+                        options));
+  ASSERT_TRUE(job.wait_for_pids(2)) << job.output();
+  ::kill(job.pid(), SIGHUP);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  std::ofstream(go) << "go\n";
+  int status = job.wait();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "dp-run ended with " << exit_text(status) << "\n"
+                                                             << job.output();
+  EXPECT_NE(job.output().find("[rank 0] survived"), std::string::npos) << job.output();
+  EXPECT_NE(job.output().find("[rank 1] survived"), std::string::npos) << job.output();
+}
+
+// Left ignored, SIGCHLD would have the kernel reap the ranks unseen.
+TEST(DpRun, TellsHowTheRanksExitedWhenStartedWithSigchldIgnored) {
+  Job job;
+  Job::Options options;
+  options.ignored = {SIGCHLD};
+  ASSERT_TRUE(job.start({"-n", "2", "sh", "-c", "[ $RANK = 1 ] && exit 3; exit 0"}, options));
+  int status = job.wait(std::chrono::seconds(30));
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 3) << "dp-run ended with " << exit_text(status) << "\n"
+                                                             << job.output();
+}
+
+// A closed ssh session or `dp-run ... | head`: the job stops as for SIGPIPE.
+TEST(DpRun, StopsTheJobWhenTheReaderOfItsOutputGoesAway) {
+  int out[2];
+  ASSERT_EQ(::pipe2(out, O_CLOEXEC), 0);
+  Job job;
+  Job::Options options;
+  options.stdout_fd = out[1];
+  bool started = job.start({"-n", "2", "--grace-ms", "300", "sh", "-c",
+                            "sleep 300 & echo $! >> " + job.pids_path() + "; echo $$ >> " + job.pids_path() +
+                                "; while :; do echo line; sleep 0.05; done"},
+                           options);
+  ::close(out[1]);
+  ASSERT_TRUE(started);
+  ASSERT_TRUE(job.wait_for_pids(4));
+  char buf[256];
+  EXPECT_GT(::read(out[0], buf, sizeof(buf)), 0) << "no output came";
+  ::close(out[0]);
+  int status = job.wait(std::chrono::seconds(30));
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGPIPE) << "dp-run ended with " << exit_text(status);
+  std::vector<int> left = still_running(read_pids(job.pids_path()));
+  EXPECT_TRUE(left.empty()) << "outlived dp-run:" << describe(left);
+}
+
+// Once a rank's process group is empty, its id may become another group's;
+// dp-run must not signal that one. The test hands the id of rank 0's group,
+// which exits at once, to a new group through ns_last_pid, then has rank 1
+// fail, which stops the job.
+TEST(DpRun, LeavesAloneANewProcessGroupWithTheIdOfAnEmptyRankGroup) {
+  const char* last_pid_path = "/proc/sys/kernel/ns_last_pid";
+  if (::access(last_pid_path, W_OK) != 0) GTEST_SKIP() << "cannot choose the next pid through " << last_pid_path;
+  Job job;
+  const std::string rank0 = job.dir() + "/rank0", go = job.dir() + "/go";
+  ASSERT_TRUE(job.start({"-n", "2", "--grace-ms", "300", "sh", "-c",
+                         "if [ $RANK = 0 ]; then echo $$ > " + rank0 + "; exit 0; fi; echo $$ >> " + job.pids_path() +
+                             "; for i in $(seq 600); do [ -e " + go + " ] && exit 3; sleep 0.05; done"},
+                        {}));
+  ASSERT_TRUE(job.wait_for_pids(1)) << job.output();
+  const std::vector<int> rank0_pid = read_pids(rank0);
+  ASSERT_EQ(rank0_pid.size(), 1u);
+  const int group = rank0_pid[0];
+  // Rank 0 is reaped (not a zombie) once its /proc entry is gone.
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (::access(("/proc/" + std::to_string(group)).c_str(), F_OK) == 0 &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  // A process that leads a new group: the next pid is `group`, unless another process takes it first.
+  pid_t impostor = -1;
+  for (int attempt = 0; attempt < 50 && impostor != group; ++attempt) {
+    if (impostor > 0) {
+      ::kill(impostor, SIGKILL);
+      ::waitpid(impostor, nullptr, 0);
+    }
+    std::ofstream(last_pid_path) << group - 1;
+    posix_spawnattr_t attr;
+    posix_spawnattr_init(&attr);
+    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
+    posix_spawnattr_setpgroup(&attr, 0);
+    const char* argv[] = {"sleep", "60", nullptr};
+    if (::posix_spawn(&impostor, "/bin/sleep", nullptr, &attr, const_cast<char**>(argv), environ) != 0) impostor = -1;
+    posix_spawnattr_destroy(&attr);
+  }
+  if (impostor != group) {
+    if (impostor > 0) ::kill(impostor, SIGKILL);
+    GTEST_SKIP() << "pid " << group << " went to another process";
+  }
+  std::ofstream(go) << "go\n";
+  int status = job.wait();
+  int impostor_status = 0;
+  bool impostor_running = ::waitpid(impostor, &impostor_status, WNOHANG) == 0;
+  ::kill(impostor, SIGKILL);
+  ::waitpid(impostor, nullptr, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 3) << "dp-run ended with " << exit_text(status);
+  EXPECT_TRUE(impostor_running) << "dp-run signalled process group " << group
+                                << ", no longer a rank's: " << exit_text(impostor_status);
 }
 
 }  // namespace
