@@ -21,7 +21,7 @@
  * loopback when the store is on a loopback address, else this host's name),
  * DP_SHM ("0": cpu groups always use Gloo; otherwise a cpu group whose ranks
  * all run on one host uses shared memory, through a segment private to the
- * job and gone from /dev/shm once every rank has mapped it; ranks on several
+ * job: an anonymous memfd, no file in /dev/shm or elsewhere; ranks on several
  * hosts with the same number of ranks, at least 2, on each are hierarchical:
  * shared memory inside each host and Gloo across, "shm+gloo"; uneven hosts
  * use Gloo and rank 0 says why on stderr), DP_HOST_ID (the host a rank
