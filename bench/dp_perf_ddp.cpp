@@ -331,7 +331,7 @@ int run(const Options& o) {
     }
     rss_before = status_kib("VmRSS:");
     dp_ddp_options dopts;
-    fail_on(dp_ddp_options_init(&dopts), "dp_ddp_options_init");
+    fail_on(dp_ddp_options_init(&dopts, sizeof dopts), "dp_ddp_options_init");
     dopts.bucket_cap_mb = o.bucket_cap_mb;
     dopts.first_bucket_cap_mb = o.first_bucket_cap_mb;
     dopts.gradient_as_bucket_view = o.grad_as_bucket_view ? 1 : 0;

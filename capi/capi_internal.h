@@ -2,7 +2,9 @@
 // keep exceptions inside, and argument checks whose errors name the argument.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -85,6 +87,25 @@ dp_module* new_module_handle(std::shared_ptr<Module> module);
 // Fills out[0..n) with new handles, all or none.
 void export_modules(const std::vector<std::shared_ptr<Module>>& modules, dp_module** out);
 std::string string_arg(const char* text, const char* name);
+
+// dp_<name>_options_init: writes exactly `struct_size` bytes at `opts` (the
+// caller's sizeof, older or newer than ours): our defaults, zeros past the
+// fields we know, and struct_size itself, so that the create call reads only
+// what the caller has. `defaults` must have static storage: its padding is
+// then zero, and no uninitialised byte reaches the caller.
+template <typename Options>
+void options_init(Options* opts, size_t struct_size, const Options& defaults) {
+  require_arg(opts, "opts");
+  if (struct_size < sizeof(size_t)) {
+    fail_invalid("argument 'struct_size' is ", struct_size, "; pass sizeof the options struct (at least ",
+                 sizeof(size_t), ")");
+  }
+  auto* bytes = reinterpret_cast<unsigned char*>(opts);
+  const size_t known = std::min(struct_size, sizeof(Options));
+  std::memcpy(bytes, &defaults, known);
+  std::memset(bytes + known, 0, struct_size - known);
+  std::memcpy(bytes, &struct_size, sizeof(size_t));
+}
 
 inline dp_device to_c(const Device& device) { return dp_device{static_cast<int32_t>(device.type), device.index}; }
 

@@ -114,10 +114,10 @@ ddp::ReducerOptions options_arg(const dp_ddp_options* opts, const std::shared_pt
 
 extern "C" {
 
-dp_status dp_ddp_options_init(dp_ddp_options* opts) {
+dp_status dp_ddp_options_init(dp_ddp_options* opts, size_t struct_size) {
   DP_API_BEGIN
-  capi::require_arg(opts, "opts");
-  *opts = DP_DDP_OPTIONS_INIT;
+  static const dp_ddp_options kDefaults = DP_DDP_OPTIONS_INIT;
+  capi::options_init(opts, struct_size, kDefaults);
   DP_API_END
 }
 

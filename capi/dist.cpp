@@ -220,10 +220,10 @@ dp_status dp_store_set_timeout(dp_store* store, int32_t timeout_ms) {
   DP_API_END
 }
 
-dp_status dp_process_group_options_init(dp_process_group_options* opts) {
+dp_status dp_process_group_options_init(dp_process_group_options* opts, size_t struct_size) {
   DP_API_BEGIN
-  capi::require_arg(opts, "opts");
-  *opts = DP_PROCESS_GROUP_OPTIONS_INIT;
+  static const dp_process_group_options kDefaults = DP_PROCESS_GROUP_OPTIONS_INIT;
+  capi::options_init(opts, struct_size, kDefaults);
   DP_API_END
 }
 

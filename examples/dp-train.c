@@ -721,7 +721,7 @@ static void run_ddp(run_state *r, dp_process_group *pg) {
   math.world = world;
 
   dp_ddp_options dopts;
-  CHECK(dp_ddp_options_init(&dopts));
+  CHECK(dp_ddp_options_init(&dopts, sizeof dopts));
   dopts.bucket_cap_mb = o->bucket_cap_mb;
   dopts.first_bucket_cap_mb = o->first_bucket_cap_mb;
   dopts.gradient_as_bucket_view = o->grad_as_bucket_view;

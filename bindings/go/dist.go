@@ -112,7 +112,7 @@ func (l *Library) NewDDP(module *Module, pg *ProcessGroup, opts *DDPOptions) (*D
 	}
 	var copts C.dp_ddp_options
 	err := l.call("dp_ddp_options_init", func(api *C.dp_api) C.dp_status {
-		return C.dpgo_ddp_options_init(api, &copts)
+		return C.dpgo_ddp_options_init(api, &copts, C.size_t(unsafe.Sizeof(copts)))
 	})
 	if err != nil {
 		return nil, err

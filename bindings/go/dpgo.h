@@ -79,7 +79,7 @@ dp_status dpgo_replica_set_apply(const dp_api *a, dp_replica_set *set, dp_tensor
   X(dp_status, pg_all_reduce, (const dp_api *a, dp_process_group *pg, dp_tensor *t, int32_t op), (pg, t, op))         \
   X(dp_status, pg_broadcast, (const dp_api *a, dp_process_group *pg, dp_tensor *t, int32_t root), (pg, t, root))      \
   X(dp_status, pg_barrier, (const dp_api *a, dp_process_group *pg), (pg))                                             \
-  X(dp_status, ddp_options_init, (const dp_api *a, dp_ddp_options *o), (o))                                           \
+  X(dp_status, ddp_options_init, (const dp_api *a, dp_ddp_options *o, size_t n), (o, n))                              \
   X(dp_status, ddp_create,                                                                                            \
     (const dp_api *a, dp_ddp **out, dp_module *m, dp_process_group *pg, const dp_ddp_options *o), (out, m, pg, o))    \
   X(dp_status, ddp_pre_forward, (const dp_api *a, dp_ddp *d), (d))                                                    \

@@ -103,7 +103,7 @@ class Ddp {
   void create(Module& module, ProcessGroup& pg, const DdpOptions& options, CommHook* hook) {
     hook_ = hook;
     dp_ddp_options o;
-    check(dp_ddp_options_init(&o));
+    check(dp_ddp_options_init(&o, sizeof o));
     o.bucket_cap_mb = options.bucketCapMb;
     o.first_bucket_cap_mb = options.firstBucketCapMb;
     o.gradient_as_bucket_view = options.gradientAsBucketView ? 1 : 0;

@@ -108,7 +108,7 @@ class ProcessGroup {
   // mpirun sets; tensors on `device`.
   static ProcessGroup* fromEnv(const Device& device = Device(), int timeoutMs = 300000) {
     dp_process_group_options opts;
-    check(dp_process_group_options_init(&opts));
+    check(dp_process_group_options_init(&opts, sizeof opts));
     opts.device = device.raw();
     opts.timeout_ms = timeoutMs;
     ProcessGroup* pg = new ProcessGroup(nullptr, true);
@@ -121,7 +121,7 @@ class ProcessGroup {
   static ProcessGroup* create(Store& store, int rank, int worldSize, const Device& device = Device(),
                               int timeoutMs = 300000) {
     dp_process_group_options opts;
-    check(dp_process_group_options_init(&opts));
+    check(dp_process_group_options_init(&opts, sizeof opts));
     opts.store = store.handle();
     opts.rank = rank;
     opts.world_size = worldSize;

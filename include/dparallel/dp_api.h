@@ -6,7 +6,11 @@
  * first table (abi_minor 1) lists the entry points of the base contract in
  * its order, then the additions. A host
  * compiled against an older header reads only the prefix it knows;
- * struct_size says how much of the table this library fills.
+ * struct_size says how much of the table this library fills. The one
+ * exception: abi_minor 3 gave process_group_options_init and
+ * ddp_options_init (same slots) the caller's struct_size as a second
+ * parameter, so a host built against an older header must not call those
+ * two through a newer table.
  *
  * Thread safety: dp_get_api may be called from any thread; the table is
  * static and never changes.
@@ -29,7 +33,7 @@ extern "C" {
 #endif
 
 /* abi_minor of the table this header describes. */
-#define DP_API_MINOR 2
+#define DP_API_MINOR 3
 
 /* Every slot of the table, in table order: X(return type, name, (parameters))
  * for the entry point dp_<name>. The struct below and the library's table are
@@ -122,7 +126,7 @@ extern "C" {
   X(dp_status, store_add, (dp_store *store, const char *key, int64_t delta, int64_t *out))                             \
   X(dp_status, store_wait, (dp_store *store, const char *const *keys, size_t nkeys, int32_t timeout_ms))               \
   X(void, store_destroy, (dp_store *store))                                                                            \
-  X(dp_status, process_group_options_init, (dp_process_group_options *opts))                                           \
+  X(dp_status, process_group_options_init, (dp_process_group_options *opts, size_t struct_size))                       \
   X(dp_status, process_group_create, (dp_process_group **out, const dp_process_group_options *opts))                   \
   X(dp_status, process_group_create_from_env, (dp_process_group **out, const dp_process_group_options *opts))          \
   X(int32_t, process_group_rank, (const dp_process_group *pg))                                                         \
@@ -155,7 +159,7 @@ extern "C" {
   X(dp_status, pg_barrier_async, (dp_process_group *pg, dp_work **out))                                                \
   X(const char *, process_group_backend, (const dp_process_group *pg))                                                 \
   /* the DDP reducer (dp_ddp.h) */                                                                                     \
-  X(dp_status, ddp_options_init, (dp_ddp_options *opts))                                                               \
+  X(dp_status, ddp_options_init, (dp_ddp_options *opts, size_t struct_size))                                           \
   X(dp_status, ddp_create, (dp_ddp **out, dp_module *module, dp_process_group *pg, const dp_ddp_options *opts))        \
   X(dp_status, ddp_pre_forward, (dp_ddp *ddp))                                                                         \
   X(dp_status, ddp_mark_grad_ready, (dp_ddp *ddp, const char *param_name))                                             \

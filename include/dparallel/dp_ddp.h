@@ -140,7 +140,12 @@ typedef struct dp_ddp_options {
 } dp_ddp_options;
 #define DP_DDP_OPTIONS_INIT \
   { sizeof(dp_ddp_options), 25.0, 1.0, 0, 1, 0, 1, NULL, 0, NULL, 0, DP_HOOK_ALLREDUCE, NULL, NULL }
-DP_API dp_status dp_ddp_options_init(dp_ddp_options *opts);
+/* Fills the caller's struct with the defaults above, writing exactly
+ * `struct_size` bytes: pass sizeof(dp_ddp_options). Bytes past the fields
+ * this library knows are zeroed and opts->struct_size becomes `struct_size`,
+ * as with dp_process_group_options_init. DP_EINVAL for a struct_size below
+ * sizeof(size_t). */
+DP_API dp_status dp_ddp_options_init(dp_ddp_options *opts, size_t struct_size);
 
 typedef struct dp_ddp dp_ddp;
 /* Wraps `module` for data-parallel training over `pg` (every rank calls it

@@ -21,7 +21,7 @@
  * loopback when the store is on a loopback address, else this host's name),
  * DP_SHM ("0": cpu groups always use Gloo; otherwise a cpu group whose ranks
  * all run on one host uses shared memory, through a segment private to the
- * job and gone from /dev/shm once every rank has mapped it; ranks on several
+ * job: an anonymous memfd, no file in /dev/shm or elsewhere; ranks on several
  * hosts with the same number of ranks, at least 2, on each are hierarchical:
  * shared memory inside each host and Gloo across, "shm+gloo"; uneven hosts
  * use Gloo and rank 0 says why on stderr), DP_HOST_ID (the host a rank
@@ -144,7 +144,14 @@ typedef struct dp_process_group_options {
   {                                                                                               \
     sizeof(dp_process_group_options), DP_BACKEND_AUTO, -1, -1, NULL, 300000, { DP_DEVICE_CPU, 0 } \
   }
-DP_API dp_status dp_process_group_options_init(dp_process_group_options *opts);
+/* Fills the caller's struct with the defaults above, writing exactly
+ * `struct_size` bytes: pass sizeof(dp_process_group_options) as your header
+ * declares it. A host built against an older header gets only the fields it
+ * has; one with a newer header gets the fields this library knows and zeros
+ * after them. opts->struct_size becomes `struct_size`, so the create calls
+ * read only what the caller has. DP_EINVAL for a struct_size below
+ * sizeof(size_t). */
+DP_API dp_status dp_process_group_options_init(dp_process_group_options *opts, size_t struct_size);
 typedef struct dp_process_group dp_process_group;
 /* Joins the group: every rank calls it with the same world size and store.
  * The group holds its own reference to the store. The options' rank and

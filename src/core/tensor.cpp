@@ -1,5 +1,6 @@
 #include "core/tensor.h"
 
+#include <cstddef>
 #include <cstring>
 #include <limits>
 
@@ -37,9 +38,12 @@ int64_t checked_numel(const Shape& shape, const char* argument) {
 size_t checked_nbytes(DType dtype, const Shape& shape, const char* argument) {
   const int64_t numel = checked_numel(shape, argument);
   const size_t element = dtype_size(dtype);
-  if (static_cast<uint64_t>(numel) > std::numeric_limits<size_t>::max() / element) {
+  // Byte counts fit ptrdiff_t, as PyTorch's storage_max() requires, so that
+  // pointer differences and int64 offsets over a tensor never overflow.
+  constexpr auto kMaxBytes = static_cast<uint64_t>(std::numeric_limits<std::ptrdiff_t>::max());
+  if (static_cast<uint64_t>(numel) > kMaxBytes / element) {
     fail_invalid("argument '", argument, "' (", shape_string(shape), ") holds ", numel, " ", dtype_name(dtype),
-                 " elements, more bytes than fit in size_t");
+                 " elements of ", element, " bytes: more than PTRDIFF_MAX (", kMaxBytes, ") bytes");
   }
   return static_cast<size_t>(numel) * element;
 }

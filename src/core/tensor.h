@@ -24,7 +24,7 @@ std::string shape_string(const Shape& shape);  // "2x3", "scalar" for ndim 0
 int64_t checked_numel(const Shape& shape, const char* argument);
 // Bytes of a `dtype` tensor of `shape`: the one size computation every tensor
 // goes through. Throws kInvalidArgument (naming `argument`) where
-// checked_numel does, or when the byte count overflows size_t.
+// checked_numel does, or when the byte count exceeds PTRDIFF_MAX.
 size_t checked_nbytes(DType dtype, const Shape& shape, const char* argument);
 
 class Storage {

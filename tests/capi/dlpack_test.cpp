@@ -100,7 +100,22 @@ TEST(DLPackImport, ShapeWhoseByteCountWrapsSizeTIsRefused) {
   dp_tensor* t = nullptr;
   EXPECT_EQ(dp_tensor_from_dlpack(&t, &p->managed), DP_EINVAL);
   EXPECT_NE(last_error().find("managed->dl_tensor.shape"), std::string::npos) << last_error();
-  EXPECT_NE(last_error().find("size_t"), std::string::npos) << last_error();
+  EXPECT_NE(last_error().find("PTRDIFF_MAX"), std::string::npos) << last_error();
+  EXPECT_EQ(t, nullptr);
+  EXPECT_EQ(p->deletes, 0);
+}
+
+TEST(DLPackImport, ByteCountOverPtrdiffMaxIsRefused) {
+  std::unique_ptr<Producer> p(make_producer());
+  // float64 [2^59 + 3, 2]: 2^63 + 48 bytes, within size_t, past ptrdiff_t.
+  p->shape[0] = (int64_t{1} << 59) + 3;
+  p->shape[1] = 2;
+  p->managed.dl_tensor.strides = nullptr;
+  p->managed.dl_tensor.dtype = DLDataType{kDLFloat, 64, 1};
+  dp_tensor* t = nullptr;
+  EXPECT_EQ(dp_tensor_from_dlpack(&t, &p->managed), DP_EINVAL);
+  EXPECT_NE(last_error().find("managed->dl_tensor.shape"), std::string::npos) << last_error();
+  EXPECT_NE(last_error().find("PTRDIFF_MAX"), std::string::npos) << last_error();
   EXPECT_EQ(t, nullptr);
   EXPECT_EQ(p->deletes, 0);
 }

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstddef>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -121,7 +122,7 @@ class DdpApi : public ::testing::Test {
 TEST_F(DdpApi, OptionsInitGivesTheMacrosDefaults) {
   dp_ddp_options macro = DP_DDP_OPTIONS_INIT, o;
   std::memset(&o, 0xA5, sizeof(o));
-  DP_ASSERT_OK(dp_ddp_options_init(&o));
+  DP_ASSERT_OK(dp_ddp_options_init(&o, sizeof(o)));
   EXPECT_EQ(o.struct_size, sizeof(dp_ddp_options));
   EXPECT_EQ(o.bucket_cap_mb, 25.0);
   EXPECT_EQ(o.first_bucket_cap_mb, 1.0);
@@ -136,7 +137,23 @@ TEST_F(DdpApi, OptionsInitGivesTheMacrosDefaults) {
   EXPECT_EQ(o.comm_hook, DP_HOOK_ALLREDUCE);
   EXPECT_EQ(o.hook_fn, nullptr);
   EXPECT_EQ(o.hook_user_data, nullptr);
-  EXPECT_EQ(dp_ddp_options_init(nullptr), DP_EINVAL);
+  EXPECT_EQ(dp_ddp_options_init(nullptr, sizeof(o)), DP_EINVAL);
+}
+
+// A host built against a header whose dp_ddp_options ended before comm_hook:
+// init and create touch only its bytes, not what follows them in memory.
+TEST_F(DdpApi, OptionsFromAnOlderHeaderAreWrittenAndReadOnlyUpToTheirSize) {
+  const size_t older = offsetof(dp_ddp_options, comm_hook);
+  dp_ddp_options buf;  // the host's struct, then its other data
+  std::memset(&buf, 0xA5, sizeof(buf));
+  DP_ASSERT_OK(dp_ddp_options_init(&buf, older));
+  EXPECT_EQ(buf.struct_size, older);
+  EXPECT_EQ(buf.bucket_cap_mb, 25.0);
+  const auto* bytes = reinterpret_cast<const unsigned char*>(&buf);
+  for (size_t i = older; i < sizeof(buf); ++i) ASSERT_EQ(bytes[i], 0xA5) << "byte " << i;
+  ModulePtr m = net();
+  DdpPtr d = create(m.get(), &buf);  // 0xA5A5A5A5 as comm_hook would be refused
+  ASSERT_NE(d, nullptr);
 }
 
 TEST_F(DdpApi, NullOutModuleOrGroupIsEinvalNamingTheArgument) {

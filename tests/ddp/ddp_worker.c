@@ -556,7 +556,7 @@ static void parity_layers(dp_process_group *pg) {
 
 static void parity_cap1(dp_process_group *pg) {
   dp_ddp_options o;
-  CHECK_OK(dp_ddp_options_init(&o));
+  CHECK_OK(dp_ddp_options_init(&o, sizeof o));
   o.bucket_cap_mb = 1;
   run_parity(pg, 0, &o);
 }

@@ -1194,7 +1194,9 @@ impl ProcessGroupOptions<'_> {
             timeout_ms: 0,
             device: Device::cpu(0).0,
         };
-        lib.check(unsafe { (lib.api().process_group_options_init)(&mut o) })?;
+        lib.check(unsafe {
+            (lib.api().process_group_options_init)(&mut o, std::mem::size_of::<sys::dp_process_group_options>())
+        })?;
         o.backend = self.backend as i32;
         o.rank = self.rank.unwrap_or(-1);
         o.world_size = self.world_size.unwrap_or(-1);
@@ -1518,7 +1520,7 @@ impl Ddp {
             hook_fn: None,
             hook_user_data: ptr::null_mut(),
         };
-        lib.check(unsafe { (lib.api().ddp_options_init)(&mut o) })?;
+        lib.check(unsafe { (lib.api().ddp_options_init)(&mut o, std::mem::size_of::<sys::dp_ddp_options>()) })?;
         let modules: Vec<CString> =
             options.ignored_modules.iter().map(|n| cstring("ignored_modules", n)).collect::<Result<_>>()?;
         let params: Vec<CString> =

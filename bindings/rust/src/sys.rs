@@ -21,7 +21,7 @@ extern "C" {
 /// The ABI major this mirror describes (DP_VERSION_MAJOR).
 pub const DP_VERSION_MAJOR: u32 = 0;
 /// The abi_minor of the table this mirror describes (DP_API_MINOR).
-pub const DP_API_MINOR: u32 = 2;
+pub const DP_API_MINOR: u32 = 3;
 
 pub type dp_status = i32;
 pub const DP_OK: dp_status = 0;
@@ -147,7 +147,7 @@ type St = dp_status;
 /// test compares with dp_api.h are the fields themselves.
 macro_rules! dp_api_slots {
     ($($(#[$doc:meta])* $name:ident: $ty:ty,)*) => {
-        /// `struct dp_api` of abi_minor 2. Every slot after the header is a
+        /// `struct dp_api` of abi_minor 3. Every slot after the header is a
         /// function pointer; `Library::open` checks that none is NULL before
         /// this type is read.
         #[repr(C)]
@@ -279,7 +279,7 @@ dp_api_slots! {
     store_add: unsafe extern "C" fn(*mut dp_store, *const c_char, i64, *mut i64) -> St,
     store_wait: unsafe extern "C" fn(*mut dp_store, *const *const c_char, usize, i32) -> St,
     store_destroy: unsafe extern "C" fn(*mut dp_store),
-    process_group_options_init: unsafe extern "C" fn(*mut dp_process_group_options) -> St,
+    process_group_options_init: unsafe extern "C" fn(*mut dp_process_group_options, usize) -> St,
     process_group_create: unsafe extern "C" fn(*mut *mut dp_process_group, *const dp_process_group_options) -> St,
     process_group_create_from_env:
         unsafe extern "C" fn(*mut *mut dp_process_group, *const dp_process_group_options) -> St,
@@ -323,7 +323,7 @@ dp_api_slots! {
     pg_barrier_async: unsafe extern "C" fn(*mut dp_process_group, *mut *mut dp_work) -> St,
     process_group_backend: unsafe extern "C" fn(*const dp_process_group) -> *const c_char,
     // the DDP reducer (dp_ddp.h)
-    ddp_options_init: unsafe extern "C" fn(*mut dp_ddp_options) -> St,
+    ddp_options_init: unsafe extern "C" fn(*mut dp_ddp_options, usize) -> St,
     ddp_create:
         unsafe extern "C" fn(*mut *mut dp_ddp, *mut dp_module, *mut dp_process_group, *const dp_ddp_options) -> St,
     ddp_pre_forward: unsafe extern "C" fn(*mut dp_ddp) -> St,
