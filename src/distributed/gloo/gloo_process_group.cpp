@@ -285,7 +285,9 @@ class GlooProcessGroup : public ProcessGroup {
       }
       slabs_ = std::make_unique<BlockExchange>(slab_context_, rank(), size(), kSlabBytes);
       slabs_->connect();
-      forget_keys(*store_, gloo_store.keys_set());
+      // A peer may still be reading them: a pair can connect before its
+      // other end has read this rank's address. They go when the group does.
+      rendezvous_keys_ = gloo_store.keys_set();
       if (size() > 1) watchdog_ = std::thread([this] { watch(); });
     } catch (const Error&) {
       throw;
@@ -643,8 +645,10 @@ class GlooProcessGroup : public ProcessGroup {
       ReplyDeadlineCap cap(bound);
       std::string key = prefix_ + "leaving";
       store_->add(key, 1);
-      poll_until([&] { return parse_counter(store_->get(key, bound), key) >= size(); }, bound);
-      // The last rank past the wait removes both counters.
+      if (!poll_until([&] { return parse_counter(store_->get(key, bound), key) >= size(); }, bound)) return;
+      // Every rank is leaving, so every rank has read this one's addresses;
+      // the last one past the wait removes both counters.
+      forget_keys(*store_, rendezvous_keys_);
       std::string left = prefix_ + "left";
       if (store_->add(left, 1) == size()) forget_keys(*store_, {key, left});
     } catch (...) {
@@ -665,6 +669,7 @@ class GlooProcessGroup : public ProcessGroup {
   }
 
   std::shared_ptr<Store> store_;
+  std::vector<std::string> rendezvous_keys_;  // this rank's addresses in the store
   std::string prefix_;
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::Context> context_;
