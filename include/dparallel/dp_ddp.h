@@ -37,6 +37,10 @@
  * last), so that later iterations overlap better; with
  * gradient_as_bucket_view the gradient tensors are then replaced by views
  * of the new buckets, values kept: fetch dp_module_grad again after it.
+ * With gradient_as_bucket_view the gradients' storage moves twice, and only
+ * then: at dp_ddp_create (a gradient allocated before keeps its values in
+ * its new place) and at that rebuild if the plan changed; a gradient
+ * tensor fetched before either goes on pointing at the old memory.
  *
  * Errors: every rank that finds a problem reports it. finish_backward with
  * parameters never marked (without find_unused_parameters) is DP_ESTATE
@@ -164,7 +168,10 @@ DP_API dp_status dp_ddp_mark_grad_ready_index(dp_ddp *ddp, size_t param_index);
  * gradient tensors and resets for the next iteration. */
 DP_API dp_status dp_ddp_finish_backward(dp_ddp *ddp);
 /* 0: later backwards only accumulate gradients locally (no communication);
- * the next synced backward reduces the accumulated sum. */
+ * the next synced backward reduces the accumulated sum. Such a backward is
+ * still driven as any other: the host marks its gradients ready (each once,
+ * as always) and calls dp_ddp_finish_backward, which then returns at once;
+ * a parameter marked in any of them counts as used for the synced one. */
 DP_API dp_status dp_ddp_set_requires_gradient_sync(dp_ddp *ddp, int requires_sync);
 /* 0 (and dp_last_error set) for a NULL or invalid handle. */
 DP_API size_t dp_ddp_num_buckets(const dp_ddp *ddp);
