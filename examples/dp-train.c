@@ -791,9 +791,9 @@ static void run_ddp(run_state *r, dp_process_group *pg) {
     printf("  finish_backward   %8.2f ms  %5.1f%%  (waiting for the last reductions)\n", finish / measured * 1e3,
            100 * finish / total);
     printf("  SGD               %8.2f ms  %5.1f%%\n", update / measured * 1e3, 100 * update / total);
-    printf("  reductions        %8.2f ms, %.2f ms of it exposed: %.0f%% hidden behind the backward; %zu buckets%s\n",
+    printf("  reductions        %8.2f ms, %.2f ms of it exposed: %.0f%% hidden behind the backward; %zu buckets\n",
            reduce_ms / measured, exposed_ms / measured, reduce_ms > 0 ? 100 * (1 - exposed_ms / reduce_ms) : 0.0,
-           stats.num_buckets, stats.buckets_rebuilt ? " (rebuilt after step 1)" : "");
+           stats.num_buckets);
   }
   free(ws.data);
   dp_tensor_destroy(loss_sum);

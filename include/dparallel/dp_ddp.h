@@ -194,7 +194,10 @@ DP_API dp_status dp_ddp_mark_grad_ready_stream(dp_ddp *ddp, size_t param_index, 
 /* What the last synced iteration cost: the time from the first ready mark
  * to the end of finish_backward, the time the reductions ran, and the part
  * of it not hidden behind the host's backward (spent inside
- * finish_backward). */
+ * finish_backward; never more than reduce_ms). num_buckets is the current
+ * plan's; buckets_rebuilt is 1 only when that iteration's finish_backward
+ * rebuilt the buckets into another plan (with gradient_as_bucket_view: the
+ * gradients' storage moved then), 0 otherwise and on later iterations. */
 typedef struct dp_ddp_stats {
   size_t struct_size;
   double backward_ms;

@@ -1128,10 +1128,9 @@ void Reducer::finish_backward() {
       }
     }
     lock.lock();  // on failure the finishing guard retakes it
-    rebuild(rank0_order);
+    stats.buckets_rebuilt = rebuild(rank0_order);
   }
   stats.num_buckets = buckets_.size();
-  stats.buckets_rebuilt = rebuilt_;
   stats_ = stats;
   if (debug_ != DebugLevel::kOff) {
     std::fprintf(stderr, "[dparallel ddp rank %d] backward %.3f ms, reductions %.3f ms, exposed %.3f ms\n", rank,
@@ -1141,7 +1140,7 @@ void Reducer::finish_backward() {
   flush_trace();
 }
 
-void Reducer::rebuild(const std::vector<size_t>& rank0_order) {
+bool Reducer::rebuild(const std::vector<size_t>& rank0_order) {
   std::vector<bool> seen(params_.size(), false);
   for (size_t i : rank0_order) {
     if (seen[i]) fail_invalid("rank 0's ready order lists parameter ", i, " twice");
@@ -1154,12 +1153,14 @@ void Reducer::rebuild(const std::vector<size_t>& rank0_order) {
   auto plan = plan_for(rank0_order);
   std::vector<std::vector<size_t>> current;
   for (const Bucket& b : buckets_) current.push_back(b.params);
-  if (plan != current) {
+  const bool changed = plan != current;
+  if (changed) {
     build_buckets(plan);
     reset_iteration_locked();
   }
   rebuilt_ = true;
   log_plan(str_cat("buckets rebuilt in rank 0's ready order: ", buckets_.size(), " buckets"));
+  return changed;
 }
 
 void Reducer::log_plan(const std::string& title) const {
@@ -1200,7 +1201,6 @@ ReducerStats Reducer::last_stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   ReducerStats stats = stats_;
   stats.num_buckets = buckets_.size();
-  stats.buckets_rebuilt = rebuilt_;
   return stats;
 }
 

@@ -201,7 +201,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // After a failed iteration: every reduced bucket's gradients back to this
   // rank's own values (and `saved_views`, unused views' own values).
   void restore_local_locked(const std::map<size_t, Tensor>& saved_views);
-  void rebuild(const std::vector<size_t>& rank0_order);
+  // True when the plan changed (with views: the gradients' storage moved).
+  bool rebuild(const std::vector<size_t>& rank0_order);
   std::string describe_params(const std::vector<size_t>& indices) const;
   // DP_DEBUG=INFO and DETAIL: `title`, then every bucket and its parameters.
   void log_plan(const std::string& title) const;

@@ -848,6 +848,8 @@ static void run_rebuild(dp_process_group *pg, int view) {
   flat_backward(m, ddp, second_order[g_rank == 0 ? 0 : 1], 1);
   CHECK_OK(dp_ddp_finish_backward(ddp));
   expect_flat_average(__LINE__, m, 1);
+  CHECK_OK(dp_ddp_last_stats(ddp, &stats));
+  CHECK(stats.buckets_rebuilt == 0, "buckets_rebuilt is %d after the second iteration", stats.buckets_rebuilt);
   EXPECT_PLAN("not rebuilt a second time", ddp, "{0},{3,1},{2}");
   dp_ddp_destroy(ddp);
   dp_module_destroy(m);
