@@ -317,8 +317,15 @@ class ShmProcessGroup : public ProcessGroup {
       if (door.size() != 65 || door[32] != ' ' || door.find_first_not_of("0123456789abcdef ") != std::string::npos) {
         fail(StatusCode::kIo, "the store holds no shared-memory door under '", key, "'");
       }
-      segment_ =
-          ShmSegment::map_received(SegmentDoor::fetch(door.substr(0, 32), door.substr(33), deadline), layout_.total);
+      int fd = -1;
+      try {
+        fd = SegmentDoor::fetch(door.substr(0, 32), door.substr(33), deadline);
+      } catch (const Error& e) {
+        // Rank 0 closes its door when it gives up on a peer that died: name that peer.
+        if (e.code() == StatusCode::kRemote) check_alive();
+        throw;
+      }
+      segment_ = ShmSegment::map_received(fd, layout_.total);
       std::atomic_thread_fence(std::memory_order_acquire);
       if (control()->magic != kMagic || control()->total_bytes != layout_.total ||
           control()->slot_bytes != layout_.slot || control()->world != size()) {
