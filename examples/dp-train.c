@@ -46,6 +46,7 @@ typedef struct options {
   float lr;
   int check;
   long max_rss_growth_kib; /* < 0: not checked */
+  double min_loss_drop;    /* > 0: the first step's loss over the last one's must reach it */
   const char *save_path;
   int ddp; /* one process per rank under dp-run, gradients averaged by dp_ddp */
   double bucket_cap_mb, first_bucket_cap_mb;
@@ -274,7 +275,8 @@ static void usage(const char *problem) {
   if (problem != NULL) fprintf(stderr, "dp-train: %s\n", problem);
   fprintf(stderr,
           "usage: dp-train [--devices cpu:0,cpu:1] [--steps 30] [--batch 1024] [--width 512] [--layers 4]\n"
-          "                [--lr 2] [--no-check] [--max-rss-growth-kib N] [--save model.safetensors]\n"
+          "                [--lr 2] [--no-check] [--max-rss-growth-kib N] [--min-loss-drop F]\n"
+          "                [--save model.safetensors]\n"
           "       dp-run -n 2 dp-train --ddp [--bucket-cap-mb 25] [--first-bucket-cap-mb 1]\n"
           "                [--grad-as-bucket-view] [the options above but --devices]\n");
   exit(2);
@@ -332,6 +334,7 @@ static options parse_options(int argc, char **argv) {
   o.lr = 2.0f;
   o.check = 1;
   o.max_rss_growth_kib = -1;
+  o.min_loss_drop = 0;
   o.bucket_cap_mb = 25.0;
   o.first_bucket_cap_mb = 1.0;
   const char *devices = NULL, *ddp_only = NULL;
@@ -376,6 +379,8 @@ static options parse_options(int argc, char **argv) {
       o.layers = (int)parse_integer(a, v, 1, MAX_LAYERS);
     } else if (strcmp(a, "--lr") == 0) {
       o.lr = (float)parse_number(a, v, 1e6);
+    } else if (strcmp(a, "--min-loss-drop") == 0) {
+      o.min_loss_drop = parse_number(a, v, 1e12);
     } else if (strcmp(a, "--max-rss-growth-kib") == 0) {
       o.max_rss_growth_kib = (long)parse_integer(a, v, 0, 1LL << 40);
     } else if (strcmp(a, "--save") == 0) {
@@ -568,11 +573,31 @@ typedef struct run_state {
   float *staging;
   int blas_threads;
   long rss_at_10, rss_at_end;
+  double first_loss, last_loss; /* the whole batch's, at the first and the last step */
 } run_state;
 
 static void note_rss(run_state *r, int step) {
   if (step + 1 == 10) r->rss_at_10 = rss_kib();
   if (step + 1 == r->o->steps) r->rss_at_end = rss_kib();
+}
+
+static void note_loss(run_state *r, int step, double loss) {
+  if (step == 0) r->first_loss = loss;
+  r->last_loss = loss;
+}
+
+/* --min-loss-drop: training must have learnt, not merely stayed in parity. */
+static int check_loss(const run_state *r) {
+  const double want = r->o->min_loss_drop;
+  if (want <= 0) return 0;
+  const double drop = r->first_loss / r->last_loss;
+  printf("loss fell %.1f-fold over %d steps (%.6f to %.6f; at least %.1f-fold wanted)\n", drop, r->o->steps,
+         r->first_loss, r->last_loss, want);
+  if (!(drop >= want)) {
+    fprintf(stderr, "dp-train: FAIL: the loss fell only %.2f-fold\n", drop);
+    return 1;
+  }
+  return 0;
 }
 
 static int check_rss(const run_state *r) {
@@ -659,6 +684,7 @@ static void run_replicas(run_state *r) {
            (double)o->batch / step_time, step_time * 1e3);
     fflush(stdout);
     note_rss(r, step);
+    note_loss(r, step, loss);
   }
   int measured = o->steps - warmup;
   printf("\nsteps %d..%d: %.2f ms per step, %.0f samples/s\n", warmup + 1, o->steps, total / measured * 1e3,
@@ -781,6 +807,7 @@ static void run_ddp(run_state *r, dp_process_group *pg) {
       fflush(stdout);
     }
     note_rss(r, step);
+    note_loss(r, step, part);
   }
   if (rank == 0) {
     int measured = o->steps - warmup;
@@ -939,6 +966,7 @@ int main(int argc, char **argv) {
   }
 
   int status = check_rss(&r);
+  if (check_loss(&r) != 0) status = 1;
   if (o.save_path != NULL && rank == 0) {
     CHECK(dp_module_save(r.model, o.save_path));
     printf("saved the model to %s\n", o.save_path);
