@@ -583,17 +583,35 @@ std::string CommQueue::stuck_reason() {
   return lane_->stuck;
 }
 
+void CommQueue::Job::execute() {
+  if (run) {
+    run();
+  } else {
+    reducer->run_job(bucket, refusal);
+  }
+}
+
+void CommQueue::Job::drop_unrun(const std::string& why) {
+  if (drop) {
+    drop(why);
+  } else if (reducer) {
+    reducer->drop_job(bucket, why);
+  }
+}
+
+std::string CommQueue::JobName::text() const {
+  if (what != nullptr) return what;
+  return str_cat("bucket ", bucket, refusal ? "'s refusal" : "'s reduction");
+}
+
 bool CommQueue::push(const std::shared_ptr<Reducer>& owner, size_t bucket, std::string refusal) {
   std::lock_guard<std::mutex> lock(lane_->mutex);
   if (!lane_->stuck.empty()) return false;
   Job job;
   job.owner = owner.get();
-  job.what = str_cat("bucket ", bucket, refusal.empty() ? "'s reduction" : "'s refusal");
-  job.run = [owner, bucket, refusal = std::move(refusal)] { owner->run_job(bucket, refusal); };
-  std::weak_ptr<Reducer> weak = owner;
-  job.drop = [weak, bucket](const std::string& why) {
-    if (auto reducer = weak.lock()) reducer->drop_job(bucket, why);
-  };
+  job.reducer = owner;
+  job.bucket = bucket;
+  job.refusal = std::move(refusal);
   job.id = ++lane_->next_id;
   lane_->jobs.push_back(std::move(job));
   lane_->cv.notify_all();
@@ -647,8 +665,8 @@ void CommQueue::call(const Reducer* owner, const char* what, const std::function
       if (it->id != id) continue;
       lane.jobs.erase(it);
       fail(StatusCode::kTimeout, what, " did not start within ",
-           std::chrono::duration_cast<std::chrono::milliseconds>(bound).count(), " ms: ", lane.running_what,
-           " before it on this process group's comm lane did not finish (a comm hook that does not return?)");
+           std::chrono::duration_cast<std::chrono::milliseconds>(bound).count(), " ms: ", lane.running_name.text(),
+           " (before it on this process group's comm lane) did not finish (a comm hook that does not return?)");
     }
   }
   // Once started, its collectives end by the group's timeout.
@@ -659,7 +677,7 @@ void CommQueue::call(const Reducer* owner, const char* what, const std::function
 std::deque<CommQueue::Job> CommQueue::stick_locked(const std::string& why) {
   if (lane_->stuck.empty()) {
     lane_->stuck =
-        str_cat("the process group's comm lane is stuck for good: ", lane_->running_what, " has run for ",
+        str_cat("the process group's comm lane is stuck for good: ", lane_->running_name.text(), " has run for ",
                 std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - lane_->running_since).count(),
                 " ms (", why, "); destroy the dp_ddp on it and make a new group");
   }
@@ -671,7 +689,7 @@ std::deque<CommQueue::Job> CommQueue::stick_locked(const std::string& why) {
 
 void CommQueue::drop_all(std::deque<Job>& jobs, const std::string& why) {
   for (Job& job : jobs) {
-    if (job.drop) job.drop(why);
+    job.drop_unrun(why);
   }
   jobs.clear();
 }
@@ -715,14 +733,13 @@ void CommQueue::loop(const std::shared_ptr<Lane>& lane) {
     Job job = std::move(lane->jobs.front());
     lane->jobs.pop_front();
     lane->running = job.owner;
-    lane->running_what = job.what;
+    lane->running_name = JobName{job.what, job.bucket, !job.refusal.empty()};
     lane->running_since = Clock::now();
     lock.unlock();
-    job.run();
+    job.execute();
     job = Job{};  // releases what the job kept alive, before the lock
     lock.lock();
     lane->running = nullptr;
-    lane->running_what.clear();
     lane->cv.notify_all();
     if (!lane->stuck.empty() && lane->stopping) return;
   }
@@ -777,14 +794,18 @@ void Reducer::run_job(size_t index, const std::string& refusal) {
   cv_.notify_all();
 }
 
+std::vector<Tensor> Reducer::bucket_grads(const Bucket& bucket) const {
+  std::vector<Tensor> grads;
+  grads.reserve(bucket.params.size());
+  for (size_t p : bucket.params) grads.push_back(params_[p].parameter->grad());
+  return grads;
+}
+
 void Reducer::save_local(size_t index) {
   Bucket& bucket = buckets_[index];
   if (bucket.numel == 0) return;
   if (in_place_) {
-    std::vector<Tensor> grads;
-    grads.reserve(bucket.params.size());
-    for (size_t p : bucket.params) grads.push_back(params_[p].parameter->grad());
-    comm::flatten_into(bucket.local, grads);
+    comm::flatten_into(bucket.local, bucket_grads(bucket));
   } else {
     copy_tensor(bucket.local, bucket.flat);
   }
@@ -798,10 +819,7 @@ void Reducer::restore_local_locked(const std::map<size_t, Tensor>& saved_views) 
     if (options_.gradient_as_bucket_view) {
       copy_tensor(bucket.flat, bucket.local);  // the gradients are views into it
     } else if (in_place_ || bucket.copied_back) {
-      std::vector<Tensor> grads;
-      grads.reserve(bucket.params.size());
-      for (size_t p : bucket.params) grads.push_back(params_[p].parameter->grad());
-      comm::unflatten_into(grads, bucket.local);
+      comm::unflatten_into(bucket_grads(bucket), bucket.local);
     }
   }
   for (const auto& [index, values] : saved_views) copy_tensor(slot_of(index), values);
@@ -870,10 +888,7 @@ void Reducer::reduce_bucket(size_t index) {
   const Bucket& bucket = buckets_[index];
   if (bucket.numel == 0) return;  // only empty parameters: the same on every rank
   if (in_place_) {
-    std::vector<Tensor> grads;
-    grads.reserve(bucket.params.size());
-    for (size_t p : bucket.params) grads.push_back(params_[p].parameter->grad());
-    group_->all_reduce_coalesced(grads, ReduceOp::kAvg, false);
+    group_->all_reduce_coalesced(bucket_grads(bucket), ReduceOp::kAvg, false);
     return;
   }
   const Tensor& flat = bucket.flat;

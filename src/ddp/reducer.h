@@ -89,12 +89,26 @@ class CommQueue {
   std::string stuck_reason();
 
  private:
+  // A bucket's reduction (or refusal) of `reducer`, kept alive until it ran;
+  // or, with `run`, a reducer's other collectives (call()).
   struct Job {
     const Reducer* owner = nullptr;
-    std::string what;                              // for messages
-    std::function<void()> run;                     // may keep its owner alive
-    std::function<void(const std::string&)> drop;  // when the lane drops it unrun
+    std::shared_ptr<Reducer> reducer;
+    size_t bucket = 0;
+    std::string refusal;
+    const char* what = nullptr;                    // call(): for messages
+    std::function<void()> run;                     // call()
+    std::function<void(const std::string&)> drop;  // call(): when the lane drops it unrun
     uint64_t id = 0;
+    void execute();
+    void drop_unrun(const std::string& why);
+  };
+  // What a message names a job by.
+  struct JobName {
+    const char* what = nullptr;  // call(); null for a bucket job
+    size_t bucket = 0;
+    bool refusal = false;
+    std::string text() const;
   };
   // What the worker thread shares with the queue: it outlives the queue
   // when the worker is stuck in a job that never returns.
@@ -103,7 +117,7 @@ class CommQueue {
     std::condition_variable cv;
     std::deque<Job> jobs;
     const Reducer* running = nullptr;
-    std::string running_what;
+    JobName running_name;
     Clock::time_point running_since;
     std::string stuck;  // why the lane stopped for good
     uint64_t next_id = 0;
@@ -196,6 +210,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // for a failed collective's reports.
   Clock::duration lane_bound() const;
   void reset_iteration_locked();
+  // The module's gradient tensors of `bucket`'s parameters, in its order.
+  std::vector<Tensor> bucket_grads(const Bucket& bucket) const;
   // The bucket's gradients as this rank holds them now, into `local`.
   void save_local(size_t index);
   // After a failed iteration: every reduced bucket's gradients back to this

@@ -222,10 +222,11 @@ void ProcessGroup::claim_for_this_thread_locked(CallKind kind) {
   const char* name = call_kind_name(static_cast<uint32_t>(kind));
   ++submitted_;
   if (calls_in_flight_ > 0 && driver_ != std::this_thread::get_id()) {
-    std::string why = str_cat("thread ", this_thread_tid(), " called ", name, " (call ", submitted_,
-                              " on this rank) while thread ", driver_tid_, "'s ", driver_call_,
-                              " was in flight; one group is driven by one thread at a time, in the same order on "
-                              "every rank: use one group per thread");
+    std::string why =
+        str_cat("thread ", this_thread_tid(), " called ", name, " (call ", submitted_, " on this rank) while thread ",
+                driver_tid_, "'s ", call_kind_name(static_cast<uint32_t>(driver_kind_)), " (call ", driver_call_,
+                " on this rank) was in flight; one group is driven by one thread at a time, in the "
+                "same order on every rank: use one group per thread");
     if (misdriven_.empty()) misdriven_ = why;
     ++misdrives_;
     fail(StatusCode::kState, name, ": ", why,
@@ -234,7 +235,8 @@ void ProcessGroup::claim_for_this_thread_locked(CallKind kind) {
   }
   driver_ = std::this_thread::get_id();
   driver_tid_ = this_thread_tid();
-  driver_call_ = str_cat(name, " (call ", submitted_, " on this rank)");
+  driver_kind_ = kind;
+  driver_call_ = submitted_;
   ++calls_in_flight_;
 }
 

@@ -200,7 +200,9 @@ class ProcessGroup {
   // The thread driving the group: its calls in flight, running or queued.
   std::thread::id driver_;
   long driver_tid_ = 0;
-  std::string driver_call_;  // its latest call, for messages
+  // Its latest call, for messages (formatted only when one is needed).
+  CallKind driver_kind_ = CallKind::kAllReduce;
+  uint64_t driver_call_ = 0;
   size_t calls_in_flight_ = 0;
   uint64_t submitted_ = 0;  // calls submitted so far, named in messages
   std::string misdriven_;   // why the group was driven by several threads at once

@@ -235,14 +235,30 @@ class ShmProcessGroup : public ProcessGroup {
     pidfds_[static_cast<size_t>(r)] = fd < 0 && errno == ESRCH ? kGoneWhenWatched : fd;
   }
 
+  // The watched peers whose processes are gone, by rank: one poll of their pidfds.
+  std::vector<int32_t> exited_peers() const {
+    std::vector<pollfd> fds;
+    std::vector<int32_t> polled, gone;
+    for (int32_t r = 0; r < size(); ++r) {
+      int fd = pidfds_[static_cast<size_t>(r)];
+      if (fd == kGoneWhenWatched) gone.push_back(r);
+      if (fd < 0) continue;
+      fds.push_back(pollfd{fd, POLLIN, 0});
+      polled.push_back(r);
+    }
+    if (!fds.empty() && ::poll(fds.data(), fds.size(), 0) > 0) {
+      for (size_t i = 0; i < fds.size(); ++i) {
+        if (fds[i].revents != 0) gone.push_back(polled[i]);
+      }
+    }
+    std::sort(gone.begin(), gone.end());
+    return gone;
+  }
+
   // kRemote naming every watched peer whose process is gone.
   void check_peers_alive(const std::vector<int32_t>& pids) {
     std::string gone;
-    for (int32_t r = 0; r < size(); ++r) {
-      int fd = pidfds_[static_cast<size_t>(r)];
-      if (fd < 0 && fd != kGoneWhenWatched) continue;
-      pollfd p{fd, POLLIN, 0};
-      if (fd >= 0 && ::poll(&p, 1, 0) <= 0) continue;
+    for (int32_t r : exited_peers()) {
       bool mapped = pid_word_if_mapped(r) != 0;
       gone += str_cat(gone.empty() ? "" : ", ", "rank ", r, " (pid ", pids[static_cast<size_t>(r)], ") exited ",
                       mapped ? "after" : "before", " it mapped the segment");
@@ -648,22 +664,14 @@ class ShmProcessGroup : public ProcessGroup {
     // Read first: a rank that gave up because a peer died did so after the
     // death, which the pidfds then show too.
     int32_t aborted = control()->aborted.load();
-    std::vector<pollfd> fds;
-    for (int32_t r = 0; r < size(); ++r) {
-      int fd = pidfds_[static_cast<size_t>(r)];
-      if (fd >= 0) fds.push_back(pollfd{fd, POLLIN, 0});
-    }
-    if (!fds.empty() && ::poll(fds.data(), fds.size(), 0) > 0) {
-      std::string ranks, gone;
-      for (const pollfd& p : fds) {
-        if (p.revents == 0) continue;
-        for (int32_t r = 0; r < size(); ++r) {
-          if (pidfds_[static_cast<size_t>(r)] != p.fd) continue;
-          ranks += str_cat(ranks.empty() ? "" : ", ", r);
-          gone += str_cat(gone.empty() ? "" : ", ", "rank ", r, " (pid ", pid_word(r)->load(), ")");
-        }
-      }
+    std::vector<int32_t> exited = exited_peers();
+    if (!exited.empty()) {
       if (arrived()) return;
+      std::string ranks, gone;
+      for (int32_t r : exited) {
+        ranks += str_cat(ranks.empty() ? "" : ", ", r);
+        gone += str_cat(gone.empty() ? "" : ", ", "rank ", r, " (pid ", pid_word(r)->load(), ")");
+      }
       // Who is missing is known: no waiting for the others' failure reports.
       tell_peers_this_rank_gave_up();
       fail_call_knowing(o, StatusCode::kRemote, str_cat("rank(s) ", ranks, " exited"),

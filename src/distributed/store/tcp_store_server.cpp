@@ -223,14 +223,12 @@ void TcpStoreServer::make_room_for_ungreeted(int newcomer) {
   auto now = Clock::now();
   size_t ungreeted = 0;
   int partial = -1, silent = -1;
-  std::map<std::string, size_t> per_address;
   auto quieter = [&](int fd, int than) {
     return than < 0 || clients_.at(fd).last_input < clients_.at(than).last_input;
   };
   for (auto& [fd, client] : clients_) {
     if (client.greeted) continue;
     ++ungreeted;
-    ++per_address[client.address];
     if (!client.in.empty()) {
       if (quieter(fd, partial)) partial = fd;
     } else if (now - client.last_input >= limits_.greeting_idle_limit && quieter(fd, silent)) {
@@ -241,6 +239,11 @@ void TcpStoreServer::make_room_for_ungreeted(int newcomer) {
   int victim = partial >= 0 ? partial : silent;
   const char* why = partial >= 0 ? "it sent part of a message and stopped" : "it has sent nothing for a while";
   if (victim < 0) {
+    // Counted only now: most newcomers under a flood find a stalled victim first.
+    std::map<std::string, size_t> per_address;
+    for (auto& [fd, client] : clients_) {
+      if (!client.greeted) ++per_address[client.address];
+    }
     auto most = std::max_element(per_address.begin(), per_address.end(),
                                  [](const auto& a, const auto& b) { return a.second < b.second; });
     if (most->second > per_address[clients_.at(newcomer).address]) {
