@@ -53,6 +53,13 @@ const Tensor& tensor_arg(const dp_tensor* handle, const std::string& name) {
   if (handle->tag != kTensorTag) {
     fail_invalid("argument '", name, "' is not a dp_tensor handle");
   }
+  if (auto parameter = handle->grad_of.lock()) {
+    Tensor current = parameter->grad_if_allocated();
+    if (current.defined() && (current.storage() != handle->tensor.storage() ||
+                              current.storage_offset() != handle->tensor.storage_offset())) {
+      handle->tensor = std::move(current);
+    }
+  }
   return handle->tensor;
 }
 
@@ -89,6 +96,12 @@ Shape shape_arg(int32_t ndim, const int64_t* shape, const char* name) {
 dp_tensor* new_tensor_handle(Tensor tensor) {
   auto* handle = new dp_tensor();
   handle->tensor = std::move(tensor);
+  return handle;
+}
+
+dp_tensor* new_grad_handle(const std::shared_ptr<Parameter>& parameter) {
+  dp_tensor* handle = new_tensor_handle(parameter->grad());
+  handle->grad_of = parameter;
   return handle;
 }
 

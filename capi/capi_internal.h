@@ -26,8 +26,11 @@ constexpr uint64_t kTensorTag = 0x6470'7465'6e73'6f72ull;  // "dptensor"
 // there is refused (it would free what the library still uses).
 struct dp_tensor {
   uint64_t tag = kTensorTag;
-  dparallel::Tensor tensor;
+  // Mutable: a gradient handle follows its parameter's gradient when it moves.
+  mutable dparallel::Tensor tensor;
   bool borrowed = false;
+  // From dp_module_grad: the parameter whose gradient this handle names.
+  std::weak_ptr<dparallel::Parameter> grad_of;
 };
 
 constexpr uint64_t kModuleTag = 0x6470'6d6f'6475'6c65ull;      // "dpmodule"
@@ -77,6 +80,9 @@ Shape shape_arg(int32_t ndim, const int64_t* shape, const char* name);
 
 // A new handle owning a reference to `tensor`.
 dp_tensor* new_tensor_handle(Tensor tensor);
+// A handle on `parameter`'s gradient that follows it when its storage
+// moves (a dp_ddp's bucket views, dp_module_set_grad).
+dp_tensor* new_grad_handle(const std::shared_ptr<Parameter>& parameter);
 // Fills out[0..n) with new handles, all or none.
 void export_tensors(const std::vector<Tensor>& tensors, dp_tensor** out);
 

@@ -120,7 +120,30 @@ dp_status dp_module_grad(dp_module* module, const char* dotted_name, dp_tensor**
   std::string name = capi::string_arg(dotted_name, "dotted_name");
   auto parameter = m.get_parameter(name);
   if (!parameter) fail_invalid("parameter \"", name, "\" is a NULL slot and has no gradient");
-  *out = capi::new_tensor_handle(parameter->grad());
+  *out = capi::new_grad_handle(parameter);
+  DP_API_END
+}
+
+dp_status dp_module_set_grad(dp_module* module, const char* dotted_name, dp_tensor* grad) {
+  DP_API_BEGIN
+  const auto& m = capi::module_arg(module, "module");
+  std::string name = capi::string_arg(dotted_name, "dotted_name");
+  auto parameter = m->get_parameter(name);
+  if (!parameter) fail_invalid("parameter \"", name, "\" is a NULL slot and has no gradient");
+  if (grad == nullptr) {
+    parameter->set_grad(Tensor());
+    return DP_OK;
+  }
+  const Tensor& g = capi::tensor_arg(grad, "grad");
+  const Tensor& value = parameter->value();
+  if (g.dtype() != value.dtype() || g.shape() != value.shape() || g.device() != value.device()) {
+    fail_invalid("argument 'grad' is ", g.describe(), " but parameter \"", name, "\" is ", value.describe(),
+                 ": a gradient has its parameter's dtype, shape and device");
+  }
+  if (g.nbytes() > 0 && g.data() == value.data()) {
+    fail_invalid("argument 'grad' is the memory of parameter \"", name, "\" itself");
+  }
+  parameter->set_grad(g);
   DP_API_END
 }
 

@@ -33,7 +33,7 @@ extern "C" {
 #endif
 
 /* abi_minor of the table this header describes. */
-#define DP_API_MINOR 3
+#define DP_API_MINOR 4
 
 /* Every slot of the table, in table order: X(return type, name, (parameters))
  * for the entry point dp_<name>. The struct below and the library's table are
@@ -170,7 +170,8 @@ extern "C" {
   X(dp_status, ddp_bucket_parameters, (const dp_ddp *ddp, size_t bucket, size_t *indices, size_t cap, size_t *count))  \
   X(void, ddp_destroy, (dp_ddp *ddp))                                                                                  \
   X(dp_status, ddp_mark_grad_ready_stream, (dp_ddp *ddp, size_t param_index, void *cuda_stream))                       \
-  X(dp_status, ddp_last_stats, (const dp_ddp *ddp, dp_ddp_stats *out))
+  X(dp_status, ddp_last_stats, (const dp_ddp *ddp, dp_ddp_stats *out))                                                   \
+  X(dp_status, module_set_grad, (dp_module * module, const char *dotted_name, dp_tensor *grad))
 /* clang-format on */
 
 /* A type, a name and a parameter list cannot be parenthesised. */

@@ -36,11 +36,12 @@
  * rule, in the order rank 0's gradients became ready (those it never marked
  * last), so that later iterations overlap better; with
  * gradient_as_bucket_view the gradient tensors are then replaced by views
- * of the new buckets, values kept: fetch dp_module_grad again after it.
- * With gradient_as_bucket_view the gradients' storage moves twice, and only
- * then: at dp_ddp_create (a gradient allocated before keeps its values in
- * its new place) and at that rebuild if the plan changed; a gradient
- * tensor fetched before either goes on pointing at the old memory.
+ * of the new buckets, values kept. With gradient_as_bucket_view the
+ * gradients' storage moves twice, and only then: at dp_ddp_create (a
+ * gradient allocated or set before keeps its values in its new place) and
+ * at that rebuild if the plan changed (dp_ddp_last_stats says so for that
+ * iteration only). A handle from dp_module_grad follows the move; a pointer
+ * taken from dp_tensor_data before it does not.
  *
  * Errors: every rank that finds a problem reports it. finish_backward with
  * parameters never marked (without find_unused_parameters) is DP_ESTATE
@@ -77,6 +78,23 @@
  * returns: the host must neither read nor write it in between (its bucket
  * may be reduced, and the result written back, while the backward goes on).
  *
+ * Several dp_ddp on one group (disjoint submodules): every collective any
+ * of them issues (bucket reductions, the used map, the ready order, buffer
+ * broadcasts, the checks at create) runs on one library thread per group,
+ * and the ranks pair them by identity, never by arrival: each dp_ddp's
+ * jobs are numbered in its own order (the same on every rank), and in
+ * rounds the ranks agree which jobs every rank has issued and run those,
+ * by dp_ddp then number. Every call carries that identity in its header,
+ * so ranks that would pair two different jobs fail naming both. The host
+ * may therefore mark from any threads, in any order, and finish the dp_ddp
+ * in any order, differently on each rank. What a rank must keep in order:
+ * dp_ddp_create and dp_ddp_pre_forward (they wait for their collectives)
+ * in the same order of dp_ddp on every rank; and where a rank finishes a
+ * dp_ddp with parameters it did not mark (unused, or a forgotten mark),
+ * the jobs waiting for that finish run only then, so if two dp_ddp on the
+ * group each have such a rank, finish those two in the same order on every
+ * rank (else the finishes wait for each other until DP_ETIMEOUT).
+ *
  * Thread safety: mark_grad_ready (all three forms) may be called from
  * several threads at once; every other call on one dp_ddp must not overlap
  * another. The comm hook runs on the library's worker thread. While a
@@ -85,8 +103,11 @@
  * same group: they would interleave with the buckets' in an order the
  * other ranks do not share (and, from another thread than the library's,
  * the group refuses them, see dp_dist.h). The module's managed parameters
- * and gradients must not be reallocated or freed while the dp_ddp lives.
- * Every collective of every dp_ddp on a group runs on one library thread.
+ * must not be reallocated or freed while the dp_ddp lives; its gradients
+ * may be replaced between backwards (dp_module_set_grad). Tied parameters:
+ * handles over the same memory, dtype and shape are one parameter, counted
+ * once; parameters that overlap in memory otherwise are DP_EINVAL at
+ * dp_ddp_create naming both.
  * A dp_ddp belongs to the process that created it: in a forked child every
  * call on an inherited one is DP_ESTATE and its destroy frees nothing.
  */

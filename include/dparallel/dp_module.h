@@ -63,8 +63,22 @@ DP_API dp_status dp_module_get_parameter(const dp_module *module, const char *do
 DP_API dp_status dp_module_get_buffer(const dp_module *module, const char *dotted_name, dp_tensor **out);
 DP_API dp_status dp_module_get_module(const dp_module *module, const char *dotted_name, dp_module **out);
 /* The parameter's gradient: same dtype, shape and device, allocated zeroed on
- * first use, then the same storage every time. */
+ * first use, then the same storage until it is set again. The handle follows
+ * the gradient: when its storage moves (dp_module_set_grad, or a dp_ddp with
+ * gradient_as_bucket_view at create and at its one rebuild), each later call
+ * through this handle uses the new storage; a pointer taken earlier from
+ * dp_tensor_data does not follow. */
 DP_API dp_status dp_module_grad(dp_module *module, const char *dotted_name, dp_tensor **out);
+/* Makes `grad` the parameter's gradient: memory the host owns (e.g.
+ * dp_tensor_from_blob over its autograd's gradient buffer), with the
+ * parameter's dtype, shape and device (else DP_EINVAL naming 'grad'). A new
+ * reference is taken; NULL drops the gradient (the next dp_module_grad
+ * allocates zeros). A dp_ddp reads and writes it in place, with no copy of
+ * its own beyond the bucket; with gradient_as_bucket_view, a gradient set
+ * after dp_ddp_create is copied into its bucket slot and back instead of
+ * being a view, and the next create or rebuild replaces it by a view. Set
+ * it between backwards, not while a dp_ddp's backward is in flight. */
+DP_API dp_status dp_module_set_grad(dp_module *module, const char *dotted_name, dp_tensor *grad);
 /* Fills every allocated gradient with zeros (the storage is kept). */
 DP_API dp_status dp_module_zero_grad(dp_module *module);
 /* The state dict (parameters and persistent buffers, each tensor once) as a

@@ -7,23 +7,21 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "core/tensor.h"
+#include "ddp/comm_hooks.h"
+#include "ddp/comm_lane.h"
 #include "distributed/process_group.h"
 #include "module/module.h"
 
 namespace dparallel::ddp {
-
-enum class HookKind : int32_t { kAllReduce = 0, kFp16 = 1, kBf16 = 2, kCustom = 3 };
 
 // Reduces `flat` (bucket `bucket`'s gradients, this rank's values) in place;
 // throws on failure. Runs on the reducer's worker thread.
@@ -51,87 +49,6 @@ struct ReducerStats {
 };
 
 enum class DebugLevel { kOff, kInfo, kDetail };
-
-class Reducer;
-
-// The one worker that runs every collective of every reducer on a process
-// group: bucket reductions in the order buckets became ready, and the
-// reducers' other collectives (agreement checks, broadcasts, the used map)
-// in their place. Reducers over disjoint submodules of one model share a
-// group; their collectives must reach it in the same order on every rank,
-// and from one thread (a group refuses calls that overlap from two).
-class CommQueue {
- public:
-  using Clock = std::chrono::steady_clock;
-  static std::shared_ptr<CommQueue> for_group(const dist::ProcessGroup* group);
-  CommQueue();
-  ~CommQueue();
-  CommQueue(const CommQueue&) = delete;
-  CommQueue& operator=(const CommQueue&) = delete;
-
-  // Queues owner->run_job(bucket, refusal) after what is queued; the job
-  // keeps the reducer alive until it ran. False when the lane is stuck
-  // (stuck_reason()): nothing was queued.
-  bool push(const std::shared_ptr<Reducer>& owner, size_t bucket, std::string refusal);
-  // Runs `fn` on the worker after what is queued and returns once it has,
-  // rethrowing what it threw. When it has not started within `bound` (a
-  // job before it never ends), it is dropped: kTimeout naming `what`; on a
-  // stuck lane, kState at once.
-  void call(const Reducer* owner, const char* what, const std::function<void()>& fn, Clock::duration bound);
-  // Drops the owner's queued jobs and waits up to `bound` for its running
-  // one to end. False when it did not: the lane is then stuck for good.
-  bool cancel(const Reducer* owner, Clock::duration bound);
-  // A reducer gave up waiting for its jobs: when one is running, the lane
-  // is stuck for good (`why` and the running job in the reason), and every
-  // queued job is dropped with that reason.
-  void give_up(const std::string& why);
-  bool on_worker() const { return std::this_thread::get_id() == worker_id_; }
-  std::string stuck_reason();
-
- private:
-  // A bucket's reduction (or refusal) of `reducer`, kept alive until it ran;
-  // or, with `run`, a reducer's other collectives (call()).
-  struct Job {
-    const Reducer* owner = nullptr;
-    std::shared_ptr<Reducer> reducer;
-    size_t bucket = 0;
-    std::string refusal;
-    const char* what = nullptr;                    // call(): for messages
-    std::function<void()> run;                     // call()
-    std::function<void(const std::string&)> drop;  // call(): when the lane drops it unrun
-    uint64_t id = 0;
-    void execute();
-    void drop_unrun(const std::string& why);
-  };
-  // What a message names a job by.
-  struct JobName {
-    const char* what = nullptr;  // call(); null for a bucket job
-    size_t bucket = 0;
-    bool refusal = false;
-    std::string text() const;
-  };
-  // What the worker thread shares with the queue: it outlives the queue
-  // when the worker is stuck in a job that never returns.
-  struct Lane {
-    std::mutex mutex;
-    std::condition_variable cv;
-    std::deque<Job> jobs;
-    const Reducer* running = nullptr;
-    JobName running_name;
-    Clock::time_point running_since;
-    std::string stuck;  // why the lane stopped for good
-    uint64_t next_id = 0;
-    bool stopping = false;
-  };
-  static void loop(const std::shared_ptr<Lane>& lane);
-  // Marks the lane stuck (locked) and returns the jobs to drop.
-  std::deque<Job> stick_locked(const std::string& why);
-  static void drop_all(std::deque<Job>& jobs, const std::string& why);
-
-  std::shared_ptr<Lane> lane_;
-  std::thread thread_;
-  std::thread::id worker_id_;
-};
 
 class Reducer : public std::enable_shared_from_this<Reducer> {
  public:
@@ -161,12 +78,21 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   ReducerStats last_stats() const;
 
  private:
+  friend class CommLane;
   struct Managed {
     std::string name;
     std::shared_ptr<Parameter> parameter;
     size_t nbytes = 0;
     size_t bucket = 0;
     size_t offset = 0;  // bytes into the bucket
+  };
+  // A job of this iteration on the lane: issued, then done with an outcome.
+  struct JobState {
+    bool issued = false;
+    bool done = false;
+    StatusCode code = StatusCode::kOk;
+    std::string error;
+    Clock::time_point start, end;
   };
   struct Bucket {
     std::vector<size_t> params;
@@ -176,40 +102,41 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     size_t pending = 0;            // parameters not yet marked this iteration
     std::vector<void*> events;     // CUDA: wait for these, then copy the gradients in
     std::vector<size_t> deferred;  // parameters whose copy waits for `events`
-    bool done = false;
-    bool copied_back = false;  // its gradients already hold the result
+    bool copied_back = false;      // its gradients already hold the result
     // This rank's own values, kept from just before the reduction, so that
     // a failed finish_backward can leave every gradient local.
     Tensor local;
     bool reduced = false;  // its reduction started: `local` holds the values to restore
-    StatusCode code = StatusCode::kOk;
-    std::string error;
-    Clock::time_point start, end;
+    JobState job;
+  };
+  // What the constructor gathers before its collectives.
+  struct Setup {
+    std::string local_error;  // an argument error found on this rank (init_sync: every rank fails naming it)
+    std::vector<std::pair<std::string, Tensor>> state;  // broadcast from rank 0 with init_sync
   };
 
+  // Constructor steps.
+  Setup collect_managed();
+  void check_no_overlap() const;
+  std::vector<std::string> describe_for_agreement(const Setup& setup) const;
+  void register_managed();
+  void unregister_managed();
+
+  // The plan (reducer_plan.cpp).
   void build_buckets(const std::vector<std::vector<size_t>>& plan);
   std::vector<std::vector<size_t>> plan_for(const std::vector<size_t>& order) const;
-  void check_agreement(const std::vector<std::string>& description);
-  void broadcast_state(const std::vector<std::pair<std::string, Tensor>>& tensors);
-  // Runs `fn`, which issues collectives on the group, on the comm queue's
-  // worker, in its place among the bucket reductions.
-  void on_queue(const char* what, const std::function<void()>& fn);
-  void queue_ready_buckets_locked();
-  friend class CommQueue;
-  // On the queue's worker: one bucket's reduction (or, with `refusal`, its refusal).
-  void run_job(size_t index, const std::string& refusal);
-  // The lane dropped bucket `index`'s job unrun: it fails with `why`.
-  void drop_job(size_t index, const std::string& why);
-  void fail_bucket_locked(size_t index, const std::string& why);
-  void reduce_bucket(size_t index);
-  void check_fingerprint(size_t index);
-  void copy_into_bucket(size_t index);
+  // True when the plan changed (with views: the gradients' storage moved).
+  bool rebuild(const std::vector<size_t>& rank0_order);
   Tensor slot_of(size_t index) const;
-  void wait_all_done(std::unique_lock<std::mutex>& lock);
-  // How long a wait for the lane may last: the group's timeout, and time
-  // for a failed collective's reports.
-  Clock::duration lane_bound() const;
-  void reset_iteration_locked();
+  // Whether parameter `index`'s gradient is its view into the bucket (the
+  // host may have set a gradient of its own since).
+  bool grad_is_view(size_t index) const;
+  // Whether parameter `index`'s gradient goes into its bucket slot and the
+  // result back by copies (not in place, not a view).
+  bool needs_copy(size_t index) const;
+  // Parameter `index`'s values in its bucket's saved local copy.
+  Tensor local_slot(size_t index) const;
+  std::string describe_params(const std::vector<size_t>& indices) const;
   // The module's gradient tensors of `bucket`'s parameters, in its order.
   std::vector<Tensor> bucket_grads(const Bucket& bucket) const;
   // The bucket's gradients as this rank holds them now, into `local`.
@@ -217,12 +144,52 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // After a failed iteration: every reduced bucket's gradients back to this
   // rank's own values (and `saved_views`, unused views' own values).
   void restore_local_locked(const std::map<size_t, Tensor>& saved_views);
-  // True when the plan changed (with views: the gradients' storage moved).
-  bool rebuild(const std::vector<size_t>& rank0_order);
-  std::string describe_params(const std::vector<size_t>& indices) const;
+
+  void check_agreement(const std::vector<std::string>& description);
+  void broadcast_state(const std::vector<std::pair<std::string, Tensor>>& tensors);
+  // Runs `fn`, which issues collectives on the group, as this reducer's next
+  // job on the lane.
+  void on_lane(const char* what, dist::CallItem item, const std::function<void()>& fn);
+
+  // Issuing this iteration's jobs.
+  void issue_locked(JobSpec spec, JobState& state);
+  void issue_ready_buckets_locked();
+  // The used map and the ready order, once every bucket is issued and the
+  // marks are final (all marked, or the host finished).
+  void issue_tail_locked(const std::string& refusal);
+  bool tail_issued_locked() const;
+  // On the lane's worker: one job (or, with a refusal, its refusal).
+  void run_job(const JobSpec& spec);
+  JobState& job_state(const JobSpec& spec);
+  // The lane dropped a job unrun: it fails with `why`.
+  void drop_job(const JobSpec& spec, StatusCode code, const std::string& why);
+  void fail_job_locked(JobState& state, StatusCode code, const std::string& why);
+  void run_bucket(size_t index);
+  void run_used_map();
+  void run_ready_order();
+  void reduce_bucket(size_t index);
+  void check_fingerprint(size_t index);
+  void copy_into_bucket(size_t index);
+  void wait_all_done(std::unique_lock<std::mutex>& lock);
+  // How long a wait for the lane may last: the group's timeout, and time
+  // for a failed collective's reports.
+  Clock::duration lane_bound() const;
+  void reset_iteration_locked();
+
+  // finish_backward's steps.
+  [[noreturn]] void refuse_unmarked_locked(std::unique_lock<std::mutex>& lock, const std::vector<size_t>& unmarked);
+  std::map<size_t, Tensor> fill_unused_locked(const std::vector<size_t>& unmarked);
+  // The first failed job's error, with what this rank marked; empty when none failed.
+  const JobState* first_failure_locked(std::string& message) const;
+  void copy_results_back_locked(const std::map<size_t, Tensor>& saved_views);
+  ReducerStats measure_locked(Clock::time_point finish_start);
+
+  // The log and the timeline (reducer_log.cpp).
   // DP_DEBUG=INFO and DETAIL: `title`, then every bucket and its parameters.
   void log_plan(const std::string& title) const;
   void trace(const std::string& event);
+  void trace_mark(size_t index, Clock::time_point now);
+  void trace_iteration(Clock::time_point finish_start, Clock::time_point reduced);
   void flush_trace();
 
   std::shared_ptr<Module> module_;
@@ -242,14 +209,23 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::condition_variable cv_;
   std::vector<Bucket> buckets_;
   bool broken_ = false;  // a wait outlived its bound: only destroy is left
-  std::shared_ptr<CommQueue> queue_;
+  std::shared_ptr<CommLane> lane_;
+  uint32_t lane_id_ = 0;
+  uint32_t iteration_ = 0;  // synced backwards begun: the jobs' iteration
 
   bool requires_sync_ = true;
   bool rebuilt_ = false;
-  size_t next_queue_ = 0;  // buckets queue in index order
+  size_t next_issue_ = 0;  // buckets are issued in index order
+  size_t marked_count_ = 0;
   std::vector<uint8_t> marked_;
   std::vector<uint8_t> used_since_sync_;
   std::vector<size_t> ready_order_;
+  // The tail jobs of this iteration and what they brought back.
+  JobState used_map_job_;
+  JobState order_job_;
+  std::vector<uint8_t> used_result_;
+  std::vector<size_t> rank0_order_;
+  bool tail_issued_ = false;
   bool any_mark_ = false;
   bool finishing_ = false;  // a finish_backward is running: other calls are refused
   bool closed_ = false;
@@ -265,7 +241,6 @@ struct RunningHook {
 };
 RunningHook running_hook() noexcept;
 
-const char* hook_name(HookKind hook);
 DebugLevel debug_level_from_env();
 
 }  // namespace dparallel::ddp

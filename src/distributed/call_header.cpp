@@ -33,6 +33,7 @@ CallHeader make_call_header(CallKind kind, int32_t rank, uint64_t seq, DType dty
   h.rank = rank;
   h.numel = numel;
   h.seq = seq;
+  h.tag = current_call_tag();
   return h;
 }
 
@@ -45,6 +46,43 @@ CallHeader refused_call_header(CallKind kind, int32_t rank, uint64_t seq, const 
   return h;
 }
 
+namespace {
+thread_local CallTag t_call_tag;
+}  // namespace
+
+CallTag current_call_tag() noexcept { return t_call_tag; }
+
+CallTagScope::CallTagScope(const CallTag& tag) noexcept : saved_(t_call_tag) { t_call_tag = tag; }
+CallTagScope::~CallTagScope() { t_call_tag = saved_; }
+
+std::string describe_call_tag(const CallTag& tag) {
+  if (tag.owner == 0) return "the host's own call";
+  if (tag.owner == kLaneRoundOwner) return str_cat("the DDP lane's agreement round #", tag.job);
+  const uint32_t index = tag.item & 0xffffffu;
+  std::string item;
+  switch (static_cast<CallItem>(tag.item >> 24)) {
+    case CallItem::kBucket:
+      item = str_cat("bucket ", index, "'s reduction");
+      break;
+    case CallItem::kUsedMap:
+      item = "the used parameters' all_reduce";
+      break;
+    case CallItem::kReadyOrder:
+      item = "the ready order's broadcast";
+      break;
+    case CallItem::kBuffers:
+      item = "the buffers' broadcast";
+      break;
+    case CallItem::kCreate:
+      item = "dp_ddp_create's agreement check";
+      break;
+    default:
+      item = str_cat("item ", tag.item);
+      break;
+  }
+  return str_cat("dp_ddp #", tag.owner - 1, "'s job #", tag.job, " (", item, ", iteration ", tag.iteration, ")");
+}
+
 namespace detail {
 
 void fail_malformed(const CallHeader& mine, int32_t r) {
@@ -53,7 +91,8 @@ void fail_malformed(const CallHeader& mine, int32_t r) {
 
 void fail_out_of_step(const CallHeader& mine, int32_t rank, const CallHeader& theirs, int32_t r) {
   fail(StatusCode::kRemote, call_kind_name(mine.kind), " (collective #", mine.seq, " of rank ", rank, "): rank ", r,
-       " called ", call_kind_name(theirs.kind), " as its collective #", theirs.seq,
+       " called ", call_kind_name(theirs.kind), " as its collective #", theirs.seq, "; rank ", rank, "'s call is ",
+       describe_call_tag(mine.tag), ", rank ", r, "'s is ", describe_call_tag(theirs.tag),
        "; every rank must issue the same collectives in the same order");
 }
 

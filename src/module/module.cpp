@@ -64,11 +64,17 @@ size_t invalid_utf8_at(const std::string& text) {
 }  // namespace
 
 bool TensorIdentity::operator<(const TensorIdentity& other) const {
-  return std::tie(storage, offset, dtype, shape) < std::tie(other.storage, other.offset, other.dtype, other.shape);
+  return std::tie(memory, offset, device_type, device_index, dtype, shape) <
+         std::tie(other.memory, other.offset, other.device_type, other.device_index, other.dtype, other.shape);
 }
 
 TensorIdentity identity_of(const Tensor& tensor) {
-  return TensorIdentity{tensor.storage().get(), tensor.storage_offset(), tensor.dtype(), tensor.shape()};
+  const Device device = tensor.device();
+  if (tensor.nbytes() == 0) {
+    return TensorIdentity{tensor.storage().get(), tensor.storage_offset(), device.type,
+                          device.index,           tensor.dtype(),          tensor.shape()};
+  }
+  return TensorIdentity{tensor.data(), 0, device.type, device.index, tensor.dtype(), tensor.shape()};
 }
 
 std::shared_ptr<Parameter> Parameter::shared_for(const Tensor& value, bool requires_grad) {

@@ -159,10 +159,15 @@ class Module {
   mutable std::set<std::string> names_;  // node-based: pointers into it stay valid
 };
 
-// The key that makes two tensors "the same tensor": storage, offset, dtype, shape.
+// The key that makes two tensors "the same tensor": the memory they start
+// at (so that two handles over one buffer, e.g. from_blob twice, are one
+// tensor, as a tied weight is), device, dtype, shape. Empty tensors have no
+// memory: their storage and offset tell them apart.
 struct TensorIdentity {
-  const void* storage;
+  const void* memory;
   size_t offset;
+  DeviceType device_type;
+  int32_t device_index;
   DType dtype;
   Shape shape;
   bool operator<(const TensorIdentity& other) const;

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -31,7 +32,7 @@ struct Ranks {
 // Runs `world` ranks of ddp_worker `scenario` with `env` added ("{dir}" in a
 // value is the run's folder, DP_TEST_DIR); kills them all after `limit`.
 Ranks run_ranks(const std::string& scenario, int world, std::vector<std::string> env = {},
-                std::chrono::seconds limit = std::chrono::seconds(60)) {
+                std::chrono::seconds limit = std::chrono::seconds(60), const char* worker = DP_DDP_WORKER) {
   char dir_template[] = "/tmp/dp_ddp_XXXXXX";
   dptest::RankJob job;
   job.name = scenario;
@@ -39,12 +40,12 @@ Ranks run_ranks(const std::string& scenario, int world, std::vector<std::string>
   for (auto& e : env) {
     for (size_t at = e.find("{dir}"); at != std::string::npos; at = e.find("{dir}")) e.replace(at, 5, job.dir);
   }
-  job.argv = {DP_DDP_WORKER, scenario};
+  job.argv = {worker, scenario};
   job.world = world;
   // Inherited, these would change a scenario.
   job.drop_inherited = [](const std::string& entry) {
     return entry.rfind("DP_TEST_DIR=", 0) == 0 || entry.rfind("DP_DEBUG=", 0) == 0 ||
-           entry.rfind("DP_TIMELINE=", 0) == 0;
+           entry.rfind("DP_TIMELINE=", 0) == 0 || entry.rfind("DP_TEST_SEED=", 0) == 0;
   };
   job.env = [&](int) {
     std::vector<std::string> vars = {"DP_TEST_DIR=" + job.dir};
@@ -212,3 +213,24 @@ TEST(Ddp, DebugInfoLogsThePlanAndTheTimelineHasATrackPerRank) {
 }
 
 }  // namespace
+
+// Three dp_ddp on one group (equal-sized buckets; the default hook in place,
+// bucket views with find_unused_parameters, a custom hook over the host's
+// own gradient memory): each rank marks in its own random order from three
+// threads and finishes in its own random order; one iteration fails on
+// every rank and the next ones work. Every rank checks every gradient and
+// parameter against single-process training every iteration.
+void expect_host_driven_training(int world) {
+  const char* seed = std::getenv("DP_TEST_SEED");
+  std::vector<std::string> env = {std::string("DP_TEST_SEED=") + (seed != nullptr ? seed : "1")};
+  Ranks run = run_ranks("random", world, env, std::chrono::seconds(240), DP_DDP_HOST_WORKER);
+  expect_passed(run, "random", world);
+}
+
+TEST(DdpHostDriven, ThreeDdpsInAnyMarkAndFinishOrderFromThreeThreadsTrainLikeOneProcessOnTwoRanks) {
+  expect_host_driven_training(2);
+}
+
+TEST(DdpHostDriven, ThreeDdpsInAnyMarkAndFinishOrderFromThreeThreadsTrainLikeOneProcessOnThreeRanks) {
+  expect_host_driven_training(3);
+}

@@ -128,10 +128,55 @@ TEST(CallHeader, EveryRefusingRankIsNamed) {
 }
 
 // Out of step wins over a refusal, on every rank: the group is broken.
-TEST(CallHeader, RefusalOfAnotherCollectiveIsOutOfStep) {
+TEST(CallHeader, RefusalStandsInForAnyCollectiveAtItsPlace) {
   auto all = headers(2, CallKind::kAllReduce, DType::kFloat32, 10, 3);
   all[1] = refused_call_header(CallKind::kBroadcast, 1, 3, "argument 'root' is 5");
+  for (int32_t r = 0; r < 2; ++r) {
+    std::string message;
+    EXPECT_EQ(status_on(all, r, &message), StatusCode::kInvalidArgument) << "rank " << r;
+    EXPECT_NE(message.find("rank 1 refused the call: argument 'root' is 5"), std::string::npos) << message;
+  }
+}
+
+TEST(CallHeader, RefusalAtAnotherPlaceIsOutOfStep) {
+  auto all = headers(2, CallKind::kAllReduce, DType::kFloat32, 10, 3);
+  all[1] = refused_call_header(CallKind::kAllReduce, 1, 4, "argument 'root' is 5");
   for (int32_t r = 0; r < 2; ++r) EXPECT_EQ(status_on(all, r), StatusCode::kRemote) << "rank " << r;
+}
+
+TEST(CallHeader, CallsOfTwoDifferentOwnersAreOutOfStepNamingBoth) {
+  auto all = headers(2, CallKind::kAllReduce, DType::kFloat32, 10, 3);
+  all[0].tag.owner = 1;  // dp_ddp #0
+  all[0].tag.job = 7;
+  all[0].tag.iteration = 2;
+  all[0].tag.item = static_cast<uint32_t>(CallItem::kBucket) << 24 | 1;
+  all[1].tag.owner = 2;  // dp_ddp #1
+  all[1].tag.job = 7;
+  all[1].tag.iteration = 2;
+  all[1].tag.item = static_cast<uint32_t>(CallItem::kBucket) << 24 | 1;
+  for (int32_t r = 0; r < 2; ++r) {
+    std::string message;
+    EXPECT_EQ(status_on(all, r, &message), StatusCode::kRemote) << "rank " << r;
+    EXPECT_NE(message.find("dp_ddp #0's job #7 (bucket 1's reduction, iteration 2)"), std::string::npos) << message;
+    EXPECT_NE(message.find("dp_ddp #1's job #7 (bucket 1's reduction, iteration 2)"), std::string::npos) << message;
+  }
+  all[1].tag = CallTag{};
+  std::string message;
+  EXPECT_EQ(status_on(all, 1, &message), StatusCode::kRemote);
+  EXPECT_NE(message.find("the host's own call"), std::string::npos) << message;
+}
+
+TEST(CallHeader, ACallMadeUnderATagScopeCarriesItAndTheScopeRestoresTheOuterTag) {
+  EXPECT_EQ(current_call_tag(), CallTag{});
+  CallTag outer;
+  outer.owner = kLaneRoundOwner;
+  outer.job = 4;
+  {
+    CallTagScope scope(outer);
+    EXPECT_EQ(make_call_header(CallKind::kAllGather, 0, 1, DType::kInt64, 3).tag, outer);
+    EXPECT_NE(describe_call_tag(outer).find("agreement round #4"), std::string::npos);
+  }
+  EXPECT_EQ(make_call_header(CallKind::kAllGather, 0, 1, DType::kInt64, 3).tag, CallTag{});
 }
 
 TEST(CallHeader, LongReasonIsCutAndAnUnterminatedOneIsReadWithinItsBuffer) {

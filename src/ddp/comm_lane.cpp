@@ -1,0 +1,401 @@
+#include "ddp/comm_lane.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "core/error.h"
+#include "ddp/host_values.h"
+#include "ddp/reducer.h"
+
+namespace dparallel::ddp {
+
+namespace {
+
+// A round that let nothing run waits this long, doubling up to the cap, for
+// this rank's host to issue more before asking the other ranks again.
+constexpr auto kFirstBackoff = std::chrono::microseconds(200);
+constexpr auto kMaxBackoff = std::chrono::milliseconds(20);
+
+int64_t millis(CommLane::Clock::duration d) { return std::chrono::duration_cast<std::chrono::milliseconds>(d).count(); }
+
+dist::CallTag tag_of(uint32_t owner_id, uint32_t number, const JobSpec& spec) {
+  dist::CallTag tag;
+  tag.owner = owner_id + 1;
+  tag.job = number;
+  tag.iteration = spec.iteration;
+  tag.item = static_cast<uint32_t>(spec.item) << 24 | static_cast<uint32_t>(spec.index & 0xffffffu);
+  return tag;
+}
+
+// Every rank's (owner, jobs issued) list, all-gathered: one int64 vector per
+// rank, [count, owner, issued, owner, issued, ...].
+std::vector<std::vector<int64_t>> exchange_counts(dist::ProcessGroup& group, uint32_t round,
+                                                  const std::vector<std::pair<uint32_t, uint32_t>>& mine) {
+  std::vector<int64_t> values(1 + 2 * CommLane::kOwnersPerRound, 0);
+  values[0] = static_cast<int64_t>(mine.size());
+  for (size_t i = 0; i < mine.size(); ++i) {
+    values[1 + 2 * i] = mine[i].first;
+    values[2 + 2 * i] = mine[i].second;
+  }
+  if (group.size() == 1) return {values};
+  dist::CallTag tag;
+  tag.owner = dist::kLaneRoundOwner;
+  tag.job = round;
+  dist::CallTagScope scope(tag);
+  const Device device = group.device();
+  std::vector<Tensor> all = gather_outputs(group.size(), DType::kInt64, static_cast<int64_t>(values.size()), device);
+  group.all_gather(to_device(host_int64(values), device), all, false);
+  std::vector<std::vector<int64_t>> counts;
+  counts.reserve(all.size());
+  for (const Tensor& t : all) counts.push_back(read_int64(t));
+  return counts;
+}
+
+// For each owner every rank listed: how many of its jobs every rank issued.
+std::map<uint32_t, uint32_t> agreed_counts(const std::vector<std::vector<int64_t>>& counts) {
+  std::map<uint32_t, uint32_t> agreed;
+  for (size_t r = 0; r < counts.size(); ++r) {
+    const std::vector<int64_t>& v = counts[r];
+    if (v.empty() || v[0] < 0 || v[0] > static_cast<int64_t>(CommLane::kOwnersPerRound)) {
+      fail(StatusCode::kRemote, "rank ", r, " sent a malformed agreement round");
+    }
+    std::map<uint32_t, uint32_t> theirs;
+    for (int64_t i = 0; i < v[0]; ++i) {
+      int64_t owner = v[static_cast<size_t>(1 + 2 * i)];
+      int64_t issued = v[static_cast<size_t>(2 + 2 * i)];
+      if (owner < 0 || owner > UINT32_MAX || issued < 0 || issued > UINT32_MAX) {
+        fail(StatusCode::kRemote, "rank ", r, " sent a malformed agreement round");
+      }
+      theirs[static_cast<uint32_t>(owner)] = static_cast<uint32_t>(issued);
+    }
+    if (r == 0) {
+      agreed = std::move(theirs);
+      continue;
+    }
+    for (auto it = agreed.begin(); it != agreed.end();) {
+      auto found = theirs.find(it->first);
+      if (found == theirs.end()) {
+        it = agreed.erase(it);
+        continue;
+      }
+      it->second = std::min(it->second, found->second);
+      ++it;
+    }
+  }
+  return agreed;
+}
+
+}  // namespace
+
+std::shared_ptr<CommLane> CommLane::for_group(const std::shared_ptr<dist::ProcessGroup>& group) {
+  static std::mutex mutex;
+  static std::map<const dist::ProcessGroup*, std::weak_ptr<CommLane>> lanes;
+  std::lock_guard<std::mutex> lock(mutex);
+  for (auto it = lanes.begin(); it != lanes.end();) it = it->second.expired() ? lanes.erase(it) : std::next(it);
+  auto& slot = lanes[group.get()];
+  if (auto existing = slot.lock()) return existing;
+  auto created = std::make_shared<CommLane>(group);
+  slot = created;
+  return created;
+}
+
+CommLane::CommLane(std::shared_ptr<dist::ProcessGroup> group) : state_(std::make_shared<State>(std::move(group))) {
+  thread_ = std::thread([state = state_] { loop(state); });
+  worker_id_ = thread_.get_id();
+}
+
+CommLane::~CommLane() {
+  bool stuck = false;
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->stopping = true;
+    stuck = !state_->stuck.empty();
+    state_->cv.notify_all();
+  }
+  // A worker stuck in a job (or this very thread, when the job's reducer
+  // was the last owner) ends on its own; the state lives as long as it.
+  if (stuck || on_worker()) {
+    thread_.detach();
+  } else {
+    thread_.join();
+  }
+}
+
+std::string CommLane::stuck_reason() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->stuck;
+}
+
+StatusCode CommLane::stuck_code() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->stuck_code;
+}
+
+bool CommLane::has_pending_locked(const State& state) {
+  return std::any_of(state.owners.begin(), state.owners.end(), [](const auto& o) { return !o.second.jobs.empty(); });
+}
+
+bool CommLane::busy() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->running != nullptr || has_pending_locked(*state_);
+}
+
+uint32_t CommLane::attach(const Reducer* owner) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  Owner& entry = state_->owners[owner];
+  entry.id = state_->next_owner++;
+  return entry.id;
+}
+
+void CommLane::Job::execute() {
+  if (run) {
+    run();
+  } else {
+    reducer->run_job(spec);
+  }
+}
+
+void CommLane::Job::drop_unrun(StatusCode code, const std::string& why) {
+  if (drop) {
+    drop(code, why);
+  } else if (reducer) {
+    reducer->drop_job(spec, code, why);
+  }
+}
+
+std::string CommLane::job_name(const Job& job) {
+  if (job.what != nullptr) return job.what;
+  switch (job.spec.item) {
+    case dist::CallItem::kBucket:
+      return str_cat("bucket ", job.spec.index, job.spec.refusal.empty() ? "'s reduction" : "'s refusal");
+    case dist::CallItem::kUsedMap:
+      return "the used parameters' all_reduce";
+    case dist::CallItem::kReadyOrder:
+      return "the ready order's broadcast";
+    default:
+      return "a job";
+  }
+}
+
+bool CommLane::push(const std::shared_ptr<Reducer>& owner, JobSpec spec) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  if (!state_->stuck.empty()) return false;
+  auto it = state_->owners.find(owner.get());
+  if (it == state_->owners.end()) fail(StatusCode::kInternal, "a job of a dp_ddp that is not on the lane");
+  Job job;
+  job.reducer = owner;
+  job.spec = std::move(spec);
+  job.number = it->second.issued++;
+  it->second.jobs.push_back(std::move(job));
+  ++state_->pushes;
+  state_->cv.notify_all();
+  return true;
+}
+
+void CommLane::call(const Reducer* owner, const char* what, const JobSpec& spec, const std::function<void()>& fn,
+                    Clock::duration bound) {
+  struct Outcome {
+    bool started = false;
+    bool abandoned = false;  // the caller gave up before it started
+    bool done = false;
+    std::exception_ptr error;
+  };
+  auto outcome = std::make_shared<Outcome>();
+  State& state = *state_;
+  std::unique_lock<std::mutex> lock(state.mutex);
+  if (!state.stuck.empty()) fail(StatusCode::kState, what, ": ", state.stuck);
+  auto it = state.owners.find(owner);
+  if (it == state.owners.end()) fail(StatusCode::kInternal, what, ": its dp_ddp is not on the lane");
+  // `fn` is the caller's, alive until this returns: the job runs it only
+  // if it starts before the caller gives up, and the caller then waits.
+  Job job;
+  job.spec = spec;
+  job.what = what;
+  job.run = [&state, outcome, &fn] {
+    {
+      std::lock_guard<std::mutex> guard(state.mutex);
+      if (outcome->abandoned) return;
+      outcome->started = true;
+      state.cv.notify_all();
+    }
+    std::exception_ptr error;
+    try {
+      fn();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard<std::mutex> guard(state.mutex);
+    outcome->error = error;
+    outcome->done = true;
+    state.cv.notify_all();
+  };
+  job.drop = [&state, outcome, what = std::string(what)](StatusCode code, const std::string& why) {
+    std::lock_guard<std::mutex> guard(state.mutex);
+    outcome->error = std::make_exception_ptr(Error(code, str_cat(what, ": ", why)));
+    outcome->done = true;
+    state.cv.notify_all();
+  };
+  job.number = it->second.issued++;
+  it->second.jobs.push_back(std::move(job));
+  ++state.pushes;
+  state.cv.notify_all();
+  if (!state.cv.wait_for(lock, bound, [&] { return outcome->started || outcome->done; })) {
+    // It keeps its place (every rank counts it) but runs nothing.
+    outcome->abandoned = true;
+    std::string before = state.running != nullptr
+                             ? state.running_name + " (before it on this process group's comm lane)"
+                             : std::string("the other ranks' matching call");
+    fail(StatusCode::kTimeout, what, " did not start within ", millis(bound), " ms: ", before,
+         " did not come (a comm hook that does not return, or a rank that does not issue it?)");
+  }
+  // Once started, its collectives end by the group's timeout.
+  state.cv.wait(lock, [&] { return outcome->done; });
+  if (outcome->error) std::rethrow_exception(outcome->error);
+}
+
+std::deque<CommLane::Job> CommLane::stick_locked(State& state, const std::string& why, StatusCode code) {
+  if (state.stuck.empty()) {
+    state.stuck = why;
+    state.stuck_code = code;
+  }
+  std::deque<Job> dropped;
+  for (auto& [owner, entry] : state.owners) {
+    for (Job& job : entry.jobs) dropped.push_back(std::move(job));
+    entry.jobs.clear();
+  }
+  state.cv.notify_all();
+  return dropped;
+}
+
+void CommLane::drop_all(std::deque<Job>& jobs, StatusCode code, const std::string& why) {
+  for (Job& job : jobs) job.drop_unrun(code, why);
+  jobs.clear();
+}
+
+void CommLane::give_up(const std::string& why) {
+  std::deque<Job> dropped;
+  std::string reason;
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    if (state_->running == nullptr && state_->stuck.empty()) return;
+    dropped = stick_locked(*state_, str_cat("the process group's comm lane is stuck for good: ", state_->running_name,
+                                            " has run for ", millis(Clock::now() - state_->running_since), " ms (", why,
+                                            "); destroy the dp_ddp on it and make a new group"));
+    reason = state_->stuck;
+  }
+  drop_all(dropped, StatusCode::kState, reason);
+}
+
+bool CommLane::detach(const Reducer* owner, Clock::duration bound) {
+  std::deque<Job> dropped;
+  std::string reason;
+  bool ended = true;
+  {
+    std::unique_lock<std::mutex> lock(state_->mutex);
+    auto it = state_->owners.find(owner);
+    if (it != state_->owners.end()) {
+      for (Job& job : it->second.jobs) dropped.push_back(std::move(job));
+      state_->owners.erase(it);
+    }
+    if (!on_worker() && state_->running == owner) {
+      ended = state_->stuck.empty() && state_->cv.wait_for(lock, bound, [&] { return state_->running != owner; });
+      if (!ended && state_->running == owner) {
+        std::deque<Job> rest = stick_locked(
+            *state_,
+            str_cat("the process group's comm lane is stuck for good: ", state_->running_name, " has run for ",
+                    millis(Clock::now() - state_->running_since),
+                    " ms (its dp_ddp was destroyed meanwhile); destroy the dp_ddp on it and make a new group"));
+        for (Job& job : rest) dropped.push_back(std::move(job));
+        reason = state_->stuck;
+      } else {
+        ended = true;
+      }
+    }
+  }
+  drop_all(dropped, StatusCode::kState, reason.empty() ? std::string("its dp_ddp was destroyed") : reason);
+  return ended;
+}
+
+bool CommLane::run_round(State& state, std::unique_lock<std::mutex>& lock) {
+  std::vector<std::pair<uint32_t, uint32_t>> mine;
+  for (const auto& [owner, entry] : state.owners) {
+    if (!entry.jobs.empty()) mine.emplace_back(entry.id, entry.issued);
+  }
+  std::sort(mine.begin(), mine.end());
+  if (mine.size() > kOwnersPerRound) mine.resize(kOwnersPerRound);
+  const uint32_t round = ++state.rounds;
+  std::shared_ptr<dist::ProcessGroup> group = state.group;
+  lock.unlock();
+  std::map<uint32_t, uint32_t> agreed;
+  std::string failure;
+  StatusCode code = StatusCode::kInternal;
+  try {
+    agreed = agreed_counts(exchange_counts(*group, round, mine));
+  } catch (const Error& e) {
+    failure = e.what();
+    code = e.code();
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  lock.lock();
+  if (!failure.empty()) {
+    std::deque<Job> dropped =
+        stick_locked(state,
+                     str_cat("the process group's comm lane stopped: its agreement round #", round,
+                             " failed: ", failure, "; destroy the dp_ddp on it and make a new group"),
+                     code);
+    std::string reason = state.stuck;
+    lock.unlock();
+    drop_all(dropped, code, reason);
+    lock.lock();
+    return false;
+  }
+  bool ran = false;
+  // Every rank runs the same jobs in the same order: by owner, then number.
+  for (const auto& [id, count] : agreed) {
+    for (;;) {
+      if (!state.stuck.empty()) return ran;
+      auto it = std::find_if(state.owners.begin(), state.owners.end(),
+                             [id = id](const auto& o) { return o.second.id == id; });
+      if (it == state.owners.end() || it->second.executed >= count || it->second.jobs.empty()) break;
+      Job job = std::move(it->second.jobs.front());
+      it->second.jobs.pop_front();
+      ++it->second.executed;
+      state.running = it->first;
+      state.running_name = job_name(job);
+      state.running_since = Clock::now();
+      lock.unlock();
+      {
+        dist::CallTagScope scope(tag_of(id, job.number, job.spec));
+        job.execute();
+      }
+      job = Job{};  // releases what the job kept alive, before the lock
+      lock.lock();
+      state.running = nullptr;
+      state.cv.notify_all();
+      ran = true;
+    }
+  }
+  return ran;
+}
+
+void CommLane::loop(const std::shared_ptr<State>& state) {
+  std::unique_lock<std::mutex> lock(state->mutex);
+  auto backoff = std::chrono::duration_cast<Clock::duration>(kFirstBackoff);
+  for (;;) {
+    state->cv.wait(lock, [&] { return state->stopping || !state->stuck.empty() || has_pending_locked(*state); });
+    if (!state->stuck.empty() || !has_pending_locked(*state)) return;  // stuck, or stopping: every owner is gone
+    const uint64_t pushes_seen = state->pushes;
+    if (run_round(*state, lock)) {
+      backoff = std::chrono::duration_cast<Clock::duration>(kFirstBackoff);
+      continue;
+    }
+    // No job was issued by every rank yet: wait for this rank's host to
+    // issue more (another rank waits for it in the next round).
+    state->cv.wait_for(lock, backoff,
+                       [&] { return state->pushes != pushes_seen || state->stopping || !state->stuck.empty(); });
+    backoff = std::min<Clock::duration>(backoff * 2, kMaxBackoff);
+  }
+}
+
+}  // namespace dparallel::ddp

@@ -1,0 +1,132 @@
+// The one thread that runs every collective of every dp_ddp on a process
+// group, in an order all ranks agree on whatever order their hosts mark,
+// finish or use threads in.
+//
+// Each dp_ddp (an owner) issues its jobs in its own sequence, the same on
+// every rank: bucket reductions in index order, then the used map and the
+// ready order, the buffers' broadcast before a forward, the agreement check
+// at creation. The lane pairs jobs by that identity (owner, job number),
+// never by arrival: in a round, the ranks all-gather how many jobs each
+// owner has issued, and every rank runs, in (owner, job number) order, the
+// jobs every rank has issued. Every call a job makes carries its identity
+// in the call header, so that two ranks pairing different jobs fail naming
+// both.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "distributed/call_header.h"
+#include "distributed/process_group.h"
+
+namespace dparallel::ddp {
+
+class Reducer;
+
+// What a reducer's job does (the lane runs it through Reducer::run_job).
+struct JobSpec {
+  dist::CallItem item = dist::CallItem::kBucket;
+  size_t index = 0;     // the bucket, for kBucket
+  std::string refusal;  // nonempty: the job stands in for its collectives and fails them on every rank
+  uint32_t iteration = 0;
+};
+
+class CommLane {
+ public:
+  using Clock = std::chrono::steady_clock;
+  // How many owners' counts one round carries; an owner past them waits
+  // for a later round.
+  static constexpr size_t kOwnersPerRound = 128;
+
+  static std::shared_ptr<CommLane> for_group(const std::shared_ptr<dist::ProcessGroup>& group);
+  explicit CommLane(std::shared_ptr<dist::ProcessGroup> group);
+  ~CommLane();
+  CommLane(const CommLane&) = delete;
+  CommLane& operator=(const CommLane&) = delete;
+
+  // A new owner's number on the lane: the order of creation on this rank,
+  // which must be the same on every rank.
+  uint32_t attach(const Reducer* owner);
+  // Issues the owner's next job; it runs once every rank issued it. False
+  // when the lane is stuck (stuck_reason()): nothing was issued.
+  bool push(const std::shared_ptr<Reducer>& owner, JobSpec spec);
+  // Issues `fn` as the owner's next job and returns once it ran, rethrowing
+  // what it threw. When it has not started within `bound` (a job before it
+  // never ends, or the other ranks never issue theirs), kTimeout naming
+  // `what`; on a stuck lane, kState at once.
+  void call(const Reducer* owner, const char* what, const JobSpec& spec, const std::function<void()>& fn,
+            Clock::duration bound);
+  // Drops the owner's queued jobs and waits up to `bound` for its running
+  // one to end, then forgets the owner. False when the job did not end: the
+  // lane is then stuck for good.
+  bool detach(const Reducer* owner, Clock::duration bound);
+  // A reducer gave up waiting for its jobs: when one is running, the lane
+  // is stuck for good (`why` and the running job in the reason), and every
+  // queued job is dropped with that reason.
+  void give_up(const std::string& why);
+  bool on_worker() const { return std::this_thread::get_id() == worker_id_; }
+  std::string stuck_reason();
+  // What a job of a stuck lane fails with: the failed round's code, else kState.
+  StatusCode stuck_code();
+  // Whether any owner has issued a job that has not run yet (the lane is
+  // busy with a backward, a forward's broadcast or a creation).
+  bool busy();
+
+ private:
+  struct Job {
+    std::shared_ptr<Reducer> reducer;  // bucket and side jobs: kept alive until run
+    JobSpec spec;
+    uint32_t number = 0;                                       // the owner's job number
+    const char* what = nullptr;                                // call(): for messages
+    std::function<void()> run;                                 // call()
+    std::function<void(StatusCode, const std::string&)> drop;  // call(): when the lane drops it unrun
+    void execute();
+    void drop_unrun(StatusCode code, const std::string& why);
+  };
+  struct Owner {
+    uint32_t id = 0;
+    uint32_t issued = 0;    // jobs issued on this rank
+    uint32_t executed = 0;  // jobs run (or dropped) in agreement with every rank
+    std::deque<Job> jobs;   // issued, not yet run: job numbers executed, executed + 1, ...
+  };
+  // What the worker thread shares with the lane: it outlives the lane when
+  // the worker is stuck in a job that never returns.
+  struct State {
+    explicit State(std::shared_ptr<dist::ProcessGroup> g) : group(std::move(g)) {}
+    std::shared_ptr<dist::ProcessGroup> group;
+    std::mutex mutex;
+    std::condition_variable cv;
+    std::map<const Reducer*, Owner> owners;
+    uint32_t next_owner = 0;
+    uint64_t pushes = 0;  // grows with every job issued: the worker waits for it to change
+    const Reducer* running = nullptr;
+    std::string running_name;
+    Clock::time_point running_since;
+    uint32_t rounds = 0;
+    std::string stuck;  // why the lane stopped for good
+    StatusCode stuck_code = StatusCode::kState;
+    bool stopping = false;
+  };
+  static void loop(const std::shared_ptr<State>& state);
+  // One agreement round and the jobs it lets run; false when it ran none.
+  static bool run_round(State& state, std::unique_lock<std::mutex>& lock);
+  static std::string job_name(const Job& job);
+  static bool has_pending_locked(const State& state);
+  // Marks the lane stuck (locked) and returns the jobs to drop.
+  static std::deque<Job> stick_locked(State& state, const std::string& why, StatusCode code = StatusCode::kState);
+  static void drop_all(std::deque<Job>& jobs, StatusCode code, const std::string& why);
+
+  std::shared_ptr<State> state_;
+  std::thread thread_;
+  std::thread::id worker_id_;
+};
+
+}  // namespace dparallel::ddp
