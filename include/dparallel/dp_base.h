@@ -21,6 +21,8 @@
  *   and zstd: the library may notice, but cannot promise to.
  * - No exception, abort or exit ever crosses this ABI.
  *
+ * docs/CONVENTIONS.md states these rules in full, with their exceptions.
+ *
  * Thread safety: functions in this header are safe to call from any thread.
  */
 #ifndef DPARALLEL_DP_BASE_H
