@@ -1,14 +1,10 @@
+// The reducer at work: marks, the iteration's jobs on the lane, finish_backward.
 #include "ddp/reducer.h"
-
-#include <fcntl.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <map>
-#include <set>
-#include <sstream>
 
 #include "backend/cuda/cuda_backend.h"
 #include "comm/comm.h"
@@ -23,19 +19,6 @@ namespace {
 using dist::CallItem;
 using dist::ReduceOp;
 
-// Parameters managed by a live reducer: one reducer per parameter.
-std::mutex& managed_mutex() {
-  static std::mutex mutex;
-  return mutex;
-}
-std::set<const Parameter*>& managed_set() {
-  static std::set<const Parameter*> managed;
-  return managed;
-}
-
-// Tensors exchanged for agreement checks are this big at most per chunk.
-constexpr size_t kStateBroadcastChunk = 64u << 20;
-
 [[noreturn]] void fail_finishing() {
   fail(StatusCode::kState,
        "dp_ddp_finish_backward is running on another thread; calls on one dp_ddp must not overlap it");
@@ -43,209 +26,15 @@ constexpr size_t kStateBroadcastChunk = 64u << 20;
 
 [[noreturn]] void fail_broken() { fail(StatusCode::kState, "the dp_ddp is unusable after an earlier failure"); }
 
-bool is_floating(DType dtype) {
-  return dtype == DType::kFloat32 || dtype == DType::kFloat64 || dtype == DType::kFloat16 || dtype == DType::kBFloat16;
-}
-
 double ms_between(Reducer::Clock::time_point a, Reducer::Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
-
-std::vector<std::string> split_lines(const std::string& text) {
-  std::vector<std::string> lines;
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) lines.push_back(line);
-  return lines;
-}
-
-bool starts_with(const std::string& s, const std::string& prefix) { return s.compare(0, prefix.size(), prefix) == 0; }
 
 thread_local RunningHook t_running_hook;
 
 }  // namespace
 
 RunningHook running_hook() noexcept { return t_running_hook; }
-
-// ---- creation ----
-
-Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGroup> group, ReducerOptions options)
-    : module_(std::move(module)), group_(std::move(group)), options_(std::move(options)) {
-  debug_ = debug_level_from_env();
-  if (const char* path = std::getenv("DP_TIMELINE"); path != nullptr && *path != '\0') timeline_path_ = path;
-  // Checks that could fail on one rank only are collected, so that with
-  // init_sync every rank fails naming them instead of waiting for this one.
-  Setup setup = collect_managed();
-  lane_ = CommLane::for_group(group_);
-  lane_id_ = lane_->attach(this);
-  try {
-    if (options_.init_sync) {
-      std::vector<std::string> description = describe_for_agreement(setup);
-      on_lane("dp_ddp_create's agreement check and broadcast", CallItem::kCreate, [&] {
-        check_agreement(description);
-        broadcast_state(setup.state);
-      });
-    }
-    in_place_ = group_->device().type == DeviceType::kCpu && options_.hook == HookKind::kAllReduce &&
-                !options_.gradient_as_bucket_view && !options_.find_unused_parameters;
-    std::vector<size_t> order(params_.size());
-    for (size_t i = 0; i < order.size(); ++i) order[i] = params_.size() - 1 - i;
-    build_buckets(plan_for(order));
-  } catch (...) {
-    lane_->detach(this, lane_bound());
-    unregister_managed();
-    throw;
-  }
-  for (size_t i = 0; i < params_.size(); ++i) index_by_name_.emplace(params_[i].name, i);
-  marked_.assign(params_.size(), 0);
-  used_since_sync_.assign(params_.size(), 0);
-  reset_iteration_locked();
-  stats_.num_buckets = buckets_.size();
-  log_plan(str_cat(params_.size(), " managed parameters in ", buckets_.size(), " buckets (comm hook ",
-                   hook_name(options_.hook), ")"));
-  if (!timeline_path_.empty() && group_->rank() == 0) {
-    int fd = ::open(timeline_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd >= 0) ::close(fd);
-  }
-}
-
-// The managed parameters and the buffers, checked; registered as managed.
-// With init_sync an argument error is returned instead of thrown.
-Reducer::Setup Reducer::collect_managed() {
-  Setup setup;
-  const Device device = group_->device();
-  try {
-    if (options_.bucket_cap_bytes == 0) fail_invalid("argument 'opts->bucket_cap_mb' must be > 0");
-    if (options_.first_bucket_cap_bytes == 0) fail_invalid("argument 'opts->first_bucket_cap_mb' must be > 0");
-    if (options_.hook == HookKind::kCustom && !options_.custom_hook) {
-      fail_invalid("argument 'opts->hook_fn' is NULL but 'opts->comm_hook' is DP_HOOK_CUSTOM");
-    }
-    std::vector<std::string> ignored_prefixes;
-    for (size_t i = 0; i < options_.ignored_modules.size(); ++i) {
-      const std::string& name = options_.ignored_modules[i];
-      try {
-        module_->get_module(name);
-      } catch (const Error& e) {
-        fail_invalid("argument 'opts->ignored_modules[", i, "]' is '", name, "': ", e.what());
-      }
-      ignored_prefixes.push_back(name.empty() ? "" : name + ".");
-    }
-    std::set<std::string> ignored_params;
-    for (size_t i = 0; i < options_.ignored_parameters.size(); ++i) {
-      const std::string& name = options_.ignored_parameters[i];
-      try {
-        module_->get_parameter(name);
-      } catch (const Error& e) {
-        fail_invalid("argument 'opts->ignored_parameters[", i, "]' is '", name, "': ", e.what());
-      }
-      ignored_params.insert(name);
-    }
-    auto ignored = [&](const std::string& name) {
-      for (const auto& prefix : ignored_prefixes) {
-        if (starts_with(name, prefix)) return true;
-      }
-      return false;
-    };
-    for (const NamedParameter& np : module_->named_parameters()) {
-      const std::string& name = *np.name;
-      if (!np.parameter || ignored(name) || ignored_params.count(name) != 0) continue;
-      const Tensor& value = np.parameter->value();
-      setup.state.emplace_back(name, value);
-      if (!np.parameter->requires_grad()) continue;
-      if (value.device() != device) {
-        fail_invalid("parameter '", name, "' is ", value.describe(), " but the process group works on ",
-                     to_string(device), "; move the module there first");
-      }
-      if (!is_floating(value.dtype())) {
-        fail_invalid("parameter '", name, "' is ", value.describe(),
-                     "; gradients are reduced for floating-point parameters only (float32, float64, float16, "
-                     "bfloat16): set requires_grad to 0 for it or ignore it");
-      }
-      params_.push_back(Managed{name, np.parameter, value.nbytes(), 0, 0});
-    }
-    for (const NamedBuffer& nb : module_->named_buffers()) {
-      const std::string& name = *nb.name;
-      if (!nb.slot->value.defined() || ignored(name)) continue;
-      if (nb.slot->value.device() != device) {
-        fail_invalid("buffer '", name, "' is ", nb.slot->value.describe(), " but the process group works on ",
-                     to_string(device));
-      }
-      buffers_.emplace_back(name, nb.slot->value);
-      setup.state.emplace_back(name, nb.slot->value);
-    }
-    if (params_.empty()) {
-      fail_invalid(
-          "argument 'module' has no parameter that requires grad and is not ignored: the dp_ddp would have nothing "
-          "to reduce");
-    }
-    check_no_overlap();
-    register_managed();
-  } catch (const Error& e) {
-    if (e.code() != StatusCode::kInvalidArgument || !options_.init_sync) throw;
-    setup.local_error = e.what();
-    params_.clear();
-  }
-  return setup;
-}
-
-// Two parameters over one memory are one parameter (a tied weight); two
-// that overlap only in part would have their gradients summed twice.
-void Reducer::check_no_overlap() const {
-  std::vector<std::pair<const char*, size_t>> spans;  // start, index
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (params_[i].nbytes > 0) spans.emplace_back(static_cast<const char*>(params_[i].parameter->value().data()), i);
-  }
-  std::sort(spans.begin(), spans.end());
-  for (size_t k = 1; k < spans.size(); ++k) {
-    const auto& [start, before] = spans[k - 1];
-    if (start + params_[before].nbytes <= spans[k].first) continue;
-    const Managed& a = params_[before];
-    const Managed& b = params_[spans[k].second];
-    fail_invalid("parameters '", a.name, "' (", a.parameter->value().describe(), ") and '", b.name, "' (",
-                 b.parameter->value().describe(),
-                 ") overlap in memory but are not the same tensor; tie a weight by registering one tensor (or "
-                 "handles over the same memory, dtype and shape, which count as one parameter)");
-  }
-}
-
-void Reducer::register_managed() {
-  std::lock_guard<std::mutex> lock(managed_mutex());
-  for (const Managed& m : params_) {
-    if (managed_set().count(m.parameter.get()) != 0) {
-      fail_invalid("parameter '", m.name,
-                   "' is already managed by another live dp_ddp; wrap disjoint submodules, or destroy the other "
-                   "dp_ddp first");
-    }
-  }
-  for (const Managed& m : params_) managed_set().insert(m.parameter.get());
-}
-
-void Reducer::unregister_managed() {
-  std::lock_guard<std::mutex> lock(managed_mutex());
-  for (const Managed& m : params_) managed_set().erase(m.parameter.get());
-}
-
-std::vector<std::string> Reducer::describe_for_agreement(const Setup& setup) const {
-  if (!setup.local_error.empty()) return {"error " + setup.local_error};
-  std::vector<std::string> description;
-  description.push_back(str_cat("options bucket_cap ", options_.bucket_cap_bytes, " B, first_bucket_cap ",
-                                options_.first_bucket_cap_bytes, " B, comm_hook ", hook_name(options_.hook),
-                                ", gradient_as_bucket_view ", options_.gradient_as_bucket_view,
-                                ", find_unused_parameters ", options_.find_unused_parameters, ", broadcast_buffers ",
-                                options_.broadcast_buffers));
-  description.push_back(str_cat(params_.size(), " managed parameters"));
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const Tensor& v = params_[i].parameter->value();
-    description.push_back(str_cat("managed parameter ", i, " is '", params_[i].name, "' ", dtype_name(v.dtype()), " ",
-                                  shape_string(v.shape())));
-  }
-  description.push_back(str_cat(setup.state.size(), " parameters and buffers to broadcast"));
-  for (size_t i = 0; i < setup.state.size(); ++i) {
-    description.push_back(str_cat("state tensor ", i, " is '", setup.state[i].first, "' ",
-                                  dtype_name(setup.state[i].second.dtype()), " ",
-                                  shape_string(setup.state[i].second.shape())));
-  }
-  return description;
-}
 
 Reducer::Clock::duration Reducer::lane_bound() const { return group_->timeout() + std::chrono::seconds(3); }
 
@@ -262,68 +51,6 @@ Reducer::~Reducer() {
   lane_.reset();
   for (Bucket& b : buckets_) {
     for (void* e : b.events) cuda::destroy_event(e);
-  }
-}
-
-// Every rank all-gathers every rank's description and reports the same first
-// difference from rank 0 (or the lowest rank's own error).
-void Reducer::check_agreement(const std::vector<std::string>& description) {
-  const Device device = group_->device();
-  const int32_t world = group_->size();
-  std::string mine;
-  for (const auto& line : description) mine += line + "\n";
-  std::vector<Tensor> lengths = gather_outputs(world, DType::kInt64, 1, device);
-  group_->all_gather(to_device(host_int64({static_cast<int64_t>(mine.size())}), device), lengths, false);
-  size_t longest = 0;
-  std::vector<size_t> sizes;
-  for (const Tensor& t : lengths) {
-    int64_t n = read_int64(t).at(0);
-    if (n < 0 || n > (int64_t(1) << 31)) fail(StatusCode::kRemote, "a rank sent a malformed description");
-    sizes.push_back(static_cast<size_t>(n));
-    longest = std::max(longest, static_cast<size_t>(n));
-  }
-  Tensor padded = Tensor::zeros(DType::kUInt8, {static_cast<int64_t>(longest)}, kHostDevice);
-  std::memcpy(padded.data(), mine.data(), mine.size());
-  std::vector<Tensor> all = gather_outputs(world, DType::kUInt8, static_cast<int64_t>(longest), device);
-  group_->all_gather(to_device(padded, device), all, false);
-  std::vector<std::vector<std::string>> lines;
-  for (int32_t r = 0; r < world; ++r) {
-    Tensor host = to_device(all[r], kHostDevice);
-    lines.push_back(split_lines(std::string(static_cast<const char*>(host.data()), sizes[r])));
-  }
-  for (int32_t r = 0; r < world; ++r) {
-    if (!lines[r].empty() && starts_with(lines[r][0], "error ")) {
-      fail_invalid("rank ", r, " refused: ", lines[r][0].substr(6));
-    }
-  }
-  for (int32_t r = 1; r < world; ++r) {
-    size_t n = std::max(lines[r].size(), lines[0].size());
-    for (size_t i = 0; i < n; ++i) {
-      std::string theirs = i < lines[r].size() ? lines[r][i] : "(nothing more)";
-      std::string first = i < lines[0].size() ? lines[0][i] : "(nothing more)";
-      if (theirs == first) continue;
-      fail_invalid("rank ", r, " disagrees with rank 0: rank ", r, " has ", theirs, " but rank 0 has ", first);
-    }
-  }
-}
-
-// Broadcasts `tensors` from rank 0, coalesced per dtype.
-void Reducer::broadcast_state(const std::vector<std::pair<std::string, Tensor>>& tensors) {
-  if (tensors.empty() || group_->size() == 1) return;
-  std::vector<Tensor> list;
-  list.reserve(tensors.size());
-  for (const auto& t : tensors) list.push_back(t.second);
-  const Device device = group_->device();
-  for (const auto& chunk : comm::take_tensors(list, kStateBroadcastChunk)) {
-    std::vector<Tensor> pieces;
-    pieces.reserve(chunk.size());
-    for (size_t i : chunk) pieces.push_back(list[i]);
-    int64_t numel = comm::total_numel(pieces);
-    if (numel == 0) continue;
-    Tensor flat = Tensor::empty(pieces.front().dtype(), {numel}, device);
-    comm::flatten_into(flat, pieces);
-    group_->broadcast(flat, 0, false);
-    if (group_->rank() != 0) comm::unflatten_into(pieces, flat);
   }
 }
 
