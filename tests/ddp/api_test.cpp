@@ -760,3 +760,134 @@ TEST(DdpHungHook, FinishTimesOutDestroyReturnsAndTheOtherDdpFailsAtOnceNamingIt)
 }
 
 }  // namespace
+
+namespace {
+
+// A host-owned gradient over `memory` (2 floats), as from the host's autograd.
+TensorPtr host_blob(float* memory) {
+  const int64_t shape[1] = {2};
+  dp_tensor* t = nullptr;
+  EXPECT_EQ(dp_tensor_from_blob(&t, memory, DP_FLOAT32, 1, shape, dptest::cpu(0), nullptr, nullptr), DP_OK)
+      << dp_last_error();
+  return TensorPtr(t);
+}
+
+float* floats(dp_tensor* t) { return static_cast<float*>(dp_tensor_data(t)); }
+
+}  // namespace
+
+TEST_F(DdpApi, SetGradHandsOverHostMemoryThatIsReducedInPlaceWithAndWithoutBucketViews) {
+  for (int views = 0; views <= 1; ++views) {
+    SCOPED_TRACE(views ? "gradient_as_bucket_view" : "copies");
+    ModulePtr m = flat({{"a", DP_FLOAT32, 2}, {"b", DP_FLOAT32, 2}});
+    dp_ddp_options o = DP_DDP_OPTIONS_INIT;
+    o.gradient_as_bucket_view = views;
+    DdpPtr d = create(m.get(), &o);
+    float host_a[2] = {1.5f, -2.5f};
+    TensorPtr blob = host_blob(host_a);
+    DP_ASSERT_OK(dp_module_set_grad(m.get(), "a", blob.get()));
+    TensorPtr a = grad(m.get(), "a");
+    EXPECT_EQ(dp_tensor_data(a.get()), static_cast<void*>(host_a)) << "dp_module_grad gives the host's memory";
+    for (int it = 0; it < 3; ++it) {  // the first finish rebuilds the buckets
+      host_a[0] = static_cast<float>(it);
+      floats(grad(m.get(), "b").get())[1] = static_cast<float>(10 + it);
+      DP_ASSERT_OK(dp_ddp_mark_grad_ready(d.get(), "b"));
+      DP_ASSERT_OK(dp_ddp_mark_grad_ready(d.get(), "a"));
+      DP_ASSERT_OK(dp_ddp_finish_backward(d.get()));
+      // World size 1: the average is the local value, in the host's memory.
+      EXPECT_EQ(host_a[0], static_cast<float>(it));
+      EXPECT_EQ(host_a[1], -2.5f);
+      EXPECT_EQ(floats(grad(m.get(), "b").get())[1], static_cast<float>(10 + it));
+      EXPECT_EQ(dp_tensor_data(grad(m.get(), "a").get()), static_cast<void*>(host_a)) << "iteration " << it;
+    }
+  }
+}
+
+TEST_F(DdpApi, SetGradRefusesAnotherDtypeShapeOrDeviceAndTheParameterItselfNamingTheArgument) {
+  ModulePtr m = flat({{"a", DP_FLOAT32, 2}});
+  double wrong_dtype[2] = {0, 0};
+  const int64_t two[1] = {2};
+  const int64_t three[1] = {3};
+  float memory[3] = {0, 0, 0};
+  dp_tensor* t = nullptr;
+  DP_ASSERT_OK(dp_tensor_from_blob(&t, wrong_dtype, DP_FLOAT64, 1, two, dptest::cpu(0), nullptr, nullptr));
+  TensorPtr f64(t);
+  DP_ASSERT_OK(dp_tensor_from_blob(&t, memory, DP_FLOAT32, 1, three, dptest::cpu(0), nullptr, nullptr));
+  TensorPtr longer(t);
+  for (dp_tensor* bad : {f64.get(), longer.get()}) {
+    EXPECT_EQ(dp_module_set_grad(m.get(), "a", bad), DP_EINVAL);
+    EXPECT_NE(std::string(dp_last_error()).find("argument 'grad'"), std::string::npos) << dp_last_error();
+  }
+  dp_tensor* value = nullptr;
+  DP_ASSERT_OK(dp_module_get_parameter(m.get(), "a", &value));
+  TensorPtr value_handle(value);
+  EXPECT_EQ(dp_module_set_grad(m.get(), "a", value), DP_EINVAL);
+  EXPECT_NE(std::string(dp_last_error()).find("itself"), std::string::npos) << dp_last_error();
+  EXPECT_EQ(dp_module_set_grad(m.get(), "nope", nullptr), DP_EINVAL);
+  EXPECT_NE(std::string(dp_last_error()).find("nope"), std::string::npos) << dp_last_error();
+  EXPECT_EQ(dp_module_set_grad(nullptr, "a", nullptr), DP_EINVAL);
+  // NULL drops it: the next dp_module_grad allocates zeros.
+  float host[2] = {4, 5};
+  TensorPtr blob = host_blob(host);
+  DP_ASSERT_OK(dp_module_set_grad(m.get(), "a", blob.get()));
+  DP_ASSERT_OK(dp_module_set_grad(m.get(), "a", nullptr));
+  TensorPtr fresh = grad(m.get(), "a");
+  EXPECT_NE(dp_tensor_data(fresh.get()), static_cast<void*>(host));
+  EXPECT_EQ(floats(fresh.get())[0], 0.0f);
+}
+
+TEST_F(DdpApi, GradientHandlesTakenBeforeBucketViewsMoveTheStorageFollowTheLiveGradient) {
+  ModulePtr m = flat({{"a", DP_FLOAT32, 2}, {"b", DP_FLOAT32, 2}});
+  TensorPtr a_before = grad(m.get(), "a");
+  floats(a_before.get())[1] = 7.0f;
+  dp_ddp_options o = DP_DDP_OPTIONS_INIT;
+  o.gradient_as_bucket_view = 1;
+  o.bucket_cap_mb = o.first_bucket_cap_mb = cap_mb(8);  // a bucket each: marking a first changes the plan
+  DdpPtr d = create(m.get(), &o);
+  // Moved into its bucket at create, values kept; the old handle follows.
+  TensorPtr a_now = grad(m.get(), "a");
+  EXPECT_EQ(dp_tensor_data(a_before.get()), dp_tensor_data(a_now.get()));
+  EXPECT_EQ(floats(a_before.get())[1], 7.0f);
+  DP_ASSERT_OK(dp_ddp_mark_grad_ready(d.get(), "a"));
+  DP_ASSERT_OK(dp_ddp_mark_grad_ready(d.get(), "b"));
+  DP_ASSERT_OK(dp_ddp_finish_backward(d.get()));
+  dp_ddp_stats stats;
+  DP_ASSERT_OK(dp_ddp_last_stats(d.get(), &stats));
+  ASSERT_EQ(stats.buckets_rebuilt, 1) << "the rebuild moved the storage again";
+  TensorPtr a_after = grad(m.get(), "a");
+  EXPECT_NE(dp_tensor_data(a_now.get()), nullptr);
+  EXPECT_EQ(dp_tensor_data(a_before.get()), dp_tensor_data(a_after.get()));
+  EXPECT_EQ(dp_tensor_data(a_now.get()), dp_tensor_data(a_after.get()));
+  floats(a_before.get())[0] = 3.0f;  // writes land in the live gradient
+  EXPECT_EQ(floats(a_after.get())[0], 3.0f);
+}
+
+TEST_F(DdpApi, TwoHandlesOverOneParametersMemoryAreOneTiedParameterAndAPartialOverlapIsEinvalNamingBoth) {
+  float memory[4] = {1, 2, 3, 4};
+  const int64_t two[1] = {2};
+  const int64_t three[1] = {3};
+  dp_tensor* t = nullptr;
+  DP_ASSERT_OK(dp_tensor_from_blob(&t, memory, DP_FLOAT32, 1, two, dptest::cpu(0), nullptr, nullptr));
+  TensorPtr first(t);
+  DP_ASSERT_OK(dp_tensor_from_blob(&t, memory, DP_FLOAT32, 1, two, dptest::cpu(0), nullptr, nullptr));
+  TensorPtr second(t);
+  ModulePtr tied = dptest::new_module();
+  DP_ASSERT_OK(dp_module_register_parameter(tied.get(), "embed", first.get(), 1));
+  DP_ASSERT_OK(dp_module_register_parameter(tied.get(), "unembed", second.get(), 1));
+  EXPECT_EQ(dp_module_num_parameters(tied.get()), 1u) << "a tied weight is counted once, as torch does";
+  {
+    DdpPtr d = create(tied.get());
+    DP_EXPECT_OK(dp_ddp_mark_grad_ready(d.get(), "embed"));
+    DP_EXPECT_OK(dp_ddp_finish_backward(d.get()));
+  }
+  DP_ASSERT_OK(dp_tensor_from_blob(&t, memory + 1, DP_FLOAT32, 1, three, dptest::cpu(0), nullptr, nullptr));
+  TensorPtr shifted(t);
+  ModulePtr overlapping = dptest::new_module();
+  DP_ASSERT_OK(dp_module_register_parameter(overlapping.get(), "x", first.get(), 1));
+  DP_ASSERT_OK(dp_module_register_parameter(overlapping.get(), "y", shifted.get(), 1));
+  std::string message;
+  EXPECT_EQ(refused(overlapping.get(), nullptr, &message), DP_EINVAL);
+  EXPECT_NE(message.find("'x'"), std::string::npos) << message;
+  EXPECT_NE(message.find("'y'"), std::string::npos) << message;
+  EXPECT_NE(message.find("overlap"), std::string::npos) << message;
+}
