@@ -97,12 +97,13 @@
  *
  * Thread safety: mark_grad_ready (all three forms) may be called from
  * several threads at once; every other call on one dp_ddp must not overlap
- * another. The comm hook runs on the library's worker thread. While a
- * backward is in flight (from the first mark to the end of
- * finish_backward) the host must not run collectives of its own on the
- * same group: they would interleave with the buckets' in an order the
- * other ranks do not share (and, from another thread than the library's,
- * the group refuses them, see dp_dist.h). The module's managed parameters
+ * another. The comm hook runs on the library's worker thread (its own
+ * collectives on the group are part of its job). A collective of the
+ * host's own on the group while any dp_ddp on it is in a backward (from its
+ * first mark to the end of its finish_backward) or has collectives queued
+ * or running is refused at once on the calling rank: DP_ESTATE naming the
+ * dp_ddp, nothing sent, the group still usable. Make such calls on every
+ * rank before the first mark or after every finish_backward. The module's managed parameters
  * must not be reallocated or freed while the dp_ddp lives; its gradients
  * may be replaced between backwards (dp_module_set_grad). Tied parameters:
  * handles over the same memory, dtype and shape are one parameter, counted

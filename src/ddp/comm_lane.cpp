@@ -88,20 +88,53 @@ std::map<uint32_t, uint32_t> agreed_counts(const std::vector<std::vector<int64_t
 }  // namespace
 
 std::shared_ptr<CommLane> CommLane::for_group(const std::shared_ptr<dist::ProcessGroup>& group) {
+  struct Entry {
+    std::weak_ptr<dist::ProcessGroup> group;
+    std::weak_ptr<CommLane> lane;
+    std::shared_ptr<Counters> counters;
+  };
   static std::mutex mutex;
-  static std::map<const dist::ProcessGroup*, std::weak_ptr<CommLane>> lanes;
+  static std::map<const dist::ProcessGroup*, Entry> lanes;
   std::lock_guard<std::mutex> lock(mutex);
-  for (auto it = lanes.begin(); it != lanes.end();) it = it->second.expired() ? lanes.erase(it) : std::next(it);
-  auto& slot = lanes[group.get()];
-  if (auto existing = slot.lock()) return existing;
-  auto created = std::make_shared<CommLane>(group);
-  slot = created;
+  for (auto it = lanes.begin(); it != lanes.end();) it = it->second.group.expired() ? lanes.erase(it) : std::next(it);
+  Entry& entry = lanes[group.get()];
+  if (entry.group.lock() != group) entry = Entry{group, {}, std::make_shared<Counters>()};
+  if (auto existing = entry.lane.lock()) return existing;
+  auto created = std::make_shared<CommLane>(group, entry.counters);
+  entry.lane = created;
   return created;
 }
 
-CommLane::CommLane(std::shared_ptr<dist::ProcessGroup> group) : state_(std::make_shared<State>(std::move(group))) {
+class CommLane::Gate : public dist::CallGate {
+ public:
+  Gate(std::shared_ptr<State> state, std::thread::id worker) : state_(std::move(state)), worker_(worker) {}
+  bool owns_this_thread() const override { return std::this_thread::get_id() == worker_; }
+  std::string refuse_host_call() override {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    for (const auto& [owner, entry] : state_->owners) {
+      if (!entry.in_backward && entry.jobs.empty()) continue;
+      return str_cat("dp_ddp #", entry.id,
+                     " on this group is in a backward (from its first mark to the end of dp_ddp_finish_backward) "
+                     "or has collectives queued; a collective of the host's now would pair with a dp_ddp's on some "
+                     "rank: make it before the first mark or after every dp_ddp_finish_backward");
+    }
+    if (state_->running != nullptr) {
+      return str_cat("a dp_ddp on this group runs ", state_->running_name, "; call once it ended");
+    }
+    return "";
+  }
+
+ private:
+  std::shared_ptr<State> state_;
+  std::thread::id worker_;
+};
+
+CommLane::CommLane(std::shared_ptr<dist::ProcessGroup> group, std::shared_ptr<Counters> counters)
+    : state_(std::make_shared<State>(std::move(group), std::move(counters))) {
   thread_ = std::thread([state = state_] { loop(state); });
   worker_id_ = thread_.get_id();
+  gate_ = std::make_shared<Gate>(state_, worker_id_);
+  state_->group->set_call_gate(gate_);
 }
 
 CommLane::~CommLane() {
@@ -140,10 +173,16 @@ bool CommLane::busy() {
   return state_->running != nullptr || has_pending_locked(*state_);
 }
 
+void CommLane::set_in_backward(const Reducer* owner, bool in_backward) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  auto it = state_->owners.find(owner);
+  if (it != state_->owners.end()) it->second.in_backward = in_backward;
+}
+
 uint32_t CommLane::attach(const Reducer* owner) {
   std::lock_guard<std::mutex> lock(state_->mutex);
   Owner& entry = state_->owners[owner];
-  entry.id = state_->next_owner++;
+  entry.id = state_->counters->next_owner++;
   return entry.id;
 }
 
@@ -151,7 +190,15 @@ void CommLane::Job::execute() {
   if (run) {
     run();
   } else {
-    reducer->run_job(spec);
+    result = reducer->run_job(spec);
+  }
+}
+
+void CommLane::Job::publish() {
+  if (complete) {
+    complete();
+  } else {
+    reducer->complete_job(spec, std::move(result));
   }
 }
 
@@ -226,6 +273,9 @@ void CommLane::call(const Reducer* owner, const char* what, const JobSpec& spec,
     }
     std::lock_guard<std::mutex> guard(state.mutex);
     outcome->error = error;
+  };
+  job.complete = [&state, outcome] {
+    std::lock_guard<std::mutex> guard(state.mutex);
     outcome->done = true;
     state.cv.notify_all();
   };
@@ -323,9 +373,12 @@ bool CommLane::run_round(State& state, std::unique_lock<std::mutex>& lock) {
   }
   std::sort(mine.begin(), mine.end());
   if (mine.size() > kOwnersPerRound) mine.resize(kOwnersPerRound);
-  const uint32_t round = ++state.rounds;
+  const uint32_t round = ++state.counters->rounds;
   std::shared_ptr<dist::ProcessGroup> group = state.group;
   lock.unlock();
+  // A host call that began before the jobs were issued ends first; later
+  // ones are refused while the jobs wait.
+  group->wait_for_other_threads_calls();
   std::map<uint32_t, uint32_t> agreed;
   std::string failure;
   StatusCode code = StatusCode::kInternal;
@@ -369,10 +422,13 @@ bool CommLane::run_round(State& state, std::unique_lock<std::mutex>& lock) {
         dist::CallTagScope scope(tag_of(id, job.number, job.spec));
         job.execute();
       }
-      job = Job{};  // releases what the job kept alive, before the lock
       lock.lock();
       state.running = nullptr;
       state.cv.notify_all();
+      lock.unlock();
+      job.publish();
+      job = Job{};  // releases what the job kept alive, before the lock
+      lock.lock();
       ran = true;
     }
   }

@@ -32,6 +32,14 @@ namespace dparallel::ddp {
 class Reducer;
 
 // What a reducer's job does (the lane runs it through Reducer::run_job).
+// How a job ended: handed to its reducer once the lane is free again, so
+// that whoever waits for it may use the group as soon as it wakes.
+struct JobResult {
+  StatusCode code = StatusCode::kOk;
+  std::string error;
+  std::chrono::steady_clock::time_point start, end;
+};
+
 struct JobSpec {
   dist::CallItem item = dist::CallItem::kBucket;
   size_t index = 0;     // the bucket, for kBucket
@@ -47,7 +55,14 @@ class CommLane {
   static constexpr size_t kOwnersPerRound = 128;
 
   static std::shared_ptr<CommLane> for_group(const std::shared_ptr<dist::ProcessGroup>& group);
-  explicit CommLane(std::shared_ptr<dist::ProcessGroup> group);
+  // Numbers every rank must agree on, kept as long as the group: a lane
+  // ends when its last dp_ddp does, at another moment on each rank, and the
+  // next one goes on counting.
+  struct Counters {
+    uint32_t next_owner = 0;
+    uint32_t rounds = 0;
+  };
+  CommLane(std::shared_ptr<dist::ProcessGroup> group, std::shared_ptr<Counters> counters);
   ~CommLane();
   CommLane(const CommLane&) = delete;
   CommLane& operator=(const CommLane&) = delete;
@@ -79,6 +94,9 @@ class CommLane {
   // Whether any owner has issued a job that has not run yet (the lane is
   // busy with a backward, a forward's broadcast or a creation).
   bool busy();
+  // The owner's backward is in flight (from its first mark to the end of
+  // its finish): the host's own calls on the group are refused meanwhile.
+  void set_in_backward(const Reducer* owner, bool in_backward);
 
  private:
   struct Job {
@@ -87,12 +105,16 @@ class CommLane {
     uint32_t number = 0;                                       // the owner's job number
     const char* what = nullptr;                                // call(): for messages
     std::function<void()> run;                                 // call()
+    std::function<void()> complete;                            // call(): once the lane is free again
     std::function<void(StatusCode, const std::string&)> drop;  // call(): when the lane drops it unrun
+    JobResult result;
     void execute();
+    void publish();
     void drop_unrun(StatusCode code, const std::string& why);
   };
   struct Owner {
     uint32_t id = 0;
+    bool in_backward = false;
     uint32_t issued = 0;    // jobs issued on this rank
     uint32_t executed = 0;  // jobs run (or dropped) in agreement with every rank
     std::deque<Job> jobs;   // issued, not yet run: job numbers executed, executed + 1, ...
@@ -100,21 +122,23 @@ class CommLane {
   // What the worker thread shares with the lane: it outlives the lane when
   // the worker is stuck in a job that never returns.
   struct State {
-    explicit State(std::shared_ptr<dist::ProcessGroup> g) : group(std::move(g)) {}
+    State(std::shared_ptr<dist::ProcessGroup> g, std::shared_ptr<Counters> c)
+        : group(std::move(g)), counters(std::move(c)) {}
     std::shared_ptr<dist::ProcessGroup> group;
+    std::shared_ptr<Counters> counters;
     std::mutex mutex;
     std::condition_variable cv;
     std::map<const Reducer*, Owner> owners;
-    uint32_t next_owner = 0;
     uint64_t pushes = 0;  // grows with every job issued: the worker waits for it to change
     const Reducer* running = nullptr;
     std::string running_name;
     Clock::time_point running_since;
-    uint32_t rounds = 0;
     std::string stuck;  // why the lane stopped for good
     StatusCode stuck_code = StatusCode::kState;
     bool stopping = false;
   };
+  // Refuses the host's calls on the group while any owner is at work.
+  class Gate;
   static void loop(const std::shared_ptr<State>& state);
   // One agreement round and the jobs it lets run; false when it ran none.
   static bool run_round(State& state, std::unique_lock<std::mutex>& lock);
@@ -125,6 +149,7 @@ class CommLane {
   static void drop_all(std::deque<Job>& jobs, StatusCode code, const std::string& why);
 
   std::shared_ptr<State> state_;
+  std::shared_ptr<Gate> gate_;
   std::thread thread_;
   std::thread::id worker_id_;
 };

@@ -105,6 +105,7 @@ void Reducer::mark_ready(size_t index, bool has_stream, void* stream) {
   if (!any_mark_) {
     any_mark_ = true;
     first_mark_ = now;
+    lane_->set_in_backward(this, true);
   }
   trace_mark(index, now);
   if (!requires_sync_) return;
@@ -177,15 +178,9 @@ Reducer::JobState& Reducer::job_state(const JobSpec& spec) {
   }
 }
 
-void Reducer::run_job(const JobSpec& spec) {
-  JobState* state = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    state = &job_state(spec);
-  }
-  const auto start = Clock::now();
-  StatusCode code = StatusCode::kOk;
-  std::string error;
+JobResult Reducer::run_job(const JobSpec& spec) {
+  JobResult result;
+  result.start = Clock::now();
   try {
     if (!spec.refusal.empty()) {
       // Stands in for the job's first collective, so that the other ranks'
@@ -195,8 +190,8 @@ void Reducer::run_job(const JobSpec& spec) {
       } catch (const Error& e) {
         if (e.code() != StatusCode::kInvalidArgument) throw;
       }
-      code = StatusCode::kState;
-      error = spec.refusal;
+      result.code = StatusCode::kState;
+      result.error = spec.refusal;
     } else if (spec.item == CallItem::kBucket) {
       run_bucket(spec.index);
     } else if (spec.item == CallItem::kUsedMap) {
@@ -205,21 +200,27 @@ void Reducer::run_job(const JobSpec& spec) {
       run_ready_order();
     }
   } catch (const Error& e) {
-    code = e.code();
-    error = e.what();
+    result.code = e.code();
+    result.error = e.what();
   } catch (const std::bad_alloc&) {
-    code = StatusCode::kOutOfMemory;
-    error = "out of memory";
+    result.code = StatusCode::kOutOfMemory;
+    result.error = "out of memory";
   } catch (const std::exception& e) {
-    code = StatusCode::kInternal;
-    error = e.what();
+    result.code = StatusCode::kInternal;
+    result.error = e.what();
   }
+  result.end = Clock::now();
+  return result;
+}
+
+void Reducer::complete_job(const JobSpec& spec, JobResult result) {
   std::lock_guard<std::mutex> lock(mutex_);
-  state->start = start;
-  state->end = Clock::now();
-  state->code = code;
-  state->error = std::move(error);
-  state->done = true;
+  JobState& state = job_state(spec);
+  state.start = result.start;
+  state.end = result.end;
+  state.code = result.code;
+  state.error = std::move(result.error);
+  state.done = true;
   cv_.notify_all();
 }
 
@@ -438,11 +439,14 @@ void Reducer::finish_backward() {
   struct ClearFinishing {
     std::unique_lock<std::mutex>& lock;
     bool& flag;
+    CommLane& lane;
+    const Reducer* owner;
     ~ClearFinishing() {
       if (!lock.owns_lock()) lock.lock();
       flag = false;
+      lane.set_in_backward(owner, false);
     }
-  } clear_finishing{lock, finishing_};
+  } clear_finishing{lock, finishing_, *lane_, this};
   const auto finish_start = Clock::now();
   if (!requires_sync_) {
     // No communication: the gradients stay as accumulated; the next synced

@@ -159,7 +159,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void issue_tail_locked(const std::string& refusal);
   bool tail_issued_locked() const;
   // On the lane's worker: one job (or, with a refusal, its refusal).
-  void run_job(const JobSpec& spec);
+  JobResult run_job(const JobSpec& spec);
+  void complete_job(const JobSpec& spec, JobResult result);
   JobState& job_state(const JobSpec& spec);
   // The lane dropped a job unrun: it fails with `why`.
   void drop_job(const JobSpec& spec, StatusCode code, const std::string& why);

@@ -218,8 +218,24 @@ long this_thread_tid() {
 }
 }  // namespace
 
+void ProcessGroup::set_call_gate(std::weak_ptr<CallGate> gate) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  gate_ = std::move(gate);
+}
+
+void ProcessGroup::wait_for_other_threads_calls() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  cv_.wait(lock, [&] { return calls_in_flight_ == 0 || driver_ == std::this_thread::get_id(); });
+}
+
 void ProcessGroup::claim_for_this_thread_locked(CallKind kind) {
   const char* name = call_kind_name(static_cast<uint32_t>(kind));
+  if (auto gate = gate_.lock(); gate && !gate->owns_this_thread()) {
+    std::string why = gate->refuse_host_call();
+    if (!why.empty()) {
+      fail(StatusCode::kState, name, ": refused on rank ", rank_, " (nothing was sent; the group stays usable): ", why);
+    }
+  }
   ++submitted_;
   if (calls_in_flight_ > 0 && driver_ != std::this_thread::get_id()) {
     std::string why =

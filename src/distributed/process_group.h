@@ -32,6 +32,7 @@
 
 #include "core/process_origin.h"
 #include "core/tensor.h"
+#include "distributed/call_gate.h"
 #include "distributed/call_header.h"
 #include "distributed/collective.h"
 #include "distributed/store/store.h"
@@ -101,6 +102,13 @@ class ProcessGroup {
   // over this one calls it when another of its parts failed). Only between
   // collectives: not while one runs on this group.
   virtual void abort(const std::string& why) noexcept { mark_broken(why); }
+
+  // While `gate` lives, calls from threads other than its own are refused
+  // (kState, nothing sent) whenever it says so.
+  void set_call_gate(std::weak_ptr<CallGate> gate);
+  // Waits until no call of another thread is in flight (the gate's thread,
+  // before it issues calls of its own).
+  void wait_for_other_threads_calls();
 
  protected:
   using Clock = std::chrono::steady_clock;
@@ -209,6 +217,7 @@ class ProcessGroup {
   uint64_t misdrives_ = 0;  // grows when misdriven_ is set or a later overlap is seen
   std::shared_ptr<Store> report_store_;
   std::string report_prefix_;
+  std::weak_ptr<CallGate> gate_;
 };
 
 std::unique_ptr<ProcessGroup> create_process_group(const ProcessGroupOptions& options);

@@ -266,6 +266,48 @@ void run_random(dp_process_group* pg, int iterations, unsigned seed) {
   dp_module_destroy(root);
 }
 
+// The host's own collectives on the group while a backward is in flight
+// are refused on the calling rank (DP_ESTATE, nothing sent) and the group
+// stays usable: the same call after the finishes works, and so does the
+// next iteration.
+void run_host_collective(dp_process_group* pg) {
+  dp_module* root = nullptr;
+  CHECK_OK(dp_module_create(&root));
+  std::array<Layer, kLayers> layers;
+  build(root, layers);
+  for (int l = 0; l < 2; ++l) CHECK_OK(dp_ddp_create(&layers[l].ddp, layers[l].module, pg, nullptr));
+  const int64_t one[1] = {1};
+  dp_tensor* t = new_tensor(one, 1);
+  for (int it = 0; it < 3 && g_failures == 0; ++it) {
+    for (int l = 0; l < 2; ++l) CHECK_OK(dp_ddp_pre_forward(layers[l].ddp));
+    CHECK_OK(dp_ddp_mark_grad_ready(layers[1].ddp, "b"));
+    data_of(t)[0] = 1.0f;
+    dp_status s = dp_pg_all_reduce(pg, t, DP_SUM);
+    CHECK(s == DP_ESTATE, "iteration %d: the host's all_reduce during a backward gave status %d, want DP_ESTATE", it,
+          static_cast<int>(s));
+    std::string message = s == DP_OK ? "" : dp_last_error();
+    CHECK(message.find("refused") != std::string::npos && message.find("backward") != std::string::npos,
+          "iteration %d: the refusal does not say why: %s", it, message.c_str());
+    CHECK(data_of(t)[0] == 1.0f, "iteration %d: the refused all_reduce changed its tensor", it);
+    CHECK_OK(dp_ddp_mark_grad_ready(layers[1].ddp, "w"));
+    for (int p = 0; p < kParams; ++p) CHECK_OK(dp_ddp_mark_grad_ready(layers[0].ddp, kParamNames[p]));
+    dp_work* work = nullptr;
+    s = dp_pg_barrier_async(pg, &work);
+    CHECK(s == DP_ESTATE, "iteration %d: the host's async barrier during a backward gave status %d", it,
+          static_cast<int>(s));
+    if (work != nullptr) dp_work_destroy(work);
+    CHECK_OK(dp_ddp_finish_backward(layers[g_rank % 2].ddp));
+    CHECK_OK(dp_ddp_finish_backward(layers[1 - g_rank % 2].ddp));
+    CHECK_OK(dp_pg_all_reduce(pg, t, DP_SUM));
+    CHECK(data_of(t)[0] == static_cast<float>(g_world),
+          "iteration %d: the host's all_reduce after the finishes gave %g", it, data_of(t)[0]);
+  }
+  dp_tensor_destroy(t);
+  for (int l = 0; l < 2; ++l) dp_ddp_destroy(layers[l].ddp);
+  for (Layer& layer : layers) dp_module_destroy(layer.module);
+  dp_module_destroy(root);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -275,8 +317,8 @@ int main(int argc, char** argv) {
   g_rank = rank_text != nullptr ? std::atoi(rank_text) : -1;
   g_world = world_text != nullptr ? std::atoi(world_text) : 0;
   std::string scenario = argc >= 2 ? argv[1] : "";
-  if (scenario != "random") {
-    std::fprintf(stderr, "usage: ddp_host_worker random; unknown scenario '%s'\n", scenario.c_str());
+  if (scenario != "random" && scenario != "host_collective") {
+    std::fprintf(stderr, "usage: ddp_host_worker random|host_collective; unknown scenario '%s'\n", scenario.c_str());
     return 2;
   }
   const char* iterations_text = std::getenv("DP_TEST_ITERATIONS");
@@ -291,7 +333,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "rank %d: group create failed: %s\n", g_rank, dp_last_error());
     return 3;
   }
-  run_random(pg, iterations, seed);
+  if (scenario == "random") {
+    run_random(pg, iterations, seed);
+  } else {
+    run_host_collective(pg);
+  }
   dp_process_group_destroy(pg);
   if (g_failures == 0)
     std::printf("rank %d: %s passed (seed %u, %d iterations)\n", g_rank, scenario.c_str(), seed, iterations);

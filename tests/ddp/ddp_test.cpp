@@ -234,3 +234,8 @@ TEST(DdpHostDriven, ThreeDdpsInAnyMarkAndFinishOrderFromThreeThreadsTrainLikeOne
 TEST(DdpHostDriven, ThreeDdpsInAnyMarkAndFinishOrderFromThreeThreadsTrainLikeOneProcessOnThreeRanks) {
   expect_host_driven_training(3);
 }
+
+TEST(DdpHostDriven, HostCollectiveDuringABackwardIsEstateOnTheCallingRankAndTheGroupStaysUsable) {
+  Ranks run = run_ranks("host_collective", 2, {}, std::chrono::seconds(120), DP_DDP_HOST_WORKER);
+  expect_passed(run, "host_collective", 2);
+}
