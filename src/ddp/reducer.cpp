@@ -232,9 +232,7 @@ void Reducer::run_bucket(size_t index) {
   reduce_bucket(index);
   // The results go back into the gradients here, while the host's backward
   // goes on, unless the used map must decide it first.
-  if (in_place_) {
-    bucket.copied_back = true;
-  } else if (!options_.find_unused_parameters) {
+  if (in_place_ || !options_.find_unused_parameters) {
     for (size_t p : bucket.params) {
       if (needs_copy(p)) copy_tensor(params_[p].parameter->grad(), slot_of(p));
     }

@@ -19,7 +19,7 @@ namespace dparallel {
 // tensor twice (weight tying) yields one Parameter, one gradient.
 class Parameter {
  public:
-  Parameter(Tensor value, bool requires_grad) : value_(std::move(value)), requires_grad_(requires_grad) {}
+  Parameter(const Tensor& value, bool requires_grad) : value_(value), requires_grad_(requires_grad) {}
   ~Parameter();
   Parameter(const Parameter&) = delete;
   Parameter& operator=(const Parameter&) = delete;
