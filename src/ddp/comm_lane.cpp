@@ -247,6 +247,10 @@ void CommLane::call(const Reducer* owner, const char* what, const JobSpec& spec,
     bool done = false;
     std::exception_ptr error;
   };
+  if (on_worker()) {
+    fail(StatusCode::kState, what,
+         ": called on the comm lane's own thread (from a comm hook), which would wait for itself");
+  }
   auto outcome = std::make_shared<Outcome>();
   State& state = *state_;
   std::unique_lock<std::mutex> lock(state.mutex);
