@@ -12,42 +12,29 @@ namespace dptest {
 
 enum class Backend { kGloo, kShm, kHierarchical, kNccl };
 
-// The suite's name for it (ctest names, DP_TEST_BACKEND).
-inline const char* backend_name(Backend b) {
-  switch (b) {
-    case Backend::kGloo:
-      return "gloo";
-    case Backend::kShm:
-      return "shm";
-    case Backend::kHierarchical:
-      return "hierarchical";
-    default:
-      return "nccl";
-  }
-}
+struct BackendNames {
+  Backend backend;
+  const char* name;      // the suite's: ctest names, DP_TEST_BACKEND
+  const char* reported;  // what dp_process_group_backend answers
+};
+
+inline const BackendNames kBackendNames[] = {{Backend::kGloo, "gloo", "gloo"},
+                                             {Backend::kShm, "shm", "shm"},
+                                             {Backend::kHierarchical, "hierarchical", "shm+gloo"},
+                                             {Backend::kNccl, "nccl", "nccl"}};
+
+inline const BackendNames& names_of(Backend b) { return kBackendNames[static_cast<int>(b)]; }
+inline const char* backend_name(Backend b) { return names_of(b).name; }
+inline const char* reported_backend(Backend b) { return names_of(b).reported; }
 
 inline bool backend_from_name(const char* name, Backend* out) {
-  for (Backend b : {Backend::kGloo, Backend::kShm, Backend::kHierarchical, Backend::kNccl}) {
-    if (name != nullptr && std::strcmp(name, backend_name(b)) == 0) {
-      *out = b;
+  for (const BackendNames& b : kBackendNames) {
+    if (name != nullptr && std::strcmp(name, b.name) == 0) {
+      *out = b.backend;
       return true;
     }
   }
   return false;
-}
-
-// What dp_process_group_backend must answer.
-inline const char* reported_backend(Backend b) {
-  switch (b) {
-    case Backend::kGloo:
-      return "gloo";
-    case Backend::kShm:
-      return "shm";
-    case Backend::kHierarchical:
-      return "shm+gloo";
-    default:
-      return "nccl";
-  }
 }
 
 // Ranks in a job with `per_host` ranks on each host: hierarchical runs on two

@@ -36,7 +36,7 @@ struct Nccl {
   static constexpr Backend kBackend = Backend::kNccl;
 };
 
-struct BackendNames {
+struct TypeNames {
   template <typename T>
   static std::string GetName(int) {
     return dptest::backend_name(T::kBackend);
@@ -73,14 +73,17 @@ class CpuHog {
   std::vector<pid_t> pids_;
 };
 
+// Whether a scenario runs on GPUs too, or only on cpu tensors and processes.
+enum class Where { kAnyDevice, kCpuOnly };
+
 template <typename T>
 class Conformance : public ::testing::Test {
  protected:
   static constexpr Backend kBackend = T::kBackend;
 
   // The ranks of a job with `per_host` on each host, running `scenarios`
-  // (comma-separated) with `argument`; skips when NCCL lacks GPUs for them.
-  dptest::Ranks ranks(const std::string& scenarios, int per_host, const std::string& argument = "") {
+  // (comma-separated) with `argument`.
+  static dptest::Ranks ranks(const std::string& scenarios, int per_host, const std::string& argument = "") {
     dptest::Ranks run;
     run.program = DP_CONFORMANCE_WORKER;
     run.arguments = scenarios + " " + argument;
@@ -90,24 +93,27 @@ class Conformance : public ::testing::Test {
     return run;
   }
 
-  // Skips where the backend cannot run the job; true when it can.
-  bool runnable(int world, bool cpu_only = false) {
-    if (kBackend != Backend::kNccl) return true;
-    if (cpu_only) {
-      skip_reason_ = "not a nccl scenario (cpu tensors or processes only)";
-    } else if (gpus() < world) {
-      skip_reason_ = "needs " + std::to_string(world) + " GPUs (one per rank), found " + std::to_string(gpus());
-    } else {
-      return true;
+  // Skips where the backend cannot run the job (then the test ends there).
+  static void skip_unless_runnable(int world, Where where) {
+    if (kBackend != Backend::kNccl) return;
+    if (where == Where::kCpuOnly) GTEST_SKIP() << "not a nccl scenario (cpu tensors or processes only)";
+    if (gpus() < world) {
+      GTEST_SKIP() << "needs " << world << " GPUs (one per rank), found " << gpus();
     }
-    return false;
   }
 
-  void expect_passed(const dptest::Ranks& run) { dptest::expect_all_passed(dptest::run_ranks(run)); }
+  static void expect_passes(const dptest::Ranks& run, Where where = Where::kAnyDevice) {
+    skip_unless_runnable(run.world, where);
+    if (::testing::Test::IsSkipped()) return;
+    dptest::expect_all_passed(dptest::run_ranks(run));
+  }
 
-  // The victim exits by SIGKILL (killed, or stopped and then killed); every
-  // other rank passed its checks.
-  void expect_survivors_failed_cleanly(const dptest::Ranks& run, int victim) {
+  // The victim, killed or stopped (then killed once the others are done),
+  // exits by SIGKILL; every other rank passed its checks.
+  static void expect_survivors_fail_cleanly(dptest::Ranks run, int victim, bool stops = false) {
+    skip_unless_runnable(run.world, Where::kAnyDevice);
+    if (::testing::Test::IsSkipped()) return;
+    if (stops) run.stopped_rank = victim;
     std::vector<RankExit> results = dptest::run_ranks(run);
     ASSERT_EQ(results.size(), static_cast<size_t>(run.world));
     for (size_t r = 0; r < results.size(); ++r) {
@@ -118,131 +124,95 @@ class Conformance : public ::testing::Test {
       }
     }
   }
-
-  std::string skip_reason_;
 };
 
 using Backends = ::testing::Types<Gloo, Shm, Hierarchical, Nccl>;
-TYPED_TEST_SUITE(Conformance, Backends, BackendNames);
-
-#define RUNNABLE_OR_SKIP(...) \
-  if (!this->runnable(__VA_ARGS__)) GTEST_SKIP() << this->skip_reason_
+TYPED_TEST_SUITE(Conformance, Backends, TypeNames);
 
 TYPED_TEST(Conformance, EveryCollectiveOpDtypeAndSizeSyncAndAsyncWithTwoRanksPerHost) {
-  auto run = this->ranks("collectives,async,in_place", 2);
-  RUNNABLE_OR_SKIP(run.world);
-  this->expect_passed(run);
+  this->expect_passes(this->ranks("collectives,async,in_place", 2));
 }
 
 TYPED_TEST(Conformance, EveryCollectiveOpDtypeAndSizeSyncAndAsyncWithThreeRanksPerHostOverAFileStore) {
   auto run = this->ranks("collectives,async,in_place", 3);
   run.file_store = true;
-  RUNNABLE_OR_SKIP(run.world);
-  this->expect_passed(run);
+  this->expect_passes(run);
 }
 
 TYPED_TEST(Conformance, CallsThatDifferAcrossRanksFailEveryRankThenAnOutOfStepRankBreaksTheGroupWithTwoRanksPerHost) {
-  auto run = this->ranks("mismatch,out_of_step", 2);
-  RUNNABLE_OR_SKIP(run.world);
-  this->expect_passed(run);
+  this->expect_passes(this->ranks("mismatch,out_of_step", 2));
 }
 
 TYPED_TEST(Conformance, CallsThatDifferAcrossRanksFailEveryRankThenAnOutOfStepRankBreaksTheGroupWithThreeRanksPerHost) {
-  auto run = this->ranks("mismatch,out_of_step", 3);
-  RUNNABLE_OR_SKIP(run.world);
-  this->expect_passed(run);
+  this->expect_passes(this->ranks("mismatch,out_of_step", 3));
 }
 
 // Without the refusal in the header exchange, the other ranks' call would
 // pair with the refusing rank's next one, or wait for the whole timeout.
 TYPED_TEST(Conformance, BadHandlesAreRefusedLocallyAndRefusedCallsFailEveryRankAtOnceWithTwoRanksPerHost) {
-  auto run = this->ranks("bad_handles,refuse", 2);
-  RUNNABLE_OR_SKIP(run.world);
-  this->expect_passed(run);
+  this->expect_passes(this->ranks("bad_handles,refuse", 2));
 }
 
 TYPED_TEST(Conformance, RefusedCallsOfTheStoreServingRankFailEveryRankAtOnceWithThreeRanksPerHost) {
-  auto run = this->ranks("refuse", 3, "0");
-  RUNNABLE_OR_SKIP(run.world);
-  this->expect_passed(run);
+  this->expect_passes(this->ranks("refuse", 3, "0"));
 }
 
 // On shared memory a dead peer is seen by its pid: the survivors fail within
 // half of their 60 s timeout. Elsewhere they must fail by their timeout.
 TYPED_TEST(Conformance, RankKilledMidAllReduceFailsTheOthersWithTwoRanksPerHost) {
   auto run = this->ranks("die", 2);
-  RUNNABLE_OR_SKIP(run.world);
-  this->expect_survivors_failed_cleanly(run, run.world - 1);
+  this->expect_survivors_fail_cleanly(run, run.world - 1);
 }
 
 TYPED_TEST(Conformance, StoreServingRankKilledMidAllReduceFailsTheOthersWithThreeRanksPerHost) {
-  auto run = this->ranks("die", 3, "0");
-  RUNNABLE_OR_SKIP(run.world);
-  this->expect_survivors_failed_cleanly(run, 0);
+  this->expect_survivors_fail_cleanly(this->ranks("die", 3, "0"), 0);
 }
 
 TYPED_TEST(Conformance, RankKilledMidReduceScatterFailsTheOthersWithThreeRanksPerHost) {
   auto run = this->ranks("die_reduce_scatter", 3);
-  RUNNABLE_OR_SKIP(run.world);
-  this->expect_survivors_failed_cleanly(run, run.world - 1);
+  this->expect_survivors_fail_cleanly(run, run.world - 1);
 }
 
 // A stopped rank is alive: the others wait for it until their timeout.
 TYPED_TEST(Conformance, RankStoppedMidAllReduceTimesTheOthersOutWithThreeRanksPerHost) {
   auto run = this->ranks("stop", 3);
-  run.stopped_rank = run.world - 1;
-  RUNNABLE_OR_SKIP(run.world);
-  this->expect_survivors_failed_cleanly(run, run.world - 1);
+  this->expect_survivors_fail_cleanly(run, run.world - 1, true);
 }
 
 TYPED_TEST(Conformance, RankStoppedMidReduceScatterTimesTheOthersOutWithTwoRanksPerHost) {
   auto run = this->ranks("stop_reduce_scatter", 2);
-  run.stopped_rank = run.world - 1;
-  RUNNABLE_OR_SKIP(run.world);
-  this->expect_survivors_failed_cleanly(run, run.world - 1);
+  this->expect_survivors_fail_cleanly(run, run.world - 1, true);
 }
 
 // Waiting that only spins would starve the rank it waits for when every
 // core is busy; spinning, then sleeping, keeps the collectives going.
 TYPED_TEST(Conformance, CollectivesStayRightBesideABusyLoopOnEveryCore) {
-  auto run = this->ranks("hog_loop", 2);
-  RUNNABLE_OR_SKIP(run.world, true);
   CpuHog hog;
-  this->expect_passed(run);
+  this->expect_passes(this->ranks("hog_loop", 2), Where::kCpuOnly);
 }
 
 TYPED_TEST(Conformance, OutOfMemoryBeforeTheTransferLeavesTheGroupInStep) {
 #if defined(__SANITIZE_ADDRESS__)
   GTEST_SKIP() << "AddressSanitizer aborts on an impossible allocation instead of throwing";
 #else
-  auto run = this->ranks("oom", 2);
-  RUNNABLE_OR_SKIP(run.world);
-  this->expect_passed(run);
+  this->expect_passes(this->ranks("oom", 2));
 #endif
 }
 
 TYPED_TEST(Conformance, ForkedChildIsRefusedEveryCallOnTheInheritedGroupAndTheParentsStayRight) {
-  auto run = this->ranks("fork", 2);
-  RUNNABLE_OR_SKIP(run.world, true);
-  this->expect_passed(run);
+  this->expect_passes(this->ranks("fork", 2), Where::kCpuOnly);
 }
 
 TYPED_TEST(Conformance, ThreadsTakingTurnsOnOneGroupAndAsyncThenSyncFromOneThreadAreAllowed) {
-  auto run = this->ranks("thread_handover", 2);
-  RUNNABLE_OR_SKIP(run.world, true);
-  this->expect_passed(run);
+  this->expect_passes(this->ranks("thread_handover", 2), Where::kCpuOnly);
 }
 
 TYPED_TEST(Conformance, CallFromASecondThreadWhileOneIsInFlightIsEstateAndEveryRankFailsAtOnce) {
-  auto run = this->ranks("thread_overlap", 2);
-  RUNNABLE_OR_SKIP(run.world, true);
-  this->expect_passed(run);
+  this->expect_passes(this->ranks("thread_overlap", 2), Where::kCpuOnly);
 }
 
 TYPED_TEST(Conformance, FourThreadsHammeringOneGroupEndInErrorsThatSaySoNotAHang) {
-  auto run = this->ranks("threads", 2);
-  RUNNABLE_OR_SKIP(run.world, true);
-  this->expect_passed(run);
+  this->expect_passes(this->ranks("threads", 2), Where::kCpuOnly);
 }
 
 }  // namespace

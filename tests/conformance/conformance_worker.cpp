@@ -39,6 +39,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <map>
 #include <set>
 #include <sstream>
 #include <string>
@@ -75,12 +77,9 @@ const char* op_name(int32_t op) { return op >= DP_SUM && op <= DP_PROD ? kOpName
 
 // Rank r's n elements value(dtype, r, offset + i), on the group's device.
 dp_tensor* make(int32_t dtype, size_t n, int r, size_t offset) {
-  int64_t shape[1] = {static_cast<int64_t>(n)};
-  dp_tensor* t = nullptr;
-  CHECK_OK(dp_tensor_create(&t, dtype, 1, shape, dp_device{DP_DEVICE_CPU, 0}));
-  if (t == nullptr) std::exit(4);
-  for (size_t i = 0; i < n; ++i) store(dtype, dp_tensor_data(t), i, value(dtype, r, i + offset));
+  dp_tensor* t = host_values(dtype, n, r, offset);
   if (!on_gpu()) return t;
+  int64_t shape[1] = {static_cast<int64_t>(n)};
   dp_tensor* g = nullptr;
   CHECK_OK(dp_tensor_create(&g, dtype, 1, shape, g_device));
   if (g == nullptr) std::exit(4);
@@ -882,42 +881,34 @@ int main(int argc, char** argv) {
           "the group runs over %s, not %s", reported != nullptr ? reported : "(null)",
           dptest::reported_backend(g_backend));
   }
+  const std::map<std::string, std::function<void()>> runs = {
+      {"collectives", [&] { run_collectives(pg); }},
+      {"async", [&] { run_async(pg); }},
+      {"in_place", [&] { run_in_place(pg); }},
+      {"mismatch", [&] { run_mismatch(pg); }},
+      {"out_of_step", [&] { run_out_of_step(pg); }},
+      {"bad_handles", [&] { run_bad_handles(pg); }},
+      {"refuse", [&] { run_refuse(pg, chosen, timeout_ms); }},
+      {"hog_loop", [&] { run_hog_loop(pg, timeout_ms); }},
+      {"oom", [&] { run_oom(pg); }},
+      {"fork", [&] { run_fork(pg); }},
+      {"thread_handover", [&] { run_thread_handover(pg); }},
+      {"thread_overlap", [&] { run_thread_overlap(pg, timeout_ms); }},
+      {"threads", [&] { run_threads(pg); }},
+  };
   for (const std::string& scenario : scenarios) {
-    if (scenario == "collectives") {
-      run_collectives(pg);
-    } else if (scenario == "async") {
-      run_async(pg);
-    } else if (scenario == "in_place") {
-      run_in_place(pg);
-    } else if (scenario == "mismatch") {
-      run_mismatch(pg);
-    } else if (scenario == "out_of_step") {
-      run_out_of_step(pg);
-    } else if (scenario == "bad_handles") {
-      run_bad_handles(pg);
-    } else if (scenario == "refuse") {
-      run_refuse(pg, chosen, timeout_ms);
-    } else if (scenario == "hog_loop") {
-      run_hog_loop(pg, timeout_ms);
-    } else if (scenario == "oom") {
-      run_oom(pg);
-    } else if (scenario == "fork") {
-      run_fork(pg);
-    } else if (scenario == "thread_handover") {
-      run_thread_handover(pg);
-    } else if (scenario == "thread_overlap") {
-      run_thread_overlap(pg, timeout_ms);
-    } else if (scenario == "threads") {
-      run_threads(pg);
-    } else if (is_failure(scenario)) {
+    if (is_failure(scenario)) {
       run_failure(pg, scenario.rfind("stop", 0) == 0, scenario.find("reduce_scatter") != std::string::npos, chosen,
                   timeout_ms);
-      pg = nullptr;
+      pg = nullptr;  // destroyed there
       break;
-    } else {
+    }
+    auto run = runs.find(scenario);
+    if (run == runs.end()) {
       std::fprintf(stderr, "unknown scenario '%s'\n", scenario.c_str());
       return 2;
     }
+    run->second();
   }
   dp_process_group_destroy(pg);
   if (g_failures == 0) std::printf("rank %d: %s passed\n", g_rank, argv[1]);

@@ -26,15 +26,6 @@ namespace {
 
 using namespace dptest_worker;  // NOLINT(google-build-using-namespace): the test helpers
 
-dp_tensor* make(int32_t dtype, size_t n, int r, size_t offset) {
-  int64_t shape[1] = {static_cast<int64_t>(n)};
-  dp_tensor* t = nullptr;
-  CHECK_OK(dp_tensor_create(&t, dtype, 1, shape, dp_device{DP_DEVICE_CPU, 0}));
-  if (t == nullptr) std::exit(4);
-  for (size_t i = 0; i < n; ++i) store(dtype, dp_tensor_data(t), i, value(dtype, r, i + offset));
-  return t;
-}
-
 // Checks t[i] == want(i) for every i; reports the first difference.
 template <typename Want>
 void expect_values(const dp_tensor* t, int d, size_t n, const char* what, int32_t op, Want&& want) {
@@ -87,7 +78,7 @@ void run_rank_order_sums(dp_process_group* pg, int hosts) {
 
 void expect_group_works(dp_process_group* pg, size_t n) {
   const int rank = dp_process_group_rank(pg), world = dp_process_group_size(pg);
-  dp_tensor* t = make(DP_FLOAT32, n, rank, 0);
+  dp_tensor* t = host_values(DP_FLOAT32, n, rank, 0);
   CHECK_OK(dp_pg_all_reduce(pg, t, DP_SUM));
   expect_values(t, 0, n, "all_reduce", DP_SUM, [&](size_t i) { return expected(DP_FLOAT32, DP_SUM, world, i); });
   dp_tensor_destroy(t);
@@ -95,7 +86,7 @@ void expect_group_works(dp_process_group* pg, size_t n) {
 
 void run_loop(dp_process_group* pg) {
   const int rank = dp_process_group_rank(pg);
-  dp_tensor* t = make(DP_FLOAT32, size_t(4) << 20, rank, 0);
+  dp_tensor* t = host_values(DP_FLOAT32, size_t(4) << 20, rank, 0);
   CHECK_OK(dp_pg_all_reduce(pg, t, DP_SUM));
   std::printf("rank %d: looping\n", rank);
   std::fflush(stdout);
