@@ -6,6 +6,7 @@
 // bounded in time and every process started is reaped before the test ends.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -56,6 +57,7 @@ class CpuHog {
     for (long i = 0; i < (cores > 0 ? cores : 2); ++i) {
       const pid_t pid = ::fork();
       if (pid == 0) {
+        ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // ends with the test, however it ends
         for (volatile unsigned long spin = 0;; spin = spin + 1) {
         }
       }
