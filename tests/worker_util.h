@@ -1,4 +1,4 @@
-// What the multi-process test workers (mp_worker, shm_worker) share: the
+// What the multi-process test workers (conformance_worker, shm_worker) share: the
 // CHECK macros that count failures instead of stopping, the dtypes and ops
 // every collective is tried with, and each rank's values and the reduction
 // they must give.
@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 
 #include "core/half.h"
 #include "dparallel/dparallel.h"
@@ -96,6 +97,16 @@ inline double load(int32_t dtype, const void* data, size_t i) {
     default:
       return static_cast<const uint8_t*>(data)[i];
   }
+}
+
+// A new cpu tensor of rank r's n elements value(dtype, r, offset + i).
+inline dp_tensor* host_values(int32_t dtype, size_t n, int r, size_t offset) {
+  int64_t shape[1] = {static_cast<int64_t>(n)};
+  dp_tensor* t = nullptr;
+  CHECK_OK(dp_tensor_create(&t, dtype, 1, shape, dp_device{DP_DEVICE_CPU, 0}));
+  if (t == nullptr) std::exit(4);
+  for (size_t i = 0; i < n; ++i) store(dtype, dp_tensor_data(t), i, value(dtype, r, i + offset));
+  return t;
 }
 
 // The reduction over ranks 0..world-1 of value(dtype, r, i).

@@ -195,9 +195,9 @@ TEST(Launcher, RejectsBadUsage) {
 }
 
 TEST(Launcher, RunsARealJobThroughTheStoreWithItsToken) {
-  LaunchResult r = launch("-n 2 " + std::string(DP_MP_WORKER) + " collectives");
+  LaunchResult r = launch("-n 2 " + std::string(DP_MP_WORKER) + " async");
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("[rank 1] rank 1: collectives passed"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank 1] rank 1: async passed"), std::string::npos) << r.output;
 }
 
 // A port that was free a moment ago.
@@ -222,7 +222,7 @@ TEST(Launcher, TwoNodesFormOneJobThroughTheFirstNodesStore) {
   // Both nodes share the job token, as a multi-node job must.
   std::string common = "DP_STORE_TOKEN=two-node-test timeout -s KILL 60 " + std::string(DP_RUN) +
                        " -n 1 --nnodes 2 --master-addr 127.0.0.1 --master-port " + std::to_string(port);
-  std::string worker = std::string(" ") + DP_MP_WORKER + " collectives 2>&1";
+  std::string worker = std::string(" ") + DP_MP_WORKER + " async 2>&1";
   FILE* node0 = ::popen((common + " --node-rank 0" + worker).c_str(), "r");
   FILE* node1 = ::popen((common + " --node-rank 1" + worker).c_str(), "r");
   ASSERT_NE(node0, nullptr);
@@ -238,7 +238,7 @@ TEST(Launcher, TwoNodesFormOneJobThroughTheFirstNodesStore) {
   }
   for (int i = 0; i < 2; ++i) {
     EXPECT_TRUE(WIFEXITED(status[i]) && WEXITSTATUS(status[i]) == 0) << "node " << i << ":\n" << out[i];
-    std::string passed = "[rank " + std::to_string(i) + "] rank " + std::to_string(i) + ": collectives passed";
+    std::string passed = "[rank " + std::to_string(i) + "] rank " + std::to_string(i) + ": async passed";
     EXPECT_NE(out[i].find(passed), std::string::npos) << "node " << i << ":\n" << out[i];
   }
 }

@@ -5,9 +5,9 @@
 #   veth_hosts_test.sh SHM_WORKER [IP_COMMAND [CI]]
 # Namespace A holds ranks 0 and 1 and the store, B ranks 2 and 3. They are
 # joined by two veth pairs: "st" carries the store (MASTER_ADDR), "gd" the
-# Gloo data (DP_SOCKET_IFNAME). The ranks run shm_worker's collectives
-# scenario (every collective x op x dtype against computed values, on the
-# "shm+gloo" backend); then gd must have carried at least that scenario's
+# Gloo data (DP_SOCKET_IFNAME). The ranks run shm_worker's rank_order_sums
+# scenario (float sums checked bit for bit, on the "shm+gloo" backend); then
+# gd must have carried at least that scenario's
 # all-reduced bytes each way and st less, so Gloo used the interface it was
 # named and not the store's. The namespaces share the boot id and host name,
 # so DP_HOST_ID tells the hosts apart.
@@ -103,7 +103,7 @@ for rank in 0 1 2 3; do
     RANK=$rank WORLD_SIZE=4 LOCAL_RANK=$((rank % 2)) LOCAL_WORLD_SIZE=2 \
     MASTER_ADDR=10.231.0.1 MASTER_PORT=$port DP_STORE_TOKEN="$token" \
     DP_HOST_ID="veth-host-$host" DP_SOCKET_IFNAME=$ifname DP_TEST_TIMEOUT_MS=60000 \
-    "$worker" collectives shm+gloo 2 >"$dir/rank$rank.txt" 2>&1 &
+    "$worker" rank_order_sums shm+gloo 2 >"$dir/rank$rank.txt" 2>&1 &
   pids="$pids $!"
 done
 
@@ -133,7 +133,7 @@ echo "gd-a (Gloo): rx $gd_rx B, tx $gd_tx B; st-a (store): rx $st_rx B, tx $st_t
 
 # A host's result depends on every element of the other host's sum, so an
 # all_reduce of N bytes moves at least N bytes each way between the hosts;
-# the scenario's three repeatable sums alone are 3 x 700001 float32.
+# the scenario's three repeatable sums are 3 x 700001 float32.
 payload=$((3 * 700001 * 4))
 [ "$gd_rx" -ge "$payload" ] || fail "gd-a received $gd_rx bytes, fewer than the $payload all-reduced"
 [ "$gd_tx" -ge "$payload" ] || fail "gd-a sent $gd_tx bytes, fewer than the $payload all-reduced"
