@@ -145,7 +145,10 @@ typedef enum dp_comm_hook {
  * dp_ddp on that group then shares one stuck lane: their queued and later
  * reductions fail at once with DP_ESTATE naming the hook's bucket, and
  * their destroy returns at once; the hook is left running, and what it
- * uses stays alive until it returns. Make a new group to go on. */
+ * uses stays alive until it returns. The other ranks' lanes wait for this
+ * one in their next agreement round: it fails at the group's timeout
+ * (DP_ETIMEOUT naming the rank that did not arrive), and so do their
+ * dp_ddp's pending jobs. Make a new group to go on. */
 typedef int (*dp_comm_hook_fn)(void *user_data, dp_process_group *pg, size_t bucket_index, dp_tensor *flat_bucket);
 
 typedef struct dp_ddp_options {

@@ -43,7 +43,9 @@
  *   call on the group is DP_ESTATE on this rank and fails the other ranks'
  *   matching call at once (DP_EINVAL naming this rank): make a new group.
  *   Destroying a group while another thread uses that same handle is the
- *   caller's to prevent.
+ *   caller's to prevent. A dp_ddp's collectives run on a library thread of
+ *   their own: while a dp_ddp on the group is in a backward, the host's
+ *   calls on the group are DP_ESTATE at once, nothing sent (dp_ddp.h).
  * - dp_work: one thread at a time per handle.
  *
  * Processes: a store, group or work belongs to the process that created
