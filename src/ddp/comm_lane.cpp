@@ -142,7 +142,9 @@ CommLane::~CommLane() {
   {
     std::lock_guard<std::mutex> lock(state_->mutex);
     state_->stopping = true;
-    stuck = !state_->stuck.empty();
+    // Only a job that may never return (a hung hook) leaves the worker
+    // behind; one that stopped for a failed round ends now.
+    stuck = state_->running != nullptr && !state_->stuck.empty();
     state_->cv.notify_all();
   }
   // A worker stuck in a job (or this very thread, when the job's reducer
@@ -351,8 +353,11 @@ bool CommLane::detach(const Reducer* owner, Clock::duration bound) {
       for (Job& job : it->second.jobs) dropped.push_back(std::move(job));
       state_->owners.erase(it);
     }
-    if (!on_worker() && state_->running == owner) {
-      ended = state_->stuck.empty() && state_->cv.wait_for(lock, bound, [&] { return state_->running != owner; });
+    if (!on_worker() && (state_->running == owner || state_->holding == owner)) {
+      // Also past the running job's end: the worker lets go of the reducer
+      // before this returns, so that its last reference is the caller's.
+      ended = state_->stuck.empty() &&
+              state_->cv.wait_for(lock, bound, [&] { return state_->running != owner && state_->holding != owner; });
       if (!ended && state_->running == owner) {
         std::deque<Job> rest = stick_locked(
             *state_,
@@ -419,6 +424,7 @@ bool CommLane::run_round(State& state, std::unique_lock<std::mutex>& lock) {
       it->second.jobs.pop_front();
       ++it->second.executed;
       state.running = it->first;
+      state.holding = it->first;
       state.running_name = job_name(job);
       state.running_since = Clock::now();
       lock.unlock();
@@ -433,6 +439,8 @@ bool CommLane::run_round(State& state, std::unique_lock<std::mutex>& lock) {
       job.publish();
       job = Job{};  // releases what the job kept alive, before the lock
       lock.lock();
+      state.holding = nullptr;
+      state.cv.notify_all();
       ran = true;
     }
   }

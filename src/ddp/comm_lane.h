@@ -131,6 +131,9 @@ class CommLane {
     std::map<const Reducer*, Owner> owners;
     uint64_t pushes = 0;  // grows with every job issued: the worker waits for it to change
     const Reducer* running = nullptr;
+    // The owner whose job the worker holds (running it, or publishing its
+    // outcome): its reducer must not be released on the worker's thread.
+    const Reducer* holding = nullptr;
     std::string running_name;
     Clock::time_point running_since;
     std::string stuck;  // why the lane stopped for good
