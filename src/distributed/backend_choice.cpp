@@ -160,16 +160,21 @@ std::unique_ptr<ProcessGroup> gloo_group(const ProcessGroupOptions& options) {
   return make_process_group(options, [&](CallSite& site) { return create_gloo_backend(site, options); });
 }
 
+// Every rank's pid, by rank.
+std::vector<int32_t> pids_of(const std::vector<HostEntry>& entries) {
+  std::vector<int32_t> pids;
+  pids.reserve(entries.size());
+  for (const HostEntry& entry : entries) pids.push_back(entry.pid);
+  return pids;
+}
+
 // A cpu group for AUTO (see backend_choice.h).
 std::unique_ptr<ProcessGroup> choose_automatically(const ProcessGroupOptions& options, const std::string& prefix,
                                                    const std::vector<HostEntry>& entries, const Hosts& hosts) {
   bool shm_allowed = true;
-  std::vector<int32_t> pids;
-  for (const HostEntry& entry : entries) {
-    shm_allowed = shm_allowed && entry.shm_allowed;
-    pids.push_back(entry.pid);
-  }
+  for (const HostEntry& entry : entries) shm_allowed = shm_allowed && entry.shm_allowed;
   if (!shm_allowed) return gloo_group(options);
+  const std::vector<int32_t> pids = pids_of(entries);
   if (hosts.keys.size() == 1) {
     if (options.world_size <= kMaxShmRanks) return create_shm_process_group(options, prefix, pids);
     return gloo_group(options);
@@ -218,9 +223,7 @@ std::unique_ptr<ProcessGroup> choose(const ProcessGroupOptions& options, const s
   if (options.backend == BackendChoice::kGloo) return gloo_group(options);
   Hosts hosts = group_by_host(entries);
   if (options.backend != BackendChoice::kShm) return choose_automatically(options, prefix, entries, hosts);
-  std::vector<int32_t> pids;
-  for (const HostEntry& entry : entries) pids.push_back(entry.pid);
-  return create_shm_process_group(options, prefix, pids);
+  return create_shm_process_group(options, prefix, pids_of(entries));
 }
 
 }  // namespace
