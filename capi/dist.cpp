@@ -9,7 +9,8 @@
 
 using namespace dparallel;
 
-static_assert(DP_BACKEND_NCCL == static_cast<int32_t>(dist::Backend::kNccl));
+static_assert(DP_BACKEND_NCCL == static_cast<int32_t>(dist::BackendChoice::kNccl) &&
+              DP_BACKEND_SHM == static_cast<int32_t>(dist::BackendChoice::kShm));
 static_assert(DP_PROD == static_cast<int32_t>(dist::ReduceOp::kProd) &&
               DP_AVG == static_cast<int32_t>(dist::ReduceOp::kAvg));
 
@@ -73,22 +74,13 @@ dp_process_group_options options_arg(const dp_process_group_options* opts) {
 
 dp_process_group* new_group(dp_process_group_options o, dist::RankSource source) {
   dist::ProcessGroupOptions options;
-  if (o.backend < 0 || o.backend > DP_BACKEND_NCCL) {
-    fail_invalid("argument 'opts->backend' is ", o.backend,
-                 "; it must be DP_BACKEND_AUTO, DP_BACKEND_GLOO or DP_BACKEND_NCCL");
-  }
-  options.backend = static_cast<dist::Backend>(o.backend);
-  options.timeout = timeout_arg(o.timeout_ms, "opts->timeout_ms");
-  if (o.backend == DP_BACKEND_GLOO && o.device.type != DP_DEVICE_CPU) {
-    fail_invalid(
-        "argument 'opts->device' is not a cpu device, but the Gloo backend works on cpu tensors; use DP_BACKEND_NCCL");
-  }
-  if (o.backend == DP_BACKEND_NCCL && o.device.type != DP_DEVICE_CUDA) {
-    fail_invalid(
-        "argument 'opts->device' is not a cuda device, but the NCCL backend works on cuda tensors; use "
-        "DP_BACKEND_GLOO");
-  }
-  options.device = capi::device_arg(o.device, "opts->device");
+  options.backend = static_cast<dist::BackendChoice>(o.backend);
+  options.timeout = dist::Millis(o.timeout_ms);
+  // Which device type a backend works on is checked below, before whether
+  // the device is present (device_arg).
+  bool known_type = o.device.type == DP_DEVICE_CPU || o.device.type == DP_DEVICE_CUDA;
+  options.device = known_type ? Device{static_cast<DeviceType>(o.device.type), o.device.index}
+                              : capi::device_arg(o.device, "opts->device");
   if (o.store != nullptr) {
     capi::store_arg(o.store, "opts->store");  // checks its tag and process
     options.store = o.store->store;
@@ -97,11 +89,9 @@ dp_process_group* new_group(dp_process_group_options o, dist::RankSource source)
   options.world_size = o.world_size;
   dist::EnvLookup env = dist::process_env();
   dist::resolve_rank(options, source, env);
-  if (options.world_size <= 0) fail_invalid("argument 'opts->world_size' is ", options.world_size, "; it must be >= 1");
-  if (options.rank < 0 || options.rank >= options.world_size) {
-    fail_invalid("argument 'opts->rank' is ", options.rank, "; it must be in 0..", options.world_size - 1,
-                 " (world size ", options.world_size, ")");
-  }
+  // Before the default store connects: a bad argument fails at once.
+  dist::check_process_group_options(options);
+  options.device = capi::device_arg(o.device, "opts->device");
   dist::connect_default_store(options, env);
   auto* handle = new dp_process_group();
   try {
@@ -118,6 +108,78 @@ dp_status export_work(std::shared_ptr<dist::Work> work, dp_work** out) {
   handle->work = std::move(work);
   *out = handle;
   return DP_OK;
+}
+
+// Runs one collective on `pg`, blocking or (with `async`) into *out.
+// Past the group handle, every argument error refuses the call on this rank
+// (ProcessGroup::refuse), so that the other ranks' matching calls fail too:
+// `resolve` turns the call's handles into what `start` gives the group.
+template <typename Resolve, typename Start>
+dp_status run_collective(dp_process_group* pg, dist::CallKind kind, bool async, dp_work** out, Resolve&& resolve,
+                         Start&& start) {
+  if (out != nullptr) *out = nullptr;
+  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
+  try {
+    if (async) capi::require_arg(out, "out");
+    resolve();
+  } catch (const Error& e) {
+    if (e.code() != StatusCode::kInvalidArgument) throw;
+    group.refuse(kind, e.what(), async);
+  }
+  std::shared_ptr<dist::Work> work = start(group);
+  return async ? export_work(std::move(work), out) : DP_OK;
+}
+
+dp_status all_reduce(dp_process_group* pg, dp_tensor* tensor, int32_t op, bool async, dp_work** out) {
+  Tensor t;
+  dist::ReduceOp reduce{};
+  return run_collective(
+      pg, dist::CallKind::kAllReduce, async, out,
+      [&] {
+        t = capi::tensor_arg(tensor, "tensor");
+        reduce = dist::reduce_op_arg(op, "op");
+      },
+      [&](dist::ProcessGroup& group) { return group.all_reduce(t, reduce, async); });
+}
+
+dp_status broadcast(dp_process_group* pg, dp_tensor* tensor, int32_t root, bool async, dp_work** out) {
+  Tensor t;
+  return run_collective(
+      pg, dist::CallKind::kBroadcast, async, out, [&] { t = capi::tensor_arg(tensor, "tensor"); },
+      [&](dist::ProcessGroup& group) { return group.broadcast(t, root, async); });
+}
+
+dp_status all_gather(dp_process_group* pg, const dp_tensor* input, dp_tensor* const* outputs, size_t noutputs,
+                     bool async, dp_work** out) {
+  Tensor in;
+  std::vector<Tensor> outs;
+  return run_collective(
+      pg, dist::CallKind::kAllGather, async, out,
+      [&] {
+        in = capi::tensor_arg(input, "input");
+        outs = capi::tensors_arg(outputs, noutputs, "outputs");
+      },
+      [&](dist::ProcessGroup& group) { return group.all_gather(in, outs, async); });
+}
+
+dp_status reduce_scatter(dp_process_group* pg, const dp_tensor* const* inputs, size_t ninputs, dp_tensor* output,
+                         int32_t op, bool async, dp_work** out) {
+  std::vector<Tensor> ins;
+  Tensor o;
+  dist::ReduceOp reduce{};
+  return run_collective(
+      pg, dist::CallKind::kReduceScatter, async, out,
+      [&] {
+        ins = capi::tensors_arg(inputs, ninputs, "inputs");
+        o = capi::tensor_arg(output, "output");
+        reduce = dist::reduce_op_arg(op, "op");
+      },
+      [&](dist::ProcessGroup& group) { return group.reduce_scatter(ins, o, reduce, async); });
+}
+
+dp_status barrier(dp_process_group* pg, bool async, dp_work** out) {
+  return run_collective(
+      pg, dist::CallKind::kBarrier, async, out, [] {}, [&](dist::ProcessGroup& group) { return group.barrier(async); });
 }
 
 }  // namespace
@@ -275,134 +337,66 @@ void dp_process_group_destroy(dp_process_group* pg) {
   delete pg;
 }
 
-// Past the group handle, every argument error refuses the call on this rank
-// (ProcessGroup::refuse), so that the other ranks' matching calls fail too.
-
 dp_status dp_pg_all_reduce(dp_process_group* pg, dp_tensor* tensor, int32_t op) {
   DP_API_BEGIN
-  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
-  Tensor t;
-  dist::ReduceOp o{};
-  group.check_arguments(dist::CallKind::kAllReduce, false, [&] {
-    t = capi::tensor_arg(tensor, "tensor");
-    o = dist::reduce_op_arg(op, "op");
-  });
-  group.all_reduce(t, o, false);
+  return all_reduce(pg, tensor, op, false, nullptr);
   DP_API_END
 }
 
 dp_status dp_pg_all_reduce_async(dp_process_group* pg, dp_tensor* tensor, int32_t op, dp_work** out) {
   DP_API_BEGIN
-  if (out != nullptr) *out = nullptr;
-  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
-  Tensor t;
-  dist::ReduceOp o{};
-  group.check_arguments(dist::CallKind::kAllReduce, true, [&] {
-    capi::require_arg(out, "out");
-    t = capi::tensor_arg(tensor, "tensor");
-    o = dist::reduce_op_arg(op, "op");
-  });
-  return export_work(group.all_reduce(t, o, true), out);
+  return all_reduce(pg, tensor, op, true, out);
   DP_API_END
 }
 
 dp_status dp_pg_broadcast(dp_process_group* pg, dp_tensor* tensor, int32_t root) {
   DP_API_BEGIN
-  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
-  Tensor t;
-  group.check_arguments(dist::CallKind::kBroadcast, false, [&] { t = capi::tensor_arg(tensor, "tensor"); });
-  group.broadcast(t, root, false);
+  return broadcast(pg, tensor, root, false, nullptr);
   DP_API_END
 }
 
 dp_status dp_pg_broadcast_async(dp_process_group* pg, dp_tensor* tensor, int32_t root, dp_work** out) {
   DP_API_BEGIN
-  if (out != nullptr) *out = nullptr;
-  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
-  Tensor t;
-  group.check_arguments(dist::CallKind::kBroadcast, true, [&] {
-    capi::require_arg(out, "out");
-    t = capi::tensor_arg(tensor, "tensor");
-  });
-  return export_work(group.broadcast(t, root, true), out);
+  return broadcast(pg, tensor, root, true, out);
   DP_API_END
 }
 
 dp_status dp_pg_all_gather(dp_process_group* pg, const dp_tensor* input, dp_tensor* const* outputs, size_t noutputs) {
   DP_API_BEGIN
-  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
-  Tensor in;
-  std::vector<Tensor> outs;
-  group.check_arguments(dist::CallKind::kAllGather, false, [&] {
-    in = capi::tensor_arg(input, "input");
-    outs = capi::tensors_arg(outputs, noutputs, "outputs");
-  });
-  group.all_gather(in, outs, false);
+  return all_gather(pg, input, outputs, noutputs, false, nullptr);
   DP_API_END
 }
 
 dp_status dp_pg_all_gather_async(dp_process_group* pg, const dp_tensor* input, dp_tensor* const* outputs,
                                  size_t noutputs, dp_work** out) {
   DP_API_BEGIN
-  if (out != nullptr) *out = nullptr;
-  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
-  Tensor in;
-  std::vector<Tensor> outs;
-  group.check_arguments(dist::CallKind::kAllGather, true, [&] {
-    capi::require_arg(out, "out");
-    in = capi::tensor_arg(input, "input");
-    outs = capi::tensors_arg(outputs, noutputs, "outputs");
-  });
-  return export_work(group.all_gather(in, outs, true), out);
+  return all_gather(pg, input, outputs, noutputs, true, out);
   DP_API_END
 }
 
 dp_status dp_pg_reduce_scatter(dp_process_group* pg, const dp_tensor* const* inputs, size_t ninputs, dp_tensor* output,
                                int32_t op) {
   DP_API_BEGIN
-  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
-  std::vector<Tensor> ins;
-  Tensor o;
-  dist::ReduceOp reduce{};
-  group.check_arguments(dist::CallKind::kReduceScatter, false, [&] {
-    ins = capi::tensors_arg(inputs, ninputs, "inputs");
-    o = capi::tensor_arg(output, "output");
-    reduce = dist::reduce_op_arg(op, "op");
-  });
-  group.reduce_scatter(ins, o, reduce, false);
+  return reduce_scatter(pg, inputs, ninputs, output, op, false, nullptr);
   DP_API_END
 }
 
 dp_status dp_pg_reduce_scatter_async(dp_process_group* pg, const dp_tensor* const* inputs, size_t ninputs,
                                      dp_tensor* output, int32_t op, dp_work** out) {
   DP_API_BEGIN
-  if (out != nullptr) *out = nullptr;
-  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
-  std::vector<Tensor> ins;
-  Tensor o;
-  dist::ReduceOp reduce{};
-  group.check_arguments(dist::CallKind::kReduceScatter, true, [&] {
-    capi::require_arg(out, "out");
-    ins = capi::tensors_arg(inputs, ninputs, "inputs");
-    o = capi::tensor_arg(output, "output");
-    reduce = dist::reduce_op_arg(op, "op");
-  });
-  return export_work(group.reduce_scatter(ins, o, reduce, true), out);
+  return reduce_scatter(pg, inputs, ninputs, output, op, true, out);
   DP_API_END
 }
 
 dp_status dp_pg_barrier(dp_process_group* pg) {
   DP_API_BEGIN
-  capi::group_arg(pg, "pg").barrier(false);
+  return barrier(pg, false, nullptr);
   DP_API_END
 }
 
 dp_status dp_pg_barrier_async(dp_process_group* pg, dp_work** out) {
   DP_API_BEGIN
-  if (out != nullptr) *out = nullptr;
-  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
-  group.check_arguments(dist::CallKind::kBarrier, true, [&] { capi::require_arg(out, "out"); });
-  return export_work(group.barrier(true), out);
+  return barrier(pg, true, out);
   DP_API_END
 }
 

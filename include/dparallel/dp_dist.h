@@ -19,13 +19,14 @@
  * Environment: DP_STORE_TOKEN (a job token the TCP store requires of every
  * client), DP_SOCKET_IFNAME (the network interface Gloo uses; default
  * loopback when the store is on a loopback address, else this host's name),
- * DP_SHM ("0": cpu groups always use Gloo; otherwise a cpu group whose ranks
- * all run on one host uses shared memory, through a segment private to the
- * job: an anonymous memfd, no file in /dev/shm or elsewhere; ranks on several
- * hosts with the same number of ranks, at least 2, on each are hierarchical:
- * shared memory inside each host and Gloo across, "shm+gloo"; uneven hosts
- * use Gloo and rank 0 says why on stderr), DP_HOST_ID (the host a rank
- * counts as on, instead of the boot id and host name).
+ * DP_SHM ("0": cpu groups that ask for DP_BACKEND_AUTO use Gloo; otherwise
+ * an AUTO cpu group whose ranks all run on one host uses shared memory,
+ * through a segment private to the job: an anonymous memfd, no file in
+ * /dev/shm or elsewhere; ranks on several hosts with the same number of
+ * ranks, at least 2, on each are hierarchical: shared memory inside each
+ * host and Gloo across, "shm+gloo"; uneven hosts use Gloo and rank 0 says
+ * why on stderr. DP_BACKEND_GLOO and DP_BACKEND_SHM ignore it), DP_HOST_ID
+ * (the host a rank counts as on, instead of the boot id and host name).
  * The job token guards the rendezvous (the store) only: the collectives'
  * own traffic, Gloo's and NCCL's connections, is not authenticated, so run
  * jobs on networks only they and trusted hosts can reach.
@@ -131,11 +132,25 @@ DP_API dp_status dp_store_wait(dp_store *store, const char *const *keys, size_t 
 DP_API void dp_store_destroy(dp_store *store);
 
 /* ---- process groups ---- */
-typedef enum dp_backend { DP_BACKEND_AUTO = 0, DP_BACKEND_GLOO = 1, DP_BACKEND_NCCL = 2 } dp_backend;
+/* The backend a group asks for; dp_process_group_backend says what runs.
+ * Every rank must ask for the same one (else DP_EINVAL on every rank).
+ * AUTO: NCCL for cuda; for cpu, shared memory when every rank runs on one
+ *   host, "shm+gloo" across hosts with the same number of ranks (at least
+ *   2) on each, else Gloo (DP_SHM=0 on any rank: always Gloo).
+ * GLOO: Gloo for cpu, even when every rank runs on one host.
+ * NCCL: NCCL for cuda.
+ * SHM: shared memory for cpu; DP_EUNSUPPORTED naming the hosts when the
+ *   ranks span several (every rank fails alike). */
+typedef enum dp_backend {
+  DP_BACKEND_AUTO = 0,
+  DP_BACKEND_GLOO = 1,
+  DP_BACKEND_NCCL = 2,
+  DP_BACKEND_SHM = 3
+} dp_backend;
 typedef enum dp_reduce_op { DP_SUM = 0, DP_AVG = 1, DP_MIN = 2, DP_MAX = 3, DP_PROD = 4 } dp_reduce_op;
 typedef struct dp_process_group_options {
   size_t struct_size;
-  int32_t backend;    /* dp_backend; AUTO: NCCL for cuda, Gloo (or shared memory on one host) for cpu */
+  int32_t backend;    /* dp_backend (above); default AUTO */
   int32_t rank;       /* -1 (the default): from RANK, or mpirun's OMPI_COMM_WORLD_RANK */
   int32_t world_size; /* -1 (the default): from WORLD_SIZE, or OMPI_COMM_WORLD_SIZE */
   dp_store *store;    /* NULL: a TCP store at MASTER_ADDR:MASTER_PORT, served by rank 0 */

@@ -10,6 +10,7 @@
 
 #include "comm/comm.h"
 #include "core/error.h"
+#include "distributed/backend_choice.h"
 #include "distributed/call_header.h"
 
 namespace dparallel::dist {
@@ -106,41 +107,41 @@ std::string find_missing_ranks(Store& store, const std::string& prefix, int32_t 
   return "rank(s) " + missing + " did not arrive (exited, stopped, or in another call)";
 }
 
-ProcessGroup::Call ProcessGroup::begin_call(CallKind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root,
-                                            const Tensor* tensor) {
+Call ProcessGroup::begin_call(CallKind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root,
+                              const Tensor* tensor) {
   Call call;
-  call.header = make_call_header(kind, rank_, ++seq_, dtype, numel, op, root);
-  call.deadline = Clock::now() + timeout_;
+  call.header = make_call_header(kind, rank(), ++seq_, dtype, numel, op, root);
+  call.deadline = Clock::now() + timeout();
   call.tensor = tensor;
   return call;
 }
 
 void ProcessGroup::exchange_headers(Call& call) {
-  swap_headers(call);
+  backend_->swap_headers(call);
   call.exchanged = true;
   try {
-    check_call_headers(call.header, rank_, world_size_, [&](int32_t r) { return received_header(r); });
+    check_call_headers(call.header, rank(), size(), [&](int32_t r) { return backend_->received_header(r); });
   } catch (...) {
-    after_failed_verdict();
+    backend_->after_failed_verdict();
     throw;
   }
 }
 
 void ProcessGroup::run_refused(CallKind kind, const std::string& reason) {
   Call call;
-  call.header = refused_call_header(kind, rank_, ++seq_, reason);
-  call.deadline = Clock::now() + timeout_;
+  call.header = refused_call_header(kind, rank(), ++seq_, reason);
+  call.deadline = Clock::now() + timeout();
   exchange_headers(call);
   fail(StatusCode::kInternal, call_kind_name(call.header.kind), ": the header exchange of a refused call passed");
 }
 
-void ProcessGroup::refuse_out_of_memory(CallKind kind, const char* op, const std::string& reason) {
+Error ProcessGroup::refuse_out_of_memory(CallKind kind, const char* op, const std::string& reason) {
   try {
     run_refused(kind, reason);
   } catch (const Error&) {
     // The verdict; this rank reports its own reason below.
   }
-  fail(StatusCode::kOutOfMemory, op, ": ", reason, " (the other ranks' matching call fails too)");
+  return Error(StatusCode::kOutOfMemory, str_cat(op, ": ", reason, " (the other ranks' matching call fails too)"));
 }
 
 void ProcessGroup::set_failure_reports(std::shared_ptr<Store> store, std::string prefix) {
@@ -148,31 +149,25 @@ void ProcessGroup::set_failure_reports(std::shared_ptr<Store> store, std::string
   report_prefix_ = std::move(prefix);
 }
 
-std::string ProcessGroup::describe_call(const Call& call) {
-  if (call.tensor == nullptr) return call.header.refused != 0 ? "a refused call" : "no tensor";
-  if (call.pieces > 1) {
-    return str_cat(dtype_name(call.tensor->dtype()), " ", call.header.numel, " in ", call.pieces, " tensors");
-  }
-  return call.tensor->describe();
-}
-
-void ProcessGroup::fail_call(const Call& call, StatusCode code, const std::string& cause) {
-  std::string missing = report_store_ ? find_missing_ranks(*report_store_, report_prefix_, rank_, world_size_,
+Error ProcessGroup::call_failed(const Call& call, StatusCode code, const std::string& cause) {
+  std::string missing = report_store_ ? find_missing_ranks(*report_store_, report_prefix_, rank(), size(),
                                                            call.header.seq, call.exchanged, call.deadline)
                                       : std::string("the missing ranks are unknown (no store)");
-  fail_call_knowing(call, code, missing, cause);
+  return call_failed_knowing(call, code, missing, cause);
 }
 
-void ProcessGroup::fail_call_knowing(const Call& call, StatusCode code, const std::string& missing,
-                                     const std::string& cause) {
-  fail(code, call_kind_name(call.header.kind), " of ", describe_call(call), " (collective #", call.header.seq,
-       ") on rank ", rank_, " of ", world_size_,
-       code == StatusCode::kTimeout ? str_cat(" timed out after ", timeout_.count(), " ms") : std::string(" failed"),
-       ": ", missing, "; ", cause);
+Error ProcessGroup::call_failed_knowing(const Call& call, StatusCode code, const std::string& missing,
+                                        const std::string& cause) {
+  return Error(code, str_cat(call_kind_name(call.header.kind), " of ", describe_call(call), " (collective #",
+                             call.header.seq, ") on rank ", rank(), " of ", size(),
+                             code == StatusCode::kTimeout ? str_cat(" timed out after ", timeout().count(), " ms")
+                                                          : std::string(" failed"),
+                             ": ", missing, "; ", cause));
 }
 
-ProcessGroup::ProcessGroup(int32_t rank, int32_t world_size, Device device, Millis timeout)
-    : rank_(rank), world_size_(world_size), device_(device), timeout_(timeout) {}
+ProcessGroup::ProcessGroup(int32_t rank, int32_t world_size, Device device, Millis timeout,
+                           const BackendFactory& make_backend)
+    : CallSite(rank, world_size, device, timeout), backend_(make_backend(*this)) {}
 
 ProcessGroup::~ProcessGroup() { drain(); }
 
@@ -183,6 +178,11 @@ void ProcessGroup::drain() {
     cv_.notify_all();
   }
   if (worker_.joinable()) worker_.join();
+}
+
+void ProcessGroup::abort(const std::string& why) noexcept {
+  mark_broken(why);
+  backend_->abort(why);
 }
 
 bool ProcessGroup::broken() {
@@ -233,7 +233,8 @@ void ProcessGroup::claim_for_this_thread_locked(CallKind kind) {
   if (auto gate = gate_.lock(); gate && !gate->owns_this_thread()) {
     std::string why = gate->refuse_host_call();
     if (!why.empty()) {
-      fail(StatusCode::kState, name, ": refused on rank ", rank_, " (nothing was sent; the group stays usable): ", why);
+      fail(StatusCode::kState, name, ": refused on rank ", rank(),
+           " (nothing was sent; the group stays usable): ", why);
     }
   }
   ++submitted_;
@@ -274,7 +275,7 @@ void ProcessGroup::refuse_misdriven(CallKind kind) {
   } catch (const Error& e) {
     if (e.code() != StatusCode::kInvalidArgument) throw;
   }
-  fail(StatusCode::kState, call_kind_name(static_cast<uint32_t>(kind)), ": refused on rank ", rank_,
+  fail(StatusCode::kState, call_kind_name(static_cast<uint32_t>(kind)), ": refused on rank ", rank(),
        " (the other ranks' matching call fails too): ", reason);
 }
 
@@ -331,7 +332,7 @@ ProcessGroup::Outcome ProcessGroup::execute(CallKind kind, const Task& task) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (misdrives_ != misdrives_before) {
       // Another thread called while this ran: its result may be another call's.
-      return {StatusCode::kState, str_cat(name, " on rank ", rank_, ": ", misdriven_,
+      return {StatusCode::kState, str_cat(name, " on rank ", rank(), ": ", misdriven_,
                                           "; this call ran meanwhile, so which call each rank paired it with is "
                                           "unknown")};
     }
@@ -352,15 +353,16 @@ ProcessGroup::Outcome ProcessGroup::execute(CallKind kind, const Task& task) {
 }
 
 void ProcessGroup::check_tensor(const Tensor& t, const std::string& argument, const char* op) const {
-  if (t.device().type != tensor_device_type()) {
-    fail_invalid(op, ": argument '", argument, "' is ", t.describe(), " but this ", backend_name(),
-                 " process group works on ", tensor_device_type() == DeviceType::kCpu ? "cpu" : "cuda", " tensors");
+  if (t.device().type != backend_->tensor_device_type()) {
+    fail_invalid(op, ": argument '", argument, "' is ", t.describe(), " but this ", backend_->name(),
+                 " process group works on ", backend_->tensor_device_type() == DeviceType::kCpu ? "cpu" : "cuda",
+                 " tensors");
   }
   // NCCL would take another GPU's memory and fail, or corrupt it, far from
   // here; a cpu:i is a device of its own as well.
-  if (t.device() != device_) {
-    fail_invalid(op, ": argument '", argument, "' is ", t.describe(), " but this ", backend_name(),
-                 " process group is on ", to_string(device_));
+  if (t.device() != device()) {
+    fail_invalid(op, ": argument '", argument, "' is ", t.describe(), " but this ", backend_->name(),
+                 " process group is on ", to_string(device()));
   }
   if (t.numel() > 0 && t.data() == nullptr) fail_invalid(op, ": argument '", argument, "' has no data");
 }
@@ -370,7 +372,7 @@ void ProcessGroup::refuse(CallKind kind, const std::string& reason, bool async) 
   Task task = [this, kind, reason] { run_refused(kind, reason); };
   if (async) {
     submit(kind, std::move(task), true);
-    fail_invalid(name, ": rank ", rank_, " refused the call: ", reason,
+    fail_invalid(name, ": rank ", rank(), " refused the call: ", reason,
                  " (the other ranks' matching call fails too; the group stays usable)");
   }
   try {
@@ -378,7 +380,8 @@ void ProcessGroup::refuse(CallKind kind, const std::string& reason, bool async) 
   } catch (const Error& e) {
     // The verdict every rank reached, or this call was not this thread's to make.
     if (e.code() == StatusCode::kInvalidArgument || e.code() == StatusCode::kState) throw;
-    fail_invalid(name, ": rank ", rank_, " refused the call: ", reason, "; telling the other ranks failed: ", e.what());
+    fail_invalid(name, ": rank ", rank(), " refused the call: ", reason,
+                 "; telling the other ranks failed: ", e.what());
   }
   fail(StatusCode::kInternal, name, ": the header exchange of a refused call passed");
 }
@@ -390,7 +393,7 @@ std::shared_ptr<Work> ProcessGroup::all_reduce(const Tensor& tensor, ReduceOp op
       fail_invalid("all_reduce: DP_AVG is not defined for bool tensors");
   });
   return submit(
-      CallKind::kAllReduce, [this, tensor, op] { run_all_reduce(tensor, op); }, async);
+      CallKind::kAllReduce, [this, tensor, op] { backend_->all_reduce(tensor, op); }, async);
 }
 
 std::shared_ptr<Work> ProcessGroup::all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op, bool async) {
@@ -409,43 +412,26 @@ std::shared_ptr<Work> ProcessGroup::all_reduce_coalesced(const std::vector<Tenso
     }
   });
   return submit(
-      CallKind::kAllReduce, [this, tensors, op] { run_all_reduce_coalesced(tensors, op); }, async);
-}
-
-void ProcessGroup::run_all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op) {
-  if (tensors.size() == 1) return run_all_reduce(tensors[0], op);
-  int64_t numel = comm::total_numel(tensors);
-  Tensor flat;
-  try {
-    flat = Tensor::empty(tensors[0].dtype(), {numel}, device_);
-  } catch (const Error& e) {
-    if (e.code() != StatusCode::kOutOfMemory) throw;
-    refuse_out_of_memory(CallKind::kAllReduce, "all_reduce_coalesced",
-                         str_cat("out of memory for the ", numel, "-element scratch of a coalesced all_reduce"));
-  }
-  comm::flatten_into(flat, tensors);
-  run_all_reduce(flat, op);
-  comm::unflatten_into(tensors, flat);
+      CallKind::kAllReduce, [this, tensors, op] { backend_->all_reduce_coalesced(tensors, op); }, async);
 }
 
 std::shared_ptr<Work> ProcessGroup::broadcast(const Tensor& tensor, int32_t root, bool async) {
   check_arguments(CallKind::kBroadcast, async, [&] {
     check_tensor(tensor, "tensor", "broadcast");
-    if (root < 0 || root >= world_size_) {
-      fail_invalid("broadcast: argument 'root' is ", root, "; it must be in 0..", world_size_ - 1, " (world size ",
-                   world_size_, ")");
+    if (root < 0 || root >= size()) {
+      fail_invalid("broadcast: argument 'root' is ", root, "; it must be in 0..", size() - 1, " (world size ", size(),
+                   ")");
     }
   });
   return submit(
-      CallKind::kBroadcast, [this, tensor, root] { run_broadcast(tensor, root); }, async);
+      CallKind::kBroadcast, [this, tensor, root] { backend_->broadcast(tensor, root); }, async);
 }
 
 std::shared_ptr<Work> ProcessGroup::all_gather(const Tensor& input, const std::vector<Tensor>& outputs, bool async) {
   check_arguments(CallKind::kAllGather, async, [&] {
     check_tensor(input, "input", "all_gather");
-    if (outputs.size() != static_cast<size_t>(world_size_)) {
-      fail_invalid("all_gather: argument 'noutputs' is ", outputs.size(), "; it must equal the world size ",
-                   world_size_);
+    if (outputs.size() != static_cast<size_t>(size())) {
+      fail_invalid("all_gather: argument 'noutputs' is ", outputs.size(), "; it must equal the world size ", size());
     }
     for (size_t i = 0; i < outputs.size(); ++i) {
       std::string name = str_cat("outputs[", i, "]");
@@ -457,7 +443,7 @@ std::shared_ptr<Work> ProcessGroup::all_gather(const Tensor& input, const std::v
     }
   });
   return submit(
-      CallKind::kAllGather, [this, input, outputs] { run_all_gather(input, outputs); }, async);
+      CallKind::kAllGather, [this, input, outputs] { backend_->all_gather(input, outputs); }, async);
 }
 
 std::shared_ptr<Work> ProcessGroup::reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op,
@@ -467,9 +453,8 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter(const std::vector<Tensor>& in
     if (output.dtype() == DType::kBool && op == ReduceOp::kAvg) {
       fail_invalid("reduce_scatter: DP_AVG is not defined for bool tensors");
     }
-    if (inputs.size() != static_cast<size_t>(world_size_)) {
-      fail_invalid("reduce_scatter: argument 'ninputs' is ", inputs.size(), "; it must equal the world size ",
-                   world_size_);
+    if (inputs.size() != static_cast<size_t>(size())) {
+      fail_invalid("reduce_scatter: argument 'ninputs' is ", inputs.size(), "; it must equal the world size ", size());
     }
     for (size_t i = 0; i < inputs.size(); ++i) {
       std::string name = str_cat("inputs[", i, "]");
@@ -481,41 +466,60 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter(const std::vector<Tensor>& in
     }
   });
   return submit(
-      CallKind::kReduceScatter, [this, inputs, output, op] { run_reduce_scatter(inputs, output, op); }, async);
+      CallKind::kReduceScatter, [this, inputs, output, op] { backend_->reduce_scatter(inputs, output, op); }, async);
 }
 
 std::shared_ptr<Work> ProcessGroup::barrier(bool async) {
   return submit(
-      CallKind::kBarrier, [this] { run_barrier(); }, async);
+      CallKind::kBarrier, [this] { backend_->barrier(); }, async);
 }
 
-std::unique_ptr<ProcessGroup> create_process_group(const ProcessGroupOptions& options) {
+void check_process_group_options(const ProcessGroupOptions& options) {
   if (options.world_size <= 0) fail_invalid("argument 'world_size' is ", options.world_size, "; it must be >= 1");
   if (options.rank < 0 || options.rank >= options.world_size) {
     fail_invalid("argument 'rank' is ", options.rank, "; it must be in 0..", options.world_size - 1, " (world size ",
                  options.world_size, ")");
   }
-  if (options.timeout.count() <= 0)
+  if (options.timeout.count() <= 0) {
     fail_invalid("argument 'timeout_ms' is ", options.timeout.count(), "; it must be > 0");
-  if (!options.store) fail_invalid("no store: pass one in the options");
-  Backend backend = options.backend;
-  if (backend == Backend::kAuto) backend = options.device.type == DeviceType::kCuda ? Backend::kNccl : Backend::kGloo;
-  switch (backend) {
-    case Backend::kGloo:
-      if (options.device.type != DeviceType::kCpu) {
-        fail_invalid("the Gloo backend works on cpu tensors but 'device' is a cuda device; use DP_BACKEND_NCCL");
-      }
-      return create_cpu_process_group(options);
-    case Backend::kNccl:
-      if (options.device.type != DeviceType::kCuda) {
-        fail_invalid("the NCCL backend works on cuda tensors but 'device' is a cpu device; use DP_BACKEND_GLOO");
-      }
-      return create_nccl_process_group(options);
-    case Backend::kAuto:
-      break;
   }
-  fail_invalid("argument 'backend' is ", static_cast<int32_t>(options.backend),
-               "; it must be DP_BACKEND_AUTO, DP_BACKEND_GLOO or DP_BACKEND_NCCL");
+  const char* cpu_backend = nullptr;
+  switch (options.backend) {
+    case BackendChoice::kAuto:
+      return;
+    case BackendChoice::kGloo:
+      cpu_backend = "Gloo";
+      break;
+    case BackendChoice::kShm:
+      cpu_backend = "shared-memory";
+      break;
+    case BackendChoice::kNccl:
+      if (options.device.type != DeviceType::kCuda) {
+        fail_invalid("argument 'device' is ", to_string(options.device),
+                     " but the NCCL backend works on cuda tensors; use DP_BACKEND_AUTO or DP_BACKEND_GLOO");
+      }
+      return;
+  }
+  if (cpu_backend == nullptr) {
+    fail_invalid("argument 'backend' is ", static_cast<int32_t>(options.backend),
+                 "; it must be DP_BACKEND_AUTO, DP_BACKEND_GLOO, DP_BACKEND_NCCL or DP_BACKEND_SHM");
+  }
+  if (options.device.type != DeviceType::kCpu) {
+    fail_invalid("argument 'device' is ", to_string(options.device), " but the ", cpu_backend,
+                 " backend works on cpu tensors; use DP_BACKEND_NCCL");
+  }
+}
+
+std::unique_ptr<ProcessGroup> make_process_group(const ProcessGroupOptions& options,
+                                                 const BackendFactory& make_backend) {
+  return std::make_unique<ProcessGroup>(options.rank, options.world_size, options.device, options.timeout,
+                                        make_backend);
+}
+
+std::unique_ptr<ProcessGroup> create_process_group(const ProcessGroupOptions& options) {
+  check_process_group_options(options);
+  if (!options.store) fail_invalid("argument 'store' is NULL: pass one in the options");
+  return create_chosen_process_group(options);
 }
 
 }  // namespace dparallel::dist

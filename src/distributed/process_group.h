@@ -5,8 +5,9 @@
 // state, each collective's sequence number and deadline, the cross-rank
 // check that calls agree (the call header and its one verdict, see
 // call_header.h), refusals, and the failure reports that name the ranks
-// that did not arrive. Backends move bytes: they swap the headers
-// (swap_headers) and run the collectives' transfers.
+// that did not arrive. The front owns its backend (backend.h), which moves
+// bytes: it swaps the headers (swap_headers) and runs the collectives'
+// transfers; the front drains its queue before the backend goes.
 // After a collective fails with kTimeout or kRemote the group is broken:
 // later collectives fail at once with kState.
 // A call with a bad argument is refused, but still takes part in the ranks'
@@ -32,46 +33,40 @@
 
 #include "core/process_origin.h"
 #include "core/tensor.h"
+#include "distributed/backend.h"
 #include "distributed/call_gate.h"
 #include "distributed/call_header.h"
 #include "distributed/collective.h"
+#include "distributed/group_options.h"
 #include "distributed/store/store.h"
 #include "distributed/work.h"
 
 namespace dparallel::dist {
 
-enum class Backend : int32_t { kAuto = 0, kGloo = 1, kNccl = 2 };
+// Makes the backend a new group runs, as the group's CallSite sees it.
+using BackendFactory = std::function<std::unique_ptr<Backend>(CallSite& site)>;
 
-struct ProcessGroupOptions {
-  Backend backend = Backend::kAuto;
-  int32_t rank = -1;
-  int32_t world_size = -1;
-  std::shared_ptr<Store> store;
-  Millis timeout{300000};
-  Device device{DeviceType::kCpu, 0};
-  std::string master_addr;  // where the store lives, when known: picks the network interface
-};
-
-class ProcessGroup {
+class ProcessGroup final : private CallSite {
  public:
-  ProcessGroup(int32_t rank, int32_t world_size, Device device, Millis timeout);
-  virtual ~ProcessGroup();
+  // A group of `rank` in `world_size` over the backend `make_backend` makes.
+  ProcessGroup(int32_t rank, int32_t world_size, Device device, Millis timeout, const BackendFactory& make_backend);
+  // Drains the queue before the backend goes.
+  ~ProcessGroup();
   ProcessGroup(const ProcessGroup&) = delete;
   ProcessGroup& operator=(const ProcessGroup&) = delete;
 
-  int32_t rank() const { return rank_; }
-  int32_t size() const { return world_size_; }
-  const Device& device() const { return device_; }
-  Millis timeout() const { return timeout_; }
-  virtual const char* backend_name() const = 0;
+  using CallSite::device;
+  using CallSite::rank;
+  using CallSite::size;
+  using CallSite::timeout;
+  const char* backend_name() const { return backend_->name(); }
 
   // With `async`, returns at once with the Work to wait on; otherwise returns
   // when done (the Work is then already finished).
   std::shared_ptr<Work> all_reduce(const Tensor& tensor, ReduceOp op, bool async);
   // One all_reduce over `tensors` (one dtype, any shapes) as if they were
   // concatenated: the other ranks' matching call may be this or a plain
-  // all_reduce of the concatenation. Backends that read and write the pieces
-  // in place override run_all_reduce_coalesced; the others flatten.
+  // all_reduce of the concatenation.
   std::shared_ptr<Work> all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op, bool async);
   std::shared_ptr<Work> broadcast(const Tensor& tensor, int32_t root, bool async);
   std::shared_ptr<Work> all_gather(const Tensor& input, const std::vector<Tensor>& outputs, bool async);
@@ -79,17 +74,6 @@ class ProcessGroup {
                                        bool async);
   std::shared_ptr<Work> barrier(bool async);
 
-  // Runs `check`, which translates a call's arguments; an argument error it
-  // throws (kInvalidArgument) refuses the collective `kind` (see refuse()).
-  template <typename Check>
-  void check_arguments(CallKind kind, bool async, Check&& check) {
-    try {
-      check();
-    } catch (const Error& e) {
-      if (e.code() != StatusCode::kInvalidArgument) throw;
-      refuse(kind, e.what(), async);
-    }
-  }
   // Refuses this rank's call of `kind` for `reason`: the refusal takes the
   // call's place in the sequence, so that the other ranks' matching calls
   // fail naming this rank and `reason`. Always throws kInvalidArgument:
@@ -101,7 +85,7 @@ class ProcessGroup {
   // collective with it fail now rather than at their timeout (a group built
   // over this one calls it when another of its parts failed). Only between
   // collectives: not while one runs on this group.
-  virtual void abort(const std::string& why) noexcept { mark_broken(why); }
+  void abort(const std::string& why) noexcept;
 
   // While `gate` lives, calls from threads other than its own are refused
   // (kState, nothing sent) whenever it says so.
@@ -110,77 +94,42 @@ class ProcessGroup {
   // before it issues calls of its own).
   void wait_for_other_threads_calls();
 
- protected:
-  using Clock = std::chrono::steady_clock;
-
-  // One collective as the front tracks it for every backend.
-  struct Call {
-    CallHeader header;
-    Clock::time_point deadline;
-    bool exchanged = false;          // every rank's header has arrived
-    const Tensor* tensor = nullptr;  // named in failures (the first of `pieces`); null for none
-    size_t pieces = 1;               // tensors reduced as one (coalesced)
-  };
-  // Collective #n+1 of this group: its header and deadline. What it may need
-  // must be allocated before: failing after the header exchange would leave
-  // the peers waiting.
-  Call begin_call(CallKind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root, const Tensor* tensor);
-  // Swaps `call`'s header with every rank (the backend's swap_headers) and
-  // reaches the verdict every rank reaches (check_call_headers); a verdict
-  // that fails calls after_failed_verdict() first.
-  void exchange_headers(Call& call);
-  // Takes part in the header exchange of the collective `kind` as having
-  // refused it; throws the verdict.
-  void run_refused(CallKind kind, const std::string& reason);
-  // Scratch for a collective could not be allocated before its header
-  // exchange: refuses the call in its place (the other ranks fail too and the
-  // group stays in step), then fails with kOutOfMemory naming `op` and `reason`.
-  [[noreturn]] void refuse_out_of_memory(CallKind kind, const char* op, const std::string& reason);
-  // A collective whose transfer failed (`code`: kTimeout, kRemote, or
-  // kOutOfMemory): reports the failure through the store, then throws `code`
-  // naming the collective, its tensor, the ranks that did not report the
-  // failure, and `cause`.
-  [[noreturn]] void fail_call(const Call& call, StatusCode code, const std::string& cause);
-  // As fail_call, when this rank already knows who is missing (`missing`,
-  // e.g. peers whose processes it saw exit): no listening for reports.
-  [[noreturn]] void fail_call_knowing(const Call& call, StatusCode code, const std::string& missing,
-                                      const std::string& cause);
-  // Where failure reports go (find_missing_ranks); set by the backend's constructor.
-  void set_failure_reports(std::shared_ptr<Store> store, std::string prefix);
-  // What `call` moves, for messages: its tensor, or "no tensor", "a refused call".
-  static std::string describe_call(const Call& call);
-
-  // Moves `call.header` to every rank; afterwards received_header(r) is
-  // rank r's. A transfer that fails goes through fail_call.
-  virtual void swap_headers(Call& call) = 0;
-  virtual CallHeader received_header(int32_t r) = 0;
-  // After headers were swapped whose verdict failed (every rank fails alike).
-  virtual void after_failed_verdict() {}
-
-  virtual void run_all_reduce(const Tensor& tensor, ReduceOp op) = 0;
-  // Default: copies the pieces into one scratch tensor, all-reduces it, copies back.
-  virtual void run_all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op);
-  virtual void run_broadcast(const Tensor& tensor, int32_t root) = 0;
-  virtual void run_all_gather(const Tensor& input, const std::vector<Tensor>& outputs) = 0;
-  virtual void run_reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) = 0;
-  virtual void run_barrier() = 0;
-  // The device type this backend's tensors must live on.
-  virtual DeviceType tensor_device_type() const = 0;
-  // Backends call this from their destructor, before their members go.
-  void drain();
-  // True once a collective has failed with kTimeout, kRemote or kInternal.
-  bool broken();
-  // Marks the group unusable: a failure that left the ranks out of step.
-  void mark_broken(const std::string& why) noexcept;
-
  private:
+  using Clock = std::chrono::steady_clock;
   using Task = std::function<void()>;
   struct Outcome {
     StatusCode code;
     std::string message;
   };
+
+  // CallSite: what the backend calls mid-collective.
+  Call begin_call(CallKind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root, const Tensor* tensor) override;
+  void exchange_headers(Call& call) override;
+  Error refuse_out_of_memory(CallKind kind, const char* op, const std::string& reason) override;
+  Error call_failed(const Call& call, StatusCode code, const std::string& cause) override;
+  Error call_failed_knowing(const Call& call, StatusCode code, const std::string& missing,
+                            const std::string& cause) override;
+  void set_failure_reports(std::shared_ptr<Store> store, std::string prefix) override;
+  bool broken() override;
+  void mark_broken(const std::string& why) noexcept override;
+
+  // Runs `check`, which checks a call's arguments; an argument error it
+  // throws (kInvalidArgument) refuses the collective `kind` (see refuse()).
+  template <typename Check>
+  void check_arguments(CallKind kind, bool async, Check&& check) {
+    try {
+      check();
+    } catch (const Error& e) {
+      if (e.code() != StatusCode::kInvalidArgument) throw;
+      refuse(kind, e.what(), async);
+    }
+  }
+  // Takes part in the header exchange of the collective `kind` as having
+  // refused it; throws the verdict.
+  void run_refused(CallKind kind, const std::string& reason);
   std::shared_ptr<Work> submit(CallKind kind, Task task, bool async);
   Outcome execute(CallKind kind, const Task& task);
+  void drain();
   // Counts a call of `kind` from this thread as in flight; kState when
   // another thread's call is (the group is then misdriven for good).
   void claim_for_this_thread_locked(CallKind kind);
@@ -190,11 +139,6 @@ class ProcessGroup {
   [[noreturn]] void refuse_misdriven(CallKind kind);
   void worker_loop();
   void check_tensor(const Tensor& t, const std::string& argument, const char* op) const;
-
-  int32_t rank_;
-  int32_t world_size_;
-  Device device_;
-  Millis timeout_;
 
   std::mutex mutex_;
   std::condition_variable cv_;
@@ -218,25 +162,17 @@ class ProcessGroup {
   std::shared_ptr<Store> report_store_;
   std::string report_prefix_;
   std::weak_ptr<CallGate> gate_;
+  // Last: made after the state above, and gone before it.
+  std::unique_ptr<Backend> backend_;
 };
 
+// Checks what `options` ask for: rank, world size, backend, device, timeout
+// and store; kInvalidArgument naming the field.
+void check_process_group_options(const ProcessGroupOptions& options);
+// The group `options` ask for (backend_choice.h), after the checks above.
 std::unique_ptr<ProcessGroup> create_process_group(const ProcessGroupOptions& options);
-// After a failed collective #seq whose deadline is `deadline`: reports this
-// rank's failure through the store under `prefix` and names the ranks that
-// reported none for it. The others fail soon too, so it listens briefly: under
-// a second past the deadline, at most 2 s when it failed early.
-std::string find_missing_ranks(Store& store, const std::string& prefix, int32_t rank, int32_t size, uint64_t seq,
-                               bool exchanged, std::chrono::steady_clock::time_point deadline);
-// Each backend's factory; the NCCL one fails with kUnsupported in a build without NCCL.
-std::unique_ptr<ProcessGroup> create_gloo_process_group(const ProcessGroupOptions& options);
-// A cpu group, unless DP_SHM is "0" on any rank: through shared memory
-// (shm/) when every rank runs on this host; hierarchical (shared memory
-// inside each host, Gloo across) when the ranks span hosts with the same
-// number of ranks, at least 2, on each; else through Gloo.
-std::unique_ptr<ProcessGroup> create_cpu_process_group(const ProcessGroupOptions& options);
-// The address Gloo binds to and advertises when DP_SOCKET_IFNAME is unset:
-// with a TCP store, this end's address of its connection to the store.
-std::string gloo_host(const ProcessGroupOptions& options);
-std::unique_ptr<ProcessGroup> create_nccl_process_group(const ProcessGroupOptions& options);
+// A group of the rank in `options` over the backend `make_backend` makes.
+std::unique_ptr<ProcessGroup> make_process_group(const ProcessGroupOptions& options,
+                                                 const BackendFactory& make_backend);
 
 }  // namespace dparallel::dist

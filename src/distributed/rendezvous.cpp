@@ -1,5 +1,8 @@
 #include "distributed/rendezvous.h"
 
+#include <netdb.h>
+#include <unistd.h>
+
 #include <memory>
 
 #include "core/error.h"
@@ -62,6 +65,23 @@ void connect_default_store(ProcessGroupOptions& options, const EnvLookup& lookup
     options.master_addr = master.master_addr;
   }
   if (options.master_addr.empty() && is_set(lookup, "MASTER_ADDR")) options.master_addr = lookup("MASTER_ADDR");
+}
+
+std::string advertised_host(const ProcessGroupOptions& options) {
+  // The address this host reaches the store from is one the other ranks can
+  // reach it on too; the host name may resolve to a loopback address.
+  if (auto* tcp = dynamic_cast<TcpStore*>(PrefixStore::innermost(options.store.get()))) {
+    sockaddr_storage local = tcp->local_address();
+    char host[NI_MAXHOST] = {0};
+    if (local.ss_family != AF_UNSPEC && ::getnameinfo(reinterpret_cast<sockaddr*>(&local), sizeof(local), host,
+                                                      sizeof(host), nullptr, 0, NI_NUMERICHOST) == 0) {
+      return host;
+    }
+  }
+  if (options.master_addr.empty() || net::is_loopback_host(options.master_addr)) return "127.0.0.1";
+  char host[256] = {0};
+  if (::gethostname(host, sizeof(host) - 1) != 0) fail(StatusCode::kIo, "gethostname failed");
+  return host;
 }
 
 std::string job_token(const EnvLookup& lookup) {

@@ -7,8 +7,8 @@
 
 #include <string>
 
+#include "distributed/group_options.h"
 #include "distributed/launch_env.h"
-#include "distributed/process_group.h"
 
 namespace dparallel::dist {
 
@@ -27,6 +27,11 @@ void resolve_rank(ProcessGroupOptions& options, RankSource source, const EnvLook
 // MASTER_PORT must be set; nothing else is needed). Sets `master_addr` from
 // MASTER_ADDR when it is unset, so that Gloo picks the right interface.
 void connect_default_store(ProcessGroupOptions& options, const EnvLookup& lookup);
+
+// The address this host's transports bind to and give their peers when
+// DP_SOCKET_IFNAME is unset: with a TCP store, this end's address of its
+// connection to the store; else loopback when the store is on this host.
+std::string advertised_host(const ProcessGroupOptions& options);
 
 // DP_STORE_TOKEN, or "" when unset.
 std::string job_token(const EnvLookup& lookup);

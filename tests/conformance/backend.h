@@ -49,10 +49,11 @@ inline void select_backend(Backend b, int rank, int world, int local_rank, dp_pr
   opts->backend = DP_BACKEND_AUTO;
   switch (b) {
     case Backend::kGloo:
-      ::setenv("DP_SHM", "0", 1);  // DP_BACKEND_GLOO, once it means Gloo on one host too
+      opts->backend = DP_BACKEND_GLOO;  // Gloo, also on one host
       break;
     case Backend::kShm:
-      break;  // DP_BACKEND_SHM, once it exists
+      opts->backend = DP_BACKEND_SHM;
+      break;
     case Backend::kHierarchical:
       ::setenv("DP_HOST_ID", rank < world / 2 ? "first" : "second", 1);
       break;

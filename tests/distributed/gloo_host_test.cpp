@@ -1,15 +1,15 @@
-// The address the Gloo group advertises, from the inside.
+// The address a group's transports advertise, from the inside.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
 
-#include "distributed/process_group.h"
+#include "distributed/rendezvous.h"
 #include "distributed/store/tcp_store.h"
 
 namespace dparallel::dist {
 namespace {
 
-TEST(GlooHost, IsTheLocalAddressOfTheTcpStoreConnection) {
+TEST(AdvertisedHost, IsTheLocalAddressOfTheTcpStoreConnection) {
   ::unsetenv("DP_SOCKET_IFNAME");
   TcpStoreOptions store_options;
   store_options.host = "127.0.0.1";
@@ -20,12 +20,12 @@ TEST(GlooHost, IsTheLocalAddressOfTheTcpStoreConnection) {
   options.store = store;
   // A master address on another host: the host name could resolve to 127.0.1.1.
   options.master_addr = "192.0.2.1";
-  EXPECT_EQ(gloo_host(options), "127.0.0.1");
+  EXPECT_EQ(advertised_host(options), "127.0.0.1");
 }
 
-TEST(GlooHost, IsLoopbackForAFileStoreOnOneHost) {
+TEST(AdvertisedHost, IsLoopbackForAFileStoreOnOneHost) {
   ProcessGroupOptions options;
-  EXPECT_EQ(gloo_host(options), "127.0.0.1");
+  EXPECT_EQ(advertised_host(options), "127.0.0.1");
 }
 
 }  // namespace

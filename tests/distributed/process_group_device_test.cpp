@@ -1,4 +1,4 @@
-// The base class's tensor checks, on a stand-in group: tensors on another
+// The front's tensor checks, over a stand-in backend: tensors on another
 // device than the group's (another GPU, another logical cpu:i) never reach
 // the backend's transfer; the call is refused instead. Wrapped
 // host memory labelled cuda stands in for GPU memory; nothing reads it.
@@ -13,23 +13,25 @@
 namespace dparallel::dist {
 namespace {
 
-class CountingGroup : public ProcessGroup {
- public:
-  explicit CountingGroup(Device device = Device{DeviceType::kCuda, 0}) : ProcessGroup(0, 2, device, Millis(1000)) {}
-  ~CountingGroup() override { drain(); }
-  const char* backend_name() const override { return device().is_cuda() ? "nccl" : "gloo"; }
+struct Counts {
   int runs = 0;
+  int refusals = 0;
+};
 
- protected:
+// Counts the collectives that reach it; every peer agrees with every header.
+class CountingBackend : public Backend {
+ public:
+  CountingBackend(CallSite& site, Counts& counts) : Backend(site), counts_(counts) {}
+  const char* name() const override { return device().is_cuda() ? "nccl" : "gloo"; }
   DeviceType tensor_device_type() const override { return device().type; }
-  void run_all_reduce(const Tensor&, ReduceOp) override { ++runs; }
-  void run_broadcast(const Tensor&, int32_t) override { ++runs; }
-  void run_all_gather(const Tensor&, const std::vector<Tensor>&) override { ++runs; }
-  void run_reduce_scatter(const std::vector<Tensor>&, const Tensor&, ReduceOp) override { ++runs; }
-  void run_barrier() override { ++runs; }
-  // The peer agrees with every header; a refusal comes back as the verdict.
+  void all_reduce(const Tensor&, ReduceOp) override { ++counts_.runs; }
+  void broadcast(const Tensor&, int32_t) override { ++counts_.runs; }
+  void all_gather(const Tensor&, const std::vector<Tensor>&) override { ++counts_.runs; }
+  void reduce_scatter(const std::vector<Tensor>&, const Tensor&, ReduceOp) override { ++counts_.runs; }
+  void barrier() override { ++counts_.runs; }
+  // A refusal comes back as the verdict.
   void swap_headers(Call& call) override {
-    refusals += call.header.refused != 0 ? 1 : 0;
+    counts_.refusals += call.header.refused != 0 ? 1 : 0;
     mine_ = call.header;
   }
   CallHeader received_header(int32_t r) override {
@@ -38,11 +40,34 @@ class CountingGroup : public ProcessGroup {
     return h;
   }
 
+ private:
+  Counts& counts_;
+  CallHeader mine_{};
+};
+
+// Rank 0 of 2 on `device`.
+class CountingGroup : public Counts {
  public:
-  int refusals = 0;
+  explicit CountingGroup(Device device = Device{DeviceType::kCuda, 0})
+      : group_(0, 2, device, Millis(1000),
+               [this](CallSite& site) { return std::make_unique<CountingBackend>(site, *this); }) {}
+  std::shared_ptr<Work> all_reduce(const Tensor& tensor, ReduceOp op, bool async) {
+    return group_.all_reduce(tensor, op, async);
+  }
+  std::shared_ptr<Work> broadcast(const Tensor& tensor, int32_t root, bool async) {
+    return group_.broadcast(tensor, root, async);
+  }
+  std::shared_ptr<Work> all_gather(const Tensor& input, const std::vector<Tensor>& outputs, bool async) {
+    return group_.all_gather(input, outputs, async);
+  }
+  std::shared_ptr<Work> reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op,
+                                       bool async) {
+    return group_.reduce_scatter(inputs, output, op, async);
+  }
+  std::shared_ptr<Work> barrier(bool async) { return group_.barrier(async); }
 
  private:
-  CallHeader mine_{};
+  ProcessGroup group_;
 };
 
 float g_memory[64];

@@ -21,15 +21,10 @@ namespace {
 
 constexpr int32_t kWorld = 3;
 
-// Rank 0 of kWorld; the peers' headers are `peer(mine, r)`. A swap may fail
-// its transfer instead, through the front's fail_call.
-class ScriptedGroup : public ProcessGroup {
- public:
-  ScriptedGroup() : ProcessGroup(0, kWorld, Device{DeviceType::kCpu, 0}, Millis(60000)) {}
-  ~ScriptedGroup() override { drain(); }
-
-  const char* backend_name() const override { return "scripted"; }
-
+// What the scripted backend does and saw: the peers' headers are
+// `peer(mine, r)`; a swap may fail its transfer instead, through the
+// front's fail_call.
+struct Script {
   std::function<CallHeader(const CallHeader& mine, int32_t r)> peer = [](const CallHeader& mine, int32_t r) {
     CallHeader h = mine;
     h.rank = r;
@@ -41,42 +36,74 @@ class ScriptedGroup : public ProcessGroup {
   std::vector<CallHeader> sent;                   // every header this rank swapped
   std::vector<uint64_t> ran;                      // the collectives that passed the verdict
   int failed_verdicts = 0;
+};
 
+// A backend that only moves headers, as `script` says.
+class ScriptedBackend : public Backend {
+ public:
+  ScriptedBackend(CallSite& site, Script& script) : Backend(site), script_(script) {}
+
+  const char* name() const override { return "scripted"; }
+  DeviceType tensor_device_type() const override { return DeviceType::kCpu; }
   void report_to(std::shared_ptr<Store> store) { set_failure_reports(std::move(store), "front/"); }
 
- protected:
-  DeviceType tensor_device_type() const override { return DeviceType::kCpu; }
-
   void swap_headers(Call& call) override {
-    sent.push_back(call.header);
-    if (transfer_failure != StatusCode::kOk) fail_call(call, transfer_failure, "scripted: the link went down");
+    script_.sent.push_back(call.header);
+    if (script_.transfer_failure != StatusCode::kOk) {
+      fail_call(call, script_.transfer_failure, "scripted: the link went down");
+    }
     received_.assign(1, call.header);
-    for (int32_t r = 1; r < kWorld; ++r) received_.push_back(peer(call.header, r));
+    for (int32_t r = 1; r < kWorld; ++r) received_.push_back(script_.peer(call.header, r));
   }
   CallHeader received_header(int32_t r) override { return received_[static_cast<size_t>(r)]; }
-  void after_failed_verdict() override { ++failed_verdicts; }
+  void after_failed_verdict() override { ++script_.failed_verdicts; }
 
-  void run_all_reduce(const Tensor& tensor, ReduceOp op) override {
+  void all_reduce(const Tensor& tensor, ReduceOp op) override {
     run(begin_call(CallKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1, &tensor));
   }
-  void run_broadcast(const Tensor& tensor, int32_t root) override {
+  void broadcast(const Tensor& tensor, int32_t root) override {
     run(begin_call(CallKind::kBroadcast, tensor.dtype(), tensor.numel(), ReduceOp::kSum, root, &tensor));
   }
-  void run_all_gather(const Tensor& input, const std::vector<Tensor>&) override {
+  void all_gather(const Tensor& input, const std::vector<Tensor>&) override {
     run(begin_call(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, &input));
   }
-  void run_reduce_scatter(const std::vector<Tensor>&, const Tensor& output, ReduceOp op) override {
+  void reduce_scatter(const std::vector<Tensor>&, const Tensor& output, ReduceOp op) override {
     run(begin_call(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output));
   }
-  void run_barrier() override { run(begin_call(CallKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, nullptr)); }
+  void barrier() override { run(begin_call(CallKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, nullptr)); }
 
  private:
   void run(Call call) {
     exchange_headers(call);
-    ran.push_back(call.header.seq);
+    script_.ran.push_back(call.header.seq);
   }
 
+  Script& script_;
   std::vector<CallHeader> received_;
+};
+
+// Rank 0 of kWorld: the front over a scripted backend.
+class ScriptedGroup : public Script {
+ public:
+  ScriptedGroup()
+      : group_(0, kWorld, Device{DeviceType::kCpu, 0}, Millis(60000), [this](CallSite& site) {
+          auto backend = std::make_unique<ScriptedBackend>(site, *this);
+          backend_ = backend.get();
+          return backend;
+        }) {}
+
+  void report_to(std::shared_ptr<Store> store) { backend_->report_to(std::move(store)); }
+  std::shared_ptr<Work> all_reduce(const Tensor& tensor, ReduceOp op, bool async) {
+    return group_.all_reduce(tensor, op, async);
+  }
+  std::shared_ptr<Work> broadcast(const Tensor& tensor, int32_t root, bool async) {
+    return group_.broadcast(tensor, root, async);
+  }
+  std::shared_ptr<Work> barrier(bool async) { return group_.barrier(async); }
+
+ private:
+  ScriptedBackend* backend_ = nullptr;
+  ProcessGroup group_;
 };
 
 // The error a call raises, or kOk; its message in *message.

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "distributed/backend_choice.h"
 #include "distributed/shm/segment.h"
 #include "distributed/shm/shm_process_group.h"
 

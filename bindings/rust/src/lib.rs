@@ -1146,6 +1146,8 @@ pub enum Backend {
     Auto = 0,
     Gloo = 1,
     Nccl = 2,
+    /// Shared memory; fails (unsupported) when the ranks span several hosts.
+    Shm = 3,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

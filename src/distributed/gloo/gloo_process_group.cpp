@@ -31,7 +31,6 @@
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/address.h>
 #include <gloo/transport/tcp/device.h>
-#include <netdb.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <unistd.h>
@@ -45,11 +44,10 @@
 #include <thread>
 
 #include "core/error.h"
+#include "distributed/backend.h"
 #include "distributed/call_header.h"
-#include "distributed/process_group.h"
 #include "distributed/reduce_ops.h"
-#include "distributed/store/socket.h"
-#include "distributed/store/tcp_store.h"
+#include "distributed/rendezvous.h"
 
 namespace dparallel::dist {
 
@@ -148,16 +146,6 @@ class BlockExchange {
   int phase_ = 0;
 };
 
-// memcpy that takes the null data of empty tensors.
-void copy(void* to, const void* from, size_t bytes) {
-  if (bytes > 0) std::memcpy(to, from, bytes);
-}
-
-// Time left until `deadline`, at least 1 ms.
-Millis left_until(Clock::time_point deadline) {
-  return std::max(std::chrono::duration_cast<Millis>(deadline - Clock::now()), Millis(1));
-}
-
 // Gloo's TCP address: a sockaddr_storage that getsockname filled only as far
 // as the address goes, the rest uninitialised stack memory, and a sequence
 // number. Rewritten over a zeroed sockaddr_storage before it leaves.
@@ -217,7 +205,7 @@ gloo::transport::tcp::attr transport_attr(const ProcessGroupOptions& options) {
   if (ifname != nullptr && *ifname != '\0') {
     attr.iface = ifname;
   } else {
-    attr.hostname = gloo_host(options);
+    attr.hostname = advertised_host(options);
   }
   return attr;
 }
@@ -233,37 +221,13 @@ void ignore_sigpipe() {
   }
 }
 
-}  // namespace
-
-std::string gloo_host(const ProcessGroupOptions& options) {
-  // The address this host reaches the store from is one the other ranks can
-  // reach it on too; the host name may resolve to a loopback address.
-  if (auto* tcp = dynamic_cast<TcpStore*>(PrefixStore::innermost(options.store.get()))) {
-    sockaddr_storage local = tcp->local_address();
-    char host[NI_MAXHOST] = {0};
-    if (local.ss_family != AF_UNSPEC && ::getnameinfo(reinterpret_cast<sockaddr*>(&local), sizeof(local), host,
-                                                      sizeof(host), nullptr, 0, NI_NUMERICHOST) == 0) {
-      return host;
-    }
-  }
-  if (options.master_addr.empty() || net::is_loopback_host(options.master_addr)) return "127.0.0.1";
-  char host[256] = {0};
-  if (::gethostname(host, sizeof(host) - 1) != 0) fail(StatusCode::kIo, "gethostname failed");
-  return host;
-}
-
-namespace {
-
-class GlooProcessGroup : public ProcessGroup {
+class GlooBackend : public Backend {
  public:
-  explicit GlooProcessGroup(const ProcessGroupOptions& options)
-      : ProcessGroup(options.rank, options.world_size, options.device, options.timeout), store_(options.store) {
+  GlooBackend(CallSite& site, const ProcessGroupOptions& options) : Backend(site), store_(options.store) {
     ignore_sigpipe();
     auto deadline = Clock::now() + timeout();
     ReplyDeadlineCap cap(timeout());  // every store request of the creation ends by its deadline
-    int64_t generation = store_->add(str_cat("dp/pg_count/", rank()), 1);
-    prefix_ = str_cat("dp/pg", generation, "/");
-    set_failure_reports(store_, prefix_);
+    prefix_ = claim_key_prefix(store_, "pg");
     auto attr = transport_attr(options);
     try {
       device_ = gloo::transport::tcp::CreateDevice(attr);
@@ -299,8 +263,7 @@ class GlooProcessGroup : public ProcessGroup {
     }
   }
 
-  ~GlooProcessGroup() override {
-    drain();
+  ~GlooBackend() override {
     if (watchdog_.joinable()) {
       {
         std::lock_guard<std::mutex> lock(watch_mutex_);
@@ -312,23 +275,19 @@ class GlooProcessGroup : public ProcessGroup {
     if (size() > 1 && !broken()) wait_for_peers_to_leave();
   }
 
-  const char* backend_name() const override { return "gloo"; }
+  const char* name() const override { return "gloo"; }
 
-  void abort(const std::string& why) noexcept override {
-    mark_broken(why);
-    close_connections();
-  }
+  void abort(const std::string& /*why*/) noexcept override { close_connections(); }
 
- protected:
   DeviceType tensor_device_type() const override { return DeviceType::kCpu; }
 
-  void run_all_reduce(const Tensor& tensor, ReduceOp op) override {
+  void all_reduce(const Tensor& tensor, ReduceOp op) override {
     size_t nbytes = tensor.nbytes();
     Call o = begin(CallKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1, nbytes, &tensor);
     size_t n = static_cast<size_t>(tensor.numel());
     ReduceFn fn = reduce_function(tensor.dtype(), op);
-    if (gather_small(o, nbytes, [&](uint8_t* out) { copy(out, tensor.data(), nbytes); })) {
-      copy(tensor.data(), gathered(0), nbytes);
+    if (gather_small(o, nbytes, [&](uint8_t* out) { copy_bytes(out, tensor.data(), nbytes); })) {
+      copy_bytes(tensor.data(), gathered(0), nbytes);
       for (int32_t r = 1; r < size(); ++r) fn(tensor.data(), tensor.data(), gathered(r), n);
     } else {
       guarded(o, [&] {
@@ -344,14 +303,14 @@ class GlooProcessGroup : public ProcessGroup {
     if (op == ReduceOp::kAvg) divide_in_place(tensor.dtype(), tensor.data(), n, size());
   }
 
-  void run_broadcast(const Tensor& tensor, int32_t root) override {
+  void broadcast(const Tensor& tensor, int32_t root) override {
     size_t nbytes = tensor.nbytes();
     Call o = begin(CallKind::kBroadcast, tensor.dtype(), tensor.numel(), ReduceOp::kSum, root, nbytes, &tensor);
     auto fill = [&](uint8_t* out) {
-      if (rank() == root) copy(out, tensor.data(), nbytes);
+      if (rank() == root) copy_bytes(out, tensor.data(), nbytes);
     };
     if (gather_small(o, nbytes, fill)) {
-      if (rank() != root) copy(tensor.data(), gathered(root), nbytes);
+      if (rank() != root) copy_bytes(tensor.data(), gathered(root), nbytes);
       return;
     }
     guarded(o, [&] {
@@ -364,7 +323,7 @@ class GlooProcessGroup : public ProcessGroup {
     });
   }
 
-  void run_all_gather(const Tensor& input, const std::vector<Tensor>& outputs) override {
+  void all_gather(const Tensor& input, const std::vector<Tensor>& outputs) override {
     size_t nbytes = input.nbytes();
     bool consecutive = true;
     auto* first = static_cast<uint8_t*>(outputs[0].data());
@@ -375,8 +334,8 @@ class GlooProcessGroup : public ProcessGroup {
     consecutive = consecutive && (in + nbytes <= first || in >= first + nbytes * static_cast<size_t>(size()));
     if (!consecutive && !fits_exchange(nbytes)) scratch(nbytes * static_cast<size_t>(size()));  // see begin()
     Call o = begin(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, nbytes, &input);
-    if (gather_small(o, nbytes, [&](uint8_t* out) { copy(out, input.data(), nbytes); })) {
-      for (int32_t r = 0; r < size(); ++r) copy(outputs[r].data(), gathered(r), nbytes);
+    if (gather_small(o, nbytes, [&](uint8_t* out) { copy_bytes(out, input.data(), nbytes); })) {
+      for (int32_t r = 0; r < size(); ++r) copy_bytes(outputs[r].data(), gathered(r), nbytes);
       return;
     }
     // Outputs that are consecutive pieces of one buffer are gathered into in place.
@@ -390,23 +349,23 @@ class GlooProcessGroup : public ProcessGroup {
       gloo::allgather(opts);
     });
     if (consecutive) return;
-    for (int32_t r = 0; r < size(); ++r) copy(outputs[r].data(), all + nbytes * static_cast<size_t>(r), nbytes);
+    for (int32_t r = 0; r < size(); ++r) copy_bytes(outputs[r].data(), all + nbytes * static_cast<size_t>(r), nbytes);
   }
 
-  void run_reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override {
+  void reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override {
     size_t nbytes = output.nbytes();
     size_t n = static_cast<size_t>(output.numel());
     size_t total = nbytes * static_cast<size_t>(size());
     size_t mine = nbytes * static_cast<size_t>(rank());
     ReduceFn fn = reduce_function(output.dtype(), op);
     auto concatenate = [&](uint8_t* out) {
-      for (int32_t r = 0; r < size(); ++r) copy(out + nbytes * static_cast<size_t>(r), inputs[r].data(), nbytes);
+      for (int32_t r = 0; r < size(); ++r) copy_bytes(out + nbytes * static_cast<size_t>(r), inputs[r].data(), nbytes);
     };
     size_t segment = std::min(nbytes, kScatterSegmentBytes);
     if (!fits_exchange(total)) scratch(total + segment * static_cast<size_t>(size()));  // see begin()
     Call o = begin(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, total, &output);
     if (gather_small(o, total, concatenate)) {
-      copy(output.data(), gathered(0) + mine, nbytes);
+      copy_bytes(output.data(), gathered(0) + mine, nbytes);
       for (int32_t r = 1; r < size(); ++r) fn(output.data(), output.data(), gathered(r) + mine, n);
     } else {
       // Gloo's current API has no reduce-scatter: all-to-alls bring every
@@ -443,7 +402,7 @@ class GlooProcessGroup : public ProcessGroup {
     if (op == ReduceOp::kAvg) divide_in_place(output.dtype(), output.data(), n, size());
   }
 
-  void run_barrier() override {
+  void barrier() override {
     Call o = begin(CallKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, 0, nullptr);
     exchange_headers(o);
   }
@@ -531,7 +490,7 @@ class GlooProcessGroup : public ProcessGroup {
   // deadline: a ring's steps each wait up to the full timeout otherwise.
   class Armed {
    public:
-    Armed(GlooProcessGroup& group, Clock::time_point deadline) : group_(group) {
+    Armed(GlooBackend& group, Clock::time_point deadline) : group_(group) {
       std::lock_guard<std::mutex> lock(group_.watch_mutex_);
       group_.watch_deadline_ = deadline + kWatchSlack;
       group_.watch_fired_ = false;
@@ -549,7 +508,7 @@ class GlooProcessGroup : public ProcessGroup {
     Armed& operator=(const Armed&) = delete;
 
    private:
-    GlooProcessGroup& group_;
+    GlooBackend& group_;
   };
 
   void watch() {
@@ -691,8 +650,8 @@ class GlooProcessGroup : public ProcessGroup {
 
 }  // namespace
 
-std::unique_ptr<ProcessGroup> create_gloo_process_group(const ProcessGroupOptions& options) {
-  return std::make_unique<GlooProcessGroup>(options);
+std::unique_ptr<Backend> create_gloo_backend(CallSite& site, const ProcessGroupOptions& options) {
+  return std::make_unique<GlooBackend>(site, options);
 }
 
 }  // namespace dparallel::dist

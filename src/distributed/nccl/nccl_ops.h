@@ -5,7 +5,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
-#include "distributed/process_group.h"
+#include "distributed/collective.h"
 
 namespace dparallel::dist::nccl {
 

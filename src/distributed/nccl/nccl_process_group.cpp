@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <chrono>
 #include <cstring>
 #include <thread>
 
@@ -13,29 +14,28 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/nccl_types.h"
 #include "core/error.h"
+#include "distributed/backend.h"
 #include "distributed/call_header.h"
 #include "distributed/nccl/nccl_ops.h"
-#include "distributed/process_group.h"
 
 namespace dparallel::dist {
 
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
 // The longest a destroy waits for a healthy communicator's finalize, as a
 // Gloo group waits for its peers to leave.
 constexpr Millis kFinalizeBound{5000};
 
-class NcclProcessGroup : public ProcessGroup {
+class NcclBackend : public Backend {
  public:
-  explicit NcclProcessGroup(const ProcessGroupOptions& options)
-      : ProcessGroup(options.rank, options.world_size, options.device, options.timeout), store_(options.store) {
+  NcclBackend(CallSite& site, const ProcessGroupOptions& options) : Backend(site), store_(options.store) {
     if (cuda::device_count() <= options.device.index) {
       fail(StatusCode::kDevice, "the NCCL backend needs ", to_string(options.device), " but ", cuda::device_count(),
            " GPU(s) are present (", cuda::unavailable_reason(), ")");
     }
-    int64_t generation = store_->add(str_cat("dp/pg_count/", rank()), 1);
-    prefix_ = str_cat("dp/pg", generation, "/");
-    set_failure_reports(store_, prefix_);
+    prefix_ = claim_key_prefix(store_, "pg");
     std::string key = prefix_ + "nccl_id";
     ncclUniqueId id;
     if (rank() == 0) {
@@ -72,17 +72,13 @@ class NcclProcessGroup : public ProcessGroup {
     if (rank() == 0) forget_keys(*store_, {key});
   }
 
-  ~NcclProcessGroup() override {
-    drain();
-    release();
-  }
+  ~NcclBackend() override { release(); }
 
-  const char* backend_name() const override { return "nccl"; }
+  const char* name() const override { return "nccl"; }
 
- protected:
   DeviceType tensor_device_type() const override { return DeviceType::kCuda; }
 
-  void run_all_reduce(const Tensor& t, ReduceOp op) override {
+  void all_reduce(const Tensor& t, ReduceOp op) override {
     cuda::DeviceGuard guard(device().index);
     auto deadline = exchange(CallKind::kAllReduce, t.dtype(), t.numel(), op, -1, &t);
     enqueue(ncclAllReduce(t.data(), t.data(), static_cast<size_t>(t.numel()), cuda::nccl_type(t.dtype()),
@@ -91,7 +87,7 @@ class NcclProcessGroup : public ProcessGroup {
     wait_stream(deadline, true);
   }
 
-  void run_broadcast(const Tensor& t, int32_t root) override {
+  void broadcast(const Tensor& t, int32_t root) override {
     cuda::DeviceGuard guard(device().index);
     auto deadline = exchange(CallKind::kBroadcast, t.dtype(), t.numel(), ReduceOp::kSum, root, &t);
     enqueue(ncclBroadcast(t.data(), t.data(), t.nbytes(), ncclUint8, root, comm_, stream_), "ncclBroadcast", deadline,
@@ -99,7 +95,7 @@ class NcclProcessGroup : public ProcessGroup {
     wait_stream(deadline, true);
   }
 
-  void run_all_gather(const Tensor& input, const std::vector<Tensor>& outputs) override {
+  void all_gather(const Tensor& input, const std::vector<Tensor>& outputs) override {
     cuda::DeviceGuard guard(device().index);
     size_t nbytes = input.nbytes();
     // Before the exchange: running out of memory here fails this rank alone, in step.
@@ -114,7 +110,7 @@ class NcclProcessGroup : public ProcessGroup {
     wait_stream(deadline, true);
   }
 
-  void run_reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override {
+  void reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override {
     cuda::DeviceGuard guard(device().index);
     size_t nbytes = output.nbytes();
     uint8_t* flat = scratch(nbytes * static_cast<size_t>(size()), "reduce_scatter");
@@ -131,7 +127,7 @@ class NcclProcessGroup : public ProcessGroup {
     wait_stream(deadline, true);
   }
 
-  void run_barrier() override {
+  void barrier() override {
     cuda::DeviceGuard guard(device().index);
     exchange(CallKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, nullptr);
   }
@@ -322,8 +318,8 @@ class NcclProcessGroup : public ProcessGroup {
 
 }  // namespace
 
-std::unique_ptr<ProcessGroup> create_nccl_process_group(const ProcessGroupOptions& options) {
-  return std::make_unique<NcclProcessGroup>(options);
+std::unique_ptr<Backend> create_nccl_backend(CallSite& site, const ProcessGroupOptions& options) {
+  return std::make_unique<NcclBackend>(site, options);
 }
 
 }  // namespace dparallel::dist

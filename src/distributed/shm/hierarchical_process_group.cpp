@@ -34,10 +34,11 @@ namespace dparallel::dist {
 
 namespace {
 
-class HierarchicalProcessGroup : public ProcessGroup {
+class HierarchicalBackend : public Backend {
  public:
-  HierarchicalProcessGroup(const ProcessGroupOptions& options, const std::string& prefix, const HostLayout& layout)
-      : ProcessGroup(options.rank, options.world_size, options.device, options.timeout),
+  HierarchicalBackend(CallSite& site, const ProcessGroupOptions& options, const std::string& prefix,
+                      const HostLayout& layout)
+      : Backend(site),
         store_(options.store),
         prefix_(prefix + "hier/"),
         local_rank_(layout.local_rank),
@@ -51,10 +52,10 @@ class HierarchicalProcessGroup : public ProcessGroup {
     cross.rank = layout.host;
     cross.world_size = layout.hosts;
     cross.store = std::make_shared<PrefixStore>(options.store, str_cat(prefix_, "cross", layout.local_rank, "/"));
-    cross_ = create_gloo_process_group(cross);
+    cross_ = make_process_group(cross, [&](CallSite& part) { return create_gloo_backend(part, cross); });
     ProcessGroupOptions world = options;
     world.store = std::make_shared<PrefixStore>(options.store, prefix_ + "world/");
-    world_ = create_gloo_process_group(world);
+    world_ = make_process_group(world, [&](CallSite& part) { return create_gloo_backend(part, world); });
     const size_t header = sizeof(CallHeader);
     const auto per_host = static_cast<size_t>(layout.local_size);
     const auto hosts = static_cast<size_t>(layout.hosts);
@@ -71,19 +72,13 @@ class HierarchicalProcessGroup : public ProcessGroup {
     headers_.resize(static_cast<size_t>(size()));
   }
 
-  ~HierarchicalProcessGroup() override { drain(); }
+  const char* name() const override { return "shm+gloo"; }
 
-  const char* backend_name() const override { return "shm+gloo"; }
+  void abort(const std::string& why) noexcept override { abort_parts(why); }
 
-  void abort(const std::string& why) noexcept override {
-    mark_broken(why);
-    abort_parts(why);
-  }
-
- protected:
   DeviceType tensor_device_type() const override { return DeviceType::kCpu; }
 
-  void run_all_reduce(const Tensor& tensor, ReduceOp op) override {
+  void all_reduce(const Tensor& tensor, ReduceOp op) override {
     const auto n = static_cast<size_t>(tensor.numel());
     const auto local = static_cast<size_t>(local_size_);
     const size_t chunk = (n + local - 1) / local;
@@ -123,28 +118,28 @@ class HierarchicalProcessGroup : public ProcessGroup {
     if (!direct) std::memcpy(tensor.data(), base.data(), n * esize);
   }
 
-  void run_broadcast(const Tensor& tensor, int32_t root) override {
+  void broadcast(const Tensor& tensor, int32_t root) override {
     Call o = begin_call(CallKind::kBroadcast, tensor.dtype(), tensor.numel(), ReduceOp::kSum, root, &tensor);
     exchange_headers(o);
     if (tensor.numel() == 0) return;  // every rank's is empty: the headers matched
     step(o, "gloo broadcast", [&] { world_->broadcast(tensor, root, false); });
   }
 
-  void run_all_gather(const Tensor& input, const std::vector<Tensor>& outputs) override {
+  void all_gather(const Tensor& input, const std::vector<Tensor>& outputs) override {
     Call o = begin_call(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, &input);
     exchange_headers(o);
     if (input.numel() == 0) return;
     step(o, "gloo all-gather", [&] { world_->all_gather(input, outputs, false); });
   }
 
-  void run_reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override {
+  void reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override {
     Call o = begin_call(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output);
     exchange_headers(o);
     if (output.numel() == 0) return;
     step(o, "gloo reduce-scatter", [&] { world_->reduce_scatter(inputs, output, op, false); });
   }
 
-  void run_barrier() override {
+  void barrier() override {
     Call o = begin_call(CallKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, nullptr);
     exchange_headers(o);
   }
@@ -185,7 +180,8 @@ class HierarchicalProcessGroup : public ProcessGroup {
           e.code() == StatusCode::kTimeout || e.code() == StatusCode::kOutOfMemory ? e.code() : StatusCode::kRemote;
       // The part numbers its ranks its own way; this group's ranks are named above.
       std::string cause = str_cat(what, " (ranks numbered within that group): ", e.what());
-      abort(cause);
+      mark_broken(cause);
+      abort_parts(cause);
       fail_call(o, code, cause);
     }
   }
@@ -224,9 +220,9 @@ class HierarchicalProcessGroup : public ProcessGroup {
 
 }  // namespace
 
-std::unique_ptr<ProcessGroup> create_hierarchical_process_group(const ProcessGroupOptions& options,
-                                                                const std::string& prefix, const HostLayout& layout) {
-  return std::make_unique<HierarchicalProcessGroup>(options, prefix, layout);
+std::unique_ptr<Backend> create_hierarchical_backend(CallSite& site, const ProcessGroupOptions& options,
+                                                     const std::string& prefix, const HostLayout& layout) {
+  return std::make_unique<HierarchicalBackend>(site, options, prefix, layout);
 }
 
 }  // namespace dparallel::dist

@@ -7,21 +7,21 @@
 #include <string>
 #include <vector>
 
-#include "distributed/launch_env.h"
+#include "distributed/backend.h"
 #include "distributed/process_group.h"
 
 namespace dparallel::dist {
 
-// This host as the ranks compare it: DP_HOST_ID when set (tests pretend to be
-// several hosts with it), else the kernel's boot id and the host name; and
-// the network and pid namespaces this process is in (containers on one
-// machine may have their own).
-std::string host_key(const EnvLookup& lookup);
+// Beyond this many ranks a round's piece per rank would not fill a cache line.
+constexpr int32_t kMaxShmRanks = 1024;
 
-// A group of the ranks in `options` on this one host, through shared memory;
-// `prefix` is the group's own namespace in the store. `pids`, each rank's
-// process id when known beforehand, lets a rank that dies before it maps
-// the segment fail the others at once rather than at their timeout.
+// The backend of the ranks in `options`, all on this host, through shared
+// memory; `prefix` is the group's own namespace in the store. `pids`, each
+// rank's process id when known beforehand, lets a rank that dies before it
+// maps the segment fail the others at once rather than at their timeout.
+std::unique_ptr<Backend> create_shm_backend(CallSite& site, const ProcessGroupOptions& options,
+                                            const std::string& prefix, const std::vector<int32_t>& pids = {});
+// A group over that backend.
 std::unique_ptr<ProcessGroup> create_shm_process_group(const ProcessGroupOptions& options, const std::string& prefix,
                                                        const std::vector<int32_t>& pids = {});
 
@@ -34,9 +34,10 @@ struct HostLayout {
   std::vector<int32_t> local_pids;  // this host's ranks' pids, by local rank
 };
 
-// A group of ranks on several hosts: shared memory inside each, Gloo across
-// (hierarchical_process_group.cpp); `prefix` is the group's own namespace in the store.
-std::unique_ptr<ProcessGroup> create_hierarchical_process_group(const ProcessGroupOptions& options,
-                                                                const std::string& prefix, const HostLayout& layout);
+// The backend of ranks on several hosts: shared memory inside each, Gloo
+// across (hierarchical_process_group.cpp); `prefix` is the group's own
+// namespace in the store.
+std::unique_ptr<Backend> create_hierarchical_backend(CallSite& site, const ProcessGroupOptions& options,
+                                                     const std::string& prefix, const HostLayout& layout);
 
 }  // namespace dparallel::dist

@@ -1,0 +1,178 @@
+// A process group's backend: the engine that moves a collective's bytes.
+// The front (process_group.h) owns one and does everything else: argument
+// checks, ordering, Work, the broken state, one thread per group. A backend
+// sees the front only through CallSite: the steps every collective shares
+// (its number and deadline, the header exchange and its verdict, failure
+// reports that name the missing ranks).
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/error.h"
+#include "core/tensor.h"
+#include "distributed/call_header.h"
+#include "distributed/collective.h"
+#include "distributed/group_options.h"
+#include "distributed/store/store.h"
+
+namespace dparallel::dist {
+
+// One collective as the front tracks it for every backend.
+struct Call {
+  CallHeader header;
+  std::chrono::steady_clock::time_point deadline;
+  bool exchanged = false;          // every rank's header has arrived
+  const Tensor* tensor = nullptr;  // named in failures (the first of `pieces`); null for none
+  size_t pieces = 1;               // tensors reduced as one (coalesced)
+};
+
+// The front's side of the collective a backend runs.
+class CallSite {
+ public:
+  int32_t rank() const { return rank_; }
+  int32_t size() const { return world_size_; }
+  const Device& device() const { return device_; }
+  Millis timeout() const { return timeout_; }
+
+  // Collective #n+1 of this group: its header and deadline. What it may need
+  // must be allocated before: failing after the header exchange would leave
+  // the peers waiting.
+  virtual Call begin_call(CallKind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root,
+                          const Tensor* tensor) = 0;
+  // Swaps `call`'s header with every rank (the backend's swap_headers) and
+  // reaches the verdict every rank reaches (check_call_headers); a verdict
+  // that fails calls the backend's after_failed_verdict() first.
+  virtual void exchange_headers(Call& call) = 0;
+  // Scratch for a collective could not be allocated before its header
+  // exchange: refuses the call in its place (the other ranks fail too and the
+  // group stays in step); returns the kOutOfMemory error naming `op` and
+  // `reason` to throw.
+  virtual Error refuse_out_of_memory(CallKind kind, const char* op, const std::string& reason) = 0;
+  // A collective whose transfer failed (`code`: kTimeout, kRemote, or
+  // kOutOfMemory): reports the failure through the store, then returns the
+  // `code` error to throw, naming the collective, its tensor, the ranks that
+  // did not report the failure, and `cause`.
+  virtual Error call_failed(const Call& call, StatusCode code, const std::string& cause) = 0;
+  // As call_failed, when this rank already knows who is missing (`missing`,
+  // e.g. peers whose processes it saw exit): no listening for reports.
+  virtual Error call_failed_knowing(const Call& call, StatusCode code, const std::string& missing,
+                                    const std::string& cause) = 0;
+  // Where failure reports go (find_missing_ranks); set by the backend's constructor.
+  virtual void set_failure_reports(std::shared_ptr<Store> store, std::string prefix) = 0;
+  // True once a collective has failed with kTimeout, kRemote or kInternal.
+  virtual bool broken() = 0;
+  // Marks the group unusable: a failure that left the ranks out of step.
+  virtual void mark_broken(const std::string& why) noexcept = 0;
+
+ protected:
+  CallSite(int32_t rank, int32_t world_size, Device device, Millis timeout)
+      : rank_(rank), world_size_(world_size), device_(device), timeout_(timeout) {}
+  ~CallSite() = default;
+
+ private:
+  int32_t rank_;
+  int32_t world_size_;
+  Device device_;
+  Millis timeout_;
+};
+
+class Backend {
+ public:
+  explicit Backend(CallSite& site) : site_(site) {}
+  virtual ~Backend() = default;
+  Backend(const Backend&) = delete;
+  Backend& operator=(const Backend&) = delete;
+
+  virtual const char* name() const = 0;
+  // The device type this backend's tensors must live on.
+  virtual DeviceType tensor_device_type() const = 0;
+  // After the front marked the group broken: makes the peers' current or
+  // next collective fail now rather than at their timeout.
+  virtual void abort(const std::string& /*why*/) noexcept {}
+
+  // Moves `call.header` to every rank; afterwards received_header(r) is
+  // rank r's. A transfer that fails throws CallSite::call_failed.
+  virtual void swap_headers(Call& call) = 0;
+  virtual CallHeader received_header(int32_t r) = 0;
+  // After headers were swapped whose verdict failed (every rank fails alike).
+  virtual void after_failed_verdict() {}
+
+  // The collectives, on arguments the front checked.
+  virtual void all_reduce(const Tensor& tensor, ReduceOp op) = 0;
+  // Default: copies the pieces into one scratch tensor, all-reduces it, copies back.
+  virtual void all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op);
+  virtual void broadcast(const Tensor& tensor, int32_t root) = 0;
+  virtual void all_gather(const Tensor& input, const std::vector<Tensor>& outputs) = 0;
+  virtual void reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) = 0;
+  virtual void barrier() = 0;
+
+ protected:
+  int32_t rank() const { return site_.rank(); }
+  int32_t size() const { return site_.size(); }
+  const Device& device() const { return site_.device(); }
+  Millis timeout() const { return site_.timeout(); }
+  Call begin_call(CallKind kind, DType dtype, int64_t numel, ReduceOp op, int32_t root, const Tensor* tensor) {
+    return site_.begin_call(kind, dtype, numel, op, root, tensor);
+  }
+  void exchange_headers(Call& call) { site_.exchange_headers(call); }
+  // CallSite's errors, thrown.
+  [[noreturn]] void refuse_out_of_memory(CallKind kind, const char* op, const std::string& reason) {
+    throw site_.refuse_out_of_memory(kind, op, reason);
+  }
+  [[noreturn]] void fail_call(const Call& call, StatusCode code, const std::string& cause) {
+    throw site_.call_failed(call, code, cause);
+  }
+  [[noreturn]] void fail_call_knowing(const Call& call, StatusCode code, const std::string& missing,
+                                      const std::string& cause) {
+    throw site_.call_failed_knowing(call, code, missing, cause);
+  }
+  void set_failure_reports(std::shared_ptr<Store> store, std::string prefix) {
+    site_.set_failure_reports(std::move(store), std::move(prefix));
+  }
+  bool broken() { return site_.broken(); }
+  void mark_broken(const std::string& why) noexcept { site_.mark_broken(why); }
+  // A namespace of its own in `store` for a new group of `family` ("pg",
+  // "cpu"): "dp/<family><n>/", n counting this rank's groups of the family,
+  // so that every rank's n-th group gets the same one. Failure reports go
+  // under it.
+  std::string claim_key_prefix(const std::shared_ptr<Store>& store, const char* family);
+
+ private:
+  CallSite& site_;
+};
+
+// The key prefix claim_key_prefix gives, for code that chooses a backend before one exists.
+std::string next_group_prefix(Store& store, const char* family, int32_t rank);
+
+// What describes `call` in messages: its tensor, or "no tensor", "a refused call".
+std::string describe_call(const Call& call);
+
+// After a failed collective #seq whose deadline is `deadline`: reports this
+// rank's failure through the store under `prefix` and names the ranks that
+// reported none for it. The others fail soon too, so it listens briefly: under
+// a second past the deadline, at most 2 s when it failed early.
+std::string find_missing_ranks(Store& store, const std::string& prefix, int32_t rank, int32_t size, uint64_t seq,
+                               bool exchanged, std::chrono::steady_clock::time_point deadline);
+
+// Time left until `deadline`, at least 1 ms.
+inline Millis left_until(std::chrono::steady_clock::time_point deadline) {
+  return std::max(std::chrono::duration_cast<Millis>(deadline - std::chrono::steady_clock::now()), Millis(1));
+}
+
+// memcpy that takes the null data of empty tensors.
+inline void copy_bytes(void* to, const void* from, size_t bytes) {
+  if (bytes > 0) std::memcpy(to, from, bytes);
+}
+
+// Each backend's factory; the NCCL one fails with kUnsupported in a build without NCCL.
+std::unique_ptr<Backend> create_gloo_backend(CallSite& site, const ProcessGroupOptions& options);
+std::unique_ptr<Backend> create_nccl_backend(CallSite& site, const ProcessGroupOptions& options);
+
+}  // namespace dparallel::dist

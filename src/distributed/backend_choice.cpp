@@ -1,0 +1,270 @@
+#include "distributed/backend_choice.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <vector>
+
+#include "core/error.h"
+#include "distributed/backend.h"
+#include "distributed/shm/shm_process_group.h"
+
+namespace dparallel::dist {
+
+namespace {
+
+std::string read_first_line(const char* path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+// What a rank asks for, as it publishes it: AUTO on a cuda device is NCCL.
+const char* request_name(const ProcessGroupOptions& options) {
+  switch (options.backend) {
+    case BackendChoice::kGloo:
+      return "DP_BACKEND_GLOO";
+    case BackendChoice::kNccl:
+      return "DP_BACKEND_NCCL";
+    case BackendChoice::kShm:
+      return "DP_BACKEND_SHM";
+    case BackendChoice::kAuto:
+      break;
+  }
+  return options.device.type == DeviceType::kCuda ? "DP_BACKEND_NCCL" : "DP_BACKEND_AUTO";
+}
+
+// One rank's published entry: "<request> <shm allowed 0|1> <pid> <host key>".
+struct HostEntry {
+  std::string request;
+  bool shm_allowed = true;
+  int32_t pid = 0;
+  std::string host;
+};
+
+HostEntry parse_entry(const std::string& text, int32_t r) {
+  HostEntry entry;
+  size_t allowed_at = text.find(' ');
+  size_t pid_at = allowed_at == std::string::npos ? std::string::npos : text.find(' ', allowed_at + 1);
+  size_t host_at = pid_at == std::string::npos ? std::string::npos : text.find(' ', pid_at + 1);
+  if (host_at == std::string::npos) fail(StatusCode::kRemote, "rank ", r, " published a malformed host entry");
+  entry.request = text.substr(0, allowed_at);
+  entry.shm_allowed = text.compare(allowed_at + 1, pid_at - allowed_at - 1, "1") == 0;
+  entry.pid = std::atoi(text.substr(pid_at + 1, host_at - pid_at - 1).c_str());
+  entry.host = text.substr(host_at + 1);
+  return entry;
+}
+
+// Every rank's entry, this one's published under `prefix` first.
+std::vector<HostEntry> exchange_entries(const ProcessGroupOptions& options, const std::string& prefix) {
+  EnvLookup lookup = process_env();
+  const char* shm = lookup("DP_SHM");
+  const bool shm_allowed = shm == nullptr || std::strcmp(shm, "0") != 0;
+  auto deadline = std::chrono::steady_clock::now() + options.timeout;
+  std::string mine = str_cat(request_name(options), " ", shm_allowed ? 1 : 0, " ", ::getpid(), " ", host_key(lookup));
+  options.store->set(str_cat(prefix, "host/", options.rank), Bytes(mine.begin(), mine.end()));
+  std::vector<HostEntry> entries;
+  for (int32_t r = 0; r < options.world_size; ++r) {
+    std::string theirs = mine;
+    if (r != options.rank) {
+      Bytes value = options.store->get(str_cat(prefix, "host/", r), left_until(deadline));
+      theirs.assign(value.begin(), value.end());
+    }
+    entries.push_back(parse_entry(theirs, r));
+  }
+  return entries;
+}
+
+// The hosts in the order of their lowest ranks, and their ranks.
+struct Hosts {
+  std::vector<std::string> keys;
+  std::vector<std::vector<int32_t>> members;
+};
+
+Hosts group_by_host(const std::vector<HostEntry>& entries) {
+  Hosts hosts;
+  for (size_t r = 0; r < entries.size(); ++r) {
+    auto it = std::find(hosts.keys.begin(), hosts.keys.end(), entries[r].host);
+    if (it == hosts.keys.end()) {
+      hosts.keys.push_back(entries[r].host);
+      hosts.members.emplace_back();
+      it = hosts.keys.end() - 1;
+    }
+    hosts.members[static_cast<size_t>(it - hosts.keys.begin())].push_back(static_cast<int32_t>(r));
+  }
+  return hosts;
+}
+
+std::string describe_hosts(const Hosts& hosts) {
+  std::string text;
+  for (size_t h = 0; h < hosts.keys.size(); ++h) {
+    std::string ranks;
+    for (int32_t r : hosts.members[h]) ranks += str_cat(ranks.empty() ? "" : ", ", r);
+    text += str_cat(text.empty() ? "" : "; ", "host '", hosts.keys[h], "': rank(s) ", ranks);
+  }
+  return text;
+}
+
+// Why the ranks cannot make the group they ask for, or null; every rank
+// reaches the same from the same entries.
+std::unique_ptr<Error> refusal(const ProcessGroupOptions& options, const std::vector<HostEntry>& entries) {
+  std::string differing;
+  for (size_t r = 1; r < entries.size(); ++r) {
+    if (entries[r].request != entries[0].request) {
+      differing += str_cat(differing.empty() ? "" : ", ", "rank ", r, " asks for ", entries[r].request);
+    }
+  }
+  if (!differing.empty()) {
+    return std::make_unique<Error>(StatusCode::kInvalidArgument,
+                                   str_cat("argument 'backend': the ranks ask for different backends: rank 0 asks for ",
+                                           entries[0].request, ", ", differing, "; every rank must ask for the same"));
+  }
+  if (options.backend != BackendChoice::kShm) return nullptr;
+  Hosts hosts = group_by_host(entries);
+  if (hosts.keys.size() > 1) {
+    return std::make_unique<Error>(
+        StatusCode::kUnsupported,
+        str_cat("DP_BACKEND_SHM: the ranks span ", hosts.keys.size(), " hosts (", describe_hosts(hosts),
+                "); shared memory joins the ranks of one host: use DP_BACKEND_AUTO or DP_BACKEND_GLOO"));
+  }
+  if (options.world_size > kMaxShmRanks) {
+    return std::make_unique<Error>(StatusCode::kUnsupported, str_cat("DP_BACKEND_SHM: ", options.world_size,
+                                                                     " ranks, but shared memory joins at most ",
+                                                                     kMaxShmRanks, "; use DP_BACKEND_GLOO"));
+  }
+  return nullptr;
+}
+
+// Counts this rank under `key` as done with the host entries; rank 0, which
+// may serve the store, then waits (up to `deadline`) for every rank: leaving
+// before the others read the entries would fail them another way.
+void leave_after_every_rank(Store& store, const std::string& key, int32_t rank, int32_t world_size,
+                            std::chrono::steady_clock::time_point deadline) noexcept {
+  try {
+    ReplyDeadlineCap cap(left_until(deadline));
+    store.add(key, 1);
+    if (rank != 0) return;
+    poll_until([&] { return parse_counter(store.get(key, left_until(deadline)), key) >= world_size; },
+               left_until(deadline));
+  } catch (...) {
+    // The store is gone or slow: the refusal stands.
+  }
+}
+
+std::unique_ptr<ProcessGroup> gloo_group(const ProcessGroupOptions& options) {
+  return make_process_group(options, [&](CallSite& site) { return create_gloo_backend(site, options); });
+}
+
+// Every rank's pid, by rank.
+std::vector<int32_t> pids_of(const std::vector<HostEntry>& entries) {
+  std::vector<int32_t> pids;
+  pids.reserve(entries.size());
+  for (const HostEntry& entry : entries) pids.push_back(entry.pid);
+  return pids;
+}
+
+// A cpu group for AUTO (see backend_choice.h).
+std::unique_ptr<ProcessGroup> choose_automatically(const ProcessGroupOptions& options, const std::string& prefix,
+                                                   const std::vector<HostEntry>& entries, const Hosts& hosts) {
+  bool shm_allowed = true;
+  for (const HostEntry& entry : entries) shm_allowed = shm_allowed && entry.shm_allowed;
+  if (!shm_allowed) return gloo_group(options);
+  const std::vector<int32_t> pids = pids_of(entries);
+  if (hosts.keys.size() == 1) {
+    if (options.world_size <= kMaxShmRanks) return create_shm_process_group(options, prefix, pids);
+    return gloo_group(options);
+  }
+  bool even = true;
+  std::string counts;
+  for (const auto& m : hosts.members) {
+    even = even && m.size() == hosts.members[0].size();
+    counts += str_cat(counts.empty() ? "" : ", ", m.size());
+  }
+  const auto local_size = static_cast<int32_t>(hosts.members[0].size());
+  if (even && local_size >= 2 && local_size <= kMaxShmRanks) {
+    HostLayout layout;
+    layout.hosts = static_cast<int32_t>(hosts.keys.size());
+    layout.local_size = local_size;
+    for (size_t h = 0; h < hosts.members.size(); ++h) {
+      for (size_t i = 0; i < hosts.members[h].size(); ++i) {
+        if (hosts.members[h][i] == options.rank) {
+          layout.host = static_cast<int32_t>(h);
+          layout.local_rank = static_cast<int32_t>(i);
+          for (int32_t member : hosts.members[h]) layout.local_pids.push_back(pids[static_cast<size_t>(member)]);
+        }
+      }
+    }
+    return make_process_group(
+        options, [&](CallSite& site) { return create_hierarchical_backend(site, options, prefix, layout); });
+  }
+  // One rank per host has nothing to share; uneven hosts would leave some
+  // local ranks without peers across hosts.
+  if (!even && options.rank == 0) {
+    std::fprintf(stderr,
+                 "[dparallel] cpu process group: using Gloo for everything, not shared memory inside each host: "
+                 "its %zu hosts run different numbers of ranks (%s), and the hierarchical path needs the same "
+                 "number on every host\n",
+                 hosts.keys.size(), counts.c_str());
+  }
+  return gloo_group(options);
+}
+
+// The group for `options`, the entries published under `prefix` agreeing.
+std::unique_ptr<ProcessGroup> choose(const ProcessGroupOptions& options, const std::string& prefix,
+                                     const std::vector<HostEntry>& entries) {
+  const bool cuda = options.backend == BackendChoice::kNccl ||
+                    (options.backend == BackendChoice::kAuto && options.device.type == DeviceType::kCuda);
+  if (cuda) return make_process_group(options, [&](CallSite& site) { return create_nccl_backend(site, options); });
+  if (options.backend == BackendChoice::kGloo) return gloo_group(options);
+  Hosts hosts = group_by_host(entries);
+  if (options.backend != BackendChoice::kShm) return choose_automatically(options, prefix, entries, hosts);
+  return create_shm_process_group(options, prefix, pids_of(entries));
+}
+
+}  // namespace
+
+std::string host_key(const EnvLookup& lookup) {
+  std::string host;
+  const char* id = lookup("DP_HOST_ID");
+  if (id != nullptr && *id != '\0') {
+    host = str_cat("id:", id);
+  } else {
+    char name[256] = {0};
+    if (::gethostname(name, sizeof(name) - 1) != 0) name[0] = '\0';
+    host = str_cat("boot:", read_first_line("/proc/sys/kernel/random/boot_id"), "/host:", name);
+  }
+  // Ranks reach rank 0's door (an abstract socket) only in the same network
+  // namespace, and see each other's pids only in the same pid namespace.
+  char net_ns[64] = {0};
+  if (::readlink("/proc/self/ns/net", net_ns, sizeof(net_ns) - 1) < 0) net_ns[0] = '\0';
+  char pid_ns[64] = {0};
+  if (::readlink("/proc/self/ns/pid", pid_ns, sizeof(pid_ns) - 1) < 0) pid_ns[0] = '\0';
+  return str_cat(host, "/", net_ns, "/", pid_ns);
+}
+
+std::unique_ptr<ProcessGroup> create_chosen_process_group(const ProcessGroupOptions& options) {
+  auto deadline = std::chrono::steady_clock::now() + options.timeout;
+  std::string prefix;
+  std::vector<HostEntry> entries;
+  {
+    ReplyDeadlineCap cap(options.timeout);
+    prefix = next_group_prefix(*options.store, "group", options.rank);
+    entries = exchange_entries(options, prefix);
+  }
+  if (std::unique_ptr<Error> error = refusal(options, entries)) {
+    leave_after_every_rank(*options.store, prefix + "refused", options.rank, options.world_size, deadline);
+    throw Error(*error);
+  }
+  std::unique_ptr<ProcessGroup> group = choose(options, prefix, entries);
+  // Every rank read the host entries before it could take part in creating
+  // the group; a refused group leaves them (they cost memory only).
+  forget_keys(*options.store, {str_cat(prefix, "host/", options.rank)});
+  return group;
+}
+
+}  // namespace dparallel::dist

@@ -1,0 +1,31 @@
+// Which backend a new group runs. Every rank publishes through the store the
+// backend it asks for, whether it allows shared memory (DP_SHM), its pid and
+// its host; all read the same entries, so all choose alike or fail alike:
+//   ranks that ask for different backends: kInvalidArgument naming them;
+//   NCCL (or AUTO on a cuda device): NCCL;
+//   GLOO: Gloo, even when every rank runs on one host;
+//   SHM: shared memory; kUnsupported naming the hosts when the ranks span several;
+//   AUTO on cpu, unless DP_SHM is "0" on any rank: shared memory when every
+//   rank runs on one host; hierarchical (shared memory inside each host,
+//   Gloo across) when the ranks span hosts with the same number of ranks,
+//   at least 2, on each; else Gloo.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "distributed/launch_env.h"
+#include "distributed/process_group.h"
+
+namespace dparallel::dist {
+
+// The group `options` ask for, after check_process_group_options.
+std::unique_ptr<ProcessGroup> create_chosen_process_group(const ProcessGroupOptions& options);
+
+// This host as the ranks compare it: DP_HOST_ID when set (tests pretend to be
+// several hosts with it), else the kernel's boot id and the host name; and
+// the network and pid namespaces this process is in (containers on one
+// machine may have their own).
+std::string host_key(const EnvLookup& lookup);
+
+}  // namespace dparallel::dist

@@ -1,0 +1,205 @@
+// The shared-memory backend's parts (shm_setup.cpp: the segment and its
+// door; shm_collectives.cpp: the collectives through it).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "distributed/backend.h"
+#include "distributed/reduce_ops.h"
+#include "distributed/shm/segment.h"
+#include "distributed/shm/shm_process_group.h"
+
+namespace dparallel::dist::shm {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr uint64_t kMagic = 0x31736d5370645f64ULL;  // "d_dpSms1"
+constexpr size_t kLine = 64;
+// Data bytes per rank and set: large enough that a barrier per block costs
+// little, small enough that a round's slots stay in the last-level cache.
+constexpr size_t kSlotBytes = size_t(1) << 20;
+constexpr size_t kMinSlotBytes = size_t(64) << 10;
+// Both sets of every rank's slots stay within this; more ranks, smaller slots.
+constexpr size_t kSegmentDataBudget = size_t(64) << 20;
+// all_reduce payloads up to this are reduced whole by every rank.
+constexpr size_t kSmallAllReduceBytes = size_t(32) << 10;
+// Reductions run over pieces of this size, so that a piece stays in cache
+// while every rank's contribution is folded into it.
+constexpr size_t kPieceBytes = size_t(16) << 10;
+// How long a barrier spins, then spins yielding the core (a peer waiting for
+// this core runs at once), before it sleeps; and how long it sleeps at most
+// between checks of the deadline, the other ranks' failures and their pids.
+constexpr std::chrono::microseconds kSpin{4};
+constexpr std::chrono::microseconds kYieldingSpin{50};
+constexpr Millis kSleepSlice{50};
+
+struct Control {
+  alignas(kLine) std::atomic<uint32_t> mapped;    // ranks that mapped the segment
+  alignas(kLine) std::atomic<uint32_t> arrivals;  // barrier arrivals, all ranks together (wraps)
+  alignas(kLine) std::atomic<uint32_t> sleepers;  // ranks asleep on `arrivals`
+  alignas(kLine) std::atomic<int32_t> aborted;    // 0, or 1 + the rank that gave up first
+  int32_t world;
+  uint64_t magic;
+  uint64_t total_bytes;
+  uint64_t slot_bytes;
+};
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "shared atomics must be lock-free");
+
+inline size_t align_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+// Where things are in a segment for `world` ranks.
+struct Layout {
+  Layout(int32_t world, size_t slot_bytes) : slot(slot_bytes) {
+    auto ranks = static_cast<size_t>(world);
+    pids = align_up(sizeof(Control), kLine);
+    headers = align_up(pids + sizeof(std::atomic<int32_t>) * ranks, kLine);
+    data = align_up(headers + 2 * ranks * sizeof(CallHeader), 4096);
+    total = data + 2 * ranks * slot;
+  }
+  size_t pids;
+  size_t headers;
+  size_t data;
+  size_t slot;
+  size_t total;
+};
+
+// Tensors of one dtype seen as their concatenation: byte offsets into it.
+class Pieces {
+ public:
+  explicit Pieces(const std::vector<Tensor>& tensors) {
+    size_t at = 0;
+    for (const Tensor& t : tensors) {
+      if (t.nbytes() == 0) continue;
+      data_.push_back(static_cast<uint8_t*>(t.data()));
+      begin_.push_back(at);
+      at += t.nbytes();
+    }
+    bytes_ = at;
+  }
+  size_t bytes() const { return bytes_; }
+
+  // Calls f(data, offset, len) for each piece's share of [begin, end).
+  template <typename F>
+  void each(size_t begin, size_t end, F&& f) const {
+    if (begin >= end) return;
+    size_t i = static_cast<size_t>(std::upper_bound(begin_.begin(), begin_.end(), begin) - begin_.begin()) - 1;
+    for (; i < data_.size() && begin_[i] < end; ++i) {
+      size_t piece_end = i + 1 < begin_.size() ? begin_[i + 1] : bytes_;
+      size_t from = std::max(begin, begin_[i]), to = std::min(end, piece_end);
+      if (from < to) f(data_[i] + (from - begin_[i]), from, to - from);
+    }
+  }
+  // Copies bytes [at, at + len) of the concatenation to `to`, or from `from` into them.
+  void copy_out(uint8_t* to, size_t at, size_t len) const {
+    each(at, at + len, [&](uint8_t* data, size_t offset, size_t n) { std::memcpy(to + (offset - at), data, n); });
+  }
+  void copy_in(size_t at, const uint8_t* from, size_t len) const {
+    each(at, at + len, [&](uint8_t* data, size_t offset, size_t n) { std::memcpy(data, from + (offset - at), n); });
+  }
+
+ private:
+  std::vector<uint8_t*> data_;
+  std::vector<size_t> begin_;  // each piece's offset in the concatenation
+  size_t bytes_ = 0;
+};
+
+// Data bytes per rank and set for a segment of `world` ranks.
+size_t slot_bytes_for(int32_t world);
+// Wakes every rank asleep on `word`, in any process.
+void futex_wake(std::atomic<uint32_t>* word);
+
+class ShmBackend : public Backend {
+ public:
+  // `pids`: every rank's pid, when known before the segment exists (the
+  // host exchange), so that a rank that dies before it maps the segment is
+  // seen at once; empty: learnt from the segment once every rank mapped it.
+  ShmBackend(CallSite& site, const ProcessGroupOptions& options, std::string prefix, const std::vector<int32_t>& pids);
+  ~ShmBackend() override;
+  void abort(const std::string& why) noexcept override;
+  void all_reduce(const Tensor& tensor, ReduceOp op) override;
+  // In place: the same collective as an all_reduce of the concatenation.
+  void all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op) override;
+  void broadcast(const Tensor& tensor, int32_t root) override;
+  void all_gather(const Tensor& input, const std::vector<Tensor>& outputs) override;
+  void reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override;
+  void barrier() override;
+  const char* name() const override { return "shm"; }
+  DeviceType tensor_device_type() const override { return DeviceType::kCpu; }
+  // Swaps headers with every rank at this round's barrier.
+  void swap_headers(Call& o) override {
+    std::memcpy(header_slot(rank()), &o.header, sizeof(CallHeader));
+    arrive_and_wait(o);
+  }
+  CallHeader received_header(int32_t r) override {
+    CallHeader h;
+    std::memcpy(&h, header_slot(r), sizeof(CallHeader));
+    return h;
+  }
+  // Every rank fails here alike, so all stay in step.
+  void after_failed_verdict() override { next_round(); }
+
+ private:
+  // Rank r's pid in the segment, or 0 before this rank mapped it or r did.
+  int32_t pid_word_if_mapped(int32_t r) const { return segment_.data() == nullptr ? 0 : pid_word(r)->load(); }
+  // all_reduce of `pieces` (see the file's comment).
+  void all_reduce_pieces(Call& o, const Pieces& pieces, DType dtype, ReduceOp op);
+  void close_pidfds() noexcept;
+  // Opens a pidfd on rank r's process `pid` (kGoneWhenWatched when none is left).
+  void watch_peer(int32_t r, int32_t pid);
+  // The watched peers whose processes are gone, by rank: one poll of their pidfds.
+  std::vector<int32_t> exited_peers() const;
+  // kRemote naming every watched peer whose process is gone.
+  void check_peers_alive(const std::vector<int32_t>& pids);
+  void set_up(std::vector<int32_t> pids);
+  // out = the reduction of source(0), source(1), ... in rank order, n
+  // elements, piece by piece so that each piece stays in cache.
+  template <typename Source>
+  void fold(ReduceFn fn, uint8_t* out, Source&& source, size_t n, size_t esize) const;
+  // Arrives at the next barrier and returns once every rank has.
+  void arrive_and_wait(Call& o);
+  // Fails the collective when a peer's process is gone, another rank gave
+  // up (a dead peer, the likelier cause, is named first), or the deadline
+  // passed, unless `arrived()` says the barrier was reached meanwhile.
+  template <typename Arrived>
+  void check_peers(Call& o, Arrived&& arrived);
+  // Marks the group broken for every rank (the first to give up is named)
+  // and wakes the ones asleep in a barrier.
+  void tell_peers_this_rank_gave_up() noexcept;
+  // Tells the other ranks that this one gives up (the group is broken for
+  // all), then fails naming the ranks that did not report the failure.
+  [[noreturn]] void give_up(const Call& o, bool timed_out, const std::string& cause);
+  Control* control() const { return reinterpret_cast<Control*>(segment_.data()); }
+  std::atomic<int32_t>* pid_word(int32_t r) const {
+    return reinterpret_cast<std::atomic<int32_t>*>(segment_.data() + layout_.pids) + r;
+  }
+  uint8_t* header_slot(int32_t r) const {
+    size_t index = static_cast<size_t>(set()) * static_cast<size_t>(size()) + static_cast<size_t>(r);
+    return segment_.data() + layout_.headers + index * sizeof(CallHeader);
+  }
+  // Rank r's data slot in this round's set.
+  uint8_t* slot(int32_t r) const {
+    size_t index = static_cast<size_t>(set()) * static_cast<size_t>(size()) + static_cast<size_t>(r);
+    return segment_.data() + layout_.data + index * layout_.slot;
+  }
+  int set() const { return static_cast<int>(round_ & 1); }
+  void next_round() { ++round_; }
+
+  std::shared_ptr<Store> store_;
+  std::string prefix_;
+  Layout layout_;
+  ShmSegment segment_;
+  // By rank; -1 for this rank and unknown pids, kGoneWhenWatched for a
+  // process gone before its pidfd was opened.
+  std::vector<int> pidfds_;
+  static constexpr int kGoneWhenWatched = -2;
+  uint64_t round_ = 0;
+  uint32_t barriers_ = 0;  // wraps, as the shared arrival counter does
+};
+
+}  // namespace dparallel::dist::shm

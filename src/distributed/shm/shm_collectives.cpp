@@ -1,0 +1,332 @@
+// The shared-memory backend's collectives (the segment: shm_setup.cpp).
+//
+// The first barrier of a collective also swaps the call headers
+// (call_header.h), and every rank checks them before it reads any data, so
+// mismatched or refused calls fail alike on every rank after one barrier.
+//
+// all_reduce: small payloads go whole into each slot and every rank reduces
+// all slots in rank order (one barrier). Larger ones go in blocks of a slot's
+// size: every rank owns a part of each block, reduces it over the ranks in
+// rank order into its own slot (its own input read in place), and after a
+// second barrier every rank copies the owners' results: a reduce-scatter and
+// an all-gather through the segment, every rank reading and writing at once.
+// One owner computes each element, so all ranks get the same bits, run to run.
+// reduce_scatter works like the first half; broadcast and all_gather copy
+// through the slots in one barrier per round.
+//
+// Waiting: a barrier spins briefly, then sleeps on a futex on the shared
+// arrival counter, waking at least every kSleepSlice to check the deadline,
+// whether another rank gave up, and whether a peer's process is gone
+// (pidfds, which also see a zombie as gone).
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+#include "distributed/call_header.h"
+#include "distributed/reduce_ops.h"
+#include "distributed/shm/shm_backend.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace dparallel::dist::shm {
+
+namespace {
+
+void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// True once the wrapping counter `value` has reached `target`.
+bool reached(uint32_t value, uint32_t target) { return static_cast<int32_t>(value - target) >= 0; }
+
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, Millis timeout) {
+  timespec ts{};
+  ts.tv_sec = static_cast<time_t>(timeout.count() / 1000);
+  ts.tv_nsec = static_cast<long>((timeout.count() % 1000) * 1000000);
+  // Not FUTEX_PRIVATE_FLAG: the word is shared between processes.
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+// [begin, end) of `a` and `b` overlap.
+bool overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
+  auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return a_bytes > 0 && b_bytes > 0 && x < y + b_bytes && y < x + a_bytes;
+}
+
+}  // namespace
+
+void ShmBackend::all_reduce(const Tensor& tensor, ReduceOp op) {
+  Pieces pieces({tensor});
+  Call o = begin_call(CallKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1, &tensor);
+  all_reduce_pieces(o, pieces, tensor.dtype(), op);
+}
+
+void ShmBackend::all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op) {
+  if (tensors.size() == 1) return all_reduce(tensors[0], op);
+  Pieces pieces(tensors);
+  Call o = begin_call(CallKind::kAllReduce, tensors[0].dtype(),
+                      static_cast<int64_t>(pieces.bytes() / tensors[0].element_size()), op, -1, &tensors[0]);
+  o.pieces = tensors.size();
+  all_reduce_pieces(o, pieces, tensors[0].dtype(), op);
+}
+
+void ShmBackend::broadcast(const Tensor& tensor, int32_t root) {
+  const size_t nbytes = tensor.nbytes();
+  auto* data = static_cast<uint8_t*>(tensor.data());
+  Call o = begin_call(CallKind::kBroadcast, tensor.dtype(), tensor.numel(), ReduceOp::kSum, root, &tensor);
+  // The root writes the whole set: every rank's slots are contiguous.
+  const size_t block = layout_.slot * static_cast<size_t>(size());
+  size_t offset = 0;
+  do {
+    const size_t len = std::min(block, nbytes - offset);
+    if (rank() == root) copy_bytes(slot(0), data + offset, len);
+    if (offset == 0) {
+      exchange_headers(o);
+    } else {
+      arrive_and_wait(o);
+    }
+    if (rank() != root) copy_bytes(data + offset, slot(0), len);
+    next_round();
+    offset += len;
+  } while (offset < nbytes);
+}
+
+void ShmBackend::all_gather(const Tensor& input, const std::vector<Tensor>& outputs) {
+  const size_t nbytes = input.nbytes();
+  auto* in = static_cast<const uint8_t*>(input.data());
+  // An input that overlaps an output other than its own (exactly) would be
+  // overwritten before it is all sent: send a copy, made before the call
+  // starts (failing after the header exchange would leave the others waiting).
+  std::vector<uint8_t> copied;
+  for (int32_t q = 0; q < size(); ++q) {
+    const Tensor& out = outputs[static_cast<size_t>(q)];
+    bool own = q == rank() && out.data() == input.data();
+    if (!own && overlap(out.data(), out.nbytes(), in, nbytes)) {
+      copied.assign(in, in + nbytes);
+      in = copied.data();
+      break;
+    }
+  }
+  Call o = begin_call(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, &input);
+  size_t offset = 0;
+  do {
+    const size_t len = std::min(layout_.slot, nbytes - offset);
+    copy_bytes(slot(rank()), in + offset, len);
+    if (offset == 0) {
+      exchange_headers(o);
+    } else {
+      arrive_and_wait(o);
+    }
+    for (int32_t q = 0; q < size(); ++q) {
+      auto* out = static_cast<uint8_t*>(outputs[static_cast<size_t>(q)].data());
+      if (out + offset != in + offset) copy_bytes(out + offset, slot(q), len);
+    }
+    next_round();
+    offset += len;
+  } while (offset < nbytes);
+}
+
+void ShmBackend::reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) {
+  const size_t esize = output.element_size();
+  const auto n = static_cast<size_t>(output.numel());
+  const size_t nbytes = output.nbytes();
+  const auto ranks = static_cast<size_t>(size());
+  auto* out = static_cast<uint8_t*>(output.data());
+  ReduceFn fn = reduce_function(output.dtype(), op);
+  // Inputs the output overlaps (other than exactly this rank's own part,
+  // which is read just before it is written) are copied first; see all_gather.
+  std::vector<const uint8_t*> in(ranks);
+  for (size_t q = 0; q < ranks; ++q) in[q] = static_cast<const uint8_t*>(inputs[q].data());
+  std::vector<uint8_t> copied;
+  for (size_t q = 0; q < ranks; ++q) {
+    bool own = q == static_cast<size_t>(rank()) && in[q] == out;
+    if (!own && overlap(in[q], nbytes, out, nbytes)) {
+      copied.resize(nbytes * ranks);
+      for (size_t p = 0; p < ranks; ++p) {
+        copy_bytes(copied.data() + p * nbytes, in[p], nbytes);
+        in[p] = copied.data() + p * nbytes;
+      }
+      break;
+    }
+  }
+  const bool in_place_late = in[static_cast<size_t>(rank())] == out && rank() >= 2;
+  Call o = begin_call(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output);
+  // Each round carries a piece of every rank's part, piece q at q * piece.
+  const size_t align = std::max<size_t>(1, kLine / esize);
+  const size_t piece_elems = std::max(align, layout_.slot / ranks / esize / align * align);
+  const size_t piece = piece_elems * esize;
+  size_t start = 0;
+  do {
+    const size_t count = std::min(piece_elems, n - start);
+    const size_t len = count * esize, offset = start * esize;
+    uint8_t* mine = slot(rank());
+    for (size_t q = 0; q < ranks; ++q) {
+      if (q != static_cast<size_t>(rank())) copy_bytes(mine + q * piece, in[q] + offset, len);
+    }
+    if (start == 0) {
+      exchange_headers(o);
+    } else {
+      arrive_and_wait(o);
+    }
+    const size_t my_piece = static_cast<size_t>(rank()) * piece;
+    // Folded straight into the output, unless the output is this rank's
+    // own input and the fold would write it before reading it (rank >= 2).
+    uint8_t* result = in_place_late ? mine + my_piece : out + offset;
+    fold(
+        fn, result, [&](int32_t q) { return q == rank() ? in[static_cast<size_t>(q)] + offset : slot(q) + my_piece; },
+        count, esize);
+    if (op == ReduceOp::kAvg) divide_in_place(output.dtype(), result, count, size());
+    if (in_place_late) copy_bytes(out + offset, result, len);
+    next_round();
+    start += count;
+  } while (start < n);
+}
+
+void ShmBackend::barrier() {
+  Call o = begin_call(CallKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, nullptr);
+  exchange_headers(o);
+  next_round();
+}
+
+void ShmBackend::all_reduce_pieces(Call& o, const Pieces& pieces, DType dtype, ReduceOp op) {
+  const size_t esize = dtype_size(dtype);
+  const size_t nbytes = pieces.bytes();
+  const size_t n = nbytes / esize;
+  ReduceFn fn = reduce_function(dtype, op);
+  if (nbytes <= std::min(kSmallAllReduceBytes, layout_.slot)) {
+    pieces.copy_out(slot(rank()), 0, nbytes);
+    exchange_headers(o);
+    pieces.each(0, nbytes, [&](uint8_t* data, size_t at, size_t len) {
+      fold(
+          fn, data, [&](int32_t q) { return slot(q) + at; }, len / esize, esize);
+      if (op == ReduceOp::kAvg) divide_in_place(dtype, data, len / esize, size());
+    });
+    next_round();
+    return;
+  }
+  const size_t block = layout_.slot / esize;                // elements per round
+  const size_t align = std::max<size_t>(1, kLine / esize);  // parts start on cache lines
+  for (size_t start = 0; start < n; start += block) {
+    const size_t count = std::min(block, n - start);
+    const size_t part = align_up((count + static_cast<size_t>(size()) - 1) / static_cast<size_t>(size()), align);
+    auto part_begin = [&](int32_t q) { return std::min(count, part * static_cast<size_t>(q)) * esize; };
+    auto part_end = [&](int32_t q) { return std::min(count, part * static_cast<size_t>(q + 1)) * esize; };
+    const size_t in = start * esize;  // the block's offset in the pieces
+    uint8_t* mine = slot(rank());
+    const size_t my_begin = part_begin(rank()), my_end = part_end(rank());
+    // This rank's own part is read where it is, by this rank alone.
+    pieces.copy_out(mine, in, my_begin);
+    pieces.copy_out(mine + my_end, in + my_end, count * esize - my_end);
+    if (start == 0) {
+      exchange_headers(o);
+    } else {
+      arrive_and_wait(o);
+    }
+    pieces.each(in + my_begin, in + my_end, [&](uint8_t* data, size_t at, size_t len) {
+      uint8_t* result = mine + (at - in);
+      fold(
+          fn, result, [&](int32_t q) { return q == rank() ? data : slot(q) + (at - in); }, len / esize, esize);
+      if (op == ReduceOp::kAvg) divide_in_place(dtype, result, len / esize, size());
+      copy_bytes(data, result, len);
+    });
+    arrive_and_wait(o);
+    for (int32_t q = 0; q < size(); ++q) {
+      if (q != rank()) pieces.copy_in(in + part_begin(q), slot(q) + part_begin(q), part_end(q) - part_begin(q));
+    }
+    next_round();
+  }
+}
+
+template <typename Source>
+void ShmBackend::fold(ReduceFn fn, uint8_t* out, Source&& source, size_t n, size_t esize) const {
+  const size_t step = std::max<size_t>(1, kPieceBytes / esize);
+  for (size_t at = 0; at < n; at += step) {
+    const size_t m = std::min(step, n - at);
+    const size_t offset = at * esize;
+    if (size() == 1) {
+      const uint8_t* only = source(0) + offset;
+      if (only != out + offset) std::memmove(out + offset, only, m * esize);
+      continue;
+    }
+    fn(out + offset, source(0) + offset, source(1) + offset, m);
+    for (int32_t q = 2; q < size(); ++q) fn(out + offset, out + offset, source(q) + offset, m);
+  }
+}
+
+void ShmBackend::arrive_and_wait(Call& o) {
+  if (size() == 1) return;
+  ++barriers_;
+  const uint32_t target = barriers_ * static_cast<uint32_t>(size());
+  auto& arrivals = control()->arrivals;
+  if (arrivals.fetch_add(1) + 1 == target) {
+    if (control()->sleepers.load() != 0) futex_wake(&arrivals);
+    return;
+  }
+  const auto start = Clock::now();
+  for (uint32_t i = 1;; ++i) {
+    if (reached(arrivals.load(std::memory_order_acquire), target)) return;
+    cpu_relax();
+    if (i % 64 == 0 && Clock::now() - start >= kSpin) break;
+  }
+  while (Clock::now() - start < kYieldingSpin) {
+    if (reached(arrivals.load(std::memory_order_acquire), target)) return;
+    sched_yield();
+  }
+  for (;;) {
+    // A peer may arrive and exit at once: its arrival counts, so it is
+    // checked first, and again when a peer is seen gone.
+    if (reached(arrivals.load(std::memory_order_acquire), target)) return;
+    check_peers(o, [&] { return reached(arrivals.load(std::memory_order_acquire), target); });
+    if (reached(arrivals.load(std::memory_order_acquire), target)) return;
+    control()->sleepers.fetch_add(1);
+    uint32_t seen = arrivals.load();
+    if (!reached(seen, target)) futex_wait(&arrivals, seen, std::min(kSleepSlice, left_until(o.deadline)));
+    control()->sleepers.fetch_sub(1);
+    if (reached(arrivals.load(std::memory_order_acquire), target)) return;
+  }
+}
+
+template <typename Arrived>
+void ShmBackend::check_peers(Call& o, Arrived&& arrived) {
+  // Read first: a rank that gave up because a peer died did so after the
+  // death, which the pidfds then show too.
+  int32_t aborted = control()->aborted.load();
+  std::vector<int32_t> exited = exited_peers();
+  if (!exited.empty()) {
+    if (arrived()) return;
+    std::string ranks, gone;
+    for (int32_t r : exited) {
+      ranks += str_cat(ranks.empty() ? "" : ", ", r);
+      gone += str_cat(gone.empty() ? "" : ", ", "rank ", r, " (pid ", pid_word(r)->load(), ")");
+    }
+    // Who is missing is known: no waiting for the others' failure reports.
+    tell_peers_this_rank_gave_up();
+    fail_call_knowing(o, StatusCode::kRemote, str_cat("rank(s) ", ranks, " exited"),
+                      str_cat("shm: the process of ", gone, " on this host is gone"));
+  }
+  if (aborted != 0 && !arrived()) give_up(o, false, str_cat("rank ", aborted - 1, " gave up on the group first"));
+  if (Clock::now() >= o.deadline && !arrived())
+    give_up(o, true, "a rank did not arrive at the collective's barrier in time");
+}
+
+void ShmBackend::give_up(const Call& o, bool timed_out, const std::string& cause) {
+  tell_peers_this_rank_gave_up();
+  fail_call(o, timed_out ? StatusCode::kTimeout : StatusCode::kRemote, "shm: " + cause);
+}
+
+}  // namespace dparallel::dist::shm
