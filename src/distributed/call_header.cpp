@@ -90,9 +90,12 @@ void fail_malformed(const CallHeader& mine, int32_t r) {
 }
 
 void fail_out_of_step(const CallHeader& mine, int32_t rank, const CallHeader& theirs, int32_t r) {
+  // Who made each call, where that differs (the same caller is no news).
+  std::string callers = mine.tag == theirs.tag ? std::string()
+                                               : str_cat("; rank ", rank, "'s call is ", describe_call_tag(mine.tag),
+                                                         ", rank ", r, "'s is ", describe_call_tag(theirs.tag));
   fail(StatusCode::kRemote, call_kind_name(mine.kind), " (collective #", mine.seq, " of rank ", rank, "): rank ", r,
-       " called ", call_kind_name(theirs.kind), " as its collective #", theirs.seq, "; rank ", rank, "'s call is ",
-       describe_call_tag(mine.tag), ", rank ", r, "'s is ", describe_call_tag(theirs.tag),
+       " called ", call_kind_name(theirs.kind), " as its collective #", theirs.seq, callers,
        "; every rank must issue the same collectives in the same order");
 }
 

@@ -175,9 +175,11 @@ class HierarchicalBackend : public Backend {
       f();
       return;
     } catch (const Error& e) {
-      if (e.code() == StatusCode::kInvalidArgument) throw;  // a verdict every rank of the part reached
-      StatusCode code =
-          e.code() == StatusCode::kTimeout || e.code() == StatusCode::kOutOfMemory ? e.code() : StatusCode::kRemote;
+      // A verdict every rank of the part reached; or this rank's refusal for
+      // want of scratch memory, which the part's backends allocate before
+      // their header exchange: the part, and so this group, stays in step.
+      if (e.code() == StatusCode::kInvalidArgument || e.code() == StatusCode::kOutOfMemory) throw;
+      StatusCode code = e.code() == StatusCode::kTimeout ? e.code() : StatusCode::kRemote;
       // The part numbers its ranks its own way; this group's ranks are named above.
       std::string cause = str_cat(what, " (ranks numbered within that group): ", e.what());
       mark_broken(cause);
