@@ -170,11 +170,6 @@ bool CommLane::has_pending_locked(const State& state) {
   return std::any_of(state.owners.begin(), state.owners.end(), [](const auto& o) { return !o.second.jobs.empty(); });
 }
 
-bool CommLane::busy() {
-  std::lock_guard<std::mutex> lock(state_->mutex);
-  return state_->running != nullptr || has_pending_locked(*state_);
-}
-
 void CommLane::set_in_backward(const Reducer* owner, bool in_backward) {
   std::lock_guard<std::mutex> lock(state_->mutex);
   auto it = state_->owners.find(owner);
@@ -213,17 +208,8 @@ void CommLane::Job::drop_unrun(StatusCode code, const std::string& why) {
 }
 
 std::string CommLane::job_name(const Job& job) {
-  if (job.what != nullptr) return job.what;
-  switch (job.spec.item) {
-    case dist::CallItem::kBucket:
-      return str_cat("bucket ", job.spec.index, job.spec.refusal.empty() ? "'s reduction" : "'s refusal");
-    case dist::CallItem::kUsedMap:
-      return "the used parameters' all_reduce";
-    case dist::CallItem::kReadyOrder:
-      return "the ready order's broadcast";
-    default:
-      return "a job";
-  }
+  std::string name = dist::call_item_name(job.spec.item, static_cast<uint32_t>(job.spec.index));
+  return job.spec.refusal.empty() ? name : name + " (refused)";
 }
 
 bool CommLane::push(const std::shared_ptr<Reducer>& owner, JobSpec spec) {
@@ -241,8 +227,8 @@ bool CommLane::push(const std::shared_ptr<Reducer>& owner, JobSpec spec) {
   return true;
 }
 
-void CommLane::call(const Reducer* owner, const char* what, const JobSpec& spec, const std::function<void()>& fn,
-                    Clock::duration bound) {
+void CommLane::call(const Reducer* owner, const JobSpec& spec, const std::function<void()>& fn, Clock::duration bound) {
+  const std::string what = dist::call_item_name(spec.item, static_cast<uint32_t>(spec.index));
   struct Outcome {
     bool started = false;
     bool abandoned = false;  // the caller gave up before it started
@@ -263,7 +249,6 @@ void CommLane::call(const Reducer* owner, const char* what, const JobSpec& spec,
   // if it starts before the caller gives up, and the caller then waits.
   Job job;
   job.spec = spec;
-  job.what = what;
   job.run = [&state, outcome, &fn] {
     {
       std::lock_guard<std::mutex> guard(state.mutex);
@@ -285,7 +270,7 @@ void CommLane::call(const Reducer* owner, const char* what, const JobSpec& spec,
     outcome->done = true;
     state.cv.notify_all();
   };
-  job.drop = [&state, outcome, what = std::string(what)](StatusCode code, const std::string& why) {
+  job.drop = [&state, outcome, what](StatusCode code, const std::string& why) {
     std::lock_guard<std::mutex> guard(state.mutex);
     outcome->error = std::make_exception_ptr(Error(code, str_cat(what, ": ", why)));
     outcome->done = true;

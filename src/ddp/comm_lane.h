@@ -76,9 +76,8 @@ class CommLane {
   // Issues `fn` as the owner's next job and returns once it ran, rethrowing
   // what it threw. When it has not started within `bound` (a job before it
   // never ends, or the other ranks never issue theirs), kTimeout naming
-  // `what`; on a stuck lane, kState at once.
-  void call(const Reducer* owner, const char* what, const JobSpec& spec, const std::function<void()>& fn,
-            Clock::duration bound);
+  // it; on a stuck lane, kState at once.
+  void call(const Reducer* owner, const JobSpec& spec, const std::function<void()>& fn, Clock::duration bound);
   // Drops the owner's queued jobs and waits up to `bound` for its running
   // one to end, then forgets the owner. False when the job did not end: the
   // lane is then stuck for good.
@@ -91,9 +90,6 @@ class CommLane {
   std::string stuck_reason();
   // What a job of a stuck lane fails with: the failed round's code, else kState.
   StatusCode stuck_code();
-  // Whether any owner has issued a job that has not run yet (the lane is
-  // busy with a backward, a forward's broadcast or a creation).
-  bool busy();
   // The owner's backward is in flight (from its first mark to the end of
   // its finish): the host's own calls on the group are refused meanwhile.
   void set_in_backward(const Reducer* owner, bool in_backward);
@@ -103,7 +99,6 @@ class CommLane {
     std::shared_ptr<Reducer> reducer;  // bucket and side jobs: kept alive until run
     JobSpec spec;
     uint32_t number = 0;                                       // the owner's job number
-    const char* what = nullptr;                                // call(): for messages
     std::function<void()> run;                                 // call()
     std::function<void()> complete;                            // call(): once the lane is free again
     std::function<void(StatusCode, const std::string&)> drop;  // call(): when the lane drops it unrun

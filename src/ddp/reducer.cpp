@@ -54,11 +54,11 @@ Reducer::~Reducer() {
   }
 }
 
-void Reducer::on_lane(const char* what, CallItem item, const std::function<void()>& fn) {
+void Reducer::on_lane(CallItem item, const std::function<void()>& fn) {
   JobSpec spec;
   spec.item = item;
   spec.iteration = iteration_;
-  lane_->call(this, what, spec, fn, lane_bound());
+  lane_->call(this, spec, fn, lane_bound());
 }
 
 // ---- forward and marks ----
@@ -74,8 +74,7 @@ void Reducer::pre_forward() {
            "dp_ddp_finish_backward first");
     }
   }
-  if (options_.broadcast_buffers)
-    on_lane("the buffers' broadcast", CallItem::kBuffers, [&] { broadcast_state(buffers_); });
+  if (options_.broadcast_buffers) on_lane(CallItem::kBuffers, [&] { broadcast_state(buffers_); });
 }
 
 size_t Reducer::index_of(const std::string& name) const {
@@ -365,27 +364,16 @@ void Reducer::wait_all_done(std::unique_lock<std::mutex>& lock) {
   const auto bound = lane_bound();
   size_t done_before = 0;
   auto deadline = Clock::now() + bound;
+  const JobState* tail[] = {&used_map_job_, &order_job_};
   for (;;) {
     size_t done = 0;
     size_t issued = 0;
-    std::string stuck;
-    auto count = [&](const JobState& job, const std::string& name) {
-      if (!job.issued) return;
-      ++issued;
-      if (job.done) {
-        ++done;
-      } else if (stuck.empty()) {
-        stuck = name;
-      }
+    auto count = [&](const JobState& job) {
+      issued += job.issued ? 1 : 0;
+      done += job.issued && job.done ? 1 : 0;
     };
-    for (size_t b = 0; b < buckets_.size(); ++b) {
-      const JobState& job = buckets_[b].job;
-      count(job, job.issued && !job.done && stuck.empty()
-                     ? str_cat("bucket ", b, " (", describe_params(buckets_[b].params), ")")
-                     : std::string());
-    }
-    count(used_map_job_, "the used parameters' all_reduce");
-    count(order_job_, "the ready order's broadcast");
+    for (const Bucket& bucket : buckets_) count(bucket.job);
+    for (const JobState* job : tail) count(*job);
     if (done == issued) return;
     if (done != done_before) {
       done_before = done;
@@ -393,7 +381,7 @@ void Reducer::wait_all_done(std::unique_lock<std::mutex>& lock) {
     }
     if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && Clock::now() >= deadline) {
       broken_ = true;
-      std::string why = str_cat(stuck, " did not finish within ",
+      std::string why = str_cat(first_unfinished_locked(), " did not finish within ",
                                 std::chrono::duration_cast<std::chrono::milliseconds>(bound).count(),
                                 " ms (its comm hook or the device never returned, or a rank never issued it)");
       // The other reducers on the group fail now rather than at their own bound.
@@ -403,6 +391,15 @@ void Reducer::wait_all_done(std::unique_lock<std::mutex>& lock) {
       fail(StatusCode::kTimeout, why, "; the dp_ddp is unusable");
     }
   }
+}
+
+std::string Reducer::first_unfinished_locked() const {
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const JobState& job = buckets_[b].job;
+    if (job.issued && !job.done) return str_cat("bucket ", b, " (", describe_params(buckets_[b].params), ")");
+  }
+  if (used_map_job_.issued && !used_map_job_.done) return dist::call_item_name(CallItem::kUsedMap, 0);
+  return dist::call_item_name(CallItem::kReadyOrder, 0);
 }
 
 void Reducer::reset_iteration_locked() {
@@ -557,11 +554,11 @@ const Reducer::JobState* Reducer::first_failure_locked(std::string& message) con
     return &bucket.job;
   }
   if (used_map_job_.code != StatusCode::kOk) {
-    message = str_cat("the used parameters' all_reduce failed: ", used_map_job_.error);
+    message = str_cat(dist::call_item_name(CallItem::kUsedMap, 0), " failed: ", used_map_job_.error);
     return &used_map_job_;
   }
   if (order_job_.code != StatusCode::kOk) {
-    message = str_cat("the ready order's broadcast failed: ", order_job_.error);
+    message = str_cat(dist::call_item_name(CallItem::kReadyOrder, 0), " failed: ", order_job_.error);
     return &order_job_;
   }
   return nullptr;

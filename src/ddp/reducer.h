@@ -149,7 +149,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void broadcast_state(const std::vector<std::pair<std::string, Tensor>>& tensors);
   // Runs `fn`, which issues collectives on the group, as this reducer's next
   // job on the lane.
-  void on_lane(const char* what, dist::CallItem item, const std::function<void()>& fn);
+  void on_lane(dist::CallItem item, const std::function<void()>& fn);
 
   // Issuing this iteration's jobs.
   void issue_locked(JobSpec spec, JobState& state);
@@ -157,7 +157,6 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // The used map and the ready order, once every bucket is issued and the
   // marks are final (all marked, or the host finished).
   void issue_tail_locked(const std::string& refusal);
-  bool tail_issued_locked() const;
   // On the lane's worker: one job (or, with a refusal, its refusal).
   JobResult run_job(const JobSpec& spec);
   void complete_job(const JobSpec& spec, JobResult result);
@@ -172,6 +171,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void check_fingerprint(size_t index);
   void copy_into_bucket(size_t index);
   void wait_all_done(std::unique_lock<std::mutex>& lock);
+  // What wait_all_done names when it gives up: the first job not done.
+  std::string first_unfinished_locked() const;
   // How long a wait for the lane may last: the group's timeout, and time
   // for a failed collective's reports.
   Clock::duration lane_bound() const;

@@ -59,7 +59,7 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
   try {
     if (options_.init_sync) {
       std::vector<std::string> description = describe_for_agreement(setup);
-      on_lane("dp_ddp_create's agreement check and broadcast", CallItem::kCreate, [&] {
+      on_lane(CallItem::kCreate, [&] {
         check_agreement(description);
         broadcast_state(setup.state);
       });

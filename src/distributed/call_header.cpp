@@ -55,32 +55,30 @@ CallTag current_call_tag() noexcept { return t_call_tag; }
 CallTagScope::CallTagScope(const CallTag& tag) noexcept : saved_(t_call_tag) { t_call_tag = tag; }
 CallTagScope::~CallTagScope() { t_call_tag = saved_; }
 
+std::string call_item_name(CallItem item, uint32_t index) {
+  switch (item) {
+    case CallItem::kBucket:
+      return str_cat("bucket ", index, "'s reduction");
+    case CallItem::kUsedMap:
+      return "the used parameters' all_reduce";
+    case CallItem::kReadyOrder:
+      return "the ready order's broadcast";
+    case CallItem::kBuffers:
+      return "the buffers' broadcast";
+    case CallItem::kCreate:
+      return "dp_ddp_create's agreement check and broadcast";
+    case CallItem::kNone:
+      break;
+  }
+  return str_cat("item ", static_cast<uint32_t>(item), ".", index);
+}
+
 std::string describe_call_tag(const CallTag& tag) {
   if (tag.owner == 0) return "the host's own call";
   if (tag.owner == kLaneRoundOwner) return str_cat("the DDP lane's agreement round #", tag.job);
-  const uint32_t index = tag.item & 0xffffffu;
-  std::string item;
-  switch (static_cast<CallItem>(tag.item >> 24)) {
-    case CallItem::kBucket:
-      item = str_cat("bucket ", index, "'s reduction");
-      break;
-    case CallItem::kUsedMap:
-      item = "the used parameters' all_reduce";
-      break;
-    case CallItem::kReadyOrder:
-      item = "the ready order's broadcast";
-      break;
-    case CallItem::kBuffers:
-      item = "the buffers' broadcast";
-      break;
-    case CallItem::kCreate:
-      item = "dp_ddp_create's agreement check";
-      break;
-    default:
-      item = str_cat("item ", tag.item);
-      break;
-  }
-  return str_cat("dp_ddp #", tag.owner - 1, "'s job #", tag.job, " (", item, ", iteration ", tag.iteration, ")");
+  return str_cat("dp_ddp #", tag.owner - 1, "'s job #", tag.job, " (",
+                 call_item_name(static_cast<CallItem>(tag.item >> 24), tag.item & 0xffffffu), ", iteration ",
+                 tag.iteration, ")");
 }
 
 namespace detail {

@@ -41,6 +41,9 @@ struct CallTag {
 // The DDP lane's rounds, in which the ranks agree on which jobs run next.
 constexpr uint32_t kLaneRoundOwner = 0xffffffffu;
 
+// What a call of `item` is, for messages ("the ready order's broadcast");
+// a bucket's: "bucket <index>'s reduction".
+std::string call_item_name(CallItem item, uint32_t index);
 std::string describe_call_tag(const CallTag& tag);
 // The tag the calls made on this thread carry (the host's: all zero).
 CallTag current_call_tag() noexcept;
