@@ -1,12 +1,14 @@
 // The TCP store's message parser and the reductions, from the inside.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 
 #include "core/half.h"
 #include "distributed/reduce_ops.h"
 #include "distributed/store/greeting.h"
+#include "distributed/store/sha256.h"
 #include "distributed/store/tcp_protocol.h"
 
 namespace dparallel::dist {
@@ -119,16 +121,47 @@ TEST(Reductions, HalfPrecisionRoundsOnceAndBoolIsLogical) {
   EXPECT_EQ(avg[1], -3);
 }
 
+std::string hex(const void* data, size_t size) {
+  std::string out;
+  char buf[3];
+  for (size_t i = 0; i < size; ++i) {
+    std::snprintf(buf, sizeof(buf), "%02x", static_cast<const unsigned char*>(data)[i]);
+    out += buf;
+  }
+  return out;
+}
+std::string hex(const std::string& bytes) { return hex(bytes.data(), bytes.size()); }
+
+std::string sha256_hex(const std::string& message, size_t piece) {
+  Sha256 h;
+  for (size_t at = 0; at < message.size(); at += piece)
+    h.update(message.data() + at, std::min(piece, message.size() - at));
+  Sha256::Digest d = h.finish();
+  return hex(d.data(), d.size());
+}
+
+TEST(StoreProtocol, Sha256MatchesFips180ExamplesFedWholeOrInPieces) {
+  for (size_t piece : {size_t{1}, size_t{7}, size_t{64}, size_t{1} << 20}) {
+    EXPECT_EQ(sha256_hex("", piece), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+    EXPECT_EQ(sha256_hex("abc", piece), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+    // 56 bytes: the length no longer fits the first block.
+    EXPECT_EQ(sha256_hex("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq", piece),
+              "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  }
+  EXPECT_EQ(sha256_hex(std::string(1000000, 'a'), 4096),
+            "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+}
+
+TEST(StoreProtocol, NoncesAreFullLengthAndDiffer) {
+  std::string a = greeting::random_nonce(), b = greeting::random_nonce();
+  EXPECT_EQ(a.size(), wire::kNonceBytes);
+  EXPECT_EQ(b.size(), wire::kNonceBytes);
+  EXPECT_NE(a, b);
+}
+
 TEST(StoreProtocol, HmacSha256MatchesRfc4231) {
-  auto hex = [](const std::string& bytes) {
-    std::string out;
-    char buf[3];
-    for (unsigned char c : bytes) {
-      std::snprintf(buf, sizeof(buf), "%02x", c);
-      out += buf;
-    }
-    return out;
-  };
+  EXPECT_EQ(hex(greeting::hmac_sha256(std::string(20, '\x0b'), "Hi There")),
+            "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7");
   EXPECT_EQ(hex(greeting::hmac_sha256("Jefe", "what do ya want for nothing?")),
             "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
   // A key longer than the block is hashed first (test case 6).

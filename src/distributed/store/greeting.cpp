@@ -1,26 +1,19 @@
 #include "distributed/store/greeting.h"
 
-#include <openssl/crypto.h>
-#include <openssl/evp.h>
-#include <openssl/hmac.h>
-#include <openssl/rand.h>
+#include <sys/random.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include "core/error.h"
+#include "distributed/store/sha256.h"
 
 namespace dparallel::dist::greeting {
 
 using wire::Command;
 using wire::ReplyStatus;
 
-std::string hmac_sha256(const std::string& key, const std::string& message) {
-  unsigned char out[EVP_MAX_MD_SIZE];
-  unsigned int size = 0;
-  if (HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
-           reinterpret_cast<const unsigned char*>(message.data()), message.size(), out, &size) == nullptr) {
-    fail(StatusCode::kInternal, "HMAC-SHA256 failed in libcrypto");
-  }
-  return std::string(reinterpret_cast<const char*>(out), size);
-}
+std::string hmac_sha256(const std::string& key, const std::string& message) { return hmac_sha256_bytes(key, message); }
 
 std::string server_proof(const std::string& token, const std::string& client_nonce, const std::string& server_nonce) {
   return hmac_sha256(token, "dparallel store server\n" + client_nonce + server_nonce);
@@ -31,13 +24,23 @@ std::string client_proof(const std::string& token, const std::string& client_non
 }
 
 bool equal_in_constant_time(const std::string& a, const std::string& b) {
-  return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+  if (a.size() != b.size()) return false;
+  // volatile keeps the compiler from stopping at the first difference.
+  volatile uint8_t differ = 0;
+  for (size_t i = 0; i < a.size(); ++i) differ = differ | static_cast<uint8_t>(a[i] ^ b[i]);
+  return differ == 0;
 }
 
 std::string random_nonce() {
   std::string nonce(wire::kNonceBytes, '\0');
-  if (RAND_bytes(reinterpret_cast<unsigned char*>(nonce.data()), static_cast<int>(nonce.size())) != 1) {
-    fail(StatusCode::kInternal, "the system's random source (libcrypto RAND_bytes) failed");
+  size_t filled = 0;
+  while (filled < nonce.size()) {
+    ssize_t got = getrandom(nonce.data() + filled, nonce.size() - filled, 0);
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      fail(StatusCode::kInternal, "the system's random source (getrandom) failed: ", std::strerror(errno));
+    }
+    filled += static_cast<size_t>(got);
   }
   return nonce;
 }

@@ -2,7 +2,7 @@
 // sending it. The client's kHello carries its nonce; the server answers kOk
 // with its own nonce and proof; the client checks that and sends kProof
 // with its proof; the server answers kOk, or kRefused and closes. Proofs are
-// HMAC-SHA256 (libcrypto) under the token over both nonces.
+// HMAC-SHA256 under the token over both nonces.
 #pragma once
 
 #include <functional>
