@@ -29,7 +29,7 @@ Sha256::Sha256()
 
 void Sha256::compress(const uint8_t* block) {
   uint32_t w[64];
-  for (int i = 0; i < 16; ++i) w[i] = load_big_endian(block + 4 * i);
+  for (size_t i = 0; i < 16; ++i) w[i] = load_big_endian(block + 4 * i);
   for (int i = 16; i < 64; ++i) {
     uint32_t s0 = rotate_right(w[i - 15], 7) ^ rotate_right(w[i - 15], 18) ^ (w[i - 15] >> 3);
     uint32_t s1 = rotate_right(w[i - 2], 17) ^ rotate_right(w[i - 2], 19) ^ (w[i - 2] >> 10);
