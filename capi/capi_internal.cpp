@@ -83,6 +83,28 @@ std::vector<Device> devices_arg(const dp_device* devices, size_t count, const ch
   return out;
 }
 
+std::vector<Device> devices_of(const std::vector<Tensor>& tensors, const std::vector<Device>& more) {
+  std::vector<Device> out;
+  auto add = [&](const Device& d) {
+    if (std::find(out.begin(), out.end(), d) == out.end()) out.push_back(d);
+  };
+  for (const Tensor& t : tensors) {
+    if (t.defined()) add(t.device());
+  }
+  for (const Device& d : more) add(d);
+  return out;
+}
+
+std::vector<Device> module_devices(const Module& module, const std::vector<Device>& more) {
+  std::vector<Tensor> tensors;
+  for (const NamedParameter& p : module.named_parameters()) {
+    tensors.push_back(p.parameter->value());
+    tensors.push_back(p.parameter->grad_if_allocated());
+  }
+  for (const NamedBuffer& b : module.named_buffers()) tensors.push_back(b.slot->value);
+  return devices_of(tensors, more);
+}
+
 DType dtype_arg(int32_t dtype, const char* name) { return dtype_from_code(dtype, name); }
 
 Shape shape_arg(int32_t ndim, const int64_t* shape, const char* name) {

@@ -11,6 +11,7 @@
 
 #include "core/device.h"
 #include "core/error.h"
+#include "core/stream.h"
 #include "core/tensor.h"
 #include "dparallel/dp_base.h"
 #include "dparallel/dp_tensor.h"
@@ -112,6 +113,11 @@ void options_init(Options* opts, size_t struct_size, const Options& defaults) {
   std::memset(bytes + known, 0, struct_size - known);
   std::memcpy(bytes, &struct_size, sizeof(size_t));
 }
+
+// The devices a call touches, for its StreamOrder: the tensors', then `more`.
+std::vector<Device> devices_of(const std::vector<Tensor>& tensors, const std::vector<Device>& more = {});
+// The devices of a module's parameters and buffers, then `more`.
+std::vector<Device> module_devices(const Module& module, const std::vector<Device>& more = {});
 
 inline dp_device to_c(const Device& device) { return dp_device{static_cast<int32_t>(device.type), device.index}; }
 

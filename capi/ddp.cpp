@@ -131,14 +131,19 @@ dp_status dp_ddp_create(dp_ddp** out, dp_module* module, dp_process_group* pg, c
   capi::group_arg(pg, "pg");
   ddp::ReducerOptions options = options_arg(opts, pg->group);
   auto handle = std::make_unique<dp_ddp>();
+  StreamOrder order(capi::module_devices(*m, {pg->group->device()}));
   handle->reducer = std::make_shared<ddp::Reducer>(m, pg->group, std::move(options));
+  order.finish();
   *out = handle.release();
   DP_API_END
 }
 
 dp_status dp_ddp_pre_forward(dp_ddp* ddp) {
   DP_API_BEGIN
-  ddp_arg(ddp).pre_forward();
+  ddp::Reducer& reducer = ddp_arg(ddp);
+  StreamOrder order(capi::module_devices(reducer.module(), {reducer.device()}));
+  reducer.pre_forward();
+  order.finish();
   DP_API_END
 }
 
@@ -158,7 +163,8 @@ dp_status dp_ddp_mark_grad_ready_index(dp_ddp* ddp, size_t param_index) {
 
 dp_status dp_ddp_mark_grad_ready_stream(dp_ddp* ddp, size_t param_index, void* cuda_stream) {
   DP_API_BEGIN
-  ddp_arg(ddp).mark_ready(param_index, true, cuda_stream);
+  ddp::Reducer& reducer = ddp_arg(ddp);
+  reducer.mark_ready(param_index, true, cuda_stream);
   DP_API_END
 }
 

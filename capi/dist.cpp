@@ -1,4 +1,5 @@
 // dp_dist.h: stores, process groups and their work.
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -114,9 +115,11 @@ dp_status export_work(std::shared_ptr<dist::Work> work, dp_work** out) {
 // Past the group handle, every argument error refuses the call on this rank
 // (ProcessGroup::refuse), so that the other ranks' matching calls fail too:
 // `resolve` turns the call's handles into what `start` gives the group.
+// The call's device work starts after the host's current stream has passed
+// it (core/stream.h); `tensors` are what `resolve` filled in.
 template <typename Resolve, typename Start>
-dp_status run_collective(dp_process_group* pg, dist::CallKind kind, bool async, dp_work** out, Resolve&& resolve,
-                         Start&& start) {
+dp_status run_collective(dp_process_group* pg, dist::CallKind kind, bool async, dp_work** out,
+                         const std::vector<const Tensor*>& tensors, Resolve&& resolve, Start&& start) {
   if (out != nullptr) *out = nullptr;
   dist::ProcessGroup& group = capi::group_arg(pg, "pg");
   try {
@@ -126,7 +129,16 @@ dp_status run_collective(dp_process_group* pg, dist::CallKind kind, bool async, 
     if (e.code() != StatusCode::kInvalidArgument) throw;
     group.refuse(kind, e.what(), async);
   }
+  std::vector<Device> touched{group.device()};
+  for (const Tensor* t : tensors) {
+    if (t->defined() && std::find(touched.begin(), touched.end(), t->device()) == touched.end()) {
+      touched.push_back(t->device());
+    }
+  }
+  StreamOrder order(touched);
+  if (void* transfers = group.transfer_stream()) order.also_order(group.device(), transfers);
   std::shared_ptr<dist::Work> work = start(group);
+  if (!async) order.finish();
   return async ? export_work(std::move(work), out) : DP_OK;
 }
 
@@ -134,7 +146,7 @@ dp_status all_reduce(dp_process_group* pg, dp_tensor* tensor, int32_t op, bool a
   Tensor t;
   dist::ReduceOp reduce{};
   return run_collective(
-      pg, dist::CallKind::kAllReduce, async, out,
+      pg, dist::CallKind::kAllReduce, async, out, {&t},
       [&] {
         t = capi::tensor_arg(tensor, "tensor");
         reduce = dist::reduce_op_arg(op, "op");
@@ -145,7 +157,7 @@ dp_status all_reduce(dp_process_group* pg, dp_tensor* tensor, int32_t op, bool a
 dp_status broadcast(dp_process_group* pg, dp_tensor* tensor, int32_t root, bool async, dp_work** out) {
   Tensor t;
   return run_collective(
-      pg, dist::CallKind::kBroadcast, async, out, [&] { t = capi::tensor_arg(tensor, "tensor"); },
+      pg, dist::CallKind::kBroadcast, async, out, {&t}, [&] { t = capi::tensor_arg(tensor, "tensor"); },
       [&](dist::ProcessGroup& group) { return group.broadcast(t, root, async); });
 }
 
@@ -153,11 +165,13 @@ dp_status all_gather(dp_process_group* pg, const dp_tensor* input, dp_tensor* co
                      bool async, dp_work** out) {
   Tensor in;
   std::vector<Tensor> outs;
+  std::vector<const Tensor*> touched{&in};
   return run_collective(
-      pg, dist::CallKind::kAllGather, async, out,
+      pg, dist::CallKind::kAllGather, async, out, touched,
       [&] {
         in = capi::tensor_arg(input, "input");
         outs = capi::tensors_arg(outputs, noutputs, "outputs");
+        for (const Tensor& o : outs) touched.push_back(&o);
       },
       [&](dist::ProcessGroup& group) { return group.all_gather(in, outs, async); });
 }
@@ -167,10 +181,12 @@ dp_status reduce_scatter(dp_process_group* pg, const dp_tensor* const* inputs, s
   std::vector<Tensor> ins;
   Tensor o;
   dist::ReduceOp reduce{};
+  std::vector<const Tensor*> touched{&o};
   return run_collective(
-      pg, dist::CallKind::kReduceScatter, async, out,
+      pg, dist::CallKind::kReduceScatter, async, out, touched,
       [&] {
         ins = capi::tensors_arg(inputs, ninputs, "inputs");
+        for (const Tensor& i : ins) touched.push_back(&i);
         o = capi::tensor_arg(output, "output");
         reduce = dist::reduce_op_arg(op, "op");
       },
@@ -179,7 +195,8 @@ dp_status reduce_scatter(dp_process_group* pg, const dp_tensor* const* inputs, s
 
 dp_status barrier(dp_process_group* pg, bool async, dp_work** out) {
   return run_collective(
-      pg, dist::CallKind::kBarrier, async, out, [] {}, [&](dist::ProcessGroup& group) { return group.barrier(async); });
+      pg, dist::CallKind::kBarrier, async, out, {}, [] {},
+      [&](dist::ProcessGroup& group) { return group.barrier(async); });
 }
 
 }  // namespace

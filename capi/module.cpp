@@ -149,21 +149,30 @@ dp_status dp_module_set_grad(dp_module* module, const char* dotted_name, dp_tens
 
 dp_status dp_module_zero_grad(dp_module* module) {
   DP_API_BEGIN
-  capi::module_arg(module, "module")->zero_grad();
+  Module& m = *capi::module_arg(module, "module");
+  StreamOrder order(capi::module_devices(m));
+  m.zero_grad();
+  order.finish();
   DP_API_END
 }
 
 dp_status dp_module_save(const dp_module* module, const char* path) {
   DP_API_BEGIN
   Module& m = *capi::module_arg(module, "module");
-  save_module(m, capi::string_arg(path, "path"));
+  std::string file = capi::string_arg(path, "path");
+  StreamOrder order(capi::module_devices(m));
+  save_module(m, file);
+  order.finish();
   DP_API_END
 }
 
 dp_status dp_module_load(dp_module* module, const char* path, int strict) {
   DP_API_BEGIN
   Module& m = *capi::module_arg(module, "module");
-  load_module(m, capi::string_arg(path, "path"), strict != 0);
+  std::string file = capi::string_arg(path, "path");
+  StreamOrder order(capi::module_devices(m));
+  load_module(m, file, strict != 0);
+  order.finish();
   DP_API_END
 }
 

@@ -52,7 +52,12 @@ dp_status dp_parallel_apply(dp_module* const* replicas, dp_tensor* const* inputs
   std::vector<Tensor> tensors = capi::tensors_arg(inputs, n, "inputs");
   std::vector<Device> targets;
   if (devices != nullptr) targets = capi::devices_arg(devices, n, "devices");
-  capi::export_tensors(parallel_apply(modules, tensors, targets, wrap_forward(fn, user_data)), out);
+  std::vector<Device> touched = capi::devices_of(tensors, targets);
+  for (const ModulePtr& m : modules) touched = capi::module_devices(*m, touched);
+  StreamOrder order(touched);
+  std::vector<Tensor> outputs = parallel_apply(modules, tensors, targets, wrap_forward(fn, user_data));
+  order.finish();
+  capi::export_tensors(outputs, out);
   DP_API_END
 }
 
@@ -67,7 +72,12 @@ dp_status dp_data_parallel(dp_module* module, dp_tensor* input, const dp_device*
   if (ndevices == 0) fail_invalid("argument 'ndevices' is 0: data_parallel needs at least one device");
   std::vector<Device> targets = capi::devices_arg(devices, ndevices, "devices");
   Device destination = capi::device_arg(output_device, "output_device");
-  *out = capi::new_tensor_handle(data_parallel(m, x, targets, destination, dim, wrap_forward(fn, user_data)));
+  std::vector<Device> touched = capi::module_devices(*m, capi::devices_of({x}, targets));
+  touched.push_back(destination);
+  StreamOrder order(touched);
+  Tensor output = data_parallel(m, x, targets, destination, dim, wrap_forward(fn, user_data));
+  order.finish();
+  *out = capi::new_tensor_handle(output);
   DP_API_END
 }
 
@@ -80,7 +90,12 @@ dp_status dp_replica_set_apply(dp_replica_set* set, dp_tensor* input, int32_t di
   ReplicaSet& s = capi::replica_set_arg(set, "set");
   const Tensor& x = capi::tensor_arg(input, "input");
   Device destination = capi::device_arg(output_device, "output_device");
-  *out = capi::new_tensor_handle(replica_set_apply(s, x, dim, destination, wrap_forward(fn, user_data)));
+  std::vector<Device> touched = capi::module_devices(*s.module(), capi::devices_of({x}, s.devices()));
+  touched.push_back(destination);
+  StreamOrder order(touched);
+  Tensor output = replica_set_apply(s, x, dim, destination, wrap_forward(fn, user_data));
+  order.finish();
+  *out = capi::new_tensor_handle(output);
   DP_API_END
 }
 

@@ -13,14 +13,22 @@ dp_status dp_replicate(const dp_module* module, const dp_device* devices, size_t
   for (size_t i = 0; i < ndevices; ++i) out[i] = nullptr;
   Module& m = *capi::module_arg(module, "module");
   std::vector<Device> targets = capi::devices_arg(devices, ndevices, "devices");
-  capi::export_modules(replicate(m, targets, detach != 0), out);
+  StreamOrder order(capi::module_devices(m, targets));
+  std::vector<ModulePtr> replicas = replicate(m, targets, detach != 0);
+  order.finish();
+  capi::export_modules(replicas, out);
   DP_API_END
 }
 
 dp_status dp_reduce_gradients(dp_module* const* replicas, size_t nreplicas, dp_module* target) {
   DP_API_BEGIN
   std::vector<ModulePtr> sources = capi::modules_arg(replicas, nreplicas, "replicas");
-  reduce_gradients(sources, *capi::module_arg(target, "target"));
+  Module& destination = *capi::module_arg(target, "target");
+  std::vector<Device> devices = capi::module_devices(destination);
+  for (const ModulePtr& source : sources) devices = capi::module_devices(*source, devices);
+  StreamOrder order(devices);
+  reduce_gradients(sources, destination);
+  order.finish();
   DP_API_END
 }
 
@@ -31,14 +39,19 @@ dp_status dp_replica_set_create(dp_replica_set** out, dp_module* module, const d
   const ModulePtr& m = capi::module_arg(module, "module");
   std::vector<Device> targets = capi::devices_arg(devices, ndevices, "devices");
   auto handle = std::make_unique<dp_replica_set>();
+  StreamOrder order(capi::module_devices(*m, targets));
   handle->set = std::make_unique<ReplicaSet>(m, targets);
+  order.finish();
   *out = handle.release();
   DP_API_END
 }
 
 dp_status dp_replica_set_sync(dp_replica_set* set) {
   DP_API_BEGIN
-  capi::replica_set_arg(set, "set").sync();
+  ReplicaSet& s = capi::replica_set_arg(set, "set");
+  StreamOrder order(capi::module_devices(*s.module(), s.devices()));
+  s.sync();
+  order.finish();
   DP_API_END
 }
 
@@ -52,7 +65,10 @@ dp_status dp_replica_set_replica(const dp_replica_set* set, size_t index, dp_mod
 
 dp_status dp_replica_set_reduce_gradients(dp_replica_set* set) {
   DP_API_BEGIN
-  capi::replica_set_arg(set, "set").reduce_gradients();
+  ReplicaSet& s = capi::replica_set_arg(set, "set");
+  StreamOrder order(capi::module_devices(*s.module(), s.devices()));
+  s.reduce_gradients();
+  order.finish();
   DP_API_END
 }
 

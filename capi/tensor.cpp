@@ -66,7 +66,9 @@ dp_status dp_tensor_copy_from_host(dp_tensor* tensor, const void* src, size_t nb
   const Tensor& t = capi::tensor_arg(tensor, "tensor");
   check_byte_count(t, nbytes);
   if (nbytes > 0) capi::require_arg(src, "src");
+  StreamOrder order({t.device()});
   copy_bytes(t.data(), t.device(), src, Device{DeviceType::kCpu, 0}, nbytes);
+  order.finish();
   DP_API_END
 }
 
@@ -75,7 +77,9 @@ dp_status dp_tensor_copy_to_host(const dp_tensor* tensor, void* dst, size_t nbyt
   const Tensor& t = capi::tensor_arg(tensor, "tensor");
   check_byte_count(t, nbytes);
   if (nbytes > 0) capi::require_arg(dst, "dst");
+  StreamOrder order({t.device()});
   copy_bytes(dst, Device{DeviceType::kCpu, 0}, t.data(), t.device(), nbytes);
+  order.finish();
   DP_API_END
 }
 
@@ -130,7 +134,10 @@ dp_status dp_tensor_to_device(dp_tensor** out, const dp_tensor* tensor, dp_devic
   *out = nullptr;
   const Tensor& t = capi::tensor_arg(tensor, "tensor");
   Device dev = capi::device_arg(device, "device");
-  *out = capi::new_tensor_handle(t.to(dev));
+  StreamOrder order({t.device(), dev});
+  Tensor copy = t.to(dev);
+  order.finish();
+  *out = capi::new_tensor_handle(copy);
   DP_API_END
 }
 

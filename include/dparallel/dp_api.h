@@ -26,6 +26,7 @@
 #include "dparallel/dp_module.h"
 #include "dparallel/dp_parallel.h"
 #include "dparallel/dp_replicate.h"
+#include "dparallel/dp_stream.h"
 #include "dparallel/dp_tensor.h"
 
 #ifdef __cplusplus
@@ -33,7 +34,7 @@ extern "C" {
 #endif
 
 /* abi_minor of the table this header describes. */
-#define DP_API_MINOR 4
+#define DP_API_MINOR 5
 
 /* Every slot of the table, in table order: X(return type, name, (parameters))
  * for the entry point dp_<name>. The struct below and the library's table are
@@ -171,7 +172,14 @@ extern "C" {
   X(void, ddp_destroy, (dp_ddp *ddp))                                                                                  \
   X(dp_status, ddp_mark_grad_ready_stream, (dp_ddp *ddp, size_t param_index, void *cuda_stream))                       \
   X(dp_status, ddp_last_stats, (const dp_ddp *ddp, dp_ddp_stats *out))                                                   \
-  X(dp_status, module_set_grad, (dp_module * module, const char *dotted_name, dp_tensor *grad))
+  X(dp_status, module_set_grad, (dp_module * module, const char *dotted_name, dp_tensor *grad))                       \
+  /* ---- abi_minor 5: streams (dp_stream.h) ---- */                                                                   \
+  X(dp_status, set_current_stream, (dp_device device, void *stream))                                                   \
+  X(dp_status, get_current_stream, (dp_device device, void **out))                                                     \
+  X(dp_status, stream_create, (dp_device device, void **out))                                                          \
+  X(dp_status, stream_destroy, (dp_device device, void *stream))                                                       \
+  X(dp_status, stream_synchronize, (dp_device device, void *stream))                                                   \
+  X(dp_status, stream_launch_host_func, (dp_device device, void *stream, void (*fn)(void *user_data), void *user_data))
 /* clang-format on */
 
 /* A type, a name and a parameter list cannot be parenthesised. */

@@ -211,10 +211,13 @@ DP_API void dp_ddp_destroy(dp_ddp *ddp);
 
 /* Additions beyond the base contract. */
 
-/* CUDA: the gradient is final once the work queued so far on `cuda_stream`
- * (a cudaStream_t; NULL = the legacy default stream) completes; the library
- * waits on an event, never the whole device. For a CPU parameter this is
- * dp_ddp_mark_grad_ready_index. */
+/* The gradient is final once the work queued so far on `cuda_stream`
+ * completes: a cudaStream_t of the parameter's GPU, or for a cpu parameter a
+ * stream from dp_stream_create (dp_stream.h); NULL is the legacy default
+ * stream. The library waits on an event, never the whole device. The other
+ * two forms use the marking thread's current stream for the parameter's
+ * device, or the legacy default stream where none is set. DP_EINVAL when the
+ * stream is not one of the parameter's device. */
 DP_API dp_status dp_ddp_mark_grad_ready_stream(dp_ddp *ddp, size_t param_index, void *cuda_stream);
 /* What the last synced iteration cost: the time from the first ready mark
  * to the end of finish_backward, the time the reductions ran, and the part

@@ -2,7 +2,8 @@
  *
  * The callback `fn` runs on dparallel's persistent worker thread of its
  * replica's device, with that device made current before each call (for
- * CUDA, the current device of that thread). Replicas run on distinct devices,
+ * CUDA, the current device of that thread) and the caller's current streams
+ * current there (dp_stream.h). Replicas run on distinct devices,
  * one thread each, so callbacks may wait on each other; repeated devices are
  * DP_EINVAL naming both indices.
  *

@@ -11,6 +11,7 @@
 #include "dparallel/dp_module.h"
 #include "dparallel/dp_parallel.h"
 #include "dparallel/dp_replicate.h"
+#include "dparallel/dp_stream.h"
 #include "dparallel/dp_tensor.h"
 
 #endif /* DPARALLEL_DPARALLEL_H */

@@ -1,5 +1,6 @@
 #include <map>
 
+#include "backend/cuda/cuda_backend.h"
 #include "comm/comm.h"
 #include "core/error.h"
 
@@ -47,6 +48,30 @@ void unflatten_into(const std::vector<Tensor>& tensors, const Tensor& flat) {
     copy_bytes(t.data(), t.device(), static_cast<const char*>(flat.data()) + offset, flat.device(), t.nbytes());
     offset += t.nbytes();
   }
+}
+
+void copy_pairs(const std::vector<Tensor>& dsts, const std::vector<Tensor>& srcs) {
+  if (dsts.size() != srcs.size())
+    fail(StatusCode::kInternal, dsts.size(), " destinations for ", srcs.size(), " sources");
+  if (dsts.empty()) return;
+  const Device device = dsts[0].device();
+  bool one_gpu = device.is_cuda();
+  for (size_t i = 0; i < dsts.size() && one_gpu; ++i) {
+    one_gpu = dsts[i].device() == device && srcs[i].device() == device;
+  }
+  if (!one_gpu) {
+    for (size_t i = 0; i < dsts.size(); ++i) copy_tensor(dsts[i], srcs[i]);
+    return;
+  }
+  std::vector<cuda::Segment> segments;
+  segments.reserve(dsts.size());
+  for (size_t i = 0; i < dsts.size(); ++i) {
+    if (dsts[i].nbytes() != srcs[i].nbytes()) {
+      fail(StatusCode::kInternal, "copy of ", srcs[i].describe(), " into ", dsts[i].describe());
+    }
+    if (dsts[i].nbytes() > 0) segments.push_back({dsts[i].data(), srcs[i].data(), dsts[i].nbytes()});
+  }
+  if (!segments.empty()) cuda::batched_copy(device.index, segments);
 }
 
 int64_t total_numel(const std::vector<Tensor>& tensors) {

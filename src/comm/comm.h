@@ -35,6 +35,9 @@ Tensor gather(const std::vector<Tensor>& tensors, int32_t dim, const Device& des
 // after another; unflatten_into copies them back out. Any devices.
 void flatten_into(const Tensor& flat, const std::vector<Tensor>& tensors);
 void unflatten_into(const std::vector<Tensor>& tensors, const Tensor& flat);
+// Copies between equal-sized tensor pairs (dsts[i] <- srcs[i]); where every
+// one lives on one GPU, in one kernel launch instead of one copy each.
+void copy_pairs(const std::vector<Tensor>& dsts, const std::vector<Tensor>& srcs);
 // The tensors' elements together, for a flat tensor that holds them all.
 int64_t total_numel(const std::vector<Tensor>& tensors);
 

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/stream.h"
 
 namespace dparallel {
 
@@ -124,10 +126,109 @@ size_t block_size(const Device& device, size_t nbytes) {
   return round_up(nbytes, 512);
 }
 
+void free_now(const Device& device, void* data, size_t nbytes) noexcept {
+  if (device.is_cpu() && nbytes < kLargeBlock) {
+    std::free(data);
+    return;
+  }
+  registry().of(device).release_block(data, block_size(device, nbytes));
+}
+
+// Blocks freed while a host stream may still use them: each is released once
+// an event recorded on that stream at the free has completed, so the next
+// owner never writes what a queued kernel of the last one still reads.
+class PendingFrees {
+ public:
+  // Holds no more than this many blocks before waiting for the oldest.
+  static constexpr size_t kLimit = 4096;
+
+  void add(const Device& device, void* data, size_t nbytes, Event passed) {
+    std::deque<Block> due;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      blocks_.push_back({device, data, nbytes, std::move(passed)});
+      if (blocks_.size() > kLimit) {
+        due.push_back(std::move(blocks_.front()));
+        blocks_.pop_front();
+      }
+      take_passed_locked(due);
+    }
+    release(due, true);
+  }
+
+  // Releases the blocks whose streams have passed them; with `all`, waits
+  // for the others first.
+  void drain(bool all) {
+    std::deque<Block> due;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (all) {
+        due.swap(blocks_);
+      } else {
+        take_passed_locked(due);
+      }
+    }
+    release(due, all);
+  }
+
+  bool empty() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return blocks_.empty();
+  }
+
+ private:
+  struct Block {
+    Device device;
+    void* data;
+    size_t nbytes;
+    Event passed;
+  };
+
+  void take_passed_locked(std::deque<Block>& due) {
+    for (auto it = blocks_.begin(); it != blocks_.end();) {
+      bool passed = false;
+      try {
+        passed = it->passed.query();
+      } catch (...) {
+        passed = true;  // a failing device: nothing more will run there
+      }
+      if (passed) {
+        due.push_back(std::move(*it));
+        it = blocks_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  static void release(std::deque<Block>& due, bool wait) noexcept {
+    for (Block& b : due) {
+      if (wait) {
+        try {
+          b.passed.synchronize();
+        } catch (...) {
+        }
+      }
+      free_now(b.device, b.data, b.nbytes);
+    }
+  }
+
+  std::mutex mutex_;
+  std::deque<Block> blocks_;
+};
+
+PendingFrees& pending_frees() {
+  static PendingFrees* instance = new PendingFrees();  // leaked like the registry
+  return *instance;
+}
+
+std::atomic<bool> g_any_pending{false};
+
 }  // namespace
 
 Allocation device_allocate(const Device& device, size_t nbytes) {
   if (nbytes == 0) return {nullptr, true};
+  if (g_any_pending.load(std::memory_order_relaxed)) pending_frees().drain(false);
   if (device.is_cpu() && nbytes < kLargeBlock) {
     void* p = std::aligned_alloc(64, round_up(nbytes, 64));
     if (p == nullptr) fail(StatusCode::kOutOfMemory, "could not allocate ", nbytes, " bytes on ", to_string(device));
@@ -138,15 +239,27 @@ Allocation device_allocate(const Device& device, size_t nbytes) {
 
 void device_free(const Device& device, void* data, size_t nbytes) noexcept {
   if (data == nullptr) return;
-  if (device.is_cpu() && nbytes < kLargeBlock) {
-    std::free(data);
-    return;
+  void* stream = current_stream(device);
+  const DeviceRuntime* runtime = find_device_runtime(device.type);
+  if (runtime != nullptr && (stream != nullptr || runtime->default_stream_is_queued())) {
+    try {
+      Event passed(device);
+      passed.record(stream);
+      g_any_pending.store(true, std::memory_order_relaxed);
+      pending_frees().add(device, data, nbytes, std::move(passed));
+      return;
+    } catch (...) {
+      // No event to wait on: the device failed; free as before.
+    }
   }
-  registry().of(device).release_block(data, block_size(device, nbytes));
+  free_now(device, data, nbytes);
 }
 
 size_t cached_bytes() { return BlockCache::total_cached().load(); }
 
-void release_cached_memory() { registry().release_all(); }
+void release_cached_memory() {
+  pending_frees().drain(true);
+  registry().release_all();
+}
 
 }  // namespace dparallel

@@ -1,11 +1,12 @@
-// The per-device runtime the core stands on: memory, copies, fills and the
-// current device, one implementation per device type. Each backend registers
+// The per-device runtime the core stands on: memory, copies, fills, the
+// current device, streams and events, one implementation per device type. Each backend registers
 // its own (as c10 registers a DeviceGuardImplInterface per device type), so
 // the core never includes a backend and links without one.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "core/device.h"
@@ -39,6 +40,43 @@ class DeviceRuntime {
   // a device of this type or the host (cpu). Returns when done.
   virtual void copy_rows(void* dst, const Device& dst_device, size_t dst_pitch, const void* src,
                          const Device& src_device, size_t src_pitch, size_t row_bytes, size_t rows) const = 0;
+
+  // ---- streams and events: every ordering decision goes through these ----
+  // A stream is an opaque pointer: a cudaStream_t for cuda, a queue the cpu
+  // runtime made for cpu; nullptr is the device's legacy default stream
+  // (for cpu in the synchronous mode, the calling thread itself).
+
+  // True when the library's own work on this device (copies, sums) is
+  // queued on library_stream() and may still run after the call that queued
+  // it returned; false when it runs on the calling thread and is done when
+  // the call returns (cpu).
+  virtual bool library_work_is_queued() const = 0;
+  // True when host-visible streams exist as queues that run later (cuda;
+  // cpu with DP_CPU_ASYNC=1): work on the default stream may be pending.
+  virtual bool default_stream_is_queued() const = 0;
+  // The stream the library queues its own work on, for device `index`.
+  virtual void* library_stream(int32_t index) const = 0;
+  virtual void* create_stream(int32_t index) const = 0;
+  // kInvalidArgument naming `argument` unless `stream` can be used as a
+  // stream of device `index` (nullptr always can).
+  virtual void check_stream(int32_t index, void* stream, const char* argument) const = 0;
+  // Waits for the stream's queued work, then frees it.
+  virtual void destroy_stream(int32_t index, void* stream) const noexcept = 0;
+  virtual void stream_synchronize(int32_t index, void* stream) const = 0;
+  // Runs `fn` on a host thread once the work queued before it on `stream` is
+  // done; work queued after it waits for it. `fn` must not throw.
+  virtual void launch_host_func(int32_t index, void* stream, std::function<void()> fn) const = 0;
+
+  // An event completes once the work queued on its stream before its last
+  // record has; one never recorded is complete.
+  virtual void* create_event(int32_t index) const = 0;
+  virtual void destroy_event(void* event) const noexcept = 0;
+  virtual void record_event(void* event, int32_t index, void* stream) const = 0;
+  // Work queued on `stream` after this call starts after `event` completes;
+  // it never blocks the caller where the device has queues of its own.
+  virtual void stream_wait_event(int32_t index, void* stream, void* event) const = 0;
+  virtual bool event_query(void* event) const = 0;
+  virtual void event_synchronize(void* event) const = 0;
 };
 
 // Installs `runtime` for `type`, replacing any (nullptr removes it). It must

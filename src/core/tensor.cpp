@@ -51,7 +51,13 @@ size_t checked_nbytes(DType dtype, const Shape& shape, const char* argument) {
 std::shared_ptr<Storage> Storage::allocate(const Device& device, size_t nbytes, bool zero) {
   Allocation allocation = device_allocate(device, nbytes);
   auto storage = std::shared_ptr<Storage>(new Storage(device, allocation.data, nbytes, nullptr, true));
-  if (zero && !allocation.zeroed) fill_zero(allocation.data, device, nbytes);
+  if (zero && !allocation.zeroed) {
+    fill_zero(allocation.data, device, nbytes);
+  } else if (!zero && device.is_cpu() && device_runtime(device.type).default_stream_is_queued()) {
+    // The asynchronous cpu mode: whatever reads this before its producer
+    // wrote it reads NaNs and all-ones integers, not zeros that may pass.
+    std::memset(allocation.data, 0xff, nbytes);
+  }
   return storage;
 }
 

@@ -6,8 +6,8 @@
 #include <cstring>
 #include <map>
 
-#include "backend/cuda/cuda_backend.h"
 #include "comm/comm.h"
+#include "core/device_runtime.h"
 #include "core/error.h"
 #include "ddp/host_values.h"
 #include "distributed/reduce_ops.h"
@@ -49,9 +49,6 @@ void Reducer::close() {
 Reducer::~Reducer() {
   close();
   lane_.reset();
-  for (Bucket& b : buckets_) {
-    for (void* e : b.events) cuda::destroy_event(e);
-  }
 }
 
 void Reducer::on_lane(CallItem item, const std::function<void()>& fn) {
@@ -97,6 +94,10 @@ void Reducer::mark_ready(size_t index, bool has_stream, void* stream) {
     fail(StatusCode::kState, "parameter '", params_[index].name, "' (index ", index,
          ") was already marked ready in this backward; mark each parameter once per backward");
   }
+  if (has_stream && stream != nullptr) {
+    const Device& device = params_[index].parameter->value().device();
+    device_runtime(device.type).check_stream(device.index, stream, "cuda_stream");
+  }
   marked_[index] = 1;
   ++marked_count_;
   used_since_sync_[index] = 1;
@@ -111,10 +112,16 @@ void Reducer::mark_ready(size_t index, bool has_stream, void* stream) {
   if (!rebuilt_) ready_order_.push_back(index);
   Managed& m = params_[index];
   Bucket& bucket = buckets_[m.bucket];
-  if (m.parameter->value().device().type == DeviceType::kCuda) {
-    // The gradient is final once the host's stream gets there: the worker
+  const Device device = m.parameter->value().device();
+  const DeviceRuntime& runtime = device_runtime(device.type);
+  // The mark's stream: the one passed, else this thread's current stream.
+  void* mark_stream = has_stream ? stream : current_stream(device);
+  if (mark_stream != nullptr || runtime.default_stream_is_queued()) {
+    // The gradient is final once the host's stream gets there: the lane
     // waits on this event, then copies.
-    bucket.events.push_back(cuda::record_event(m.parameter->value().device().index, has_stream ? stream : nullptr));
+    Event ready(device);
+    ready.record(mark_stream);
+    bucket.events.push_back(std::move(ready));
     if (needs_copy(index)) bucket.deferred.push_back(index);
   } else if (needs_copy(index)) {
     Tensor slot = slot_of(index);
@@ -232,9 +239,13 @@ void Reducer::run_bucket(size_t index) {
   // The results go back into the gradients here, while the host's backward
   // goes on, unless the used map must decide it first.
   if (in_place_ || !options_.find_unused_parameters) {
+    std::vector<Tensor> grads, slots;
     for (size_t p : bucket.params) {
-      if (needs_copy(p)) copy_tensor(params_[p].parameter->grad(), slot_of(p));
+      if (!needs_copy(p)) continue;
+      grads.push_back(params_[p].parameter->grad());
+      slots.push_back(slot_of(p));
     }
+    comm::copy_pairs(grads, slots);
     bucket.copied_back = true;
   }
 }
@@ -296,26 +307,26 @@ void Reducer::drop_job(const JobSpec& spec, StatusCode code, const std::string& 
   if (!state.done) fail_job_locked(state, code, why);
 }
 
-// CUDA: waits for the host's streams, then copies the gradients in.
+// Waits for the host's streams at the marks, then copies the gradients in.
+// The wait is on this thread: the collective that follows runs on the
+// group's own stream, which nothing else orders after the marks.
 void Reducer::copy_into_bucket(size_t index) {
-  std::vector<void*> events;
+  std::vector<Event> events;
   std::vector<size_t> deferred;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     events.swap(buckets_[index].events);
     deferred.swap(buckets_[index].deferred);
   }
-  std::exception_ptr failure;
-  for (void* e : events) {
-    try {
-      if (!failure) cuda::wait_event(e);
-    } catch (...) {
-      failure = std::current_exception();
-    }
-    cuda::destroy_event(e);
+  if (!skipping_stream_waits_for_tests()) {
+    for (const Event& e : events) e.synchronize();
   }
-  if (failure) std::rethrow_exception(failure);
-  for (size_t p : deferred) copy_tensor(slot_of(p), params_[p].parameter->grad());
+  std::vector<Tensor> slots, grads;
+  for (size_t p : deferred) {
+    slots.push_back(slot_of(p));
+    grads.push_back(params_[p].parameter->grad());
+  }
+  comm::copy_pairs(slots, grads);
 }
 
 void Reducer::check_fingerprint(size_t index) {
@@ -417,7 +428,6 @@ void Reducer::reset_iteration_locked() {
     b.copied_back = false;
     b.reduced = false;
     b.job = JobState{};
-    for (void* e : b.events) cuda::destroy_event(e);
     b.events.clear();
     b.deferred.clear();
   }

@@ -15,6 +15,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/stream.h"
 #include "core/tensor.h"
 #include "ddp/comm_hooks.h"
 #include "ddp/comm_lane.h"
@@ -67,6 +68,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void pre_forward();
   // Managed index of a dotted name relative to the module; kInvalidArgument when unknown or not managed.
   size_t index_of(const std::string& name) const;
+  const Module& module() const { return *module_; }
+  const Device& device() const { return group_->device(); }
   // `stream` (a cudaStream_t) is used only with `has_stream`, for CUDA parameters.
   void mark_ready(size_t index, bool has_stream, void* stream);
   void finish_backward();
@@ -100,7 +103,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     Tensor flat;  // undefined when the reduction reads the gradients in place
     int64_t numel = 0;
     size_t pending = 0;            // parameters not yet marked this iteration
-    std::vector<void*> events;     // CUDA: wait for these, then copy the gradients in
+    std::vector<Event> events;     // the host's streams at the marks: wait, then copy in
     std::vector<size_t> deferred;  // parameters whose copy waits for `events`
     bool copied_back = false;      // its gradients already hold the result
     // This rank's own values, kept from just before the reduction, so that

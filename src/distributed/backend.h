@@ -93,6 +93,9 @@ class Backend {
   virtual const char* name() const = 0;
   // The device type this backend's tensors must live on.
   virtual DeviceType tensor_device_type() const = 0;
+  // The stream of the group's device its transfers run on, where it has one
+  // of its own (NCCL); a call's stream order makes it wait for the host's.
+  virtual void* transfer_stream() const { return nullptr; }
   // After the front marked the group broken: makes the peers' current or
   // next collective fail now rather than at their timeout.
   virtual void abort(const std::string& /*why*/) noexcept {}

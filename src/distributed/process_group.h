@@ -60,6 +60,7 @@ class ProcessGroup final : private CallSite {
   using CallSite::size;
   using CallSite::timeout;
   const char* backend_name() const { return backend_->name(); }
+  void* transfer_stream() const { return backend_->transfer_stream(); }
 
   // With `async`, returns at once with the Work to wait on; otherwise returns
   // when done (the Work is then already finished).

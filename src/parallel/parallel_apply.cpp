@@ -5,6 +5,7 @@
 
 #include "core/device_worker.h"
 #include "core/error.h"
+#include "core/stream.h"
 
 namespace dparallel {
 
@@ -45,9 +46,13 @@ std::vector<Tensor> parallel_apply(const std::vector<std::shared_ptr<Module>>& r
   std::vector<std::exception_ptr> errors(n);
   std::vector<std::function<void()>> works;
   works.reserve(n);
+  // Callbacks queue their work on the caller's current streams, as
+  // torch's parallel_apply runs each replica under the caller's stream.
+  const CurrentStreams streams = capture_current_streams();
   for (size_t i = 0; i < n; ++i) {
     works.emplace_back([&, i, device = targets[i]] {
       InsideReplicaForward inside;
+      CurrentStreamsScope caller_streams(streams);
       try {
         outputs[i] = fn(i, replicas[i], inputs[i], device);
       } catch (...) {

@@ -59,6 +59,23 @@ class RecordingRuntime final : public DeviceRuntime {
     }
   }
 
+  // A synchronous device: its work is done when the call returns, so every
+  // stream is the calling thread and every event is complete.
+  bool library_work_is_queued() const override { return false; }
+  bool default_stream_is_queued() const override { return false; }
+  void* library_stream(int32_t) const override { return nullptr; }
+  void* create_stream(int32_t) const override { return nullptr; }
+  void check_stream(int32_t, void*, const char*) const override {}
+  void destroy_stream(int32_t, void*) const noexcept override {}
+  void stream_synchronize(int32_t, void*) const override {}
+  void launch_host_func(int32_t, void*, std::function<void()> fn) const override { fn(); }
+  void* create_event(int32_t) const override { return new int(0); }
+  void destroy_event(void* event) const noexcept override { delete static_cast<int*>(event); }
+  void record_event(void*, int32_t, void*) const override {}
+  void stream_wait_event(int32_t, void*, void*) const override {}
+  bool event_query(void*) const override { return true; }
+  void event_synchronize(void*) const override {}
+
   mutable std::atomic<int> allocations{0}, deallocations{0}, fills{0}, copies{0}, last_set_device{-1};
 };
 

@@ -10,10 +10,13 @@ set(_fuzz_sources
   ${PROJECT_SOURCE_DIR}/src/core/device.cpp
   ${PROJECT_SOURCE_DIR}/src/core/device_runtime.cpp
   ${PROJECT_SOURCE_DIR}/src/core/dtype.cpp
+  ${PROJECT_SOURCE_DIR}/src/core/process_origin.cpp
+  ${PROJECT_SOURCE_DIR}/src/core/stream.cpp
   ${PROJECT_SOURCE_DIR}/src/core/tensor.cpp
   ${PROJECT_SOURCE_DIR}/src/core/thread_pool.cpp
   ${PROJECT_SOURCE_DIR}/src/backend/cpu/cpu_kernels.cpp
   ${PROJECT_SOURCE_DIR}/src/backend/cpu/cpu_runtime.cpp
+  ${PROJECT_SOURCE_DIR}/src/backend/cpu/cpu_streams.cpp
   ${PROJECT_SOURCE_DIR}/src/backend/register_runtimes.cpp
   ${PROJECT_SOURCE_DIR}/src/backend/cuda/cuda_none.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/safetensors_fuzz.cpp)

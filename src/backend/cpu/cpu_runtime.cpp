@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 
 #include "backend/cpu/cpu_kernels.h"
+#include "backend/cpu/cpu_streams.h"
 #include "core/device_runtime.h"
 #include "core/error.h"
 
@@ -36,6 +37,29 @@ class CpuRuntime final : public DeviceRuntime {
                  size_t row_bytes, size_t rows) const override {
     cpu::copy_rows(dst, dst_pitch, src, src_pitch, row_bytes, rows);
   }
+
+  bool library_work_is_queued() const override { return false; }
+  bool default_stream_is_queued() const override { return async_mode(); }
+  void* library_stream(int32_t) const override { return nullptr; }
+  void* create_stream(int32_t index) const override { return cpu::create_stream(index); }
+  void destroy_stream(int32_t, void* stream) const noexcept override { cpu::destroy_stream(stream); }
+  void check_stream(int32_t index, void* stream, const char* argument) const override {
+    cpu::check_stream(index, stream, argument);
+  }
+  void stream_synchronize(int32_t index, void* stream) const override { cpu::stream_synchronize(index, stream); }
+  void launch_host_func(int32_t index, void* stream, std::function<void()> fn) const override {
+    cpu::launch_host_func(index, stream, std::move(fn));
+  }
+  void* create_event(int32_t) const override { return cpu::create_event(); }
+  void destroy_event(void* event) const noexcept override { cpu::destroy_event(event); }
+  void record_event(void* event, int32_t index, void* stream) const override {
+    cpu::record_event(event, index, stream);
+  }
+  void stream_wait_event(int32_t index, void* stream, void* event) const override {
+    cpu::stream_wait_event(index, stream, event);
+  }
+  bool event_query(void* event) const override { return cpu::event_query(event); }
+  void event_synchronize(void* event) const override { cpu::event_synchronize(event); }
 };
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/cuda_streams.h"
 #include "core/device_runtime.h"
 
 namespace dparallel::cuda {
@@ -75,6 +76,25 @@ cudaStream_t stream_of(int32_t index) {
 
 namespace {
 
+// cudaMallocAsync's pools, where the device and driver have them.
+bool has_memory_pools(int32_t index) {
+  static std::mutex mutex;
+  static std::vector<int> known;  // -1 unknown, 0 no, 1 yes
+  std::lock_guard<std::mutex> lock(mutex);
+  if (known.empty()) known.assign(static_cast<size_t>(device_count()), -1);
+  if (index < 0 || static_cast<size_t>(index) >= known.size()) return false;
+  int& answer = known[static_cast<size_t>(index)];
+  if (answer < 0) {
+    int supported = 0;
+    if (cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, index) != cudaSuccess) {
+      cudaGetLastError();
+      supported = 0;
+    }
+    answer = supported != 0 ? 1 : 0;
+  }
+  return answer == 1;
+}
+
 class CudaRuntime final : public DeviceRuntime {
  public:
   int32_t device_count() const override { return cuda::device_count(); }
@@ -89,7 +109,18 @@ class CudaRuntime final : public DeviceRuntime {
     require(index);
     DeviceGuard guard(index);
     void* data = nullptr;
-    cudaError_t status = cudaMalloc(&data, nbytes);
+    cudaError_t status = cudaSuccess;
+    if (has_memory_pools(index)) {
+      // Stream-ordered: freeing it later never waits for the whole device.
+      cudaStream_t stream = stream_of(index);
+      status = cudaMallocAsync(&data, nbytes, stream);
+      if (status == cudaSuccess) {
+        status = cudaStreamSynchronize(stream);  // usable from any stream once this returns
+        if (status != cudaSuccess) cudaFreeAsync(data, stream);
+      }
+    } else {
+      status = cudaMalloc(&data, nbytes);
+    }
     if (status == cudaErrorMemoryAllocation) {
       cudaGetLastError();
       fail(StatusCode::kOutOfMemory, "could not allocate ", nbytes, " bytes on cuda:", index);
@@ -100,6 +131,12 @@ class CudaRuntime final : public DeviceRuntime {
 
   void deallocate(int32_t index, void* data, size_t) const noexcept override {
     if (data == nullptr || index < 0 || index >= cuda::device_count()) return;
+    if (has_memory_pools(index)) {
+      // After the library's queued work; the allocator has already waited for
+      // the host's streams that used the block. No device-wide wait.
+      cudaFreeAsync(data, stream_of(index));
+      return;
+    }
     int previous = 0;
     cudaGetDevice(&previous);
     cudaSetDevice(index);
@@ -138,6 +175,33 @@ class CudaRuntime final : public DeviceRuntime {
     }
     check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
   }
+
+  bool library_work_is_queued() const override { return true; }
+  bool default_stream_is_queued() const override { return true; }
+  void* library_stream(int32_t index) const override { return stream_of(index); }
+  void* create_stream(int32_t index) const override {
+    require(index);
+    return cuda::create_stream(index);
+  }
+  void destroy_stream(int32_t index, void* stream) const noexcept override { cuda::destroy_stream(index, stream); }
+  void check_stream(int32_t index, void* stream, const char* argument) const override {
+    require(index);
+    cuda::check_stream(index, stream, argument);
+  }
+  void stream_synchronize(int32_t index, void* stream) const override { cuda::stream_synchronize(index, stream); }
+  void launch_host_func(int32_t index, void* stream, std::function<void()> fn) const override {
+    cuda::launch_host_func(index, stream, std::move(fn));
+  }
+  void* create_event(int32_t index) const override { return cuda::create_event(index); }
+  void destroy_event(void* event) const noexcept override { cuda::destroy_event(event); }
+  void record_event(void* event, int32_t index, void* stream) const override {
+    cuda::record_event(event, index, stream);
+  }
+  void stream_wait_event(int32_t index, void* stream, void* event) const override {
+    cuda::stream_wait_event(index, stream, event);
+  }
+  bool event_query(void* event) const override { return cuda::event_query(event); }
+  void event_synchronize(void* event) const override { cuda::event_synchronize(event); }
 };
 
 }  // namespace

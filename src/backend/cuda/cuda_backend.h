@@ -36,13 +36,6 @@ void batched_copy(int32_t index, const std::vector<Segment>& segments);
 void cast(int32_t index, DType dst_dtype, void* dst, DType src_dtype, const void* src, size_t numel);
 // data[i] /= divisor on GPU `index`; floating dtypes only.
 void divide(int32_t index, DType dtype, void* data, size_t numel, int64_t divisor);
-// An event recorded on `stream` (a cudaStream_t; null: the legacy default
-// stream) of GPU `index`. Release it with destroy_event.
-void* record_event(int32_t index, void* stream);
-// Blocks the calling thread until the work before `event` is done: the
-// event's stream only, never the whole device.
-void wait_event(void* event);
-void destroy_event(void* event) noexcept;
 
 bool nccl_compiled();
 // In-process NCCL on distinct GPUs of this process, one communicator per

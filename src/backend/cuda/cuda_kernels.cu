@@ -265,22 +265,4 @@ void divide(int32_t index, DType dtype, void* data, size_t numel, int64_t diviso
   check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
 }
 
-void* record_event(int32_t index, void* stream) {
-  DeviceGuard guard(index);
-  cudaEvent_t event = nullptr;
-  check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreateWithFlags");
-  cudaError_t status = cudaEventRecord(event, static_cast<cudaStream_t>(stream));
-  if (status != cudaSuccess) {
-    cudaEventDestroy(event);
-    check(status, "cudaEventRecord");
-  }
-  return event;
-}
-
-void wait_event(void* event) { check(cudaEventSynchronize(static_cast<cudaEvent_t>(event)), "cudaEventSynchronize"); }
-
-void destroy_event(void* event) noexcept {
-  if (event != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event));
-}
-
 }  // namespace dparallel::cuda

@@ -1,0 +1,274 @@
+#include "backend/cpu/cpu_streams.h"
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+#include "core/error.h"
+#include "core/process_origin.h"
+
+namespace dparallel::cpu {
+
+namespace {
+
+int64_t async_delay_us() {
+  static const int64_t delay = [] {
+    const char* text = std::getenv("DP_CPU_ASYNC_DELAY_US");
+    if (text == nullptr || *text == '\0') return int64_t{500};
+    char* end = nullptr;
+    long long us = std::strtoll(text, &end, 10);
+    return *end == '\0' && us >= 0 ? static_cast<int64_t>(us) : int64_t{500};
+  }();
+  return delay;
+}
+
+// A FIFO of host tasks run by one thread, in order.
+class Stream {
+ public:
+  Stream(int32_t index, int64_t max_delay_us) : index_(index), max_delay_us_(max_delay_us) {
+    thread_ = std::thread([this] { loop(); });
+  }
+  ~Stream() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    if (origin_.is_current())
+      thread_.join();
+    else
+      thread_.detach();  // a forked child has no such thread
+  }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+
+  int32_t index() const { return index_; }
+
+  void push(std::function<void()> task) {
+    origin_.check("a cpu stream");
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push_back(std::move(task));
+      ++pushed_;
+    }
+    wake_.notify_all();
+  }
+
+  void synchronize() {
+    origin_.check("a cpu stream");
+    std::unique_lock<std::mutex> lock(mutex_);
+    uint64_t target = pushed_;
+    done_changed_.wait(lock, [&] { return done_ >= target; });
+  }
+
+ private:
+  void loop() {
+    std::mt19937_64 random(std::random_device{}());
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping, and everything ran
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      if (max_delay_us_ > 0) {
+        std::uniform_int_distribution<int64_t> delay(0, max_delay_us_);
+        std::this_thread::sleep_for(std::chrono::microseconds(delay(random)));
+      }
+      task();
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        ++done_;
+      }
+      done_changed_.notify_all();
+    }
+  }
+
+  const int32_t index_;
+  const int64_t max_delay_us_;
+  ProcessOrigin origin_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::condition_variable done_changed_;
+  std::deque<std::function<void()>> queue_;
+  uint64_t pushed_ = 0;
+  uint64_t done_ = 0;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+// Live streams, so that a pointer a host passes is checked before use.
+struct StreamRegistry {
+  std::mutex mutex;
+  std::unordered_set<const Stream*> live;
+};
+
+StreamRegistry& registry() {
+  static StreamRegistry* instance = new StreamRegistry();  // outlives hosts' static destructors
+  return *instance;
+}
+
+// The default streams of the asynchronous mode, one per device, made on
+// first use and kept for the life of the process.
+Stream* default_stream(int32_t index) {
+  static std::mutex mutex;
+  static auto* streams = new std::vector<Stream*>();
+  std::lock_guard<std::mutex> lock(mutex);
+  auto slot = static_cast<size_t>(index);
+  if (streams->size() <= slot) streams->resize(slot + 1, nullptr);
+  Stream*& stream = (*streams)[slot];
+  if (stream == nullptr) stream = new Stream(index, async_delay_us());
+  return stream;
+}
+
+// The queue behind `stream`, or nullptr where work runs on the calling thread.
+Stream* queue_of(int32_t index, void* stream) {
+  if (stream != nullptr) return static_cast<Stream*>(stream);
+  return async_mode() ? default_stream(index) : nullptr;
+}
+
+// Generations: record() bumps `recorded`; the task it queues raises
+// `completed` to that generation when the stream gets there.
+struct Event {
+  std::mutex mutex;
+  std::condition_variable changed;
+  uint64_t recorded = 0;
+  uint64_t completed = 0;
+
+  void complete(uint64_t generation) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (generation > completed) completed = generation;
+    }
+    changed.notify_all();
+  }
+  void wait_for(uint64_t generation) {
+    std::unique_lock<std::mutex> lock(mutex);
+    changed.wait(lock, [&] { return completed >= generation; });
+  }
+};
+
+// What a handle points at: the event is shared with the tasks that complete
+// or wait for it, so destroying the handle early is safe.
+struct EventHandle {
+  std::shared_ptr<Event> event = std::make_shared<Event>();
+};
+
+std::shared_ptr<Event> event_of(void* handle) { return static_cast<EventHandle*>(handle)->event; }
+
+}  // namespace
+
+bool async_mode() {
+  static const bool on = [] {
+    const char* text = std::getenv("DP_CPU_ASYNC");
+    return text != nullptr && text[0] == '1' && text[1] == '\0';
+  }();
+  return on;
+}
+
+void* create_stream(int32_t index) {
+  auto* stream = new Stream(index, async_mode() ? async_delay_us() : 0);
+  std::lock_guard<std::mutex> lock(registry().mutex);
+  registry().live.insert(stream);
+  return stream;
+}
+
+void destroy_stream(void* stream) noexcept {
+  if (stream == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(registry().mutex);
+    if (registry().live.erase(static_cast<Stream*>(stream)) == 0) return;
+  }
+  delete static_cast<Stream*>(stream);  // runs what was queued, then joins
+}
+
+void check_stream(int32_t index, void* stream, const char* argument) {
+  if (stream == nullptr) return;
+  int32_t owner = -1;
+  {
+    std::lock_guard<std::mutex> lock(registry().mutex);
+    auto it = registry().live.find(static_cast<Stream*>(stream));
+    if (it != registry().live.end()) owner = (*it)->index();
+  }
+  if (owner < 0) {
+    fail(StatusCode::kInvalidArgument, "argument '", argument,
+         "' is not a live cpu stream (one from dp_stream_create, not yet destroyed)");
+  }
+  if (owner != index) {
+    fail(StatusCode::kInvalidArgument, "argument '", argument, "' is a stream of cpu:", owner, ", not of cpu:", index);
+  }
+}
+
+void stream_synchronize(int32_t index, void* stream) {
+  if (Stream* queue = queue_of(index, stream)) queue->synchronize();
+}
+
+void launch_host_func(int32_t index, void* stream, std::function<void()> fn) {
+  Stream* queue = queue_of(index, stream);
+  if (queue == nullptr) {
+    fn();
+    return;
+  }
+  queue->push(std::move(fn));
+}
+
+void* create_event() { return new EventHandle(); }
+
+void destroy_event(void* event) noexcept { delete static_cast<EventHandle*>(event); }
+
+void record_event(void* event, int32_t index, void* stream) {
+  std::shared_ptr<Event> e = event_of(event);
+  uint64_t generation = 0;
+  {
+    std::lock_guard<std::mutex> lock(e->mutex);
+    generation = ++e->recorded;
+  }
+  Stream* queue = queue_of(index, stream);
+  if (queue == nullptr) {
+    e->complete(generation);  // the calling thread is the stream: all it queued is done
+    return;
+  }
+  queue->push([e, generation] { e->complete(generation); });
+}
+
+void stream_wait_event(int32_t index, void* stream, void* event) {
+  std::shared_ptr<Event> e = event_of(event);
+  uint64_t generation = 0;
+  {
+    std::lock_guard<std::mutex> lock(e->mutex);
+    generation = e->recorded;
+  }
+  Stream* queue = queue_of(index, stream);
+  if (queue == nullptr) {
+    e->wait_for(generation);  // the calling thread is the stream
+    return;
+  }
+  queue->push([e, generation] { e->wait_for(generation); });
+}
+
+bool event_query(void* event) {
+  std::shared_ptr<Event> e = event_of(event);
+  std::lock_guard<std::mutex> lock(e->mutex);
+  return e->completed >= e->recorded;
+}
+
+void event_synchronize(void* event) {
+  std::shared_ptr<Event> e = event_of(event);
+  uint64_t generation = 0;
+  {
+    std::lock_guard<std::mutex> lock(e->mutex);
+    generation = e->recorded;
+  }
+  e->wait_for(generation);
+}
+
+}  // namespace dparallel::cpu

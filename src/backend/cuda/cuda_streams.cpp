@@ -1,0 +1,115 @@
+// Streams and events of cuda devices for the core's DeviceRuntime.
+#include "backend/cuda/cuda_streams.h"
+
+#include <cuda_runtime_api.h>
+
+#include <memory>
+
+#include "backend/cuda/cuda_check.h"
+
+namespace dparallel::cuda {
+
+namespace {
+
+cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
+cudaEvent_t as_event(void* event) { return static_cast<cudaEvent_t>(event); }
+
+// A stream under capture into a CUDA graph takes events and waits into the
+// graph, not the timeline the library orders against: refuse it plainly.
+void refuse_capturing(void* stream, const char* what) {
+  if (stream == nullptr) return;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(as_stream(stream), &status), "cudaStreamIsCapturing");
+  if (status != cudaStreamCaptureStatusNone) {
+    fail(StatusCode::kState, what,
+         ": the stream is being captured into a CUDA graph; dparallel orders its work against running streams only");
+  }
+}
+
+void host_func_trampoline(void* data) {
+  std::unique_ptr<std::function<void()>> fn(static_cast<std::function<void()>*>(data));
+  (*fn)();
+}
+
+}  // namespace
+
+void* create_stream(int32_t index) {
+  DeviceGuard guard(index);
+  cudaStream_t stream = nullptr;
+  check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  return stream;
+}
+
+void destroy_stream(int32_t index, void* stream) noexcept {
+  if (stream == nullptr) return;
+  cudaStreamSynchronize(as_stream(stream));
+  (void)index;
+  cudaStreamDestroy(as_stream(stream));
+}
+
+void check_stream(int32_t index, void* stream, const char* argument) {
+  if (stream == nullptr) return;
+  int device = -1;
+  cudaError_t status = cudaStreamGetDevice(as_stream(stream), &device);
+  if (status != cudaSuccess) {
+    cudaGetLastError();
+    fail(StatusCode::kInvalidArgument, "argument '", argument,
+         "' is not a usable cudaStream_t (cudaStreamGetDevice: ", cudaGetErrorString(status), ")");
+  }
+  if (device != index) {
+    fail(StatusCode::kInvalidArgument, "argument '", argument, "' is a stream of cuda:", device,
+         ", not of cuda:", index);
+  }
+}
+
+void stream_synchronize(int32_t index, void* stream) {
+  DeviceGuard guard(index);
+  check(cudaStreamSynchronize(as_stream(stream)), "cudaStreamSynchronize");
+}
+
+void launch_host_func(int32_t index, void* stream, std::function<void()> fn) {
+  DeviceGuard guard(index);
+  auto* boxed = new std::function<void()>(std::move(fn));
+  cudaError_t status = cudaLaunchHostFunc(as_stream(stream), host_func_trampoline, boxed);
+  if (status != cudaSuccess) {
+    delete boxed;
+    check(status, "cudaLaunchHostFunc");
+  }
+}
+
+void* create_event(int32_t index) {
+  DeviceGuard guard(index);
+  cudaEvent_t event = nullptr;
+  check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  return event;
+}
+
+void destroy_event(void* event) noexcept {
+  if (event != nullptr) cudaEventDestroy(as_event(event));
+}
+
+void record_event(void* event, int32_t index, void* stream) {
+  refuse_capturing(stream, "recording an event");
+  DeviceGuard guard(index);
+  check(cudaEventRecord(as_event(event), as_stream(stream)), "cudaEventRecord");
+}
+
+void stream_wait_event(int32_t index, void* stream, void* event) {
+  refuse_capturing(stream, "waiting for an event");
+  DeviceGuard guard(index);
+  check(cudaStreamWaitEvent(as_stream(stream), as_event(event), 0), "cudaStreamWaitEvent");
+}
+
+bool event_query(void* event) {
+  cudaError_t status = cudaEventQuery(as_event(event));
+  if (status == cudaErrorNotReady) {
+    cudaGetLastError();
+    return false;
+  }
+  check(status, "cudaEventQuery");
+  return true;
+}
+
+void event_synchronize(void* event) { check(cudaEventSynchronize(as_event(event)), "cudaEventSynchronize"); }
+
+}  // namespace dparallel::cuda

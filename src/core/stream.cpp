@@ -1,0 +1,126 @@
+#include "core/stream.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <utility>
+
+#include "core/device_runtime.h"
+#include "core/error.h"
+
+namespace dparallel {
+
+namespace {
+
+thread_local CurrentStreams t_current;
+
+}  // namespace
+
+void* current_stream(const Device& device) {
+  for (const auto& [d, stream] : t_current.streams) {
+    if (d == device) return stream;
+  }
+  return nullptr;
+}
+
+void set_current_stream(const Device& device, void* stream) {
+  auto& streams = t_current.streams;
+  auto it = std::find_if(streams.begin(), streams.end(), [&](const auto& entry) { return entry.first == device; });
+  if (stream == nullptr) {
+    if (it != streams.end()) streams.erase(it);
+  } else if (it != streams.end()) {
+    it->second = stream;
+  } else {
+    streams.emplace_back(device, stream);
+  }
+}
+
+CurrentStreams capture_current_streams() { return t_current; }
+
+CurrentStreamsScope::CurrentStreamsScope(const CurrentStreams& captured) : previous_(t_current) {
+  t_current = captured;
+}
+
+CurrentStreamsScope::~CurrentStreamsScope() { t_current = std::move(previous_); }
+
+Event::Event(const Device& device) : device_(device) {
+  handle_ = device_runtime(device.type).create_event(device.index);
+}
+
+Event::~Event() {
+  if (handle_ == nullptr) return;
+  if (const DeviceRuntime* runtime = find_device_runtime(device_.type)) runtime->destroy_event(handle_);
+}
+
+Event::Event(Event&& other) noexcept : device_(other.device_), handle_(std::exchange(other.handle_, nullptr)) {}
+
+Event& Event::operator=(Event&& other) noexcept {
+  if (this != &other) {
+    Event dying(std::move(*this));
+    device_ = other.device_;
+    handle_ = std::exchange(other.handle_, nullptr);
+  }
+  return *this;
+}
+
+void Event::record(void* stream) { device_runtime(device_.type).record_event(handle_, device_.index, stream); }
+
+void Event::block(void* stream) const {
+  device_runtime(device_.type).stream_wait_event(device_.index, stream, handle_);
+}
+
+bool Event::query() const { return device_runtime(device_.type).event_query(handle_); }
+
+void Event::synchronize() const { device_runtime(device_.type).event_synchronize(handle_); }
+
+bool skipping_stream_waits_for_tests() {
+  static const bool skip = [] {
+    const char* text = std::getenv("DP_TEST_SKIP_STREAM_WAIT");
+    return text != nullptr && text[0] == '1' && text[1] == '\0';
+  }();
+  return skip;
+}
+
+StreamOrder::StreamOrder(const std::vector<Device>& devices) {
+  for (const Device& device : devices) {
+    bool seen = std::any_of(entries_.begin(), entries_.end(), [&](const Entry& e) { return e.device == device; });
+    if (seen) continue;
+    const DeviceRuntime& runtime = device_runtime(device.type);
+    void* host_stream = current_stream(device);
+    entries_.push_back({device, host_stream});
+    if (host_stream == nullptr && !runtime.default_stream_is_queued()) continue;  // nothing can be pending
+    if (skipping_stream_waits_for_tests()) continue;
+    Event ready(device);
+    ready.record(host_stream);
+    if (runtime.library_work_is_queued()) {
+      ready.block(runtime.library_stream(device.index));
+    } else {
+      ready.synchronize();  // the library's work for this device runs on this thread
+    }
+  }
+}
+
+void StreamOrder::also_order(const Device& device, void* stream) {
+  const DeviceRuntime& runtime = device_runtime(device.type);
+  void* host_stream = current_stream(device);
+  if (host_stream == nullptr && !runtime.default_stream_is_queued()) return;
+  if (skipping_stream_waits_for_tests()) return;
+  Event ready(device);
+  ready.record(host_stream);
+  ready.block(stream);
+}
+
+void StreamOrder::finish() {
+  for (const Entry& entry : entries_) {
+    const DeviceRuntime& runtime = device_runtime(entry.device.type);
+    if (!runtime.library_work_is_queued()) continue;  // done on this thread already
+    Event done(entry.device);
+    done.record(runtime.library_stream(entry.device.index));
+    if (entry.host_stream != nullptr) {
+      done.block(entry.host_stream);
+    } else {
+      done.synchronize();
+    }
+  }
+}
+
+}  // namespace dparallel

@@ -1,0 +1,91 @@
+// Stream order at the library's boundary: PyTorch's current-stream contract.
+//
+// A thread may set a current stream per device (dp_set_current_stream). A
+// call that touches tensors on that device starts its device work after the
+// work queued so far on that stream, and the stream waits for the call's
+// results, without the calling thread waiting for either. With none set, the
+// call waits for the device's legacy default stream first and completes
+// before returning. Every wait is an event through the device's runtime.
+#pragma once
+
+#include <vector>
+
+#include "core/device.h"
+
+namespace dparallel {
+
+// This thread's current stream for `device`; nullptr where none is set.
+void* current_stream(const Device& device);
+// Sets (nullptr: clears) this thread's current stream for `device`; the
+// runtime has checked the stream.
+void set_current_stream(const Device& device, void* stream);
+
+// The current streams of this thread, to hand to worker threads that run
+// a host's callbacks for it (parallel_apply).
+struct CurrentStreams {
+  std::vector<std::pair<Device, void*>> streams;
+};
+CurrentStreams capture_current_streams();
+// Makes `captured` current on this thread for the scope; restores after.
+class CurrentStreamsScope {
+ public:
+  explicit CurrentStreamsScope(const CurrentStreams& captured);
+  ~CurrentStreamsScope();
+  CurrentStreamsScope(const CurrentStreamsScope&) = delete;
+  CurrentStreamsScope& operator=(const CurrentStreamsScope&) = delete;
+
+ private:
+  CurrentStreams previous_;
+};
+
+// An event of one device's runtime, released on destruction.
+class Event {
+ public:
+  explicit Event(const Device& device);
+  ~Event();
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  Event(Event&& other) noexcept;
+  Event& operator=(Event&& other) noexcept;
+
+  const Device& device() const { return device_; }
+  void record(void* stream);
+  // Work queued on `stream` of this event's device after this waits for it.
+  void block(void* stream) const;
+  bool query() const;
+  void synchronize() const;
+
+ private:
+  Device device_;
+  void* handle_ = nullptr;
+};
+
+// One call's stream order on its devices: construct before the call's
+// device work (it waits for the host's streams), finish() after it (the
+// host's streams wait for the call's work, or the call waits for it when no
+// stream is set). Devices may repeat.
+class StreamOrder {
+ public:
+  explicit StreamOrder(const std::vector<Device>& devices);
+  StreamOrder(const StreamOrder&) = delete;
+  StreamOrder& operator=(const StreamOrder&) = delete;
+
+  // Makes `stream` of `device` (a stream of the library's other than the
+  // library stream, e.g. a process group's) wait for the host's work too.
+  void also_order(const Device& device, void* stream);
+  void finish();
+
+ private:
+  struct Entry {
+    Device device;
+    void* host_stream;  // the current stream, nullptr when none is set
+  };
+  std::vector<Entry> entries_;
+};
+
+// The test-only switch DP_TEST_SKIP_STREAM_WAIT=1 drops the wait for the
+// host's stream at every call's start, so a test can show the asynchronous
+// cpu mode catches exactly that mistake. Never set it otherwise.
+bool skipping_stream_waits_for_tests();
+
+}  // namespace dparallel
