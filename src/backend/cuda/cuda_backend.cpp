@@ -1,6 +1,7 @@
 // Host-side CUDA runtime use: devices, memory, copies and streams.
 #include "backend/cuda/cuda_backend.h"
 
+#include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 
 #include <mutex>
@@ -51,7 +52,44 @@ cudaMemcpyKind kind_of(const Device& dst, const Device& src) {
 // The GPU whose stream carries a copy: the destination's unless it is host memory.
 int32_t copy_device(const Device& dst, const Device& src) { return dst.is_cuda() ? dst.index : src.index; }
 
+// A driver function by name, or null where the driver lacks it (or there is
+// no driver): the runtime looks it up, so libcuda is never linked.
+template <typename Function>
+Function driver_function(const char* name) noexcept {
+  void* function = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+  // 12000: the newest version of the symbol that CUDA 12.0 has, the one the typedef names.
+  cudaError_t rc = cudaGetDriverEntryPointByVersion(name, &function, 12000, cudaEnableDefault, &found);
+#else
+  cudaError_t rc = cudaGetDriverEntryPoint(name, &function, cudaEnableDefault, &found);
+#endif
+  if (rc != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return reinterpret_cast<Function>(function);
+}
+
 }  // namespace
+
+Known thread_has_context() noexcept {
+  static const auto get_current = driver_function<PFN_cuCtxGetCurrent_v4000>("cuCtxGetCurrent");
+  CUcontext context = nullptr;
+  if (get_current == nullptr || get_current(&context) != CUDA_SUCCESS) return Known::kUnknown;
+  return context != nullptr ? Known::kYes : Known::kNo;
+}
+
+Known primary_context_active(int32_t index) noexcept {
+  static const auto get_state = driver_function<PFN_cuDevicePrimaryCtxGetState_v7000>("cuDevicePrimaryCtxGetState");
+  unsigned flags = 0;
+  int active = 0;
+  // Runtime and driver number the visible devices alike.
+  if (get_state == nullptr || get_state(static_cast<CUdevice>(index), &flags, &active) != CUDA_SUCCESS) {
+    return Known::kUnknown;
+  }
+  return active != 0 ? Known::kYes : Known::kNo;
+}
 
 bool compiled() { return true; }
 

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <new>
 #include <thread>
 
 #include "backend/cuda/cuda_backend.h"
@@ -268,11 +269,10 @@ class NcclBackend : public Backend {
   // A healthy communicator is finalized and destroyed; a failed one, or one
   // whose finalize does not finish within kFinalizeBound (it waits for the
   // peers to finalize too, and one may be gone), aborted.
-  // Any thread may destroy the group, so the group's device is made current.
+  // Any thread may destroy the group, so the group's device is made current
+  // (and the thread's own device put back only where it had one).
   void release() noexcept {
-    int previous = -1;
-    bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device().index &&
-                    cudaSetDevice(device().index) == cudaSuccess;
+    cuda::DeviceGuard guard(device().index, std::nothrow);
     if (comm_ != nullptr) {
       bool finalized = false;
       if (!broken()) {
@@ -299,7 +299,7 @@ class NcclBackend : public Backend {
     scratch_ = headers_ = host_headers_ = nullptr;
     scratch_bytes_ = 0;
     stream_ = nullptr;
-    if (switched) cudaSetDevice(previous);
+    cudaGetLastError();  // a teardown failure is not left for a later launch check to report
   }
 
   std::shared_ptr<Store> store_;
