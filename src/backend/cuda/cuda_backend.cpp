@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/peer_access.h"
 #include "core/device_runtime.h"
 
 namespace dparallel::cuda {
@@ -69,6 +70,23 @@ Function driver_function(const char* name) noexcept {
     return nullptr;
   }
   return reinterpret_cast<Function>(function);
+}
+
+// Lets GPU `from`, the current device, reach `to`'s memory, once per pair:
+// copies between them then go over NVLink or PCIe instead of through the host.
+void enable_peer_access(int32_t from, int32_t to) {
+  static auto* table = new PeerAccessTable();  // lives as long as the process, as peer access does
+  table->ensure(from, to, [](int32_t a, int32_t b) {
+    int can = 0;
+    check(cudaDeviceCanAccessPeer(&can, a, b), "cudaDeviceCanAccessPeer");
+    if (can == 0) return false;
+    cudaError_t rc = cudaDeviceEnablePeerAccess(b, 0);
+    if (rc == cudaSuccess) return true;
+    cudaGetLastError();
+    // Already enabled (by the host, say) is success; another refusal (too
+    // many peers) leaves the copies staged through the host, still correct.
+    return rc == cudaErrorPeerAccessAlreadyEnabled;
+  });
 }
 
 }  // namespace
@@ -162,13 +180,19 @@ class CudaRuntime final : public DeviceRuntime {
     DeviceGuard guard(index);
     cudaStream_t stream = stream_of(index);
     if (dst_device.is_cuda() && src_device.is_cuda() && dst_device.index != src_device.index) {
+      enable_peer_access(index, src_device.index);
       if (rows == 1) {
         check(cudaMemcpyPeerAsync(dst, dst_device.index, src, src_device.index, row_bytes, stream),
               "cudaMemcpyPeerAsync");
       } else {
-        // Unified addressing lets a 2D device-to-device copy cross GPUs.
-        check(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, cudaMemcpyDefault, stream),
-              "cudaMemcpy2DAsync");
+        // The peer form of a pitched copy: one slice of `rows` rows.
+        cudaMemcpy3DPeerParms p{};
+        p.srcPtr = cudaPitchedPtr{const_cast<void*>(src), src_pitch, row_bytes, rows};
+        p.srcDevice = src_device.index;
+        p.dstPtr = cudaPitchedPtr{dst, dst_pitch, row_bytes, rows};
+        p.dstDevice = dst_device.index;
+        p.extent = cudaExtent{row_bytes, rows, 1};
+        check(cudaMemcpy3DPeerAsync(&p, stream), "cudaMemcpy3DPeerAsync");
       }
     } else {
       check(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, kind_of(dst_device, src_device), stream),
