@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -229,13 +230,17 @@ void add_n(int32_t index, DType dtype, void* out, const void* const* inputs, siz
   if (numel == 0 || count == 0) return;
   DeviceGuard guard(index);
   cudaStream_t stream = stream_of(index);
-  // Fold inputs in passes of kMaxInputs; after the first, `out` carries the running sum.
+  // Fold inputs in passes of kMaxInputs; after the first, `out` carries the
+  // running sum. An input that is `out` itself goes in the first pass, which
+  // reads each element before writing it; a later pass would read the sum.
+  std::vector<const void*> order(inputs, inputs + count);
+  std::stable_partition(order.begin(), order.end(), [out](const void* p) { return p == out; });
   size_t done = 0;
   while (done < count) {
     InputPointers batch{};
     int n = 0;
     if (done > 0) batch.ptr[n++] = out;
-    while (done < count && n < static_cast<int>(kMaxInputs)) batch.ptr[n++] = inputs[done++];
+    while (done < count && n < static_cast<int>(kMaxInputs)) batch.ptr[n++] = order[done++];
     launch(dtype, out, batch, n, numel, stream);
     check(cudaGetLastError(), "add kernel launch");
   }
