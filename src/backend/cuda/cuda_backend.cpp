@@ -1,6 +1,7 @@
 // Host-side CUDA runtime use: devices, memory, copies and streams.
 #include "backend/cuda/cuda_backend.h"
 
+#include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 
 #include <mutex>
@@ -9,6 +10,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_streams.h"
+#include "backend/cuda/peer_access.h"
 #include "core/device_runtime.h"
 
 namespace dparallel::cuda {
@@ -52,7 +54,61 @@ cudaMemcpyKind kind_of(const Device& dst, const Device& src) {
 // The GPU whose stream carries a copy: the destination's unless it is host memory.
 int32_t copy_device(const Device& dst, const Device& src) { return dst.is_cuda() ? dst.index : src.index; }
 
+// A driver function by name, or null where the driver lacks it (or there is
+// no driver): the runtime looks it up, so libcuda is never linked.
+template <typename Function>
+Function driver_function(const char* name) noexcept {
+  void* function = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+  // 12000: the newest version of the symbol that CUDA 12.0 has, the one the typedef names.
+  cudaError_t rc = cudaGetDriverEntryPointByVersion(name, &function, 12000, cudaEnableDefault, &found);
+#else
+  cudaError_t rc = cudaGetDriverEntryPoint(name, &function, cudaEnableDefault, &found);
+#endif
+  if (rc != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return reinterpret_cast<Function>(function);
+}
+
+// Lets GPU `from`, the current device, reach `to`'s memory, once per pair:
+// copies between them then go over NVLink or PCIe instead of through the host.
+void enable_peer_access(int32_t from, int32_t to) {
+  static auto* table = new PeerAccessTable();  // lives as long as the process, as peer access does
+  table->ensure(from, to, [](int32_t a, int32_t b) {
+    int can = 0;
+    check(cudaDeviceCanAccessPeer(&can, a, b), "cudaDeviceCanAccessPeer");
+    if (can == 0) return false;
+    cudaError_t rc = cudaDeviceEnablePeerAccess(b, 0);
+    if (rc == cudaSuccess) return true;
+    cudaGetLastError();
+    // Already enabled (by the host, say) is success; another refusal (too
+    // many peers) leaves the copies staged through the host, still correct.
+    return rc == cudaErrorPeerAccessAlreadyEnabled;
+  });
+}
+
 }  // namespace
+
+Known thread_has_context() noexcept {
+  static const auto get_current = driver_function<PFN_cuCtxGetCurrent_v4000>("cuCtxGetCurrent");
+  CUcontext context = nullptr;
+  if (get_current == nullptr || get_current(&context) != CUDA_SUCCESS) return Known::kUnknown;
+  return context != nullptr ? Known::kYes : Known::kNo;
+}
+
+Known primary_context_active(int32_t index) noexcept {
+  static const auto get_state = driver_function<PFN_cuDevicePrimaryCtxGetState_v7000>("cuDevicePrimaryCtxGetState");
+  unsigned flags = 0;
+  int active = 0;
+  // Runtime and driver number the visible devices alike.
+  if (get_state == nullptr || get_state(static_cast<CUdevice>(index), &flags, &active) != CUDA_SUCCESS) {
+    return Known::kUnknown;
+  }
+  return active != 0 ? Known::kYes : Known::kNo;
+}
 
 bool compiled() { return true; }
 
@@ -131,17 +187,19 @@ class CudaRuntime final : public DeviceRuntime {
 
   void deallocate(int32_t index, void* data, size_t) const noexcept override {
     if (data == nullptr || index < 0 || index >= cuda::device_count()) return;
-    if (has_memory_pools(index)) {
-      // After the library's queued work; the allocator has already waited for
-      // the host's streams that used the block. No device-wide wait.
-      cudaFreeAsync(data, stream_of(index));
-      return;
+    DeviceGuard guard(index, std::nothrow);
+    if (!guard.ok()) return;  // the device is unusable, and its memory with it
+    try {
+      if (has_memory_pools(index)) {
+        // After the library's queued work; the allocator has already waited
+        // for the host's streams that used the block. No device-wide wait.
+        if (cudaFreeAsync(data, stream_of(index)) != cudaSuccess) cudaGetLastError();
+        return;
+      }
+    } catch (...) {
+      // No library stream: free it the blocking way below.
     }
-    int previous = 0;
-    cudaGetDevice(&previous);
-    cudaSetDevice(index);
-    cudaFree(data);
-    cudaSetDevice(previous);
+    if (cudaFree(data) != cudaSuccess) cudaGetLastError();
   }
 
   void fill_zero(int32_t index, void* data, size_t nbytes) const override {
@@ -161,13 +219,19 @@ class CudaRuntime final : public DeviceRuntime {
     DeviceGuard guard(index);
     cudaStream_t stream = stream_of(index);
     if (dst_device.is_cuda() && src_device.is_cuda() && dst_device.index != src_device.index) {
+      enable_peer_access(index, src_device.index);
       if (rows == 1) {
         check(cudaMemcpyPeerAsync(dst, dst_device.index, src, src_device.index, row_bytes, stream),
               "cudaMemcpyPeerAsync");
       } else {
-        // Unified addressing lets a 2D device-to-device copy cross GPUs.
-        check(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, cudaMemcpyDefault, stream),
-              "cudaMemcpy2DAsync");
+        // The peer form of a pitched copy: one slice of `rows` rows.
+        cudaMemcpy3DPeerParms p{};
+        p.srcPtr = cudaPitchedPtr{const_cast<void*>(src), src_pitch, row_bytes, rows};
+        p.srcDevice = src_device.index;
+        p.dstPtr = cudaPitchedPtr{dst, dst_pitch, row_bytes, rows};
+        p.dstDevice = dst_device.index;
+        p.extent = cudaExtent{row_bytes, rows, 1};
+        check(cudaMemcpy3DPeerAsync(&p, stream), "cudaMemcpy3DPeerAsync");
       }
     } else {
       check(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, kind_of(dst_device, src_device), stream),

@@ -4,9 +4,11 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
+#include "backend/cuda/batched_copy_plan.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_check.h"
 
@@ -122,20 +124,39 @@ void launch(DType dtype, void* out, const InputPointers& inputs, int count, size
   }
 }
 
-// Segments are copied by one block each, 16 bytes a thread where aligned.
-__global__ void batched_copy_kernel(const Segment* segments) {
-  const Segment s = segments[blockIdx.x];
-  const char* src = static_cast<const char*>(s.src);
-  char* dst = static_cast<char*>(s.dst);
-  size_t i = 0;
-  if ((reinterpret_cast<uintptr_t>(src) % 16) == 0 && (reinterpret_cast<uintptr_t>(dst) % 16) == 0) {
-    size_t vectors = s.nbytes / 16;
-    for (size_t v = threadIdx.x; v < vectors; v += blockDim.x) {
-      reinterpret_cast<uint4*>(dst)[v] = reinterpret_cast<const uint4*>(src)[v];
+// One block per chunk of the plan (batched_copy_plan.h), striding past the
+// grid's limit: the byte head, whole words of W, the byte tail.
+template <typename W>
+__device__ void copy_chunk(const CopyChunk& c) {
+  for (size_t b = threadIdx.x; b < c.head; b += blockDim.x) c.dst[b] = c.src[b];
+  const size_t words = (c.nbytes - c.head) / sizeof(W);
+  const W* src = reinterpret_cast<const W*>(c.src + c.head);
+  W* dst = reinterpret_cast<W*>(c.dst + c.head);
+  for (size_t w = threadIdx.x; w < words; w += blockDim.x) dst[w] = src[w];
+  for (size_t b = c.head + words * sizeof(W) + threadIdx.x; b < c.nbytes; b += blockDim.x) c.dst[b] = c.src[b];
+}
+
+__global__ void batched_copy_kernel(const CopyChunk* chunks, size_t count) {
+  for (size_t i = blockIdx.x; i < count; i += gridDim.x) {
+    const CopyChunk c = chunks[i];
+    switch (c.width) {
+      case 16:
+        copy_chunk<uint4>(c);
+        break;
+      case 8:
+        copy_chunk<uint2>(c);
+        break;
+      case 4:
+        copy_chunk<uint32_t>(c);
+        break;
+      case 2:
+        copy_chunk<uint16_t>(c);
+        break;
+      default:
+        copy_chunk<uint8_t>(c);
+        break;
     }
-    i = vectors * 16;
   }
-  for (size_t b = i + threadIdx.x; b < s.nbytes; b += blockDim.x) dst[b] = src[b];
 }
 
 // Floating types through float (double through double), rounded once.
@@ -209,13 +230,17 @@ void add_n(int32_t index, DType dtype, void* out, const void* const* inputs, siz
   if (numel == 0 || count == 0) return;
   DeviceGuard guard(index);
   cudaStream_t stream = stream_of(index);
-  // Fold inputs in passes of kMaxInputs; after the first, `out` carries the running sum.
+  // Fold inputs in passes of kMaxInputs; after the first, `out` carries the
+  // running sum. An input that is `out` itself goes in the first pass, which
+  // reads each element before writing it; a later pass would read the sum.
+  std::vector<const void*> order(inputs, inputs + count);
+  std::stable_partition(order.begin(), order.end(), [out](const void* p) { return p == out; });
   size_t done = 0;
   while (done < count) {
     InputPointers batch{};
     int n = 0;
     if (done > 0) batch.ptr[n++] = out;
-    while (done < count && n < static_cast<int>(kMaxInputs)) batch.ptr[n++] = inputs[done++];
+    while (done < count && n < static_cast<int>(kMaxInputs)) batch.ptr[n++] = order[done++];
     launch(dtype, out, batch, n, numel, stream);
     check(cudaGetLastError(), "add kernel launch");
   }
@@ -225,13 +250,18 @@ void add_n(int32_t index, DType dtype, void* out, const void* const* inputs, siz
 void batched_copy(int32_t index, const std::vector<Segment>& segments) {
   if (segments.empty()) return;
   DeviceGuard guard(index);
+  int sms = 0;
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, index), "cudaDeviceGetAttribute");
+  // A few blocks per SM keep every SM busy while some wait on memory.
+  const std::vector<CopyChunk> plan = plan_batched_copy(segments, static_cast<size_t>(sms) * 4);
+  if (plan.empty()) return;
   cudaStream_t stream = stream_of(index);
-  Segment* table = nullptr;
-  size_t table_bytes = segments.size() * sizeof(Segment);
+  CopyChunk* table = nullptr;
+  const size_t table_bytes = plan.size() * sizeof(CopyChunk);
   check(cudaMallocAsync(reinterpret_cast<void**>(&table), table_bytes, stream), "cudaMallocAsync");
-  cudaError_t status = cudaMemcpyAsync(table, segments.data(), table_bytes, cudaMemcpyHostToDevice, stream);
+  cudaError_t status = cudaMemcpyAsync(table, plan.data(), table_bytes, cudaMemcpyHostToDevice, stream);
   if (status == cudaSuccess) {
-    batched_copy_kernel<<<static_cast<unsigned>(segments.size()), kThreads, 0, stream>>>(table);
+    batched_copy_kernel<<<copy_grid(plan.size()), kThreads, 0, stream>>>(table, plan.size());
     status = cudaGetLastError();
   }
   cudaFreeAsync(table, stream);

@@ -1,9 +1,11 @@
-// NCCL's element type for each dtype (bool travels as bytes).
+// NCCL's element type for each dtype (bool travels as bytes), and the
+// status of each NCCL result.
 #pragma once
 
 #include <nccl.h>
 
 #include "core/dtype.h"
+#include "core/error.h"
 
 namespace dparallel::cuda {
 
@@ -29,6 +31,11 @@ inline ncclDataType_t nccl_type(DType dtype) {
       return ncclUint8;
   }
   return ncclUint8;
+}
+
+// A peer's failure (its socket closed, its report) is kRemote; the rest is this device's.
+inline StatusCode nccl_status(ncclResult_t rc) {
+  return rc == ncclRemoteError || rc == ncclSystemError ? StatusCode::kRemote : StatusCode::kDevice;
 }
 
 }  // namespace dparallel::cuda

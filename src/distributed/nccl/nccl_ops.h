@@ -3,6 +3,7 @@
 
 #include <nccl.h>
 
+#include "backend/cuda/nccl_types.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "distributed/collective.h"
@@ -30,8 +31,6 @@ inline ncclRedOp_t nccl_op(DType dtype, ReduceOp op) {
 }
 
 // A peer's failure (its socket closed, its report) is kRemote; the rest is this device's.
-inline StatusCode status_of(ncclResult_t rc) {
-  return rc == ncclRemoteError || rc == ncclSystemError ? StatusCode::kRemote : StatusCode::kDevice;
-}
+inline StatusCode status_of(ncclResult_t rc) { return cuda::nccl_status(rc); }
 
 }  // namespace dparallel::dist::nccl

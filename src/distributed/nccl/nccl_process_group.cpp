@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <new>
 #include <thread>
 
 #include "backend/cuda/cuda_backend.h"
@@ -50,7 +51,9 @@ class NcclBackend : public Backend {
     cuda::DeviceGuard guard(device().index);
     try {
       cuda::check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-      cuda::check(cudaMalloc(&headers_, sizeof(CallHeader) * static_cast<size_t>(size())), "cudaMalloc");
+      // Stream-ordered, as the scratch: see scratch().
+      cuda::check(cudaMallocAsync(&headers_, sizeof(CallHeader) * static_cast<size_t>(size()), stream_),
+                  "cudaMallocAsync");
       // Pinned, so that copies to and from it never block the host behind NCCL work.
       cuda::check(cudaMallocHost(&host_headers_, sizeof(CallHeader) * static_cast<size_t>(size())), "cudaMallocHost");
     } catch (...) {
@@ -77,6 +80,7 @@ class NcclBackend : public Backend {
   const char* name() const override { return "nccl"; }
 
   DeviceType tensor_device_type() const override { return DeviceType::kCuda; }
+  void* transfer_stream() const override { return stream_; }
 
   void all_reduce(const Tensor& t, ReduceOp op) override {
     cuda::DeviceGuard guard(device().index);
@@ -248,18 +252,21 @@ class NcclBackend : public Backend {
          ": ", find_missing_ranks(*store_, prefix_, rank(), size(), 0, false, deadline), "; ", cause);
   }
 
+  // Grown in stream order on the group's stream: cudaFree would wait for
+  // every kernel on the device, another group's NCCL kernel among them, which
+  // may wait in turn for this rank (the deadlock NCCL's docs warn about).
   uint8_t* scratch(size_t nbytes, const char* op) {
     if (scratch_bytes_ < nbytes) {
-      if (scratch_ != nullptr) cudaFree(scratch_);
+      if (scratch_ != nullptr) cudaFreeAsync(scratch_, stream_);
       scratch_ = nullptr;
       scratch_bytes_ = 0;
-      cudaError_t rc = cudaMalloc(&scratch_, nbytes);
+      cudaError_t rc = cudaMallocAsync(&scratch_, nbytes, stream_);
       if (rc == cudaErrorMemoryAllocation) {
         cudaGetLastError();
         fail(StatusCode::kOutOfMemory, op, ": could not allocate ", nbytes, " bytes of scratch on ",
              to_string(device()));
       }
-      cuda::check(rc, "cudaMalloc");
+      cuda::check(rc, "cudaMallocAsync");
       scratch_bytes_ = nbytes;
     }
     return static_cast<uint8_t*>(scratch_);
@@ -268,11 +275,10 @@ class NcclBackend : public Backend {
   // A healthy communicator is finalized and destroyed; a failed one, or one
   // whose finalize does not finish within kFinalizeBound (it waits for the
   // peers to finalize too, and one may be gone), aborted.
-  // Any thread may destroy the group, so the group's device is made current.
+  // Any thread may destroy the group, so the group's device is made current
+  // (and the thread's own device put back only where it had one).
   void release() noexcept {
-    int previous = -1;
-    bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device().index &&
-                    cudaSetDevice(device().index) == cudaSuccess;
+    cuda::DeviceGuard guard(device().index, std::nothrow);
     if (comm_ != nullptr) {
       bool finalized = false;
       if (!broken()) {
@@ -292,14 +298,16 @@ class NcclBackend : public Backend {
       }
       comm_ = nullptr;
     }
-    if (scratch_ != nullptr) cudaFree(scratch_);
-    if (headers_ != nullptr) cudaFree(headers_);
+    // Both were allocated on stream_, so stream_ exists; destroying it
+    // lets its queued work (the frees) finish first.
+    if (scratch_ != nullptr) cudaFreeAsync(scratch_, stream_);
+    if (headers_ != nullptr) cudaFreeAsync(headers_, stream_);
     if (host_headers_ != nullptr) cudaFreeHost(host_headers_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
     scratch_ = headers_ = host_headers_ = nullptr;
     scratch_bytes_ = 0;
     stream_ = nullptr;
-    if (switched) cudaSetDevice(previous);
+    cudaGetLastError();  // a teardown failure is not left for a later launch check to report
   }
 
   std::shared_ptr<Store> store_;
