@@ -170,7 +170,12 @@ dp_status dp_ddp_mark_grad_ready_stream(dp_ddp* ddp, size_t param_index, void* c
 
 dp_status dp_ddp_finish_backward(dp_ddp* ddp) {
   DP_API_BEGIN
-  ddp_arg(ddp).finish_backward();
+  // Gradients accumulated by unsynced backwards, or left unmarked, are read
+  // here: after the finishing thread's stream has written them.
+  ddp::Reducer& reducer = ddp_arg(ddp);
+  StreamOrder order(capi::module_devices(reducer.module(), {reducer.device()}));
+  reducer.finish_backward();
+  order.finish();
   DP_API_END
 }
 

@@ -8,7 +8,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -166,6 +168,62 @@ TEST(StreamApi, DestroyRunsWhatWasQueuedFirst) {
   }
   DP_ASSERT_OK(dp_stream_destroy(cpu(0), s));
   EXPECT_EQ(order.size(), 5u);
+}
+
+TEST(StreamApi, AStreamDestroyedWhileCurrentOnAnotherThreadIsEinvalThereNotACrash) {
+  void* s = nullptr;
+  DP_ASSERT_OK(dp_stream_create(cpu(0), &s));
+  TensorPtr x = make<float>({4}, filled(4, 1.0f));
+  std::vector<float> host(4);
+  std::mutex mutex;
+  std::condition_variable changed;
+  int step = 0;
+  std::thread user([&] {
+    EXPECT_EQ(dp_set_current_stream(cpu(0), s), DP_OK);
+    {
+      std::unique_lock<std::mutex> lock(mutex);
+      step = 1;
+      changed.notify_all();
+      changed.wait(lock, [&] { return step == 2; });
+    }
+    EXPECT_EQ(dp_tensor_copy_to_host(x.get(), host.data(), sizeof(float) * host.size()), DP_EINVAL);
+    EXPECT_NE(dptest::last_error().find("a cpu stream that was destroyed"), std::string::npos) << dptest::last_error();
+    EXPECT_EQ(dp_set_current_stream(cpu(0), nullptr), DP_OK);
+    EXPECT_EQ(dp_tensor_copy_to_host(x.get(), host.data(), sizeof(float) * host.size()), DP_OK);
+  });
+  {
+    std::unique_lock<std::mutex> lock(mutex);
+    changed.wait(lock, [&] { return step == 1; });
+  }
+  DP_ASSERT_OK(dp_stream_destroy(cpu(0), s));
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    step = 2;
+  }
+  changed.notify_all();
+  user.join();
+  EXPECT_EQ(host, filled(4, 1.0f));
+}
+
+struct SelfDestroy {
+  void* stream;
+  std::atomic<int> status{-1};
+};
+
+void destroy_own_stream(void* data) {
+  auto* d = static_cast<SelfDestroy*>(data);
+  d->status = dp_stream_destroy(cpu(0), d->stream);
+}
+
+TEST(StreamApi, AHostFunctionMayDestroyItsOwnStream) {
+  SelfDestroy d;
+  DP_ASSERT_OK(dp_stream_create(cpu(0), &d.stream));
+  std::vector<int> order;
+  DP_ASSERT_OK(dp_stream_launch_host_func(cpu(0), d.stream, destroy_own_stream, &d));
+  DP_ASSERT_OK(dp_stream_launch_host_func(cpu(0), d.stream, append, new std::pair<std::vector<int>*, int>(&order, 1)));
+  for (int i = 0; i < 6000 && d.status.load() < 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(d.status.load(), DP_OK);
+  EXPECT_EQ(dp_stream_synchronize(cpu(0), d.stream), DP_EINVAL) << "destroyed";
 }
 
 TEST_F(StreamOrder, BroadcastReadsWhatTheCurrentStreamWroteBeforeIt) {

@@ -8,7 +8,7 @@
 #include <mutex>
 #include <random>
 #include <thread>
-#include <unordered_set>
+#include <unordered_map>
 #include <vector>
 
 #include "core/error.h"
@@ -50,6 +50,7 @@ class Stream {
   Stream& operator=(const Stream&) = delete;
 
   int32_t index() const { return index_; }
+  bool runs_on_this_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
 
   void push(std::function<void()> task) {
     origin_.check("a cpu stream");
@@ -106,10 +107,12 @@ class Stream {
   std::thread thread_;
 };
 
-// Live streams, so that a pointer a host passes is checked before use.
+// Live streams by handle: every use looks its stream up, so a handle
+// destroyed while still current somewhere is an error, not a dangling
+// pointer, and a use in flight keeps its stream alive.
 struct StreamRegistry {
   std::mutex mutex;
-  std::unordered_set<const Stream*> live;
+  std::unordered_map<const void*, std::shared_ptr<Stream>> live;
 };
 
 StreamRegistry& registry() {
@@ -119,21 +122,34 @@ StreamRegistry& registry() {
 
 // The default streams of the asynchronous mode, one per device, made on
 // first use and kept for the life of the process.
-Stream* default_stream(int32_t index) {
+std::shared_ptr<Stream> default_stream(int32_t index) {
   static std::mutex mutex;
-  static auto* streams = new std::vector<Stream*>();
+  static auto* streams = new std::vector<std::shared_ptr<Stream>>();
   std::lock_guard<std::mutex> lock(mutex);
   auto slot = static_cast<size_t>(index);
-  if (streams->size() <= slot) streams->resize(slot + 1, nullptr);
-  Stream*& stream = (*streams)[slot];
-  if (stream == nullptr) stream = new Stream(index, async_delay_us());
+  if (streams->size() <= slot) streams->resize(slot + 1);
+  std::shared_ptr<Stream>& stream = (*streams)[slot];
+  if (!stream) stream = std::make_shared<Stream>(index, async_delay_us());
   return stream;
 }
 
-// The queue behind `stream`, or nullptr where work runs on the calling thread.
-Stream* queue_of(int32_t index, void* stream) {
-  if (stream != nullptr) return static_cast<Stream*>(stream);
-  return async_mode() ? default_stream(index) : nullptr;
+std::shared_ptr<Stream> live_stream(const void* stream) {
+  std::lock_guard<std::mutex> lock(registry().mutex);
+  auto it = registry().live.find(stream);
+  return it == registry().live.end() ? nullptr : it->second;
+}
+
+// The queue behind `stream`, or null where work runs on the calling thread.
+std::shared_ptr<Stream> queue_of(int32_t index, void* stream) {
+  if (stream == nullptr) return async_mode() ? default_stream(index) : nullptr;
+  std::shared_ptr<Stream> queue = live_stream(stream);
+  if (!queue) {
+    fail(StatusCode::kInvalidArgument,
+         "a cpu stream that was destroyed (or never made by dp_stream_create) is used "
+         "as a stream of cpu:",
+         index, "; clear it with dp_set_current_stream(device, NULL) before destroying it");
+  }
+  return queue;
 }
 
 // Generations: record() bumps `recorded`; the task it queues raises
@@ -176,29 +192,33 @@ bool async_mode() {
 }
 
 void* create_stream(int32_t index) {
-  auto* stream = new Stream(index, async_mode() ? async_delay_us() : 0);
+  auto stream = std::make_shared<Stream>(index, async_mode() ? async_delay_us() : 0);
+  void* handle = stream.get();
   std::lock_guard<std::mutex> lock(registry().mutex);
-  registry().live.insert(stream);
-  return stream;
+  registry().live.emplace(handle, std::move(stream));
+  return handle;
 }
 
 void destroy_stream(void* stream) noexcept {
   if (stream == nullptr) return;
+  std::shared_ptr<Stream> dying;
   {
     std::lock_guard<std::mutex> lock(registry().mutex);
-    if (registry().live.erase(static_cast<Stream*>(stream)) == 0) return;
+    auto it = registry().live.find(stream);
+    if (it == registry().live.end()) return;
+    dying = std::move(it->second);
+    registry().live.erase(it);
   }
-  delete static_cast<Stream*>(stream);  // runs what was queued, then joins
+  // The last reference runs what was queued, then joins: here, or in a use
+  // still in flight on another thread. A host function destroying its own
+  // stream cannot join its own thread: another thread does, once it ends.
+  if (dying->runs_on_this_thread()) std::thread([stream = std::move(dying)]() mutable { stream.reset(); }).detach();
 }
 
 void check_stream(int32_t index, void* stream, const char* argument) {
   if (stream == nullptr) return;
-  int32_t owner = -1;
-  {
-    std::lock_guard<std::mutex> lock(registry().mutex);
-    auto it = registry().live.find(static_cast<Stream*>(stream));
-    if (it != registry().live.end()) owner = (*it)->index();
-  }
+  std::shared_ptr<Stream> queue = live_stream(stream);
+  int32_t owner = queue ? queue->index() : -1;
   if (owner < 0) {
     fail(StatusCode::kInvalidArgument, "argument '", argument,
          "' is not a live cpu stream (one from dp_stream_create, not yet destroyed)");
@@ -209,11 +229,11 @@ void check_stream(int32_t index, void* stream, const char* argument) {
 }
 
 void stream_synchronize(int32_t index, void* stream) {
-  if (Stream* queue = queue_of(index, stream)) queue->synchronize();
+  if (std::shared_ptr<Stream> queue = queue_of(index, stream)) queue->synchronize();
 }
 
 void launch_host_func(int32_t index, void* stream, std::function<void()> fn) {
-  Stream* queue = queue_of(index, stream);
+  std::shared_ptr<Stream> queue = queue_of(index, stream);
   if (queue == nullptr) {
     fn();
     return;
@@ -226,13 +246,13 @@ void* create_event() { return new EventHandle(); }
 void destroy_event(void* event) noexcept { delete static_cast<EventHandle*>(event); }
 
 void record_event(void* event, int32_t index, void* stream) {
+  std::shared_ptr<Stream> queue = queue_of(index, stream);  // may throw: before the event changes
   std::shared_ptr<Event> e = event_of(event);
   uint64_t generation = 0;
   {
     std::lock_guard<std::mutex> lock(e->mutex);
     generation = ++e->recorded;
   }
-  Stream* queue = queue_of(index, stream);
   if (queue == nullptr) {
     e->complete(generation);  // the calling thread is the stream: all it queued is done
     return;
@@ -241,13 +261,13 @@ void record_event(void* event, int32_t index, void* stream) {
 }
 
 void stream_wait_event(int32_t index, void* stream, void* event) {
+  std::shared_ptr<Stream> queue = queue_of(index, stream);
   std::shared_ptr<Event> e = event_of(event);
   uint64_t generation = 0;
   {
     std::lock_guard<std::mutex> lock(e->mutex);
     generation = e->recorded;
   }
-  Stream* queue = queue_of(index, stream);
   if (queue == nullptr) {
     e->wait_for(generation);  // the calling thread is the stream
     return;

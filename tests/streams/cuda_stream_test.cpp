@@ -1,0 +1,220 @@
+// Stream order on a GPU: the producer is still running on a non-default
+// stream (a host function that holds the stream, then an asynchronous copy
+// that writes the tensor) when its tensor is handed to each entry point; the
+// results are read back on that same stream, after the call, without any
+// synchronisation in between. Compiled always; skips without a GPU
+// (tests/gpu/check.sh runs it, also under compute-sanitizer).
+#include <cuda_runtime_api.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "test_util.h"
+
+using namespace dptest;
+
+#define REQUIRE_GPUS(n) \
+  if (cuda_count() < (n)) GTEST_SKIP() << "needs " << (n) << " GPU(s), found " << cuda_count()
+
+namespace {
+
+constexpr int kHoldMs = 50;
+
+void hold_stream(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(kHoldMs)); }
+
+std::vector<float> filled(size_t n, float start) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = start + static_cast<float>(i);
+  return v;
+}
+
+class CudaStreamOrder : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    REQUIRE_GPUS(1);
+    DP_ASSERT_OK(dp_stream_create(cuda(0), &stream_));
+    DP_ASSERT_OK(dp_set_current_stream(cuda(0), stream_));
+  }
+  void TearDown() override {
+    if (stream_ == nullptr) return;
+    EXPECT_EQ(dp_set_current_stream(cuda(0), nullptr), DP_OK);
+    EXPECT_EQ(dp_stream_destroy(cuda(0), stream_), DP_OK);
+  }
+  cudaStream_t s() const { return static_cast<cudaStream_t>(stream_); }
+
+  // A tensor on cuda:0 that the stream writes later: held first, then copied.
+  TensorPtr produced(size_t n, float start) {
+    TensorPtr t = make<float>({static_cast<int64_t>(n)}, std::vector<float>(n, -7.0f), cuda(0));
+    sources_.push_back(filled(n, start));
+    EXPECT_EQ(dp_stream_launch_host_func(cuda(0), stream_, hold_stream, nullptr), DP_OK) << dp_last_error();
+    EXPECT_EQ(cudaMemcpyAsync(dp_tensor_data(t.get()), sources_.back().data(), n * sizeof(float),
+                              cudaMemcpyHostToDevice, s()),
+              cudaSuccess);
+    return t;
+  }
+  // Reads a GPU tensor back on the stream, after everything queued so far.
+  std::vector<float> read_on_stream(const dp_tensor* t) {
+    std::vector<float> out(static_cast<size_t>(dp_tensor_numel(t)));
+    EXPECT_EQ(cudaMemcpyAsync(out.data(), dp_tensor_data(t), out.size() * sizeof(float), cudaMemcpyDeviceToHost, s()),
+              cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(s()), cudaSuccess);
+    return out;
+  }
+
+  void* stream_ = nullptr;
+  std::vector<std::vector<float>> sources_;  // pageable sources of queued copies
+};
+
+TEST_F(CudaStreamOrder, BroadcastOnOneGpuReadsWhatTheStreamWroteAndTheStreamWaitsForItsResult) {
+  TensorPtr x = produced(1 << 20, 1.0f);
+  dp_device devices[] = {cuda(0), cpu(0)};
+  dp_tensor* out[2] = {};
+  DP_ASSERT_OK(dp_broadcast(x.get(), devices, 2, out));
+  TensorPtr a(out[0]), b(out[1]);
+  EXPECT_EQ(values<float>(b.get()), filled(1 << 20, 1.0f));
+}
+
+TEST_F(CudaStreamOrder, ReduceAddScatterGatherAndCopiesSeeTheStreamsWrites) {
+  TensorPtr x = produced(4096, 1.0f), y = produced(4096, 2.0f);
+  const dp_tensor* in[] = {x.get(), y.get()};
+  dp_tensor* sum = nullptr;
+  DP_ASSERT_OK(dp_reduce_add(in, 2, cuda(0), &sum));
+  TensorPtr owned_sum(sum);
+  std::vector<float> expected(4096);
+  for (size_t i = 0; i < expected.size(); ++i) expected[i] = 3.0f + 2.0f * static_cast<float>(i);
+  EXPECT_EQ(read_on_stream(sum), expected);
+
+  TensorPtr z = produced(64, 10.0f);
+  std::vector<float> host(64);
+  DP_ASSERT_OK(dp_tensor_copy_to_host(z.get(), host.data(), host.size() * sizeof(float)));
+  EXPECT_EQ(host, filled(64, 10.0f));
+
+  TensorPtr w = produced(64, 20.0f);
+  dp_tensor* moved = nullptr;
+  DP_ASSERT_OK(dp_tensor_to_device(&moved, w.get(), cpu(0)));
+  TensorPtr owned_moved(moved);
+  EXPECT_EQ(values<float>(moved), filled(64, 20.0f));
+
+  TensorPtr v = produced(8, 1.0f);
+  dp_device targets[] = {cuda(0), cpu(0)};
+  dp_tensor* chunks[2] = {};
+  size_t count = 0;
+  DP_ASSERT_OK(dp_scatter(v.get(), targets, 2, nullptr, 0, chunks, &count));
+  TensorPtr c0(chunks[0]), c1(chunks[1]);
+  EXPECT_EQ(values<float>(c1.get()), filled(4, 5.0f));
+  TensorPtr g0 = produced(4, 100.0f);
+  const dp_tensor* parts[] = {g0.get(), c1.get()};
+  dp_tensor* whole = nullptr;
+  DP_ASSERT_OK(dp_gather(parts, 2, 0, cuda(0), &whole));
+  TensorPtr owned_whole(whole);
+  std::vector<float> joined = filled(4, 100.0f), tail = filled(4, 5.0f);
+  joined.insert(joined.end(), tail.begin(), tail.end());
+  EXPECT_EQ(read_on_stream(whole), joined);
+}
+
+// An NCCL group of one rank on cuda:0; its store file is removed at once.
+dp_process_group* nccl_group_of_one() {
+  char path[] = "/tmp/dp_cuda_stream_store_XXXXXX";
+  int fd = ::mkstemp(path);
+  ::close(fd);
+  ::unlink(path);
+  dp_store* store = nullptr;
+  EXPECT_EQ(dp_store_create_file(&store, path, 1), DP_OK) << dp_last_error();
+  dp_process_group_options o = DP_PROCESS_GROUP_OPTIONS_INIT;
+  o.backend = DP_BACKEND_NCCL;
+  o.rank = 0;
+  o.world_size = 1;
+  o.store = store;
+  o.timeout_ms = 60000;
+  o.device = cuda(0);
+  dp_process_group* pg = nullptr;
+  EXPECT_EQ(dp_process_group_create(&pg, &o), DP_OK) << dp_last_error();
+  dp_store_destroy(store);
+  ::unlink(path);
+  return pg;
+}
+
+TEST_F(CudaStreamOrder, DdpMarksWithoutAStreamArgumentWaitForTheCurrentStream) {
+  dp_process_group* pg = nccl_group_of_one();
+  ASSERT_NE(pg, nullptr);
+  dp_module* m = nullptr;
+  DP_ASSERT_OK(dp_module_create(&m));
+  TensorPtr w = make<float>({1 << 16}, std::vector<float>(1 << 16, 0.0f), cuda(0));
+  DP_ASSERT_OK(dp_module_register_parameter(m, "w", w.get(), 1));
+  dp_ddp* ddp = nullptr;
+  DP_ASSERT_OK(dp_ddp_create(&ddp, m, pg, nullptr));
+  dp_tensor* g = nullptr;
+  DP_ASSERT_OK(dp_module_grad(m, "w", &g));
+  TensorPtr grad(g);
+  sources_.push_back(filled(1 << 16, 1.0f));
+  DP_ASSERT_OK(dp_stream_launch_host_func(cuda(0), stream_, hold_stream, nullptr));
+  ASSERT_EQ(cudaMemcpyAsync(dp_tensor_data(g), sources_.back().data(), sources_.back().size() * sizeof(float),
+                            cudaMemcpyHostToDevice, s()),
+            cudaSuccess);
+  DP_ASSERT_OK(dp_ddp_mark_grad_ready(ddp, "w"));
+  DP_ASSERT_OK(dp_ddp_finish_backward(ddp));
+  EXPECT_EQ(read_on_stream(g), filled(1 << 16, 1.0f));
+  dp_ddp_destroy(ddp);
+  dp_module_destroy(m);
+  dp_process_group_destroy(pg);
+}
+
+TEST_F(CudaStreamOrder, NcclAllGatherOfWorldOneSendsWhatTheStreamWrote) {
+  dp_process_group* pg = nccl_group_of_one();
+  ASSERT_NE(pg, nullptr);
+  TensorPtr x = produced(1 << 16, 1.0f);
+  TensorPtr out = make<float>({1 << 16}, std::vector<float>(1 << 16, 0.0f), cuda(0));
+  dp_tensor* outs[] = {out.get()};
+  DP_EXPECT_OK(dp_pg_all_gather(pg, x.get(), outs, 1));
+  EXPECT_EQ(read_on_stream(out.get()), filled(1 << 16, 1.0f));
+  dp_process_group_destroy(pg);
+}
+
+TEST_F(CudaStreamOrder, FreedMemoryIsNotReusedBeforeTheStreamPassesTheFree) {
+  const size_t n = 1 << 20;
+  // Pinned, so that the read below stays queued (into pageable memory it
+  // would return only once done).
+  void* pinned = nullptr;
+  ASSERT_EQ(cudaMallocHost(&pinned, n * sizeof(float)), cudaSuccess);
+  auto* seen_data = static_cast<float*>(pinned);
+  std::memset(seen_data, 0, n * sizeof(float));
+  {
+    TensorPtr x = make<float>({static_cast<int64_t>(n)}, filled(n, 1.0f), cuda(0));
+    DP_ASSERT_OK(dp_stream_launch_host_func(cuda(0), stream_, hold_stream, nullptr));
+    ASSERT_EQ(cudaMemcpyAsync(seen_data, dp_tensor_data(x.get()), n * sizeof(float), cudaMemcpyDeviceToHost, s()),
+              cudaSuccess);
+  }  // freed while the queued read still has to run
+  std::vector<TensorPtr> reused;
+  for (int i = 0; i < 4; ++i) {
+    dp_tensor* t = nullptr;
+    int64_t shape = static_cast<int64_t>(n);
+    DP_ASSERT_OK(dp_tensor_create(&t, DP_FLOAT32, 1, &shape, cuda(0)));  // zero-filled
+    reused.emplace_back(t);
+  }
+  ASSERT_EQ(cudaStreamSynchronize(s()), cudaSuccess);
+  std::vector<float> seen(seen_data, seen_data + n);
+  cudaFreeHost(seen_data);
+  EXPECT_EQ(seen, filled(n, 1.0f)) << "the freed block was handed out again before the queued read";
+}
+
+TEST_F(CudaStreamOrder, MarkOnAStreamUnderGraphCaptureIsRefusedPlainly) {
+  cudaStream_t capturing = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&capturing, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamBeginCapture(capturing, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  EXPECT_EQ(dp_set_current_stream(cuda(0), capturing), DP_OK);
+  TensorPtr x = make<float>({4}, filled(4, 1.0f), cuda(0));
+  std::vector<float> host(4);
+  EXPECT_EQ(dp_tensor_copy_to_host(x.get(), host.data(), sizeof(float) * host.size()), DP_ESTATE);
+  EXPECT_NE(last_error().find("captured into a CUDA graph"), std::string::npos) << last_error();
+  cudaGraph_t graph = nullptr;
+  EXPECT_EQ(cudaStreamEndCapture(capturing, &graph), cudaSuccess);
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  EXPECT_EQ(dp_set_current_stream(cuda(0), stream_), DP_OK);
+  cudaStreamDestroy(capturing);
+}
+
+}  // namespace
