@@ -1,5 +1,6 @@
 // dp_ddp.h: the DDP reducer.
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 
 #include "capi/dist_internal.h"
@@ -25,7 +26,7 @@ std::string refusal_inside_comm_hook(const dp_ddp* handle) {
   ddp::RunningHook hook = ddp::running_hook();
   if (hook.reducer == nullptr) return "";
   bool own = handle != nullptr && handle->tag == kDdpTag && handle->reducer.get() == hook.reducer;
-  return str_cat("called from inside the comm hook of ", own ? "this dp_ddp" : "a dp_ddp", " (bucket ", hook.bucket,
+  return str_cat("called from inside the ", hook.what, " of ", own ? "this dp_ddp" : "a dp_ddp", " (bucket ", hook.bucket,
                  "): a hook may run collectives on the process group it is given and use dp_tensor functions, but "
                  "not call dp_ddp functions that change a dp_ddp (they wait for the hook's own bucket)");
 }
@@ -86,6 +87,11 @@ ddp::ReducerOptions options_arg(const dp_ddp_options* opts, const std::shared_pt
                  "; it must be DP_HOOK_ALLREDUCE, DP_HOOK_FP16, DP_HOOK_BF16 or DP_HOOK_CUSTOM (0..3)");
   }
   options.hook = static_cast<ddp::HookKind>(o.comm_hook);
+  options.static_graph = o.static_graph != 0;
+  if (o.bucket_plan != nullptr) {
+    options.bucket_plan = o.bucket_plan;
+    if (options.bucket_plan.empty()) fail_invalid("argument 'opts->bucket_plan' is empty; pass NULL for none");
+  }
   if (options.hook == ddp::HookKind::kCustom) {
     if (o.hook_fn == nullptr) fail_invalid("argument 'opts->hook_fn' is NULL but 'opts->comm_hook' is DP_HOOK_CUSTOM");
     dp_comm_hook_fn fn = o.hook_fn;
@@ -110,6 +116,17 @@ ddp::ReducerOptions options_arg(const dp_ddp_options* opts, const std::shared_pt
   return options;
 }
 
+// on_bucket_reduced as the reducer calls it, given the handle it reports.
+void set_bucket_reduced(ddp::ReducerOptions& options, const dp_ddp_options* opts, dp_ddp* handle) {
+  if (opts == nullptr || opts->struct_size < offsetof(dp_ddp_options, on_bucket_reduced_data) + sizeof(void*)) return;
+  dp_bucket_reduced_fn fn = opts->on_bucket_reduced;
+  if (fn == nullptr) return;
+  void* user_data = opts->on_bucket_reduced_data;
+  options.on_bucket_reduced = [fn, user_data, handle](size_t bucket, const std::vector<size_t>& params) {
+    return fn(user_data, handle, bucket, params.data(), params.size());
+  };
+}
+
 }  // namespace
 
 extern "C" {
@@ -131,6 +148,7 @@ dp_status dp_ddp_create(dp_ddp** out, dp_module* module, dp_process_group* pg, c
   capi::group_arg(pg, "pg");
   ddp::ReducerOptions options = options_arg(opts, pg->group);
   auto handle = std::make_unique<dp_ddp>();
+  set_bucket_reduced(options, opts, handle.get());
   StreamOrder order(capi::module_devices(*m, {pg->group->device()}));
   handle->reducer = std::make_shared<ddp::Reducer>(m, pg->group, std::move(options));
   order.finish();
@@ -176,6 +194,28 @@ dp_status dp_ddp_finish_backward(dp_ddp* ddp) {
   StreamOrder order(capi::module_devices(reducer.module(), {reducer.device()}));
   reducer.finish_backward();
   order.finish();
+  DP_API_END
+}
+
+dp_status dp_ddp_parameter_used(const dp_ddp* ddp, size_t param_index, int* out) {
+  DP_API_BEGIN
+  capi::require_arg(out, "out");
+  *out = 0;
+  *out = ddp_arg(ddp, false).parameter_used(param_index) ? 1 : 0;
+  DP_API_END
+}
+
+dp_status dp_ddp_bucket_plan(const dp_ddp* ddp, char* buf, size_t cap, size_t* len) {
+  DP_API_BEGIN
+  capi::require_arg(len, "len");
+  if (buf == nullptr && cap > 0) fail_invalid("argument 'buf' is NULL but 'cap' is ", cap);
+  std::string text = ddp_arg(ddp, false).plan_text();
+  *len = text.size();
+  if (buf == nullptr) return DP_OK;
+  if (cap <= text.size()) {
+    fail_invalid("the plan is ", text.size(), " bytes (", text.size() + 1, " with its NUL) but 'cap' is ", cap);
+  }
+  std::memcpy(buf, text.c_str(), text.size() + 1);
   DP_API_END
 }
 

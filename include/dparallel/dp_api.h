@@ -34,7 +34,7 @@ extern "C" {
 #endif
 
 /* abi_minor of the table this header describes. */
-#define DP_API_MINOR 5
+#define DP_API_MINOR 6
 
 /* Every slot of the table, in table order: X(return type, name, (parameters))
  * for the entry point dp_<name>. The struct below and the library's table are
@@ -179,7 +179,10 @@ extern "C" {
   X(dp_status, stream_create, (dp_device device, void **out))                                                          \
   X(dp_status, stream_destroy, (dp_device device, void *stream))                                                       \
   X(dp_status, stream_synchronize, (dp_device device, void *stream))                                                   \
-  X(dp_status, stream_launch_host_func, (dp_device device, void *stream, void (*fn)(void *user_data), void *user_data))
+  X(dp_status, stream_launch_host_func, (dp_device device, void *stream, void (*fn)(void *user_data), void *user_data)) \
+  /* ---- abi_minor 6: DDP beyond PyTorch's (dp_ddp.h; options fields appended too) ---- */                         \
+  X(dp_status, ddp_parameter_used, (const dp_ddp *ddp, size_t param_index, int *out))                                   \
+  X(dp_status, ddp_bucket_plan, (const dp_ddp *ddp, char *buf, size_t cap, size_t *len))
 /* clang-format on */
 
 /* A type, a name and a parameter list cannot be parenthesised. */

@@ -151,6 +151,24 @@ typedef enum dp_comm_hook {
  * dp_ddp's pending jobs. Make a new group to go on. */
 typedef int (*dp_comm_hook_fn)(void *user_data, dp_process_group *pg, size_t bucket_index, dp_tensor *flat_bucket);
 
+typedef struct dp_ddp dp_ddp;
+/* The optimizer inside backward: runs on the library's worker thread as
+ * soon as bucket `bucket_index`'s averaged gradients are final in the
+ * module's gradients (with find_unused_parameters before the static graph
+ * is recorded: once the used map has decided, during finish_backward),
+ * while later buckets still reduce. Every managed parameter is reported
+ * exactly once per synced iteration (unused ones too: dp_ddp_parameter_used
+ * tells them apart, for the iteration being reduced), never in a no_sync
+ * one. `param_indices` is valid during the call only. Returns 0; non-zero
+ * makes finish_backward DP_EUSER naming the bucket (the gradients are
+ * averaged and final all the same). Like a comm hook it may read the dp_ddp
+ * and use dp_tensor and dp_module functions, but other dp_ddp calls are
+ * DP_ESTATE. When finish_backward fails for another reason, buckets
+ * reported before the failure keep what the callback did with them while
+ * the gradients return to this rank's own values. */
+typedef int (*dp_bucket_reduced_fn)(void *user_data, dp_ddp *ddp, size_t bucket_index, const size_t *param_indices,
+                                    size_t nparams);
+
 typedef struct dp_ddp_options {
   size_t struct_size;
   double bucket_cap_mb;               /* 25 */
@@ -166,9 +184,32 @@ typedef struct dp_ddp_options {
   int32_t comm_hook; /* dp_comm_hook */
   dp_comm_hook_fn hook_fn;
   void *hook_user_data;
+  /* ---- abi_minor 6 ---- */
+  /* 0; 1: the first synced iteration records the used parameters, their
+   * order and the plan; later iterations run no used-map collective (even
+   * with find_unused_parameters), recorded-unused parameters go in as zeros
+   * from the first mark, and an iteration that marks a recorded-unused
+   * parameter (that mark is DP_ESTATE) or leaves a recorded-used one
+   * unmarked fails finish_backward with DP_ESTATE naming it on every rank.
+   * The last bucket of such iterations starts at finish_backward. */
+  int static_graph;
+  /* 1; reserved for dp_ddp_join: while ranks have joined, divide by the
+   * initial world size (1) or by the ranks still active (0). */
+  int join_divide_by_initial_world_size;
+  dp_bucket_reduced_fn on_bucket_reduced; /* NULL */
+  void *on_bucket_reduced_data;
+  /* NULL; text from dp_ddp_bucket_plan to start with: the buckets are those,
+   * final (no rebuild after the first iteration). DP_EINVAL at create naming
+   * an unknown, repeated or missing parameter or a wrong dtype; ranks given
+   * different plans fail on every rank at create (with init_sync 0, every
+   * rank must give a plan or none). */
+  const char *bucket_plan;
 } dp_ddp_options;
-#define DP_DDP_OPTIONS_INIT \
-  { sizeof(dp_ddp_options), 25.0, 1.0, 0, 1, 0, 1, NULL, 0, NULL, 0, DP_HOOK_ALLREDUCE, NULL, NULL }
+#define DP_DDP_OPTIONS_INIT                                                                                      \
+  {                                                                                                              \
+    sizeof(dp_ddp_options), 25.0, 1.0, 0, 1, 0, 1, NULL, 0, NULL, 0, DP_HOOK_ALLREDUCE, NULL, NULL, 0, 1, NULL, \
+        NULL, NULL                                                                                               \
+  }
 /* Fills the caller's struct with the defaults above, writing exactly
  * `struct_size` bytes: pass sizeof(dp_ddp_options). Bytes past the fields
  * this library knows are zeroed and opts->struct_size becomes `struct_size`,
@@ -176,7 +217,6 @@ typedef struct dp_ddp_options {
  * sizeof(size_t). */
 DP_API dp_status dp_ddp_options_init(dp_ddp_options *opts, size_t struct_size);
 
-typedef struct dp_ddp dp_ddp;
 /* Wraps `module` for data-parallel training over `pg` (every rank calls it
  * with equal options). Holds references to the module and the group. With
  * init_sync, every rank checks that parameter count, names, dtypes and
@@ -235,6 +275,21 @@ typedef struct dp_ddp_stats {
   int buckets_rebuilt;
 } dp_ddp_stats;
 DP_API dp_status dp_ddp_last_stats(const dp_ddp *ddp, dp_ddp_stats *out);
+
+/* *out = 1 when some rank used parameter `param_index` in the last synced
+ * iteration (inside on_bucket_reduced: the one being reduced), else 0:
+ * without find_unused_parameters every parameter counts as used. A host
+ * with Adam or weight decay skips those with 0 (their gradients read as
+ * zeros). DP_ESTATE before any synced iteration has reduced gradients. */
+DP_API dp_status dp_ddp_parameter_used(const dp_ddp *ddp, size_t param_index, int *out);
+/* The current bucket plan as text: one line per bucket in launch order,
+ * "bucket <dtype> <dotted names...>" (names with spaces, control bytes or
+ * '%' percent-encoded), under a comment line; stable across runs of the
+ * same module. Copies the text and a terminating NUL into `buf` and its
+ * length (without the NUL) into *len; with buf NULL and cap 0 it only
+ * reports the length. A `cap` below the length + 1 is DP_EINVAL (the
+ * message and *len give the length; nothing is written to buf). */
+DP_API dp_status dp_ddp_bucket_plan(const dp_ddp *ddp, char *buf, size_t cap, size_t *len);
 
 #ifdef __cplusplus
 }

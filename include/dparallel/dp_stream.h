@@ -26,8 +26,9 @@
  * missing wait fail on a machine without a GPU.
  *
  * Thread safety: current streams are per thread. A stream may be used from
- * any thread; destroying it while another thread uses it is the caller's to
- * prevent.
+ * any thread. A cpu stream destroyed while still current on another thread
+ * makes that thread's next call DP_EINVAL, saying so; a cudaStream_t
+ * destroyed while in use is the caller's to prevent, as in CUDA.
  */
 #ifndef DPARALLEL_DP_STREAM_H
 #define DPARALLEL_DP_STREAM_H
@@ -47,8 +48,11 @@ DP_API dp_status dp_get_current_stream(dp_device device, void **out);
 /* A new stream of `device`: for cuda a non-blocking cudaStream_t, for cpu a
  * queue with a thread of its own. */
 DP_API dp_status dp_stream_create(dp_device device, void **out);
-/* Waits for the stream's queued work, then frees it; NULL does nothing. A
- * stream still current on some thread must not be destroyed. */
+/* Waits for the stream's queued work, then frees it (a host function may
+ * destroy its own stream: the stream then ends after its queued work, on
+ * another thread); NULL does nothing. Clears it as this thread's current
+ * stream. Queued work that waits on something that never comes makes this
+ * wait as long. */
 DP_API dp_status dp_stream_destroy(dp_device device, void *stream);
 /* Returns once the work queued so far on `stream` is done. */
 DP_API dp_status dp_stream_synchronize(dp_device device, void *stream);

@@ -53,7 +53,7 @@ std::shared_ptr<Storage> Storage::allocate(const Device& device, size_t nbytes, 
   auto storage = std::shared_ptr<Storage>(new Storage(device, allocation.data, nbytes, nullptr, true));
   if (zero && !allocation.zeroed) {
     fill_zero(allocation.data, device, nbytes);
-  } else if (!zero && device.is_cpu() && device_runtime(device.type).default_stream_is_queued()) {
+  } else if (!zero && nbytes > 0 && device.is_cpu() && device_runtime(device.type).default_stream_is_queued()) {
     // The asynchronous cpu mode: whatever reads this before its producer
     // wrote it reads NaNs and all-ones integers, not zeros that may pass.
     std::memset(allocation.data, 0xff, nbytes);

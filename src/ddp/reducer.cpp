@@ -32,9 +32,26 @@ double ms_between(Reducer::Clock::time_point a, Reducer::Clock::time_point b) {
 
 thread_local RunningHook t_running_hook;
 
+// In every message about an iteration that departs from the recorded static
+// graph; a peer's refusal carrying it fails finish_backward with kState.
+constexpr const char* kStaticDeparture = "departs from the static graph";
+
 }  // namespace
 
 RunningHook running_hook() noexcept { return t_running_hook; }
+
+namespace {
+
+// Marks this thread as running a reducer's hook or callback for the scope.
+class RunningHookScope {
+ public:
+  explicit RunningHookScope(RunningHook hook) { t_running_hook = hook; }
+  ~RunningHookScope() { t_running_hook = RunningHook{}; }
+  RunningHookScope(const RunningHookScope&) = delete;
+  RunningHookScope& operator=(const RunningHookScope&) = delete;
+};
+
+}  // namespace
 
 Reducer::Clock::duration Reducer::lane_bound() const { return group_->timeout() + std::chrono::seconds(3); }
 
@@ -98,6 +115,16 @@ void Reducer::mark_ready(size_t index, bool has_stream, void* stream) {
     const Device& device = params_[index].parameter->value().device();
     device_runtime(device.type).check_stream(device.index, stream, "cuda_stream");
   }
+  if (requires_sync_ && graph_recorded_ && static_used_[index] == 0) {
+    std::string departure =
+        str_cat("rank ", group_->rank(), " marked parameter '", params_[index].name, "' (index ", index, "), which ",
+                kStaticDeparture,
+                ": the first synced iteration recorded it as unused by every rank; with static_graph every iteration "
+                "must use the same parameters");
+    if (static_departure_.empty()) static_departure_ = departure;
+    fail(StatusCode::kState, departure, " (this iteration's finish_backward fails on every rank)");
+  }
+  if (requires_sync_ && !any_mark_) premark_static_unused_locked();
   marked_[index] = 1;
   ++marked_count_;
   used_since_sync_[index] = 1;
@@ -144,7 +171,10 @@ void Reducer::issue_locked(JobSpec spec, JobState& state) {
 }
 
 void Reducer::issue_ready_buckets_locked() {
-  while (next_issue_ < buckets_.size() && buckets_[next_issue_].pending == 0) {
+  // static_graph: the last bucket waits for finish_backward, so that a rank
+  // departing from the graph still has a collective to fail every rank with.
+  const size_t issuable = graph_recorded_ && !finishing_ && !buckets_.empty() ? buckets_.size() - 1 : buckets_.size();
+  while (next_issue_ < issuable && buckets_[next_issue_].pending == 0) {
     JobSpec spec;
     spec.index = next_issue_;
     issue_locked(std::move(spec), buckets_[next_issue_].job);
@@ -152,12 +182,14 @@ void Reducer::issue_ready_buckets_locked() {
   }
   // Every parameter marked: the marks are final, so the tail need not wait
   // for this rank's finish (which may come after another dp_ddp's).
-  if (next_issue_ == buckets_.size() && marked_count_ == params_.size() && !tail_issued_) issue_tail_locked("");
+  if (next_issue_ == buckets_.size() && marked_count_ + premarked_count_ == params_.size() && !tail_issued_) {
+    issue_tail_locked("");
+  }
 }
 
 void Reducer::issue_tail_locked(const std::string& refusal) {
   tail_issued_ = true;
-  if (options_.find_unused_parameters) {
+  if (options_.find_unused_parameters && !graph_recorded_) {
     JobSpec spec;
     spec.item = CallItem::kUsedMap;
     spec.refusal = refusal;
@@ -238,16 +270,22 @@ void Reducer::run_bucket(size_t index) {
   reduce_bucket(index);
   // The results go back into the gradients here, while the host's backward
   // goes on, unless the used map must decide it first.
-  if (in_place_ || !options_.find_unused_parameters) {
-    std::vector<Tensor> grads, slots;
-    for (size_t p : bucket.params) {
-      if (!needs_copy(p)) continue;
-      grads.push_back(params_[p].parameter->grad());
-      slots.push_back(slot_of(p));
-    }
-    comm::copy_pairs(grads, slots);
-    bucket.copied_back = true;
+  bool final_now = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    final_now = in_place_ || !options_.find_unused_parameters || graph_recorded_;
+    if (final_now) used_flags_ = graph_recorded_ ? static_used_ : std::vector<uint8_t>(params_.size(), 1);
   }
+  if (!final_now) return;
+  std::vector<Tensor> grads, slots;
+  for (size_t p : bucket.params) {
+    if (!needs_copy(p) || (graph_recorded_ && static_used_[p] == 0)) continue;
+    grads.push_back(params_[p].parameter->grad());
+    slots.push_back(slot_of(p));
+  }
+  comm::copy_pairs(grads, slots);
+  bucket.copied_back = true;
+  report_bucket(index);
 }
 
 // Which parameters any rank used since the last synced backward.
@@ -307,9 +345,11 @@ void Reducer::drop_job(const JobSpec& spec, StatusCode code, const std::string& 
   if (!state.done) fail_job_locked(state, code, why);
 }
 
-// Waits for the host's streams at the marks, then copies the gradients in.
-// The wait is on this thread: the collective that follows runs on the
-// group's own stream, which nothing else orders after the marks.
+// Orders the bucket's work after the host's streams at the marks, then
+// copies the gradients in. Where the device queues work (GPUs) the library
+// stream (copies, the saved local values) and the group's transfer stream
+// wait on the device; where the library's work runs on this thread (cpu),
+// this thread waits.
 void Reducer::copy_into_bucket(size_t index) {
   std::vector<Event> events;
   std::vector<size_t> deferred;
@@ -319,7 +359,16 @@ void Reducer::copy_into_bucket(size_t index) {
     deferred.swap(buckets_[index].deferred);
   }
   if (!skipping_stream_waits_for_tests()) {
-    for (const Event& e : events) e.synchronize();
+    void* transfers = group_->transfer_stream();
+    for (const Event& e : events) {
+      const DeviceRuntime& runtime = device_runtime(e.device().type);
+      if (!runtime.library_work_is_queued()) {
+        e.synchronize();
+        continue;
+      }
+      e.block(runtime.library_stream(e.device().index));
+      if (transfers != nullptr && e.device() == group_->device()) e.block(transfers);
+    }
   }
   std::vector<Tensor> slots, grads;
   for (size_t p : deferred) {
@@ -360,13 +409,24 @@ void Reducer::reduce_bucket(size_t index) {
     return;
   }
   if (options_.hook != HookKind::kCustom) return reduce_with_builtin_hook(options_.hook, *group_, bucket.flat);
-  struct Running {
-    explicit Running(RunningHook hook) { t_running_hook = hook; }
-    ~Running() { t_running_hook = RunningHook{}; }
-    Running(const Running&) = delete;
-    Running& operator=(const Running&) = delete;
-  } running(RunningHook{this, index});
+  RunningHookScope running(RunningHook{this, index, "comm hook"});
   options_.custom_hook(index, bucket.flat);
+}
+
+void Reducer::report_bucket(size_t index) {
+  if (!options_.on_bucket_reduced) return;
+  int rc = 0;
+  {
+    RunningHookScope running(RunningHook{this, index, "on_bucket_reduced callback"});
+    rc = options_.on_bucket_reduced(index, buckets_[index].params);
+  }
+  if (rc == 0) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (report_error_.empty()) {
+    report_error_ = str_cat("on_bucket_reduced returned ", rc, " for bucket ", index, " (",
+                            describe_params(buckets_[index].params),
+                            "); the gradients of every bucket are averaged and final");
+  }
 }
 
 void Reducer::wait_all_done(std::unique_lock<std::mutex>& lock) {
@@ -423,6 +483,11 @@ void Reducer::reset_iteration_locked() {
   order_job_ = JobState{};
   used_result_.clear();
   rank0_order_.clear();
+  premarked_.assign(params_.size(), 0);
+  premarked_count_ = 0;
+  premarked_views_.clear();
+  static_departure_.clear();
+  report_error_.clear();
   for (Bucket& b : buckets_) {
     b.pending = b.params.size();
     b.copied_back = false;
@@ -463,12 +528,17 @@ void Reducer::finish_backward() {
     flush_trace();
     return;
   }
+  if (!any_mark_) premark_static_unused_locked();
   std::vector<size_t> unmarked;
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (marked_[i] == 0) unmarked.push_back(i);
+    if (marked_[i] == 0 && premarked_[i] == 0) unmarked.push_back(i);
+  }
+  if (graph_recorded_ && (!unmarked.empty() || !static_departure_.empty())) {
+    refuse_static_departure_locked(lock, unmarked);
   }
   if (!unmarked.empty() && !options_.find_unused_parameters) refuse_unmarked_locked(lock, unmarked);
   std::map<size_t, Tensor> saved_views = fill_unused_locked(unmarked);
+  saved_views.insert(premarked_views_.begin(), premarked_views_.end());
   issue_ready_buckets_locked();
   if (!tail_issued_) issue_tail_locked("");
   wait_all_done(lock);
@@ -476,7 +546,11 @@ void Reducer::finish_backward() {
 
   std::string message;
   if (const JobState* failed = first_failure_locked(message)) {
-    const StatusCode code = failed->code;
+    StatusCode code = failed->code;
+    // Another rank's refusal for departing from the static graph.
+    if (code == StatusCode::kInvalidArgument && message.find(kStaticDeparture) != std::string::npos) {
+      code = StatusCode::kState;
+    }
     restore_local_locked(saved_views);
     std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
     ready_order_.clear();
@@ -484,10 +558,31 @@ void Reducer::finish_backward() {
     ++iteration_;
     throw Error(code, message);
   }
+  if (graph_recorded_) {
+    used_result_ = static_used_;
+    used_flags_ = static_used_;
+  } else {
+    used_flags_ = options_.find_unused_parameters ? used_result_ : std::vector<uint8_t>(params_.size(), 1);
+  }
+  std::vector<size_t> to_report;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    if (!buckets_[b].copied_back) to_report.push_back(b);
+  }
   copy_results_back_locked(saved_views);
+  if (options_.static_graph && !graph_recorded_) {
+    static_used_ = used_flags_;
+    graph_recorded_ = true;
+  }
+  if (!to_report.empty() && options_.on_bucket_reduced) {
+    // Final only now (the used map decided them); finishing_ keeps other calls out.
+    lock.unlock();
+    for (size_t b : to_report) report_bucket(b);
+    lock.lock();
+  }
   ReducerStats stats = measure_locked(finish_start);
   trace_iteration(finish_start, reduced);
   std::vector<size_t> rank0_order = std::move(rank0_order_);
+  std::string report_error = std::move(report_error_);
   const bool rebuild_now = order_job_.issued;
   std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
   ready_order_.clear();
@@ -502,6 +597,7 @@ void Reducer::finish_backward() {
   }
   lock.unlock();
   flush_trace();
+  if (!report_error.empty()) fail(StatusCode::kUser, report_error);
 }
 
 // Parameters left unmarked without find_unused_parameters: the jobs that
@@ -514,6 +610,25 @@ void Reducer::refuse_unmarked_locked(std::unique_lock<std::mutex>& lock, const s
       ". Mark every managed parameter once per backward, or create the dp_ddp with find_unused_parameters = 1 if "
       "some parameters are unused in some iterations");
   std::string refusal = str_cat("rank ", group_->rank(), " did not mark parameter(s) ", names, " ready");
+  refuse_rest_locked(lock, refusal, message);
+}
+
+void Reducer::refuse_static_departure_locked(std::unique_lock<std::mutex>& lock, const std::vector<size_t>& unmarked) {
+  std::string departure = static_departure_;
+  if (departure.empty()) {
+    departure = str_cat("rank ", group_->rank(), " did not mark parameter(s) ", describe_params(unmarked),
+                        ", which ", kStaticDeparture,
+                        ": the first synced iteration recorded them as used; with static_graph every iteration must "
+                        "use the same parameters");
+  }
+  refuse_rest_locked(lock, departure, departure);
+}
+
+// The buckets (and tail) not yet issued go out as refusals naming `refusal`,
+// so that every rank's matching call fails at once; then every gradient is
+// left local and this rank fails with `message`.
+void Reducer::refuse_rest_locked(std::unique_lock<std::mutex>& lock, const std::string& refusal,
+                                 const std::string& message) {
   for (size_t b = next_issue_; b < buckets_.size(); ++b) {
     JobSpec spec;
     spec.index = b;
@@ -523,12 +638,26 @@ void Reducer::refuse_unmarked_locked(std::unique_lock<std::mutex>& lock, const s
   next_issue_ = buckets_.size();
   if (!tail_issued_) issue_tail_locked(refusal);
   wait_all_done(lock);
-  restore_local_locked({});
+  restore_local_locked(premarked_views_);
   std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
   ready_order_.clear();
   reset_iteration_locked();
   ++iteration_;
   fail(StatusCode::kState, message);
+}
+
+void Reducer::premark_static_unused_locked() {
+  if (!graph_recorded_) return;
+  std::vector<size_t> unused;
+  for (size_t p = 0; p < params_.size(); ++p) {
+    if (static_used_[p] == 0 && premarked_[p] == 0) {
+      unused.push_back(p);
+      premarked_[p] = 1;
+    }
+  }
+  if (unused.empty()) return;
+  premarked_count_ += unused.size();
+  premarked_views_ = fill_unused_locked(unused);
 }
 
 // find_unused_parameters: what this rank did not use goes in as zeros (or

@@ -19,6 +19,7 @@
 #include "core/tensor.h"
 #include "ddp/comm_hooks.h"
 #include "ddp/comm_lane.h"
+#include "ddp/plan_text.h"
 #include "distributed/process_group.h"
 #include "module/module.h"
 
@@ -39,6 +40,16 @@ struct ReducerOptions {
   std::vector<std::string> ignored_parameters;
   HookKind hook = HookKind::kAllReduce;
   CustomHook custom_hook;
+  // After the first synced iteration the used set, the ready order and the
+  // plan are final: no used map, and an iteration that departs from them
+  // fails on every rank.
+  bool static_graph = false;
+  // The optimizer inside backward: on the lane, once a bucket's averaged
+  // gradients are final, with its parameters' indices; non-zero fails
+  // finish_backward with kUser.
+  std::function<int(size_t bucket, const std::vector<size_t>& params)> on_bucket_reduced;
+  // A plan from plan_text() to start with (empty: none); it is final.
+  std::string bucket_plan;
 };
 
 struct ReducerStats {
@@ -79,6 +90,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   size_t num_buckets() const;
   std::vector<size_t> bucket_parameters(size_t bucket) const;
   ReducerStats last_stats() const;
+  // The current plan as text (plan_text.h).
+  std::string plan_text() const;
+  // Whether any rank used parameter `index` in the last synced iteration
+  // (inside on_bucket_reduced: in the one being reduced); kState before any.
+  bool parameter_used(size_t index) const;
 
  private:
   friend class CommLane;
@@ -128,6 +144,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // The plan (reducer_plan.cpp).
   void build_buckets(const std::vector<std::vector<size_t>>& plan);
   std::vector<std::vector<size_t>> plan_for(const std::vector<size_t>& order) const;
+  std::vector<PlanParam> plan_params() const;
   // True when the plan changed (with views: the gradients' storage moved).
   bool rebuild(const std::vector<size_t>& rank0_order);
   Tensor slot_of(size_t index) const;
@@ -168,6 +185,13 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void drop_job(const JobSpec& spec, StatusCode code, const std::string& why);
   void fail_job_locked(JobState& state, StatusCode code, const std::string& why);
   void run_bucket(size_t index);
+  // Calls on_bucket_reduced for bucket `index` (no lock held); a non-zero
+  // return is kept for finish_backward.
+  void report_bucket(size_t index);
+  // static_graph, once recorded: the recorded-unused parameters go in as
+  // zeros at the iteration's first mark (or finish), so their buckets need
+  // not wait for finish_backward.
+  void premark_static_unused_locked();
   void run_used_map();
   void run_ready_order();
   void reduce_bucket(size_t index);
@@ -183,6 +207,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   // finish_backward's steps.
   [[noreturn]] void refuse_unmarked_locked(std::unique_lock<std::mutex>& lock, const std::vector<size_t>& unmarked);
+  [[noreturn]] void refuse_static_departure_locked(std::unique_lock<std::mutex>& lock,
+                                                   const std::vector<size_t>& unmarked);
+  [[noreturn]] void refuse_rest_locked(std::unique_lock<std::mutex>& lock, const std::string& refusal,
+                                       const std::string& message);
   std::map<size_t, Tensor> fill_unused_locked(const std::vector<size_t>& unmarked);
   // The first failed job's error, with what this rank marked; empty when none failed.
   const JobState* first_failure_locked(std::string& message) const;
@@ -208,6 +236,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::string timeline_path_;
   std::vector<Managed> params_;
   std::vector<std::pair<std::string, Tensor>> buffers_;  // broadcast by pre_forward
+  std::vector<std::vector<size_t>> given_plan_;          // parsed from options_.bucket_plan
   std::unordered_map<std::string, size_t> index_by_name_;
 
   mutable std::mutex mutex_;
@@ -230,6 +259,17 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   JobState order_job_;
   std::vector<uint8_t> used_result_;
   std::vector<size_t> rank0_order_;
+  // Whether any rank used each parameter, for the iteration whose results
+  // were last delivered; empty before the first.
+  std::vector<uint8_t> used_flags_;
+  // static_graph, once recorded: the used set every iteration must keep.
+  std::vector<uint8_t> static_used_;
+  bool graph_recorded_ = false;
+  std::string static_departure_;  // this iteration's first departure from it
+  std::vector<uint8_t> premarked_;  // recorded unused, put in as zeros at the iteration's start
+  size_t premarked_count_ = 0;
+  std::map<size_t, Tensor> premarked_views_;  // their views' own values, put back at finish
+  std::string report_error_;      // this iteration's first failed on_bucket_reduced
   bool tail_issued_ = false;
   bool any_mark_ = false;
   bool finishing_ = false;  // a finish_backward is running: other calls are refused
@@ -239,10 +279,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<std::string> trace_events_;
 };
 
-// What this thread is running: a reducer's comm hook, for its bucket, or nothing.
+// What this thread is running: a reducer's comm hook or on_bucket_reduced
+// callback (`what`), for its bucket, or nothing.
 struct RunningHook {
   const Reducer* reducer = nullptr;
   size_t bucket = 0;
+  const char* what = "comm hook";
 };
 RunningHook running_hook() noexcept;
 

@@ -63,12 +63,21 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
         check_agreement(description);
         broadcast_state(setup.state);
       });
+    } else if (!given_plan_.empty()) {
+      // Ranks given different plans would pair unlike buckets.
+      std::vector<std::string> description = split_lines(format_plan(plan_params(), given_plan_));
+      on_lane(CallItem::kCreate, [&] { check_agreement(description); });
     }
     in_place_ = group_->device().type == DeviceType::kCpu && options_.hook == HookKind::kAllReduce &&
                 !options_.gradient_as_bucket_view && !options_.find_unused_parameters;
-    std::vector<size_t> order(params_.size());
-    for (size_t i = 0; i < order.size(); ++i) order[i] = params_.size() - 1 - i;
-    build_buckets(plan_for(order));
+    if (!given_plan_.empty()) {
+      build_buckets(given_plan_);
+      rebuilt_ = true;  // a given plan is final
+    } else {
+      std::vector<size_t> order(params_.size());
+      for (size_t i = 0; i < order.size(); ++i) order[i] = params_.size() - 1 - i;
+      build_buckets(plan_for(order));
+    }
   } catch (...) {
     lane_->detach(this, lane_bound());
     unregister_managed();
@@ -157,6 +166,7 @@ Reducer::Setup Reducer::collect_managed() {
           "to reduce");
     }
     check_no_overlap();
+    if (!options_.bucket_plan.empty()) given_plan_ = parse_plan(options_.bucket_plan, plan_params(), "opts->bucket_plan");
     register_managed();
   } catch (const Error& e) {
     if (e.code() != StatusCode::kInvalidArgument || !options_.init_sync) throw;
@@ -210,7 +220,12 @@ std::vector<std::string> Reducer::describe_for_agreement(const Setup& setup) con
                                 options_.first_bucket_cap_bytes, " B, comm_hook ", hook_name(options_.hook),
                                 ", gradient_as_bucket_view ", options_.gradient_as_bucket_view,
                                 ", find_unused_parameters ", options_.find_unused_parameters, ", broadcast_buffers ",
-                                options_.broadcast_buffers));
+                                options_.broadcast_buffers, ", static_graph ", options_.static_graph));
+  if (!given_plan_.empty()) {
+    for (const std::string& line : split_lines(format_plan(plan_params(), given_plan_))) {
+      description.push_back("bucket plan: " + line);
+    }
+  }
   description.push_back(str_cat(params_.size(), " managed parameters"));
   for (size_t i = 0; i < params_.size(); ++i) {
     const Tensor& v = params_[i].parameter->value();

@@ -14,6 +14,30 @@ std::vector<std::vector<size_t>> Reducer::plan_for(const std::vector<size_t>& or
   return compute_bucket_plan(items, order, options_.first_bucket_cap_bytes, options_.bucket_cap_bytes);
 }
 
+std::vector<PlanParam> Reducer::plan_params() const {
+  std::vector<PlanParam> out;
+  out.reserve(params_.size());
+  for (const Managed& m : params_) out.push_back(PlanParam{m.name, m.parameter->value().dtype()});
+  return out;
+}
+
+std::string Reducer::plan_text() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::vector<size_t>> plan;
+  plan.reserve(buckets_.size());
+  for (const Bucket& b : buckets_) plan.push_back(b.params);
+  return format_plan(plan_params(), plan);
+}
+
+bool Reducer::parameter_used(size_t index) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (index >= params_.size()) {
+    fail_invalid("argument 'param_index' is ", index, " but this dp_ddp manages ", params_.size(), " parameters");
+  }
+  if (used_flags_.empty()) fail(StatusCode::kState, "no synced iteration of this dp_ddp has reduced gradients yet");
+  return used_flags_[index] != 0;
+}
+
 void Reducer::build_buckets(const std::vector<std::vector<size_t>>& plan) {
   std::vector<Bucket> buckets(plan.size());
   for (size_t b = 0; b < plan.size(); ++b) {

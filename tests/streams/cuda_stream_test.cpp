@@ -163,6 +163,57 @@ TEST_F(CudaStreamOrder, DdpMarksWithoutAStreamArgumentWaitForTheCurrentStream) {
   dp_process_group_destroy(pg);
 }
 
+TEST_F(CudaStreamOrder, CoalescedCallsReplicationAndSavesSeeTheStreamsWrites) {
+  TensorPtr x = produced(1000, 1.0f), y = produced(10, 50.0f);
+  const dp_tensor* in[] = {x.get(), y.get()};
+  dp_device devices[] = {cuda(0), cpu(0)};
+  dp_tensor* copies[4] = {};
+  DP_ASSERT_OK(dp_broadcast_coalesced(in, 2, devices, 2, 1 << 20, copies));
+  std::vector<TensorPtr> owned;
+  for (dp_tensor* t : copies) owned.emplace_back(t);
+  EXPECT_EQ(values<float>(copies[2]), filled(1000, 1.0f));
+  EXPECT_EQ(values<float>(copies[3]), filled(10, 50.0f));
+
+  TensorPtr a = produced(100, 1.0f);
+  TensorPtr b = make<float>({100}, std::vector<float>(100, 1.0f), cpu(0));
+  const dp_tensor* lists[] = {a.get(), b.get()};
+  dp_tensor* sums[1] = {};
+  DP_ASSERT_OK(dp_reduce_add_coalesced(lists, 2, 1, cpu(0), 1 << 20, sums));
+  TensorPtr owned_sum(sums[0]);
+  EXPECT_EQ(values<float>(sums[0]), filled(100, 2.0f));
+
+  dp_module* m = nullptr;
+  DP_ASSERT_OK(dp_module_create(&m));
+  TensorPtr w = produced(4096, 3.0f);
+  DP_ASSERT_OK(dp_module_register_parameter(m, "w", w.get(), 1));
+  dp_device to_host[] = {cpu(0)};
+  dp_module* replica = nullptr;
+  DP_ASSERT_OK(dp_replicate(m, to_host, 1, 1, &replica));
+  dp_tensor* rw = nullptr;
+  DP_ASSERT_OK(dp_module_get_parameter(replica, "w", &rw));
+  EXPECT_EQ(values<float>(rw), filled(4096, 3.0f));
+  dp_tensor_destroy(rw);
+  dp_module_destroy(replica);
+
+  TensorPtr w2 = produced(4096, 9.0f);
+  DP_ASSERT_OK(dp_module_register_parameter(m, "w2", w2.get(), 1));
+  char path[] = "/tmp/dp_cuda_stream_save_XXXXXX";
+  int fd = ::mkstemp(path);
+  ::close(fd);
+  DP_ASSERT_OK(dp_module_save(m, path));
+  dp_module* loaded = nullptr;
+  DP_ASSERT_OK(dp_module_create(&loaded));
+  TensorPtr l1 = make<float>({4096}, std::vector<float>(4096, 0.0f)),
+            l2 = make<float>({4096}, std::vector<float>(4096, 0.0f));
+  DP_ASSERT_OK(dp_module_register_parameter(loaded, "w", l1.get(), 1));
+  DP_ASSERT_OK(dp_module_register_parameter(loaded, "w2", l2.get(), 1));
+  DP_ASSERT_OK(dp_module_load(loaded, path, 1));
+  ::unlink(path);
+  EXPECT_EQ(values<float>(l2.get()), filled(4096, 9.0f));
+  dp_module_destroy(loaded);
+  dp_module_destroy(m);
+}
+
 TEST_F(CudaStreamOrder, NcclAllGatherOfWorldOneSendsWhatTheStreamWrote) {
   dp_process_group* pg = nccl_group_of_one();
   ASSERT_NE(pg, nullptr);
@@ -171,6 +222,11 @@ TEST_F(CudaStreamOrder, NcclAllGatherOfWorldOneSendsWhatTheStreamWrote) {
   dp_tensor* outs[] = {out.get()};
   DP_EXPECT_OK(dp_pg_all_gather(pg, x.get(), outs, 1));
   EXPECT_EQ(read_on_stream(out.get()), filled(1 << 16, 1.0f));
+  TensorPtr y = produced(1 << 16, 5.0f);
+  TensorPtr reduced = make<float>({1 << 16}, std::vector<float>(1 << 16, 0.0f), cuda(0));
+  const dp_tensor* ins[] = {y.get()};
+  DP_EXPECT_OK(dp_pg_reduce_scatter(pg, ins, 1, reduced.get(), DP_SUM));
+  EXPECT_EQ(read_on_stream(reduced.get()), filled(1 << 16, 5.0f));
   dp_process_group_destroy(pg);
 }
 
