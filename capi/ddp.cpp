@@ -26,7 +26,8 @@ std::string refusal_inside_comm_hook(const dp_ddp* handle) {
   ddp::RunningHook hook = ddp::running_hook();
   if (hook.reducer == nullptr) return "";
   bool own = handle != nullptr && handle->tag == kDdpTag && handle->reducer.get() == hook.reducer;
-  return str_cat("called from inside the ", hook.what, " of ", own ? "this dp_ddp" : "a dp_ddp", " (bucket ", hook.bucket,
+  return str_cat("called from inside the ", hook.what, " of ", own ? "this dp_ddp" : "a dp_ddp", " (bucket ",
+                 hook.bucket,
                  "): a hook may run collectives on the process group it is given and use dp_tensor functions, but "
                  "not call dp_ddp functions that change a dp_ddp (they wait for the hook's own bucket)");
 }

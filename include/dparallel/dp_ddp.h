@@ -205,10 +205,10 @@ typedef struct dp_ddp_options {
    * rank must give a plan or none). */
   const char *bucket_plan;
 } dp_ddp_options;
-#define DP_DDP_OPTIONS_INIT                                                                                      \
-  {                                                                                                              \
-    sizeof(dp_ddp_options), 25.0, 1.0, 0, 1, 0, 1, NULL, 0, NULL, 0, DP_HOOK_ALLREDUCE, NULL, NULL, 0, 1, NULL, \
-        NULL, NULL                                                                                               \
+#define DP_DDP_OPTIONS_INIT                                                                                           \
+  {                                                                                                                   \
+    sizeof(dp_ddp_options), 25.0, 1.0, 0, 1, 0, 1, NULL, 0, NULL, 0, DP_HOOK_ALLREDUCE, NULL, NULL, 0, 1, NULL, NULL, \
+        NULL                                                                                                          \
   }
 /* Fills the caller's struct with the defaults above, writing exactly
  * `struct_size` bytes: pass sizeof(dp_ddp_options). Bytes past the fields

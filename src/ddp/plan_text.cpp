@@ -97,7 +97,8 @@ std::vector<std::vector<size_t>> parse_plan(const std::string& text, const std::
         known_dtype = true;
       }
     }
-    if (!known_dtype) fail_invalid("argument '", argument, "', line ", line_number, ": unknown dtype '", dtype_text, "'");
+    if (!known_dtype)
+      fail_invalid("argument '", argument, "', line ", line_number, ": unknown dtype '", dtype_text, "'");
     std::vector<size_t> bucket;
     for (std::string word; words >> word;) {
       std::string name = decode(word, argument, line_number);

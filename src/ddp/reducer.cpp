@@ -423,9 +423,9 @@ void Reducer::report_bucket(size_t index) {
   if (rc == 0) return;
   std::lock_guard<std::mutex> lock(mutex_);
   if (report_error_.empty()) {
-    report_error_ = str_cat("on_bucket_reduced returned ", rc, " for bucket ", index, " (",
-                            describe_params(buckets_[index].params),
-                            "); the gradients of every bucket are averaged and final");
+    report_error_ =
+        str_cat("on_bucket_reduced returned ", rc, " for bucket ", index, " (", describe_params(buckets_[index].params),
+                "); the gradients of every bucket are averaged and final");
   }
 }
 
@@ -616,8 +616,8 @@ void Reducer::refuse_unmarked_locked(std::unique_lock<std::mutex>& lock, const s
 void Reducer::refuse_static_departure_locked(std::unique_lock<std::mutex>& lock, const std::vector<size_t>& unmarked) {
   std::string departure = static_departure_;
   if (departure.empty()) {
-    departure = str_cat("rank ", group_->rank(), " did not mark parameter(s) ", describe_params(unmarked),
-                        ", which ", kStaticDeparture,
+    departure = str_cat("rank ", group_->rank(), " did not mark parameter(s) ", describe_params(unmarked), ", which ",
+                        kStaticDeparture,
                         ": the first synced iteration recorded them as used; with static_graph every iteration must "
                         "use the same parameters");
   }

@@ -265,11 +265,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // static_graph, once recorded: the used set every iteration must keep.
   std::vector<uint8_t> static_used_;
   bool graph_recorded_ = false;
-  std::string static_departure_;  // this iteration's first departure from it
+  std::string static_departure_;    // this iteration's first departure from it
   std::vector<uint8_t> premarked_;  // recorded unused, put in as zeros at the iteration's start
   size_t premarked_count_ = 0;
   std::map<size_t, Tensor> premarked_views_;  // their views' own values, put back at finish
-  std::string report_error_;      // this iteration's first failed on_bucket_reduced
+  std::string report_error_;                  // this iteration's first failed on_bucket_reduced
   bool tail_issued_ = false;
   bool any_mark_ = false;
   bool finishing_ = false;  // a finish_backward is running: other calls are refused

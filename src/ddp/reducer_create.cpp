@@ -166,7 +166,8 @@ Reducer::Setup Reducer::collect_managed() {
           "to reduce");
     }
     check_no_overlap();
-    if (!options_.bucket_plan.empty()) given_plan_ = parse_plan(options_.bucket_plan, plan_params(), "opts->bucket_plan");
+    if (!options_.bucket_plan.empty())
+      given_plan_ = parse_plan(options_.bucket_plan, plan_params(), "opts->bucket_plan");
     register_managed();
   } catch (const Error& e) {
     if (e.code() != StatusCode::kInvalidArgument || !options_.init_sync) throw;

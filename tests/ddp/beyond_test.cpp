@@ -1,0 +1,523 @@
+// DDP beyond PyTorch's: the optimizer inside backward (on_bucket_reduced),
+// dp_ddp_parameter_used, a plan that persists (dp_ddp_bucket_plan and the
+// bucket_plan option) and static_graph. Ranks are threads of this process,
+// each with its own group over one file store: real collectives, and the
+// test sees every rank's results.
+#include <unistd.h>
+
+#include <atomic>
+#include <cmath>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "module/module_test_util.h"
+#include "test_util.h"
+
+using dptest::cpu;
+using dptest::make;
+using dptest::TensorPtr;
+using dptest::values;
+
+namespace {
+
+struct DdpDeleter {
+  void operator()(dp_ddp* d) const { dp_ddp_destroy(d); }
+};
+using DdpPtr = std::unique_ptr<dp_ddp, DdpDeleter>;
+
+// Runs body(rank, group) on `world` threads, one group each over one store.
+void run_ranks(int world, const std::function<void(int, dp_process_group*)>& body) {
+  std::string path = dptest::temp_path("ddp_beyond_", std::to_string(world) + "_store");
+  ::unlink(path.c_str());
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < world; ++r) {
+    ranks.emplace_back([&, r] {
+      dp_store* store = nullptr;
+      ASSERT_EQ(dp_store_create_file(&store, path.c_str(), world), DP_OK) << dp_last_error();
+      dp_process_group_options o = DP_PROCESS_GROUP_OPTIONS_INIT;
+      o.rank = r;
+      o.world_size = world;
+      o.store = store;
+      o.timeout_ms = 60000;
+      dp_process_group* pg = nullptr;
+      dp_status st = dp_process_group_create(&pg, &o);
+      dp_store_destroy(store);
+      ASSERT_EQ(st, DP_OK) << dp_last_error();
+      body(r, pg);
+      dp_process_group_destroy(pg);
+    });
+  }
+  for (auto& t : ranks) t.join();
+  ::unlink(path.c_str());
+}
+
+// Three layers' weights "a", "b", "c" of 4, 3 and 2 floats, values start+i.
+dptest::ModulePtr three_params(float start) {
+  dptest::ModulePtr m = dptest::new_module();
+  const int64_t sizes[] = {4, 3, 2};
+  const char* names[] = {"a", "b", "c"};
+  for (int i = 0; i < 3; ++i) {
+    std::vector<float> v(static_cast<size_t>(sizes[i]));
+    for (size_t k = 0; k < v.size(); ++k) v[k] = start + static_cast<float>(k);
+    TensorPtr t = make<float>({sizes[i]}, v);
+    EXPECT_EQ(dp_module_register_parameter(m.get(), names[i], t.get(), 1), DP_OK) << dp_last_error();
+  }
+  return m;
+}
+
+std::vector<float> grad_of(dp_module* m, const char* name) {
+  dp_tensor* g = nullptr;
+  EXPECT_EQ(dp_module_grad(m, name, &g), DP_OK) << dp_last_error();
+  TensorPtr owned(g);
+  return values<float>(g);
+}
+
+void set_grad(dp_module* m, const char* name, float value) {
+  dp_tensor* g = nullptr;
+  ASSERT_EQ(dp_module_grad(m, name, &g), DP_OK) << dp_last_error();
+  TensorPtr owned(g);
+  std::vector<float> v(static_cast<size_t>(dp_tensor_numel(g)), value);
+  ASSERT_EQ(dp_tensor_copy_from_host(g, v.data(), v.size() * sizeof(float)), DP_OK);
+}
+
+std::vector<float> param_of(dp_module* m, const char* name) {
+  dp_tensor* p = nullptr;
+  EXPECT_EQ(dp_module_get_parameter(m, name, &p), DP_OK) << dp_last_error();
+  TensorPtr owned(p);
+  return values<float>(p);
+}
+
+// One bucket per parameter.
+dp_ddp_options small_buckets() {
+  dp_ddp_options o;
+  dp_ddp_options_init(&o, sizeof o);
+  o.bucket_cap_mb = 4.0 * sizeof(float) / 1048576.0;
+  o.first_bucket_cap_mb = o.bucket_cap_mb;
+  return o;
+}
+
+// ---- the optimizer inside backward ----
+
+// SGD, or Adam with its moments per parameter, written here.
+struct Sgd {
+  dp_module* module = nullptr;
+  bool adam = false;
+  float lr = 0.5f;
+  std::mutex mutex;
+  std::vector<int> reported = std::vector<int>(3, 0);
+  std::vector<std::vector<float>> first = std::vector<std::vector<float>>(3), second = first;
+  std::vector<int> steps = std::vector<int>(3, 0);
+  int fail_bucket = -1;
+};
+
+const char* const kNames[] = {"a", "b", "c"};
+
+// SGD on the reported parameters, in place, from the averaged gradients.
+int sgd_step(void* user_data, dp_ddp* ddp, size_t bucket, const size_t* params, size_t n) {
+  auto* sgd = static_cast<Sgd*>(user_data);
+  if (static_cast<int>(bucket) == sgd->fail_bucket) return 7;
+  for (size_t i = 0; i < n; ++i) {
+    int used = 0;
+    if (dp_ddp_parameter_used(ddp, params[i], &used) != DP_OK) return 1;
+    {
+      std::lock_guard<std::mutex> lock(sgd->mutex);
+      ++sgd->reported[params[i]];
+    }
+    dp_tensor* p = nullptr;
+    dp_tensor* g = nullptr;
+    if (dp_module_get_parameter(sgd->module, kNames[params[i]], &p) != DP_OK) return 2;
+    if (dp_module_grad(sgd->module, kNames[params[i]], &g) != DP_OK) return 3;
+    auto* pv = static_cast<float*>(dp_tensor_data(p));
+    const auto* gv = static_cast<const float*>(dp_tensor_data(g));
+    const auto n_elems = static_cast<size_t>(dp_tensor_numel(p));
+    if (!sgd->adam) {
+      for (size_t k = 0; k < n_elems; ++k) pv[k] -= sgd->lr * gv[k];
+    } else if (used != 0) {  // Adam skips what no rank used
+      const size_t at = params[i];
+      std::vector<float>& m = sgd->first[at];
+      std::vector<float>& v = sgd->second[at];
+      m.resize(n_elems, 0.0f);
+      v.resize(n_elems, 0.0f);
+      const int t = ++sgd->steps[at];
+      for (size_t k = 0; k < n_elems; ++k) {
+        m[k] = 0.9f * m[k] + 0.1f * gv[k];
+        v[k] = 0.999f * v[k] + 0.001f * gv[k] * gv[k];
+        float m_hat = m[k] / (1.0f - std::pow(0.9f, static_cast<float>(t)));
+        float v_hat = v[k] / (1.0f - std::pow(0.999f, static_cast<float>(t)));
+        pv[k] -= 0.01f * m_hat / (std::sqrt(v_hat) + 1e-8f);
+      }
+    }
+    dp_tensor_destroy(p);
+    dp_tensor_destroy(g);
+  }
+  return 0;
+}
+
+class DdpOptimizerInBackwardParity : public ::testing::TestWithParam<bool> {};
+
+TEST_P(DdpOptimizerInBackwardParity,
+       StepsInsideBackwardMatchStepsAfterFinishAndReportEachParameterOncePerSyncedIteration) {
+  std::vector<std::vector<float>> inside(2), after(2);
+  for (int mode = 0; mode < 2; ++mode) {
+    run_ranks(2, [&](int rank, dp_process_group* pg) {
+      dptest::ModulePtr m = three_params(1.0f);
+      Sgd sgd;
+      sgd.module = m.get();
+      sgd.adam = GetParam();
+      dp_ddp_options o = small_buckets();
+      if (mode == 0) {
+        o.on_bucket_reduced = sgd_step;
+        o.on_bucket_reduced_data = &sgd;
+      }
+      dp_ddp* raw = nullptr;
+      ASSERT_EQ(dp_ddp_create(&raw, m.get(), pg, &o), DP_OK) << dp_last_error();
+      DdpPtr ddp(raw);
+      for (int it = 0; it < 4; ++it) {
+        const bool synced = it != 1;  // iteration 1 accumulates without sync
+        ASSERT_EQ(dp_ddp_set_requires_gradient_sync(ddp.get(), synced ? 1 : 0), DP_OK);
+        for (const char* name : kNames) set_grad(m.get(), name, static_cast<float>((rank + 1) * (it + 1)));
+        for (const char* name : {"c", "b", "a"})
+          ASSERT_EQ(dp_ddp_mark_grad_ready(ddp.get(), name), DP_OK) << dp_last_error();
+        ASSERT_EQ(dp_ddp_finish_backward(ddp.get()), DP_OK) << dp_last_error();
+        if (mode == 1 && synced) {
+          int out[3] = {};
+          for (size_t i = 0; i < 3; ++i) ASSERT_EQ(dp_ddp_parameter_used(ddp.get(), i, &out[i]), DP_OK);
+          sgd.module = m.get();
+          for (size_t i = 0; i < 3; ++i) sgd_step(&sgd, ddp.get(), 0, &i, 1);
+        }
+        if (mode == 0) {
+          int expected = it == 0 ? 1 : it == 1 ? 1 : it == 2 ? 2 : 3;
+          for (int p = 0; p < 3; ++p) EXPECT_EQ(sgd.reported[p], expected) << "parameter " << p << " iteration " << it;
+        }
+      }
+      std::vector<float>& out = mode == 0 ? inside[rank] : after[rank];
+      for (const char* name : kNames) {
+        std::vector<float> v = param_of(m.get(), name);
+        out.insert(out.end(), v.begin(), v.end());
+      }
+    });
+  }
+  EXPECT_EQ(inside[0], after[0]);
+  EXPECT_EQ(inside[1], after[1]);
+  EXPECT_EQ(inside[0], inside[1]) << "every rank stepped with the same averages";
+  EXPECT_NE(inside[0], std::vector<float>({1, 2, 3, 4, 1, 2, 3, 1, 2})) << "the steps moved the parameters";
+}
+
+INSTANTIATE_TEST_SUITE_P(SgdAndAdam, DdpOptimizerInBackwardParity, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& p) { return p.param ? "Adam" : "Sgd"; });
+
+TEST(DdpOptimizerInBackward, ANonZeroReturnIsEuserNamingTheBucketAndTheGradientsStayAveraged) {
+  run_ranks(2, [&](int rank, dp_process_group* pg) {
+    dptest::ModulePtr m = three_params(0.0f);
+    Sgd sgd;
+    sgd.module = m.get();
+    sgd.fail_bucket = rank == 1 ? 1 : -1;
+    dp_ddp_options o = small_buckets();
+    o.on_bucket_reduced = sgd_step;
+    o.on_bucket_reduced_data = &sgd;
+    dp_ddp* raw = nullptr;
+    ASSERT_EQ(dp_ddp_create(&raw, m.get(), pg, &o), DP_OK) << dp_last_error();
+    DdpPtr ddp(raw);
+    for (const char* name : kNames) set_grad(m.get(), name, static_cast<float>(rank * 2));
+    for (const char* name : {"c", "b", "a"}) ASSERT_EQ(dp_ddp_mark_grad_ready(ddp.get(), name), DP_OK);
+    dp_status st = dp_ddp_finish_backward(ddp.get());
+    if (rank == 1) {
+      EXPECT_EQ(st, DP_EUSER);
+      EXPECT_NE(dptest::last_error().find("on_bucket_reduced returned 7 for bucket 1"), std::string::npos)
+          << dptest::last_error();
+    } else {
+      EXPECT_EQ(st, DP_OK) << dp_last_error();
+    }
+    EXPECT_EQ(grad_of(m.get(), "b"), std::vector<float>(3, 1.0f)) << "averaged all the same";
+    // The next iteration runs normally.
+    sgd.fail_bucket = -1;
+    for (const char* name : {"c", "b", "a"}) ASSERT_EQ(dp_ddp_mark_grad_ready(ddp.get(), name), DP_OK);
+    EXPECT_EQ(dp_ddp_finish_backward(ddp.get()), DP_OK) << dp_last_error();
+  });
+}
+
+int calls_finish(void* user_data, dp_ddp* ddp, size_t, const size_t*, size_t) {
+  auto* status = static_cast<std::atomic<int>*>(user_data);
+  status->store(dp_ddp_finish_backward(ddp));
+  return 0;
+}
+
+TEST(DdpOptimizerInBackward, TheCallbackMayReadTheDdpButOtherDdpCallsAreEstate) {
+  run_ranks(1, [&](int, dp_process_group* pg) {
+    dptest::ModulePtr m = three_params(0.0f);
+    std::atomic<int> status{-100};
+    dp_ddp_options o = small_buckets();
+    o.on_bucket_reduced = calls_finish;
+    o.on_bucket_reduced_data = &status;
+    dp_ddp* raw = nullptr;
+    ASSERT_EQ(dp_ddp_create(&raw, m.get(), pg, &o), DP_OK) << dp_last_error();
+    DdpPtr ddp(raw);
+    for (const char* name : {"c", "b", "a"}) ASSERT_EQ(dp_ddp_mark_grad_ready(ddp.get(), name), DP_OK);
+    EXPECT_EQ(dp_ddp_finish_backward(ddp.get()), DP_OK) << dp_last_error();
+    EXPECT_EQ(status.load(), DP_ESTATE);
+  });
+}
+
+struct Reports {
+  std::mutex mutex;
+  std::vector<int> count = std::vector<int>(3, 0);
+  std::vector<int> used = std::vector<int>(3, -1);
+  std::vector<std::vector<float>> grads = std::vector<std::vector<float>>(3);
+  dp_module* module = nullptr;
+};
+
+int record_report(void* user_data, dp_ddp* ddp, size_t, const size_t* params, size_t n) {
+  auto* r = static_cast<Reports*>(user_data);
+  std::lock_guard<std::mutex> lock(r->mutex);
+  for (size_t i = 0; i < n; ++i) {
+    ++r->count[params[i]];
+    if (dp_ddp_parameter_used(ddp, params[i], &r->used[params[i]]) != DP_OK) return 1;
+    r->grads[params[i]] = grad_of(r->module, kNames[params[i]]);
+  }
+  return 0;
+}
+
+TEST(DdpOptimizerInBackward, ComposesWithFindUnusedParametersBucketViewsAndTheFp16Hook) {
+  run_ranks(2, [&](int rank, dp_process_group* pg) {
+    dptest::ModulePtr m = three_params(0.0f);
+    Reports reports;
+    reports.module = m.get();
+    dp_ddp_options o = small_buckets();
+    o.find_unused_parameters = 1;
+    o.gradient_as_bucket_view = 1;
+    o.comm_hook = DP_HOOK_FP16;
+    o.on_bucket_reduced = record_report;
+    o.on_bucket_reduced_data = &reports;
+    dp_ddp* raw = nullptr;
+    ASSERT_EQ(dp_ddp_create(&raw, m.get(), pg, &o), DP_OK) << dp_last_error();
+    DdpPtr ddp(raw);
+    // Rank 0 uses "a", rank 1 uses "b"; nobody uses "c".
+    const char* mine = rank == 0 ? "a" : "b";
+    set_grad(m.get(), mine, 4.0f);
+    ASSERT_EQ(dp_ddp_mark_grad_ready(ddp.get(), mine), DP_OK);
+    ASSERT_EQ(dp_ddp_finish_backward(ddp.get()), DP_OK) << dp_last_error();
+    EXPECT_EQ(reports.count, std::vector<int>({1, 1, 1}));
+    EXPECT_EQ(reports.used, std::vector<int>({1, 1, 0}));
+    EXPECT_EQ(reports.grads[0], std::vector<float>(4, 2.0f)) << "rank 0's 4 and rank 1's zeros, averaged";
+    EXPECT_EQ(reports.grads[1], std::vector<float>(3, 2.0f));
+  });
+}
+
+// ---- parameter_used ----
+
+TEST(DdpParameterUsed, SaysWhetherAnyRankUsedEachParameterInTheLastSyncedIteration) {
+  run_ranks(2, [&](int rank, dp_process_group* pg) {
+    dptest::ModulePtr m = three_params(0.0f);
+    dp_ddp_options o = small_buckets();
+    o.find_unused_parameters = 1;
+    dp_ddp* raw = nullptr;
+    ASSERT_EQ(dp_ddp_create(&raw, m.get(), pg, &o), DP_OK) << dp_last_error();
+    DdpPtr ddp(raw);
+    int used = -1;
+    EXPECT_EQ(dp_ddp_parameter_used(ddp.get(), 0, &used), DP_ESTATE);
+    // Rank 0 uses "a" (index 0), rank 1 uses "b"; nobody uses "c".
+    ASSERT_EQ(dp_ddp_mark_grad_ready(ddp.get(), rank == 0 ? "a" : "b"), DP_OK);
+    ASSERT_EQ(dp_ddp_finish_backward(ddp.get()), DP_OK) << dp_last_error();
+    for (size_t i = 0; i < 3; ++i) {
+      ASSERT_EQ(dp_ddp_parameter_used(ddp.get(), i, &used), DP_OK) << dp_last_error();
+      EXPECT_EQ(used, i < 2 ? 1 : 0) << "parameter " << i;
+    }
+    EXPECT_EQ(dp_ddp_parameter_used(ddp.get(), 3, &used), DP_EINVAL);
+    EXPECT_EQ(dp_ddp_parameter_used(ddp.get(), 0, nullptr), DP_EINVAL);
+  });
+}
+
+// ---- a plan that persists ----
+
+std::string plan_text(const dp_ddp* ddp) {
+  size_t len = 0;
+  EXPECT_EQ(dp_ddp_bucket_plan(ddp, nullptr, 0, &len), DP_OK) << dp_last_error();
+  std::string text(len + 1, '\0');
+  EXPECT_EQ(dp_ddp_bucket_plan(ddp, text.data(), text.size(), &len), DP_OK) << dp_last_error();
+  text.resize(len);
+  return text;
+}
+
+TEST(DdpBucketPlan, TheTextStartsANewDdpWithTheSamePlanWhichStaysFinal) {
+  std::string first_plan;
+  run_ranks(2, [&](int rank, dp_process_group* pg) {
+    dptest::ModulePtr m = three_params(0.0f);
+    dp_ddp_options o = small_buckets();
+    dp_ddp* raw = nullptr;
+    ASSERT_EQ(dp_ddp_create(&raw, m.get(), pg, &o), DP_OK) << dp_last_error();
+    DdpPtr ddp(raw);
+    // The first iteration's ready order (b, a, c) becomes the plan; b (12 bytes) is below the
+    // 16-byte cap, so a joins its bucket.
+    for (const char* name : {"b", "a", "c"}) ASSERT_EQ(dp_ddp_mark_grad_ready(ddp.get(), name), DP_OK);
+    ASSERT_EQ(dp_ddp_finish_backward(ddp.get()), DP_OK) << dp_last_error();
+    std::string text = plan_text(ddp.get());
+    EXPECT_NE(text.find("bucket float32 b a\nbucket float32 c\n"), std::string::npos) << text;
+    if (rank == 0) first_plan = text;
+  });
+  run_ranks(2, [&](int, dp_process_group* pg) {
+    dptest::ModulePtr m = three_params(0.0f);
+    dp_ddp_options o = small_buckets();
+    o.bucket_plan = first_plan.c_str();
+    dp_ddp* raw = nullptr;
+    ASSERT_EQ(dp_ddp_create(&raw, m.get(), pg, &o), DP_OK) << dp_last_error();
+    DdpPtr ddp(raw);
+    EXPECT_EQ(plan_text(ddp.get()), first_plan);
+    for (const char* name : {"c", "a", "b"}) ASSERT_EQ(dp_ddp_mark_grad_ready(ddp.get(), name), DP_OK);
+    ASSERT_EQ(dp_ddp_finish_backward(ddp.get()), DP_OK) << dp_last_error();
+    EXPECT_EQ(plan_text(ddp.get()), first_plan) << "a given plan is final";
+    char small[8];
+    size_t len = 0;
+    EXPECT_EQ(dp_ddp_bucket_plan(ddp.get(), small, sizeof small, &len), DP_EINVAL);
+    EXPECT_EQ(len, first_plan.size());
+  });
+}
+
+TEST(DdpBucketPlan, APlanThatDoesNotFitTheModuleIsEinvalNamingTheDifference) {
+  run_ranks(1, [&](int, dp_process_group* pg) {
+    const std::pair<const char*, const char*> cases[] = {
+        {"bucket float32 a b\nbucket float32 c x\n", "'x' is not a parameter this dp_ddp manages"},
+        {"bucket float32 a b\n", "leaves out 1 managed parameter(s): 'c'"},
+        {"bucket float32 a b\nbucket float32 c a\n", "'a' is already in bucket 0"},
+        {"bucket float16 a b c\n", "'a' is float32 but its bucket is float16"},
+        {"bucket\n", "expected 'bucket <dtype> <names...>'"},
+        {"bucket float32 a%2 b c\n", "a '%' not followed by two hex digits"},
+        {"bucket int9 a b c\n", "unknown dtype 'int9'"},
+    };
+    for (const auto& [plan, expected] : cases) {
+      dptest::ModulePtr m = three_params(0.0f);
+      dp_ddp_options o = small_buckets();
+      o.init_sync = 0;
+      o.bucket_plan = plan;
+      dp_ddp* raw = nullptr;
+      EXPECT_EQ(dp_ddp_create(&raw, m.get(), pg, &o), DP_EINVAL) << plan;
+      EXPECT_EQ(raw, nullptr);
+      EXPECT_NE(dptest::last_error().find(expected), std::string::npos) << dptest::last_error();
+      EXPECT_NE(dptest::last_error().find("opts->bucket_plan"), std::string::npos) << dptest::last_error();
+    }
+  });
+}
+
+TEST(DdpBucketPlan, RanksGivenDifferentPlansFailOnEveryRankAtCreate) {
+  run_ranks(2, [&](int rank, dp_process_group* pg) {
+    dptest::ModulePtr m = three_params(0.0f);
+    dp_ddp_options o = small_buckets();
+    o.bucket_plan = rank == 0 ? "bucket float32 a b c\n" : "bucket float32 c b a\n";
+    dp_ddp* raw = nullptr;
+    EXPECT_EQ(dp_ddp_create(&raw, m.get(), pg, &o), DP_EINVAL);
+    EXPECT_NE(dptest::last_error().find("rank 1 disagrees with rank 0"), std::string::npos) << dptest::last_error();
+  });
+}
+
+TEST(DdpBucketPlan, NamesWithSpacesAndPercentSignsRoundTrip) {
+  run_ranks(1, [&](int, dp_process_group* pg) {
+    dptest::ModulePtr m = dptest::new_module();
+    TensorPtr x = make<float>({2}, {1, 2}), y = make<float>({2}, {1, 2});
+    ASSERT_EQ(dp_module_register_parameter(m.get(), "my weight", x.get(), 1), DP_OK);
+    ASSERT_EQ(dp_module_register_parameter(m.get(), "100%", y.get(), 1), DP_OK);
+    dp_ddp* raw = nullptr;
+    ASSERT_EQ(dp_ddp_create(&raw, m.get(), pg, nullptr), DP_OK) << dp_last_error();
+    std::string text = plan_text(raw);
+    dp_ddp_destroy(raw);
+    EXPECT_NE(text.find("my%20weight"), std::string::npos) << text;
+    EXPECT_NE(text.find("100%25"), std::string::npos) << text;
+    dp_ddp_options o = small_buckets();
+    o.bucket_plan = text.c_str();
+    ASSERT_EQ(dp_ddp_create(&raw, m.get(), pg, &o), DP_OK) << dp_last_error();
+    EXPECT_EQ(plan_text(raw), text);
+    dp_ddp_destroy(raw);
+  });
+}
+
+// ---- static graph ----
+
+// Two ranks, find_unused_parameters and static_graph; "c" unused everywhere.
+void static_graph_iterations(const std::function<void(int rank, dp_ddp*, dptest::ModulePtr&)>& third) {
+  run_ranks(2, [&](int rank, dp_process_group* pg) {
+    dptest::ModulePtr m = three_params(0.0f);
+    dp_ddp_options o = small_buckets();
+    o.find_unused_parameters = 1;
+    o.static_graph = 1;
+    dp_ddp* raw = nullptr;
+    ASSERT_EQ(dp_ddp_create(&raw, m.get(), pg, &o), DP_OK) << dp_last_error();
+    DdpPtr ddp(raw);
+    for (int it = 0; it < 2; ++it) {
+      set_grad(m.get(), "c", 5.0f);
+      for (const char* name : {"a", "b"}) set_grad(m.get(), name, static_cast<float>(rank * 2 + it));
+      for (const char* name : {"b", "a"}) ASSERT_EQ(dp_ddp_mark_grad_ready(ddp.get(), name), DP_OK) << dp_last_error();
+      ASSERT_EQ(dp_ddp_finish_backward(ddp.get()), DP_OK) << dp_last_error();
+      EXPECT_EQ(grad_of(m.get(), "a"), std::vector<float>(4, 1.0f + static_cast<float>(it)));
+      int used = -1;
+      ASSERT_EQ(dp_ddp_parameter_used(ddp.get(), 2, &used), DP_OK);
+      EXPECT_EQ(used, 0);
+    }
+    third(rank, ddp.get(), m);
+  });
+}
+
+TEST(DdpStaticGraph, IterationsThatKeepTheRecordedGraphReduceWithoutTheUsedMap) {
+  static_graph_iterations([](int rank, dp_ddp* ddp, dptest::ModulePtr& m) {
+    for (const char* name : {"a", "b"}) set_grad(m.get(), name, static_cast<float>(rank * 4));
+    for (const char* name : {"a", "b"}) ASSERT_EQ(dp_ddp_mark_grad_ready(ddp, name), DP_OK);
+    ASSERT_EQ(dp_ddp_finish_backward(ddp), DP_OK) << dp_last_error();
+    EXPECT_EQ(grad_of(m.get(), "b"), std::vector<float>(3, 2.0f));
+  });
+}
+
+TEST(DdpStaticGraph, MarkingARecordedUnusedParameterFailsEveryRankNamingIt) {
+  static_graph_iterations([](int rank, dp_ddp* ddp, dptest::ModulePtr& m) {
+    for (const char* name : {"a", "b"}) set_grad(m.get(), name, 3.0f);
+    for (const char* name : {"b", "a"}) ASSERT_EQ(dp_ddp_mark_grad_ready(ddp, name), DP_OK);
+    if (rank == 1) {
+      EXPECT_EQ(dp_ddp_mark_grad_ready(ddp, "c"), DP_ESTATE);
+      EXPECT_NE(dptest::last_error().find("'c'"), std::string::npos) << dptest::last_error();
+    }
+    EXPECT_EQ(dp_ddp_finish_backward(ddp), DP_ESTATE);
+    EXPECT_NE(dptest::last_error().find("rank 1 marked parameter 'c'"), std::string::npos) << dptest::last_error();
+    EXPECT_NE(dptest::last_error().find("departs from the static graph"), std::string::npos) << dptest::last_error();
+    EXPECT_EQ(grad_of(m.get(), "a"), std::vector<float>(4, 3.0f)) << "left local";
+  });
+}
+
+TEST(DdpStaticGraph, LeavingARecordedUsedParameterUnmarkedFailsEveryRankNamingIt) {
+  static_graph_iterations([](int rank, dp_ddp* ddp, dptest::ModulePtr&) {
+    ASSERT_EQ(dp_ddp_mark_grad_ready(ddp, "a"), DP_OK);
+    if (rank == 0) {
+      ASSERT_EQ(dp_ddp_mark_grad_ready(ddp, "b"), DP_OK);
+    }
+    EXPECT_EQ(dp_ddp_finish_backward(ddp), DP_ESTATE);
+    EXPECT_NE(dptest::last_error().find("rank 1 did not mark parameter(s) 'b'"), std::string::npos)
+        << dptest::last_error();
+    // The next iteration, back on the graph, works.
+    ASSERT_EQ(dp_ddp_mark_grad_ready(ddp, "a"), DP_OK);
+    ASSERT_EQ(dp_ddp_mark_grad_ready(ddp, "b"), DP_OK);
+    EXPECT_EQ(dp_ddp_finish_backward(ddp), DP_OK) << dp_last_error();
+  });
+}
+
+}  // namespace
+
+namespace {
+
+TEST(DdpStaticGraph, WithoutFindUnusedParametersEveryIterationAveragesAllAndTheLastBucketWaitsForFinish) {
+  run_ranks(2, [&](int rank, dp_process_group* pg) {
+    dptest::ModulePtr m = three_params(0.0f);
+    dp_ddp_options o = small_buckets();
+    o.static_graph = 1;
+    dp_ddp* raw = nullptr;
+    ASSERT_EQ(dp_ddp_create(&raw, m.get(), pg, &o), DP_OK) << dp_last_error();
+    DdpPtr ddp(raw);
+    for (int it = 0; it < 4; ++it) {
+      for (const char* name : kNames) set_grad(m.get(), name, static_cast<float>(rank * 2 + it));
+      for (const char* name : {"c", "b", "a"}) ASSERT_EQ(dp_ddp_mark_grad_ready(ddp.get(), name), DP_OK);
+      ASSERT_EQ(dp_ddp_finish_backward(ddp.get()), DP_OK) << dp_last_error();
+      for (const char* name : kNames) {
+        EXPECT_EQ(grad_of(m.get(), name)[0], 1.0f + static_cast<float>(it)) << name << " iteration " << it;
+      }
+    }
+  });
+}
+
+}  // namespace
