@@ -89,6 +89,7 @@ ddp::ReducerOptions options_arg(const dp_ddp_options* opts, const std::shared_pt
   }
   options.hook = static_cast<ddp::HookKind>(o.comm_hook);
   options.static_graph = o.static_graph != 0;
+  options.join_divide_by_initial_world_size = o.join_divide_by_initial_world_size != 0;
   if (o.bucket_plan != nullptr) {
     options.bucket_plan = o.bucket_plan;
     if (options.bucket_plan.empty()) fail_invalid("argument 'opts->bucket_plan' is empty; pass NULL for none");
@@ -195,6 +196,22 @@ dp_status dp_ddp_finish_backward(dp_ddp* ddp) {
   StreamOrder order(capi::module_devices(reducer.module(), {reducer.device()}));
   reducer.finish_backward();
   order.finish();
+  DP_API_END
+}
+
+dp_status dp_ddp_join(dp_ddp* const* ddps, size_t n) {
+  DP_API_BEGIN
+  if (n == 0) fail_invalid("argument 'n' is 0: pass every dp_ddp this rank drives");
+  if (ddps == nullptr) capi::null_argument("ddps");
+  std::vector<std::shared_ptr<ddp::Reducer>> reducers;
+  for (size_t i = 0; i < n; ++i) {
+    ddp_arg(ddps[i]);
+    for (size_t j = 0; j < i; ++j) {
+      if (ddps[j] == ddps[i]) fail_invalid("argument 'ddps' holds the same dp_ddp at [", j, "] and [", i, "]");
+    }
+    reducers.push_back(ddps[i]->reducer);
+  }
+  ddp::Reducer::join(reducers);
   DP_API_END
 }
 

@@ -182,7 +182,8 @@ extern "C" {
   X(dp_status, stream_launch_host_func, (dp_device device, void *stream, void (*fn)(void *user_data), void *user_data)) \
   /* ---- abi_minor 6: DDP beyond PyTorch's (dp_ddp.h; options fields appended too) ---- */                         \
   X(dp_status, ddp_parameter_used, (const dp_ddp *ddp, size_t param_index, int *out))                                   \
-  X(dp_status, ddp_bucket_plan, (const dp_ddp *ddp, char *buf, size_t cap, size_t *len))
+  X(dp_status, ddp_bucket_plan, (const dp_ddp *ddp, char *buf, size_t cap, size_t *len))                               \
+  X(dp_status, ddp_join, (dp_ddp *const *ddps, size_t n))
 /* clang-format on */
 
 /* A type, a name and a parameter list cannot be parenthesised. */

@@ -193,8 +193,9 @@ typedef struct dp_ddp_options {
    * unmarked fails finish_backward with DP_ESTATE naming it on every rank.
    * The last bucket of such iterations starts at finish_backward. */
   int static_graph;
-  /* 1; reserved for dp_ddp_join: while ranks have joined, divide by the
-   * initial world size (1) or by the ranks still active (0). */
+  /* 1; while ranks have joined (dp_ddp_join), the built-in hooks divide by
+   * the initial world size (1, PyTorch's default) or by the ranks still
+   * active (0); a custom hook divides as it likes. */
   int join_divide_by_initial_world_size;
   dp_bucket_reduced_fn on_bucket_reduced; /* NULL */
   void *on_bucket_reduced_data;
@@ -276,6 +277,24 @@ typedef struct dp_ddp_stats {
 } dp_ddp_stats;
 DP_API dp_status dp_ddp_last_stats(const dp_ddp *ddp, dp_ddp_stats *out);
 
+/* Uneven inputs: this rank has no more data. It passes every dp_ddp it
+ * drives (the same ones, in the same order, on every rank) and from then on
+ * stands in for the other ranks' iterations: zeros for their bucket
+ * reductions (so their averages divide as join_divide_by_initial_world_size
+ * says), nothing used in their used map, their buffer broadcasts, their
+ * plan's rebuild. It returns once every rank has joined; then every rank
+ * holds the parameters and buffers of the rank that ran the most synced
+ * iterations (the highest such rank), broadcast, and that rank's iteration
+ * count. A rank may join before any iteration. The active ranks learn of a
+ * join from the agreement rounds their collectives already run: an
+ * iteration costs nothing more for it. While a rank is joined, the others
+ * call dp_ddp_pre_forward every iteration if broadcast_buffers is on, make
+ * no collectives of their own on the group, and each of their iterations
+ * must take less than the group's timeout (the joined rank waits in
+ * collectives meanwhile). DP_ESTATE during a backward (join after
+ * dp_ddp_finish_backward); DP_EINVAL for n 0, a repeated dp_ddp or dp_ddp
+ * on different groups. */
+DP_API dp_status dp_ddp_join(dp_ddp *const *ddps, size_t n);
 /* *out = 1 when some rank used parameter `param_index` in the last synced
  * iteration (inside on_bucket_reduced: the one being reduced), else 0:
  * without find_unused_parameters every parameter counts as used. A host

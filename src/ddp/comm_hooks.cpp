@@ -57,7 +57,9 @@ void cast_into(const Tensor& dst, const Tensor& src) {
   }
 }
 
-void divide(const Tensor& t, int64_t divisor) {
+}  // namespace
+
+void divide_tensor(const Tensor& t, int64_t divisor) {
   if (divisor == 1) return;
   if (t.device().type == DeviceType::kCuda) {
     cuda::divide(t.device().index, t.dtype(), t.data(), static_cast<size_t>(t.numel()), divisor);
@@ -65,8 +67,6 @@ void divide(const Tensor& t, int64_t divisor) {
   }
   dist::divide_in_place(t.dtype(), t.data(), static_cast<size_t>(t.numel()), divisor);
 }
-
-}  // namespace
 
 const char* hook_name(HookKind hook) {
   switch (hook) {
@@ -82,10 +82,15 @@ const char* hook_name(HookKind hook) {
   return "unknown";
 }
 
-void reduce_with_builtin_hook(HookKind hook, dist::ProcessGroup& group, const Tensor& flat) {
+void reduce_with_builtin_hook(HookKind hook, dist::ProcessGroup& group, const Tensor& flat, int64_t divisor) {
   switch (hook) {
     case HookKind::kAllReduce:
-      group.all_reduce(flat, dist::ReduceOp::kAvg, false);
+      if (divisor == group.size()) {
+        group.all_reduce(flat, dist::ReduceOp::kAvg, false);
+      } else {
+        group.all_reduce(flat, dist::ReduceOp::kSum, false);
+        divide_tensor(flat, divisor);
+      }
       return;
     case HookKind::kFp16:
     case HookKind::kBf16: {
@@ -94,7 +99,7 @@ void reduce_with_builtin_hook(HookKind hook, dist::ProcessGroup& group, const Te
       DType wire = hook == HookKind::kFp16 ? DType::kFloat16 : DType::kBFloat16;
       Tensor compressed = flat.dtype() == wire ? flat : Tensor::empty(wire, flat.shape(), flat.device());
       if (compressed.data() != flat.data()) cast_into(compressed, flat);
-      divide(compressed, group.size());
+      divide_tensor(compressed, divisor);
       group.all_reduce(compressed, dist::ReduceOp::kSum, false);
       if (compressed.data() != flat.data()) cast_into(flat, compressed);
       return;

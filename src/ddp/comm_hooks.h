@@ -11,7 +11,11 @@ enum class HookKind : int32_t { kAllReduce = 0, kFp16 = 1, kBf16 = 2, kCustom = 
 
 const char* hook_name(HookKind hook);
 
-// Averages `flat` in place with a built-in hook (not kCustom).
-void reduce_with_builtin_hook(HookKind hook, dist::ProcessGroup& group, const Tensor& flat);
+// Averages `flat` in place with a built-in hook (not kCustom): the sum over
+// the ranks divided by `divisor` (the world size, or while ranks have
+// joined, possibly the ranks still active).
+void reduce_with_builtin_hook(HookKind hook, dist::ProcessGroup& group, const Tensor& flat, int64_t divisor);
+// t /= divisor, in place, on t's device (floating dtypes).
+void divide_tensor(const Tensor& t, int64_t divisor);
 
 }  // namespace dparallel::ddp

@@ -27,15 +27,33 @@ dist::CallTag tag_of(uint32_t owner_id, uint32_t number, const JobSpec& spec) {
   return tag;
 }
 
-// Every rank's (owner, jobs issued) list, all-gathered: one int64 vector per
-// rank, [count, owner, issued, owner, issued, ...].
+// What a rank says of one owner in a round.
+struct OwnerReport {
+  uint32_t id = 0;
+  uint32_t issued = 0;    // jobs issued
+  uint32_t executed = 0;  // jobs run: its next job's number
+  bool joined = false;    // dp_ddp_join: this rank shadows the others' jobs
+  int64_t next_item = 0;  // the next job's CallTag item + 1, 0 when none is pending
+  uint32_t next_iteration = 0;
+};
+constexpr size_t kFields = 6;
+
+int64_t field(const std::vector<int64_t>& v, size_t owner, size_t f) { return v[1 + kFields * owner + f]; }
+
+// Every rank's owner reports, all-gathered: one int64 vector per rank,
+// [count, then kFields values per owner].
 std::vector<std::vector<int64_t>> exchange_counts(dist::ProcessGroup& group, uint32_t round,
-                                                  const std::vector<std::pair<uint32_t, uint32_t>>& mine) {
-  std::vector<int64_t> values(1 + 2 * CommLane::kOwnersPerRound, 0);
+                                                  const std::vector<OwnerReport>& mine) {
+  std::vector<int64_t> values(1 + kFields * CommLane::kOwnersPerRound, 0);
   values[0] = static_cast<int64_t>(mine.size());
   for (size_t i = 0; i < mine.size(); ++i) {
-    values[1 + 2 * i] = mine[i].first;
-    values[2 + 2 * i] = mine[i].second;
+    int64_t* at = &values[1 + kFields * i];
+    at[0] = mine[i].id;
+    at[1] = mine[i].issued;
+    at[2] = mine[i].executed;
+    at[3] = mine[i].joined ? 1 : 0;
+    at[4] = mine[i].next_item;
+    at[5] = mine[i].next_iteration;
   }
   if (group.size() == 1) return {values};
   dist::CallTag tag;
@@ -59,11 +77,17 @@ std::map<uint32_t, uint32_t> agreed_counts(const std::vector<std::vector<int64_t
     if (v.empty() || v[0] < 0 || v[0] > static_cast<int64_t>(CommLane::kOwnersPerRound)) {
       fail(StatusCode::kRemote, "rank ", r, " sent a malformed agreement round");
     }
+    if (v.size() != 1 + kFields * CommLane::kOwnersPerRound) {
+      fail(StatusCode::kRemote, "rank ", r, " sent a malformed agreement round");
+    }
     std::map<uint32_t, uint32_t> theirs;
-    for (int64_t i = 0; i < v[0]; ++i) {
-      int64_t owner = v[static_cast<size_t>(1 + 2 * i)];
-      int64_t issued = v[static_cast<size_t>(2 + 2 * i)];
-      if (owner < 0 || owner > UINT32_MAX || issued < 0 || issued > UINT32_MAX) {
+    for (size_t i = 0; i < static_cast<size_t>(v[0]); ++i) {
+      int64_t owner = field(v, i, 0);
+      int64_t issued = field(v, i, 1);
+      int64_t executed = field(v, i, 2);
+      int64_t next_item = field(v, i, 4);
+      if (owner < 0 || owner > UINT32_MAX || issued < 0 || issued > UINT32_MAX || executed < 0 || executed > issued ||
+          next_item < 0 || next_item > UINT32_MAX + int64_t{1} || field(v, i, 5) < 0 || field(v, i, 5) > UINT32_MAX) {
         fail(StatusCode::kRemote, "rank ", r, " sent a malformed agreement round");
       }
       theirs[static_cast<uint32_t>(owner)] = static_cast<uint32_t>(issued);
@@ -83,6 +107,17 @@ std::map<uint32_t, uint32_t> agreed_counts(const std::vector<std::vector<int64_t
     }
   }
   return agreed;
+}
+
+// For each owner: how many ranks report it joined.
+std::map<uint32_t, int32_t> joined_counts(const std::vector<std::vector<int64_t>>& counts) {
+  std::map<uint32_t, int32_t> joined;
+  for (const auto& v : counts) {
+    for (size_t i = 0; i < static_cast<size_t>(v[0]); ++i) {
+      if (field(v, i, 3) != 0) ++joined[static_cast<uint32_t>(field(v, i, 0))];
+    }
+  }
+  return joined;
 }
 
 }  // namespace
@@ -167,7 +202,89 @@ StatusCode CommLane::stuck_code() {
 }
 
 bool CommLane::has_pending_locked(const State& state) {
-  return std::any_of(state.owners.begin(), state.owners.end(), [](const auto& o) { return !o.second.jobs.empty(); });
+  return std::any_of(state.owners.begin(), state.owners.end(),
+                     [](const auto& o) { return !o.second.jobs.empty() || (o.second.joined && !o.second.join_done); });
+}
+
+bool CommLane::issue_shadow_jobs_locked(State& state, const std::vector<std::vector<int64_t>>& counts) {
+  bool issued = false;
+  for (auto& [owner, entry] : state.owners) {
+    if (!entry.joined || entry.join_done) continue;
+    bool everyone_joined_and_idle = entry.jobs.empty();
+    const JobSpec* seen = nullptr;
+    JobSpec next;
+    for (const auto& v : counts) {
+      bool listed = false;
+      for (size_t i = 0; i < static_cast<size_t>(v[0]); ++i) {
+        if (field(v, i, 0) != entry.id) continue;
+        listed = true;
+        const bool pending = field(v, i, 4) != 0;
+        if (field(v, i, 3) == 0 || pending) everyone_joined_and_idle = false;
+        // The job another rank runs next, numbered as this rank's next.
+        if (pending && seen == nullptr && field(v, i, 2) == entry.issued) {
+          auto item = static_cast<uint32_t>(field(v, i, 4) - 1);
+          next.item = static_cast<dist::CallItem>(item >> 24);
+          next.index = item & 0xffffffu;
+          next.iteration = static_cast<uint32_t>(field(v, i, 5));
+          next.shadow = true;
+          seen = &next;
+        }
+      }
+      if (!listed) everyone_joined_and_idle = false;
+    }
+    if (everyone_joined_and_idle) {
+      entry.join_done = true;
+      state.cv.notify_all();
+      continue;
+    }
+    if (seen == nullptr) continue;
+    Job job;
+    job.reducer = entry.joined;
+    job.spec = next;
+    job.number = entry.issued++;
+    entry.jobs.push_back(std::move(job));
+    issued = true;
+  }
+  return issued;
+}
+
+void CommLane::join(const std::vector<std::shared_ptr<Reducer>>& owners, Clock::duration bound) {
+  std::unique_lock<std::mutex> lock(state_->mutex);
+  if (!state_->stuck.empty()) fail(StatusCode::kState, "dp_ddp_join: ", state_->stuck);
+  for (const auto& owner : owners) {
+    auto it = state_->owners.find(owner.get());
+    if (it == state_->owners.end()) fail(StatusCode::kInternal, "dp_ddp_join: a dp_ddp that is not on the lane");
+    it->second.joined = owner;
+    it->second.join_done = false;
+  }
+  ++state_->pushes;
+  state_->cv.notify_all();
+  auto done = [&] {
+    if (!state_->stuck.empty()) return true;
+    for (const auto& owner : owners) {
+      auto it = state_->owners.find(owner.get());
+      if (it != state_->owners.end() && !it->second.join_done) return false;
+    }
+    return true;
+  };
+  // Each round is bounded by the group's timeout; `bound` covers one more.
+  uint32_t rounds_seen = state_->counters->rounds;
+  while (!done()) {
+    if (!state_->cv.wait_for(lock, bound, done) && state_->counters->rounds == rounds_seen) {
+      for (const auto& owner : owners) {
+        auto it = state_->owners.find(owner.get());
+        if (it != state_->owners.end()) it->second.joined.reset();
+      }
+      fail(StatusCode::kTimeout, "dp_ddp_join: no agreement round with the other ranks came within ", millis(bound),
+           " ms");
+    }
+    rounds_seen = state_->counters->rounds;
+  }
+  for (const auto& owner : owners) {
+    auto it = state_->owners.find(owner.get());
+    if (it != state_->owners.end()) it->second.joined.reset();
+  }
+  if (!state_->stuck.empty()) fail(state_->stuck_code, "dp_ddp_join: ", state_->stuck);
 }
 
 void CommLane::set_in_backward(const Reducer* owner, bool in_backward) {
@@ -361,11 +478,23 @@ bool CommLane::detach(const Reducer* owner, Clock::duration bound) {
 }
 
 bool CommLane::run_round(State& state, std::unique_lock<std::mutex>& lock) {
-  std::vector<std::pair<uint32_t, uint32_t>> mine;
+  std::vector<OwnerReport> mine;
   for (const auto& [owner, entry] : state.owners) {
-    if (!entry.jobs.empty()) mine.emplace_back(entry.id, entry.issued);
+    const bool shadowing = entry.joined && !entry.join_done;
+    if (entry.jobs.empty() && !shadowing) continue;
+    OwnerReport report;
+    report.id = entry.id;
+    report.issued = entry.issued;
+    report.executed = entry.executed;
+    report.joined = shadowing;
+    if (!entry.jobs.empty()) {
+      const JobSpec& next = entry.jobs.front().spec;
+      report.next_item = int64_t{tag_of(entry.id, 0, next).item} + 1;
+      report.next_iteration = next.iteration;
+    }
+    mine.push_back(report);
   }
-  std::sort(mine.begin(), mine.end());
+  std::sort(mine.begin(), mine.end(), [](const OwnerReport& a, const OwnerReport& b) { return a.id < b.id; });
   if (mine.size() > kOwnersPerRound) mine.resize(kOwnersPerRound);
   const uint32_t round = ++state.counters->rounds;
   std::shared_ptr<dist::ProcessGroup> group = state.group;
@@ -374,10 +503,14 @@ bool CommLane::run_round(State& state, std::unique_lock<std::mutex>& lock) {
   // ones are refused while the jobs wait.
   group->wait_for_other_threads_calls();
   std::map<uint32_t, uint32_t> agreed;
+  std::map<uint32_t, int32_t> joined;
+  std::vector<std::vector<int64_t>> counts;
   std::string failure;
   StatusCode code = StatusCode::kInternal;
   try {
-    agreed = agreed_counts(exchange_counts(*group, round, mine));
+    counts = exchange_counts(*group, round, mine);
+    agreed = agreed_counts(counts);
+    joined = joined_counts(counts);
   } catch (const Error& e) {
     failure = e.what();
     code = e.code();
@@ -397,9 +530,11 @@ bool CommLane::run_round(State& state, std::unique_lock<std::mutex>& lock) {
     lock.lock();
     return false;
   }
-  bool ran = false;
+  // Issuing a shadow job counts as progress: the next round runs it.
+  bool ran = issue_shadow_jobs_locked(state, counts);
   // Every rank runs the same jobs in the same order: by owner, then number.
   for (const auto& [id, count] : agreed) {
+    const int32_t active = group->size() - (joined.count(id) != 0 ? joined[id] : 0);
     for (;;) {
       if (!state.stuck.empty()) return ran;
       auto it = std::find_if(state.owners.begin(), state.owners.end(),
@@ -415,6 +550,7 @@ bool CommLane::run_round(State& state, std::unique_lock<std::mutex>& lock) {
       lock.unlock();
       {
         dist::CallTagScope scope(tag_of(id, job.number, job.spec));
+        if (job.reducer) job.reducer->set_active_ranks(active);
         job.execute();
       }
       lock.lock();

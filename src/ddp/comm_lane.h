@@ -23,6 +23,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "distributed/call_header.h"
 #include "distributed/process_group.h"
@@ -45,6 +46,7 @@ struct JobSpec {
   size_t index = 0;     // the bucket, for kBucket
   std::string refusal;  // nonempty: the job stands in for its collectives and fails them on every rank
   uint32_t iteration = 0;
+  bool shadow = false;  // a joined rank's stand-in for the other ranks' job: zeros, nothing kept
 };
 
 class CommLane {
@@ -93,6 +95,11 @@ class CommLane {
   // The owner's backward is in flight (from its first mark to the end of
   // its finish): the host's own calls on the group are refused meanwhile.
   void set_in_backward(const Reducer* owner, bool in_backward);
+  // dp_ddp_join: from now on this rank shadows the other ranks' jobs of
+  // `owner` (issuing each as the round says they issued it) until a round
+  // shows every rank joined with nothing pending; returns then. kTimeout
+  // when no round came within `bound` of the last; kState on a stuck lane.
+  void join(const std::vector<std::shared_ptr<Reducer>>& owners, Clock::duration bound);
 
  private:
   struct Job {
@@ -110,9 +117,11 @@ class CommLane {
   struct Owner {
     uint32_t id = 0;
     bool in_backward = false;
-    uint32_t issued = 0;    // jobs issued on this rank
-    uint32_t executed = 0;  // jobs run (or dropped) in agreement with every rank
-    std::deque<Job> jobs;   // issued, not yet run: job numbers executed, executed + 1, ...
+    std::shared_ptr<Reducer> joined;  // set while shadowing (dp_ddp_join)
+    bool join_done = false;           // a round showed every rank joined
+    uint32_t issued = 0;              // jobs issued on this rank
+    uint32_t executed = 0;            // jobs run (or dropped) in agreement with every rank
+    std::deque<Job> jobs;             // issued, not yet run: job numbers executed, executed + 1, ...
   };
   // What the worker thread shares with the lane: it outlives the lane when
   // the worker is stuck in a job that never returns.
@@ -145,6 +154,10 @@ class CommLane {
   // Marks the lane stuck (locked) and returns the jobs to drop.
   static std::deque<Job> stick_locked(State& state, const std::string& why, StatusCode code = StatusCode::kState);
   static void drop_all(std::deque<Job>& jobs, StatusCode code, const std::string& why);
+
+  // The jobs of this round whose owners a joined rank shadows (locked).
+  // True when it issued one.
+  static bool issue_shadow_jobs_locked(State& state, const std::vector<std::vector<int64_t>>& counts);
 
   std::shared_ptr<State> state_;
   std::shared_ptr<Gate> gate_;

@@ -71,7 +71,8 @@ Reducer::~Reducer() {
 void Reducer::on_lane(CallItem item, const std::function<void()>& fn) {
   JobSpec spec;
   spec.item = item;
-  spec.iteration = iteration_;
+  // dp_ddp_join's sync pairs ranks whose iteration counts differ.
+  spec.iteration = item == CallItem::kJoinSync ? 0 : iteration_;
   lane_->call(this, spec, fn, lane_bound());
 }
 
@@ -230,6 +231,8 @@ JobResult Reducer::run_job(const JobSpec& spec) {
       }
       result.code = StatusCode::kState;
       result.error = spec.refusal;
+    } else if (spec.shadow) {
+      run_shadow(spec);
     } else if (spec.item == CallItem::kBucket) {
       run_bucket(spec.index);
     } else if (spec.item == CallItem::kUsedMap) {
@@ -252,6 +255,9 @@ JobResult Reducer::run_job(const JobSpec& spec) {
 }
 
 void Reducer::complete_job(const JobSpec& spec, JobResult result) {
+  // A joined rank's stand-in belongs to no iteration of its own: the other
+  // ranks' iteration fails or not on their side; the join goes on.
+  if (spec.shadow) return;
   std::lock_guard<std::mutex> lock(mutex_);
   JobState& state = job_state(spec);
   state.start = result.start;
@@ -339,6 +345,7 @@ void Reducer::fail_job_locked(JobState& state, StatusCode code, const std::strin
 }
 
 void Reducer::drop_job(const JobSpec& spec, StatusCode code, const std::string& why) {
+  if (spec.shadow) return;  // the lane is stuck: the join fails with its reason
   std::lock_guard<std::mutex> lock(mutex_);
   if (spec.item == CallItem::kBucket && spec.index >= buckets_.size()) return;
   JobState& state = job_state(spec);
@@ -401,16 +408,116 @@ void Reducer::check_fingerprint(size_t index) {
   }
 }
 
+int64_t Reducer::divisor() const {
+  const int32_t active = active_ranks_.load();
+  if (options_.join_divide_by_initial_world_size || active <= 0 || active >= group_->size()) return group_->size();
+  return active;
+}
+
 void Reducer::reduce_bucket(size_t index) {
   const Bucket& bucket = buckets_[index];
   if (bucket.numel == 0) return;  // only empty parameters: the same on every rank
   if (in_place_) {
-    group_->all_reduce_coalesced(bucket_grads(bucket), ReduceOp::kAvg, false);
+    std::vector<Tensor> grads = bucket_grads(bucket);
+    const int64_t by = divisor();
+    if (by == group_->size()) {
+      group_->all_reduce_coalesced(grads, ReduceOp::kAvg, false);
+      return;
+    }
+    group_->all_reduce_coalesced(grads, ReduceOp::kSum, false);
+    for (const Tensor& g : grads) divide_tensor(g, by);
     return;
   }
-  if (options_.hook != HookKind::kCustom) return reduce_with_builtin_hook(options_.hook, *group_, bucket.flat);
+  reduce_flat(index, bucket.flat);
+}
+
+void Reducer::reduce_flat(size_t index, const Tensor& flat) {
+  if (options_.hook != HookKind::kCustom) return reduce_with_builtin_hook(options_.hook, *group_, flat, divisor());
   RunningHookScope running(RunningHook{this, index, "comm hook"});
-  options_.custom_hook(index, bucket.flat);
+  options_.custom_hook(index, flat);
+}
+
+void Reducer::run_shadow(const JobSpec& spec) {
+  switch (spec.item) {
+    case CallItem::kBucket: {
+      if (spec.index >= buckets_.size()) {
+        fail(StatusCode::kState, "dp_ddp_join: another rank reduces bucket ", spec.index, " but this rank has ",
+             buckets_.size(), " buckets");
+      }
+      if (debug_ == DebugLevel::kDetail) check_fingerprint(spec.index);
+      const Bucket& bucket = buckets_[spec.index];
+      if (bucket.numel == 0) return;
+      if (in_place_) {
+        std::vector<Tensor> zeros;
+        for (const Tensor& g : bucket_grads(bucket)) zeros.push_back(Tensor::zeros(g.dtype(), g.shape(), g.device()));
+        group_->all_reduce_coalesced(zeros, divisor() == group_->size() ? ReduceOp::kAvg : ReduceOp::kSum, false);
+        return;
+      }
+      reduce_flat(spec.index, Tensor::zeros(bucket.dtype, {bucket.numel}, group_->device()));
+      return;
+    }
+    case CallItem::kUsedMap:
+      run_used_map();  // this rank used nothing since its last synced backward
+      return;
+    case CallItem::kReadyOrder: {
+      run_ready_order();
+      // The other ranks rebuild from it at their finish: the same plan here.
+      std::lock_guard<std::mutex> lock(mutex_);
+      std::vector<size_t> order = std::move(rank0_order_);
+      rebuild(order);
+      return;
+    }
+    case CallItem::kBuffers:
+      broadcast_state(buffers_);
+      return;
+    default:
+      fail(StatusCode::kState, "dp_ddp_join: another rank runs ", dist::call_item_name(spec.item, 0),
+           ", which a joined rank cannot stand in for (make every rank create its dp_ddp before any joins)");
+  }
+}
+
+void Reducer::join(const std::vector<std::shared_ptr<Reducer>>& reducers) {
+  if (reducers.empty()) return;
+  std::shared_ptr<CommLane> lane = reducers.front()->lane_;
+  for (const auto& r : reducers) {
+    std::lock_guard<std::mutex> lock(r->mutex_);
+    if (r->broken_) fail_broken();
+    if (r->finishing_ || r->any_mark_) {
+      fail(StatusCode::kState,
+           "dp_ddp_join: a backward of a dp_ddp passed is in progress; join after its "
+           "dp_ddp_finish_backward");
+    }
+    if (r->lane_ != lane) fail_invalid("argument 'ddps': the dp_ddp are on different process groups");
+  }
+  lane->join(reducers, reducers.front()->lane_bound());
+  for (const auto& r : reducers) {
+    r->on_lane(CallItem::kJoinSync, [&] { r->sync_after_join(); });
+  }
+}
+
+void Reducer::sync_after_join() {
+  uint32_t mine = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    mine = iteration_;
+  }
+  const int32_t world = group_->size();
+  const Device device = group_->device();
+  std::vector<Tensor> all = gather_outputs(world, DType::kInt64, 1, device);
+  group_->all_gather(to_device(host_int64({static_cast<int64_t>(mine)}), device), all, false);
+  int32_t root = 0;
+  int64_t most = -1;
+  for (int32_t r = 0; r < world; ++r) {
+    int64_t n = read_int64(all[static_cast<size_t>(r)]).at(0);
+    if (n >= most) {
+      most = n;
+      root = r;
+    }
+  }
+  broadcast_state(sync_state_, root);
+  std::lock_guard<std::mutex> lock(mutex_);
+  iteration_ = static_cast<uint32_t>(most);
+  active_ranks_.store(0);
 }
 
 void Reducer::report_bucket(size_t index) {

@@ -4,6 +4,7 @@
 // autograd hooks). See dparallel/dp_ddp.h for the contract.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -50,6 +51,9 @@ struct ReducerOptions {
   std::function<int(size_t bucket, const std::vector<size_t>& params)> on_bucket_reduced;
   // A plan from plan_text() to start with (empty: none); it is final.
   std::string bucket_plan;
+  // While ranks have joined: the built-in hooks divide by the initial
+  // world size (true) or by the ranks still active (false).
+  bool join_divide_by_initial_world_size = true;
 };
 
 struct ReducerStats {
@@ -90,6 +94,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   size_t num_buckets() const;
   std::vector<size_t> bucket_parameters(size_t bucket) const;
   ReducerStats last_stats() const;
+  // dp_ddp_join for `reducers` (every one this rank drives, the same order
+  // on every rank): shadows the other ranks' jobs until every rank joined,
+  // then every rank takes the parameters and buffers of the last to join.
+  static void join(const std::vector<std::shared_ptr<Reducer>>& reducers);
+  // The ranks still active for the job about to run (the lane sets it).
+  void set_active_ranks(int32_t active) { active_ranks_.store(active); }
   // The current plan as text (plan_text.h).
   std::string plan_text() const;
   // Whether any rank used parameter `index` in the last synced iteration
@@ -166,7 +176,18 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void restore_local_locked(const std::map<size_t, Tensor>& saved_views);
 
   void check_agreement(const std::vector<std::string>& description);
-  void broadcast_state(const std::vector<std::pair<std::string, Tensor>>& tensors);
+  void broadcast_state(const std::vector<std::pair<std::string, Tensor>>& tensors, int32_t root = 0);
+  // A joined rank's part in another rank's job: zeros, nothing kept.
+  void run_shadow(const JobSpec& spec);
+  // What the built-in hooks divide by: the world size, or with
+  // join_divide_by_initial_world_size off, the ranks still active.
+  int64_t divisor() const;
+  // Averages `flat`, bucket `index`'s values (or zeros standing in for them).
+  void reduce_flat(size_t index, const Tensor& flat);
+  // After dp_ddp_join: the rank that ran the most iterations (the highest
+  // of them) broadcasts the parameters and buffers; every rank takes its
+  // iteration count.
+  void sync_after_join();
   // Runs `fn`, which issues collectives on the group, as this reducer's next
   // job on the lane.
   void on_lane(dist::CallItem item, const std::function<void()>& fn);
@@ -235,8 +256,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   DebugLevel debug_ = DebugLevel::kOff;
   std::string timeline_path_;
   std::vector<Managed> params_;
-  std::vector<std::pair<std::string, Tensor>> buffers_;  // broadcast by pre_forward
-  std::vector<std::vector<size_t>> given_plan_;          // parsed from options_.bucket_plan
+  std::vector<std::pair<std::string, Tensor>> buffers_;     // broadcast by pre_forward
+  std::vector<std::pair<std::string, Tensor>> sync_state_;  // parameters and buffers: broadcast at create and join
+  std::vector<std::vector<size_t>> given_plan_;             // parsed from options_.bucket_plan
   std::unordered_map<std::string, size_t> index_by_name_;
 
   mutable std::mutex mutex_;
@@ -245,7 +267,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool broken_ = false;  // a wait outlived its bound: only destroy is left
   std::shared_ptr<CommLane> lane_;
   uint32_t lane_id_ = 0;
-  uint32_t iteration_ = 0;  // synced backwards begun: the jobs' iteration
+  uint32_t iteration_ = 0;                // synced backwards begun: the jobs' iteration
+  std::atomic<int32_t> active_ranks_{0};  // 0 until the lane sets it: the world
 
   bool requires_sync_ = true;
   bool rebuilt_ = false;

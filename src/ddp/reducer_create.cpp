@@ -84,6 +84,7 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
     throw;
   }
   for (size_t i = 0; i < params_.size(); ++i) index_by_name_.emplace(params_[i].name, i);
+  sync_state_ = std::move(setup.state);
   marked_.assign(params_.size(), 0);
   used_since_sync_.assign(params_.size(), 0);
   reset_iteration_locked();
@@ -284,8 +285,8 @@ void Reducer::check_agreement(const std::vector<std::string>& description) {
   }
 }
 
-// Broadcasts `tensors` from rank 0, coalesced per dtype.
-void Reducer::broadcast_state(const std::vector<std::pair<std::string, Tensor>>& tensors) {
+// Broadcasts `tensors` from `root`, coalesced per dtype.
+void Reducer::broadcast_state(const std::vector<std::pair<std::string, Tensor>>& tensors, int32_t root) {
   if (tensors.empty() || group_->size() == 1) return;
   std::vector<Tensor> list;
   list.reserve(tensors.size());
@@ -299,8 +300,8 @@ void Reducer::broadcast_state(const std::vector<std::pair<std::string, Tensor>>&
     if (numel == 0) continue;
     Tensor flat = Tensor::empty(pieces.front().dtype(), {numel}, device);
     comm::flatten_into(flat, pieces);
-    group_->broadcast(flat, 0, false);
-    if (group_->rank() != 0) comm::unflatten_into(pieces, flat);
+    group_->broadcast(flat, root, false);
+    if (group_->rank() != root) comm::unflatten_into(pieces, flat);
   }
 }
 

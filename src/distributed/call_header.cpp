@@ -67,6 +67,8 @@ std::string call_item_name(CallItem item, uint32_t index) {
       return "the buffers' broadcast";
     case CallItem::kCreate:
       return "dp_ddp_create's agreement check and broadcast";
+    case CallItem::kJoinSync:
+      return "dp_ddp_join's broadcast of the last rank's state";
     case CallItem::kNone:
       break;
   }

@@ -23,6 +23,7 @@ enum class CallItem : uint32_t {
   kReadyOrder = 3,  // rank 0's ready order, for the rebuilt buckets
   kBuffers = 4,     // the buffers' broadcast before a forward
   kCreate = 5,      // the agreement check and broadcast at creation
+  kJoinSync = 6,    // dp_ddp_join's end: the last rank to join broadcasts its state
 };
 
 // Who issued a call and which of its calls it is. The ranks pair calls by

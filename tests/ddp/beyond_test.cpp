@@ -521,3 +521,158 @@ TEST(DdpStaticGraph, WithoutFindUnusedParametersEveryIterationAveragesAllAndTheL
 }
 
 }  // namespace
+
+// ---- uneven inputs: dp_ddp_join ----
+
+namespace {
+
+struct JoinCase {
+  std::vector<int> batches;  // per rank
+  int divide_by_initial = 1;
+  int modules = 1;      // dp_ddp per rank, one module each, on one group
+  bool extras = false;  // find_unused_parameters, bucket views and the fp16 hook
+  const char* name;
+};
+
+// The gradient rank r produces for parameter p, element k, in iteration i.
+float join_grad(int r, int i, int p, int k) { return static_cast<float>((r + 1) * (i + 2) + p + k); }
+
+constexpr float kJoinLr = 0.25f;
+
+// Each iteration i averages the gradients of the ranks with more than i
+// batches; the active ranks step; in the end every rank holds what the rank
+// with the most batches holds.
+std::vector<float> join_reference(const JoinCase& c) {
+  const int world = static_cast<int>(c.batches.size());
+  int most = 0;
+  for (int b : c.batches) most = std::max(most, b);
+  const int64_t sizes[] = {4, 3, 2};
+  std::vector<float> out;
+  for (int p = 0; p < 3; ++p) {
+    for (int64_t k = 0; k < sizes[p]; ++k) {
+      double value = static_cast<double>(k);  // three_params(0): values 0, 1, ...
+      for (int i = 0; i < most; ++i) {
+        double sum = 0;
+        int active = 0;
+        for (int r = 0; r < world; ++r) {
+          if (c.batches[static_cast<size_t>(r)] > i) {
+            sum += join_grad(r, i, p, static_cast<int>(k));
+            ++active;
+          }
+        }
+        value -= kJoinLr * sum / (c.divide_by_initial != 0 ? world : active);
+      }
+      out.push_back(static_cast<float>(value));
+    }
+  }
+  return out;
+}
+
+class DdpJoin : public ::testing::TestWithParam<JoinCase> {};
+
+TEST_P(DdpJoin, RanksWithUnevenBatchesEndWithTheParametersOfTheHandComputedReference) {
+  const JoinCase& c = GetParam();
+  const int world = static_cast<int>(c.batches.size());
+  std::vector<std::vector<std::vector<float>>> finals(static_cast<size_t>(world));
+  run_ranks(world, [&](int rank, dp_process_group* pg) {
+    std::vector<dptest::ModulePtr> modules;
+    std::vector<DdpPtr> ddps;
+    for (int mi = 0; mi < c.modules; ++mi) {
+      modules.push_back(three_params(0.0f));
+      dp_ddp_options o = small_buckets();
+      o.join_divide_by_initial_world_size = c.divide_by_initial;
+      if (c.extras) {
+        o.find_unused_parameters = 1;
+        o.gradient_as_bucket_view = 1;
+        o.comm_hook = DP_HOOK_FP16;
+      }
+      dp_ddp* raw = nullptr;
+      ASSERT_EQ(dp_ddp_create(&raw, modules.back().get(), pg, &o), DP_OK) << dp_last_error();
+      ddps.emplace_back(raw);
+    }
+    for (int i = 0; i < c.batches[static_cast<size_t>(rank)]; ++i) {
+      for (int mi = 0; mi < c.modules; ++mi) {
+        dp_module* m = modules[static_cast<size_t>(mi)].get();
+        ASSERT_EQ(dp_ddp_pre_forward(ddps[static_cast<size_t>(mi)].get()), DP_OK) << dp_last_error();
+        for (int p = 0; p < 3; ++p) {
+          dp_tensor* g = nullptr;
+          ASSERT_EQ(dp_module_grad(m, kNames[p], &g), DP_OK);
+          TensorPtr owned(g);
+          auto* gv = static_cast<float*>(dp_tensor_data(g));
+          for (int64_t k = 0; k < dp_tensor_numel(g); ++k) gv[k] = join_grad(rank, i, p, static_cast<int>(k));
+        }
+        for (const char* name : {"c", "b", "a"}) {
+          ASSERT_EQ(dp_ddp_mark_grad_ready(ddps[static_cast<size_t>(mi)].get(), name), DP_OK) << dp_last_error();
+        }
+        ASSERT_EQ(dp_ddp_finish_backward(ddps[static_cast<size_t>(mi)].get()), DP_OK) << dp_last_error();
+        for (int p = 0; p < 3; ++p) {
+          dp_tensor* w = nullptr;
+          dp_tensor* g = nullptr;
+          ASSERT_EQ(dp_module_get_parameter(m, kNames[p], &w), DP_OK);
+          ASSERT_EQ(dp_module_grad(m, kNames[p], &g), DP_OK);
+          TensorPtr ow(w), og(g);
+          auto* wv = static_cast<float*>(dp_tensor_data(w));
+          const auto* gv = static_cast<const float*>(dp_tensor_data(g));
+          for (int64_t k = 0; k < dp_tensor_numel(w); ++k) wv[k] -= kJoinLr * gv[k];
+        }
+      }
+    }
+    std::vector<dp_ddp*> handles;
+    for (auto& d : ddps) handles.push_back(d.get());
+    ASSERT_EQ(dp_ddp_join(handles.data(), handles.size()), DP_OK) << dp_last_error();
+    for (auto& m : modules) {
+      std::vector<float> all;
+      for (const char* name : kNames) {
+        std::vector<float> v = param_of(m.get(), name);
+        all.insert(all.end(), v.begin(), v.end());
+      }
+      finals[static_cast<size_t>(rank)].push_back(all);
+    }
+    // Every rank goes on together after the join.
+    for (int mi = 0; mi < c.modules; ++mi) {
+      for (const char* name : {"c", "b", "a"})
+        ASSERT_EQ(dp_ddp_mark_grad_ready(ddps[static_cast<size_t>(mi)].get(), name), DP_OK);
+      ASSERT_EQ(dp_ddp_finish_backward(ddps[static_cast<size_t>(mi)].get()), DP_OK) << dp_last_error();
+    }
+  });
+  std::vector<float> expected = join_reference(c);
+  for (int r = 0; r < world; ++r) {
+    ASSERT_EQ(finals[static_cast<size_t>(r)].size(), static_cast<size_t>(c.modules));
+    for (const auto& got : finals[static_cast<size_t>(r)]) {
+      ASSERT_EQ(got.size(), expected.size());
+      const float tolerance = c.extras ? 0.05f : 1e-4f;  // fp16 on the wire
+      for (size_t k = 0; k < got.size(); ++k) {
+        EXPECT_NEAR(got[k], expected[k], tolerance * (1.0f + std::fabs(expected[k]))) << "rank " << r << " value " << k;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, DdpJoin,
+                         ::testing::Values(JoinCase{{3, 5, 4}, 1, 1, false, "ThreeRanksDividingByTheInitialWorldSize"},
+                                           JoinCase{{3, 5, 4}, 0, 1, false, "ThreeRanksDividingByTheActiveRanks"},
+                                           JoinCase{{3, 5, 4}, 1, 2, false, "TwoDdpPerRankJoinTogether"},
+                                           JoinCase{{0, 2, 3}, 1, 1, false, "ARankThatJoinsBeforeAnyIteration"},
+                                           JoinCase{{2, 4}, 0, 1, true, "FindUnusedBucketViewsAndTheFp16Hook"}),
+                         [](const ::testing::TestParamInfo<JoinCase>& p) { return std::string(p.param.name); });
+
+TEST(DdpJoinArguments, AreCheckedNamingTheArgument) {
+  run_ranks(1, [&](int, dp_process_group* pg) {
+    dptest::ModulePtr m = three_params(0.0f);
+    dp_ddp* raw = nullptr;
+    ASSERT_EQ(dp_ddp_create(&raw, m.get(), pg, nullptr), DP_OK) << dp_last_error();
+    DdpPtr ddp(raw);
+    EXPECT_EQ(dp_ddp_join(nullptr, 1), DP_EINVAL);
+    dp_ddp* twice[] = {raw, raw};
+    EXPECT_EQ(dp_ddp_join(twice, 2), DP_EINVAL);
+    EXPECT_NE(dptest::last_error().find("the same dp_ddp at [0] and [1]"), std::string::npos) << dptest::last_error();
+    EXPECT_EQ(dp_ddp_join(twice, 0), DP_EINVAL);
+    ASSERT_EQ(dp_ddp_mark_grad_ready(raw, "a"), DP_OK);
+    EXPECT_EQ(dp_ddp_join(twice, 1), DP_ESTATE) << "during a backward";
+    for (const char* name : {"b", "c"}) ASSERT_EQ(dp_ddp_mark_grad_ready(raw, name), DP_OK);
+    ASSERT_EQ(dp_ddp_finish_backward(raw), DP_OK);
+    EXPECT_EQ(dp_ddp_join(twice, 1), DP_OK) << dp_last_error() << " (alone, it returns at once)";
+  });
+}
+
+}  // namespace
