@@ -61,7 +61,8 @@ struct Options {
                "       dp-run -n RANKS dp-perf <all_reduce|broadcast|all_gather|reduce_scatter> [-b 4K] [-e 64M]\n"
                "               [-f 4] [-t float] [-o sum] [-r ROOT]\n"
                "       dp-run -n RANKS dp-perf ddp [--layers 10] [--width 1024] [--batch 32] [--steps 41]\n"
-               "               [--warmup 5] [--bucket-cap-mb 25] [--grad-as-bucket-view] [--modes ...]\n"
+               "               [--warmup 5] [--bucket-cap-mb 25] [--grad-as-bucket-view] [--optim-in-backward]\n"
+               "               [--static-graph] [--modes ...]\n"
                "sizes: 1 to 1024G, with K, M or G suffixes (powers of 1024); -f: above 1, at most 1024;\n"
                "-s: 1..100000; -w: 0..100000\n",
                message);

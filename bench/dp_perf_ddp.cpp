@@ -12,7 +12,9 @@
 //   ddp_no_sync     the DDP-wrapped model with dp_ddp_set_requires_gradient_sync(0)
 //   ddp             pre_forward, forward, backward marking each layer's weight
 //                   and bias ready as they are produced (last layer first, as
-//                   an autograd hook would), finish_backward, SGD
+//                   an autograd hook would), finish_backward, SGD; with
+//                   --optim-in-backward the SGD of each bucket's parameters
+//                   runs in on_bucket_reduced while later buckets reduce
 //   allreduce_only  dp_pg_all_reduce of one flat float32 tensor with as many
 //                   elements as the model has parameters
 // Each step is timed after a barrier; a step's time is the maximum over the
@@ -60,6 +62,8 @@ struct Options {
   double bucket_cap_mb = 25;
   double first_bucket_cap_mb = 1;
   bool grad_as_bucket_view = false;
+  bool optim_in_backward = false;  // SGD in on_bucket_reduced instead of after finish_backward
+  bool static_graph = false;
   std::vector<std::string> modes{"local", "ddp_no_sync", "ddp", "allreduce_only"};
 };
 
@@ -156,6 +160,21 @@ class Mlp {
   std::vector<float> act_, dz_, da_;
 };
 
+// What on_bucket_reduced steps: parameter i (2l: layer l's weight, 2l + 1
+// its bias) at params[i], its gradient at grads[i], counts[i] floats.
+struct InBackward {
+  std::vector<float*> params, grads;
+  std::vector<int64_t> counts;
+};
+
+void sgd(float* p, const float* g, int64_t count);
+
+int sgd_in_backward(void* user_data, dp_ddp*, size_t, const size_t* indices, size_t n) {
+  auto* s = static_cast<InBackward*>(user_data);
+  for (size_t i = 0; i < n; ++i) sgd(s->params[indices[i]], s->grads[indices[i]], s->counts[indices[i]]);
+  return 0;
+}
+
 void sgd(float* p, const float* g, int64_t count) {
   for (int64_t i = 0; i < count; ++i) p[i] -= kLearningRate * g[i];
 }
@@ -251,10 +270,11 @@ int run(const Options& o) {
     std::printf(
         "# dparallel DDP/%s, world=%d, model %dxLinear(%lld,%lld) = %.2f M params (%.1f MB grads), batch=%lld/rank, "
         "BLAS threads/rank=1, steps=%d (+%d warm-up), buckets %g MB (first %g MB), gradient_as_bucket_view=%d, "
-        "blas=%s\n",
+        "optim_in_backward=%d, static_graph=%d, blas=%s\n",
         dp_process_group_backend(pg), world, L, static_cast<long long>(W), static_cast<long long>(W),
         static_cast<double>(nparams) / 1e6, static_cast<double>(nparams) * 4 / 1e6, static_cast<long long>(B), o.steps,
-        o.warmup, o.bucket_cap_mb, o.first_bucket_cap_mb, o.grad_as_bucket_view ? 1 : 0, openblas_get_config());
+        o.warmup, o.bucket_cap_mb, o.first_bucket_cap_mb, o.grad_as_bucket_view ? 1 : 0, o.optim_in_backward ? 1 : 0,
+        o.static_graph ? 1 : 0, openblas_get_config());
     std::printf("%-15s %9s %9s %16s %10s\n", "mode", "t_med_ms", "t_min_ms", "vs_local_med_ms", "cpu_ms");
     std::fflush(stdout);
   }
@@ -335,6 +355,15 @@ int run(const Options& o) {
     dopts.bucket_cap_mb = o.bucket_cap_mb;
     dopts.first_bucket_cap_mb = o.first_bucket_cap_mb;
     dopts.gradient_as_bucket_view = o.grad_as_bucket_view ? 1 : 0;
+    dopts.static_graph = o.static_graph ? 1 : 0;
+    InBackward in_backward;
+    in_backward.params.resize(names.size());
+    in_backward.grads.resize(names.size());
+    in_backward.counts.resize(names.size());
+    if (o.optim_in_backward) {
+      dopts.on_bucket_reduced = sgd_in_backward;
+      dopts.on_bucket_reduced_data = &in_backward;
+    }
     dp_ddp* ddp = nullptr;
     fail_on(dp_ddp_create(&ddp, model, pg, &dopts), "dp_ddp_create");
 
@@ -348,6 +377,9 @@ int run(const Options& o) {
         fail_on(dp_module_grad(model, names[i].c_str(), &g), "dp_module_grad");
         (i % 2 == 0 ? w : b)[i / 2] = static_cast<float*>(dp_tensor_data(p));
         (i % 2 == 0 ? gw : gb)[i / 2] = static_cast<float*>(dp_tensor_data(g));
+        in_backward.params[i] = static_cast<float*>(dp_tensor_data(p));
+        in_backward.grads[i] = static_cast<float*>(dp_tensor_data(g));
+        in_backward.counts[i] = dp_tensor_numel(p);
         dp_tensor_destroy(p);  // the module keeps both alive
         dp_tensor_destroy(g);
       }
@@ -358,15 +390,19 @@ int run(const Options& o) {
       fail_on(dp_ddp_mark_grad_ready_index(ddp, static_cast<size_t>(2 * l + 1)), "dp_ddp_mark_grad_ready_index");
     };
     double reduce_sum = 0, exposed_sum = 0;
+    int requires_sync = 1;
     auto ddp_step = [&](int timed) {
       fail_on(dp_ddp_pre_forward(ddp), "dp_ddp_pre_forward");
       fetch();
       mlp.forward_backward(w.data(), b.data(), gw.data(), gb.data(), x.data(), y.data(), mark);
       fail_on(dp_ddp_finish_backward(ddp), "dp_ddp_finish_backward");
       fetch();
-      for (int l = 0; l < L; ++l) {
-        sgd(w[l], gw[l], W * W);
-        sgd(b[l], gb[l], W);
+      // In a no_sync step no bucket is reported: the host steps as usual.
+      if (!o.optim_in_backward || requires_sync == 0) {
+        for (int l = 0; l < L; ++l) {
+          sgd(w[l], gw[l], W * W);
+          sgd(b[l], gb[l], W);
+        }
       }
       if (timed >= 0) {
         dp_ddp_stats stats{};
@@ -379,8 +415,10 @@ int run(const Options& o) {
     };
     if (wants("ddp_no_sync")) {
       fail_on(dp_ddp_set_requires_gradient_sync(ddp, 0), "dp_ddp_set_requires_gradient_sync");
+      requires_sync = 0;
       report("ddp_no_sync", measure(pg, o, ddp_step));
       fail_on(dp_ddp_set_requires_gradient_sync(ddp, 1), "dp_ddp_set_requires_gradient_sync");
+      requires_sync = 1;
     }
     if (wants("ddp")) {
       reduce_sum = exposed_sum = 0;
@@ -470,6 +508,14 @@ int dp_perf_ddp_main(int argc, char** argv) {
         o.grad_as_bucket_view = true;
         continue;
       }
+      if (a == "--optim-in-backward") {
+        o.optim_in_backward = true;
+        continue;
+      }
+      if (a == "--static-graph") {
+        o.static_graph = true;
+        continue;
+      }
       if (i + 1 >= argc) throw perf::UsageError("option " + a + " needs a value");
       const std::string v = argv[++i];
       if (a == "--layers") {
@@ -517,6 +563,7 @@ int dp_perf_ddp_main(int argc, char** argv) {
     std::fprintf(stderr,
                  "usage: dp-run -n 2 dp-perf ddp [--layers 10] [--width 1024] [--batch 32] [--steps 41] [--warmup 5]\n"
                  "       [--bucket-cap-mb 25] [--first-bucket-cap-mb 1] [--grad-as-bucket-view]\n"
+                 "       [--optim-in-backward] [--static-graph]\n"
                  "       [--modes local,ddp_no_sync,ddp,allreduce_only]\n");
     return 2;
   }
