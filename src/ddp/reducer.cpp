@@ -515,7 +515,23 @@ void Reducer::sync_after_join() {
     }
   }
   broadcast_state(sync_state_, root);
+  // static_graph may have been recorded while this rank stood in: every
+  // rank takes the root's record, so their later iterations run alike.
+  Tensor graph = Tensor::zeros(DType::kUInt8, {static_cast<int64_t>(params_.size() + 1)}, kHostDevice);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto* bytes = static_cast<uint8_t*>(graph.data());
+    bytes[0] = graph_recorded_ ? 1 : 0;
+    for (size_t i = 0; i < static_used_.size() && i < params_.size(); ++i) bytes[i + 1] = static_used_[i];
+  }
+  Tensor on_device = to_device(graph, device);
+  group_->broadcast(on_device, root, false);
+  Tensor back = to_device(on_device, kHostDevice);
+  const auto* bytes = static_cast<const uint8_t*>(back.data());
   std::lock_guard<std::mutex> lock(mutex_);
+  graph_recorded_ = bytes[0] != 0;
+  static_used_.assign(bytes + 1, bytes + 1 + params_.size());
+  if (!graph_recorded_) static_used_.clear();
   iteration_ = static_cast<uint32_t>(most);
   active_ranks_.store(0);
 }

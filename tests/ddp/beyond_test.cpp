@@ -532,6 +532,7 @@ struct JoinCase {
   int modules = 1;      // dp_ddp per rank, one module each, on one group
   bool extras = false;  // find_unused_parameters, bucket views and the fp16 hook
   const char* name;
+  bool static_graph = false;
 };
 
 // The gradient rank r produces for parameter p, element k, in iteration i.
@@ -581,6 +582,7 @@ TEST_P(DdpJoin, RanksWithUnevenBatchesEndWithTheParametersOfTheHandComputedRefer
       modules.push_back(three_params(0.0f));
       dp_ddp_options o = small_buckets();
       o.join_divide_by_initial_world_size = c.divide_by_initial;
+      o.static_graph = c.static_graph ? 1 : 0;
       if (c.extras) {
         o.find_unused_parameters = 1;
         o.gradient_as_bucket_view = 1;
@@ -653,7 +655,9 @@ INSTANTIATE_TEST_SUITE_P(Cases, DdpJoin,
                                            JoinCase{{3, 5, 4}, 0, 1, false, "ThreeRanksDividingByTheActiveRanks"},
                                            JoinCase{{3, 5, 4}, 1, 2, false, "TwoDdpPerRankJoinTogether"},
                                            JoinCase{{0, 2, 3}, 1, 1, false, "ARankThatJoinsBeforeAnyIteration"},
-                                           JoinCase{{2, 4}, 0, 1, true, "FindUnusedBucketViewsAndTheFp16Hook"}),
+                                           JoinCase{{2, 4}, 0, 1, true, "FindUnusedBucketViewsAndTheFp16Hook"},
+                                           JoinCase{
+                                               {0, 3, 2}, 1, 1, true, "AStaticGraphRecordedWhileARankStoodIn", true}),
                          [](const ::testing::TestParamInfo<JoinCase>& p) { return std::string(p.param.name); });
 
 TEST(DdpJoinArguments, AreCheckedNamingTheArgument) {
