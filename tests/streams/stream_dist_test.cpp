@@ -14,33 +14,17 @@
 #include <vector>
 
 #include "module/module_test_util.h"
+#include "streams/stream_test_util.h"
 #include "test_util.h"
 
 using dptest::cpu;
+using dptest::filled;
 using dptest::make;
+using dptest::queue_write;
 using dptest::TensorPtr;
 using dptest::values;
 
 namespace {
-
-constexpr int kProducerDelayMs = 40;
-
-struct Write {
-  void* dst;
-  std::vector<float> values;
-};
-
-void delayed_write(void* data) {
-  std::unique_ptr<Write> w(static_cast<Write*>(data));
-  std::this_thread::sleep_for(std::chrono::milliseconds(kProducerDelayMs));
-  std::memcpy(w->dst, w->values.data(), w->values.size() * sizeof(float));
-}
-
-std::vector<float> filled(size_t n, float start) {
-  std::vector<float> v(n);
-  for (size_t i = 0; i < n; ++i) v[i] = start + static_cast<float>(i);
-  return v;
-}
 
 class StreamOrderDist : public ::testing::Test {
  protected:
@@ -72,8 +56,7 @@ TEST_F(StreamOrderDist, AllGatherAndAsyncAllGatherSendWhatTheCurrentStreamWrote)
   DP_ASSERT_OK(dp_set_current_stream(cpu(0), s));
   for (int async = 0; async < 2; ++async) {
     TensorPtr x = make<float>({256}, std::vector<float>(256, -7.0f));
-    DP_ASSERT_OK(
-        dp_stream_launch_host_func(cpu(0), s, delayed_write, new Write{dp_tensor_data(x.get()), filled(256, 1.0f)}));
+    queue_write(s, x.get(), filled(256, 1.0f));
     TensorPtr out = make<float>({256}, std::vector<float>(256, 0.0f));
     dp_tensor* outs[] = {out.get()};
     if (async != 0) {
@@ -140,9 +123,7 @@ TEST_F(StreamOrderDist, DdpMarksFromThreadsWaitForEachMarkingThreadsCurrentStrea
           dp_tensor* g = nullptr;
           ASSERT_EQ(dp_module_grad(m.get(), name, &g), DP_OK) << dp_last_error();
           float start = static_cast<float>(100 * (p + 1) + 1000 * iteration);
-          ASSERT_EQ(
-              dp_stream_launch_host_func(cpu(0), s, delayed_write, new Write{dp_tensor_data(g), filled(64, start)}),
-              DP_OK);
+          queue_write(s, g, filled(64, start));
           EXPECT_EQ(dp_ddp_mark_grad_ready(ddp, name), DP_OK) << dp_last_error();
           dp_tensor_destroy(g);
           EXPECT_EQ(dp_set_current_stream(cpu(0), nullptr), DP_OK);

@@ -15,38 +15,18 @@
 #include <thread>
 #include <vector>
 
+#include "streams/stream_test_util.h"
 #include "test_util.h"
 
 using dptest::cpu;
+using dptest::filled;
+using dptest::kProducerDelayMs;
 using dptest::make;
+using dptest::queue_write;
 using dptest::TensorPtr;
 using dptest::values;
 
 namespace {
-
-// Long enough that a call that does not wait runs well before the write.
-constexpr int kProducerDelayMs = 40;
-
-struct Write {
-  void* dst;
-  std::vector<float> values;
-  int delay_ms;
-};
-
-void delayed_write(void* data) {
-  std::unique_ptr<Write> w(static_cast<Write*>(data));
-  std::this_thread::sleep_for(std::chrono::milliseconds(w->delay_ms));
-  std::memcpy(w->dst, w->values.data(), w->values.size() * sizeof(float));
-}
-
-// Queues on `stream` of cpu:`device` a write of `v` into `t` after a pause.
-void queue_write(void* stream, dp_tensor* t, const std::vector<float>& v, int device = 0,
-                 int delay_ms = kProducerDelayMs) {
-  ASSERT_EQ(dp_tensor_nbytes(t), v.size() * sizeof(float));
-  ASSERT_EQ(dp_stream_launch_host_func(cpu(device), stream, delayed_write, new Write{dp_tensor_data(t), v, delay_ms}),
-            DP_OK)
-      << dp_last_error();
-}
 
 struct Read {
   const void* src;
@@ -60,12 +40,6 @@ void delayed_read(void* data) {
   std::this_thread::sleep_for(std::chrono::milliseconds(r->delay_ms));
   r->into->resize(r->count);
   std::memcpy(r->into->data(), r->src, r->count * sizeof(float));
-}
-
-std::vector<float> filled(size_t n, float start) {
-  std::vector<float> v(n);
-  for (size_t i = 0; i < n; ++i) v[i] = start + static_cast<float>(i);
-  return v;
 }
 
 // A cpu:0 stream, current on this thread for the test.
