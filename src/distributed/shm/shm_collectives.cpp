@@ -14,10 +14,13 @@
 // reduce_scatter works like the first half; broadcast and all_gather copy
 // through the slots in one barrier per round.
 //
-// Waiting: a barrier spins briefly, then sleeps on a futex on the shared
-// arrival counter, waking at least every kSleepSlice to check the deadline,
-// whether another rank gave up, and whether a peer's process is gone
-// (pidfds, which also see a zombie as gone).
+// Waiting: a barrier spins (up to 200 us while the peers usually come within
+// that, else 4 us: spin_budget.h), then spins yielding the core for up to
+// kYieldingSpin, then sleeps on a futex on the shared arrival counter, waking
+// at least every kSleepSlice to check the deadline, whether another rank gave
+// up, and whether a peer's process is gone (pidfds, which also see a zombie
+// as gone). A rank that shares its CPU with another rank (as each last
+// arrived) skips the spin: the other could not run before it yields.
 #include <linux/futex.h>
 #include <sched.h>
 #include <sys/syscall.h>
@@ -273,32 +276,56 @@ void ShmBackend::arrive_and_wait(Call& o) {
   ++barriers_;
   const uint32_t target = barriers_ * static_cast<uint32_t>(size());
   auto& arrivals = control()->arrivals;
+  publish_cpu();
   if (arrivals.fetch_add(1) + 1 == target) {
     if (control()->sleepers.load() != 0) futex_wake(&arrivals);
     return;
   }
   const auto start = Clock::now();
-  for (uint32_t i = 1;; ++i) {
-    if (reached(arrivals.load(std::memory_order_acquire), target)) return;
+  auto arrived = [&] {
+    if (!reached(arrivals.load(std::memory_order_acquire), target)) return false;
+    spin_budget_.record(Clock::now() - start);
+    return true;
+  };
+  const auto spin = shares_cpu() ? Clock::duration::zero() : spin_budget_.budget();
+  for (uint32_t i = 1; spin > Clock::duration::zero(); ++i) {
+    if (arrived()) return;
     cpu_relax();
-    if (i % 64 == 0 && Clock::now() - start >= kSpin) break;
+    if (i % 64 == 0 && Clock::now() - start >= spin) break;
   }
-  while (Clock::now() - start < kYieldingSpin) {
-    if (reached(arrivals.load(std::memory_order_acquire), target)) return;
+  while (Clock::now() - start < spin + kYieldingSpin) {
+    if (arrived()) return;
     sched_yield();
   }
   for (;;) {
     // A peer may arrive and exit at once: its arrival counts, so it is
     // checked first, and again when a peer is seen gone.
-    if (reached(arrivals.load(std::memory_order_acquire), target)) return;
+    if (arrived()) return;
     check_peers(o, [&] { return reached(arrivals.load(std::memory_order_acquire), target); });
-    if (reached(arrivals.load(std::memory_order_acquire), target)) return;
+    if (arrived()) return;
     control()->sleepers.fetch_add(1);
     uint32_t seen = arrivals.load();
     if (!reached(seen, target)) futex_wait(&arrivals, seen, std::min(kSleepSlice, left_until(o.deadline)));
     control()->sleepers.fetch_sub(1);
-    if (reached(arrivals.load(std::memory_order_acquire), target)) return;
+    if (arrived()) return;
   }
+}
+
+void ShmBackend::publish_cpu() {
+  const int cpu = sched_getcpu();
+  // Written only when it changes: the others read the words at every wait.
+  if (cpu >= 0 && cpu + 1 != published_cpu_) {
+    published_cpu_ = cpu + 1;
+    cpu_word(rank())->store(published_cpu_, std::memory_order_relaxed);
+  }
+}
+
+bool ShmBackend::shares_cpu() const {
+  if (published_cpu_ == 0) return false;
+  for (int32_t r = 0; r < size(); ++r) {
+    if (r != rank() && cpu_word(r)->load(std::memory_order_relaxed) == published_cpu_) return true;
+  }
+  return false;
 }
 
 template <typename Arrived>
