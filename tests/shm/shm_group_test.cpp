@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -147,6 +148,32 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, ShmGroup, ::testing::Values(1, 2, 3),
                          [](const ::testing::TestParamInfo<int32_t>& world) {
                            return std::to_string(world.param) + "Ranks";
                          });
+
+double thread_cpu_ms() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) / 1e6;
+}
+
+// A rank that waits for a late one spins (up to 200 us after barriers met
+// quickly), then sleeps: half a second of waiting costs it little CPU, on
+// an idle or a busy machine alike.
+TEST(ShmBarrier, RankWaitingForALateRankSleeps) {
+  double waiting_cpu_ms = -1;
+  run_ranks(2, [&](ProcessGroup& group) {
+    for (int i = 0; i < 100; ++i) group.barrier(false);
+    if (group.rank() == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      group.barrier(false);
+      return;
+    }
+    double before = thread_cpu_ms();
+    group.barrier(false);
+    waiting_cpu_ms = thread_cpu_ms() - before;
+  });
+  EXPECT_GE(waiting_cpu_ms, 0);
+  EXPECT_LT(waiting_cpu_ms, 50) << "rank 0 used this much CPU (ms) while it waited 500 ms";
+}
 
 // Ranks as forked processes of a fresh test process (no threads yet), each
 // told every rank's pid before it creates the group; rank `victim` exits
