@@ -155,7 +155,7 @@ double thread_cpu_ms() {
   return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) / 1e6;
 }
 
-// A rank that waits for a late one spins (up to 200 us after barriers met
+// A rank that waits for a late one spins (up to 2 ms after barriers met
 // quickly), then sleeps: half a second of waiting costs it little CPU, on
 // an idle or a busy machine alike.
 TEST(ShmBarrier, RankWaitingForALateRankSleeps) {

@@ -33,11 +33,8 @@ constexpr size_t kSmallAllReduceBytes = size_t(32) << 10;
 // Reductions run over pieces of this size, so that a piece stays in cache
 // while every rank's contribution is folded into it.
 constexpr size_t kPieceBytes = size_t(16) << 10;
-// How long a barrier spins yielding the core (a peer waiting for this core
-// runs at once) after its spin (spin_budget.h), before it sleeps; and how
-// long it sleeps at most between checks of the deadline, the other ranks'
-// failures and their pids.
-constexpr std::chrono::microseconds kYieldingSpin{50};
+// How long a barrier sleeps at most (after its spin, spin_budget.h) between
+// checks of the deadline, the other ranks' failures and their pids.
 constexpr Millis kSleepSlice{50};
 
 struct Control {
@@ -169,7 +166,7 @@ class ShmBackend : public Backend {
   // Publishes the CPU this rank runs on (layout_.cpus).
   void publish_cpu();
   // Another rank last arrived on this rank's CPU: spinning would only keep
-  // it off the CPU.
+  // it off the CPU (the ranks are not bound to CPUs).
   bool shares_cpu() const;
   // Fails the collective when a peer's process is gone, another rank gave
   // up (a dead peer, the likelier cause, is named first), or the deadline

@@ -14,13 +14,16 @@
 // reduce_scatter works like the first half; broadcast and all_gather copy
 // through the slots in one barrier per round.
 //
-// Waiting: a barrier spins (up to 200 us while the peers usually come within
-// that, else 4 us: spin_budget.h), then spins yielding the core for up to
-// kYieldingSpin, then sleeps on a futex on the shared arrival counter, waking
-// at least every kSleepSlice to check the deadline, whether another rank gave
-// up, and whether a peer's process is gone (pidfds, which also see a zombie
-// as gone). A rank that shares its CPU with another rank (as each last
-// arrived) skips the spin: the other could not run before it yields.
+// Waiting: a barrier spins (up to 2 ms while the peers usually come within
+// that, else 4 us: spin_budget.h), then sleeps on a futex on the shared
+// arrival counter, waking at least every kSleepSlice to check the deadline,
+// whether another rank gave up, and whether a peer's process is gone
+// (pidfds, which also see a zombie as gone). A rank that shares its CPU with
+// another rank (as each last arrived) sleeps at once: the other could not
+// run while it spins. It never calls sched_yield: under EEVDF every call
+// moves the caller's deadline a time slice later, so yielding beside a busy
+// task hands that task whole slices (about 1.4 ms per 4 KiB all_reduce on
+// the busy 2-core reference machine, bench/RESULTS.md).
 #include <linux/futex.h>
 #include <sched.h>
 #include <sys/syscall.h>
@@ -30,7 +33,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
-#include <thread>
 #include <vector>
 
 #include "core/error.h"
@@ -49,8 +51,10 @@ namespace {
 void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
   _mm_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");  // a hint to the core, not sched_yield
 #else
-  std::this_thread::yield();
+  __asm__ __volatile__("" ::: "memory");
 #endif
 }
 
@@ -292,10 +296,6 @@ void ShmBackend::arrive_and_wait(Call& o) {
     if (arrived()) return;
     cpu_relax();
     if (i % 64 == 0 && Clock::now() - start >= spin) break;
-  }
-  while (Clock::now() - start < spin + kYieldingSpin) {
-    if (arrived()) return;
-    sched_yield();
   }
   for (;;) {
     // A peer may arrive and exit at once: its arrival counts, so it is

@@ -1,13 +1,18 @@
-// How long a rank waiting at a shared-memory barrier spins before it yields
-// and then sleeps (shm_collectives.cpp, arrive_and_wait).
+// How long a rank waiting at a shared-memory barrier spins before it sleeps
+// (shm_collectives.cpp, arrive_and_wait).
 //
-// A rank that gives its core away on a busy host gets it back only after
-// whatever took it has used its time slice (milliseconds), so a rank spins a
-// long while (kLongSpin) as long as its peers usually come within that time:
-// then the spin is what they would have cost anyway. When most of the recent
-// waits lasted longer, the peers are late by more than any spin could bridge,
-// and it spins briefly only (kShortSpin) before it sleeps, so that a group
-// whose ranks do not meet soon burns no core.
+// On a busy host a peer is often off its CPU for one of another task's time
+// slices (about 1.4 ms on the 2-core reference machine), and a rank that
+// sleeps meanwhile gets its own CPU back only after a slice too; the wake-up
+// may also move it onto the peer's CPU, where the two then take turns
+// (bench/RESULTS.md). So a rank spins for longer than a slice (kLongSpin) as
+// long as its peers usually come within that: then the spin is what their
+// lateness would have cost anyway. When most of the recent waits lasted
+// longer, the peers are later than a spin can bridge, and it spins briefly
+// (kShortSpin) before it sleeps, so that a group whose ranks do not meet
+// soon burns no core. A spin of a multiple of the recent median wait would
+// stay short there (the median is about 1 us): as short as the 4 us spins
+// that left that host at 7 us to 1.4 ms per 4 KiB all_reduce.
 #pragma once
 
 #include <array>
@@ -19,7 +24,7 @@ namespace dparallel::dist::shm {
 class SpinBudget {
  public:
   static constexpr std::chrono::nanoseconds kShortSpin = std::chrono::microseconds(4);
-  static constexpr std::chrono::nanoseconds kLongSpin = std::chrono::microseconds(200);
+  static constexpr std::chrono::nanoseconds kLongSpin = std::chrono::milliseconds(2);
   // Waits remembered; the budget follows whether their median is within kLongSpin.
   static constexpr size_t kWindow = 16;
 
