@@ -2,6 +2,7 @@
 // file store): all_reduce_coalesced reads and writes the pieces in place,
 // as one all_reduce of their concatenation, across rounds and parts.
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -153,6 +154,32 @@ double thread_cpu_ms() {
   timespec ts{};
   ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
   return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) / 1e6;
+}
+
+// Two ranks that take turns on one CPU: the higher one moves off it (where
+// to is the scheduler's, so not checked) and leaves its affinity as it was.
+TEST(ShmBarrier, RankSharingACpuKeepsItsAffinityWhenItMoves) {
+  cpu_set_t all;
+  ASSERT_EQ(::sched_getaffinity(0, sizeof all, &all), 0);
+  if (CPU_COUNT(&all) < 2) GTEST_SKIP() << "needs 2 CPUs";
+  int first = 0;
+  while (!CPU_ISSET(first, &all)) ++first;
+  std::vector<bool> kept(2, false);
+  run_ranks(2, [&](ProcessGroup& group) {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(first, &one);
+    // Pinned, both wait beside each other without moving (one CPU allowed).
+    ASSERT_EQ(::sched_setaffinity(0, sizeof one, &one), 0);
+    for (int i = 0; i < 200; ++i) group.barrier(false);
+    ASSERT_EQ(::sched_setaffinity(0, sizeof all, &all), 0);
+    for (int i = 0; i < 200; ++i) group.barrier(false);
+    cpu_set_t now;
+    ASSERT_EQ(::sched_getaffinity(0, sizeof now, &now), 0);
+    kept[static_cast<size_t>(group.rank())] = CPU_EQUAL(&now, &all);
+  });
+  EXPECT_TRUE(kept[0]);
+  EXPECT_TRUE(kept[1]);
 }
 
 // A rank that waits for a late one spins (up to 2 ms after barriers met

@@ -36,6 +36,8 @@ constexpr size_t kPieceBytes = size_t(16) << 10;
 // How long a barrier sleeps at most (after its spin, spin_budget.h) between
 // checks of the deadline, the other ranks' failures and their pids.
 constexpr Millis kSleepSlice{50};
+// Waits in a row beside another rank on one CPU before the higher rank moves.
+constexpr uint32_t kSharedWaitsBeforeMove = 64;
 
 struct Control {
   alignas(kLine) std::atomic<uint32_t> mapped;    // ranks that mapped the segment
@@ -165,9 +167,15 @@ class ShmBackend : public Backend {
   void arrive_and_wait(Call& o);
   // Publishes the CPU this rank runs on (layout_.cpus).
   void publish_cpu();
-  // Another rank last arrived on this rank's CPU: spinning would only keep
-  // it off the CPU (the ranks are not bound to CPUs).
-  bool shares_cpu() const;
+  // The lowest other rank that last arrived on this rank's CPU, or -1:
+  // spinning would only keep it off the CPU (the ranks are not bound to CPUs).
+  int32_t rank_sharing_cpu() const;
+  // Moves this thread to another CPU it may run on, once: its affinity
+  // without this CPU, then at once the whole of it again. A waking rank
+  // runs where the rank that woke it ran, so two ranks that take turns on
+  // one CPU otherwise stay there while the other CPUs run other work
+  // (bench/RESULTS.md; Open MPI binds its ranks to cores instead).
+  void move_off_shared_cpu();
   // Fails the collective when a peer's process is gone, another rank gave
   // up (a dead peer, the likelier cause, is named first), or the deadline
   // passed, unless `arrived()` says the barrier was reached meanwhile.
@@ -210,6 +218,7 @@ class ShmBackend : public Backend {
   uint32_t barriers_ = 0;  // wraps, as the shared arrival counter does
   SpinBudget spin_budget_;
   int32_t published_cpu_ = 0;  // this rank's word in layout_.cpus
+  uint32_t shared_waits_ = 0;  // waits in a row that began beside another rank
 };
 
 }  // namespace dparallel::dist::shm

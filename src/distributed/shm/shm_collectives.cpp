@@ -20,7 +20,9 @@
 // whether another rank gave up, and whether a peer's process is gone
 // (pidfds, which also see a zombie as gone). A rank that shares its CPU with
 // another rank (as each last arrived) sleeps at once: the other could not
-// run while it spins. It never calls sched_yield: under EEVDF every call
+// run while it spins; after kSharedWaitsBeforeMove such waits in a row the
+// higher of the two moves to another CPU (move_off_shared_cpu). It never
+// calls sched_yield: under EEVDF every call
 // moves the caller's deadline a time slice later, so yielding beside a busy
 // task hands that task whole slices (about 1.4 ms per 4 KiB all_reduce on
 // the busy 2-core reference machine, bench/RESULTS.md).
@@ -291,7 +293,14 @@ void ShmBackend::arrive_and_wait(Call& o) {
     spin_budget_.record(Clock::now() - start);
     return true;
   };
-  const auto spin = shares_cpu() ? Clock::duration::zero() : spin_budget_.budget();
+  const int32_t beside = rank_sharing_cpu();
+  if (beside < 0) {
+    shared_waits_ = 0;
+  } else if (++shared_waits_ >= kSharedWaitsBeforeMove && beside < rank()) {
+    shared_waits_ = 0;
+    move_off_shared_cpu();
+  }
+  const auto spin = beside >= 0 ? Clock::duration::zero() : spin_budget_.budget();
   for (uint32_t i = 1; spin > Clock::duration::zero(); ++i) {
     if (arrived()) return;
     cpu_relax();
@@ -320,12 +329,26 @@ void ShmBackend::publish_cpu() {
   }
 }
 
-bool ShmBackend::shares_cpu() const {
-  if (published_cpu_ == 0) return false;
+int32_t ShmBackend::rank_sharing_cpu() const {
+  if (published_cpu_ == 0) return -1;
   for (int32_t r = 0; r < size(); ++r) {
-    if (r != rank() && cpu_word(r)->load(std::memory_order_relaxed) == published_cpu_) return true;
+    if (r != rank() && cpu_word(r)->load(std::memory_order_relaxed) == published_cpu_) return r;
   }
-  return false;
+  return -1;
+}
+
+void ShmBackend::move_off_shared_cpu() {
+  cpu_set_t allowed;
+  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) return;
+  // With fewer CPUs than ranks some must share; moving would only churn.
+  if (CPU_COUNT(&allowed) < size()) return;
+  cpu_set_t others = allowed;
+  CPU_CLR(published_cpu_ - 1, &others);
+  if (sched_setaffinity(0, sizeof others, &others) != 0) return;
+  // Restored at once (the thread has moved by now), so it stays free to run
+  // anywhere it could. Should its cpuset change in between so that this
+  // fails, the thread keeps the mask without that one CPU.
+  sched_setaffinity(0, sizeof allowed, &allowed);
 }
 
 template <typename Arrived>
