@@ -2,8 +2,10 @@
 // file store): all_reduce_coalesced reads and writes the pieces in place,
 // as one all_reduce of their concatenation, across rounds and parts.
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -147,6 +149,58 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, ShmGroup, ::testing::Values(1, 2, 3),
                          [](const ::testing::TestParamInfo<int32_t>& world) {
                            return std::to_string(world.param) + "Ranks";
                          });
+
+double thread_cpu_ms() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) / 1e6;
+}
+
+// Two ranks that take turns on one CPU: the higher one moves off it (where
+// to is the scheduler's, so not checked) and leaves its affinity as it was.
+TEST(ShmBarrier, RankSharingACpuKeepsItsAffinityWhenItMoves) {
+  cpu_set_t all;
+  ASSERT_EQ(::sched_getaffinity(0, sizeof all, &all), 0);
+  if (CPU_COUNT(&all) < 2) GTEST_SKIP() << "needs 2 CPUs";
+  int first = 0;
+  while (!CPU_ISSET(first, &all)) ++first;
+  std::vector<bool> kept(2, false);
+  run_ranks(2, [&](ProcessGroup& group) {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(first, &one);
+    // Pinned, both wait beside each other without moving (one CPU allowed).
+    ASSERT_EQ(::sched_setaffinity(0, sizeof one, &one), 0);
+    for (int i = 0; i < 200; ++i) group.barrier(false);
+    ASSERT_EQ(::sched_setaffinity(0, sizeof all, &all), 0);
+    for (int i = 0; i < 200; ++i) group.barrier(false);
+    cpu_set_t now;
+    ASSERT_EQ(::sched_getaffinity(0, sizeof now, &now), 0);
+    kept[static_cast<size_t>(group.rank())] = CPU_EQUAL(&now, &all);
+  });
+  EXPECT_TRUE(kept[0]);
+  EXPECT_TRUE(kept[1]);
+}
+
+// A rank that waits for a late one spins (up to 2 ms after barriers met
+// quickly), then sleeps: half a second of waiting costs it little CPU, on
+// an idle or a busy machine alike.
+TEST(ShmBarrier, RankWaitingForALateRankSleeps) {
+  double waiting_cpu_ms = -1;
+  run_ranks(2, [&](ProcessGroup& group) {
+    for (int i = 0; i < 100; ++i) group.barrier(false);
+    if (group.rank() == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      group.barrier(false);
+      return;
+    }
+    double before = thread_cpu_ms();
+    group.barrier(false);
+    waiting_cpu_ms = thread_cpu_ms() - before;
+  });
+  EXPECT_GE(waiting_cpu_ms, 0);
+  EXPECT_LT(waiting_cpu_ms, 50) << "rank 0 used this much CPU (ms) while it waited 500 ms";
+}
 
 // Ranks as forked processes of a fresh test process (no threads yet), each
 // told every rank's pid before it creates the group; rank `victim` exits

@@ -14,12 +14,13 @@
 #include "distributed/reduce_ops.h"
 #include "distributed/shm/segment.h"
 #include "distributed/shm/shm_process_group.h"
+#include "distributed/shm/spin_budget.h"
 
 namespace dparallel::dist::shm {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr uint64_t kMagic = 0x31736d5370645f64ULL;  // "d_dpSms1"
+constexpr uint64_t kMagic = 0x32736d5370645f64ULL;  // "d_dpSms2"
 constexpr size_t kLine = 64;
 // Data bytes per rank and set: large enough that a barrier per block costs
 // little, small enough that a round's slots stay in the last-level cache.
@@ -32,12 +33,11 @@ constexpr size_t kSmallAllReduceBytes = size_t(32) << 10;
 // Reductions run over pieces of this size, so that a piece stays in cache
 // while every rank's contribution is folded into it.
 constexpr size_t kPieceBytes = size_t(16) << 10;
-// How long a barrier spins, then spins yielding the core (a peer waiting for
-// this core runs at once), before it sleeps; and how long it sleeps at most
-// between checks of the deadline, the other ranks' failures and their pids.
-constexpr std::chrono::microseconds kSpin{4};
-constexpr std::chrono::microseconds kYieldingSpin{50};
+// How long a barrier sleeps at most (after its spin, spin_budget.h) between
+// checks of the deadline, the other ranks' failures and their pids.
 constexpr Millis kSleepSlice{50};
+// Waits in a row beside another rank on one CPU before the higher rank moves.
+constexpr uint32_t kSharedWaitsBeforeMove = 64;
 
 struct Control {
   alignas(kLine) std::atomic<uint32_t> mapped;    // ranks that mapped the segment
@@ -58,11 +58,13 @@ struct Layout {
   Layout(int32_t world, size_t slot_bytes) : slot(slot_bytes) {
     auto ranks = static_cast<size_t>(world);
     pids = align_up(sizeof(Control), kLine);
-    headers = align_up(pids + sizeof(std::atomic<int32_t>) * ranks, kLine);
+    cpus = align_up(pids + sizeof(std::atomic<int32_t>) * ranks, kLine);
+    headers = align_up(cpus + sizeof(std::atomic<int32_t>) * ranks, kLine);
     data = align_up(headers + 2 * ranks * sizeof(CallHeader), 4096);
     total = data + 2 * ranks * slot;
   }
   size_t pids;
+  size_t cpus;  // per rank: 1 + the CPU it last arrived at a barrier on, 0 before
   size_t headers;
   size_t data;
   size_t slot;
@@ -163,6 +165,17 @@ class ShmBackend : public Backend {
   void fold(ReduceFn fn, uint8_t* out, Source&& source, size_t n, size_t esize) const;
   // Arrives at the next barrier and returns once every rank has.
   void arrive_and_wait(Call& o);
+  // Publishes the CPU this rank runs on (layout_.cpus).
+  void publish_cpu();
+  // The lowest other rank that last arrived on this rank's CPU, or -1:
+  // spinning would only keep it off the CPU (the ranks are not bound to CPUs).
+  int32_t rank_sharing_cpu() const;
+  // Moves this thread to another CPU it may run on, once: its affinity
+  // without this CPU, then at once the whole of it again. A waking rank
+  // runs where the rank that woke it ran, so two ranks that take turns on
+  // one CPU otherwise stay there while the other CPUs run other work
+  // (bench/RESULTS.md; Open MPI binds its ranks to cores instead).
+  void move_off_shared_cpu();
   // Fails the collective when a peer's process is gone, another rank gave
   // up (a dead peer, the likelier cause, is named first), or the deadline
   // passed, unless `arrived()` says the barrier was reached meanwhile.
@@ -177,6 +190,9 @@ class ShmBackend : public Backend {
   Control* control() const { return reinterpret_cast<Control*>(segment_.data()); }
   std::atomic<int32_t>* pid_word(int32_t r) const {
     return reinterpret_cast<std::atomic<int32_t>*>(segment_.data() + layout_.pids) + r;
+  }
+  std::atomic<int32_t>* cpu_word(int32_t r) const {
+    return reinterpret_cast<std::atomic<int32_t>*>(segment_.data() + layout_.cpus) + r;
   }
   uint8_t* header_slot(int32_t r) const {
     size_t index = static_cast<size_t>(set()) * static_cast<size_t>(size()) + static_cast<size_t>(r);
@@ -200,6 +216,9 @@ class ShmBackend : public Backend {
   static constexpr int kGoneWhenWatched = -2;
   uint64_t round_ = 0;
   uint32_t barriers_ = 0;  // wraps, as the shared arrival counter does
+  SpinBudget spin_budget_;
+  int32_t published_cpu_ = 0;  // this rank's word in layout_.cpus
+  uint32_t shared_waits_ = 0;  // waits in a row that began beside another rank
 };
 
 }  // namespace dparallel::dist::shm

@@ -14,10 +14,18 @@
 // reduce_scatter works like the first half; broadcast and all_gather copy
 // through the slots in one barrier per round.
 //
-// Waiting: a barrier spins briefly, then sleeps on a futex on the shared
+// Waiting: a barrier spins (up to 2 ms while the peers usually come within
+// that, else 4 us: spin_budget.h), then sleeps on a futex on the shared
 // arrival counter, waking at least every kSleepSlice to check the deadline,
 // whether another rank gave up, and whether a peer's process is gone
-// (pidfds, which also see a zombie as gone).
+// (pidfds, which also see a zombie as gone). A rank that shares its CPU with
+// another rank (as each last arrived) sleeps at once: the other could not
+// run while it spins; after kSharedWaitsBeforeMove such waits in a row the
+// higher of the two moves to another CPU (move_off_shared_cpu). It never
+// calls sched_yield: under EEVDF every call
+// moves the caller's deadline a time slice later, so yielding beside a busy
+// task hands that task whole slices (about 1.4 ms per 4 KiB all_reduce on
+// the busy 2-core reference machine, bench/RESULTS.md).
 #include <linux/futex.h>
 #include <sched.h>
 #include <sys/syscall.h>
@@ -27,7 +35,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
-#include <thread>
 #include <vector>
 
 #include "core/error.h"
@@ -46,8 +53,10 @@ namespace {
 void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
   _mm_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");  // a hint to the core, not sched_yield
 #else
-  std::this_thread::yield();
+  __asm__ __volatile__("" ::: "memory");
 #endif
 }
 
@@ -273,32 +282,73 @@ void ShmBackend::arrive_and_wait(Call& o) {
   ++barriers_;
   const uint32_t target = barriers_ * static_cast<uint32_t>(size());
   auto& arrivals = control()->arrivals;
+  publish_cpu();
   if (arrivals.fetch_add(1) + 1 == target) {
     if (control()->sleepers.load() != 0) futex_wake(&arrivals);
     return;
   }
   const auto start = Clock::now();
-  for (uint32_t i = 1;; ++i) {
-    if (reached(arrivals.load(std::memory_order_acquire), target)) return;
-    cpu_relax();
-    if (i % 64 == 0 && Clock::now() - start >= kSpin) break;
+  auto arrived = [&] {
+    if (!reached(arrivals.load(std::memory_order_acquire), target)) return false;
+    spin_budget_.record(Clock::now() - start);
+    return true;
+  };
+  const int32_t beside = rank_sharing_cpu();
+  if (beside < 0) {
+    shared_waits_ = 0;
+  } else if (++shared_waits_ >= kSharedWaitsBeforeMove && beside < rank()) {
+    shared_waits_ = 0;
+    move_off_shared_cpu();
   }
-  while (Clock::now() - start < kYieldingSpin) {
-    if (reached(arrivals.load(std::memory_order_acquire), target)) return;
-    sched_yield();
+  const auto spin = beside >= 0 ? Clock::duration::zero() : spin_budget_.budget();
+  for (uint32_t i = 1; spin > Clock::duration::zero(); ++i) {
+    if (arrived()) return;
+    cpu_relax();
+    if (i % 64 == 0 && Clock::now() - start >= spin) break;
   }
   for (;;) {
     // A peer may arrive and exit at once: its arrival counts, so it is
     // checked first, and again when a peer is seen gone.
-    if (reached(arrivals.load(std::memory_order_acquire), target)) return;
+    if (arrived()) return;
     check_peers(o, [&] { return reached(arrivals.load(std::memory_order_acquire), target); });
-    if (reached(arrivals.load(std::memory_order_acquire), target)) return;
+    if (arrived()) return;
     control()->sleepers.fetch_add(1);
     uint32_t seen = arrivals.load();
     if (!reached(seen, target)) futex_wait(&arrivals, seen, std::min(kSleepSlice, left_until(o.deadline)));
     control()->sleepers.fetch_sub(1);
-    if (reached(arrivals.load(std::memory_order_acquire), target)) return;
+    if (arrived()) return;
   }
+}
+
+void ShmBackend::publish_cpu() {
+  const int cpu = sched_getcpu();
+  // Written only when it changes: the others read the words at every wait.
+  if (cpu >= 0 && cpu + 1 != published_cpu_) {
+    published_cpu_ = cpu + 1;
+    cpu_word(rank())->store(published_cpu_, std::memory_order_relaxed);
+  }
+}
+
+int32_t ShmBackend::rank_sharing_cpu() const {
+  if (published_cpu_ == 0) return -1;
+  for (int32_t r = 0; r < size(); ++r) {
+    if (r != rank() && cpu_word(r)->load(std::memory_order_relaxed) == published_cpu_) return r;
+  }
+  return -1;
+}
+
+void ShmBackend::move_off_shared_cpu() {
+  cpu_set_t allowed;
+  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) return;
+  // With fewer CPUs than ranks some must share; moving would only churn.
+  if (CPU_COUNT(&allowed) < size()) return;
+  cpu_set_t others = allowed;
+  CPU_CLR(published_cpu_ - 1, &others);
+  if (sched_setaffinity(0, sizeof others, &others) != 0) return;
+  // Restored at once (the thread has moved by now), so it stays free to run
+  // anywhere it could. Should its cpuset change in between so that this
+  // fails, the thread keeps the mask without that one CPU.
+  sched_setaffinity(0, sizeof allowed, &allowed);
 }
 
 template <typename Arrived>

@@ -3,9 +3,9 @@
 // Rank 0 creates the segment (segment.h), an anonymous file, and hands its
 // descriptor to the others through a door whose name and secret only the
 // store carries; nothing of it outlives the ranks. The segment holds a
-// control block, every rank's pid, and two sets of slots: per rank a call
-// header and `slot` bytes of data. Collectives run in rounds; round k uses
-// set k % 2. Each round, every rank writes its part into its own slot, then
+// control block, every rank's pid and CPU, and two sets of slots: per rank a
+// call header and `slot` bytes of data. Collectives run in rounds; round k
+// uses set k % 2. Each round, every rank writes its part into its own slot, then
 // all meet at a barrier, then read the others' slots. A rank writes set k % 2
 // again only in round k + 2, after the barrier of round k + 1, which no rank
 // reaches before it has read everything of round k.
@@ -145,7 +145,10 @@ void ShmBackend::set_up(std::vector<int32_t> pids) {
     control->total_bytes = layout_.total;
     control->slot_bytes = layout_.slot;
     control->world = size();
-    for (int32_t r = 0; r < size(); ++r) new (pid_word(r)) std::atomic<int32_t>(0);
+    for (int32_t r = 0; r < size(); ++r) {
+      new (pid_word(r)) std::atomic<int32_t>(0);
+      new (cpu_word(r)) std::atomic<int32_t>(0);
+    }
     std::atomic_thread_fence(std::memory_order_release);
     std::string value = name + " " + secret;
     store_->set(key, Bytes(value.begin(), value.end()));
