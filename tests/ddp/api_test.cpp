@@ -851,7 +851,8 @@ TEST_F(DdpApi, GradientHandlesTakenBeforeBucketViewsMoveTheStorageFollowTheLiveG
   DP_ASSERT_OK(dp_ddp_mark_grad_ready(d.get(), "a"));
   DP_ASSERT_OK(dp_ddp_mark_grad_ready(d.get(), "b"));
   DP_ASSERT_OK(dp_ddp_finish_backward(d.get()));
-  dp_ddp_stats stats;
+  dp_ddp_stats stats{};
+  stats.struct_size = sizeof stats;
   DP_ASSERT_OK(dp_ddp_last_stats(d.get(), &stats));
   ASSERT_EQ(stats.buckets_rebuilt, 1) << "the rebuild moved the storage again";
   TensorPtr a_after = grad(m.get(), "a");
