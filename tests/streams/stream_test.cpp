@@ -114,6 +114,18 @@ TEST(StreamApi, RefusesAnotherDevicesStreamADestroyedOneAndNullArgumentsNamingTh
   EXPECT_EQ(dp_stream_destroy(cpu(0), a), DP_EINVAL) << "destroyed twice";
 }
 
+TEST(StreamApi, ACudaStreamWithoutAGpuIsEdeviceNamingTheDevice) {
+  if (dptest::cuda_count() > 0) GTEST_SKIP() << "a GPU is present";
+  void* s = reinterpret_cast<void*>(1);
+  EXPECT_EQ(dp_stream_create(dptest::cuda(0), &s), DP_EDEVICE);
+  EXPECT_EQ(s, nullptr);
+  EXPECT_NE(dptest::last_error().find("cuda:0"), std::string::npos) << dptest::last_error();
+  int fake = 0;
+  EXPECT_EQ(dp_set_current_stream(dptest::cuda(0), &fake), DP_EDEVICE);
+  void* current = reinterpret_cast<void*>(1);
+  EXPECT_EQ(dp_get_current_stream(dptest::cuda(0), &current), DP_EDEVICE);
+}
+
 void append(void* data) {
   auto* p = static_cast<std::pair<std::vector<int>*, int>*>(data);
   p->first->push_back(p->second);
