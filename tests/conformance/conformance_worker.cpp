@@ -785,17 +785,25 @@ void run_thread_overlap(dp_process_group* pg, int32_t timeout_ms) {
   if (rank == 0) ::unlink(path.c_str());
 }
 
-// Four threads make 50 all_reduces each on one group, as a host that never
-// read the thread-safety note would: the calls must end (no hang) in errors
-// that say so, and the group must end unusable rather than go on pairing
-// one thread's call with another's.
+// Four threads make up to 500 all_reduces each on one group, started
+// together, as a host that never read the thread-safety note would: the
+// calls must end (no hang) in errors that say so, and the group must end
+// unusable rather than go on pairing one thread's call with another's.
+// Calls that happen not to overlap are allowed, and a fast backend finishes
+// one in microseconds, while a spinning thread keeps its rank's others off
+// the CPU: so the ranks but 0 start late, and rank 0's first call waits in
+// the collective while its other threads call.
 void run_threads(dp_process_group* pg) {
   std::atomic<int> ok{0}, refused{0}, other{0};
   std::atomic<bool> told{false};
+  std::atomic<int> ready{0};
+  if (g_rank != 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
   std::vector<std::thread> threads;
   for (int k = 0; k < 4; ++k) {
     threads.emplace_back([&, k] {
-      for (int i = 0; i < 50; ++i) {
+      ready.fetch_add(1);
+      while (ready.load() < 4) std::this_thread::yield();
+      for (int i = 0; i < 500 && !told.load(); ++i) {
         std::string m;
         const dp_status s = tagged_all_reduce(pg, k, false, &m);
         if (s == DP_OK) {
