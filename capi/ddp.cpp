@@ -160,8 +160,9 @@ dp_status dp_ddp_create(dp_ddp** out, dp_module* module, dp_process_group* pg, c
 
 dp_status dp_ddp_pre_forward(dp_ddp* ddp) {
   DP_API_BEGIN
+  // Every tensor a dp_ddp touches after create is on its group's device.
   ddp::Reducer& reducer = ddp_arg(ddp);
-  StreamOrder order(capi::module_devices(reducer.module(), {reducer.device()}));
+  StreamOrder order({reducer.device()});
   reducer.pre_forward();
   order.finish();
   DP_API_END
@@ -183,8 +184,7 @@ dp_status dp_ddp_mark_grad_ready_index(dp_ddp* ddp, size_t param_index) {
 
 dp_status dp_ddp_mark_grad_ready_stream(dp_ddp* ddp, size_t param_index, void* cuda_stream) {
   DP_API_BEGIN
-  ddp::Reducer& reducer = ddp_arg(ddp);
-  reducer.mark_ready(param_index, true, cuda_stream);
+  ddp_arg(ddp).mark_ready(param_index, true, cuda_stream);
   DP_API_END
 }
 
@@ -193,7 +193,7 @@ dp_status dp_ddp_finish_backward(dp_ddp* ddp) {
   // Gradients accumulated by unsynced backwards, or left unmarked, are read
   // here: after the finishing thread's stream has written them.
   ddp::Reducer& reducer = ddp_arg(ddp);
-  StreamOrder order(capi::module_devices(reducer.module(), {reducer.device()}));
+  StreamOrder order({reducer.device()});
   reducer.finish_backward();
   order.finish();
   DP_API_END

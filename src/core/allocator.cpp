@@ -147,6 +147,7 @@ class PendingFrees {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       blocks_.push_back({device, data, nbytes, std::move(passed)});
+      any_.store(true, std::memory_order_relaxed);
       if (blocks_.size() > kLimit) {
         due.push_back(std::move(blocks_.front()));
         blocks_.pop_front();
@@ -157,8 +158,9 @@ class PendingFrees {
   }
 
   // Releases the blocks whose streams have passed them; with `all`, waits
-  // for the others first.
+  // for the others first. Costs one relaxed load while none is held.
   void drain(bool all) {
+    if (!all && !any_.load(std::memory_order_relaxed)) return;
     std::deque<Block> due;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -167,13 +169,9 @@ class PendingFrees {
       } else {
         take_passed_locked(due);
       }
+      any_.store(!blocks_.empty(), std::memory_order_relaxed);
     }
     release(due, all);
-  }
-
-  bool empty() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return blocks_.empty();
   }
 
  private:
@@ -215,6 +213,7 @@ class PendingFrees {
 
   std::mutex mutex_;
   std::deque<Block> blocks_;
+  std::atomic<bool> any_{false};  // blocks_ is not empty (a hint read without the lock)
 };
 
 PendingFrees& pending_frees() {
@@ -222,13 +221,11 @@ PendingFrees& pending_frees() {
   return *instance;
 }
 
-std::atomic<bool> g_any_pending{false};
-
 }  // namespace
 
 Allocation device_allocate(const Device& device, size_t nbytes) {
   if (nbytes == 0) return {nullptr, true};
-  if (g_any_pending.load(std::memory_order_relaxed)) pending_frees().drain(false);
+  pending_frees().drain(false);
   if (device.is_cpu() && nbytes < kLargeBlock) {
     void* p = std::aligned_alloc(64, round_up(nbytes, 64));
     if (p == nullptr) fail(StatusCode::kOutOfMemory, "could not allocate ", nbytes, " bytes on ", to_string(device));
@@ -245,7 +242,6 @@ void device_free(const Device& device, void* data, size_t nbytes) noexcept {
     try {
       Event passed(device);
       passed.record(stream);
-      g_any_pending.store(true, std::memory_order_relaxed);
       pending_frees().add(device, data, nbytes, std::move(passed));
       return;
     } catch (...) {

@@ -1,7 +1,8 @@
 // The per-device runtime the core stands on: memory, copies, fills, the
-// current device, streams and events, one implementation per device type. Each backend registers
-// its own (as c10 registers a DeviceGuardImplInterface per device type), so
-// the core never includes a backend and links without one.
+// current device, streams and events, one implementation per device type.
+// Each backend registers its own (as c10 registers a
+// DeviceGuardImplInterface per device type), so the core never includes a
+// backend and links without one.
 #pragma once
 
 #include <cstddef>

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <optional>
 #include <utility>
 
 #include "core/device_runtime.h"
@@ -80,33 +81,39 @@ bool skipping_stream_waits_for_tests() {
   return skip;
 }
 
+namespace {
+
+// An event after the work queued so far on `host_stream` of `device` (NULL:
+// the legacy default), or none where nothing can be pending there.
+std::optional<Event> host_work_event(const Device& device, void* host_stream) {
+  if (host_stream == nullptr && !device_runtime(device.type).default_stream_is_queued()) return std::nullopt;
+  if (skipping_stream_waits_for_tests()) return std::nullopt;
+  std::optional<Event> ready(std::in_place, device);
+  ready->record(host_stream);
+  return ready;
+}
+
+}  // namespace
+
 StreamOrder::StreamOrder(const std::vector<Device>& devices) {
   for (const Device& device : devices) {
     bool seen = std::any_of(entries_.begin(), entries_.end(), [&](const Entry& e) { return e.device == device; });
     if (seen) continue;
-    const DeviceRuntime& runtime = device_runtime(device.type);
     void* host_stream = current_stream(device);
     entries_.push_back({device, host_stream});
-    if (host_stream == nullptr && !runtime.default_stream_is_queued()) continue;  // nothing can be pending
-    if (skipping_stream_waits_for_tests()) continue;
-    Event ready(device);
-    ready.record(host_stream);
+    std::optional<Event> ready = host_work_event(device, host_stream);
+    if (!ready) continue;
+    const DeviceRuntime& runtime = device_runtime(device.type);
     if (runtime.library_work_is_queued()) {
-      ready.block(runtime.library_stream(device.index));
+      ready->block(runtime.library_stream(device.index));
     } else {
-      ready.synchronize();  // the library's work for this device runs on this thread
+      ready->synchronize();  // the library's work for this device runs on this thread
     }
   }
 }
 
 void StreamOrder::also_order(const Device& device, void* stream) {
-  const DeviceRuntime& runtime = device_runtime(device.type);
-  void* host_stream = current_stream(device);
-  if (host_stream == nullptr && !runtime.default_stream_is_queued()) return;
-  if (skipping_stream_waits_for_tests()) return;
-  Event ready(device);
-  ready.record(host_stream);
-  ready.block(stream);
+  if (std::optional<Event> ready = host_work_event(device, current_stream(device))) ready->block(stream);
 }
 
 void StreamOrder::finish() {

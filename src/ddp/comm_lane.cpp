@@ -211,7 +211,7 @@ bool CommLane::issue_shadow_jobs_locked(State& state, const std::vector<std::vec
   for (auto& [owner, entry] : state.owners) {
     if (!entry.joined || entry.join_done) continue;
     bool everyone_joined_and_idle = entry.jobs.empty();
-    const JobSpec* seen = nullptr;
+    bool seen = false;
     JobSpec next;
     for (const auto& v : counts) {
       bool listed = false;
@@ -221,13 +221,13 @@ bool CommLane::issue_shadow_jobs_locked(State& state, const std::vector<std::vec
         const bool pending = field(v, i, 4) != 0;
         if (field(v, i, 3) == 0 || pending) everyone_joined_and_idle = false;
         // The job another rank runs next, numbered as this rank's next.
-        if (pending && seen == nullptr && field(v, i, 2) == entry.issued) {
+        if (pending && !seen && field(v, i, 2) == entry.issued) {
           auto item = static_cast<uint32_t>(field(v, i, 4) - 1);
           next.item = static_cast<dist::CallItem>(item >> 24);
           next.index = item & 0xffffffu;
           next.iteration = static_cast<uint32_t>(field(v, i, 5));
           next.shadow = true;
-          seen = &next;
+          seen = true;
         }
       }
       if (!listed) everyone_joined_and_idle = false;
@@ -237,7 +237,7 @@ bool CommLane::issue_shadow_jobs_locked(State& state, const std::vector<std::vec
       state.cv.notify_all();
       continue;
     }
-    if (seen == nullptr) continue;
+    if (!seen) continue;
     Job job;
     job.reducer = entry.joined;
     job.spec = next;
@@ -268,21 +268,19 @@ void CommLane::join(const std::vector<std::shared_ptr<Reducer>>& owners, Clock::
     return true;
   };
   // Each round is bounded by the group's timeout; `bound` covers one more.
+  bool timed_out = false;
   uint32_t rounds_seen = state_->counters->rounds;
-  while (!done()) {
-    if (!state_->cv.wait_for(lock, bound, done) && state_->counters->rounds == rounds_seen) {
-      for (const auto& owner : owners) {
-        auto it = state_->owners.find(owner.get());
-        if (it != state_->owners.end()) it->second.joined.reset();
-      }
-      fail(StatusCode::kTimeout, "dp_ddp_join: no agreement round with the other ranks came within ", millis(bound),
-           " ms");
-    }
+  while (!done() && !timed_out) {
+    timed_out = !state_->cv.wait_for(lock, bound, done) && state_->counters->rounds == rounds_seen;
     rounds_seen = state_->counters->rounds;
   }
   for (const auto& owner : owners) {
     auto it = state_->owners.find(owner.get());
     if (it != state_->owners.end()) it->second.joined.reset();
+  }
+  if (timed_out) {
+    fail(StatusCode::kTimeout, "dp_ddp_join: no agreement round with the other ranks came within ", millis(bound),
+         " ms");
   }
   if (!state_->stuck.empty()) fail(state_->stuck_code, "dp_ddp_join: ", state_->stuck);
 }

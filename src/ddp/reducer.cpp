@@ -280,7 +280,10 @@ void Reducer::run_bucket(size_t index) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     final_now = in_place_ || !options_.find_unused_parameters || graph_recorded_;
-    if (final_now) used_flags_ = graph_recorded_ ? static_used_ : std::vector<uint8_t>(params_.size(), 1);
+    if (final_now && !used_flags_current_) {
+      used_flags_ = graph_recorded_ ? static_used_ : std::vector<uint8_t>(params_.size(), 1);
+      used_flags_current_ = true;
+    }
   }
   if (!final_now) return;
   std::vector<Tensor> grads, slots;
@@ -609,6 +612,7 @@ void Reducer::reset_iteration_locked() {
   premarked_.assign(params_.size(), 0);
   premarked_count_ = 0;
   premarked_views_.clear();
+  used_flags_current_ = false;
   static_departure_.clear();
   report_error_.clear();
   for (Bucket& b : buckets_) {

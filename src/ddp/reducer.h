@@ -83,7 +83,6 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void pre_forward();
   // Managed index of a dotted name relative to the module; kInvalidArgument when unknown or not managed.
   size_t index_of(const std::string& name) const;
-  const Module& module() const { return *module_; }
   const Device& device() const { return group_->device(); }
   // `stream` (a cudaStream_t) is used only with `has_stream`, for CUDA parameters.
   void mark_ready(size_t index, bool has_stream, void* stream);
@@ -285,6 +284,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Whether any rank used each parameter, for the iteration whose results
   // were last delivered; empty before the first.
   std::vector<uint8_t> used_flags_;
+  bool used_flags_current_ = false;  // used_flags_ already holds this iteration's
   // static_graph, once recorded: the used set every iteration must keep.
   std::vector<uint8_t> static_used_;
   bool graph_recorded_ = false;

@@ -791,13 +791,19 @@ void run_thread_overlap(dp_process_group* pg, int32_t timeout_ms) {
 // unusable rather than go on pairing one thread's call with another's.
 // Calls that happen not to overlap are allowed, and a fast backend finishes
 // one in microseconds, while a spinning thread keeps its rank's others off
-// the CPU: so the ranks but 0 start late, and rank 0's first call waits in
-// the collective while its other threads call.
+// the CPU: so the other ranks start only once rank 0 saw a call refused,
+// which they make sure of by holding back while rank 0's first call waits
+// in the collective.
 void run_threads(dp_process_group* pg) {
   std::atomic<int> ok{0}, refused{0}, other{0};
   std::atomic<bool> told{false};
   std::atomic<int> ready{0};
-  if (g_rank != 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  dp_store* store = nullptr;
+  const std::string path = std::string("/tmp/dp_threads_") + std::getenv("MASTER_PORT");
+  CHECK_OK(dp_store_create_file(&store, path.c_str(), dp_process_group_size(pg)));
+  const char* key = "threads_refused";
+  if (g_rank != 0) CHECK_OK(dp_store_wait(store, &key, 1, -1));
+  std::atomic<bool> announced{false};
   std::vector<std::thread> threads;
   for (int k = 0; k < 4; ++k) {
     threads.emplace_back([&, k] {
@@ -812,6 +818,7 @@ void run_threads(dp_process_group* pg) {
           ++refused;
           if (m.find("one group per thread") != std::string::npos || m.find("several threads") != std::string::npos) {
             told = true;
+            if (g_rank == 0 && !announced.exchange(true)) dp_store_set(store, key, "1", 1);
           }
         } else {
           ++other;
@@ -825,6 +832,8 @@ void run_threads(dp_process_group* pg) {
   CHECK(other == 0, "%d calls gave another status", other.load());
   CHECK(refused > 0 && told, "no call was refused for the threads (%d ok)", ok.load());
   CHECK(tagged_all_reduce(pg, 0, false) != DP_OK, "the group is still used after being driven by several threads");
+  dp_store_destroy(store);
+  if (g_rank == 0) ::unlink(path.c_str());
 }
 
 bool is_failure(const std::string& scenario) { return scenario.rfind("die", 0) == 0 || scenario.rfind("stop", 0) == 0; }

@@ -20,8 +20,8 @@
 
 using dptest::cpu;
 using dptest::filled;
-using dptest::kProducerDelayMs;
 using dptest::make;
+using dptest::producer_delay_ms;
 using dptest::queue_write;
 using dptest::TensorPtr;
 using dptest::values;
@@ -286,7 +286,7 @@ TEST_F(StreamOrder, CopyFromTheHostLandsAfterTheReadsQueuedBeforeIt) {
   TensorPtr x = make<float>({32}, filled(32, 1.0f));
   std::vector<float> seen;
   DP_ASSERT_OK(dp_stream_launch_host_func(cpu(0), stream_, delayed_read,
-                                          new Read{dp_tensor_data(x.get()), &seen, 32, kProducerDelayMs}));
+                                          new Read{dp_tensor_data(x.get()), &seen, 32, producer_delay_ms()}));
   std::vector<float> replacement(32, -1.0f);
   DP_ASSERT_OK(dp_tensor_copy_from_host(x.get(), replacement.data(), replacement.size() * sizeof(float)));
   DP_ASSERT_OK(dp_stream_synchronize(cpu(0), stream_));
@@ -301,7 +301,7 @@ TEST_F(StreamOrder, FreedMemoryIsNotReusedBeforeTheStreamHasPassedTheFree) {
     {
       TensorPtr x = make<float>({static_cast<int64_t>(n)}, filled(n, 1.0f));
       DP_ASSERT_OK(dp_stream_launch_host_func(cpu(0), stream_, delayed_read,
-                                              new Read{dp_tensor_data(x.get()), &seen, n, kProducerDelayMs}));
+                                              new Read{dp_tensor_data(x.get()), &seen, n, producer_delay_ms()}));
     }  // freed while the queued read still has to run
     std::vector<TensorPtr> reused;
     for (int i = 0; i < 4; ++i) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -12,8 +13,18 @@
 
 namespace dptest {
 
-// Long enough that a call that does not wait runs well before the write.
-constexpr int kProducerDelayMs = 40;
+// How long a producer pauses before it writes: long enough that a call that
+// does not wait runs well before the write. The tests that must fail without
+// the wait set DP_TEST_PRODUCER_DELAY_MS far higher, so that no load on the
+// machine can delay the call past the write.
+inline int producer_delay_ms() {
+  static const int delay = [] {
+    const char* text = std::getenv("DP_TEST_PRODUCER_DELAY_MS");
+    int ms = text != nullptr ? std::atoi(text) : 0;
+    return ms > 0 ? ms : 40;
+  }();
+  return delay;
+}
 
 struct DelayedWrite {
   void* dst;
@@ -29,7 +40,7 @@ inline void run_delayed_write(void* data) {
 
 // Queues on `stream` of cpu:`device` a write of `v` into `t` after a pause.
 inline void queue_write(void* stream, dp_tensor* t, const std::vector<float>& v, int device = 0,
-                        int delay_ms = kProducerDelayMs) {
+                        int delay_ms = producer_delay_ms()) {
   ASSERT_EQ(dp_tensor_nbytes(t), v.size() * sizeof(float));
   ASSERT_EQ(dp_stream_launch_host_func(cpu(device), stream, run_delayed_write,
                                        new DelayedWrite{dp_tensor_data(t), v, delay_ms}),

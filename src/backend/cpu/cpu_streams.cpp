@@ -64,6 +64,9 @@ class Stream {
 
   void synchronize() {
     origin_.check("a cpu stream");
+    if (runs_on_this_thread()) {
+      fail(StatusCode::kState, "a host function waited for its own cpu stream, which would wait for itself");
+    }
     std::unique_lock<std::mutex> lock(mutex_);
     uint64_t target = pushed_;
     done_changed_.wait(lock, [&] { return done_ >= target; });

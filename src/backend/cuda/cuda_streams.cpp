@@ -40,10 +40,9 @@ void* create_stream(int32_t index) {
   return stream;
 }
 
-void destroy_stream(int32_t index, void* stream) noexcept {
+void destroy_stream(int32_t, void* stream) noexcept {
   if (stream == nullptr) return;
   cudaStreamSynchronize(as_stream(stream));
-  (void)index;
   cudaStreamDestroy(as_stream(stream));
 }
 
