@@ -193,22 +193,32 @@ TEST(StreamApi, AStreamDestroyedWhileCurrentOnAnotherThreadIsEinvalThereNotACras
 
 struct SelfDestroy {
   void* stream;
+  std::atomic<bool> second_queued{false};
   std::atomic<int> status{-1};
+  std::atomic<bool> second_ran{false};
 };
 
+// Waits until the test has queued the work behind it, so the destroy always
+// races queued work (without the gate it could run before the second launch).
 void destroy_own_stream(void* data) {
   auto* d = static_cast<SelfDestroy*>(data);
+  for (int i = 0; i < 6000 && !d->second_queued.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   d->status = dp_stream_destroy(cpu(0), d->stream);
 }
 
-TEST(StreamApi, AHostFunctionMayDestroyItsOwnStream) {
+void mark_ran(void* data) { static_cast<SelfDestroy*>(data)->second_ran = true; }
+
+TEST(StreamApi, AHostFunctionMayDestroyItsOwnStreamAndWorkQueuedBehindItStillRuns) {
   SelfDestroy d;
   DP_ASSERT_OK(dp_stream_create(cpu(0), &d.stream));
-  std::vector<int> order;
   DP_ASSERT_OK(dp_stream_launch_host_func(cpu(0), d.stream, destroy_own_stream, &d));
-  DP_ASSERT_OK(dp_stream_launch_host_func(cpu(0), d.stream, append, new std::pair<std::vector<int>*, int>(&order, 1)));
-  for (int i = 0; i < 6000 && d.status.load() < 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  DP_ASSERT_OK(dp_stream_launch_host_func(cpu(0), d.stream, mark_ran, &d));
+  d.second_queued = true;
+  for (int i = 0; i < 6000 && !(d.status.load() >= 0 && d.second_ran.load()); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   EXPECT_EQ(d.status.load(), DP_OK);
+  EXPECT_TRUE(d.second_ran.load()) << "work queued before the destroy runs, as on a CUDA stream";
   EXPECT_EQ(dp_stream_synchronize(cpu(0), d.stream), DP_EINVAL) << "destroyed";
 }
 
