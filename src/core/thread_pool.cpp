@@ -16,6 +16,7 @@ namespace dparallel {
 namespace {
 
 thread_local bool t_in_pool = false;
+thread_local bool t_serial = false;
 
 struct Job {
   const std::function<void(size_t)>* task = nullptr;
@@ -123,6 +124,9 @@ ThreadPool& pool() {
 
 }  // namespace
 
+SerialScope::SerialScope() : was_serial_(t_serial) { t_serial = true; }
+SerialScope::~SerialScope() { t_serial = was_serial_; }
+
 size_t compute_concurrency() {
   static const size_t concurrency = read_concurrency();
   return concurrency;
@@ -130,7 +134,7 @@ size_t compute_concurrency() {
 
 void parallel_for(size_t ntasks, const std::function<void(size_t)>& task) {
   if (ntasks == 0) return;
-  if (ntasks == 1 || t_in_pool || compute_concurrency() == 1) {
+  if (ntasks == 1 || t_in_pool || t_serial || compute_concurrency() == 1) {
     for (size_t i = 0; i < ntasks; ++i) task(i);
     return;
   }
@@ -141,7 +145,7 @@ void parallel_range(size_t n, size_t min_grain, const std::function<void(size_t,
   if (n == 0) return;
   size_t grain = std::max<size_t>(min_grain, 1);
   size_t parts = std::min(compute_concurrency(), (n + grain - 1) / grain);
-  if (parts <= 1) {
+  if (parts <= 1 || t_serial || t_in_pool) {
     body(0, n);
     return;
   }

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/thread_pool.h"
 #include "ddp/host_values.h"
 #include "ddp/reducer.h"
 
@@ -166,7 +167,11 @@ class CommLane::Gate : public dist::CallGate {
 
 CommLane::CommLane(std::shared_ptr<dist::ProcessGroup> group, std::shared_ptr<Counters> counters)
     : state_(std::make_shared<State>(std::move(group), std::move(counters))) {
-  thread_ = std::thread([state = state_] { loop(state); });
+  thread_ = std::thread([state = state_] {
+    // The jobs overlap the host's backward: a fan-out would take its cores.
+    SerialScope serial;
+    loop(state);
+  });
   worker_id_ = thread_.get_id();
   gate_ = std::make_shared<Gate>(state_, worker_id_);
   state_->group->set_call_gate(gate_);

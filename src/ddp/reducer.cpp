@@ -272,7 +272,7 @@ void Reducer::run_bucket(size_t index) {
   Bucket& bucket = buckets_[index];
   copy_into_bucket(index);
   if (debug_ == DebugLevel::kDetail) check_fingerprint(index);
-  save_local(index);
+  if (needs_save(index)) save_local(index);
   reduce_bucket(index);
   // The results go back into the gradients here, while the host's backward
   // goes on, unless the used map must decide it first.
@@ -295,6 +295,17 @@ void Reducer::run_bucket(size_t index) {
   comm::copy_pairs(grads, slots);
   bucket.copied_back = true;
   report_bucket(index);
+}
+
+bool Reducer::needs_save(size_t index) const {
+  // The lane runs a job once every rank issued it, and a rank issues its
+  // last bucket once it marked everything: no rank can refuse this
+  // iteration any more, and no job follows (in place there is no used map,
+  // rebuilt no ready order). A refusal met in this very collective fails
+  // it at the verdict, before any data changed. Only the host's callback
+  // could still fail the iteration.
+  const bool last = index + 1 == buckets_.size();
+  return !(in_place_ && last && rebuilt_ && options_.on_bucket_reduced == nullptr);
 }
 
 // Which parameters any rank used since the last synced backward.

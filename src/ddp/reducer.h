@@ -170,6 +170,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<Tensor> bucket_grads(const Bucket& bucket) const;
   // The bucket's gradients as this rank holds them now, into `local`.
   void save_local(size_t index);
+  // Whether a failure of this iteration could still come after the bucket
+  // is reduced; else saving the bucket would be a copy for nothing.
+  bool needs_save(size_t index) const;
   // After a failed iteration: every reduced bucket's gradients back to this
   // rank's own values (and `saved_views`, unused views' own values).
   void restore_local_locked(const std::map<size_t, Tensor>& saved_views);

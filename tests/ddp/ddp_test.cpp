@@ -139,6 +139,12 @@ TEST(Ddp, UnmarkedParameterWithABucketPerLayerFailsEveryRankThenTheNextIteration
   expect_mentions(run, 0, {"status -1", "rank 1"});
 }
 
+TEST(Ddp, UnmarkedParameterAfterTheRebuildLeavesEveryGradientLocalThoughTheLastBucketIsNotSaved) {
+  Ranks run = passing("unused_error_buckets_rebuilt");
+  expect_mentions(run, 1, {"status -8", "fc2.bias"});
+  expect_mentions(run, 0, {"status -1", "rank 1"});
+}
+
 TEST(Ddp, UnmarkedParameterWithBucketViewsLeavesEveryGradientLocalOnEveryRankThenTheNextIterationWorks) {
   Ranks run = passing("unused_error_views");
   expect_mentions(run, 1, {"status -8", "fc2.bias"});

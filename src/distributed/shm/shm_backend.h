@@ -160,9 +160,11 @@ class ShmBackend : public Backend {
   void check_peers_alive(const std::vector<int32_t>& pids);
   void set_up(std::vector<int32_t> pids);
   // out = the reduction of source(0), source(1), ... in rank order, n
-  // elements, piece by piece so that each piece stays in cache.
-  template <typename Source>
-  void fold(ReduceFn fn, uint8_t* out, Source&& source, size_t n, size_t esize) const;
+  // elements, piece by piece so that each piece stays in cache; each piece
+  // is divided by the world size for kAvg, then handed to
+  // done(byte offset, bytes) while it is still in cache.
+  template <typename Source, typename Done>
+  void fold(ReduceFn fn, ReduceOp op, DType dtype, uint8_t* out, Source&& source, size_t n, Done&& done) const;
   // Arrives at the next barrier and returns once every rank has.
   void arrive_and_wait(Call& o);
   // Publishes the CPU this rank runs on (layout_.cpus).

@@ -197,10 +197,11 @@ void ShmBackend::reduce_scatter(const std::vector<Tensor>& inputs, const Tensor&
     // own input and the fold would write it before reading it (rank >= 2).
     uint8_t* result = in_place_late ? mine + my_piece : out + offset;
     fold(
-        fn, result, [&](int32_t q) { return q == rank() ? in[static_cast<size_t>(q)] + offset : slot(q) + my_piece; },
-        count, esize);
-    if (op == ReduceOp::kAvg) divide_in_place(output.dtype(), result, count, size());
-    if (in_place_late) copy_bytes(out + offset, result, len);
+        fn, op, output.dtype(), result,
+        [&](int32_t q) { return q == rank() ? in[static_cast<size_t>(q)] + offset : slot(q) + my_piece; }, count,
+        [&](size_t at, size_t bytes) {
+          if (in_place_late) std::memcpy(out + offset + at, result + at, bytes);
+        });
     next_round();
     start += count;
   } while (start < n);
@@ -222,8 +223,7 @@ void ShmBackend::all_reduce_pieces(Call& o, const Pieces& pieces, DType dtype, R
     exchange_headers(o);
     pieces.each(0, nbytes, [&](uint8_t* data, size_t at, size_t len) {
       fold(
-          fn, data, [&](int32_t q) { return slot(q) + at; }, len / esize, esize);
-      if (op == ReduceOp::kAvg) divide_in_place(dtype, data, len / esize, size());
+          fn, op, dtype, data, [&](int32_t q) { return slot(q) + at; }, len / esize, [](size_t, size_t) {});
     });
     next_round();
     return;
@@ -248,10 +248,10 @@ void ShmBackend::all_reduce_pieces(Call& o, const Pieces& pieces, DType dtype, R
     }
     pieces.each(in + my_begin, in + my_end, [&](uint8_t* data, size_t at, size_t len) {
       uint8_t* result = mine + (at - in);
+      // Each reduced piece goes back into this rank's input while in cache.
       fold(
-          fn, result, [&](int32_t q) { return q == rank() ? data : slot(q) + (at - in); }, len / esize, esize);
-      if (op == ReduceOp::kAvg) divide_in_place(dtype, result, len / esize, size());
-      copy_bytes(data, result, len);
+          fn, op, dtype, result, [&](int32_t q) { return q == rank() ? data : slot(q) + (at - in); }, len / esize,
+          [&](size_t offset, size_t bytes) { std::memcpy(data + offset, result + offset, bytes); });
     });
     arrive_and_wait(o);
     for (int32_t q = 0; q < size(); ++q) {
@@ -261,8 +261,10 @@ void ShmBackend::all_reduce_pieces(Call& o, const Pieces& pieces, DType dtype, R
   }
 }
 
-template <typename Source>
-void ShmBackend::fold(ReduceFn fn, uint8_t* out, Source&& source, size_t n, size_t esize) const {
+template <typename Source, typename Done>
+void ShmBackend::fold(ReduceFn fn, ReduceOp op, DType dtype, uint8_t* out, Source&& source, size_t n,
+                      Done&& done) const {
+  const size_t esize = dtype_size(dtype);
   const size_t step = std::max<size_t>(1, kPieceBytes / esize);
   for (size_t at = 0; at < n; at += step) {
     const size_t m = std::min(step, n - at);
@@ -270,10 +272,12 @@ void ShmBackend::fold(ReduceFn fn, uint8_t* out, Source&& source, size_t n, size
     if (size() == 1) {
       const uint8_t* only = source(0) + offset;
       if (only != out + offset) std::memmove(out + offset, only, m * esize);
-      continue;
+    } else {
+      fn(out + offset, source(0) + offset, source(1) + offset, m);
+      for (int32_t q = 2; q < size(); ++q) fn(out + offset, out + offset, source(q) + offset, m);
+      if (op == ReduceOp::kAvg) divide_in_place(dtype, out + offset, m, size());
     }
-    fn(out + offset, source(0) + offset, source(1) + offset, m);
-    for (int32_t q = 2; q < size(); ++q) fn(out + offset, out + offset, source(q) + offset, m);
+    done(offset, m * esize);
   }
 }
 
