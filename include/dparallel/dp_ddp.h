@@ -10,7 +10,13 @@
  *                                            the average over every rank
  * A bucket's reduction starts, asynchronously, as soon as its last gradient
  * is marked (buckets start in index order), so communication overlaps the
- * host's remaining backward. Average = sum divided by the world size. On a
+ * host's remaining backward. On a shared-memory group (every rank on one
+ * host, cpu) with a built-in hook and neither find_unused_parameters nor
+ * on_bucket_reduced, every bucket is reduced once the last one is ready
+ * instead: there a reduction is memory-bound work on the cores the
+ * backward runs on, so overlapping it slows the backward about as much as
+ * it hides, and no bucket needs the save described under failures
+ * (bench/RESULTS.md). Average = sum divided by the world size. On a
  * cpu group with the default hook, without gradient_as_bucket_view and
  * find_unused_parameters, a bucket is one all-reduce straight over the
  * module's gradient tensors (no bucket memory, no copies); otherwise
@@ -71,8 +77,11 @@
  * the failure, so the host may retry or skip the step; the next backward
  * starts afresh. Two failures are not undone: DP_ETIMEOUT (a reduction
  * still runs, the dp_ddp is unusable) and a failure of the group itself.
- * The reducer keeps a copy of each bucket's own values for this: memory
- * the size of the managed gradients.
+ * For this the reducer saves a bucket's own values just before reducing it
+ * while a failure can still follow: not for the last bucket once the plan
+ * is rebuilt (every rank has marked everything when it runs), and, where
+ * every bucket waits for the last one (above), not after the first
+ * iteration; the saves cost memory the size of those buckets.
  *
  * A gradient marked ready belongs to the library until finish_backward
  * returns: the host must neither read nor write it in between (its bucket

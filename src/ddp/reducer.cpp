@@ -223,11 +223,14 @@ JobResult Reducer::run_job(const JobSpec& spec) {
   try {
     if (!spec.refusal.empty()) {
       // Stands in for the job's first collective, so that the other ranks'
-      // matching call fails at once naming this rank's reason.
-      try {
-        group_->refuse(dist::CallKind::kAllReduce, spec.refusal, false);
-      } catch (const Error& e) {
-        if (e.code() != StatusCode::kInvalidArgument) throw;
+      // matching call fails at once naming this rank's reason. A deferred
+      // bucket's job makes none: the last bucket's stand-in does it.
+      if (spec.item != CallItem::kBucket || !defers(spec.index)) {
+        try {
+          group_->refuse(dist::CallKind::kAllReduce, spec.refusal, false);
+        } catch (const Error& e) {
+          if (e.code() != StatusCode::kInvalidArgument) throw;
+        }
       }
       result.code = StatusCode::kState;
       result.error = spec.refusal;
@@ -269,11 +272,15 @@ void Reducer::complete_job(const JobSpec& spec, JobResult result) {
 }
 
 void Reducer::run_bucket(size_t index) {
-  Bucket& bucket = buckets_[index];
   copy_into_bucket(index);
   if (debug_ == DebugLevel::kDetail) check_fingerprint(index);
-  if (needs_save(index)) save_local(index);
-  reduce_bucket(index);
+  if (defers(index)) return;
+  if (defer_) {
+    reduce_deferred(false);
+  } else {
+    if (needs_save(index)) save_local(index);
+    reduce_bucket(index);
+  }
   // The results go back into the gradients here, while the host's backward
   // goes on, unless the used map must decide it first.
   bool final_now = false;
@@ -286,6 +293,12 @@ void Reducer::run_bucket(size_t index) {
     }
   }
   if (!final_now) return;
+  if (!defer_) return copy_back(index);
+  for (size_t b = 0; b < buckets_.size(); ++b) copy_back(b);
+}
+
+void Reducer::copy_back(size_t index) {
+  Bucket& bucket = buckets_[index];
   std::vector<Tensor> grads, slots;
   for (size_t p : bucket.params) {
     if (!needs_copy(p) || (graph_recorded_ && static_used_[p] == 0)) continue;
@@ -445,6 +458,44 @@ void Reducer::reduce_bucket(size_t index) {
   reduce_flat(index, bucket.flat);
 }
 
+void Reducer::reduce_deferred(bool shadow) {
+  // Before the rebuild the ready order's broadcast still follows, and
+  // could fail the iteration.
+  if (!shadow && !rebuilt_) {
+    for (size_t b = 0; b < buckets_.size(); ++b) save_local(b);
+  }
+  if (!in_place_) {
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      const Bucket& bucket = buckets_[b];
+      if (bucket.numel == 0) continue;
+      reduce_flat(b, shadow ? Tensor::zeros(bucket.dtype, {bucket.numel}, group_->device()) : bucket.flat);
+    }
+    return;
+  }
+  std::vector<std::pair<DType, std::vector<Tensor>>> by_dtype;
+  for (const Bucket& bucket : buckets_) {
+    if (bucket.numel == 0) continue;  // only empty parameters: the same on every rank
+    auto it = std::find_if(by_dtype.begin(), by_dtype.end(), [&](const auto& d) { return d.first == bucket.dtype; });
+    if (it == by_dtype.end()) it = by_dtype.insert(by_dtype.end(), {bucket.dtype, {}});
+    if (shadow) {
+      it->second.push_back(Tensor::zeros(bucket.dtype, {bucket.numel}, group_->device()));
+    } else {
+      for (const Tensor& g : bucket_grads(bucket)) it->second.push_back(g);
+    }
+  }
+  const int64_t by = divisor();
+  for (auto& [dtype, tensors] : by_dtype) {
+    if (by == group_->size()) {
+      group_->all_reduce_coalesced(tensors, ReduceOp::kAvg, false);
+      continue;
+    }
+    group_->all_reduce_coalesced(tensors, ReduceOp::kSum, false);
+    if (!shadow) {
+      for (const Tensor& g : tensors) divide_tensor(g, by);
+    }
+  }
+}
+
 void Reducer::reduce_flat(size_t index, const Tensor& flat) {
   if (options_.hook != HookKind::kCustom) return reduce_with_builtin_hook(options_.hook, *group_, flat, divisor());
   RunningHookScope running(RunningHook{this, index, "comm hook"});
@@ -459,6 +510,8 @@ void Reducer::run_shadow(const JobSpec& spec) {
              buckets_.size(), " buckets");
       }
       if (debug_ == DebugLevel::kDetail) check_fingerprint(spec.index);
+      if (defers(spec.index)) return;
+      if (defer_) return reduce_deferred(true);
       const Bucket& bucket = buckets_[spec.index];
       if (bucket.numel == 0) return;
       if (in_place_) {

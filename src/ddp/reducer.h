@@ -173,6 +173,15 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Whether a failure of this iteration could still come after the bucket
   // is reduced; else saving the bucket would be a copy for nothing.
   bool needs_save(size_t index) const;
+  // The bucket's reduction waits for the last bucket's job (defer_).
+  bool defers(size_t index) const { return defer_ && index + 1 < buckets_.size(); }
+  // The last bucket's job with defer_: in place, one all_reduce per dtype
+  // over every bucket's gradients; else each bucket's hook, in bucket order
+  // (zeros when `shadow`).
+  void reduce_deferred(bool shadow);
+  // The bucket's results into the gradients that are not views of it; then
+  // on_bucket_reduced.
+  void copy_back(size_t index);
   // After a failed iteration: every reduced bucket's gradients back to this
   // rank's own values (and `saved_views`, unused views' own values).
   void restore_local_locked(const std::map<size_t, Tensor>& saved_views);
@@ -255,6 +264,14 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // bucket is one coalesced all_reduce straight over the module's gradients,
   // with no bucket memory and no copies in or out.
   bool in_place_ = false;
+  // On a shared-memory group with a built-in hook (no custom hook, used map
+  // or on_bucket_reduced): every bucket is reduced in the last bucket's
+  // job, once every rank has marked everything, so nothing can fail the
+  // iteration after a reduction and no bucket needs a save. There the
+  // reduction is memory-bound work on the cores the host's backward runs
+  // on: overlapping it slows the backward by as much (bench/RESULTS.md),
+  // and each bucket reduced early would cost a save of it besides.
+  bool defer_ = false;
   DebugLevel debug_ = DebugLevel::kOff;
   std::string timeline_path_;
   std::vector<Managed> params_;

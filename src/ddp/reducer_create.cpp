@@ -70,6 +70,8 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
     }
     in_place_ = group_->device().type == DeviceType::kCpu && options_.hook == HookKind::kAllReduce &&
                 !options_.gradient_as_bucket_view && !options_.find_unused_parameters;
+    defer_ = group_->device().type == DeviceType::kCpu && std::string(group_->backend_name()) == "shm" &&
+             options_.hook != HookKind::kCustom && !options_.find_unused_parameters && !options_.on_bucket_reduced;
     if (!given_plan_.empty()) {
       build_buckets(given_plan_);
       rebuilt_ = true;  // a given plan is final
@@ -218,11 +220,11 @@ void Reducer::unregister_managed() {
 std::vector<std::string> Reducer::describe_for_agreement(const Setup& setup) const {
   if (!setup.local_error.empty()) return {"error " + setup.local_error};
   std::vector<std::string> description;
-  description.push_back(str_cat("options bucket_cap ", options_.bucket_cap_bytes, " B, first_bucket_cap ",
-                                options_.first_bucket_cap_bytes, " B, comm_hook ", hook_name(options_.hook),
-                                ", gradient_as_bucket_view ", options_.gradient_as_bucket_view,
-                                ", find_unused_parameters ", options_.find_unused_parameters, ", broadcast_buffers ",
-                                options_.broadcast_buffers, ", static_graph ", options_.static_graph));
+  description.push_back(str_cat(
+      "options bucket_cap ", options_.bucket_cap_bytes, " B, first_bucket_cap ", options_.first_bucket_cap_bytes,
+      " B, comm_hook ", hook_name(options_.hook), ", gradient_as_bucket_view ", options_.gradient_as_bucket_view,
+      ", find_unused_parameters ", options_.find_unused_parameters, ", broadcast_buffers ", options_.broadcast_buffers,
+      ", static_graph ", options_.static_graph, ", on_bucket_reduced ", options_.on_bucket_reduced ? "set" : "unset"));
   if (!given_plan_.empty()) {
     for (const std::string& line : split_lines(format_plan(plan_params(), given_plan_))) {
       description.push_back("bucket plan: " + line);

@@ -48,7 +48,8 @@ void Reducer::build_buckets(const std::vector<std::vector<size_t>>& plan) {
     for (size_t p : plan[b]) numel += params_[p].parameter->value().numel();
     bucket.numel = numel;
     if (!in_place_) bucket.flat = Tensor::zeros(bucket.dtype, {numel}, group_->device());
-    bucket.local = Tensor::empty(bucket.dtype, {numel}, group_->device());
+    // Deferred reductions save only in the first iteration (save_local).
+    if (!defer_) bucket.local = Tensor::empty(bucket.dtype, {numel}, group_->device());
   }
   // Offsets are assigned only once every allocation succeeded.
   for (size_t b = 0; b < plan.size(); ++b) {
@@ -117,6 +118,7 @@ std::vector<Tensor> Reducer::bucket_grads(const Bucket& bucket) const {
 void Reducer::save_local(size_t index) {
   Bucket& bucket = buckets_[index];
   if (bucket.numel == 0) return;
+  if (!bucket.local.defined()) bucket.local = Tensor::empty(bucket.dtype, {bucket.numel}, group_->device());
   if (in_place_) {
     comm::flatten_into(bucket.local, bucket_grads(bucket));
   } else {
@@ -161,6 +163,10 @@ bool Reducer::rebuild(const std::vector<size_t>& rank0_order) {
     reset_iteration_locked();
   }
   rebuilt_ = true;
+  // From now on deferred reductions need no save (reduce_deferred).
+  if (defer_) {
+    for (Bucket& bucket : buckets_) bucket.local = Tensor();
+  }
   log_plan(str_cat("buckets rebuilt in rank 0's ready order: ", buckets_.size(), " buckets"));
   return changed;
 }
