@@ -47,7 +47,10 @@
  * gradient allocated or set before keeps its values in its new place) and
  * at that rebuild if the plan changed (dp_ddp_last_stats says so for that
  * iteration only). A handle from dp_module_grad follows the move; a pointer
- * taken from dp_tensor_data before it does not.
+ * taken from dp_tensor_data before it does not. On a shared-memory group
+ * (with init_sync) the buckets, so the gradients too, lie in memory every
+ * rank of the group maps, so that a reduction reads the other ranks'
+ * gradients where they are.
  *
  * Errors: every rank that finds a problem reports it. finish_backward with
  * parameters never marked (without find_unused_parameters) is DP_ESTATE

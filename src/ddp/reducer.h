@@ -66,6 +66,10 @@ struct ReducerStats {
 
 enum class DebugLevel { kOff, kInfo, kDetail };
 
+// Bucket memory in a shared region: each bucket starts on a cache line.
+constexpr size_t kBucketAlign = 64;
+inline size_t align_bucket(size_t bytes) { return (bytes + kBucketAlign - 1) / kBucketAlign * kBucketAlign; }
+
 class Reducer : public std::enable_shared_from_this<Reducer> {
  public:
   using Clock = std::chrono::steady_clock;
@@ -145,6 +149,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   // Constructor steps.
   Setup collect_managed();
+  // With gradient_as_bucket_view on a shared-memory group (after the
+  // agreement check: every rank then asks alike): bucket memory the other
+  // ranks map, so that a bucket's all_reduce reads theirs where it is. Room
+  // for any plan's buckets; none (private buckets) when there is no room.
+  void create_bucket_region();
   void check_no_overlap() const;
   std::vector<std::string> describe_for_agreement(const Setup& setup) const;
   void register_managed();
@@ -272,6 +281,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // on: overlapping it slows the backward by as much (bench/RESULTS.md),
   // and each bucket reduced early would cost a save of it besides.
   bool defer_ = false;
+  // create_bucket_region's memory and the storage the buckets view it through.
+  std::shared_ptr<dist::SharedRegion> region_;
+  std::shared_ptr<Storage> region_storage_;
   DebugLevel debug_ = DebugLevel::kOff;
   std::string timeline_path_;
   std::vector<Managed> params_;

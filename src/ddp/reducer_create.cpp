@@ -62,6 +62,7 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
       on_lane(CallItem::kCreate, [&] {
         check_agreement(description);
         broadcast_state(setup.state);
+        create_bucket_region();
       });
     } else if (!given_plan_.empty()) {
       // Ranks given different plans would pair unlike buckets.
@@ -284,6 +285,31 @@ void Reducer::check_agreement(const std::vector<std::string>& description) {
       if (theirs == first) continue;
       fail_invalid("rank ", r, " disagrees with rank 0: rank ", r, " has ", theirs, " but rank 0 has ", first);
     }
+  }
+}
+
+void Reducer::create_bucket_region() {
+  if (!options_.gradient_as_bucket_view || group_->device().type != DeviceType::kCpu || group_->size() == 1 ||
+      std::string(group_->backend_name()) != "shm") {
+    return;
+  }
+  size_t bytes = kBucketAlign;
+  for (const Managed& m : params_) bytes += align_bucket(m.nbytes) + kBucketAlign;
+  try {
+    region_ = group_->create_region(bytes);
+  } catch (const Error& e) {
+    if (e.code() != StatusCode::kOutOfMemory) throw;
+    if (debug_ != DebugLevel::kOff) {
+      std::fprintf(stderr, "[dparallel ddp rank %d] buckets in private memory: %s\n", group_->rank(), e.what());
+    }
+    return;
+  }
+  if (region_ == nullptr) return;
+  std::shared_ptr<dist::SharedRegion> keep = region_;
+  region_storage_ = Storage::wrap(group_->device(), region_->data(), region_->bytes(), [keep](void*) {});
+  if (debug_ != DebugLevel::kOff) {
+    std::fprintf(stderr, "[dparallel ddp rank %d] buckets in a shared region of %zu bytes: the other ranks read them\n",
+                 group_->rank(), region_->bytes());
   }
 }
 

@@ -39,7 +39,22 @@ bool Reducer::parameter_used(size_t index) const {
 }
 
 void Reducer::build_buckets(const std::vector<std::vector<size_t>>& plan) {
+  // In the shared region the new buckets may lie where the gradients (the
+  // old buckets' views) are: their values are set aside first.
+  std::vector<Tensor> current(params_.size());
+  if (options_.gradient_as_bucket_view) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      Tensor grad = params_[i].parameter->grad_if_allocated();
+      if (!grad.defined() || region_storage_ == nullptr || grad.storage() != region_storage_) {
+        current[i] = grad;
+        continue;
+      }
+      current[i] = Tensor::empty(grad.dtype(), grad.shape(), grad.device());
+      copy_tensor(current[i], grad);
+    }
+  }
   std::vector<Bucket> buckets(plan.size());
+  size_t region_used = 0;
   for (size_t b = 0; b < plan.size(); ++b) {
     Bucket& bucket = buckets[b];
     bucket.params = plan[b];
@@ -47,7 +62,12 @@ void Reducer::build_buckets(const std::vector<std::vector<size_t>>& plan) {
     int64_t numel = 0;
     for (size_t p : plan[b]) numel += params_[p].parameter->value().numel();
     bucket.numel = numel;
-    if (!in_place_) bucket.flat = Tensor::zeros(bucket.dtype, {numel}, group_->device());
+    if (!in_place_ && region_storage_ != nullptr) {
+      bucket.flat = Tensor::wrap(region_storage_, region_used, bucket.dtype, {numel});
+      region_used += align_bucket(bucket.flat.nbytes());
+    } else if (!in_place_) {
+      bucket.flat = Tensor::zeros(bucket.dtype, {numel}, group_->device());
+    }
     // Deferred reductions save only in the first iteration (save_local).
     if (!defer_) bucket.local = Tensor::empty(bucket.dtype, {numel}, group_->device());
   }
@@ -60,14 +80,19 @@ void Reducer::build_buckets(const std::vector<std::vector<size_t>>& plan) {
       offset += params_[p].nbytes;
     }
   }
+  if (region_storage_ != nullptr) {
+    for (Bucket& bucket : buckets) {
+      if (bucket.flat.nbytes() > 0) std::memset(bucket.flat.data(), 0, bucket.flat.nbytes());
+    }
+  }
   if (options_.gradient_as_bucket_view) {
     // The gradients' storage moves into the buckets, keeping their values:
     // whatever gradient a parameter had, the host's own included.
-    for (Managed& m : params_) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      Managed& m = params_[i];
       const Tensor& value = m.parameter->value();
       Tensor view = buckets[m.bucket].flat.view_at(m.offset, value.dtype(), value.shape());
-      Tensor current = m.parameter->grad_if_allocated();
-      if (current.defined()) copy_tensor(view, current);
+      if (current[i].defined()) copy_tensor(view, current[i]);
       m.parameter->set_grad(view);
     }
   }

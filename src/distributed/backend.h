@@ -83,6 +83,16 @@ class CallSite {
   Millis timeout_;
 };
 
+// Memory every rank of a group maps (Backend::create_region): this rank's
+// part, which collectives on tensors inside it can read from the other
+// ranks' parts directly instead of through staging copies.
+class SharedRegion {
+ public:
+  virtual ~SharedRegion() = default;
+  virtual uint8_t* data() const = 0;
+  virtual size_t bytes() const = 0;
+};
+
 class Backend {
  public:
   explicit Backend(CallSite& site) : site_(site) {}
@@ -115,6 +125,10 @@ class Backend {
   virtual void all_gather(const Tensor& input, const std::vector<Tensor>& outputs) = 0;
   virtual void reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) = 0;
   virtual void barrier() = 0;
+  // A collective: every rank gets `bytes` of memory that the other ranks
+  // map too; null where the backend has none. Tensors inside it may outlive
+  // the group.
+  virtual std::shared_ptr<SharedRegion> create_region(size_t /*bytes*/) { return nullptr; }
 
  protected:
   int32_t rank() const { return site_.rank(); }

@@ -415,6 +415,16 @@ std::shared_ptr<Work> ProcessGroup::all_reduce_coalesced(const std::vector<Tenso
       CallKind::kAllReduce, [this, tensors, op] { backend_->all_reduce_coalesced(tensors, op); }, async);
 }
 
+std::shared_ptr<SharedRegion> ProcessGroup::create_region(size_t bytes) {
+  check_arguments(CallKind::kBarrier, false, [&] {
+    if (bytes == 0) fail_invalid("create_region: argument 'bytes' is 0");
+  });
+  std::shared_ptr<SharedRegion> region;
+  submit(
+      CallKind::kBarrier, [this, bytes, &region] { region = backend_->create_region(bytes); }, false);
+  return region;
+}
+
 std::shared_ptr<Work> ProcessGroup::broadcast(const Tensor& tensor, int32_t root, bool async) {
   check_arguments(CallKind::kBroadcast, async, [&] {
     check_tensor(tensor, "tensor", "broadcast");

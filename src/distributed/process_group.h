@@ -60,6 +60,8 @@ class ProcessGroup final : private CallSite {
   using CallSite::size;
   using CallSite::timeout;
   const char* backend_name() const { return backend_->name(); }
+  // For tests that look at what a backend did.
+  const Backend& backend() const { return *backend_; }
   void* transfer_stream() const { return backend_->transfer_stream(); }
 
   // With `async`, returns at once with the Work to wait on; otherwise returns
@@ -70,6 +72,10 @@ class ProcessGroup final : private CallSite {
   // all_reduce of the concatenation.
   std::shared_ptr<Work> all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op, bool async);
   std::shared_ptr<Work> broadcast(const Tensor& tensor, int32_t root, bool async);
+  // A collective (every rank asks for the same `bytes`): memory the other
+  // ranks map too, for tensors whose all_reduce then copies less (shm); null
+  // where the backend has none.
+  std::shared_ptr<SharedRegion> create_region(size_t bytes);
   std::shared_ptr<Work> all_gather(const Tensor& input, const std::vector<Tensor>& outputs, bool async);
   std::shared_ptr<Work> reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op,
                                        bool async);

@@ -19,6 +19,7 @@
 
 #include "core/error.h"
 #include "distributed/process_group.h"
+#include "distributed/shm/shm_backend.h"
 #include "distributed/shm/shm_process_group.h"
 #include "distributed/store/file_store.h"
 #include "distributed/store/tcp_store.h"
@@ -142,6 +143,121 @@ TEST_P(ShmGroup, AllReduceCoalescedMatchesAnAllReduceOfTheConcatenation) {
       EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
       EXPECT_NE(std::string(e.what()).find("differ across ranks"), std::string::npos) << e.what();
     }
+  });
+}
+
+uint64_t calls_in_regions(const ProcessGroup& group) {
+  return dynamic_cast<const shm::ShmBackend&>(group.backend()).calls_in_regions();
+}
+
+// A float tensor of n elements at `offset` bytes into this rank's part of `region`.
+Tensor in_region(const std::shared_ptr<SharedRegion>& region, size_t offset, int64_t n) {
+  auto storage = Storage::wrap(Device{DeviceType::kCpu, 0}, region->data(), region->bytes(), [region](void*) {});
+  return Tensor::wrap(storage, offset, DType::kFloat32, {n});
+}
+
+void fill(const Tensor& t, int32_t rank) {
+  auto* p = static_cast<float*>(t.data());
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = value(rank, static_cast<size_t>(i));
+}
+
+void expect_reduced(const Tensor& t, int32_t world, bool average) {
+  const auto* p = static_cast<const float*>(t.data());
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    float want = 0;
+    for (int32_t r = 0; r < world; ++r) want += value(r, static_cast<size_t>(i));
+    if (average) want /= static_cast<float>(world);
+    if (p[i] != want) {
+      ADD_FAILURE() << "element " << i << " of " << t.numel() << ": got " << p[i] << ", want " << want;
+      return;
+    }
+  }
+}
+
+// 700001 floats: more than a slot (1 MiB) per rank part, and parts that do
+// not divide evenly.
+constexpr int64_t kRegionElements = 700001;
+
+TEST_P(ShmGroup, AllReduceInARegionReadsTheOtherRanksMemoryWhereItIs) {
+  const int32_t world = GetParam();
+  run_ranks(world, [&](ProcessGroup& group) {
+    auto region = group.create_region(4 << 20);
+    ASSERT_NE(region, nullptr);
+    EXPECT_GE(region->bytes(), size_t{4} << 20);
+    Tensor t = in_region(region, 4096, kRegionElements);
+    fill(t, group.rank());
+    group.all_reduce(t, ReduceOp::kSum, false);
+    expect_reduced(t, world, false);
+    fill(t, group.rank());
+    group.all_reduce(t, ReduceOp::kAvg, false);
+    expect_reduced(t, world, true);
+    EXPECT_EQ(calls_in_regions(group), 2u);
+    // Small tensors take the slots: nothing to gain there.
+    Tensor small = in_region(region, 0, 100);
+    fill(small, group.rank());
+    group.all_reduce(small, ReduceOp::kSum, false);
+    expect_reduced(small, world, false);
+    EXPECT_EQ(calls_in_regions(group), 2u);
+  });
+}
+
+// Where the ranks' tensors do not all lie at one spot, every rank takes the
+// slots, with the same result.
+TEST_P(ShmGroup, AllReduceWhereATensorLiesElsewhereTakesTheSlotsOnEveryRank) {
+  const int32_t world = GetParam();
+  if (world == 1) GTEST_SKIP() << "needs another rank";
+  run_ranks(world, [&](ProcessGroup& group) {
+    auto region = group.create_region(4 << 20);
+    ASSERT_NE(region, nullptr);
+    const bool last = group.rank() == world - 1;
+    Tensor privately = Tensor::empty(DType::kFloat32, {kRegionElements}, Device{DeviceType::kCpu, 0});
+    Tensor t = last ? privately : in_region(region, 4096, kRegionElements);
+    fill(t, group.rank());
+    group.all_reduce(t, ReduceOp::kSum, false);
+    expect_reduced(t, world, false);
+    Tensor shifted = in_region(region, last ? 8192 : 4096, kRegionElements);
+    fill(shifted, group.rank());
+    group.all_reduce(shifted, ReduceOp::kSum, false);
+    expect_reduced(shifted, world, false);
+    EXPECT_EQ(calls_in_regions(group), 0u);
+  });
+}
+
+TEST_P(ShmGroup, RegionsComeAndGoWithoutRunningOutAndOutliveTheirGroup) {
+  const int32_t world = GetParam();
+  std::vector<std::shared_ptr<SharedRegion>> kept(static_cast<size_t>(world));
+  run_ranks(world, [&](ProcessGroup& group) {
+    // Far more than the table's entries: released ones are taken again.
+    for (int i = 0; i < 3 * static_cast<int>(shm::kMaxRegions); ++i) {
+      auto region = group.create_region(size_t{1} << 20);
+      ASSERT_NE(region, nullptr) << "region " << i;
+    }
+    kept[static_cast<size_t>(group.rank())] = group.create_region(size_t{1} << 20);
+    Tensor t = in_region(kept[static_cast<size_t>(group.rank())], 0, 200000);
+    fill(t, group.rank());
+    group.all_reduce(t, ReduceOp::kSum, false);
+  });
+  for (int32_t r = 0; r < world; ++r) {
+    Tensor t = in_region(kept[static_cast<size_t>(r)], 0, 200000);
+    expect_reduced(t, world, false);
+    std::memset(t.data(), 0, t.nbytes());  // still mapped, and writable
+  }
+}
+
+TEST_P(ShmGroup, RegionsOfDifferentSizesFailOnEveryRankNamingTheSizes) {
+  const int32_t world = GetParam();
+  if (world == 1) GTEST_SKIP() << "needs another rank";
+  run_ranks(world, [&](ProcessGroup& group) {
+    const size_t bytes = group.rank() == world - 1 ? 8192 : 4096;
+    try {
+      group.create_region(bytes);
+      ADD_FAILURE() << "sizes that differ passed";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find("differ across ranks"), std::string::npos) << e.what();
+    }
+    auto region = group.create_region(4096);
+    EXPECT_NE(region, nullptr) << "the group stays usable";
   });
 }
 

@@ -183,9 +183,29 @@ ShmSegment ShmSegment::map_received(int fd, size_t bytes) {
     ::close(fd);
     fail(StatusCode::kIo, "the shared memory rank 0 handed out is not this job's segment: ", wrong);
   }
-  uint8_t* data = map_shared(fd, bytes);
-  ::close(fd);  // the mapping keeps the memory
-  return ShmSegment(data, bytes, -1);
+  return ShmSegment(map_shared(fd, bytes), bytes, fd);
+}
+
+void ShmSegment::reserve(size_t offset, size_t bytes) const {
+  int rc = ::posix_fallocate(fd_, static_cast<off_t>(offset), static_cast<off_t>(bytes));
+  if (rc != 0) {
+    fail(rc == ENOSPC || rc == ENOMEM ? StatusCode::kOutOfMemory : StatusCode::kIo, "reserving ", bytes,
+         " more bytes of shared memory failed: ", std::strerror(rc));
+  }
+}
+
+bool ShmSegment::release(size_t offset, size_t bytes) const noexcept {
+  return ::fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(offset),
+                     static_cast<off_t>(bytes)) == 0;
+}
+
+uint8_t* ShmSegment::map_range(size_t offset, size_t bytes) const {
+  void* data =
+      ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd_, static_cast<off_t>(offset));
+  if (data == MAP_FAILED) {
+    fail(StatusCode::kIo, "mapping ", bytes, " bytes of shared memory failed: ", std::strerror(errno));
+  }
+  return static_cast<uint8_t*>(data);
 }
 
 SegmentDoor::SegmentDoor(const std::string& name) {

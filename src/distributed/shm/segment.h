@@ -27,9 +27,18 @@ class ShmSegment {
   // here (kIo) rather than as SIGBUS later, and mapped. Its descriptor stays
   // open (fd()) until close_fd(), to be handed out.
   static ShmSegment create(size_t bytes);
-  // Maps the segment behind `fd`, which it takes over; kIo unless that is a
-  // regular file of `bytes`.
+  // Maps the segment behind `fd`, which it takes over (and keeps open, for
+  // extend()); kIo unless that is a regular file of `bytes`.
   static ShmSegment map_received(int fd, size_t bytes);
+
+  // Reserves [offset, offset + bytes) of the file (growing it where that
+  // lies past its end): kOutOfMemory when there is no room. Needs fd().
+  void reserve(size_t offset, size_t bytes) const;
+  // Returns [offset, offset + bytes) of the file to the system; false when
+  // the file cannot (its size stays).
+  bool release(size_t offset, size_t bytes) const noexcept;
+  // Maps [offset, offset + bytes) of the file (kIo on failure); munmap it.
+  uint8_t* map_range(size_t offset, size_t bytes) const;
 
   uint8_t* data() const { return data_; }
   size_t size() const { return size_; }

@@ -39,6 +39,17 @@ constexpr Millis kSleepSlice{50};
 // Waits in a row beside another rank on one CPU before the higher rank moves.
 constexpr uint32_t kSharedWaitsBeforeMove = 64;
 
+// Regions (create_region) live past the segment's own bytes in its file;
+// their table is in the control block. At most this many at once.
+constexpr size_t kMaxRegions = 64;
+
+struct RegionEntry {
+  std::atomic<uint32_t> mapped;  // ranks that map it: the last to unmap it releases its memory
+  uint32_t used;                 // 1 from its creation until its memory is released
+  uint64_t offset;               // in the file
+  uint64_t bytes;                // every rank's part together
+};
+
 struct Control {
   alignas(kLine) std::atomic<uint32_t> mapped;    // ranks that mapped the segment
   alignas(kLine) std::atomic<uint32_t> arrivals;  // barrier arrivals, all ranks together (wraps)
@@ -48,10 +59,24 @@ struct Control {
   uint64_t magic;
   uint64_t total_bytes;
   uint64_t slot_bytes;
+  // create_region: rank 0's choice, read by every rank between two barriers.
+  int32_t region_choice;  // the entry, or -1: none (region_error says why)
+  char region_error[160];
+  alignas(kLine) std::atomic<uint32_t> region_failures;  // ranks that could not map the new region
+  std::atomic<uint32_t> regions_lock;                    // guards `regions` across processes (a spin lock)
+  RegionEntry regions[kMaxRegions];
 };
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "shared atomics must be lock-free");
 
 inline size_t align_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+// A tensor in a region: the region's place in the file (0: not in one) and
+// the tensor's offset in this rank's part of it.
+struct RegionSpot {
+  uint64_t region = 0;
+  uint64_t offset = 0;
+  bool operator==(const RegionSpot& o) const { return region == o.region && offset == o.offset; }
+};
 
 // Where things are in a segment for `world` ranks.
 struct Layout {
@@ -60,12 +85,14 @@ struct Layout {
     pids = align_up(sizeof(Control), kLine);
     cpus = align_up(pids + sizeof(std::atomic<int32_t>) * ranks, kLine);
     headers = align_up(cpus + sizeof(std::atomic<int32_t>) * ranks, kLine);
-    data = align_up(headers + 2 * ranks * sizeof(CallHeader), 4096);
+    spots = align_up(headers + 2 * ranks * sizeof(CallHeader), kLine);
+    data = align_up(spots + 2 * ranks * sizeof(RegionSpot), 4096);
     total = data + 2 * ranks * slot;
   }
   size_t pids;
   size_t cpus;  // per rank: 1 + the CPU it last arrived at a barrier on, 0 before
   size_t headers;
+  size_t spots;  // per set and rank: where this call's tensor lies in a region
   size_t data;
   size_t slot;
   size_t total;
@@ -111,6 +138,9 @@ class Pieces {
   size_t bytes_ = 0;
 };
 
+// The regions this rank maps (shm_regions.cpp); they may outlive the backend.
+struct RegionRegistry;
+
 // Data bytes per rank and set for a segment of `world` ranks.
 size_t slot_bytes_for(int32_t world);
 // Wakes every rank asleep on `word`, in any process.
@@ -131,7 +161,12 @@ class ShmBackend : public Backend {
   void all_gather(const Tensor& input, const std::vector<Tensor>& outputs) override;
   void reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override;
   void barrier() override;
+  // rank 0 reserves every rank's part in the segment's file (reusing a
+  // released region's place where it fits); every rank maps them all.
+  std::shared_ptr<SharedRegion> create_region(size_t bytes) override;
   const char* name() const override { return "shm"; }
+  // all_reduce calls that read the other ranks' memory in a region.
+  uint64_t calls_in_regions() const { return calls_in_regions_; }
   DeviceType tensor_device_type() const override { return DeviceType::kCpu; }
   // Swaps headers with every rank at this round's barrier.
   void swap_headers(Call& o) override {
@@ -148,9 +183,23 @@ class ShmBackend : public Backend {
 
  private:
   // Rank r's pid in the segment, or 0 before this rank mapped it or r did.
-  int32_t pid_word_if_mapped(int32_t r) const { return segment_.data() == nullptr ? 0 : pid_word(r)->load(); }
-  // all_reduce of `pieces` (see the file's comment).
-  void all_reduce_pieces(Call& o, const Pieces& pieces, DType dtype, ReduceOp op);
+  int32_t pid_word_if_mapped(int32_t r) const {
+    return segment_ == nullptr || segment_->data() == nullptr ? 0 : pid_word(r)->load();
+  }
+  // all_reduce of `pieces` (see the file's comment); `whole`: the one
+  // tensor they are, which may lie in a region, or null.
+  void all_reduce_pieces(Call& o, const Pieces& pieces, DType dtype, ReduceOp op, const Tensor* whole);
+  // Where `t` lies in a region of this group, or {} (not in one).
+  RegionSpot spot_of(const Tensor& t) const;
+  // Publishes this call's spot (after the header exchange every rank reads
+  // all of them) and tells whether every rank's tensor lies at that spot.
+  void publish_spot(const RegionSpot& spot) { *spot_word(rank()) = spot; }
+  bool same_spot_everywhere() const;
+  bool any_spot_published() const;
+  // all_reduce of a tensor at the same spot of one region on every rank,
+  // after the header exchange: each rank folds its part straight from the
+  // others' memory into its own, then copies theirs: no staging copies.
+  void all_reduce_in_region(Call& o, const Tensor& tensor, ReduceOp op);
   void close_pidfds() noexcept;
   // Opens a pidfd on rank r's process `pid` (kGoneWhenWatched when none is left).
   void watch_peer(int32_t r, int32_t pid);
@@ -189,21 +238,25 @@ class ShmBackend : public Backend {
   // Tells the other ranks that this one gives up (the group is broken for
   // all), then fails naming the ranks that did not report the failure.
   [[noreturn]] void give_up(const Call& o, bool timed_out, const std::string& cause);
-  Control* control() const { return reinterpret_cast<Control*>(segment_.data()); }
+  Control* control() const { return reinterpret_cast<Control*>(segment_->data()); }
   std::atomic<int32_t>* pid_word(int32_t r) const {
-    return reinterpret_cast<std::atomic<int32_t>*>(segment_.data() + layout_.pids) + r;
+    return reinterpret_cast<std::atomic<int32_t>*>(segment_->data() + layout_.pids) + r;
   }
   std::atomic<int32_t>* cpu_word(int32_t r) const {
-    return reinterpret_cast<std::atomic<int32_t>*>(segment_.data() + layout_.cpus) + r;
+    return reinterpret_cast<std::atomic<int32_t>*>(segment_->data() + layout_.cpus) + r;
+  }
+  RegionSpot* spot_word(int32_t r) const {
+    size_t index = static_cast<size_t>(set()) * static_cast<size_t>(size()) + static_cast<size_t>(r);
+    return reinterpret_cast<RegionSpot*>(segment_->data() + layout_.spots) + index;
   }
   uint8_t* header_slot(int32_t r) const {
     size_t index = static_cast<size_t>(set()) * static_cast<size_t>(size()) + static_cast<size_t>(r);
-    return segment_.data() + layout_.headers + index * sizeof(CallHeader);
+    return segment_->data() + layout_.headers + index * sizeof(CallHeader);
   }
   // Rank r's data slot in this round's set.
   uint8_t* slot(int32_t r) const {
     size_t index = static_cast<size_t>(set()) * static_cast<size_t>(size()) + static_cast<size_t>(r);
-    return segment_.data() + layout_.data + index * layout_.slot;
+    return segment_->data() + layout_.data + index * layout_.slot;
   }
   int set() const { return static_cast<int>(round_ & 1); }
   void next_round() { ++round_; }
@@ -211,7 +264,10 @@ class ShmBackend : public Backend {
   std::shared_ptr<Store> store_;
   std::string prefix_;
   Layout layout_;
-  ShmSegment segment_;
+  // Shared with the regions, which keep its descriptor and table alive.
+  std::shared_ptr<ShmSegment> segment_;
+  std::shared_ptr<RegionRegistry> regions_;
+  uint64_t calls_in_regions_ = 0;
   // By rank; -1 for this rank and unknown pids, kGoneWhenWatched for a
   // process gone before its pidfd was opened.
   std::vector<int> pidfds_;
@@ -222,5 +278,25 @@ class ShmBackend : public Backend {
   int32_t published_cpu_ = 0;  // this rank's word in layout_.cpus
   uint32_t shared_waits_ = 0;  // waits in a row that began beside another rank
 };
+
+template <typename Source, typename Done>
+inline void ShmBackend::fold(ReduceFn fn, ReduceOp op, DType dtype, uint8_t* out, Source&& source, size_t n,
+                             Done&& done) const {
+  const size_t esize = dtype_size(dtype);
+  const size_t step = std::max<size_t>(1, kPieceBytes / esize);
+  for (size_t at = 0; at < n; at += step) {
+    const size_t m = std::min(step, n - at);
+    const size_t offset = at * esize;
+    if (size() == 1) {
+      const uint8_t* only = source(0) + offset;
+      if (only != out + offset) std::memmove(out + offset, only, m * esize);
+    } else {
+      fn(out + offset, source(0) + offset, source(1) + offset, m);
+      for (int32_t q = 2; q < size(); ++q) fn(out + offset, out + offset, source(q) + offset, m);
+      if (op == ReduceOp::kAvg) divide_in_place(dtype, out + offset, m, size());
+    }
+    done(offset, m * esize);
+  }
+}
 
 }  // namespace dparallel::dist::shm

@@ -82,7 +82,7 @@ bool overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
 void ShmBackend::all_reduce(const Tensor& tensor, ReduceOp op) {
   Pieces pieces({tensor});
   Call o = begin_call(CallKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1, &tensor);
-  all_reduce_pieces(o, pieces, tensor.dtype(), op);
+  all_reduce_pieces(o, pieces, tensor.dtype(), op, &tensor);
 }
 
 void ShmBackend::all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op) {
@@ -91,7 +91,7 @@ void ShmBackend::all_reduce_coalesced(const std::vector<Tensor>& tensors, Reduce
   Call o = begin_call(CallKind::kAllReduce, tensors[0].dtype(),
                       static_cast<int64_t>(pieces.bytes() / tensors[0].element_size()), op, -1, &tensors[0]);
   o.pieces = tensors.size();
-  all_reduce_pieces(o, pieces, tensors[0].dtype(), op);
+  all_reduce_pieces(o, pieces, tensors[0].dtype(), op, nullptr);
 }
 
 void ShmBackend::broadcast(const Tensor& tensor, int32_t root) {
@@ -213,12 +213,17 @@ void ShmBackend::barrier() {
   next_round();
 }
 
-void ShmBackend::all_reduce_pieces(Call& o, const Pieces& pieces, DType dtype, ReduceOp op) {
+void ShmBackend::all_reduce_pieces(Call& o, const Pieces& pieces, DType dtype, ReduceOp op, const Tensor* whole) {
   const size_t esize = dtype_size(dtype);
   const size_t nbytes = pieces.bytes();
   const size_t n = nbytes / esize;
   ReduceFn fn = reduce_function(dtype, op);
-  if (nbytes <= std::min(kSmallAllReduceBytes, layout_.slot)) {
+  const bool small = nbytes <= std::min(kSmallAllReduceBytes, layout_.slot);
+  // A tensor in a region: where every rank's is at the same spot, the
+  // call reads the others' memory where it is (shm_regions.cpp).
+  const RegionSpot spot = whole != nullptr && !small ? spot_of(*whole) : RegionSpot{};
+  publish_spot(spot);
+  if (small) {
     pieces.copy_out(slot(rank()), 0, nbytes);
     exchange_headers(o);
     pieces.each(0, nbytes, [&](uint8_t* data, size_t at, size_t len) {
@@ -239,11 +244,25 @@ void ShmBackend::all_reduce_pieces(Call& o, const Pieces& pieces, DType dtype, R
     uint8_t* mine = slot(rank());
     const size_t my_begin = part_begin(rank()), my_end = part_end(rank());
     // This rank's own part is read where it is, by this rank alone.
-    pieces.copy_out(mine, in, my_begin);
-    pieces.copy_out(mine + my_end, in + my_end, count * esize - my_end);
-    if (start == 0) {
+    auto stage = [&] {
+      pieces.copy_out(mine, in, my_begin);
+      pieces.copy_out(mine + my_end, in + my_end, count * esize - my_end);
+    };
+    if (start > 0) {
+      stage();
+      arrive_and_wait(o);
+    } else if (spot.region == 0) {
+      stage();
       exchange_headers(o);
     } else {
+      // In a region: staged only when some rank's tensor is elsewhere.
+      exchange_headers(o);
+      if (same_spot_everywhere()) return all_reduce_in_region(o, *whole, op);
+      stage();
+      arrive_and_wait(o);
+    }
+    if (start == 0 && spot.region == 0 && any_spot_published()) {
+      // Another rank staged only now: meet it there.
       arrive_and_wait(o);
     }
     pieces.each(in + my_begin, in + my_end, [&](uint8_t* data, size_t at, size_t len) {
@@ -258,26 +277,6 @@ void ShmBackend::all_reduce_pieces(Call& o, const Pieces& pieces, DType dtype, R
       if (q != rank()) pieces.copy_in(in + part_begin(q), slot(q) + part_begin(q), part_end(q) - part_begin(q));
     }
     next_round();
-  }
-}
-
-template <typename Source, typename Done>
-void ShmBackend::fold(ReduceFn fn, ReduceOp op, DType dtype, uint8_t* out, Source&& source, size_t n,
-                      Done&& done) const {
-  const size_t esize = dtype_size(dtype);
-  const size_t step = std::max<size_t>(1, kPieceBytes / esize);
-  for (size_t at = 0; at < n; at += step) {
-    const size_t m = std::min(step, n - at);
-    const size_t offset = at * esize;
-    if (size() == 1) {
-      const uint8_t* only = source(0) + offset;
-      if (only != out + offset) std::memmove(out + offset, only, m * esize);
-    } else {
-      fn(out + offset, source(0) + offset, source(1) + offset, m);
-      for (int32_t q = 2; q < size(); ++q) fn(out + offset, out + offset, source(q) + offset, m);
-      if (op == ReduceOp::kAvg) divide_in_place(dtype, out + offset, m, size());
-    }
-    done(offset, m * esize);
   }
 }
 

@@ -134,13 +134,13 @@ void ShmBackend::set_up(std::vector<int32_t> pids) {
     std::string name = random_hex128();
     std::string secret = random_hex128();
     try {
-      segment_ = ShmSegment::create(layout_.total);
+      segment_ = std::make_shared<ShmSegment>(ShmSegment::create(layout_.total));
       door = std::make_unique<SegmentDoor>(name);
     } catch (const Error& e) {
       tell_others(e);
       throw;
     }
-    auto* control = new (segment_.data()) Control{};
+    auto* control = new (segment_->data()) Control{};
     control->magic = kMagic;
     control->total_bytes = layout_.total;
     control->slot_bytes = layout_.slot;
@@ -153,8 +153,8 @@ void ShmBackend::set_up(std::vector<int32_t> pids) {
     std::string value = name + " " + secret;
     store_->set(key, Bytes(value.begin(), value.end()));
     // A peer that never comes is named by the wait below, at the deadline.
-    door->serve(segment_.fd(), secret, size() - 1, deadline, check_alive);
-    segment_.close_fd();
+    // The descriptor stays open: create_region grows the file.
+    door->serve(segment_->fd(), secret, size() - 1, deadline, check_alive);
   } else {
     // Rank 0's door, once it is up; with the pids, rank 0's death ends the wait.
     auto pause = std::chrono::milliseconds(1);
@@ -179,7 +179,7 @@ void ShmBackend::set_up(std::vector<int32_t> pids) {
       if (e.code() == StatusCode::kRemote) check_alive();
       throw;
     }
-    segment_ = ShmSegment::map_received(fd, layout_.total);
+    segment_ = std::make_shared<ShmSegment>(ShmSegment::map_received(fd, layout_.total));
     std::atomic_thread_fence(std::memory_order_acquire);
     if (control()->magic != kMagic || control()->total_bytes != layout_.total ||
         control()->slot_bytes != layout_.slot || control()->world != size()) {

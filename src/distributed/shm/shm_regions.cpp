@@ -1,0 +1,278 @@
+// The shared-memory backend's regions: memory past the segment's own bytes
+// in its file, every rank's part of a region mapped by every rank, so that
+// an all_reduce of a tensor inside one reads the other ranks' values where
+// they are (no staging copies through the slots).
+//
+// create_region is a collective: rank 0 picks a free entry of the control
+// block's region table and reserves the file range (a released region's,
+// where it fits), every rank maps it, and every rank learns whether all
+// did. A region's memory goes back to the system once the last rank
+// unmaps it; its entry is free again then.
+//
+// all_reduce on a tensor in a region: each rank publishes where its tensor
+// lies (RegionSpot) before the header exchange; when every rank's tensor
+// lies at the same spot of the same region, each rank folds its part of
+// the tensor, in rank order, from every rank's memory into its own, and
+// after a barrier copies the others' parts from their memory. A last
+// barrier keeps a rank from changing its tensor while another still reads
+// it. Otherwise the call takes the slots' path (shm_collectives.cpp).
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "core/error.h"
+#include "distributed/reduce_ops.h"
+#include "distributed/shm/shm_backend.h"
+
+namespace dparallel::dist::shm {
+
+namespace {
+
+// Region parts start on pages of their own.
+constexpr size_t kRegionAlign = 4096;
+
+// The region table's lock, across processes. Its holders do no system
+// calls; a holder that died inside is outwaited, so a wait is bounded.
+class TableLock {
+ public:
+  explicit TableLock(Control* control) : word_(control->regions_lock) {
+    for (int spins = 0; word_.exchange(1, std::memory_order_acquire) != 0; ++spins) {
+      if (spins > 1000000) {
+        locked_ = false;
+        return;
+      }
+      std::this_thread::yield();
+    }
+  }
+  ~TableLock() {
+    if (locked_) word_.store(0, std::memory_order_release);
+  }
+  TableLock(const TableLock&) = delete;
+  TableLock& operator=(const TableLock&) = delete;
+  bool locked() const { return locked_; }
+
+ private:
+  std::atomic<uint32_t>& word_;
+  bool locked_ = true;
+};
+
+}  // namespace
+
+struct RegionRegistry {
+  struct Mapped {
+    uint64_t file_offset = 0;  // the region's
+    size_t part = 0;           // bytes per rank
+    uint8_t* base = nullptr;   // rank 0's part; rank r's is base + r * part
+  };
+  std::mutex mutex;
+  std::map<uint8_t*, Mapped> by_own_part;  // keyed by this rank's part
+};
+
+namespace {
+
+class ShmRegion : public SharedRegion {
+ public:
+  ShmRegion(std::shared_ptr<ShmSegment> segment, std::shared_ptr<RegionRegistry> regions, size_t entry,
+            uint64_t file_offset, size_t part, uint8_t* base, int32_t rank, int32_t world)
+      : segment_(std::move(segment)),
+        regions_(std::move(regions)),
+        entry_(entry),
+        file_offset_(file_offset),
+        part_(part),
+        base_(base),
+        rank_(rank),
+        world_(world) {}
+  ~ShmRegion() override {
+    if (base_ != nullptr) {
+      {
+        std::lock_guard<std::mutex> lock(regions_->mutex);
+        regions_->by_own_part.erase(own_part());
+      }
+      ::munmap(base_, part_ * static_cast<size_t>(world_));
+    }
+    auto* control = reinterpret_cast<Control*>(segment_->data());
+    RegionEntry& entry = control->regions[entry_];
+    if (entry.mapped.fetch_sub(1) != 1) return;
+    // The last rank to unmap it: the memory goes back, then the entry.
+    const bool released = segment_->release(file_offset_, part_ * static_cast<size_t>(world_));
+    TableLock lock(control);
+    // Memory that could not be released keeps its entry, so that it is not
+    // reserved twice.
+    if (lock.locked() && released) entry.used = 0;
+  }
+  uint8_t* data() const override { return own_part(); }
+  size_t bytes() const override { return part_; }
+
+ private:
+  uint8_t* own_part() const { return base_ == nullptr ? nullptr : base_ + part_ * static_cast<size_t>(rank_); }
+
+  std::shared_ptr<ShmSegment> segment_;
+  std::shared_ptr<RegionRegistry> regions_;
+  size_t entry_;
+  uint64_t file_offset_;
+  size_t part_;
+  uint8_t* base_;
+  int32_t rank_, world_;
+};
+
+}  // namespace
+
+std::shared_ptr<SharedRegion> ShmBackend::create_region(size_t bytes) {
+  if (regions_ == nullptr) regions_ = std::make_shared<RegionRegistry>();
+  const size_t part = align_up(bytes, kRegionAlign);
+  const size_t total = part * static_cast<size_t>(size());
+  // The header's numel: every rank must ask for the same size.
+  Call o = begin_call(CallKind::kBarrier, DType::kUInt8, static_cast<int64_t>(bytes), ReduceOp::kSum, -1, nullptr);
+  exchange_headers(o);
+  Control* c = control();
+  if (rank() == 0) {
+    c->region_failures.store(0);
+    c->region_choice = -1;
+    std::string error;
+    TableLock lock(c);
+    if (!lock.locked()) {
+      error = "the region table stayed locked (a rank died while it changed it)";
+    } else {
+      // Past the segment's own bytes and every region in use; a free entry
+      // whose released range is large enough is taken again.
+      uint64_t end = align_up(layout_.total, kRegionAlign);
+      int32_t reuse = -1, fresh = -1;
+      for (size_t i = 0; i < kMaxRegions; ++i) {
+        const RegionEntry& e = c->regions[i];
+        if (e.bytes > 0) end = std::max<uint64_t>(end, e.offset + e.bytes);
+        if (e.used != 0) continue;
+        if (e.bytes >= total && reuse < 0) reuse = static_cast<int32_t>(i);
+        if (e.bytes == 0 && fresh < 0) fresh = static_cast<int32_t>(i);
+      }
+      int32_t chosen = reuse >= 0 ? reuse : fresh;
+      if (chosen < 0) {
+        error = str_cat("all ", kMaxRegions, " region entries are in use");
+      } else {
+        RegionEntry& e = c->regions[chosen];
+        const uint64_t offset = reuse >= 0 ? e.offset : end;
+        try {
+          segment_->reserve(offset, total);
+          e.offset = offset;
+          e.bytes = std::max<uint64_t>(e.bytes, total);
+          e.used = 1;
+          e.mapped.store(static_cast<uint32_t>(size()));
+          c->region_choice = chosen;
+        } catch (const Error& err) {
+          error = err.what();
+        }
+      }
+    }
+    std::snprintf(c->region_error, sizeof(c->region_error), "%s", error.c_str());
+  }
+  arrive_and_wait(o);
+  const int32_t chosen = c->region_choice;
+  if (chosen < 0) {
+    std::string why(c->region_error, strnlen(c->region_error, sizeof(c->region_error)));
+    next_round();
+    fail(StatusCode::kOutOfMemory, "no shared-memory region of ", bytes, " bytes per rank: ", why);
+  }
+  const RegionEntry& entry = c->regions[chosen];
+  const uint64_t offset = entry.offset;
+  uint8_t* base = nullptr;
+  try {
+    base = segment_->map_range(offset, total);
+  } catch (const Error&) {
+    c->region_failures.fetch_add(1);
+  }
+  arrive_and_wait(o);
+  // Holds this rank's count in the entry from here on, mapped or not.
+  auto region =
+      std::make_shared<ShmRegion>(segment_, regions_, static_cast<size_t>(chosen), offset, part, base, rank(), size());
+  const uint32_t failures = c->region_failures.load();
+  next_round();
+  if (failures != 0) {
+    // Every rank drops it alike; the last one releases the memory.
+    fail(StatusCode::kOutOfMemory, "no shared-memory region of ", bytes, " bytes per rank: ", failures,
+         " rank(s) could not map it");
+  }
+  std::lock_guard<std::mutex> lock(regions_->mutex);
+  regions_->by_own_part[region->data()] = RegionRegistry::Mapped{offset, part, base};
+  return region;
+}
+
+RegionSpot ShmBackend::spot_of(const Tensor& t) const {
+  if (regions_ == nullptr || t.nbytes() == 0) return {};
+  auto* p = static_cast<uint8_t*>(t.data());
+  std::lock_guard<std::mutex> lock(regions_->mutex);
+  auto it = regions_->by_own_part.upper_bound(p);
+  if (it == regions_->by_own_part.begin()) return {};
+  --it;
+  const size_t at = static_cast<size_t>(p - it->first);
+  if (at + t.nbytes() > it->second.part) return {};
+  return RegionSpot{it->second.file_offset, at};
+}
+
+bool ShmBackend::same_spot_everywhere() const {
+  const RegionSpot mine = *spot_word(rank());
+  if (mine.region == 0) return false;
+  for (int32_t r = 0; r < size(); ++r) {
+    if (!(*spot_word(r) == mine)) return false;
+  }
+  return true;
+}
+
+bool ShmBackend::any_spot_published() const {
+  for (int32_t r = 0; r < size(); ++r) {
+    if (spot_word(r)->region != 0) return true;
+  }
+  return false;
+}
+
+void ShmBackend::all_reduce_in_region(Call& o, const Tensor& tensor, ReduceOp op) {
+  const RegionSpot spot = *spot_word(rank());
+  RegionRegistry::Mapped mapped;
+  {
+    std::lock_guard<std::mutex> lock(regions_->mutex);
+    for (const auto& [own, m] : regions_->by_own_part) {
+      if (m.file_offset == spot.region) mapped = m;
+    }
+  }
+  auto at = [&](int32_t q) { return mapped.base + mapped.part * static_cast<size_t>(q) + spot.offset; };
+  const DType dtype = tensor.dtype();
+  const size_t esize = dtype_size(dtype);
+  const auto n = static_cast<size_t>(tensor.numel());
+  const auto ranks = static_cast<size_t>(size());
+  const size_t align = std::max<size_t>(1, kLine / esize);
+  const size_t part = align_up((n + ranks - 1) / ranks, align);
+  auto begin = [&](int32_t q) { return std::min(n, part * static_cast<size_t>(q)) * esize; };
+  auto end = [&](int32_t q) { return std::min(n, part * static_cast<size_t>(q + 1)) * esize; };
+  ReduceFn fn = reduce_function(dtype, op);
+  uint8_t* mine = at(rank());
+  const size_t my_begin = begin(rank()), my_len = end(rank()) - my_begin;
+  if (rank() < 2) {
+    // In place: the fold reads this rank's own value at an element before
+    // it writes there.
+    fold(
+        fn, op, dtype, mine + my_begin, [&](int32_t q) { return at(q) + my_begin; }, my_len / esize,
+        [](size_t, size_t) {});
+  } else {
+    // The fold writes sources 0 and 1's sum first: through this rank's slot.
+    uint8_t* scratch = slot(rank());
+    for (size_t done = 0; done < my_len; done += layout_.slot) {
+      const size_t len = std::min(layout_.slot, my_len - done);
+      const size_t from = my_begin + done;
+      fold(
+          fn, op, dtype, scratch, [&](int32_t q) { return at(q) + from; }, len / esize,
+          [&](size_t offset, size_t bytes) { std::memcpy(mine + from + offset, scratch + offset, bytes); });
+    }
+  }
+  arrive_and_wait(o);
+  for (int32_t q = 0; q < size(); ++q) {
+    if (q != rank()) std::memcpy(mine + begin(q), at(q) + begin(q), end(q) - begin(q));
+  }
+  arrive_and_wait(o);
+  next_round();
+  ++calls_in_regions_;
+}
+
+}  // namespace dparallel::dist::shm
