@@ -11,12 +11,12 @@
  * A bucket's reduction starts, asynchronously, as soon as its last gradient
  * is marked (buckets start in index order), so communication overlaps the
  * host's remaining backward. On a shared-memory group (every rank on one
- * host, cpu) with a built-in hook and neither find_unused_parameters nor
- * on_bucket_reduced, every bucket is reduced once the last one is ready
- * instead: there a reduction is memory-bound work on the cores the
- * backward runs on, so overlapping it slows the backward about as much as
- * it hides, and no bucket needs the save described under failures
- * (bench/RESULTS.md). Average = sum divided by the world size. On a
+ * host, cpu) with a built-in hook and without find_unused_parameters,
+ * every bucket is reduced once the last one is ready instead, in index
+ * order (on_bucket_reduced runs for each before the next one's reduction):
+ * there a reduction is memory-bound work on the cores the backward runs
+ * on, so overlapping it slows the backward about as much as it hides, and
+ * no bucket needs the save described under failures (bench/RESULTS.md). Average = sum divided by the world size. On a
  * cpu group with the default hook, without gradient_as_bucket_view and
  * find_unused_parameters, a bucket is one all-reduce straight over the
  * module's gradient tensors (no bucket memory, no copies); otherwise
@@ -168,7 +168,9 @@ typedef struct dp_ddp dp_ddp;
  * soon as bucket `bucket_index`'s averaged gradients are final in the
  * module's gradients (with find_unused_parameters before the static graph
  * is recorded: once the used map has decided, during finish_backward),
- * while later buckets still reduce. Every managed parameter is reported
+ * while later buckets still reduce (on a shared-memory group, where the
+ * reductions wait for the last bucket: before the next bucket's reduction
+ * starts, its gradients still in cache). Every managed parameter is reported
  * exactly once per synced iteration (unused ones too: dp_ddp_parameter_used
  * tells them apart, for the iteration being reduced), never in a no_sync
  * one. `param_indices` is valid during the call only. Returns 0; non-zero

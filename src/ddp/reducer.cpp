@@ -275,14 +275,9 @@ void Reducer::run_bucket(size_t index) {
   copy_into_bucket(index);
   if (debug_ == DebugLevel::kDetail) check_fingerprint(index);
   if (defers(index)) return;
-  if (defer_) {
-    reduce_deferred(false);
-  } else {
-    if (needs_save(index)) save_local(index);
-    reduce_bucket(index);
-  }
   // The results go back into the gradients here, while the host's backward
-  // goes on, unless the used map must decide it first.
+  // goes on, unless the used map must decide it first; what the used flags
+  // say (dp_ddp_parameter_used, on_bucket_reduced) is known by then.
   bool final_now = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -292,13 +287,19 @@ void Reducer::run_bucket(size_t index) {
       used_flags_current_ = true;
     }
   }
-  if (!final_now) return;
-  if (!defer_) return copy_back(index);
-  for (size_t b = 0; b < buckets_.size(); ++b) copy_back(b);
+  if (defer_) {
+    reduce_deferred(false);
+    for (size_t b = 0; b < buckets_.size(); ++b) copy_back(b);
+    return;
+  }
+  if (needs_save(index)) save_local(index);
+  reduce_bucket(index);
+  if (final_now) copy_back(index);
 }
 
 void Reducer::copy_back(size_t index) {
   Bucket& bucket = buckets_[index];
+  if (bucket.copied_back) return;
   std::vector<Tensor> grads, slots;
   for (size_t p : bucket.params) {
     if (!needs_copy(p) || (graph_recorded_ && static_used_[p] == 0)) continue;
@@ -464,11 +465,17 @@ void Reducer::reduce_deferred(bool shadow) {
   if (!shadow && !rebuilt_) {
     for (size_t b = 0; b < buckets_.size(); ++b) save_local(b);
   }
-  if (!in_place_) {
+  if (!in_place_ || options_.on_bucket_reduced) {
+    // One bucket at a time; its results go back and are reported before
+    // the next one's reduction (on_bucket_reduced steps while they are in
+    // cache).
     for (size_t b = 0; b < buckets_.size(); ++b) {
-      const Bucket& bucket = buckets_[b];
-      if (bucket.numel == 0) continue;
-      reduce_flat(b, shadow ? Tensor::zeros(bucket.dtype, {bucket.numel}, group_->device()) : bucket.flat);
+      if (shadow) {
+        reduce_zeros(b);
+        continue;
+      }
+      reduce_bucket(b);
+      copy_back(b);
     }
     return;
   }
@@ -496,6 +503,18 @@ void Reducer::reduce_deferred(bool shadow) {
   }
 }
 
+void Reducer::reduce_zeros(size_t index) {
+  const Bucket& bucket = buckets_[index];
+  if (bucket.numel == 0) return;
+  if (in_place_) {
+    std::vector<Tensor> zeros;
+    for (const Tensor& g : bucket_grads(bucket)) zeros.push_back(Tensor::zeros(g.dtype(), g.shape(), g.device()));
+    group_->all_reduce_coalesced(zeros, divisor() == group_->size() ? ReduceOp::kAvg : ReduceOp::kSum, false);
+    return;
+  }
+  reduce_flat(index, Tensor::zeros(bucket.dtype, {bucket.numel}, group_->device()));
+}
+
 void Reducer::reduce_flat(size_t index, const Tensor& flat) {
   if (options_.hook != HookKind::kCustom) return reduce_with_builtin_hook(options_.hook, *group_, flat, divisor());
   RunningHookScope running(RunningHook{this, index, "comm hook"});
@@ -512,16 +531,7 @@ void Reducer::run_shadow(const JobSpec& spec) {
       if (debug_ == DebugLevel::kDetail) check_fingerprint(spec.index);
       if (defers(spec.index)) return;
       if (defer_) return reduce_deferred(true);
-      const Bucket& bucket = buckets_[spec.index];
-      if (bucket.numel == 0) return;
-      if (in_place_) {
-        std::vector<Tensor> zeros;
-        for (const Tensor& g : bucket_grads(bucket)) zeros.push_back(Tensor::zeros(g.dtype(), g.shape(), g.device()));
-        group_->all_reduce_coalesced(zeros, divisor() == group_->size() ? ReduceOp::kAvg : ReduceOp::kSum, false);
-        return;
-      }
-      reduce_flat(spec.index, Tensor::zeros(bucket.dtype, {bucket.numel}, group_->device()));
-      return;
+      return reduce_zeros(spec.index);
     }
     case CallItem::kUsedMap:
       run_used_map();  // this rank used nothing since its last synced backward

@@ -184,13 +184,16 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool needs_save(size_t index) const;
   // The bucket's reduction waits for the last bucket's job (defer_).
   bool defers(size_t index) const { return defer_ && index + 1 < buckets_.size(); }
-  // The last bucket's job with defer_: in place, one all_reduce per dtype
-  // over every bucket's gradients; else each bucket's hook, in bucket order
-  // (zeros when `shadow`).
+  // The last bucket's job with defer_: in place (and no on_bucket_reduced),
+  // one all_reduce per dtype over every bucket's gradients; else bucket by
+  // bucket (zeros when `shadow`).
   void reduce_deferred(bool shadow);
   // The bucket's results into the gradients that are not views of it; then
-  // on_bucket_reduced.
+  // on_bucket_reduced. Once per iteration.
   void copy_back(size_t index);
+  // A joined rank's stand-in for bucket `index`'s reduction: zeros, the
+  // same calls as the others make.
+  void reduce_zeros(size_t index);
   // After a failed iteration: every reduced bucket's gradients back to this
   // rank's own values (and `saved_views`, unused views' own values).
   void restore_local_locked(const std::map<size_t, Tensor>& saved_views);
@@ -273,13 +276,14 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // bucket is one coalesced all_reduce straight over the module's gradients,
   // with no bucket memory and no copies in or out.
   bool in_place_ = false;
-  // On a shared-memory group with a built-in hook (no custom hook, used map
-  // or on_bucket_reduced): every bucket is reduced in the last bucket's
-  // job, once every rank has marked everything, so nothing can fail the
-  // iteration after a reduction and no bucket needs a save. There the
-  // reduction is memory-bound work on the cores the host's backward runs
-  // on: overlapping it slows the backward by as much (bench/RESULTS.md),
-  // and each bucket reduced early would cost a save of it besides.
+  // On a shared-memory group with a built-in hook (no custom hook or used
+  // map): every bucket is reduced in the last bucket's job, once every rank
+  // has marked everything, so no refusal can follow a reduction and no
+  // bucket needs a save. There the reduction is memory-bound work on the
+  // cores the host's backward runs on: overlapping it slows the backward by
+  // as much (bench/RESULTS.md), and each bucket reduced early would cost a
+  // save of it besides. With on_bucket_reduced each bucket is reported
+  // before the next one is reduced.
   bool defer_ = false;
   // create_bucket_region's memory and the storage the buckets view it through.
   std::shared_ptr<dist::SharedRegion> region_;

@@ -72,7 +72,7 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
     in_place_ = group_->device().type == DeviceType::kCpu && options_.hook == HookKind::kAllReduce &&
                 !options_.gradient_as_bucket_view && !options_.find_unused_parameters;
     defer_ = group_->device().type == DeviceType::kCpu && std::string(group_->backend_name()) == "shm" &&
-             options_.hook != HookKind::kCustom && !options_.find_unused_parameters && !options_.on_bucket_reduced;
+             options_.hook != HookKind::kCustom && !options_.find_unused_parameters;
     if (!given_plan_.empty()) {
       build_buckets(given_plan_);
       rebuilt_ = true;  // a given plan is final
