@@ -17,6 +17,11 @@
 //                   runs in on_bucket_reduced while later buckets reduce
 //   allreduce_only  dp_pg_all_reduce of one flat float32 tensor with as many
 //                   elements as the model has parameters
+//   ddp_join        (only when asked for) ddp steps where the last rank runs
+//                   out of data halfway and calls dp_ddp_join while the
+//                   others go on: rank 0's own step times (no barrier, a
+//                   joined rank takes part in none) with every rank active
+//                   and with one joined, and how long dp_ddp_join took
 // Each step is timed after a barrier; a step's time is the maximum over the
 // ranks; the table gives the median and the minimum over the steps, and
 // cpu_ms, the CPU time a step costs (this process with all its threads: the
@@ -321,7 +326,11 @@ int run(const Options& o) {
   // buckets at once); peak over the timed ddp steps; resident size after.
   long rss_before = -1, hwm_warm = -1, rss_warm = -1, hwm_timed = -1, rss_after = -1;
   bool peak_reset = false;
-  if (wants("ddp_no_sync") || wants("ddp")) {
+  // ddp_join: rank 0's step times with every rank active, then with the
+  // last rank joined; how long rank 0's dp_ddp_join took.
+  std::vector<double> all_active, one_joined;
+  double join_ms = -1;
+  if (wants("ddp_no_sync") || wants("ddp") || wants("ddp_join")) {
     dp_module* model = nullptr;
     fail_on(dp_module_create(&model), "dp_module_create");
     std::vector<std::string> names;
@@ -432,6 +441,20 @@ int run(const Options& o) {
       exposed_ms = exposed_sum / o.steps;
       hidden_share = reduce_sum > 0 ? 1.0 - exposed_sum / reduce_sum : 0.0;
     }
+    if (wants("ddp_join")) {
+      for (int i = 0; i < o.warmup; ++i) ddp_step(-1);
+      fail_on(dp_pg_barrier(pg), "barrier");
+      const int half = o.steps / 2;
+      const int mine = world > 1 && rank == world - 1 ? half : o.steps;
+      for (int i = 0; i < mine; ++i) {
+        const double t0 = now();
+        ddp_step(-1);
+        (i < half ? all_active : one_joined).push_back(now() - t0);
+      }
+      const double j0 = now();
+      fail_on(dp_ddp_join(&ddp, 1), "dp_ddp_join");
+      join_ms = (now() - j0) * 1e3;
+    }
     rss_after = status_kib("VmRSS:");
     dp_ddp_destroy(ddp);
     dp_module_destroy(model);
@@ -466,6 +489,19 @@ int run(const Options& o) {
     if (flat != nullptr && ddp != nullptr && no_sync != nullptr) {
       std::printf("# flat all_reduce of all grads alone = %.2f ms; exposed share of it in ddp = %.0f%%\n",
                   flat->median * 1e3, (ddp->median - no_sync->median) / flat->median * 100);
+    }
+    if (join_ms >= 0 && !all_active.empty()) {
+      auto median = [](std::vector<double> v) {
+        if (v.empty()) return 0.0;
+        std::sort(v.begin(), v.end());
+        return v[v.size() / 2] * 1e3;
+      };
+      const double active = median(all_active), joined = median(one_joined);
+      std::printf("# join (rank 0's own step times, median, no barrier): every rank active %.2f ms", active);
+      if (!one_joined.empty()) {
+        std::printf("; rank %d joined %.2f ms (%+.1f%%)", world - 1, joined, (joined / active - 1) * 100);
+      }
+      std::printf("; rank 0's dp_ddp_join returned after %.2f ms\n", join_ms);
     }
     if (hidden_share >= 0) {
       std::printf(
@@ -539,12 +575,15 @@ int dp_perf_ddp_main(int argc, char** argv) {
         o.modes.clear();
         std::stringstream list(v);
         for (std::string mode; std::getline(list, mode, ',');) {
-          if (mode != "local" && mode != "ddp_no_sync" && mode != "ddp" && mode != "allreduce_only") {
-            perf::bad_value(a, v, "a comma-separated list of local, ddp_no_sync, ddp, allreduce_only");
+          if (mode != "local" && mode != "ddp_no_sync" && mode != "ddp" && mode != "allreduce_only" &&
+              mode != "ddp_join") {
+            perf::bad_value(a, v, "a comma-separated list of local, ddp_no_sync, ddp, allreduce_only, ddp_join");
           }
           o.modes.push_back(mode);
         }
-        if (o.modes.empty()) perf::bad_value(a, v, "a comma-separated list of local, ddp_no_sync, ddp, allreduce_only");
+        if (o.modes.empty()) {
+          perf::bad_value(a, v, "a comma-separated list of local, ddp_no_sync, ddp, allreduce_only, ddp_join");
+        }
       } else {
         throw perf::UsageError("unknown option " + a);
       }
@@ -564,7 +603,7 @@ int dp_perf_ddp_main(int argc, char** argv) {
                  "usage: dp-run -n 2 dp-perf ddp [--layers 10] [--width 1024] [--batch 32] [--steps 41] [--warmup 5]\n"
                  "       [--bucket-cap-mb 25] [--first-bucket-cap-mb 1] [--grad-as-bucket-view]\n"
                  "       [--optim-in-backward] [--static-graph]\n"
-                 "       [--modes local,ddp_no_sync,ddp,allreduce_only]\n");
+                 "       [--modes local,ddp_no_sync,ddp,allreduce_only,ddp_join]\n");
     return 2;
   }
   try {
