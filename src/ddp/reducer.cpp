@@ -445,18 +445,18 @@ int64_t Reducer::divisor() const {
 void Reducer::reduce_bucket(size_t index) {
   const Bucket& bucket = buckets_[index];
   if (bucket.numel == 0) return;  // only empty parameters: the same on every rank
-  if (in_place_) {
-    std::vector<Tensor> grads = bucket_grads(bucket);
-    const int64_t by = divisor();
-    if (by == group_->size()) {
-      group_->all_reduce_coalesced(grads, ReduceOp::kAvg, false);
-      return;
-    }
-    group_->all_reduce_coalesced(grads, ReduceOp::kSum, false);
-    for (const Tensor& g : grads) divide_tensor(g, by);
+  if (in_place_) return average_coalesced(bucket_grads(bucket));
+  reduce_flat(index, bucket.flat);
+}
+
+void Reducer::average_coalesced(const std::vector<Tensor>& tensors) {
+  const int64_t by = divisor();
+  if (by == group_->size()) {
+    group_->all_reduce_coalesced(tensors, ReduceOp::kAvg, false);
     return;
   }
-  reduce_flat(index, bucket.flat);
+  group_->all_reduce_coalesced(tensors, ReduceOp::kSum, false);
+  for (const Tensor& t : tensors) divide_tensor(t, by);
 }
 
 void Reducer::reduce_deferred(bool shadow) {
@@ -490,29 +490,16 @@ void Reducer::reduce_deferred(bool shadow) {
       for (const Tensor& g : bucket_grads(bucket)) it->second.push_back(g);
     }
   }
-  const int64_t by = divisor();
-  for (auto& [dtype, tensors] : by_dtype) {
-    if (by == group_->size()) {
-      group_->all_reduce_coalesced(tensors, ReduceOp::kAvg, false);
-      continue;
-    }
-    group_->all_reduce_coalesced(tensors, ReduceOp::kSum, false);
-    if (!shadow) {
-      for (const Tensor& g : tensors) divide_tensor(g, by);
-    }
-  }
+  for (const auto& [dtype, tensors] : by_dtype) average_coalesced(tensors);
 }
 
 void Reducer::reduce_zeros(size_t index) {
   const Bucket& bucket = buckets_[index];
   if (bucket.numel == 0) return;
-  if (in_place_) {
-    std::vector<Tensor> zeros;
-    for (const Tensor& g : bucket_grads(bucket)) zeros.push_back(Tensor::zeros(g.dtype(), g.shape(), g.device()));
-    group_->all_reduce_coalesced(zeros, divisor() == group_->size() ? ReduceOp::kAvg : ReduceOp::kSum, false);
-    return;
-  }
-  reduce_flat(index, Tensor::zeros(bucket.dtype, {bucket.numel}, group_->device()));
+  // The bucket as one tensor: the same collective as the others' coalesced call.
+  Tensor zeros = Tensor::zeros(bucket.dtype, {bucket.numel}, group_->device());
+  if (in_place_) return average_coalesced({zeros});
+  reduce_flat(index, zeros);
 }
 
 void Reducer::reduce_flat(size_t index, const Tensor& flat) {

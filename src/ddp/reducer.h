@@ -194,6 +194,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // A joined rank's stand-in for bucket `index`'s reduction: zeros, the
   // same calls as the others make.
   void reduce_zeros(size_t index);
+  // One all_reduce of `tensors` taken as their concatenation, divided by
+  // divisor(): as kAvg when that is the world size.
+  void average_coalesced(const std::vector<Tensor>& tensors);
   // After a failed iteration: every reduced bucket's gradients back to this
   // rank's own values (and `saved_views`, unused views' own values).
   void restore_local_locked(const std::map<size_t, Tensor>& saved_views);

@@ -25,10 +25,11 @@ class ShmSegment {
 
   // A new segment of `bytes`, its memory reserved so that running out fails
   // here (kIo) rather than as SIGBUS later, and mapped. Its descriptor stays
-  // open (fd()) until close_fd(), to be handed out.
+  // open (fd()) until close_fd(): to be handed out, and for reserve() and
+  // map_range().
   static ShmSegment create(size_t bytes);
-  // Maps the segment behind `fd`, which it takes over (and keeps open, for
-  // extend()); kIo unless that is a regular file of `bytes`.
+  // Maps the segment behind `fd`, which it takes over (and keeps open, as
+  // create does); kIo unless that is a regular file of `bytes`.
   static ShmSegment map_received(int fd, size_t bytes);
 
   // Reserves [offset, offset + bytes) of the file (growing it where that

@@ -251,19 +251,16 @@ void ShmBackend::all_reduce_pieces(Call& o, const Pieces& pieces, DType dtype, R
     if (start > 0) {
       stage();
       arrive_and_wait(o);
-    } else if (spot.region == 0) {
-      stage();
-      exchange_headers(o);
     } else {
-      // In a region: staged only when some rank's tensor is elsewhere.
+      // A rank whose tensor is in a region stages only when some rank's
+      // tensor lies elsewhere, after the headers; every rank then meets it.
+      if (spot.region == 0) stage();
       exchange_headers(o);
-      if (same_spot_everywhere()) return all_reduce_in_region(o, *whole, op);
-      stage();
-      arrive_and_wait(o);
-    }
-    if (start == 0 && spot.region == 0 && any_spot_published()) {
-      // Another rank staged only now: meet it there.
-      arrive_and_wait(o);
+      if (any_spot_published()) {
+        if (same_spot_everywhere()) return all_reduce_in_region(o, *whole, op);
+        if (spot.region != 0) stage();
+        arrive_and_wait(o);
+      }
     }
     pieces.each(in + my_begin, in + my_end, [&](uint8_t* data, size_t at, size_t len) {
       uint8_t* result = mine + (at - in);
