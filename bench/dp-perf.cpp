@@ -63,6 +63,7 @@ struct Options {
                "       dp-run -n RANKS dp-perf ddp [--layers 10] [--width 1024] [--batch 32] [--steps 41]\n"
                "               [--warmup 5] [--bucket-cap-mb 25] [--grad-as-bucket-view] [--optim-in-backward]\n"
                "               [--static-graph] [--modes ...]\n"
+               "       dp-run -n RANKS dp-perf fsdp [the ddp options]: one dp_fsdp per layer beside ddp\n"
                "sizes: 1 to 1024G, with K, M or G suffixes (powers of 1024); -f: above 1, at most 1024;\n"
                "-s: 1..100000; -w: 0..100000\n",
                message);
@@ -420,11 +421,11 @@ int run(int argc, char** argv) {
 int main(int argc, char** argv) {
   if (argc < 2) usage("missing op");
   const std::string op = argv[1];
-  if (op == "ddp") {
+  if (op == "ddp" || op == "fsdp") {
 #ifdef DP_PERF_WITH_DDP
     return dp_perf_ddp_main(argc - 1, argv + 1);
 #else
-    std::fprintf(stderr, "dp-perf: ddp needs OpenBLAS (libopenblas-dev) when dp-perf is built\n");
+    std::fprintf(stderr, "dp-perf: %s needs OpenBLAS (libopenblas-dev) when dp-perf is built\n", op.c_str());
     return 2;
 #endif
   }

@@ -48,6 +48,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <new>
 #include <sstream>
 #include <string>
@@ -121,9 +122,29 @@ class Mlp {
   template <typename Ready>
   void forward_backward(float* const* w, float* const* b, float* const* gw, float* const* gb, const float* x,
                         const float* y, Ready&& ready) {
+    struct Marks {
+      Ready& ready;
+      void pre_forward(int) {}
+      void post_forward(int) {}
+      void pre_backward(int) {}
+      void grads_done(int l) { ready(l); }
+      void layer_done(int) {}
+    } hooks{ready};
+    forward_backward_hooked(w, b, gw, gb, x, y, hooks);
+  }
+
+  // The same, with a hook around each layer's use: pre_forward(l) and
+  // pre_backward(l) before it reads w[l], b[l] (and gw[l], gb[l]), which it
+  // reads only after them; post_forward(l) after its forward; grads_done(l)
+  // once its gradients are written; layer_done(l) once its backward no
+  // longer reads w[l].
+  template <typename Hooks>
+  void forward_backward_hooked(float* const* w, float* const* b, float* const* gw, float* const* gb, const float* x,
+                               const float* y, Hooks& hooks) {
     const int L = layers_;
     const int n = static_cast<int>(batch_), W = static_cast<int>(width_);
     for (int l = 0; l < L; ++l) {
+      hooks.pre_forward(l);
       const float* in = l == 0 ? x : out(l - 1);
       float* o = out(l);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, W, W, 1.0f, in, W, w[l], W, 0.0f, o, W);
@@ -134,6 +155,7 @@ class Mlp {
           row[j] = (l < L - 1 && v < 0.0f) ? 0.0f : v;
         }
       }
+      hooks.post_forward(l);
     }
     const float scale = 2.0f / static_cast<float>(static_cast<int64_t>(n) * W);
     const float* pred = out(L - 1);
@@ -141,15 +163,20 @@ class Mlp {
     float* da = da_.data();
     for (size_t i = 0; i < static_cast<size_t>(n) * W; ++i) dz[i] = (pred[i] - y[i]) * scale;
     for (int l = L - 1; l >= 0; --l) {
+      hooks.pre_backward(l);
       const float* in = l == 0 ? x : out(l - 1);
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, W, W, n, 1.0f, dz, W, in, W, 0.0f, gw[l], W);
       std::fill(gb[l], gb[l] + W, 0.0f);
       for (int r = 0; r < n; ++r) {
         for (int j = 0; j < W; ++j) gb[l][j] += dz[static_cast<size_t>(r) * W + j];
       }
-      ready(l);
-      if (l == 0) break;
+      hooks.grads_done(l);
+      if (l == 0) {
+        hooks.layer_done(l);
+        break;
+      }
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, W, W, 1.0f, dz, W, w[l], W, 0.0f, da, W);
+      hooks.layer_done(l);
       for (size_t i = 0; i < static_cast<size_t>(n) * W; ++i) {
         if (in[i] <= 0.0f) da[i] = 0.0f;  // ReLU: `in` is its output
       }
@@ -314,6 +341,103 @@ int run(const Options& o) {
              mlp.forward_backward(w.data(), b.data(), gw.data(), gb.data(), x.data(), y.data(), no_marks);
              sgd(params.data(), grads.data(), nparams);
            }));
+  }
+
+  // fsdp: one dp_fsdp per layer, the host unsharding each layer before its
+  // forward and backward with the next one prefetched, resharding after its
+  // forward, post_backward once its backward is done, SGD on the shards.
+  // The initial weights are the host's (from_blob) and freed once sharded,
+  // as a host that loads a checkpoint would; the resident peak over the
+  // timed steps, less the resident size before the model, is what the
+  // sharded model costs this rank.
+  double fsdp_peak_mib = -1;
+  if (wants("fsdp")) {
+    const long rss_model = status_kib("VmRSS:");
+    std::vector<std::vector<float>> host_weights(static_cast<size_t>(2 * L));
+    dp_module* model = nullptr;
+    fail_on(dp_module_create(&model), "dp_module_create");
+    std::vector<dp_module*> layers(L);
+    uint64_t rng = 42;
+    for (int l = 0; l < L; ++l) {
+      std::vector<float>& wv = host_weights[2 * l];
+      std::vector<float>& bv = host_weights[2 * l + 1];
+      wv.resize(static_cast<size_t>(W * W));
+      bv.resize(static_cast<size_t>(W));
+      init_layer(&rng, wv.data(), bv.data(), W);
+      int64_t wshape[2] = {W, W};
+      dp_tensor *weight = nullptr, *bias = nullptr;
+      fail_on(dp_module_create(&layers[l]), "dp_module_create");
+      fail_on(
+          dp_tensor_from_blob(&weight, wv.data(), DP_FLOAT32, 2, wshape, dp_device{DP_DEVICE_CPU, 0}, nullptr, nullptr),
+          "dp_tensor_from_blob");
+      fail_on(dp_tensor_from_blob(&bias, bv.data(), DP_FLOAT32, 1, &W, dp_device{DP_DEVICE_CPU, 0}, nullptr, nullptr),
+              "dp_tensor_from_blob");
+      fail_on(dp_module_register_parameter(layers[l], "weight", weight, 1), "registering a weight");
+      fail_on(dp_module_register_parameter(layers[l], "bias", bias, 1), "registering a bias");
+      fail_on(dp_module_register_module(model, std::to_string(2 * l).c_str(), layers[l]), "registering a layer");
+      dp_tensor_destroy(weight);
+      dp_tensor_destroy(bias);
+    }
+    std::vector<dp_fsdp*> fsdp(L);
+    for (int l = 0; l < L; ++l) fail_on(dp_fsdp_create(&fsdp[l], layers[l], pg, nullptr), "dp_fsdp_create");
+    host_weights = {};  // the slots hold the shards now
+    std::vector<float*> w(L), b(L), gw(L), gb(L);
+    auto tensor_data = [](dp_tensor* t) {
+      auto* data = static_cast<float*>(dp_tensor_data(t));
+      dp_tensor_destroy(t);  // the module keeps it alive
+      return data;
+    };
+    auto fetch_full = [&](int l, bool grads) {
+      dp_tensor* t = nullptr;
+      fail_on(dp_module_get_parameter(layers[l], "weight", &t), "dp_module_get_parameter");
+      w[l] = tensor_data(t);
+      fail_on(dp_module_get_parameter(layers[l], "bias", &t), "dp_module_get_parameter");
+      b[l] = tensor_data(t);
+      if (!grads) return;
+      fail_on(dp_module_grad(layers[l], "weight", &t), "dp_module_grad");
+      gw[l] = tensor_data(t);
+      fail_on(dp_module_grad(layers[l], "bias", &t), "dp_module_grad");
+      gb[l] = tensor_data(t);
+    };
+    struct Hooks {
+      std::vector<dp_fsdp*>& fsdp;
+      std::function<void(int, bool)> fetch;
+      int layers;
+      void pre_forward(int l) {
+        fail_on(l == 0 ? dp_fsdp_unshard(fsdp[0], 0) : dp_fsdp_wait_unshard(fsdp[l]), "unshard");
+        if (l + 1 < layers) fail_on(dp_fsdp_unshard(fsdp[l + 1], 1), "prefetch");
+        fetch(l, false);
+      }
+      void post_forward(int l) { fail_on(dp_fsdp_reshard(fsdp[l]), "dp_fsdp_reshard"); }
+      void pre_backward(int l) {
+        fail_on(l == layers - 1 ? dp_fsdp_unshard(fsdp[l], 0) : dp_fsdp_wait_unshard(fsdp[l]), "unshard");
+        if (l > 0) fail_on(dp_fsdp_unshard(fsdp[l - 1], 1), "prefetch");
+        fetch(l, true);
+      }
+      void grads_done(int) {}
+      void layer_done(int l) { fail_on(dp_fsdp_post_backward(fsdp[l]), "dp_fsdp_post_backward"); }
+    } hooks{fsdp, fetch_full, L};
+    auto fsdp_step = [&](int) {
+      mlp.forward_backward_hooked(w.data(), b.data(), gw.data(), gb.data(), x.data(), y.data(), hooks);
+      for (int l = 0; l < L; ++l) {
+        fail_on(dp_fsdp_finish_backward(fsdp[l]), "dp_fsdp_finish_backward");
+        for (size_t i = 0; i < 2; ++i) {
+          dp_tensor *p = nullptr, *g = nullptr;
+          fail_on(dp_fsdp_shard(fsdp[l], i, &p), "dp_fsdp_shard");
+          fail_on(dp_fsdp_shard_grad(fsdp[l], i, &g), "dp_fsdp_shard_grad");
+          const int64_t count = dp_tensor_numel(p);
+          sgd(tensor_data(p), tensor_data(g), count);
+        }
+      }
+      fail_on(dp_module_zero_grad(model), "dp_module_zero_grad");
+    };
+    long hwm_fsdp = -1;
+    report("fsdp", measure(pg, o, fsdp_step, [&] { reset_peak(); }));
+    hwm_fsdp = status_kib("VmHWM:");
+    fsdp_peak_mib = static_cast<double>(hwm_fsdp - rss_model) / 1024.0;
+    for (dp_fsdp* f : fsdp) dp_fsdp_destroy(f);
+    for (dp_module* m : layers) dp_module_destroy(m);
+    dp_module_destroy(model);
   }
 
   // The DDP model: a dp_module whose parameters are library tensors; its
@@ -503,6 +627,20 @@ int run(const Options& o) {
       }
       std::printf("; rank 0's dp_ddp_join returned after %.2f ms\n", join_ms);
     }
+    const Timing* fsdp = find("fsdp");
+    if (fsdp_peak_mib >= 0) {
+      const double unsharded = static_cast<double>(nparams) * 2 * 4 / 1048576.0;
+      std::printf(
+          "# fsdp memory: %.1f MiB of parameters+gradients per rank vs %.1f MiB unsharded (ratio %.2f): rank 0's "
+          "resident peak over the timed fsdp steps less its resident size before the model (DP_CACHE_LIMIT_MB=%s), "
+          "against the unsharded parameters and gradients\n",
+          fsdp_peak_mib, unsharded, fsdp_peak_mib / unsharded,
+          std::getenv("DP_CACHE_LIMIT_MB") != nullptr ? std::getenv("DP_CACHE_LIMIT_MB") : "default");
+    }
+    if (fsdp != nullptr && ddp != nullptr) {
+      std::printf("# fsdp step: %.2f ms vs ddp %.2f ms (ratio %.2f)\n", fsdp->median * 1e3, ddp->median * 1e3,
+                  fsdp->median / ddp->median);
+    }
     if (hidden_share >= 0) {
       std::printf(
           "# reducer (dp_ddp_last_stats, mean over the timed ddp steps, rank 0): reductions %.2f ms, %.2f ms of it "
@@ -537,6 +675,8 @@ int run(const Options& o) {
 
 int dp_perf_ddp_main(int argc, char** argv) {
   Options o;
+  // dp-perf fsdp: the same model sharded, beside the local and ddp steps.
+  if (argc > 0 && std::string(argv[0]) == "fsdp") o.modes = {"local", "fsdp", "ddp"};
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
@@ -576,13 +716,13 @@ int dp_perf_ddp_main(int argc, char** argv) {
         std::stringstream list(v);
         for (std::string mode; std::getline(list, mode, ',');) {
           if (mode != "local" && mode != "ddp_no_sync" && mode != "ddp" && mode != "allreduce_only" &&
-              mode != "ddp_join") {
-            perf::bad_value(a, v, "a comma-separated list of local, ddp_no_sync, ddp, allreduce_only, ddp_join");
+              mode != "ddp_join" && mode != "fsdp") {
+            perf::bad_value(a, v, "a comma-separated list of local, ddp_no_sync, ddp, allreduce_only, ddp_join, fsdp");
           }
           o.modes.push_back(mode);
         }
         if (o.modes.empty()) {
-          perf::bad_value(a, v, "a comma-separated list of local, ddp_no_sync, ddp, allreduce_only, ddp_join");
+          perf::bad_value(a, v, "a comma-separated list of local, ddp_no_sync, ddp, allreduce_only, ddp_join, fsdp");
         }
       } else {
         throw perf::UsageError("unknown option " + a);
@@ -603,7 +743,8 @@ int dp_perf_ddp_main(int argc, char** argv) {
                  "usage: dp-run -n 2 dp-perf ddp [--layers 10] [--width 1024] [--batch 32] [--steps 41] [--warmup 5]\n"
                  "       [--bucket-cap-mb 25] [--first-bucket-cap-mb 1] [--grad-as-bucket-view]\n"
                  "       [--optim-in-backward] [--static-graph]\n"
-                 "       [--modes local,ddp_no_sync,ddp,allreduce_only,ddp_join]\n");
+                 "       [--modes local,ddp_no_sync,ddp,allreduce_only,ddp_join,fsdp]\n"
+                 "usage: dp-run -n 2 dp-perf fsdp [the same options]: --modes local,fsdp,ddp\n");
     return 2;
   }
   try {

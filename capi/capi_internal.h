@@ -114,6 +114,19 @@ void options_init(Options* opts, size_t struct_size, const Options& defaults) {
   std::memcpy(bytes, &struct_size, sizeof(size_t));
 }
 
+// The caller's options as far as its struct goes (its struct_size, from an
+// older or newer header), `defaults` past them.
+template <typename Options>
+Options read_options(const Options* opts, const Options& defaults, const char* init_macro) {
+  Options o = defaults;
+  if (opts == nullptr) return o;
+  if (opts->struct_size < sizeof(size_t)) {
+    fail_invalid("argument 'opts' has struct_size ", opts->struct_size, "; initialise it with ", init_macro);
+  }
+  std::memcpy(&o, opts, std::min(opts->struct_size, sizeof(o)));
+  return o;
+}
+
 // The devices a call touches, for its StreamOrder: the tensors', then `more`.
 std::vector<Device> devices_of(const std::vector<Tensor>& tensors, const std::vector<Device>& more = {});
 // The devices of a module's parameters and buffers, then `more`.

@@ -67,13 +67,8 @@ std::vector<std::string> names_arg(const char* const* names, size_t count, const
 }
 
 ddp::ReducerOptions options_arg(const dp_ddp_options* opts, const std::shared_ptr<dist::ProcessGroup>& group) {
-  dp_ddp_options o = DP_DDP_OPTIONS_INIT;
-  if (opts != nullptr) {
-    if (opts->struct_size < sizeof(size_t)) {
-      fail_invalid("argument 'opts' has struct_size ", opts->struct_size, "; initialise it with DP_DDP_OPTIONS_INIT");
-    }
-    std::memcpy(&o, opts, std::min(opts->struct_size, sizeof(o)));
-  }
+  static const dp_ddp_options kDefaults = DP_DDP_OPTIONS_INIT;
+  const dp_ddp_options o = capi::read_options(opts, kDefaults, "DP_DDP_OPTIONS_INIT");
   ddp::ReducerOptions options;
   options.bucket_cap_bytes = cap_arg(o.bucket_cap_mb, "opts->bucket_cap_mb");
   options.first_bucket_cap_bytes = cap_arg(o.first_bucket_cap_mb, "opts->first_bucket_cap_mb");

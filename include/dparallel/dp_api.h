@@ -23,6 +23,7 @@
 #include "dparallel/dp_ddp.h"
 #include "dparallel/dp_dist.h"
 #include "dparallel/dp_dlpack.h"
+#include "dparallel/dp_fsdp.h"
 #include "dparallel/dp_module.h"
 #include "dparallel/dp_parallel.h"
 #include "dparallel/dp_replicate.h"
@@ -34,7 +35,7 @@ extern "C" {
 #endif
 
 /* abi_minor of the table this header describes. */
-#define DP_API_MINOR 6
+#define DP_API_MINOR 7
 
 /* Every slot of the table, in table order: X(return type, name, (parameters))
  * for the entry point dp_<name>. The struct below and the library's table are
@@ -183,7 +184,21 @@ extern "C" {
   /* ---- abi_minor 6: DDP beyond PyTorch's (dp_ddp.h; options fields appended too) ---- */                         \
   X(dp_status, ddp_parameter_used, (const dp_ddp *ddp, size_t param_index, int *out))                                   \
   X(dp_status, ddp_bucket_plan, (const dp_ddp *ddp, char *buf, size_t cap, size_t *len))                               \
-  X(dp_status, ddp_join, (dp_ddp *const *ddps, size_t n))
+  X(dp_status, ddp_join, (dp_ddp *const *ddps, size_t n))                                                               \
+  /* ---- abi_minor 7: fully_shard (dp_fsdp.h) ---- */                                                                  \
+  X(dp_status, fsdp_options_init, (dp_fsdp_options *opts, size_t struct_size))                                          \
+  X(dp_status, fsdp_create, (dp_fsdp **out, dp_module *module, dp_process_group *pg, const dp_fsdp_options *opts))      \
+  X(dp_status, fsdp_unshard, (dp_fsdp *fsdp, int async))                                                                \
+  X(dp_status, fsdp_wait_unshard, (dp_fsdp *fsdp))                                                                      \
+  X(dp_status, fsdp_reshard, (dp_fsdp *fsdp))                                                                           \
+  X(dp_status, fsdp_post_backward, (dp_fsdp *fsdp))                                                                     \
+  X(dp_status, fsdp_finish_backward, (dp_fsdp *fsdp))                                                                   \
+  X(dp_status, fsdp_set_requires_gradient_sync, (dp_fsdp *fsdp, int requires_sync))                                     \
+  X(size_t, fsdp_num_parameters, (const dp_fsdp *fsdp))                                                                 \
+  X(dp_status, fsdp_parameter_name, (const dp_fsdp *fsdp, size_t index, const char **out))                              \
+  X(dp_status, fsdp_shard, (const dp_fsdp *fsdp, size_t index, dp_tensor **out))                                        \
+  X(dp_status, fsdp_shard_grad, (const dp_fsdp *fsdp, size_t index, dp_tensor **out))                                   \
+  X(void, fsdp_destroy, (dp_fsdp *fsdp))
 /* clang-format on */
 
 /* A type, a name and a parameter list cannot be parenthesised. */

@@ -8,6 +8,7 @@
 #include "dparallel/dp_ddp.h"
 #include "dparallel/dp_dist.h"
 #include "dparallel/dp_dlpack.h"
+#include "dparallel/dp_fsdp.h"
 #include "dparallel/dp_module.h"
 #include "dparallel/dp_parallel.h"
 #include "dparallel/dp_replicate.h"

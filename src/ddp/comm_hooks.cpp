@@ -31,8 +31,13 @@ void store_floats(DType dtype, void* out, size_t n, Load load) {
   }
 }
 
-// dst = src converted (same element count, floating dtypes, same device).
+}  // namespace
+
 void cast_into(const Tensor& dst, const Tensor& src) {
+  if (dst.dtype() == src.dtype()) {
+    copy_tensor(dst, src);
+    return;
+  }
   size_t n = static_cast<size_t>(src.numel());
   if (dst.device().type == DeviceType::kCuda) {
     cuda::cast(dst.device().index, dst.dtype(), dst.data(), src.dtype(), src.data(), n);
@@ -56,8 +61,6 @@ void cast_into(const Tensor& dst, const Tensor& src) {
       fail(StatusCode::kInternal, "cast from ", dtype_name(src.dtype()));
   }
 }
-
-}  // namespace
 
 void divide_tensor(const Tensor& t, int64_t divisor) {
   if (divisor == 1) return;

@@ -6,7 +6,6 @@
 #include "core/error.h"
 #include "core/thread_pool.h"
 #include "ddp/host_values.h"
-#include "ddp/reducer.h"
 
 namespace dparallel::ddp {
 
@@ -149,7 +148,7 @@ class CommLane::Gate : public dist::CallGate {
     std::lock_guard<std::mutex> lock(state_->mutex);
     for (const auto& [owner, entry] : state_->owners) {
       if (!entry.in_backward && entry.jobs.empty()) continue;
-      return str_cat("dp_ddp #", entry.id,
+      return str_cat(entry.kind, " #", entry.id,
                      " on this group is in a backward (from its first mark to the end of dp_ddp_finish_backward) "
                      "or has collectives queued; a collective of the host's now would pair with a dp_ddp's on some "
                      "rank: make it before the first mark or after every dp_ddp_finish_backward");
@@ -244,7 +243,7 @@ bool CommLane::issue_shadow_jobs_locked(State& state, const std::vector<std::vec
     }
     if (!seen) continue;
     Job job;
-    job.reducer = entry.joined;
+    job.owner = entry.joined;
     job.spec = next;
     job.number = entry.issued++;
     entry.jobs.push_back(std::move(job));
@@ -253,7 +252,7 @@ bool CommLane::issue_shadow_jobs_locked(State& state, const std::vector<std::vec
   return issued;
 }
 
-void CommLane::join(const std::vector<std::shared_ptr<Reducer>>& owners, Clock::duration bound) {
+void CommLane::join(const std::vector<std::shared_ptr<LaneOwner>>& owners, Clock::duration bound) {
   std::unique_lock<std::mutex> lock(state_->mutex);
   if (!state_->stuck.empty()) fail(StatusCode::kState, "dp_ddp_join: ", state_->stuck);
   for (const auto& owner : owners) {
@@ -290,15 +289,33 @@ void CommLane::join(const std::vector<std::shared_ptr<Reducer>>& owners, Clock::
   if (!state_->stuck.empty()) fail(state_->stuck_code, "dp_ddp_join: ", state_->stuck);
 }
 
-void CommLane::set_in_backward(const Reducer* owner, bool in_backward) {
+std::string CommLane::ranks_missing_next_job(const LaneOwner* owner) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  auto it = state_->owners.find(owner);
+  if (it == state_->owners.end() || it->second.jobs.empty()) return "";
+  const Owner& entry = it->second;
+  std::string missing;
+  for (size_t r = 0; r < state_->last_counts.size(); ++r) {
+    const std::vector<int64_t>& v = state_->last_counts[r];
+    bool issued = false;
+    for (size_t i = 0; !v.empty() && i < static_cast<size_t>(v[0]); ++i) {
+      if (field(v, i, 0) == entry.id && field(v, i, 1) > entry.executed) issued = true;
+    }
+    if (!issued) missing += str_cat(missing.empty() ? "" : ", ", r);
+  }
+  return missing;
+}
+
+void CommLane::set_in_backward(const LaneOwner* owner, bool in_backward) {
   std::lock_guard<std::mutex> lock(state_->mutex);
   auto it = state_->owners.find(owner);
   if (it != state_->owners.end()) it->second.in_backward = in_backward;
 }
 
-uint32_t CommLane::attach(const Reducer* owner) {
+uint32_t CommLane::attach(const LaneOwner* owner) {
   std::lock_guard<std::mutex> lock(state_->mutex);
   Owner& entry = state_->owners[owner];
+  entry.kind = owner->owner_kind();
   entry.id = state_->counters->next_owner++;
   return entry.id;
 }
@@ -307,7 +324,7 @@ void CommLane::Job::execute() {
   if (run) {
     run();
   } else {
-    result = reducer->run_job(spec);
+    result = owner->run_job(spec);
   }
 }
 
@@ -315,15 +332,15 @@ void CommLane::Job::publish() {
   if (complete) {
     complete();
   } else {
-    reducer->complete_job(spec, std::move(result));
+    owner->complete_job(spec, std::move(result));
   }
 }
 
 void CommLane::Job::drop_unrun(StatusCode code, const std::string& why) {
   if (drop) {
     drop(code, why);
-  } else if (reducer) {
-    reducer->drop_job(spec, code, why);
+  } else if (owner) {
+    owner->drop_job(spec, code, why);
   }
 }
 
@@ -332,13 +349,13 @@ std::string CommLane::job_name(const Job& job) {
   return job.spec.refusal.empty() ? name : name + " (refused)";
 }
 
-bool CommLane::push(const std::shared_ptr<Reducer>& owner, JobSpec spec) {
+bool CommLane::push(const std::shared_ptr<LaneOwner>& owner, JobSpec spec) {
   std::lock_guard<std::mutex> lock(state_->mutex);
   if (!state_->stuck.empty()) return false;
   auto it = state_->owners.find(owner.get());
-  if (it == state_->owners.end()) fail(StatusCode::kInternal, "a job of a dp_ddp that is not on the lane");
+  if (it == state_->owners.end()) fail(StatusCode::kInternal, "a job of an owner that is not on the lane");
   Job job;
-  job.reducer = owner;
+  job.owner = owner;
   job.spec = std::move(spec);
   job.number = it->second.issued++;
   it->second.jobs.push_back(std::move(job));
@@ -347,7 +364,8 @@ bool CommLane::push(const std::shared_ptr<Reducer>& owner, JobSpec spec) {
   return true;
 }
 
-void CommLane::call(const Reducer* owner, const JobSpec& spec, const std::function<void()>& fn, Clock::duration bound) {
+void CommLane::call(const LaneOwner* owner, const JobSpec& spec, const std::function<void()>& fn,
+                    Clock::duration bound) {
   const std::string what = dist::call_item_name(spec.item, static_cast<uint32_t>(spec.index));
   struct Outcome {
     bool started = false;
@@ -364,7 +382,7 @@ void CommLane::call(const Reducer* owner, const JobSpec& spec, const std::functi
   std::unique_lock<std::mutex> lock(state.mutex);
   if (!state.stuck.empty()) fail(StatusCode::kState, what, ": ", state.stuck);
   auto it = state.owners.find(owner);
-  if (it == state.owners.end()) fail(StatusCode::kInternal, what, ": its dp_ddp is not on the lane");
+  if (it == state.owners.end()) fail(StatusCode::kInternal, what, ": its owner is not on the lane");
   // `fn` is the caller's, alive until this returns: the job runs it only
   // if it starts before the caller gives up, and the caller then waits.
   Job job;
@@ -441,13 +459,13 @@ void CommLane::give_up(const std::string& why) {
     if (state_->running == nullptr && state_->stuck.empty()) return;
     dropped = stick_locked(*state_, str_cat("the process group's comm lane is stuck for good: ", state_->running_name,
                                             " has run for ", millis(Clock::now() - state_->running_since), " ms (", why,
-                                            "); destroy the dp_ddp on it and make a new group"));
+                                            "); destroy the dp_ddp and dp_fsdp on it and make a new group"));
     reason = state_->stuck;
   }
   drop_all(dropped, StatusCode::kState, reason);
 }
 
-bool CommLane::detach(const Reducer* owner, Clock::duration bound) {
+bool CommLane::detach(const LaneOwner* owner, Clock::duration bound) {
   std::deque<Job> dropped;
   std::string reason;
   bool ended = true;
@@ -466,9 +484,10 @@ bool CommLane::detach(const Reducer* owner, Clock::duration bound) {
       if (!ended && state_->running == owner) {
         std::deque<Job> rest = stick_locked(
             *state_,
-            str_cat("the process group's comm lane is stuck for good: ", state_->running_name, " has run for ",
-                    millis(Clock::now() - state_->running_since),
-                    " ms (its dp_ddp was destroyed meanwhile); destroy the dp_ddp on it and make a new group"));
+            str_cat(
+                "the process group's comm lane is stuck for good: ", state_->running_name, " has run for ",
+                millis(Clock::now() - state_->running_since),
+                " ms (its dp_ddp was destroyed meanwhile); destroy the dp_ddp and dp_fsdp on it and make a new group"));
         for (Job& job : rest) dropped.push_back(std::move(job));
         reason = state_->stuck;
       } else {
@@ -525,7 +544,7 @@ bool CommLane::run_round(State& state, std::unique_lock<std::mutex>& lock) {
     std::deque<Job> dropped =
         stick_locked(state,
                      str_cat("the process group's comm lane stopped: its agreement round #", round,
-                             " failed: ", failure, "; destroy the dp_ddp on it and make a new group"),
+                             " failed: ", failure, "; destroy the dp_ddp and dp_fsdp on it and make a new group"),
                      code);
     std::string reason = state.stuck;
     lock.unlock();
@@ -533,6 +552,7 @@ bool CommLane::run_round(State& state, std::unique_lock<std::mutex>& lock) {
     lock.lock();
     return false;
   }
+  state.last_counts = counts;
   // Issuing a shadow job counts as progress: the next round runs it.
   bool ran = issue_shadow_jobs_locked(state, counts);
   // Every rank runs the same jobs in the same order: by owner, then number.
@@ -553,7 +573,7 @@ bool CommLane::run_round(State& state, std::unique_lock<std::mutex>& lock) {
       lock.unlock();
       {
         dist::CallTagScope scope(tag_of(id, job.number, job.spec));
-        if (job.reducer) job.reducer->set_active_ranks(active);
+        if (job.owner) job.owner->set_active_ranks(active);
         job.execute();
       }
       lock.lock();

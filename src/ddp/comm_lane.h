@@ -1,5 +1,5 @@
-// The one thread that runs every collective of every dp_ddp on a process
-// group, in an order all ranks agree on whatever order their hosts mark,
+// The one thread that runs every collective of every dp_ddp and dp_fsdp on
+// a process group, in an order all ranks agree on whatever order their hosts mark,
 // finish or use threads in.
 //
 // Each dp_ddp (an owner) issues its jobs in its own sequence, the same on
@@ -30,9 +30,6 @@
 
 namespace dparallel::ddp {
 
-class Reducer;
-
-// What a reducer's job does (the lane runs it through Reducer::run_job).
 // How a job ended: handed to its reducer once the lane is free again, so
 // that whoever waits for it may use the group as soon as it wakes.
 struct JobResult {
@@ -47,6 +44,22 @@ struct JobSpec {
   std::string refusal;  // nonempty: the job stands in for its collectives and fails them on every rank
   uint32_t iteration = 0;
   bool shadow = false;  // a joined rank's stand-in for the other ranks' job: zeros, nothing kept
+};
+
+// What issues jobs on a lane: a dp_ddp's reducer, a dp_fsdp's sharding.
+class LaneOwner {
+ public:
+  virtual ~LaneOwner() = default;
+  // For messages: "dp_ddp" or "dp_fsdp".
+  virtual const char* owner_kind() const = 0;
+  // On the lane's worker: one job (or, with a refusal, its refusal).
+  virtual JobResult run_job(const JobSpec& spec) = 0;
+  // Once the lane is free again: how the job ended.
+  virtual void complete_job(const JobSpec& spec, JobResult result) = 0;
+  // The lane dropped a job unrun: it fails with `why`.
+  virtual void drop_job(const JobSpec& spec, StatusCode code, const std::string& why) = 0;
+  // The ranks still active (not joined) for the job about to run.
+  virtual void set_active_ranks(int32_t active) { (void)active; }
 };
 
 class CommLane {
@@ -71,39 +84,43 @@ class CommLane {
 
   // A new owner's number on the lane: the order of creation on this rank,
   // which must be the same on every rank.
-  uint32_t attach(const Reducer* owner);
+  uint32_t attach(const LaneOwner* owner);
   // Issues the owner's next job; it runs once every rank issued it. False
   // when the lane is stuck (stuck_reason()): nothing was issued.
-  bool push(const std::shared_ptr<Reducer>& owner, JobSpec spec);
+  bool push(const std::shared_ptr<LaneOwner>& owner, JobSpec spec);
   // Issues `fn` as the owner's next job and returns once it ran, rethrowing
   // what it threw. When it has not started within `bound` (a job before it
   // never ends, or the other ranks never issue theirs), kTimeout naming
   // it; on a stuck lane, kState at once.
-  void call(const Reducer* owner, const JobSpec& spec, const std::function<void()>& fn, Clock::duration bound);
+  void call(const LaneOwner* owner, const JobSpec& spec, const std::function<void()>& fn, Clock::duration bound);
   // Drops the owner's queued jobs and waits up to `bound` for its running
   // one to end, then forgets the owner. False when the job did not end: the
   // lane is then stuck for good.
-  bool detach(const Reducer* owner, Clock::duration bound);
+  bool detach(const LaneOwner* owner, Clock::duration bound);
   // A reducer gave up waiting for its jobs: when one is running, the lane
   // is stuck for good (`why` and the running job in the reason), and every
   // queued job is dropped with that reason.
   void give_up(const std::string& why);
   bool on_worker() const { return std::this_thread::get_id() == worker_id_; }
+  // The owner's next job (its number) to run, and "ranks 1, 2" that had not
+  // issued it in the last agreement round ("" when every rank had, or no
+  // round ran since it was issued): for the message of a wait that gave up.
+  std::string ranks_missing_next_job(const LaneOwner* owner);
   std::string stuck_reason();
   // What a job of a stuck lane fails with: the failed round's code, else kState.
   StatusCode stuck_code();
   // The owner's backward is in flight (from its first mark to the end of
   // its finish): the host's own calls on the group are refused meanwhile.
-  void set_in_backward(const Reducer* owner, bool in_backward);
+  void set_in_backward(const LaneOwner* owner, bool in_backward);
   // dp_ddp_join: from now on this rank shadows the other ranks' jobs of
   // `owner` (issuing each as the round says they issued it) until a round
   // shows every rank joined with nothing pending; returns then. kTimeout
   // when no round came within `bound` of the last; kState on a stuck lane.
-  void join(const std::vector<std::shared_ptr<Reducer>>& owners, Clock::duration bound);
+  void join(const std::vector<std::shared_ptr<LaneOwner>>& owners, Clock::duration bound);
 
  private:
   struct Job {
-    std::shared_ptr<Reducer> reducer;  // bucket and side jobs: kept alive until run
+    std::shared_ptr<LaneOwner> owner;  // push()ed jobs: kept alive until run
     JobSpec spec;
     uint32_t number = 0;                                       // the owner's job number
     std::function<void()> run;                                 // call()
@@ -116,12 +133,13 @@ class CommLane {
   };
   struct Owner {
     uint32_t id = 0;
+    const char* kind = "dp_ddp";
     bool in_backward = false;
-    std::shared_ptr<Reducer> joined;  // set while shadowing (dp_ddp_join)
-    bool join_done = false;           // a round showed every rank joined
-    uint32_t issued = 0;              // jobs issued on this rank
-    uint32_t executed = 0;            // jobs run (or dropped) in agreement with every rank
-    std::deque<Job> jobs;             // issued, not yet run: job numbers executed, executed + 1, ...
+    std::shared_ptr<LaneOwner> joined;  // set while shadowing (dp_ddp_join)
+    bool join_done = false;             // a round showed every rank joined
+    uint32_t issued = 0;                // jobs issued on this rank
+    uint32_t executed = 0;              // jobs run (or dropped) in agreement with every rank
+    std::deque<Job> jobs;               // issued, not yet run: job numbers executed, executed + 1, ...
   };
   // What the worker thread shares with the lane: it outlives the lane when
   // the worker is stuck in a job that never returns.
@@ -132,15 +150,16 @@ class CommLane {
     std::shared_ptr<Counters> counters;
     std::mutex mutex;
     std::condition_variable cv;
-    std::map<const Reducer*, Owner> owners;
+    std::map<const LaneOwner*, Owner> owners;
     uint64_t pushes = 0;  // grows with every job issued: the worker waits for it to change
-    const Reducer* running = nullptr;
+    const LaneOwner* running = nullptr;
     // The owner whose job the worker holds (running it, or publishing its
     // outcome): its reducer must not be released on the worker's thread.
-    const Reducer* holding = nullptr;
+    const LaneOwner* holding = nullptr;
     std::string running_name;
     Clock::time_point running_since;
-    std::string stuck;  // why the lane stopped for good
+    std::vector<std::vector<int64_t>> last_counts;  // the last round's reports, per rank
+    std::string stuck;                              // why the lane stopped for good
     StatusCode stuck_code = StatusCode::kState;
     bool stopping = false;
   };

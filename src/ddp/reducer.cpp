@@ -553,7 +553,7 @@ void Reducer::join(const std::vector<std::shared_ptr<Reducer>>& reducers) {
     }
     if (r->lane_ != lane) fail_invalid("argument 'ddps': the dp_ddp are on different process groups");
   }
-  lane->join(reducers, reducers.front()->lane_bound());
+  lane->join(std::vector<std::shared_ptr<LaneOwner>>(reducers.begin(), reducers.end()), reducers.front()->lane_bound());
   for (const auto& r : reducers) {
     r->on_lane(CallItem::kJoinSync, [&] { r->sync_after_join(); });
   }

@@ -70,13 +70,13 @@ enum class DebugLevel { kOff, kInfo, kDetail };
 constexpr size_t kBucketAlign = 64;
 inline size_t align_bucket(size_t bytes) { return (bytes + kBucketAlign - 1) / kBucketAlign * kBucketAlign; }
 
-class Reducer : public std::enable_shared_from_this<Reducer> {
+class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
  public:
   using Clock = std::chrono::steady_clock;
 
   // Collective when init_sync is set: every rank must call it.
   Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGroup> group, ReducerOptions options);
-  ~Reducer();
+  ~Reducer() override;
   // Stops for good: drops its queued reductions and waits, bounded by the
   // group's timeout, for its running one (a comm hook that never returns
   // is left running; the job keeps the reducer alive until it does).
@@ -101,8 +101,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // on every rank): shadows the other ranks' jobs until every rank joined,
   // then every rank takes the parameters and buffers of the last to join.
   static void join(const std::vector<std::shared_ptr<Reducer>>& reducers);
+  // Whether a live reducer manages `parameter`.
+  static bool is_managed(const Parameter* parameter);
   // The ranks still active for the job about to run (the lane sets it).
-  void set_active_ranks(int32_t active) { active_ranks_.store(active); }
+  void set_active_ranks(int32_t active) override { active_ranks_.store(active); }
+  const char* owner_kind() const override { return "dp_ddp"; }
   // The current plan as text (plan_text.h).
   std::string plan_text() const;
   // Whether any rank used parameter `index` in the last synced iteration
@@ -201,7 +204,6 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // rank's own values (and `saved_views`, unused views' own values).
   void restore_local_locked(const std::map<size_t, Tensor>& saved_views);
 
-  void check_agreement(const std::vector<std::string>& description);
   void broadcast_state(const std::vector<std::pair<std::string, Tensor>>& tensors, int32_t root = 0);
   // A joined rank's part in another rank's job: zeros, nothing kept.
   void run_shadow(const JobSpec& spec);
@@ -224,12 +226,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // The used map and the ready order, once every bucket is issued and the
   // marks are final (all marked, or the host finished).
   void issue_tail_locked(const std::string& refusal);
-  // On the lane's worker: one job (or, with a refusal, its refusal).
-  JobResult run_job(const JobSpec& spec);
-  void complete_job(const JobSpec& spec, JobResult result);
+  // LaneOwner: a job of this iteration (or, with a refusal, its refusal).
+  JobResult run_job(const JobSpec& spec) override;
+  void complete_job(const JobSpec& spec, JobResult result) override;
   JobState& job_state(const JobSpec& spec);
-  // The lane dropped a job unrun: it fails with `why`.
-  void drop_job(const JobSpec& spec, StatusCode code, const std::string& why);
+  void drop_job(const JobSpec& spec, StatusCode code, const std::string& why) override;
   void fail_job_locked(JobState& state, StatusCode code, const std::string& why);
   void run_bucket(size_t index);
   // Calls on_bucket_reduced for bucket `index` (no lock held); a non-zero

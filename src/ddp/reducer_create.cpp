@@ -10,6 +10,7 @@
 
 #include "comm/comm.h"
 #include "core/error.h"
+#include "ddp/agreement.h"
 #include "ddp/host_values.h"
 #include "ddp/reducer.h"
 
@@ -29,18 +30,8 @@ std::set<const Parameter*>& managed_set() {
   return managed;
 }
 
-// Tensors exchanged for agreement checks are this big at most per chunk.
-constexpr size_t kStateBroadcastChunk = 64u << 20;
-
 bool is_floating(DType dtype) {
   return dtype == DType::kFloat32 || dtype == DType::kFloat64 || dtype == DType::kFloat16 || dtype == DType::kBFloat16;
-}
-
-std::vector<std::string> split_lines(const std::string& text) {
-  std::vector<std::string> lines;
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) lines.push_back(line);
-  return lines;
 }
 
 bool starts_with(const std::string& s, const std::string& prefix) { return s.compare(0, prefix.size(), prefix) == 0; }
@@ -60,14 +51,14 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
     if (options_.init_sync) {
       std::vector<std::string> description = describe_for_agreement(setup);
       on_lane(CallItem::kCreate, [&] {
-        check_agreement(description);
+        check_agreement(*group_, description);
         broadcast_state(setup.state);
         create_bucket_region();
       });
     } else if (!given_plan_.empty()) {
       // Ranks given different plans would pair unlike buckets.
       std::vector<std::string> description = split_lines(format_plan(plan_params(), given_plan_));
-      on_lane(CallItem::kCreate, [&] { check_agreement(description); });
+      on_lane(CallItem::kCreate, [&] { check_agreement(*group_, description); });
     }
     in_place_ = group_->device().type == DeviceType::kCpu && options_.hook == HookKind::kAllReduce &&
                 !options_.gradient_as_bucket_view && !options_.find_unused_parameters;
@@ -139,7 +130,8 @@ Reducer::Setup Reducer::collect_managed() {
     };
     for (const NamedParameter& np : module_->named_parameters()) {
       const std::string& name = *np.name;
-      if (!np.parameter || ignored(name) || ignored_params.count(name) != 0) continue;
+      // A dp_fsdp's parameters are its own (replicate over fully_shard).
+      if (!np.parameter || ignored(name) || ignored_params.count(name) != 0 || np.parameter->sharding()) continue;
       const Tensor& value = np.parameter->value();
       setup.state.emplace_back(name, value);
       if (!np.parameter->requires_grad()) continue;
@@ -201,6 +193,11 @@ void Reducer::check_no_overlap() const {
   }
 }
 
+bool Reducer::is_managed(const Parameter* parameter) {
+  std::lock_guard<std::mutex> lock(managed_mutex());
+  return managed_set().count(parameter) != 0;
+}
+
 void Reducer::register_managed() {
   std::lock_guard<std::mutex> lock(managed_mutex());
   for (const Managed& m : params_) {
@@ -246,48 +243,6 @@ std::vector<std::string> Reducer::describe_for_agreement(const Setup& setup) con
   return description;
 }
 
-// Every rank all-gathers every rank's description and reports the same first
-// difference from rank 0 (or the lowest rank's own error).
-void Reducer::check_agreement(const std::vector<std::string>& description) {
-  const Device device = group_->device();
-  const int32_t world = group_->size();
-  std::string mine;
-  for (const auto& line : description) mine += line + "\n";
-  std::vector<Tensor> lengths = gather_outputs(world, DType::kInt64, 1, device);
-  group_->all_gather(to_device(host_int64({static_cast<int64_t>(mine.size())}), device), lengths, false);
-  size_t longest = 0;
-  std::vector<size_t> sizes;
-  for (const Tensor& t : lengths) {
-    int64_t n = read_int64(t).at(0);
-    if (n < 0 || n > (int64_t(1) << 31)) fail(StatusCode::kRemote, "a rank sent a malformed description");
-    sizes.push_back(static_cast<size_t>(n));
-    longest = std::max(longest, static_cast<size_t>(n));
-  }
-  Tensor padded = Tensor::zeros(DType::kUInt8, {static_cast<int64_t>(longest)}, kHostDevice);
-  std::memcpy(padded.data(), mine.data(), mine.size());
-  std::vector<Tensor> all = gather_outputs(world, DType::kUInt8, static_cast<int64_t>(longest), device);
-  group_->all_gather(to_device(padded, device), all, false);
-  std::vector<std::vector<std::string>> lines;
-  for (int32_t r = 0; r < world; ++r) {
-    Tensor host = to_device(all[r], kHostDevice);
-    lines.push_back(split_lines(std::string(static_cast<const char*>(host.data()), sizes[r])));
-  }
-  for (int32_t r = 0; r < world; ++r) {
-    if (!lines[r].empty() && starts_with(lines[r][0], "error ")) {
-      fail_invalid("rank ", r, " refused: ", lines[r][0].substr(6));
-    }
-  }
-  for (int32_t r = 1; r < world; ++r) {
-    size_t n = std::max(lines[r].size(), lines[0].size());
-    for (size_t i = 0; i < n; ++i) {
-      std::string theirs = i < lines[r].size() ? lines[r][i] : "(nothing more)";
-      std::string first = i < lines[0].size() ? lines[0][i] : "(nothing more)";
-      if (theirs == first) continue;
-      fail_invalid("rank ", r, " disagrees with rank 0: rank ", r, " has ", theirs, " but rank 0 has ", first);
-    }
-  }
-}
-
 void Reducer::create_bucket_region() {
   if (!options_.gradient_as_bucket_view || group_->device().type != DeviceType::kCpu || group_->size() == 1 ||
       std::string(group_->backend_name()) != "shm") {
@@ -313,24 +268,11 @@ void Reducer::create_bucket_region() {
   }
 }
 
-// Broadcasts `tensors` from `root`, coalesced per dtype.
 void Reducer::broadcast_state(const std::vector<std::pair<std::string, Tensor>>& tensors, int32_t root) {
-  if (tensors.empty() || group_->size() == 1) return;
   std::vector<Tensor> list;
   list.reserve(tensors.size());
   for (const auto& t : tensors) list.push_back(t.second);
-  const Device device = group_->device();
-  for (const auto& chunk : comm::take_tensors(list, kStateBroadcastChunk)) {
-    std::vector<Tensor> pieces;
-    pieces.reserve(chunk.size());
-    for (size_t i : chunk) pieces.push_back(list[i]);
-    int64_t numel = comm::total_numel(pieces);
-    if (numel == 0) continue;
-    Tensor flat = Tensor::empty(pieces.front().dtype(), {numel}, device);
-    comm::flatten_into(flat, pieces);
-    group_->broadcast(flat, root, false);
-    if (group_->rank() != root) comm::unflatten_into(pieces, flat);
-  }
+  broadcast_tensors(*group_, list, root);
 }
 
 }  // namespace dparallel::ddp

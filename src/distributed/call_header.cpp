@@ -69,6 +69,14 @@ std::string call_item_name(CallItem item, uint32_t index) {
       return "dp_ddp_create's agreement check and broadcast";
     case CallItem::kJoinSync:
       return "dp_ddp_join's broadcast of the last rank's state";
+    case CallItem::kFsdpCreate:
+      return "dp_fsdp_create's agreement check and broadcast";
+    case CallItem::kUnshard:
+      return "the unshard's all_gather";
+    case CallItem::kPostBackward:
+      return "the post-backward reduce_scatter";
+    case CallItem::kGatherValues:
+      return "the full parameters' all_gather";
     case CallItem::kNone:
       break;
   }
@@ -78,9 +86,9 @@ std::string call_item_name(CallItem item, uint32_t index) {
 std::string describe_call_tag(const CallTag& tag) {
   if (tag.owner == 0) return "the host's own call";
   if (tag.owner == kLaneRoundOwner) return str_cat("the DDP lane's agreement round #", tag.job);
-  return str_cat("dp_ddp #", tag.owner - 1, "'s job #", tag.job, " (",
-                 call_item_name(static_cast<CallItem>(tag.item >> 24), tag.item & 0xffffffu), ", iteration ",
-                 tag.iteration, ")");
+  const auto item = static_cast<CallItem>(tag.item >> 24);
+  return str_cat(is_sharding_item(item) ? "dp_fsdp #" : "dp_ddp #", tag.owner - 1, "'s job #", tag.job, " (",
+                 call_item_name(item, tag.item & 0xffffffu), ", iteration ", tag.iteration, ")");
 }
 
 namespace detail {

@@ -24,7 +24,13 @@ enum class CallItem : uint32_t {
   kBuffers = 4,     // the buffers' broadcast before a forward
   kCreate = 5,      // the agreement check and broadcast at creation
   kJoinSync = 6,    // dp_ddp_join's end: the last rank to join broadcasts its state
+  // dp_fsdp's (items from kFsdpCreate on are a sharding's).
+  kFsdpCreate = 7,     // the agreement check and broadcast at creation
+  kUnshard = 8,        // the parameters' all_gather
+  kPostBackward = 9,   // the gradients' reduce_scatter
+  kGatherValues = 10,  // the full values, for a state dict or dp_fsdp_destroy
 };
+inline bool is_sharding_item(CallItem item) { return item >= CallItem::kFsdpCreate; }
 
 // Who issued a call and which of its calls it is. The ranks pair calls by
 // their order on the group; the tag makes a pairing of two different

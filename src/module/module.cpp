@@ -103,8 +103,48 @@ Parameter::~Parameter() {
   if (it != reg.by_identity.end() && it->second.expired()) reg.by_identity.erase(it);
 }
 
-Tensor Parameter::grad() {
+void Parameter::set_value(const Tensor& value) {
+  ParameterRegistry& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mutex);
+  if (registered_) {
+    auto old = reg.by_identity.find(identity_of(value_));
+    if (old != reg.by_identity.end()) {
+      auto held = old->second.lock();
+      if (!held || held.get() == this) reg.by_identity.erase(old);
+    }
+    auto& slot = reg.by_identity[identity_of(value)];
+    if (slot.expired()) slot = weak_from_this();
+  }
+  value_ = value;
+}
+
+std::shared_ptr<ParameterSharding> Parameter::sharding() const {
   std::lock_guard<std::mutex> lock(grad_mutex_);
+  return sharding_.lock();
+}
+
+bool Parameter::claim_sharding(const std::shared_ptr<ParameterSharding>& sharding) {
+  std::lock_guard<std::mutex> lock(grad_mutex_);
+  auto held = sharding_.lock();
+  if (held && held != sharding) return false;
+  sharding_ = sharding;
+  return true;
+}
+
+void Parameter::release_sharding(const ParameterSharding* sharding) {
+  std::lock_guard<std::mutex> lock(grad_mutex_);
+  auto held = sharding_.lock();
+  if (!held || held.get() == sharding) sharding_.reset();
+}
+
+Tensor Parameter::grad() {
+  std::unique_lock<std::mutex> lock(grad_mutex_);
+  if (auto sharding = sharding_.lock()) {
+    lock.unlock();
+    std::string refusal = sharding->grad_refusal(*this);
+    if (!refusal.empty()) fail(StatusCode::kState, refusal);
+    lock.lock();
+  }
   if (!grad_.defined()) grad_ = Tensor::zeros(value_.dtype(), value_.shape(), value_.device());
   return grad_;
 }
@@ -120,6 +160,7 @@ void Parameter::set_grad(const Tensor& grad) {
 }
 
 void Parameter::zero_grad() {
+  if (auto held = sharding()) held->zero_shard_grad(*this);
   Tensor grad = grad_if_allocated();
   if (grad.defined()) fill_zero(grad.data(), grad.device(), grad.nbytes());
 }

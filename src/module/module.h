@@ -15,9 +15,23 @@
 
 namespace dparallel {
 
+class Parameter;
+
+// What holds a parameter sharded (a dp_fsdp): while it lives, no other
+// dp_fsdp or dp_ddp takes the parameter.
+class ParameterSharding {
+ public:
+  virtual ~ParameterSharding() = default;
+  // Empty when the gradient of the parameter's current value may be taken
+  // (the value is the full parameter); else why not.
+  virtual std::string grad_refusal(const Parameter& parameter) const = 0;
+  // dp_module_zero_grad: the shard's gradient too.
+  virtual void zero_shard_grad(const Parameter& parameter) = 0;
+};
+
 // One parameter, shared by every slot that holds it: registering the same
 // tensor twice (weight tying) yields one Parameter, one gradient.
-class Parameter {
+class Parameter : public std::enable_shared_from_this<Parameter> {
  public:
   Parameter(const Tensor& value, bool requires_grad) : value_(value), requires_grad_(requires_grad) {}
   ~Parameter();
@@ -28,9 +42,19 @@ class Parameter {
   static std::shared_ptr<Parameter> shared_for(const Tensor& value, bool requires_grad);
 
   const Tensor& value() const { return value_; }
+  // A dp_fsdp swaps the full parameter and this rank's shard (from the
+  // host's thread, between its uses of the module). Tying by identity
+  // follows the new value.
+  void set_value(const Tensor& value);
+  // The live sharding that holds this parameter, or null.
+  std::shared_ptr<ParameterSharding> sharding() const;
+  // Makes `sharding` this parameter's; false when another live one holds it.
+  bool claim_sharding(const std::shared_ptr<ParameterSharding>& sharding);
+  void release_sharding(const ParameterSharding* sharding);
   bool requires_grad() const { return requires_grad_; }
   void set_requires_grad(bool requires_grad) { requires_grad_ = requires_grad; }
-  // The gradient, allocated zeroed on first use.
+  // The gradient, allocated zeroed on first use. kState when a sharding
+  // holds only this rank's rows of the parameter (grad_refusal).
   Tensor grad();
   // The gradient if allocated, else an undefined tensor.
   Tensor grad_if_allocated() const;
@@ -45,6 +69,7 @@ class Parameter {
   bool registered_ = false;
   mutable std::mutex grad_mutex_;
   Tensor grad_;
+  std::weak_ptr<ParameterSharding> sharding_;  // guarded by grad_mutex_
 };
 
 struct BufferSlot {

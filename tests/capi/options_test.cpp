@@ -1,4 +1,5 @@
-// dp_process_group_options_init and dp_ddp_options_init write exactly the
+// dp_process_group_options_init, dp_ddp_options_init and
+// dp_fsdp_options_init write exactly the
 // caller's struct_size bytes: a host built against an older header (a
 // shorter struct) or a newer one (a longer struct) gets only its own bytes
 // written.
@@ -43,6 +44,14 @@ void expect_same(const dp_ddp_options& a, const dp_ddp_options& b) {
   EXPECT_EQ(a.hook_user_data, b.hook_user_data);
 }
 
+void expect_same(const dp_fsdp_options& a, const dp_fsdp_options& b) {
+  EXPECT_EQ(a.struct_size, b.struct_size);
+  EXPECT_EQ(a.reshard_after_forward, b.reshard_after_forward);
+  EXPECT_EQ(a.param_dtype, b.param_dtype);
+  EXPECT_EQ(a.reduce_dtype, b.reduce_dtype);
+  EXPECT_EQ(a.init_sync, b.init_sync);
+}
+
 template <typename Options>
 struct InitFn;
 template <>
@@ -54,6 +63,12 @@ template <>
 struct InitFn<dp_ddp_options> {
   static dp_status call(dp_ddp_options* o, size_t n) { return dp_ddp_options_init(o, n); }
   static dp_ddp_options macro() { return DP_DDP_OPTIONS_INIT; }
+};
+
+template <>
+struct InitFn<dp_fsdp_options> {
+  static dp_status call(dp_fsdp_options* o, size_t n) { return dp_fsdp_options_init(o, n); }
+  static dp_fsdp_options macro() { return DP_FSDP_OPTIONS_INIT; }
 };
 
 // One allocation: `struct_size` bytes for the options, then a canary.
@@ -70,7 +85,7 @@ std::vector<unsigned char> init_into_buffer(size_t struct_size, dp_status* statu
 
 template <typename Options>
 class OptionsInit : public ::testing::Test {};
-using OptionTypes = ::testing::Types<dp_process_group_options, dp_ddp_options>;
+using OptionTypes = ::testing::Types<dp_process_group_options, dp_ddp_options, dp_fsdp_options>;
 TYPED_TEST_SUITE(OptionsInit, OptionTypes);
 
 TYPED_TEST(OptionsInit, FullSizeGivesTheMacrosValues) {
@@ -138,6 +153,10 @@ TEST(OptionsInitTable, TheTableSlotsTakeTheStructSize) {
   dp_ddp_options ddp;
   DP_ASSERT_OK(api->ddp_options_init(&ddp, sizeof(ddp)));
   expect_same(ddp, InitFn<dp_ddp_options>::macro());
+  ASSERT_GE(api->abi_minor, 7u);
+  dp_fsdp_options fsdp;
+  DP_ASSERT_OK(api->fsdp_options_init(&fsdp, sizeof(fsdp)));
+  expect_same(fsdp, InitFn<dp_fsdp_options>::macro());
 }
 
 }  // namespace

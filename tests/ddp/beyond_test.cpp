@@ -15,6 +15,7 @@
 
 #include "module/module_test_util.h"
 #include "test_util.h"
+#include "thread_ranks.h"
 
 using dptest::cpu;
 using dptest::make;
@@ -28,30 +29,8 @@ struct DdpDeleter {
 };
 using DdpPtr = std::unique_ptr<dp_ddp, DdpDeleter>;
 
-// Runs body(rank, group) on `world` threads, one group each over one store.
 void run_ranks(int world, const std::function<void(int, dp_process_group*)>& body) {
-  std::string path = dptest::temp_path("ddp_beyond_", std::to_string(world) + "_store");
-  ::unlink(path.c_str());
-  std::vector<std::thread> ranks;
-  for (int r = 0; r < world; ++r) {
-    ranks.emplace_back([&, r] {
-      dp_store* store = nullptr;
-      ASSERT_EQ(dp_store_create_file(&store, path.c_str(), world), DP_OK) << dp_last_error();
-      dp_process_group_options o = DP_PROCESS_GROUP_OPTIONS_INIT;
-      o.rank = r;
-      o.world_size = world;
-      o.store = store;
-      o.timeout_ms = 60000;
-      dp_process_group* pg = nullptr;
-      dp_status st = dp_process_group_create(&pg, &o);
-      dp_store_destroy(store);
-      ASSERT_EQ(st, DP_OK) << dp_last_error();
-      body(r, pg);
-      dp_process_group_destroy(pg);
-    });
-  }
-  for (auto& t : ranks) t.join();
-  ::unlink(path.c_str());
+  dptest::run_thread_ranks("ddp_beyond_", world, dptest::RankOptions{}, body);
 }
 
 // Three layers' weights "a", "b", "c" of 4, 3 and 2 floats, values start+i.

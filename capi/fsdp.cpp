@@ -1,0 +1,196 @@
+// dp_fsdp.h: fully_shard.
+#include <cstring>
+
+#include "capi/dist_internal.h"
+#include "ddp/reducer.h"
+#include "dparallel/dp_fsdp.h"
+#include "fsdp/fully_shard.h"
+
+using namespace dparallel;
+
+constexpr uint64_t kFsdpTag = 0x6470'6673'6470'2121ull;  // "dpfsdp!!"
+
+struct dp_fsdp {
+  uint64_t tag = kFsdpTag;
+  std::shared_ptr<fsdp::FullyShard> sharding;
+  ProcessOrigin origin;
+};
+
+namespace {
+
+// Why a dp_fsdp call cannot run on this thread (a DDP comm hook or
+// on_bucket_reduced, on the lane it would wait for), or "".
+std::string refusal_inside_callback() {
+  ddp::RunningHook hook = ddp::running_hook();
+  if (hook.reducer == nullptr) return "";
+  return str_cat("called from inside the ", hook.what, " of a dp_ddp (bucket ", hook.bucket,
+                 "): it runs on the process group's comm lane, which a dp_fsdp call would wait for");
+}
+
+fsdp::FullyShard& fsdp_arg(const dp_fsdp* handle) {
+  if (handle == nullptr) capi::null_argument("fsdp");
+  if (handle->tag != kFsdpTag) fail_invalid("argument 'fsdp' is not a dp_fsdp handle");
+  capi::check_origin(handle->origin, "fsdp");
+  return *handle->sharding;
+}
+
+fsdp::FullyShard& changing_fsdp_arg(const dp_fsdp* handle) {
+  fsdp::FullyShard& sharding = fsdp_arg(handle);
+  std::string refusal = refusal_inside_callback();
+  if (!refusal.empty()) fail(StatusCode::kState, refusal);
+  return sharding;
+}
+
+std::optional<DType> floating_dtype_arg(int32_t code, const char* name) {
+  if (code == -1) return std::nullopt;
+  DType dtype = capi::dtype_arg(code, name);
+  if (dtype != DType::kFloat32 && dtype != DType::kFloat64 && dtype != DType::kFloat16 && dtype != DType::kBFloat16) {
+    fail_invalid("argument '", name, "' is ", dtype_name(dtype),
+                 "; it must be -1 or a floating dtype (DP_FLOAT32, DP_FLOAT64, DP_FLOAT16, DP_BFLOAT16)");
+  }
+  return dtype;
+}
+
+fsdp::ShardingOptions options_arg(const dp_fsdp_options* opts) {
+  static const dp_fsdp_options kDefaults = DP_FSDP_OPTIONS_INIT;
+  const dp_fsdp_options o = capi::read_options(opts, kDefaults, "DP_FSDP_OPTIONS_INIT");
+  fsdp::ShardingOptions options;
+  options.reshard_after_forward = o.reshard_after_forward != 0;
+  options.param_dtype = floating_dtype_arg(o.param_dtype, "opts->param_dtype");
+  options.reduce_dtype = floating_dtype_arg(o.reduce_dtype, "opts->reduce_dtype");
+  options.init_sync = o.init_sync != 0;
+  return options;
+}
+
+dp_status export_tensor(const Tensor& tensor, dp_tensor** out) {
+  *out = capi::new_tensor_handle(tensor);
+  return DP_OK;
+}
+
+}  // namespace
+
+extern "C" {
+
+dp_status dp_fsdp_options_init(dp_fsdp_options* opts, size_t struct_size) {
+  DP_API_BEGIN
+  static const dp_fsdp_options kDefaults = DP_FSDP_OPTIONS_INIT;
+  capi::options_init(opts, struct_size, kDefaults);
+  DP_API_END
+}
+
+dp_status dp_fsdp_create(dp_fsdp** out, dp_module* module, dp_process_group* pg, const dp_fsdp_options* opts) {
+  DP_API_BEGIN
+  capi::require_arg(out, "out");
+  *out = nullptr;
+  std::string refusal = refusal_inside_callback();
+  if (!refusal.empty()) fail(StatusCode::kState, refusal);
+  const std::shared_ptr<Module>& m = capi::module_arg(module, "module");
+  capi::group_arg(pg, "pg");
+  fsdp::ShardingOptions options = options_arg(opts);
+  auto handle = std::make_unique<dp_fsdp>();
+  StreamOrder order(capi::module_devices(*m, {pg->group->device()}));
+  handle->sharding = fsdp::FullyShard::create(m, pg->group, options);
+  order.finish();
+  *out = handle.release();
+  DP_API_END
+}
+
+dp_status dp_fsdp_unshard(dp_fsdp* fsdp, int async) {
+  DP_API_BEGIN
+  fsdp::FullyShard& f = changing_fsdp_arg(fsdp);
+  StreamOrder order({f.group()->device()});
+  f.unshard(async != 0);
+  order.finish();
+  DP_API_END
+}
+
+dp_status dp_fsdp_wait_unshard(dp_fsdp* fsdp) {
+  DP_API_BEGIN
+  fsdp::FullyShard& f = changing_fsdp_arg(fsdp);
+  StreamOrder order({f.group()->device()});
+  f.wait_unshard();
+  order.finish();
+  DP_API_END
+}
+
+dp_status dp_fsdp_reshard(dp_fsdp* fsdp) {
+  DP_API_BEGIN
+  fsdp::FullyShard& f = changing_fsdp_arg(fsdp);
+  StreamOrder order({f.group()->device()});
+  f.reshard();
+  order.finish();
+  DP_API_END
+}
+
+dp_status dp_fsdp_post_backward(dp_fsdp* fsdp) {
+  DP_API_BEGIN
+  fsdp::FullyShard& f = changing_fsdp_arg(fsdp);
+  StreamOrder order({f.group()->device()});
+  f.post_backward();
+  order.finish();
+  DP_API_END
+}
+
+dp_status dp_fsdp_finish_backward(dp_fsdp* fsdp) {
+  DP_API_BEGIN
+  fsdp::FullyShard& f = changing_fsdp_arg(fsdp);
+  StreamOrder order({f.group()->device()});
+  f.finish_backward();
+  order.finish();
+  DP_API_END
+}
+
+dp_status dp_fsdp_set_requires_gradient_sync(dp_fsdp* fsdp, int requires_sync) {
+  DP_API_BEGIN
+  changing_fsdp_arg(fsdp).set_requires_gradient_sync(requires_sync != 0);
+  DP_API_END
+}
+
+size_t dp_fsdp_num_parameters(const dp_fsdp* fsdp) {
+  DP_API_BEGIN
+  return fsdp_arg(fsdp).num_parameters();
+  DP_API_END_VALUE(0)
+}
+
+dp_status dp_fsdp_parameter_name(const dp_fsdp* fsdp, size_t index, const char** out) {
+  DP_API_BEGIN
+  capi::require_arg(out, "out");
+  *out = nullptr;
+  *out = fsdp_arg(fsdp).parameter_name(index).c_str();
+  DP_API_END
+}
+
+dp_status dp_fsdp_shard(const dp_fsdp* fsdp, size_t index, dp_tensor** out) {
+  DP_API_BEGIN
+  capi::require_arg(out, "out");
+  *out = nullptr;
+  return export_tensor(fsdp_arg(fsdp).shard(index), out);
+  DP_API_END
+}
+
+dp_status dp_fsdp_shard_grad(const dp_fsdp* fsdp, size_t index, dp_tensor** out) {
+  DP_API_BEGIN
+  capi::require_arg(out, "out");
+  *out = nullptr;
+  return export_tensor(fsdp_arg(fsdp).shard_grad(index), out);
+  DP_API_END
+}
+
+void dp_fsdp_destroy(dp_fsdp* fsdp) {
+  if (fsdp == nullptr || fsdp->tag != kFsdpTag || !fsdp->origin.is_current()) return;
+  std::string refusal = refusal_inside_callback();
+  if (!refusal.empty()) {
+    capi::set_last_error(str_cat(__func__, ": ", refusal, "; nothing was destroyed"));
+    return;
+  }
+  fsdp->tag = 0;
+  try {
+    fsdp->sharding->close();
+  } catch (...) {
+    capi::handle_exception(__func__);
+  }
+  fsdp->sharding.reset();
+  delete fsdp;
+}
+
+}  // extern "C"

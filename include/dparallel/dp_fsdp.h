@@ -1,0 +1,139 @@
+/* dparallel — fully_shard: sharded data parallel with the semantics of
+ * PyTorch's FSDP2 (torch/distributed/fsdp/_fully_shard), composable with
+ * dp_ddp as replicate is.
+ *
+ * Each rank keeps only its rows of every parameter a dp_fsdp manages: the
+ * rows [r*c, min((r+1)*c, rows)) of dim 0, c = ceil(rows / world), the way
+ * torch.chunk(world) splits them (a rank may keep none). A 0-d parameter is
+ * not sharded: every rank keeps it whole and its gradient is all-reduced.
+ * Once dp_fsdp_create returns, the module's slot for each managed parameter
+ * holds this rank's shard (dp_module_get_parameter gives it, and a handle
+ * taken before still names the old full tensor).
+ *
+ * The host drives it around its own forward and backward, per dp_fsdp,
+ * children first:
+ *   dp_fsdp_unshard(f, 0);           all-gather: the slots hold full parameters
+ *   ...forward of the module...
+ *   dp_fsdp_reshard(f);              the slots hold the shards again (ZeRO-3)
+ *   ...
+ *   dp_fsdp_unshard(f, 0);           before the module's backward
+ *   ...backward: fills dp_module_grad (full size) of each parameter...
+ *   dp_fsdp_post_backward(f);        reshards; reduce-scatters the averaged
+ *                                    gradients into the shard gradients
+ *   dp_fsdp_finish_backward(f);      waits for it
+ *   ...the optimizer steps on dp_fsdp_shard / dp_fsdp_shard_grad...
+ * dp_fsdp_unshard(f, 1) starts the all-gather and returns at once, so that
+ * the next module's parameters arrive while the host computes (prefetch);
+ * dp_fsdp_wait_unshard, or a blocking unshard, completes it. All its
+ * parameters travel in one all-gather per unshard (each padded to c rows)
+ * and their gradients in one reduce-scatter per reduce dtype.
+ *
+ * - reshard_after_forward = 0 (ZeRO-2): between an unshard and the next
+ *   post_backward, dp_fsdp_reshard keeps the full parameters; post_backward
+ *   reshards them. 1 (default, ZeRO-3): dp_fsdp_reshard frees them.
+ * - Mixed precision: param_dtype (DP_BFLOAT16, DP_FLOAT16, ...) is the dtype
+ *   of the full parameters and of their full gradients, the shards keep
+ *   their own; the all-gather moves param_dtype. Gradients are reduced in
+ *   reduce_dtype (default param_dtype; 16-bit dtypes are divided by the
+ *   world size before the sum, so that it cannot overflow) and added to the
+ *   shard gradients in the shards' dtype.
+ * - Gradients: the shard gradients accumulate (the reduced average is added
+ *   to them) until the host zeroes them (dp_module_zero_grad on the module
+ *   zeroes them too). With dp_fsdp_set_requires_gradient_sync(f, 0),
+ *   post_backward makes no collective and keeps the full gradients, which
+ *   later backwards add to; the next synced post_backward reduces the sum.
+ *   A gradient never taken is reduced as zeros. Parameters that do not
+ *   require grad at create are sharded but not reduced.
+ * - Memory: the full parameters, and the full gradients after their
+ *   reduce-scatter, are released (back to the allocator unless the host
+ *   still holds a handle to them).
+ *
+ * Composition: a dp_fsdp manages the parameters of `module` that no live
+ * dp_fsdp holds, so create the children's first; one over a module whose
+ * parameters are all held by children manages none (not an error, and its
+ * calls then make no collective). dp_ddp_create over a parent leaves every
+ * parameter a live dp_fsdp holds alone (replicate over fully_shard). A
+ * dp_ddp and any number of dp_fsdp on one process group issue their
+ * collectives through the group's one ordered lane, so hosts may interleave
+ * them in any order, the same on every rank. Create them in the same order
+ * on every rank.
+ *
+ * Errors: dp_module_grad of a parameter whose slot holds its shard is
+ * DP_ESTATE naming it; post_backward with no unshard since the last one is
+ * DP_ESTATE; wait_unshard with none in flight while resharded is DP_ESTATE.
+ * A rank whose peers skip an unshard it makes (or make another call in its
+ * place) fails within the group's timeout: DP_EREMOTE naming both calls, or
+ * DP_ETIMEOUT naming the ranks that had not issued it, after which the
+ * dp_fsdp is unusable (DP_ESTATE). With init_sync, names, dtypes and shapes
+ * are compared across ranks first and any difference (or one rank's
+ * argument error) is DP_EINVAL on every rank naming the first one.
+ *
+ * Thread safety: one dp_fsdp's calls are serialised; the host must not use
+ * the module's managed parameters from another thread while unshard,
+ * wait_unshard, reshard or post_backward swaps its slots, nor write a shard
+ * while an unshard of its dp_fsdp is in flight (it is read then), nor read
+ * a shard gradient before dp_fsdp_finish_backward.
+ */
+#ifndef DPARALLEL_DP_FSDP_H
+#define DPARALLEL_DP_FSDP_H
+
+#include "dparallel/dp_dist.h"
+#include "dparallel/dp_module.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct dp_fsdp dp_fsdp;
+
+typedef struct dp_fsdp_options {
+  size_t struct_size;        /* sizeof(dp_fsdp_options): set by DP_FSDP_OPTIONS_INIT */
+  int reshard_after_forward; /* 1: ZeRO-3; 0: keep full parameters until post_backward */
+  int32_t param_dtype;       /* -1: the parameters' own; a floating dtype to compute in */
+  int32_t reduce_dtype;      /* -1: param_dtype; a floating dtype to reduce gradients in */
+  int init_sync;             /* 1: rank 0's values and the agreement check before sharding */
+} dp_fsdp_options;
+
+#define DP_FSDP_OPTIONS_INIT \
+  { sizeof(dp_fsdp_options), 1, -1, -1, 1 }
+
+/* Writes the defaults into the first `struct_size` bytes of `opts`. */
+DP_API dp_status dp_fsdp_options_init(dp_fsdp_options *opts, size_t struct_size);
+/* Collective when init_sync is set. A parameter a live dp_ddp manages is
+ * DP_EINVAL naming it. `opts` may be NULL (the defaults). */
+DP_API dp_status dp_fsdp_create(dp_fsdp **out, dp_module *module, dp_process_group *pg,
+                                const dp_fsdp_options *opts /* may be NULL */);
+/* All-gather: the slots hold the full parameters (in param_dtype). With
+ * `async` it returns once the all-gather is issued; an unshard while
+ * unsharded (or in flight) adds nothing. */
+DP_API dp_status dp_fsdp_unshard(dp_fsdp *fsdp, int async);
+DP_API dp_status dp_fsdp_wait_unshard(dp_fsdp *fsdp);
+/* The slots hold the shards again (see reshard_after_forward). */
+DP_API dp_status dp_fsdp_reshard(dp_fsdp *fsdp);
+/* The full gradients are final: reshards, then reduce-scatters their average
+ * into the shard gradients, asynchronously. */
+DP_API dp_status dp_fsdp_post_backward(dp_fsdp *fsdp);
+/* Waits for the last post_backward's reduce-scatter. */
+DP_API dp_status dp_fsdp_finish_backward(dp_fsdp *fsdp);
+DP_API dp_status dp_fsdp_set_requires_gradient_sync(dp_fsdp *fsdp, int requires_sync);
+/* The managed parameters, in the module's listing order; 0 for a NULL or
+ * invalid handle. Names are relative to the module. */
+DP_API size_t dp_fsdp_num_parameters(const dp_fsdp *fsdp);
+DP_API dp_status dp_fsdp_parameter_name(const dp_fsdp *fsdp, size_t index,
+                                        const char **out /* valid while fsdp lives */);
+/* This rank's rows (a new handle on the shard itself: the optimizer updates
+ * it in place), and their gradient, same shape and dtype. */
+DP_API dp_status dp_fsdp_shard(const dp_fsdp *fsdp, size_t index, dp_tensor **out);
+DP_API dp_status dp_fsdp_shard_grad(const dp_fsdp *fsdp, size_t index, dp_tensor **out);
+/* Collective (every rank destroys its dp_fsdp of the pair): the module's
+ * slots get the full parameters back, gathered in their own dtype, and the
+ * parameters are free for another dp_fsdp or dp_ddp. When the gather fails
+ * (a peer gone), the slots keep this rank's shards and dp_last_error says
+ * why. NULL is accepted. */
+DP_API void dp_fsdp_destroy(dp_fsdp *fsdp);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DPARALLEL_DP_FSDP_H */

@@ -1,0 +1,669 @@
+#include "fsdp/fully_shard.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "comm/comm.h"
+#include "core/error.h"
+#include "ddp/agreement.h"
+#include "ddp/comm_hooks.h"
+#include "ddp/reducer.h"
+
+namespace dparallel::fsdp {
+
+namespace {
+
+using dist::CallItem;
+
+// Each parameter's rows start on a cache line of a segment.
+constexpr size_t kSegmentAlign = 64;
+size_t align_up(size_t n) { return (n + kSegmentAlign - 1) / kSegmentAlign * kSegmentAlign; }
+
+bool is_floating(DType dtype) {
+  return dtype == DType::kFloat32 || dtype == DType::kFloat64 || dtype == DType::kFloat16 || dtype == DType::kBFloat16;
+}
+
+bool is_16_bit(DType dtype) { return dtype == DType::kFloat16 || dtype == DType::kBFloat16; }
+
+int64_t millis(FullyShard::Clock::duration d) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(d).count();
+}
+
+// A flat view of `t`'s rows [start, start + count), each `row_numel` elements.
+Tensor rows_of(const Tensor& t, int64_t start, int64_t count, int64_t row_numel) {
+  return t.view_at(static_cast<size_t>(start * row_numel) * t.element_size(), t.dtype(), {count * row_numel});
+}
+
+// dst += src (src of any floating dtype).
+void accumulate(const Tensor& dst, const Tensor& src) {
+  if (dst.numel() == 0) return;
+  if (src.dtype() == dst.dtype()) {
+    comm::reduce_add_into(dst, {dst, src});
+    return;
+  }
+  Tensor cast = Tensor::empty(dst.dtype(), dst.shape(), dst.device());
+  ddp::cast_into(cast, src);
+  comm::reduce_add_into(dst, {dst, cast});
+}
+
+std::string dtype_option(const std::optional<DType>& dtype) { return dtype ? dtype_name(*dtype) : "own"; }
+
+}  // namespace
+
+RowSplit split_rows(int64_t rows, int32_t world, int32_t rank) {
+  RowSplit s;
+  s.chunk = rows == 0 ? 0 : (rows + world - 1) / world;
+  s.start = std::min(rows, s.chunk * rank);
+  s.count = std::max<int64_t>(0, std::min(rows, s.start + s.chunk) - s.start);
+  return s;
+}
+
+std::shared_ptr<FullyShard> FullyShard::create(std::shared_ptr<Module> module,
+                                               std::shared_ptr<dist::ProcessGroup> group,
+                                               const ShardingOptions& options) {
+  std::shared_ptr<FullyShard> sharding(new FullyShard(std::move(module), std::move(group), options));
+  sharding->init();
+  return sharding;
+}
+
+FullyShard::FullyShard(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGroup> group,
+                       ShardingOptions options)
+    : module_(std::move(module)), group_(std::move(group)), options_(options) {}
+
+FullyShard::Clock::duration FullyShard::lane_bound() const { return group_->timeout() + std::chrono::seconds(3); }
+
+void FullyShard::init() {
+  // An argument error on one rank fails every rank's agreement check
+  // (with init_sync) instead of leaving the others waiting.
+  std::string local_error = collect();
+  lane_ = ddp::CommLane::for_group(group_);
+  lane_id_ = lane_->attach(this);
+  try {
+    if (options_.init_sync) {
+      std::vector<std::string> description = describe_for_agreement(local_error);
+      ddp::JobSpec spec;
+      spec.item = CallItem::kFsdpCreate;
+      lane_->call(
+          this, spec,
+          [&] {
+            ddp::check_agreement(*group_, description);
+            std::vector<Tensor> values;
+            for (const Managed& m : params_) values.push_back(m.parameter->value());
+            ddp::broadcast_tensors(*group_, values, 0);
+          },
+          lane_bound());
+    }
+    plan_layout();
+    shard_parameters();
+  } catch (...) {
+    lane_->detach(this, lane_bound());
+    for (const Managed& m : params_) m.parameter->release_sharding(this);
+    throw;
+  }
+}
+
+std::string FullyShard::collect() {
+  const Device device = group_->device();
+  try {
+    for (const NamedParameter& np : module_->named_parameters()) {
+      // A parameter a child's dp_fsdp holds is the child's.
+      if (!np.parameter || np.parameter->sharding()) continue;
+      const std::string& name = *np.name;
+      if (ddp::Reducer::is_managed(np.parameter.get())) {
+        fail_invalid("parameter '", name,
+                     "' is managed by a live dp_ddp; create every dp_fsdp before the dp_ddp over their parent, which "
+                     "then leaves their parameters alone");
+      }
+      const Tensor& value = np.parameter->value();
+      if (value.device() != device) {
+        fail_invalid("parameter '", name, "' is ", value.describe(), " but the process group works on ",
+                     to_string(device), "; move the module there first");
+      }
+      Managed m;
+      m.name = name;
+      m.parameter = np.parameter;
+      m.dtype = value.dtype();
+      m.full_shape = value.shape();
+      m.sharded = value.ndim() > 0;
+      m.reduced = np.parameter->requires_grad();
+      if (!is_floating(m.dtype) && m.reduced) {
+        fail_invalid("parameter '", name, "' is ", value.describe(),
+                     "; gradients are reduced for floating-point parameters only (float32, float64, float16, "
+                     "bfloat16): set requires_grad to 0 for it");
+      }
+      m.compute = is_floating(m.dtype) ? options_.param_dtype.value_or(m.dtype) : m.dtype;
+      m.reduce = options_.reduce_dtype.value_or(m.compute);
+      params_.push_back(std::move(m));
+    }
+    auto self = shared_from_this();
+    for (const Managed& m : params_) {
+      if (!m.parameter->claim_sharding(self)) {
+        fail_invalid("parameter '", m.name, "' was taken by another dp_fsdp created meanwhile");
+      }
+    }
+  } catch (const Error& e) {
+    for (const Managed& m : params_) m.parameter->release_sharding(this);
+    if (e.code() != StatusCode::kInvalidArgument || !options_.init_sync) throw;
+    params_.clear();
+    return e.what();
+  }
+  return "";
+}
+
+std::vector<std::string> FullyShard::describe_for_agreement(const std::string& local_error) const {
+  if (!local_error.empty()) return {"error " + local_error};
+  std::vector<std::string> lines;
+  lines.push_back(str_cat("options reshard_after_forward ", options_.reshard_after_forward, ", param_dtype ",
+                          dtype_option(options_.param_dtype), ", reduce_dtype ", dtype_option(options_.reduce_dtype)));
+  lines.push_back(str_cat(params_.size(), " managed parameters"));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Managed& m = params_[i];
+    lines.push_back(str_cat("managed parameter ", i, " is '", m.name, "' ", dtype_name(m.dtype), " ",
+                            shape_string(m.full_shape), m.reduced ? "" : " (requires_grad 0)"));
+  }
+  return lines;
+}
+
+void FullyShard::plan_layout() {
+  const int32_t world = group_->size();
+  const int32_t rank = group_->rank();
+  size_t segment = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Managed& m = params_[i];
+    index_[m.parameter.get()] = i;
+    if (!m.sharded) {
+      m.split = RowSplit{1, 0, 1};
+      continue;
+    }
+    m.row_numel = 1;
+    for (size_t d = 1; d < m.full_shape.size(); ++d) m.row_numel *= m.full_shape[d];
+    m.split = split_rows(m.full_shape[0], world, rank);
+    const auto padded = static_cast<size_t>(m.split.chunk * m.row_numel);
+    m.segment_offset = segment;
+    // Each rank's padded rows are at most the parameter's own bytes.
+    segment = align_up(segment + padded * dtype_size(m.compute));
+    if (!m.reduced) continue;
+    m.reduce_offset = reduce_segment_[m.reduce];
+    reduce_segment_[m.reduce] += padded;
+  }
+  if (segment > std::numeric_limits<size_t>::max() / static_cast<size_t>(world) ||
+      segment * static_cast<size_t>(world) > static_cast<size_t>(std::numeric_limits<int64_t>::max())) {
+    fail_invalid("argument 'module': the unsharded parameters of ", world, " ranks would take more than 2^63 bytes");
+  }
+  segment_bytes_ = segment;
+}
+
+void FullyShard::shard_parameters() {
+  const Device device = group_->device();
+  for (Managed& m : params_) {
+    const Tensor full = m.parameter->value();
+    Shape shape = m.full_shape;
+    if (m.sharded) shape[0] = m.split.count;
+    // Its own memory: the full parameter's goes back to the allocator.
+    m.shard = Tensor::empty(m.dtype, shape, device);
+    if (!m.sharded) {
+      copy_tensor(m.shard, full);
+    } else if (m.split.count > 0) {
+      copy_tensor(m.shard, full.narrow_rows(m.split.start, m.split.count));
+    }
+    m.shard_grad = Tensor::zeros(m.dtype, shape, device);
+    m.parameter->set_grad(Tensor());
+    m.parameter->set_value(m.shard);
+  }
+}
+
+FullyShard::~FullyShard() {
+  if (closed_) return;
+  // Not through close(): a destructor makes no collective.
+  if (lane_) lane_->detach(this, lane_bound());
+  for (const Managed& m : params_) m.parameter->release_sharding(this);
+}
+
+void FullyShard::close() {
+  std::lock_guard<std::mutex> host(host_mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (closed_) return;
+  std::exception_ptr error;
+  std::vector<Tensor> full;
+  try {
+    // Whatever is in flight ends first (its error, if any, is the close's).
+    if (state_ == State::kUnsharding) {
+      try {
+        wait_locked(lock, unshard_job_, "the unshard");
+        install_full_locked();
+      } catch (...) {
+        state_ = State::kResharded;
+        gathered_.clear();
+        throw;
+      }
+    }
+    if (post_job_.issued) wait_locked(lock, post_job_, "the post-backward reduce_scatter");
+    if (!broken_ && !params_.empty()) {
+      lock.unlock();
+      ddp::JobSpec spec;
+      spec.item = CallItem::kGatherValues;
+      spec.iteration = iteration_;
+      lane_->call(
+          this, spec, [&] { full = gather_shards(false); }, lane_bound());
+      lock.lock();
+    }
+  } catch (...) {
+    if (!lock.owns_lock()) lock.lock();
+    error = std::current_exception();
+  }
+  closed_ = true;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Managed& m = params_[i];
+    m.parameter->set_grad(Tensor());
+    m.parameter->set_value(full.empty() ? m.shard : full[i]);
+  }
+  state_ = State::kResharded;
+  lock.unlock();
+  lane_->detach(this, lane_bound());
+  for (const Managed& m : params_) m.parameter->release_sharding(this);
+  if (error) std::rethrow_exception(error);
+}
+
+const std::string& FullyShard::parameter_name(size_t index) const {
+  if (index >= params_.size()) {
+    fail_invalid("argument 'index' is ", index, " but the dp_fsdp manages ", params_.size(), " parameters");
+  }
+  return params_[index].name;
+}
+
+Tensor FullyShard::shard(size_t index) const {
+  parameter_name(index);
+  return params_[index].shard;
+}
+
+Tensor FullyShard::shard_grad(size_t index) const {
+  parameter_name(index);
+  return params_[index].shard_grad;
+}
+
+bool FullyShard::unsharded() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return state_ == State::kUnsharded;
+}
+
+size_t FullyShard::index_of(const Parameter* parameter) const {
+  auto it = index_.find(parameter);
+  return it == index_.end() ? npos : it->second;
+}
+
+RowSplit FullyShard::split_of(size_t index, int32_t rank) const {
+  const Managed& m = params_.at(index);
+  return m.sharded ? split_rows(m.full_shape[0], group_->size(), rank) : RowSplit{1, 0, 1};
+}
+
+// ---- the host's calls ----
+
+void FullyShard::check_usable_locked() const {
+  if (closed_) fail(StatusCode::kState, "the dp_fsdp is destroyed");
+  if (lane_->on_worker()) {
+    fail(StatusCode::kState, "called on the process group's comm lane (from a comm hook), which it would wait for");
+  }
+  if (broken_) fail(StatusCode::kState, broken_why_, "; the dp_fsdp is unusable");
+}
+
+void FullyShard::issue_locked(ddp::JobSpec spec, Pending& pending) {
+  pending = Pending{};
+  pending.issued = true;
+  spec.iteration = iteration_;
+  if (!lane_->push(shared_from_this(), std::move(spec))) {
+    pending.done = true;
+    pending.code = lane_->stuck_code();
+    pending.error = lane_->stuck_reason();
+  }
+}
+
+void FullyShard::wait_locked(std::unique_lock<std::mutex>& lock, Pending& pending, const char* what) {
+  const auto bound = lane_bound();
+  if (!cv_.wait_for(lock, bound, [&] { return pending.done; })) {
+    broken_ = true;
+    lock.unlock();
+    const std::string missing = lane_->ranks_missing_next_job(this);
+    std::string why =
+        str_cat(what, " of dp_fsdp #", lane_id_, " did not finish within ", millis(bound), " ms",
+                missing.empty() ? std::string(" (a rank never issued it, or a job before it hung)")
+                                : str_cat(": rank ", missing, " had not issued it (did ",
+                                          missing.find(',') == std::string::npos ? "it" : "they", " skip this call?)"));
+    lane_->give_up(why);
+    lock.lock();
+    broken_why_ = why;
+    fail(StatusCode::kTimeout, why, "; the dp_fsdp is unusable");
+  }
+  Pending ended = pending;
+  pending = Pending{};
+  if (ended.code != StatusCode::kOk)
+    throw Error(ended.code, str_cat(what, " of dp_fsdp #", lane_id_, ": ", ended.error));
+}
+
+void FullyShard::install_full_locked() {
+  for (size_t i = 0; i < params_.size(); ++i) params_[i].parameter->set_value(gathered_[i]);
+  gathered_.clear();
+  state_ = State::kUnsharded;
+}
+
+void FullyShard::reshard_locked() {
+  for (const Managed& m : params_) m.parameter->set_value(m.shard);
+  state_ = State::kResharded;
+}
+
+void FullyShard::unshard(bool async) {
+  std::lock_guard<std::mutex> host(host_mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
+  check_usable_locked();
+  if (state_ == State::kResharded) {
+    ddp::JobSpec spec;
+    spec.item = CallItem::kUnshard;
+    if (!params_.empty()) issue_locked(spec, unshard_job_);
+    state_ = State::kUnsharding;
+    unsharded_since_post_ = true;
+  }
+  if (!async) finish_unshard_locked(lock);
+}
+
+void FullyShard::finish_unshard_locked(std::unique_lock<std::mutex>& lock) {
+  if (state_ != State::kUnsharding) return;
+  try {
+    if (!params_.empty()) wait_locked(lock, unshard_job_, "the unshard");
+  } catch (...) {
+    state_ = State::kResharded;
+    gathered_.clear();
+    throw;
+  }
+  install_full_locked();
+}
+
+void FullyShard::wait_unshard() {
+  std::lock_guard<std::mutex> host(host_mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
+  check_usable_locked();
+  if (state_ == State::kResharded) {
+    fail(StatusCode::kState,
+         "no unshard is in flight and the slots hold this rank's shards: call dp_fsdp_unshard first");
+  }
+  finish_unshard_locked(lock);
+}
+
+void FullyShard::reshard() {
+  std::lock_guard<std::mutex> host(host_mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
+  check_usable_locked();
+  // ZeRO-2: the parameters stay unsharded from the forward to post_backward.
+  if (!options_.reshard_after_forward && unsharded_since_post_) {
+    finish_unshard_locked(lock);
+    return;
+  }
+  finish_unshard_locked(lock);
+  if (state_ == State::kUnsharded) reshard_locked();
+}
+
+void FullyShard::post_backward() {
+  std::lock_guard<std::mutex> host(host_mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
+  check_usable_locked();
+  if (!unsharded_since_post_) {
+    fail(StatusCode::kState, "dp_fsdp #", lane_id_,
+         " was not unsharded since its last post_backward, so no full gradient can have been computed: call "
+         "dp_fsdp_unshard before the module's forward and backward");
+  }
+  // The last reduce_scatter's shard gradients are final before this one adds to them.
+  if (post_job_.issued) wait_locked(lock, post_job_, "the post-backward reduce_scatter");
+  finish_unshard_locked(lock);
+  std::vector<Tensor> grads(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Managed& m = params_[i];
+    if (!m.reduced) continue;
+    grads[i] = m.parameter->grad_if_allocated();
+    if (grads[i].defined() && (grads[i].shape() != m.full_shape || grads[i].dtype() != m.compute)) {
+      fail_invalid("parameter '", m.name, "' has the gradient ", grads[i].describe(), " but its full gradient is ",
+                   dtype_name(m.compute), " ", shape_string(m.full_shape),
+                   ": set a gradient while the parameter is unsharded");
+    }
+  }
+  unsharded_since_post_ = false;
+  reshard_locked();
+  // Without sync the full gradients stay and the next backward adds to them.
+  if (!requires_sync_ || params_.empty()) return;
+  for (const Managed& m : params_) {
+    if (m.reduced) m.parameter->set_grad(Tensor());
+  }
+  post_grads_ = std::move(grads);
+  ddp::JobSpec spec;
+  spec.item = CallItem::kPostBackward;
+  issue_locked(spec, post_job_);
+  ++iteration_;
+}
+
+void FullyShard::finish_backward() {
+  std::lock_guard<std::mutex> host(host_mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
+  check_usable_locked();
+  if (post_job_.issued) wait_locked(lock, post_job_, "the post-backward reduce_scatter");
+}
+
+void FullyShard::set_requires_gradient_sync(bool requires_sync) {
+  std::lock_guard<std::mutex> host(host_mutex_);
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_usable_locked();
+  requires_sync_ = requires_sync;
+}
+
+std::vector<Tensor> FullyShard::gather_full_values() {
+  std::lock_guard<std::mutex> host(host_mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
+  check_usable_locked();
+  finish_unshard_locked(lock);
+  if (params_.empty()) return {};
+  lock.unlock();
+  std::vector<Tensor> full;
+  ddp::JobSpec spec;
+  spec.item = CallItem::kGatherValues;
+  spec.iteration = iteration_;
+  lane_->call(
+      this, spec, [&] { full = gather_shards(false); }, lane_bound());
+  return full;
+}
+
+void FullyShard::load_shard(size_t index, const Tensor& rows) {
+  const Managed& m = params_.at(index);
+  ddp::cast_into(m.shard, rows);
+}
+
+void FullyShard::load_shard_from_full(size_t index, const Tensor& full) {
+  const Managed& m = params_.at(index);
+  if (!m.sharded) {
+    ddp::cast_into(m.shard, full);
+    return;
+  }
+  if (m.split.count == 0) return;
+  ddp::cast_into(m.shard.view({m.split.count * m.row_numel}), rows_of(full, m.split.start, m.split.count, m.row_numel));
+}
+
+// ---- on the lane ----
+
+ddp::JobResult FullyShard::run_job(const ddp::JobSpec& spec) {
+  ddp::JobResult result;
+  result.start = Clock::now();
+  try {
+    if (spec.item == CallItem::kUnshard) {
+      std::vector<Tensor> full = gather_shards(true);
+      std::lock_guard<std::mutex> lock(mutex_);
+      gathered_ = std::move(full);
+    } else if (spec.item == CallItem::kPostBackward) {
+      run_post_backward();
+    } else {
+      fail(StatusCode::kInternal, "a dp_fsdp job of ", dist::call_item_name(spec.item, 0));
+    }
+  } catch (const Error& e) {
+    result.code = e.code();
+    result.error = e.what();
+  } catch (const std::exception& e) {
+    result.code = StatusCode::kInternal;
+    result.error = e.what();
+  }
+  result.end = Clock::now();
+  return result;
+}
+
+void FullyShard::complete_job(const ddp::JobSpec& spec, ddp::JobResult result) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Pending& pending = spec.item == CallItem::kUnshard ? unshard_job_ : post_job_;
+  pending.done = true;
+  pending.code = result.code;
+  pending.error = std::move(result.error);
+  cv_.notify_all();
+}
+
+void FullyShard::drop_job(const ddp::JobSpec& spec, StatusCode code, const std::string& why) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Pending& pending = spec.item == CallItem::kUnshard ? unshard_job_ : post_job_;
+  pending.done = true;
+  pending.code = code;
+  pending.error = why;
+  cv_.notify_all();
+}
+
+std::vector<Tensor> FullyShard::gather_shards(bool compute_dtype) {
+  const int32_t world = group_->size();
+  const Device device = group_->device();
+  auto dtype_of = [&](const Managed& m) { return compute_dtype ? m.compute : m.dtype; };
+  // The segment layout: the unshard's is planned; the own-dtype one is
+  // laid out the same way here.
+  std::vector<size_t> offsets(params_.size(), 0);
+  size_t segment = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Managed& m = params_[i];
+    if (!m.sharded) continue;
+    offsets[i] = segment;
+    segment = align_up(segment + static_cast<size_t>(m.split.chunk * m.row_numel) * dtype_size(dtype_of(m)));
+  }
+  Tensor gathered;
+  if (segment > 0) {
+    // Zeros: the padding rows go over the wire too.
+    Tensor mine = Tensor::zeros(DType::kUInt8, {static_cast<int64_t>(segment)}, device);
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const Managed& m = params_[i];
+      if (!m.sharded || m.split.count == 0) continue;
+      const int64_t n = m.split.count * m.row_numel;
+      ddp::cast_into(mine.view_at(offsets[i], dtype_of(m), {n}), m.shard.view({n}));
+    }
+    gathered = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(segment) * world}, device);
+    std::vector<Tensor> outputs;
+    outputs.reserve(static_cast<size_t>(world));
+    for (int32_t r = 0; r < world; ++r) {
+      outputs.push_back(
+          gathered.view_at(static_cast<size_t>(r) * segment, DType::kUInt8, {static_cast<int64_t>(segment)}));
+    }
+    group_->all_gather(mine, outputs, false);
+  }
+  std::vector<Tensor> full(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Managed& m = params_[i];
+    const DType dtype = dtype_of(m);
+    full[i] = Tensor::empty(dtype, m.full_shape, device);
+    if (!m.sharded) {
+      ddp::cast_into(full[i], m.shard);
+      continue;
+    }
+    for (int32_t r = 0; r < world; ++r) {
+      RowSplit s = split_rows(m.full_shape[0], world, r);
+      if (s.count == 0) continue;
+      comm::copy_pairs(
+          {rows_of(full[i], s.start, s.count, m.row_numel)},
+          {gathered.view_at(static_cast<size_t>(r) * segment + offsets[i], dtype, {s.count * m.row_numel})});
+    }
+  }
+  return full;
+}
+
+void FullyShard::run_post_backward() {
+  std::vector<Tensor> grads;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    grads = std::move(post_grads_);
+    post_grads_.clear();
+  }
+  const int32_t world = group_->size();
+  const Device device = group_->device();
+  // Sharded parameters: one reduce_scatter per reduce dtype.
+  for (const auto& [dtype, segment] : reduce_segment_) {
+    if (segment == 0) continue;
+    const size_t esize = dtype_size(dtype);
+    const auto seg = static_cast<int64_t>(segment);
+    Tensor input = Tensor::zeros(dtype, {seg * world}, device);  // zeros: the padding, and gradients never taken
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const Managed& m = params_[i];
+      if (!m.sharded || !m.reduced || m.reduce != dtype || !grads[i].defined()) continue;
+      for (int32_t r = 0; r < world; ++r) {
+        RowSplit s = split_rows(m.full_shape[0], world, r);
+        if (s.count == 0) continue;
+        ddp::cast_into(
+            input.view_at((static_cast<size_t>(r) * segment + m.reduce_offset) * esize, dtype, {s.count * m.row_numel}),
+            rows_of(grads[i], s.start, s.count, m.row_numel));
+      }
+    }
+    Tensor output = Tensor::empty(dtype, {seg}, device);
+    std::vector<Tensor> inputs;
+    inputs.reserve(static_cast<size_t>(world));
+    for (int32_t r = 0; r < world; ++r) {
+      inputs.push_back(input.view_at(static_cast<size_t>(r) * segment * esize, dtype, {seg}));
+    }
+    if (is_16_bit(dtype)) {
+      // As the 16-bit comm hooks: divide first, so that the sum cannot overflow.
+      ddp::divide_tensor(input, world);
+      group_->reduce_scatter(inputs, output, dist::ReduceOp::kSum, false);
+    } else {
+      group_->reduce_scatter(inputs, output, dist::ReduceOp::kAvg, false);
+    }
+    for (const Managed& m : params_) {
+      if (!m.sharded || !m.reduced || m.reduce != dtype || m.split.count == 0) continue;
+      const int64_t n = m.split.count * m.row_numel;
+      accumulate(m.shard_grad.view({n}), output.view_at(m.reduce_offset * esize, dtype, {n}));
+    }
+  }
+  // 0-d parameters: every rank holds them whole, so their gradients are all-reduced.
+  std::map<DType, std::vector<size_t>> whole;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].sharded && params_[i].reduced) whole[params_[i].reduce].push_back(i);
+  }
+  for (const auto& [dtype, members] : whole) {
+    std::vector<Tensor> values;
+    for (size_t i : members) {
+      Tensor v = Tensor::zeros(dtype, params_[i].full_shape, device);
+      if (grads[i].defined()) ddp::cast_into(v, grads[i]);
+      if (is_16_bit(dtype)) ddp::divide_tensor(v, world);
+      values.push_back(v);
+    }
+    group_->all_reduce_coalesced(values, is_16_bit(dtype) ? dist::ReduceOp::kSum : dist::ReduceOp::kAvg, false);
+    for (size_t k = 0; k < members.size(); ++k) accumulate(params_[members[k]].shard_grad, values[k]);
+  }
+}
+
+// ---- ParameterSharding ----
+
+std::string FullyShard::grad_refusal(const Parameter& parameter) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (state_ == State::kUnsharded || closed_) return "";
+  const size_t index = index_of(&parameter);
+  if (index == npos) return "";
+  const Managed& m = params_[index];
+  std::string held = m.sharded ? str_cat("rows [", m.split.start, ", ", m.split.start + m.split.count, ") of ",
+                                         shape_string(m.full_shape))
+                               : std::string("a copy of the 0-d parameter");
+  return str_cat("parameter '", m.name, "' is sharded by dp_fsdp #", lane_id_, " and its slot holds this rank's ", held,
+                 state_ == State::kUnsharding ? " (an unshard is in flight: dp_fsdp_wait_unshard)"
+                                              : " (call dp_fsdp_unshard first)",
+                 "; the shard's gradient is dp_fsdp_shard_grad");
+}
+
+void FullyShard::zero_shard_grad(const Parameter& parameter) {
+  const size_t index = index_of(&parameter);
+  if (index == npos) return;
+  const Tensor& g = params_[index].shard_grad;
+  fill_zero(g.data(), g.device(), g.nbytes());
+}
+
+}  // namespace dparallel::fsdp

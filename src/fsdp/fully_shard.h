@@ -1,0 +1,186 @@
+// fully_shard (PyTorch's FSDP2) over a module's parameters: each rank keeps
+// rows [r*c, min((r+1)*c, rows)) of every parameter (c = ceil(rows/world),
+// torch.chunk's split on dim 0); unshard all-gathers them into full
+// parameters, post_backward reduce-scatters the full gradients into the
+// shards' gradients. Every collective is a job on the group's comm lane
+// (ddp/comm_lane.h), so dp_ddp and several dp_fsdp on one group pair their
+// calls by identity whatever order the host issues them in.
+//
+// One all-gather per unshard: every sharded parameter's rows, cast to the
+// compute dtype, lie in one flat byte buffer per rank (a segment), each
+// padded to c rows, so that rank r's segment is the same layout on every
+// rank. The gradients go the same way back, one reduce-scatter per reduce
+// dtype. A 0-d parameter is not sharded: every rank holds it whole and its
+// gradient is all-reduced.
+//
+// The host drives one dp_fsdp from one thread at a time; calls from several
+// threads are serialised.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "ddp/comm_lane.h"
+#include "distributed/process_group.h"
+#include "module/module.h"
+
+namespace dparallel::fsdp {
+
+struct ShardingOptions {
+  bool reshard_after_forward = true;
+  std::optional<DType> param_dtype;   // the dtype the host computes in; unset: each parameter's own
+  std::optional<DType> reduce_dtype;  // unset: the compute dtype
+  bool init_sync = true;              // rank 0's values and an agreement check before sharding
+};
+
+// How torch.chunk(world) splits `rows` rows: rank r's first row and count.
+struct RowSplit {
+  int64_t chunk = 0;  // ceil(rows / world): the padded rows of every rank
+  int64_t start = 0;
+  int64_t count = 0;
+};
+RowSplit split_rows(int64_t rows, int32_t world, int32_t rank);
+
+class FullyShard final : public ddp::LaneOwner,
+                         public ParameterSharding,
+                         public std::enable_shared_from_this<FullyShard> {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  // Collective with init_sync (every rank must call it). The parameters of
+  // `module` that no live dp_fsdp holds become this one's; one a live dp_ddp
+  // holds is kInvalidArgument.
+  static std::shared_ptr<FullyShard> create(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGroup> group,
+                                            const ShardingOptions& options);
+  ~FullyShard() override;
+  FullyShard(const FullyShard&) = delete;
+  FullyShard& operator=(const FullyShard&) = delete;
+
+  // dp_fsdp_destroy, collective: the slots get the full parameters back
+  // (gathered) and the parameters are free for another dp_fsdp or dp_ddp.
+  // When the gather fails, the slots keep this rank's shards; the error is
+  // thrown after everything is released.
+  void close();
+
+  void unshard(bool async);
+  void wait_unshard();
+  void reshard();
+  void post_backward();
+  void finish_backward();
+  void set_requires_gradient_sync(bool requires_sync);
+
+  size_t num_parameters() const { return params_.size(); }
+  const std::string& parameter_name(size_t index) const;
+  Tensor shard(size_t index) const;
+  Tensor shard_grad(size_t index) const;
+  // Whether the slots hold the full parameters now.
+  bool unsharded() const;
+  const std::shared_ptr<dist::ProcessGroup>& group() const { return group_; }
+  const std::shared_ptr<Module>& module() const { return module_; }
+  // Parameter `index`'s full value in its own dtype, gathered from every
+  // rank (collective, on the lane).
+  std::vector<Tensor> gather_full_values();
+  // Which parameter (index) holds `parameter`, or npos.
+  size_t index_of(const Parameter* parameter) const;
+  static constexpr size_t npos = ~size_t(0);
+  // The row split of parameter `index` on `rank` (0-d parameters: whole).
+  RowSplit split_of(size_t index, int32_t rank) const;
+  // Copies the rows of `full` (the parameter's full shape and any dtype it
+  // casts from) that this rank keeps into its shard.
+  void load_shard_from_full(size_t index, const Tensor& full);
+  void load_shard(size_t index, const Tensor& rows);
+
+  // LaneOwner.
+  const char* owner_kind() const override { return "dp_fsdp"; }
+  ddp::JobResult run_job(const ddp::JobSpec& spec) override;
+  void complete_job(const ddp::JobSpec& spec, ddp::JobResult result) override;
+  void drop_job(const ddp::JobSpec& spec, StatusCode code, const std::string& why) override;
+
+  // ParameterSharding.
+  std::string grad_refusal(const Parameter& parameter) const override;
+  void zero_shard_grad(const Parameter& parameter) override;
+
+ private:
+  FullyShard(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGroup> group, ShardingOptions options);
+  void init();
+
+  struct Managed {
+    std::string name;
+    std::shared_ptr<Parameter> parameter;
+    DType dtype = DType::kFloat32;    // the shard's: the parameter's own
+    DType compute = DType::kFloat32;  // the full parameter's while unsharded
+    DType reduce = DType::kFloat32;
+    Shape full_shape;
+    bool sharded = true;  // false for a 0-d parameter
+    bool reduced = true;  // requires grad at create: its gradient is reduced
+    int64_t row_numel = 1;
+    RowSplit split;
+    size_t segment_offset = 0;  // bytes into a rank's all-gather segment
+    size_t reduce_offset = 0;   // elements into a rank's reduce segment of its dtype
+    Tensor shard, shard_grad;
+  };
+  // A job issued on the lane and how it ended.
+  struct Pending {
+    bool issued = false;
+    bool done = false;
+    StatusCode code = StatusCode::kOk;
+    std::string error;
+  };
+  enum class State { kResharded, kUnsharding, kUnsharded };
+
+  // Checks and collects the parameters; with init_sync an argument error
+  // is kept for the agreement check instead of thrown.
+  std::string collect();
+  std::vector<std::string> describe_for_agreement(const std::string& local_error) const;
+  void plan_layout();
+  void shard_parameters();
+
+  void issue_locked(ddp::JobSpec spec, Pending& pending);
+  // Waits for `pending`, bounded; rethrows its error.
+  void wait_locked(std::unique_lock<std::mutex>& lock, Pending& pending, const char* what);
+  // Completes an unshard in flight (no-op otherwise): the slots get the full parameters.
+  void finish_unshard_locked(std::unique_lock<std::mutex>& lock);
+  void install_full_locked();
+  void reshard_locked();
+  void check_usable_locked() const;
+  Clock::duration lane_bound() const;
+
+  // On the lane: every parameter's full value, in the compute dtype or the
+  // parameter's own, from one all_gather of every rank's segment.
+  std::vector<Tensor> gather_shards(bool compute_dtype);
+  void run_post_backward();
+
+  std::shared_ptr<Module> module_;
+  std::shared_ptr<dist::ProcessGroup> group_;
+  ShardingOptions options_;
+  std::shared_ptr<ddp::CommLane> lane_;
+  uint32_t lane_id_ = 0;
+  std::vector<Managed> params_;
+  std::map<const Parameter*, size_t> index_;
+  size_t segment_bytes_ = 0;                // one rank's all-gather segment
+  std::map<DType, size_t> reduce_segment_;  // one rank's reduce segment (elements) per reduce dtype
+
+  mutable std::mutex host_mutex_;  // serialises the host's calls
+  mutable std::mutex mutex_;       // what the lane and the host share
+  std::condition_variable cv_;
+  State state_ = State::kResharded;
+  bool unsharded_since_post_ = false;  // an unshard since the last post_backward
+  bool requires_sync_ = true;
+  bool broken_ = false;
+  bool closed_ = false;
+  std::string broken_why_;
+  uint32_t iteration_ = 0;
+  Pending unshard_job_, post_job_;
+  std::vector<Tensor> gathered_;    // the unshard job's full parameters
+  std::vector<Tensor> post_grads_;  // the post_backward job's full gradients
+};
+
+}  // namespace dparallel::fsdp

@@ -1,0 +1,555 @@
+// fully_shard through the C ABI, driven as a host with its own autograd
+// drives it: the seed test's ToyModel (3 x Linear(3, 3) in `linears`, then
+// `proj`), fully_shard on each linear and on `linears`, a dp_ddp on the
+// root, and a forward and backward written here. Ranks are threads of this
+// process, each with its own group over one file store: real collectives,
+// and the test sees every rank's results.
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "module/module_test_util.h"
+#include "test_util.h"
+#include "thread_ranks.h"
+
+using dptest::make;
+using dptest::TensorPtr;
+
+namespace {
+
+struct FsdpDeleter {
+  void operator()(dp_fsdp* f) const { dp_fsdp_destroy(f); }
+};
+using FsdpPtr = std::unique_ptr<dp_fsdp, FsdpDeleter>;
+struct DdpDeleter {
+  void operator()(dp_ddp* d) const { dp_ddp_destroy(d); }
+};
+using DdpPtr = std::unique_ptr<dp_ddp, DdpDeleter>;
+
+void run_ranks(int world, int32_t backend, const std::function<void(int, dp_process_group*)>& body,
+               int timeout_ms = 60000) {
+  dptest::run_thread_ranks("fsdp_", world, dptest::RankOptions{backend, timeout_ms}, body);
+}
+
+float bf16_to_float(uint16_t bits) {
+  uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &word, sizeof f);
+  return f;
+}
+
+uint16_t float_to_bf16(float f) {
+  uint32_t word;
+  std::memcpy(&word, &f, sizeof word);
+  word += 0x7fffu + ((word >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(word >> 16);
+}
+
+// A float32 or bfloat16 tensor's values as floats.
+std::vector<float> read(const dp_tensor* t) {
+  const auto n = static_cast<size_t>(dp_tensor_numel(t));
+  std::vector<float> out(n);
+  if (dp_tensor_dtype(t) == DP_BFLOAT16) {
+    std::vector<uint16_t> bits(n);
+    EXPECT_EQ(dp_tensor_copy_to_host(t, bits.data(), n * 2), DP_OK) << dp_last_error();
+    for (size_t i = 0; i < n; ++i) out[i] = bf16_to_float(bits[i]);
+  } else {
+    EXPECT_EQ(dp_tensor_copy_to_host(t, out.data(), n * 4), DP_OK) << dp_last_error();
+  }
+  return out;
+}
+
+void write(dp_tensor* t, const std::vector<float>& v) {
+  ASSERT_EQ(static_cast<size_t>(dp_tensor_numel(t)), v.size());
+  if (dp_tensor_dtype(t) == DP_BFLOAT16) {
+    std::vector<uint16_t> bits(v.size());
+    for (size_t i = 0; i < v.size(); ++i) bits[i] = float_to_bf16(v[i]);
+    ASSERT_EQ(dp_tensor_copy_from_host(t, bits.data(), bits.size() * 2), DP_OK) << dp_last_error();
+  } else {
+    ASSERT_EQ(dp_tensor_copy_from_host(t, v.data(), v.size() * 4), DP_OK) << dp_last_error();
+  }
+}
+
+std::vector<float> parameter(dp_module* m, const char* name) {
+  dp_tensor* p = nullptr;
+  EXPECT_EQ(dp_module_get_parameter(m, name, &p), DP_OK) << dp_last_error();
+  TensorPtr owned(p);
+  return p == nullptr ? std::vector<float>{} : read(p);
+}
+
+std::vector<int64_t> parameter_shape(dp_module* m, const char* name) {
+  dp_tensor* p = nullptr;
+  EXPECT_EQ(dp_module_get_parameter(m, name, &p), DP_OK) << dp_last_error();
+  TensorPtr owned(p);
+  return dptest::shape(p);
+}
+
+// grad += delta (the host's backward accumulates).
+void add_grad(dp_module* m, const char* name, const std::vector<float>& delta) {
+  dp_tensor* g = nullptr;
+  ASSERT_EQ(dp_module_grad(m, name, &g), DP_OK) << dp_last_error();
+  TensorPtr owned(g);
+  std::vector<float> v = read(g);
+  for (size_t i = 0; i < v.size(); ++i) v[i] += delta[i];
+  write(g, v);
+}
+
+// ---- the model's math: rows of 3, weights 3x3 (out x in) ----
+
+constexpr int kDim = 3;
+using Matrix = std::vector<double>;  // row-major
+
+// y = x W^T for rows of x.
+Matrix linear(const Matrix& x, const std::vector<float>& w) {
+  const size_t rows = x.size() / kDim;
+  Matrix y(rows * kDim, 0.0);
+  for (size_t b = 0; b < rows; ++b) {
+    for (int o = 0; o < kDim; ++o) {
+      for (int i = 0; i < kDim; ++i) y[b * kDim + o] += x[b * kDim + i] * w[o * kDim + i];
+    }
+  }
+  return y;
+}
+
+// dW = dy^T x; dx = dy W.
+std::vector<float> weight_grad(const Matrix& dy, const Matrix& x) {
+  const size_t rows = x.size() / kDim;
+  std::vector<float> g(kDim * kDim, 0.0f);
+  for (size_t b = 0; b < rows; ++b) {
+    for (int o = 0; o < kDim; ++o) {
+      for (int i = 0; i < kDim; ++i) g[o * kDim + i] += static_cast<float>(dy[b * kDim + o] * x[b * kDim + i]);
+    }
+  }
+  return g;
+}
+
+Matrix input_grad(const Matrix& dy, const std::vector<float>& w) {
+  const size_t rows = dy.size() / kDim;
+  Matrix dx(rows * kDim, 0.0);
+  for (size_t b = 0; b < rows; ++b) {
+    for (int i = 0; i < kDim; ++i) {
+      for (int o = 0; o < kDim; ++o) dx[b * kDim + i] += dy[b * kDim + o] * w[o * kDim + i];
+    }
+  }
+  return dx;
+}
+
+const char* const kWeights[] = {"linears.0.weight", "linears.1.weight", "linears.2.weight", "proj.weight"};
+
+// Layer l's initial weights; `skew` differs per rank so that init_sync shows.
+std::vector<float> initial_weights(int layer, float skew) {
+  std::vector<float> w(kDim * kDim);
+  for (int k = 0; k < kDim * kDim; ++k) {
+    w[k] = 0.3f * std::sin(1.7f * static_cast<float>(layer * 9 + k) + 0.4f) + skew;
+  }
+  return w;
+}
+
+// Global batch `step`: rows of x and target, `rows` of them.
+void batch(int step, int rows, Matrix& x, Matrix& t) {
+  x.assign(static_cast<size_t>(rows) * kDim, 0.0);
+  t.assign(x.size(), 0.0);
+  for (size_t k = 0; k < x.size(); ++k) {
+    x[k] = std::cos(0.37 * static_cast<double>(k) + 0.91 * step);
+    t[k] = 0.5 * std::sin(0.53 * static_cast<double>(k) - 0.29 * step);
+  }
+}
+
+Matrix rows_of(const Matrix& m, int first, int count) {
+  return Matrix(m.begin() + first * kDim, m.begin() + (first + count) * kDim);
+}
+
+struct Config {
+  int world = 2;
+  int32_t backend = DP_BACKEND_GLOO;
+  int reshard_after_forward = 1;
+  int32_t param_dtype = -1;
+  int micro_batches = 1;  // > 1: the first ones without gradient sync
+  int steps = 4;
+  int rows_per_rank = 4;
+  float lr = 0.2f;
+};
+
+// Single-process training on the whole batch: the reference.
+std::vector<std::vector<float>> reference(const Config& c) {
+  std::vector<std::vector<float>> w;
+  for (int l = 0; l < 4; ++l) w.push_back(initial_weights(l, 0.0f));
+  const int rows = c.rows_per_rank * c.world;
+  for (int s = 0; s < c.steps; ++s) {
+    std::vector<std::vector<double>> g(4, std::vector<double>(kDim * kDim, 0.0));
+    for (int mb = 0; mb < c.micro_batches; ++mb) {
+      Matrix x, t;
+      batch(s * c.micro_batches + mb, rows, x, t);
+      std::vector<Matrix> h{x};
+      for (int l = 0; l < 4; ++l) h.push_back(linear(h.back(), w[l]));
+      Matrix dy(h[4].size());
+      for (size_t k = 0; k < dy.size(); ++k) dy[k] = (h[4][k] - t[k]) / rows;
+      for (int l = 3; l >= 0; --l) {
+        std::vector<float> gl = weight_grad(dy, h[l]);
+        for (int k = 0; k < kDim * kDim; ++k) g[l][k] += gl[k];
+        dy = input_grad(dy, w[l]);
+      }
+    }
+    for (int l = 0; l < 4; ++l) {
+      for (int k = 0; k < kDim * kDim; ++k) w[l][k] -= static_cast<float>(c.lr * g[l][k]);
+    }
+  }
+  return w;
+}
+
+// One rank's ToyModel: root { linears { 0, 1, 2 }, proj }.
+struct Toy {
+  dptest::ModulePtr root = dptest::new_module();
+  dptest::ModulePtr linears = dptest::new_module();
+  dptest::ModulePtr layer[4];
+  explicit Toy(float skew) {
+    for (int l = 0; l < 4; ++l) {
+      layer[l] = dptest::new_module();
+      TensorPtr w = make<float>({kDim, kDim}, initial_weights(l, skew));
+      EXPECT_EQ(dp_module_register_parameter(layer[l].get(), "weight", w.get(), 1), DP_OK) << dp_last_error();
+      if (l < 3) {
+        EXPECT_EQ(dp_module_register_module(linears.get(), std::to_string(l).c_str(), layer[l].get()), DP_OK);
+      }
+    }
+    EXPECT_EQ(dp_module_register_module(root.get(), "linears", linears.get()), DP_OK);
+    EXPECT_EQ(dp_module_register_module(root.get(), "proj", layer[3].get()), DP_OK);
+  }
+};
+
+// fully_shard on each linear, then on `linears`, then a dp_ddp on the root.
+struct Sharded {
+  FsdpPtr layer[3];
+  FsdpPtr linears;
+  DdpPtr ddp;
+};
+
+Sharded shard_toy(Toy& toy, dp_process_group* pg, const Config& c) {
+  Sharded s;
+  dp_fsdp_options o;
+  EXPECT_EQ(dp_fsdp_options_init(&o, sizeof o), DP_OK);
+  o.reshard_after_forward = c.reshard_after_forward;
+  o.param_dtype = c.param_dtype;
+  for (int l = 0; l < 3; ++l) {
+    dp_fsdp* f = nullptr;
+    EXPECT_EQ(dp_fsdp_create(&f, toy.layer[l].get(), pg, &o), DP_OK) << dp_last_error();
+    s.layer[l].reset(f);
+  }
+  dp_fsdp* f = nullptr;
+  EXPECT_EQ(dp_fsdp_create(&f, toy.linears.get(), pg, &o), DP_OK) << dp_last_error();
+  s.linears.reset(f);
+  dp_ddp* d = nullptr;
+  EXPECT_EQ(dp_ddp_create(&d, toy.root.get(), pg, nullptr), DP_OK) << dp_last_error();
+  s.ddp.reset(d);
+  return s;
+}
+
+// One micro-batch's forward and backward, as a host drives it: unshard
+// with the next module prefetched, reshard after each forward, post_backward
+// as each module's gradients are final.
+void forward_backward(Toy& toy, Sharded& s, const Matrix& x, const Matrix& t) {
+  dp_module* root = toy.root.get();
+  std::vector<Matrix> h{x};
+  std::vector<std::vector<float>> w(4);
+  ASSERT_EQ(dp_fsdp_unshard(s.linears.get(), 0), DP_OK) << dp_last_error();  // manages nothing
+  ASSERT_EQ(dp_fsdp_unshard(s.layer[0].get(), 0), DP_OK) << dp_last_error();
+  for (int l = 0; l < 3; ++l) {
+    if (l + 1 < 3) {
+      ASSERT_EQ(dp_fsdp_unshard(s.layer[l + 1].get(), 1), DP_OK) << dp_last_error();
+    }
+    ASSERT_EQ(dp_fsdp_wait_unshard(s.layer[l].get()), DP_OK) << dp_last_error();
+    w[l] = parameter(root, kWeights[l]);
+    h.push_back(linear(h.back(), w[l]));
+    ASSERT_EQ(dp_fsdp_reshard(s.layer[l].get()), DP_OK) << dp_last_error();
+  }
+  ASSERT_EQ(dp_ddp_pre_forward(s.ddp.get()), DP_OK) << dp_last_error();
+  w[3] = parameter(root, kWeights[3]);
+  h.push_back(linear(h.back(), w[3]));
+  // Each rank's loss is the mean over its rows; the ranks' average is then
+  // the mean over the whole batch.
+  Matrix dy(h[4].size());
+  const auto rows = static_cast<double>(x.size() / kDim);
+  for (size_t k = 0; k < dy.size(); ++k) dy[k] = (h[4][k] - t[k]) / rows;
+  add_grad(root, kWeights[3], weight_grad(dy, h[3]));
+  ASSERT_EQ(dp_ddp_mark_grad_ready(s.ddp.get(), kWeights[3]), DP_OK) << dp_last_error();
+  dy = input_grad(dy, w[3]);
+  ASSERT_EQ(dp_fsdp_unshard(s.layer[2].get(), 1), DP_OK) << dp_last_error();
+  for (int l = 2; l >= 0; --l) {
+    if (l > 0) {
+      ASSERT_EQ(dp_fsdp_unshard(s.layer[l - 1].get(), 1), DP_OK) << dp_last_error();
+    }
+    ASSERT_EQ(dp_fsdp_wait_unshard(s.layer[l].get()), DP_OK) << dp_last_error();
+    std::vector<float> full = parameter(root, kWeights[l]);
+    add_grad(root, kWeights[l], weight_grad(dy, h[l]));
+    dy = input_grad(dy, full);
+    ASSERT_EQ(dp_fsdp_post_backward(s.layer[l].get()), DP_OK) << dp_last_error();
+  }
+  ASSERT_EQ(dp_fsdp_post_backward(s.linears.get()), DP_OK) << dp_last_error();
+  for (int l = 0; l < 3; ++l) ASSERT_EQ(dp_fsdp_finish_backward(s.layer[l].get()), DP_OK) << dp_last_error();
+  ASSERT_EQ(dp_fsdp_finish_backward(s.linears.get()), DP_OK) << dp_last_error();
+  ASSERT_EQ(dp_ddp_finish_backward(s.ddp.get()), DP_OK) << dp_last_error();
+}
+
+// SGD on the shards and on proj, then every gradient zeroed.
+void sgd(Toy& toy, Sharded& s, float lr) {
+  for (int l = 0; l < 3; ++l) {
+    dp_tensor* shard = nullptr;
+    dp_tensor* grad = nullptr;
+    ASSERT_EQ(dp_fsdp_shard(s.layer[l].get(), 0, &shard), DP_OK) << dp_last_error();
+    ASSERT_EQ(dp_fsdp_shard_grad(s.layer[l].get(), 0, &grad), DP_OK) << dp_last_error();
+    TensorPtr owned_shard(shard), owned_grad(grad);
+    std::vector<float> v = read(shard), g = read(grad);
+    for (size_t k = 0; k < v.size(); ++k) v[k] -= lr * g[k];
+    write(shard, v);
+  }
+  dp_tensor* p = nullptr;
+  dp_tensor* g = nullptr;
+  ASSERT_EQ(dp_module_get_parameter(toy.root.get(), kWeights[3], &p), DP_OK);
+  ASSERT_EQ(dp_module_grad(toy.root.get(), kWeights[3], &g), DP_OK);
+  TensorPtr owned_p(p), owned_g(g);
+  std::vector<float> v = read(p), gv = read(g);
+  for (size_t k = 0; k < v.size(); ++k) v[k] -= lr * gv[k];
+  write(p, v);
+  ASSERT_EQ(dp_module_zero_grad(toy.root.get()), DP_OK) << dp_last_error();
+}
+
+// Trains on every rank and compares each rank's full parameters with the reference.
+void expect_parity(const Config& c, double tolerance) {
+  const std::vector<std::vector<float>> expected = reference(c);
+  run_ranks(c.world, c.backend, [&](int rank, dp_process_group* pg) {
+    Toy toy(0.05f * static_cast<float>(rank));  // init_sync makes rank 0's values everyone's
+    Sharded s = shard_toy(toy, pg, c);
+    const int global_rows = c.rows_per_rank * c.world;
+    for (int step = 0; step < c.steps; ++step) {
+      for (int mb = 0; mb < c.micro_batches; ++mb) {
+        const int sync = mb + 1 == c.micro_batches ? 1 : 0;
+        for (auto& f : s.layer) ASSERT_EQ(dp_fsdp_set_requires_gradient_sync(f.get(), sync), DP_OK);
+        ASSERT_EQ(dp_ddp_set_requires_gradient_sync(s.ddp.get(), sync), DP_OK);
+        Matrix x, t;
+        batch(step * c.micro_batches + mb, global_rows, x, t);
+        forward_backward(toy, s, rows_of(x, rank * c.rows_per_rank, c.rows_per_rank),
+                         rows_of(t, rank * c.rows_per_rank, c.rows_per_rank));
+      }
+      sgd(toy, s, c.lr);
+    }
+    for (int l = 0; l < 4; ++l) {
+      if (l < 3) {
+        ASSERT_EQ(dp_fsdp_unshard(s.layer[l].get(), 0), DP_OK) << dp_last_error();
+      }
+      std::vector<float> got = parameter(toy.root.get(), kWeights[l]);
+      ASSERT_EQ(got.size(), expected[l].size());
+      for (size_t k = 0; k < got.size(); ++k) {
+        EXPECT_NEAR(got[k], expected[l][k], tolerance * (1.0 + std::fabs(expected[l][k])))
+            << "rank " << rank << " " << kWeights[l] << "[" << k << "]";
+      }
+      if (l < 3) {
+        ASSERT_EQ(dp_fsdp_reshard(s.layer[l].get()), DP_OK) << dp_last_error();
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TEST(Fsdp, ToyModelShardsRowsLikeTorchChunkAndDdpManagesOnlyProj) {
+  run_ranks(2, DP_BACKEND_GLOO, [](int rank, dp_process_group* pg) {
+    Toy toy(0.0f);
+    Config c;
+    Sharded s = shard_toy(toy, pg, c);
+    for (int l = 0; l < 3; ++l) {
+      EXPECT_EQ(parameter_shape(toy.root.get(), kWeights[l]), (std::vector<int64_t>{rank == 0 ? 2 : 1, 3}));
+      ASSERT_EQ(dp_fsdp_num_parameters(s.layer[l].get()), 1u);
+      const char* name = nullptr;
+      ASSERT_EQ(dp_fsdp_parameter_name(s.layer[l].get(), 0, &name), DP_OK);
+      EXPECT_STREQ(name, "weight");
+      // The shard holds this rank's rows of the initial weight.
+      std::vector<float> all = initial_weights(l, 0.0f);
+      std::vector<float> mine(all.begin() + (rank == 0 ? 0 : 6), all.begin() + (rank == 0 ? 6 : 9));
+      EXPECT_EQ(parameter(toy.root.get(), kWeights[l]), mine);
+    }
+    EXPECT_EQ(dp_fsdp_num_parameters(s.linears.get()), 0u);
+    ASSERT_EQ(dp_ddp_num_buckets(s.ddp.get()), 1u);
+    size_t indices[4] = {};
+    size_t count = 0;
+    ASSERT_EQ(dp_ddp_bucket_parameters(s.ddp.get(), 0, indices, 4, &count), DP_OK);
+    EXPECT_EQ(count, 1u);
+    char plan[512];
+    size_t len = 0;
+    ASSERT_EQ(dp_ddp_bucket_plan(s.ddp.get(), plan, sizeof plan, &len), DP_OK) << dp_last_error();
+    EXPECT_NE(std::string(plan).find("proj.weight"), std::string::npos) << plan;
+    EXPECT_EQ(std::string(plan).find("linears"), std::string::npos) << plan;
+    // Unsharded, the slot holds the full parameter.
+    ASSERT_EQ(dp_fsdp_unshard(s.layer[1].get(), 0), DP_OK) << dp_last_error();
+    EXPECT_EQ(parameter(toy.root.get(), kWeights[1]), initial_weights(1, 0.0f));
+    ASSERT_EQ(dp_fsdp_reshard(s.layer[1].get()), DP_OK) << dp_last_error();
+    EXPECT_EQ(parameter_shape(toy.root.get(), kWeights[1]), (std::vector<int64_t>{rank == 0 ? 2 : 1, 3}));
+  });
+}
+
+TEST(Fsdp, TrainingMatchesSingleProcessOnTheWholeBatchWithPrefetch) { expect_parity(Config{}, 2e-5); }
+
+TEST(Fsdp, TrainingMatchesOnSharedMemoryAtWorldSizeThree) {
+  Config c;
+  c.world = 3;
+  c.backend = DP_BACKEND_SHM;
+  expect_parity(c, 2e-5);
+}
+
+TEST(Fsdp, TrainingMatchesWithParametersKeptUnshardedFromForwardToBackward) {
+  Config c;
+  c.reshard_after_forward = 0;
+  expect_parity(c, 2e-5);
+}
+
+TEST(Fsdp, TrainingMatchesWithGradientsAccumulatedUnsyncedOverMicroBatches) {
+  Config c;
+  c.micro_batches = 3;
+  c.world = 3;
+  expect_parity(c, 2e-5);
+}
+
+TEST(Fsdp, TrainingInBfloat16MatchesWithinBfloat16Tolerance) {
+  Config c;
+  c.param_dtype = DP_BFLOAT16;
+  expect_parity(c, 3e-2);
+}
+
+// A parameter with fewer rows than ranks (ranks past them keep none), an
+// empty one and a 0-d one: unshard gives them back whole, post_backward
+// averages their gradients into the shards' gradients.
+TEST(Fsdp, FewerRowsThanRanksEmptyAndZeroDimParametersGatherAndReduce) {
+  run_ranks(3, DP_BACKEND_GLOO, [](int rank, dp_process_group* pg) {
+    dptest::ModulePtr m = dptest::new_module();
+    TensorPtr narrow = make<float>({1, 4}, {1, 2, 3, 4});
+    TensorPtr empty = make<float>({0, 2}, {});
+    TensorPtr scalar = make<float>({}, {7});
+    ASSERT_EQ(dp_module_register_parameter(m.get(), "narrow", narrow.get(), 1), DP_OK);
+    ASSERT_EQ(dp_module_register_parameter(m.get(), "empty", empty.get(), 1), DP_OK);
+    ASSERT_EQ(dp_module_register_parameter(m.get(), "scalar", scalar.get(), 1), DP_OK);
+    dp_fsdp* raw = nullptr;
+    ASSERT_EQ(dp_fsdp_create(&raw, m.get(), pg, nullptr), DP_OK) << dp_last_error();
+    FsdpPtr f(raw);
+    EXPECT_EQ(parameter_shape(m.get(), "narrow"), (std::vector<int64_t>{rank == 0 ? 1 : 0, 4}));
+    EXPECT_EQ(parameter_shape(m.get(), "empty"), (std::vector<int64_t>{0, 2}));
+    EXPECT_EQ(parameter_shape(m.get(), "scalar"), std::vector<int64_t>{});
+    ASSERT_EQ(dp_fsdp_unshard(f.get(), 0), DP_OK) << dp_last_error();
+    EXPECT_EQ(parameter(m.get(), "narrow"), (std::vector<float>{1, 2, 3, 4}));
+    EXPECT_EQ(parameter(m.get(), "scalar"), std::vector<float>{7});
+    const auto r = static_cast<float>(rank);
+    add_grad(m.get(), "narrow", {r, r, r, 3 * r});
+    add_grad(m.get(), "scalar", {6 * r});
+    ASSERT_EQ(dp_fsdp_post_backward(f.get()), DP_OK) << dp_last_error();
+    ASSERT_EQ(dp_fsdp_finish_backward(f.get()), DP_OK) << dp_last_error();
+    dp_tensor* g = nullptr;
+    ASSERT_EQ(dp_fsdp_shard_grad(f.get(), 0, &g), DP_OK);
+    TensorPtr narrow_grad(g);
+    EXPECT_EQ(read(g), rank == 0 ? (std::vector<float>{1, 1, 1, 3}) : std::vector<float>{});
+    ASSERT_EQ(dp_fsdp_shard_grad(f.get(), 2, &g), DP_OK);
+    TensorPtr scalar_grad(g);
+    EXPECT_EQ(read(g), std::vector<float>{6});
+    // Destroying gives the module its full parameters back.
+    f.reset();
+    EXPECT_EQ(parameter(m.get(), "narrow"), (std::vector<float>{1, 2, 3, 4}));
+    EXPECT_EQ(parameter_shape(m.get(), "empty"), (std::vector<int64_t>{0, 2}));
+  });
+}
+
+TEST(Fsdp, MisuseIsAClearErrorNamingWhatToCall) {
+  run_ranks(2, DP_BACKEND_GLOO, [](int, dp_process_group* pg) {
+    Toy toy(0.0f);
+    dp_fsdp* raw = nullptr;
+    ASSERT_EQ(dp_fsdp_create(&raw, toy.layer[0].get(), pg, nullptr), DP_OK) << dp_last_error();
+    FsdpPtr f(raw);
+    dp_tensor* g = nullptr;
+    EXPECT_EQ(dp_module_grad(toy.root.get(), kWeights[0], &g), DP_ESTATE);
+    EXPECT_NE(std::string(dp_last_error()).find("dp_fsdp_unshard"), std::string::npos) << dp_last_error();
+    EXPECT_NE(std::string(dp_last_error()).find("'weight'"), std::string::npos) << dp_last_error();
+    EXPECT_EQ(dp_fsdp_post_backward(f.get()), DP_ESTATE);
+    EXPECT_NE(std::string(dp_last_error()).find("not unsharded"), std::string::npos) << dp_last_error();
+    EXPECT_EQ(dp_fsdp_wait_unshard(f.get()), DP_ESTATE);
+    EXPECT_EQ(dp_fsdp_shard(f.get(), 1, &g), DP_EINVAL);
+    EXPECT_EQ(dp_fsdp_unshard(nullptr, 0), DP_EINVAL);
+    // A second dp_fsdp over the same module manages nothing; a dp_ddp over it
+    // has nothing left to reduce.
+    dp_fsdp* second = nullptr;
+    ASSERT_EQ(dp_fsdp_create(&second, toy.layer[0].get(), pg, nullptr), DP_OK) << dp_last_error();
+    EXPECT_EQ(dp_fsdp_num_parameters(second), 0u);
+    dp_fsdp_destroy(second);
+    dp_ddp* d = nullptr;
+    EXPECT_EQ(dp_ddp_create(&d, toy.layer[0].get(), pg, nullptr), DP_EINVAL);
+    // With the parameters unsharded, the full-size gradient is there.
+    ASSERT_EQ(dp_fsdp_unshard(f.get(), 0), DP_OK) << dp_last_error();
+    ASSERT_EQ(dp_module_grad(toy.root.get(), kWeights[0], &g), DP_OK) << dp_last_error();
+    EXPECT_EQ(dptest::shape(g), (std::vector<int64_t>{3, 3}));
+    dp_tensor_destroy(g);
+  });
+}
+
+// A parameter a live dp_ddp manages is refused by name.
+TEST(Fsdp, ParametersOfALiveDdpAreRefusedByName) {
+  run_ranks(2, DP_BACKEND_GLOO, [](int, dp_process_group* pg) {
+    Toy toy(0.0f);
+    dp_ddp* d = nullptr;
+    ASSERT_EQ(dp_ddp_create(&d, toy.layer[3].get(), pg, nullptr), DP_OK) << dp_last_error();
+    DdpPtr ddp(d);
+    dp_fsdp* f = nullptr;
+    EXPECT_EQ(dp_fsdp_create(&f, toy.root.get(), pg, nullptr), DP_EINVAL);
+    EXPECT_NE(std::string(dp_last_error()).find("'proj.weight' is managed by a live dp_ddp"), std::string::npos)
+        << dp_last_error();
+  });
+}
+
+// A rank that skips an unshard the other makes and waits: the other's
+// unshard fails within the group's timeout naming it, and so does every
+// later call that needs the group's lane.
+TEST(Fsdp, ARankThatSkipsAnUnshardIsNamedWithinTheTimeout) {
+  std::atomic<bool> failed{false};
+  run_ranks(
+      2, DP_BACKEND_GLOO,
+      [&](int rank, dp_process_group* pg) {
+        Toy toy(0.0f);
+        dp_fsdp* raw = nullptr;
+        ASSERT_EQ(dp_fsdp_create(&raw, toy.layer[0].get(), pg, nullptr), DP_OK) << dp_last_error();
+        FsdpPtr f(raw);
+        if (rank == 0) {
+          EXPECT_EQ(dp_fsdp_unshard(f.get(), 0), DP_ETIMEOUT);
+          std::string error = dp_last_error();
+          EXPECT_NE(error.find("the unshard of dp_fsdp #"), std::string::npos) << error;
+          EXPECT_NE(error.find("rank(s) 1 did not arrive"), std::string::npos) << error;
+          EXPECT_NE(dp_fsdp_unshard(f.get(), 0), DP_OK);
+          EXPECT_NE(std::string(dp_last_error()).find("comm lane stopped"), std::string::npos) << dp_last_error();
+          failed = true;
+        } else {
+          while (!failed) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+      },
+      1000);
+}
+
+// A rank that makes another call in the skipped unshard's place (here its
+// destroy's gather): both calls fail at once, each naming both.
+TEST(Fsdp, ARankThatMakesAnotherCallInAnUnshardsPlaceFailsNamingBoth) {
+  run_ranks(2, DP_BACKEND_GLOO, [](int rank, dp_process_group* pg) {
+    Toy toy(0.0f);
+    dp_fsdp* raw = nullptr;
+    ASSERT_EQ(dp_fsdp_create(&raw, toy.layer[0].get(), pg, nullptr), DP_OK) << dp_last_error();
+    FsdpPtr f(raw);
+    if (rank == 0) {
+      EXPECT_EQ(dp_fsdp_unshard(f.get(), 0), DP_EREMOTE);
+      std::string error = dp_last_error();
+      EXPECT_NE(error.find("the unshard's all_gather"), std::string::npos) << error;
+      EXPECT_NE(error.find("the full parameters' all_gather"), std::string::npos) << error;
+    } else {
+      f.reset();
+      EXPECT_NE(std::string(dp_last_error()).find("the unshard's all_gather"), std::string::npos) << dp_last_error();
+      // The gather failed: the slot keeps this rank's shard.
+      EXPECT_EQ(parameter_shape(toy.root.get(), kWeights[0]), (std::vector<int64_t>{1, 3}));
+    }
+  });
+}
