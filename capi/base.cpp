@@ -2,6 +2,7 @@
 #include <cstring>
 
 #include "capi/capi_internal.h"
+#include "core/allocator.h"
 
 namespace dparallel::capi {
 const char* last_error_text() noexcept;
@@ -92,6 +93,28 @@ dp_status dp_device_format(dp_device device, char* buf, size_t cap) {
     fail_invalid("argument 'cap' is ", cap, " but \"", text, "\" needs ", text.size() + 1, " bytes");
   }
   std::memcpy(buf, text.c_str(), text.size() + 1);
+  DP_API_END
+}
+
+dp_status dp_device_memory_stats(dp_device device, dp_memory_stats* out) {
+  DP_API_BEGIN
+  capi::require_arg(out, "out");
+  if (out->struct_size < sizeof(size_t)) {
+    fail_invalid("argument 'out' has struct_size ", out->struct_size, "; set it to sizeof(dp_memory_stats)");
+  }
+  const MemoryUsage usage = memory_usage(capi::device_arg(device, "device"));
+  dp_memory_stats full{};
+  full.struct_size = out->struct_size;
+  full.allocated_bytes = usage.in_use;
+  full.peak_allocated_bytes = usage.peak;
+  full.cached_bytes = cached_bytes();
+  std::memcpy(out, &full, std::min(out->struct_size, sizeof(full)));
+  DP_API_END
+}
+
+dp_status dp_device_reset_peak_memory(dp_device device) {
+  DP_API_BEGIN
+  reset_peak_memory(capi::device_arg(device, "device"));
   DP_API_END
 }
 

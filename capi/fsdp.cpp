@@ -4,6 +4,7 @@
 #include "capi/dist_internal.h"
 #include "ddp/reducer.h"
 #include "dparallel/dp_fsdp.h"
+#include "fsdp/fsdp_state_dict.h"
 #include "fsdp/fully_shard.h"
 
 using namespace dparallel;
@@ -173,6 +174,50 @@ dp_status dp_fsdp_shard_grad(const dp_fsdp* fsdp, size_t index, dp_tensor** out)
   capi::require_arg(out, "out");
   *out = nullptr;
   return export_tensor(fsdp_arg(fsdp).shard_grad(index), out);
+  DP_API_END
+}
+
+dp_status dp_fsdp_save_full_state_dict(dp_module* module, dp_process_group* pg, const char* path) {
+  DP_API_BEGIN
+  std::string refusal = refusal_inside_callback();
+  if (!refusal.empty()) fail(StatusCode::kState, refusal);
+  Module& m = *capi::module_arg(module, "module");
+  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
+  std::string file = capi::string_arg(path, "path");
+  StreamOrder order(capi::module_devices(m, {group.device()}));
+  fsdp::save_full_state_dict(m, group, file);
+  order.finish();
+  DP_API_END
+}
+
+dp_status dp_fsdp_load_full_state_dict(dp_module* module, const char* path, int strict) {
+  DP_API_BEGIN
+  Module& m = *capi::module_arg(module, "module");
+  std::string file = capi::string_arg(path, "path");
+  StreamOrder order(capi::module_devices(m));
+  fsdp::load_full_state_dict(m, file, strict != 0);
+  order.finish();
+  DP_API_END
+}
+
+dp_status dp_fsdp_save_sharded_state_dict(dp_module* module, dp_process_group* pg, const char* folder) {
+  DP_API_BEGIN
+  Module& m = *capi::module_arg(module, "module");
+  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
+  std::string dir = capi::string_arg(folder, "folder");
+  StreamOrder order(capi::module_devices(m, {group.device()}));
+  fsdp::save_sharded_state_dict(m, group, dir);
+  order.finish();
+  DP_API_END
+}
+
+dp_status dp_fsdp_load_sharded_state_dict(dp_module* module, const char* folder) {
+  DP_API_BEGIN
+  Module& m = *capi::module_arg(module, "module");
+  std::string dir = capi::string_arg(folder, "folder");
+  StreamOrder order(capi::module_devices(m));
+  fsdp::load_sharded_state_dict(m, dir);
+  order.finish();
   DP_API_END
 }
 

@@ -18,6 +18,7 @@ namespace dptest {
 struct RankOptions {
   int32_t backend = DP_BACKEND_AUTO;
   int timeout_ms = 60000;
+  bool cuda = false;  // rank r's group on cuda:r
 };
 
 // Runs body(rank, group) on `world` threads and joins them; `prefix` keeps
@@ -37,6 +38,7 @@ inline void run_thread_ranks(const std::string& prefix, int world, const RankOpt
       o.store = store;
       o.timeout_ms = options.timeout_ms;
       o.backend = options.backend;
+      if (options.cuda) o.device = cuda(r);
       dp_process_group* pg = nullptr;
       dp_status st = dp_process_group_create(&pg, &o);
       dp_store_destroy(store);

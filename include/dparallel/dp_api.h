@@ -185,7 +185,7 @@ extern "C" {
   X(dp_status, ddp_parameter_used, (const dp_ddp *ddp, size_t param_index, int *out))                                   \
   X(dp_status, ddp_bucket_plan, (const dp_ddp *ddp, char *buf, size_t cap, size_t *len))                               \
   X(dp_status, ddp_join, (dp_ddp *const *ddps, size_t n))                                                               \
-  /* ---- abi_minor 7: fully_shard (dp_fsdp.h) ---- */                                                                  \
+  /* ---- abi_minor 7: fully_shard (dp_fsdp.h), device memory ---- */                                                                  \
   X(dp_status, fsdp_options_init, (dp_fsdp_options *opts, size_t struct_size))                                          \
   X(dp_status, fsdp_create, (dp_fsdp **out, dp_module *module, dp_process_group *pg, const dp_fsdp_options *opts))      \
   X(dp_status, fsdp_unshard, (dp_fsdp *fsdp, int async))                                                                \
@@ -198,7 +198,14 @@ extern "C" {
   X(dp_status, fsdp_parameter_name, (const dp_fsdp *fsdp, size_t index, const char **out))                              \
   X(dp_status, fsdp_shard, (const dp_fsdp *fsdp, size_t index, dp_tensor **out))                                        \
   X(dp_status, fsdp_shard_grad, (const dp_fsdp *fsdp, size_t index, dp_tensor **out))                                   \
-  X(void, fsdp_destroy, (dp_fsdp *fsdp))
+  X(void, fsdp_destroy, (dp_fsdp *fsdp))                                                                                \
+  X(dp_status, fsdp_save_full_state_dict, (dp_module *module, dp_process_group *pg, const char *path))                  \
+  X(dp_status, fsdp_load_full_state_dict, (dp_module *module, const char *path, int strict))                            \
+  X(dp_status, fsdp_save_sharded_state_dict, (dp_module *module, dp_process_group *pg, const char *folder))             \
+  X(dp_status, fsdp_load_sharded_state_dict, (dp_module *module, const char *folder))                                   \
+  /* device memory (dp_base.h) */                                                                                       \
+  X(dp_status, device_memory_stats, (dp_device device, dp_memory_stats *out))                                           \
+  X(dp_status, device_reset_peak_memory, (dp_device device))
 /* clang-format on */
 
 /* A type, a name and a parameter list cannot be parenthesised. */

@@ -85,6 +85,21 @@ DP_API dp_status dp_device_parse(const char *text, dp_device *out);
  * too small (the message says how much is needed). */
 DP_API dp_status dp_device_format(dp_device device, char *buf, size_t cap);
 
+/* Memory of a device's tensors: what the library allocated for them (memory
+ * a host lends through dp_tensor_from_blob or DLPack is not counted), in
+ * bytes as requested: in use now, the most in use at once since the last
+ * dp_device_reset_peak_memory (or since the start), and the freed blocks
+ * the library keeps for reuse (all devices together; DP_CACHE_LIMIT_MB).
+ * Set struct_size; fields past it are not written. Any thread. */
+typedef struct dp_memory_stats {
+  size_t struct_size;
+  uint64_t allocated_bytes;
+  uint64_t peak_allocated_bytes;
+  uint64_t cached_bytes;
+} dp_memory_stats;
+DP_API dp_status dp_device_memory_stats(dp_device device, dp_memory_stats *out);
+DP_API dp_status dp_device_reset_peak_memory(dp_device device);
+
 typedef enum dp_dtype {
   DP_FLOAT32 = 0,
   DP_FLOAT64 = 1,

@@ -132,6 +132,32 @@ DP_API dp_status dp_fsdp_shard_grad(const dp_fsdp *fsdp, size_t index, dp_tensor
  * why. NULL is accepted. */
 DP_API void dp_fsdp_destroy(dp_fsdp *fsdp);
 
+/* State dicts of a module whose parameters dp_fsdp hold (the root, say).
+ *
+ * Full: collective over the ranks of `pg`, which every dp_fsdp holding a
+ * parameter of `module` must be on (else DP_EINVAL naming the parameter):
+ * each sharded parameter is gathered (one all-gather per dp_fsdp, in the
+ * order their first parameters are listed) and rank 0 writes `path` as
+ * dp_module_save would for the unsharded module: the same bytes. The other
+ * ranks write nothing. Loading is local: every rank can read the file; each
+ * keeps its rows of the sharded parameters and takes every other tensor
+ * whole (`strict` and errors as for dp_module_load; the module is unchanged
+ * on an error found before copying). Every dp_fsdp involved must be
+ * resharded (DP_ESTATE otherwise). */
+DP_API dp_status dp_fsdp_save_full_state_dict(dp_module *module, dp_process_group *pg, const char *path);
+DP_API dp_status dp_fsdp_load_full_state_dict(dp_module *module, const char *path, int strict);
+/* Sharded: local; each rank writes `folder`/shard-RRRRR-of-WWWWW.safetensors
+ * (the folder is made when missing) holding its rows of every sharded
+ * parameter, with metadata "dp.rows.<name>" = "first count rows" to re-shard
+ * them; rank 0's file also holds every tensor that is not sharded. Loading
+ * reads every file of the save (load after every rank's save has returned,
+ * e.g. after a dp_pg_barrier) and takes the rows this rank keeps now, so a
+ * save at one world size loads at another. Every key must name a tensor of
+ * the module and every tensor must be covered, with the same dtype and full
+ * shape, else DP_EINVAL naming each difference and the module is unchanged. */
+DP_API dp_status dp_fsdp_save_sharded_state_dict(dp_module *module, dp_process_group *pg, const char *folder);
+DP_API dp_status dp_fsdp_load_sharded_state_dict(dp_module *module, const char *folder);
+
 #ifdef __cplusplus
 }
 #endif

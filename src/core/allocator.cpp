@@ -216,6 +216,42 @@ class PendingFrees {
   std::atomic<bool> any_{false};  // blocks_ is not empty (a hint read without the lock)
 };
 
+// Bytes in use per device: a fixed table, so that counting costs no lock.
+class UsageTable {
+ public:
+  struct Counters {
+    std::atomic<size_t> in_use{0};
+    std::atomic<size_t> peak{0};
+  };
+  // Null for a device past the table (not counted).
+  Counters* of(const Device& device) {
+    const size_t kind = device.is_cpu() ? 0 : 1;
+    if (device.index < 0 || static_cast<size_t>(device.index) >= kPerType) return nullptr;
+    return &counters_[kind][static_cast<size_t>(device.index)];
+  }
+  void add(const Device& device, size_t nbytes) {
+    Counters* c = of(device);
+    if (c == nullptr) return;
+    const size_t now = c->in_use.fetch_add(nbytes, std::memory_order_relaxed) + nbytes;
+    size_t peak = c->peak.load(std::memory_order_relaxed);
+    while (now > peak && !c->peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+    }
+  }
+  void remove(const Device& device, size_t nbytes) {
+    if (Counters* c = of(device)) c->in_use.fetch_sub(nbytes, std::memory_order_relaxed);
+  }
+
+  static constexpr size_t kPerType = 4096;
+
+ private:
+  Counters counters_[2][kPerType];
+};
+
+UsageTable& usage() {
+  static UsageTable* instance = new UsageTable();  // leaked like the registry
+  return *instance;
+}
+
 PendingFrees& pending_frees() {
   static PendingFrees* instance = new PendingFrees();  // leaked like the registry
   return *instance;
@@ -229,13 +265,17 @@ Allocation device_allocate(const Device& device, size_t nbytes) {
   if (device.is_cpu() && nbytes < kLargeBlock) {
     void* p = std::aligned_alloc(64, round_up(nbytes, 64));
     if (p == nullptr) fail(StatusCode::kOutOfMemory, "could not allocate ", nbytes, " bytes on ", to_string(device));
+    usage().add(device, nbytes);
     return {p, false};
   }
-  return registry().of(device).allocate(block_size(device, nbytes));
+  Allocation a = registry().of(device).allocate(block_size(device, nbytes));
+  usage().add(device, nbytes);
+  return a;
 }
 
 void device_free(const Device& device, void* data, size_t nbytes) noexcept {
   if (data == nullptr) return;
+  usage().remove(device, nbytes);
   void* stream = current_stream(device);
   const DeviceRuntime* runtime = find_device_runtime(device.type);
   if (runtime != nullptr && (stream != nullptr || runtime->default_stream_is_queued())) {
@@ -252,6 +292,19 @@ void device_free(const Device& device, void* data, size_t nbytes) noexcept {
 }
 
 size_t cached_bytes() { return BlockCache::total_cached().load(); }
+
+MemoryUsage memory_usage(const Device& device) {
+  MemoryUsage out;
+  if (UsageTable::Counters* c = usage().of(device)) {
+    out.in_use = c->in_use.load(std::memory_order_relaxed);
+    out.peak = c->peak.load(std::memory_order_relaxed);
+  }
+  return out;
+}
+
+void reset_peak_memory(const Device& device) {
+  if (UsageTable::Counters* c = usage().of(device)) c->peak.store(c->in_use.load(std::memory_order_relaxed));
+}
 
 void release_cached_memory() {
   pending_frees().drain(true);

@@ -12,6 +12,14 @@ namespace dparallel {
 // Throws kOutOfMemory, or kDevice for a CUDA failure.
 Allocation device_allocate(const Device& device, size_t nbytes);
 void device_free(const Device& device, void* data, size_t nbytes) noexcept;
+// What a device's tensors hold now and at most since the last reset
+// (requested bytes, counted at allocation and free).
+struct MemoryUsage {
+  size_t in_use = 0;
+  size_t peak = 0;
+};
+MemoryUsage memory_usage(const Device& device);
+void reset_peak_memory(const Device& device);
 // Bytes held in caches of freed blocks, over all devices.
 size_t cached_bytes();
 // Returns every cached block to the system.

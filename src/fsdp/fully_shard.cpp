@@ -542,14 +542,21 @@ std::vector<Tensor> FullyShard::gather_shards(bool compute_dtype) {
   }
   Tensor gathered;
   if (segment > 0) {
-    // Zeros: the padding rows go over the wire too.
-    Tensor mine = Tensor::zeros(DType::kUInt8, {static_cast<int64_t>(segment)}, device);
+    Tensor mine = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(segment)}, device);
+    // Only the padding is zeroed: it goes over the wire too.
+    size_t written = 0;
+    auto zero_up_to = [&](size_t end) {
+      if (end > written) fill_zero(static_cast<uint8_t*>(mine.data()) + written, device, end - written);
+    };
     for (size_t i = 0; i < params_.size(); ++i) {
       const Managed& m = params_[i];
-      if (!m.sharded || m.split.count == 0) continue;
+      if (!m.sharded) continue;
+      zero_up_to(offsets[i]);
       const int64_t n = m.split.count * m.row_numel;
       ddp::cast_into(mine.view_at(offsets[i], dtype_of(m), {n}), m.shard.view({n}));
+      written = offsets[i] + static_cast<size_t>(n) * dtype_size(dtype_of(m));
     }
+    zero_up_to(segment);
     gathered = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(segment) * world}, device);
     std::vector<Tensor> outputs;
     outputs.reserve(static_cast<size_t>(world));
@@ -593,17 +600,34 @@ void FullyShard::run_post_backward() {
     if (segment == 0) continue;
     const size_t esize = dtype_size(dtype);
     const auto seg = static_cast<int64_t>(segment);
-    Tensor input = Tensor::zeros(dtype, {seg * world}, device);  // zeros: the padding, and gradients never taken
-    for (size_t i = 0; i < params_.size(); ++i) {
-      const Managed& m = params_[i];
-      if (!m.sharded || !m.reduced || m.reduce != dtype || !grads[i].defined()) continue;
-      for (int32_t r = 0; r < world; ++r) {
-        RowSplit s = split_rows(m.full_shape[0], world, r);
+    // Rank r's segment holds its rows of each parameter, padded to the
+    // chunk; the padding and the gradients never taken are zeros.
+    Tensor input = Tensor::empty(dtype, {seg * world}, device);
+    auto* bytes = static_cast<uint8_t*>(input.data());
+    for (int32_t r = 0; r < world; ++r) {
+      size_t written = static_cast<size_t>(r) * segment;  // elements
+      for (size_t i = 0; i < params_.size(); ++i) {
+        const Managed& m = params_[i];
+        if (!m.sharded || !m.reduced || m.reduce != dtype) continue;
+        const size_t at = static_cast<size_t>(r) * segment + m.reduce_offset;
+        const RowSplit s = split_rows(m.full_shape[0], world, r);
+        if (at > written) fill_zero(bytes + written * esize, device, (at - written) * esize);
+        written = at;
         if (s.count == 0) continue;
-        ddp::cast_into(
-            input.view_at((static_cast<size_t>(r) * segment + m.reduce_offset) * esize, dtype, {s.count * m.row_numel}),
-            rows_of(grads[i], s.start, s.count, m.row_numel));
+        const int64_t n = s.count * m.row_numel;
+        if (grads[i].defined()) {
+          ddp::cast_into(input.view_at(at * esize, dtype, {n}), rows_of(grads[i], s.start, s.count, m.row_numel));
+        } else {
+          fill_zero(bytes + at * esize, device, static_cast<size_t>(n) * esize);
+        }
+        written = at + static_cast<size_t>(n);
       }
+      const size_t end = static_cast<size_t>(r + 1) * segment;
+      if (end > written) fill_zero(bytes + written * esize, device, (end - written) * esize);
+    }
+    // Copied in: the full gradients' memory can go now.
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (params_[i].sharded && params_[i].reduce == dtype) grads[i] = Tensor();
     }
     Tensor output = Tensor::empty(dtype, {seg}, device);
     std::vector<Tensor> inputs;

@@ -91,6 +91,9 @@ class FullyShard final : public ddp::LaneOwner,
   // Which parameter (index) holds `parameter`, or npos.
   size_t index_of(const Parameter* parameter) const;
   static constexpr size_t npos = ~size_t(0);
+  // Parameter `index`'s full shape and own dtype (its shard's).
+  const Shape& full_shape(size_t index) const { return params_.at(index).full_shape; }
+  DType dtype(size_t index) const { return params_.at(index).dtype; }
   // The row split of parameter `index` on `rank` (0-d parameters: whole).
   RowSplit split_of(size_t index, int32_t rank) const;
   // Copies the rows of `full` (the parameter's full shape and any dtype it

@@ -211,8 +211,10 @@ std::vector<StateEntry> state_dict(Module& module) {
   return out;
 }
 
-void save_module(Module& module, const std::string& path) {
-  std::vector<StateEntry> entries = state_dict(module);
+void save_module(Module& module, const std::string& path) { save_state(state_dict(module), {{"format", "pt"}}, path); }
+
+void save_state(const std::vector<StateEntry>& entries, const std::map<std::string, std::string>& metadata,
+                const std::string& path) {
   std::vector<safetensors::Entry> layout;
   uint64_t offset = 0;
   for (const StateEntry& e : entries) {
@@ -220,7 +222,7 @@ void save_module(Module& module, const std::string& path) {
     layout.push_back(safetensors::Entry{e.name, e.value.dtype(), e.value.shape(), offset, offset + e.value.nbytes()});
     offset += e.value.nbytes();
   }
-  std::string header = safetensors::encode_header(layout, {{"format", "pt"}});
+  std::string header = safetensors::encode_header(layout, metadata);
   const std::string target = save_target(path);
   const std::string named = target == path ? "'" + path + "'" : "'" + target + "' (the target of '" + path + "')";
   mode_t mode = 0666 & ~current_umask();  // what a new file gets
@@ -363,6 +365,13 @@ void load_module(Module& module, const std::string& path, bool strict) {
       copy_bytes(target.data(), target.device(), staging.data(), kHost, target.nbytes());
     }
   }
+}
+
+std::vector<uint8_t> read_state_file(const std::string& path) {
+  InputFile file(path);
+  std::vector<uint8_t> bytes(static_cast<size_t>(file.size()));
+  file.read_at(bytes.data(), bytes.size(), 0);
+  return bytes;
 }
 
 void load_module_image(Module& module, const uint8_t* data, size_t size, const std::string& origin, bool strict) {

@@ -1,3 +1,4 @@
+#include <cstring>
 #include <string>
 #include <thread>
 
@@ -83,4 +84,51 @@ TEST(DtypeSize, CoversEveryDtypeAndZeroForUnknown) {
   EXPECT_EQ(dp_dtype_size(DP_BOOL), 1u);
   EXPECT_EQ(dp_dtype_size(9), 0u);
   EXPECT_EQ(dp_dtype_size(-1), 0u);
+}
+
+// cpu:7 is used by no other test in this binary: its counts are this test's.
+TEST(DeviceMemory, CountsATensorsBytesWhileItLivesAndKeepsThePeak) {
+  const dp_device device = cpu(7);
+  DP_ASSERT_OK(dp_device_reset_peak_memory(device));
+  dp_memory_stats before{};
+  before.struct_size = sizeof before;
+  DP_ASSERT_OK(dp_device_memory_stats(device, &before));
+  EXPECT_EQ(before.peak_allocated_bytes, before.allocated_bytes);
+  {
+    auto big = make<float>({1 << 18}, std::vector<float>(1 << 18, 1.0f), device);  // 1 MiB
+    auto small = make<float>({10}, std::vector<float>(10, 1.0f), device);
+    dp_memory_stats during{};
+    during.struct_size = sizeof during;
+    DP_ASSERT_OK(dp_device_memory_stats(device, &during));
+    EXPECT_EQ(during.allocated_bytes, before.allocated_bytes + (1u << 20) + 40u);
+    EXPECT_EQ(during.peak_allocated_bytes, during.allocated_bytes);
+  }
+  dp_memory_stats after{};
+  after.struct_size = sizeof after;
+  DP_ASSERT_OK(dp_device_memory_stats(device, &after));
+  EXPECT_EQ(after.allocated_bytes, before.allocated_bytes);
+  EXPECT_EQ(after.peak_allocated_bytes, before.allocated_bytes + (1u << 20) + 40u);
+  EXPECT_GE(after.cached_bytes, 1u << 20);  // the freed block is kept for reuse
+  DP_ASSERT_OK(dp_device_reset_peak_memory(device));
+  DP_ASSERT_OK(dp_device_memory_stats(device, &after));
+  EXPECT_EQ(after.peak_allocated_bytes, after.allocated_bytes);
+}
+
+TEST(DeviceMemory, ABadDeviceOrStructSizeIsEinvalNamingIt) {
+  dp_memory_stats stats{};
+  stats.struct_size = sizeof stats;
+  EXPECT_EQ(dp_device_memory_stats(dp_device{3, 0}, &stats), DP_EINVAL);
+  EXPECT_NE(last_error().find("device"), std::string::npos) << last_error();
+  EXPECT_EQ(dp_device_memory_stats(cpu(0), nullptr), DP_EINVAL);
+  stats.struct_size = 4;
+  EXPECT_EQ(dp_device_memory_stats(cpu(0), &stats), DP_EINVAL);
+  EXPECT_NE(last_error().find("struct_size"), std::string::npos) << last_error();
+  // An older, shorter struct (its first two fields) gets only its own bytes written.
+  alignas(dp_memory_stats) unsigned char bytes[sizeof(dp_memory_stats)];
+  std::memset(bytes, 0xA5, sizeof bytes);
+  const size_t older = sizeof(size_t) + sizeof(uint64_t);
+  std::memcpy(bytes, &older, sizeof older);
+  DP_ASSERT_OK(dp_device_memory_stats(cpu(0), reinterpret_cast<dp_memory_stats*>(bytes)));
+  for (size_t i = older; i < sizeof bytes; ++i) EXPECT_EQ(bytes[i], 0xA5) << "byte " << i;
+  EXPECT_EQ(dp_device_reset_peak_memory(dp_device{DP_DEVICE_CPU, -1}), DP_EINVAL);
 }

@@ -34,8 +34,8 @@ struct DdpDeleter {
 using DdpPtr = std::unique_ptr<dp_ddp, DdpDeleter>;
 
 void run_ranks(int world, int32_t backend, const std::function<void(int, dp_process_group*)>& body,
-               int timeout_ms = 60000) {
-  dptest::run_thread_ranks("fsdp_", world, dptest::RankOptions{backend, timeout_ms}, body);
+               int timeout_ms = 60000, bool cuda = false) {
+  dptest::run_thread_ranks("fsdp_", world, dptest::RankOptions{backend, timeout_ms, cuda}, body);
 }
 
 float bf16_to_float(uint16_t bits) {
@@ -175,6 +175,7 @@ struct Config {
   int steps = 4;
   int rows_per_rank = 4;
   float lr = 0.2f;
+  bool cuda = false;  // rank r on cuda:r, NCCL
 };
 
 // Single-process training on the whole batch: the reference.
@@ -209,10 +210,10 @@ struct Toy {
   dptest::ModulePtr root = dptest::new_module();
   dptest::ModulePtr linears = dptest::new_module();
   dptest::ModulePtr layer[4];
-  explicit Toy(float skew) {
+  explicit Toy(float skew, dp_device device = dptest::cpu(0)) {
     for (int l = 0; l < 4; ++l) {
       layer[l] = dptest::new_module();
-      TensorPtr w = make<float>({kDim, kDim}, initial_weights(l, skew));
+      TensorPtr w = make<float>({kDim, kDim}, initial_weights(l, skew), device);
       EXPECT_EQ(dp_module_register_parameter(layer[l].get(), "weight", w.get(), 1), DP_OK) << dp_last_error();
       if (l < 3) {
         EXPECT_EQ(dp_module_register_module(linears.get(), std::to_string(l).c_str(), layer[l].get()), DP_OK);
@@ -322,37 +323,41 @@ void sgd(Toy& toy, Sharded& s, float lr) {
 // Trains on every rank and compares each rank's full parameters with the reference.
 void expect_parity(const Config& c, double tolerance) {
   const std::vector<std::vector<float>> expected = reference(c);
-  run_ranks(c.world, c.backend, [&](int rank, dp_process_group* pg) {
-    Toy toy(0.05f * static_cast<float>(rank));  // init_sync makes rank 0's values everyone's
-    Sharded s = shard_toy(toy, pg, c);
-    const int global_rows = c.rows_per_rank * c.world;
-    for (int step = 0; step < c.steps; ++step) {
-      for (int mb = 0; mb < c.micro_batches; ++mb) {
-        const int sync = mb + 1 == c.micro_batches ? 1 : 0;
-        for (auto& f : s.layer) ASSERT_EQ(dp_fsdp_set_requires_gradient_sync(f.get(), sync), DP_OK);
-        ASSERT_EQ(dp_ddp_set_requires_gradient_sync(s.ddp.get(), sync), DP_OK);
-        Matrix x, t;
-        batch(step * c.micro_batches + mb, global_rows, x, t);
-        forward_backward(toy, s, rows_of(x, rank * c.rows_per_rank, c.rows_per_rank),
-                         rows_of(t, rank * c.rows_per_rank, c.rows_per_rank));
-      }
-      sgd(toy, s, c.lr);
-    }
-    for (int l = 0; l < 4; ++l) {
-      if (l < 3) {
-        ASSERT_EQ(dp_fsdp_unshard(s.layer[l].get(), 0), DP_OK) << dp_last_error();
-      }
-      std::vector<float> got = parameter(toy.root.get(), kWeights[l]);
-      ASSERT_EQ(got.size(), expected[l].size());
-      for (size_t k = 0; k < got.size(); ++k) {
-        EXPECT_NEAR(got[k], expected[l][k], tolerance * (1.0 + std::fabs(expected[l][k])))
-            << "rank " << rank << " " << kWeights[l] << "[" << k << "]";
-      }
-      if (l < 3) {
-        ASSERT_EQ(dp_fsdp_reshard(s.layer[l].get()), DP_OK) << dp_last_error();
-      }
-    }
-  });
+  run_ranks(
+      c.world, c.backend,
+      [&](int rank, dp_process_group* pg) {
+        Toy toy(0.05f * static_cast<float>(rank),  // init_sync makes rank 0's values everyone's
+                c.cuda ? dptest::cuda(rank) : dptest::cpu(0));
+        Sharded s = shard_toy(toy, pg, c);
+        const int global_rows = c.rows_per_rank * c.world;
+        for (int step = 0; step < c.steps; ++step) {
+          for (int mb = 0; mb < c.micro_batches; ++mb) {
+            const int sync = mb + 1 == c.micro_batches ? 1 : 0;
+            for (auto& f : s.layer) ASSERT_EQ(dp_fsdp_set_requires_gradient_sync(f.get(), sync), DP_OK);
+            ASSERT_EQ(dp_ddp_set_requires_gradient_sync(s.ddp.get(), sync), DP_OK);
+            Matrix x, t;
+            batch(step * c.micro_batches + mb, global_rows, x, t);
+            forward_backward(toy, s, rows_of(x, rank * c.rows_per_rank, c.rows_per_rank),
+                             rows_of(t, rank * c.rows_per_rank, c.rows_per_rank));
+          }
+          sgd(toy, s, c.lr);
+        }
+        for (int l = 0; l < 4; ++l) {
+          if (l < 3) {
+            ASSERT_EQ(dp_fsdp_unshard(s.layer[l].get(), 0), DP_OK) << dp_last_error();
+          }
+          std::vector<float> got = parameter(toy.root.get(), kWeights[l]);
+          ASSERT_EQ(got.size(), expected[l].size());
+          for (size_t k = 0; k < got.size(); ++k) {
+            EXPECT_NEAR(got[k], expected[l][k], tolerance * (1.0 + std::fabs(expected[l][k])))
+                << "rank " << rank << " " << kWeights[l] << "[" << k << "]";
+          }
+          if (l < 3) {
+            ASSERT_EQ(dp_fsdp_reshard(s.layer[l].get()), DP_OK) << dp_last_error();
+          }
+        }
+      },
+      60000, c.cuda);
 }
 
 }  // namespace
@@ -552,4 +557,114 @@ TEST(Fsdp, ARankThatMakesAnotherCallInAnUnshardsPlaceFailsNamingBoth) {
       EXPECT_EQ(parameter_shape(toy.root.get(), kWeights[0]), (std::vector<int64_t>{1, 3}));
     }
   });
+}
+
+// ---- state dicts ----
+
+namespace {
+
+// Toy(skew) sharded on every layer (init_sync off: each rank keeps its own
+// values), with the linears' full weights checked after an unshard.
+void expect_full_weights(Toy& toy, Sharded& s, float skew) {
+  for (int l = 0; l < 4; ++l) {
+    if (l < 3) {
+      ASSERT_EQ(dp_fsdp_unshard(s.layer[l].get(), 0), DP_OK) << dp_last_error();
+    }
+    EXPECT_EQ(parameter(toy.root.get(), kWeights[l]), initial_weights(l, skew)) << kWeights[l];
+    if (l < 3) {
+      ASSERT_EQ(dp_fsdp_reshard(s.layer[l].get()), DP_OK) << dp_last_error();
+    }
+  }
+}
+
+Sharded shard_unsynced(Toy& toy, dp_process_group* pg) {
+  Sharded s;
+  dp_fsdp_options o;
+  EXPECT_EQ(dp_fsdp_options_init(&o, sizeof o), DP_OK);
+  o.init_sync = 0;
+  for (int l = 0; l < 3; ++l) {
+    dp_fsdp* f = nullptr;
+    EXPECT_EQ(dp_fsdp_create(&f, toy.layer[l].get(), pg, &o), DP_OK) << dp_last_error();
+    s.layer[l].reset(f);
+  }
+  return s;
+}
+
+}  // namespace
+
+TEST(FsdpStateDict, FullSaveIsTheUnshardedModulesFileAndEveryRankLoadsItsRows) {
+  const std::string saved = dptest::temp_path("fsdp_full_", "sharded.safetensors");
+  const std::string plain = dptest::temp_path("fsdp_full_", "plain.safetensors");
+  Toy unsharded(0.0f);
+  ASSERT_EQ(dp_module_save(unsharded.root.get(), plain.c_str()), DP_OK) << dp_last_error();
+  run_ranks(2, DP_BACKEND_GLOO, [&](int rank, dp_process_group* pg) {
+    Toy toy(0.0f);
+    Sharded s = shard_unsynced(toy, pg);
+    ASSERT_EQ(dp_fsdp_save_full_state_dict(toy.root.get(), pg, saved.c_str()), DP_OK) << dp_last_error();
+    ASSERT_EQ(dp_pg_barrier(pg), DP_OK);
+    if (rank == 0) {
+      EXPECT_EQ(dptest::read_bytes(saved), dptest::read_bytes(plain));
+    }
+    // Another rank's values, then the file's.
+    Toy other(0.5f + static_cast<float>(rank));
+    Sharded t = shard_unsynced(other, pg);
+    ASSERT_EQ(dp_fsdp_load_full_state_dict(other.root.get(), saved.c_str(), 1), DP_OK) << dp_last_error();
+    EXPECT_EQ(parameter_shape(other.root.get(), kWeights[0]), (std::vector<int64_t>{rank == 0 ? 2 : 1, 3}));
+    expect_full_weights(other, t, 0.0f);
+    // Unsharded, a load is refused.
+    ASSERT_EQ(dp_fsdp_unshard(t.layer[1].get(), 0), DP_OK);
+    EXPECT_EQ(dp_fsdp_load_full_state_dict(other.root.get(), saved.c_str(), 1), DP_ESTATE);
+    EXPECT_NE(std::string(dp_last_error()).find("reshard"), std::string::npos) << dp_last_error();
+    ASSERT_EQ(dp_fsdp_reshard(t.layer[1].get()), DP_OK);
+    ASSERT_EQ(dp_pg_barrier(pg), DP_OK);
+  });
+  ::unlink(saved.c_str());
+  ::unlink(plain.c_str());
+}
+
+TEST(FsdpStateDict, ShardedSaveAtTwoRanksLoadsAtThree) {
+  const std::string folder = dptest::temp_path("fsdp_sharded_", "save");
+  run_ranks(2, DP_BACKEND_GLOO, [&](int, dp_process_group* pg) {
+    Toy toy(0.25f);
+    Sharded s = shard_unsynced(toy, pg);
+    ASSERT_EQ(dp_fsdp_save_sharded_state_dict(toy.root.get(), pg, folder.c_str()), DP_OK) << dp_last_error();
+  });
+  run_ranks(3, DP_BACKEND_GLOO, [&](int rank, dp_process_group* pg) {
+    Toy toy(-1.0f - static_cast<float>(rank));
+    Sharded s = shard_unsynced(toy, pg);
+    ASSERT_EQ(dp_fsdp_load_sharded_state_dict(toy.root.get(), folder.c_str()), DP_OK) << dp_last_error();
+    EXPECT_EQ(parameter_shape(toy.root.get(), kWeights[2]), (std::vector<int64_t>{1, 3}));
+    expect_full_weights(toy, s, 0.25f);
+    // A module whose tensors differ is refused by name and left as it is.
+    dptest::ModulePtr wrong = dptest::new_module();
+    dptest::ModulePtr proj = dptest::new_module();
+    TensorPtr w = make<float>({2, 2}, {1, 2, 3, 4});
+    ASSERT_EQ(dp_module_register_parameter(proj.get(), "weight", w.get(), 1), DP_OK);
+    ASSERT_EQ(dp_module_register_module(wrong.get(), "proj", proj.get()), DP_OK);
+    EXPECT_EQ(dp_fsdp_load_sharded_state_dict(wrong.get(), folder.c_str()), DP_EINVAL);
+    std::string error = dp_last_error();
+    EXPECT_NE(error.find("'proj.weight' is float32 3x3"), std::string::npos) << error;
+    EXPECT_NE(error.find("unexpected key 'linears.0.weight'"), std::string::npos) << error;
+    EXPECT_EQ(dptest::values<float>(w.get()), (std::vector<float>{1, 2, 3, 4}));
+  });
+  for (int r = 0; r < 2; ++r) {
+    char name[64];
+    std::snprintf(name, sizeof name, "/shard-%05d-of-00002.safetensors", r);
+    ::unlink((folder + name).c_str());
+  }
+  ::rmdir(folder.c_str());
+}
+
+// On GPUs: one rank per GPU (up to 2) over NCCL; the collectives run on the
+// group's stream and the host's copies order after them.
+TEST(CudaFsdp, TrainingMatchesOnTheGpusOverNccl) {
+  if (dptest::cuda_count() < 1) GTEST_SKIP() << "needs 1 GPU(s), found " << dptest::cuda_count();
+  Config c;
+  c.cuda = true;
+  c.backend = DP_BACKEND_NCCL;
+  c.world = dptest::cuda_count() >= 2 ? 2 : 1;
+  expect_parity(c, 2e-5);
+  c.param_dtype = DP_BFLOAT16;
+  c.micro_batches = 2;
+  expect_parity(c, 3e-2);
 }

@@ -1,0 +1,357 @@
+/* One rank of fully_shard across real processes, in plain C over the public
+ * headers, as a C host drives it: the seed test's ToyModel (3 x Linear(3, 3)
+ * in `linears`, then `proj`, no biases), fully_shard on each linear and on
+ * `linears`, a dp_ddp on the root, a forward and backward written here, SGD
+ * on the shards. Scenarios:
+ *   toy          trains 4 steps with prefetching unshards and compares every
+ *                parameter with single-process training on the whole batch;
+ *                then a full state dict from rank 0 loads back on every rank
+ *   toy_gloo     the same over Gloo
+ *   peer_exits   the last rank exits before an unshard the others make:
+ *                theirs fails within the group's timeout naming it
+ * Prints "rank R: SCENARIO passed" and exits 0 when every check held. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dparallel/dparallel.h"
+
+#define DIM 3
+#define ROWS_PER_RANK 4
+#define MAX_ROWS 64
+#define STEPS 4
+#define LR 0.2
+
+static int g_rank = -1, g_world = 0, g_failures = 0;
+static const char *g_dir = "/tmp";
+
+#define CHECK(cond, ...)                                                                  \
+  do {                                                                                    \
+    if (!(cond)) {                                                                        \
+      fprintf(stderr, "rank %d: check failed at line %d: %s: ", g_rank, __LINE__, #cond); \
+      fprintf(stderr, __VA_ARGS__);                                                       \
+      fprintf(stderr, "\n");                                                              \
+      ++g_failures;                                                                       \
+    }                                                                                     \
+  } while (0)
+#define CHECK_OK(expr) CHECK((expr) == DP_OK, "%s", dp_last_error())
+
+static const char *const kWeights[4] = {"linears.0.weight", "linears.1.weight", "linears.2.weight", "proj.weight"};
+
+static float initial(int layer, int k, float skew) { return 0.3f * sinf(1.7f * (float)(layer * 9 + k) + 0.4f) + skew; }
+
+static void batch(int step, int rows, double *x, double *t) {
+  for (int k = 0; k < rows * DIM; ++k) {
+    x[k] = cos(0.37 * k + 0.91 * step);
+    t[k] = 0.5 * sin(0.53 * k - 0.29 * step);
+  }
+}
+
+/* y = x W^T over `rows` rows. */
+static void linear(const double *x, const float *w, double *y, int rows) {
+  for (int b = 0; b < rows; ++b) {
+    for (int o = 0; o < DIM; ++o) {
+      double sum = 0;
+      for (int i = 0; i < DIM; ++i) sum += x[b * DIM + i] * w[o * DIM + i];
+      y[b * DIM + o] = sum;
+    }
+  }
+}
+
+/* g += dy^T x; dx = dy W (dx may be NULL). */
+static void backward(const double *dy, const double *x, const float *w, double *g, double *dx, int rows) {
+  for (int b = 0; b < rows; ++b) {
+    for (int o = 0; o < DIM; ++o) {
+      for (int i = 0; i < DIM; ++i) g[o * DIM + i] += dy[b * DIM + o] * x[b * DIM + i];
+    }
+  }
+  if (dx == NULL) return;
+  for (int b = 0; b < rows; ++b) {
+    for (int i = 0; i < DIM; ++i) {
+      double sum = 0;
+      for (int o = 0; o < DIM; ++o) sum += dy[b * DIM + o] * w[o * DIM + i];
+      dx[b * DIM + i] = sum;
+    }
+  }
+}
+
+/* Single-process training on the whole batch: the reference weights. */
+static void reference(float w[4][DIM * DIM]) {
+  const int rows = ROWS_PER_RANK * g_world;
+  for (int l = 0; l < 4; ++l) {
+    for (int k = 0; k < DIM * DIM; ++k) w[l][k] = initial(l, k, 0.0f);
+  }
+  for (int s = 0; s < STEPS; ++s) {
+    double x[MAX_ROWS * DIM], t[MAX_ROWS * DIM], h[5][MAX_ROWS * DIM], dy[MAX_ROWS * DIM], dx[MAX_ROWS * DIM];
+    double g[4][DIM * DIM] = {{0}};
+    batch(s, rows, x, t);
+    memcpy(h[0], x, sizeof(double) * rows * DIM);
+    for (int l = 0; l < 4; ++l) linear(h[l], w[l], h[l + 1], rows);
+    for (int k = 0; k < rows * DIM; ++k) dy[k] = (h[4][k] - t[k]) / rows;
+    for (int l = 3; l >= 0; --l) {
+      backward(dy, h[l], w[l], g[l], dx, rows);
+      memcpy(dy, dx, sizeof(double) * rows * DIM);
+    }
+    for (int l = 0; l < 4; ++l) {
+      for (int k = 0; k < DIM * DIM; ++k) w[l][k] -= (float)(LR * g[l][k]);
+    }
+  }
+}
+
+typedef struct Toy {
+  dp_module *root, *linears, *layer[4];
+  dp_fsdp *fsdp[3], *fsdp_linears;
+  dp_ddp *ddp;
+} Toy;
+
+static void toy_create(Toy *toy, float skew, dp_process_group *pg) {
+  memset(toy, 0, sizeof *toy);
+  CHECK_OK(dp_module_create(&toy->root));
+  CHECK_OK(dp_module_create(&toy->linears));
+  for (int l = 0; l < 4; ++l) {
+    float v[DIM * DIM];
+    int64_t shape[2] = {DIM, DIM};
+    dp_tensor *w = NULL;
+    for (int k = 0; k < DIM * DIM; ++k) v[k] = initial(l, k, skew);
+    CHECK_OK(dp_module_create(&toy->layer[l]));
+    CHECK_OK(dp_tensor_create(&w, DP_FLOAT32, 2, shape, (dp_device){DP_DEVICE_CPU, 0}));
+    CHECK_OK(dp_tensor_copy_from_host(w, v, sizeof v));
+    CHECK_OK(dp_module_register_parameter(toy->layer[l], "weight", w, 1));
+    dp_tensor_destroy(w);
+    if (l < 3) {
+      char name[2] = {(char)('0' + l), 0};
+      CHECK_OK(dp_module_register_module(toy->linears, name, toy->layer[l]));
+    }
+  }
+  CHECK_OK(dp_module_register_module(toy->root, "linears", toy->linears));
+  CHECK_OK(dp_module_register_module(toy->root, "proj", toy->layer[3]));
+  if (pg == NULL) return;
+  for (int l = 0; l < 3; ++l) CHECK_OK(dp_fsdp_create(&toy->fsdp[l], toy->layer[l], pg, NULL));
+  CHECK_OK(dp_fsdp_create(&toy->fsdp_linears, toy->linears, pg, NULL));
+  CHECK_OK(dp_ddp_create(&toy->ddp, toy->root, pg, NULL));
+}
+
+static void toy_destroy(Toy *toy) {
+  dp_ddp_destroy(toy->ddp);
+  dp_fsdp_destroy(toy->fsdp_linears);
+  for (int l = 2; l >= 0; --l) dp_fsdp_destroy(toy->fsdp[l]);
+  for (int l = 0; l < 4; ++l) dp_module_destroy(toy->layer[l]);
+  dp_module_destroy(toy->linears);
+  dp_module_destroy(toy->root);
+}
+
+/* The parameter (or, with `grad`, its gradient) as floats; returns the count. */
+static size_t get(dp_module *m, const char *name, int grad, float *out, size_t cap) {
+  dp_tensor *t = NULL;
+  if ((grad ? dp_module_grad(m, name, &t) : dp_module_get_parameter(m, name, &t)) != DP_OK) {
+    CHECK(0, "%s of %s: %s", grad ? "grad" : "parameter", name, dp_last_error());
+    return 0;
+  }
+  size_t n = (size_t)dp_tensor_numel(t);
+  CHECK(n <= cap, "%zu elements", n);
+  if (n <= cap) CHECK_OK(dp_tensor_copy_to_host(t, out, n * sizeof(float)));
+  dp_tensor_destroy(t);
+  return n;
+}
+
+/* grad += delta */
+static void add_grad(dp_module *m, const char *name, const double *delta) {
+  float g[DIM * DIM];
+  dp_tensor *t = NULL;
+  CHECK_OK(dp_module_grad(m, name, &t));
+  if (t == NULL) return;
+  CHECK_OK(dp_tensor_copy_to_host(t, g, sizeof g));
+  for (int k = 0; k < DIM * DIM; ++k) g[k] += (float)delta[k];
+  CHECK_OK(dp_tensor_copy_from_host(t, g, sizeof g));
+  dp_tensor_destroy(t);
+}
+
+static void train_step(Toy *toy, int step) {
+  const int rows = ROWS_PER_RANK, global = ROWS_PER_RANK * g_world;
+  double all_x[MAX_ROWS * DIM], all_t[MAX_ROWS * DIM], h[5][ROWS_PER_RANK * DIM], dy[ROWS_PER_RANK * DIM],
+      dx[ROWS_PER_RANK * DIM];
+  float w[4][DIM * DIM];
+  batch(step, global, all_x, all_t);
+  memcpy(h[0], all_x + g_rank * rows * DIM, sizeof h[0]);
+  /* forward: unshard with the next layer prefetched, reshard after */
+  CHECK_OK(dp_fsdp_unshard(toy->fsdp_linears, 0));
+  CHECK_OK(dp_fsdp_unshard(toy->fsdp[0], 0));
+  for (int l = 0; l < 3; ++l) {
+    if (l + 1 < 3) CHECK_OK(dp_fsdp_unshard(toy->fsdp[l + 1], 1));
+    CHECK_OK(dp_fsdp_wait_unshard(toy->fsdp[l]));
+    get(toy->root, kWeights[l], 0, w[l], DIM * DIM);
+    linear(h[l], w[l], h[l + 1], rows);
+    CHECK_OK(dp_fsdp_reshard(toy->fsdp[l]));
+  }
+  CHECK_OK(dp_ddp_pre_forward(toy->ddp));
+  get(toy->root, kWeights[3], 0, w[3], DIM * DIM);
+  linear(h[3], w[3], h[4], rows);
+  for (int k = 0; k < rows * DIM; ++k) dy[k] = (h[4][k] - all_t[g_rank * rows * DIM + k]) / rows;
+  /* backward: proj through the dp_ddp, the linears through their dp_fsdp */
+  for (int l = 3; l >= 0; --l) {
+    double g[DIM * DIM] = {0};
+    if (l < 3) {
+      if (l == 2) CHECK_OK(dp_fsdp_unshard(toy->fsdp[2], 0));
+      if (l > 0) CHECK_OK(dp_fsdp_unshard(toy->fsdp[l - 1], 1));
+      CHECK_OK(dp_fsdp_wait_unshard(toy->fsdp[l]));
+      get(toy->root, kWeights[l], 0, w[l], DIM * DIM);
+    }
+    backward(dy, h[l], w[l], g, dx, rows);
+    add_grad(toy->root, kWeights[l], g);
+    if (l == 3) {
+      CHECK_OK(dp_ddp_mark_grad_ready(toy->ddp, kWeights[3]));
+    } else {
+      CHECK_OK(dp_fsdp_post_backward(toy->fsdp[l]));
+    }
+    memcpy(dy, dx, sizeof dy);
+  }
+  CHECK_OK(dp_fsdp_post_backward(toy->fsdp_linears));
+  for (int l = 0; l < 3; ++l) CHECK_OK(dp_fsdp_finish_backward(toy->fsdp[l]));
+  CHECK_OK(dp_fsdp_finish_backward(toy->fsdp_linears));
+  CHECK_OK(dp_ddp_finish_backward(toy->ddp));
+  /* SGD on the shards and on proj */
+  for (int l = 0; l < 3; ++l) {
+    dp_tensor *shard = NULL, *grad = NULL;
+    float v[DIM * DIM], g[DIM * DIM];
+    CHECK_OK(dp_fsdp_shard(toy->fsdp[l], 0, &shard));
+    CHECK_OK(dp_fsdp_shard_grad(toy->fsdp[l], 0, &grad));
+    if (shard == NULL || grad == NULL) return;
+    size_t n = (size_t)dp_tensor_numel(shard);
+    CHECK_OK(dp_tensor_copy_to_host(shard, v, n * sizeof(float)));
+    CHECK_OK(dp_tensor_copy_to_host(grad, g, n * sizeof(float)));
+    for (size_t k = 0; k < n; ++k) v[k] -= (float)LR * g[k];
+    CHECK_OK(dp_tensor_copy_from_host(shard, v, n * sizeof(float)));
+    dp_tensor_destroy(shard);
+    dp_tensor_destroy(grad);
+  }
+  {
+    float p[DIM * DIM], g[DIM * DIM];
+    dp_tensor *t = NULL;
+    get(toy->root, kWeights[3], 0, p, DIM * DIM);
+    get(toy->root, kWeights[3], 1, g, DIM * DIM);
+    for (int k = 0; k < DIM * DIM; ++k) p[k] -= (float)LR * g[k];
+    CHECK_OK(dp_module_get_parameter(toy->root, kWeights[3], &t));
+    CHECK_OK(dp_tensor_copy_from_host(t, p, sizeof p));
+    dp_tensor_destroy(t);
+  }
+  CHECK_OK(dp_module_zero_grad(toy->root));
+}
+
+static void expect_weights(Toy *toy, float expected[4][DIM * DIM], const char *what) {
+  for (int l = 0; l < 4; ++l) {
+    float got[DIM * DIM];
+    if (l < 3) CHECK_OK(dp_fsdp_unshard(toy->fsdp[l], 0));
+    get(toy->root, kWeights[l], 0, got, DIM * DIM);
+    for (int k = 0; k < DIM * DIM; ++k) {
+      CHECK(fabsf(got[k] - expected[l][k]) <= 2e-5f * (1.0f + fabsf(expected[l][k])), "%s: %s[%d] is %g, expected %g",
+            what, kWeights[l], k, got[k], expected[l][k]);
+    }
+    if (l < 3) CHECK_OK(dp_fsdp_reshard(toy->fsdp[l]));
+  }
+}
+
+static void toy(dp_process_group *pg) {
+  float expected[4][DIM * DIM];
+  Toy t, other;
+  char path[512];
+  reference(expected);
+  toy_create(&t, 0.05f * (float)g_rank, pg); /* init_sync: rank 0's values */
+  {
+    int64_t rows = 0;
+    dp_tensor *shard = NULL;
+    CHECK_OK(dp_fsdp_shard(t.fsdp[0], 0, &shard));
+    if (shard != NULL) {
+      int64_t shape[2] = {0, 0};
+      CHECK_OK(dp_tensor_shape(shard, shape, 2));
+      rows = shape[0];
+    }
+    /* torch.chunk's split of the 3 rows */
+    const int64_t chunk = (DIM + g_world - 1) / g_world;
+    const int64_t start = chunk * g_rank < DIM ? chunk * g_rank : DIM;
+    const int64_t count = start + chunk < DIM ? chunk : DIM - start;
+    CHECK(rows == count, "rank %d keeps %lld rows, not %lld", g_rank, (long long)rows, (long long)count);
+    dp_tensor_destroy(shard);
+  }
+  CHECK(dp_ddp_num_buckets(t.ddp) == 1, "the dp_ddp has %zu buckets", dp_ddp_num_buckets(t.ddp));
+  for (int s = 0; s < STEPS; ++s) train_step(&t, s);
+  expect_weights(&t, expected, "after training");
+  /* The full state dict: rank 0 writes it, every rank loads its rows. */
+  snprintf(path, sizeof path, "%s/full.safetensors", g_dir);
+  CHECK_OK(dp_fsdp_save_full_state_dict(t.root, pg, path));
+  CHECK_OK(dp_pg_barrier(pg));
+  toy_create(&other, 1.0f + (float)g_rank, NULL);
+  for (int l = 0; l < 3; ++l) {
+    dp_fsdp_options o = DP_FSDP_OPTIONS_INIT;
+    o.init_sync = 0;
+    CHECK_OK(dp_fsdp_create(&other.fsdp[l], other.layer[l], pg, &o));
+  }
+  CHECK_OK(dp_fsdp_create(&other.fsdp_linears, other.linears, pg, NULL));
+  CHECK_OK(dp_fsdp_load_full_state_dict(other.root, path, 1));
+  expect_weights(&other, expected, "loaded");
+  toy_destroy(&other);
+  toy_destroy(&t);
+}
+
+static void peer_exits(dp_process_group *pg) {
+  Toy t;
+  toy_create(&t, 0.0f, pg);
+  if (g_rank == g_world - 1) {
+    /* Gone without a word: no destroy, no further collective. */
+    fflush(stdout);
+    _Exit(0);
+  }
+  dp_status st = dp_fsdp_unshard(t.fsdp[0], 0);
+  CHECK(st == DP_ETIMEOUT || st == DP_EREMOTE, "unshard returned %d", (int)st);
+  char missing[32];
+  snprintf(missing, sizeof missing, "%d", g_world - 1);
+  CHECK(strstr(dp_last_error(), missing) != NULL, "the error does not name rank %d: %s", g_world - 1, dp_last_error());
+  printf("rank %d: unshard failed: %s\n", g_rank, dp_last_error());
+  toy_destroy(&t);
+}
+
+typedef struct Scenario {
+  const char *name;
+  void (*run)(dp_process_group *pg);
+  int32_t backend;
+  int timeout_ms;
+} Scenario;
+
+static const Scenario kScenarios[] = {
+    {"toy", toy, DP_BACKEND_AUTO, 60000},
+    {"toy_gloo", toy, DP_BACKEND_GLOO, 60000},
+    {"peer_exits", peer_exits, DP_BACKEND_GLOO, 3000},
+};
+
+int main(int argc, char **argv) {
+  const Scenario *scenario = NULL;
+  const char *rank_text = getenv("RANK"), *world_text = getenv("WORLD_SIZE"), *dir = getenv("DP_TEST_DIR");
+  dp_process_group_options opts = DP_PROCESS_GROUP_OPTIONS_INIT;
+  dp_process_group *pg = NULL;
+  setvbuf(stdout, NULL, _IOLBF, 0);
+  for (size_t i = 0; argc >= 2 && i < sizeof(kScenarios) / sizeof(kScenarios[0]); ++i) {
+    if (strcmp(argv[1], kScenarios[i].name) == 0) scenario = &kScenarios[i];
+  }
+  if (scenario == NULL) {
+    fprintf(stderr, "usage: fsdp_worker toy|toy_gloo|peer_exits (under dp-run); unknown '%s'\n",
+            argc >= 2 ? argv[1] : "");
+    return 2;
+  }
+  g_rank = rank_text != NULL ? atoi(rank_text) : -1;
+  g_world = world_text != NULL ? atoi(world_text) : 0;
+  if (dir != NULL) g_dir = dir;
+  if (g_world < 1 || ROWS_PER_RANK * g_world > MAX_ROWS) {
+    fprintf(stderr, "rank %d: WORLD_SIZE must be 1..%d\n", g_rank, MAX_ROWS / ROWS_PER_RANK);
+    return 2;
+  }
+  opts.backend = scenario->backend;
+  opts.timeout_ms = scenario->timeout_ms;
+  if (dp_process_group_create_from_env(&pg, &opts) != DP_OK) {
+    fprintf(stderr, "rank %d: group create failed: %s\n", g_rank, dp_last_error());
+    return 3;
+  }
+  scenario->run(pg);
+  dp_process_group_destroy(pg);
+  if (g_failures == 0) printf("rank %d: %s passed\n", g_rank, scenario->name);
+  return g_failures == 0 ? 0 : 1;
+}
