@@ -3,6 +3,7 @@
 // modes, same report), so the two can run side by side.
 //
 //   dp-run -n 2 dp-perf ddp --layers 10 --width 1024 --batch 32
+//   dp-run -n 2 dp-perf fsdp --layers 10 --width 1024 --batch 32
 //
 // Model: `layers` x Linear(width, width) with ReLU between, MSE loss, SGD
 // (lr 1e-3), `batch` rows per rank of fixed random inputs and targets; the
@@ -17,6 +18,13 @@
 //                   runs in on_bucket_reduced while later buckets reduce
 //   allreduce_only  dp_pg_all_reduce of one flat float32 tensor with as many
 //                   elements as the model has parameters
+//   fsdp            (dp-perf fsdp, or when asked for) one dp_fsdp per layer:
+//                   each layer unsharded before its forward and its backward
+//                   with the next one prefetched (async unshard), resharded
+//                   after its forward (--reshard-after-forward 0: kept to its
+//                   backward), post_backward once its backward is done, SGD
+//                   on the shards; the allocator's peak in use over the timed
+//                   steps against the unsharded parameters and gradients
 //   ddp_join        (only when asked for) ddp steps where the last rank runs
 //                   out of data halfway and calls dp_ddp_join while the
 //                   others go on: rank 0's own step times (no barrier, a
@@ -70,6 +78,7 @@ struct Options {
   bool grad_as_bucket_view = false;
   bool optim_in_backward = false;  // SGD in on_bucket_reduced instead of after finish_backward
   bool static_graph = false;
+  int reshard_after_forward = 1;  // fsdp: 0 keeps each layer unsharded from its forward to its backward
   std::vector<std::string> modes{"local", "ddp_no_sync", "ddp", "allreduce_only"};
 };
 
@@ -387,7 +396,10 @@ int run(const Options& o) {
       dp_tensor_destroy(bias);
     }
     std::vector<dp_fsdp*> fsdp(L);
-    for (int l = 0; l < L; ++l) fail_on(dp_fsdp_create(&fsdp[l], layers[l], pg, nullptr), "dp_fsdp_create");
+    dp_fsdp_options fopts;
+    fail_on(dp_fsdp_options_init(&fopts, sizeof fopts), "dp_fsdp_options_init");
+    fopts.reshard_after_forward = o.reshard_after_forward;
+    for (int l = 0; l < L; ++l) fail_on(dp_fsdp_create(&fsdp[l], layers[l], pg, &fopts), "dp_fsdp_create");
     host_weights = {};  // the slots hold the shards now
     std::vector<float*> w(L), b(L), gw(L), gb(L);
     auto tensor_data = [](dp_tensor* t) {
@@ -649,8 +661,8 @@ int run(const Options& o) {
           std::getenv("DP_CACHE_LIMIT_MB") != nullptr ? std::getenv("DP_CACHE_LIMIT_MB") : "default");
     }
     if (fsdp != nullptr && ddp != nullptr) {
-      std::printf("# fsdp step: %.2f ms vs ddp %.2f ms (ratio %.2f)\n", fsdp->median * 1e3, ddp->median * 1e3,
-                  fsdp->median / ddp->median);
+      std::printf("# fsdp step: %.2f ms vs ddp %.2f ms (ratio %.2f; reshard_after_forward=%d, next layer prefetched)\n",
+                  fsdp->median * 1e3, ddp->median * 1e3, fsdp->median / ddp->median, o.reshard_after_forward);
     }
     if (hidden_share >= 0) {
       std::printf(
@@ -713,6 +725,8 @@ int dp_perf_ddp_main(int argc, char** argv) {
         o.batch = perf::parse_int(a, v, 1, 1 << 20);
       } else if (a == "--steps") {
         o.steps = static_cast<int>(perf::parse_int(a, v, 1, 100000));
+      } else if (a == "--reshard-after-forward") {
+        o.reshard_after_forward = static_cast<int>(perf::parse_int(a, v, 0, 1));
       } else if (a == "--warmup") {
         o.warmup = static_cast<int>(perf::parse_int(a, v, 0, 100000));
       } else if (a == "--bucket-cap-mb" || a == "--first-bucket-cap-mb") {
@@ -750,12 +764,13 @@ int dp_perf_ddp_main(int argc, char** argv) {
                      (8 * model_bytes + act_bytes) * static_cast<double>(local_ranks));
   } catch (const perf::UsageError& e) {
     std::fprintf(stderr, "dp-perf ddp: %s\n", e.what());
-    std::fprintf(stderr,
-                 "usage: dp-run -n 2 dp-perf ddp [--layers 10] [--width 1024] [--batch 32] [--steps 41] [--warmup 5]\n"
-                 "       [--bucket-cap-mb 25] [--first-bucket-cap-mb 1] [--grad-as-bucket-view]\n"
-                 "       [--optim-in-backward] [--static-graph]\n"
-                 "       [--modes local,ddp_no_sync,ddp,allreduce_only,ddp_join,fsdp]\n"
-                 "usage: dp-run -n 2 dp-perf fsdp [the same options]: --modes local,fsdp,ddp\n");
+    std::fprintf(
+        stderr,
+        "usage: dp-run -n 2 dp-perf ddp [--layers 10] [--width 1024] [--batch 32] [--steps 41] [--warmup 5]\n"
+        "       [--bucket-cap-mb 25] [--first-bucket-cap-mb 1] [--grad-as-bucket-view]\n"
+        "       [--optim-in-backward] [--static-graph]\n"
+        "       [--modes local,ddp_no_sync,ddp,allreduce_only,ddp_join,fsdp]\n"
+        "usage: dp-run -n 2 dp-perf fsdp [the same options] [--reshard-after-forward 1]: --modes local,fsdp,ddp\n");
     return 2;
   }
   try {

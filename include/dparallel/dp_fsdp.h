@@ -58,6 +58,9 @@
  * them in any order, the same on every rank. Create them in the same order
  * on every rank.
  *
+ * dp_module_save and replication see what the slots hold (the shards while
+ * resharded): a module's full state is dp_fsdp_save_full_state_dict's.
+ *
  * Errors: dp_module_grad of a parameter whose slot holds its shard is
  * DP_ESTATE naming it; post_backward with no unshard since the last one is
  * DP_ESTATE; wait_unshard with none in flight while resharded is DP_ESTATE.

@@ -542,7 +542,10 @@ std::vector<Tensor> FullyShard::gather_shards(bool compute_dtype) {
   }
   Tensor gathered;
   if (segment > 0) {
-    Tensor mine = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(segment)}, device);
+    gathered = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(segment) * world}, device);
+    // In place: this rank's segment of the output is the input.
+    Tensor mine =
+        gathered.view_at(static_cast<size_t>(group_->rank()) * segment, DType::kUInt8, {static_cast<int64_t>(segment)});
     // Only the padding is zeroed: it goes over the wire too.
     size_t written = 0;
     auto zero_up_to = [&](size_t end) {
@@ -557,7 +560,6 @@ std::vector<Tensor> FullyShard::gather_shards(bool compute_dtype) {
       written = offsets[i] + static_cast<size_t>(n) * dtype_size(dtype_of(m));
     }
     zero_up_to(segment);
-    gathered = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(segment) * world}, device);
     std::vector<Tensor> outputs;
     outputs.reserve(static_cast<size_t>(world));
     for (int32_t r = 0; r < world; ++r) {
@@ -629,12 +631,13 @@ void FullyShard::run_post_backward() {
     for (size_t i = 0; i < params_.size(); ++i) {
       if (params_[i].sharded && params_[i].reduce == dtype) grads[i] = Tensor();
     }
-    Tensor output = Tensor::empty(dtype, {seg}, device);
     std::vector<Tensor> inputs;
     inputs.reserve(static_cast<size_t>(world));
     for (int32_t r = 0; r < world; ++r) {
       inputs.push_back(input.view_at(static_cast<size_t>(r) * segment * esize, dtype, {seg}));
     }
+    // In place: the result lands in this rank's own segment.
+    const Tensor output = inputs[static_cast<size_t>(group_->rank())];
     if (is_16_bit(dtype)) {
       // As the 16-bit comm hooks: divide first, so that the sum cannot overflow.
       ddp::divide_tensor(input, world);

@@ -18,32 +18,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "dparallel/dparallel.h"
-
-static int g_rank = -1;
-static int g_world = 0;
-static int g_failures = 0;
-static const char *g_dir = "/tmp";
-
-#define CHECK(cond, ...)                                                                  \
-  do {                                                                                    \
-    if (!(cond)) {                                                                        \
-      fprintf(stderr, "rank %d: check failed at line %d: %s: ", g_rank, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                                       \
-      fprintf(stderr, "\n");                                                              \
-      ++g_failures;                                                                       \
-    }                                                                                     \
-  } while (0)
-
-#define CHECK_OK(expr)                                                                                  \
-  do {                                                                                                  \
-    dp_status st_ = (expr);                                                                             \
-    if (st_ != DP_OK) {                                                                                 \
-      fprintf(stderr, "rank %d: line %d: %s returned %d (%s): %s\n", g_rank, __LINE__, #expr, (int)st_, \
-              dp_status_string(st_), dp_last_error());                                                  \
-      ++g_failures;                                                                                     \
-    }                                                                                                   \
-  } while (0)
+#include "c_worker_check.h"
 
 /* Checks a call's status and that its message contains each of the
  * NULL-terminated `needles`; prints the message for the driver. Must run

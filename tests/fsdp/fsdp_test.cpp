@@ -425,6 +425,37 @@ TEST(Fsdp, TrainingInBfloat16MatchesWithinBfloat16Tolerance) {
   expect_parity(c, 3e-2);
 }
 
+TEST(Fsdp, TrainingMatchesAtWorldSizeOne) {
+  Config c;
+  c.world = 1;
+  expect_parity(c, 2e-5);
+}
+
+// An unshard still in flight when the dp_fsdp is destroyed completes first;
+// the module then holds its full parameters, in their own dtype.
+TEST(Fsdp, DestroyWithAnUnshardInFlightGivesTheFullParametersBack) {
+  run_ranks(2, DP_BACKEND_GLOO, [](int rank, dp_process_group* pg) {
+    Toy toy(0.0f);
+    dp_fsdp_options o;
+    ASSERT_EQ(dp_fsdp_options_init(&o, sizeof o), DP_OK);
+    o.param_dtype = DP_BFLOAT16;
+    dp_fsdp* f = nullptr;
+    ASSERT_EQ(dp_fsdp_create(&f, toy.layer[1].get(), pg, &o), DP_OK) << dp_last_error();
+    EXPECT_EQ(parameter_shape(toy.root.get(), kWeights[1]), (std::vector<int64_t>{rank == 0 ? 2 : 1, 3}));
+    ASSERT_EQ(dp_fsdp_unshard(f, 1), DP_OK) << dp_last_error();
+    dp_fsdp_destroy(f);
+    dp_tensor* p = nullptr;
+    ASSERT_EQ(dp_module_get_parameter(toy.root.get(), kWeights[1], &p), DP_OK);
+    TensorPtr owned(p);
+    EXPECT_EQ(dp_tensor_dtype(p), DP_FLOAT32);
+    EXPECT_EQ(read(p), initial_weights(1, 0.0f));
+    // The parameter is free again: a dp_ddp takes it.
+    dp_ddp* d = nullptr;
+    ASSERT_EQ(dp_ddp_create(&d, toy.layer[1].get(), pg, nullptr), DP_OK) << dp_last_error();
+    dp_ddp_destroy(d);
+  });
+}
+
 // A parameter with fewer rows than ranks (ranks past them keep none), an
 // empty one and a 0-d one: unshard gives them back whole, post_backward
 // averages their gradients into the shards' gradients.

@@ -15,27 +15,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "dparallel/dparallel.h"
+#include "c_worker_check.h"
 
 #define DIM 3
 #define ROWS_PER_RANK 4
 #define MAX_ROWS 64
 #define STEPS 4
 #define LR 0.2
-
-static int g_rank = -1, g_world = 0, g_failures = 0;
-static const char *g_dir = "/tmp";
-
-#define CHECK(cond, ...)                                                                  \
-  do {                                                                                    \
-    if (!(cond)) {                                                                        \
-      fprintf(stderr, "rank %d: check failed at line %d: %s: ", g_rank, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                                       \
-      fprintf(stderr, "\n");                                                              \
-      ++g_failures;                                                                       \
-    }                                                                                     \
-  } while (0)
-#define CHECK_OK(expr) CHECK((expr) == DP_OK, "%s", dp_last_error())
 
 static const char *const kWeights[4] = {"linears.0.weight", "linears.1.weight", "linears.2.weight", "proj.weight"};
 
