@@ -359,7 +359,7 @@ int run(const Options& o) {
   // as a host that loads a checkpoint would; the resident peak over the
   // timed steps, less the resident size before the model, is what the
   // sharded model costs this rank.
-  double fsdp_peak_mib = -1, fsdp_rss_mib = -1;
+  double fsdp_peak_mib = -1, fsdp_rss_mib = -1, fsdp_unshard_wait_ms = 0, fsdp_reduce_wait_ms = 0;
   if (wants("fsdp")) {
     const dp_device cpu0{DP_DEVICE_CPU, 0};
     auto allocated = [&](bool peak) {
@@ -402,6 +402,11 @@ int run(const Options& o) {
     for (int l = 0; l < L; ++l) fail_on(dp_fsdp_create(&fsdp[l], layers[l], pg, &fopts), "dp_fsdp_create");
     host_weights = {};  // the slots hold the shards now
     std::vector<float*> w(L), b(L), gw(L), gb(L);
+    // Time the host spends waiting for unshards (blocking or completing a
+    // prefetch) and for the reduce-scatters, summed over the timed steps.
+    struct Waits {
+      double unshard = 0, reduce = 0;
+    } fsdp_waits;
     auto tensor_data = [](dp_tensor* t) {
       auto* data = static_cast<float*>(dp_tensor_data(t));
       dp_tensor_destroy(t);  // the module keeps it alive
@@ -423,24 +428,33 @@ int run(const Options& o) {
       std::vector<dp_fsdp*>& fsdp;
       std::function<void(int, bool)> fetch;
       int layers;
+      Waits* waits;
+      void wait_for(dp_fsdp* f, bool blocking) {
+        const double t0 = now();
+        fail_on(blocking ? dp_fsdp_unshard(f, 0) : dp_fsdp_wait_unshard(f), "unshard");
+        waits->unshard += now() - t0;
+      }
       void pre_forward(int l) {
-        fail_on(l == 0 ? dp_fsdp_unshard(fsdp[0], 0) : dp_fsdp_wait_unshard(fsdp[l]), "unshard");
+        wait_for(fsdp[l], l == 0);
         if (l + 1 < layers) fail_on(dp_fsdp_unshard(fsdp[l + 1], 1), "prefetch");
         fetch(l, false);
       }
       void post_forward(int l) { fail_on(dp_fsdp_reshard(fsdp[l]), "dp_fsdp_reshard"); }
       void pre_backward(int l) {
-        fail_on(l == layers - 1 ? dp_fsdp_unshard(fsdp[l], 0) : dp_fsdp_wait_unshard(fsdp[l]), "unshard");
+        wait_for(fsdp[l], l == layers - 1);
         if (l > 0) fail_on(dp_fsdp_unshard(fsdp[l - 1], 1), "prefetch");
         fetch(l, true);
       }
       void grads_done(int) {}
       void layer_done(int l) { fail_on(dp_fsdp_post_backward(fsdp[l]), "dp_fsdp_post_backward"); }
-    } hooks{fsdp, fetch_full, L};
-    auto fsdp_step = [&](int) {
+    } hooks{fsdp, fetch_full, L, &fsdp_waits};
+    auto fsdp_step = [&](int timed) {
+      if (timed == 0) fsdp_waits = Waits{};
       mlp.forward_backward_hooked(w.data(), b.data(), gw.data(), gb.data(), x.data(), y.data(), hooks);
       for (int l = 0; l < L; ++l) {
+        const double t0 = now();
         fail_on(dp_fsdp_finish_backward(fsdp[l]), "dp_fsdp_finish_backward");
+        fsdp_waits.reduce += now() - t0;
         for (size_t i = 0; i < 2; ++i) {
           dp_tensor *p = nullptr, *g = nullptr;
           fail_on(dp_fsdp_shard(fsdp[l], i, &p), "dp_fsdp_shard");
@@ -456,6 +470,8 @@ int run(const Options& o) {
              fail_on(dp_device_reset_peak_memory(cpu0), "dp_device_reset_peak_memory");
            }));
     fsdp_peak_mib = (allocated(true) - in_use_before) / 1048576.0;
+    fsdp_unshard_wait_ms = fsdp_waits.unshard * 1e3 / o.steps;
+    fsdp_reduce_wait_ms = fsdp_waits.reduce * 1e3 / o.steps;
     fsdp_rss_mib = static_cast<double>(status_kib("VmHWM:") - rss_model) / 1024.0;
     for (dp_fsdp* f : fsdp) dp_fsdp_destroy(f);
     for (dp_module* m : layers) dp_module_destroy(m);
@@ -663,6 +679,12 @@ int run(const Options& o) {
     if (fsdp != nullptr && ddp != nullptr) {
       std::printf("# fsdp step: %.2f ms vs ddp %.2f ms (ratio %.2f; reshard_after_forward=%d, next layer prefetched)\n",
                   fsdp->median * 1e3, ddp->median * 1e3, fsdp->median / ddp->median, o.reshard_after_forward);
+    }
+    if (fsdp != nullptr) {
+      std::printf(
+          "# fsdp waits (rank 0, mean per timed step): %.2f ms for unshards (blocking, or a prefetch not yet done), "
+          "%.2f ms in dp_fsdp_finish_backward\n",
+          fsdp_unshard_wait_ms, fsdp_reduce_wait_ms);
     }
     if (hidden_share >= 0) {
       std::printf(
