@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -698,4 +699,59 @@ TEST(CudaFsdp, TrainingMatchesOnTheGpusOverNccl) {
   c.param_dtype = DP_BFLOAT16;
   c.micro_batches = 2;
   expect_parity(c, 3e-2);
+}
+
+// Hostile sharded saves: rows that do not fit the shape, a rank's file
+// missing, a file of another kind, a folder with two saves. Each is refused
+// by name and leaves the module as it was.
+TEST(FsdpStateDict, ABrokenShardedSaveIsRefusedByNameAndChangesNothing) {
+  const std::string folder = dptest::temp_path("fsdp_hostile_", "save");
+  run_ranks(2, DP_BACKEND_GLOO, [&](int, dp_process_group* pg) {
+    Toy toy(0.25f);
+    Sharded s = shard_unsynced(toy, pg);
+    ASSERT_EQ(dp_fsdp_save_sharded_state_dict(toy.root.get(), pg, folder.c_str()), DP_OK) << dp_last_error();
+  });
+  const std::string rank0 = folder + "/shard-00000-of-00002.safetensors";
+  const std::string rank1 = folder + "/shard-00001-of-00002.safetensors";
+  const std::string good = dptest::read_bytes(rank1);
+  auto write = [](const std::string& path, const std::string& bytes) {
+    std::FILE* f = std::fopen(path.c_str(), "wb");
+    ASSERT_NE(f, nullptr);
+    ASSERT_EQ(std::fwrite(bytes.data(), 1, bytes.size(), f), bytes.size());
+    std::fclose(f);
+  };
+  auto expect_refused = [&](const char* what, dp_status want, const std::string& needle) {
+    run_ranks(2, DP_BACKEND_GLOO, [&](int, dp_process_group* pg) {
+      Toy toy(-1.0f);
+      Sharded s = shard_unsynced(toy, pg);
+      EXPECT_EQ(dp_fsdp_load_sharded_state_dict(toy.root.get(), folder.c_str()), want) << what;
+      EXPECT_NE(std::string(dp_last_error()).find(needle), std::string::npos) << what << ": " << dp_last_error();
+      expect_full_weights(toy, s, -1.0f);
+    });
+  };
+  // Rows claimed past the shape: rank 1 holds row 2 of 3 ("2 1 3"); "2 2 3" overruns.
+  std::string bad_rows = good;
+  const size_t at = bad_rows.find("\"2 1 3\"");
+  ASSERT_NE(at, std::string::npos) << good.substr(0, 400);
+  bad_rows.replace(at, 7, "\"2 2 3\"");
+  write(rank1, bad_rows);
+  expect_refused("rows past the shape", DP_EINVAL, "does not match");
+  // Not a safetensors file at all.
+  write(rank1, "garbage");
+  expect_refused("garbage", DP_EIO, rank1);
+  // A rank's file missing.
+  ::unlink(rank1.c_str());
+  expect_refused("a missing file", DP_EIO, rank1);
+  // A second save's rank-0 file beside the first.
+  write(rank1, good);
+  write(folder + "/shard-00000-of-00003.safetensors", dptest::read_bytes(rank0));
+  expect_refused("two saves", DP_EINVAL, "two saves");
+  ::unlink((folder + "/shard-00000-of-00003.safetensors").c_str());
+  // An ordinary safetensors file in its place.
+  Toy plain(0.0f);
+  ASSERT_EQ(dp_module_save(plain.root.get(), rank0.c_str()), DP_OK);
+  expect_refused("an unsharded file", DP_EINVAL, "not a sharded state dict");
+  ::unlink(rank0.c_str());
+  ::unlink(rank1.c_str());
+  ::rmdir(folder.c_str());
 }
