@@ -179,9 +179,9 @@ void FullyShard::plan_layout() {
     for (size_t d = 1; d < m.full_shape.size(); ++d) m.row_numel *= m.full_shape[d];
     m.split = split_rows(m.full_shape[0], world, rank);
     const auto padded = static_cast<size_t>(m.split.chunk * m.row_numel);
-    m.segment_offset = segment;
-    // Each rank's padded rows are at most the parameter's own bytes.
-    segment = align_up(segment + padded * dtype_size(m.compute));
+    // The widest of the two layouts gather_shards makes (compute or own
+    // dtype); each rank's padded rows are at most the parameter's own size.
+    segment = align_up(segment + padded * std::max(dtype_size(m.compute), dtype_size(m.dtype)));
     if (!m.reduced) continue;
     m.reduce_offset = reduce_segment_[m.reduce];
     reduce_segment_[m.reduce] += padded;
@@ -190,7 +190,6 @@ void FullyShard::plan_layout() {
       segment * static_cast<size_t>(world) > static_cast<size_t>(std::numeric_limits<int64_t>::max())) {
     fail_invalid("argument 'module': the unsharded parameters of ", world, " ranks would take more than 2^63 bytes");
   }
-  segment_bytes_ = segment;
 }
 
 void FullyShard::shard_parameters() {

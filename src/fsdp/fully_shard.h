@@ -126,8 +126,7 @@ class FullyShard final : public ddp::LaneOwner,
     bool reduced = true;  // requires grad at create: its gradient is reduced
     int64_t row_numel = 1;
     RowSplit split;
-    size_t segment_offset = 0;  // bytes into a rank's all-gather segment
-    size_t reduce_offset = 0;   // elements into a rank's reduce segment of its dtype
+    size_t reduce_offset = 0;  // elements into a rank's reduce segment of its dtype
     Tensor shard, shard_grad;
   };
   // A job issued on the lane and how it ended.
@@ -168,7 +167,6 @@ class FullyShard final : public ddp::LaneOwner,
   uint32_t lane_id_ = 0;
   std::vector<Managed> params_;
   std::map<const Parameter*, size_t> index_;
-  size_t segment_bytes_ = 0;                // one rank's all-gather segment
   std::map<DType, size_t> reduce_segment_;  // one rank's reduce segment (elements) per reduce dtype
 
   mutable std::mutex host_mutex_;  // serialises the host's calls
