@@ -21,6 +21,61 @@ void Backend::all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp 
   comm::unflatten_into(tensors, flat);
 }
 
+void Backend::all_gather_runs(size_t segment, const std::vector<SegmentRun>& sources,
+                              const std::vector<std::vector<SegmentRun>>& places) {
+  const auto ranks = static_cast<size_t>(size());
+  Tensor gathered;
+  try {
+    gathered = Tensor::zeros(DType::kUInt8, {static_cast<int64_t>(segment * ranks)}, device());
+  } catch (const Error& e) {
+    if (e.code() != StatusCode::kOutOfMemory) throw;
+    refuse_out_of_memory(CallKind::kAllGather, "all_gather",
+                         str_cat("out of memory for the ", segment * ranks, "-byte scratch of an all_gather"));
+  }
+  auto* base = static_cast<uint8_t*>(gathered.data());
+  uint8_t* mine = base + static_cast<size_t>(rank()) * segment;
+  for (const SegmentRun& run : sources) {
+    dparallel::copy_bytes(mine + run.offset, device(), run.view.data(), run.view.device(), run.view.nbytes());
+  }
+  std::vector<Tensor> outputs;
+  outputs.reserve(ranks);
+  for (size_t q = 0; q < ranks; ++q) {
+    outputs.push_back(gathered.view_at(q * segment, DType::kUInt8, {static_cast<int64_t>(segment)}));
+  }
+  all_gather(outputs[static_cast<size_t>(rank())], outputs);
+  for (size_t q = 0; q < ranks; ++q) {
+    for (const SegmentRun& run : places[q]) {
+      dparallel::copy_bytes(run.view.data(), run.view.device(), base + q * segment + run.offset, device(),
+                            run.view.nbytes());
+    }
+  }
+}
+
+void Backend::reduce_scatter_runs(const std::vector<std::vector<SegmentRun>>& parts, const Tensor& output,
+                                  ReduceOp op) {
+  const auto ranks = static_cast<size_t>(size());
+  const size_t part = output.nbytes();
+  Tensor input;
+  try {
+    input = Tensor::zeros(output.dtype(), {output.numel() * size()}, device());
+  } catch (const Error& e) {
+    if (e.code() != StatusCode::kOutOfMemory) throw;
+    refuse_out_of_memory(CallKind::kReduceScatter, "reduce_scatter",
+                         str_cat("out of memory for the ", part * ranks, "-byte scratch of a reduce_scatter"));
+  }
+  auto* base = static_cast<uint8_t*>(input.data());
+  std::vector<Tensor> inputs;
+  inputs.reserve(ranks);
+  for (size_t q = 0; q < ranks; ++q) {
+    for (const SegmentRun& run : parts[q]) {
+      dparallel::copy_bytes(base + q * part + run.offset, device(), run.view.data(), run.view.device(),
+                            run.view.nbytes());
+    }
+    inputs.push_back(input.view_at(q * part, output.dtype(), {output.numel()}));
+  }
+  reduce_scatter(inputs, output, op);
+}
+
 std::string Backend::claim_key_prefix(const std::shared_ptr<Store>& store, const char* family) {
   std::string prefix = next_group_prefix(*store, family, rank());
   site_.set_failure_reports(store, prefix);

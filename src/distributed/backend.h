@@ -93,6 +93,13 @@ class SharedRegion {
   virtual size_t bytes() const = 0;
 };
 
+// A run of a rank's all-gather segment: bytes [offset, offset +
+// view.nbytes()) of the segment are `view`'s bytes.
+struct SegmentRun {
+  size_t offset = 0;
+  Tensor view;
+};
+
 class Backend {
  public:
   explicit Backend(CallSite& site) : site_(site) {}
@@ -123,7 +130,20 @@ class Backend {
   virtual void all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op);
   virtual void broadcast(const Tensor& tensor, int32_t root) = 0;
   virtual void all_gather(const Tensor& input, const std::vector<Tensor>& outputs) = 0;
+  // An all_gather of `segment` bytes per rank, the same call as a plain
+  // all_gather of that many uint8: this rank's bytes are read from
+  // `sources`, rank q's land in `places[q]`; bytes no run covers are
+  // neither read nor written. Default: through a contiguous scratch.
+  virtual void all_gather_runs(size_t segment, const std::vector<SegmentRun>& sources,
+                               const std::vector<std::vector<SegmentRun>>& places);
   virtual void reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) = 0;
+  // A reduce_scatter into `output`, the same call as a plain one: rank q's
+  // part (output's size) is read from the runs of `parts[q]` (byte offsets
+  // into that part, in order, not overlapping, views of output's dtype);
+  // bytes no run covers count as zeros. Default: through a contiguous
+  // zero-filled scratch.
+  virtual void reduce_scatter_runs(const std::vector<std::vector<SegmentRun>>& parts, const Tensor& output,
+                                   ReduceOp op);
   virtual void barrier() = 0;
   // A collective: every rank gets `bytes` of memory that the other ranks
   // map too; null where the backend has none. Tensors inside it may outlive

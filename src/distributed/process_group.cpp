@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <thread>
 #include <vector>
 
@@ -454,6 +455,78 @@ std::shared_ptr<Work> ProcessGroup::all_gather(const Tensor& input, const std::v
   });
   return submit(
       CallKind::kAllGather, [this, input, outputs] { backend_->all_gather(input, outputs); }, async);
+}
+
+std::shared_ptr<Work> ProcessGroup::all_gather_runs(size_t segment, std::vector<SegmentRun> sources,
+                                                    std::vector<std::vector<SegmentRun>> places, bool async) {
+  check_arguments(CallKind::kAllGather, async, [&] {
+    if (segment == 0 || segment > static_cast<size_t>(std::numeric_limits<int64_t>::max())) {
+      fail_invalid("all_gather: argument 'segment' is ", segment, "; it must be 1 to 2^63-1 bytes");
+    }
+    if (places.size() != static_cast<size_t>(size())) {
+      fail_invalid("all_gather: argument 'places' has ", places.size(), " lists; it must equal the world size ",
+                   size());
+    }
+    auto check_runs = [&](const std::vector<SegmentRun>& runs, const std::string& name) {
+      for (size_t i = 0; i < runs.size(); ++i) {
+        const std::string argument = str_cat(name, "[", i, "]");
+        check_tensor(runs[i].view, argument, "all_gather");
+        if (runs[i].offset > segment || runs[i].view.nbytes() > segment - runs[i].offset) {
+          fail_invalid("all_gather: ", argument, " covers bytes ", runs[i].offset, " to ",
+                       runs[i].offset + runs[i].view.nbytes(), " of a ", segment, "-byte segment");
+        }
+      }
+    };
+    check_runs(sources, "sources");
+    for (size_t q = 0; q < places.size(); ++q) check_runs(places[q], str_cat("places[", q, "]"));
+  });
+  return submit(
+      CallKind::kAllGather,
+      [this, segment, sources = std::move(sources), places = std::move(places)] {
+        backend_->all_gather_runs(segment, sources, places);
+      },
+      async);
+}
+
+std::shared_ptr<Work> ProcessGroup::reduce_scatter_runs(std::vector<std::vector<SegmentRun>> parts,
+                                                        const Tensor& output, ReduceOp op, bool async) {
+  check_arguments(CallKind::kReduceScatter, async, [&] {
+    check_tensor(output, "output", "reduce_scatter");
+    if (output.dtype() == DType::kBool && op == ReduceOp::kAvg) {
+      fail_invalid("reduce_scatter: DP_AVG is not defined for bool tensors");
+    }
+    if (parts.size() != static_cast<size_t>(size())) {
+      fail_invalid("reduce_scatter: argument 'parts' has ", parts.size(), " lists; it must equal the world size ",
+                   size());
+    }
+    const size_t part = output.nbytes();
+    for (size_t q = 0; q < parts.size(); ++q) {
+      size_t end = 0;
+      for (size_t i = 0; i < parts[q].size(); ++i) {
+        const SegmentRun& run = parts[q][i];
+        const std::string argument = str_cat("parts[", q, "][", i, "]");
+        check_tensor(run.view, argument, "reduce_scatter");
+        if (run.view.dtype() != output.dtype() || run.offset % output.element_size() != 0) {
+          fail_invalid("reduce_scatter: ", argument, " is ", run.view.describe(), " at byte ", run.offset,
+                       " but the output is ", output.describe());
+        }
+        if (run.offset < end || run.offset > part || run.view.nbytes() > part - run.offset) {
+          fail_invalid("reduce_scatter: ", argument, " covers bytes ", run.offset, " to ",
+                       run.offset + run.view.nbytes(), " of a ", part,
+                       "-byte part, overlapping the run before it or past the part");
+        }
+        const auto* a = static_cast<const uint8_t*>(run.view.data());
+        const auto* b = static_cast<const uint8_t*>(output.data());
+        if (run.view.nbytes() > 0 && part > 0 && a < b + part && b < a + run.view.nbytes()) {
+          fail_invalid("reduce_scatter: ", argument, " overlaps argument 'output'");
+        }
+        end = run.offset + run.view.nbytes();
+      }
+    }
+  });
+  return submit(
+      CallKind::kReduceScatter,
+      [this, parts = std::move(parts), output, op] { backend_->reduce_scatter_runs(parts, output, op); }, async);
 }
 
 std::shared_ptr<Work> ProcessGroup::reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op,

@@ -79,6 +79,19 @@ class ProcessGroup final : private CallSite {
   std::shared_ptr<Work> all_gather(const Tensor& input, const std::vector<Tensor>& outputs, bool async);
   std::shared_ptr<Work> reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op,
                                        bool async);
+  // An all_gather of `segment` bytes per rank (the other ranks' matching call
+  // may be this or a plain all_gather of that many uint8): this rank's bytes
+  // are read from `sources`, rank q's land in `places[q]` (Backend::
+  // all_gather_runs); runs lie inside the segment, on the group's device.
+  std::shared_ptr<Work> all_gather_runs(size_t segment, std::vector<SegmentRun> sources,
+                                        std::vector<std::vector<SegmentRun>> places, bool async);
+  // A reduce_scatter (the other ranks' matching call may be this or a plain
+  // one) whose rank-q part is made of the runs of `parts[q]`
+  // (Backend::reduce_scatter_runs: byte offsets into the part, in order,
+  // not overlapping each other or `output`, views of output's dtype on the
+  // group's device).
+  std::shared_ptr<Work> reduce_scatter_runs(std::vector<std::vector<SegmentRun>> parts, const Tensor& output,
+                                            ReduceOp op, bool async);
   std::shared_ptr<Work> barrier(bool async);
 
   // Refuses this rank's call of `kind` for `reason`: the refusal takes the

@@ -539,51 +539,34 @@ std::vector<Tensor> FullyShard::gather_shards(bool compute_dtype) {
     offsets[i] = segment;
     segment = align_up(segment + static_cast<size_t>(m.split.chunk * m.row_numel) * dtype_size(dtype_of(m)));
   }
-  Tensor gathered;
-  if (segment > 0) {
-    gathered = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(segment) * world}, device);
-    // In place: this rank's segment of the output is the input.
-    Tensor mine =
-        gathered.view_at(static_cast<size_t>(group_->rank()) * segment, DType::kUInt8, {static_cast<int64_t>(segment)});
-    // Only the padding is zeroed: it goes over the wire too.
-    size_t written = 0;
-    auto zero_up_to = [&](size_t end) {
-      if (end > written) fill_zero(static_cast<uint8_t*>(mine.data()) + written, device, end - written);
-    };
-    for (size_t i = 0; i < params_.size(); ++i) {
-      const Managed& m = params_[i];
-      if (!m.sharded) continue;
-      zero_up_to(offsets[i]);
-      const int64_t n = m.split.count * m.row_numel;
-      ddp::cast_into(mine.view_at(offsets[i], dtype_of(m), {n}), m.shard.view({n}));
-      written = offsets[i] + static_cast<size_t>(n) * dtype_size(dtype_of(m));
-    }
-    zero_up_to(segment);
-    std::vector<Tensor> outputs;
-    outputs.reserve(static_cast<size_t>(world));
-    for (int32_t r = 0; r < world; ++r) {
-      outputs.push_back(
-          gathered.view_at(static_cast<size_t>(r) * segment, DType::kUInt8, {static_cast<int64_t>(segment)}));
-    }
-    group_->all_gather(mine, outputs, false);
-  }
+  // Each rank's rows go straight into the full tensors: this rank's cast
+  // from its shard, the others' from the all-gather (its runs name where
+  // each rank's rows of each parameter land). The padding is never read.
+  const int32_t rank = group_->rank();
   std::vector<Tensor> full(params_.size());
+  std::vector<dist::SegmentRun> sources;
+  std::vector<std::vector<dist::SegmentRun>> places(static_cast<size_t>(world));
+  auto bytes_of = [](const Tensor& t) { return t.view_at(0, DType::kUInt8, {static_cast<int64_t>(t.nbytes())}); };
   for (size_t i = 0; i < params_.size(); ++i) {
     const Managed& m = params_[i];
-    const DType dtype = dtype_of(m);
-    full[i] = Tensor::empty(dtype, m.full_shape, device);
+    full[i] = Tensor::empty(dtype_of(m), m.full_shape, device);
     if (!m.sharded) {
       ddp::cast_into(full[i], m.shard);
       continue;
     }
     for (int32_t r = 0; r < world; ++r) {
-      RowSplit s = split_rows(m.full_shape[0], world, r);
+      const RowSplit s = split_rows(m.full_shape[0], world, r);
       if (s.count == 0) continue;
-      comm::copy_pairs(
-          {rows_of(full[i], s.start, s.count, m.row_numel)},
-          {gathered.view_at(static_cast<size_t>(r) * segment + offsets[i], dtype, {s.count * m.row_numel})});
+      const Tensor rows = rows_of(full[i], s.start, s.count, m.row_numel);
+      if (r == rank) {
+        ddp::cast_into(rows, m.shard.view({s.count * m.row_numel}));
+        sources.push_back(dist::SegmentRun{offsets[i], bytes_of(rows)});
+      } else {
+        places[static_cast<size_t>(r)].push_back(dist::SegmentRun{offsets[i], bytes_of(rows)});
+      }
     }
   }
+  if (segment > 0 && world > 1) group_->all_gather_runs(segment, std::move(sources), std::move(places), false);
   return full;
 }
 
@@ -597,57 +580,88 @@ void FullyShard::run_post_backward() {
   const int32_t world = group_->size();
   const Device device = group_->device();
   // Sharded parameters: one reduce_scatter per reduce dtype.
-  for (const auto& [dtype, segment] : reduce_segment_) {
+  for (const auto& entry : reduce_segment_) {
+    const DType dtype = entry.first;  // a variable, not a binding: lambdas below capture it
+    const size_t segment = entry.second;
     if (segment == 0) continue;
     const size_t esize = dtype_size(dtype);
     const auto seg = static_cast<int64_t>(segment);
-    // Rank r's segment holds its rows of each parameter, padded to the
-    // chunk; the padding and the gradients never taken are zeros.
-    Tensor input = Tensor::empty(dtype, {seg * world}, device);
-    auto* bytes = static_cast<uint8_t*>(input.data());
-    for (int32_t r = 0; r < world; ++r) {
-      size_t written = static_cast<size_t>(r) * segment;  // elements
-      for (size_t i = 0; i < params_.size(); ++i) {
-        const Managed& m = params_[i];
-        if (!m.sharded || !m.reduced || m.reduce != dtype) continue;
-        const size_t at = static_cast<size_t>(r) * segment + m.reduce_offset;
-        const RowSplit s = split_rows(m.full_shape[0], world, r);
-        if (at > written) fill_zero(bytes + written * esize, device, (at - written) * esize);
-        written = at;
-        if (s.count == 0) continue;
-        const int64_t n = s.count * m.row_numel;
-        if (grads[i].defined()) {
-          ddp::cast_into(input.view_at(at * esize, dtype, {n}), rows_of(grads[i], s.start, s.count, m.row_numel));
-        } else {
-          fill_zero(bytes + at * esize, device, static_cast<size_t>(n) * esize);
-        }
-        written = at + static_cast<size_t>(n);
-      }
-      const size_t end = static_cast<size_t>(r + 1) * segment;
-      if (end > written) fill_zero(bytes + written * esize, device, (end - written) * esize);
-    }
-    // Copied in: the full gradients' memory can go now.
+    auto member = [&](const Managed& m) { return m.sharded && m.reduced && m.reduce == dtype; };
+    // Straight from the full gradients when they are in the reduce dtype
+    // (no cast) and need no division first (not 16-bit): each rank's part
+    // is made of its rows of each gradient; padding and gradients never
+    // taken count as zeros.
+    bool direct = !is_16_bit(dtype);
     for (size_t i = 0; i < params_.size(); ++i) {
-      if (params_[i].sharded && params_[i].reduce == dtype) grads[i] = Tensor();
+      if (member(params_[i]) && grads[i].defined() && grads[i].dtype() != dtype) direct = false;
     }
-    std::vector<Tensor> inputs;
-    inputs.reserve(static_cast<size_t>(world));
-    for (int32_t r = 0; r < world; ++r) {
-      inputs.push_back(input.view_at(static_cast<size_t>(r) * segment * esize, dtype, {seg}));
-    }
-    // In place: the result lands in this rank's own segment.
-    const Tensor output = inputs[static_cast<size_t>(group_->rank())];
-    if (is_16_bit(dtype)) {
-      // As the 16-bit comm hooks: divide first, so that the sum cannot overflow.
-      ddp::divide_tensor(input, world);
-      group_->reduce_scatter(inputs, output, dist::ReduceOp::kSum, false);
+    Tensor output;
+    if (direct) {
+      std::vector<std::vector<dist::SegmentRun>> parts(static_cast<size_t>(world));
+      for (int32_t r = 0; r < world; ++r) {
+        for (size_t i = 0; i < params_.size(); ++i) {
+          const Managed& m = params_[i];
+          if (!member(m) || !grads[i].defined()) continue;
+          const RowSplit s = split_rows(m.full_shape[0], world, r);
+          if (s.count == 0) continue;
+          parts[static_cast<size_t>(r)].push_back(
+              dist::SegmentRun{m.reduce_offset * esize, rows_of(grads[i], s.start, s.count, m.row_numel)});
+        }
+      }
+      output = Tensor::empty(dtype, {seg}, device);
+      group_->reduce_scatter_runs(std::move(parts), output, dist::ReduceOp::kAvg, false);
     } else {
-      group_->reduce_scatter(inputs, output, dist::ReduceOp::kAvg, false);
+      // Rank r's segment holds its rows of each parameter, padded to the
+      // chunk; the padding and the gradients never taken are zeros.
+      Tensor input = Tensor::empty(dtype, {seg * world}, device);
+      auto* bytes = static_cast<uint8_t*>(input.data());
+      for (int32_t r = 0; r < world; ++r) {
+        size_t written = static_cast<size_t>(r) * segment;  // elements
+        for (size_t i = 0; i < params_.size(); ++i) {
+          const Managed& m = params_[i];
+          if (!m.sharded || !m.reduced || m.reduce != dtype) continue;
+          const size_t at = static_cast<size_t>(r) * segment + m.reduce_offset;
+          const RowSplit s = split_rows(m.full_shape[0], world, r);
+          if (at > written) fill_zero(bytes + written * esize, device, (at - written) * esize);
+          written = at;
+          if (s.count == 0) continue;
+          const int64_t n = s.count * m.row_numel;
+          if (grads[i].defined()) {
+            ddp::cast_into(input.view_at(at * esize, dtype, {n}), rows_of(grads[i], s.start, s.count, m.row_numel));
+          } else {
+            fill_zero(bytes + at * esize, device, static_cast<size_t>(n) * esize);
+          }
+          written = at + static_cast<size_t>(n);
+        }
+        const size_t end = static_cast<size_t>(r + 1) * segment;
+        if (end > written) fill_zero(bytes + written * esize, device, (end - written) * esize);
+      }
+      // Copied in: the full gradients' memory can go now.
+      for (size_t i = 0; i < params_.size(); ++i) {
+        if (member(params_[i])) grads[i] = Tensor();
+      }
+      std::vector<Tensor> inputs;
+      inputs.reserve(static_cast<size_t>(world));
+      for (int32_t r = 0; r < world; ++r) {
+        inputs.push_back(input.view_at(static_cast<size_t>(r) * segment * esize, dtype, {seg}));
+      }
+      // In place: the result lands in this rank's own segment.
+      output = inputs[static_cast<size_t>(group_->rank())];
+      if (is_16_bit(dtype)) {
+        // As the 16-bit comm hooks: divide first, so that the sum cannot overflow.
+        ddp::divide_tensor(input, world);
+        group_->reduce_scatter(inputs, output, dist::ReduceOp::kSum, false);
+      } else {
+        group_->reduce_scatter(inputs, output, dist::ReduceOp::kAvg, false);
+      }
     }
     for (const Managed& m : params_) {
       if (!m.sharded || !m.reduced || m.reduce != dtype || m.split.count == 0) continue;
       const int64_t n = m.split.count * m.row_numel;
       accumulate(m.shard_grad.view({n}), output.view_at(m.reduce_offset * esize, dtype, {n}));
+    }
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (member(params_[i])) grads[i] = Tensor();
     }
   }
   // 0-d parameters: every rank holds them whole, so their gradients are all-reduced.

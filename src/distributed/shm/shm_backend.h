@@ -159,6 +159,13 @@ class ShmBackend : public Backend {
   void all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op) override;
   void broadcast(const Tensor& tensor, int32_t root) override;
   void all_gather(const Tensor& input, const std::vector<Tensor>& outputs) override;
+  // Straight from the sources into the slot, and from the other ranks'
+  // slots into the places: no contiguous scratch.
+  void all_gather_runs(size_t segment, const std::vector<SegmentRun>& sources,
+                       const std::vector<std::vector<SegmentRun>>& places) override;
+  // Every rank's part is gathered from its runs straight into the slot.
+  void reduce_scatter_runs(const std::vector<std::vector<SegmentRun>>& parts, const Tensor& output,
+                           ReduceOp op) override;
   void reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override;
   void barrier() override;
   // rank 0 reserves every rank's part in the segment's file (reusing a

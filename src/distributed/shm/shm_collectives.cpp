@@ -150,6 +150,94 @@ void ShmBackend::all_gather(const Tensor& input, const std::vector<Tensor>& outp
   } while (offset < nbytes);
 }
 
+namespace {
+
+// Copies the bytes of `runs` that fall in the segment's window [at, at +
+// len) between the runs' views and `window` (the window's first byte).
+void copy_window(const std::vector<SegmentRun>& runs, size_t at, size_t len, uint8_t* window, bool into_window) {
+  for (const SegmentRun& run : runs) {
+    const size_t begin = std::max(at, run.offset);
+    const size_t end = std::min(at + len, run.offset + run.view.nbytes());
+    if (begin >= end) continue;
+    auto* view = static_cast<uint8_t*>(run.view.data()) + (begin - run.offset);
+    if (into_window) {
+      copy_bytes(window + (begin - at), view, end - begin);
+    } else {
+      copy_bytes(view, window + (begin - at), end - begin);
+    }
+  }
+}
+
+// `window` = the bytes [at, at + len) of the part that `runs` (in order,
+// not overlapping) make up, zeros where no run covers it.
+void fill_window(const std::vector<SegmentRun>& runs, size_t at, size_t len, uint8_t* window) {
+  size_t filled = at;
+  for (const SegmentRun& run : runs) {
+    const size_t begin = std::max(at, run.offset);
+    const size_t end = std::min(at + len, run.offset + run.view.nbytes());
+    if (begin >= end) continue;
+    if (begin > filled) std::memset(window + (filled - at), 0, begin - filled);
+    copy_bytes(window + (begin - at), static_cast<const uint8_t*>(run.view.data()) + (begin - run.offset), end - begin);
+    filled = end;
+  }
+  if (at + len > filled) std::memset(window + (filled - at), 0, at + len - filled);
+}
+
+}  // namespace
+
+void ShmBackend::reduce_scatter_runs(const std::vector<std::vector<SegmentRun>>& parts, const Tensor& output,
+                                     ReduceOp op) {
+  const size_t esize = output.element_size();
+  const auto n = static_cast<size_t>(output.numel());
+  const auto ranks = static_cast<size_t>(size());
+  auto* out = static_cast<uint8_t*>(output.data());
+  ReduceFn fn = reduce_function(output.dtype(), op);
+  Call o = begin_call(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output);
+  // As reduce_scatter: each round carries a piece of every rank's part,
+  // piece q at q * piece; this rank's own piece goes in its slot too.
+  const size_t align = std::max<size_t>(1, kLine / esize);
+  const size_t piece_elems = std::max(align, layout_.slot / ranks / esize / align * align);
+  const size_t piece = piece_elems * esize;
+  size_t start = 0;
+  do {
+    const size_t count = std::min(piece_elems, n - start);
+    const size_t len = count * esize, offset = start * esize;
+    uint8_t* mine = slot(rank());
+    for (size_t q = 0; q < ranks; ++q) fill_window(parts[q], offset, len, mine + q * piece);
+    if (start == 0) {
+      exchange_headers(o);
+    } else {
+      arrive_and_wait(o);
+    }
+    const size_t my_piece = static_cast<size_t>(rank()) * piece;
+    fold(
+        fn, op, output.dtype(), out + offset, [&](int32_t q) { return slot(q) + my_piece; }, count,
+        [](size_t, size_t) {});
+    next_round();
+    start += count;
+  } while (start < n);
+}
+
+void ShmBackend::all_gather_runs(size_t segment, const std::vector<SegmentRun>& sources,
+                                 const std::vector<std::vector<SegmentRun>>& places) {
+  const Tensor* described = sources.empty() ? nullptr : &sources.front().view;
+  Call o =
+      begin_call(CallKind::kAllGather, DType::kUInt8, static_cast<int64_t>(segment), ReduceOp::kSum, -1, described);
+  size_t offset = 0;
+  do {
+    const size_t len = std::min(layout_.slot, segment - offset);
+    copy_window(sources, offset, len, slot(rank()), true);
+    if (offset == 0) {
+      exchange_headers(o);
+    } else {
+      arrive_and_wait(o);
+    }
+    for (int32_t q = 0; q < size(); ++q) copy_window(places[static_cast<size_t>(q)], offset, len, slot(q), false);
+    next_round();
+    offset += len;
+  } while (offset < segment);
+}
+
 void ShmBackend::reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) {
   const size_t esize = output.element_size();
   const auto n = static_cast<size_t>(output.numel());
