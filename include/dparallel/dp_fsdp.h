@@ -153,9 +153,11 @@ DP_API dp_status dp_fsdp_load_full_state_dict(dp_module *module, const char *pat
  * (the folder is made when missing) holding its rows of every sharded
  * parameter, with metadata "dp.rows.<name>" = "first count rows" to re-shard
  * them; rank 0's file also holds every tensor that is not sharded. Loading
- * reads every file of the save (load after every rank's save has returned,
- * e.g. after a dp_pg_barrier) and takes the rows this rank keeps now, so a
- * save at one world size loads at another. Every key must name a tensor of
+ * reads the header of every file of the save (load after every rank's save
+ * has returned, e.g. after a dp_pg_barrier), then only the rows this rank
+ * keeps now and the whole tensors, so a save at one world size loads at
+ * another; a read that fails after the checks (a file changed meanwhile)
+ * is DP_EIO and may leave the module partly loaded, as dp_module_load. Every key must name a tensor of
  * the module and every tensor must be covered, with the same dtype and full
  * shape, else DP_EINVAL naming each difference and the module is unchanged. */
 DP_API dp_status dp_fsdp_save_sharded_state_dict(dp_module *module, dp_process_group *pg, const char *folder);

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <sstream>
 
 #include "core/error.h"
@@ -21,7 +22,6 @@ namespace {
 
 constexpr const char* kShardedFormat = "dp-fsdp-sharded";
 constexpr const char* kRowsKey = "dp.rows.";
-const Device kHost{DeviceType::kCpu, 0};
 
 // A state dict entry and, when a dp_fsdp holds it, which one and its index there.
 struct Held {
@@ -162,20 +162,15 @@ void load_sharded_state_dict(Module& module, const std::string& folder) {
     fail(StatusCode::kIo, "cannot open the folder '", folder, "': ", std::strerror(errno));
   }
   if (world <= 0) fail_invalid("the folder '", folder, "' holds no shard-00000-of-N.safetensors");
-  std::vector<std::vector<uint8_t>> images;
-  std::vector<safetensors::Header> headers;
+  // Only the headers are read now; later just the rows this rank keeps.
+  std::vector<std::unique_ptr<StateFileReader>> files;
   for (int32_t r = 0; r < world; ++r) {
-    const std::string path = shard_file(folder, r, world);
-    images.push_back(read_state_file(path));
-    try {
-      headers.push_back(safetensors::parse(images.back().data(), images.back().size()));
-    } catch (const Error& e) {
-      fail(e.code(), "'", path, "': ", e.what());
-    }
-    auto format = headers.back().metadata.find("format");
-    if (format == headers.back().metadata.end() || format->second != kShardedFormat) {
-      fail_invalid("'", path, "' is not a sharded state dict of dp_fsdp (its metadata has no format \"", kShardedFormat,
-                   "\")");
+    files.push_back(std::make_unique<StateFileReader>(shard_file(folder, r, world)));
+    const auto& metadata = files.back()->header().metadata;
+    auto format = metadata.find("format");
+    if (format == metadata.end() || format->second != kShardedFormat) {
+      fail_invalid("'", files.back()->path(), "' is not a sharded state dict of dp_fsdp (its metadata has no format \"",
+                   kShardedFormat, "\")");
     }
   }
   // Every piece of every key: its file, entry and rows (whole: count -1).
@@ -185,11 +180,12 @@ void load_sharded_state_dict(Module& module, const std::string& folder) {
     int64_t first = 0, count = -1, rows = 0;
   };
   std::map<std::string, std::vector<Piece>> pieces;
-  for (size_t f = 0; f < headers.size(); ++f) {
-    for (const safetensors::Entry& e : headers[f].entries) {
+  for (size_t f = 0; f < files.size(); ++f) {
+    const safetensors::Header& header = files[f]->header();
+    for (const safetensors::Entry& e : header.entries) {
       Piece p{f, &e};
-      auto rows = headers[f].metadata.find(kRowsKey + e.name);
-      if (rows != headers[f].metadata.end()) {
+      auto rows = header.metadata.find(kRowsKey + e.name);
+      if (rows != header.metadata.end()) {
         std::istringstream in(rows->second);
         if (!(in >> p.first >> p.count >> p.rows) || p.first < 0 || p.count < 0 || p.first + p.count > p.rows ||
             e.shape.empty() || e.shape[0] != p.count) {
@@ -205,7 +201,8 @@ void load_sharded_state_dict(Module& module, const std::string& folder) {
   struct Copy {
     Tensor target;
     size_t target_offset;
-    const uint8_t* source;
+    size_t file;
+    uint64_t offset;  // into the file's data section
     size_t bytes;
   };
   std::vector<Copy> copies;
@@ -235,11 +232,9 @@ void load_sharded_state_dict(Module& module, const std::string& folder) {
       }
     }
     if (!matches) continue;
-    const uint8_t* base = nullptr;
     if (!sharded) {
       const Piece& p = found->second.front();
-      base = images[p.file].data() + headers[p.file].data_offset + p.entry->begin;
-      copies.push_back(Copy{target, 0, base, target.nbytes()});
+      copies.push_back(Copy{target, 0, p.file, p.entry->begin, target.nbytes()});
       continue;
     }
     const RowSplit mine = h.holder->split_of(h.index, h.holder->group()->rank());
@@ -249,9 +244,8 @@ void load_sharded_state_dict(Module& module, const std::string& folder) {
       const int64_t from = std::max(mine.start, p.first);
       const int64_t to = std::min(mine.start + mine.count, p.first + p.count);
       if (to <= from) continue;
-      base = images[p.file].data() + headers[p.file].data_offset + p.entry->begin;
-      copies.push_back(Copy{target, static_cast<size_t>(from - mine.start) * row_bytes,
-                            base + static_cast<size_t>(from - p.first) * row_bytes,
+      copies.push_back(Copy{target, static_cast<size_t>(from - mine.start) * row_bytes, p.file,
+                            p.entry->begin + static_cast<uint64_t>(from - p.first) * row_bytes,
                             static_cast<size_t>(to - from) * row_bytes});
       covered += to - from;
     }
@@ -268,9 +262,10 @@ void load_sharded_state_dict(Module& module, const std::string& folder) {
     for (const std::string& p : problems) text += (text.empty() ? "" : "; ") + p;
     fail_invalid("error loading the sharded state dict in '", folder, "' into the module: ", text);
   }
-  for (const Copy& c : copies) {
-    copy_bytes(static_cast<uint8_t*>(c.target.data()) + c.target_offset, c.target.device(), c.source, kHost, c.bytes);
-  }
+  // A read that fails now (a file changed meanwhile) is kIo and may leave
+  // the module partly loaded, as dp_module_load.
+  std::vector<uint8_t> staging;
+  for (const Copy& c : copies) files[c.file]->read_into(c.target, c.target_offset, c.offset, c.bytes, staging);
 }
 
 }  // namespace dparallel::fsdp

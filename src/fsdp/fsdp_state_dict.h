@@ -8,8 +8,9 @@
 // Sharded: each rank writes its own file in a folder,
 // shard-RRRRR-of-WWWWW.safetensors, holding its rows of every sharded
 // parameter (metadata "dp.rows.<name>" = "first count rows"); rank 0's also
-// holds every tensor that is not sharded. Loading reads every file of the
-// folder and takes the rows this rank keeps now, at any world size.
+// holds every tensor that is not sharded. Loading reads every file's
+// header, then only the rows this rank keeps now (at any world size) and
+// the whole tensors.
 #pragma once
 
 #include <string>

@@ -343,35 +343,46 @@ Copies plan_load(Module& module, const safetensors::Header& header, const std::s
 
 }  // namespace
 
-void load_module(Module& module, const std::string& path, bool strict) {
-  // Header first, then each tensor's bytes straight into place: loading never
-  // holds a second copy of the file, and a hostile header length costs nothing.
-  InputFile file(path);
+struct StateFileReader::Impl {
+  explicit Impl(const std::string& path) : file(path) {}
+  InputFile file;
+};
+
+StateFileReader::StateFileReader(const std::string& path) : path_(path), impl_(std::make_unique<Impl>(path)) {
+  // A hostile header length costs nothing: it is checked against the
+  // file's size before the header is read.
+  const InputFile& file = impl_->file;
   uint8_t first_bytes[8] = {};
   file.read_at(first_bytes, std::min<uint64_t>(8, file.size()), 0);
   const uint64_t header_bytes = parse_from(path, [&] { return safetensors::header_length(first_bytes, file.size()); });
   std::string text(static_cast<size_t>(header_bytes), '\0');
   file.read_at(text.data(), header_bytes, 8);
-  const safetensors::Header header =
-      parse_from(path, [&] { return safetensors::parse_header(text.data(), header_bytes, file.size()); });
-  std::vector<uint8_t> staging;
-  for (const auto& [entry, target] : plan_load(module, header, path, strict)) {
-    const uint64_t offset = header.data_offset + entry->begin;
-    if (target.device().is_cpu()) {
-      file.read_at(target.data(), target.nbytes(), offset);
-    } else {
-      staging.resize(target.nbytes());
-      file.read_at(staging.data(), target.nbytes(), offset);
-      copy_bytes(target.data(), target.device(), staging.data(), kHost, target.nbytes());
-    }
-  }
+  header_ = parse_from(path, [&] { return safetensors::parse_header(text.data(), header_bytes, file.size()); });
 }
 
-std::vector<uint8_t> read_state_file(const std::string& path) {
-  InputFile file(path);
-  std::vector<uint8_t> bytes(static_cast<size_t>(file.size()));
-  file.read_at(bytes.data(), bytes.size(), 0);
-  return bytes;
+StateFileReader::~StateFileReader() = default;
+
+void StateFileReader::read_into(const Tensor& target, size_t target_offset, uint64_t offset, size_t nbytes,
+                                std::vector<uint8_t>& staging) const {
+  auto* dst = static_cast<uint8_t*>(target.data()) + target_offset;
+  const uint64_t at = header_.data_offset + offset;
+  if (target.device().is_cpu()) {
+    impl_->file.read_at(dst, nbytes, at);
+    return;
+  }
+  staging.resize(nbytes);
+  impl_->file.read_at(staging.data(), nbytes, at);
+  copy_bytes(dst, target.device(), staging.data(), kHost, nbytes);
+}
+
+void load_module(Module& module, const std::string& path, bool strict) {
+  // Header first, then each tensor's bytes straight into place: loading never
+  // holds a second copy of the file.
+  StateFileReader file(path);
+  std::vector<uint8_t> staging;
+  for (const auto& [entry, target] : plan_load(module, file.header(), path, strict)) {
+    file.read_into(target, 0, entry->begin, target.nbytes(), staging);
+  }
 }
 
 void load_module_image(Module& module, const uint8_t* data, size_t size, const std::string& origin, bool strict) {

@@ -5,10 +5,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "module/module.h"
+#include "module/safetensors.h"
 
 namespace dparallel {
 
@@ -39,9 +41,30 @@ void save_state(const std::vector<StateEntry>& entries, const std::map<std::stri
 // error found before that the module is unchanged; a read failure while
 // copying (the file changed meanwhile) is kIo and may leave it partly loaded.
 void load_module(Module& module, const std::string& path, bool strict);
-// A whole safetensors file (a regular file, as load_module checks), for
-// parse(); kIo naming it on failure.
-std::vector<uint8_t> read_state_file(const std::string& path);
+// A safetensors file read piece by piece: opening checks that it is a
+// regular file (kInvalidArgument, never blocking on a FIFO) and reads and
+// checks its header against its size (kIo naming it); then byte ranges of
+// its data section go straight into tensors.
+class StateFileReader {
+ public:
+  explicit StateFileReader(const std::string& path);
+  ~StateFileReader();
+  StateFileReader(const StateFileReader&) = delete;
+  StateFileReader& operator=(const StateFileReader&) = delete;
+
+  const std::string& path() const { return path_; }
+  const safetensors::Header& header() const { return header_; }
+  // `nbytes` from `offset` into the data section, to `target_offset` bytes
+  // into `target` (through `staging` for a device tensor).
+  void read_into(const Tensor& target, size_t target_offset, uint64_t offset, size_t nbytes,
+                 std::vector<uint8_t>& staging) const;
+
+ private:
+  struct Impl;
+  std::string path_;
+  std::unique_ptr<Impl> impl_;
+  safetensors::Header header_;
+};
 // The same from a file image in memory; `origin` names it in messages.
 void load_module_image(Module& module, const uint8_t* data, size_t size, const std::string& origin, bool strict);
 
