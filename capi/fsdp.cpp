@@ -63,11 +63,6 @@ fsdp::ShardingOptions options_arg(const dp_fsdp_options* opts) {
   return options;
 }
 
-dp_status export_tensor(const Tensor& tensor, dp_tensor** out) {
-  *out = capi::new_tensor_handle(tensor);
-  return DP_OK;
-}
-
 }  // namespace
 
 extern "C" {
@@ -165,7 +160,7 @@ dp_status dp_fsdp_shard(const dp_fsdp* fsdp, size_t index, dp_tensor** out) {
   DP_API_BEGIN
   capi::require_arg(out, "out");
   *out = nullptr;
-  return export_tensor(fsdp_arg(fsdp).shard(index), out);
+  *out = capi::new_tensor_handle(fsdp_arg(fsdp).shard(index));
   DP_API_END
 }
 
@@ -173,7 +168,7 @@ dp_status dp_fsdp_shard_grad(const dp_fsdp* fsdp, size_t index, dp_tensor** out)
   DP_API_BEGIN
   capi::require_arg(out, "out");
   *out = nullptr;
-  return export_tensor(fsdp_arg(fsdp).shard_grad(index), out);
+  *out = capi::new_tensor_handle(fsdp_arg(fsdp).shard_grad(index));
   DP_API_END
 }
 

@@ -466,11 +466,6 @@ std::vector<Tensor> FullyShard::gather_full_values() {
   return full;
 }
 
-void FullyShard::load_shard(size_t index, const Tensor& rows) {
-  const Managed& m = params_.at(index);
-  ddp::cast_into(m.shard, rows);
-}
-
 void FullyShard::load_shard_from_full(size_t index, const Tensor& full) {
   const Managed& m = params_.at(index);
   if (!m.sharded) {

@@ -84,7 +84,6 @@ class FullyShard final : public ddp::LaneOwner,
   // Whether the slots hold the full parameters now.
   bool unsharded() const;
   const std::shared_ptr<dist::ProcessGroup>& group() const { return group_; }
-  const std::shared_ptr<Module>& module() const { return module_; }
   // Parameter `index`'s full value in its own dtype, gathered from every
   // rank (collective, on the lane).
   std::vector<Tensor> gather_full_values();
@@ -99,7 +98,6 @@ class FullyShard final : public ddp::LaneOwner,
   // Copies the rows of `full` (the parameter's full shape and any dtype it
   // casts from) that this rank keeps into its shard.
   void load_shard_from_full(size_t index, const Tensor& full);
-  void load_shard(size_t index, const Tensor& rows);
 
   // LaneOwner.
   const char* owner_kind() const override { return "dp_fsdp"; }

@@ -267,6 +267,9 @@ class ShmBackend : public Backend {
   }
   int set() const { return static_cast<int>(round_ & 1); }
   void next_round() { ++round_; }
+  // A reduce_scatter's round carries a piece of every rank's part (piece q
+  // at q * piece in a slot): its elements, cache-line aligned.
+  size_t scatter_piece_elements(size_t esize) const;
 
   std::shared_ptr<Store> store_;
   std::string prefix_;

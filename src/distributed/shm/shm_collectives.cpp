@@ -185,6 +185,11 @@ void fill_window(const std::vector<SegmentRun>& runs, size_t at, size_t len, uin
 
 }  // namespace
 
+size_t ShmBackend::scatter_piece_elements(size_t esize) const {
+  const size_t align = std::max<size_t>(1, kLine / esize);
+  return std::max(align, layout_.slot / static_cast<size_t>(size()) / esize / align * align);
+}
+
 void ShmBackend::reduce_scatter_runs(const std::vector<std::vector<SegmentRun>>& parts, const Tensor& output,
                                      ReduceOp op) {
   const size_t esize = output.element_size();
@@ -193,10 +198,8 @@ void ShmBackend::reduce_scatter_runs(const std::vector<std::vector<SegmentRun>>&
   auto* out = static_cast<uint8_t*>(output.data());
   ReduceFn fn = reduce_function(output.dtype(), op);
   Call o = begin_call(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output);
-  // As reduce_scatter: each round carries a piece of every rank's part,
-  // piece q at q * piece; this rank's own piece goes in its slot too.
-  const size_t align = std::max<size_t>(1, kLine / esize);
-  const size_t piece_elems = std::max(align, layout_.slot / ranks / esize / align * align);
+  // As reduce_scatter, and this rank's own piece goes in its slot too.
+  const size_t piece_elems = scatter_piece_elements(esize);
   const size_t piece = piece_elems * esize;
   size_t start = 0;
   do {
@@ -263,9 +266,7 @@ void ShmBackend::reduce_scatter(const std::vector<Tensor>& inputs, const Tensor&
   }
   const bool in_place_late = in[static_cast<size_t>(rank())] == out && rank() >= 2;
   Call o = begin_call(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output);
-  // Each round carries a piece of every rank's part, piece q at q * piece.
-  const size_t align = std::max<size_t>(1, kLine / esize);
-  const size_t piece_elems = std::max(align, layout_.slot / ranks / esize / align * align);
+  const size_t piece_elems = scatter_piece_elements(esize);
   const size_t piece = piece_elems * esize;
   size_t start = 0;
   do {
