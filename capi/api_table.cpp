@@ -42,7 +42,8 @@ static_assert(offsetof(dp_api, tensor_to_device) == slot(75), "dp_api layout cha
 static_assert(offsetof(dp_api, process_group_backend) == slot(85), "dp_api layout changed");
 static_assert(offsetof(dp_api, ddp_options_init) == slot(86), "dp_api layout changed");
 static_assert(offsetof(dp_api, fsdp_options_init) == slot(108), "dp_api layout changed");
-static_assert(kSlotCount == 127, "dp_api layout changed");
+static_assert(offsetof(dp_api, shutdown) == slot(127), "dp_api layout changed");
+static_assert(kSlotCount == 128, "dp_api layout changed");
 static_assert(sizeof(dp_api) == slot(kSlotCount), "dp_api layout changed");
 
 #define DP_SLOT_VALUE(ret, name, params) dp_##name,

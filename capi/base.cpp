@@ -2,7 +2,10 @@
 #include <cstring>
 
 #include "capi/capi_internal.h"
+#include "backend/cpu/cpu_streams.h"
 #include "core/allocator.h"
+#include "core/device_worker.h"
+#include "core/thread_pool.h"
 
 namespace dparallel::capi {
 const char* last_error_text() noexcept;
@@ -115,6 +118,14 @@ dp_status dp_device_memory_stats(dp_device device, dp_memory_stats* out) {
 dp_status dp_device_reset_peak_memory(dp_device device) {
   DP_API_BEGIN
   reset_peak_memory(capi::device_arg(device, "device"));
+  DP_API_END
+}
+
+dp_status dp_shutdown(void) {
+  DP_API_BEGIN
+  stop_device_workers();  // first: a forward in flight may still compute and queue
+  cpu::stop_default_streams();
+  stop_compute_threads();
   DP_API_END
 }
 

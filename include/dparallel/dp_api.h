@@ -35,7 +35,7 @@ extern "C" {
 #endif
 
 /* abi_minor of the table this header describes. */
-#define DP_API_MINOR 7
+#define DP_API_MINOR 8
 
 /* Every slot of the table, in table order: X(return type, name, (parameters))
  * for the entry point dp_<name>. The struct below and the library's table are
@@ -205,7 +205,9 @@ extern "C" {
   X(dp_status, fsdp_load_sharded_state_dict, (dp_module *module, const char *folder))                                   \
   /* device memory (dp_base.h) */                                                                                       \
   X(dp_status, device_memory_stats, (dp_device device, dp_memory_stats *out))                                           \
-  X(dp_status, device_reset_peak_memory, (dp_device device))
+  X(dp_status, device_reset_peak_memory, (dp_device device))                                                          \
+  /* ---- abi_minor 8: the library's own threads (dp_base.h) ---- */                                                   \
+  X(dp_status, shutdown, (void))
 /* clang-format on */
 
 /* A type, a name and a parameter list cannot be parenthesised. */

@@ -100,6 +100,18 @@ typedef struct dp_memory_stats {
 DP_API dp_status dp_device_memory_stats(dp_device device, dp_memory_stats *out);
 DP_API dp_status dp_device_reset_peak_memory(dp_device device);
 
+/* Ends the threads the library keeps for itself: one worker per device that
+ * ran a forward (parallel_apply, data_parallel, replica sets), the compute
+ * pool and, with DP_CPU_ASYNC=1, the cpu default streams. Each first runs
+ * what it has queued; the call returns once they have all ended, so a
+ * runtime that waits at exit for threads it has seen (Mono, the JVM) does
+ * not wait on them. Safe to call twice, and from any thread but those (a
+ * forward or host function calling it is DP_ESTATE); a later call that needs
+ * them starts them again. Threads that belong to a handle (process groups,
+ * dp_ddp, dp_fsdp, stores, streams from dp_stream_create) end when it is
+ * destroyed. */
+DP_API dp_status dp_shutdown(void);
+
 typedef enum dp_dtype {
   DP_FLOAT32 = 0,
   DP_FLOAT64 = 1,

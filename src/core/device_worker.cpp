@@ -1,20 +1,32 @@
 #include "core/device_worker.h"
 
+#include <pthread.h>
+
 #include <condition_variable>
 #include <list>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <unordered_map>
 
 #include "core/device_runtime.h"
 #include "core/error.h"
+#include "core/process_origin.h"
 
 namespace dparallel {
 
 namespace {
 
 thread_local Device t_current_device{DeviceType::kCpu, 0};
+thread_local bool t_is_worker = false;
+
+// "dp-dev cpu:1": what debuggers and /proc show (15 characters at most).
+void name_this_thread(const Device& device) {
+  std::string name = "dp-dev " + to_string(device);
+  if (name.size() > 15) name.resize(15);
+  pthread_setname_np(pthread_self(), name.c_str());
+}
 
 using TaskList = std::list<std::packaged_task<void()>>;
 
@@ -24,8 +36,22 @@ using TaskList = std::list<std::packaged_task<void()>>;
 class DeviceWorker {
  public:
   DeviceWorker(const Device& device, std::mutex& mutex) : device_(device), mutex_(mutex) {
-    std::thread([this] { loop(); }).detach();
+    thread_ = std::thread([this] { loop(); });
   }
+  // Runs what is queued, then joins; a forked child has no such thread.
+  ~DeviceWorker() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_one();
+    if (origin_.is_current())
+      thread_.join();
+    else
+      thread_.detach();
+  }
+  DeviceWorker(const DeviceWorker&) = delete;
+  DeviceWorker& operator=(const DeviceWorker&) = delete;
 
   // Appends the one task of `task`; the caller holds the workers' mutex.
   // Splicing allocates nothing, so a submission cannot fail half-way.
@@ -35,11 +61,14 @@ class DeviceWorker {
  private:
   void loop() {
     t_current_device = device_;
+    t_is_worker = true;
+    name_this_thread(device_);
     for (;;) {
       TaskList task;
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return !queue_.empty(); });
+        wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping, and everything ran
         task.splice(task.end(), queue_, queue_.begin());
       }
       task.front()();
@@ -50,6 +79,9 @@ class DeviceWorker {
   std::mutex& mutex_;
   std::condition_variable wake_;
   TaskList queue_;
+  bool stopping_ = false;
+  ProcessOrigin origin_;
+  std::thread thread_;
 };
 
 class Workers {
@@ -82,6 +114,16 @@ class Workers {
     return done;
   }
 
+  // Ends every worker after what it has queued; later submissions start new ones.
+  void stop_all() {
+    std::unordered_map<Device, std::unique_ptr<DeviceWorker>> stopping;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping.swap(workers_);
+    }
+    stopping.clear();  // each destructor joins, outside the lock the workers take
+  }
+
  private:
   DeviceWorker& worker_locked(const Device& device) {
     auto& slot = workers_[device];
@@ -94,7 +136,7 @@ class Workers {
 };
 
 Workers& workers() {
-  // Leaked on purpose: the workers are detached threads that live as long as the process.
+  // Leaked on purpose: hosts' static destructors may still submit work.
   static auto* instance = new Workers();
   return *instance;
 }
@@ -113,5 +155,14 @@ std::vector<std::future<void>> run_on_devices(const std::vector<Device>& devices
 }
 
 Device current_device() { return t_current_device; }
+
+void stop_device_workers() {
+  if (t_is_worker) {
+    fail(StatusCode::kState,
+         "the library's worker threads cannot be stopped from one of them (a forward or host callback); "
+         "call it from the host's own thread");
+  }
+  workers().stop_all();
+}
 
 }  // namespace dparallel

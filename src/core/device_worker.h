@@ -1,4 +1,5 @@
-// One persistent worker thread per device, created on first use. Work
+// One persistent worker thread per device, created on first use (and again
+// after stop_device_workers). Work
 // submitted to a device's worker runs with that device made current, in the
 // order of submission.
 //
@@ -33,5 +34,10 @@ std::vector<std::future<void>> run_on_devices(const std::vector<Device>& devices
 // The device made current on this thread (cpu:0 on threads that are not
 // device workers).
 Device current_device();
+
+// Ends every device worker once it has run what was queued (joins them);
+// the next submission starts new ones. kState on a worker thread, which
+// cannot join itself.
+void stop_device_workers();
 
 }  // namespace dparallel

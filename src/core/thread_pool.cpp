@@ -1,5 +1,7 @@
 #include "core/thread_pool.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -10,6 +12,8 @@
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include "core/process_origin.h"
 
 namespace dparallel {
 
@@ -49,11 +53,26 @@ struct Job {
 class ThreadPool {
  public:
   explicit ThreadPool(size_t helpers) {
-    for (size_t i = 0; i < helpers; ++i) {
-      std::thread([this] { loop(); }).detach();
-    }
+    threads_.reserve(helpers);
+    for (size_t i = 0; i < helpers; ++i) threads_.emplace_back([this] { loop(); });
     helpers_ = helpers;
   }
+  // Called by the last user: no job is queued. A forked child has no helpers.
+  ~ThreadPool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    for (std::thread& thread : threads_) {
+      if (origin_.is_current())
+        thread.join();
+      else
+        thread.detach();
+    }
+  }
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
 
   size_t helpers() const { return helpers_; }
 
@@ -86,14 +105,16 @@ class ThreadPool {
  private:
   void loop() {
     t_in_pool = true;
+    pthread_setname_np(pthread_self(), "dp-pool");
     for (;;) {
       std::shared_ptr<Job> job;
       {
         std::unique_lock<std::mutex> lock(mutex_);
         wake_.wait(lock, [&] {
           while (!queue_.empty() && queue_.front()->next.load() >= queue_.front()->ntasks) queue_.pop_front();
-          return !queue_.empty();
+          return stopping_ || !queue_.empty();
         });
+        if (queue_.empty()) return;  // stopping
         job = queue_.front();
       }
       job->work();
@@ -104,6 +125,9 @@ class ThreadPool {
   std::mutex mutex_;
   std::condition_variable wake_;
   std::deque<std::shared_ptr<Job>> queue_;
+  bool stopping_ = false;
+  ProcessOrigin origin_;
+  std::vector<std::thread> threads_;
 };
 
 size_t read_concurrency() {
@@ -116,10 +140,23 @@ size_t read_concurrency() {
   return std::max<size_t>(1, std::thread::hardware_concurrency());
 }
 
-ThreadPool& pool() {
-  // Leaked on purpose: its threads are detached and live as long as the process.
-  static ThreadPool* instance = new ThreadPool(compute_concurrency() - 1);
-  return *instance;
+// The pool, started on first use and again after stop_compute_threads. Each
+// parallel_for holds it, so a stop waits for the jobs in flight. The holder
+// is leaked on purpose: hosts' static destructors may still compute.
+struct PoolHolder {
+  std::mutex mutex;
+  std::shared_ptr<ThreadPool> pool;
+};
+PoolHolder& pool_holder() {
+  static auto* holder = new PoolHolder();
+  return *holder;
+}
+
+std::shared_ptr<ThreadPool> pool() {
+  PoolHolder& holder = pool_holder();
+  std::lock_guard<std::mutex> lock(holder.mutex);
+  if (!holder.pool) holder.pool = std::make_shared<ThreadPool>(compute_concurrency() - 1);
+  return holder.pool;
 }
 
 }  // namespace
@@ -138,7 +175,7 @@ void parallel_for(size_t ntasks, const std::function<void(size_t)>& task) {
     for (size_t i = 0; i < ntasks; ++i) task(i);
     return;
   }
-  pool().run(ntasks, task);
+  pool()->run(ntasks, task);
 }
 
 void parallel_range(size_t n, size_t min_grain, const std::function<void(size_t, size_t)>& body) {
@@ -155,6 +192,16 @@ void parallel_range(size_t n, size_t min_grain, const std::function<void(size_t,
     size_t end = std::min(n, begin + per_part);
     if (begin < end) body(begin, end);
   });
+}
+
+void stop_compute_threads() {
+  std::shared_ptr<ThreadPool> stopping;
+  {
+    PoolHolder& holder = pool_holder();
+    std::lock_guard<std::mutex> lock(holder.mutex);
+    stopping.swap(holder.pool);
+  }
+  // The last holder, this call or a parallel_for in flight, joins the helpers.
 }
 
 }  // namespace dparallel

@@ -20,6 +20,10 @@ void parallel_for(size_t ntasks, const std::function<void(size_t)>& task);
 // `min_grain` items and runs body(begin, end) on each.
 void parallel_range(size_t n, size_t min_grain, const std::function<void(size_t, size_t)>& body);
 
+// Ends the pool's helper threads once the parallel_for calls in flight are
+// done; the next parallel_for starts new ones. Any thread but a helper.
+void stop_compute_threads();
+
 // While alive, parallel_for and parallel_range on this thread run inline.
 // For threads whose work overlaps the host's own computation (a process
 // group's comm lane): fanning out there takes cores from the host.

@@ -1,5 +1,7 @@
 #include "backend/cpu/cpu_streams.h"
 
+#include <pthread.h>
+
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -7,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -62,6 +65,12 @@ class Stream {
     wake_.notify_all();
   }
 
+  void name_thread() {
+    std::string name = "dp-stream cpu:" + std::to_string(index_);
+    if (name.size() > 15) name.resize(15);
+    pthread_setname_np(pthread_self(), name.c_str());
+  }
+
   void synchronize() {
     origin_.check("a cpu stream");
     if (runs_on_this_thread()) {
@@ -74,6 +83,7 @@ class Stream {
 
  private:
   void loop() {
+    name_thread();
     std::mt19937_64 random(std::random_device{}());
     for (;;) {
       std::function<void()> task;
@@ -124,14 +134,22 @@ StreamRegistry& registry() {
 }
 
 // The default streams of the asynchronous mode, one per device, made on
-// first use and kept for the life of the process.
+// first use and kept until stop_default_streams.
+struct DefaultStreams {
+  std::mutex mutex;
+  std::vector<std::shared_ptr<Stream>> streams;
+};
+DefaultStreams& default_streams() {
+  static auto* instance = new DefaultStreams();  // outlives hosts' static destructors
+  return *instance;
+}
+
 std::shared_ptr<Stream> default_stream(int32_t index) {
-  static std::mutex mutex;
-  static auto* streams = new std::vector<std::shared_ptr<Stream>>();
-  std::lock_guard<std::mutex> lock(mutex);
+  DefaultStreams& all = default_streams();
+  std::lock_guard<std::mutex> lock(all.mutex);
   auto slot = static_cast<size_t>(index);
-  if (streams->size() <= slot) streams->resize(slot + 1);
-  std::shared_ptr<Stream>& stream = (*streams)[slot];
+  if (all.streams.size() <= slot) all.streams.resize(slot + 1);
+  std::shared_ptr<Stream>& stream = all.streams[slot];
   if (!stream) stream = std::make_shared<Stream>(index, async_delay_us());
   return stream;
 }
@@ -242,6 +260,22 @@ void launch_host_func(int32_t index, void* stream, std::function<void()> fn) {
     return;
   }
   queue->push(std::move(fn));
+}
+
+void stop_default_streams() {
+  std::vector<std::shared_ptr<Stream>> stopping;
+  {
+    DefaultStreams& all = default_streams();
+    std::lock_guard<std::mutex> lock(all.mutex);
+    for (const std::shared_ptr<Stream>& stream : all.streams) {
+      if (stream && stream->runs_on_this_thread()) {
+        fail(StatusCode::kState, "the default stream of cpu:", stream->index(),
+             " cannot be stopped by a host function running on it; call it from the host's own thread");
+      }
+    }
+    stopping.swap(all.streams);
+  }
+  // Each runs what it holds, then joins: here, or in a use still in flight.
 }
 
 void* create_event() { return new EventHandle(); }

@@ -24,6 +24,10 @@ void check_stream(int32_t index, void* stream, const char* argument);
 void stream_synchronize(int32_t index, void* stream);
 void launch_host_func(int32_t index, void* stream, std::function<void()> fn);
 
+// Ends the asynchronous mode's default streams after what they hold; the
+// next use starts new ones. Streams from create_stream stay.
+void stop_default_streams();
+
 void* create_event();
 void destroy_event(void* event) noexcept;
 void record_event(void* event, int32_t index, void* stream);
