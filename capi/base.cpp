@@ -1,8 +1,8 @@
 // dp_base.h: status text, errors, version, devices, dtypes.
 #include <cstring>
 
-#include "capi/capi_internal.h"
 #include "backend/cpu/cpu_streams.h"
+#include "capi/capi_internal.h"
 #include "core/allocator.h"
 #include "core/device_worker.h"
 #include "core/thread_pool.h"
