@@ -49,6 +49,8 @@ int dp_library_open(dp_library *lib, const char *path, uint32_t abi_major, char 
 }
 
 void dp_library_close(dp_library *lib) {
+  /* The threads restart if another handle on the library uses it again. */
+  if (lib->api != NULL) (void)lib->api->shutdown();
   if (lib->handle != NULL) dlclose(lib->handle);
   lib->handle = NULL;
   lib->api = NULL;

@@ -31,7 +31,8 @@ typedef struct dp_library {
  * library is unloaded again. Returns 0, or -1 with the reason in `why`. */
 int dp_library_open(dp_library *lib, const char *path, uint32_t abi_major, char *why, size_t cap);
 
-/* dlcloses the library. Destroy every handle from it first. */
+/* Ends the library's own threads (dp_shutdown, so a host's exit does not
+ * wait on them) and dlcloses it. Destroy every handle from it first. */
 void dp_library_close(dp_library *lib);
 
 #endif /* DPARALLEL_BINDINGS_C_DP_LOAD_H */
