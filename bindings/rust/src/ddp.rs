@@ -11,7 +11,7 @@ use std::sync::Mutex;
 use crate::error::cstring;
 use crate::parallel::panic_text;
 use crate::tensor::sealed;
-use crate::{sys, Element, InPlace, Library, Module, ProcessGroup, Result, Tensor};
+use crate::{sys, Element, Error, InPlace, Library, Module, ProcessGroup, Result, Stream, Tensor, DP_EINVAL, DP_EIO};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(i32)]
@@ -36,6 +36,14 @@ pub struct DdpOptions {
     pub ignored_modules: Vec<String>,
     pub ignored_parameters: Vec<String>,
     pub comm_hook: CommHook,
+    /// The first synced iteration records the used parameters and the
+    /// plan; later ones run no used-map collective (dp_ddp_options).
+    pub static_graph: bool,
+    /// While ranks have joined (`Ddp::join`), the built-in hooks divide by
+    /// the initial world size (true) or by the ranks still active.
+    pub join_divide_by_initial_world_size: bool,
+    /// Text from `Ddp::bucket_plan` to start with: those buckets, final.
+    pub bucket_plan: Option<String>,
 }
 
 impl Default for DdpOptions {
@@ -50,6 +58,9 @@ impl Default for DdpOptions {
             ignored_modules: Vec::new(),
             ignored_parameters: Vec::new(),
             comm_hook: CommHook::AllReduce,
+            static_graph: false,
+            join_divide_by_initial_world_size: true,
+            bucket_plan: None,
         }
     }
 }
@@ -72,7 +83,9 @@ pub struct Ddp {
     pub(crate) raw: *mut sys::dp_ddp,
     pub(crate) lib: Library,
     // Dropped after dp_ddp_destroy, which waits for reductions in flight.
-    hook: Option<Box<HookState>>,
+    hooks: Option<Box<HookState>>,
+    // false for the handle a bucket-reduced closure is lent.
+    owned: bool,
 }
 
 /// The flat bucket a comm hook is lent: this rank's gradients of one
@@ -104,11 +117,76 @@ impl InPlace for Bucket<'_> {
 }
 
 type CommHookFn = dyn Fn(&ProcessGroup, usize, &mut Bucket<'_>) -> Result<()> + Send + Sync;
+type BucketReducedFn = dyn Fn(&Ddp, usize, &[usize]) -> Result<()> + Send + Sync;
+
+/// The closures of a `Ddp` (`Ddp::with_hooks`); both run on the library's
+/// worker thread, and an `Err` or a panic in either fails
+/// `finish_backward` with DP_EUSER and its message.
+#[derive(Default)]
+pub struct DdpHooks {
+    comm_hook: Option<Box<CommHookFn>>,
+    on_bucket_reduced: Option<Box<BucketReducedFn>>,
+}
+
+impl fmt::Debug for DdpHooks {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DdpHooks")
+            .field("comm_hook", &self.comm_hook.is_some())
+            .field("on_bucket_reduced", &self.on_bucket_reduced.is_some())
+            .finish()
+    }
+}
+
+impl DdpHooks {
+    pub fn new() -> DdpHooks {
+        DdpHooks::default()
+    }
+
+    /// Reduces each flat bucket in place instead of `DdpOptions::comm_hook`
+    /// (DP_HOOK_CUSTOM), typically by collectives on the group it is lent.
+    pub fn comm_hook<F>(mut self, hook: F) -> DdpHooks
+    where
+        F: Fn(&ProcessGroup, usize, &mut Bucket<'_>) -> Result<()> + Send + Sync + 'static,
+    {
+        self.comm_hook = Some(Box::new(hook));
+        self
+    }
+
+    /// The optimizer inside backward: called with the reducer, the bucket
+    /// index and its managed-parameter indices as soon as that bucket's
+    /// averaged gradients are final in the module's gradients, while later
+    /// buckets still reduce; every managed parameter is reported once per
+    /// synced iteration. The reducer is lent for reading (`parameter_used`,
+    /// `bucket_parameters`, ...); other calls on it are DP_ESTATE there.
+    pub fn on_bucket_reduced<F>(mut self, callback: F) -> DdpHooks
+    where
+        F: Fn(&Ddp, usize, &[usize]) -> Result<()> + Send + Sync + 'static,
+    {
+        self.on_bucket_reduced = Some(Box::new(callback));
+        self
+    }
+}
 
 struct HookState {
-    pub(crate) hook: Box<CommHookFn>,
-    pub(crate) lib: Library,
+    hooks: DdpHooks,
+    lib: Library,
     failures: Mutex<Vec<String>>,
+}
+
+impl HookState {
+    fn record(&self, failure: String) {
+        // Nothing may unwind from a callback: a poisoned lock is still usable.
+        let _ = catch_unwind(AssertUnwindSafe(|| {
+            self.failures.lock().unwrap_or_else(|p| p.into_inner()).push(failure);
+        }));
+    }
+
+    fn append_to(&self, err: &mut Error) {
+        for text in std::mem::take(&mut *self.failures.lock().unwrap_or_else(|p| p.into_inner())) {
+            err.message.push_str("; ");
+            err.message.push_str(&text);
+        }
+    }
 }
 
 /// The dp_comm_hook_fn behind a closure, on the library's worker thread:
@@ -120,19 +198,50 @@ unsafe extern "C" fn comm_hook_trampoline(
     flat_bucket: *mut sys::dp_tensor,
 ) -> c_int {
     let state = &*(user_data as *const HookState);
+    let Some(hook) = state.hooks.comm_hook.as_ref() else { return 3 };
     let outcome = catch_unwind(AssertUnwindSafe(|| {
         let group = ProcessGroup { raw: pg, lib: state.lib.clone(), owned: false };
         let mut bucket = Bucket { tensor: Tensor::borrowed(&state.lib, flat_bucket), _call: PhantomData };
-        (state.hook)(&group, bucket_index, &mut bucket)
+        hook(&group, bucket_index, &mut bucket)
     }));
     let (code, failure) = match outcome {
         Ok(Ok(())) => return 0,
         Ok(Err(e)) => (1, format!("bucket {bucket_index}: the comm hook returned {e}")),
         Err(payload) => (2, format!("bucket {bucket_index}: the comm hook panicked: {}", panic_text(payload.as_ref()))),
     };
-    let _ = catch_unwind(AssertUnwindSafe(|| {
-        state.failures.lock().unwrap_or_else(|p| p.into_inner()).push(failure);
+    state.record(failure);
+    code
+}
+
+/// The dp_bucket_reduced_fn behind a closure, on the library's worker
+/// thread: nothing unwinds out of it.
+unsafe extern "C" fn bucket_reduced_trampoline(
+    user_data: *mut c_void,
+    ddp: *mut sys::dp_ddp,
+    bucket_index: usize,
+    param_indices: *const usize,
+    nparams: usize,
+) -> c_int {
+    let state = &*(user_data as *const HookState);
+    let Some(callback) = state.hooks.on_bucket_reduced.as_ref() else { return 3 };
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        let lent = Ddp { raw: ddp, lib: state.lib.clone(), hooks: None, owned: false };
+        let params = if nparams == 0 || param_indices.is_null() {
+            &[][..]
+        } else {
+            std::slice::from_raw_parts(param_indices, nparams)
+        };
+        callback(&lent, bucket_index, params)
     }));
+    let (code, failure) = match outcome {
+        Ok(Ok(())) => return 0,
+        Ok(Err(e)) => (1, format!("bucket {bucket_index}: the on_bucket_reduced closure returned {e}")),
+        Err(payload) => (
+            2,
+            format!("bucket {bucket_index}: the on_bucket_reduced closure panicked: {}", panic_text(payload.as_ref())),
+        ),
+    };
+    state.record(failure);
     code
 }
 
@@ -147,7 +256,9 @@ impl fmt::Debug for Ddp {
 
 impl Drop for Ddp {
     fn drop(&mut self) {
-        unsafe { (self.lib.api().ddp_destroy)(self.raw) };
+        if self.owned {
+            unsafe { (self.lib.api().ddp_destroy)(self.raw) };
+        }
     }
 }
 
@@ -166,33 +277,28 @@ impl Ddp {
     where
         F: Fn(&ProcessGroup, usize, &mut Bucket<'_>) -> Result<()> + Send + Sync + 'static,
     {
-        let state = HookState { hook: Box::new(hook), lib: module.lib.clone(), failures: Mutex::new(Vec::new()) };
+        Ddp::with_hooks(module, pg, options, DdpHooks::new().comm_hook(hook))
+    }
+
+    /// As `new`, with the closures of `hooks` (a comm hook, an
+    /// on_bucket_reduced step, or both).
+    pub fn with_hooks(module: &Module, pg: &ProcessGroup, options: &DdpOptions, hooks: DdpHooks) -> Result<Ddp> {
+        let state = HookState { hooks, lib: module.lib.clone(), failures: Mutex::new(Vec::new()) };
         Ddp::create(module, pg, options, Some(Box::new(state)))
     }
 
-    fn create(module: &Module, pg: &ProcessGroup, options: &DdpOptions, hook: Option<Box<HookState>>) -> Result<Ddp> {
+    fn create(module: &Module, pg: &ProcessGroup, options: &DdpOptions, hooks: Option<Box<HookState>>) -> Result<Ddp> {
         let lib = module.lib.clone();
-        let mut o = sys::dp_ddp_options {
-            struct_size: std::mem::size_of::<sys::dp_ddp_options>(),
-            bucket_cap_mb: 0.0,
-            first_bucket_cap_mb: 0.0,
-            gradient_as_bucket_view: 0,
-            broadcast_buffers: 0,
-            find_unused_parameters: 0,
-            init_sync: 0,
-            ignored_modules: ptr::null(),
-            num_ignored_modules: 0,
-            ignored_parameters: ptr::null(),
-            num_ignored_parameters: 0,
-            comm_hook: 0,
-            hook_fn: None,
-            hook_user_data: ptr::null_mut(),
-        };
-        lib.check(unsafe { (lib.api().ddp_options_init)(&mut o, std::mem::size_of::<sys::dp_ddp_options>()) })?;
+        let size = std::mem::size_of::<sys::dp_ddp_options>();
+        // dp_ddp_options_init fills every field: zeroed bytes are a valid start
+        // (null pointers, None callbacks).
+        let mut o: sys::dp_ddp_options = unsafe { std::mem::zeroed() };
+        lib.check(unsafe { (lib.api().ddp_options_init)(&mut o, size) })?;
         let modules: Vec<CString> =
             options.ignored_modules.iter().map(|n| cstring("ignored_modules", n)).collect::<Result<_>>()?;
         let params: Vec<CString> =
             options.ignored_parameters.iter().map(|n| cstring("ignored_parameters", n)).collect::<Result<_>>()?;
+        let plan = options.bucket_plan.as_deref().map(|p| cstring("bucket_plan", p)).transpose()?;
         let module_ptrs: Vec<*const c_char> = modules.iter().map(|c| c.as_ptr()).collect();
         let param_ptrs: Vec<*const c_char> = params.iter().map(|c| c.as_ptr()).collect();
         o.bucket_cap_mb = options.bucket_cap_mb;
@@ -206,19 +312,49 @@ impl Ddp {
         o.ignored_parameters = if param_ptrs.is_empty() { ptr::null() } else { param_ptrs.as_ptr() };
         o.num_ignored_parameters = param_ptrs.len();
         o.comm_hook = options.comm_hook as i32;
-        if let Some(state) = hook.as_ref() {
-            o.comm_hook = sys::DP_HOOK_CUSTOM;
-            o.hook_fn = Some(comm_hook_trampoline);
-            o.hook_user_data = &**state as *const HookState as *mut c_void;
+        o.static_graph = options.static_graph as c_int;
+        o.join_divide_by_initial_world_size = options.join_divide_by_initial_world_size as c_int;
+        o.bucket_plan = plan.as_ref().map_or(ptr::null(), |p| p.as_ptr());
+        if let Some(state) = hooks.as_ref() {
+            let user_data = &**state as *const HookState as *mut c_void;
+            if state.hooks.comm_hook.is_some() {
+                o.comm_hook = sys::DP_HOOK_CUSTOM;
+                o.hook_fn = Some(comm_hook_trampoline);
+                o.hook_user_data = user_data;
+            }
+            if state.hooks.on_bucket_reduced.is_some() {
+                o.on_bucket_reduced = Some(bucket_reduced_trampoline);
+                o.on_bucket_reduced_data = user_data;
+            }
         }
         let mut out = ptr::null_mut();
         lib.check(unsafe { (lib.api().ddp_create)(&mut out, module.raw, pg.raw, &o) })?;
-        Ok(Ddp { raw: out, lib, hook })
+        Ok(Ddp { raw: out, lib, hooks, owned: true })
+    }
+
+    /// The handle, still owned by `self`.
+    pub fn as_raw(&self) -> *mut sys::dp_ddp {
+        self.raw
+    }
+
+    /// `err` with what the closures reported.
+    fn with_failures(&self, mut err: Error) -> Error {
+        if let Some(state) = self.hooks.as_ref() {
+            state.append_to(&mut err);
+        }
+        err
+    }
+
+    fn check(&self, st: sys::dp_status) -> Result<()> {
+        if st == sys::DP_OK {
+            return Ok(());
+        }
+        Err(self.with_failures(self.lib.error(st)))
     }
 
     /// With broadcast_buffers, broadcasts the module's buffers from rank 0.
     pub fn pre_forward(&mut self) -> Result<()> {
-        self.lib.check(unsafe { (self.lib.api().ddp_pre_forward)(self.raw) })
+        self.check(unsafe { (self.lib.api().ddp_pre_forward)(self.raw) })
     }
 
     /// The parameter's gradient is final for this backward.
@@ -231,21 +367,18 @@ impl Ddp {
         self.lib.check(unsafe { (self.lib.api().ddp_mark_grad_ready_index)(self.raw, param_index) })
     }
 
+    /// The gradient is final once the work queued so far on `stream` (a
+    /// stream of the parameter's device) completes; the library waits on an
+    /// event, never the whole device.
+    pub fn mark_grad_ready_stream(&self, param_index: usize, stream: &Stream) -> Result<()> {
+        let api = self.lib.api();
+        self.lib.check(unsafe { (api.ddp_mark_grad_ready_stream)(self.raw, param_index, stream.as_raw()) })
+    }
+
     /// Waits for every bucket; the module's gradients then hold the average
-    /// over the ranks.
+    /// over the ranks. A closure's `Err` or panic is DP_EUSER with its message.
     pub fn finish_backward(&mut self) -> Result<()> {
-        let st = unsafe { (self.lib.api().ddp_finish_backward)(self.raw) };
-        if st == sys::DP_OK {
-            return Ok(());
-        }
-        let mut err = self.lib.error(st);
-        if let Some(state) = self.hook.as_ref() {
-            for text in std::mem::take(&mut *state.failures.lock().unwrap_or_else(|p| p.into_inner())) {
-                err.message.push_str("; ");
-                err.message.push_str(&text);
-            }
-        }
-        Err(err)
+        self.check(unsafe { (self.lib.api().ddp_finish_backward)(self.raw) })
     }
 
     /// `false`: later backwards only accumulate locally (PyTorch's
@@ -291,5 +424,58 @@ impl Ddp {
             num_buckets: s.num_buckets,
             buckets_rebuilt: s.buckets_rebuilt != 0,
         })
+    }
+
+    /// Whether some rank used managed parameter `param_index` in the last
+    /// synced iteration (inside on_bucket_reduced: the one being reduced);
+    /// without find_unused_parameters every parameter counts as used.
+    /// DP_ESTATE before any synced iteration has reduced gradients.
+    pub fn parameter_used(&self, param_index: usize) -> Result<bool> {
+        let mut out: c_int = 0;
+        self.lib.check(unsafe { (self.lib.api().ddp_parameter_used)(self.raw, param_index, &mut out) })?;
+        Ok(out != 0)
+    }
+
+    /// The current bucket plan as text, stable across runs of the same
+    /// module: give it back as `DdpOptions::bucket_plan` to start with it.
+    pub fn bucket_plan(&self) -> Result<String> {
+        let api = self.lib.api();
+        let mut len = 0usize;
+        self.lib.check(unsafe { (api.ddp_bucket_plan)(self.raw, ptr::null_mut(), 0, &mut len) })?;
+        let mut buf = vec![0u8; len + 1];
+        self.lib
+            .check(unsafe { (api.ddp_bucket_plan)(self.raw, buf.as_mut_ptr() as *mut c_char, buf.len(), &mut len) })?;
+        buf.truncate(len);
+        String::from_utf8(buf).map_err(|e| Error::new(DP_EIO, format!("the bucket plan is not UTF-8: {e}")))
+    }
+
+    /// Uneven inputs: this rank has no more data (`join_all` for one
+    /// reducer). Returns once every rank has joined.
+    pub fn join(&mut self) -> Result<()> {
+        Ddp::join_all(&mut [self])
+    }
+
+    /// Uneven inputs: this rank has no more data for any of `ddps` (the same
+    /// ones, in the same order, on every rank). It stands in for the other
+    /// ranks' iterations until every rank has joined; then every rank holds
+    /// the parameters and buffers of the rank that ran the most synced
+    /// iterations. DP_ESTATE during a backward.
+    pub fn join_all(ddps: &mut [&mut Ddp]) -> Result<()> {
+        let Some(first) = ddps.first() else {
+            return Err(Error::new(DP_EINVAL, "ddps: empty; pass every Ddp this rank drives"));
+        };
+        let lib = first.lib.clone();
+        let raw: Vec<*mut sys::dp_ddp> = ddps.iter().map(|d| d.raw).collect();
+        let st = unsafe { (lib.api().ddp_join)(raw.as_ptr(), raw.len()) };
+        if st == sys::DP_OK {
+            return Ok(());
+        }
+        let mut err = lib.error(st);
+        for d in ddps.iter() {
+            if let Some(state) = d.hooks.as_ref() {
+                state.append_to(&mut err);
+            }
+        }
+        Err(err)
     }
 }

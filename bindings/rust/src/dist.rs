@@ -254,6 +254,63 @@ impl ProcessGroup {
         self.lib.check(unsafe { (self.lib.api().pg_all_gather)(self.raw, input.raw, raw.as_ptr(), raw.len()) })
     }
 
+    /// `output` = the reduction over the ranks of their `inputs[this rank]`
+    /// (one input per rank).
+    pub fn reduce_scatter<T: InPlace + ?Sized>(&self, inputs: &[&Tensor], output: &mut T, op: ReduceOp) -> Result<()> {
+        let raw: Vec<*const sys::dp_tensor> = inputs.iter().map(|t| t.raw as *const _).collect();
+        let api = self.lib.api();
+        self.lib
+            .check(unsafe { (api.pg_reduce_scatter)(self.raw, raw.as_ptr(), raw.len(), output.raw_mut(), op as i32) })
+    }
+
+    fn work<'t>(&self, st: sys::dp_status, out: *mut sys::dp_work) -> Result<Work<'t>> {
+        self.lib.check(st)?;
+        Ok(Work { raw: out, lib: self.lib.clone(), done: false, _tensor: PhantomData })
+    }
+
+    /// Starts a broadcast from `root`; the tensor stays borrowed until the
+    /// work is waited for or dropped (dropping waits).
+    pub fn broadcast_async<'t, T: InPlace + ?Sized>(&self, tensor: &'t mut T, root: i32) -> Result<Work<'t>> {
+        let mut out = ptr::null_mut();
+        let raw = tensor.raw_mut();
+        let st = unsafe { (self.lib.api().pg_broadcast_async)(self.raw, raw, root, &mut out) };
+        self.work(st, out)
+    }
+
+    /// Starts an all_gather; `input` and `outputs` stay borrowed until the
+    /// work is waited for or dropped.
+    pub fn all_gather_async<'t>(&self, input: &'t Tensor, outputs: &'t mut [Tensor]) -> Result<Work<'t>> {
+        let raw: Vec<*mut sys::dp_tensor> = outputs.iter().map(|t| t.raw).collect();
+        let mut out = ptr::null_mut();
+        let api = self.lib.api();
+        let st = unsafe { (api.pg_all_gather_async)(self.raw, input.raw, raw.as_ptr(), raw.len(), &mut out) };
+        self.work(st, out)
+    }
+
+    /// Starts a reduce_scatter; the tensors stay borrowed until the work is
+    /// waited for or dropped.
+    pub fn reduce_scatter_async<'t, T: InPlace + ?Sized>(
+        &self,
+        inputs: &[&'t Tensor],
+        output: &'t mut T,
+        op: ReduceOp,
+    ) -> Result<Work<'t>> {
+        let raw: Vec<*const sys::dp_tensor> = inputs.iter().map(|t| t.raw as *const _).collect();
+        let mut out = ptr::null_mut();
+        let api = self.lib.api();
+        let st = unsafe {
+            (api.pg_reduce_scatter_async)(self.raw, raw.as_ptr(), raw.len(), output.raw_mut(), op as i32, &mut out)
+        };
+        self.work(st, out)
+    }
+
+    /// Starts a barrier.
+    pub fn barrier_async(&self) -> Result<Work<'static>> {
+        let mut out = ptr::null_mut();
+        let st = unsafe { (self.lib.api().pg_barrier_async)(self.raw, &mut out) };
+        self.work(st, out)
+    }
+
     pub fn barrier(&self) -> Result<()> {
         self.lib.check(unsafe { (self.lib.api().pg_barrier)(self.raw) })
     }

@@ -23,26 +23,31 @@
 //! # Ok::<(), dparallel::Error>(())
 //! ```
 
+pub mod comm;
 pub mod sys;
 
 mod ddp;
 mod device;
 mod dist;
 mod error;
+mod fsdp;
 mod library;
 mod module;
 mod parallel;
+mod stream;
 mod tensor;
 
-pub use ddp::{Bucket, CommHook, Ddp, DdpOptions, DdpStats};
+pub use ddp::{Bucket, CommHook, Ddp, DdpHooks, DdpOptions, DdpStats};
 pub use device::{DType, Device, DeviceKind, Element};
 pub use dist::{Backend, ProcessGroup, ProcessGroupOptions, ReduceOp, Store, Work};
 pub use error::{Error, Result};
-pub use library::{Library, DEFAULT_LIBRARY};
+pub use fsdp::{Fsdp, FsdpOptions};
+pub use library::{Library, MemoryStats, DEFAULT_LIBRARY};
 pub use module::Module;
 pub use parallel::{parallel_apply, Replica, ReplicaSet};
+pub use stream::{clear_current_stream, current_stream, Stream};
 pub use sys::{
     DP_EDEVICE, DP_EINTERNAL, DP_EINVAL, DP_EIO, DP_ENOMEM, DP_EREMOTE, DP_ESTATE, DP_ETIMEOUT, DP_EUNSUPPORTED,
     DP_EUSER,
 };
-pub use tensor::{InPlace, Tensor};
+pub use tensor::{DlPack, InPlace, Tensor};

@@ -1,12 +1,12 @@
 //! The loaded library and its table.
 
 use std::fmt;
-use std::os::raw::c_void;
+use std::os::raw::{c_char, c_void};
 use std::ptr;
 use std::sync::Arc;
 
 use crate::error::{cstring, owned_text};
-use crate::{sys, Device, DeviceKind, Error, Result, DP_EIO, DP_EUNSUPPORTED};
+use crate::{sys, DType, Device, DeviceKind, Error, Result, DP_EIO, DP_EUNSUPPORTED};
 
 /// The library file opened when neither an argument nor DP_LIBRARY names
 /// one: the SONAME of ABI major `sys::DP_VERSION_MAJOR`.
@@ -23,7 +23,14 @@ unsafe impl Sync for Loaded {}
 
 impl Drop for Loaded {
     fn drop(&mut self) {
-        unsafe { sys::dlclose(self.handle) };
+        unsafe {
+            // The library's own threads end first: dlclose must not unmap
+            // code they still run.
+            if !self.api.is_null() {
+                ((*self.api).shutdown)();
+            }
+            sys::dlclose(self.handle);
+        }
     }
 }
 
@@ -107,7 +114,8 @@ impl Library {
                 return Err(Error::new(
                     DP_EUNSUPPORTED,
                     format!(
-                        "{path}: its dp_api table (abi_minor {minor}, {struct_size} bytes) is older than this crate's (abi_minor {}, {need} bytes)",
+                        "{path}: its dp_api table (abi_minor {minor}, {struct_size} bytes) is older than this crate's (abi_minor {}, {need} bytes): this crate needs a library with every entry point of abi_minor {}",
+                        sys::DP_API_MINOR,
                         sys::DP_API_MINOR
                     ),
                 ));
@@ -163,4 +171,60 @@ impl Library {
         self.check(unsafe { (self.api().device_count)(kind as i32, &mut n) })?;
         Ok(n as usize)
     }
+
+    /// The static text of a status code ("unknown status" for an unknown one).
+    pub fn status_string(&self, code: i32) -> String {
+        unsafe { owned_text((self.api().status_string)(code)) }
+    }
+
+    /// "cpu:3" or "cuda:1", as the library writes it.
+    pub fn format_device(&self, device: Device) -> Result<String> {
+        // "cuda:" and an i32 fit in 32 bytes.
+        let mut buf = [0u8; 32];
+        self.check(unsafe { (self.api().device_format)(device.0, buf.as_mut_ptr() as *mut c_char, buf.len()) })?;
+        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        Ok(String::from_utf8_lossy(&buf[..end]).into_owned())
+    }
+
+    /// Bytes per element of `dtype`.
+    pub fn dtype_size(&self, dtype: DType) -> usize {
+        unsafe { (self.api().dtype_size)(dtype as i32) }
+    }
+
+    /// Memory of the device's tensors the library allocated (not memory
+    /// lent through `Tensor::from_vec`, `from_blob` or DLPack).
+    pub fn memory_stats(&self, device: Device) -> Result<MemoryStats> {
+        let mut s =
+            sys::dp_memory_stats { struct_size: std::mem::size_of::<sys::dp_memory_stats>(), ..Default::default() };
+        self.check(unsafe { (self.api().device_memory_stats)(device.0, &mut s) })?;
+        Ok(MemoryStats {
+            allocated_bytes: s.allocated_bytes,
+            peak_allocated_bytes: s.peak_allocated_bytes,
+            cached_bytes: s.cached_bytes,
+        })
+    }
+
+    /// Starts the device's peak (`MemoryStats::peak_allocated_bytes`) afresh.
+    pub fn reset_peak_memory(&self, device: Device) -> Result<()> {
+        self.check(unsafe { (self.api().device_reset_peak_memory)(device.0) })
+    }
+
+    /// dp_shutdown: ends the threads the library keeps for itself (device
+    /// workers, the compute pool); a later call that needs them starts them
+    /// again. Dropping the last handle of the library does this too, before
+    /// it is closed. DP_ESTATE from a forward closure or host function.
+    pub fn shutdown(&self) -> Result<()> {
+        self.check(unsafe { (self.api().shutdown)() })
+    }
+}
+
+/// Memory of one device's tensors, in bytes (dp_memory_stats).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// In use now.
+    pub allocated_bytes: u64,
+    /// The most in use at once since the last `reset_peak_memory`.
+    pub peak_allocated_bytes: u64,
+    /// Freed blocks kept for reuse, all devices together.
+    pub cached_bytes: u64,
 }

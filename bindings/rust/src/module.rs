@@ -98,6 +98,19 @@ impl Module {
         Ok((unsafe { owned_text(name) }, unsafe { Tensor::from_raw(&self.lib, out) }))
     }
 
+    /// The index-th buffer in listing order, with its dotted name.
+    pub fn buffer_at(&self, index: usize) -> Result<(String, Tensor)> {
+        let mut name = ptr::null();
+        let mut out = ptr::null_mut();
+        self.lib.check(unsafe { (self.lib.api().module_buffer_at)(self.raw, index, &mut name, &mut out) })?;
+        Ok((unsafe { owned_text(name) }, unsafe { Tensor::from_raw(&self.lib, out) }))
+    }
+
+    /// Every buffer in listing order (dotted names).
+    pub fn buffers(&self) -> Result<Vec<(String, Tensor)>> {
+        (0..self.num_buffers()).map(|i| self.buffer_at(i)).collect()
+    }
+
     /// Every parameter in listing order (dotted names).
     pub fn parameters(&self) -> Result<Vec<(String, Tensor)>> {
         (0..self.num_parameters()).map(|i| self.parameter_at(i)).collect()
@@ -140,6 +153,19 @@ impl Module {
         let mut out = ptr::null_mut();
         self.lib.check(unsafe { (self.lib.api().module_grad)(self.raw, c.as_ptr(), &mut out) })?;
         Ok(unsafe { Tensor::from_raw(&self.lib, out) })
+    }
+
+    /// Makes `grad` the parameter's gradient without copying: memory the
+    /// host owns, e.g. `Tensor::from_vec` over its own gradient buffer, with
+    /// the parameter's dtype, shape and device. The module keeps its own
+    /// reference, so the memory lives as long as the module uses it (a
+    /// vector is freed once the last tensor over it is gone). `None` drops
+    /// the gradient (the next `grad` allocates zeros). Set it between
+    /// backwards, not while a `Ddp` backward is in flight.
+    pub fn set_grad(&mut self, name: &str, grad: Option<&Tensor>) -> Result<()> {
+        let c = cstring("dotted_name", name)?;
+        let raw = grad.map_or(ptr::null_mut(), |g| g.raw);
+        self.lib.check(unsafe { (self.lib.api().module_set_grad)(self.raw, c.as_ptr(), raw) })
     }
 
     pub fn zero_grad(&mut self) -> Result<()> {

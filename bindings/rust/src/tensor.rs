@@ -36,6 +36,12 @@ impl fmt::Debug for Tensor {
     }
 }
 
+unsafe extern "C" fn run_boxed_deleter(ctx: *mut c_void) {
+    let deleter = Box::from_raw(ctx as *mut Box<dyn FnOnce() + Send>);
+    // Nothing may unwind into the library.
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(deleter));
+}
+
 unsafe extern "C" fn drop_boxed_vec<T>(ctx: *mut c_void) {
     drop(Box::from_raw(ctx as *mut Vec<T>));
 }
@@ -56,6 +62,16 @@ impl Tensor {
     /// The handle, still owned by `self`.
     pub fn as_raw(&self) -> *mut sys::dp_tensor {
         self.raw
+    }
+
+    /// The first element's address (device memory for a cuda tensor); NULL
+    /// for an empty tensor that owns no memory.
+    pub fn data_ptr(&self) -> *mut c_void {
+        unsafe { (self.lib.api().tensor_data)(self.raw) }
+    }
+
+    pub fn library(&self) -> &Library {
+        &self.lib
     }
 
     /// A new zero-filled tensor.
@@ -114,6 +130,67 @@ impl Tensor {
             return Err(err);
         }
         Ok(unsafe { Tensor::from_raw(lib, out) })
+    }
+
+    /// A tensor over memory the caller owns (host memory for cpu devices,
+    /// device memory for cuda ones), without copying. `deleter` runs once
+    /// when the last tensor over the memory is destroyed (the library may
+    /// keep one, in a module or as a gradient, past this handle); with
+    /// `None` the caller keeps the memory alive that long. On failure
+    /// `deleter` is dropped without being called.
+    ///
+    /// # Safety
+    /// `data` must hold `shape`'s elements of `dtype` on `device`, stay
+    /// valid until the deleter runs (or, without one, as long as any tensor
+    /// over it lives), and not be written elsewhere while the library uses it.
+    pub unsafe fn from_blob(
+        lib: &Library,
+        data: *mut c_void,
+        dtype: DType,
+        shape: &[i64],
+        device: Device,
+        deleter: Option<Box<dyn FnOnce() + Send>>,
+    ) -> Result<Tensor> {
+        let ndim = i32::try_from(shape.len()).map_err(|_| Error::new(DP_EINVAL, "shape: too many dimensions"))?;
+        let (fn_ptr, ctx): (Option<unsafe extern "C" fn(*mut c_void)>, *mut c_void) = match deleter {
+            Some(d) => (Some(run_boxed_deleter), Box::into_raw(Box::new(d)) as *mut c_void),
+            None => (None, ptr::null_mut()),
+        };
+        let mut out = ptr::null_mut();
+        let st =
+            (lib.api().tensor_from_blob)(&mut out, data, dtype as i32, ndim, shape.as_ptr(), device.0, fn_ptr, ctx);
+        if st != sys::DP_OK {
+            // On failure the deleter is not called: it is still ours.
+            if !ctx.is_null() {
+                drop(Box::from_raw(ctx as *mut Box<dyn FnOnce() + Send>));
+            }
+            return Err(lib.error(st));
+        }
+        Ok(Tensor::from_raw(lib, out))
+    }
+
+    /// Takes over a DLPack tensor (zero-copy): the new tensor uses its memory
+    /// in place and calls its deleter when the last tensor over it is
+    /// destroyed. It must be compact row-major on a cpu or cuda device with
+    /// a dtype the library knows; on failure it is dropped (its deleter runs).
+    pub fn from_dlpack(lib: &Library, managed: DlPack) -> Result<Tensor> {
+        let raw = managed.raw;
+        let mut out = ptr::null_mut();
+        let st = unsafe { (lib.api().tensor_from_dlpack)(&mut out, raw) };
+        if st != sys::DP_OK {
+            // Nothing was taken: `managed` still owns it and drops it here.
+            return Err(lib.error(st));
+        }
+        std::mem::forget(managed);
+        Ok(unsafe { Tensor::from_raw(lib, out) })
+    }
+
+    /// A DLPack tensor over this tensor's memory (zero-copy); the memory
+    /// stays alive until it is dropped, even after every `Tensor` over it.
+    pub fn to_dlpack(&self) -> Result<DlPack> {
+        let mut out = ptr::null_mut();
+        self.lib.check(unsafe { (self.lib.api().tensor_to_dlpack)(self.raw, &mut out) })?;
+        Ok(DlPack { raw: out })
     }
 
     pub(crate) fn dtype_code(&self) -> i32 {
@@ -263,5 +340,68 @@ impl sealed::Sealed for Tensor {}
 impl InPlace for Tensor {
     fn raw_mut(&mut self) -> *mut sys::dp_tensor {
         self.raw
+    }
+}
+
+/// An owned DLPack `DLManagedTensor` (dlpack.h): its deleter runs on drop.
+/// `into_raw` hands it to another framework; `from_raw` takes one from it.
+pub struct DlPack {
+    raw: *mut sys::DLManagedTensor,
+}
+
+// DLPack's producer owns the memory until the deleter runs, from any thread.
+unsafe impl Send for DlPack {}
+
+impl fmt::Debug for DlPack {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let t = self.dl_tensor();
+        write!(f, "DlPack({:?} {:?} on {:?})", t.dtype, self.shape(), t.device)
+    }
+}
+
+impl Drop for DlPack {
+    fn drop(&mut self) {
+        unsafe {
+            if let Some(deleter) = (*self.raw).deleter {
+                deleter(self.raw);
+            }
+        }
+    }
+}
+
+impl DlPack {
+    /// Takes ownership of a `DLManagedTensor*`.
+    ///
+    /// # Safety
+    /// `raw` must be a valid, non-NULL DLManagedTensor the caller owns; its
+    /// deleter (if any) is called exactly once, by this value.
+    pub unsafe fn from_raw(raw: *mut sys::DLManagedTensor) -> DlPack {
+        DlPack { raw }
+    }
+
+    /// Gives up ownership: the receiver calls `(*raw).deleter(raw)`.
+    pub fn into_raw(self) -> *mut sys::DLManagedTensor {
+        let raw = self.raw;
+        std::mem::forget(self);
+        raw
+    }
+
+    /// The `DLTensor`: data pointer, device, dtype, shape and strides.
+    pub fn dl_tensor(&self) -> &sys::DLTensor {
+        unsafe { &(*self.raw).dl_tensor }
+    }
+
+    pub fn shape(&self) -> Vec<i64> {
+        let t = self.dl_tensor();
+        if t.ndim <= 0 || t.shape.is_null() {
+            return Vec::new();
+        }
+        unsafe { std::slice::from_raw_parts(t.shape, t.ndim as usize) }.to_vec()
+    }
+
+    /// The first element (`data` + `byte_offset`).
+    pub fn data_ptr(&self) -> *mut c_void {
+        let t = self.dl_tensor();
+        (t.data as *mut u8).wrapping_add(t.byte_offset as usize) as *mut c_void
     }
 }
