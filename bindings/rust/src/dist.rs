@@ -248,7 +248,7 @@ impl ProcessGroup {
         self.lib.check(unsafe { (self.lib.api().pg_broadcast)(self.raw, tensor.raw_mut(), root) })
     }
 
-    /// outputs[r] receives rank r's input.
+    /// `outputs[r]` receives rank r's input.
     pub fn all_gather(&self, input: &Tensor, outputs: &mut [Tensor]) -> Result<()> {
         let raw: Vec<*mut sys::dp_tensor> = outputs.iter().map(|t| t.raw).collect();
         self.lib.check(unsafe { (self.lib.api().pg_all_gather)(self.raw, input.raw, raw.as_ptr(), raw.len()) })
