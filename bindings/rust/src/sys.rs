@@ -21,7 +21,7 @@ extern "C" {
 /// The ABI major this mirror describes (DP_VERSION_MAJOR).
 pub const DP_VERSION_MAJOR: u32 = 0;
 /// The abi_minor of the table this mirror describes (DP_API_MINOR).
-pub const DP_API_MINOR: u32 = 3;
+pub const DP_API_MINOR: u32 = 8;
 
 pub type dp_status = i32;
 pub const DP_OK: dp_status = 0;
@@ -79,10 +79,48 @@ pub struct dp_work {
 pub struct dp_ddp {
     _private: [u8; 0],
 }
-/// DLPack's DLManagedTensor, used only by pointer here.
 #[repr(C)]
-pub struct DLManagedTensor {
+pub struct dp_fsdp {
     _private: [u8; 0],
+}
+
+/// DLPack's DLDevice (dlpack.h, the DLManagedTensor protocol).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DLDevice {
+    pub device_type: i32,
+    pub device_id: i32,
+}
+
+/// DLPack's DLDataType.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DLDataType {
+    pub code: u8,
+    pub bits: u8,
+    pub lanes: u16,
+}
+
+/// DLPack's DLTensor.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct DLTensor {
+    pub data: *mut c_void,
+    pub device: DLDevice,
+    pub ndim: i32,
+    pub dtype: DLDataType,
+    pub shape: *mut i64,
+    pub strides: *mut i64,
+    pub byte_offset: u64,
+}
+
+/// DLPack's DLManagedTensor.
+#[repr(C)]
+#[derive(Debug)]
+pub struct DLManagedTensor {
+    pub dl_tensor: DLTensor,
+    pub manager_ctx: *mut c_void,
+    pub deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
 }
 
 #[repr(C)]
@@ -117,6 +155,34 @@ pub struct dp_ddp_options {
     pub comm_hook: i32,
     pub hook_fn: dp_comm_hook_fn,
     pub hook_user_data: *mut c_void,
+    // ---- abi_minor 6 ----
+    pub static_graph: c_int,
+    pub join_divide_by_initial_world_size: c_int,
+    pub on_bucket_reduced: dp_bucket_reduced_fn,
+    pub on_bucket_reduced_data: *mut c_void,
+    pub bucket_plan: *const c_char,
+}
+
+pub type dp_bucket_reduced_fn =
+    Option<unsafe extern "C" fn(*mut c_void, *mut dp_ddp, usize, *const usize, usize) -> c_int>;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct dp_fsdp_options {
+    pub struct_size: usize,
+    pub reshard_after_forward: c_int,
+    pub param_dtype: i32,
+    pub reduce_dtype: i32,
+    pub init_sync: c_int,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct dp_memory_stats {
+    pub struct_size: usize,
+    pub allocated_bytes: u64,
+    pub peak_allocated_bytes: u64,
+    pub cached_bytes: u64,
 }
 
 #[repr(C)]
@@ -147,7 +213,7 @@ type St = dp_status;
 /// test compares with dp_api.h are the fields themselves.
 macro_rules! dp_api_slots {
     ($($(#[$doc:meta])* $name:ident: $ty:ty,)*) => {
-        /// `struct dp_api` of abi_minor 3. Every slot after the header is a
+        /// `struct dp_api` of abi_minor 8. Every slot after the header is a
         /// function pointer; `Library::open` checks that none is NULL before
         /// this type is read.
         #[repr(C)]
@@ -336,6 +402,43 @@ dp_api_slots! {
     ddp_destroy: unsafe extern "C" fn(*mut dp_ddp),
     ddp_mark_grad_ready_stream: unsafe extern "C" fn(*mut dp_ddp, usize, *mut c_void) -> St,
     ddp_last_stats: unsafe extern "C" fn(*const dp_ddp, *mut dp_ddp_stats) -> St,
+    module_set_grad: unsafe extern "C" fn(*mut dp_module, *const c_char, *mut dp_tensor) -> St,
+    // ---- abi_minor 5: streams (dp_stream.h) ----
+    set_current_stream: unsafe extern "C" fn(dp_device, *mut c_void) -> St,
+    get_current_stream: unsafe extern "C" fn(dp_device, *mut *mut c_void) -> St,
+    stream_create: unsafe extern "C" fn(dp_device, *mut *mut c_void) -> St,
+    stream_destroy: unsafe extern "C" fn(dp_device, *mut c_void) -> St,
+    stream_synchronize: unsafe extern "C" fn(dp_device, *mut c_void) -> St,
+    stream_launch_host_func:
+        unsafe extern "C" fn(dp_device, *mut c_void, Option<unsafe extern "C" fn(*mut c_void)>, *mut c_void) -> St,
+    // ---- abi_minor 6: DDP beyond PyTorch's ----
+    ddp_parameter_used: unsafe extern "C" fn(*const dp_ddp, usize, *mut c_int) -> St,
+    ddp_bucket_plan: unsafe extern "C" fn(*const dp_ddp, *mut c_char, usize, *mut usize) -> St,
+    ddp_join: unsafe extern "C" fn(*const *mut dp_ddp, usize) -> St,
+    // ---- abi_minor 7: fully_shard (dp_fsdp.h), device memory ----
+    fsdp_options_init: unsafe extern "C" fn(*mut dp_fsdp_options, usize) -> St,
+    fsdp_create:
+        unsafe extern "C" fn(*mut *mut dp_fsdp, *mut dp_module, *mut dp_process_group, *const dp_fsdp_options) -> St,
+    fsdp_unshard: unsafe extern "C" fn(*mut dp_fsdp, c_int) -> St,
+    fsdp_wait_unshard: unsafe extern "C" fn(*mut dp_fsdp) -> St,
+    fsdp_reshard: unsafe extern "C" fn(*mut dp_fsdp) -> St,
+    fsdp_post_backward: unsafe extern "C" fn(*mut dp_fsdp) -> St,
+    fsdp_finish_backward: unsafe extern "C" fn(*mut dp_fsdp) -> St,
+    fsdp_set_requires_gradient_sync: unsafe extern "C" fn(*mut dp_fsdp, c_int) -> St,
+    fsdp_num_parameters: unsafe extern "C" fn(*const dp_fsdp) -> usize,
+    fsdp_parameter_name: unsafe extern "C" fn(*const dp_fsdp, usize, *mut *const c_char) -> St,
+    fsdp_shard: unsafe extern "C" fn(*const dp_fsdp, usize, *mut *mut dp_tensor) -> St,
+    fsdp_shard_grad: unsafe extern "C" fn(*const dp_fsdp, usize, *mut *mut dp_tensor) -> St,
+    fsdp_destroy: unsafe extern "C" fn(*mut dp_fsdp),
+    fsdp_save_full_state_dict: unsafe extern "C" fn(*mut dp_module, *mut dp_process_group, *const c_char) -> St,
+    fsdp_load_full_state_dict: unsafe extern "C" fn(*mut dp_module, *const c_char, c_int) -> St,
+    fsdp_save_sharded_state_dict: unsafe extern "C" fn(*mut dp_module, *mut dp_process_group, *const c_char) -> St,
+    fsdp_load_sharded_state_dict: unsafe extern "C" fn(*mut dp_module, *const c_char) -> St,
+    // device memory (dp_base.h)
+    device_memory_stats: unsafe extern "C" fn(dp_device, *mut dp_memory_stats) -> St,
+    device_reset_peak_memory: unsafe extern "C" fn(dp_device) -> St,
+    // ---- abi_minor 8: the library's own threads (dp_base.h) ----
+    shutdown: unsafe extern "C" fn() -> St,
 }
 
 /// Offset of the first function pointer.
@@ -358,8 +461,20 @@ const _: () = {
     assert!(offset_of!(dp_api, tensor_to_device) == slot(75));
     assert!(offset_of!(dp_api, process_group_backend) == slot(85));
     assert!(offset_of!(dp_api, ddp_options_init) == slot(86));
-    assert!(size_of::<dp_api>() == slot(98));
+    assert!(offset_of!(dp_api, module_set_grad) == slot(98));
+    assert!(offset_of!(dp_api, set_current_stream) == slot(99));
+    assert!(offset_of!(dp_api, ddp_parameter_used) == slot(105));
+    assert!(offset_of!(dp_api, fsdp_options_init) == slot(108));
+    assert!(offset_of!(dp_api, device_memory_stats) == slot(125));
+    assert!(offset_of!(dp_api, shutdown) == slot(127));
+    assert!(size_of::<dp_api>() == slot(128));
     assert!(size_of::<dp_process_group_options>() == 48);
-    assert!(size_of::<dp_ddp_options>() == 96);
+    assert!(offset_of!(dp_ddp_options, static_graph) == 96);
+    assert!(offset_of!(dp_ddp_options, bucket_plan) == 120);
+    assert!(size_of::<dp_ddp_options>() == 128);
     assert!(size_of::<dp_ddp_stats>() == 48);
+    assert!(size_of::<dp_fsdp_options>() == 24);
+    assert!(size_of::<dp_memory_stats>() == 32);
+    assert!(size_of::<DLTensor>() == 48);
+    assert!(size_of::<DLManagedTensor>() == 64);
 };

@@ -1,0 +1,481 @@
+//! The DDP gradient reducer (dp_ddp.h).
+
+use std::ffi::CString;
+use std::fmt;
+use std::marker::PhantomData;
+use std::os::raw::{c_char, c_int, c_void};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr;
+use std::sync::Mutex;
+
+use crate::error::cstring;
+use crate::parallel::panic_text;
+use crate::tensor::sealed;
+use crate::{sys, Element, Error, InPlace, Library, Module, ProcessGroup, Result, Stream, Tensor, DP_EINVAL, DP_EIO};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(i32)]
+pub enum CommHook {
+    /// Sum, then divide by the world size.
+    AllReduce = 0,
+    /// Cast to float16, reduce, cast back, divide.
+    Fp16 = 1,
+    /// Cast to bfloat16, reduce, cast back, divide.
+    Bf16 = 2,
+}
+
+/// dp_ddp_options; the defaults are DP_DDP_OPTIONS_INIT's.
+#[derive(Clone, Debug)]
+pub struct DdpOptions {
+    pub bucket_cap_mb: f64,
+    pub first_bucket_cap_mb: f64,
+    pub gradient_as_bucket_view: bool,
+    pub broadcast_buffers: bool,
+    pub find_unused_parameters: bool,
+    pub init_sync: bool,
+    pub ignored_modules: Vec<String>,
+    pub ignored_parameters: Vec<String>,
+    pub comm_hook: CommHook,
+    /// The first synced iteration records the used parameters and the
+    /// plan; later ones run no used-map collective (dp_ddp_options).
+    pub static_graph: bool,
+    /// While ranks have joined (`Ddp::join`), the built-in hooks divide by
+    /// the initial world size (true) or by the ranks still active.
+    pub join_divide_by_initial_world_size: bool,
+    /// Text from `Ddp::bucket_plan` to start with: those buckets, final.
+    pub bucket_plan: Option<String>,
+}
+
+impl Default for DdpOptions {
+    fn default() -> Self {
+        DdpOptions {
+            bucket_cap_mb: 25.0,
+            first_bucket_cap_mb: 1.0,
+            gradient_as_bucket_view: false,
+            broadcast_buffers: true,
+            find_unused_parameters: false,
+            init_sync: true,
+            ignored_modules: Vec::new(),
+            ignored_parameters: Vec::new(),
+            comm_hook: CommHook::AllReduce,
+            static_graph: false,
+            join_divide_by_initial_world_size: true,
+            bucket_plan: None,
+        }
+    }
+}
+
+/// What the last synced iteration cost (dp_ddp_stats).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DdpStats {
+    pub backward_ms: f64,
+    pub reduce_ms: f64,
+    pub exposed_ms: f64,
+    pub num_buckets: usize,
+    pub buckets_rebuilt: bool,
+}
+
+/// The DDP gradient reducer over a module and a process group (dp_ddp.h).
+/// `mark_grad_ready*` may be called from several threads at once (`&self`);
+/// every other call takes `&mut self`. A gradient marked ready belongs to the
+/// library until `finish_backward` returns: neither read nor write it meanwhile.
+pub struct Ddp {
+    pub(crate) raw: *mut sys::dp_ddp,
+    pub(crate) lib: Library,
+    // Dropped after dp_ddp_destroy, which waits for reductions in flight.
+    hooks: Option<Box<HookState>>,
+    // false for the handle a bucket-reduced closure is lent.
+    owned: bool,
+}
+
+/// The flat bucket a comm hook is lent: this rank's gradients of one
+/// bucket, to be replaced by what the module's gradients should hold.
+pub struct Bucket<'a> {
+    pub(crate) tensor: Tensor,
+    _call: PhantomData<&'a mut ()>,
+}
+
+impl std::ops::Deref for Bucket<'_> {
+    type Target = Tensor;
+    fn deref(&self) -> &Tensor {
+        &self.tensor
+    }
+}
+
+impl Bucket<'_> {
+    /// The bucket's elements, writable in place.
+    pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T]> {
+        self.tensor.as_mut_slice()
+    }
+}
+
+impl sealed::Sealed for Bucket<'_> {}
+impl InPlace for Bucket<'_> {
+    fn raw_mut(&mut self) -> *mut sys::dp_tensor {
+        self.tensor.raw
+    }
+}
+
+type CommHookFn = dyn Fn(&ProcessGroup, usize, &mut Bucket<'_>) -> Result<()> + Send + Sync;
+type BucketReducedFn = dyn Fn(&Ddp, usize, &[usize]) -> Result<()> + Send + Sync;
+
+/// The closures of a `Ddp` (`Ddp::with_hooks`); both run on the library's
+/// worker thread, and an `Err` or a panic in either fails
+/// `finish_backward` with DP_EUSER and its message.
+#[derive(Default)]
+pub struct DdpHooks {
+    comm_hook: Option<Box<CommHookFn>>,
+    on_bucket_reduced: Option<Box<BucketReducedFn>>,
+}
+
+impl fmt::Debug for DdpHooks {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DdpHooks")
+            .field("comm_hook", &self.comm_hook.is_some())
+            .field("on_bucket_reduced", &self.on_bucket_reduced.is_some())
+            .finish()
+    }
+}
+
+impl DdpHooks {
+    pub fn new() -> DdpHooks {
+        DdpHooks::default()
+    }
+
+    /// Reduces each flat bucket in place instead of `DdpOptions::comm_hook`
+    /// (DP_HOOK_CUSTOM), typically by collectives on the group it is lent.
+    pub fn comm_hook<F>(mut self, hook: F) -> DdpHooks
+    where
+        F: Fn(&ProcessGroup, usize, &mut Bucket<'_>) -> Result<()> + Send + Sync + 'static,
+    {
+        self.comm_hook = Some(Box::new(hook));
+        self
+    }
+
+    /// The optimizer inside backward: called with the reducer, the bucket
+    /// index and its managed-parameter indices as soon as that bucket's
+    /// averaged gradients are final in the module's gradients, while later
+    /// buckets still reduce; every managed parameter is reported once per
+    /// synced iteration. The reducer is lent for reading (`parameter_used`,
+    /// `bucket_parameters`, ...); other calls on it are DP_ESTATE there.
+    pub fn on_bucket_reduced<F>(mut self, callback: F) -> DdpHooks
+    where
+        F: Fn(&Ddp, usize, &[usize]) -> Result<()> + Send + Sync + 'static,
+    {
+        self.on_bucket_reduced = Some(Box::new(callback));
+        self
+    }
+}
+
+struct HookState {
+    hooks: DdpHooks,
+    lib: Library,
+    failures: Mutex<Vec<String>>,
+}
+
+impl HookState {
+    fn record(&self, failure: String) {
+        // Nothing may unwind from a callback: a poisoned lock is still usable.
+        let _ = catch_unwind(AssertUnwindSafe(|| {
+            self.failures.lock().unwrap_or_else(|p| p.into_inner()).push(failure);
+        }));
+    }
+
+    fn append_to(&self, err: &mut Error) {
+        for text in std::mem::take(&mut *self.failures.lock().unwrap_or_else(|p| p.into_inner())) {
+            err.message.push_str("; ");
+            err.message.push_str(&text);
+        }
+    }
+}
+
+/// The dp_comm_hook_fn behind a closure, on the library's worker thread:
+/// nothing unwinds out of it.
+unsafe extern "C" fn comm_hook_trampoline(
+    user_data: *mut c_void,
+    pg: *mut sys::dp_process_group,
+    bucket_index: usize,
+    flat_bucket: *mut sys::dp_tensor,
+) -> c_int {
+    let state = &*(user_data as *const HookState);
+    let Some(hook) = state.hooks.comm_hook.as_ref() else { return 3 };
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        let group = ProcessGroup { raw: pg, lib: state.lib.clone(), owned: false };
+        let mut bucket = Bucket { tensor: Tensor::borrowed(&state.lib, flat_bucket), _call: PhantomData };
+        hook(&group, bucket_index, &mut bucket)
+    }));
+    let (code, failure) = match outcome {
+        Ok(Ok(())) => return 0,
+        Ok(Err(e)) => (1, format!("bucket {bucket_index}: the comm hook returned {e}")),
+        Err(payload) => (2, format!("bucket {bucket_index}: the comm hook panicked: {}", panic_text(payload.as_ref()))),
+    };
+    state.record(failure);
+    code
+}
+
+/// The dp_bucket_reduced_fn behind a closure, on the library's worker
+/// thread: nothing unwinds out of it.
+unsafe extern "C" fn bucket_reduced_trampoline(
+    user_data: *mut c_void,
+    ddp: *mut sys::dp_ddp,
+    bucket_index: usize,
+    param_indices: *const usize,
+    nparams: usize,
+) -> c_int {
+    let state = &*(user_data as *const HookState);
+    let Some(callback) = state.hooks.on_bucket_reduced.as_ref() else { return 3 };
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        let lent = Ddp { raw: ddp, lib: state.lib.clone(), hooks: None, owned: false };
+        let params = if nparams == 0 || param_indices.is_null() {
+            &[][..]
+        } else {
+            std::slice::from_raw_parts(param_indices, nparams)
+        };
+        callback(&lent, bucket_index, params)
+    }));
+    let (code, failure) = match outcome {
+        Ok(Ok(())) => return 0,
+        Ok(Err(e)) => (1, format!("bucket {bucket_index}: the on_bucket_reduced closure returned {e}")),
+        Err(payload) => (
+            2,
+            format!("bucket {bucket_index}: the on_bucket_reduced closure panicked: {}", panic_text(payload.as_ref())),
+        ),
+    };
+    state.record(failure);
+    code
+}
+
+unsafe impl Send for Ddp {}
+unsafe impl Sync for Ddp {}
+
+impl fmt::Debug for Ddp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Ddp({} buckets)", self.num_buckets())
+    }
+}
+
+impl Drop for Ddp {
+    fn drop(&mut self) {
+        if self.owned {
+            unsafe { (self.lib.api().ddp_destroy)(self.raw) };
+        }
+    }
+}
+
+impl Ddp {
+    /// Wraps `module` for data-parallel training over `pg`; every rank calls
+    /// it with equal options. Holds its own references to both.
+    pub fn new(module: &Module, pg: &ProcessGroup, options: &DdpOptions) -> Result<Ddp> {
+        Ddp::create(module, pg, options, None)
+    }
+
+    /// As `new`, with `hook` reducing each flat bucket in place instead of
+    /// `options.comm_hook` (DP_HOOK_CUSTOM), typically by collectives on the
+    /// group it is lent. It runs on the library's worker thread; an `Err`
+    /// or a panic fails `finish_backward` with DP_EUSER and its message.
+    pub fn with_comm_hook<F>(module: &Module, pg: &ProcessGroup, options: &DdpOptions, hook: F) -> Result<Ddp>
+    where
+        F: Fn(&ProcessGroup, usize, &mut Bucket<'_>) -> Result<()> + Send + Sync + 'static,
+    {
+        Ddp::with_hooks(module, pg, options, DdpHooks::new().comm_hook(hook))
+    }
+
+    /// As `new`, with the closures of `hooks` (a comm hook, an
+    /// on_bucket_reduced step, or both).
+    pub fn with_hooks(module: &Module, pg: &ProcessGroup, options: &DdpOptions, hooks: DdpHooks) -> Result<Ddp> {
+        let state = HookState { hooks, lib: module.lib.clone(), failures: Mutex::new(Vec::new()) };
+        Ddp::create(module, pg, options, Some(Box::new(state)))
+    }
+
+    fn create(module: &Module, pg: &ProcessGroup, options: &DdpOptions, hooks: Option<Box<HookState>>) -> Result<Ddp> {
+        let lib = module.lib.clone();
+        let size = std::mem::size_of::<sys::dp_ddp_options>();
+        // dp_ddp_options_init fills every field: zeroed bytes are a valid start
+        // (null pointers, None callbacks).
+        let mut o: sys::dp_ddp_options = unsafe { std::mem::zeroed() };
+        lib.check(unsafe { (lib.api().ddp_options_init)(&mut o, size) })?;
+        let modules: Vec<CString> =
+            options.ignored_modules.iter().map(|n| cstring("ignored_modules", n)).collect::<Result<_>>()?;
+        let params: Vec<CString> =
+            options.ignored_parameters.iter().map(|n| cstring("ignored_parameters", n)).collect::<Result<_>>()?;
+        let plan = options.bucket_plan.as_deref().map(|p| cstring("bucket_plan", p)).transpose()?;
+        let module_ptrs: Vec<*const c_char> = modules.iter().map(|c| c.as_ptr()).collect();
+        let param_ptrs: Vec<*const c_char> = params.iter().map(|c| c.as_ptr()).collect();
+        o.bucket_cap_mb = options.bucket_cap_mb;
+        o.first_bucket_cap_mb = options.first_bucket_cap_mb;
+        o.gradient_as_bucket_view = options.gradient_as_bucket_view as c_int;
+        o.broadcast_buffers = options.broadcast_buffers as c_int;
+        o.find_unused_parameters = options.find_unused_parameters as c_int;
+        o.init_sync = options.init_sync as c_int;
+        o.ignored_modules = if module_ptrs.is_empty() { ptr::null() } else { module_ptrs.as_ptr() };
+        o.num_ignored_modules = module_ptrs.len();
+        o.ignored_parameters = if param_ptrs.is_empty() { ptr::null() } else { param_ptrs.as_ptr() };
+        o.num_ignored_parameters = param_ptrs.len();
+        o.comm_hook = options.comm_hook as i32;
+        o.static_graph = options.static_graph as c_int;
+        o.join_divide_by_initial_world_size = options.join_divide_by_initial_world_size as c_int;
+        o.bucket_plan = plan.as_ref().map_or(ptr::null(), |p| p.as_ptr());
+        if let Some(state) = hooks.as_ref() {
+            let user_data = &**state as *const HookState as *mut c_void;
+            if state.hooks.comm_hook.is_some() {
+                o.comm_hook = sys::DP_HOOK_CUSTOM;
+                o.hook_fn = Some(comm_hook_trampoline);
+                o.hook_user_data = user_data;
+            }
+            if state.hooks.on_bucket_reduced.is_some() {
+                o.on_bucket_reduced = Some(bucket_reduced_trampoline);
+                o.on_bucket_reduced_data = user_data;
+            }
+        }
+        let mut out = ptr::null_mut();
+        lib.check(unsafe { (lib.api().ddp_create)(&mut out, module.raw, pg.raw, &o) })?;
+        Ok(Ddp { raw: out, lib, hooks, owned: true })
+    }
+
+    /// The handle, still owned by `self`.
+    pub fn as_raw(&self) -> *mut sys::dp_ddp {
+        self.raw
+    }
+
+    /// `err` with what the closures reported.
+    fn with_failures(&self, mut err: Error) -> Error {
+        if let Some(state) = self.hooks.as_ref() {
+            state.append_to(&mut err);
+        }
+        err
+    }
+
+    fn check(&self, st: sys::dp_status) -> Result<()> {
+        if st == sys::DP_OK {
+            return Ok(());
+        }
+        Err(self.with_failures(self.lib.error(st)))
+    }
+
+    /// With broadcast_buffers, broadcasts the module's buffers from rank 0.
+    pub fn pre_forward(&mut self) -> Result<()> {
+        self.check(unsafe { (self.lib.api().ddp_pre_forward)(self.raw) })
+    }
+
+    /// The parameter's gradient is final for this backward.
+    pub fn mark_grad_ready(&self, param_name: &str) -> Result<()> {
+        let c = cstring("param_name", param_name)?;
+        self.lib.check(unsafe { (self.lib.api().ddp_mark_grad_ready)(self.raw, c.as_ptr()) })
+    }
+
+    pub fn mark_grad_ready_index(&self, param_index: usize) -> Result<()> {
+        self.lib.check(unsafe { (self.lib.api().ddp_mark_grad_ready_index)(self.raw, param_index) })
+    }
+
+    /// The gradient is final once the work queued so far on `stream` (a
+    /// stream of the parameter's device) completes; the library waits on an
+    /// event, never the whole device.
+    pub fn mark_grad_ready_stream(&self, param_index: usize, stream: &Stream) -> Result<()> {
+        let api = self.lib.api();
+        self.lib.check(unsafe { (api.ddp_mark_grad_ready_stream)(self.raw, param_index, stream.as_raw()) })
+    }
+
+    /// Waits for every bucket; the module's gradients then hold the average
+    /// over the ranks. A closure's `Err` or panic is DP_EUSER with its message.
+    pub fn finish_backward(&mut self) -> Result<()> {
+        self.check(unsafe { (self.lib.api().ddp_finish_backward)(self.raw) })
+    }
+
+    /// `false`: later backwards only accumulate locally (PyTorch's
+    /// no_sync); the next synced backward reduces the accumulated sum.
+    pub fn set_requires_gradient_sync(&mut self, requires_sync: bool) -> Result<()> {
+        let api = self.lib.api();
+        self.lib.check(unsafe { (api.ddp_set_requires_gradient_sync)(self.raw, requires_sync as c_int) })
+    }
+
+    /// Runs `body` with gradient sync off, then turns it back on.
+    pub fn no_sync<R>(&mut self, body: impl FnOnce(&mut Ddp) -> Result<R>) -> Result<R> {
+        self.set_requires_gradient_sync(false)?;
+        let result = body(self);
+        let restored = self.set_requires_gradient_sync(true);
+        let value = result?;
+        restored?;
+        Ok(value)
+    }
+
+    pub fn num_buckets(&self) -> usize {
+        unsafe { (self.lib.api().ddp_num_buckets)(self.raw) }
+    }
+
+    /// The managed-parameter indices of bucket `bucket`, in their order in it.
+    pub fn bucket_parameters(&self, bucket: usize) -> Result<Vec<usize>> {
+        let api = self.lib.api();
+        let mut count = 0usize;
+        self.lib.check(unsafe { (api.ddp_bucket_parameters)(self.raw, bucket, ptr::null_mut(), 0, &mut count) })?;
+        let mut indices = vec![0usize; count];
+        self.lib
+            .check(unsafe { (api.ddp_bucket_parameters)(self.raw, bucket, indices.as_mut_ptr(), count, &mut count) })?;
+        indices.truncate(count);
+        Ok(indices)
+    }
+
+    pub fn last_stats(&self) -> Result<DdpStats> {
+        let mut s = sys::dp_ddp_stats { struct_size: std::mem::size_of::<sys::dp_ddp_stats>(), ..Default::default() };
+        self.lib.check(unsafe { (self.lib.api().ddp_last_stats)(self.raw, &mut s) })?;
+        Ok(DdpStats {
+            backward_ms: s.backward_ms,
+            reduce_ms: s.reduce_ms,
+            exposed_ms: s.exposed_ms,
+            num_buckets: s.num_buckets,
+            buckets_rebuilt: s.buckets_rebuilt != 0,
+        })
+    }
+
+    /// Whether some rank used managed parameter `param_index` in the last
+    /// synced iteration (inside on_bucket_reduced: the one being reduced);
+    /// without find_unused_parameters every parameter counts as used.
+    /// DP_ESTATE before any synced iteration has reduced gradients.
+    pub fn parameter_used(&self, param_index: usize) -> Result<bool> {
+        let mut out: c_int = 0;
+        self.lib.check(unsafe { (self.lib.api().ddp_parameter_used)(self.raw, param_index, &mut out) })?;
+        Ok(out != 0)
+    }
+
+    /// The current bucket plan as text, stable across runs of the same
+    /// module: give it back as `DdpOptions::bucket_plan` to start with it.
+    pub fn bucket_plan(&self) -> Result<String> {
+        let api = self.lib.api();
+        let mut len = 0usize;
+        self.lib.check(unsafe { (api.ddp_bucket_plan)(self.raw, ptr::null_mut(), 0, &mut len) })?;
+        let mut buf = vec![0u8; len + 1];
+        self.lib
+            .check(unsafe { (api.ddp_bucket_plan)(self.raw, buf.as_mut_ptr() as *mut c_char, buf.len(), &mut len) })?;
+        buf.truncate(len);
+        String::from_utf8(buf).map_err(|e| Error::new(DP_EIO, format!("the bucket plan is not UTF-8: {e}")))
+    }
+
+    /// Uneven inputs: this rank has no more data (`join_all` for one
+    /// reducer). Returns once every rank has joined.
+    pub fn join(&mut self) -> Result<()> {
+        Ddp::join_all(&mut [self])
+    }
+
+    /// Uneven inputs: this rank has no more data for any of `ddps` (the same
+    /// ones, in the same order, on every rank). It stands in for the other
+    /// ranks' iterations until every rank has joined; then every rank holds
+    /// the parameters and buffers of the rank that ran the most synced
+    /// iterations. DP_ESTATE during a backward.
+    pub fn join_all(ddps: &mut [&mut Ddp]) -> Result<()> {
+        let Some(first) = ddps.first() else {
+            return Err(Error::new(DP_EINVAL, "ddps: empty; pass every Ddp this rank drives"));
+        };
+        let lib = first.lib.clone();
+        let raw: Vec<*mut sys::dp_ddp> = ddps.iter().map(|d| d.raw).collect();
+        let st = unsafe { (lib.api().ddp_join)(raw.as_ptr(), raw.len()) };
+        if st == sys::DP_OK {
+            return Ok(());
+        }
+        let mut err = lib.error(st);
+        for d in ddps.iter() {
+            if let Some(state) = d.hooks.as_ref() {
+                state.append_to(&mut err);
+            }
+        }
+        Err(err)
+    }
+}

@@ -1,0 +1,361 @@
+//! Stores, process groups and their asynchronous work.
+
+use std::ffi::CString;
+use std::fmt;
+use std::marker::PhantomData;
+use std::os::raw::{c_char, c_int, c_void};
+use std::ptr;
+
+use crate::error::{cstring, owned_text};
+use crate::{sys, Device, InPlace, Library, Result, Tensor};
+
+/// A key-value store for rendezvous (dp_store_*); safe from any thread.
+pub struct Store {
+    pub(crate) raw: *mut sys::dp_store,
+    pub(crate) lib: Library,
+}
+
+unsafe impl Send for Store {}
+unsafe impl Sync for Store {}
+
+impl fmt::Debug for Store {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Store")
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        unsafe { (self.lib.api().store_destroy)(self.raw) };
+    }
+}
+
+impl Store {
+    pub fn file(lib: &Library, path: &str, world_size: i32) -> Result<Store> {
+        let c = cstring("path", path)?;
+        let mut out = ptr::null_mut();
+        lib.check(unsafe { (lib.api().store_create_file)(&mut out, c.as_ptr(), world_size) })?;
+        Ok(Store { raw: out, lib: lib.clone() })
+    }
+
+    pub fn tcp(
+        lib: &Library,
+        host: &str,
+        port: u16,
+        world_size: i32,
+        is_server: bool,
+        timeout_ms: i32,
+    ) -> Result<Store> {
+        let c = cstring("host", host)?;
+        let mut out = ptr::null_mut();
+        lib.check(unsafe {
+            (lib.api().store_create_tcp)(&mut out, c.as_ptr(), port, world_size, is_server as c_int, timeout_ms)
+        })?;
+        Ok(Store { raw: out, lib: lib.clone() })
+    }
+
+    pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        let c = cstring("key", key)?;
+        let api = self.lib.api();
+        self.lib.check(unsafe { (api.store_set)(self.raw, c.as_ptr(), value.as_ptr() as *const c_void, value.len()) })
+    }
+
+    /// Waits up to the store's timeout for `key`, then returns its value.
+    pub fn get(&self, key: &str) -> Result<Vec<u8>> {
+        let c = cstring("key", key)?;
+        let api = self.lib.api();
+        let mut len = 0usize;
+        self.lib.check(unsafe { (api.store_get)(self.raw, c.as_ptr(), ptr::null_mut(), 0, &mut len) })?;
+        let mut buf = vec![0u8; len];
+        // A value that grew in between is DP_EINVAL giving its length.
+        self.lib
+            .check(unsafe { (api.store_get)(self.raw, c.as_ptr(), buf.as_mut_ptr() as *mut c_void, len, &mut len) })?;
+        buf.truncate(len);
+        Ok(buf)
+    }
+
+    pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        let c = cstring("key", key)?;
+        let mut out = 0i64;
+        self.lib.check(unsafe { (self.lib.api().store_add)(self.raw, c.as_ptr(), delta, &mut out) })?;
+        Ok(out)
+    }
+
+    /// Waits until every key exists; `timeout_ms` < 0 means the store's timeout.
+    pub fn wait(&self, keys: &[&str], timeout_ms: i32) -> Result<()> {
+        let owned: Vec<CString> = keys.iter().map(|k| cstring("keys", k)).collect::<Result<_>>()?;
+        let ptrs: Vec<*const c_char> = owned.iter().map(|k| k.as_ptr()).collect();
+        self.lib.check(unsafe { (self.lib.api().store_wait)(self.raw, ptrs.as_ptr(), ptrs.len(), timeout_ms) })
+    }
+
+    pub fn tcp_port(&self) -> Result<u16> {
+        let mut port = 0u16;
+        self.lib.check(unsafe { (self.lib.api().store_tcp_port)(self.raw, &mut port) })?;
+        Ok(port)
+    }
+
+    pub fn set_timeout(&self, timeout_ms: i32) -> Result<()> {
+        self.lib.check(unsafe { (self.lib.api().store_set_timeout)(self.raw, timeout_ms) })
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(i32)]
+pub enum Backend {
+    Auto = 0,
+    Gloo = 1,
+    Nccl = 2,
+    /// Shared memory; fails (unsupported) when the ranks span several hosts.
+    Shm = 3,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(i32)]
+pub enum ReduceOp {
+    Sum = 0,
+    Avg = 1,
+    Min = 2,
+    Max = 3,
+    Prod = 4,
+}
+
+/// dp_process_group_options; `None` rank or world size come from the environment.
+#[derive(Clone, Copy, Debug)]
+pub struct ProcessGroupOptions<'s> {
+    pub backend: Backend,
+    pub rank: Option<i32>,
+    pub world_size: Option<i32>,
+    /// None: a TCP store at MASTER_ADDR:MASTER_PORT, served by rank 0.
+    pub store: Option<&'s Store>,
+    pub timeout_ms: i32,
+    pub device: Device,
+}
+
+impl Default for ProcessGroupOptions<'_> {
+    fn default() -> Self {
+        ProcessGroupOptions {
+            backend: Backend::Auto,
+            rank: None,
+            world_size: None,
+            store: None,
+            timeout_ms: 300_000,
+            device: Device::cpu(0),
+        }
+    }
+}
+
+impl ProcessGroupOptions<'_> {
+    pub(crate) fn raw_options(&self, lib: &Library) -> Result<sys::dp_process_group_options> {
+        let mut o = sys::dp_process_group_options {
+            struct_size: std::mem::size_of::<sys::dp_process_group_options>(),
+            backend: 0,
+            rank: -1,
+            world_size: -1,
+            store: ptr::null_mut(),
+            timeout_ms: 0,
+            device: Device::cpu(0).0,
+        };
+        lib.check(unsafe {
+            (lib.api().process_group_options_init)(&mut o, std::mem::size_of::<sys::dp_process_group_options>())
+        })?;
+        o.backend = self.backend as i32;
+        o.rank = self.rank.unwrap_or(-1);
+        o.world_size = self.world_size.unwrap_or(-1);
+        o.store = self.store.map_or(ptr::null_mut(), |s| s.raw);
+        o.timeout_ms = self.timeout_ms;
+        o.device = self.device.0;
+        Ok(o)
+    }
+}
+
+/// A process group (dp_process_group_*): calls from several threads are
+/// serialised by the library.
+pub struct ProcessGroup {
+    pub(crate) raw: *mut sys::dp_process_group,
+    pub(crate) lib: Library,
+    pub(crate) owned: bool,
+}
+
+unsafe impl Send for ProcessGroup {}
+unsafe impl Sync for ProcessGroup {}
+
+impl fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ProcessGroup(rank {} of {}, {})", self.rank(), self.size(), self.backend())
+    }
+}
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        if self.owned {
+            unsafe { (self.lib.api().process_group_destroy)(self.raw) };
+        }
+    }
+}
+
+impl ProcessGroup {
+    /// Joins the group dp-run (or torchrun, mpirun) describes in the
+    /// environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
+    pub fn from_env(lib: &Library) -> Result<ProcessGroup> {
+        let mut out = ptr::null_mut();
+        lib.check(unsafe { (lib.api().process_group_create_from_env)(&mut out, ptr::null()) })?;
+        Ok(ProcessGroup { raw: out, lib: lib.clone(), owned: true })
+    }
+
+    /// As `from_env`, with options.
+    pub fn from_env_with(lib: &Library, options: &ProcessGroupOptions<'_>) -> Result<ProcessGroup> {
+        let o = options.raw_options(lib)?;
+        let mut out = ptr::null_mut();
+        lib.check(unsafe { (lib.api().process_group_create_from_env)(&mut out, &o) })?;
+        Ok(ProcessGroup { raw: out, lib: lib.clone(), owned: true })
+    }
+
+    /// dp_process_group_create: the options' rank and world size win.
+    pub fn new(lib: &Library, options: &ProcessGroupOptions<'_>) -> Result<ProcessGroup> {
+        let o = options.raw_options(lib)?;
+        let mut out = ptr::null_mut();
+        lib.check(unsafe { (lib.api().process_group_create)(&mut out, &o) })?;
+        Ok(ProcessGroup { raw: out, lib: lib.clone(), owned: true })
+    }
+
+    pub fn rank(&self) -> i32 {
+        unsafe { (self.lib.api().process_group_rank)(self.raw) }
+    }
+
+    pub fn size(&self) -> i32 {
+        unsafe { (self.lib.api().process_group_size)(self.raw) }
+    }
+
+    /// "shm", "shm+gloo", "gloo" or "nccl".
+    pub fn backend(&self) -> String {
+        unsafe { owned_text((self.lib.api().process_group_backend)(self.raw)) }
+    }
+
+    pub fn all_reduce<T: InPlace + ?Sized>(&self, tensor: &mut T, op: ReduceOp) -> Result<()> {
+        self.lib.check(unsafe { (self.lib.api().pg_all_reduce)(self.raw, tensor.raw_mut(), op as i32) })
+    }
+
+    /// Starts an all_reduce; the tensor stays borrowed until the work is
+    /// waited for or dropped (dropping waits).
+    pub fn all_reduce_async<'t, T: InPlace + ?Sized>(&self, tensor: &'t mut T, op: ReduceOp) -> Result<Work<'t>> {
+        let mut out = ptr::null_mut();
+        let raw = tensor.raw_mut();
+        self.lib.check(unsafe { (self.lib.api().pg_all_reduce_async)(self.raw, raw, op as i32, &mut out) })?;
+        Ok(Work { raw: out, lib: self.lib.clone(), done: false, _tensor: PhantomData })
+    }
+
+    pub fn broadcast<T: InPlace + ?Sized>(&self, tensor: &mut T, root: i32) -> Result<()> {
+        self.lib.check(unsafe { (self.lib.api().pg_broadcast)(self.raw, tensor.raw_mut(), root) })
+    }
+
+    /// `outputs[r]` receives rank r's input.
+    pub fn all_gather(&self, input: &Tensor, outputs: &mut [Tensor]) -> Result<()> {
+        let raw: Vec<*mut sys::dp_tensor> = outputs.iter().map(|t| t.raw).collect();
+        self.lib.check(unsafe { (self.lib.api().pg_all_gather)(self.raw, input.raw, raw.as_ptr(), raw.len()) })
+    }
+
+    /// `output` = the reduction over the ranks of their `inputs[this rank]`
+    /// (one input per rank).
+    pub fn reduce_scatter<T: InPlace + ?Sized>(&self, inputs: &[&Tensor], output: &mut T, op: ReduceOp) -> Result<()> {
+        let raw: Vec<*const sys::dp_tensor> = inputs.iter().map(|t| t.raw as *const _).collect();
+        let api = self.lib.api();
+        self.lib
+            .check(unsafe { (api.pg_reduce_scatter)(self.raw, raw.as_ptr(), raw.len(), output.raw_mut(), op as i32) })
+    }
+
+    fn work<'t>(&self, st: sys::dp_status, out: *mut sys::dp_work) -> Result<Work<'t>> {
+        self.lib.check(st)?;
+        Ok(Work { raw: out, lib: self.lib.clone(), done: false, _tensor: PhantomData })
+    }
+
+    /// Starts a broadcast from `root`; the tensor stays borrowed until the
+    /// work is waited for or dropped (dropping waits).
+    pub fn broadcast_async<'t, T: InPlace + ?Sized>(&self, tensor: &'t mut T, root: i32) -> Result<Work<'t>> {
+        let mut out = ptr::null_mut();
+        let raw = tensor.raw_mut();
+        let st = unsafe { (self.lib.api().pg_broadcast_async)(self.raw, raw, root, &mut out) };
+        self.work(st, out)
+    }
+
+    /// Starts an all_gather; `input` and `outputs` stay borrowed until the
+    /// work is waited for or dropped.
+    pub fn all_gather_async<'t>(&self, input: &'t Tensor, outputs: &'t mut [Tensor]) -> Result<Work<'t>> {
+        let raw: Vec<*mut sys::dp_tensor> = outputs.iter().map(|t| t.raw).collect();
+        let mut out = ptr::null_mut();
+        let api = self.lib.api();
+        let st = unsafe { (api.pg_all_gather_async)(self.raw, input.raw, raw.as_ptr(), raw.len(), &mut out) };
+        self.work(st, out)
+    }
+
+    /// Starts a reduce_scatter; the tensors stay borrowed until the work is
+    /// waited for or dropped.
+    pub fn reduce_scatter_async<'t, T: InPlace + ?Sized>(
+        &self,
+        inputs: &[&'t Tensor],
+        output: &'t mut T,
+        op: ReduceOp,
+    ) -> Result<Work<'t>> {
+        let raw: Vec<*const sys::dp_tensor> = inputs.iter().map(|t| t.raw as *const _).collect();
+        let mut out = ptr::null_mut();
+        let api = self.lib.api();
+        let st = unsafe {
+            (api.pg_reduce_scatter_async)(self.raw, raw.as_ptr(), raw.len(), output.raw_mut(), op as i32, &mut out)
+        };
+        self.work(st, out)
+    }
+
+    /// Starts a barrier.
+    pub fn barrier_async(&self) -> Result<Work<'static>> {
+        let mut out = ptr::null_mut();
+        let st = unsafe { (self.lib.api().pg_barrier_async)(self.raw, &mut out) };
+        self.work(st, out)
+    }
+
+    pub fn barrier(&self) -> Result<()> {
+        self.lib.check(unsafe { (self.lib.api().pg_barrier)(self.raw) })
+    }
+}
+
+/// An asynchronous collective (dp_work). Dropping it waits for the
+/// collective, so the tensor it writes is never written after its borrow ends.
+pub struct Work<'t> {
+    pub(crate) raw: *mut sys::dp_work,
+    pub(crate) lib: Library,
+    pub(crate) done: bool,
+    _tensor: PhantomData<&'t mut ()>,
+}
+
+unsafe impl Send for Work<'_> {}
+
+impl fmt::Debug for Work<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Work")
+    }
+}
+
+impl Work<'_> {
+    /// The collective's result once it has finished.
+    pub fn wait(mut self) -> Result<()> {
+        self.done = true;
+        self.lib.check(unsafe { (self.lib.api().work_wait)(self.raw) })
+    }
+
+    /// Whether it has finished.
+    pub fn test(&mut self) -> Result<bool> {
+        let mut done: c_int = 0;
+        self.lib.check(unsafe { (self.lib.api().work_test)(self.raw, &mut done) })?;
+        Ok(done != 0)
+    }
+}
+
+impl Drop for Work<'_> {
+    fn drop(&mut self) {
+        let api = self.lib.api();
+        unsafe {
+            if !self.done {
+                (api.work_wait)(self.raw);
+            }
+            (api.work_destroy)(self.raw);
+        }
+    }
+}

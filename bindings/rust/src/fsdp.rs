@@ -1,0 +1,191 @@
+//! fully_shard (dp_fsdp.h): sharded data parallel with the semantics of
+//! PyTorch's FSDP2.
+
+use std::fmt;
+use std::os::raw::c_int;
+use std::ptr;
+
+use crate::error::{cstring, owned_text};
+use crate::{sys, DType, Library, Module, ProcessGroup, Result, Tensor};
+
+/// dp_fsdp_options; the defaults are DP_FSDP_OPTIONS_INIT's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FsdpOptions {
+    /// true (ZeRO-3): `reshard` frees the full parameters; false (ZeRO-2):
+    /// they stay until `post_backward`.
+    pub reshard_after_forward: bool,
+    /// The dtype of the full parameters and gradients (None: the
+    /// parameters' own).
+    pub param_dtype: Option<DType>,
+    /// The dtype gradients are reduced in (None: `param_dtype`).
+    pub reduce_dtype: Option<DType>,
+    /// Rank 0's values and the agreement check before sharding (collective).
+    pub init_sync: bool,
+}
+
+impl Default for FsdpOptions {
+    fn default() -> Self {
+        FsdpOptions { reshard_after_forward: true, param_dtype: None, reduce_dtype: None, init_sync: true }
+    }
+}
+
+/// fully_shard over a module's parameters that no live `Fsdp` holds
+/// (create the children's first). Each rank keeps only its rows of each
+/// parameter (`shard`); the host drives it around its own forward and
+/// backward: `unshard` (the module's slots hold full parameters),
+/// `reshard`, `unshard` before the backward, `post_backward` once the full
+/// gradients are final, `finish_backward`, then the optimizer steps on
+/// `shard` / `shard_grad`. Dropping it is collective: every rank drops its
+/// `Fsdp` of the pair, and the module's slots get the full parameters back.
+///
+/// A shard handle shares the shard's memory: do not write it while an
+/// unshard of its `Fsdp` is in flight, nor read a shard gradient before
+/// `finish_backward`.
+pub struct Fsdp {
+    raw: *mut sys::dp_fsdp,
+    lib: Library,
+}
+
+// One dp_fsdp's calls are serialised by the library (dp_fsdp.h).
+unsafe impl Send for Fsdp {}
+unsafe impl Sync for Fsdp {}
+
+impl fmt::Debug for Fsdp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fsdp({} parameters)", self.num_parameters())
+    }
+}
+
+impl Drop for Fsdp {
+    fn drop(&mut self) {
+        unsafe { (self.lib.api().fsdp_destroy)(self.raw) };
+    }
+}
+
+impl Fsdp {
+    /// Shards `module`'s parameters over `pg` (collective with init_sync;
+    /// create them in the same order on every rank).
+    pub fn new(module: &Module, pg: &ProcessGroup, options: &FsdpOptions) -> Result<Fsdp> {
+        let lib = module.lib.clone();
+        let size = std::mem::size_of::<sys::dp_fsdp_options>();
+        let mut o = sys::dp_fsdp_options {
+            struct_size: size,
+            reshard_after_forward: 0,
+            param_dtype: 0,
+            reduce_dtype: 0,
+            init_sync: 0,
+        };
+        lib.check(unsafe { (lib.api().fsdp_options_init)(&mut o, size) })?;
+        o.reshard_after_forward = options.reshard_after_forward as c_int;
+        o.param_dtype = options.param_dtype.map_or(-1, |d| d as i32);
+        o.reduce_dtype = options.reduce_dtype.map_or(-1, |d| d as i32);
+        o.init_sync = options.init_sync as c_int;
+        let mut out = ptr::null_mut();
+        lib.check(unsafe { (lib.api().fsdp_create)(&mut out, module.raw, pg.raw, &o) })?;
+        Ok(Fsdp { raw: out, lib })
+    }
+
+    /// The handle, still owned by `self`.
+    pub fn as_raw(&self) -> *mut sys::dp_fsdp {
+        self.raw
+    }
+
+    /// All-gathers: the module's slots hold the full parameters.
+    pub fn unshard(&mut self) -> Result<()> {
+        self.lib.check(unsafe { (self.lib.api().fsdp_unshard)(self.raw, 0) })
+    }
+
+    /// Starts the all-gather and returns at once (prefetch); `wait_unshard`,
+    /// or a blocking `unshard`, completes it.
+    pub fn unshard_async(&mut self) -> Result<()> {
+        self.lib.check(unsafe { (self.lib.api().fsdp_unshard)(self.raw, 1) })
+    }
+
+    pub fn wait_unshard(&mut self) -> Result<()> {
+        self.lib.check(unsafe { (self.lib.api().fsdp_wait_unshard)(self.raw) })
+    }
+
+    /// The slots hold the shards again (see `reshard_after_forward`).
+    pub fn reshard(&mut self) -> Result<()> {
+        self.lib.check(unsafe { (self.lib.api().fsdp_reshard)(self.raw) })
+    }
+
+    /// The full gradients are final: reshards, then reduce-scatters their
+    /// average into the shard gradients, asynchronously.
+    pub fn post_backward(&mut self) -> Result<()> {
+        self.lib.check(unsafe { (self.lib.api().fsdp_post_backward)(self.raw) })
+    }
+
+    /// Waits for the last `post_backward`'s reduce-scatter.
+    pub fn finish_backward(&mut self) -> Result<()> {
+        self.lib.check(unsafe { (self.lib.api().fsdp_finish_backward)(self.raw) })
+    }
+
+    /// `false`: `post_backward` keeps the full gradients, which later
+    /// backwards add to; the next synced one reduces the sum.
+    pub fn set_requires_gradient_sync(&mut self, requires_sync: bool) -> Result<()> {
+        let api = self.lib.api();
+        self.lib.check(unsafe { (api.fsdp_set_requires_gradient_sync)(self.raw, requires_sync as c_int) })
+    }
+
+    /// The managed parameters, in the module's listing order.
+    pub fn num_parameters(&self) -> usize {
+        unsafe { (self.lib.api().fsdp_num_parameters)(self.raw) }
+    }
+
+    /// The index-th managed parameter's name, relative to the module.
+    pub fn parameter_name(&self, index: usize) -> Result<String> {
+        let mut name = ptr::null();
+        self.lib.check(unsafe { (self.lib.api().fsdp_parameter_name)(self.raw, index, &mut name) })?;
+        Ok(unsafe { owned_text(name) })
+    }
+
+    /// This rank's rows of the index-th parameter: the shard itself, which
+    /// the optimizer updates in place.
+    pub fn shard(&self, index: usize) -> Result<Tensor> {
+        let mut out = ptr::null_mut();
+        self.lib.check(unsafe { (self.lib.api().fsdp_shard)(self.raw, index, &mut out) })?;
+        Ok(unsafe { Tensor::from_raw(&self.lib, out) })
+    }
+
+    /// The shard's gradient (same shape and dtype); it accumulates until
+    /// zeroed (`Module::zero_grad` zeroes it too).
+    pub fn shard_grad(&self, index: usize) -> Result<Tensor> {
+        let mut out = ptr::null_mut();
+        self.lib.check(unsafe { (self.lib.api().fsdp_shard_grad)(self.raw, index, &mut out) })?;
+        Ok(unsafe { Tensor::from_raw(&self.lib, out) })
+    }
+}
+
+/// State dicts of a module whose parameters `Fsdp` hold (the root, say).
+impl Module {
+    /// Collective over `pg`: gathers each sharded parameter and rank 0 writes
+    /// `path` as `save` would for the unsharded module (the other ranks
+    /// write nothing). Every `Fsdp` involved must be resharded.
+    pub fn save_full_state_dict(&self, pg: &ProcessGroup, path: &str) -> Result<()> {
+        let c = cstring("path", path)?;
+        self.lib.check(unsafe { (self.lib.api().fsdp_save_full_state_dict)(self.raw, pg.raw, c.as_ptr()) })
+    }
+
+    /// Local: every rank reads `path` and keeps its rows of the sharded
+    /// parameters, every other tensor whole.
+    pub fn load_full_state_dict(&mut self, path: &str, strict: bool) -> Result<()> {
+        let c = cstring("path", path)?;
+        let api = self.lib.api();
+        self.lib.check(unsafe { (api.fsdp_load_full_state_dict)(self.raw, c.as_ptr(), strict as c_int) })
+    }
+
+    /// Local: each rank writes its rows to `folder`/shard-RRRRR-of-WWWWW.safetensors
+    /// (rank 0's also holds the tensors that are not sharded).
+    pub fn save_sharded_state_dict(&self, pg: &ProcessGroup, folder: &str) -> Result<()> {
+        let c = cstring("folder", folder)?;
+        self.lib.check(unsafe { (self.lib.api().fsdp_save_sharded_state_dict)(self.raw, pg.raw, c.as_ptr()) })
+    }
+
+    /// Reads the rows this rank keeps now from every file of a sharded save
+    /// (made at any world size); load after every rank's save has returned.
+    pub fn load_sharded_state_dict(&mut self, folder: &str) -> Result<()> {
+        let c = cstring("folder", folder)?;
+        self.lib.check(unsafe { (self.lib.api().fsdp_load_sharded_state_dict)(self.raw, c.as_ptr()) })
+    }
+}
