@@ -161,7 +161,6 @@ func (pg *ProcessGroup) Barrier() error {
 	return pg.lib.call("dp_pg_barrier", func(api *C.dp_api) C.dp_status { return C.dpgo_pg_barrier(api, pg.h) })
 }
 
-
 // AllGather fills outputs[r] (one per rank, each like input) with rank r's
 // input.
 func (pg *ProcessGroup) AllGather(input *Tensor, outputs []*Tensor) error {
