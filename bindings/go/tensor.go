@@ -271,7 +271,9 @@ func (l *Library) TensorFromDLPack(managed unsafe.Pointer) (*Tensor, error) {
 
 // ToDLPack is a DLManagedTensor (as unsafe.Pointer) over the tensor's
 // memory, without a copy. Whoever receives it calls its deleter; the memory
-// stays alive until then, even after the tensor is closed.
+// stays alive until then, even after the tensor is closed. DLPack knows one
+// CPU: a tensor on a logical cpu device comes back from TensorFromDLPack on
+// cpu:0.
 func (t *Tensor) ToDLPack() (unsafe.Pointer, error) {
 	var out unsafe.Pointer
 	err := t.lib.call("dp_tensor_to_dlpack", func(api *C.dp_api) C.dp_status {
