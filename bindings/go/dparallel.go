@@ -4,9 +4,10 @@
 // the library, so a program picks the library at run time (Open, or Load with
 // DP_LIBRARY).
 //
-// Handles (Tensor, Module, ReplicaSet, ProcessGroup, DDP) are released by
-// Close; there are no finalizers, because the slices from Tensor.Float32s
-// view the tensor's memory and must not lose it behind the program's back.
+// Handles (Tensor, Module, ReplicaSet, Store, ProcessGroup, Work, DDP,
+// FSDP, Stream) are released by Close; there are no finalizers, because the
+// slices from Tensor.Float32s view the tensor's memory and must not lose it
+// behind the program's back.
 // Failures come back as *Error, carrying the status code and the library's
 // message.
 package dparallel
