@@ -438,3 +438,55 @@ func TestShutdownEndsThreadsAndTheyRestart(t *testing.T) {
 		t.Errorf("Shutdown inside a forward gave %v, want DP_EUSER caused by DP_ESTATE", err)
 	}
 }
+
+// Bad arguments to the newer calls are errors naming them, caught before
+// anything reaches the library.
+func TestNewCallsNameTheirBadArguments(t *testing.T) {
+	lib := openLibrary(t)
+	defer lib.Close()
+	m, err := lib.NewModule()
+	must(t, err)
+	defer m.Close()
+	x, err := lib.NewTensor(Float32, []int64{2}, CPU(0))
+	must(t, err)
+	defer x.Close()
+	hook := func(*ProcessGroup, int, *Tensor) error { return nil }
+	cases := []struct {
+		what string
+		err  error
+		name string
+	}{
+		{"a hook kind and a hook func", func() error {
+			_, err := lib.NewDDP(m, &ProcessGroup{lib: lib}, &DDPOptions{CommHook: HookFP16, CommHookFunc: hook})
+			return err
+		}(), "'opts.CommHook'"},
+		{"a negative group timeout", func() error {
+			_, err := lib.NewProcessGroup(0, 1, &ProcessGroupOptions{Timeout: -time.Second})
+			return err
+		}(), "'opts.Timeout'"},
+		{"a store timeout past int32 ms", func() error {
+			_, err := lib.NewTCPStore("127.0.0.1", 0, 1, true, 1000*time.Hour)
+			return err
+		}(), "'timeout'"},
+		{"uneven lists", func() error {
+			_, err := lib.ReduceAddCoalesced([][]*Tensor{{x, x}, {x}}, CPU(0), 0)
+			return err
+		}(), "'inputs'[1]"},
+		{"a nil tensor in a list", func() error { _, err := lib.Gather([]*Tensor{x, nil}, 0, CPU(0)); return err }(),
+			"'tensors'[1]"},
+		{"a negative bucket", func() error { _, err := (&DDP{lib: lib}).BucketParameters(-1); return err }(),
+			"'bucket'"},
+		{"a negative parameter index", (&DDP{lib: lib}).MarkGradReadyIndex(-2), "'index'"},
+		{"a closed FSDP", (&FSDP{lib: lib}).Unshard(), "closed"},
+		{"a negative buffer size", func() error {
+			_, err := lib.BroadcastCoalesced([]*Tensor{x}, []Device{CPU(0)}, -1)
+			return err
+		}(), "'bufferSize'"},
+	}
+	for _, c := range cases {
+		var de *Error
+		if !errors.As(c.err, &de) || !errors.Is(c.err, StatusInvalid) || !strings.Contains(de.Message, c.name) {
+			t.Errorf("%s: got %v, want DP_EINVAL naming %s", c.what, c.err, c.name)
+		}
+	}
+}
