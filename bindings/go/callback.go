@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"reflect"
 	"runtime"
+	"sync"
+	"sync/atomic"
 )
 
 // A Go function that C calls back (a forward) must not end the cgo
@@ -84,4 +86,89 @@ func insideCallback() bool {
 			return false
 		}
 	}
+}
+
+// A DDP comm hook or on_bucket_reduced must make its calls into the library
+// on the library's worker thread that runs it: the library tells a hook's
+// collectives (and its reads of the dp_ddp) from the host's by that thread.
+// Yet the Go function cannot run on the cgo callback's goroutine, which
+// runtime.Goexit must not end. So it runs on a goroutine of its own, as a
+// forward does, and the callback's goroutine, locked to the worker thread,
+// makes the library calls for it: Library.use hands them over.
+
+type pinnedCall struct {
+	f    func()
+	done chan interface{} // f's panic value, or nil
+}
+
+type pinnedThread struct{ calls chan pinnedCall }
+
+var (
+	pinnedCount   atomic.Int32 // pinned callbacks running: Library.use looks them up only then
+	pinnedThreads sync.Map     // goroutine id -> *pinnedThread
+)
+
+// runPinned runs f as runCallback does, with f's library calls made on the
+// calling goroutine's thread.
+func runPinned(f func()) error {
+	thread := &pinnedThread{calls: make(chan pinnedCall)}
+	done := make(chan error, 1)
+	pinnedCount.Add(1)
+	defer pinnedCount.Add(-1)
+	go runCallbackGoroutine(func() {
+		id := goroutineID()
+		pinnedThreads.Store(id, thread)
+		defer pinnedThreads.Delete(id)
+		f()
+	}, done)
+	for {
+		select {
+		case c := <-thread.calls:
+			func() {
+				defer func() { c.done <- recover() }()
+				c.f()
+			}()
+		case err := <-done:
+			return err
+		}
+	}
+}
+
+// pinnedThreadOf is the thread that makes the calling goroutine's library
+// calls, or nil when it is not running a pinned callback.
+func pinnedThreadOf() *pinnedThread {
+	if pinnedCount.Load() == 0 {
+		return nil
+	}
+	if t, ok := pinnedThreads.Load(goroutineID()); ok {
+		return t.(*pinnedThread)
+	}
+	return nil
+}
+
+// run makes f's call on the pinned thread; a panic there comes back here.
+func (t *pinnedThread) run(f func()) {
+	done := make(chan interface{}, 1)
+	t.calls <- pinnedCall{f: f, done: done}
+	if p := <-done; p != nil {
+		panic(p)
+	}
+}
+
+// goroutineID reads the calling goroutine's id from its stack header,
+// "goroutine 18 [running]:".
+func goroutineID() uint64 {
+	var buf [64]byte
+	text := buf[:runtime.Stack(buf[:], false)]
+	const prefix = "goroutine "
+	var id uint64
+	if len(text) > len(prefix) {
+		for _, c := range text[len(prefix):] {
+			if c < '0' || c > '9' {
+				break
+			}
+			id = id*10 + uint64(c-'0')
+		}
+	}
+	return id
 }

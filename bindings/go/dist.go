@@ -6,7 +6,10 @@ package dparallel
 */
 import "C"
 
-import "unsafe"
+import (
+	"time"
+	"unsafe"
+)
 
 // ReduceOp combines tensors across ranks.
 type ReduceOp int32
@@ -19,10 +22,81 @@ const (
 	Prod ReduceOp = 4
 )
 
-// ProcessGroup is this process's membership of a group of ranks.
+// ProcessGroup is this process's membership of a group of ranks. Drive a
+// group from one goroutine at a time; one that issues async collectives, or
+// drives a DDP with streams, stays on its thread (runtime.LockOSThread),
+// since the library tells its callers apart by thread. The group a comm
+// hook receives is the library's: valid during the call only.
 type ProcessGroup struct {
-	lib *Library
-	h   *C.dp_process_group
+	lib      *Library
+	h        *C.dp_process_group
+	borrowed bool
+}
+
+// Backend is the transport a group asks for; ProcessGroup.Backend says what
+// runs.
+type Backend int32
+
+const (
+	BackendAuto Backend = 0 // NCCL for cuda; shared memory on one host, else Gloo, for cpu
+	BackendGloo Backend = 1
+	BackendNCCL Backend = 2
+	BackendShm  Backend = 3 // shared memory; every rank on one host
+)
+
+// ProcessGroupOptions are a group's settings; zero values take the
+// library's defaults.
+type ProcessGroupOptions struct {
+	Backend Backend
+	// Store the ranks meet through; nil: a TCP store at MASTER_ADDR:MASTER_PORT
+	// served by rank 0. The group holds its own reference.
+	Store *Store
+	// Timeout of every blocking call; 0: 300 s.
+	Timeout time.Duration
+	// Device this rank's tensors live on; the zero value means cpu:0.
+	Device Device
+}
+
+// NewProcessGroup joins a group as rank of worldSize; -1 for either reads it
+// from the environment (RANK, WORLD_SIZE, or mpirun's). Every rank passes
+// the same world size, store and backend.
+func (l *Library) NewProcessGroup(rank, worldSize int, opts *ProcessGroupOptions) (*ProcessGroup, error) {
+	const op = "dp_process_group_create"
+	var copts C.dp_process_group_options
+	err := l.call("dp_process_group_options_init", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_process_group_options_init(api, &copts, C.size_t(unsafe.Sizeof(copts)))
+	})
+	if err != nil {
+		return nil, err
+	}
+	copts.rank = C.int32_t(rank)
+	copts.world_size = C.int32_t(worldSize)
+	if opts != nil {
+		copts.backend = C.int32_t(opts.Backend)
+		if opts.Store != nil {
+			if opts.Store.h == nil {
+				return nil, invalid(op, "argument 'opts.Store' is a closed store")
+			}
+			copts.store = opts.Store.h
+		}
+		if opts.Timeout != 0 {
+			if opts.Timeout < 0 {
+				return nil, invalid(op, "argument 'opts.Timeout' is negative (%v)", opts.Timeout)
+			}
+			if copts.timeout_ms, err = milliseconds(op, "opts.Timeout", opts.Timeout); err != nil {
+				return nil, err
+			}
+		}
+		if opts.Device != (Device{}) {
+			copts.device = opts.Device.c()
+		}
+	}
+	var h *C.dp_process_group
+	err = l.call(op, func(api *C.dp_api) C.dp_status { return C.dpgo_process_group_create(api, &h, &copts) })
+	if err != nil {
+		return nil, err
+	}
+	return &ProcessGroup{lib: l, h: h}, nil
 }
 
 // ProcessGroupFromEnv joins the group described by RANK, WORLD_SIZE,
@@ -41,7 +115,7 @@ func (l *Library) ProcessGroupFromEnv() (*ProcessGroup, error) {
 
 // Close waits for queued collectives, then leaves the group.
 func (pg *ProcessGroup) Close() {
-	if pg == nil || pg.h == nil {
+	if pg == nil || pg.h == nil || pg.borrowed {
 		return
 	}
 	pg.lib.use("dp_process_group_destroy", func(api *C.dp_api) { C.dpgo_process_group_destroy(api, pg.h) })
@@ -87,87 +161,125 @@ func (pg *ProcessGroup) Barrier() error {
 	return pg.lib.call("dp_pg_barrier", func(api *C.dp_api) C.dp_status { return C.dpgo_pg_barrier(api, pg.h) })
 }
 
-// DDPOptions are the reducer's settings; zero values take the library's
-// defaults (25 MB buckets, 1 MB first bucket).
-type DDPOptions struct {
-	BucketCapMB          float64
-	FirstBucketCapMB     float64
-	GradientAsBucketView bool
-}
-
-// DDP averages a module's gradients across the ranks of a group while the
-// backward runs: the host marks each parameter's gradient ready as it is
-// produced.
-type DDP struct {
-	lib *Library
-	h   *C.dp_ddp
-}
-
-// NewDDP makes the reducer; every rank's module starts from rank 0's
-// parameters.
-func (l *Library) NewDDP(module *Module, pg *ProcessGroup, opts *DDPOptions) (*DDP, error) {
-	const op = "dp_ddp_create"
-	if module == nil || pg == nil {
-		return nil, invalid(op, "argument 'module' or 'pg' is nil")
+// AllGather fills outputs[r] (one per rank, each like input) with rank r's
+// input.
+func (pg *ProcessGroup) AllGather(input *Tensor, outputs []*Tensor) error {
+	const op = "dp_pg_all_gather"
+	if input == nil {
+		return invalid(op, "argument 'input' is nil")
 	}
-	var copts C.dp_ddp_options
-	err := l.call("dp_ddp_options_init", func(api *C.dp_api) C.dp_status {
-		return C.dpgo_ddp_options_init(api, &copts, C.size_t(unsafe.Sizeof(copts)))
+	hs, err := tensorHandles(op, "outputs", outputs)
+	if err != nil {
+		return err
+	}
+	return pg.lib.call(op, func(api *C.dp_api) C.dp_status {
+		return C.dpgo_pg_all_gather(api, pg.h, input.h, &hs[0], C.size_t(len(hs)))
 	})
-	if err != nil {
-		return nil, err
-	}
-	if opts != nil {
-		if opts.BucketCapMB > 0 {
-			copts.bucket_cap_mb = C.double(opts.BucketCapMB)
-		}
-		if opts.FirstBucketCapMB > 0 {
-			copts.first_bucket_cap_mb = C.double(opts.FirstBucketCapMB)
-		}
-		if opts.GradientAsBucketView {
-			copts.gradient_as_bucket_view = 1
-		}
-	}
-	var h *C.dp_ddp
-	err = l.call(op, func(api *C.dp_api) C.dp_status { return C.dpgo_ddp_create(api, &h, module.h, pg.h, &copts) })
-	if err != nil {
-		return nil, err
-	}
-	return &DDP{lib: l, h: h}, nil
 }
 
-func (d *DDP) Close() {
-	if d == nil || d.h == nil {
+// ReduceScatter sets output to the reduction over ranks of their
+// inputs[this rank] (inputs: one per rank, each like output).
+func (pg *ProcessGroup) ReduceScatter(inputs []*Tensor, output *Tensor, op ReduceOp) error {
+	const name = "dp_pg_reduce_scatter"
+	if output == nil {
+		return invalid(name, "argument 'output' is nil")
+	}
+	hs, err := tensorHandles(name, "inputs", inputs)
+	if err != nil {
+		return err
+	}
+	return pg.lib.call(name, func(api *C.dp_api) C.dp_status {
+		return C.dpgo_pg_reduce_scatter(api, pg.h, &hs[0], C.size_t(len(hs)), output.h, C.int32_t(op))
+	})
+}
+
+// Work is a collective in flight. Its tensors must stay open until Wait
+// (or a Test saying done) returns.
+type Work struct {
+	lib *Library
+	h   *C.dp_work
+}
+
+// async starts a collective and wraps its handle.
+func (pg *ProcessGroup) async(op string, f func(api *C.dp_api, out **C.dp_work) C.dp_status) (*Work, error) {
+	var h *C.dp_work
+	err := pg.lib.call(op, func(api *C.dp_api) C.dp_status { return f(api, &h) })
+	if err != nil {
+		return nil, err
+	}
+	return &Work{lib: pg.lib, h: h}, nil
+}
+
+func (pg *ProcessGroup) AllReduceAsync(t *Tensor, op ReduceOp) (*Work, error) {
+	return pg.async("dp_pg_all_reduce_async", func(api *C.dp_api, out **C.dp_work) C.dp_status {
+		return C.dpgo_pg_all_reduce_async(api, pg.h, t.h, C.int32_t(op), out)
+	})
+}
+
+func (pg *ProcessGroup) BroadcastAsync(t *Tensor, root int) (*Work, error) {
+	return pg.async("dp_pg_broadcast_async", func(api *C.dp_api, out **C.dp_work) C.dp_status {
+		return C.dpgo_pg_broadcast_async(api, pg.h, t.h, C.int32_t(root), out)
+	})
+}
+
+func (pg *ProcessGroup) AllGatherAsync(input *Tensor, outputs []*Tensor) (*Work, error) {
+	const op = "dp_pg_all_gather_async"
+	if input == nil {
+		return nil, invalid(op, "argument 'input' is nil")
+	}
+	hs, err := tensorHandles(op, "outputs", outputs)
+	if err != nil {
+		return nil, err
+	}
+	return pg.async(op, func(api *C.dp_api, out **C.dp_work) C.dp_status {
+		return C.dpgo_pg_all_gather_async(api, pg.h, input.h, &hs[0], C.size_t(len(hs)), out)
+	})
+}
+
+func (pg *ProcessGroup) ReduceScatterAsync(inputs []*Tensor, output *Tensor, op ReduceOp) (*Work, error) {
+	const name = "dp_pg_reduce_scatter_async"
+	if output == nil {
+		return nil, invalid(name, "argument 'output' is nil")
+	}
+	hs, err := tensorHandles(name, "inputs", inputs)
+	if err != nil {
+		return nil, err
+	}
+	return pg.async(name, func(api *C.dp_api, out **C.dp_work) C.dp_status {
+		return C.dpgo_pg_reduce_scatter_async(api, pg.h, &hs[0], C.size_t(len(hs)), output.h, C.int32_t(op), out)
+	})
+}
+
+func (pg *ProcessGroup) BarrierAsync() (*Work, error) {
+	return pg.async("dp_pg_barrier_async", func(api *C.dp_api, out **C.dp_work) C.dp_status {
+		return C.dpgo_pg_barrier_async(api, pg.h, out)
+	})
+}
+
+// Wait returns the collective's result once it has finished.
+func (w *Work) Wait() error {
+	if w == nil || w.h == nil {
+		return invalid("dp_work_wait", "the work is closed (or nil)")
+	}
+	return w.lib.call("dp_work_wait", func(api *C.dp_api) C.dp_status { return C.dpgo_work_wait(api, w.h) })
+}
+
+// Test reports whether the collective has finished (then Wait returns at
+// once).
+func (w *Work) Test() (bool, error) {
+	if w == nil || w.h == nil {
+		return false, invalid("dp_work_test", "the work is closed (or nil)")
+	}
+	var done C.int
+	err := w.lib.call("dp_work_test", func(api *C.dp_api) C.dp_status { return C.dpgo_work_test(api, w.h, &done) })
+	return done != 0, err
+}
+
+// Close drops the handle; the collective still completes.
+func (w *Work) Close() {
+	if w == nil || w.h == nil {
 		return
 	}
-	d.lib.use("dp_ddp_destroy", func(api *C.dp_api) { C.dpgo_ddp_destroy(api, d.h) })
-	d.h = nil
-}
-
-// PreForward starts a step.
-func (d *DDP) PreForward() error {
-	return d.lib.call("dp_ddp_pre_forward", func(api *C.dp_api) C.dp_status { return C.dpgo_ddp_pre_forward(api, d.h) })
-}
-
-// MarkGradReady says the named parameter's gradient is final for this step.
-func (d *DDP) MarkGradReady(name string) error {
-	cname := C.CString(name)
-	defer C.free(unsafe.Pointer(cname))
-	return d.lib.call("dp_ddp_mark_grad_ready", func(api *C.dp_api) C.dp_status {
-		return C.dpgo_ddp_mark_grad_ready(api, d.h, cname)
-	})
-}
-
-// FinishBackward waits for the reductions: the gradients are then averaged.
-func (d *DDP) FinishBackward() error {
-	return d.lib.call("dp_ddp_finish_backward", func(api *C.dp_api) C.dp_status {
-		return C.dpgo_ddp_finish_backward(api, d.h)
-	})
-}
-
-// NumBuckets is the number of gradient buckets; 0 on a closed reducer or
-// library.
-func (d *DDP) NumBuckets() (n int) {
-	d.lib.use("dp_ddp_num_buckets", func(api *C.dp_api) { n = int(C.dpgo_ddp_num_buckets(api, d.h)) })
-	return n
+	w.lib.use("dp_work_destroy", func(api *C.dp_api) { C.dpgo_work_destroy(api, w.h) })
+	w.h = nil
 }

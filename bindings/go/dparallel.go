@@ -4,9 +4,10 @@
 // the library, so a program picks the library at run time (Open, or Load with
 // DP_LIBRARY).
 //
-// Handles (Tensor, Module, ReplicaSet, ProcessGroup, DDP) are released by
-// Close; there are no finalizers, because the slices from Tensor.Float32s
-// view the tensor's memory and must not lose it behind the program's back.
+// Handles (Tensor, Module, ReplicaSet, Store, ProcessGroup, Work, DDP,
+// FSDP, Stream) are released by Close; there are no finalizers, because the
+// slices from Tensor.Float32s view the tensor's memory and must not lose it
+// behind the program's back.
 // Failures come back as *Error, carrying the status code and the library's
 // message.
 package dparallel
@@ -144,8 +145,8 @@ func openMajor(path string, major uint32) (*Library, error) {
 	return &Library{api: api, handle: handle, path: path, drained: make(chan struct{})}, nil
 }
 
-// Close unloads the library (dlclose) once the calls in flight have
-// returned; calls made meanwhile, and after, are StatusState errors. Close
+// Close ends the library's own threads (dp_shutdown) and unloads it
+// (dlclose) once the calls in flight have returned; calls made meanwhile, and after, are StatusState errors. Close
 // the handles made from it first: closing one afterwards does nothing, and
 // its memory stays with the library. Closing twice does nothing; Close from
 // inside a forward, which would wait for itself, is StatusState.
@@ -164,6 +165,11 @@ func (l *Library) Close() error {
 	}
 	if l.calls.Add(closedFlag) != closedFlag {
 		<-l.drained
+	}
+	// The library's own threads run its code: they end before it is unloaded.
+	if s := C.dpgo_shutdown(l.api); s != 0 {
+		return &Error{Status: Status(s), Op: "Close", Message: "dp_shutdown: " + C.GoString(C.dpgo_last_error(l.api)) +
+			"; the library stays loaded"}
 	}
 	var msg [1024]C.char
 	if C.dpgo_close(l.handle, &msg[0], C.size_t(len(msg))) != 0 {
@@ -184,6 +190,10 @@ func (l *Library) use(op string, f func(api *C.dp_api)) error {
 		return &Error{Status: StatusState, Op: op, Message: "library closed"}
 	}
 	defer l.leave()
+	if t := pinnedThreadOf(); t != nil {
+		t.run(func() { f(l.api) })
+		return nil
+	}
 	f(l.api)
 	return nil
 }
@@ -277,4 +287,75 @@ func (l *Library) ParseDevice(text string) (Device, error) {
 	var d C.dp_device
 	err := l.call("dp_device_parse", func(api *C.dp_api) C.dp_status { return C.dpgo_device_parse(api, ctext, &d) })
 	return goDevice(d), err
+}
+
+// FormatDevice is the library's text for d ("cpu:3").
+func (l *Library) FormatDevice(d Device) (string, error) {
+	var buf [64]C.char
+	err := l.call("dp_device_format", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_device_format(api, d.c(), &buf[0], C.size_t(len(buf)))
+	})
+	if err != nil {
+		return "", err
+	}
+	return C.GoString(&buf[0]), nil
+}
+
+// DeviceCount is the number of devices of a type: GPUs present, or the
+// logical CPU devices allowed (DP_NUM_CPU_DEVICES, default 64).
+func (l *Library) DeviceCount(t DeviceType) (int, error) {
+	var n C.int32_t
+	err := l.call("dp_device_count", func(api *C.dp_api) C.dp_status { return C.dpgo_device_count(api, C.int32_t(t), &n) })
+	return int(n), err
+}
+
+// StatusString is the library's static text for a status code; "" once
+// closed.
+func (l *Library) StatusString(s Status) (text string) {
+	l.use("dp_status_string", func(api *C.dp_api) { text = C.GoString(C.dpgo_status_string(api, C.dp_status(s))) })
+	return text
+}
+
+// DTypeSize is the size of one element in bytes; 0 for an unknown dtype or
+// a closed library.
+func (l *Library) DTypeSize(dtype DType) (n int) {
+	l.use("dp_dtype_size", func(api *C.dp_api) { n = int(C.dpgo_dtype_size(api, C.int32_t(dtype))) })
+	return n
+}
+
+// MemoryStats is what the library allocated for a device's tensors, in
+// bytes (memory lent through TensorFromBlob or DLPack is not counted).
+type MemoryStats struct {
+	Allocated     uint64 // in use now
+	PeakAllocated uint64 // the most in use at once since the last ResetPeakMemory
+	Cached        uint64 // freed blocks kept for reuse, all devices together
+}
+
+func (l *Library) MemoryStats(d Device) (MemoryStats, error) {
+	var out C.dp_memory_stats
+	out.struct_size = C.size_t(unsafe.Sizeof(out))
+	err := l.call("dp_device_memory_stats", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_device_memory_stats(api, d.c(), &out)
+	})
+	return MemoryStats{uint64(out.allocated_bytes), uint64(out.peak_allocated_bytes), uint64(out.cached_bytes)}, err
+}
+
+// ResetPeakMemory starts MemoryStats' PeakAllocated afresh from what is in
+// use now.
+func (l *Library) ResetPeakMemory(d Device) error {
+	return l.call("dp_device_reset_peak_memory", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_device_reset_peak_memory(api, d.c())
+	})
+}
+
+// Shutdown ends the threads the library keeps for itself (device workers,
+// compute pool), each after what it has queued; a later call that needs
+// them starts them again. Close calls it. From inside a callback it would
+// wait for the thread running it: StatusState.
+func (l *Library) Shutdown() error {
+	if insideCallback() {
+		return &Error{Status: StatusState, Op: "dp_shutdown", Message: "called from inside a callback, whose thread " +
+			"it would wait for"}
+	}
+	return l.call("dp_shutdown", func(api *C.dp_api) C.dp_status { return C.dpgo_shutdown(api) })
 }

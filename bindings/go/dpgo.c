@@ -66,6 +66,41 @@ dp_status dpgo_replica_set_apply(const dp_api *a, dp_replica_set *set, dp_tensor
   return a->replica_set_apply(set, input, dim, output_device, forward, (void *)call, out);
 }
 
+static int comm_hook(void *user_data, dp_process_group *pg, size_t bucket_index, dp_tensor *flat_bucket) {
+  return dpgoCommHook((uintptr_t)user_data, pg, bucket_index, flat_bucket);
+}
+
+static int bucket_reduced(void *user_data, dp_ddp *ddp, size_t bucket_index, const size_t *param_indices,
+                          size_t nparams) {
+  /* Go's exported signature has no const; the callback only reads them. */
+  return dpgoBucketReduced((uintptr_t)user_data, ddp, bucket_index, (size_t *)param_indices, nparams);
+}
+
+void dpgo_ddp_set_callbacks(dp_ddp_options *o, int hook, int reduced, uintptr_t call) {
+  if (hook) {
+    o->hook_fn = comm_hook;
+    o->hook_user_data = (void *)call;
+  }
+  if (reduced) {
+    o->on_bucket_reduced = bucket_reduced;
+    o->on_bucket_reduced_data = (void *)call;
+  }
+}
+
+static void release_blob(void *ctx) { dpgoRelease((uintptr_t)ctx); }
+
+dp_status dpgo_tensor_from_blob(const dp_api *a, dp_tensor **out, void *data, int32_t dtype, int32_t ndim,
+                                const int64_t *shape, dp_device device, uintptr_t release) {
+  return a->tensor_from_blob(out, data, dtype, ndim, shape, device, release != 0 ? release_blob : NULL,
+                             (void *)release);
+}
+
+static void host_func(void *user_data) { dpgoHostFunc((uintptr_t)user_data); }
+
+dp_status dpgo_stream_launch_host_func(const dp_api *a, dp_device device, void *stream, uintptr_t call) {
+  return a->stream_launch_host_func(device, stream, host_func, (void *)call);
+}
+
 #define DPGO_DEFINE(ret, name, params, args) \
   ret dpgo_##name params { return a->name args; }
 #define DPGO_DEFINE_VOID(name, params, args) \

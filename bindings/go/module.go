@@ -152,3 +152,126 @@ func (m *Module) Load(path string, strict bool) error {
 	}
 	return m.lib.call("dp_module_load", func(api *C.dp_api) C.dp_status { return C.dpgo_module_load(api, m.h, cpath, s) })
 }
+
+// RegisterBuffer adds a buffer (state that is not trained: running
+// statistics, say); a non-persistent one is replicated but not saved. The
+// module holds its own reference to value.
+func (m *Module) RegisterBuffer(name string, value *Tensor, persistent bool) error {
+	var h *C.dp_tensor
+	if value != nil {
+		if value.h == nil {
+			return invalid("dp_module_register_buffer", "argument 'value' (for %q) is a closed tensor", name)
+		}
+		h = value.h
+	}
+	cname := C.CString(name)
+	defer C.free(unsafe.Pointer(cname))
+	return m.lib.call("dp_module_register_buffer", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_module_register_buffer(api, m.h, cname, h, cbool(persistent))
+	})
+}
+
+// NumBuffers counts the tree's buffers, each shared tensor once; 0 on a
+// closed module or library.
+func (m *Module) NumBuffers() (n int) {
+	m.lib.use("dp_module_num_buffers", func(api *C.dp_api) { n = int(C.dpgo_module_num_buffers(api, m.h)) })
+	return n
+}
+
+// BufferNames lists the buffers' dotted names in listing order.
+func (m *Module) BufferNames() ([]string, error) {
+	var names []string
+	err := m.lib.call("dp_module_buffer_at", func(api *C.dp_api) C.dp_status {
+		n := int(C.dpgo_module_num_buffers(api, m.h))
+		names = make([]string, 0, n)
+		for i := 0; i < n; i++ {
+			var name *C.char
+			var h *C.dp_tensor
+			if s := C.dpgo_module_buffer_at(api, m.h, C.size_t(i), &name, &h); s != 0 {
+				return s
+			}
+			names = append(names, C.GoString(name))
+			C.dpgo_tensor_destroy(api, h)
+		}
+		return 0
+	})
+	if err != nil {
+		return nil, err
+	}
+	return names, nil
+}
+
+// Buffer is a new reference to the buffer at the dotted name; nil for a
+// slot registered empty.
+func (m *Module) Buffer(name string) (*Tensor, error) {
+	cname := C.CString(name)
+	defer C.free(unsafe.Pointer(cname))
+	var h *C.dp_tensor
+	err := m.lib.call("dp_module_get_buffer", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_module_get_buffer(api, m.h, cname, &h)
+	})
+	if err != nil {
+		return nil, err
+	}
+	return m.lib.ownedTensor(h), nil
+}
+
+// Submodule is a new reference to the child at the dotted name ("" is the
+// module itself); nil for a slot registered empty.
+func (m *Module) Submodule(name string) (*Module, error) {
+	cname := C.CString(name)
+	defer C.free(unsafe.Pointer(cname))
+	var h *C.dp_module
+	err := m.lib.call("dp_module_get_module", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_module_get_module(api, m.h, cname, &h)
+	})
+	if err != nil || h == nil {
+		return nil, err
+	}
+	return &Module{lib: m.lib, h: h}, nil
+}
+
+// SetRequiresGrad sets whether a parameter or buffer requires grad: DDP
+// and FSDP reduce gradients only for parameters that do.
+func (m *Module) SetRequiresGrad(name string, requiresGrad bool) error {
+	cname := C.CString(name)
+	defer C.free(unsafe.Pointer(cname))
+	return m.lib.call("dp_module_set_requires_grad", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_module_set_requires_grad(api, m.h, cname, cbool(requiresGrad))
+	})
+}
+
+func (m *Module) RequiresGrad(name string) (bool, error) {
+	cname := C.CString(name)
+	defer C.free(unsafe.Pointer(cname))
+	var out C.int
+	err := m.lib.call("dp_module_requires_grad", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_module_requires_grad(api, m.h, cname, &out)
+	})
+	return out != 0, err
+}
+
+// SetGrad makes grad (same dtype, shape and device as the parameter) the
+// parameter's gradient, e.g. a TensorFromBlob over the host's own gradient
+// buffer; nil drops it. Between backwards only.
+func (m *Module) SetGrad(name string, grad *Tensor) error {
+	var h *C.dp_tensor
+	if grad != nil {
+		if grad.h == nil {
+			return invalid("dp_module_set_grad", "argument 'grad' (for %q) is a closed tensor", name)
+		}
+		h = grad.h
+	}
+	cname := C.CString(name)
+	defer C.free(unsafe.Pointer(cname))
+	return m.lib.call("dp_module_set_grad", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_module_set_grad(api, m.h, cname, h)
+	})
+}
+
+func cbool(b bool) C.int {
+	if b {
+		return 1
+	}
+	return 0
+}

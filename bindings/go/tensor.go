@@ -6,7 +6,12 @@ package dparallel
 */
 import "C"
 
-import "unsafe"
+import (
+	"fmt"
+	"os"
+	"runtime/cgo"
+	"unsafe"
+)
 
 // DType is a tensor's element type.
 type DType int32
@@ -176,4 +181,106 @@ func (t *Tensor) CopyToFloat32s(dst []float32) error {
 	return t.lib.call("dp_tensor_copy_to_host", func(api *C.dp_api) C.dp_status {
 		return C.dpgo_tensor_copy_to_host(api, t.h, unsafe.Pointer(&dst[0]), C.size_t(4*len(dst)))
 	})
+}
+
+// NBytes is the tensor's size in bytes; 0 on a closed tensor or library.
+func (t *Tensor) NBytes() (n int) {
+	t.lib.use("dp_tensor_nbytes", func(api *C.dp_api) { n = int(C.dpgo_tensor_nbytes(api, t.h)) })
+	return n
+}
+
+// Data is the address of the first element (device memory for a CUDA
+// tensor), for handing to other C code; nil for an empty tensor.
+func (t *Tensor) Data() (p unsafe.Pointer) {
+	t.lib.use("dp_tensor_data", func(api *C.dp_api) { p = C.dpgo_tensor_data(api, t.h) })
+	return p
+}
+
+// ToDevice is a copy of the tensor on device, always in new storage.
+func (t *Tensor) ToDevice(device Device) (*Tensor, error) {
+	var h *C.dp_tensor
+	err := t.lib.call("dp_tensor_to_device", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_tensor_to_device(api, &h, t.h, device.c())
+	})
+	if err != nil {
+		return nil, err
+	}
+	return t.lib.ownedTensor(h), nil
+}
+
+// TensorFromBlob makes a tensor over memory the caller owns, without a copy:
+// host memory for a CPU device, device memory for a GPU. The memory must not
+// be Go's (cgo forbids C keeping a Go pointer): C.malloc'd, syscall.Mmap'd
+// or from a CUDA allocator, say. release (may be nil) runs once the last
+// tensor over the memory is gone, on whichever thread drops it; until then
+// the memory must stay valid. A panic in release is printed to stderr, as
+// nothing waits for it. On failure release is not called.
+func (l *Library) TensorFromBlob(data unsafe.Pointer, dtype DType, shape []int64, device Device,
+	release func()) (*Tensor, error) {
+	const op = "dp_tensor_from_blob"
+	var shapePtr *C.int64_t
+	if len(shape) > 0 {
+		shapePtr = (*C.int64_t)(unsafe.Pointer(&shape[0]))
+	}
+	var handle cgo.Handle
+	if release != nil {
+		handle = cgo.NewHandle(release)
+	}
+	var h *C.dp_tensor
+	err := l.call(op, func(api *C.dp_api) C.dp_status {
+		return C.dpgo_tensor_from_blob(api, &h, data, C.int32_t(dtype), C.int32_t(len(shape)), shapePtr, device.c(),
+			C.uintptr_t(handle))
+	})
+	if err != nil {
+		if handle != 0 {
+			handle.Delete()
+		}
+		return nil, err
+	}
+	return l.ownedTensor(h), nil
+}
+
+//export dpgoRelease
+func dpgoRelease(call C.uintptr_t) {
+	if failure := runCallback(func() {
+		h := cgo.Handle(call)
+		defer h.Delete()
+		h.Value().(func())()
+	}); failure != nil {
+		fmt.Fprintf(os.Stderr, "dparallel: the release function of a TensorFromBlob tensor %v\n", failure)
+	}
+}
+
+// TensorFromDLPack takes over a DLManagedTensor (a *C.DLManagedTensor from
+// another library, as unsafe.Pointer): the tensor uses its memory in place
+// and calls its deleter when the last tensor over it is gone. On failure
+// the caller still owns managed.
+func (l *Library) TensorFromDLPack(managed unsafe.Pointer) (*Tensor, error) {
+	if managed == nil {
+		return nil, invalid("dp_tensor_from_dlpack", "argument 'managed' is nil")
+	}
+	var h *C.dp_tensor
+	err := l.call("dp_tensor_from_dlpack", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_tensor_from_dlpack(api, &h, managed)
+	})
+	if err != nil {
+		return nil, err
+	}
+	return l.ownedTensor(h), nil
+}
+
+// ToDLPack is a DLManagedTensor (as unsafe.Pointer) over the tensor's
+// memory, without a copy. Whoever receives it calls its deleter; the memory
+// stays alive until then, even after the tensor is closed. DLPack knows one
+// CPU: a tensor on a logical cpu device comes back from TensorFromDLPack on
+// cpu:0.
+func (t *Tensor) ToDLPack() (unsafe.Pointer, error) {
+	var out unsafe.Pointer
+	err := t.lib.call("dp_tensor_to_dlpack", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_tensor_to_dlpack(api, t.h, &out)
+	})
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
 }

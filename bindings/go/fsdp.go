@@ -1,0 +1,234 @@
+package dparallel
+
+/*
+#include <stdlib.h>
+#include "dpgo.h"
+*/
+import "C"
+
+import "unsafe"
+
+// FSDPOptions are fully_shard's settings; zero values take the library's
+// defaults.
+type FSDPOptions struct {
+	// KeepUnshardedAfterForward keeps the full parameters from an unshard to
+	// the next PostBackward (ZeRO-2); by default Reshard frees them (ZeRO-3).
+	KeepUnshardedAfterForward bool
+	// MixedPrecision, when set, computes and reduces in other dtypes than the
+	// parameters' own.
+	MixedPrecision *FSDPMixedPrecision
+	// NoInitSync skips the agreement check and rank 0's values at create.
+	NoInitSync bool
+}
+
+// FSDPMixedPrecision: the full parameters and their gradients are in
+// ParamDType (BFloat16, say); gradients are reduced in ReduceDType (Float32,
+// the zero value, avoids 16-bit sums); the shards keep their own dtype.
+type FSDPMixedPrecision struct {
+	ParamDType  DType
+	ReduceDType DType
+}
+
+// FSDP is fully_shard over a module: each rank keeps only its rows of every
+// parameter it manages (those of the module no other live FSDP holds, so
+// make the children's first). The host drives it around its forward and
+// backward:
+//
+//	Unshard (or UnshardAsync then WaitUnshard) ... forward ... Reshard
+//	Unshard ... backward into the full gradients (Module.Grad) ... PostBackward
+//	FinishBackward, then the optimizer steps on Shard / ShardGrad
+//
+// Every rank makes the same calls in the same order.
+type FSDP struct {
+	lib *Library
+	h   *C.dp_fsdp
+}
+
+// NewFSDP shards module's parameters over pg (collective unless
+// NoInitSync): the module's slots then hold this rank's shards.
+func (l *Library) NewFSDP(module *Module, pg *ProcessGroup, opts *FSDPOptions) (*FSDP, error) {
+	const op = "dp_fsdp_create"
+	if module == nil || pg == nil {
+		return nil, invalid(op, "argument 'module' or 'pg' is nil")
+	}
+	var copts C.dp_fsdp_options
+	err := l.call("dp_fsdp_options_init", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_fsdp_options_init(api, &copts, C.size_t(unsafe.Sizeof(copts)))
+	})
+	if err != nil {
+		return nil, err
+	}
+	if opts != nil {
+		copts.reshard_after_forward = cbool(!opts.KeepUnshardedAfterForward)
+		copts.init_sync = cbool(!opts.NoInitSync)
+		if mp := opts.MixedPrecision; mp != nil {
+			copts.param_dtype = C.int32_t(mp.ParamDType)
+			copts.reduce_dtype = C.int32_t(mp.ReduceDType)
+		}
+	}
+	var h *C.dp_fsdp
+	err = l.call(op, func(api *C.dp_api) C.dp_status { return C.dpgo_fsdp_create(api, &h, module.h, pg.h, &copts) })
+	if err != nil {
+		return nil, err
+	}
+	return &FSDP{lib: l, h: h}, nil
+}
+
+// Close is collective (every rank closes its FSDP of the pair): the
+// module's slots get the full parameters back.
+func (f *FSDP) Close() {
+	if f == nil || f.h == nil {
+		return
+	}
+	f.lib.use("dp_fsdp_destroy", func(api *C.dp_api) { C.dpgo_fsdp_destroy(api, f.h) })
+	f.h = nil
+}
+
+func (f *FSDP) simple(op string, fn func(api *C.dp_api) C.dp_status) error {
+	if f == nil || f.h == nil {
+		return invalid(op, "the FSDP is closed (or nil)")
+	}
+	return f.lib.call(op, fn)
+}
+
+// Unshard all-gathers: the slots hold the full parameters once it returns.
+func (f *FSDP) Unshard() error {
+	return f.simple("dp_fsdp_unshard", func(api *C.dp_api) C.dp_status { return C.dpgo_fsdp_unshard(api, f.h, 0) })
+}
+
+// UnshardAsync starts the all-gather and returns (prefetch); WaitUnshard or
+// Unshard completes it.
+func (f *FSDP) UnshardAsync() error {
+	return f.simple("dp_fsdp_unshard", func(api *C.dp_api) C.dp_status { return C.dpgo_fsdp_unshard(api, f.h, 1) })
+}
+
+func (f *FSDP) WaitUnshard() error {
+	return f.simple("dp_fsdp_wait_unshard", func(api *C.dp_api) C.dp_status { return C.dpgo_fsdp_wait_unshard(api, f.h) })
+}
+
+// Reshard puts the shards back in the slots (see KeepUnshardedAfterForward).
+func (f *FSDP) Reshard() error {
+	return f.simple("dp_fsdp_reshard", func(api *C.dp_api) C.dp_status { return C.dpgo_fsdp_reshard(api, f.h) })
+}
+
+// PostBackward says the full gradients are final: it reshards and starts
+// reduce-scattering their average into the shard gradients.
+func (f *FSDP) PostBackward() error {
+	return f.simple("dp_fsdp_post_backward", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_fsdp_post_backward(api, f.h)
+	})
+}
+
+// FinishBackward waits for the last PostBackward's reduce-scatter.
+func (f *FSDP) FinishBackward() error {
+	return f.simple("dp_fsdp_finish_backward", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_fsdp_finish_backward(api, f.h)
+	})
+}
+
+// SetRequiresGradientSync(false): PostBackward keeps the full gradients,
+// which later backwards add to; the next synced one reduces the sum.
+func (f *FSDP) SetRequiresGradientSync(sync bool) error {
+	return f.simple("dp_fsdp_set_requires_gradient_sync", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_fsdp_set_requires_gradient_sync(api, f.h, cbool(sync))
+	})
+}
+
+// NumParameters counts the managed parameters; 0 on a closed FSDP.
+func (f *FSDP) NumParameters() (n int) {
+	f.lib.use("dp_fsdp_num_parameters", func(api *C.dp_api) { n = int(C.dpgo_fsdp_num_parameters(api, f.h)) })
+	return n
+}
+
+// ParameterNames lists the managed parameters, relative to the module, in
+// its listing order (the indices of Shard and ShardGrad).
+func (f *FSDP) ParameterNames() ([]string, error) {
+	var names []string
+	err := f.simple("dp_fsdp_parameter_name", func(api *C.dp_api) C.dp_status {
+		n := int(C.dpgo_fsdp_num_parameters(api, f.h))
+		names = make([]string, 0, n)
+		for i := 0; i < n; i++ {
+			var name *C.char
+			if s := C.dpgo_fsdp_parameter_name(api, f.h, C.size_t(i), &name); s != 0 {
+				return s
+			}
+			names = append(names, C.GoString(name))
+		}
+		return 0
+	})
+	return names, err
+}
+
+func (f *FSDP) shardTensor(op string, index int, fn func(api *C.dp_api, out **C.dp_tensor) C.dp_status) (*Tensor,
+	error) {
+	if index < 0 {
+		return nil, invalid(op, "argument 'index' is negative (%d)", index)
+	}
+	var h *C.dp_tensor
+	if err := f.simple(op, func(api *C.dp_api) C.dp_status { return fn(api, &h) }); err != nil {
+		return nil, err
+	}
+	return f.lib.ownedTensor(h), nil
+}
+
+// Shard is this rank's rows of managed parameter index (the shard itself:
+// the optimizer updates it in place); nil when this rank keeps no rows.
+func (f *FSDP) Shard(index int) (*Tensor, error) {
+	return f.shardTensor("dp_fsdp_shard", index, func(api *C.dp_api, out **C.dp_tensor) C.dp_status {
+		return C.dpgo_fsdp_shard(api, f.h, C.size_t(index), out)
+	})
+}
+
+// ShardGrad is the gradient of Shard(index), final after FinishBackward.
+func (f *FSDP) ShardGrad(index int) (*Tensor, error) {
+	return f.shardTensor("dp_fsdp_shard_grad", index, func(api *C.dp_api, out **C.dp_tensor) C.dp_status {
+		return C.dpgo_fsdp_shard_grad(api, f.h, C.size_t(index), out)
+	})
+}
+
+// SaveFullStateDict gathers the sharded parameters of the module (whose
+// FSDPs are all on pg and resharded) and rank 0 writes path as Save would
+// for the unsharded module. Collective.
+func (m *Module) SaveFullStateDict(pg *ProcessGroup, path string) error {
+	if pg == nil {
+		return invalid("dp_fsdp_save_full_state_dict", "argument 'pg' is nil")
+	}
+	cpath := C.CString(path)
+	defer C.free(unsafe.Pointer(cpath))
+	return m.lib.call("dp_fsdp_save_full_state_dict", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_fsdp_save_full_state_dict(api, m.h, pg.h, cpath)
+	})
+}
+
+// LoadFullStateDict reads a full state dict: each rank keeps its rows of
+// the sharded parameters and every other tensor whole. Local.
+func (m *Module) LoadFullStateDict(path string, strict bool) error {
+	cpath := C.CString(path)
+	defer C.free(unsafe.Pointer(cpath))
+	return m.lib.call("dp_fsdp_load_full_state_dict", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_fsdp_load_full_state_dict(api, m.h, cpath, cbool(strict))
+	})
+}
+
+// SaveShardedStateDict writes this rank's rows to one file per rank in
+// folder (made when missing). Local; pg says this rank's place.
+func (m *Module) SaveShardedStateDict(pg *ProcessGroup, folder string) error {
+	if pg == nil {
+		return invalid("dp_fsdp_save_sharded_state_dict", "argument 'pg' is nil")
+	}
+	cfolder := C.CString(folder)
+	defer C.free(unsafe.Pointer(cfolder))
+	return m.lib.call("dp_fsdp_save_sharded_state_dict", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_fsdp_save_sharded_state_dict(api, m.h, pg.h, cfolder)
+	})
+}
+
+// LoadShardedStateDict reads a sharded save (of any world size, once every
+// rank's save has returned) and keeps the rows this rank holds now.
+func (m *Module) LoadShardedStateDict(folder string) error {
+	cfolder := C.CString(folder)
+	defer C.free(unsafe.Pointer(cfolder))
+	return m.lib.call("dp_fsdp_load_sharded_state_dict", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_fsdp_load_sharded_state_dict(api, m.h, cfolder)
+	})
+}
