@@ -4,7 +4,8 @@
 In the README, under a `## ` heading per language:
   <!-- file: NAME -->   the fenced block that follows is written to NAME;
   <!-- run -->          the ```sh block that follows runs (bash -eu) with
-                        PREFIX set, in that section's own empty folder;
+                        PREFIX (a fresh install prefix) and DPARALLEL (the
+                        source tree) set, in that section's own empty folder;
   <!-- expect: TEXT --> the next run's output must contain TEXT.
 The section "## The library" runs first in every folder: it installs the
 build under test (a link named `build` in the folder points at it).
@@ -95,13 +96,14 @@ def main():
         if not any(kind == "run" for kind, _, _ in found.get(title, [])):
             print(f"FAIL: README has no section '{title}' with a run block", file=sys.stderr)
             return 1
+    source = pathlib.Path(__file__).resolve().parent.parent
     ok = True
     for title in args.section:
         with tempfile.TemporaryDirectory(prefix="dp-readme-") as tmp:
             folder = pathlib.Path(tmp) / "work"
             folder.mkdir()
             (folder / "build").symlink_to(args.build.resolve())
-            env = dict(os.environ, PREFIX=str(pathlib.Path(tmp) / "prefix"))
+            env = dict(os.environ, PREFIX=str(pathlib.Path(tmp) / "prefix"), DPARALLEL=str(source))
             for name in ("LD_LIBRARY_PATH", "DP_LIBRARY"):
                 env.pop(name, None)  # only what the README sets
             ok = run_section(LIBRARY, found[LIBRARY], folder, env) and run_section(title, found[title], folder, env) and ok
