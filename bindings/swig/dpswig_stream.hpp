@@ -2,9 +2,24 @@
 #ifndef DPARALLEL_BINDINGS_SWIG_STREAM_HPP
 #define DPARALLEL_BINDINGS_SWIG_STREAM_HPP
 
+#include <memory>
+
 #include "dpswig_common.hpp"
 
 namespace dpswig {
+
+// Host work queued on a stream: run() once, on a host thread, after the
+// work queued before it; deleted right after. run() must not throw (each
+// language catches its host code's exceptions for synchronize()).
+class HostCall {
+ public:
+  virtual ~HostCall() {}
+  virtual void run() = 0;
+};
+// A HostCall the language side made, handed over by launchHostFunc.
+struct HostCallArg {
+  std::unique_ptr<HostCall> call;
+};
 
 // A queue of device work: a cudaStream_t for cuda, a queue run by a thread
 // of its own for cpu.
@@ -41,6 +56,15 @@ class Stream {
   void makeCurrent() { check(dp_set_current_stream(device_.raw(), handle())); }
   // Returns once the work queued so far is done.
   void synchronize() { check(dp_stream_synchronize(device_.raw(), handle())); }
+  // Queues `fn` after the work queued so far; work queued after it waits
+  // for it. On a cpu device's legacy default stream it runs before this
+  // returns.
+  void launchHostFunc(HostCallArg& fn) {
+    if (!fn.call) fail_argument("'fn' is null");
+    HostCall* call = fn.call.get();
+    check(dp_stream_launch_host_func(device_.raw(), handle(), &runHostCall, call));
+    fn.call.release();  // runHostCall deletes it
+  }
   bool isClosed() const { return closed_; }
 
   void* handle() const {
@@ -50,6 +74,10 @@ class Stream {
 
  private:
   Stream(const Device& device, void* s, bool owned) : device_(device), s_(s), owned_(owned) {}
+  static void runHostCall(void* call) {
+    std::unique_ptr<HostCall> owned(static_cast<HostCall*>(call));
+    owned->run();
+  }
   Device device_;
   void* s_ = nullptr;
   bool owned_ = true;

@@ -7,5 +7,11 @@
 %rename(DeviceStream) dpswig::Stream;
 %newobject dpswig::Stream::wrap;
 %newobject dpswig::Stream::current;
+%ignore dpswig::HostCall;
+%ignore dpswig::HostCallArg;
+#if defined(SWIGJAVA)
+%rename(launchHostFuncRaw) dpswig::Stream::launchHostFunc;
+%rename(synchronizeRaw) dpswig::Stream::synchronize;
+#endif
 
 %include "dpswig_stream.hpp"

@@ -172,6 +172,52 @@ sealed unsafe class TensorMemory : System.Buffers.MemoryManager<float> {
   protected override void Dispose(bool disposing) {}
 }
 
+public partial class DeviceStream {
+  // The first exception a host function threw, for Synchronize().
+  Exception hostPending;
+
+  // What LaunchHostFunc queues: the host's work and the stream to report to.
+  sealed class HostWork {
+    internal Action Fn;
+    internal DeviceStream Stream;
+  }
+
+  /// <summary>Queues <c>fn</c> after the work queued so far: it runs once,
+  /// on a host thread (on a cpu device's legacy default stream, before this
+  /// returns); work queued after it waits for it. What it throws is
+  /// rethrown by the next <see cref="Synchronize"/>.</summary>
+  public void LaunchHostFunc(Action fn) {
+    if (fn == null) throw new DParallelException(Status.INVALID, "invalid argument: 'fn' is null");
+    var handle = System.Runtime.InteropServices.GCHandle.Alloc(new HostWork { Fn = fn, Stream = this });
+    try {
+      LaunchHostFuncRaw(System.Runtime.InteropServices.GCHandle.ToIntPtr(handle));
+    } catch {
+      handle.Free();
+      throw;
+    }
+  }
+
+  /// <summary>Returns once the work queued so far is done; rethrows what a
+  /// host function queued here threw.</summary>
+  public void Synchronize() {
+    SynchronizeRaw();
+    Exception e = Interlocked.Exchange(ref hostPending, null);
+    if (e != null) System.Runtime.ExceptionServices.ExceptionDispatchInfo.Capture(e).Throw();
+  }
+
+  internal static void RunHost(IntPtr handle, int libraryThread) {
+    if (libraryThread != 0) Worker.Attach();
+    var h = System.Runtime.InteropServices.GCHandle.FromIntPtr(handle);
+    var work = (HostWork)h.Target;
+    h.Free();
+    try {
+      work.Fn();
+    } catch (Exception e) {
+      Interlocked.CompareExchange(ref work.Stream.hostPending, e, null);
+    }
+  }
+}
+
 public partial class Device {
   public override bool Equals(object other) {
     return other is Device d && Equals(d);

@@ -13,7 +13,9 @@
 
 %{
 #include <mutex>
+#include <thread>
 
+#include "dpswig_stream.hpp"
 #include "dpswig_tensor.hpp"
 
 typedef void(SWIGSTDCALL *DParallelExceptionCallback)(int code, const char *message);
@@ -23,7 +25,27 @@ extern "C" SWIGEXPORT void SWIGSTDCALL DParallelRegisterExceptionCallback(DParal
   dparallel_exception_callback = callback;
 }
 
+typedef void(SWIGSTDCALL *DParallelHostCallback)(void *handle, int libraryThread);
+static DParallelHostCallback dparallel_host_callback = nullptr;
+
+extern "C" SWIGEXPORT void SWIGSTDCALL DParallelRegisterHostCallback(DParallelHostCallback callback) {
+  dparallel_host_callback = callback;
+}
+
 namespace dpswig {
+/* An Action queued on a stream, as a GCHandle that DeviceStream.RunHost
+ * frees. It says whether it runs on a library thread (not the launching
+ * one), which the C# side must mark for Mono. */
+class CSharpHostCall : public HostCall {
+ public:
+  explicit CSharpHostCall(void *handle) : handle_(handle), launcher_(std::this_thread::get_id()) {}
+  void run() override { dparallel_host_callback(handle_, std::this_thread::get_id() != launcher_ ? 1 : 0); }
+
+ private:
+  void *handle_;
+  std::thread::id launcher_;
+};
+
 /* GCHandles of pinned arrays that no tensor uses any more. The last tensor
  * may go on any thread, a library thread included, where no managed code
  * may run: the C# side frees them on its own threads (Tensor.FreeUnpinned). */
@@ -70,6 +92,19 @@ class CSharpPinned : public HostMemory {
     }
   }
   protected static DParallelExceptionHelper dparallelExceptionHelper = new DParallelExceptionHelper();
+
+  protected class DParallelHostHelper {
+    public delegate void HostDelegate(global::System.IntPtr handle, int libraryThread);
+    static HostDelegate callback = new HostDelegate(DeviceStream.RunHost);
+
+    [global::System.Runtime.InteropServices.DllImport("$dllimport", EntryPoint="DParallelRegisterHostCallback")]
+    public static extern void DParallelRegisterHostCallback(HostDelegate callback);
+
+    static DParallelHostHelper() {
+      DParallelRegisterHostCallback(callback);
+    }
+  }
+  protected static DParallelHostHelper dparallelHostHelper = new DParallelHostHelper();
 %}
 
 %exception {
@@ -140,6 +175,22 @@ class CSharpPinned : public HostMemory {
     global::System.IntPtr ret = $imcall;$excode
     return ret;
   }
+
+// Host functions on streams: DeviceStream.LaunchHostFunc (Partials.cs)
+// passes a GCHandle of its work; on failure it frees the handle itself.
+%ignore dpswig::Stream::launchHostFunc;
+%ignore dpswig::Stream::synchronize;
+%csmethodmodifiers dpswig::Stream::launchHostFuncRaw "internal";
+%csmethodmodifiers dpswig::Stream::synchronizeRaw "internal";
+%typemap(csclassmodifiers) dpswig::Stream "public partial class"
+%extend dpswig::Stream {
+  void launchHostFuncRaw(dpswig::NativePointer work) {
+    dpswig::HostCallArg fn;
+    fn.call.reset(new dpswig::CSharpHostCall(work));
+    $self->launchHostFunc(fn);
+  }
+  void synchronizeRaw() { $self->synchronize(); }
+}
 
 // Tensors over pinned arrays (Tensor.FromArray in Partials.cs): the
 // GCHandle `pin` is queued for the C# side to free once the last tensor

@@ -47,9 +47,65 @@ static void dpswig_java_throw(JNIEnv *jenv, int code, const char *message) {
   if (error != nullptr) jenv->Throw((jthrowable)error);
 }
 
+#include "dpswig_stream.hpp"
 #include "dpswig_tensor.hpp"
 
 namespace dpswig {
+/* The JNIEnv of this thread, attached as a daemon when it is a library
+ * thread the JVM has not seen; detached again by the destructor then, so
+ * that the thread never ends attached. */
+class JavaThreadEnv {
+ public:
+  explicit JavaThreadEnv(JavaVM *vm) : vm_(vm), env_(nullptr), attached_(false) {
+    jint got = vm_->GetEnv((void **)&env_, JNI_VERSION_1_6);
+    if (got == JNI_EDETACHED) {
+      attached_ = vm_->AttachCurrentThreadAsDaemon((void **)&env_, nullptr) == JNI_OK;
+      if (!attached_) env_ = nullptr;
+    } else if (got != JNI_OK) {
+      env_ = nullptr; /* the JVM is going away */
+    }
+  }
+  ~JavaThreadEnv() {
+    if (attached_) vm_->DetachCurrentThread();
+  }
+  JNIEnv *env() const { return env_; }
+
+ private:
+  JavaVM *vm_;
+  JNIEnv *env_;
+  bool attached_;
+};
+
+/* A Runnable queued on a stream (DeviceStream.launchHostFunc, which wraps
+ * the host's so that it never throws). */
+class JavaHostCall : public HostCall {
+ public:
+  JavaHostCall(JNIEnv *env, jobject runnable) : vm_(nullptr), ref_(nullptr), run_(nullptr) {
+    jclass cls = env->GetObjectClass(runnable);
+    run_ = env->GetMethodID(cls, "run", "()V");
+    env->DeleteLocalRef(cls);
+    if (run_ != nullptr && env->GetJavaVM(&vm_) == JNI_OK) ref_ = env->NewGlobalRef(runnable);
+  }
+  ~JavaHostCall() override {
+    if (ref_ == nullptr) return;
+    JavaThreadEnv thread(vm_);
+    if (thread.env() != nullptr) thread.env()->DeleteGlobalRef(ref_);
+  }
+  void run() override {
+    JavaThreadEnv thread(vm_);
+    JNIEnv *env = thread.env();
+    if (env == nullptr) return;
+    env->CallVoidMethod(ref_, run_);
+    if (env->ExceptionCheck()) env->ExceptionClear();
+  }
+  bool ok() const { return ref_ != nullptr; }
+
+ private:
+  JavaVM *vm_;
+  jobject ref_;
+  jmethodID run_;
+};
+
 /* A direct ByteBuffer that tensors are made over: a global reference keeps
  * it (and so its memory) alive until the last tensor over it is destroyed,
  * on whatever thread that is. */
@@ -60,19 +116,8 @@ class JavaBufferRef : public HostMemory {
   }
   ~JavaBufferRef() override {
     if (ref_ == nullptr) return;
-    JNIEnv *env = nullptr;
-    bool attached = false;
-    jint got = vm_->GetEnv((void **)&env, JNI_VERSION_1_6);
-    if (got == JNI_EDETACHED) {
-      /* A library thread: attached for this call only, so that it never
-       * ends attached. */
-      if (vm_->AttachCurrentThreadAsDaemon((void **)&env, nullptr) != JNI_OK) return;
-      attached = true;
-    } else if (got != JNI_OK) {
-      return; /* the JVM is going away */
-    }
-    env->DeleteGlobalRef(ref_);
-    if (attached) vm_->DetachCurrentThread();
+    JavaThreadEnv thread(vm_);
+    if (thread.env() != nullptr) thread.env()->DeleteGlobalRef(ref_);
   }
   bool ok() const { return ref_ != nullptr; }
 
@@ -168,6 +213,52 @@ class JavaFloatArray : public FloatSource, public FloatSink {
   held.size = (size_t)capacity;
   $1 = &held;
 }
+// A Runnable queued on a stream.
+%typemap(jni) dpswig::HostCallArg & "jobject"
+%typemap(jtype) dpswig::HostCallArg & "Runnable"
+%typemap(jstype) dpswig::HostCallArg & "Runnable"
+%typemap(javain) dpswig::HostCallArg & "$javainput"
+%typemap(in) dpswig::HostCallArg & (dpswig::HostCallArg held) {
+  if ($input == nullptr) {
+    dpswig_java_throw(jenv, DP_EINVAL, "invalid argument: 'fn' is null");
+    return $null;
+  }
+  dpswig::JavaHostCall *call = new dpswig::JavaHostCall(jenv, $input);
+  held.call.reset(call);
+  if (!call->ok()) {
+    dpswig_java_throw(jenv, DP_ENOMEM, "out of memory: no global reference for 'fn'");
+    return $null;
+  }
+  $1 = &held;
+}
+%javamethodmodifiers dpswig::Stream::launchHostFunc "private";
+%javamethodmodifiers dpswig::Stream::synchronize "private";
+%typemap(javacode) dpswig::Stream %{
+  // The first exception a host function threw, for synchronize().
+  private final java.util.concurrent.atomic.AtomicReference<Throwable> hostPending =
+      new java.util.concurrent.atomic.AtomicReference<>();
+
+  /** Queues {@code fn} after the work queued so far: it runs once, on a host thread (on a cpu device's legacy
+   * default stream, before this returns); work queued after it waits for it. What it throws is rethrown by the
+   * next {@link #synchronize()}. */
+  public void launchHostFunc(Runnable fn) {
+    if (fn == null) throw new DParallelException(Status.INVALID, "invalid argument: 'fn' is null");
+    launchHostFuncRaw(() -> {
+      try {
+        fn.run();
+      } catch (Throwable t) {
+        hostPending.compareAndSet(null, t);
+      }
+    });
+  }
+
+  /** Returns once the work queued so far is done; rethrows what a host function queued here threw. */
+  public void synchronize() {
+    synchronizeRaw();
+    Throwable t = hostPending.getAndSet(null);
+    if (t != null) throw Sneaky.<RuntimeException>rethrow(t);
+  }
+%}
 %javamethodmodifiers dpswig::Tensor::fromHost "";
 %javamethodmodifiers dpswig::Tensor::fromPointer "";
 
