@@ -62,8 +62,9 @@ public partial class Tensor {
 
   /// <summary>A cpu tensor over <c>array</c>'s own memory, without a copy:
   /// the library reads and writes the array in place. The array stays
-  /// pinned (and alive) while any tensor or module slot over it lives, and
-  /// is unpinned on a later FromArray or garbage collection after that.
+  /// pinned (and alive) while any tensor or module slot over it lives; after
+  /// that the next FromArray or FreeUnpinned() unpins it (a later garbage
+  /// collection usually does too).
   /// The shape's elements must fit in the array.</summary>
   public static Tensor FromArray<T>(T[] array, params long[] shape) where T : struct {
     return FromArray(array, new Device(), shape);
