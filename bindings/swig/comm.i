@@ -7,6 +7,8 @@
 %newobject dpswig::scatter;
 %newobject dpswig::gather;
 %newobject dpswig::reduceAdd;
+%newobject dpswig::broadcastCoalesced;
+%newobject dpswig::reduceAddCoalesced;
 %ignore dpswig::tensorArgs;
 
 %include "dpswig_comm.hpp"

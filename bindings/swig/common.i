@@ -18,6 +18,7 @@
 %ignore dpswig::HostBytes;
 %ignore dpswig::Device::raw;
 %ignore dpswig::Device::fromRaw;
+%ignore dpswig::MemoryStats::MemoryStats;
 %ignore *::close;
 %ignore *::handle;
 %ignore *::release;

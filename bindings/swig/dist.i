@@ -7,6 +7,11 @@
 %newobject dpswig::ProcessGroup::fromEnv;
 %newobject dpswig::ProcessGroup::create;
 %newobject dpswig::ProcessGroup::allReduceAsync;
+%newobject dpswig::ProcessGroup::broadcastAsync;
+%newobject dpswig::ProcessGroup::allGatherAsync;
+%newobject dpswig::ProcessGroup::reduceScatterAsync;
+%newobject dpswig::ProcessGroup::barrierAsync;
+%ignore dpswig::mutableArgs;
 %ignore dpswig::Work::Work(dp_work*);
 %ignore dpswig::ProcessGroup::ProcessGroup(dp_process_group*, bool);
 

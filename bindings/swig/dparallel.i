@@ -15,4 +15,6 @@
 %include "module.i"
 %include "parallel.i"
 %include "dist.i"
+%include "stream.i"
 %include "ddp.i"
+%include "fsdp.i"

@@ -26,6 +26,50 @@ inline TensorList* broadcast(const Tensor& tensor, const std::vector<Device>& de
   return list;
 }
 
+// Many tensors, all on devices[0], on every device, through flat buffers of
+// at most `bufferSize` bytes (0: 10 MiB): item d * tensors.size() + t is
+// tensor t on devices[d] (for d = 0 it shares the input's memory).
+inline TensorList* broadcastCoalesced(const std::vector<Tensor*>& tensors, const std::vector<Device>& devices,
+                                      size_t bufferSize = 0) {
+  std::vector<const dp_tensor*> in = tensorArgs(tensors, "tensors");
+  std::vector<dp_device> raw = rawDevices(devices);
+  TensorList* list = new TensorList();
+  list->handles().assign(raw.size() * in.size(), nullptr);
+  dp_status s =
+      dp_broadcast_coalesced(in.data(), in.size(), raw.data(), raw.size(), bufferSize, list->handles().data());
+  if (s < 0) {
+    list->handles().clear();
+    delete list;
+    check(s);
+  }
+  return list;
+}
+
+// `inputs` holds `ndevices` lists of equal shapes and dtypes one after the
+// other (item d * n + t is tensor t of device d's list); item t of the
+// result is the sum over d of tensor t, on `destination`. bufferSize as for
+// broadcastCoalesced.
+inline TensorList* reduceAddCoalesced(const std::vector<Tensor*>& inputs, size_t ndevices, const Device& destination,
+                                      size_t bufferSize = 0) {
+  if (ndevices == 0) fail_argument("'ndevices' is 0");
+  if (inputs.size() % ndevices != 0) {
+    throw Error(DP_EINVAL, "invalid argument: 'inputs' holds " + std::to_string(inputs.size()) +
+                               " tensors, not a multiple of 'ndevices' (" + std::to_string(ndevices) + ")");
+  }
+  std::vector<const dp_tensor*> in = tensorArgs(inputs, "inputs");
+  size_t ntensors = in.size() / ndevices;
+  TensorList* list = new TensorList();
+  list->handles().assign(ntensors, nullptr);
+  dp_status s =
+      dp_reduce_add_coalesced(in.data(), ndevices, ntensors, destination.raw(), bufferSize, list->handles().data());
+  if (s < 0) {
+    list->handles().clear();
+    delete list;
+    check(s);
+  }
+  return list;
+}
+
 // Chunk i of `tensor` along `dim` on devices[i]: even chunks (possibly fewer
 // than devices) with `chunkSizes` empty, else those sizes.
 inline TensorList* scatter(const Tensor& tensor, const std::vector<Device>& devices, int dim = 0,

@@ -6,7 +6,8 @@
 // and keeps them for the caller's thread (see java/ and csharp/), so nothing
 // is ever thrown through the library's worker threads.
 //
-// This header: errors, constants, devices, host memory views.
+// This header: errors, constants, devices, host memory views, the library's
+// own threads.
 #ifndef DPARALLEL_BINDINGS_SWIG_COMMON_HPP
 #define DPARALLEL_BINDINGS_SWIG_COMMON_HPP
 
@@ -67,9 +68,40 @@ struct DType {
   static const int INT32 = DP_INT32;
   static const int INT64 = DP_INT64;
   static const int BOOL = DP_BOOL;
+  // Bytes per element of `dtype`.
+  static size_t elementSize(int dtype) {
+    size_t n = dp_dtype_size(dtype);
+    if (n == 0) throw Error(DP_EINVAL, "invalid argument: 'dtype' " + std::to_string(dtype) + " is not a DType");
+    return n;
+  }
+};
+// A native address (a DLManagedTensor, a CUDA stream, device memory): long in
+// Java, IntPtr in C#.
+typedef void* NativePointer;
+
+struct Library {
+  // Ends the threads the library keeps for itself (device workers, the
+  // compute pool, async default streams) once they ran what they hold; a
+  // later call that needs them starts them again. Not from inside a
+  // callback the library runs.
+  static void shutdown() { check(dp_shutdown()); }
 };
 inline std::string lastError() { return dp_last_error(); }
 inline unsigned versionNumber() { return dp_version_number(); }
+
+// What the library allocated for a device's tensors, in bytes: in use now,
+// the most in use at once since the last reset, and freed blocks kept for
+// reuse (all devices together). Memory lent by the host is not counted.
+class MemoryStats {
+ public:
+  long long allocatedBytes() const { return static_cast<long long>(s_.allocated_bytes); }
+  long long peakAllocatedBytes() const { return static_cast<long long>(s_.peak_allocated_bytes); }
+  long long cachedBytes() const { return static_cast<long long>(s_.cached_bytes); }
+  explicit MemoryStats(const dp_memory_stats& s) : s_(s) {}
+
+ private:
+  dp_memory_stats s_;
+};
 
 class Device {
  public:
@@ -102,6 +134,14 @@ class Device {
     check(dp_device_count(type, &n));
     return n;
   }
+  MemoryStats memoryStats() const {
+    dp_memory_stats s{};
+    s.struct_size = sizeof s;
+    check(dp_device_memory_stats(d_, &s));
+    return MemoryStats(s);
+  }
+  // The peak of memoryStats() starts again from what is in use now.
+  void resetPeakMemory() const { check(dp_device_reset_peak_memory(d_)); }
   static const int CPU = DP_DEVICE_CPU;
   static const int CUDA = DP_DEVICE_CUDA;
 

@@ -13,6 +13,16 @@ struct ReduceOp {
   static const int MAX = DP_MAX;
   static const int PROD = DP_PROD;
 };
+// The backend a process group asks for (every rank the same one);
+// ProcessGroup.backend() says what runs. AUTO: NCCL for cuda, shared memory
+// for cpu ranks on one host, Gloo across hosts. SHM fails when the ranks
+// span several hosts.
+struct Backend {
+  static const int AUTO = DP_BACKEND_AUTO;
+  static const int GLOO = DP_BACKEND_GLOO;
+  static const int NCCL = DP_BACKEND_NCCL;
+  static const int SHM = DP_BACKEND_SHM;
+};
 // ---- processes ----
 
 class Store {
@@ -102,15 +112,23 @@ class Work {
   dp_work* h_ = nullptr;
 };
 
+inline std::vector<dp_tensor*> mutableArgs(const std::vector<Tensor*>& tensors, const char* name) {
+  std::vector<dp_tensor*> out;
+  out.reserve(tensors.size());
+  for (Tensor* t : tensors) out.push_back(tensorArg(t, name));
+  return out;
+}
+
 class ProcessGroup {
  public:
   // Rank, world size and store from the environment dp-run, torchrun or
   // mpirun sets; tensors on `device`.
-  static ProcessGroup* fromEnv(const Device& device = Device(), int timeoutMs = 300000) {
+  static ProcessGroup* fromEnv(const Device& device = Device(), int timeoutMs = 300000, int backend = DP_BACKEND_AUTO) {
     dp_process_group_options opts;
     check(dp_process_group_options_init(&opts, sizeof opts));
     opts.device = device.raw();
     opts.timeout_ms = timeoutMs;
+    opts.backend = backend;
     ProcessGroup* pg = new ProcessGroup(nullptr, true);
     dp_status s = dp_process_group_create_from_env(&pg->h_, &opts);
     if (s < 0) delete pg;
@@ -119,7 +137,7 @@ class ProcessGroup {
   }
   // Every rank calls it with the same store and world size.
   static ProcessGroup* create(Store& store, int rank, int worldSize, const Device& device = Device(),
-                              int timeoutMs = 300000) {
+                              int timeoutMs = 300000, int backend = DP_BACKEND_AUTO) {
     dp_process_group_options opts;
     check(dp_process_group_options_init(&opts, sizeof opts));
     opts.store = store.handle();
@@ -127,6 +145,7 @@ class ProcessGroup {
     opts.world_size = worldSize;
     opts.device = device.raw();
     opts.timeout_ms = timeoutMs;
+    opts.backend = backend;
     ProcessGroup* pg = new ProcessGroup(nullptr, true);
     dp_status s = dp_process_group_create(&pg->h_, &opts);
     if (s < 0) delete pg;
@@ -152,7 +171,43 @@ class ProcessGroup {
     return new Work(w);
   }
   void broadcast(Tensor& tensor, int root) { check(dp_pg_broadcast(handle(), tensor.handle(), root)); }
+  Work* broadcastAsync(Tensor& tensor, int root) {
+    dp_work* w = nullptr;
+    check(dp_pg_broadcast_async(handle(), tensor.handle(), root, &w));
+    return new Work(w);
+  }
+  // outputs[r] receives rank r's input (one output per rank, each of the
+  // input's dtype and numel).
+  void allGather(const Tensor& input, const std::vector<Tensor*>& outputs) {
+    std::vector<dp_tensor*> out = mutableArgs(outputs, "outputs");
+    check(dp_pg_all_gather(handle(), input.handle(), out.data(), out.size()));
+  }
+  Work* allGatherAsync(const Tensor& input, const std::vector<Tensor*>& outputs) {
+    std::vector<dp_tensor*> out = mutableArgs(outputs, "outputs");
+    dp_work* w = nullptr;
+    check(dp_pg_all_gather_async(handle(), input.handle(), out.data(), out.size(), &w));
+    return new Work(w);
+  }
+  // output = the reduction over the ranks of their inputs[this rank] (one
+  // input per rank).
+  void reduceScatter(const std::vector<Tensor*>& inputs, Tensor& output, int op = DP_SUM) {
+    std::vector<dp_tensor*> in = mutableArgs(inputs, "inputs");
+    std::vector<const dp_tensor*> cin(in.begin(), in.end());
+    check(dp_pg_reduce_scatter(handle(), cin.data(), cin.size(), output.handle(), op));
+  }
+  Work* reduceScatterAsync(const std::vector<Tensor*>& inputs, Tensor& output, int op = DP_SUM) {
+    std::vector<dp_tensor*> in = mutableArgs(inputs, "inputs");
+    std::vector<const dp_tensor*> cin(in.begin(), in.end());
+    dp_work* w = nullptr;
+    check(dp_pg_reduce_scatter_async(handle(), cin.data(), cin.size(), output.handle(), op, &w));
+    return new Work(w);
+  }
   void barrier() { check(dp_pg_barrier(handle())); }
+  Work* barrierAsync() {
+    dp_work* w = nullptr;
+    check(dp_pg_barrier_async(handle(), &w));
+    return new Work(w);
+  }
 
   ProcessGroup(dp_process_group* handle, bool owned) : h_(handle), owned_(owned) {}
   dp_process_group* handle() const {

@@ -46,6 +46,19 @@ class Module {
     check(dp_module_parameter_at(handle(), index, nullptr, &t));
     return wrap(t);
   }
+  std::string bufferName(size_t index) const {
+    const char* name = nullptr;
+    dp_tensor* t = nullptr;
+    check(dp_module_buffer_at(handle(), index, &name, &t));
+    std::string out = name != nullptr ? name : "";
+    dp_tensor_destroy(t);
+    return out;
+  }
+  Tensor* buffer(size_t index) const {
+    dp_tensor* t = nullptr;
+    check(dp_module_buffer_at(handle(), index, nullptr, &t));
+    return wrap(t);
+  }
   Tensor* getParameter(const std::string& dottedName) const {
     dp_tensor* t = nullptr;
     check(dp_module_get_parameter(handle(), dottedName.c_str(), &t));
@@ -66,6 +79,14 @@ class Module {
     dp_tensor* t = nullptr;
     check(dp_module_grad(handle(), dottedName.c_str(), &t));
     return wrap(t);
+  }
+  // Makes `grad` the parameter's gradient, without a copy: a tensor over
+  // the host's own memory (Tensor.fromBuffer, FromArray) is read and written
+  // in place from then on. Null drops it (the next grad() is zeros). Same
+  // dtype, shape and device as the parameter; not while a Ddp's backward is
+  // in flight.
+  void setGrad(const std::string& dottedName, Tensor* grad) {
+    check(dp_module_set_grad(handle(), dottedName.c_str(), grad != nullptr ? grad->handle() : nullptr));
   }
   void zeroGrad() { check(dp_module_zero_grad(handle())); }
   void save(const std::string& path) const { check(dp_module_save(handle(), path.c_str())); }

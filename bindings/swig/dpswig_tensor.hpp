@@ -2,9 +2,29 @@
 #ifndef DPARALLEL_BINDINGS_SWIG_TENSOR_HPP
 #define DPARALLEL_BINDINGS_SWIG_TENSOR_HPP
 
+#include <dlpack/dlpack.h>
+
+#include <memory>
+
 #include "dpswig_common.hpp"
 
 namespace dpswig {
+
+// Keeps a host's memory alive for the tensors made over it (a pinned array,
+// a direct buffer): deleted, on whatever thread drops the last of them, once
+// none is left.
+class HostMemory {
+ public:
+  virtual ~HostMemory() {}
+};
+
+// Host memory a tensor is made over: `size` bytes at `data`, kept alive by
+// `keep` (null: the caller keeps it alive while any tensor over it lives).
+struct HostBuffer {
+  void* data = nullptr;
+  size_t size = 0;
+  std::unique_ptr<HostMemory> keep;
+};
 
 class Tensor {
  public:
@@ -75,6 +95,64 @@ class Tensor {
     dp_tensor* t = floatTensor(count, "values");
     check(dp_tensor_copy_to_host(t, values, count * sizeof(float)));
   }
+  // A tensor over `buffer`'s first bytes, without a copy: writes through
+  // either are seen by the other. The buffer's owner is released once the
+  // last tensor over it is destroyed.
+  static Tensor* fromHost(HostBuffer& buffer, const std::vector<long long>& shape, int dtype = DP_FLOAT32,
+                          const Device& device = Device()) {
+    size_t element = DType::elementSize(dtype);
+    std::vector<int64_t> extents(shape.begin(), shape.end());
+    size_t bytes = element;
+    for (size_t i = 0; i < extents.size(); ++i) {
+      if (extents[i] < 0) fail_argument(("'shape[" + std::to_string(i) + "]' is negative").c_str());
+      if (extents[i] != 0 && bytes > SIZE_MAX / static_cast<size_t>(extents[i])) fail_argument("'shape' is too large");
+      bytes *= static_cast<size_t>(extents[i]);
+    }
+    if (bytes > buffer.size) {
+      throw Error(DP_EINVAL, "invalid argument: 'buffer' holds " + std::to_string(buffer.size) +
+                                 " bytes but the shape needs " + std::to_string(bytes));
+    }
+    HostMemory* keep = buffer.keep.get();
+    dp_tensor* out = nullptr;
+    check(dp_tensor_from_blob(&out, buffer.data, dtype, static_cast<int32_t>(extents.size()),
+                              extents.empty() ? nullptr : extents.data(), device.raw(),
+                              keep != nullptr ? &releaseHost : nullptr, keep));
+    buffer.keep.release();  // the tensor's deleter owns it now
+    return new Tensor(out, true);
+  }
+  // A tensor over memory at `data` (host memory for cpu, device memory for
+  // cuda) that the caller keeps alive while any tensor over it lives.
+  static Tensor* fromPointer(NativePointer data, size_t size, const std::vector<long long>& shape, int dtype,
+                             const Device& device) {
+    if (data == nullptr) fail_argument("'data' is null");
+    HostBuffer buffer;
+    buffer.data = data;
+    buffer.size = size;
+    return fromHost(buffer, shape, dtype, device);
+  }
+  // A DLManagedTensor over this tensor's memory (zero-copy), as an address.
+  // Whoever gets it owns it: a framework's from_dlpack, fromDlpack, or
+  // deleteDlpack; the memory stays alive until then.
+  NativePointer toDlpack() const {
+    DLManagedTensor* out = nullptr;
+    check(dp_tensor_to_dlpack(handle(), &out));
+    return out;
+  }
+  // Takes over the DLManagedTensor at `address` (from toDlpack or another
+  // framework's to_dlpack): the tensor uses its memory in place. On failure
+  // the caller still owns it.
+  static Tensor* fromDlpack(NativePointer address) {
+    if (address == nullptr) fail_argument("'address' is null");
+    dp_tensor* out = nullptr;
+    check(dp_tensor_from_dlpack(&out, static_cast<DLManagedTensor*>(address)));
+    return new Tensor(out, true);
+  }
+  // Calls the deleter of a DLManagedTensor this process will not hand over.
+  static void deleteDlpack(NativePointer address) {
+    if (address == nullptr) fail_argument("'address' is null");
+    DLManagedTensor* managed = static_cast<DLManagedTensor*>(address);
+    if (managed->deleter != nullptr) managed->deleter(managed);
+  }
   // A copy on `device`.
   Tensor* to(const Device& device) const {
     dp_tensor* out = nullptr;
@@ -103,6 +181,7 @@ class Tensor {
   }
 
  private:
+  static void releaseHost(void* keep) { delete static_cast<HostMemory*>(keep); }
   dp_tensor* cpuHandle() const {
     dp_tensor* t = handle();
     if (dp_tensor_device(t).type != DP_DEVICE_CPU) {

@@ -7,6 +7,7 @@
 %newobject dpswig::Module::getBuffer;
 %newobject dpswig::Module::getModule;
 %newobject dpswig::Module::grad;
+%newobject dpswig::Module::buffer;
 %newobject dpswig::ModuleList::get;
 %ignore dpswig::Module::Module(dp_module*, bool);
 %ignore dpswig::moduleArg;

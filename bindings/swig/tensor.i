@@ -8,7 +8,13 @@
 %newobject dpswig::Tensor::viewReference;
 %newobject dpswig::TensorList::get;
 %ignore dpswig::Tensor::Tensor(dp_tensor*, bool);
+%newobject dpswig::Tensor::fromHost;
+%newobject dpswig::Tensor::fromPointer;
+%newobject dpswig::Tensor::fromDlpack;
 %ignore dpswig::tensorArg;
+%ignore dpswig::HostMemory;
+%ignore dpswig::HostBuffer;
+%ignore dpswig::Tensor::releaseHost;
 
 %include "dpswig_tensor.hpp"
 

@@ -1,4 +1,5 @@
 using System;
+using System.Threading;
 
 namespace DParallel {
 
@@ -59,6 +60,80 @@ public partial class Tensor {
     return new TensorMemory(ViewReference()).Memory;
   }
 
+  /// <summary>A cpu tensor over <c>array</c>'s own memory, without a copy:
+  /// the library reads and writes the array in place. The array stays
+  /// pinned (and alive) while any tensor or module slot over it lives; after
+  /// that the next FromArray or FreeUnpinned() unpins it (a later garbage
+  /// collection usually does too).
+  /// The shape's elements must fit in the array.</summary>
+  public static Tensor FromArray<T>(T[] array, params long[] shape) where T : struct {
+    return FromArray(array, new Device(), shape);
+  }
+
+  /// <summary>As <see cref="FromArray{T}(T[], long[])"/>, on the cpu device
+  /// <c>device</c>.</summary>
+  public static Tensor FromArray<T>(T[] array, Device device, params long[] shape) where T : struct {
+    if (array == null) throw new DParallelException(Status.INVALID, "invalid argument: 'array' is null");
+    if (device == null) throw new DParallelException(Status.INVALID, "invalid argument: 'device' is null");
+    if (!device.IsCpu()) {
+      throw new DParallelException(Status.INVALID, "invalid argument: 'device' must be a cpu device for an array, not " + device);
+    }
+    int dtype = DTypeOf(typeof(T));
+    FreeUnpinned();
+    Unpinner.Start();
+    var pin = System.Runtime.InteropServices.GCHandle.Alloc(array, System.Runtime.InteropServices.GCHandleType.Pinned);
+    try {
+      ulong bytes = (ulong)array.LongLength * DType.ElementSize(dtype);
+      return FromPinnedRaw(pin.AddrOfPinnedObject(), bytes, new LongVector(shape), dtype, device,
+                           System.Runtime.InteropServices.GCHandle.ToIntPtr(pin));
+    } catch {
+      pin.Free();
+      throw;
+    }
+  }
+
+  /// <summary>A tensor over <c>nbytes</c> bytes at <c>data</c> (host memory
+  /// for a cpu device, device memory for cuda), without a copy; the caller
+  /// keeps that memory alive while any tensor over it lives.</summary>
+  public static Tensor FromPointer(IntPtr data, ulong nbytes, int dtype, Device device, params long[] shape) {
+    return FromPointer(data, nbytes, new LongVector(shape), dtype, device);
+  }
+
+  static int DTypeOf(Type t) {
+    if (t == typeof(float)) return DType.FLOAT32;
+    if (t == typeof(double)) return DType.FLOAT64;
+    if (t == typeof(sbyte)) return DType.INT8;
+    if (t == typeof(byte)) return DType.UINT8;
+    if (t == typeof(int)) return DType.INT32;
+    if (t == typeof(long)) return DType.INT64;
+    throw new DParallelException(Status.INVALID,
+                                 "invalid argument: 'array' has elements of " + t.Name + "; FromArray takes float, double, sbyte, byte, int or long");
+  }
+
+  /// <summary>Unpins the arrays of FromArray that no tensor uses any
+  /// more (also done by FromArray and on garbage collection).</summary>
+  public static void FreeUnpinned() {
+    for (IntPtr h = TakeUnpinnedRaw(); h != IntPtr.Zero; h = TakeUnpinnedRaw()) {
+      System.Runtime.InteropServices.GCHandle.FromIntPtr(h).Free();
+    }
+  }
+
+  // Frees the released pins on the finalizer thread after each collection:
+  // it finalizes, then makes a new instance for the next collection.
+  sealed class Unpinner {
+    static int started;
+
+    internal static void Start() {
+      if (Interlocked.Exchange(ref started, 1) == 0) new Unpinner();
+    }
+
+    ~Unpinner() {
+      if (Environment.HasShutdownStarted) return;
+      FreeUnpinned();
+      new Unpinner();
+    }
+  }
+
   public long[] ShapeArray() {
     LongVector v = Shape();
     var output = new long[v.Count];
@@ -96,6 +171,52 @@ sealed unsafe class TensorMemory : System.Buffers.MemoryManager<float> {
   public override void Unpin() {}
 
   protected override void Dispose(bool disposing) {}
+}
+
+public partial class DeviceStream {
+  // The first exception a host function threw, for Synchronize().
+  Exception hostPending;
+
+  // What LaunchHostFunc queues: the host's work and the stream to report to.
+  sealed class HostWork {
+    internal Action Fn;
+    internal DeviceStream Stream;
+  }
+
+  /// <summary>Queues <c>fn</c> after the work queued so far: it runs once,
+  /// on a host thread (on a cpu device's legacy default stream, before this
+  /// returns); work queued after it waits for it. What it throws is
+  /// rethrown by the next <see cref="Synchronize"/>.</summary>
+  public void LaunchHostFunc(Action fn) {
+    if (fn == null) throw new DParallelException(Status.INVALID, "invalid argument: 'fn' is null");
+    var handle = System.Runtime.InteropServices.GCHandle.Alloc(new HostWork { Fn = fn, Stream = this });
+    try {
+      LaunchHostFuncRaw(System.Runtime.InteropServices.GCHandle.ToIntPtr(handle));
+    } catch {
+      handle.Free();
+      throw;
+    }
+  }
+
+  /// <summary>Returns once the work queued so far is done; rethrows what a
+  /// host function queued here threw.</summary>
+  public void Synchronize() {
+    SynchronizeRaw();
+    Exception e = Interlocked.Exchange(ref hostPending, null);
+    if (e != null) System.Runtime.ExceptionServices.ExceptionDispatchInfo.Capture(e).Throw();
+  }
+
+  internal static void RunHost(IntPtr handle, int libraryThread) {
+    if (libraryThread != 0) Worker.Attach();
+    var h = System.Runtime.InteropServices.GCHandle.FromIntPtr(handle);
+    var work = (HostWork)h.Target;
+    h.Free();
+    try {
+      work.Fn();
+    } catch (Exception e) {
+      Interlocked.CompareExchange(ref work.Stream.hostPending, e, null);
+    }
+  }
 }
 
 public partial class Device {
@@ -151,14 +272,39 @@ public partial class ReplicaSet {
   }
 }
 
+public partial class DdpOptions {
+  // The callback stays reachable while these options and every Ddp made
+  // with them live.
+  internal BucketReduced onBucketReducedRef;
+
+  /// <summary>The optimizer inside backward (null: none): it runs as each
+  /// bucket's averaged gradients are final.</summary>
+  public void SetOnBucketReduced(BucketReduced callback) {
+    setOnBucketReducedRaw(callback);
+    onBucketReducedRef = callback;
+  }
+
+  public BucketReduced GetOnBucketReduced() {
+    return onBucketReducedRef;
+  }
+}
+
 public partial class Ddp {
-  // The hook stays reachable while this Ddp lives.
+  // The hook and the options' callback stay reachable while this Ddp lives.
   CommHook hookRef;
+  BucketReduced reducedRef;
+
+  /// <summary>Wraps <c>module</c> for data-parallel training over
+  /// <c>pg</c>; every rank calls it with equal options.</summary>
+  public Ddp(Module module, ProcessGroup pg, DdpOptions options) : this(Adopt(createRaw(module, pg, options)), true) {
+    reducedRef = options.onBucketReducedRef;
+  }
 
   /// <summary>DDP with a custom comm hook, implemented in C#.</summary>
   public Ddp(Module module, ProcessGroup pg, DdpOptions options, CommHook hook)
       : this(Adopt(withHookRaw(module, pg, options, hook)), true) {
     hookRef = hook;
+    reducedRef = options.onBucketReducedRef;
   }
 
   static IntPtr Adopt(Ddp ddp) {
@@ -166,17 +312,56 @@ public partial class Ddp {
     return getCPtr(ddp).Handle;
   }
 
-  /// <summary>Waits for every bucket; the module's gradients then hold the
-  /// average over the ranks. An exception the comm hook threw is rethrown
-  /// here.</summary>
-  public void FinishBackward() {
+  void ClearPending() {
     hookRef?.Clear();
+    reducedRef?.Clear();
+  }
+
+  // Rethrows the hook's or the callback's own exception, when one threw.
+  void SurfacePending() {
+    hookRef?.Surface();
+    reducedRef?.Surface();
+  }
+
+  /// <summary>Waits for every bucket; the module's gradients then hold the
+  /// average over the ranks. An exception the comm hook or the
+  /// onBucketReduced callback threw is rethrown here.</summary>
+  public void FinishBackward() {
+    ClearPending();
     try {
       finishBackwardRaw();
     } catch (DParallelException) {
-      hookRef?.Surface();
+      SurfacePending();
       throw;
     }
+  }
+
+  /// <summary>This rank has no more data: it stands in for the other
+  /// ranks' iterations until every rank has joined; then every rank holds
+  /// the parameters and buffers of the rank that ran the most synced
+  /// iterations. Every rank passes the same Ddp, in the same order, after
+  /// its last FinishBackward.</summary>
+  public static void Join(params Ddp[] ddps) {
+    if (ddps == null) throw new DParallelException(Status.INVALID, "invalid argument: 'ddps' is null");
+    var v = new DdpVector();
+    foreach (Ddp d in ddps) {
+      v.Add(d);
+      d?.ClearPending();
+    }
+    try {
+      joinRaw(v);
+    } catch (DParallelException) {
+      foreach (Ddp d in ddps) d?.SurfacePending();
+      throw;
+    }
+  }
+
+  /// <summary>Bucket <c>bucket</c>'s managed-parameter indices.</summary>
+  public ulong[] BucketParameterArray(ulong bucket) {
+    SizeVector v = BucketParameters(bucket);
+    var output = new ulong[v.Count];
+    v.CopyTo(output);
+    return output;
   }
 }
 

@@ -5,10 +5,15 @@
 // exceptions thrown in callbacks surface in the caller, that bad arguments
 // raise DParallelException naming the argument, that AsMemory() views keep
 // the tensor's memory alive after the tensor is disposed or collected, and
-// that every handle answers IsClosed() after Dispose().
+// that every handle answers IsClosed() after Dispose(). The rest: fully_shard
+// on every rank against single-process training, with its state dicts
+// (fsdp); tensors over pinned arrays, DLPack, coalesced collectives, memory
+// stats and shutdown (tensors); streams and host functions (streams); the
+// process group's collectives (collectives); join with uneven inputs, the
+// optimizer inside backward, parameterUsed and bucket plans (ddp-extras).
 //
-//   mono DParallelTest.exe data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles
-//   dp-run -n 2 mono DParallelTest.exe ddp
+//   mono DParallelTest.exe data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|tensors|streams
+//   dp-run -n 2 mono DParallelTest.exe ddp|fsdp|collectives|ddp-extras
 using System;
 using System.Collections.Generic;
 using System.IO;
@@ -681,6 +686,607 @@ public static class DParallelTest {
     }
   }
 
+  // ---- fully_shard: 3 x Linear(3, 3) in `linears` (each and the whole
+  // sharded), then `proj` under a Ddp; SGD on the shards ----
+
+  const int DIM = 3, FROWS = 4, FSTEPS = 4;
+  const double FLR = 0.2;
+  static readonly string[] FWeights = { "linears.0.weight", "linears.1.weight", "linears.2.weight", "proj.weight" };
+
+  static float FInitial(int layer, int k, float skew) {
+    return 0.3f * (float)Math.Sin(1.7f * (layer * 9 + k) + 0.4f) + skew;
+  }
+
+  static void FBatch(int step, int rows, double[] x, double[] t) {
+    for (int k = 0; k < rows * DIM; ++k) {
+      x[k] = Math.Cos(0.37 * k + 0.91 * step);
+      t[k] = 0.5 * Math.Sin(0.53 * k - 0.29 * step);
+    }
+  }
+
+  /// y = x W^T over `rows` rows.
+  static void Linear(double[] x, float[] w, double[] y, int rows) {
+    for (int b = 0; b < rows; ++b) {
+      for (int o = 0; o < DIM; ++o) {
+        double sum = 0;
+        for (int i = 0; i < DIM; ++i) sum += x[b * DIM + i] * w[o * DIM + i];
+        y[b * DIM + o] = sum;
+      }
+    }
+  }
+
+  /// g += dy^T x; dx = dy W.
+  static void LinearBackward(double[] dy, double[] x, float[] w, double[] g, double[] dx, int rows) {
+    for (int b = 0; b < rows; ++b) {
+      for (int o = 0; o < DIM; ++o) {
+        for (int i = 0; i < DIM; ++i) g[o * DIM + i] += dy[b * DIM + o] * x[b * DIM + i];
+      }
+    }
+    for (int b = 0; b < rows; ++b) {
+      for (int i = 0; i < DIM; ++i) {
+        double sum = 0;
+        for (int o = 0; o < DIM; ++o) sum += dy[b * DIM + o] * w[o * DIM + i];
+        dx[b * DIM + i] = sum;
+      }
+    }
+  }
+
+  /// Single-process training on the whole batch: the reference weights.
+  static float[][] FReference(int world) {
+    int rows = FROWS * world;
+    var w = new float[4][];
+    for (int l = 0; l < 4; ++l) {
+      w[l] = new float[DIM * DIM];
+      for (int k = 0; k < DIM * DIM; ++k) w[l][k] = FInitial(l, k, 0);
+    }
+    for (int s = 0; s < FSTEPS; ++s) {
+      double[] x = new double[rows * DIM], t = new double[rows * DIM], dy = new double[rows * DIM], dx = new double[rows * DIM];
+      var h = new double[5][];
+      for (int i = 0; i < 5; ++i) h[i] = new double[rows * DIM];
+      var g = new double[4][];
+      FBatch(s, rows, x, t);
+      Array.Copy(x, h[0], x.Length);
+      for (int l = 0; l < 4; ++l) Linear(h[l], w[l], h[l + 1], rows);
+      for (int k = 0; k < rows * DIM; ++k) dy[k] = (h[4][k] - t[k]) / rows;
+      for (int l = 3; l >= 0; --l) {
+        g[l] = new double[DIM * DIM];
+        LinearBackward(dy, h[l], w[l], g[l], dx, rows);
+        Array.Copy(dx, dy, dy.Length);
+      }
+      for (int l = 0; l < 4; ++l) {
+        for (int k = 0; k < DIM * DIM; ++k) w[l][k] -= (float)(FLR * g[l][k]);
+      }
+    }
+    return w;
+  }
+
+  class Toy : IDisposable {
+    public Module Root = new Module(), Linears = new Module();
+    public Module[] Layer = new Module[4];
+    public Fsdp[] Fsdp = new Fsdp[3];
+    public Fsdp FsdpLinears;
+    public Ddp Ddp;
+
+    public Toy(float skew) {
+      for (int l = 0; l < 4; ++l) {
+        var v = new float[DIM * DIM];
+        for (int k = 0; k < v.Length; ++k) v[k] = FInitial(l, k, skew);
+        Layer[l] = new Module();
+        using (var w = Tensor.Of(v, DIM, DIM)) Layer[l].RegisterParameter("weight", w);
+        if (l < 3) Linears.RegisterModule(l.ToString(), Layer[l]);
+      }
+      Root.RegisterModule("linears", Linears);
+      Root.RegisterModule("proj", Layer[3]);
+    }
+
+    /// Children first; every rank in the same order.
+    public void Shard(ProcessGroup pg, bool initSync, bool ddp) {
+      var o = new FsdpOptions();
+      o.InitSync = initSync;
+      for (int l = 0; l < 3; ++l) Fsdp[l] = new Fsdp(Layer[l], pg, o);
+      FsdpLinears = new Fsdp(Linears, pg);
+      if (ddp) Ddp = new Ddp(Root, pg, new DdpOptions());
+    }
+
+    public void Dispose() {
+      Ddp?.Dispose();
+      FsdpLinears?.Dispose();
+      for (int l = 2; l >= 0; --l) Fsdp[l]?.Dispose();
+      foreach (Module m in Layer) m.Dispose();
+      Linears.Dispose();
+      Root.Dispose();
+    }
+  }
+
+  static float[] Param(Module m, string name) {
+    using (var t = m.GetParameter(name)) return t.ToArray();
+  }
+
+  static void AddGrad(Module m, string name, double[] delta) {
+    using (var g = m.Grad(name)) {
+      Span<float> v = g.AsSpan();
+      for (int k = 0; k < v.Length; ++k) v[k] += (float)delta[k];
+    }
+  }
+
+  static void FTrainStep(Toy toy, int step, int rank, int world) {
+    const int rows = FROWS;
+    int global = FROWS * world;
+    double[] allX = new double[global * DIM], allT = new double[global * DIM];
+    double[] dy = new double[rows * DIM], dx = new double[rows * DIM];
+    var h = new double[5][];
+    for (int i = 0; i < 5; ++i) h[i] = new double[rows * DIM];
+    var w = new float[4][];
+    FBatch(step, global, allX, allT);
+    Array.Copy(allX, rank * rows * DIM, h[0], 0, rows * DIM);
+    // Forward: unshard with the next layer prefetched, reshard after.
+    toy.FsdpLinears.Unshard();
+    toy.Fsdp[0].Unshard();
+    for (int l = 0; l < 3; ++l) {
+      if (l + 1 < 3) toy.Fsdp[l + 1].Unshard(true);
+      toy.Fsdp[l].WaitUnshard();
+      w[l] = Param(toy.Root, FWeights[l]);
+      Linear(h[l], w[l], h[l + 1], rows);
+      toy.Fsdp[l].Reshard();
+    }
+    toy.Ddp.PreForward();
+    w[3] = Param(toy.Root, FWeights[3]);
+    Linear(h[3], w[3], h[4], rows);
+    for (int k = 0; k < rows * DIM; ++k) dy[k] = (h[4][k] - allT[rank * rows * DIM + k]) / rows;
+    // Backward: proj through the Ddp, the linears through their Fsdp.
+    for (int l = 3; l >= 0; --l) {
+      var g = new double[DIM * DIM];
+      if (l < 3) {
+        if (l == 2) toy.Fsdp[2].Unshard();
+        if (l > 0) toy.Fsdp[l - 1].Unshard(true);
+        toy.Fsdp[l].WaitUnshard();
+        w[l] = Param(toy.Root, FWeights[l]);
+      }
+      LinearBackward(dy, h[l], w[l], g, dx, rows);
+      AddGrad(toy.Root, FWeights[l], g);
+      if (l == 3) {
+        toy.Ddp.MarkGradReady(FWeights[3]);
+      } else {
+        toy.Fsdp[l].PostBackward();
+      }
+      Array.Copy(dx, dy, dy.Length);
+    }
+    toy.FsdpLinears.PostBackward();
+    for (int l = 0; l < 3; ++l) toy.Fsdp[l].FinishBackward();
+    toy.FsdpLinears.FinishBackward();
+    toy.Ddp.FinishBackward();
+    // SGD on the shards and on proj.
+    for (int l = 0; l < 3; ++l) {
+      using (var shard = toy.Fsdp[l].Shard(0))
+      using (var grad = toy.Fsdp[l].ShardGrad(0)) {
+        Span<float> v = shard.AsSpan(), gv = grad.AsSpan();
+        for (int k = 0; k < v.Length; ++k) v[k] -= (float)FLR * gv[k];
+      }
+    }
+    using (var p = toy.Root.GetParameter(FWeights[3]))
+    using (var g = toy.Root.Grad(FWeights[3])) {
+      Span<float> v = p.AsSpan(), gv = g.AsSpan();
+      for (int k = 0; k < v.Length; ++k) v[k] -= (float)FLR * gv[k];
+    }
+    toy.Root.ZeroGrad();
+  }
+
+  static void ExpectWeights(Module root, float[][] expected, string what) {
+    for (int l = 0; l < 4; ++l) {
+      float[] got = Param(root, FWeights[l]);
+      Expect(got.Length == DIM * DIM, what + ": " + FWeights[l] + " has " + got.Length + " elements");
+      for (int k = 0; k < DIM * DIM; ++k) {
+        Expect(Math.Abs(got[k] - expected[l][k]) <= 2e-5f * (1 + Math.Abs(expected[l][k])),
+               what + ": " + FWeights[l] + "[" + k + "] is " + got[k] + ", expected " + expected[l][k]);
+      }
+    }
+  }
+
+  static void ExpectShardedWeights(Toy toy, float[][] expected, string what) {
+    for (int l = 0; l < 3; ++l) toy.Fsdp[l].Unshard();
+    ExpectWeights(toy.Root, expected, what);
+    for (int l = 0; l < 3; ++l) toy.Fsdp[l].Reshard();
+  }
+
+  static void RunFsdp() {
+    var cpu0 = new Device("cpu:0");
+    using (var pg = ProcessGroup.FromEnv(cpu0, 60000)) {
+      int rank = pg.Rank(), world = pg.Size();
+      float[][] expected = FReference(world);
+      string stem = Path.Combine(Path.GetTempPath(), "dparallel-cs-fsdp-" + Environment.GetEnvironmentVariable("MASTER_PORT"));
+      using (var toy = new Toy(0.05f * rank)) {  // init sync: rank 0's values
+        toy.Shard(pg, true, true);
+        // torch.chunk's split of the 3 rows.
+        int chunk = (DIM + world - 1) / world, start = Math.Min(chunk * rank, DIM), count = Math.Min(chunk, DIM - start);
+        for (int l = 0; l < 3; ++l) {
+          Expect(toy.Fsdp[l].NumParameters() == 1 && toy.Fsdp[l].ParameterName(0) == "weight", "each linear's Fsdp holds its weight");
+          using (var shard = toy.Fsdp[l].Shard(0)) {
+            long[] shape = shard.ShapeArray();
+            Expect(shape.Length == 2 && shape[0] == count && shape[1] == DIM,
+                   "rank " + rank + " keeps " + count + " rows of " + FWeights[l] + ", not " + string.Join("x", shape));
+          }
+          using (var slot = toy.Root.GetParameter(FWeights[l])) {
+            Expect(slot.ShapeArray()[0] == count, "the module's slot holds the shard once the Fsdp is made");
+          }
+        }
+        Expect(toy.FsdpLinears.NumParameters() == 0, "the Fsdp over the linears finds every parameter held by a child's");
+        Expect(toy.Ddp.NumBuckets() == 1, "the Ddp on the root manages proj alone");
+        for (int s = 0; s < FSTEPS; ++s) FTrainStep(toy, s, rank, world);
+        ExpectShardedWeights(toy, expected, "rank " + rank + " after training");
+        Console.WriteLine("rank {0}: fully_shard training matches single-process training on the whole batch", rank);
+
+        // The full state dict: rank 0 writes what Module.Save would for the
+        // unsharded model; every rank loads its rows.
+        string full = stem + ".safetensors", folder = stem + "-sharded";
+        Fsdp.SaveFullStateDict(toy.Root, pg, full);
+        pg.Barrier();
+        using (var plain = new Toy(2)) {
+          plain.Root.Load(full);
+          ExpectWeights(plain.Root, expected, "the full state dict loaded into an unsharded model");
+        }
+        using (var other = new Toy(1 + rank)) {
+          other.Shard(pg, false, false);
+          Fsdp.LoadFullStateDict(other.Root, full);
+          ExpectShardedWeights(other, expected, "rank " + rank + " after loading the full state dict");
+        }
+        // The sharded state dict: one file per rank.
+        Fsdp.SaveShardedStateDict(toy.Root, pg, folder);
+        pg.Barrier();
+        using (var other = new Toy(3 + rank)) {
+          other.Shard(pg, false, false);
+          Fsdp.LoadShardedStateDict(other.Root, folder);
+          ExpectShardedWeights(other, expected, "rank " + rank + " after loading the sharded state dict");
+        }
+        pg.Barrier();
+        if (rank == 0) {
+          File.Delete(full);
+          Directory.Delete(folder, true);
+        }
+      }
+      Console.WriteLine("rank {0}: full and sharded state dicts load back", rank);
+    }
+  }
+
+  // ---- tensors: pinned arrays, DLPack, coalesced collectives, memory, shutdown ----
+
+  static void ExpectValues(string what, float[] got, float[] want) {
+    bool same = got.Length == want.Length;
+    for (int i = 0; same && i < got.Length; ++i) same = got[i] == want[i];
+    Expect(same, what + ": " + string.Join(",", got) + ", not " + string.Join(",", want));
+  }
+
+  /// A parameter over a pinned array that only the module refers to once
+  /// this returns (made on a thread of its own: Mono scans stacks
+  /// conservatively).
+  static WeakReference ParameterOverDroppedArray(Module m, float[] values) {
+    WeakReference weak = null;
+    var maker = new Thread(() => {
+      var array = (float[])values.Clone();
+      using (var t = Tensor.FromArray(array, array.Length)) m.RegisterParameter("w", t);
+      weak = new WeakReference(array);
+    });
+    maker.Start();
+    maker.Join();
+    return weak;
+  }
+
+  static void RunTensors() {
+    Expect(DType.ElementSize(DType.FLOAT32) == 4 && DType.ElementSize(DType.FLOAT16) == 2 && DType.ElementSize(DType.INT64) == 8,
+           "DType.ElementSize gives the bytes per element");
+    ExpectInvalid(() => DType.ElementSize(99), "'dtype'");
+
+    // A tensor over a pinned array: both see each other's writes.
+    var array = new float[] { 1, 2, 3, 4, 5, 6 };
+    using (var t = Tensor.FromArray(array, 2, 3)) {
+      ExpectValues("the tensor over the array", t.ToArray(), array);
+      t.CopyFrom(new float[] { 6, 5, 4, 3, 2, 1 });
+      Expect(array[0] == 6 && array[5] == 1, "the array holds what was copied into the tensor");
+      array[2] = 40;
+      Expect(t.ToArray()[2] == 40, "the tensor sees a write to the array");
+    }
+    using (var t = Tensor.FromArray(new long[] { 7, 8 }, 2)) Expect(t.Dtype() == DType.INT64, "a long[] is an int64 tensor");
+    ExpectInvalid(() => Tensor.FromArray(new float[3], 4).Dispose(), "'buffer'");
+    ExpectInvalid(() => Tensor.FromArray(new short[3], 3).Dispose(), "'array'");
+    ExpectInvalid(() => Tensor.FromArray((float[])null, 3).Dispose(), "'array'");
+    // The module keeps the array alive and pinned; disposing it lets it go.
+    float[] big = DistinctValues(1 << 20, 1);
+    var m = new Module();
+    WeakReference weak = ParameterOverDroppedArray(m, big);
+    for (int i = 0; i < 3; ++i) {
+      GC.Collect();
+      GC.WaitForPendingFinalizers();
+    }
+    Expect(weak.IsAlive, "the module's parameter keeps its array alive");
+    using (var w = m.GetParameter("w")) Expect(System.Linq.Enumerable.SequenceEqual(w.ToArray(), big), "the parameter over a dropped array keeps its values");
+    m.Dispose();
+    var deadline = DateTime.UtcNow.AddSeconds(30);
+    while (weak.IsAlive) {
+      Expect(DateTime.UtcNow < deadline, "the array is collected once no tensor is over it");
+      Tensor.FreeUnpinned();
+      GC.Collect();
+      GC.WaitForPendingFinalizers();
+    }
+
+    // DLPack: out and back in, the same memory.
+    float[] v = DistinctValues(6, 3);
+    var original = Tensor.Of(v, 2, 3);
+    IntPtr address = original.ToDlpack();
+    Expect(address != IntPtr.Zero, "ToDlpack gives an address");
+    var back = Tensor.FromDlpack(address);
+    ExpectValues("the DLPack tensor", back.ToArray(), v);
+    Span<float> originalValues = original.AsSpan();
+    originalValues[4] = 42;
+    Expect(back.ToArray()[4] == 42, "a write through the original is seen through the DLPack tensor: zero copy");
+    original.Dispose();
+    v[4] = 42;
+    ExpectValues("the DLPack tensor after the original is disposed", back.ToArray(), v);
+    back.Dispose();
+    using (var t = Tensor.Of(v, 6)) Tensor.DeleteDlpack(t.ToDlpack());
+    ExpectInvalid(() => Tensor.FromDlpack(IntPtr.Zero), "'address'");
+
+    // Coalesced collectives across cpu:0 and cpu:1.
+    DeviceList devices = Device.List("cpu:0,cpu:1");
+    var cpu0 = new Device("cpu:0");
+    using (var x = Tensor.Of(new float[] { 1, 2, 3 }, 3))
+    using (var y = Tensor.Of(new float[] { 4, 5 }, 2))
+    using (var copies = Parallel.BroadcastCoalesced(new TensorVector { x, y }, devices, 0))
+    using (var x1 = copies.Get(2))
+    using (var y1 = copies.Get(3)) {
+      Expect(copies.Size() == 4 && x1.GetDevice().ToString() == "cpu:1", "BroadcastCoalesced puts item 2 on cpu:1");
+      ExpectValues("tensor 1 on cpu:1", y1.ToArray(), new float[] { 4, 5 });
+      using (var sums = Parallel.ReduceAddCoalesced(new TensorVector { x, y, x1, y1 }, 2, cpu0, 0))
+      using (var sx = sums.Get(0))
+      using (var sy = sums.Get(1)) {
+        ExpectValues("the sum of tensor 0", sx.ToArray(), new float[] { 2, 4, 6 });
+        ExpectValues("the sum of tensor 1", sy.ToArray(), new float[] { 8, 10 });
+      }
+      ExpectInvalid(() => Parallel.ReduceAddCoalesced(new TensorVector { x, y, x1 }, 2, cpu0, 0).Dispose(), "'inputs'");
+    }
+
+    // Buffers by index.
+    using (var model = new Module())
+    using (var mean = Tensor.Of(new float[] { 7, 8 }, 2)) {
+      model.RegisterBuffer("running_mean", mean);
+      Expect(model.NumBuffers() == 1 && model.BufferName(0) == "running_mean", "buffer 0 is running_mean");
+      using (var b0 = model.Buffer(0)) ExpectValues("buffer 0", b0.ToArray(), new float[] { 7, 8 });
+    }
+
+    // Memory stats count a 4 MiB tensor.
+    const long bytes = 4L << 20;
+    MemoryStats before = cpu0.MemoryStats();
+    var held = new Tensor(cpu0, bytes / 4);
+    MemoryStats during = cpu0.MemoryStats();
+    Expect(during.AllocatedBytes() - before.AllocatedBytes() >= bytes, "AllocatedBytes counts the new tensor");
+    held.Dispose();
+    MemoryStats after = cpu0.MemoryStats();
+    Expect(after.AllocatedBytes() <= during.AllocatedBytes() - bytes, "disposing the tensor gives its bytes back");
+    Expect(after.PeakAllocatedBytes() >= during.AllocatedBytes(), "the peak remembers the tensor");
+    cpu0.ResetPeakMemory();
+    Expect(cpu0.MemoryStats().PeakAllocatedBytes() < during.AllocatedBytes(), "ResetPeakMemory forgets the tensor");
+
+    // Shutdown ends the library's threads; they start again when needed.
+    Library.Shutdown();
+    Library.Shutdown();
+    using (var x = Tensor.Of(new float[] { 1, 2 }, 2))
+    using (var copies = Parallel.Broadcast(x, devices))
+    using (var c = copies.Get(1)) {
+      ExpectValues("a copy to cpu:1 after Shutdown", c.ToArray(), new float[] { 1, 2 });
+    }
+    Console.WriteLine("pinned arrays, DLPack, coalesced collectives, buffers, memory stats, shutdown");
+  }
+
+  // ---- streams ----
+
+  static void RunStreams() {
+    var cpu0 = new Device("cpu:0");
+    Expect(DeviceStream.Current(cpu0) == null, "no current stream at first");
+    var s = new DeviceStream(cpu0);
+    var seen = new List<int>();
+    Thread caller = Thread.CurrentThread;
+    Thread ranOn = null;
+    s.LaunchHostFunc(() => { lock (seen) seen.Add(1); });
+    s.LaunchHostFunc(() => {
+      lock (seen) seen.Add(2);
+      ranOn = Thread.CurrentThread;
+    });
+    s.Synchronize();
+    Expect(seen.Count == 2 && seen[0] == 1 && seen[1] == 2, "host functions ran in order");
+    Expect(ranOn != null && ranOn != caller, "a host function runs on the stream's thread");
+    s.LaunchHostFunc(() => { throw new InvalidOperationException("host function failed"); });
+    try {
+      s.Synchronize();
+      Fail("Synchronize returned although a host function threw");
+    } catch (InvalidOperationException e) {
+      Expect(e.Message == "host function failed", "the host function's exception surfaces: " + e.Message);
+    }
+    s.MakeCurrent();
+    using (var current = DeviceStream.Current(cpu0)) Expect(current.Pointer() == s.Pointer(), "MakeCurrent makes it current");
+    using (var t = Tensor.Of(new float[] { 1, 2, 3 }, 3))
+    using (var copy = t.To(cpu0)) {
+      s.Synchronize();
+      ExpectValues("a copy queued on the current stream", copy.ToArray(), new float[] { 1, 2, 3 });
+    }
+    DeviceStream.ClearCurrent(cpu0);
+    Expect(DeviceStream.Current(cpu0) == null, "ClearCurrent leaves no current stream");
+    ExpectInvalid(() => s.LaunchHostFunc(null), "'fn'");
+    s.Dispose();
+    Expect(s.IsClosed(), "a disposed stream says so");
+    Console.WriteLine("streams: host functions and current streams");
+  }
+
+  // ---- the process group's collectives ----
+
+  static void RunCollectives() {
+    using (var pg = ProcessGroup.FromEnv(new Device("cpu:0"), 60000)) {
+      int rank = pg.Rank(), world = pg.Size();
+      using (var input = Tensor.Of(new float[] { rank + 1, 10 * (rank + 1) }, 2)) {
+        var outs = new TensorVector();
+        for (int r = 0; r < world; ++r) outs.Add(new Tensor(2));
+        using (var w = pg.AllGatherAsync(input, outs)) w.WaitFor();
+        for (int r = 0; r < world; ++r) ExpectValues("AllGather output " + r, outs[r].ToArray(), new float[] { r + 1, 10 * (r + 1) });
+        pg.AllGather(input, outs);
+        foreach (Tensor o in outs) o.Dispose();
+      }
+      var ins = new TensorVector();
+      for (int j = 0; j < world; ++j) ins.Add(Tensor.Of(new float[] { 100 * rank + j }, 1));
+      float want = 0;
+      for (int r = 0; r < world; ++r) want += 100 * r + rank;
+      using (var output = new Tensor(1)) {
+        pg.ReduceScatter(ins, output, ReduceOp.SUM);
+        Expect(output.ToArray()[0] == want, "ReduceScatter sums this rank's inputs: " + output.ToArray()[0]);
+        using (var w = pg.ReduceScatterAsync(ins, output, ReduceOp.MIN)) w.WaitFor();
+        Expect(output.ToArray()[0] == rank, "ReduceScatterAsync takes the minimum");
+      }
+      foreach (Tensor t in ins) t.Dispose();
+      using (var t = Tensor.Of(new float[] { rank }, 1)) {
+        using (var w = pg.BroadcastAsync(t, world - 1)) w.WaitFor();
+        Expect(t.ToArray()[0] == world - 1, "BroadcastAsync from the last rank");
+      }
+      using (var w = pg.BarrierAsync()) w.WaitFor();
+      Console.WriteLine("rank {0}: collectives on {1}", rank, pg.Backend());
+    }
+  }
+
+  // ---- DDP additions: join, the optimizer inside backward, parameterUsed, plans ----
+
+  static readonly string[] Flat = { "a", "b", "c" };
+  static readonly int[] FlatNumel = { 4, 3, 2 };
+  const float FlatLr = 0.25f;
+
+  static Module FlatModule() {
+    var m = new Module();
+    for (int p = 0; p < 3; ++p) {
+      var v = new float[FlatNumel[p]];
+      for (int k = 0; k < v.Length; ++k) v[k] = k;
+      using (var t = Tensor.Of(v, v.Length)) m.RegisterParameter(Flat[p], t);
+    }
+    return m;
+  }
+
+  static DdpOptions BucketPerParameter() {
+    return new DdpOptions { BucketCapMb = 4 / 1048576.0, FirstBucketCapMb = 4 / 1048576.0 };
+  }
+
+  static float[] FlatParams(Module m) {
+    var output = new List<float>();
+    foreach (string name in Flat) output.AddRange(Param(m, name));
+    return output.ToArray();
+  }
+
+  static void SetFlatGrad(Module m, int p, float[] values) {
+    using (var g = m.Grad(Flat[p])) g.CopyFrom(values);
+  }
+
+  static void SgdParameter(Module m, int p) {
+    using (var w = m.GetParameter(Flat[p]))
+    using (var g = m.Grad(Flat[p])) {
+      Span<float> wv = w.AsSpan(), gv = g.AsSpan();
+      for (int k = 0; k < wv.Length; ++k) wv[k] -= FlatLr * gv[k];
+    }
+  }
+
+  class StepInside : BucketReduced {
+    public Module M;
+    public int[] Reported = new int[3];
+
+    public override void Reduced(Ddp ddp, ulong bucketIndex, ulong[] parameters) {
+      foreach (ulong p in parameters) {
+        ++Reported[p];
+        if (!ddp.ParameterUsed(p)) throw new InvalidOperationException("parameter " + p + " unused");
+        SgdParameter(M, (int)p);
+      }
+    }
+  }
+
+  class Failing : BucketReduced {
+    public override void Reduced(Ddp ddp, ulong bucketIndex, ulong[] parameters) {
+      throw new IOException("step failed in bucket " + bucketIndex);
+    }
+  }
+
+  /// Rank r has 4 - 2 min(r, 1) batches; SGD inside backward or after.
+  static float[] TrainFlat(ProcessGroup pg, bool inside) {
+    int rank = pg.Rank();
+    using (var m = FlatModule()) {
+      var step = new StepInside { M = m };
+      DdpOptions o = BucketPerParameter();
+      if (inside) o.SetOnBucketReduced(step);
+      using (var ddp = new Ddp(m, pg, o)) {
+        int batches = rank == 0 ? 4 : 2;
+        for (int i = 0; i < batches; ++i) {
+          ddp.PreForward();
+          for (int p = 0; p < 3; ++p) {
+            var g = new float[FlatNumel[p]];
+            for (int k = 0; k < g.Length; ++k) g[k] = (rank + 1) * (i + 2) + p + k;
+            SetFlatGrad(m, p, g);
+          }
+          foreach (string name in new[] { "c", "b", "a" }) ddp.MarkGradReady(name);
+          ddp.FinishBackward();
+          if (!inside) for (int p = 0; p < 3; ++p) SgdParameter(m, p);
+        }
+        Ddp.Join(ddp);
+        // Once per synced iteration of this rank's own (not those it stands in for after joining).
+        if (inside) Expect(step.Reported[0] == batches && step.Reported[2] == batches, "each parameter reported once per synced iteration: " + step.Reported[0]);
+        DdpStats stats = ddp.LastStats();
+        Expect(stats.NumBuckets() == ddp.NumBuckets() && ddp.NumBuckets() == 3 && stats.ExposedMs() <= stats.ReduceMs(), "the stats match the plan");
+      }
+      return FlatParams(m);
+    }
+  }
+
+  static void RunDdpExtras() {
+    using (var pg = ProcessGroup.FromEnv(new Device("cpu:0"), 60000)) {
+      int rank = pg.Rank(), world = pg.Size();
+      float[] inside = TrainFlat(pg, true), after = TrainFlat(pg, false);
+      ExpectValues("SGD inside backward against after FinishBackward, with a join", inside, after);
+      // The join's reference: iteration i averages, over the initial world
+      // size, the gradients of the ranks with more than i batches.
+      var expected = new List<float>();
+      for (int p = 0; p < 3; ++p) {
+        for (int k = 0; k < FlatNumel[p]; ++k) {
+          double value = k;
+          for (int i = 0; i < 4; ++i) {
+            double sum = 0;
+            for (int r = 0; r < world; ++r) if ((r == 0 ? 4 : 2) > i) sum += (r + 1) * (i + 2) + p + k;
+            value -= FlatLr * sum / world;
+          }
+          expected.Add((float)value);
+        }
+      }
+      float[] want = expected.ToArray();
+      for (int k = 0; k < want.Length; ++k) {
+        Expect(Math.Abs(after[k] - want[k]) <= 1e-5f * (1 + Math.Abs(want[k])), "rank " + rank + " value " + k + " is " + after[k] + " after the join, expected " + want[k]);
+      }
+
+      using (var m = FlatModule()) {
+        var o = BucketPerParameter();
+        o.FindUnusedParameters = true;
+        string plan;
+        using (var ddp = new Ddp(m, pg, o)) {
+          SetFlatGrad(m, 0, new float[] { 1, 1, 1, 1 });
+          ddp.MarkGradReady("a");
+          ddp.FinishBackward();
+          Expect(ddp.ParameterUsed(0) && !ddp.ParameterUsed(1) && !ddp.ParameterUsed(2), "only a is used");
+          plan = ddp.BucketPlan();
+        }
+        var again = new DdpOptions { BucketPlan = plan };
+        using (var ddp = new Ddp(m, pg, again)) Expect(ddp.BucketPlan() == plan && ddp.NumBuckets() == 3, "the plan fed back is the plan");
+        var failing = BucketPerParameter();
+        failing.SetOnBucketReduced(new Failing());
+        using (var ddp = new Ddp(m, pg, failing)) {
+          foreach (string name in new[] { "c", "b", "a" }) ddp.MarkGradReady(name);
+          try {
+            ddp.FinishBackward();
+            Fail("FinishBackward returned although the callback threw");
+          } catch (IOException e) {
+            Expect(e.Message.StartsWith("step failed in bucket"), "the callback's own exception surfaces: " + e.Message);
+          }
+        }
+      }
+      Console.WriteLine("rank {0}: join, optimizer inside backward, parameterUsed, plans", rank);
+    }
+  }
+
   public static int Main(string[] args) {
     string mode = args.Length > 0 ? args[0] : "";
     switch (mode) {
@@ -691,7 +1297,12 @@ public static class DParallelTest {
       case "view-outlives-tensor": ViewOutlivesTensor(); break;
       case "closed-handles": ClosedHandles(); break;
       case "ddp": RunDdp(); break;
-      default: Fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|ddp"); break;
+      case "fsdp": RunFsdp(); break;
+      case "tensors": RunTensors(); break;
+      case "streams": RunStreams(); break;
+      case "collectives": RunCollectives(); break;
+      case "ddp-extras": RunDdpExtras(); break;
+      default: Fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|tensors|streams|ddp|fsdp|collectives|ddp-extras"); break;
     }
     GC.Collect();
     GC.WaitForPendingFinalizers();

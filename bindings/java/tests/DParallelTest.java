@@ -5,17 +5,27 @@
 // that exceptions thrown in callbacks surface in the caller, that bad
 // arguments raise DParallelException naming the argument, that zero-copy
 // views keep the tensor's memory alive after the tensor is closed or
-// collected, and that every handle answers isClosed() after close().
+// collected, and that every handle answers isClosed() after close(). The
+// rest: DLPack, tensors over direct buffers, coalesced collectives, memory
+// stats and shutdown (tensors); streams and host functions (streams); the
+// process group's collectives on shm and Gloo (collectives); DDP with
+// uneven inputs and join (join); the optimizer inside backward, gradients
+// in the host's own buffers, static graphs, parameterUsed, bucket plans and
+// stats (ddp-extras).
 //
-//   java -cp dparallel.jar:. DParallelTest data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles
-//   dp-run -n 2 java -cp dparallel.jar:. DParallelTest ddp
+//   java -cp dparallel.jar:. DParallelTest data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|tensors|streams
+//   dp-run -n 2 java -cp dparallel.jar:. DParallelTest ddp|collectives|join|ddp-extras
 import java.io.IOException;
 import java.lang.ref.PhantomReference;
 import java.lang.ref.Reference;
 import java.lang.ref.ReferenceQueue;
 import java.nio.ByteBuffer;
 import java.nio.FloatBuffer;
+import java.lang.ref.WeakReference;
+import java.nio.ByteOrder;
 import java.util.ArrayList;
+import java.util.Arrays;
+import java.util.Collections;
 import java.util.List;
 import java.util.function.BooleanSupplier;
 import java.util.concurrent.atomic.AtomicInteger;
@@ -692,6 +702,566 @@ public class DParallelTest {
     }
   }
 
+  // ---- tensors: DLPack, host buffers, coalesced collectives, memory, shutdown ----
+
+  static void expectValues(String what, float[] got, float[] want) {
+    expect(Arrays.equals(got, want), what + ": " + Arrays.toString(got) + ", not " + Arrays.toString(want));
+  }
+
+  /** A tensor over a fresh direct buffer, registered in `m`; only the module refers to it afterwards. */
+  static WeakReference<ByteBuffer> parameterOverDroppedBuffer(Module m, float[] values) {
+    ByteBuffer buf = ByteBuffer.allocateDirect(values.length * 4).order(ByteOrder.nativeOrder());
+    buf.asFloatBuffer().put(values);
+    try (Tensor t = Tensor.fromBuffer(buf, DType.FLOAT32, values.length)) {
+      m.registerParameter("w", t);
+    }
+    return new WeakReference<>(buf);
+  }
+
+  static void collect(int rounds) throws InterruptedException {
+    for (int i = 0; i < rounds; ++i) {
+      System.gc();
+      byte[][] pressure = new byte[32][];
+      for (int k = 0; k < pressure.length; ++k) pressure[k] = new byte[1 << 16];
+      Thread.sleep(10);
+    }
+  }
+
+  static void tensors() throws InterruptedException {
+    expect(DType.elementSize(DType.FLOAT32) == 4 && DType.elementSize(DType.BFLOAT16) == 2
+               && DType.elementSize(DType.INT64) == 8 && DType.elementSize(DType.BOOL) == 1,
+           "DType.elementSize gives the bytes per element");
+    expectInvalid(() -> DType.elementSize(99), "'dtype'");
+
+    // DLPack: out and back in, the same memory.
+    float[] v = distinctValues(6, 3);
+    Tensor t = Tensor.of(v, 2, 3);
+    long address = t.toDlpack();
+    expect(address != 0, "toDlpack gives an address");
+    Tensor u = Tensor.fromDlpack(address);
+    expect(Arrays.equals(u.shapeArray(), new long[] {2, 3}) && u.dtype() == DType.FLOAT32, "the DLPack tensor keeps shape and dtype");
+    expectValues("the DLPack tensor's values", u.toArray(), v);
+    t.floats().put(4, 42f);
+    expect(u.toArray()[4] == 42f, "a write through the original is seen through the DLPack tensor: zero copy");
+    t.close();
+    v[4] = 42f;
+    expectValues("the DLPack tensor after the original is closed", u.toArray(), v);
+    u.close();
+    try (Tensor w = Tensor.of(v, 6)) {
+      Tensor.deleteDlpack(w.toDlpack());
+      expectValues("a tensor whose export was deleted", w.toArray(), v);
+    }
+    expectInvalid(() -> Tensor.fromDlpack(0), "'address'");
+
+    // A tensor over a direct buffer: both see each other's writes.
+    ByteBuffer buf = ByteBuffer.allocateDirect(6 * 4).order(ByteOrder.nativeOrder());
+    try (Tensor b = Tensor.fromBuffer(buf, DType.FLOAT32, 2, 3)) {
+      buf.asFloatBuffer().put(new float[] {1, 2, 3, 4, 5, 6});
+      expectValues("the tensor over the buffer", b.toArray(), new float[] {1, 2, 3, 4, 5, 6});
+      b.copyFrom(new float[] {6, 5, 4, 3, 2, 1});
+      expect(buf.getFloat(0) == 6 && buf.getFloat(20) == 1, "the buffer holds what was copied into the tensor");
+    }
+    expectInvalid(() -> Tensor.fromBuffer(ByteBuffer.allocate(24), DType.FLOAT32, 6).close(), "'buffer'");
+    expectInvalid(() -> Tensor.fromBuffer(ByteBuffer.allocateDirect(8), DType.FLOAT32, 6).close(), "'buffer'");
+    expectInvalid(() -> Tensor.fromBuffer(ByteBuffer.allocateDirect(8).asReadOnlyBuffer(), DType.FLOAT32, 2).close(), "'buffer'");
+    // The module keeps the buffer alive; closing the module lets it go. 4 MiB: freed memory is unmapped.
+    float[] big = distinctValues(1 << 20, 1);
+    Module m = new Module();
+    WeakReference<ByteBuffer> weak = parameterOverDroppedBuffer(m, big);
+    collect(5);
+    expect(weak.get() != null, "the module's parameter keeps its direct buffer reachable");
+    expectValues("the parameter over a dropped buffer", read(m, "w"), big);
+    m.close();
+    long deadline = System.nanoTime() + 30_000_000_000L;
+    while (weak.get() != null) {
+      expect(System.nanoTime() < deadline, "the buffer is collected once no tensor is over it");
+      collect(1);
+    }
+    System.out.println("DLPack round trip and tensors over direct buffers share memory");
+
+    // Coalesced collectives across cpu:0 and cpu:1.
+    DeviceList devices = Device.list("cpu:0,cpu:1");
+    Device cpu0 = new Device("cpu:0");
+    try (Tensor x = Tensor.of(new float[] {1, 2, 3}, 3); Tensor y = Tensor.of(new float[] {4, 5}, 2)) {
+      TensorVector both = new TensorVector();
+      both.add(x);
+      both.add(y);
+      try (TensorList copies = Parallel.broadcastCoalesced(both, devices, 0); Tensor x1 = copies.get(2); Tensor y1 = copies.get(3)) {
+        expect(copies.size() == 4, "broadcastCoalesced gives devices x tensors outputs, not " + copies.size());
+        expect(x1.device().toString().equals("cpu:1"), "item 2 is tensor 0 on cpu:1");
+        expectValues("tensor 0 on cpu:1", x1.toArray(), new float[] {1, 2, 3});
+        expectValues("tensor 1 on cpu:1", y1.toArray(), new float[] {4, 5});
+        TensorVector inputs = new TensorVector();
+        inputs.add(x);
+        inputs.add(y);
+        inputs.add(x1);
+        inputs.add(y1);
+        try (TensorList sums = Parallel.reduceAddCoalesced(inputs, 2, cpu0, 0); Tensor sx = sums.get(0); Tensor sy = sums.get(1)) {
+          expect(sums.size() == 2, "reduceAddCoalesced gives one sum per tensor");
+          expectValues("the sum of tensor 0", sx.toArray(), new float[] {2, 4, 6});
+          expectValues("the sum of tensor 1", sy.toArray(), new float[] {8, 10});
+        }
+        inputs.remove(3);
+        expectInvalid(() -> Parallel.reduceAddCoalesced(inputs, 2, cpu0, 0).close(), "'inputs'");
+      }
+    }
+
+    // Buffers by index.
+    try (Module model = new Module(); Module child = new Module(); Tensor mean = Tensor.of(new float[] {7, 8}, 2)) {
+      child.registerBuffer("running_mean", mean);
+      model.registerModule("bn", child);
+      expect(model.numBuffers() == 1 && model.bufferName(0).equals("bn.running_mean"), "buffer 0 is bn.running_mean");
+      try (Tensor b0 = model.buffer(0)) {
+        expectValues("buffer 0", b0.toArray(), new float[] {7, 8});
+      }
+      expectInvalid(() -> model.buffer(1).close(), "1");
+    }
+
+    // Memory stats count a 4 MiB tensor.
+    final long bytes = 4L << 20;
+    MemoryStats before = cpu0.memoryStats();
+    Tensor held = new Tensor(cpu0, bytes / 4);
+    MemoryStats during = cpu0.memoryStats();
+    expect(during.allocatedBytes() - before.allocatedBytes() >= bytes, "allocatedBytes counts the new tensor: "
+                                                                          + before.allocatedBytes() + " -> " + during.allocatedBytes());
+    expect(during.peakAllocatedBytes() >= during.allocatedBytes(), "the peak is at least what is in use");
+    held.close();
+    MemoryStats after = cpu0.memoryStats();
+    expect(after.allocatedBytes() <= during.allocatedBytes() - bytes, "closing the tensor gives its bytes back");
+    expect(after.peakAllocatedBytes() >= during.allocatedBytes(), "the peak remembers the tensor");
+    cpu0.resetPeakMemory();
+    MemoryStats reset = cpu0.memoryStats();
+    expect(reset.peakAllocatedBytes() < during.allocatedBytes(), "resetPeakMemory forgets the tensor");
+    System.out.printf("memory: %d -> %d -> %d bytes allocated%n", before.allocatedBytes(), during.allocatedBytes(), after.allocatedBytes());
+
+    // Shutdown ends the library's threads; they start again when needed.
+    Library.shutdown();
+    Library.shutdown();
+    try (Tensor x = Tensor.of(new float[] {1, 2}, 2); TensorList copies = Parallel.broadcast(x, devices); Tensor c = copies.get(1)) {
+      expectValues("a copy to cpu:1 after shutdown", c.toArray(), new float[] {1, 2});
+    }
+  }
+
+  // ---- streams ----
+
+  static void streams() {
+    Device cpu0 = new Device("cpu:0");
+    expect(DeviceStream.current(cpu0) == null, "no current stream at first");
+    DeviceStream s = new DeviceStream(cpu0);
+    expect(s.pointer() != 0 && s.device().toString().equals("cpu:0"), "a new cpu stream");
+    List<Integer> seen = Collections.synchronizedList(new ArrayList<>());
+    Thread caller = Thread.currentThread();
+    Thread[] ranOn = new Thread[1];
+    s.launchHostFunc(() -> seen.add(1));
+    s.launchHostFunc(() -> {
+      seen.add(2);
+      ranOn[0] = Thread.currentThread();
+    });
+    s.synchronize();
+    expect(seen.equals(Arrays.asList(1, 2)), "host functions ran in order: " + seen);
+    expect(ranOn[0] != null && ranOn[0] != caller, "a host function runs on the stream's thread");
+    s.launchHostFunc(() -> {
+      throw new IllegalStateException("host function failed");
+    });
+    try {
+      s.synchronize();
+      fail("synchronize returned although a host function threw");
+    } catch (IllegalStateException e) {
+      expect(e.getMessage().equals("host function failed"), "the host function's exception surfaces: " + e);
+    }
+    s.synchronize();
+    s.makeCurrent();
+    try (DeviceStream current = DeviceStream.current(cpu0)) {
+      expect(current != null && current.pointer() == s.pointer(), "makeCurrent makes it this thread's current stream");
+    }
+    try (Tensor t = Tensor.of(new float[] {1, 2, 3}, 3); Tensor copy = t.to(cpu0)) {
+      s.synchronize();
+      expectValues("a copy queued on the current stream", copy.toArray(), new float[] {1, 2, 3});
+    }
+    DeviceStream.clearCurrent(cpu0);
+    expect(DeviceStream.current(cpu0) == null, "clearCurrent leaves no current stream");
+    DeviceStream wrapped = DeviceStream.wrap(cpu0, s.pointer());
+    wrapped.close();
+    s.synchronize();  // closing a wrapped stream leaves the stream be
+    expectInvalid(() -> s.launchHostFunc(null), "'fn'");
+    s.close();
+    expect(s.isClosed(), "a closed stream says so");
+    try {
+      s.synchronize();
+      fail("synchronize on a closed stream returned");
+    } catch (DParallelException e) {
+      expect(e.getCode() == Status.STATE, "a closed stream is Status.STATE");
+    }
+    System.out.println("streams: host functions, current streams, wrapped streams");
+  }
+
+  // ---- the process group's collectives ----
+
+  static void runCollectives(ProcessGroup pg) {
+    int rank = pg.rank(), world = pg.size();
+    try (Tensor in = Tensor.of(new float[] {rank + 1, 10 * (rank + 1)}, 2)) {
+      List<Tensor> outs = new ArrayList<>();
+      TensorVector tv = new TensorVector();
+      for (int r = 0; r < world; ++r) {
+        outs.add(new Tensor(2));
+        tv.add(outs.get(r));
+      }
+      pg.allGather(in, tv);
+      for (int r = 0; r < world; ++r) expectValues(pg.backend() + " allGather output " + r, outs.get(r).toArray(), new float[] {r + 1, 10 * (r + 1)});
+      for (Tensor o : outs) o.copyFrom(new float[] {0, 0});
+      try (Work w = pg.allGatherAsync(in, tv)) {
+        w.waitFor();
+      }
+      for (int r = 0; r < world; ++r) expectValues(pg.backend() + " allGatherAsync output " + r, outs.get(r).toArray(), new float[] {r + 1, 10 * (r + 1)});
+      for (Tensor o : outs) o.close();
+    }
+    // Rank r's input j holds 100 r + j: output = sum over r of (100 r + rank).
+    List<Tensor> ins = new ArrayList<>();
+    TensorVector iv = new TensorVector();
+    for (int j = 0; j < world; ++j) {
+      ins.add(Tensor.of(new float[] {100 * rank + j, 1}, 2));
+      iv.add(ins.get(j));
+    }
+    float want = 0;
+    for (int r = 0; r < world; ++r) want += 100 * r + rank;
+    try (Tensor out = new Tensor(2)) {
+      pg.reduceScatter(iv, out, ReduceOp.SUM);
+      expectValues(pg.backend() + " reduceScatter", out.toArray(), new float[] {want, world});
+      out.copyFrom(new float[] {0, 0});
+      try (Work w = pg.reduceScatterAsync(iv, out, ReduceOp.MAX)) {
+        w.waitFor();
+      }
+      expectValues(pg.backend() + " reduceScatterAsync max", out.toArray(), new float[] {100 * (world - 1) + rank, 1});
+    }
+    for (Tensor t : ins) t.close();
+    try (Tensor t = Tensor.of(new float[] {rank, -rank}, 2)) {
+      try (Work w = pg.broadcastAsync(t, world - 1)) {
+        w.waitFor();
+        expect(w.test(), "the broadcast is done after waitFor");
+      }
+      expectValues(pg.backend() + " broadcastAsync from the last rank", t.toArray(), new float[] {world - 1, 1 - world});
+    }
+    try (Work w = pg.barrierAsync()) {
+      w.waitFor();
+    }
+    try (Tensor in = new Tensor(2)) {
+      TensorVector one = new TensorVector();
+      one.add(in);
+      expectInvalid(() -> pg.allGather(in, one), "'noutputs'");
+    }
+  }
+
+  static void collectives() {
+    Device cpu0 = new Device("cpu:0");
+    try (ProcessGroup pg = ProcessGroup.fromEnv(cpu0, 60000)) {
+      int rank = pg.rank(), world = pg.size();
+      runCollectives(pg);
+      // A second group over a file store, asking for Gloo.
+      String path = System.getProperty("java.io.tmpdir") + "/dparallel-java-gloo-" + System.getenv("MASTER_PORT");
+      if (rank == 0) new java.io.File(path).delete();
+      pg.barrier();
+      try (Store store = Store.file(path, world); ProcessGroup gloo = ProcessGroup.create(store, rank, world, cpu0, 60000, Backend.GLOO)) {
+        expect(gloo.backend().equals("gloo"), "Backend.GLOO runs gloo, not " + gloo.backend());
+        runCollectives(gloo);
+      }
+      System.out.println("rank " + rank + ": collectives on " + pg.backend() + " and gloo");
+    }
+  }
+
+  // ---- DDP additions, on a flat module of three parameters ----
+
+  static final String[] FLAT = {"a", "b", "c"};
+  static final int[] FLAT_NUMEL = {4, 3, 2};
+  static final float FLAT_LR = 0.25f;
+
+  static Module flatModule() {
+    Module m = new Module();
+    for (int p = 0; p < FLAT.length; ++p) {
+      float[] v = new float[FLAT_NUMEL[p]];
+      for (int k = 0; k < v.length; ++k) v[k] = k;
+      try (Tensor t = Tensor.of(v, v.length)) {
+        m.registerParameter(FLAT[p], t);
+      }
+    }
+    return m;
+  }
+
+  static DdpOptions bucketPerParameter() {
+    DdpOptions o = new DdpOptions();
+    o.setBucketCapMb(4 / 1048576.0);
+    o.setFirstBucketCapMb(4 / 1048576.0);
+    return o;
+  }
+
+  static float[] flatParams(Module m) {
+    float[] out = new float[9];
+    int at = 0;
+    for (String name : FLAT) {
+      float[] v = read(m, name);
+      System.arraycopy(v, 0, out, at, v.length);
+      at += v.length;
+    }
+    return out;
+  }
+
+  static void setFlatGrad(Module m, int p, float[] values) {
+    try (Tensor g = m.grad(FLAT[p])) {
+      g.copyFrom(values);
+    }
+  }
+
+  static void sgdParameter(Module m, int p, float[] grad) {
+    try (Tensor w = m.getParameter(FLAT[p])) {
+      FloatBuffer wv = w.floats();
+      for (int k = 0; k < grad.length; ++k) wv.put(k, wv.get(k) - FLAT_LR * grad[k]);
+    }
+  }
+
+  static float joinGrad(int r, int i, int p, int k) {
+    return (r + 1) * (i + 2) + p + k;
+  }
+
+  /** Each iteration i averages (over the initial world size) the gradients of the ranks with more than i
+   * batches; in the end every rank holds what the rank with the most batches holds. */
+  static float[] joinReference(int[] batches) {
+    int world = batches.length, most = 0;
+    for (int b : batches) most = Math.max(most, b);
+    float[] out = new float[9];
+    int at = 0;
+    for (int p = 0; p < 3; ++p) {
+      for (int k = 0; k < FLAT_NUMEL[p]; ++k) {
+        double value = k;
+        for (int i = 0; i < most; ++i) {
+          double sum = 0;
+          for (int r = 0; r < world; ++r) {
+            if (batches[r] > i) sum += joinGrad(r, i, p, k);
+          }
+          value -= FLAT_LR * sum / world;
+        }
+        out[at++] = (float) value;
+      }
+    }
+    return out;
+  }
+
+  /** Rank 0 has more batches than the others, which join once theirs run out. */
+  static void join() {
+    Device cpu0 = new Device("cpu:0");
+    try (ProcessGroup pg = ProcessGroup.fromEnv(cpu0, 60000); Module m = flatModule()) {
+      int rank = pg.rank(), world = pg.size();
+      int[] batches = new int[world];
+      for (int r = 0; r < world; ++r) batches[r] = r == 0 ? 4 : 2;
+      try (Ddp ddp = new Ddp(m, pg, bucketPerParameter())) {
+        for (int i = 0; i < batches[rank]; ++i) {
+          ddp.preForward();
+          for (int p = 0; p < 3; ++p) {
+            float[] g = new float[FLAT_NUMEL[p]];
+            for (int k = 0; k < g.length; ++k) g[k] = joinGrad(rank, i, p, k);
+            setFlatGrad(m, p, g);
+          }
+          for (String name : new String[] {"c", "b", "a"}) ddp.markGradReady(name);
+          ddp.finishBackward();
+          for (int p = 0; p < 3; ++p) {
+            try (Tensor g = m.grad(FLAT[p])) {
+              sgdParameter(m, p, g.toArray());
+            }
+          }
+        }
+        Ddp.join(ddp);
+      }
+      float[] got = flatParams(m), want = joinReference(batches);
+      for (int k = 0; k < want.length; ++k) {
+        expect(Math.abs(got[k] - want[k]) <= 1e-5f * (1 + Math.abs(want[k])),
+               "rank " + rank + " value " + k + " is " + got[k] + " after join, expected " + want[k]);
+      }
+      // Every rank holds the same parameters.
+      try (Tensor mine = Tensor.of(got, got.length)) {
+        List<Tensor> outs = new ArrayList<>();
+        TensorVector tv = new TensorVector();
+        for (int r = 0; r < world; ++r) {
+          outs.add(new Tensor(got.length));
+          tv.add(outs.get(r));
+        }
+        pg.allGather(mine, tv);
+        for (int r = 0; r < world; ++r) expectValues("rank " + r + "'s parameters after join", outs.get(r).toArray(), got);
+        for (Tensor o : outs) o.close();
+      }
+      System.out.println("rank " + rank + ": " + batches[rank] + " batches, joined: " + Arrays.toString(got));
+    }
+  }
+
+  static final int INSIDE = 0, AFTER = 1, HOST_BUFFERS = 2, STATIC = 3;
+
+  /** Four iterations (the second without sync) of the flat module under `mode`: SGD inside backward
+   * (onBucketReduced), after finishBackward, after finishBackward with the gradients in the host's own direct
+   * buffers (setGrad) marked on a cpu stream, or after finishBackward with a static graph. */
+  static float[] trainFlat(ProcessGroup pg, int mode) {
+    int rank = pg.rank();
+    Device cpu0 = new Device("cpu:0");
+    try (Module m = flatModule(); DeviceStream stream = new DeviceStream(cpu0)) {
+      DdpOptions o = bucketPerParameter();
+      int[] reported = new int[3];
+      boolean[] allUsed = {true};
+      if (mode == INSIDE) {
+        o.setOnBucketReduced(new BucketReduced() {
+          @Override
+          public void reduced(Ddp ddp, long bucketIndex, long[] parameters) {
+            for (long p : parameters) {
+              ++reported[(int) p];
+              allUsed[0] &= ddp.parameterUsed(p);
+              try (Tensor g = m.grad(FLAT[(int) p])) {
+                sgdParameter(m, (int) p, g.toArray());
+              }
+            }
+          }
+        });
+      }
+      o.setStaticGraph(mode == STATIC);
+      ByteBuffer[] host = new ByteBuffer[3];
+      if (mode == HOST_BUFFERS) {
+        for (int p = 0; p < 3; ++p) {
+          host[p] = ByteBuffer.allocateDirect(4 * FLAT_NUMEL[p]).order(ByteOrder.nativeOrder());
+          try (Tensor g = Tensor.fromBuffer(host[p], DType.FLOAT32, FLAT_NUMEL[p])) {
+            m.setGrad(FLAT[p], g);
+          }
+        }
+      }
+      try (Ddp ddp = new Ddp(m, pg, o)) {
+        for (int it = 0; it < 4; ++it) {
+          boolean synced = it != 1;
+          ddp.setRequiresGradientSync(synced);
+          ddp.preForward();
+          for (int p = 0; p < 3; ++p) {
+            float[] g = new float[FLAT_NUMEL[p]];
+            for (int k = 0; k < g.length; ++k) g[k] = (rank + 1) * (it + 1) + p + 0.5f * k;
+            if (mode == HOST_BUFFERS) {
+              host[p].asFloatBuffer().put(g);
+            } else {
+              setFlatGrad(m, p, g);
+            }
+          }
+          for (int p = 2; p >= 0; --p) {
+            if (mode == HOST_BUFFERS) {
+              ddp.markGradReady(p, stream);
+            } else {
+              ddp.markGradReady(FLAT[p]);
+            }
+          }
+          ddp.finishBackward();
+          if (mode == INSIDE || !synced) continue;
+          for (int p = 0; p < 3; ++p) {
+            float[] g;
+            try (Tensor gt = m.grad(FLAT[p])) {
+              g = gt.toArray();
+            }
+            if (mode == HOST_BUFFERS) {
+              float[] own = new float[FLAT_NUMEL[p]];
+              host[p].asFloatBuffer().get(own);
+              expectValues("the averaged gradient in the host's own buffer", own, g);
+            }
+            sgdParameter(m, p, g);
+          }
+        }
+        if (mode == INSIDE) {
+          expect(Arrays.equals(reported, new int[] {3, 3, 3}), "each parameter reported once per synced iteration: " + Arrays.toString(reported));
+          expect(allUsed[0], "every parameter counts as used without findUnusedParameters");
+        }
+        DdpStats stats = ddp.lastStats();
+        expect(stats.numBuckets() == ddp.numBuckets() && ddp.numBuckets() == 3, "the stats' bucket count is the plan's: " + stats.numBuckets());
+        expect(stats.backwardMs() >= 0 && stats.reduceMs() >= 0 && stats.exposedMs() >= 0
+                   && stats.exposedMs() <= stats.reduceMs(), "the stats' times are consistent");
+      }
+      if (mode == HOST_BUFFERS) {
+        m.zeroGrad();
+        expect(host[0].getFloat(0) == 0 && host[2].getFloat(4) == 0, "zeroGrad writes the host's own buffers");
+      }
+      return flatParams(m);
+    }
+  }
+
+  static void ddpExtras() {
+    Device cpu0 = new Device("cpu:0");
+    try (ProcessGroup pg = ProcessGroup.fromEnv(cpu0, 60000)) {
+      int rank = pg.rank();
+      // The optimizer inside backward matches the step after finishBackward, as do gradients in the host's
+      // own buffers and a static graph.
+      float[] inside = trainFlat(pg, INSIDE), after = trainFlat(pg, AFTER);
+      float[] hostBuffers = trainFlat(pg, HOST_BUFFERS), staticGraph = trainFlat(pg, STATIC);
+      expectValues("SGD inside backward against after finishBackward", inside, after);
+      expectValues("gradients in the host's buffers against the module's", hostBuffers, after);
+      expectValues("a static graph against a dynamic one", staticGraph, after);
+      try (Module fresh = flatModule()) {
+        expect(!Arrays.equals(after, flatParams(fresh)), "the steps moved the parameters");
+      }
+
+      // parameterUsed: "c" is marked on no rank.
+      try (Module m = flatModule()) {
+        DdpOptions o = bucketPerParameter();
+        o.setFindUnusedParameters(true);
+        try (Ddp ddp = new Ddp(m, pg, o)) {
+          try {
+            ddp.parameterUsed(0);
+            fail("parameterUsed before any iteration returned");
+          } catch (DParallelException e) {
+            expect(e.getCode() == Status.STATE, "parameterUsed before any iteration is Status.STATE: " + e.getMessage());
+          }
+          setFlatGrad(m, 0, new float[] {1, 1, 1, 1});
+          setFlatGrad(m, 1, new float[] {1, 1, 1});
+          ddp.markGradReady("b");
+          ddp.markGradReady("a");
+          ddp.finishBackward();
+          expect(ddp.parameterUsed(0) && ddp.parameterUsed(1) && !ddp.parameterUsed(2), "a and b are used, c is not");
+          expectInvalid(() -> ddp.parameterUsed(3), "3");
+        }
+      }
+
+      // The plan's text, fed back through the option, gives the same plan.
+      try (Module m = flatModule()) {
+        String plan;
+        long[][] buckets = new long[3][];
+        try (Ddp ddp = new Ddp(m, pg, bucketPerParameter())) {
+          for (int p = 2; p >= 0; --p) ddp.markGradReady(FLAT[p]);
+          ddp.finishBackward();
+          plan = ddp.bucketPlan();
+          for (int b = 0; b < 3; ++b) buckets[b] = ddp.bucketParameterArray(b);
+        }
+        expect(plan.contains("bucket float32"), "the plan lists float32 buckets: " + plan);
+        DdpOptions o = new DdpOptions();  // default caps: the plan alone makes the 3 buckets
+        o.setBucketPlan(plan);
+        try (Ddp ddp = new Ddp(m, pg, o)) {
+          expect(ddp.bucketPlan().equals(plan), "the plan fed back is the plan: " + ddp.bucketPlan());
+          expect(ddp.numBuckets() == 3, "the plan fed back has 3 buckets");
+          for (int b = 0; b < 3; ++b) expect(Arrays.equals(ddp.bucketParameterArray(b), buckets[b]), "bucket " + b + " keeps its parameters");
+        }
+        o.setBucketPlan("bucket float32 a b nope\n");
+        expectInvalid(() -> new Ddp(m, pg, o).close(), "nope");
+      }
+
+      // The callback's exception surfaces in finishBackward, the library's Status.USER attached.
+      try (Module m = flatModule()) {
+        DdpOptions o = bucketPerParameter();
+        o.setOnBucketReduced(new BucketReduced() {
+          @Override
+          public void reduced(Ddp ddp, long bucketIndex, long[] parameters) throws IOException {
+            throw new IOException("step failed in bucket " + bucketIndex);
+          }
+        });
+        try (Ddp ddp = new Ddp(m, pg, o)) {
+          for (int p = 2; p >= 0; --p) ddp.markGradReady(FLAT[p]);
+          try {
+            ddp.finishBackward();
+            fail("finishBackward returned although onBucketReduced threw");
+          } catch (Exception e) {
+            expect(e instanceof IOException && e.getMessage().startsWith("step failed in bucket"), "the callback's own exception surfaces: " + e);
+            expect(e.getSuppressed().length == 1 && ((DParallelException) e.getSuppressed()[0]).getCode() == Status.USER,
+                   "the library's Status.USER is attached to it");
+          }
+        }
+      }
+      System.out.println("rank " + rank + ": optimizer inside backward, host buffers, static graph, parameterUsed, plans");
+    }
+  }
+
   public static void main(String[] args) throws Exception {
     String mode = args.length > 0 ? args[0] : "";
     switch (mode) {
@@ -716,8 +1286,23 @@ public class DParallelTest {
       case "closed-handles":
         closedHandles();
         break;
+      case "tensors":
+        tensors();
+        break;
+      case "streams":
+        streams();
+        break;
+      case "collectives":
+        collectives();
+        break;
+      case "join":
+        join();
+        break;
+      case "ddp-extras":
+        ddpExtras();
+        break;
       default:
-        fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|ddp");
+        fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|tensors|streams|ddp|collectives|join|ddp-extras");
     }
     System.gc();
     System.out.println("OK " + mode);

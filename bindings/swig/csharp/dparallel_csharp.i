@@ -12,7 +12,11 @@
 %apply const unsigned long long & { const size_t & };
 
 %{
-#include "dpswig_common.hpp"
+#include <mutex>
+#include <thread>
+
+#include "dpswig_stream.hpp"
+#include "dpswig_tensor.hpp"
 
 typedef void(SWIGSTDCALL *DParallelExceptionCallback)(int code, const char *message);
 static DParallelExceptionCallback dparallel_exception_callback = nullptr;
@@ -20,6 +24,54 @@ static DParallelExceptionCallback dparallel_exception_callback = nullptr;
 extern "C" SWIGEXPORT void SWIGSTDCALL DParallelRegisterExceptionCallback(DParallelExceptionCallback callback) {
   dparallel_exception_callback = callback;
 }
+
+typedef void(SWIGSTDCALL *DParallelHostCallback)(void *handle, int libraryThread);
+static DParallelHostCallback dparallel_host_callback = nullptr;
+
+extern "C" SWIGEXPORT void SWIGSTDCALL DParallelRegisterHostCallback(DParallelHostCallback callback) {
+  dparallel_host_callback = callback;
+}
+
+namespace dpswig {
+/* An Action queued on a stream, as a GCHandle that DeviceStream.RunHost
+ * frees. It says whether it runs on a library thread (not the launching
+ * one), which the C# side must mark for Mono. */
+class CSharpHostCall : public HostCall {
+ public:
+  explicit CSharpHostCall(void *handle) : handle_(handle), launcher_(std::this_thread::get_id()) {}
+  void run() override { dparallel_host_callback(handle_, std::this_thread::get_id() != launcher_ ? 1 : 0); }
+
+ private:
+  void *handle_;
+  std::thread::id launcher_;
+};
+
+/* GCHandles of pinned arrays that no tensor uses any more. The last tensor
+ * may go on any thread, a library thread included, where no managed code
+ * may run: the C# side frees them on its own threads (Tensor.FreeUnpinned). */
+static std::mutex &unpinnedMutex() {
+  static std::mutex *mu = new std::mutex();
+  return *mu;
+}
+static std::vector<void *> &unpinned() {
+  static std::vector<void *> *handles = new std::vector<void *>();
+  return *handles;
+}
+class CSharpPinned : public HostMemory {
+ public:
+  explicit CSharpPinned(void *handle) : handle_(handle) {}
+  ~CSharpPinned() override {
+    if (handle_ == nullptr) return;
+    std::lock_guard<std::mutex> lock(unpinnedMutex());
+    unpinned().push_back(handle_);
+  }
+  /* No tensor was made: the caller frees the handle itself. */
+  void disarm() { handle_ = nullptr; }
+
+ private:
+  void *handle_;
+};
+}  // namespace dpswig
 
 %}
 
@@ -40,6 +92,19 @@ extern "C" SWIGEXPORT void SWIGSTDCALL DParallelRegisterExceptionCallback(DParal
     }
   }
   protected static DParallelExceptionHelper dparallelExceptionHelper = new DParallelExceptionHelper();
+
+  protected class DParallelHostHelper {
+    public delegate void HostDelegate(global::System.IntPtr handle, int libraryThread);
+    static HostDelegate callback = new HostDelegate(DeviceStream.RunHost);
+
+    [global::System.Runtime.InteropServices.DllImport("$dllimport", EntryPoint="DParallelRegisterHostCallback")]
+    public static extern void DParallelRegisterHostCallback(HostDelegate callback);
+
+    static DParallelHostHelper() {
+      DParallelRegisterHostCallback(callback);
+    }
+  }
+  protected static DParallelHostHelper dparallelHostHelper = new DParallelHostHelper();
 %}
 
 %exception {
@@ -73,6 +138,7 @@ extern "C" SWIGEXPORT void SWIGSTDCALL DParallelRegisterExceptionCallback(DParal
 %rename(Size) dpswig::ProcessGroup::size;
 // A method named Device would hide the Device type inside Tensor.
 %rename(GetDevice) dpswig::Tensor::device;
+%rename(GetDevice) dpswig::Stream::device;
 %csmethodmodifiers dpswig::Device::toString "public override";
 
 // float[] in and out: pinned by the marshaller (float is blittable), one copy.
@@ -98,6 +164,66 @@ extern "C" SWIGEXPORT void SWIGSTDCALL DParallelRegisterExceptionCallback(DParal
   }
 %rename(Data) dpswig::Tensor::hostBytes;
 
+// Native addresses (DLPack tensors, CUDA streams, device memory) as IntPtr.
+%typemap(ctype) dpswig::NativePointer "void *"
+%typemap(imtype) dpswig::NativePointer "global::System.IntPtr"
+%typemap(cstype) dpswig::NativePointer "global::System.IntPtr"
+%typemap(in) dpswig::NativePointer %{ $1 = $input; %}
+%typemap(out) dpswig::NativePointer %{ $result = $1; %}
+%typemap(csin) dpswig::NativePointer "$csinput"
+%typemap(csout, excode=SWIGEXCODE) dpswig::NativePointer {
+    global::System.IntPtr ret = $imcall;$excode
+    return ret;
+  }
+
+// Host functions on streams: DeviceStream.LaunchHostFunc (Partials.cs)
+// passes a GCHandle of its work; on failure it frees the handle itself.
+%ignore dpswig::Stream::launchHostFunc;
+%ignore dpswig::Stream::synchronize;
+%csmethodmodifiers dpswig::Stream::launchHostFuncRaw "internal";
+%csmethodmodifiers dpswig::Stream::synchronizeRaw "internal";
+%typemap(csclassmodifiers) dpswig::Stream "public partial class"
+%extend dpswig::Stream {
+  void launchHostFuncRaw(dpswig::NativePointer work) {
+    dpswig::HostCallArg fn;
+    fn.call.reset(new dpswig::CSharpHostCall(work));
+    $self->launchHostFunc(fn);
+  }
+  void synchronizeRaw() { $self->synchronize(); }
+}
+
+// Tensors over pinned arrays (Tensor.FromArray in Partials.cs): the
+// GCHandle `pin` is queued for the C# side to free once the last tensor
+// over the array is gone; on failure the caller frees it.
+%ignore dpswig::Tensor::fromHost;
+%newobject dpswig::Tensor::fromPinnedRaw;
+%csmethodmodifiers dpswig::Tensor::fromPinnedRaw "internal";
+%csmethodmodifiers dpswig::Tensor::takeUnpinnedRaw "internal";
+%extend dpswig::Tensor {
+  static dpswig::Tensor *fromPinnedRaw(dpswig::NativePointer data, size_t size, const std::vector<long long> &shape,
+                                       int dtype, const dpswig::Device &device, dpswig::NativePointer pin) {
+    dpswig::HostBuffer buffer;
+    buffer.data = data;
+    buffer.size = size;
+    dpswig::CSharpPinned *pinned = new dpswig::CSharpPinned(pin);
+    buffer.keep.reset(pinned);
+    try {
+      return dpswig::Tensor::fromHost(buffer, shape, dtype, device);
+    } catch (...) {
+      if (buffer.keep) pinned->disarm();
+      throw;
+    }
+  }
+  /* One GCHandle to free, or null. */
+  static dpswig::NativePointer takeUnpinnedRaw() {
+    std::lock_guard<std::mutex> lock(dpswig::unpinnedMutex());
+    if (dpswig::unpinned().empty()) return nullptr;
+    void *handle = dpswig::unpinned().back();
+    dpswig::unpinned().pop_back();
+    return handle;
+  }
+}
+
 // Calls that run host callbacks are wrapped in the partial classes, which
 // rethrow the callbacks' exceptions.
 %csmethodmodifiers dpswig::dataParallel "internal";
@@ -105,6 +231,12 @@ extern "C" SWIGEXPORT void SWIGSTDCALL DParallelRegisterExceptionCallback(DParal
 %csmethodmodifiers dpswig::ReplicaSet::apply "internal";
 %csmethodmodifiers dpswig::Ddp::finishBackward "internal";
 %csmethodmodifiers dpswig::Ddp::withHook "internal";
+%csmethodmodifiers dpswig::Ddp::create "internal";
+%csmethodmodifiers dpswig::Ddp::join "internal";
+%csmethodmodifiers dpswig::DdpOptions::setOnBucketReduced "internal";
+%csmethodmodifiers dpswig::BucketReduced::BucketReduced "internal";
+%typemap(csclassmodifiers) dpswig::BucketReduced "public abstract class"
+%typemap(csclassmodifiers) dpswig::DdpOptions "public partial class"
 // Host callbacks derive from ForwardFunction and CommHook, which catch what
 // the host code throws (an exception must not unwind through the library's
 // threads); the bases cannot be derived outside the assembly.
@@ -123,6 +255,7 @@ extern "C" SWIGEXPORT void SWIGSTDCALL DParallelRegisterExceptionCallback(DParal
 // where the library can take the handle.
 %csmethodmodifiers dpswig::Tensor::isClosed "private";
 %csmethodmodifiers dpswig::Module::isClosed "private";
+%csmethodmodifiers dpswig::Stream::isClosed "private";
 %define DP_CSHARP_CLOSEABLE(CLASS, CLOSED)
 %extend CLASS {
 %proxycode %{
@@ -145,3 +278,5 @@ DP_CSHARP_CLOSEABLE(dpswig::Store, swigCPtr.Handle == global::System.IntPtr.Zero
 DP_CSHARP_CLOSEABLE(dpswig::ProcessGroup, swigCPtr.Handle == global::System.IntPtr.Zero)
 DP_CSHARP_CLOSEABLE(dpswig::Work, swigCPtr.Handle == global::System.IntPtr.Zero)
 DP_CSHARP_CLOSEABLE(dpswig::Ddp, swigCPtr.Handle == global::System.IntPtr.Zero)
+DP_CSHARP_CLOSEABLE(dpswig::Stream, swigCPtr.Handle == global::System.IntPtr.Zero || isClosedRaw())
+DP_CSHARP_CLOSEABLE(dpswig::Fsdp, swigCPtr.Handle == global::System.IntPtr.Zero)

@@ -47,7 +47,85 @@ static void dpswig_java_throw(JNIEnv *jenv, int code, const char *message) {
   if (error != nullptr) jenv->Throw((jthrowable)error);
 }
 
+#include "dpswig_stream.hpp"
+#include "dpswig_tensor.hpp"
+
 namespace dpswig {
+/* The JNIEnv of this thread, attached as a daemon when it is a library
+ * thread the JVM has not seen; detached again by the destructor then, so
+ * that the thread never ends attached. */
+class JavaThreadEnv {
+ public:
+  explicit JavaThreadEnv(JavaVM *vm) : vm_(vm), env_(nullptr), attached_(false) {
+    jint got = vm_->GetEnv((void **)&env_, JNI_VERSION_1_6);
+    if (got == JNI_EDETACHED) {
+      attached_ = vm_->AttachCurrentThreadAsDaemon((void **)&env_, nullptr) == JNI_OK;
+      if (!attached_) env_ = nullptr;
+    } else if (got != JNI_OK) {
+      env_ = nullptr; /* the JVM is going away */
+    }
+  }
+  ~JavaThreadEnv() {
+    if (attached_) vm_->DetachCurrentThread();
+  }
+  JNIEnv *env() const { return env_; }
+
+ private:
+  JavaVM *vm_;
+  JNIEnv *env_;
+  bool attached_;
+};
+
+/* A Runnable queued on a stream (DeviceStream.launchHostFunc, which wraps
+ * the host's so that it never throws). */
+class JavaHostCall : public HostCall {
+ public:
+  JavaHostCall(JNIEnv *env, jobject runnable) : vm_(nullptr), ref_(nullptr), run_(nullptr) {
+    jclass cls = env->GetObjectClass(runnable);
+    run_ = env->GetMethodID(cls, "run", "()V");
+    env->DeleteLocalRef(cls);
+    if (run_ != nullptr && env->GetJavaVM(&vm_) == JNI_OK) ref_ = env->NewGlobalRef(runnable);
+  }
+  ~JavaHostCall() override {
+    if (ref_ == nullptr) return;
+    JavaThreadEnv thread(vm_);
+    if (thread.env() != nullptr) thread.env()->DeleteGlobalRef(ref_);
+  }
+  void run() override {
+    JavaThreadEnv thread(vm_);
+    JNIEnv *env = thread.env();
+    if (env == nullptr) return;
+    env->CallVoidMethod(ref_, run_);
+    if (env->ExceptionCheck()) env->ExceptionClear();
+  }
+  bool ok() const { return ref_ != nullptr; }
+
+ private:
+  JavaVM *vm_;
+  jobject ref_;
+  jmethodID run_;
+};
+
+/* A direct ByteBuffer that tensors are made over: a global reference keeps
+ * it (and so its memory) alive until the last tensor over it is destroyed,
+ * on whatever thread that is. */
+class JavaBufferRef : public HostMemory {
+ public:
+  JavaBufferRef(JNIEnv *env, jobject buffer) : vm_(nullptr), ref_(nullptr) {
+    if (env->GetJavaVM(&vm_) == JNI_OK) ref_ = env->NewGlobalRef(buffer);
+  }
+  ~JavaBufferRef() override {
+    if (ref_ == nullptr) return;
+    JavaThreadEnv thread(vm_);
+    if (thread.env() != nullptr) thread.env()->DeleteGlobalRef(ref_);
+  }
+  bool ok() const { return ref_ != nullptr; }
+
+ private:
+  JavaVM *vm_;
+  jobject ref_;
+};
+
 /* A Java float[] read or written with one copy (Get/SetFloatArrayRegion). */
 class JavaFloatArray : public FloatSource, public FloatSink {
  public:
@@ -101,6 +179,89 @@ class JavaFloatArray : public FloatSource, public FloatSink {
 %ignore dpswig::Tensor::copyFrom(const float *, size_t);
 %ignore dpswig::Tensor::copyTo(float *, size_t) const;
 
+// Native addresses (DLPack tensors, CUDA streams) as long.
+%typemap(jni) dpswig::NativePointer "jlong"
+%typemap(jtype) dpswig::NativePointer "long"
+%typemap(jstype) dpswig::NativePointer "long"
+%typemap(in) dpswig::NativePointer %{ $1 = (void *)(intptr_t)$input; %}
+%typemap(out) dpswig::NativePointer %{ $result = (jlong)(intptr_t)$1; %}
+%typemap(javain) dpswig::NativePointer "$javainput"
+%typemap(javaout) dpswig::NativePointer {
+    return $jnicall;
+  }
+
+// A direct ByteBuffer that a tensor is made over (Tensor.fromBuffer); the
+// tensor keeps it alive.
+%typemap(jni) dpswig::HostBuffer & "jobject"
+%typemap(jtype) dpswig::HostBuffer & "java.nio.ByteBuffer"
+%typemap(jstype) dpswig::HostBuffer & "java.nio.ByteBuffer"
+%typemap(javain) dpswig::HostBuffer & "$javainput"
+%typemap(in) dpswig::HostBuffer & (dpswig::HostBuffer held) {
+  void *data = $input != nullptr ? jenv->GetDirectBufferAddress($input) : nullptr;
+  jlong capacity = $input != nullptr ? jenv->GetDirectBufferCapacity($input) : -1;
+  if (data == nullptr && capacity != 0) {
+    dpswig_java_throw(jenv, DP_EINVAL, "invalid argument: 'buffer' is not a direct ByteBuffer");
+    return $null;
+  }
+  dpswig::JavaBufferRef *ref = new dpswig::JavaBufferRef(jenv, $input);
+  held.keep.reset(ref);
+  if (!ref->ok()) {
+    dpswig_java_throw(jenv, DP_ENOMEM, "out of memory: no global reference for 'buffer'");
+    return $null;
+  }
+  held.data = data;
+  held.size = (size_t)capacity;
+  $1 = &held;
+}
+// A Runnable queued on a stream.
+%typemap(jni) dpswig::HostCallArg & "jobject"
+%typemap(jtype) dpswig::HostCallArg & "Runnable"
+%typemap(jstype) dpswig::HostCallArg & "Runnable"
+%typemap(javain) dpswig::HostCallArg & "$javainput"
+%typemap(in) dpswig::HostCallArg & (dpswig::HostCallArg held) {
+  if ($input == nullptr) {
+    dpswig_java_throw(jenv, DP_EINVAL, "invalid argument: 'fn' is null");
+    return $null;
+  }
+  dpswig::JavaHostCall *call = new dpswig::JavaHostCall(jenv, $input);
+  held.call.reset(call);
+  if (!call->ok()) {
+    dpswig_java_throw(jenv, DP_ENOMEM, "out of memory: no global reference for 'fn'");
+    return $null;
+  }
+  $1 = &held;
+}
+%javamethodmodifiers dpswig::Stream::launchHostFunc "private";
+%javamethodmodifiers dpswig::Stream::synchronize "private";
+%typemap(javacode) dpswig::Stream %{
+  // The first exception a host function threw, for synchronize().
+  private final java.util.concurrent.atomic.AtomicReference<Throwable> hostPending =
+      new java.util.concurrent.atomic.AtomicReference<>();
+
+  /** Queues {@code fn} after the work queued so far: it runs once, on a host thread (on a cpu device's legacy
+   * default stream, before this returns); work queued after it waits for it. What it throws is rethrown by the
+   * next {@link #synchronize()}. */
+  public void launchHostFunc(Runnable fn) {
+    if (fn == null) throw new DParallelException(Status.INVALID, "invalid argument: 'fn' is null");
+    launchHostFuncRaw(() -> {
+      try {
+        fn.run();
+      } catch (Throwable t) {
+        hostPending.compareAndSet(null, t);
+      }
+    });
+  }
+
+  /** Returns once the work queued so far is done; rethrows what a host function queued here threw. */
+  public void synchronize() {
+    synchronizeRaw();
+    Throwable t = hostPending.getAndSet(null);
+    if (t != null) throw Sneaky.<RuntimeException>rethrow(t);
+  }
+%}
+%javamethodmodifiers dpswig::Tensor::fromHost "";
+%javamethodmodifiers dpswig::Tensor::fromPointer "";
+
 // The tensor's memory as a direct ByteBuffer in native byte order. JNI's
 // buffer holds nothing alive: Tensor.buffer() takes it from a reference of
 // its own (viewReference) that a Cleaner drops when the buffer goes.
@@ -132,12 +293,19 @@ class JavaFloatArray : public FloatSource, public FloatSink {
 %typemap(javaclassmodifiers) dpswig::CommHook "public abstract class";
 
 %javamethodmodifiers dpswig::Ddp::withHook "";
+%javamethodmodifiers dpswig::Ddp::create "";
+%javamethodmodifiers dpswig::Ddp::join "";
+%javamethodmodifiers dpswig::DdpOptions::setOnBucketReduced "";
+%javamethodmodifiers dpswig::BucketReduced::invoke "protected";
+%javamethodmodifiers dpswig::BucketReduced::BucketReduced "";
+%typemap(javaclassmodifiers) dpswig::BucketReduced "public abstract class";
 
 // Every handle: close() deletes the native object now, and isClosed() reads
 // the proxy, so it answers on a closed object instead of throwing. CLOSED
 // is the test, with the native half where the library can take the handle.
 %javamethodmodifiers dpswig::Tensor::isClosed "private";
 %javamethodmodifiers dpswig::Module::isClosed "private";
+%javamethodmodifiers dpswig::Stream::isClosed "private";
 %define DP_JAVA_CLOSEABLE(CLASS, CLOSED)
 %typemap(javainterfaces) CLASS "AutoCloseable"
 %extend CLASS {
@@ -164,6 +332,8 @@ DP_JAVA_CLOSEABLE(dpswig::Store, swigCPtr == 0)
 DP_JAVA_CLOSEABLE(dpswig::ProcessGroup, swigCPtr == 0)
 DP_JAVA_CLOSEABLE(dpswig::Work, swigCPtr == 0)
 DP_JAVA_CLOSEABLE(dpswig::Ddp, swigCPtr == 0)
+DP_JAVA_CLOSEABLE(dpswig::Stream, swigCPtr == 0 || isClosedRaw())
+DP_JAVA_CLOSEABLE(dpswig::Fsdp, swigCPtr == 0)
 
 %typemap(javacode) dpswig::Tensor %{
   /** A tensor of the given shape (zeros), float32 on cpu:0. */
@@ -223,6 +393,34 @@ DP_JAVA_CLOSEABLE(dpswig::Ddp, swigCPtr == 0)
     return view;
   }
 
+  /** A tensor over {@code buffer}'s first bytes (from its start, whatever its position), without a copy: the
+   * library reads and writes the buffer in place. {@code buffer} is direct and writable, in native byte order
+   * for multi-byte dtypes; the tensor, and every tensor or module slot sharing its memory, keeps it alive. */
+  public static Tensor fromBuffer(java.nio.ByteBuffer buffer, int dtype, long... shape) {
+    return fromBuffer(buffer, dtype, new Device(), shape);
+  }
+
+  /** As {@link #fromBuffer(java.nio.ByteBuffer, int, long...)}, on the cpu device {@code device}. */
+  public static Tensor fromBuffer(java.nio.ByteBuffer buffer, int dtype, Device device, long... shape) {
+    if (buffer == null) throw new DParallelException(Status.INVALID, "invalid argument: 'buffer' is null");
+    if (!buffer.isDirect()) {
+      throw new DParallelException(Status.INVALID, "invalid argument: 'buffer' is not direct (ByteBuffer.allocateDirect)");
+    }
+    if (buffer.isReadOnly()) throw new DParallelException(Status.INVALID, "invalid argument: 'buffer' is read-only");
+    if (device == null) throw new DParallelException(Status.INVALID, "invalid argument: 'device' is null");
+    if (!device.isCpu()) {
+      throw new DParallelException(Status.INVALID, "invalid argument: 'device' must be a cpu device for a ByteBuffer, not " + device);
+    }
+    return fromHost(buffer, LongVector.of(shape), dtype, device);
+  }
+
+  /** A tensor over {@code nbytes} bytes at {@code address} (host memory for a cpu device, device memory for cuda),
+   * without a copy; the caller keeps that memory alive while any tensor over it lives. */
+  public static Tensor fromAddress(long address, long nbytes, int dtype, Device device, long... shape) {
+    if (nbytes < 0) throw new DParallelException(Status.INVALID, "invalid argument: 'nbytes' is negative");
+    return fromPointer(address, nbytes, LongVector.of(shape), dtype, device);
+  }
+
   /** The tensor's memory as floats, without a copy (cpu tensors); it stays valid as {@link #buffer()} does. */
   public java.nio.FloatBuffer floats() {
     return buffer().asFloatBuffer();
@@ -263,14 +461,37 @@ DP_JAVA_CLOSEABLE(dpswig::Ddp, swigCPtr == 0)
   }
 %}
 
+%typemap(javacode) dpswig::DdpOptions %{
+  // The callback stays reachable while these options and every Ddp made with them live.
+  BucketReduced onBucketReducedRef;
+
+  /** The optimizer inside backward (null: none): it runs as each bucket's averaged gradients are final. */
+  public void setOnBucketReduced(BucketReduced callback) {
+    setOnBucketReducedRaw(callback);
+    onBucketReducedRef = callback;
+  }
+
+  public BucketReduced getOnBucketReduced() {
+    return onBucketReducedRef;
+  }
+%}
+
 %typemap(javacode) dpswig::Ddp %{
-  // The hook stays reachable while this Ddp lives.
-  private CommHookBase hookRef;
+  // The hook and the options' callback stay reachable while this Ddp lives.
+  private CommHook hookRef;
+  private BucketReduced reducedRef;
+
+  /** Wraps {@code module} for data-parallel training over {@code pg}; every rank calls it with equal options. */
+  public Ddp(Module module, ProcessGroup pg, DdpOptions options) {
+    this(adopt(createRaw(module, pg, options)), true);
+    reducedRef = options.onBucketReducedRef;
+  }
 
   /** DDP with a custom comm hook, implemented in Java. */
   public Ddp(Module module, ProcessGroup pg, DdpOptions options, CommHook hook) {
     this(adopt(withHookRaw(module, pg, options, hook)), true);
     hookRef = hook;
+    reducedRef = options.onBucketReducedRef;
   }
 
   private static long adopt(Ddp ddp) {
@@ -278,16 +499,55 @@ DP_JAVA_CLOSEABLE(dpswig::Ddp, swigCPtr == 0)
     return ddp.swigCPtr;
   }
 
+  private void clearPending() {
+    if (hookRef != null) hookRef.clearPending();
+    if (reducedRef != null) reducedRef.clearPending();
+  }
+
+  /** The exception to throw for {@code e}: the hook's or the callback's own, when one threw. */
+  private RuntimeException surface(DParallelException e) {
+    RuntimeException out = hookRef != null ? hookRef.surface(e) : e;
+    return out == e && reducedRef != null ? reducedRef.surface(e) : out;
+  }
+
   /** Waits for every bucket; the module's gradients then hold the average over the ranks. An exception
-   * the comm hook threw is rethrown here. */
+   * the comm hook or the onBucketReduced callback threw is rethrown here. */
   public void finishBackward() {
-    if (hookRef instanceof CommHook) ((CommHook) hookRef).clearPending();
+    clearPending();
     try {
       finishBackwardRaw();
     } catch (DParallelException e) {
-      if (hookRef instanceof CommHook) throw ((CommHook) hookRef).surface(e);
+      throw surface(e);
+    }
+  }
+
+  /** This rank has no more data: it stands in for the other ranks' iterations until every rank has joined;
+   * then every rank holds the parameters and buffers of the rank that ran the most synced iterations. Every
+   * rank passes the same Ddp, in the same order, after its last finishBackward. */
+  public static void join(Ddp... ddps) {
+    if (ddps == null) throw new DParallelException(Status.INVALID, "invalid argument: 'ddps' is null");
+    DdpVector v = new DdpVector();
+    for (Ddp d : ddps) {
+      v.add(d);
+      if (d != null) d.clearPending();
+    }
+    try {
+      joinRaw(v);
+    } catch (DParallelException e) {
+      for (Ddp d : ddps) {
+        RuntimeException own = d != null ? d.surface(e) : e;
+        if (own != e) throw own;
+      }
       throw e;
     }
+  }
+
+  /** The current bucket plan's managed-parameter indices, per bucket. */
+  public long[] bucketParameterArray(long bucket) {
+    SizeVector v = bucketParameters(bucket);
+    long[] out = new long[v.size()];
+    for (int i = 0; i < out.length; ++i) out[i] = v.get(i);
+    return out;
   }
 %}
 

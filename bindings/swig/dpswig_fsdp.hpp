@@ -1,0 +1,106 @@
+// dparallel's SWIG layer: fully_shard (sharded data parallel) and its
+// state dicts.
+#ifndef DPARALLEL_BINDINGS_SWIG_FSDP_HPP
+#define DPARALLEL_BINDINGS_SWIG_FSDP_HPP
+
+#include "dpswig_dist.hpp"
+#include "dpswig_module.hpp"
+
+namespace dpswig {
+
+struct FsdpOptions {
+  // true (ZeRO-3): reshard() frees the full parameters; false (ZeRO-2): they
+  // stay until postBackward.
+  bool reshardAfterForward = true;
+  // -1: the parameters' own dtype; else the dtype to compute in.
+  int paramDtype = -1;
+  // -1: paramDtype; else the dtype to reduce gradients in.
+  int reduceDtype = -1;
+  // Rank 0's values and the agreement check before sharding.
+  bool initSync = true;
+};
+
+// Each rank keeps only its rows of every parameter of `module` that no live
+// Fsdp holds (create the children's first). Every call that moves data is
+// collective: every rank makes it, in the same order. close() is
+// collective too: the module's slots get the full parameters back.
+class Fsdp {
+ public:
+  Fsdp(Module& module, ProcessGroup& pg, const FsdpOptions& options = FsdpOptions()) {
+    dp_fsdp_options o;
+    check(dp_fsdp_options_init(&o, sizeof o));
+    o.reshard_after_forward = options.reshardAfterForward ? 1 : 0;
+    o.param_dtype = options.paramDtype;
+    o.reduce_dtype = options.reduceDtype;
+    o.init_sync = options.initSync ? 1 : 0;
+    check(dp_fsdp_create(&h_, module.handle(), pg.handle(), &o));
+  }
+  ~Fsdp() { dp_fsdp_destroy(h_); }
+  Fsdp(const Fsdp&) = delete;
+  Fsdp& operator=(const Fsdp&) = delete;
+  void close() {
+    dp_fsdp_destroy(h_);
+    h_ = nullptr;
+  }
+  // All-gather: the module's slots hold the full parameters. With `async`
+  // it returns once the gather is issued (waitUnshard completes it).
+  void unshard(bool async = false) { check(dp_fsdp_unshard(handle(), async ? 1 : 0)); }
+  void waitUnshard() { check(dp_fsdp_wait_unshard(handle())); }
+  // The slots hold the shards again (see FsdpOptions.reshardAfterForward).
+  void reshard() { check(dp_fsdp_reshard(handle())); }
+  // The full gradients are final: reshards, then reduce-scatters their
+  // average into the shard gradients, asynchronously.
+  void postBackward() { check(dp_fsdp_post_backward(handle())); }
+  // Waits for the last postBackward's reduce-scatter.
+  void finishBackward() { check(dp_fsdp_finish_backward(handle())); }
+  void setRequiresGradientSync(bool requiresSync) {
+    check(dp_fsdp_set_requires_gradient_sync(handle(), requiresSync ? 1 : 0));
+  }
+  size_t numParameters() const { return dp_fsdp_num_parameters(handle()); }
+  std::string parameterName(size_t index) const {
+    const char* name = nullptr;
+    check(dp_fsdp_parameter_name(handle(), index, &name));
+    return name != nullptr ? name : "";
+  }
+  // This rank's rows of parameter `index` (the shard itself: an optimizer
+  // updates it in place), and their gradient.
+  Tensor* shard(size_t index) const {
+    dp_tensor* t = nullptr;
+    check(dp_fsdp_shard(handle(), index, &t));
+    return t != nullptr ? new Tensor(t, true) : nullptr;
+  }
+  Tensor* shardGrad(size_t index) const {
+    dp_tensor* t = nullptr;
+    check(dp_fsdp_shard_grad(handle(), index, &t));
+    return t != nullptr ? new Tensor(t, true) : nullptr;
+  }
+
+  // The state dict of `module`, whose parameters Fsdp hold. Full: every
+  // rank of `pg` calls it, rank 0 writes `path` as Module.save would for the
+  // unsharded module. Loading is local: each rank keeps its rows.
+  static void saveFullStateDict(Module& module, ProcessGroup& pg, const std::string& path) {
+    check(dp_fsdp_save_full_state_dict(module.handle(), pg.handle(), path.c_str()));
+  }
+  static void loadFullStateDict(Module& module, const std::string& path, bool strict = true) {
+    check(dp_fsdp_load_full_state_dict(module.handle(), path.c_str(), strict ? 1 : 0));
+  }
+  // Sharded: each rank writes its own file into `folder`; a load (after
+  // every rank's save has returned) may run at another world size.
+  static void saveShardedStateDict(Module& module, ProcessGroup& pg, const std::string& folder) {
+    check(dp_fsdp_save_sharded_state_dict(module.handle(), pg.handle(), folder.c_str()));
+  }
+  static void loadShardedStateDict(Module& module, const std::string& folder) {
+    check(dp_fsdp_load_sharded_state_dict(module.handle(), folder.c_str()));
+  }
+
+ private:
+  dp_fsdp* handle() const {
+    if (h_ == nullptr) throw Error(DP_ESTATE, "the fsdp is closed");
+    return h_;
+  }
+  dp_fsdp* h_ = nullptr;
+};
+
+}  // namespace dpswig
+
+#endif  // DPARALLEL_BINDINGS_SWIG_FSDP_HPP
