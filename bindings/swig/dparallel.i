@@ -10,6 +10,7 @@
 #endif
 
 %include "common.i"
+%include "shutdown.i"
 %include "tensor.i"
 %include "comm.i"
 %include "module.i"
