@@ -40,6 +40,8 @@ extern "C" SWIGEXPORT void SWIGSTDCALL DParallelRegisterExceptionCallback(DParal
     }
   }
   protected static DParallelExceptionHelper dparallelExceptionHelper = new DParallelExceptionHelper();
+  // The library's threads end at exit (ProcessExit.cs).
+  internal static readonly bool shutdownAtExit = ProcessExit.Register();
 %}
 
 %exception {
