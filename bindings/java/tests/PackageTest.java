@@ -6,6 +6,7 @@
 //   java -cp dparallel.jar:. PackageTest bundled <prefix>       the jar's copies, extracted outside
 //                                                              <prefix> and deleted once loaded
 //   java -Djava.library.path=<libdir> -cp dparallel.jar:. PackageTest library-path <libdir>
+//   java -Dorg.dparallel.library=<libdir>/libdparallel_jni.so -cp dparallel.jar:. PackageTest library-path <libdir>
 //   java -cp dparallel.jar:. PackageTest shutdown
 //   java -cp dparallel.jar:. PackageTest exit-in-forward      exits with status 3
 import java.io.IOException;
