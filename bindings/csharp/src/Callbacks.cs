@@ -20,7 +20,6 @@ public abstract class ForwardFunction : ForwardFunctionBase {
   public abstract Tensor Forward(ulong index, Module replica, Tensor input, Device device);
 
   public sealed override Tensor Invoke(ulong index, Module replica, Tensor input, Device device) {
-    Worker.Attach();
     try {
       Tensor output = Forward(index, replica, input, device);
       if (output == null) throw new NullReferenceException("ForwardFunction.Forward returned null for replica " + index);
@@ -46,19 +45,23 @@ public abstract class ForwardFunction : ForwardFunctionBase {
   }
 }
 
-static class Worker {
-  // Mono attaches a library worker thread on its first callback, as a
-  // background thread, and at exit aborts background threads and waits for
-  // them to end, which the library's persistent workers never do. Its
-  // "don't manage" flag (what Mono sets on its own service threads) leaves
-  // them out of that wait. Elsewhere (no such field) this does nothing.
+static class HookThread {
+  // Mono attaches a library thread on its first callback, as a background
+  // thread, and after ProcessExit aborts its background threads and waits
+  // for them to end. The device workers a ForwardFunction runs on end in
+  // ProcessExit (dp_shutdown, see ProcessExit.cs), but a comm hook runs on a
+  // thread of its Ddp, which ends only when the Ddp is disposed: a program
+  // returning from Main with one open would wait forever. Mono's "don't
+  // manage" flag (what it sets on its own service threads) leaves the hook's
+  // thread out of that wait; no public API does. Elsewhere (no such field)
+  // this does nothing.
   const long DontManage = 1;
   static readonly FieldInfo internalThread =
       typeof(Thread).GetField("internal_thread", BindingFlags.NonPublic | BindingFlags.Instance);
   static readonly FieldInfo flags = internalThread?.FieldType.GetField("flags", BindingFlags.NonPublic | BindingFlags.Instance);
   [ThreadStatic] static bool marked;
 
-  internal static void Attach() {
+  internal static void LeaveOutOfExitWait() {
     if (marked) return;
     marked = true;
     Thread t = Thread.CurrentThread;
@@ -82,7 +85,7 @@ public abstract class CommHook : CommHookBase {
   public abstract void Reduce(ProcessGroup pg, ulong bucketIndex, Tensor bucket);
 
   public sealed override bool Invoke(ProcessGroup pg, ulong bucketIndex, Tensor bucket) {
-    Worker.Attach();
+    HookThread.LeaveOutOfExitWait();
     try {
       Reduce(pg, bucketIndex, bucket);
       return true;

@@ -105,6 +105,8 @@ class CSharpPinned : public HostMemory {
     }
   }
   protected static DParallelHostHelper dparallelHostHelper = new DParallelHostHelper();
+  // The library's threads end at exit (ProcessExit.cs).
+  internal static readonly bool shutdownAtExit = ProcessExit.Register();
 %}
 
 %exception {

@@ -8,14 +8,11 @@
 #define SWIG_JAVA_NO_DETACH_CURRENT_THREAD
 %}
 
+// NativeLibrary.java finds the JNI library (a path, java.library.path or
+// the jar) and ends the library's threads at exit.
 %pragma(java) jniclasscode=%{
   static {
-    String path = System.getProperty("org.dparallel.library");
-    if (path != null) {
-      System.load(path);
-    } else {
-      System.loadLibrary("dparallel_jni");
-    }
+    NativeLibrary.load();
   }
 %}
 
