@@ -6,6 +6,7 @@
 #include "core/allocator.h"
 #include "core/device_worker.h"
 #include "core/thread_pool.h"
+#include "ddp/comm_lane.h"
 
 namespace dparallel::capi {
 const char* last_error_text() noexcept;
@@ -125,7 +126,9 @@ dp_status dp_shutdown(void) {
   DP_API_BEGIN
   stop_device_workers();  // first: a forward in flight may still compute and queue
   cpu::stop_default_streams();
+  cpu::park_idle_streams();
   stop_compute_threads();
+  ddp::CommLane::park_idle_lanes();
   DP_API_END
 }
 

@@ -1,9 +1,11 @@
 // Helpers shared by the C ABI tests: owned handles and host round trips.
 #pragma once
 
+#include <dirent.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -87,6 +89,22 @@ inline std::vector<int64_t> shape(const dp_tensor* t) {
 inline bool same_device(dp_device a, dp_device b) { return a.type == b.type && a.index == b.index; }
 
 inline std::string last_error() { return dp_last_error(); }
+
+// Threads of this process whose name starts with `prefix` (/proc/self/task);
+// the library names its own ("dp-dev cpu:0", "dp-pool", "dp-lane", ...).
+inline int threads_named(const std::string& prefix) {
+  int count = 0;
+  DIR* dir = opendir("/proc/self/task");
+  if (dir == nullptr) return -1;
+  while (dirent* entry = readdir(dir)) {
+    if (entry->d_name[0] == '.') continue;
+    std::ifstream comm(std::string("/proc/self/task/") + entry->d_name + "/comm");
+    std::string name;
+    if (std::getline(comm, name) && name.rfind(prefix, 0) == 0) ++count;
+  }
+  closedir(dir);
+  return count;
+}
 
 }  // namespace dptest
 

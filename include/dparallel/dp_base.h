@@ -102,14 +102,17 @@ DP_API dp_status dp_device_reset_peak_memory(dp_device device);
 
 /* Ends the threads the library keeps for itself: one worker per device that
  * ran a forward (parallel_apply, data_parallel, replica sets), the compute
- * pool and, with DP_CPU_ASYNC=1, the cpu default streams. Each first runs
- * what it has queued; the call returns once they have all ended, so a
+ * pool, with DP_CPU_ASYNC=1 the cpu default streams, and the comm lane of
+ * every process group whose dp_ddp and dp_fsdp are idle (nothing issued or
+ * running; the thread comm hooks and on_bucket_reduced run on). Each first
+ * runs what it has queued; the call returns once they have all ended, so a
  * runtime that waits at exit for threads it has seen (Mono, the JVM) does
  * not wait on them. Safe to call twice, and from any thread but those (a
  * forward or host function calling it is DP_ESTATE); a later call that needs
- * them starts them again. Threads that belong to a handle (process groups,
- * dp_ddp, dp_fsdp, stores, streams from dp_stream_create) end when it is
- * destroyed. */
+ * them starts them again; so do the threads of streams from
+ * dp_stream_create with nothing queued. A lane or stream at work keeps its
+ * thread, and threads that belong to other handles (a process group's async
+ * worker, stores) end when the handle is destroyed. */
 DP_API dp_status dp_shutdown(void);
 
 typedef enum dp_dtype {

@@ -1,6 +1,10 @@
 #include "ddp/comm_lane.h"
 
+#include <pthread.h>
+
 #include <algorithm>
+#include <map>
+#include <mutex>
 #include <vector>
 
 #include "core/error.h"
@@ -122,28 +126,53 @@ std::map<uint32_t, int32_t> joined_counts(const std::vector<std::vector<int64_t>
 
 }  // namespace
 
+namespace {
+
+struct LaneEntry {
+  std::weak_ptr<dist::ProcessGroup> group;
+  std::weak_ptr<CommLane> lane;
+  std::shared_ptr<CommLane::Counters> counters;
+};
+struct LaneRegistry {
+  std::mutex mutex;
+  std::map<const dist::ProcessGroup*, LaneEntry> lanes;
+};
+LaneRegistry& lane_registry() {
+  static auto* registry = new LaneRegistry();  // outlives hosts' static destructors
+  return *registry;
+}
+
+}  // namespace
+
 std::shared_ptr<CommLane> CommLane::for_group(const std::shared_ptr<dist::ProcessGroup>& group) {
-  struct Entry {
-    std::weak_ptr<dist::ProcessGroup> group;
-    std::weak_ptr<CommLane> lane;
-    std::shared_ptr<Counters> counters;
-  };
-  static std::mutex mutex;
-  static std::map<const dist::ProcessGroup*, Entry> lanes;
-  std::lock_guard<std::mutex> lock(mutex);
+  LaneRegistry& registry = lane_registry();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  auto& lanes = registry.lanes;
   for (auto it = lanes.begin(); it != lanes.end();) it = it->second.group.expired() ? lanes.erase(it) : std::next(it);
-  Entry& entry = lanes[group.get()];
-  if (entry.group.lock() != group) entry = Entry{group, {}, std::make_shared<Counters>()};
+  LaneEntry& entry = lanes[group.get()];
+  if (entry.group.lock() != group) entry = LaneEntry{group, {}, std::make_shared<Counters>()};
   if (auto existing = entry.lane.lock()) return existing;
   auto created = std::make_shared<CommLane>(group, entry.counters);
   entry.lane = created;
   return created;
 }
 
+void CommLane::park_idle_lanes() {
+  std::vector<std::shared_ptr<CommLane>> live;
+  {
+    LaneRegistry& registry = lane_registry();
+    std::lock_guard<std::mutex> lock(registry.mutex);
+    for (auto& [group, entry] : registry.lanes) {
+      if (auto lane = entry.lane.lock()) live.push_back(std::move(lane));
+    }
+  }
+  for (const auto& lane : live) lane->park_if_idle();
+}
+
 class CommLane::Gate : public dist::CallGate {
  public:
-  Gate(std::shared_ptr<State> state, std::thread::id worker) : state_(std::move(state)), worker_(worker) {}
-  bool owns_this_thread() const override { return std::this_thread::get_id() == worker_; }
+  explicit Gate(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  bool owns_this_thread() const override { return std::this_thread::get_id() == state_->worker.load(); }
   std::string refuse_host_call() override {
     std::lock_guard<std::mutex> lock(state_->mutex);
     for (const auto& [owner, entry] : state_->owners) {
@@ -161,19 +190,58 @@ class CommLane::Gate : public dist::CallGate {
 
  private:
   std::shared_ptr<State> state_;
-  std::thread::id worker_;
 };
 
 CommLane::CommLane(std::shared_ptr<dist::ProcessGroup> group, std::shared_ptr<Counters> counters)
     : state_(std::make_shared<State>(std::move(group), std::move(counters))) {
+  {
+    std::lock_guard<std::mutex> threads(thread_mutex_);
+    start_worker_locked();
+  }
+  gate_ = std::make_shared<Gate>(state_);
+  state_->group->set_call_gate(gate_);
+}
+
+void CommLane::start_worker_locked() {
+  if (thread_.joinable()) return;
   thread_ = std::thread([state = state_] {
+    state->worker.store(std::this_thread::get_id());
+    pthread_setname_np(pthread_self(), "dp-lane");
     // The jobs overlap the host's backward: a fan-out would take its cores.
     SerialScope serial;
     loop(state);
+    state->worker.store(std::thread::id());
   });
-  worker_id_ = thread_.get_id();
-  gate_ = std::make_shared<Gate>(state_, worker_id_);
-  state_->group->set_call_gate(gate_);
+}
+
+bool CommLane::park_if_idle() {
+  const auto deadline = Clock::now() + state_->group->timeout();
+  std::unique_lock<std::mutex> threads(thread_mutex_);
+  for (;;) {
+    if (!thread_.joinable() || on_worker()) return false;
+    std::unique_lock<std::mutex> lock(state_->mutex);
+    // Issued jobs may wait for other ranks: not idle.
+    if (has_pending_locked(*state_) || !state_->stuck.empty()) return false;
+    if (state_->running == nullptr && state_->holding == nullptr) {
+      state_->parking = true;
+      state_->cv.notify_all();
+      break;
+    }
+    // The job it runs or publishes is the last one issued and ends within
+    // the group's timeout. Waited for without thread_mutex_, so a host
+    // issuing the next job (holding its reducer's lock) is never held up.
+    threads.unlock();
+    const bool settled = state_->cv.wait_until(lock, deadline, [&] {
+      return has_pending_locked(*state_) || (state_->running == nullptr && state_->holding == nullptr);
+    });
+    if (!settled) return false;
+    lock.unlock();
+    threads.lock();
+  }
+  thread_.join();
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->parking = false;
+  return true;
 }
 
 CommLane::~CommLane() {
@@ -188,6 +256,8 @@ CommLane::~CommLane() {
   }
   // A worker stuck in a job (or this very thread, when the job's reducer
   // was the last owner) ends on its own; the state lives as long as it.
+  std::lock_guard<std::mutex> threads(thread_mutex_);
+  if (!thread_.joinable()) return;  // parked
   if (stuck || on_worker()) {
     thread_.detach();
   } else {
@@ -253,6 +323,8 @@ bool CommLane::issue_shadow_jobs_locked(State& state, const std::vector<std::vec
 }
 
 void CommLane::join(const std::vector<std::shared_ptr<LaneOwner>>& owners, Clock::duration bound) {
+  std::unique_lock<std::mutex> threads(thread_mutex_);
+  start_worker_locked();
   std::unique_lock<std::mutex> lock(state_->mutex);
   if (!state_->stuck.empty()) fail(StatusCode::kState, "dp_ddp_join: ", state_->stuck);
   for (const auto& owner : owners) {
@@ -263,6 +335,7 @@ void CommLane::join(const std::vector<std::shared_ptr<LaneOwner>>& owners, Clock
   }
   ++state_->pushes;
   state_->cv.notify_all();
+  threads.unlock();  // shadowing: the worker cannot park
   auto done = [&] {
     if (!state_->stuck.empty()) return true;
     for (const auto& owner : owners) {
@@ -350,6 +423,8 @@ std::string CommLane::job_name(const Job& job) {
 }
 
 bool CommLane::push(const std::shared_ptr<LaneOwner>& owner, JobSpec spec) {
+  std::lock_guard<std::mutex> threads(thread_mutex_);
+  start_worker_locked();
   std::lock_guard<std::mutex> lock(state_->mutex);
   if (!state_->stuck.empty()) return false;
   auto it = state_->owners.find(owner.get());
@@ -379,6 +454,8 @@ void CommLane::call(const LaneOwner* owner, const JobSpec& spec, const std::func
   }
   auto outcome = std::make_shared<Outcome>();
   State& state = *state_;
+  std::unique_lock<std::mutex> threads(thread_mutex_);
+  start_worker_locked();
   std::unique_lock<std::mutex> lock(state.mutex);
   if (!state.stuck.empty()) fail(StatusCode::kState, what, ": ", state.stuck);
   auto it = state.owners.find(owner);
@@ -418,6 +495,7 @@ void CommLane::call(const LaneOwner* owner, const JobSpec& spec, const std::func
   it->second.jobs.push_back(std::move(job));
   ++state.pushes;
   state.cv.notify_all();
+  threads.unlock();  // issued: the worker cannot park until it ran
   if (!state.cv.wait_for(lock, bound, [&] { return outcome->started || outcome->done; })) {
     // It keeps its place (every rank counts it) but runs nothing.
     outcome->abandoned = true;
@@ -595,8 +673,10 @@ void CommLane::loop(const std::shared_ptr<State>& state) {
   std::unique_lock<std::mutex> lock(state->mutex);
   auto backoff = std::chrono::duration_cast<Clock::duration>(kFirstBackoff);
   for (;;) {
-    state->cv.wait(lock, [&] { return state->stopping || !state->stuck.empty() || has_pending_locked(*state); });
-    if (!state->stuck.empty() || !has_pending_locked(*state)) return;  // stuck, or stopping: every owner is gone
+    state->cv.wait(
+        lock, [&] { return state->stopping || state->parking || !state->stuck.empty() || has_pending_locked(*state); });
+    // Stuck, stopping (every owner is gone), or parked while idle.
+    if (!state->stuck.empty() || !has_pending_locked(*state)) return;
     const uint64_t pushes_seen = state->pushes;
     if (run_round(*state, lock)) {
       backoff = std::chrono::duration_cast<Clock::duration>(kFirstBackoff);

@@ -13,6 +13,7 @@
 // both.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -70,6 +71,10 @@ class CommLane {
   static constexpr size_t kOwnersPerRound = 128;
 
   static std::shared_ptr<CommLane> for_group(const std::shared_ptr<dist::ProcessGroup>& group);
+  // dp_shutdown: ends the worker of every lane with nothing issued, running
+  // or shadowed (joins it); the next job starts a new one. A lane at work,
+  // or the calling thread's own, keeps its worker.
+  static void park_idle_lanes();
   // Numbers every rank must agree on, kept as long as the group: a lane
   // ends when its last dp_ddp does, at another moment on each rank, and the
   // next one goes on counting.
@@ -101,7 +106,7 @@ class CommLane {
   // is stuck for good (`why` and the running job in the reason), and every
   // queued job is dropped with that reason.
   void give_up(const std::string& why);
-  bool on_worker() const { return std::this_thread::get_id() == worker_id_; }
+  bool on_worker() const { return std::this_thread::get_id() == state_->worker.load(); }
   // The owner's next job (its number) to run, and "ranks 1, 2" that had not
   // issued it in the last agreement round ("" when every rank had, or no
   // round ran since it was issued): for the message of a wait that gave up.
@@ -162,6 +167,8 @@ class CommLane {
     std::string stuck;                              // why the lane stopped for good
     StatusCode stuck_code = StatusCode::kState;
     bool stopping = false;
+    bool parking = false;                   // park_if_idle: the worker ends once idle
+    std::atomic<std::thread::id> worker{};  // the running worker's; none while parked
   };
   // Refuses the host's calls on the group while any owner is at work.
   class Gate;
@@ -178,10 +185,17 @@ class CommLane {
   // True when it issued one.
   static bool issue_shadow_jobs_locked(State& state, const std::vector<std::vector<int64_t>>& counts);
 
+  // Starts the worker unless it runs; thread_mutex_ held.
+  void start_worker_locked();
+  // Ends an idle worker; false when the lane is at work (or this is its worker).
+  bool park_if_idle();
+
   std::shared_ptr<State> state_;
   std::shared_ptr<Gate> gate_;
+  // Guards thread_ and, taken before the state's mutex, keeps a job from
+  // being issued between a park's idle check and its end.
+  std::mutex thread_mutex_;
   std::thread thread_;
-  std::thread::id worker_id_;
 };
 
 }  // namespace dparallel::ddp

@@ -1,11 +1,8 @@
 // dp_shutdown: the library's own threads (device workers, compute pool, async
 // default streams) end, and the next use starts them again.
-#include <dirent.h>
-
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
-#include <fstream>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -15,21 +12,6 @@
 using namespace dptest;
 
 namespace {
-
-// Threads of this process whose name starts with `prefix` (/proc/self/task).
-int threads_named(const std::string& prefix) {
-  int count = 0;
-  DIR* dir = opendir("/proc/self/task");
-  if (dir == nullptr) return -1;
-  while (dirent* entry = readdir(dir)) {
-    if (entry->d_name[0] == '.') continue;
-    std::ifstream comm(std::string("/proc/self/task/") + entry->d_name + "/comm");
-    std::string name;
-    if (std::getline(comm, name) && name.rfind(prefix, 0) == 0) ++count;
-  }
-  closedir(dir);
-  return count;
-}
 
 int doubled(void*, size_t, dp_module*, dp_tensor* input, dp_device, dp_tensor** output) {
   auto* v = static_cast<float*>(dp_tensor_data(input));
@@ -154,4 +136,29 @@ TEST(Shutdown, EndsTheComputePoolAfterALargeReduction) {
   DP_ASSERT_OK(dp_reduce_add(inputs, 2, cpu(0), &again));
   TensorPtr owned_again(again);
   EXPECT_EQ(values<float>(again)[0], 3.0F);
+}
+
+namespace {
+void count_call(void* user_data) { static_cast<std::atomic<int>*>(user_data)->fetch_add(1); }
+}  // namespace
+
+TEST(Shutdown, EndsTheThreadOfAnIdleStreamAndItsNextHostFunctionStartsAnother) {
+  void* stream = nullptr;
+  DP_ASSERT_OK(dp_stream_create(cpu(0), &stream));
+  std::atomic<int> calls{0};
+  DP_ASSERT_OK(dp_stream_launch_host_func(cpu(0), stream, count_call, &calls));
+  DP_ASSERT_OK(dp_stream_synchronize(cpu(0), stream));
+  EXPECT_GE(threads_named("dp-stream"), 1);  // with DP_CPU_ASYNC=1 the default stream's too
+
+  DP_ASSERT_OK(dp_shutdown());
+  EXPECT_EQ(threads_named("dp-stream"), 0);
+
+  DP_ASSERT_OK(dp_stream_launch_host_func(cpu(0), stream, count_call, &calls));
+  DP_ASSERT_OK(dp_stream_launch_host_func(cpu(0), stream, count_call, &calls));
+  DP_ASSERT_OK(dp_stream_synchronize(cpu(0), stream));
+  EXPECT_EQ(calls.load(), 3);
+  EXPECT_GE(threads_named("dp-stream"), 1);
+  DP_EXPECT_OK(dp_stream_destroy(cpu(0), stream));
+  DP_EXPECT_OK(dp_shutdown());
+  EXPECT_EQ(threads_named("dp-stream"), 0);
 }

@@ -218,6 +218,37 @@ TEST(DdpOptimizerInBackward, ANonZeroReturnIsEuserNamingTheBucketAndTheGradients
   });
 }
 
+TEST(DdpShutdown, EndsIdleCommLanesAndTheNextStepStartsThemAgain) {
+  std::atomic<int> finished_first{0};
+  std::atomic<bool> shut_down{false};
+  run_ranks(2, [&](int rank, dp_process_group* pg) {
+    dptest::ModulePtr m = three_params(0.0f);
+    dp_ddp_options o = small_buckets();
+    dp_ddp* raw = nullptr;
+    ASSERT_EQ(dp_ddp_create(&raw, m.get(), pg, &o), DP_OK) << dp_last_error();
+    DdpPtr ddp(raw);
+    for (int step = 0; step < 2; ++step) {
+      ASSERT_EQ(dp_ddp_pre_forward(ddp.get()), DP_OK) << dp_last_error();
+      for (const char* name : kNames) set_grad(m.get(), name, static_cast<float>(rank + 1 + step));
+      for (const char* name : {"c", "b", "a"}) ASSERT_EQ(dp_ddp_mark_grad_ready(ddp.get(), name), DP_OK);
+      ASSERT_EQ(dp_ddp_finish_backward(ddp.get()), DP_OK) << dp_last_error();
+      EXPECT_EQ(grad_of(m.get(), "a"), std::vector<float>(4, 1.5f + static_cast<float>(step))) << "step " << step;
+      if (step > 0) break;
+      // Both ranks idle between steps: rank 0's dp_shutdown ends both lanes.
+      finished_first.fetch_add(1);
+      if (rank == 0) {
+        while (finished_first.load() < 2) std::this_thread::yield();
+        EXPECT_EQ(dptest::threads_named("dp-lane"), 2);
+        EXPECT_EQ(dp_shutdown(), DP_OK) << dp_last_error();
+        EXPECT_EQ(dptest::threads_named("dp-lane"), 0);
+        shut_down = true;
+      }
+      while (!shut_down.load()) std::this_thread::yield();
+    }
+    EXPECT_GE(dptest::threads_named("dp-lane"), 1) << "the second step started this rank's lane again";
+  });
+}
+
 int calls_finish(void* user_data, dp_ddp* ddp, size_t, const size_t*, size_t) {
   auto* status = static_cast<std::atomic<int>*>(user_data);
   status->store(dp_ddp_finish_backward(ddp));

@@ -22,7 +22,7 @@ public abstract class BucketReduced : BucketReducedBase {
   public abstract void Reduced(Ddp ddp, ulong bucketIndex, ulong[] parameterIndices);
 
   public sealed override bool Invoke(Ddp ddp, ulong bucketIndex, SizeVector parameters) {
-    HookThread.LeaveOutOfExitWait();  // the Ddp's thread, as a comm hook's
+    HookThread.MarkBackground();
     try {
       var indices = new ulong[parameters.Count];
       parameters.CopyTo(indices);

@@ -1,5 +1,4 @@
 using System;
-using System.Reflection;
 using System.Runtime.ExceptionServices;
 using System.Threading;
 
@@ -46,31 +45,18 @@ public abstract class ForwardFunction : ForwardFunctionBase {
 }
 
 static class HookThread {
-  // Mono attaches a library thread on its first callback, as a background
-  // thread, and after ProcessExit aborts its background threads and waits
-  // for them to end. The device workers a ForwardFunction runs on end in
-  // ProcessExit (dp_shutdown, see ProcessExit.cs), but a comm hook runs on a
-  // thread of its Ddp, which ends only when the Ddp is disposed: a program
-  // returning from Main with one open would wait forever. Mono's "don't
-  // manage" flag (what it sets on its own service threads) leaves the hook's
-  // thread out of that wait; no public API does. Elsewhere (no such field)
-  // this does nothing.
-  const long DontManage = 1;
-  static readonly FieldInfo internalThread =
-      typeof(Thread).GetField("internal_thread", BindingFlags.NonPublic | BindingFlags.Instance);
-  static readonly FieldInfo flags = internalThread?.FieldType.GetField("flags", BindingFlags.NonPublic | BindingFlags.Instance);
+  // Mono attaches a library thread on its first callback, and at exit,
+  // after ProcessExit, waits for the background threads it attached. The
+  // device workers and idle comm lanes end in ProcessExit (dp_shutdown, see
+  // ProcessExit.cs); a thread of a busy lane or of a stream ends with its
+  // handle. Marked background, so that it never holds up the exit itself.
   [ThreadStatic] static bool marked;
 
-  internal static void LeaveOutOfExitWait() {
+  internal static void MarkBackground() {
     if (marked) return;
     marked = true;
     Thread t = Thread.CurrentThread;
     if (!t.IsBackground) t.IsBackground = true;
-    if (flags == null || flags.FieldType != typeof(IntPtr)) return;
-    object it = internalThread.GetValue(t);
-    if (it == null) return;
-    long value = ((IntPtr)flags.GetValue(it)).ToInt64();
-    flags.SetValue(it, new IntPtr(value | DontManage));
   }
 }
 
@@ -85,7 +71,7 @@ public abstract class CommHook : CommHookBase {
   public abstract void Reduce(ProcessGroup pg, ulong bucketIndex, Tensor bucket);
 
   public sealed override bool Invoke(ProcessGroup pg, ulong bucketIndex, Tensor bucket) {
-    HookThread.LeaveOutOfExitWait();
+    HookThread.MarkBackground();
     try {
       Reduce(pg, bucketIndex, bucket);
       return true;

@@ -207,7 +207,7 @@ public partial class DeviceStream {
   }
 
   internal static void RunHost(IntPtr handle, int libraryThread) {
-    if (libraryThread != 0) HookThread.LeaveOutOfExitWait();  // a stream's thread ends with its stream
+    if (libraryThread != 0) HookThread.MarkBackground();
     var h = System.Runtime.InteropServices.GCHandle.FromIntPtr(handle);
     var work = (HostWork)h.Target;
     h.Free();

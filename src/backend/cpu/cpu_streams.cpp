@@ -2,6 +2,7 @@
 
 #include <pthread.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -36,7 +37,8 @@ int64_t async_delay_us() {
 class Stream {
  public:
   Stream(int32_t index, int64_t max_delay_us) : index_(index), max_delay_us_(max_delay_us) {
-    thread_ = std::thread([this] { loop(); });
+    std::lock_guard<std::mutex> lock(mutex_);
+    start_locked();
   }
   ~Stream() {
     {
@@ -44,6 +46,7 @@ class Stream {
       stopping_ = true;
     }
     wake_.notify_all();
+    if (!thread_.joinable()) return;  // parked
     if (origin_.is_current())
       thread_.join();
     else
@@ -53,7 +56,7 @@ class Stream {
   Stream& operator=(const Stream&) = delete;
 
   int32_t index() const { return index_; }
-  bool runs_on_this_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
+  bool runs_on_this_thread() const { return std::this_thread::get_id() == worker_.load(); }
 
   void push(std::function<void()> task) {
     origin_.check("a cpu stream");
@@ -61,8 +64,25 @@ class Stream {
       std::lock_guard<std::mutex> lock(mutex_);
       queue_.push_back(std::move(task));
       ++pushed_;
+      start_locked();
     }
     wake_.notify_all();
+  }
+
+  // dp_shutdown: ends the thread of a stream with nothing queued or running
+  // (joins it); the next push starts another. False when it is at work or
+  // this is its thread.
+  bool park() {
+    std::thread ending;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!thread_.joinable() || runs_on_this_thread() || !queue_.empty() || done_ != pushed_) return false;
+      ++generation_;  // the thread sees it is no longer the stream's and ends
+      ending = std::move(thread_);
+    }
+    wake_.notify_all();
+    ending.join();
+    return true;
   }
 
   void name_thread() {
@@ -82,15 +102,23 @@ class Stream {
   }
 
  private:
-  void loop() {
+  // mutex_ held.
+  void start_locked() {
+    if (thread_.joinable()) return;
+    thread_ = std::thread([this, generation = generation_] { loop(generation); });
+  }
+
+  void loop(uint64_t generation) {
     name_thread();
+    worker_.store(std::this_thread::get_id());
     std::mt19937_64 random(std::random_device{}());
     for (;;) {
       std::function<void()> task;
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stopping, and everything ran
+        wake_.wait(lock, [&] { return stopping_ || generation_ != generation || !queue_.empty(); });
+        if (generation_ != generation) return;  // parked: a newer thread, if any, runs the queue
+        if (queue_.empty()) return;             // stopping, and everything ran
         task = std::move(queue_.front());
         queue_.pop_front();
       }
@@ -117,6 +145,8 @@ class Stream {
   uint64_t pushed_ = 0;
   uint64_t done_ = 0;
   bool stopping_ = false;
+  uint64_t generation_ = 0;  // which thread is the stream's: park() moves it on
+  std::atomic<std::thread::id> worker_{};
   std::thread thread_;
 };
 
@@ -260,6 +290,15 @@ void launch_host_func(int32_t index, void* stream, std::function<void()> fn) {
     return;
   }
   queue->push(std::move(fn));
+}
+
+void park_idle_streams() {
+  std::vector<std::shared_ptr<Stream>> live;
+  {
+    std::lock_guard<std::mutex> lock(registry().mutex);
+    for (const auto& [handle, stream] : registry().live) live.push_back(stream);
+  }
+  for (const auto& stream : live) stream->park();
 }
 
 void stop_default_streams() {

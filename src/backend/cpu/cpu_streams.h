@@ -27,6 +27,9 @@ void launch_host_func(int32_t index, void* stream, std::function<void()> fn);
 // Ends the asynchronous mode's default streams after what they hold; the
 // next use starts new ones. Streams from create_stream stay.
 void stop_default_streams();
+// Ends the threads of the streams from create_stream that have nothing
+// queued or running; their next task starts a new one.
+void park_idle_streams();
 
 void* create_event();
 void destroy_event(void* event) noexcept;
