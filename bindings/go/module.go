@@ -82,14 +82,24 @@ func (m *Module) NumParameters() (n int) {
 
 // ParameterNames lists the dotted names in registration order, depth first.
 func (m *Module) ParameterNames() ([]string, error) {
+	return m.names("dp_module_parameter_at",
+		func(api *C.dp_api) C.size_t { return C.dpgo_module_num_parameters(api, m.h) },
+		func(api *C.dp_api, i C.size_t, name **C.char, h **C.dp_tensor) C.dp_status {
+			return C.dpgo_module_parameter_at(api, m.h, i, name, h)
+		})
+}
+
+// names lists the names `at` gives for every index below `count`.
+func (m *Module) names(op string, count func(*C.dp_api) C.size_t,
+	at func(*C.dp_api, C.size_t, **C.char, **C.dp_tensor) C.dp_status) ([]string, error) {
 	var names []string
-	err := m.lib.call("dp_module_parameter_at", func(api *C.dp_api) C.dp_status {
-		n := int(C.dpgo_module_num_parameters(api, m.h))
+	err := m.lib.call(op, func(api *C.dp_api) C.dp_status {
+		n := int(count(api))
 		names = make([]string, 0, n)
 		for i := 0; i < n; i++ {
 			var name *C.char
 			var h *C.dp_tensor
-			if s := C.dpgo_module_parameter_at(api, m.h, C.size_t(i), &name, &h); s != 0 {
+			if s := at(api, C.size_t(i), &name, &h); s != 0 {
 				return s
 			}
 			names = append(names, C.GoString(name))
@@ -180,25 +190,11 @@ func (m *Module) NumBuffers() (n int) {
 
 // BufferNames lists the buffers' dotted names in listing order.
 func (m *Module) BufferNames() ([]string, error) {
-	var names []string
-	err := m.lib.call("dp_module_buffer_at", func(api *C.dp_api) C.dp_status {
-		n := int(C.dpgo_module_num_buffers(api, m.h))
-		names = make([]string, 0, n)
-		for i := 0; i < n; i++ {
-			var name *C.char
-			var h *C.dp_tensor
-			if s := C.dpgo_module_buffer_at(api, m.h, C.size_t(i), &name, &h); s != 0 {
-				return s
-			}
-			names = append(names, C.GoString(name))
-			C.dpgo_tensor_destroy(api, h)
-		}
-		return 0
-	})
-	if err != nil {
-		return nil, err
-	}
-	return names, nil
+	return m.names("dp_module_buffer_at",
+		func(api *C.dp_api) C.size_t { return C.dpgo_module_num_buffers(api, m.h) },
+		func(api *C.dp_api, i C.size_t, name **C.char, h **C.dp_tensor) C.dp_status {
+			return C.dpgo_module_buffer_at(api, m.h, i, name, h)
+		})
 }
 
 // Buffer is a new reference to the buffer at the dotted name; nil for a
