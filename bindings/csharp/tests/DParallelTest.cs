@@ -577,6 +577,21 @@ public static class DParallelTest {
       Expect(e.Code == Status.STATE, "a disposed handle is Status.STATE: " + e.Message);
       Console.WriteLine("DParallelException: " + e.Message);
     }
+    // Nor does it pass as null, an empty slot, when it is an argument: the
+    // gradient stays.
+    using (var m = new Module())
+    using (var w = Tensor.Of(new float[] { 1, 2 }, 2)) {
+      m.RegisterParameter("w", w);
+      using (var g = m.Grad("w")) g.CopyFrom(new float[] { 9, 9 });
+      try {
+        m.SetGrad("w", disposed);
+        Fail("SetGrad took a disposed tensor");
+      } catch (DParallelException e) {
+        Expect(e.Code == Status.STATE && e.Message.Contains("'grad' is disposed"), e.Message);
+      }
+      using (var g = m.Grad("w")) Expect(g.ToArray()[0] == 9, "the gradient stayed: " + g.ToArray()[0]);
+    }
+    ExpectInvalid(() => Parallel.ReduceAddCoalesced(null, 2, new Device()).Dispose(), "'inputs' is null");
   }
 
   /// A TCP store served and used in this process; a missing key times out.

@@ -589,6 +589,26 @@ public class DParallelTest {
       expect(e.getCode() == Status.STATE, "a closed handle is Status.STATE: " + e.getMessage());
       System.out.println("DParallelException: " + e.getMessage());
     }
+    // Nor does it pass as null, an empty slot, when it is an argument: the
+    // gradient stays.
+    try (Module m = new Module(); Tensor w = Tensor.of(new float[] {1, 2}, 2)) {
+      m.registerParameter("w", w);
+      try (Tensor g = m.grad("w")) {
+        g.copyFrom(new float[] {9, 9});
+      }
+      try {
+        m.setGrad("w", closed);
+        fail("setGrad took a closed tensor");
+      } catch (DParallelException e) {
+        expect(e.getCode() == Status.STATE && e.getMessage().contains("'grad' is closed"), e.getMessage());
+      }
+      try (Tensor g = m.grad("w")) {
+        expect(g.toArray()[0] == 9, "the gradient stayed: " + g.toArray()[0]);
+      }
+    }
+    expectInvalid(() -> Parallel.reduceAddCoalesced(null, 2, new Device()).close(), "'inputs' is null");
+    // A buffer in the JVM's default (big-endian) order would be read byte-swapped.
+    expectInvalid(() -> Tensor.fromBuffer(java.nio.ByteBuffer.allocateDirect(8), DType.FLOAT32, 2).close(), "'buffer'");
   }
 
   /** A TCP store served and used in this process; a missing key times out. */

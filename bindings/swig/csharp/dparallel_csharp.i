@@ -121,6 +121,12 @@ class CSharpPinned : public HostMemory {
   }
 }
 
+// A handle argument is checked before its pointer leaves C#: a disposed
+// one is Status.STATE and a missing reference Status.INVALID, each naming
+// the argument (a disposed one would otherwise pass as null, an empty slot).
+%typemap(csin) SWIGTYPE & "Args.Present($csclassname.getCPtr($csinput), $csinput, \"$csinput\")"
+%typemap(csin) SWIGTYPE * "Args.Nullable($csclassname.getCPtr($csinput), $csinput, \"$csinput\")"
+
 // PascalCase, except the lowercase methods std_vector.i's C# code calls
 // (ours named like them are renamed one by one). The internal *Raw calls
 // keep their names.
@@ -282,3 +288,21 @@ DP_CSHARP_CLOSEABLE(dpswig::Work, swigCPtr.Handle == global::System.IntPtr.Zero)
 DP_CSHARP_CLOSEABLE(dpswig::Ddp, swigCPtr.Handle == global::System.IntPtr.Zero)
 DP_CSHARP_CLOSEABLE(dpswig::Stream, swigCPtr.Handle == global::System.IntPtr.Zero || isClosedRaw())
 DP_CSHARP_CLOSEABLE(dpswig::Fsdp, swigCPtr.Handle == global::System.IntPtr.Zero)
+// Disposing an Fsdp is collective: from the finalizer it would run at
+// another moment on each rank, so one collected undisposed stays open, and
+// says so.
+%typemap(csdisposing, methodname="Dispose", methodmodifiers="protected", parameters="bool disposing") dpswig::Fsdp {
+    lock(this) {
+      if (swigCPtr.Handle != global::System.IntPtr.Zero) {
+        if (!disposing) {
+          global::System.Console.Error.WriteLine("dparallel: an Fsdp was collected without Dispose(); it stays open (disposing is collective)");
+          return;
+        }
+        if (swigCMemOwn) {
+          swigCMemOwn = false;
+          $imcall;
+        }
+        swigCPtr = new global::System.Runtime.InteropServices.HandleRef(null, global::System.IntPtr.Zero);
+      }
+    }
+  }

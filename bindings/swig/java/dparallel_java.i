@@ -151,6 +151,12 @@ class JavaFloatArray : public FloatSource, public FloatSink {
   }
 }
 
+// A handle argument is checked before its pointer leaves Java: a closed one
+// is Status.STATE and a missing reference Status.INVALID, each naming the
+// argument (a closed one would otherwise pass as null, an empty slot).
+%typemap(javain) SWIGTYPE & "Args.present($javaclassname.getCPtr($javainput), $javainput, \"$javainput\")"
+%typemap(javain) SWIGTYPE * "Args.nullable($javaclassname.getCPtr($javainput), $javainput, \"$javainput\")"
+
 // A call on a closed handle (its native object deleted by close()) throws
 // instead of dereferencing null.
 %typemap(check) SWIGTYPE *self %{
@@ -267,6 +273,12 @@ class JavaFloatArray : public FloatSource, public FloatSink {
 %typemap(jstype) dpswig::HostBytes "java.nio.ByteBuffer"
 %typemap(out) dpswig::HostBytes {
   static char empty;
+  if ($1.size > (size_t)INT32_MAX) {  // the JDK would wrap the capacity
+    std::string why = "unsupported: a ByteBuffer holds at most 2147483647 bytes; this tensor has " + std::to_string($1.size) +
+                      " (copy it out in parts, or use toDlpack)";
+    dpswig_java_throw(jenv, DP_EUNSUPPORTED, why.c_str());
+    return $null;
+  }
   $result = jenv->NewDirectByteBuffer($1.data != nullptr ? $1.data : &empty, (jlong)$1.size);
 }
 %typemap(javaout) dpswig::HostBytes {
@@ -331,6 +343,14 @@ DP_JAVA_CLOSEABLE(dpswig::Work, swigCPtr == 0)
 DP_JAVA_CLOSEABLE(dpswig::Ddp, swigCPtr == 0)
 DP_JAVA_CLOSEABLE(dpswig::Stream, swigCPtr == 0 || isClosedRaw())
 DP_JAVA_CLOSEABLE(dpswig::Fsdp, swigCPtr == 0)
+// Closing an Fsdp is collective: from the finalizer it would run at another
+// moment on each rank, so one collected unclosed stays open, and says so.
+%typemap(javafinalize) dpswig::Fsdp %{
+  @SuppressWarnings("deprecation")
+  protected void finalize() {
+    if (swigCPtr != 0) System.err.println("dparallel: an Fsdp was collected without close(); it stays open (closing is collective)");
+  }
+%}
 
 %typemap(javacode) dpswig::Tensor %{
   /** A tensor of the given shape (zeros), float32 on cpu:0. */
@@ -404,6 +424,10 @@ DP_JAVA_CLOSEABLE(dpswig::Fsdp, swigCPtr == 0)
       throw new DParallelException(Status.INVALID, "invalid argument: 'buffer' is not direct (ByteBuffer.allocateDirect)");
     }
     if (buffer.isReadOnly()) throw new DParallelException(Status.INVALID, "invalid argument: 'buffer' is read-only");
+    if (DType.elementSize(dtype) > 1 && buffer.order() != java.nio.ByteOrder.nativeOrder()) {
+      throw new DParallelException(Status.INVALID, "invalid argument: 'buffer' is " + buffer.order()
+          + " but the tensor reads it in the native order: set buffer.order(ByteOrder.nativeOrder()) before writing it");
+    }
     if (device == null) throw new DParallelException(Status.INVALID, "invalid argument: 'device' is null");
     if (!device.isCpu()) {
       throw new DParallelException(Status.INVALID, "invalid argument: 'device' must be a cpu device for a ByteBuffer, not " + device);
