@@ -1,0 +1,156 @@
+//! What a closure or a collective uses stays alive while the library may
+//! still use it, one scenario per run:
+//!
+//!   DP_LIBRARY=path/to/libdparallel.so lifetimes hook-timeout
+//!   DP_LIBRARY=path/to/libdparallel.so lifetimes drop-in-hook
+//!   DP_LIBRARY=path/to/libdparallel.so dp-run -n 2 lifetimes work-scope
+//!
+//!   hook-timeout  one rank, a group timeout of 500 ms: a comm hook sleeps
+//!                 past it, finish_backward is DP_ETIMEOUT, the Ddp is
+//!                 dropped; the hook then wakes and reads what it captured
+//!   drop-in-hook  one rank: the comm hook holds the last reference to its
+//!                 own Ddp and drops it, then reads what it captured
+//!   work-scope    two ranks: collectives started in a ProcessGroup::scope
+//!                 whose Work is forgotten, or whose closure panics, have
+//!                 written their tensors once the scope is over
+//!
+//! The closures capture a large vector (its memory is returned to the system
+//! when it is freed): reading it after it was freed is a crash, not a wrong
+//! sum. Prints "SCENARIO passed" when every check held.
+
+use std::process::ExitCode;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dparallel::{
+    Ddp, DdpOptions, Device, Error, Library, Module, ProcessGroup, ProcessGroupOptions, Result, Store, Tensor,
+    DP_EINVAL, DP_ETIMEOUT,
+};
+
+struct Checks {
+    failures: usize,
+}
+
+impl Checks {
+    fn expect(&mut self, what: &str, ok: bool, detail: impl std::fmt::Display) {
+        if ok {
+            println!("ok: {what}");
+        } else {
+            eprintln!("FAIL: {what}: {detail}");
+            self.failures += 1;
+        }
+    }
+}
+
+/// 32 MiB of known values, and their sum.
+fn captured() -> (Vec<u64>, u64) {
+    let n = 4u64 << 20;
+    ((0..n).collect(), n * (n - 1) / 2)
+}
+
+/// A one-rank group over a file store.
+fn one_rank(lib: &Library, name: &str, timeout_ms: i32) -> Result<(Store, ProcessGroup)> {
+    let path = std::env::temp_dir().join(format!("dp-rust-{name}-{}", std::process::id()));
+    let path = path.to_str().expect("a UTF-8 temporary path").to_string();
+    let _ = std::fs::remove_file(&path);
+    let store = Store::file(lib, &path, 1)?;
+    let options = ProcessGroupOptions {
+        rank: Some(0),
+        world_size: Some(1),
+        store: Some(&store),
+        timeout_ms,
+        ..Default::default()
+    };
+    let pg = ProcessGroup::new(lib, &options)?;
+    Ok((store, pg))
+}
+
+fn one_param(lib: &Library) -> Result<Module> {
+    let mut m = Module::new(lib)?;
+    m.register_parameter("w", &Tensor::from_slice(lib, &[1.0f32, 2.0], &[2], Device::cpu(0))?, true)?;
+    Ok(m)
+}
+
+fn hook_timeout(lib: &Library, c: &mut Checks) -> Result<()> {
+    let (_store, pg) = one_rank(lib, "hook-timeout", 500)?;
+    let m = one_param(lib)?;
+    let (data, want) = captured();
+    let (tx, rx) = mpsc::channel::<u64>();
+    let tx = Mutex::new(tx);
+    // finish_backward gives up after the timeout plus 3 s; the hook sleeps past that.
+    let mut ddp = Ddp::with_comm_hook(&m, &pg, &DdpOptions::default(), move |_pg, _bucket, _flat| {
+        std::thread::sleep(Duration::from_secs(6));
+        let sum: u64 = data.iter().sum();
+        let _ = tx.lock().unwrap().send(sum);
+        Ok(())
+    })?;
+    ddp.pre_forward()?;
+    m.grad("w")?.as_mut_slice::<f32>()?.copy_from_slice(&[1.0, 1.0]);
+    ddp.mark_grad_ready("w")?;
+    let finished = ddp.finish_backward();
+    c.expect(
+        "finish_backward while the hook sleeps past the timeout is DP_ETIMEOUT",
+        matches!(&finished, Err(e) if e.code() == DP_ETIMEOUT),
+        format!("{finished:?}"),
+    );
+    drop(ddp);
+    let got = rx.recv();
+    c.expect("the hook, left running by the drop, reads what it captured", got == Ok(want), format!("{got:?}"));
+    Ok(())
+}
+
+fn drop_in_hook(lib: &Library, c: &mut Checks) -> Result<()> {
+    let (_store, pg) = one_rank(lib, "drop-in-hook", 300_000)?;
+    let m = one_param(lib)?;
+    let (data, want) = captured();
+    let (tx, rx) = mpsc::channel::<(bool, u64)>();
+    let tx = Mutex::new(tx);
+    let slot: Arc<Mutex<Option<Arc<Ddp>>>> = Arc::new(Mutex::new(None));
+    let own = slot.clone();
+    let mut ddp = Ddp::with_comm_hook(&m, &pg, &DdpOptions::default(), move |_pg, _bucket, _flat| {
+        let last = own.lock().unwrap().take();
+        let had = last.is_some();
+        drop(last); // the last reference: the Ddp is dropped here, in its own hook
+        let sum: u64 = data.iter().sum();
+        let _ = tx.lock().unwrap().send((had, sum));
+        Ok(())
+    })?;
+    ddp.pre_forward()?;
+    m.grad("w")?.as_mut_slice::<f32>()?.copy_from_slice(&[1.0, 1.0]);
+    let ddp = Arc::new(ddp);
+    *slot.lock().unwrap() = Some(ddp.clone());
+    drop(slot);
+    ddp.mark_grad_ready("w")?;
+    drop(ddp);
+    let got = rx.recv();
+    c.expect(
+        "a hook that drops the last reference to its Ddp goes on with what it captured",
+        got == Ok((true, want)),
+        format!("{got:?}"),
+    );
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let scenario = std::env::args().nth(1).unwrap_or_default();
+    let mut c = Checks { failures: 0 };
+    let run = |c: &mut Checks| -> Result<()> {
+        let lib = Library::open(None)?;
+        match scenario.as_str() {
+            "hook-timeout" => hook_timeout(&lib, c),
+            "drop-in-hook" => drop_in_hook(&lib, c),
+            _ => Err(Error::new(DP_EINVAL, format!("scenario: unknown '{scenario}'"))),
+        }
+    };
+    if let Err(e) = run(&mut c) {
+        eprintln!("FAIL: {scenario}: {e}");
+        c.failures += 1;
+    }
+    if c.failures == 0 {
+        println!("{scenario} passed");
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
