@@ -18,14 +18,15 @@
 //! when it is freed): reading it after it was freed is a crash, not a wrong
 //! sum. Prints "SCENARIO passed" when every check held.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::process::ExitCode;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dparallel::{
-    Ddp, DdpOptions, Device, Error, Library, Module, ProcessGroup, ProcessGroupOptions, Result, Store, Tensor,
-    DP_EINVAL, DP_ETIMEOUT,
+    DType, Ddp, DdpOptions, Device, Error, Library, Module, ProcessGroup, ProcessGroupOptions, ReduceOp, Result, Store,
+    Tensor, DP_EINVAL, DP_ETIMEOUT,
 };
 
 struct Checks {
@@ -132,6 +133,82 @@ fn drop_in_hook(lib: &Library, c: &mut Checks) -> Result<()> {
     Ok(())
 }
 
+/// One rank arrives late, so that the collectives are still running when
+/// the scope's closure ends on the other.
+fn late(pg: &ProcessGroup, rank: i32) {
+    if pg.rank() == rank {
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+fn work_scope(lib: &Library, c: &mut Checks) -> Result<()> {
+    let pg = ProcessGroup::from_env(lib)?;
+    let (rank, world) = (pg.rank(), pg.size());
+    let last = world - 1;
+    let cpu = Device::cpu(0);
+
+    // A forgotten all_reduce: the scope waits for it.
+    let mut t = Tensor::from_slice(lib, &[(rank + 1) as f32; 4], &[4], cpu)?;
+    late(&pg, last);
+    pg.scope(|s| -> Result<()> {
+        std::mem::forget(s.all_reduce_async(&mut t, ReduceOp::Sum)?);
+        Ok(())
+    })?;
+    let sum = (world * (world + 1) / 2) as f32;
+    let got = t.to_vec::<f32>()?;
+    c.expect(
+        &format!("rank {rank}: a forgotten all_reduce_async is done when the scope returns"),
+        got == [sum; 4],
+        format!("{got:?}"),
+    );
+
+    // A forgotten all_gather and a reduce_scatter waited for, in one scope.
+    let input = Tensor::from_slice(lib, &[rank as f64, -(rank as f64)], &[2], cpu)?;
+    let mut outputs: Vec<Tensor> =
+        (0..world).map(|_| Tensor::zeros(lib, DType::F64, &[2], cpu)).collect::<Result<_>>()?;
+    let inputs: Vec<Tensor> =
+        (0..world).map(|j| Tensor::from_slice(lib, &[(10 * j + rank) as f32], &[1], cpu)).collect::<Result<_>>()?;
+    let refs: Vec<&Tensor> = inputs.iter().collect();
+    let mut scattered = Tensor::zeros(lib, DType::F32, &[1], cpu)?;
+    late(&pg, 0);
+    pg.scope(|s| {
+        std::mem::forget(s.all_gather_async(&input, &mut outputs)?);
+        s.reduce_scatter_async(&refs, &mut scattered, ReduceOp::Max)?.wait()
+    })?;
+    let gathered: Vec<Vec<f64>> = outputs.iter().map(|t| t.to_vec::<f64>()).collect::<Result<_>>()?;
+    let want: Vec<Vec<f64>> = (0..world).map(|r| vec![r as f64, -(r as f64)]).collect();
+    c.expect(
+        &format!("rank {rank}: a forgotten all_gather_async is done when the scope returns"),
+        gathered == want,
+        format!("{gathered:?}"),
+    );
+    let got = scattered.to_vec::<f32>()?;
+    c.expect(
+        &format!("rank {rank}: reduce_scatter_async waited for in the same scope"),
+        got == [(10 * rank + last) as f32],
+        format!("{got:?}"),
+    );
+
+    // A closure that forgets its broadcast and panics: the scope waits, then
+    // the panic goes on.
+    let mut b = Tensor::from_slice(lib, &[rank as i64 * 7, 1, 2], &[3], cpu)?;
+    late(&pg, last);
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        pg.scope(|s| -> Result<()> {
+            std::mem::forget(s.broadcast_async(&mut b, last)?);
+            panic!("the closure panics with its broadcast running (expected)");
+        })
+    }));
+    c.expect(&format!("rank {rank}: the closure's panic goes on out of the scope"), outcome.is_err(), "it returned");
+    let got = b.to_vec::<i64>()?;
+    c.expect(
+        &format!("rank {rank}: a broadcast_async of a panicking scope is done when the panic leaves it"),
+        got == [last as i64 * 7, 1, 2],
+        format!("{got:?}"),
+    );
+    pg.barrier()
+}
+
 fn main() -> ExitCode {
     let scenario = std::env::args().nth(1).unwrap_or_default();
     let mut c = Checks { failures: 0 };
@@ -140,6 +217,7 @@ fn main() -> ExitCode {
         match scenario.as_str() {
             "hook-timeout" => hook_timeout(&lib, c),
             "drop-in-hook" => drop_in_hook(&lib, c),
+            "work-scope" => work_scope(&lib, c),
             _ => Err(Error::new(DP_EINVAL, format!("scenario: unknown '{scenario}'"))),
         }
     };
