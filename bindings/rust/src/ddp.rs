@@ -81,7 +81,8 @@ pub struct DdpStats {
 /// The DDP gradient reducer over a module and a process group (dp_ddp.h).
 /// `mark_grad_ready*` may be called from several threads at once (`&self`);
 /// every other call takes `&mut self`. A gradient marked ready belongs to the
-/// library until `finish_backward` returns: neither read nor write it meanwhile.
+/// library until `finish_backward` returns: neither read nor write it meanwhile
+/// (not enforced; see [`Tensor::as_slice`]).
 ///
 /// Dropping it destroys the reducer, which waits for the reduction running.
 /// Two cases leak instead, so that a closure the library may still run never
