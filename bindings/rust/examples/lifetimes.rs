@@ -5,9 +5,9 @@
 //!   DP_LIBRARY=path/to/libdparallel.so lifetimes drop-in-hook
 //!   DP_LIBRARY=path/to/libdparallel.so dp-run -n 2 lifetimes work-scope
 //!
-//!   hook-timeout  one rank, a group timeout of 500 ms: a comm hook sleeps
-//!                 past it, finish_backward is DP_ETIMEOUT, the Ddp is
-//!                 dropped; the hook then wakes and reads what it captured
+//!   hook-timeout  one rank, a group timeout of 500 ms: a comm hook waits
+//!                 until the Ddp is dropped, so finish_backward is
+//!                 DP_ETIMEOUT; the hook then reads what it captured
 //!   drop-in-hook  one rank: the comm hook holds the last reference to its
 //!                 own Ddp and drops it, then reads what it captured
 //!   work-scope    two ranks: collectives started in a ProcessGroup::scope
@@ -21,7 +21,7 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::process::ExitCode;
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use dparallel::{
@@ -79,9 +79,16 @@ fn hook_timeout(lib: &Library, c: &mut Checks) -> Result<()> {
     let (data, want) = captured();
     let (tx, rx) = mpsc::channel::<u64>();
     let tx = Mutex::new(tx);
-    // finish_backward gives up after the timeout plus 3 s; the hook sleeps past that.
+    // The hook returns only once the Ddp is dropped: finish_backward gives
+    // up first (after the timeout plus 3 s).
+    let dropped = Arc::new((Mutex::new(false), Condvar::new()));
+    let signal = dropped.clone();
     let mut ddp = Ddp::with_comm_hook(&m, &pg, &DdpOptions::default(), move |_pg, _bucket, _flat| {
-        std::thread::sleep(Duration::from_secs(6));
+        let signal = signal.clone(); // on this frame: the wait itself never touches the closure
+        let mut done = signal.0.lock().unwrap();
+        while !*done {
+            done = signal.1.wait(done).unwrap();
+        }
         let sum: u64 = data.iter().sum();
         let _ = tx.lock().unwrap().send(sum);
         Ok(())
@@ -91,11 +98,13 @@ fn hook_timeout(lib: &Library, c: &mut Checks) -> Result<()> {
     ddp.mark_grad_ready("w")?;
     let finished = ddp.finish_backward();
     c.expect(
-        "finish_backward while the hook sleeps past the timeout is DP_ETIMEOUT",
+        "finish_backward while the hook waits is DP_ETIMEOUT",
         matches!(&finished, Err(e) if e.code() == DP_ETIMEOUT),
         format!("{finished:?}"),
     );
     drop(ddp);
+    *dropped.0.lock().unwrap() = true;
+    dropped.1.notify_all();
     let got = rx.recv();
     c.expect("the hook, left running by the drop, reads what it captured", got == Ok(want), format!("{got:?}"));
     Ok(())
