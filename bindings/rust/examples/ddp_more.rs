@@ -142,7 +142,7 @@ fn collectives(lib: &Library, pg: &ProcessGroup, c: &mut Checks) -> Result<()> {
     );
 
     let mut avg = Tensor::zeros(lib, DType::F32, &[2], cpu)?;
-    pg.reduce_scatter_async(&refs, &mut avg, ReduceOp::Avg)?.wait()?;
+    pg.scope(|s| s.reduce_scatter_async(&refs, &mut avg, ReduceOp::Avg)?.wait())?;
     let want_avg: Vec<f32> = want.iter().map(|v| v / world as f32).collect();
     c.expect("reduce_scatter_async averages", avg.to_vec::<f32>()? == want_avg, format!("{avg:?}"));
 
@@ -155,13 +155,13 @@ fn collectives(lib: &Library, pg: &ProcessGroup, c: &mut Checks) -> Result<()> {
 
     let root = world - 1;
     let mut b = Tensor::from_slice(lib, &[(rank * 7) as i64, 1, 2], &[3], cpu)?;
-    pg.broadcast_async(&mut b, root as i32)?.wait()?;
+    pg.scope(|s| s.broadcast_async(&mut b, root as i32)?.wait())?;
     c.expect("broadcast_async from the last rank", b.to_vec::<i64>()? == [(root * 7) as i64, 1, 2], format!("{b:?}"));
 
     let input = Tensor::from_slice(lib, &[rank as f64, 2.0 * rank as f64], &[2], cpu)?;
     let mut outputs: Vec<Tensor> =
         (0..world).map(|_| Tensor::zeros(lib, DType::F64, &[2], cpu)).collect::<Result<_>>()?;
-    pg.all_gather_async(&input, &mut outputs)?.wait()?;
+    pg.scope(|s| s.all_gather_async(&input, &mut outputs)?.wait())?;
     let gathered: Vec<Vec<f64>> = outputs.iter().map(|t| t.to_vec::<f64>()).collect::<Result<_>>()?;
     let want: Vec<Vec<f64>> = (0..world).map(|r| vec![r as f64, 2.0 * r as f64]).collect();
     c.expect("all_gather_async: outputs[r] is rank r's input", gathered == want, format!("{gathered:?}"));

@@ -136,7 +136,7 @@ fn run(hook: Hook) -> Result<bool> {
 
         // The whole batch's loss: the ranks' parts summed.
         loss_sum.as_mut_slice::<f32>()?[0] = loss as f32;
-        pg.all_reduce_async(&mut loss_sum, ReduceOp::Sum)?.wait()?;
+        pg.scope(|s| s.all_reduce_async(&mut loss_sum, ReduceOp::Sum)?.wait())?;
         let total = loss_sum.as_slice::<f32>()?[0] as f64;
         let want = reference_losses[step];
         if rank == 0 {

@@ -1,17 +1,20 @@
 //! The DDP gradient reducer (dp_ddp.h).
 
+use std::cell::Cell;
 use std::ffi::CString;
 use std::fmt;
 use std::marker::PhantomData;
 use std::os::raw::{c_char, c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use crate::error::cstring;
 use crate::parallel::panic_text;
 use crate::tensor::sealed;
-use crate::{sys, Element, Error, InPlace, Library, Module, ProcessGroup, Result, Stream, Tensor, DP_EINVAL, DP_EIO};
+use crate::{
+    sys, Element, Error, InPlace, Library, Module, ProcessGroup, Result, Stream, Tensor, DP_EINVAL, DP_EIO, DP_ETIMEOUT,
+};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(i32)]
@@ -78,12 +81,28 @@ pub struct DdpStats {
 /// The DDP gradient reducer over a module and a process group (dp_ddp.h).
 /// `mark_grad_ready*` may be called from several threads at once (`&self`);
 /// every other call takes `&mut self`. A gradient marked ready belongs to the
-/// library until `finish_backward` returns: neither read nor write it meanwhile.
+/// library until `finish_backward` returns: neither read nor write it meanwhile
+/// (not enforced; see [`Tensor::as_slice`]).
+///
+/// Dropping it destroys the reducer, which waits for the reduction running.
+/// Two cases leak instead, so that a closure the library may still run never
+/// sees its captures freed: a `Ddp` whose `finish_backward` or `join` ever
+/// failed with DP_ETIMEOUT (a comm hook ran past the group's timeout and is
+/// left running) keeps its closures, what they capture and a reference to
+/// the library for the rest of the process; and a `Ddp` dropped inside a
+/// comm hook or an on_bucket_reduced closure (of any `Ddp`, e.g. the closure
+/// held its last `Arc<Ddp>`) is not destroyed at all: the reducer, its
+/// closures and its references to the module and the group stay.
 pub struct Ddp {
     pub(crate) raw: *mut sys::dp_ddp,
     pub(crate) lib: Library,
-    // Dropped after dp_ddp_destroy, which waits for reductions in flight.
-    hooks: Option<Box<HookState>>,
+    // Shared with the trampolines while a closure runs; released after
+    // dp_ddp_destroy, which waits for the reduction running, unless a
+    // closure may still run (see Drop).
+    hooks: Option<Arc<HookState>>,
+    // finish_backward or join returned DP_ETIMEOUT: a closure may be left
+    // running past dp_ddp_destroy.
+    timed_out: bool,
     // false for the handle a bucket-reduced closure is lent.
     owned: bool,
 }
@@ -167,6 +186,49 @@ impl DdpHooks {
     }
 }
 
+thread_local! {
+    // How many comm hooks / on_bucket_reduced closures run on this thread.
+    static IN_HOOK: Cell<usize> = const { Cell::new(0) };
+}
+
+fn in_hook() -> bool {
+    IN_HOOK.with(|n| n.get() > 0)
+}
+
+/// A closure's call from the library: the state stays alive for the call
+/// (it holds a reference), and `IN_HOOK` counts it.
+struct HookCall {
+    state: Option<Arc<HookState>>,
+}
+
+impl HookCall {
+    /// `user_data` is the pointer of an `Arc<HookState>` a `Ddp` holds.
+    unsafe fn enter(user_data: *mut c_void) -> HookCall {
+        let ptr = user_data as *const HookState;
+        Arc::increment_strong_count(ptr);
+        IN_HOOK.with(|n| n.set(n.get() + 1));
+        HookCall { state: Some(Arc::from_raw(ptr)) }
+    }
+
+    fn state(&self) -> &HookState {
+        self.state.as_deref().expect("held until dropped")
+    }
+}
+
+impl Drop for HookCall {
+    fn drop(&mut self) {
+        IN_HOOK.with(|n| n.set(n.get() - 1));
+        if let Some(state) = self.state.take() {
+            // The Ddp was dropped meanwhile: its library reference may be
+            // the last, and closing the library on its own worker thread
+            // would unmap the code that runs: leak it instead.
+            if Arc::strong_count(&state) == 1 {
+                std::mem::forget(state);
+            }
+        }
+    }
+}
+
 struct HookState {
     hooks: DdpHooks,
     lib: Library,
@@ -197,7 +259,8 @@ unsafe extern "C" fn comm_hook_trampoline(
     bucket_index: usize,
     flat_bucket: *mut sys::dp_tensor,
 ) -> c_int {
-    let state = &*(user_data as *const HookState);
+    let call = HookCall::enter(user_data);
+    let state = call.state();
     let Some(hook) = state.hooks.comm_hook.as_ref() else { return 3 };
     let outcome = catch_unwind(AssertUnwindSafe(|| {
         let group = ProcessGroup { raw: pg, lib: state.lib.clone(), owned: false };
@@ -222,10 +285,11 @@ unsafe extern "C" fn bucket_reduced_trampoline(
     param_indices: *const usize,
     nparams: usize,
 ) -> c_int {
-    let state = &*(user_data as *const HookState);
+    let call = HookCall::enter(user_data);
+    let state = call.state();
     let Some(callback) = state.hooks.on_bucket_reduced.as_ref() else { return 3 };
     let outcome = catch_unwind(AssertUnwindSafe(|| {
-        let lent = Ddp { raw: ddp, lib: state.lib.clone(), hooks: None, owned: false };
+        let lent = Ddp { raw: ddp, lib: state.lib.clone(), hooks: None, timed_out: false, owned: false };
         let params = if nparams == 0 || param_indices.is_null() {
             &[][..]
         } else {
@@ -256,9 +320,27 @@ impl fmt::Debug for Ddp {
 
 impl Drop for Ddp {
     fn drop(&mut self) {
-        if self.owned {
-            unsafe { (self.lib.api().ddp_destroy)(self.raw) };
+        if !self.owned {
+            return;
         }
+        if in_hook() {
+            // Inside a comm hook or an on_bucket_reduced closure,
+            // dp_ddp_destroy destroys nothing (dp_ddp.h), and this reducer's
+            // own closure may be the one running: leak the reducer and its
+            // closures.
+            std::mem::forget(self.hooks.take());
+            return;
+        }
+        // Returns at once when a hook is stuck past the timeout, leaving it
+        // running.
+        unsafe { (self.lib.api().ddp_destroy)(self.raw) };
+        if self.timed_out {
+            // A closure may still run, now or later: its state stays, and
+            // with it a reference to the library.
+            std::mem::forget(self.hooks.take());
+        }
+        // Otherwise no closure runs any more: a trampoline still returning
+        // holds its own reference.
     }
 }
 
@@ -284,10 +366,10 @@ impl Ddp {
     /// on_bucket_reduced step, or both).
     pub fn with_hooks(module: &Module, pg: &ProcessGroup, options: &DdpOptions, hooks: DdpHooks) -> Result<Ddp> {
         let state = HookState { hooks, lib: module.lib.clone(), failures: Mutex::new(Vec::new()) };
-        Ddp::create(module, pg, options, Some(Box::new(state)))
+        Ddp::create(module, pg, options, Some(Arc::new(state)))
     }
 
-    fn create(module: &Module, pg: &ProcessGroup, options: &DdpOptions, hooks: Option<Box<HookState>>) -> Result<Ddp> {
+    fn create(module: &Module, pg: &ProcessGroup, options: &DdpOptions, hooks: Option<Arc<HookState>>) -> Result<Ddp> {
         let lib = module.lib.clone();
         let size = std::mem::size_of::<sys::dp_ddp_options>();
         // dp_ddp_options_init fills every field: zeroed bytes are a valid start
@@ -316,7 +398,7 @@ impl Ddp {
         o.join_divide_by_initial_world_size = options.join_divide_by_initial_world_size as c_int;
         o.bucket_plan = plan.as_ref().map_or(ptr::null(), |p| p.as_ptr());
         if let Some(state) = hooks.as_ref() {
-            let user_data = &**state as *const HookState as *mut c_void;
+            let user_data = Arc::as_ptr(state) as *mut c_void;
             if state.hooks.comm_hook.is_some() {
                 o.comm_hook = sys::DP_HOOK_CUSTOM;
                 o.hook_fn = Some(comm_hook_trampoline);
@@ -329,7 +411,7 @@ impl Ddp {
         }
         let mut out = ptr::null_mut();
         lib.check(unsafe { (lib.api().ddp_create)(&mut out, module.raw, pg.raw, &o) })?;
-        Ok(Ddp { raw: out, lib, hooks, owned: true })
+        Ok(Ddp { raw: out, lib, hooks, timed_out: false, owned: true })
     }
 
     /// The handle, still owned by `self`.
@@ -345,10 +427,11 @@ impl Ddp {
         err
     }
 
-    fn check(&self, st: sys::dp_status) -> Result<()> {
+    fn check(&mut self, st: sys::dp_status) -> Result<()> {
         if st == sys::DP_OK {
             return Ok(());
         }
+        self.timed_out |= st == DP_ETIMEOUT;
         Err(self.with_failures(self.lib.error(st)))
     }
 
@@ -377,6 +460,9 @@ impl Ddp {
 
     /// Waits for every bucket; the module's gradients then hold the average
     /// over the ranks. A closure's `Err` or panic is DP_EUSER with its message.
+    /// DP_ETIMEOUT when a comm hook ran past the group's timeout: the hook is
+    /// left running, and dropping this `Ddp` then leaks its closures (see
+    /// [`Ddp`]).
     pub fn finish_backward(&mut self) -> Result<()> {
         self.check(unsafe { (self.lib.api().ddp_finish_backward)(self.raw) })
     }
@@ -471,7 +557,8 @@ impl Ddp {
             return Ok(());
         }
         let mut err = lib.error(st);
-        for d in ddps.iter() {
+        for d in ddps.iter_mut() {
+            d.timed_out |= st == DP_ETIMEOUT;
             if let Some(state) = d.hooks.as_ref() {
                 state.append_to(&mut err);
             }

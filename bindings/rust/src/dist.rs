@@ -5,6 +5,7 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::os::raw::{c_char, c_int, c_void};
 use std::ptr;
+use std::sync::Mutex;
 
 use crate::error::{cstring, owned_text};
 use crate::{sys, Device, InPlace, Library, Result, Tensor};
@@ -235,15 +236,6 @@ impl ProcessGroup {
         self.lib.check(unsafe { (self.lib.api().pg_all_reduce)(self.raw, tensor.raw_mut(), op as i32) })
     }
 
-    /// Starts an all_reduce; the tensor stays borrowed until the work is
-    /// waited for or dropped (dropping waits).
-    pub fn all_reduce_async<'t, T: InPlace + ?Sized>(&self, tensor: &'t mut T, op: ReduceOp) -> Result<Work<'t>> {
-        let mut out = ptr::null_mut();
-        let raw = tensor.raw_mut();
-        self.lib.check(unsafe { (self.lib.api().pg_all_reduce_async)(self.raw, raw, op as i32, &mut out) })?;
-        Ok(Work { raw: out, lib: self.lib.clone(), done: false, _tensor: PhantomData })
-    }
-
     pub fn broadcast<T: InPlace + ?Sized>(&self, tensor: &mut T, root: i32) -> Result<()> {
         self.lib.check(unsafe { (self.lib.api().pg_broadcast)(self.raw, tensor.raw_mut(), root) })
     }
@@ -263,52 +255,59 @@ impl ProcessGroup {
             .check(unsafe { (api.pg_reduce_scatter)(self.raw, raw.as_ptr(), raw.len(), output.raw_mut(), op as i32) })
     }
 
-    fn work<'t>(&self, st: sys::dp_status, out: *mut sys::dp_work) -> Result<Work<'t>> {
-        self.lib.check(st)?;
-        Ok(Work { raw: out, lib: self.lib.clone(), done: false, _tensor: PhantomData })
+    /// Runs `body` with a [`WorkScope`], through which it starts
+    /// asynchronous collectives on tensors from outside the scope; returns
+    /// once every collective started there has finished, also when `body`
+    /// panics (the panic then goes on) or forgot a [`Work`]. The tensors stay
+    /// borrowed until then; a `Work` waited for (or dropped) in the scope
+    /// gives the collective's result, a forgotten one's is not reported.
+    ///
+    /// ```no_run
+    /// # use dparallel::{DType, Device, Library, ProcessGroup, ReduceOp, Tensor};
+    /// # let lib = Library::open(None)?;
+    /// # let pg = ProcessGroup::from_env(&lib)?;
+    /// let mut grads = Tensor::zeros(&lib, DType::F32, &[1024], Device::cpu(0))?;
+    /// let mut stats = Tensor::zeros(&lib, DType::F64, &[2], Device::cpu(0))?;
+    /// pg.scope(|s| {
+    ///     let a = s.all_reduce_async(&mut grads, ReduceOp::Avg)?;
+    ///     let b = s.all_reduce_async(&mut stats, ReduceOp::Sum)?;
+    ///     a.wait()?;
+    ///     b.wait()
+    /// })?;
+    /// println!("{:?}", stats.to_vec::<f64>()?);
+    /// # Ok::<(), dparallel::Error>(())
+    /// ```
+    pub fn scope<'env, R, F>(&'env self, body: F) -> R
+    where
+        F: for<'scope> FnOnce(&'scope WorkScope<'scope, 'env>) -> R,
+    {
+        let scope = WorkScope { pg: self, pending: Mutex::new(Vec::new()), _scope: PhantomData, _env: PhantomData };
+        // Declared after `scope`, dropped before it: waits on the way out,
+        // panics included.
+        let _wait_all = WaitAll(&scope);
+        body(&scope)
     }
 
-    /// Starts a broadcast from `root`; the tensor stays borrowed until the
-    /// work is waited for or dropped (dropping waits).
-    pub fn broadcast_async<'t, T: InPlace + ?Sized>(&self, tensor: &'t mut T, root: i32) -> Result<Work<'t>> {
-        let mut out = ptr::null_mut();
-        let raw = tensor.raw_mut();
-        let st = unsafe { (self.lib.api().pg_broadcast_async)(self.raw, raw, root, &mut out) };
-        self.work(st, out)
-    }
-
-    /// Starts an all_gather; `input` and `outputs` stay borrowed until the
-    /// work is waited for or dropped.
-    pub fn all_gather_async<'t>(&self, input: &'t Tensor, outputs: &'t mut [Tensor]) -> Result<Work<'t>> {
-        let raw: Vec<*mut sys::dp_tensor> = outputs.iter().map(|t| t.raw).collect();
-        let mut out = ptr::null_mut();
-        let api = self.lib.api();
-        let st = unsafe { (api.pg_all_gather_async)(self.raw, input.raw, raw.as_ptr(), raw.len(), &mut out) };
-        self.work(st, out)
-    }
-
-    /// Starts a reduce_scatter; the tensors stay borrowed until the work is
-    /// waited for or dropped.
-    pub fn reduce_scatter_async<'t, T: InPlace + ?Sized>(
+    fn work<'s>(
         &self,
-        inputs: &[&'t Tensor],
-        output: &'t mut T,
-        op: ReduceOp,
-    ) -> Result<Work<'t>> {
-        let raw: Vec<*const sys::dp_tensor> = inputs.iter().map(|t| t.raw as *const _).collect();
-        let mut out = ptr::null_mut();
-        let api = self.lib.api();
-        let st = unsafe {
-            (api.pg_reduce_scatter_async)(self.raw, raw.as_ptr(), raw.len(), output.raw_mut(), op as i32, &mut out)
-        };
-        self.work(st, out)
+        st: sys::dp_status,
+        out: *mut sys::dp_work,
+        scope: Option<&'s WorkScope<'s, '_>>,
+    ) -> Result<Work<'s>> {
+        self.lib.check(st)?;
+        let slot = scope.map(|s| {
+            let mut pending = s.pending.lock().unwrap_or_else(|p| p.into_inner());
+            pending.push(PendingWork(out));
+            (&s.pending, pending.len() - 1)
+        });
+        Ok(Work { raw: out, lib: self.lib.clone(), done: false, slot })
     }
 
     /// Starts a barrier.
     pub fn barrier_async(&self) -> Result<Work<'static>> {
         let mut out = ptr::null_mut();
         let st = unsafe { (self.lib.api().pg_barrier_async)(self.raw, &mut out) };
-        self.work(st, out)
+        self.work(st, out, None)
     }
 
     pub fn barrier(&self) -> Result<()> {
@@ -316,13 +315,117 @@ impl ProcessGroup {
     }
 }
 
+/// Where the asynchronous collectives on borrowed tensors start
+/// ([`ProcessGroup::scope`]): the scope waits for each of them before it
+/// returns, so a tensor is never written after its borrow ends, even when a
+/// [`Work`] is forgotten.
+pub struct WorkScope<'scope, 'env: 'scope> {
+    pg: &'env ProcessGroup,
+    // What the scope waits for and destroys on the way out: a Work waited
+    // for or dropped takes its own out (null).
+    pending: Mutex<Vec<PendingWork>>,
+    _scope: PhantomData<&'scope mut &'scope ()>,
+    _env: PhantomData<&'env mut &'env ()>,
+}
+
+struct PendingWork(*mut sys::dp_work);
+
+// The handles are used under the lock, or by the one Work that took them.
+unsafe impl Send for PendingWork {}
+
+impl fmt::Debug for WorkScope<'_, '_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("WorkScope")
+    }
+}
+
+/// Waits for, then destroys, what the scope still holds.
+struct WaitAll<'a, 'scope, 'env>(&'a WorkScope<'scope, 'env>);
+
+impl Drop for WaitAll<'_, '_, '_> {
+    fn drop(&mut self) {
+        let pending = std::mem::take(&mut *self.0.pending.lock().unwrap_or_else(|p| p.into_inner()));
+        let api = self.0.pg.lib.api();
+        for PendingWork(raw) in pending {
+            if !raw.is_null() {
+                unsafe {
+                    (api.work_wait)(raw);
+                    (api.work_destroy)(raw);
+                }
+            }
+        }
+    }
+}
+
+impl<'scope> WorkScope<'scope, '_> {
+    /// The group the collectives run on.
+    pub fn group(&self) -> &ProcessGroup {
+        self.pg
+    }
+
+    /// Starts an all_reduce of `tensor` in place.
+    pub fn all_reduce_async<T: InPlace + ?Sized>(
+        &'scope self,
+        tensor: &'scope mut T,
+        op: ReduceOp,
+    ) -> Result<Work<'scope>> {
+        let mut out = ptr::null_mut();
+        let raw = tensor.raw_mut();
+        let st = unsafe { (self.pg.lib.api().pg_all_reduce_async)(self.pg.raw, raw, op as i32, &mut out) };
+        self.pg.work(st, out, Some(self))
+    }
+
+    /// Starts a broadcast of `tensor` from `root`.
+    pub fn broadcast_async<T: InPlace + ?Sized>(
+        &'scope self,
+        tensor: &'scope mut T,
+        root: i32,
+    ) -> Result<Work<'scope>> {
+        let mut out = ptr::null_mut();
+        let raw = tensor.raw_mut();
+        let st = unsafe { (self.pg.lib.api().pg_broadcast_async)(self.pg.raw, raw, root, &mut out) };
+        self.pg.work(st, out, Some(self))
+    }
+
+    /// Starts an all_gather: `outputs[r]` receives rank r's `input`.
+    pub fn all_gather_async(
+        &'scope self,
+        input: &'scope Tensor,
+        outputs: &'scope mut [Tensor],
+    ) -> Result<Work<'scope>> {
+        let raw: Vec<*mut sys::dp_tensor> = outputs.iter().map(|t| t.raw).collect();
+        let mut out = ptr::null_mut();
+        let api = self.pg.lib.api();
+        let st = unsafe { (api.pg_all_gather_async)(self.pg.raw, input.raw, raw.as_ptr(), raw.len(), &mut out) };
+        self.pg.work(st, out, Some(self))
+    }
+
+    /// Starts a reduce_scatter (`ProcessGroup::reduce_scatter`).
+    pub fn reduce_scatter_async<T: InPlace + ?Sized>(
+        &'scope self,
+        inputs: &[&'scope Tensor],
+        output: &'scope mut T,
+        op: ReduceOp,
+    ) -> Result<Work<'scope>> {
+        let raw: Vec<*const sys::dp_tensor> = inputs.iter().map(|t| t.raw as *const _).collect();
+        let mut out = ptr::null_mut();
+        let api = self.pg.lib.api();
+        let st = unsafe {
+            (api.pg_reduce_scatter_async)(self.pg.raw, raw.as_ptr(), raw.len(), output.raw_mut(), op as i32, &mut out)
+        };
+        self.pg.work(st, out, Some(self))
+    }
+}
+
 /// An asynchronous collective (dp_work). Dropping it waits for the
-/// collective, so the tensor it writes is never written after its borrow ends.
-pub struct Work<'t> {
+/// collective. One on borrowed tensors comes from a [`WorkScope`], which
+/// waits for it, forgotten or not, before the borrow ends.
+pub struct Work<'s> {
     pub(crate) raw: *mut sys::dp_work,
     pub(crate) lib: Library,
     pub(crate) done: bool,
-    _tensor: PhantomData<&'t mut ()>,
+    // The scope's entry for it, taken out when it is waited for or dropped.
+    slot: Option<(&'s Mutex<Vec<PendingWork>>, usize)>,
 }
 
 unsafe impl Send for Work<'_> {}
@@ -350,6 +453,9 @@ impl Work<'_> {
 
 impl Drop for Work<'_> {
     fn drop(&mut self) {
+        if let Some((pending, index)) = self.slot {
+            pending.lock().unwrap_or_else(|p| p.into_inner())[index].0 = ptr::null_mut();
+        }
         let api = self.lib.api();
         unsafe {
             if !self.done {

@@ -97,6 +97,8 @@ impl Fsdp {
 
     /// Starts the all-gather and returns at once (prefetch); `wait_unshard`,
     /// or a blocking `unshard`, completes it.
+    /// Until then the library writes the module's parameter slots: leave
+    /// them alone meanwhile (not enforced; see [`Tensor::as_slice`]).
     pub fn unshard_async(&mut self) -> Result<()> {
         self.lib.check(unsafe { (self.lib.api().fsdp_unshard)(self.raw, 1) })
     }

@@ -39,7 +39,7 @@ mod tensor;
 
 pub use ddp::{Bucket, CommHook, Ddp, DdpHooks, DdpOptions, DdpStats};
 pub use device::{DType, Device, DeviceKind, Element};
-pub use dist::{Backend, ProcessGroup, ProcessGroupOptions, ReduceOp, Store, Work};
+pub use dist::{Backend, ProcessGroup, ProcessGroupOptions, ReduceOp, Store, Work, WorkScope};
 pub use error::{Error, Result};
 pub use fsdp::{Fsdp, FsdpOptions};
 pub use library::{Library, MemoryStats, DEFAULT_LIBRARY};

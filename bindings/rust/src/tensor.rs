@@ -257,6 +257,14 @@ impl Tensor {
     }
 
     /// The elements, in place (CPU tensors of dtype T).
+    ///
+    /// Not enforced: the slice must not be held while the library writes
+    /// this tensor's memory, through this handle or another one on the same
+    /// memory (`Module::grad` and `Module::parameter` give new handles): a
+    /// gradient marked ready (`Ddp::mark_grad_ready*`) until
+    /// `finish_backward` returns, or an `Fsdp`'s parameters between
+    /// `unshard_async` and `wait_unshard`. Read such a tensor after the call
+    /// that waits for it.
     pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
         self.check_view::<T>()?;
         let n = self.numel();
@@ -268,6 +276,10 @@ impl Tensor {
     }
 
     /// The elements, writable in place (CPU tensors of dtype T).
+    ///
+    /// Not enforced: as for [`Tensor::as_slice`], the slice must not be held
+    /// while the library reads or writes this tensor's memory, nor while
+    /// another handle on the same memory is read.
     pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T]> {
         self.check_view::<T>()?;
         let n = self.numel();
