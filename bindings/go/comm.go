@@ -41,9 +41,12 @@ func (l *Library) Broadcast(t *Tensor, devices []Device) ([]*Tensor, error) {
 	if len(devices) == 0 {
 		return nil, invalid(op, "argument 'devices' is empty")
 	}
-	cd := cDevices(devices)
+	cd, err := cDevices(op, "devices", devices)
+	if err != nil {
+		return nil, err
+	}
 	out := make([]*C.dp_tensor, len(devices))
-	err := l.call(op, func(api *C.dp_api) C.dp_status {
+	err = l.call(op, func(api *C.dp_api) C.dp_status {
 		return C.dpgo_broadcast(api, t.h, &cd[0], C.size_t(len(cd)), &out[0])
 	})
 	if err != nil {
@@ -67,7 +70,10 @@ func (l *Library) BroadcastCoalesced(tensors []*Tensor, devices []Device, buffer
 	if bufferSize < 0 {
 		return nil, invalid(op, "argument 'bufferSize' is negative (%d)", bufferSize)
 	}
-	cd := cDevices(devices)
+	cd, err := cDevices(op, "devices", devices)
+	if err != nil {
+		return nil, err
+	}
 	out := make([]*C.dp_tensor, len(devices)*len(hs))
 	err = l.call(op, func(api *C.dp_api) C.dp_status {
 		return C.dpgo_broadcast_coalesced(api, &hs[0], C.size_t(len(hs)), &cd[0], C.size_t(len(cd)),
@@ -92,9 +98,13 @@ func (l *Library) ReduceAdd(inputs []*Tensor, destination Device) (*Tensor, erro
 	if err != nil {
 		return nil, err
 	}
+	cd, err := cDevice(op, "destination", destination)
+	if err != nil {
+		return nil, err
+	}
 	var out *C.dp_tensor
 	err = l.call(op, func(api *C.dp_api) C.dp_status {
-		return C.dpgo_reduce_add(api, &hs[0], C.size_t(len(hs)), destination.c(), &out)
+		return C.dpgo_reduce_add(api, &hs[0], C.size_t(len(hs)), cd, &out)
 	})
 	if err != nil {
 		return nil, err
@@ -113,6 +123,10 @@ func (l *Library) ReduceAddCoalesced(inputs [][]*Tensor, destination Device, buf
 	if bufferSize < 0 {
 		return nil, invalid(op, "argument 'bufferSize' is negative (%d)", bufferSize)
 	}
+	cd, err := cDevice(op, "destination", destination)
+	if err != nil {
+		return nil, err
+	}
 	n := len(inputs[0])
 	var hs []*C.dp_tensor
 	for d, list := range inputs {
@@ -126,8 +140,8 @@ func (l *Library) ReduceAddCoalesced(inputs [][]*Tensor, destination Device, buf
 		hs = append(hs, h...)
 	}
 	out := make([]*C.dp_tensor, n)
-	err := l.call(op, func(api *C.dp_api) C.dp_status {
-		return C.dpgo_reduce_add_coalesced(api, &hs[0], C.size_t(len(inputs)), C.size_t(n), destination.c(),
+	err = l.call(op, func(api *C.dp_api) C.dp_status {
+		return C.dpgo_reduce_add_coalesced(api, &hs[0], C.size_t(len(inputs)), C.size_t(n), cd,
 			C.size_t(bufferSize), &out[0])
 	})
 	if err != nil {
@@ -155,11 +169,18 @@ func (l *Library) Scatter(t *Tensor, devices []Device, chunkSizes []int64, dim i
 		}
 		sizes = (*C.int64_t)(&chunkSizes[0])
 	}
-	cd := cDevices(devices)
+	cdim, err := cInt32(op, "dim", dim)
+	if err != nil {
+		return nil, err
+	}
+	cd, err := cDevices(op, "devices", devices)
+	if err != nil {
+		return nil, err
+	}
 	out := make([]*C.dp_tensor, len(devices))
 	var count C.size_t
-	err := l.call(op, func(api *C.dp_api) C.dp_status {
-		return C.dpgo_scatter(api, t.h, &cd[0], C.size_t(len(cd)), sizes, C.int32_t(dim), &out[0], &count)
+	err = l.call(op, func(api *C.dp_api) C.dp_status {
+		return C.dpgo_scatter(api, t.h, &cd[0], C.size_t(len(cd)), sizes, cdim, &out[0], &count)
 	})
 	if err != nil {
 		return nil, err
@@ -174,9 +195,17 @@ func (l *Library) Gather(tensors []*Tensor, dim int, destination Device) (*Tenso
 	if err != nil {
 		return nil, err
 	}
+	cdim, err := cInt32(op, "dim", dim)
+	if err != nil {
+		return nil, err
+	}
+	cd, err := cDevice(op, "destination", destination)
+	if err != nil {
+		return nil, err
+	}
 	var out *C.dp_tensor
 	err = l.call(op, func(api *C.dp_api) C.dp_status {
-		return C.dpgo_gather(api, &hs[0], C.size_t(len(hs)), C.int32_t(dim), destination.c(), &out)
+		return C.dpgo_gather(api, &hs[0], C.size_t(len(hs)), cdim, cd, &out)
 	})
 	if err != nil {
 		return nil, err

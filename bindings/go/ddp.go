@@ -191,8 +191,11 @@ func (s cStrings) array() (**C.char, func()) {
 // rank's module starts from rank 0's parameters.
 func (l *Library) NewDDP(module *Module, pg *ProcessGroup, opts *DDPOptions) (*DDP, error) {
 	const op = "dp_ddp_create"
-	if module == nil || pg == nil {
-		return nil, invalid(op, "argument 'module' or 'pg' is nil")
+	if module == nil {
+		return nil, nilArgument(op, "module")
+	}
+	if pg == nil {
+		return nil, nilArgument(op, "pg")
 	}
 	var copts C.dp_ddp_options
 	err := l.call("dp_ddp_options_init", func(api *C.dp_api) C.dp_status {
@@ -258,6 +261,14 @@ func (l *Library) NewDDP(module *Module, pg *ProcessGroup, opts *DDPOptions) (*D
 	return &DDP{lib: l, h: h, callbacks: callbacks}, nil
 }
 
+// call is lib.call on a DDP that may be nil.
+func (d *DDP) call(op string, f func(api *C.dp_api) C.dp_status) error {
+	if d == nil {
+		return nilReceiver(op, "d", "*DDP")
+	}
+	return d.lib.call(op, f)
+}
+
 // Close drops the queued reductions, waits for the running one and releases
 // the module and the group.
 func (d *DDP) Close() {
@@ -275,7 +286,7 @@ func (d *DDP) Close() {
 // PreForward starts a step (broadcasting buffers from rank 0, unless
 // NoBroadcastBuffers).
 func (d *DDP) PreForward() error {
-	return d.lib.call("dp_ddp_pre_forward", func(api *C.dp_api) C.dp_status { return C.dpgo_ddp_pre_forward(api, d.h) })
+	return d.call("dp_ddp_pre_forward", func(api *C.dp_api) C.dp_status { return C.dpgo_ddp_pre_forward(api, d.h) })
 }
 
 // MarkGradReady says the named parameter's gradient is final for this step.
@@ -283,7 +294,7 @@ func (d *DDP) PreForward() error {
 func (d *DDP) MarkGradReady(name string) error {
 	cname := C.CString(name)
 	defer C.free(unsafe.Pointer(cname))
-	return d.lib.call("dp_ddp_mark_grad_ready", func(api *C.dp_api) C.dp_status {
+	return d.call("dp_ddp_mark_grad_ready", func(api *C.dp_api) C.dp_status {
 		return C.dpgo_ddp_mark_grad_ready(api, d.h, cname)
 	})
 }
@@ -295,7 +306,7 @@ func (d *DDP) MarkGradReadyIndex(index int) error {
 	if index < 0 {
 		return invalid(op, "argument 'index' is negative (%d)", index)
 	}
-	return d.lib.call(op, func(api *C.dp_api) C.dp_status {
+	return d.call(op, func(api *C.dp_api) C.dp_status {
 		return C.dpgo_ddp_mark_grad_ready_index(api, d.h, C.size_t(index))
 	})
 }
@@ -308,7 +319,7 @@ func (d *DDP) MarkGradReadyStream(index int, stream unsafe.Pointer) error {
 	if index < 0 {
 		return invalid(op, "argument 'index' is negative (%d)", index)
 	}
-	return d.lib.call(op, func(api *C.dp_api) C.dp_status {
+	return d.call(op, func(api *C.dp_api) C.dp_status {
 		return C.dpgo_ddp_mark_grad_ready_stream(api, d.h, C.size_t(index), stream)
 	})
 }
@@ -316,7 +327,10 @@ func (d *DDP) MarkGradReadyStream(index int, stream unsafe.Pointer) error {
 // FinishBackward waits for the reductions: the gradients are then averaged.
 // A failed comm hook or OnBucketReduced is the returned error's Cause.
 func (d *DDP) FinishBackward() error {
-	err := d.lib.call("dp_ddp_finish_backward", func(api *C.dp_api) C.dp_status {
+	if d == nil {
+		return nilReceiver("dp_ddp_finish_backward", "d", "*DDP")
+	}
+	err := d.call("dp_ddp_finish_backward", func(api *C.dp_api) C.dp_status {
 		return C.dpgo_ddp_finish_backward(api, d.h)
 	})
 	return d.callbacks.takeErrors(err)
@@ -326,7 +340,7 @@ func (d *DDP) FinishBackward() error {
 // accumulate gradients locally (still marked and finished as usual); the
 // next synced backward reduces the sum.
 func (d *DDP) SetRequiresGradientSync(sync bool) error {
-	return d.lib.call("dp_ddp_set_requires_gradient_sync", func(api *C.dp_api) C.dp_status {
+	return d.call("dp_ddp_set_requires_gradient_sync", func(api *C.dp_api) C.dp_status {
 		return C.dpgo_ddp_set_requires_gradient_sync(api, d.h, cbool(sync))
 	})
 }
@@ -334,6 +348,9 @@ func (d *DDP) SetRequiresGradientSync(sync bool) error {
 // NumBuckets is the number of gradient buckets; 0 on a closed reducer or
 // library.
 func (d *DDP) NumBuckets() (n int) {
+	if d == nil {
+		return 0
+	}
 	d.lib.use("dp_ddp_num_buckets", func(api *C.dp_api) { n = int(C.dpgo_ddp_num_buckets(api, d.h)) })
 	return n
 }
@@ -346,7 +363,7 @@ func (d *DDP) BucketParameters(bucket int) ([]int, error) {
 		return nil, invalid(op, "argument 'bucket' is negative (%d)", bucket)
 	}
 	var indices []C.size_t
-	err := d.lib.call(op, func(api *C.dp_api) C.dp_status {
+	err := d.call(op, func(api *C.dp_api) C.dp_status {
 		var count C.size_t
 		if s := C.dpgo_ddp_bucket_parameters(api, d.h, C.size_t(bucket), nil, 0, &count); s != 0 {
 			return s
@@ -376,7 +393,7 @@ type DDPStats struct {
 func (d *DDP) Stats() (DDPStats, error) {
 	var out C.dp_ddp_stats
 	out.struct_size = C.size_t(unsafe.Sizeof(out))
-	err := d.lib.call("dp_ddp_last_stats", func(api *C.dp_api) C.dp_status { return C.dpgo_ddp_last_stats(api, d.h, &out) })
+	err := d.call("dp_ddp_last_stats", func(api *C.dp_api) C.dp_status { return C.dpgo_ddp_last_stats(api, d.h, &out) })
 	return DDPStats{float64(out.backward_ms), float64(out.reduce_ms), float64(out.exposed_ms), int(out.num_buckets),
 		out.buckets_rebuilt != 0}, err
 }
@@ -390,7 +407,7 @@ func (d *DDP) ParameterUsed(index int) (bool, error) {
 		return false, invalid(op, "argument 'index' is negative (%d)", index)
 	}
 	var out C.int
-	err := d.lib.call(op, func(api *C.dp_api) C.dp_status {
+	err := d.call(op, func(api *C.dp_api) C.dp_status {
 		return C.dpgo_ddp_parameter_used(api, d.h, C.size_t(index), &out)
 	})
 	return out != 0, err
@@ -400,7 +417,7 @@ func (d *DDP) ParameterUsed(index int) (bool, error) {
 // it as DDPOptions.BucketPlan to start a later run with these buckets.
 func (d *DDP) BucketPlan() (string, error) {
 	var text string
-	err := d.lib.call("dp_ddp_bucket_plan", func(api *C.dp_api) C.dp_status {
+	err := d.call("dp_ddp_bucket_plan", func(api *C.dp_api) C.dp_status {
 		var n C.size_t
 		if s := C.dpgo_ddp_bucket_plan(api, d.h, nil, 0, &n); s != 0 {
 			return s

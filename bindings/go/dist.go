@@ -62,15 +62,23 @@ type ProcessGroupOptions struct {
 // the same world size, store and backend.
 func (l *Library) NewProcessGroup(rank, worldSize int, opts *ProcessGroupOptions) (*ProcessGroup, error) {
 	const op = "dp_process_group_create"
+	crank, err := cInt32(op, "rank", rank)
+	if err != nil {
+		return nil, err
+	}
+	cworld, err := cInt32(op, "worldSize", worldSize)
+	if err != nil {
+		return nil, err
+	}
 	var copts C.dp_process_group_options
-	err := l.call("dp_process_group_options_init", func(api *C.dp_api) C.dp_status {
+	err = l.call("dp_process_group_options_init", func(api *C.dp_api) C.dp_status {
 		return C.dpgo_process_group_options_init(api, &copts, C.size_t(unsafe.Sizeof(copts)))
 	})
 	if err != nil {
 		return nil, err
 	}
-	copts.rank = C.int32_t(rank)
-	copts.world_size = C.int32_t(worldSize)
+	copts.rank = crank
+	copts.world_size = cworld
 	if opts != nil {
 		copts.backend = C.int32_t(opts.Backend)
 		if opts.Store != nil {
@@ -88,7 +96,9 @@ func (l *Library) NewProcessGroup(rank, worldSize int, opts *ProcessGroupOptions
 			}
 		}
 		if opts.Device != (Device{}) {
-			copts.device = opts.Device.c()
+			if copts.device, err = cDevice(op, "opts.Device", opts.Device); err != nil {
+				return nil, err
+			}
 		}
 	}
 	var h *C.dp_process_group
@@ -113,6 +123,14 @@ func (l *Library) ProcessGroupFromEnv() (*ProcessGroup, error) {
 	return &ProcessGroup{lib: l, h: h}, nil
 }
 
+// call is lib.call on a group that may be nil.
+func (pg *ProcessGroup) call(op string, f func(api *C.dp_api) C.dp_status) error {
+	if pg == nil {
+		return nilReceiver(op, "pg", "*ProcessGroup")
+	}
+	return pg.lib.call(op, f)
+}
+
 // Close waits for queued collectives, then leaves the group.
 func (pg *ProcessGroup) Close() {
 	if pg == nil || pg.h == nil || pg.borrowed {
@@ -126,17 +144,26 @@ func (pg *ProcessGroup) Close() {
 // or library, as the library answers for an invalid handle.
 func (pg *ProcessGroup) Rank() int {
 	rank := -1
+	if pg == nil {
+		return rank
+	}
 	pg.lib.use("dp_process_group_rank", func(api *C.dp_api) { rank = int(C.dpgo_process_group_rank(api, pg.h)) })
 	return rank
 }
 
 func (pg *ProcessGroup) Size() int {
 	size := -1
+	if pg == nil {
+		return size
+	}
 	pg.lib.use("dp_process_group_size", func(api *C.dp_api) { size = int(C.dpgo_process_group_size(api, pg.h)) })
 	return size
 }
 
 func (pg *ProcessGroup) Backend() (backend string) {
+	if pg == nil {
+		return ""
+	}
 	pg.lib.use("dp_process_group_backend", func(api *C.dp_api) {
 		backend = C.GoString(C.dpgo_process_group_backend(api, pg.h))
 	})
@@ -145,20 +172,32 @@ func (pg *ProcessGroup) Backend() (backend string) {
 
 // AllReduce combines t across ranks, in place.
 func (pg *ProcessGroup) AllReduce(t *Tensor, op ReduceOp) error {
-	return pg.lib.call("dp_pg_all_reduce", func(api *C.dp_api) C.dp_status {
+	const name = "dp_pg_all_reduce"
+	if t == nil {
+		return nilArgument(name, "t")
+	}
+	return pg.call(name, func(api *C.dp_api) C.dp_status {
 		return C.dpgo_pg_all_reduce(api, pg.h, t.h, C.int32_t(op))
 	})
 }
 
 // Broadcast copies root's t to every rank, in place.
 func (pg *ProcessGroup) Broadcast(t *Tensor, root int) error {
-	return pg.lib.call("dp_pg_broadcast", func(api *C.dp_api) C.dp_status {
-		return C.dpgo_pg_broadcast(api, pg.h, t.h, C.int32_t(root))
+	const op = "dp_pg_broadcast"
+	if t == nil {
+		return nilArgument(op, "t")
+	}
+	croot, err := cInt32(op, "root", root)
+	if err != nil {
+		return err
+	}
+	return pg.call(op, func(api *C.dp_api) C.dp_status {
+		return C.dpgo_pg_broadcast(api, pg.h, t.h, croot)
 	})
 }
 
 func (pg *ProcessGroup) Barrier() error {
-	return pg.lib.call("dp_pg_barrier", func(api *C.dp_api) C.dp_status { return C.dpgo_pg_barrier(api, pg.h) })
+	return pg.call("dp_pg_barrier", func(api *C.dp_api) C.dp_status { return C.dpgo_pg_barrier(api, pg.h) })
 }
 
 // AllGather fills outputs[r] (one per rank, each like input) with rank r's
@@ -172,7 +211,7 @@ func (pg *ProcessGroup) AllGather(input *Tensor, outputs []*Tensor) error {
 	if err != nil {
 		return err
 	}
-	return pg.lib.call(op, func(api *C.dp_api) C.dp_status {
+	return pg.call(op, func(api *C.dp_api) C.dp_status {
 		return C.dpgo_pg_all_gather(api, pg.h, input.h, &hs[0], C.size_t(len(hs)))
 	})
 }
@@ -188,7 +227,7 @@ func (pg *ProcessGroup) ReduceScatter(inputs []*Tensor, output *Tensor, op Reduc
 	if err != nil {
 		return err
 	}
-	return pg.lib.call(name, func(api *C.dp_api) C.dp_status {
+	return pg.call(name, func(api *C.dp_api) C.dp_status {
 		return C.dpgo_pg_reduce_scatter(api, pg.h, &hs[0], C.size_t(len(hs)), output.h, C.int32_t(op))
 	})
 }
@@ -202,6 +241,9 @@ type Work struct {
 
 // async starts a collective and wraps its handle.
 func (pg *ProcessGroup) async(op string, f func(api *C.dp_api, out **C.dp_work) C.dp_status) (*Work, error) {
+	if pg == nil {
+		return nil, nilReceiver(op, "pg", "*ProcessGroup")
+	}
 	var h *C.dp_work
 	err := pg.lib.call(op, func(api *C.dp_api) C.dp_status { return f(api, &h) })
 	if err != nil {
@@ -211,14 +253,26 @@ func (pg *ProcessGroup) async(op string, f func(api *C.dp_api, out **C.dp_work) 
 }
 
 func (pg *ProcessGroup) AllReduceAsync(t *Tensor, op ReduceOp) (*Work, error) {
-	return pg.async("dp_pg_all_reduce_async", func(api *C.dp_api, out **C.dp_work) C.dp_status {
+	const name = "dp_pg_all_reduce_async"
+	if t == nil {
+		return nil, nilArgument(name, "t")
+	}
+	return pg.async(name, func(api *C.dp_api, out **C.dp_work) C.dp_status {
 		return C.dpgo_pg_all_reduce_async(api, pg.h, t.h, C.int32_t(op), out)
 	})
 }
 
 func (pg *ProcessGroup) BroadcastAsync(t *Tensor, root int) (*Work, error) {
-	return pg.async("dp_pg_broadcast_async", func(api *C.dp_api, out **C.dp_work) C.dp_status {
-		return C.dpgo_pg_broadcast_async(api, pg.h, t.h, C.int32_t(root), out)
+	const op = "dp_pg_broadcast_async"
+	if t == nil {
+		return nil, nilArgument(op, "t")
+	}
+	croot, err := cInt32(op, "root", root)
+	if err != nil {
+		return nil, err
+	}
+	return pg.async(op, func(api *C.dp_api, out **C.dp_work) C.dp_status {
+		return C.dpgo_pg_broadcast_async(api, pg.h, t.h, croot, out)
 	})
 }
 
@@ -258,8 +312,11 @@ func (pg *ProcessGroup) BarrierAsync() (*Work, error) {
 
 // Wait returns the collective's result once it has finished.
 func (w *Work) Wait() error {
-	if w == nil || w.h == nil {
-		return invalid("dp_work_wait", "the work is closed (or nil)")
+	if w == nil {
+		return nilReceiver("dp_work_wait", "w", "*Work")
+	}
+	if w.h == nil {
+		return invalid("dp_work_wait", "the work is closed")
 	}
 	return w.lib.call("dp_work_wait", func(api *C.dp_api) C.dp_status { return C.dpgo_work_wait(api, w.h) })
 }
@@ -267,8 +324,11 @@ func (w *Work) Wait() error {
 // Test reports whether the collective has finished (then Wait returns at
 // once).
 func (w *Work) Test() (bool, error) {
-	if w == nil || w.h == nil {
-		return false, invalid("dp_work_test", "the work is closed (or nil)")
+	if w == nil {
+		return false, nilReceiver("dp_work_test", "w", "*Work")
+	}
+	if w.h == nil {
+		return false, invalid("dp_work_test", "the work is closed")
 	}
 	var done C.int
 	err := w.lib.call("dp_work_test", func(api *C.dp_api) C.dp_status { return C.dpgo_work_test(api, w.h, &done) })

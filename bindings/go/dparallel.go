@@ -22,6 +22,7 @@ import "C"
 
 import (
 	"fmt"
+	"math"
 	"os"
 	"runtime"
 	"sync"
@@ -96,6 +97,16 @@ func (e *Error) Is(target error) bool {
 // invalid is a bad argument caught before calling the library.
 func invalid(op, format string, args ...interface{}) error {
 	return &Error{Status: StatusInvalid, Op: op, Message: fmt.Sprintf(format, args...)}
+}
+
+// nilArgument is a nil handle passed as the named argument (a method's
+// receiver included).
+func nilArgument(op, arg string) error { return invalid(op, "argument '%s' is nil", arg) }
+
+// nilReceiver is a method called on a nil handle: the receiver, named as
+// its argument, and its type.
+func nilReceiver(op, arg, typ string) error {
+	return invalid(op, "argument '%s' (the %s) is nil", arg, typ)
 }
 
 // Library is one loaded libdparallel. Its methods, and those of the handles
@@ -205,7 +216,12 @@ func (l *Library) leave() {
 }
 
 // Path is the file name the library was opened with.
-func (l *Library) Path() string { return l.path }
+func (l *Library) Path() string {
+	if l == nil {
+		return ""
+	}
+	return l.path
+}
 
 // ABI is the major and minor version of the library's entry-point table;
 // zeros once closed.
@@ -266,18 +282,38 @@ func (d Device) String() string {
 	return fmt.Sprintf("device(%d):%d", int32(d.Type), d.Index)
 }
 
-func (d Device) c() C.dp_device {
-	return C.dp_device{_type: C.int32_t(d.Type), index: C.int32_t(d.Index)}
+// cInt32 is v for an int32_t argument of the library, or an error naming
+// the argument when it does not fit (never a silent truncation).
+func cInt32(op, arg string, v int) (C.int32_t, error) {
+	if v < math.MinInt32 || v > math.MaxInt32 {
+		return 0, invalid(op, "argument '%s' (%d) does not fit in int32", arg, v)
+	}
+	return C.int32_t(v), nil
+}
+
+// cDevice is d for the library; an index that does not fit in int32 is an
+// error naming the argument.
+func cDevice(op, arg string, d Device) (C.dp_device, error) {
+	if d.Index < math.MinInt32 || d.Index > math.MaxInt32 {
+		return C.dp_device{}, invalid(op, "argument '%s' has device index %d, which does not fit in int32", arg,
+			d.Index)
+	}
+	return C.dp_device{_type: C.int32_t(d.Type), index: C.int32_t(d.Index)}, nil
 }
 
 func goDevice(d C.dp_device) Device { return Device{DeviceType(d._type), int(d.index)} }
 
-func cDevices(devices []Device) []C.dp_device {
+// cDevices converts a list of devices; arg names the list.
+func cDevices(op, arg string, devices []Device) ([]C.dp_device, error) {
 	out := make([]C.dp_device, len(devices))
 	for i, d := range devices {
-		out[i] = d.c()
+		if d.Index < math.MinInt32 || d.Index > math.MaxInt32 {
+			return nil, invalid(op, "argument '%s'[%d] has device index %d, which does not fit in int32", arg, i,
+				d.Index)
+		}
+		out[i] = C.dp_device{_type: C.int32_t(d.Type), index: C.int32_t(d.Index)}
 	}
-	return out
+	return out, nil
 }
 
 // ParseDevice reads "cpu", "cpu:3", "cuda", "cuda:1".
@@ -291,9 +327,14 @@ func (l *Library) ParseDevice(text string) (Device, error) {
 
 // FormatDevice is the library's text for d ("cpu:3").
 func (l *Library) FormatDevice(d Device) (string, error) {
+	const op = "dp_device_format"
+	cd, err := cDevice(op, "d", d)
+	if err != nil {
+		return "", err
+	}
 	var buf [64]C.char
-	err := l.call("dp_device_format", func(api *C.dp_api) C.dp_status {
-		return C.dpgo_device_format(api, d.c(), &buf[0], C.size_t(len(buf)))
+	err = l.call(op, func(api *C.dp_api) C.dp_status {
+		return C.dpgo_device_format(api, cd, &buf[0], C.size_t(len(buf)))
 	})
 	if err != nil {
 		return "", err
@@ -332,10 +373,15 @@ type MemoryStats struct {
 }
 
 func (l *Library) MemoryStats(d Device) (MemoryStats, error) {
+	const op = "dp_device_memory_stats"
+	cd, err := cDevice(op, "d", d)
+	if err != nil {
+		return MemoryStats{}, err
+	}
 	var out C.dp_memory_stats
 	out.struct_size = C.size_t(unsafe.Sizeof(out))
-	err := l.call("dp_device_memory_stats", func(api *C.dp_api) C.dp_status {
-		return C.dpgo_device_memory_stats(api, d.c(), &out)
+	err = l.call(op, func(api *C.dp_api) C.dp_status {
+		return C.dpgo_device_memory_stats(api, cd, &out)
 	})
 	return MemoryStats{uint64(out.allocated_bytes), uint64(out.peak_allocated_bytes), uint64(out.cached_bytes)}, err
 }
@@ -343,9 +389,12 @@ func (l *Library) MemoryStats(d Device) (MemoryStats, error) {
 // ResetPeakMemory starts MemoryStats' PeakAllocated afresh from what is in
 // use now.
 func (l *Library) ResetPeakMemory(d Device) error {
-	return l.call("dp_device_reset_peak_memory", func(api *C.dp_api) C.dp_status {
-		return C.dpgo_device_reset_peak_memory(api, d.c())
-	})
+	const op = "dp_device_reset_peak_memory"
+	cd, err := cDevice(op, "d", d)
+	if err != nil {
+		return err
+	}
+	return l.call(op, func(api *C.dp_api) C.dp_status { return C.dpgo_device_reset_peak_memory(api, cd) })
 }
 
 // Shutdown ends the threads the library keeps for itself (device workers,

@@ -48,8 +48,11 @@ type FSDP struct {
 // NoInitSync): the module's slots then hold this rank's shards.
 func (l *Library) NewFSDP(module *Module, pg *ProcessGroup, opts *FSDPOptions) (*FSDP, error) {
 	const op = "dp_fsdp_create"
-	if module == nil || pg == nil {
-		return nil, invalid(op, "argument 'module' or 'pg' is nil")
+	if module == nil {
+		return nil, nilArgument(op, "module")
+	}
+	if pg == nil {
+		return nil, nilArgument(op, "pg")
 	}
 	var copts C.dp_fsdp_options
 	err := l.call("dp_fsdp_options_init", func(api *C.dp_api) C.dp_status {
@@ -85,8 +88,11 @@ func (f *FSDP) Close() {
 }
 
 func (f *FSDP) simple(op string, fn func(api *C.dp_api) C.dp_status) error {
-	if f == nil || f.h == nil {
-		return invalid(op, "the FSDP is closed (or nil)")
+	if f == nil {
+		return nilReceiver(op, "f", "*FSDP")
+	}
+	if f.h == nil {
+		return invalid(op, "the FSDP is closed")
 	}
 	return f.lib.call(op, fn)
 }
@@ -136,6 +142,9 @@ func (f *FSDP) SetRequiresGradientSync(sync bool) error {
 
 // NumParameters counts the managed parameters; 0 on a closed FSDP.
 func (f *FSDP) NumParameters() (n int) {
+	if f == nil {
+		return 0
+	}
 	f.lib.use("dp_fsdp_num_parameters", func(api *C.dp_api) { n = int(C.dpgo_fsdp_num_parameters(api, f.h)) })
 	return n
 }
@@ -195,7 +204,7 @@ func (m *Module) SaveFullStateDict(pg *ProcessGroup, path string) error {
 	}
 	cpath := C.CString(path)
 	defer C.free(unsafe.Pointer(cpath))
-	return m.lib.call("dp_fsdp_save_full_state_dict", func(api *C.dp_api) C.dp_status {
+	return m.call("dp_fsdp_save_full_state_dict", func(api *C.dp_api) C.dp_status {
 		return C.dpgo_fsdp_save_full_state_dict(api, m.h, pg.h, cpath)
 	})
 }
@@ -205,7 +214,7 @@ func (m *Module) SaveFullStateDict(pg *ProcessGroup, path string) error {
 func (m *Module) LoadFullStateDict(path string, strict bool) error {
 	cpath := C.CString(path)
 	defer C.free(unsafe.Pointer(cpath))
-	return m.lib.call("dp_fsdp_load_full_state_dict", func(api *C.dp_api) C.dp_status {
+	return m.call("dp_fsdp_load_full_state_dict", func(api *C.dp_api) C.dp_status {
 		return C.dpgo_fsdp_load_full_state_dict(api, m.h, cpath, cbool(strict))
 	})
 }
@@ -218,7 +227,7 @@ func (m *Module) SaveShardedStateDict(pg *ProcessGroup, folder string) error {
 	}
 	cfolder := C.CString(folder)
 	defer C.free(unsafe.Pointer(cfolder))
-	return m.lib.call("dp_fsdp_save_sharded_state_dict", func(api *C.dp_api) C.dp_status {
+	return m.call("dp_fsdp_save_sharded_state_dict", func(api *C.dp_api) C.dp_status {
 		return C.dpgo_fsdp_save_sharded_state_dict(api, m.h, pg.h, cfolder)
 	})
 }
@@ -228,7 +237,7 @@ func (m *Module) SaveShardedStateDict(pg *ProcessGroup, folder string) error {
 func (m *Module) LoadShardedStateDict(folder string) error {
 	cfolder := C.CString(folder)
 	defer C.free(unsafe.Pointer(cfolder))
-	return m.lib.call("dp_fsdp_load_sharded_state_dict", func(api *C.dp_api) C.dp_status {
+	return m.call("dp_fsdp_load_sharded_state_dict", func(api *C.dp_api) C.dp_status {
 		return C.dpgo_fsdp_load_sharded_state_dict(api, m.h, cfolder)
 	})
 }

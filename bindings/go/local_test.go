@@ -490,3 +490,115 @@ func TestNewCallsNameTheirBadArguments(t *testing.T) {
 		}
 	}
 }
+
+// receive waits for what a host function sends; a host function that
+// deadlocked never sends, and the test fails saying so instead of hanging
+// (setting *stuck: closing the library would wait for the call in flight).
+func receive[T any](t *testing.T, stuck *bool, what string, c <-chan T) T {
+	t.Helper()
+	select {
+	case v := <-c:
+		return v
+	case <-time.After(60 * time.Second):
+		*stuck = true
+		t.Fatalf("%s never returned: deadlocked", what)
+		panic("unreachable")
+	}
+}
+
+// A host function's calls reach the library from the stream's own thread:
+// Synchronize of its own stream is refused instead of waiting for itself,
+// Close of its own stream ends the stream after its queued work, and on
+// the legacy default stream (run at once, on the caller's thread) its calls
+// work too.
+func TestHostFunctionsSynchronizeAndCloseTheirOwnStream(t *testing.T) {
+	lib := openLibrary(t)
+	stuck := false
+	defer func() {
+		if !stuck {
+			lib.Close()
+		}
+	}()
+	s, err := lib.NewStream(CPU(0))
+	must(t, err)
+	synced := make(chan error, 1)
+	must(t, s.LaunchHostFunc(func() { synced <- s.Synchronize() }))
+	err = receive(t, &stuck, "Synchronize from a host function of its own stream", synced)
+	if !errors.Is(err, StatusState) || !strings.Contains(err.Error(), "own cpu stream") {
+		t.Errorf("Synchronize from a host function of its own stream gave %v, want DP_ESTATE naming its own stream", err)
+	}
+	must(t, s.Synchronize())
+
+	other, err := lib.NewStream(CPU(1))
+	must(t, err)
+	made := make(chan error, 1)
+	must(t, s.LaunchHostFunc(func() {
+		x, err := lib.TensorFromFloat32s([]float32{1, 2}, []int64{2}, CPU(0))
+		if err == nil {
+			x.Close()
+			err = other.Synchronize() // another stream: waits as usual
+		}
+		made <- err
+	}))
+	must(t, receive(t, &stuck, "a host function's own calls", made))
+	must(t, other.Close())
+
+	gate := make(chan struct{})
+	closed := make(chan error, 1)
+	after := make(chan bool, 1)
+	must(t, s.LaunchHostFunc(func() {
+		<-gate // the next one is queued first
+		closed <- s.Close()
+	}))
+	must(t, s.LaunchHostFunc(func() { after <- true }))
+	close(gate)
+	must(t, receive(t, &stuck, "Close from a host function of its own stream", closed))
+	receive(t, &stuck, "the host function queued after the one that closed the stream", after)
+	if err := s.Synchronize(); !errors.Is(err, StatusState) {
+		t.Errorf("Synchronize after a host function closed the stream gave %v, want DP_ESTATE", err)
+	}
+
+	// On the caller's thread, inside LaunchHostFunc, unless DP_CPU_ASYNC=1.
+	def := lib.WrapStream(CPU(0), nil)
+	copied := make(chan error, 1)
+	must(t, def.LaunchHostFunc(func() {
+		x, err := lib.TensorFromFloat32s([]float32{3}, []int64{1}, CPU(1))
+		if err == nil {
+			x.Close()
+		}
+		copied <- err
+	}))
+	must(t, receive(t, &stuck, "a host function's calls on the legacy default stream", copied))
+}
+
+// A closed stream is not the legacy default stream (which a nil handle
+// means to the library): its calls are DP_ESTATE naming it closed, and
+// nothing it is handed runs.
+func TestClosedStreamIsRefused(t *testing.T) {
+	lib := openLibrary(t)
+	defer lib.Close()
+	s, err := lib.NewStream(CPU(2))
+	must(t, err)
+	def := lib.WrapStream(CPU(0), nil)
+	for _, stream := range []*Stream{s, def} {
+		must(t, stream.Close())
+		ran := false
+		err := stream.LaunchHostFunc(func() { ran = true })
+		if !errors.Is(err, StatusState) || !strings.Contains(err.Error(), "stream") ||
+			!strings.Contains(err.Error(), "closed") {
+			t.Errorf("LaunchHostFunc on a closed stream of %v gave %v, want DP_ESTATE: the stream is closed",
+				stream.Device(), err)
+		}
+		if ran {
+			t.Errorf("a host function handed to a closed stream of %v ran", stream.Device())
+		}
+		if err := stream.Synchronize(); !errors.Is(err, StatusState) || !strings.Contains(err.Error(), "closed") {
+			t.Errorf("Synchronize on a closed stream of %v gave %v, want DP_ESTATE: the stream is closed",
+				stream.Device(), err)
+		}
+		if stream.Pointer() != nil {
+			t.Errorf("a closed stream of %v still has a handle", stream.Device())
+		}
+		must(t, stream.Close()) // twice does nothing
+	}
+}

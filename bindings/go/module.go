@@ -26,6 +26,14 @@ func (l *Library) NewModule() (*Module, error) {
 	return &Module{lib: l, h: h}, nil
 }
 
+// call is lib.call on a module that may be nil.
+func (m *Module) call(op string, f func(api *C.dp_api) C.dp_status) error {
+	if m == nil {
+		return nilReceiver(op, "m", "*Module")
+	}
+	return m.lib.call(op, f)
+}
+
 // Close drops this reference (the tree lives while any handle to it does).
 func (m *Module) Close() {
 	if m == nil || m.h == nil || m.borrowed {
@@ -52,7 +60,7 @@ func (m *Module) RegisterParameter(name string, value *Tensor, requiresGrad bool
 	if requiresGrad {
 		rg = 1
 	}
-	return m.lib.call("dp_module_register_parameter", func(api *C.dp_api) C.dp_status {
+	return m.call("dp_module_register_parameter", func(api *C.dp_api) C.dp_status {
 		return C.dpgo_module_register_parameter(api, m.h, cname, h, rg)
 	})
 }
@@ -68,7 +76,7 @@ func (m *Module) RegisterModule(name string, child *Module) error {
 	}
 	cname := C.CString(name)
 	defer C.free(unsafe.Pointer(cname))
-	return m.lib.call("dp_module_register_module", func(api *C.dp_api) C.dp_status {
+	return m.call("dp_module_register_module", func(api *C.dp_api) C.dp_status {
 		return C.dpgo_module_register_module(api, m.h, cname, h)
 	})
 }
@@ -76,6 +84,9 @@ func (m *Module) RegisterModule(name string, child *Module) error {
 // NumParameters counts the tree's parameters, each shared tensor once; 0 on
 // a closed module or library.
 func (m *Module) NumParameters() (n int) {
+	if m == nil {
+		return 0
+	}
 	m.lib.use("dp_module_num_parameters", func(api *C.dp_api) { n = int(C.dpgo_module_num_parameters(api, m.h)) })
 	return n
 }
@@ -93,7 +104,7 @@ func (m *Module) ParameterNames() ([]string, error) {
 func (m *Module) names(op string, count func(*C.dp_api) C.size_t,
 	at func(*C.dp_api, C.size_t, **C.char, **C.dp_tensor) C.dp_status) ([]string, error) {
 	var names []string
-	err := m.lib.call(op, func(api *C.dp_api) C.dp_status {
+	err := m.call(op, func(api *C.dp_api) C.dp_status {
 		n := int(count(api))
 		names = make([]string, 0, n)
 		for i := 0; i < n; i++ {
@@ -119,7 +130,7 @@ func (m *Module) Parameter(name string) (*Tensor, error) {
 	cname := C.CString(name)
 	defer C.free(unsafe.Pointer(cname))
 	var h *C.dp_tensor
-	err := m.lib.call("dp_module_get_parameter", func(api *C.dp_api) C.dp_status {
+	err := m.call("dp_module_get_parameter", func(api *C.dp_api) C.dp_status {
 		return C.dpgo_module_get_parameter(api, m.h, cname, &h)
 	})
 	if err != nil {
@@ -134,7 +145,7 @@ func (m *Module) Grad(name string) (*Tensor, error) {
 	cname := C.CString(name)
 	defer C.free(unsafe.Pointer(cname))
 	var h *C.dp_tensor
-	err := m.lib.call("dp_module_grad", func(api *C.dp_api) C.dp_status { return C.dpgo_module_grad(api, m.h, cname, &h) })
+	err := m.call("dp_module_grad", func(api *C.dp_api) C.dp_status { return C.dpgo_module_grad(api, m.h, cname, &h) })
 	if err != nil {
 		return nil, err
 	}
@@ -143,14 +154,14 @@ func (m *Module) Grad(name string) (*Tensor, error) {
 
 // ZeroGrad fills every allocated gradient with zeros.
 func (m *Module) ZeroGrad() error {
-	return m.lib.call("dp_module_zero_grad", func(api *C.dp_api) C.dp_status { return C.dpgo_module_zero_grad(api, m.h) })
+	return m.call("dp_module_zero_grad", func(api *C.dp_api) C.dp_status { return C.dpgo_module_zero_grad(api, m.h) })
 }
 
 // Save writes the state dict as a safetensors file; Load reads one back.
 func (m *Module) Save(path string) error {
 	cpath := C.CString(path)
 	defer C.free(unsafe.Pointer(cpath))
-	return m.lib.call("dp_module_save", func(api *C.dp_api) C.dp_status { return C.dpgo_module_save(api, m.h, cpath) })
+	return m.call("dp_module_save", func(api *C.dp_api) C.dp_status { return C.dpgo_module_save(api, m.h, cpath) })
 }
 
 func (m *Module) Load(path string, strict bool) error {
@@ -160,7 +171,7 @@ func (m *Module) Load(path string, strict bool) error {
 	if strict {
 		s = 1
 	}
-	return m.lib.call("dp_module_load", func(api *C.dp_api) C.dp_status { return C.dpgo_module_load(api, m.h, cpath, s) })
+	return m.call("dp_module_load", func(api *C.dp_api) C.dp_status { return C.dpgo_module_load(api, m.h, cpath, s) })
 }
 
 // RegisterBuffer adds a buffer (state that is not trained: running
@@ -176,7 +187,7 @@ func (m *Module) RegisterBuffer(name string, value *Tensor, persistent bool) err
 	}
 	cname := C.CString(name)
 	defer C.free(unsafe.Pointer(cname))
-	return m.lib.call("dp_module_register_buffer", func(api *C.dp_api) C.dp_status {
+	return m.call("dp_module_register_buffer", func(api *C.dp_api) C.dp_status {
 		return C.dpgo_module_register_buffer(api, m.h, cname, h, cbool(persistent))
 	})
 }
@@ -184,6 +195,9 @@ func (m *Module) RegisterBuffer(name string, value *Tensor, persistent bool) err
 // NumBuffers counts the tree's buffers, each shared tensor once; 0 on a
 // closed module or library.
 func (m *Module) NumBuffers() (n int) {
+	if m == nil {
+		return 0
+	}
 	m.lib.use("dp_module_num_buffers", func(api *C.dp_api) { n = int(C.dpgo_module_num_buffers(api, m.h)) })
 	return n
 }
@@ -203,7 +217,7 @@ func (m *Module) Buffer(name string) (*Tensor, error) {
 	cname := C.CString(name)
 	defer C.free(unsafe.Pointer(cname))
 	var h *C.dp_tensor
-	err := m.lib.call("dp_module_get_buffer", func(api *C.dp_api) C.dp_status {
+	err := m.call("dp_module_get_buffer", func(api *C.dp_api) C.dp_status {
 		return C.dpgo_module_get_buffer(api, m.h, cname, &h)
 	})
 	if err != nil {
@@ -218,7 +232,7 @@ func (m *Module) Submodule(name string) (*Module, error) {
 	cname := C.CString(name)
 	defer C.free(unsafe.Pointer(cname))
 	var h *C.dp_module
-	err := m.lib.call("dp_module_get_module", func(api *C.dp_api) C.dp_status {
+	err := m.call("dp_module_get_module", func(api *C.dp_api) C.dp_status {
 		return C.dpgo_module_get_module(api, m.h, cname, &h)
 	})
 	if err != nil || h == nil {
@@ -232,7 +246,7 @@ func (m *Module) Submodule(name string) (*Module, error) {
 func (m *Module) SetRequiresGrad(name string, requiresGrad bool) error {
 	cname := C.CString(name)
 	defer C.free(unsafe.Pointer(cname))
-	return m.lib.call("dp_module_set_requires_grad", func(api *C.dp_api) C.dp_status {
+	return m.call("dp_module_set_requires_grad", func(api *C.dp_api) C.dp_status {
 		return C.dpgo_module_set_requires_grad(api, m.h, cname, cbool(requiresGrad))
 	})
 }
@@ -241,7 +255,7 @@ func (m *Module) RequiresGrad(name string) (bool, error) {
 	cname := C.CString(name)
 	defer C.free(unsafe.Pointer(cname))
 	var out C.int
-	err := m.lib.call("dp_module_requires_grad", func(api *C.dp_api) C.dp_status {
+	err := m.call("dp_module_requires_grad", func(api *C.dp_api) C.dp_status {
 		return C.dpgo_module_requires_grad(api, m.h, cname, &out)
 	})
 	return out != 0, err
@@ -260,7 +274,7 @@ func (m *Module) SetGrad(name string, grad *Tensor) error {
 	}
 	cname := C.CString(name)
 	defer C.free(unsafe.Pointer(cname))
-	return m.lib.call("dp_module_set_grad", func(api *C.dp_api) C.dp_status {
+	return m.call("dp_module_set_grad", func(api *C.dp_api) C.dp_status {
 		return C.dpgo_module_set_grad(api, m.h, cname, h)
 	})
 }

@@ -122,14 +122,20 @@ func (l *Library) ParallelApply(replicas []*Module, inputs []*Tensor, devices []
 	rh := make([]*C.dp_module, n)
 	ih := make([]*C.dp_tensor, n)
 	for i := 0; i < n; i++ {
-		if replicas[i] == nil || inputs[i] == nil {
-			return nil, invalid(op, "replica or input %d is nil", i)
+		if replicas[i] == nil {
+			return nil, invalid(op, "argument 'replicas'[%d] is nil", i)
+		}
+		if inputs[i] == nil {
+			return nil, invalid(op, "argument 'inputs'[%d] is nil", i)
 		}
 		rh[i], ih[i] = replicas[i].h, inputs[i].h
 	}
 	var dptr *C.dp_device
 	if devices != nil {
-		cd := cDevices(devices)
+		cd, err := cDevices(op, "devices", devices)
+		if err != nil {
+			return nil, err
+		}
 		dptr = &cd[0]
 	}
 	out := make([]*C.dp_tensor, n)
@@ -152,17 +158,30 @@ func (l *Library) ParallelApply(replicas []*Module, inputs []*Tensor, devices []
 func (l *Library) DataParallel(module *Module, input *Tensor, devices []Device, outputDevice Device, dim int,
 	fn ForwardFunc) (*Tensor, error) {
 	const op = "dp_data_parallel"
-	if module == nil || input == nil {
-		return nil, invalid(op, "argument 'module' or 'input' is nil")
+	if module == nil {
+		return nil, nilArgument(op, "module")
+	}
+	if input == nil {
+		return nil, nilArgument(op, "input")
 	}
 	if len(devices) == 0 {
 		return nil, invalid(op, "argument 'devices' is empty")
 	}
-	cd := cDevices(devices)
+	cd, err := cDevices(op, "devices", devices)
+	if err != nil {
+		return nil, err
+	}
+	cout, err := cDevice(op, "outputDevice", outputDevice)
+	if err != nil {
+		return nil, err
+	}
+	cdim, err := cInt32(op, "dim", dim)
+	if err != nil {
+		return nil, err
+	}
 	var out *C.dp_tensor
-	err := l.runForward(op, fn, func(api *C.dp_api, call C.uintptr_t) C.dp_status {
-		return C.dpgo_data_parallel(api, module.h, input.h, &cd[0], C.size_t(len(cd)), outputDevice.c(), C.int32_t(dim),
-			call, &out)
+	err = l.runForward(op, fn, func(api *C.dp_api, call C.uintptr_t) C.dp_status {
+		return C.dpgo_data_parallel(api, module.h, input.h, &cd[0], C.size_t(len(cd)), cout, cdim, call, &out)
 	})
 	if err != nil {
 		return nil, err
@@ -172,16 +191,23 @@ func (l *Library) DataParallel(module *Module, input *Tensor, devices []Device, 
 
 // Replicate makes a replica of module on each device.
 func (l *Library) Replicate(module *Module, devices []Device, detach bool) ([]*Module, error) {
+	const op = "dp_replicate"
+	if module == nil {
+		return nil, nilArgument(op, "module")
+	}
 	if len(devices) == 0 {
 		return nil, nil
 	}
-	cd := cDevices(devices)
+	cd, err := cDevices(op, "devices", devices)
+	if err != nil {
+		return nil, err
+	}
 	out := make([]*C.dp_module, len(devices))
 	d := C.int(0)
 	if detach {
 		d = 1
 	}
-	err := l.call("dp_replicate", func(api *C.dp_api) C.dp_status {
+	err = l.call(op, func(api *C.dp_api) C.dp_status {
 		return C.dpgo_replicate(api, module.h, &cd[0], C.size_t(len(cd)), d, &out[0])
 	})
 	if err != nil {
@@ -196,14 +222,21 @@ func (l *Library) Replicate(module *Module, devices []Device, detach bool) ([]*M
 
 // ReduceGradients adds the replicas' gradients into target's.
 func (l *Library) ReduceGradients(replicas []*Module, target *Module) error {
+	const op = "dp_reduce_gradients"
 	if len(replicas) == 0 {
-		return invalid("dp_reduce_gradients", "argument 'replicas' is empty")
+		return invalid(op, "argument 'replicas' is empty")
+	}
+	if target == nil {
+		return nilArgument(op, "target")
 	}
 	rh := make([]*C.dp_module, len(replicas))
 	for i, r := range replicas {
+		if r == nil {
+			return invalid(op, "argument 'replicas'[%d] is nil", i)
+		}
 		rh[i] = r.h
 	}
-	return l.call("dp_reduce_gradients", func(api *C.dp_api) C.dp_status {
+	return l.call(op, func(api *C.dp_api) C.dp_status {
 		return C.dpgo_reduce_gradients(api, &rh[0], C.size_t(len(rh)), target.h)
 	})
 }
@@ -223,15 +256,26 @@ func (l *Library) NewReplicaSet(module *Module, devices []Device) (*ReplicaSet, 
 	if len(devices) == 0 {
 		return nil, invalid(op, "argument 'devices' is empty")
 	}
-	cd := cDevices(devices)
+	cd, err := cDevices(op, "devices", devices)
+	if err != nil {
+		return nil, err
+	}
 	var h *C.dp_replica_set
-	err := l.call(op, func(api *C.dp_api) C.dp_status {
+	err = l.call(op, func(api *C.dp_api) C.dp_status {
 		return C.dpgo_replica_set_create(api, &h, module.h, &cd[0], C.size_t(len(cd)))
 	})
 	if err != nil {
 		return nil, err
 	}
 	return &ReplicaSet{lib: l, h: h}, nil
+}
+
+// call is lib.call on a replica set that may be nil.
+func (s *ReplicaSet) call(op string, f func(api *C.dp_api) C.dp_status) error {
+	if s == nil {
+		return nilReceiver(op, "s", "*ReplicaSet")
+	}
+	return s.lib.call(op, f)
 }
 
 func (s *ReplicaSet) Close() {
@@ -244,13 +288,16 @@ func (s *ReplicaSet) Close() {
 
 // Size is the number of replicas; 0 on a closed set or library.
 func (s *ReplicaSet) Size() (n int) {
+	if s == nil {
+		return 0
+	}
 	s.lib.use("dp_replica_set_size", func(api *C.dp_api) { n = int(C.dpgo_replica_set_size(api, s.h)) })
 	return n
 }
 
 // Sync copies the module's current parameters into the replicas.
 func (s *ReplicaSet) Sync() error {
-	return s.lib.call("dp_replica_set_sync", func(api *C.dp_api) C.dp_status { return C.dpgo_replica_set_sync(api, s.h) })
+	return s.call("dp_replica_set_sync", func(api *C.dp_api) C.dp_status { return C.dpgo_replica_set_sync(api, s.h) })
 }
 
 // Replica is a new reference to replica index.
@@ -259,7 +306,7 @@ func (s *ReplicaSet) Replica(index int) (*Module, error) {
 		return nil, invalid("dp_replica_set_replica", "argument 'index' is negative (%d)", index)
 	}
 	var h *C.dp_module
-	err := s.lib.call("dp_replica_set_replica", func(api *C.dp_api) C.dp_status {
+	err := s.call("dp_replica_set_replica", func(api *C.dp_api) C.dp_status {
 		return C.dpgo_replica_set_replica(api, s.h, C.size_t(index), &h)
 	})
 	if err != nil {
@@ -273,12 +320,23 @@ func (s *ReplicaSet) Replica(index int) (*Module, error) {
 // until ReduceGradients.
 func (s *ReplicaSet) Apply(input *Tensor, dim int, outputDevice Device, fn ForwardFunc) (*Tensor, error) {
 	const op = "dp_replica_set_apply"
+	if s == nil {
+		return nil, nilReceiver(op, "s", "*ReplicaSet")
+	}
 	if input == nil {
-		return nil, invalid(op, "argument 'input' is nil")
+		return nil, nilArgument(op, "input")
+	}
+	cdim, err := cInt32(op, "dim", dim)
+	if err != nil {
+		return nil, err
+	}
+	cout, err := cDevice(op, "outputDevice", outputDevice)
+	if err != nil {
+		return nil, err
 	}
 	var out *C.dp_tensor
-	err := s.lib.runForward(op, fn, func(api *C.dp_api, call C.uintptr_t) C.dp_status {
-		return C.dpgo_replica_set_apply(api, s.h, input.h, C.int32_t(dim), outputDevice.c(), call, &out)
+	err = s.lib.runForward(op, fn, func(api *C.dp_api, call C.uintptr_t) C.dp_status {
+		return C.dpgo_replica_set_apply(api, s.h, input.h, cdim, cout, call, &out)
 	})
 	if err != nil {
 		return nil, err
@@ -289,7 +347,7 @@ func (s *ReplicaSet) Apply(input *Tensor, dim int, outputDevice Device, fn Forwa
 // ReduceGradients adds the replicas' gradients into the module's and zeroes
 // the replicas'.
 func (s *ReplicaSet) ReduceGradients() error {
-	return s.lib.call("dp_replica_set_reduce_gradients", func(api *C.dp_api) C.dp_status {
+	return s.call("dp_replica_set_reduce_gradients", func(api *C.dp_api) C.dp_status {
 		return C.dpgo_replica_set_reduce_gradients(api, s.h)
 	})
 }

@@ -38,10 +38,13 @@ func milliseconds(op, arg string, d time.Duration) (C.int32_t, error) {
 func (l *Library) NewFileStore(path string, worldSize int) (*Store, error) {
 	cpath := C.CString(path)
 	defer C.free(unsafe.Pointer(cpath))
+	const op = "dp_store_create_file"
+	world, err := cInt32(op, "worldSize", worldSize)
+	if err != nil {
+		return nil, err
+	}
 	var h *C.dp_store
-	err := l.call("dp_store_create_file", func(api *C.dp_api) C.dp_status {
-		return C.dpgo_store_create_file(api, &h, cpath, C.int32_t(worldSize))
-	})
+	err = l.call(op, func(api *C.dp_api) C.dp_status { return C.dpgo_store_create_file(api, &h, cpath, world) })
 	if err != nil {
 		return nil, err
 	}
@@ -60,16 +63,28 @@ func (l *Library) NewTCPStore(host string, port uint16, worldSize int, isServer 
 	if err != nil {
 		return nil, err
 	}
+	world, err := cInt32(op, "worldSize", worldSize)
+	if err != nil {
+		return nil, err
+	}
 	chost := C.CString(host)
 	defer C.free(unsafe.Pointer(chost))
 	var h *C.dp_store
 	err = l.call(op, func(api *C.dp_api) C.dp_status {
-		return C.dpgo_store_create_tcp(api, &h, chost, C.uint16_t(port), C.int32_t(worldSize), cbool(isServer), ms)
+		return C.dpgo_store_create_tcp(api, &h, chost, C.uint16_t(port), world, cbool(isServer), ms)
 	})
 	if err != nil {
 		return nil, err
 	}
 	return &Store{lib: l, h: h}, nil
+}
+
+// call is lib.call on a store that may be nil.
+func (s *Store) call(op string, f func(api *C.dp_api) C.dp_status) error {
+	if s == nil {
+		return nilReceiver(op, "s", "*Store")
+	}
+	return s.lib.call(op, f)
 }
 
 // Close drops this handle; a process group made with the store holds its
@@ -90,7 +105,7 @@ func (s *Store) Set(key string, value []byte) error {
 	if len(value) > 0 {
 		p = unsafe.Pointer(&value[0])
 	}
-	return s.lib.call("dp_store_set", func(api *C.dp_api) C.dp_status {
+	return s.call("dp_store_set", func(api *C.dp_api) C.dp_status {
 		return C.dpgo_store_set(api, s.h, ckey, p, C.size_t(len(value)))
 	})
 }
@@ -103,7 +118,7 @@ func (s *Store) Get(key string) ([]byte, error) {
 	buf := make([]byte, 256)
 	for {
 		var n C.size_t
-		err := s.lib.call(op, func(api *C.dp_api) C.dp_status {
+		err := s.call(op, func(api *C.dp_api) C.dp_status {
 			return C.dpgo_store_get(api, s.h, ckey, unsafe.Pointer(&buf[0]), C.size_t(len(buf)), &n)
 		})
 		if err == nil {
@@ -114,7 +129,7 @@ func (s *Store) Get(key string) ([]byte, error) {
 		}
 		// Too small a buffer, or another bad argument: the length says which.
 		var need C.size_t
-		if s.lib.call(op, func(api *C.dp_api) C.dp_status {
+		if s.call(op, func(api *C.dp_api) C.dp_status {
 			return C.dpgo_store_get(api, s.h, ckey, nil, 0, &need)
 		}) != nil || int(need) <= len(buf) {
 			return nil, err
@@ -129,7 +144,7 @@ func (s *Store) Add(key string, delta int64) (int64, error) {
 	ckey := C.CString(key)
 	defer C.free(unsafe.Pointer(ckey))
 	var out C.int64_t
-	err := s.lib.call("dp_store_add", func(api *C.dp_api) C.dp_status {
+	err := s.call("dp_store_add", func(api *C.dp_api) C.dp_status {
 		return C.dpgo_store_add(api, s.h, ckey, C.int64_t(delta), &out)
 	})
 	return int64(out), err
@@ -154,7 +169,7 @@ func (s *Store) Wait(keys []string, timeout time.Duration) error {
 		ckeys[i] = C.CString(k)
 		defer C.free(unsafe.Pointer(ckeys[i]))
 	}
-	return s.lib.call(op, func(api *C.dp_api) C.dp_status {
+	return s.call(op, func(api *C.dp_api) C.dp_status {
 		return C.dpgo_store_wait(api, s.h, &ckeys[0], C.size_t(len(keys)), ms)
 	})
 }
@@ -167,14 +182,14 @@ func (s *Store) SetTimeout(timeout time.Duration) error {
 	if err != nil {
 		return err
 	}
-	return s.lib.call(op, func(api *C.dp_api) C.dp_status { return C.dpgo_store_set_timeout(api, s.h, ms) })
+	return s.call(op, func(api *C.dp_api) C.dp_status { return C.dpgo_store_set_timeout(api, s.h, ms) })
 }
 
 // Port is the port a TCP store serves or is connected to; StatusInvalid for
 // a file store.
 func (s *Store) Port() (uint16, error) {
 	var port C.uint16_t
-	err := s.lib.call("dp_store_tcp_port", func(api *C.dp_api) C.dp_status {
+	err := s.call("dp_store_tcp_port", func(api *C.dp_api) C.dp_status {
 		return C.dpgo_store_tcp_port(api, s.h, &port)
 	})
 	return uint16(port), err

@@ -18,16 +18,22 @@ import (
 type Stream struct {
 	lib    *Library
 	device Device
+	mu     sync.Mutex
 	p      unsafe.Pointer
 	owned  bool
-	mu     sync.Mutex
+	closed bool
 	errs   []error // host functions that failed, for the next Synchronize or Close
 }
 
 // NewStream makes a stream of device; Close destroys it.
 func (l *Library) NewStream(device Device) (*Stream, error) {
+	const op = "dp_stream_create"
+	cd, err := cDevice(op, "device", device)
+	if err != nil {
+		return nil, err
+	}
 	var p unsafe.Pointer
-	err := l.call("dp_stream_create", func(api *C.dp_api) C.dp_status { return C.dpgo_stream_create(api, device.c(), &p) })
+	err = l.call(op, func(api *C.dp_api) C.dp_status { return C.dpgo_stream_create(api, cd, &p) })
 	if err != nil {
 		return nil, err
 	}
@@ -42,10 +48,41 @@ func (l *Library) WrapStream(device Device, stream unsafe.Pointer) *Stream {
 }
 
 // Pointer is the stream's handle (cudaStream_t on a GPU), for other C code
-// and MarkGradReadyStream.
-func (s *Stream) Pointer() unsafe.Pointer { return s.p }
+// and MarkGradReadyStream; nil once closed.
+func (s *Stream) Pointer() unsafe.Pointer {
+	if s == nil {
+		return nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.p
+}
 
-func (s *Stream) Device() Device { return s.device }
+// Device is the stream's device; device index -1 for a nil Stream.
+func (s *Stream) Device() Device {
+	if s == nil {
+		return Device{Index: -1}
+	}
+	return s.device
+}
+
+// open is the stream's device and handle for a call, or an error for a nil
+// or closed Stream (a closed one must not stand for the legacy default
+// stream, which nil means to the library).
+func (s *Stream) open(op string) (C.dp_device, unsafe.Pointer, error) {
+	if s == nil {
+		return C.dp_device{}, nil, invalid(op, "argument 's' (the stream) is nil")
+	}
+	s.mu.Lock()
+	closed, p := s.closed, s.p
+	s.mu.Unlock()
+	if closed {
+		return C.dp_device{}, nil, &Error{Status: StatusState, Op: op,
+			Message: fmt.Sprintf("the stream (of %v) is closed", s.device)}
+	}
+	cd, err := cDevice(op, "device", s.device)
+	return cd, p, err
+}
 
 func (s *Stream) takeErrors(err error) error {
 	s.mu.Lock()
@@ -59,27 +96,46 @@ func (s *Stream) takeErrors(err error) error {
 }
 
 // Synchronize returns once the work queued so far is done; a host function
-// that failed since the last Synchronize makes it a StatusUser error.
+// that failed since the last Synchronize makes it a StatusUser error. From
+// a host function on the stream itself, which would wait for itself, it is
+// StatusState; on a closed stream too.
 func (s *Stream) Synchronize() error {
-	err := s.lib.call("dp_stream_synchronize", func(api *C.dp_api) C.dp_status {
-		return C.dpgo_stream_synchronize(api, s.device.c(), s.p)
+	const op = "dp_stream_synchronize"
+	cd, p, err := s.open(op)
+	if err != nil {
+		return err
+	}
+	err = s.lib.call(op, func(api *C.dp_api) C.dp_status {
+		return C.dpgo_stream_synchronize(api, cd, p)
 	})
 	return s.takeErrors(err)
 }
 
 // Close waits for the queued work and destroys a stream from NewStream
 // (and clears it as this thread's current stream); failed host functions
-// are reported as by Synchronize.
+// are reported as by Synchronize. A host function may close its own
+// stream: the stream then ends after its queued work, without waiting for
+// it. Closing twice does nothing; other calls on a closed stream are
+// StatusState.
 func (s *Stream) Close() error {
 	if s == nil {
 		return nil
 	}
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	p, owned := s.p, s.owned
+	s.p, s.owned, s.closed = nil, false, true
+	s.mu.Unlock()
 	var err error
-	if s.owned && s.p != nil {
-		err = s.lib.call("dp_stream_destroy", func(api *C.dp_api) C.dp_status {
-			return C.dpgo_stream_destroy(api, s.device.c(), s.p)
-		})
-		s.p, s.owned = nil, false
+	if owned && p != nil {
+		const op = "dp_stream_destroy"
+		var cd C.dp_device
+		if cd, err = cDevice(op, "device", s.device); err == nil {
+			err = s.lib.call(op, func(api *C.dp_api) C.dp_status { return C.dpgo_stream_destroy(api, cd, p) })
+		}
 	}
 	return s.takeErrors(err)
 }
@@ -91,15 +147,22 @@ type hostFunc struct {
 
 // LaunchHostFunc queues fn on the stream: it runs after the work queued
 // before it, and work queued after it waits for it. It must not call CUDA.
-// A panic or runtime.Goexit in it is reported by the next Synchronize.
+// A panic or runtime.Goexit in it is reported by the next Synchronize. Its
+// calls into the library are made on the thread running it (as a
+// CommHookFunc's are), so calls from goroutines it starts are not; it may
+// close its own stream.
 func (s *Stream) LaunchHostFunc(fn func()) error {
 	const op = "dp_stream_launch_host_func"
 	if fn == nil {
 		return invalid(op, "argument 'fn' is nil")
 	}
+	cd, p, err := s.open(op)
+	if err != nil {
+		return err
+	}
 	h := cgo.NewHandle(&hostFunc{stream: s, fn: fn})
-	err := s.lib.call(op, func(api *C.dp_api) C.dp_status {
-		return C.dpgo_stream_launch_host_func(api, s.device.c(), s.p, C.uintptr_t(h))
+	err = s.lib.call(op, func(api *C.dp_api) C.dp_status {
+		return C.dpgo_stream_launch_host_func(api, cd, p, C.uintptr_t(h))
 	})
 	if err != nil {
 		h.Delete()
@@ -109,14 +172,13 @@ func (s *Stream) LaunchHostFunc(fn func()) error {
 
 //export dpgoHostFunc
 func dpgoHostFunc(call C.uintptr_t) {
-	var f *hostFunc
-	failure := runCallback(func() {
-		h := cgo.Handle(call)
-		defer h.Delete()
-		f = h.Value().(*hostFunc)
-		f.fn()
-	})
-	if failure != nil && f != nil {
+	h := cgo.Handle(call)
+	f := h.Value().(*hostFunc)
+	h.Delete()
+	// The library knows a host function's calls by the stream's thread:
+	// Synchronize of its own stream is refused, not a wait for itself, and
+	// Close of it does not wait for it.
+	if failure := runPinned(f.fn); failure != nil {
 		f.stream.mu.Lock()
 		f.stream.errs = append(f.stream.errs, fmt.Errorf("a host function %w", failure))
 		f.stream.mu.Unlock()
@@ -127,17 +189,23 @@ func dpgoHostFunc(call C.uintptr_t) {
 // for none) current for device on the calling OS thread: later calls on
 // this thread that touch the device's tensors order their work after it.
 func (l *Library) SetCurrentStream(device Device, stream unsafe.Pointer) error {
-	return l.call("dp_set_current_stream", func(api *C.dp_api) C.dp_status {
-		return C.dpgo_set_current_stream(api, device.c(), stream)
-	})
+	const op = "dp_set_current_stream"
+	cd, err := cDevice(op, "device", device)
+	if err != nil {
+		return err
+	}
+	return l.call(op, func(api *C.dp_api) C.dp_status { return C.dpgo_set_current_stream(api, cd, stream) })
 }
 
 // CurrentStream is the calling OS thread's current stream for device; nil
 // when none is set.
 func (l *Library) CurrentStream(device Device) (unsafe.Pointer, error) {
+	const op = "dp_get_current_stream"
+	cd, err := cDevice(op, "device", device)
+	if err != nil {
+		return nil, err
+	}
 	var p unsafe.Pointer
-	err := l.call("dp_get_current_stream", func(api *C.dp_api) C.dp_status {
-		return C.dpgo_get_current_stream(api, device.c(), &p)
-	})
+	err = l.call(op, func(api *C.dp_api) C.dp_status { return C.dpgo_get_current_stream(api, cd, &p) })
 	return p, err
 }

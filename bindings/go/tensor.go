@@ -47,13 +47,22 @@ func (l *Library) ownedTensor(h *C.dp_tensor) *Tensor {
 // NewTensor allocates a tensor of the given shape on device. Float tensors
 // start zeroed.
 func (l *Library) NewTensor(dtype DType, shape []int64, device Device) (*Tensor, error) {
+	const op = "dp_tensor_create"
+	ndim, err := cInt32(op, "len(shape)", len(shape))
+	if err != nil {
+		return nil, err
+	}
+	cd, err := cDevice(op, "device", device)
+	if err != nil {
+		return nil, err
+	}
 	var h *C.dp_tensor
 	var shapePtr *C.int64_t
 	if len(shape) > 0 {
 		shapePtr = (*C.int64_t)(unsafe.Pointer(&shape[0]))
 	}
-	err := l.call("dp_tensor_create", func(api *C.dp_api) C.dp_status {
-		return C.dpgo_tensor_create(api, &h, C.int32_t(dtype), C.int32_t(len(shape)), shapePtr, device.c())
+	err = l.call(op, func(api *C.dp_api) C.dp_status {
+		return C.dpgo_tensor_create(api, &h, C.int32_t(dtype), ndim, shapePtr, cd)
 	})
 	if err != nil {
 		return nil, err
@@ -98,25 +107,38 @@ func (t *Tensor) Close() {
 // an invalid handle.
 func (t *Tensor) DType() DType {
 	dtype := DType(-1)
+	if t == nil {
+		return dtype
+	}
 	t.lib.use("dp_tensor_dtype", func(api *C.dp_api) { dtype = DType(C.dpgo_tensor_dtype(api, t.h)) })
 	return dtype
 }
 
 func (t *Tensor) Numel() int64 {
 	numel := int64(-1)
+	if t == nil {
+		return numel
+	}
 	t.lib.use("dp_tensor_numel", func(api *C.dp_api) { numel = int64(C.dpgo_tensor_numel(api, t.h)) })
 	return numel
 }
 
 func (t *Tensor) Device() Device {
 	device := Device{Index: -1}
+	if t == nil {
+		return device
+	}
 	t.lib.use("dp_tensor_device", func(api *C.dp_api) { device = goDevice(C.dpgo_tensor_device(api, t.h)) })
 	return device
 }
 
 func (t *Tensor) Shape() ([]int64, error) {
+	const op = "dp_tensor_shape"
+	if t == nil {
+		return nil, nilArgument(op, "t")
+	}
 	var shape []int64
-	err := t.lib.call("dp_tensor_shape", func(api *C.dp_api) C.dp_status {
+	err := t.lib.call(op, func(api *C.dp_api) C.dp_status {
 		ndim := C.dpgo_tensor_ndim(api, t.h)
 		if ndim < 0 {
 			return C.DP_EINVAL // an invalid handle: dp_tensor_ndim set the message
@@ -164,6 +186,9 @@ func (t *Tensor) Float32s() ([]float32, error) {
 // CopyFromFloat32s copies src, which holds exactly Numel elements, into a
 // float32 tensor on any device.
 func (t *Tensor) CopyFromFloat32s(src []float32) error {
+	if t == nil {
+		return nilArgument("dp_tensor_copy_from_host", "t")
+	}
 	if len(src) == 0 {
 		return invalid("CopyFromFloat32s", "argument 'src' is empty")
 	}
@@ -175,6 +200,9 @@ func (t *Tensor) CopyFromFloat32s(src []float32) error {
 // CopyToFloat32s copies a float32 tensor from any device into dst, which
 // holds exactly Numel elements.
 func (t *Tensor) CopyToFloat32s(dst []float32) error {
+	if t == nil {
+		return nilArgument("dp_tensor_copy_to_host", "t")
+	}
 	if len(dst) == 0 {
 		return invalid("CopyToFloat32s", "argument 'dst' is empty")
 	}
@@ -185,6 +213,9 @@ func (t *Tensor) CopyToFloat32s(dst []float32) error {
 
 // NBytes is the tensor's size in bytes; 0 on a closed tensor or library.
 func (t *Tensor) NBytes() (n int) {
+	if t == nil {
+		return 0
+	}
 	t.lib.use("dp_tensor_nbytes", func(api *C.dp_api) { n = int(C.dpgo_tensor_nbytes(api, t.h)) })
 	return n
 }
@@ -192,15 +223,26 @@ func (t *Tensor) NBytes() (n int) {
 // Data is the address of the first element (device memory for a CUDA
 // tensor), for handing to other C code; nil for an empty tensor.
 func (t *Tensor) Data() (p unsafe.Pointer) {
+	if t == nil {
+		return nil
+	}
 	t.lib.use("dp_tensor_data", func(api *C.dp_api) { p = C.dpgo_tensor_data(api, t.h) })
 	return p
 }
 
 // ToDevice is a copy of the tensor on device, always in new storage.
 func (t *Tensor) ToDevice(device Device) (*Tensor, error) {
+	const op = "dp_tensor_to_device"
+	if t == nil {
+		return nil, nilArgument(op, "t")
+	}
+	cd, err := cDevice(op, "device", device)
+	if err != nil {
+		return nil, err
+	}
 	var h *C.dp_tensor
-	err := t.lib.call("dp_tensor_to_device", func(api *C.dp_api) C.dp_status {
-		return C.dpgo_tensor_to_device(api, &h, t.h, device.c())
+	err = t.lib.call(op, func(api *C.dp_api) C.dp_status {
+		return C.dpgo_tensor_to_device(api, &h, t.h, cd)
 	})
 	if err != nil {
 		return nil, err
@@ -218,6 +260,14 @@ func (t *Tensor) ToDevice(device Device) (*Tensor, error) {
 func (l *Library) TensorFromBlob(data unsafe.Pointer, dtype DType, shape []int64, device Device,
 	release func()) (*Tensor, error) {
 	const op = "dp_tensor_from_blob"
+	ndim, err := cInt32(op, "len(shape)", len(shape))
+	if err != nil {
+		return nil, err
+	}
+	cd, err := cDevice(op, "device", device)
+	if err != nil {
+		return nil, err
+	}
 	var shapePtr *C.int64_t
 	if len(shape) > 0 {
 		shapePtr = (*C.int64_t)(unsafe.Pointer(&shape[0]))
@@ -227,9 +277,8 @@ func (l *Library) TensorFromBlob(data unsafe.Pointer, dtype DType, shape []int64
 		handle = cgo.NewHandle(release)
 	}
 	var h *C.dp_tensor
-	err := l.call(op, func(api *C.dp_api) C.dp_status {
-		return C.dpgo_tensor_from_blob(api, &h, data, C.int32_t(dtype), C.int32_t(len(shape)), shapePtr, device.c(),
-			C.uintptr_t(handle))
+	err = l.call(op, func(api *C.dp_api) C.dp_status {
+		return C.dpgo_tensor_from_blob(api, &h, data, C.int32_t(dtype), ndim, shapePtr, cd, C.uintptr_t(handle))
 	})
 	if err != nil {
 		if handle != 0 {
@@ -275,8 +324,12 @@ func (l *Library) TensorFromDLPack(managed unsafe.Pointer) (*Tensor, error) {
 // CPU: a tensor on a logical cpu device comes back from TensorFromDLPack on
 // cpu:0.
 func (t *Tensor) ToDLPack() (unsafe.Pointer, error) {
+	const op = "dp_tensor_to_dlpack"
+	if t == nil {
+		return nil, nilArgument(op, "t")
+	}
 	var out unsafe.Pointer
-	err := t.lib.call("dp_tensor_to_dlpack", func(api *C.dp_api) C.dp_status {
+	err := t.lib.call(op, func(api *C.dp_api) C.dp_status {
 		return C.dpgo_tensor_to_dlpack(api, t.h, &out)
 	})
 	if err != nil {
