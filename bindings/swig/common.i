@@ -5,6 +5,13 @@
 #include "dpswig_common.hpp"
 %}
 %include <std_string.i>
+// A null string argument is Status.INVALID naming it (SWIG's own check
+// says only "null string").
+#if defined(SWIGJAVA)
+%typemap(javain) const std::string & "Args.text($javainput, \"$javainput\")"
+#elif defined(SWIGCSHARP)
+%typemap(csin) const std::string & "Args.Text($csinput, \"$csinput\")"
+#endif
 %include <std_vector.i>
 %include <stdint.i>
 

@@ -13,6 +13,12 @@ static class Args {
     return pointer;
   }
 
+  /// A string that must be given.
+  internal static string Text(string value, string name) {
+    if (value == null) throw new DParallelException(Status.INVALID, "invalid argument: '" + name + "' is null");
+    return value;
+  }
+
   /// A handle that may be null (an empty slot) but not disposed.
   internal static HandleRef Nullable(HandleRef pointer, object handle, string name) {
     if (handle != null && pointer.Handle == global::System.IntPtr.Zero) {

@@ -592,6 +592,7 @@ public static class DParallelTest {
       using (var g = m.Grad("w")) Expect(g.ToArray()[0] == 9, "the gradient stayed: " + g.ToArray()[0]);
     }
     ExpectInvalid(() => Parallel.ReduceAddCoalesced(null, 2, new Device()).Dispose(), "'inputs' is null");
+    using (var m = new Module()) ExpectInvalid(() => m.Grad(null).Dispose(), "'dottedName' is null");
   }
 
   /// A TCP store served and used in this process; a missing key times out.

@@ -607,6 +607,9 @@ public class DParallelTest {
       }
     }
     expectInvalid(() -> Parallel.reduceAddCoalesced(null, 2, new Device()).close(), "'inputs' is null");
+    try (Module m = new Module()) {
+      expectInvalid(() -> m.grad(null).close(), "'dottedName' is null");
+    }
     // A buffer in the JVM's default (big-endian) order would be read byte-swapped.
     expectInvalid(() -> Tensor.fromBuffer(java.nio.ByteBuffer.allocateDirect(8), DType.FLOAT32, 2).close(), "'buffer'");
   }

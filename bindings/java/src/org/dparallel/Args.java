@@ -11,6 +11,12 @@ final class Args {
     return pointer;
   }
 
+  /** A string that must be given. */
+  static String text(String value, String name) {
+    if (value == null) throw new DParallelException(Status.INVALID, "invalid argument: '" + name + "' is null");
+    return value;
+  }
+
   /** A handle that may be null (an empty slot) but not closed. */
   static long nullable(long pointer, Object handle, String name) {
     if (handle != null && pointer == 0) {
