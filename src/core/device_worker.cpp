@@ -1,7 +1,5 @@
 #include "core/device_worker.h"
 
-#include <pthread.h>
-
 #include <condition_variable>
 #include <list>
 #include <memory>
@@ -13,6 +11,7 @@
 #include "core/device_runtime.h"
 #include "core/error.h"
 #include "core/process_origin.h"
+#include "core/thread_name.h"
 
 namespace dparallel {
 
@@ -20,13 +19,6 @@ namespace {
 
 thread_local Device t_current_device{DeviceType::kCpu, 0};
 thread_local bool t_is_worker = false;
-
-// "dp-dev cpu:1": what debuggers and /proc show (15 characters at most).
-void name_this_thread(const Device& device) {
-  std::string name = "dp-dev " + to_string(device);
-  if (name.size() > 15) name.resize(15);
-  pthread_setname_np(pthread_self(), name.c_str());
-}
 
 using TaskList = std::list<std::packaged_task<void()>>;
 
@@ -62,7 +54,7 @@ class DeviceWorker {
   void loop() {
     t_current_device = device_;
     t_is_worker = true;
-    name_this_thread(device_);
+    name_this_thread("dp-dev " + to_string(device_));
     for (;;) {
       TaskList task;
       {

@@ -1,7 +1,5 @@
 #include "core/thread_pool.h"
 
-#include <pthread.h>
-
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -14,6 +12,7 @@
 #include <vector>
 
 #include "core/process_origin.h"
+#include "core/thread_name.h"
 
 namespace dparallel {
 
@@ -105,7 +104,7 @@ class ThreadPool {
  private:
   void loop() {
     t_in_pool = true;
-    pthread_setname_np(pthread_self(), "dp-pool");
+    name_this_thread("dp-pool");
     for (;;) {
       std::shared_ptr<Job> job;
       {

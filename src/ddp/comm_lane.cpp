@@ -1,13 +1,12 @@
 #include "ddp/comm_lane.h"
 
-#include <pthread.h>
-
 #include <algorithm>
 #include <map>
 #include <mutex>
 #include <vector>
 
 #include "core/error.h"
+#include "core/thread_name.h"
 #include "core/thread_pool.h"
 #include "ddp/host_values.h"
 
@@ -206,7 +205,7 @@ void CommLane::start_worker_locked() {
   if (thread_.joinable()) return;
   thread_ = std::thread([state = state_] {
     state->worker.store(std::this_thread::get_id());
-    pthread_setname_np(pthread_self(), "dp-lane");
+    name_this_thread("dp-lane");
     // The jobs overlap the host's backward: a fan-out would take its cores.
     SerialScope serial;
     loop(state);

@@ -1,6 +1,4 @@
 using System;
-using System.Runtime.ExceptionServices;
-using System.Threading;
 
 namespace DParallel {
 
@@ -17,7 +15,7 @@ namespace DParallel {
 /// is, by <see cref="Ddp.FinishBackward"/> (or <see cref="Ddp.Join"/>) on
 /// the caller's thread; the gradients are averaged all the same.</summary>
 public abstract class BucketReduced : BucketReducedBase {
-  Exception pending;
+  readonly PendingException pending = new PendingException();
 
   public abstract void Reduced(Ddp ddp, ulong bucketIndex, ulong[] parameterIndices);
 
@@ -29,19 +27,17 @@ public abstract class BucketReduced : BucketReducedBase {
       Reduced(ddp, bucketIndex, indices);
       return true;
     } catch (Exception e) {
-      Interlocked.CompareExchange(ref pending, e, null);
+      pending.Keep(e);
       return false;
     }
   }
 
   internal void Clear() {
-    Interlocked.Exchange(ref pending, null);
+    pending.Clear();
   }
 
-  internal bool Surface() {
-    Exception e = Interlocked.Exchange(ref pending, null);
-    if (e != null) ExceptionDispatchInfo.Capture(e).Throw();
-    return false;
+  internal void Surface() {
+    pending.Rethrow();
   }
 }
 

@@ -4,6 +4,26 @@ using System.Threading;
 
 namespace DParallel {
 
+/// The first exception a callback threw on a library thread, kept until
+/// the caller's thread rethrows it.
+sealed class PendingException {
+  Exception first;
+
+  internal void Keep(Exception e) {
+    Interlocked.CompareExchange(ref first, e, null);
+  }
+
+  internal void Clear() {
+    Interlocked.Exchange(ref first, null);
+  }
+
+  /// Rethrows the kept exception, with its stack trace, if there is one.
+  internal void Rethrow() {
+    Exception e = Interlocked.Exchange(ref first, null);
+    if (e != null) ExceptionDispatchInfo.Capture(e).Throw();
+  }
+}
+
 /// <summary>The host's forward for <see cref="Parallel.DataParallel"/>,
 /// <see cref="Parallel.ParallelApply"/> and <see cref="ReplicaSet.Apply"/>.
 /// <see cref="Forward"/> runs on the library's worker thread of
@@ -12,7 +32,7 @@ namespace DParallel {
 /// and rethrown, as is, by the call that ran it, on the caller's thread
 /// (an exception must not unwind through the library's threads).</summary>
 public abstract class ForwardFunction : ForwardFunctionBase {
-  Exception pending;
+  readonly PendingException pending = new PendingException();
 
   /// <summary>Returns the output: a new tensor (the library takes it over)
   /// or <c>input</c>.</summary>
@@ -28,19 +48,18 @@ public abstract class ForwardFunction : ForwardFunctionBase {
       }
       return output;
     } catch (Exception e) {
-      Interlocked.CompareExchange(ref pending, e, null);
+      pending.Keep(e);
       return null;
     }
   }
 
   internal static void Clear(ForwardFunction fn) {
-    if (fn != null) Interlocked.Exchange(ref fn.pending, null);
+    fn?.pending.Clear();
   }
 
   /// <summary>Rethrows the forward's own exception, if it threw.</summary>
   internal static void Surface(ForwardFunction fn) {
-    Exception e = fn == null ? null : Interlocked.Exchange(ref fn.pending, null);
-    if (e != null) ExceptionDispatchInfo.Capture(e).Throw();
+    fn?.pending.Rethrow();
   }
 }
 
@@ -66,7 +85,7 @@ static class HookThread {
 /// <c>bucket</c> are valid only during the call. Whatever it throws is
 /// rethrown, as is, by <see cref="Ddp.FinishBackward"/>.</summary>
 public abstract class CommHook : CommHookBase {
-  Exception pending;
+  readonly PendingException pending = new PendingException();
 
   public abstract void Reduce(ProcessGroup pg, ulong bucketIndex, Tensor bucket);
 
@@ -76,18 +95,17 @@ public abstract class CommHook : CommHookBase {
       Reduce(pg, bucketIndex, bucket);
       return true;
     } catch (Exception e) {
-      Interlocked.CompareExchange(ref pending, e, null);
+      pending.Keep(e);
       return false;
     }
   }
 
   internal void Clear() {
-    Interlocked.Exchange(ref pending, null);
+    pending.Clear();
   }
 
   internal void Surface() {
-    Exception e = Interlocked.Exchange(ref pending, null);
-    if (e != null) ExceptionDispatchInfo.Capture(e).Throw();
+    pending.Rethrow();
   }
 }
 

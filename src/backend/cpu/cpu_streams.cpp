@@ -1,7 +1,5 @@
 #include "backend/cpu/cpu_streams.h"
 
-#include <pthread.h>
-
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -17,6 +15,7 @@
 
 #include "core/error.h"
 #include "core/process_origin.h"
+#include "core/thread_name.h"
 
 namespace dparallel::cpu {
 
@@ -85,12 +84,6 @@ class Stream {
     return true;
   }
 
-  void name_thread() {
-    std::string name = "dp-stream cpu:" + std::to_string(index_);
-    if (name.size() > 15) name.resize(15);
-    pthread_setname_np(pthread_self(), name.c_str());
-  }
-
   void synchronize() {
     origin_.check("a cpu stream");
     if (runs_on_this_thread()) {
@@ -109,7 +102,7 @@ class Stream {
   }
 
   void loop(uint64_t generation) {
-    name_thread();
+    name_this_thread("dp-stream cpu:" + std::to_string(index_));
     worker_.store(std::this_thread::get_id());
     std::mt19937_64 random(std::random_device{}());
     for (;;) {

@@ -1,7 +1,5 @@
 package org.dparallel;
 
-import java.util.concurrent.atomic.AtomicReference;
-
 /** The optimizer inside backward ({@link DdpOptions#setOnBucketReduced}): {@link #reduced} runs on the library's
  * worker thread as soon as bucket {@code bucketIndex}'s averaged gradients are final in the module's gradients,
  * while later buckets still reduce, typically to step those parameters. Every managed parameter is reported
@@ -11,7 +9,7 @@ import java.util.concurrent.atomic.AtomicReference;
  * {@link Ddp#finishBackward()} (or {@link Ddp#join}) on the caller's thread; the gradients are averaged all the
  * same. */
 public abstract class BucketReduced extends BucketReducedBase {
-  private final AtomicReference<Throwable> pending = new AtomicReference<>();
+  private final PendingThrowable pending = new PendingThrowable();
 
   public abstract void reduced(Ddp ddp, long bucketIndex, long[] parameterIndices) throws Exception;
 
@@ -23,19 +21,16 @@ public abstract class BucketReduced extends BucketReducedBase {
       reduced(ddp, bucketIndex, indices);
       return true;
     } catch (Throwable t) {
-      pending.compareAndSet(null, t);
+      pending.keep(t);
       return false;
     }
   }
 
   void clearPending() {
-    pending.set(null);
+    pending.clear();
   }
 
   RuntimeException surface(DParallelException e) {
-    Throwable t = pending.getAndSet(null);
-    if (t == null) return e;
-    t.addSuppressed(e);
-    return Sneaky.<RuntimeException>rethrow(t);
+    return pending.surface(e);
   }
 }

@@ -1,13 +1,11 @@
 package org.dparallel;
 
-import java.util.concurrent.atomic.AtomicReference;
-
 /** The DDP custom comm hook: {@link #reduce} leaves in {@code bucket} what the gradients should hold,
  * typically by collectives on {@code pg}. It runs on the library's worker thread; {@code pg} and
  * {@code bucket} are valid only during the call. Whatever it throws is rethrown, as is, by
  * {@link Ddp#finishBackward()} on the caller's thread. */
 public abstract class CommHook extends CommHookBase {
-  private final AtomicReference<Throwable> pending = new AtomicReference<>();
+  private final PendingThrowable pending = new PendingThrowable();
 
   public abstract void reduce(ProcessGroup pg, long bucketIndex, Tensor bucket) throws Exception;
 
@@ -17,19 +15,16 @@ public abstract class CommHook extends CommHookBase {
       reduce(pg, bucketIndex, bucket);
       return true;
     } catch (Throwable t) {
-      pending.compareAndSet(null, t);
+      pending.keep(t);
       return false;
     }
   }
 
   void clearPending() {
-    pending.set(null);
+    pending.clear();
   }
 
   RuntimeException surface(DParallelException e) {
-    Throwable t = pending.getAndSet(null);
-    if (t == null) return e;
-    t.addSuppressed(e);
-    return Sneaky.<RuntimeException>rethrow(t);
+    return pending.surface(e);
   }
 }

@@ -1,13 +1,11 @@
 package org.dparallel;
 
-import java.util.concurrent.atomic.AtomicReference;
-
 /** The host's forward for {@link Parallel#dataParallel}, {@link Parallel#parallelApply} and
  * {@link ReplicaSet#apply}. {@link #forward} runs on the library's worker thread of {@code device}, one
  * replica per thread at once; {@code replica} and {@code input} are valid only during the call. Whatever it
  * throws is kept and rethrown, as is, by the call that ran it, on the caller's thread. */
 public abstract class ForwardFunction extends ForwardFunctionBase {
-  private final AtomicReference<Throwable> pending = new AtomicReference<>();
+  private final PendingThrowable pending = new PendingThrowable();
 
   /** Returns the output: a new tensor (the library takes it over and closes this object) or {@code input}. */
   public abstract Tensor forward(long index, Module replica, Tensor input, Device device) throws Exception;
@@ -23,20 +21,17 @@ public abstract class ForwardFunction extends ForwardFunctionBase {
       }
       return out;
     } catch (Throwable t) {
-      pending.compareAndSet(null, t);
+      pending.keep(t);
       return null;
     }
   }
 
   static void clear(ForwardFunction fn) {
-    if (fn != null) fn.pending.set(null);
+    if (fn != null) fn.pending.clear();
   }
 
   /** The exception to throw for {@code e}: the forward's own, when it threw. */
   static RuntimeException surface(ForwardFunction fn, DParallelException e) {
-    Throwable t = fn == null ? null : fn.pending.getAndSet(null);
-    if (t == null) return e;
-    t.addSuppressed(e);
-    return Sneaky.<RuntimeException>rethrow(t);
+    return fn == null ? e : fn.pending.surface(e);
   }
 }
