@@ -52,7 +52,7 @@ void Backend::all_gather_runs(size_t segment, const std::vector<SegmentRun>& sou
 }
 
 void Backend::reduce_scatter_runs(const std::vector<std::vector<SegmentRun>>& parts, const Tensor& output,
-                                  ReduceOp op) {
+                                  ReduceOp op, bool accumulate) {
   const auto ranks = static_cast<size_t>(size());
   const size_t part = output.nbytes();
   Tensor input;
@@ -73,7 +73,10 @@ void Backend::reduce_scatter_runs(const std::vector<std::vector<SegmentRun>>& pa
     }
     inputs.push_back(input.view_at(q * part, output.dtype(), {output.numel()}));
   }
-  reduce_scatter(inputs, output, op);
+  if (!accumulate) return reduce_scatter(inputs, output, op);
+  Tensor result = Tensor::empty(output.dtype(), output.shape(), device());
+  reduce_scatter(inputs, result, op);
+  comm::reduce_add_into(output, {output, result});
 }
 
 std::string Backend::claim_key_prefix(const std::shared_ptr<Store>& store, const char* family) {

@@ -140,10 +140,11 @@ class Backend {
   // A reduce_scatter into `output`, the same call as a plain one: rank q's
   // part (output's size) is read from the runs of `parts[q]` (byte offsets
   // into that part, in order, not overlapping, views of output's dtype);
-  // bytes no run covers count as zeros. Default: through a contiguous
-  // zero-filled scratch.
+  // bytes no run covers count as zeros. With `accumulate`, the result is
+  // added to what `output` holds. Default: through a contiguous zero-filled
+  // scratch.
   virtual void reduce_scatter_runs(const std::vector<std::vector<SegmentRun>>& parts, const Tensor& output,
-                                   ReduceOp op);
+                                   ReduceOp op, bool accumulate);
   virtual void barrier() = 0;
   // A collective: every rank gets `bytes` of memory that the other ranks
   // map too; null where the backend has none. Tensors inside it may outlive

@@ -489,7 +489,8 @@ std::shared_ptr<Work> ProcessGroup::all_gather_runs(size_t segment, std::vector<
 }
 
 std::shared_ptr<Work> ProcessGroup::reduce_scatter_runs(std::vector<std::vector<SegmentRun>> parts,
-                                                        const Tensor& output, ReduceOp op, bool async) {
+                                                        const Tensor& output, ReduceOp op, bool async,
+                                                        bool accumulate) {
   check_arguments(CallKind::kReduceScatter, async, [&] {
     check_tensor(output, "output", "reduce_scatter");
     if (output.dtype() == DType::kBool && op == ReduceOp::kAvg) {
@@ -526,7 +527,10 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter_runs(std::vector<std::vector<
   });
   return submit(
       CallKind::kReduceScatter,
-      [this, parts = std::move(parts), output, op] { backend_->reduce_scatter_runs(parts, output, op); }, async);
+      [this, parts = std::move(parts), output, op, accumulate] {
+        backend_->reduce_scatter_runs(parts, output, op, accumulate);
+      },
+      async);
 }
 
 std::shared_ptr<Work> ProcessGroup::reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op,

@@ -89,9 +89,10 @@ class ProcessGroup final : private CallSite {
   // one) whose rank-q part is made of the runs of `parts[q]`
   // (Backend::reduce_scatter_runs: byte offsets into the part, in order,
   // not overlapping each other or `output`, views of output's dtype on the
-  // group's device).
+  // group's device). With `accumulate`, output += the result (a gradient
+  // accumulating across steps, with no scratch for the result).
   std::shared_ptr<Work> reduce_scatter_runs(std::vector<std::vector<SegmentRun>> parts, const Tensor& output,
-                                            ReduceOp op, bool async);
+                                            ReduceOp op, bool async, bool accumulate = false);
   std::shared_ptr<Work> barrier(bool async);
 
   // Refuses this rank's call of `kind` for `reason`: the refusal takes the

@@ -194,6 +194,12 @@ void FullyShard::plan_layout() {
 
 void FullyShard::shard_parameters() {
   const Device device = group_->device();
+  for (const auto& [dtype, segment] : reduce_segment_) {
+    const bool same_dtype = std::all_of(params_.begin(), params_.end(), [&, dtype = dtype](const Managed& m) {
+      return !(m.sharded && m.reduced && m.reduce == dtype) || m.dtype == dtype;
+    });
+    if (same_dtype) shard_grad_segment_[dtype] = Tensor::zeros(dtype, {static_cast<int64_t>(segment)}, device);
+  }
   for (Managed& m : params_) {
     const Tensor full = m.parameter->value();
     Shape shape = m.full_shape;
@@ -205,7 +211,12 @@ void FullyShard::shard_parameters() {
     } else if (m.split.count > 0) {
       copy_tensor(m.shard, full.narrow_rows(m.split.start, m.split.count));
     }
-    m.shard_grad = Tensor::zeros(m.dtype, shape, device);
+    auto segment = shard_grad_segment_.find(m.reduce);
+    if (m.sharded && m.reduced && segment != shard_grad_segment_.end()) {
+      m.shard_grad = segment->second.view_at(m.reduce_offset * dtype_size(m.dtype), m.dtype, shape);
+    } else {
+      m.shard_grad = Tensor::zeros(m.dtype, shape, device);
+    }
     m.parameter->set_grad(Tensor());
     m.parameter->set_value(m.shard);
   }
@@ -602,6 +613,14 @@ void FullyShard::run_post_backward() {
           parts[static_cast<size_t>(r)].push_back(
               dist::SegmentRun{m.reduce_offset * esize, rows_of(grads[i], s.start, s.count, m.row_numel)});
         }
+      }
+      auto grads_segment = shard_grad_segment_.find(dtype);
+      if (grads_segment != shard_grad_segment_.end()) {
+        group_->reduce_scatter_runs(std::move(parts), grads_segment->second, dist::ReduceOp::kAvg, false, true);
+        for (size_t i = 0; i < params_.size(); ++i) {
+          if (member(params_[i])) grads[i] = Tensor();
+        }
+        continue;
       }
       output = Tensor::empty(dtype, {seg}, device);
       group_->reduce_scatter_runs(std::move(parts), output, dist::ReduceOp::kAvg, false);

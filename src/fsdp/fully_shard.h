@@ -166,6 +166,10 @@ class FullyShard final : public ddp::LaneOwner,
   std::vector<Managed> params_;
   std::map<const Parameter*, size_t> index_;
   std::map<DType, size_t> reduce_segment_;  // one rank's reduce segment (elements) per reduce dtype
+  // Per reduce dtype whose sharded parameters all have that dtype: their
+  // shard gradients are views of one tensor laid out as the reduce segment,
+  // which the reduce_scatter accumulates into (no result to add afterwards).
+  std::map<DType, Tensor> shard_grad_segment_;
 
   mutable std::mutex host_mutex_;  // serialises the host's calls
   mutable std::mutex mutex_;       // what the lane and the host share

@@ -158,6 +158,41 @@ TEST_P(SegmentRuns, ReduceScatterRunsAverageEveryRanksPartsGapsAsZeros) {
   });
 }
 
+// With `accumulate` the average lands on top of what the output held. Each
+// rank's part of 700001 floats (several shm rounds) is one run, read where
+// it lies, except rank 1's own, which ends 3 floats short (the rest zeros);
+// every rank ends with its old values plus the average, bit for bit what
+// a plain reduce_scatter and an addition give.
+TEST_P(SegmentRuns, ReduceScatterRunsAccumulateAddsTheAverageToTheOutput) {
+  const int64_t part = 700001;
+  run_ranks(GetParam(), 2, [&](ProcessGroup& g) {
+    auto value = [](int32_t rank, int32_t q, int64_t i) {
+      return static_cast<float>(rank * 7 + q) + static_cast<float>(i % 97) / 8.0f;
+    };
+    auto covered = [&](int32_t q) { return q == 1 ? part - 3 : part; };
+    std::vector<Tensor> keep;
+    std::vector<std::vector<SegmentRun>> parts(2);
+    for (int32_t q = 0; q < 2; ++q) {
+      std::vector<float> v(static_cast<size_t>(covered(q)));
+      for (size_t i = 0; i < v.size(); ++i) v[i] = value(g.rank(), q, static_cast<int64_t>(i));
+      keep.push_back(floats(v));
+      parts[static_cast<size_t>(q)] = {SegmentRun{0, keep.back()}};
+    }
+    std::vector<float> old(static_cast<size_t>(part));
+    for (size_t i = 0; i < old.size(); ++i) old[i] = static_cast<float>(i % 13) - 6.0f + 0.25f;
+    Tensor output = floats(old);
+    g.reduce_scatter_runs(parts, output, ReduceOp::kAvg, false, true);
+    std::vector<float> got = read(output);
+    ASSERT_EQ(got.size(), old.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      const auto at = static_cast<int64_t>(i);
+      float sum = 0.0f;
+      for (int32_t r = 0; r < 2; ++r) sum += at < covered(g.rank()) ? value(r, g.rank(), at) : 0.0f;
+      ASSERT_EQ(got[i], old[i] + sum / 2.0f) << "element " << i;
+    }
+  });
+}
+
 // Runs outside the segment or part, overlapping runs, runs of another
 // dtype or overlapping the output are refused by name on the calling rank,
 // and the other ranks' matching calls fail naming it; the group stays usable.

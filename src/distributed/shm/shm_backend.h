@@ -163,9 +163,11 @@ class ShmBackend : public Backend {
   // slots into the places: no contiguous scratch.
   void all_gather_runs(size_t segment, const std::vector<SegmentRun>& sources,
                        const std::vector<std::vector<SegmentRun>>& places) override;
-  // Every rank's part is gathered from its runs straight into the slot.
-  void reduce_scatter_runs(const std::vector<std::vector<SegmentRun>>& parts, const Tensor& output,
-                           ReduceOp op) override;
+  // Every rank's part is gathered from its runs straight into the slot;
+  // this rank's own is read where it lies; an accumulated result is added
+  // piece by piece while in cache.
+  void reduce_scatter_runs(const std::vector<std::vector<SegmentRun>>& parts, const Tensor& output, ReduceOp op,
+                           bool accumulate) override;
   void reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override;
   void barrier() override;
   // rank 0 reserves every rank's part in the segment's file (reusing a
@@ -221,6 +223,9 @@ class ShmBackend : public Backend {
   // done(byte offset, bytes) while it is still in cache.
   template <typename Source, typename Done>
   void fold(ReduceFn fn, ReduceOp op, DType dtype, uint8_t* out, Source&& source, size_t n, Done&& done) const;
+  // out += what fold computes, each piece added while in cache.
+  template <typename Source>
+  void fold_into(ReduceFn fn, ReduceOp op, DType dtype, uint8_t* out, Source&& source, size_t n) const;
   // Arrives at the next barrier and returns once every rank has.
   void arrive_and_wait(Call& o);
   // Publishes the CPU this rank runs on (layout_.cpus).
@@ -306,6 +311,22 @@ inline void ShmBackend::fold(ReduceFn fn, ReduceOp op, DType dtype, uint8_t* out
       if (op == ReduceOp::kAvg) divide_in_place(dtype, out + offset, m, size());
     }
     done(offset, m * esize);
+  }
+}
+
+template <typename Source>
+inline void ShmBackend::fold_into(ReduceFn fn, ReduceOp op, DType dtype, uint8_t* out, Source&& source,
+                                  size_t n) const {
+  alignas(64) uint8_t piece[kPieceBytes];
+  const size_t esize = dtype_size(dtype);
+  const size_t step = std::max<size_t>(1, kPieceBytes / esize);
+  const ReduceFn add = reduce_function(dtype, ReduceOp::kSum);
+  for (size_t at = 0; at < n; at += step) {
+    const size_t m = std::min(step, n - at);
+    const size_t offset = at * esize;
+    fold(
+        fn, op, dtype, piece, [&](int32_t q) { return source(q) + offset; }, m, [](size_t, size_t) {});
+    add(out + offset, out + offset, piece, m);
   }
 }
 

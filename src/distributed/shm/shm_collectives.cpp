@@ -168,6 +168,17 @@ void copy_window(const std::vector<SegmentRun>& runs, size_t at, size_t len, uin
   }
 }
 
+// The bytes [at, at + len) of the part that `runs` make up, where one run
+// holds them all; null where they are spread over runs or partly zeros.
+const uint8_t* window_in_one_run(const std::vector<SegmentRun>& runs, size_t at, size_t len) {
+  for (const SegmentRun& run : runs) {
+    if (run.offset <= at && at + len <= run.offset + run.view.nbytes()) {
+      return static_cast<const uint8_t*>(run.view.data()) + (at - run.offset);
+    }
+  }
+  return nullptr;
+}
+
 // `window` = the bytes [at, at + len) of the part that `runs` (in order,
 // not overlapping) make up, zeros where no run covers it.
 void fill_window(const std::vector<SegmentRun>& runs, size_t at, size_t len, uint8_t* window) {
@@ -191,31 +202,40 @@ size_t ShmBackend::scatter_piece_elements(size_t esize) const {
 }
 
 void ShmBackend::reduce_scatter_runs(const std::vector<std::vector<SegmentRun>>& parts, const Tensor& output,
-                                     ReduceOp op) {
+                                     ReduceOp op, bool accumulate) {
   const size_t esize = output.element_size();
   const auto n = static_cast<size_t>(output.numel());
   const auto ranks = static_cast<size_t>(size());
   auto* out = static_cast<uint8_t*>(output.data());
   ReduceFn fn = reduce_function(output.dtype(), op);
   Call o = begin_call(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output);
-  // As reduce_scatter, and this rank's own piece goes in its slot too.
+  // As reduce_scatter. This rank's own piece is read where it is when one
+  // run holds it, else it goes in its slot too.
   const size_t piece_elems = scatter_piece_elements(esize);
   const size_t piece = piece_elems * esize;
+  const auto me = static_cast<size_t>(rank());
   size_t start = 0;
   do {
     const size_t count = std::min(piece_elems, n - start);
     const size_t len = count * esize, offset = start * esize;
     uint8_t* mine = slot(rank());
-    for (size_t q = 0; q < ranks; ++q) fill_window(parts[q], offset, len, mine + q * piece);
+    const uint8_t* own = window_in_one_run(parts[me], offset, len);
+    for (size_t q = 0; q < ranks; ++q) {
+      if (q != me || own == nullptr) fill_window(parts[q], offset, len, mine + q * piece);
+    }
+    if (own == nullptr) own = mine + me * piece;
     if (start == 0) {
       exchange_headers(o);
     } else {
       arrive_and_wait(o);
     }
-    const size_t my_piece = static_cast<size_t>(rank()) * piece;
-    fold(
-        fn, op, output.dtype(), out + offset, [&](int32_t q) { return slot(q) + my_piece; }, count,
-        [](size_t, size_t) {});
+    const size_t my_piece = me * piece;
+    auto source = [&](int32_t q) { return q == rank() ? own : slot(q) + my_piece; };
+    if (accumulate) {
+      fold_into(fn, op, output.dtype(), out + offset, source, count);
+    } else {
+      fold(fn, op, output.dtype(), out + offset, source, count, [](size_t, size_t) {});
+    }
     next_round();
     start += count;
   } while (start < n);
