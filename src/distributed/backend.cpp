@@ -51,8 +51,8 @@ void Backend::all_gather_runs(size_t segment, const std::vector<SegmentRun>& sou
   }
 }
 
-void Backend::reduce_scatter_runs(const std::vector<std::vector<SegmentRun>>& parts, const Tensor& output,
-                                  ReduceOp op, bool accumulate) {
+void Backend::reduce_scatter_runs(const std::vector<std::vector<SegmentRun>>& parts, const Tensor& output, ReduceOp op,
+                                  bool accumulate) {
   const auto ranks = static_cast<size_t>(size());
   const size_t part = output.nbytes();
   Tensor input;

@@ -143,8 +143,8 @@ class Backend {
   // bytes no run covers count as zeros. With `accumulate`, the result is
   // added to what `output` holds. Default: through a contiguous zero-filled
   // scratch.
-  virtual void reduce_scatter_runs(const std::vector<std::vector<SegmentRun>>& parts, const Tensor& output,
-                                   ReduceOp op, bool accumulate);
+  virtual void reduce_scatter_runs(const std::vector<std::vector<SegmentRun>>& parts, const Tensor& output, ReduceOp op,
+                                   bool accumulate);
   virtual void barrier() = 0;
   // A collective: every rank gets `bytes` of memory that the other ranks
   // map too; null where the backend has none. Tensors inside it may outlive
