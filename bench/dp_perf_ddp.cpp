@@ -25,6 +25,8 @@
 //                   backward), post_backward once its backward is done, SGD
 //                   on the shards; the allocator's peak in use over the timed
 //                   steps against the unsharded parameters and gradients
+//                   (--overlap 0: no prefetch, each post_backward waited for
+//                   at once: one layer unsharded at a time)
 //   ddp_join        (only when asked for) ddp steps where the last rank runs
 //                   out of data halfway and calls dp_ddp_join while the
 //                   others go on: rank 0's own step times (no barrier, a
@@ -79,6 +81,9 @@ struct Options {
   bool optim_in_backward = false;  // SGD in on_bucket_reduced instead of after finish_backward
   bool static_graph = false;
   int reshard_after_forward = 1;  // fsdp: 0 keeps each layer unsharded from its forward to its backward
+  // fsdp: 0 holds one layer unsharded at a time: no prefetch, and each
+  // layer's reduce_scatter is waited for before the next layer's backward.
+  int overlap = 1;
   std::vector<std::string> modes{"local", "ddp_no_sync", "ddp", "allreduce_only"};
 };
 
@@ -428,6 +433,7 @@ int run(const Options& o) {
       std::vector<dp_fsdp*>& fsdp;
       std::function<void(int, bool)> fetch;
       int layers;
+      bool overlap;
       Waits* waits;
       void wait_for(dp_fsdp* f, bool blocking) {
         const double t0 = now();
@@ -435,19 +441,25 @@ int run(const Options& o) {
         waits->unshard += now() - t0;
       }
       void pre_forward(int l) {
-        wait_for(fsdp[l], l == 0);
-        if (l + 1 < layers) fail_on(dp_fsdp_unshard(fsdp[l + 1], 1), "prefetch");
+        wait_for(fsdp[l], l == 0 || !overlap);
+        if (overlap && l + 1 < layers) fail_on(dp_fsdp_unshard(fsdp[l + 1], 1), "prefetch");
         fetch(l, false);
       }
       void post_forward(int l) { fail_on(dp_fsdp_reshard(fsdp[l]), "dp_fsdp_reshard"); }
       void pre_backward(int l) {
-        wait_for(fsdp[l], l == layers - 1);
-        if (l > 0) fail_on(dp_fsdp_unshard(fsdp[l - 1], 1), "prefetch");
+        wait_for(fsdp[l], l == layers - 1 || !overlap);
+        if (overlap && l > 0) fail_on(dp_fsdp_unshard(fsdp[l - 1], 1), "prefetch");
         fetch(l, true);
       }
       void grads_done(int) {}
-      void layer_done(int l) { fail_on(dp_fsdp_post_backward(fsdp[l]), "dp_fsdp_post_backward"); }
-    } hooks{fsdp, fetch_full, L, &fsdp_waits};
+      void layer_done(int l) {
+        fail_on(dp_fsdp_post_backward(fsdp[l]), "dp_fsdp_post_backward");
+        if (overlap) return;
+        const double t0 = now();
+        fail_on(dp_fsdp_finish_backward(fsdp[l]), "dp_fsdp_finish_backward");
+        waits->reduce += now() - t0;
+      }
+    } hooks{fsdp, fetch_full, L, o.overlap != 0, &fsdp_waits};
     auto fsdp_step = [&](int timed) {
       if (timed == 0) fsdp_waits = Waits{};
       mlp.forward_backward_hooked(w.data(), b.data(), gw.data(), gb.data(), x.data(), y.data(), hooks);
@@ -677,8 +689,9 @@ int run(const Options& o) {
           std::getenv("DP_CACHE_LIMIT_MB") != nullptr ? std::getenv("DP_CACHE_LIMIT_MB") : "default");
     }
     if (fsdp != nullptr && ddp != nullptr) {
-      std::printf("# fsdp step: %.2f ms vs ddp %.2f ms (ratio %.2f; reshard_after_forward=%d, next layer prefetched)\n",
-                  fsdp->median * 1e3, ddp->median * 1e3, fsdp->median / ddp->median, o.reshard_after_forward);
+      std::printf("# fsdp step: %.2f ms vs ddp %.2f ms (ratio %.2f; reshard_after_forward=%d, %s)\n",
+                  fsdp->median * 1e3, ddp->median * 1e3, fsdp->median / ddp->median, o.reshard_after_forward,
+                  o.overlap != 0 ? "next layer prefetched" : "one layer unsharded at a time, reduce_scatters waited");
     }
     if (fsdp != nullptr) {
       std::printf(
@@ -749,6 +762,8 @@ int dp_perf_ddp_main(int argc, char** argv) {
         o.steps = static_cast<int>(perf::parse_int(a, v, 1, 100000));
       } else if (a == "--reshard-after-forward") {
         o.reshard_after_forward = static_cast<int>(perf::parse_int(a, v, 0, 1));
+      } else if (a == "--overlap") {
+        o.overlap = static_cast<int>(perf::parse_int(a, v, 0, 1));
       } else if (a == "--warmup") {
         o.warmup = static_cast<int>(perf::parse_int(a, v, 0, 100000));
       } else if (a == "--bucket-cap-mb" || a == "--first-bucket-cap-mb") {
@@ -792,7 +807,8 @@ int dp_perf_ddp_main(int argc, char** argv) {
         "       [--bucket-cap-mb 25] [--first-bucket-cap-mb 1] [--grad-as-bucket-view]\n"
         "       [--optim-in-backward] [--static-graph]\n"
         "       [--modes local,ddp_no_sync,ddp,allreduce_only,ddp_join,fsdp]\n"
-        "usage: dp-run -n 2 dp-perf fsdp [the same options] [--reshard-after-forward 1]: --modes local,fsdp,ddp\n");
+        "usage: dp-run -n 2 dp-perf fsdp [the same options] [--reshard-after-forward 1] [--overlap 1]: --modes "
+        "local,fsdp,ddp\n");
     return 2;
   }
   try {

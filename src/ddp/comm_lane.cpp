@@ -9,6 +9,7 @@
 #include "core/thread_name.h"
 #include "core/thread_pool.h"
 #include "ddp/host_values.h"
+#include "distributed/background_calls.h"
 
 namespace dparallel::ddp {
 
@@ -206,6 +207,7 @@ void CommLane::start_worker_locked() {
   thread_ = std::thread([state = state_] {
     state->worker.store(std::this_thread::get_id());
     name_this_thread("dp-lane");
+    dist::BackgroundCalls::mark_this_thread();
     // The jobs overlap the host's backward: a fan-out would take its cores.
     SerialScope serial;
     loop(state);
@@ -346,6 +348,7 @@ void CommLane::join(const std::vector<std::shared_ptr<LaneOwner>>& owners, Clock
   // Each round is bounded by the group's timeout; `bound` covers one more.
   bool timed_out = false;
   uint32_t rounds_seen = state_->counters->rounds;
+  dist::BackgroundCalls::Awaited awaited;
   while (!done() && !timed_out) {
     timed_out = !state_->cv.wait_for(lock, bound, done) && state_->counters->rounds == rounds_seen;
     rounds_seen = state_->counters->rounds;
@@ -495,6 +498,7 @@ void CommLane::call(const LaneOwner* owner, const JobSpec& spec, const std::func
   ++state.pushes;
   state.cv.notify_all();
   threads.unlock();  // issued: the worker cannot park until it ran
+  dist::BackgroundCalls::Awaited awaited;
   if (!state.cv.wait_for(lock, bound, [&] { return outcome->started || outcome->done; })) {
     // It keeps its place (every rank counts it) but runs nothing.
     outcome->abandoned = true;

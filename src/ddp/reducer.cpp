@@ -10,6 +10,7 @@
 #include "core/device_runtime.h"
 #include "core/error.h"
 #include "ddp/host_values.h"
+#include "distributed/background_calls.h"
 #include "distributed/reduce_ops.h"
 
 namespace dparallel::ddp {
@@ -619,6 +620,7 @@ void Reducer::report_bucket(size_t index) {
 void Reducer::wait_all_done(std::unique_lock<std::mutex>& lock) {
   // Each collective ends by the group's timeout; the margin covers the
   // failure reports. A job finishing restarts the bound.
+  dist::BackgroundCalls::Awaited awaited;
   const auto bound = lane_bound();
   size_t done_before = 0;
   auto deadline = Clock::now() + bound;

@@ -12,6 +12,7 @@
 #include "comm/comm.h"
 #include "core/error.h"
 #include "distributed/backend_choice.h"
+#include "distributed/background_calls.h"
 #include "distributed/call_header.h"
 
 namespace dparallel::dist {
@@ -197,6 +198,7 @@ void ProcessGroup::mark_broken(const std::string& why) noexcept {
 }
 
 void ProcessGroup::worker_loop() {
+  BackgroundCalls::mark_this_thread();
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
     cv_.wait(lock, [&] { return (!queue_.empty() && !busy_) || (stopping_ && queue_.empty()); });

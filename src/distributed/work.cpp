@@ -1,5 +1,7 @@
 #include "distributed/work.h"
 
+#include "distributed/background_calls.h"
+
 namespace dparallel::dist {
 
 void Work::finish(StatusCode code, std::string message) {
@@ -12,6 +14,7 @@ void Work::finish(StatusCode code, std::string message) {
 
 void Work::wait() {
   std::unique_lock<std::mutex> lock(mutex_);
+  BackgroundCalls::Awaited awaited;
   // Every collective ends by its group's timeout, so this wait ends too.
   cv_.wait(lock, [&] { return done_; });
   if (code_ != StatusCode::kOk) throw Error(code_, message_);

@@ -8,6 +8,7 @@
 #include "ddp/agreement.h"
 #include "ddp/comm_hooks.h"
 #include "ddp/reducer.h"
+#include "distributed/background_calls.h"
 
 namespace dparallel::fsdp {
 
@@ -328,6 +329,7 @@ void FullyShard::issue_locked(ddp::JobSpec spec, Pending& pending) {
 }
 
 void FullyShard::wait_locked(std::unique_lock<std::mutex>& lock, Pending& pending, const char* what) {
+  dist::BackgroundCalls::Awaited awaited;
   const auto bound = lane_bound();
   if (!cv_.wait_for(lock, bound, [&] { return pending.done; })) {
     broken_ = true;

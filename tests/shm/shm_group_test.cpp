@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "distributed/background_calls.h"
 #include "distributed/process_group.h"
 #include "distributed/shm/shm_backend.h"
 #include "distributed/shm/shm_process_group.h"
@@ -316,6 +317,46 @@ TEST(ShmBarrier, RankWaitingForALateRankSleeps) {
   });
   EXPECT_GE(waiting_cpu_ms, 0);
   EXPECT_LT(waiting_cpu_ms, 50) << "rank 0 used this much CPU (ms) while it waited 500 ms";
+}
+
+// A thread that runs collectives in the background (a comm lane) does not
+// spin for a late peer while no thread awaits its work: it would take the
+// CPU from the host computing beside it. Rank 1 comes 1 ms late to each of
+// 40 barriers, within the 2 ms a foreground wait spins; rank 0's background
+// thread sleeps through them, until a thread awaits it. May_spin follows
+// the marks and the Awaited scopes.
+TEST(ShmBarrier, BackgroundWaitNobodyAwaitsSleepsInsteadOfSpinning) {
+  EXPECT_TRUE(BackgroundCalls::may_spin()) << "a thread never marked is a host thread";
+  double waiting_cpu_ms = -1;
+  bool spins_unawaited = true, spins_awaited = false;
+  run_ranks(2, [&](ProcessGroup& group) {
+    for (int i = 0; i < 20; ++i) group.barrier(false);
+    if (group.rank() == 1) {
+      for (int i = 0; i < 40; ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        group.barrier(false);
+      }
+      return;
+    }
+    BackgroundCalls::mark_this_thread();
+    spins_unawaited = BackgroundCalls::may_spin();
+    double before = thread_cpu_ms();
+    for (int i = 0; i < 40; ++i) group.barrier(false);
+    waiting_cpu_ms = thread_cpu_ms() - before;
+    std::thread host([&] {
+      BackgroundCalls::Awaited awaited;
+      std::thread lane([&] {
+        BackgroundCalls::mark_this_thread();
+        spins_awaited = BackgroundCalls::may_spin();
+      });
+      lane.join();
+    });
+    host.join();
+  });
+  EXPECT_FALSE(spins_unawaited);
+  EXPECT_TRUE(spins_awaited);
+  EXPECT_GE(waiting_cpu_ms, 0);
+  EXPECT_LT(waiting_cpu_ms, 20) << "rank 0's background thread used this much CPU (ms) over 40 waits of about 1 ms";
 }
 
 // Ranks as forked processes of a fresh test process (no threads yet), each

@@ -36,6 +36,9 @@ constexpr size_t kPieceBytes = size_t(16) << 10;
 // How long a barrier sleeps at most (after its spin, spin_budget.h) between
 // checks of the deadline, the other ranks' failures and their pids.
 constexpr Millis kSleepSlice{50};
+// How often a background wait that no thread awaits looks whether one does
+// (arrive_and_wait).
+constexpr std::chrono::microseconds kAwaitPoll{100};
 // Waits in a row beside another rank on one CPU before the higher rank moves.
 constexpr uint32_t kSharedWaitsBeforeMove = 64;
 

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "distributed/background_calls.h"
 #include "distributed/call_header.h"
 #include "distributed/reduce_ops.h"
 #include "distributed/shm/shm_backend.h"
@@ -63,10 +64,10 @@ void cpu_relax() {
 // True once the wrapping counter `value` has reached `target`.
 bool reached(uint32_t value, uint32_t target) { return static_cast<int32_t>(value - target) >= 0; }
 
-void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, Millis timeout) {
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::microseconds timeout) {
   timespec ts{};
-  ts.tv_sec = static_cast<time_t>(timeout.count() / 1000);
-  ts.tv_nsec = static_cast<long>((timeout.count() % 1000) * 1000000);
+  ts.tv_sec = static_cast<time_t>(timeout.count() / 1000000);
+  ts.tv_nsec = static_cast<long>((timeout.count() % 1000000) * 1000);
   // Not FUTEX_PRIVATE_FLAG: the word is shared between processes.
   ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
 }
@@ -409,23 +410,38 @@ void ShmBackend::arrive_and_wait(Call& o) {
     shared_waits_ = 0;
     move_off_shared_cpu();
   }
-  const auto spin = beside >= 0 ? Clock::duration::zero() : spin_budget_.budget();
-  for (uint32_t i = 1; spin > Clock::duration::zero(); ++i) {
-    if (arrived()) return;
-    cpu_relax();
-    if (i % 64 == 0 && Clock::now() - start >= spin) break;
-  }
+  auto spin_for = [&](Clock::duration spin) {
+    const auto from = Clock::now();
+    for (uint32_t i = 1; spin > Clock::duration::zero(); ++i) {
+      if (arrived()) return true;
+      cpu_relax();
+      if (i % 64 == 0 && Clock::now() - from >= spin) break;
+    }
+    return false;
+  };
+  // A background wait that no thread awaits sleeps (background_calls.h),
+  // looking every kAwaitPoll whether one does, to spin from then on.
+  bool unawaited = beside < 0 && !BackgroundCalls::may_spin();
+  if (spin_for(beside >= 0 || unawaited ? Clock::duration::zero() : spin_budget_.budget())) return;
   for (;;) {
     // A peer may arrive and exit at once: its arrival counts, so it is
     // checked first, and again when a peer is seen gone.
     if (arrived()) return;
     check_peers(o, [&] { return reached(arrivals.load(std::memory_order_acquire), target); });
     if (arrived()) return;
-    control()->sleepers.fetch_add(1);
+    // Unawaited, it wakes on its own timer, not the last arrival's wake-up,
+    // which would run it on that rank's CPU, beside that rank's host.
+    if (!unawaited) control()->sleepers.fetch_add(1);
     uint32_t seen = arrivals.load();
-    if (!reached(seen, target)) futex_wait(&arrivals, seen, std::min(kSleepSlice, left_until(o.deadline)));
-    control()->sleepers.fetch_sub(1);
+    const std::chrono::microseconds slice = unawaited ? kAwaitPoll : kSleepSlice;
+    const std::chrono::microseconds left = left_until(o.deadline);
+    if (!reached(seen, target)) futex_wait(&arrivals, seen, std::min(slice, left));
+    if (!unawaited) control()->sleepers.fetch_sub(1);
     if (arrived()) return;
+    if (unawaited && BackgroundCalls::may_spin()) {
+      unawaited = false;
+      if (spin_for(spin_budget_.budget())) return;
+    }
   }
 }
 
