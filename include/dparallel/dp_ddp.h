@@ -21,7 +21,12 @@
  * find_unused_parameters, a bucket is one all-reduce straight over the
  * module's gradient tensors (no bucket memory, no copies); otherwise
  * gradients are copied into flat buckets as they are marked (or are views
- * into them) and the results copied back.
+ * into them) and the results copied back. There, on a shared-memory group
+ * created with init_sync, every managed parameter that has no gradient yet
+ * gets one at dp_ddp_create, zeroed, in memory the other ranks map, where
+ * the all-reduce reads their values in place (no staging copies); a
+ * gradient the host set or fetched before create stays where it is, and
+ * while any rank has one the reductions go through the segment instead.
  *
  * Managed parameters: those of `module` that require grad, in registration
  * order (dp_module_parameter_at), minus ignored modules (with all their

@@ -157,6 +157,7 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
   // ranks map, so that a bucket's all_reduce reads theirs where it is. Room
   // for any plan's buckets; none (private buckets) when there is no room.
   void create_bucket_region();
+  void create_gradient_region();
   void check_no_overlap() const;
   std::vector<std::string> describe_for_agreement(const Setup& setup) const;
   void register_managed();
@@ -292,6 +293,8 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
   // create_bucket_region's memory and the storage the buckets view it through.
   std::shared_ptr<dist::SharedRegion> region_;
   std::shared_ptr<Storage> region_storage_;
+  // create_gradient_region's: kept by the gradients' views themselves.
+  std::shared_ptr<dist::SharedRegion> gradient_region_;
   DebugLevel debug_ = DebugLevel::kOff;
   std::string timeline_path_;
   std::vector<Managed> params_;

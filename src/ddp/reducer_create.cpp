@@ -30,6 +30,8 @@ std::set<const Parameter*>& managed_set() {
   return managed;
 }
 
+size_t align_to(size_t bytes, size_t align) { return (bytes + align - 1) / align * align; }
+
 bool is_floating(DType dtype) {
   return dtype == DType::kFloat32 || dtype == DType::kFloat64 || dtype == DType::kFloat16 || dtype == DType::kBFloat16;
 }
@@ -54,6 +56,7 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
         check_agreement(*group_, description);
         broadcast_state(setup.state);
         create_bucket_region();
+        create_gradient_region();
       });
     } else if (!given_plan_.empty()) {
       // Ranks given different plans would pair unlike buckets.
@@ -265,6 +268,53 @@ void Reducer::create_bucket_region() {
   if (debug_ != DebugLevel::kOff) {
     std::fprintf(stderr, "[dparallel ddp rank %d] buckets in a shared region of %zu bytes: the other ranks read them\n",
                  group_->rank(), region_->bytes());
+  }
+}
+
+void Reducer::create_gradient_region() {
+  // Where gradients are reduced in place as one coalesced all_reduce
+  // (in_place_) on shared memory: the same on every rank.
+  if (options_.gradient_as_bucket_view || options_.hook != HookKind::kAllReduce || options_.find_unused_parameters ||
+      group_->device().type != DeviceType::kCpu || group_->size() == 1 ||
+      std::string(group_->backend_name()) != "shm") {
+    return;
+  }
+  size_t bytes = 0;
+  for (const Managed& m : params_) bytes = align_to(bytes, m.parameter->value().element_size()) + m.nbytes;
+  if (bytes == 0) return;
+  try {
+    gradient_region_ = group_->create_region(bytes);
+  } catch (const Error& e) {
+    if (e.code() != StatusCode::kOutOfMemory) throw;
+    if (debug_ != DebugLevel::kOff) {
+      std::fprintf(stderr, "[dparallel ddp rank %d] gradients in private memory: %s\n", group_->rank(), e.what());
+    }
+    return;
+  }
+  if (gradient_region_ == nullptr) return;
+  std::shared_ptr<dist::SharedRegion> keep = gradient_region_;
+  auto storage = Storage::wrap(group_->device(), keep->data(), keep->bytes(), [keep](void*) {});
+  // A gradient the host already has (its own memory, or one it may hold a
+  // handle to) stays where it is; that rank's reductions then go through
+  // the slots, the others' too.
+  size_t offset = 0;
+  size_t placed = 0;
+  for (Managed& m : params_) {
+    const Tensor& value = m.parameter->value();
+    offset = align_to(offset, value.element_size());
+    if (!m.parameter->grad_if_allocated().defined()) {
+      Tensor view = Tensor::wrap(storage, offset, value.dtype(), value.shape());
+      if (m.nbytes > 0) std::memset(view.data(), 0, m.nbytes);
+      m.parameter->set_grad(view);
+      ++placed;
+    }
+    offset += m.nbytes;
+  }
+  if (debug_ != DebugLevel::kOff) {
+    std::fprintf(stderr,
+                 "[dparallel ddp rank %d] %zu of %zu gradients in a shared region of %zu bytes: the other ranks "
+                 "read them\n",
+                 group_->rank(), placed, params_.size(), bytes);
   }
 }
 

@@ -113,6 +113,14 @@ void divide_native(void* data, size_t n, int64_t divisor) {
   for (size_t i = 0; i < n; ++i) p[i] = static_cast<T>(p[i] / static_cast<T>(divisor));
 }
 
+template <typename T>
+void halved_sum(void* out, const void* a, const void* b, size_t n) {
+  T* o = static_cast<T*>(out);
+  const T* x = static_cast<const T*>(a);
+  const T* y = static_cast<const T*>(b);
+  for (size_t i = 0; i < n; ++i) o[i] = (x[i] + y[i]) * T(0.5);
+}
+
 template <float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>
 void divide_half(void* data, size_t n, int64_t divisor) {
   uint16_t* p = static_cast<uint16_t*>(data);
@@ -134,6 +142,17 @@ ReduceFn reduce_function(DType dtype, ReduceOp op) {
       return for_dtype<Max>(dtype);
   }
   fail_invalid("unknown reduce op ", static_cast<int32_t>(op));
+}
+
+ReduceFn average_of_two_function(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return &halved_sum<float>;
+    case DType::kFloat64:
+      return &halved_sum<double>;
+    default:
+      return nullptr;
+  }
 }
 
 void divide_in_place(DType dtype, void* data, size_t n, int64_t divisor) {

@@ -16,6 +16,9 @@ using ReduceFn = void (*)(void* out, const void* a, const void* b, size_t n);
 
 // DP_AVG reduces as a sum; divide afterwards with divide_in_place.
 ReduceFn reduce_function(DType dtype, ReduceOp op);
+// out[i] = (a[i] + b[i]) / 2 in one pass, the same bits as the sum and then
+// divide_in_place by 2; null for dtypes other than float32 and float64.
+ReduceFn average_of_two_function(DType dtype);
 // data[i] /= divisor (integers truncate toward zero).
 void divide_in_place(DType dtype, void* data, size_t n, int64_t divisor);
 

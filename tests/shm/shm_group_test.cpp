@@ -202,6 +202,30 @@ TEST_P(ShmGroup, AllReduceInARegionReadsTheOtherRanksMemoryWhereItIs) {
   });
 }
 
+// A coalesced all_reduce of tensors that tile one span of a region (a
+// dp_ddp's gradients there), named in another order than they lie, is an
+// all_reduce of the span in place; tensors with a gap between them take
+// the slots, with the same result.
+TEST_P(ShmGroup, CoalescedAllReduceOfTensorsTilingARegionSpanReducesTheSpanInPlace) {
+  const int32_t world = GetParam();
+  run_ranks(world, [&](ProcessGroup& group) {
+    auto region = group.create_region(4 << 20);
+    ASSERT_NE(region, nullptr);
+    const int64_t third = kRegionElements / 3;
+    Tensor span = in_region(region, 4096, 3 * third);
+    auto piece = [&](int64_t k) { return span.view_at(static_cast<size_t>(k * third) * 4, DType::kFloat32, {third}); };
+    fill(span, group.rank());
+    group.all_reduce_coalesced({piece(1), piece(2), piece(0)}, ReduceOp::kAvg, false);
+    expect_reduced(span, world, true);
+    EXPECT_EQ(calls_in_regions(group), 1u);
+    std::vector<Tensor> apart{piece(0), piece(2)};
+    for (const Tensor& t : apart) fill(t, group.rank());
+    group.all_reduce_coalesced(apart, ReduceOp::kSum, false);
+    for (const Tensor& t : apart) expect_reduced(t, world, false);
+    EXPECT_EQ(calls_in_regions(group), 1u);
+  });
+}
+
 // Where the ranks' tensors do not all lie at one spot, every rank takes the
 // slots, with the same result.
 TEST_P(ShmGroup, AllReduceWhereATensorLiesElsewhereTakesTheSlotsOnEveryRank) {

@@ -72,6 +72,28 @@ void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::mic
   ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
 }
 
+// The tensors as one tensor over the memory they tile without gaps or
+// overlaps (in any order) in one storage; undefined where they do not.
+Tensor span_of(const std::vector<Tensor>& tensors) {
+  std::vector<const Tensor*> sorted;
+  for (const Tensor& t : tensors) {
+    if (t.nbytes() > 0) sorted.push_back(&t);
+  }
+  if (sorted.empty()) return Tensor();
+  auto address = [](const Tensor* t) { return reinterpret_cast<uintptr_t>(t->data()); };
+  std::sort(sorted.begin(), sorted.end(), [&](const Tensor* a, const Tensor* b) { return address(a) < address(b); });
+  const Tensor& first = *sorted.front();
+  size_t bytes = 0;
+  for (const Tensor* t : sorted) {
+    if (t->storage() != first.storage() || t->dtype() != first.dtype() ||
+        t->data() != static_cast<const uint8_t*>(first.data()) + bytes) {
+      return Tensor();
+    }
+    bytes += t->nbytes();
+  }
+  return first.view_at(0, first.dtype(), {static_cast<int64_t>(bytes / first.element_size())});
+}
+
 // [begin, end) of `a` and `b` overlap.
 bool overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
   auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
@@ -92,7 +114,11 @@ void ShmBackend::all_reduce_coalesced(const std::vector<Tensor>& tensors, Reduce
   Call o = begin_call(CallKind::kAllReduce, tensors[0].dtype(),
                       static_cast<int64_t>(pieces.bytes() / tensors[0].element_size()), op, -1, &tensors[0]);
   o.pieces = tensors.size();
-  all_reduce_pieces(o, pieces, tensors[0].dtype(), op, nullptr);
+  // Where they tile one span, every rank's at the same spot of a region,
+  // the call reduces the span in place (element by element, so the order
+  // of the tensors does not matter); the slots pair them in call order.
+  const Tensor span = span_of(tensors);
+  all_reduce_pieces(o, pieces, tensors[0].dtype(), op, span.defined() ? &span : nullptr);
 }
 
 void ShmBackend::broadcast(const Tensor& tensor, int32_t root) {

@@ -12,10 +12,13 @@
 // all_reduce on a tensor in a region: each rank publishes where its tensor
 // lies (RegionSpot) before the header exchange; when every rank's tensor
 // lies at the same spot of the same region, each rank folds its part of
-// the tensor, in rank order, from every rank's memory into its own, and
-// after a barrier copies the others' parts from their memory. A last
-// barrier keeps a rank from changing its tensor while another still reads
-// it. Otherwise the call takes the slots' path (shm_collectives.cpp).
+// the tensor, in rank order, from every rank's memory into its own and
+// writes each reduced piece into every other rank's memory while it is in
+// cache. A last barrier keeps a rank from returning (and changing its
+// tensor) while another still reads or writes it. Otherwise the call takes
+// the slots' path (shm_collectives.cpp). A coalesced all_reduce whose
+// tensors tile one span of memory (a dp_ddp's gradients in a region) is an
+// all_reduce of that span.
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -249,12 +252,19 @@ void ShmBackend::all_reduce_in_region(Call& o, const Tensor& tensor, ReduceOp op
   ReduceFn fn = reduce_function(dtype, op);
   uint8_t* mine = at(rank());
   const size_t my_begin = begin(rank()), my_len = end(rank()) - my_begin;
+  // Each reduced piece goes to every other rank's copy at once, from cache:
+  // nobody reads this rank's part but this rank, so nothing waits between.
+  auto push = [&](size_t from, const uint8_t* piece, size_t bytes) {
+    for (int32_t q = 0; q < size(); ++q) {
+      if (q != rank()) std::memcpy(at(q) + from, piece, bytes);
+    }
+  };
   if (rank() < 2) {
     // In place: the fold reads this rank's own value at an element before
     // it writes there.
     fold(
         fn, op, dtype, mine + my_begin, [&](int32_t q) { return at(q) + my_begin; }, my_len / esize,
-        [](size_t, size_t) {});
+        [&](size_t offset, size_t bytes) { push(my_begin + offset, mine + my_begin + offset, bytes); });
   } else {
     // The fold writes sources 0 and 1's sum first: through this rank's slot.
     uint8_t* scratch = slot(rank());
@@ -263,13 +273,13 @@ void ShmBackend::all_reduce_in_region(Call& o, const Tensor& tensor, ReduceOp op
       const size_t from = my_begin + done;
       fold(
           fn, op, dtype, scratch, [&](int32_t q) { return at(q) + from; }, len / esize,
-          [&](size_t offset, size_t bytes) { std::memcpy(mine + from + offset, scratch + offset, bytes); });
+          [&](size_t offset, size_t bytes) {
+            std::memcpy(mine + from + offset, scratch + offset, bytes);
+            push(from + offset, scratch + offset, bytes);
+          });
     }
   }
-  arrive_and_wait(o);
-  for (int32_t q = 0; q < size(); ++q) {
-    if (q != rank()) std::memcpy(mine + begin(q), at(q) + begin(q), end(q) - begin(q));
-  }
+  // Every part is everywhere once every rank has pushed its own.
   arrive_and_wait(o);
   next_round();
   ++calls_in_regions_;
