@@ -202,11 +202,11 @@ TEST_P(ShmGroup, AllReduceInARegionReadsTheOtherRanksMemoryWhereItIs) {
   });
 }
 
-// A coalesced all_reduce of tensors that tile one span of a region (a
-// dp_ddp's gradients there), named in another order than they lie, is an
-// all_reduce of the span in place; tensors with a gap between them take
-// the slots, with the same result.
-TEST_P(ShmGroup, CoalescedAllReduceOfTensorsTilingARegionSpanReducesTheSpanInPlace) {
+// A coalesced all_reduce of tensors in a region (a dp_ddp's gradients
+// there), lying alike on every rank, reads and writes them in place, in
+// whatever order they are named and with gaps between them; where one
+// rank's lie elsewhere, every rank takes the slots, with the same result.
+TEST_P(ShmGroup, CoalescedAllReduceOfTensorsInARegionReducesThemInPlace) {
   const int32_t world = GetParam();
   run_ranks(world, [&](ProcessGroup& group) {
     auto region = group.create_region(4 << 20);
@@ -218,11 +218,18 @@ TEST_P(ShmGroup, CoalescedAllReduceOfTensorsTilingARegionSpanReducesTheSpanInPla
     group.all_reduce_coalesced({piece(1), piece(2), piece(0)}, ReduceOp::kAvg, false);
     expect_reduced(span, world, true);
     EXPECT_EQ(calls_in_regions(group), 1u);
-    std::vector<Tensor> apart{piece(0), piece(2)};
+    std::vector<Tensor> apart{piece(2), piece(0)};
     for (const Tensor& t : apart) fill(t, group.rank());
     group.all_reduce_coalesced(apart, ReduceOp::kSum, false);
     for (const Tensor& t : apart) expect_reduced(t, world, false);
-    EXPECT_EQ(calls_in_regions(group), 1u);
+    EXPECT_EQ(calls_in_regions(group), 2u);
+    if (world == 1) return;
+    Tensor privately = Tensor::empty(DType::kFloat32, {third}, Device{DeviceType::kCpu, 0});
+    std::vector<Tensor> mixed{piece(2), group.rank() == world - 1 ? privately : piece(0)};
+    for (const Tensor& t : mixed) fill(t, group.rank());
+    group.all_reduce_coalesced(mixed, ReduceOp::kSum, false);
+    for (const Tensor& t : mixed) expect_reduced(t, world, false);
+    EXPECT_EQ(calls_in_regions(group), 2u);
   });
 }
 

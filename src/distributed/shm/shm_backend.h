@@ -81,6 +81,15 @@ struct RegionSpot {
   bool operator==(const RegionSpot& o) const { return region == o.region && offset == o.offset; }
 };
 
+// Where an all_reduce's data lies in one region: the runs (offset into this
+// rank's part, bytes) in call order, and the spot every rank compares: for
+// one tensor where it starts, for several a fingerprint of their runs (top
+// bit set, so that it never equals a tensor's offset).
+struct RegionPlacement {
+  RegionSpot spot;
+  std::vector<std::pair<size_t, size_t>> runs;
+};
+
 // Where things are in a segment for `world` ranks.
 struct Layout {
   Layout(int32_t world, size_t slot_bytes) : slot(slot_bytes) {
@@ -198,20 +207,23 @@ class ShmBackend : public Backend {
   int32_t pid_word_if_mapped(int32_t r) const {
     return segment_ == nullptr || segment_->data() == nullptr ? 0 : pid_word(r)->load();
   }
-  // all_reduce of `pieces` (see the file's comment); `whole`: the one
-  // tensor they are, which may lie in a region, or null.
-  void all_reduce_pieces(Call& o, const Pieces& pieces, DType dtype, ReduceOp op, const Tensor* whole);
+  // all_reduce of `pieces` (see the file's comment), which lie in a region
+  // as `placement` says (spot.region 0: they do not).
+  void all_reduce_pieces(Call& o, const Pieces& pieces, DType dtype, ReduceOp op, const RegionPlacement& placement);
   // Where `t` lies in a region of this group, or {} (not in one).
   RegionSpot spot_of(const Tensor& t) const;
+  // Where `tensors` lie, when all lie in one region of this group.
+  RegionPlacement placement_of(const std::vector<Tensor>& tensors) const;
   // Publishes this call's spot (after the header exchange every rank reads
   // all of them) and tells whether every rank's tensor lies at that spot.
   void publish_spot(const RegionSpot& spot) { *spot_word(rank()) = spot; }
   bool same_spot_everywhere() const;
   bool any_spot_published() const;
-  // all_reduce of a tensor at the same spot of one region on every rank,
-  // after the header exchange: each rank folds its part straight from the
-  // others' memory into its own, then copies theirs: no staging copies.
-  void all_reduce_in_region(Call& o, const Tensor& tensor, ReduceOp op);
+  // all_reduce of data placed alike in one region on every rank, after the
+  // header exchange: each rank folds its part of the runs' concatenation
+  // straight from the others' memory and writes the result into everyone's:
+  // no staging copies.
+  void all_reduce_in_region(Call& o, const RegionPlacement& placement, DType dtype, ReduceOp op);
   void close_pidfds() noexcept;
   // Opens a pidfd on rank r's process `pid` (kGoneWhenWatched when none is left).
   void watch_peer(int32_t r, int32_t pid);

@@ -72,28 +72,6 @@ void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::mic
   ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
 }
 
-// The tensors as one tensor over the memory they tile without gaps or
-// overlaps (in any order) in one storage; undefined where they do not.
-Tensor span_of(const std::vector<Tensor>& tensors) {
-  std::vector<const Tensor*> sorted;
-  for (const Tensor& t : tensors) {
-    if (t.nbytes() > 0) sorted.push_back(&t);
-  }
-  if (sorted.empty()) return Tensor();
-  auto address = [](const Tensor* t) { return reinterpret_cast<uintptr_t>(t->data()); };
-  std::sort(sorted.begin(), sorted.end(), [&](const Tensor* a, const Tensor* b) { return address(a) < address(b); });
-  const Tensor& first = *sorted.front();
-  size_t bytes = 0;
-  for (const Tensor* t : sorted) {
-    if (t->storage() != first.storage() || t->dtype() != first.dtype() ||
-        t->data() != static_cast<const uint8_t*>(first.data()) + bytes) {
-      return Tensor();
-    }
-    bytes += t->nbytes();
-  }
-  return first.view_at(0, first.dtype(), {static_cast<int64_t>(bytes / first.element_size())});
-}
-
 // [begin, end) of `a` and `b` overlap.
 bool overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
   auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
@@ -105,7 +83,7 @@ bool overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
 void ShmBackend::all_reduce(const Tensor& tensor, ReduceOp op) {
   Pieces pieces({tensor});
   Call o = begin_call(CallKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1, &tensor);
-  all_reduce_pieces(o, pieces, tensor.dtype(), op, &tensor);
+  all_reduce_pieces(o, pieces, tensor.dtype(), op, placement_of({tensor}));
 }
 
 void ShmBackend::all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op) {
@@ -114,11 +92,7 @@ void ShmBackend::all_reduce_coalesced(const std::vector<Tensor>& tensors, Reduce
   Call o = begin_call(CallKind::kAllReduce, tensors[0].dtype(),
                       static_cast<int64_t>(pieces.bytes() / tensors[0].element_size()), op, -1, &tensors[0]);
   o.pieces = tensors.size();
-  // Where they tile one span, every rank's at the same spot of a region,
-  // the call reduces the span in place (element by element, so the order
-  // of the tensors does not matter); the slots pair them in call order.
-  const Tensor span = span_of(tensors);
-  all_reduce_pieces(o, pieces, tensors[0].dtype(), op, span.defined() ? &span : nullptr);
+  all_reduce_pieces(o, pieces, tensors[0].dtype(), op, placement_of(tensors));
 }
 
 void ShmBackend::broadcast(const Tensor& tensor, int32_t root) {
@@ -349,15 +323,16 @@ void ShmBackend::barrier() {
   next_round();
 }
 
-void ShmBackend::all_reduce_pieces(Call& o, const Pieces& pieces, DType dtype, ReduceOp op, const Tensor* whole) {
+void ShmBackend::all_reduce_pieces(Call& o, const Pieces& pieces, DType dtype, ReduceOp op,
+                                   const RegionPlacement& placement) {
   const size_t esize = dtype_size(dtype);
   const size_t nbytes = pieces.bytes();
   const size_t n = nbytes / esize;
   ReduceFn fn = reduce_function(dtype, op);
   const bool small = nbytes <= std::min(kSmallAllReduceBytes, layout_.slot);
-  // A tensor in a region: where every rank's is at the same spot, the
-  // call reads the others' memory where it is (shm_regions.cpp).
-  const RegionSpot spot = whole != nullptr && !small ? spot_of(*whole) : RegionSpot{};
+  // Tensors in a region: where every rank's are placed alike, the call
+  // reads the others' memory where it is (shm_regions.cpp).
+  const RegionSpot spot = small ? RegionSpot{} : placement.spot;
   publish_spot(spot);
   if (small) {
     pieces.copy_out(slot(rank()), 0, nbytes);
@@ -393,7 +368,7 @@ void ShmBackend::all_reduce_pieces(Call& o, const Pieces& pieces, DType dtype, R
       if (spot.region == 0) stage();
       exchange_headers(o);
       if (any_spot_published()) {
-        if (same_spot_everywhere()) return all_reduce_in_region(o, *whole, op);
+        if (same_spot_everywhere()) return all_reduce_in_region(o, placement, dtype, op);
         if (spot.region != 0) stage();
         arrive_and_wait(o);
       }

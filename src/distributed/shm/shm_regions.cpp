@@ -16,9 +16,10 @@
 // writes each reduced piece into every other rank's memory while it is in
 // cache. A last barrier keeps a rank from returning (and changing its
 // tensor) while another still reads or writes it. Otherwise the call takes
-// the slots' path (shm_collectives.cpp). A coalesced all_reduce whose
-// tensors tile one span of memory (a dp_ddp's gradients in a region) is an
-// all_reduce of that span.
+// the slots' path (shm_collectives.cpp). A coalesced all_reduce of tensors
+// in one region (a dp_ddp's gradients there) takes the same path when every
+// rank's lie at the same places, whatever their order: it reduces the
+// concatenation of their runs.
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -231,51 +232,93 @@ bool ShmBackend::any_spot_published() const {
   return false;
 }
 
-void ShmBackend::all_reduce_in_region(Call& o, const Tensor& tensor, ReduceOp op) {
-  const RegionSpot spot = *spot_word(rank());
+RegionPlacement ShmBackend::placement_of(const std::vector<Tensor>& tensors) const {
+  RegionPlacement placement;
+  if (tensors.size() == 1) {
+    placement.spot = spot_of(tensors[0]);
+    if (placement.spot.region != 0) placement.runs.emplace_back(placement.spot.offset, tensors[0].nbytes());
+    return placement;
+  }
+  uint64_t region = 0;
+  uint64_t fingerprint = 14695981039346656037ull;  // FNV-1a over the runs
+  auto mix = [&](uint64_t v) {
+    for (int byte = 0; byte < 8; ++byte) {
+      fingerprint = (fingerprint ^ ((v >> (8 * byte)) & 0xff)) * 1099511628211ull;
+    }
+  };
+  for (const Tensor& t : tensors) {
+    if (t.nbytes() == 0) continue;
+    const RegionSpot spot = spot_of(t);
+    if (spot.region == 0 || (region != 0 && spot.region != region)) return {};
+    region = spot.region;
+    placement.runs.emplace_back(spot.offset, t.nbytes());
+    mix(spot.offset);
+    mix(t.nbytes());
+  }
+  if (region == 0) return {};
+  // Overlapping tensors would be written by one rank while another reads
+  // them: the slots' path copies them apart.
+  std::vector<std::pair<size_t, size_t>> sorted = placement.runs;
+  std::sort(sorted.begin(), sorted.end());
+  for (size_t k = 1; k < sorted.size(); ++k) {
+    if (sorted[k - 1].first + sorted[k - 1].second > sorted[k].first) return {};
+  }
+  placement.spot = RegionSpot{region, fingerprint | (uint64_t{1} << 63)};
+  return placement;
+}
+
+void ShmBackend::all_reduce_in_region(Call& o, const RegionPlacement& placement, DType dtype, ReduceOp op) {
   RegionRegistry::Mapped mapped;
   {
     std::lock_guard<std::mutex> lock(regions_->mutex);
     for (const auto& [own, m] : regions_->by_own_part) {
-      if (m.file_offset == spot.region) mapped = m;
+      if (m.file_offset == placement.spot.region) mapped = m;
     }
   }
-  auto at = [&](int32_t q) { return mapped.base + mapped.part * static_cast<size_t>(q) + spot.offset; };
-  const DType dtype = tensor.dtype();
+  auto base = [&](int32_t q) { return mapped.base + mapped.part * static_cast<size_t>(q); };
   const size_t esize = dtype_size(dtype);
-  const auto n = static_cast<size_t>(tensor.numel());
+  size_t total = 0;
+  for (const auto& run : placement.runs) total += run.second;
+  const size_t n = total / esize;
   const auto ranks = static_cast<size_t>(size());
   const size_t align = std::max<size_t>(1, kLine / esize);
   const size_t part = align_up((n + ranks - 1) / ranks, align);
-  auto begin = [&](int32_t q) { return std::min(n, part * static_cast<size_t>(q)) * esize; };
-  auto end = [&](int32_t q) { return std::min(n, part * static_cast<size_t>(q + 1)) * esize; };
+  const size_t my_begin = std::min(n, part * static_cast<size_t>(rank())) * esize;
+  const size_t my_end = std::min(n, part * static_cast<size_t>(rank() + 1)) * esize;
   ReduceFn fn = reduce_function(dtype, op);
-  uint8_t* mine = at(rank());
-  const size_t my_begin = begin(rank()), my_len = end(rank()) - my_begin;
   // Each reduced piece goes to every other rank's copy at once, from cache:
   // nobody reads this rank's part but this rank, so nothing waits between.
-  auto push = [&](size_t from, const uint8_t* piece, size_t bytes) {
+  auto push = [&](size_t at, const uint8_t* piece, size_t bytes) {
     for (int32_t q = 0; q < size(); ++q) {
-      if (q != rank()) std::memcpy(at(q) + from, piece, bytes);
+      if (q != rank()) std::memcpy(base(q) + at, piece, bytes);
     }
   };
-  if (rank() < 2) {
-    // In place: the fold reads this rank's own value at an element before
-    // it writes there.
-    fold(
-        fn, op, dtype, mine + my_begin, [&](int32_t q) { return at(q) + my_begin; }, my_len / esize,
-        [&](size_t offset, size_t bytes) { push(my_begin + offset, mine + my_begin + offset, bytes); });
-  } else {
+  // This rank's part of the runs' concatenation, run by run.
+  size_t logical = 0;
+  for (const auto& [offset, bytes] : placement.runs) {
+    const size_t from = std::max(logical, my_begin), to = std::min(logical + bytes, my_end);
+    logical += bytes;
+    if (from >= to) continue;
+    const size_t at = offset + (from - (logical - bytes));  // into each rank's part
+    const size_t len = to - from;
+    uint8_t* mine = base(rank()) + at;
+    if (rank() < 2) {
+      // In place: the fold reads this rank's own value at an element before
+      // it writes there.
+      fold(
+          fn, op, dtype, mine, [&](int32_t q) { return base(q) + at; }, len / esize,
+          [&](size_t done, size_t piece) { push(at + done, mine + done, piece); });
+      continue;
+    }
     // The fold writes sources 0 and 1's sum first: through this rank's slot.
     uint8_t* scratch = slot(rank());
-    for (size_t done = 0; done < my_len; done += layout_.slot) {
-      const size_t len = std::min(layout_.slot, my_len - done);
-      const size_t from = my_begin + done;
+    for (size_t done = 0; done < len; done += layout_.slot) {
+      const size_t chunk = std::min(layout_.slot, len - done);
       fold(
-          fn, op, dtype, scratch, [&](int32_t q) { return at(q) + from; }, len / esize,
-          [&](size_t offset, size_t bytes) {
-            std::memcpy(mine + from + offset, scratch + offset, bytes);
-            push(from + offset, scratch + offset, bytes);
+          fn, op, dtype, scratch, [&](int32_t q) { return base(q) + at + done; }, chunk / esize,
+          [&](size_t within, size_t piece) {
+            std::memcpy(mine + done + within, scratch + within, piece);
+            push(at + done + within, scratch + within, piece);
           });
     }
   }
