@@ -291,6 +291,10 @@ void device_free(const Device& device, void* data, size_t nbytes) noexcept {
   free_now(device, data, nbytes);
 }
 
+void count_outside_memory(const Device& device, size_t nbytes) { usage().add(device, nbytes); }
+
+void uncount_outside_memory(const Device& device, size_t nbytes) noexcept { usage().remove(device, nbytes); }
+
 size_t cached_bytes() { return BlockCache::total_cached().load(); }
 
 MemoryUsage memory_usage(const Device& device) {

@@ -19,6 +19,10 @@ struct MemoryUsage {
   size_t peak = 0;
 };
 MemoryUsage memory_usage(const Device& device);
+// Memory a device's tensors may occupy that the allocator did not hand out
+// (a process group's shared regions): counted in use while held.
+void count_outside_memory(const Device& device, size_t nbytes);
+void uncount_outside_memory(const Device& device, size_t nbytes) noexcept;
 void reset_peak_memory(const Device& device);
 // Bytes held in caches of freed blocks, over all devices.
 size_t cached_bytes();

@@ -95,6 +95,12 @@ void FullyShard::init() {
           lane_bound());
     }
     plan_layout();
+    if (options_.init_sync && wants_shard_region()) {
+      ddp::JobSpec spec;
+      spec.item = CallItem::kFsdpCreate;
+      lane_->call(
+          this, spec, [&] { create_shard_region(); }, lane_bound());
+    }
     shard_parameters();
   } catch (...) {
     lane_->detach(this, lane_bound());
@@ -193,8 +199,45 @@ void FullyShard::plan_layout() {
   }
 }
 
+std::vector<size_t> FullyShard::segment_offsets(bool compute_dtype, size_t* segment) const {
+  std::vector<size_t> offsets(params_.size(), 0);
+  size_t at = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Managed& m = params_[i];
+    if (!m.sharded) continue;
+    offsets[i] = at;
+    at = align_up(at +
+                  static_cast<size_t>(m.split.chunk * m.row_numel) * dtype_size(compute_dtype ? m.compute : m.dtype));
+  }
+  *segment = at;
+  return offsets;
+}
+
+bool FullyShard::wants_shard_region() const {
+  const bool any_sharded = std::any_of(params_.begin(), params_.end(), [](const Managed& m) { return m.sharded; });
+  return any_sharded && group_->size() > 1 && group_->device().type == DeviceType::kCpu &&
+         std::string(group_->backend_name()) == "shm";
+}
+
+void FullyShard::create_shard_region() {
+  size_t segment = 0;
+  segment_offsets(false, &segment);
+  if (segment == 0) return;
+  std::shared_ptr<dist::SharedRegion> region;
+  try {
+    region = group_->create_region(segment);
+  } catch (const Error& e) {
+    if (e.code() != StatusCode::kOutOfMemory) throw;
+    return;  // the shards stay in private memory; the all-gather stages them
+  }
+  if (region == nullptr) return;
+  shard_region_ = Storage::wrap(group_->device(), region->data(), region->bytes(), [region](void*) {});
+}
+
 void FullyShard::shard_parameters() {
   const Device device = group_->device();
+  size_t region_bytes = 0;
+  const std::vector<size_t> region_offsets = segment_offsets(false, &region_bytes);
   for (const auto& [dtype, segment] : reduce_segment_) {
     const bool same_dtype = std::all_of(params_.begin(), params_.end(), [&, dtype = dtype](const Managed& m) {
       return !(m.sharded && m.reduced && m.reduce == dtype) || m.dtype == dtype;
@@ -206,7 +249,11 @@ void FullyShard::shard_parameters() {
     Shape shape = m.full_shape;
     if (m.sharded) shape[0] = m.split.count;
     // Its own memory: the full parameter's goes back to the allocator.
-    m.shard = Tensor::empty(m.dtype, shape, device);
+    if (shard_region_ != nullptr && m.sharded) {
+      m.shard = Tensor::wrap(shard_region_, region_offsets[static_cast<size_t>(&m - params_.data())], m.dtype, shape);
+    } else {
+      m.shard = Tensor::empty(m.dtype, shape, device);
+    }
     if (!m.sharded) {
       copy_tensor(m.shard, full);
     } else if (m.split.count > 0) {
@@ -537,16 +584,8 @@ std::vector<Tensor> FullyShard::gather_shards(bool compute_dtype) {
   const int32_t world = group_->size();
   const Device device = group_->device();
   auto dtype_of = [&](const Managed& m) { return compute_dtype ? m.compute : m.dtype; };
-  // The segment layout: the unshard's is planned; the own-dtype one is
-  // laid out the same way here.
-  std::vector<size_t> offsets(params_.size(), 0);
   size_t segment = 0;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const Managed& m = params_[i];
-    if (!m.sharded) continue;
-    offsets[i] = segment;
-    segment = align_up(segment + static_cast<size_t>(m.split.chunk * m.row_numel) * dtype_size(dtype_of(m)));
-  }
+  const std::vector<size_t> offsets = segment_offsets(compute_dtype, &segment);
   // Each rank's rows go straight into the full tensors: this rank's cast
   // from its shard, the others' from the all-gather (its runs name where
   // each rank's rows of each parameter land). The padding is never read.
@@ -567,8 +606,11 @@ std::vector<Tensor> FullyShard::gather_shards(bool compute_dtype) {
       if (s.count == 0) continue;
       const Tensor rows = rows_of(full[i], s.start, s.count, m.row_numel);
       if (r == rank) {
-        ddp::cast_into(rows, m.shard.view({s.count * m.row_numel}));
-        sources.push_back(dist::SegmentRun{offsets[i], bytes_of(rows)});
+        const Tensor shard = m.shard.view({s.count * m.row_numel});
+        ddp::cast_into(rows, shard);
+        // Sent from the shard itself where no cast is needed: in a region,
+        // the other ranks read it there.
+        sources.push_back(dist::SegmentRun{offsets[i], bytes_of(dtype_of(m) == m.dtype ? shard : rows)});
       } else {
         places[static_cast<size_t>(r)].push_back(dist::SegmentRun{offsets[i], bytes_of(rows)});
       }

@@ -141,6 +141,14 @@ class FullyShard final : public ddp::LaneOwner,
   std::string collect();
   std::vector<std::string> describe_for_agreement(const std::string& local_error) const;
   void plan_layout();
+  // The all-gather segment's layout in the compute dtype or the parameters'
+  // own: each sharded parameter's offset (bytes), and the segment's size.
+  std::vector<size_t> segment_offsets(bool compute_dtype, size_t* segment) const;
+  // On a shared-memory group (with init_sync): the shards in memory every
+  // rank maps, at the own-dtype segment's offsets, so that the all-gather
+  // reads the other ranks' shards where they lie.
+  bool wants_shard_region() const;
+  void create_shard_region();
   void shard_parameters();
 
   void issue_locked(ddp::JobSpec spec, Pending& pending);
@@ -170,6 +178,7 @@ class FullyShard final : public ddp::LaneOwner,
   // shard gradients are views of one tensor laid out as the reduce segment,
   // which the reduce_scatter accumulates into (no result to add afterwards).
   std::map<DType, Tensor> shard_grad_segment_;
+  std::shared_ptr<Storage> shard_region_;  // create_shard_region's, or null
 
   mutable std::mutex host_mutex_;  // serialises the host's calls
   mutable std::mutex mutex_;       // what the lane and the host share

@@ -233,6 +233,53 @@ TEST_P(ShmGroup, CoalescedAllReduceOfTensorsInARegionReducesThemInPlace) {
   });
 }
 
+// An all_gather_runs whose sources lie in a region as they lie in the
+// segment (a dp_fsdp's shards there), alike on every rank, copies the
+// other ranks' runs straight from their memory; where one rank's sources
+// lie elsewhere, every rank goes through the slots, with the same result.
+TEST_P(ShmGroup, AllGatherRunsFromARegionReadTheOtherRanksSegmentsWhereTheyLie) {
+  const int32_t world = GetParam();
+  run_ranks(world, [&](ProcessGroup& group) {
+    auto region = group.create_region(4 << 20);
+    ASSERT_NE(region, nullptr);
+    // Two runs of a 3 MiB segment with a gap, more than a slot's worth.
+    const int64_t first = 400000, second = 200001;
+    const size_t second_at = 2u << 20, segment = 3u << 20;
+    auto gather = [&](bool private_sources) {
+      Tensor a = in_region(region, 0, first), b = in_region(region, second_at, second);
+      if (private_sources) {
+        a = Tensor::empty(DType::kFloat32, {first}, Device{DeviceType::kCpu, 0});
+        b = Tensor::empty(DType::kFloat32, {second}, Device{DeviceType::kCpu, 0});
+      }
+      fill(a, group.rank());
+      fill(b, group.rank() + 7);
+      std::vector<std::vector<SegmentRun>> places(static_cast<size_t>(world));
+      std::vector<Tensor> got_a, got_b;
+      for (int32_t q = 0; q < world; ++q) {
+        got_a.push_back(Tensor::empty(DType::kFloat32, {first}, Device{DeviceType::kCpu, 0}));
+        got_b.push_back(Tensor::empty(DType::kFloat32, {second}, Device{DeviceType::kCpu, 0}));
+        if (q == group.rank()) continue;
+        places[static_cast<size_t>(q)] = {SegmentRun{0, got_a.back()}, SegmentRun{second_at, got_b.back()}};
+      }
+      group.all_gather_runs(segment, {SegmentRun{0, a}, SegmentRun{second_at, b}}, places, false);
+      for (int32_t q = 0; q < world; ++q) {
+        if (q == group.rank()) continue;
+        Tensor want_a = Tensor::empty(DType::kFloat32, {first}, Device{DeviceType::kCpu, 0});
+        Tensor want_b = Tensor::empty(DType::kFloat32, {second}, Device{DeviceType::kCpu, 0});
+        fill(want_a, q);
+        fill(want_b, q + 7);
+        EXPECT_EQ(std::memcmp(got_a[static_cast<size_t>(q)].data(), want_a.data(), want_a.nbytes()), 0) << q;
+        EXPECT_EQ(std::memcmp(got_b[static_cast<size_t>(q)].data(), want_b.data(), want_b.nbytes()), 0) << q;
+      }
+    };
+    gather(false);
+    EXPECT_EQ(calls_in_regions(group), 1u);
+    if (world == 1) return;
+    gather(group.rank() == world - 1);
+    EXPECT_EQ(calls_in_regions(group), 1u);
+  });
+}
+
 // Where the ranks' tensors do not all lie at one spot, every rank takes the
 // slots, with the same result.
 TEST_P(ShmGroup, AllReduceWhereATensorLiesElsewhereTakesTheSlotsOnEveryRank) {

@@ -224,6 +224,16 @@ class ShmBackend : public Backend {
   // straight from the others' memory and writes the result into everyone's:
   // no staging copies.
   void all_reduce_in_region(Call& o, const RegionPlacement& placement, DType dtype, ReduceOp op);
+  // Rank q's part of this group's region at `region` (its file offset).
+  uint8_t* region_part(uint64_t region, int32_t q) const;
+  // Where `sources` lie in one region exactly as in the segment (the
+  // segment's start as the spot's offset), or {}.
+  RegionSpot segment_spot(const std::vector<SegmentRun>& sources) const;
+  // all_gather_runs of segments at the same spot of one region on every
+  // rank, after the header exchange: each rank copies the others' runs
+  // straight from their memory.
+  void all_gather_in_region(Call& o, size_t segment, const std::vector<std::vector<SegmentRun>>& places,
+                            const RegionSpot& spot);
   void close_pidfds() noexcept;
   // Opens a pidfd on rank r's process `pid` (kGoneWhenWatched when none is left).
   void watch_peer(int32_t r, int32_t pid);

@@ -133,6 +133,7 @@ void ShmBackend::all_gather(const Tensor& input, const std::vector<Tensor>& outp
     }
   }
   Call o = begin_call(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, &input);
+  publish_spot(RegionSpot{});  // it may meet an all_gather_runs, which compares spots
   size_t offset = 0;
   do {
     const size_t len = std::min(layout_.slot, nbytes - offset);
@@ -197,6 +198,18 @@ void fill_window(const std::vector<SegmentRun>& runs, size_t at, size_t len, uin
 
 }  // namespace
 
+void ShmBackend::all_gather_in_region(Call& o, size_t segment, const std::vector<std::vector<SegmentRun>>& places,
+                                      const RegionSpot& spot) {
+  for (int32_t q = 0; q < size(); ++q) {
+    if (q != rank())
+      copy_window(places[static_cast<size_t>(q)], 0, segment, region_part(spot.region, q) + spot.offset, false);
+  }
+  // Nobody changes its segment while another still reads it.
+  arrive_and_wait(o);
+  next_round();
+  ++calls_in_regions_;
+}
+
 size_t ShmBackend::scatter_piece_elements(size_t esize) const {
   const size_t align = std::max<size_t>(1, kLine / esize);
   return std::max(align, layout_.slot / static_cast<size_t>(size()) / esize / align * align);
@@ -247,14 +260,24 @@ void ShmBackend::all_gather_runs(size_t segment, const std::vector<SegmentRun>& 
   const Tensor* described = sources.empty() ? nullptr : &sources.front().view;
   Call o =
       begin_call(CallKind::kAllGather, DType::kUInt8, static_cast<int64_t>(segment), ReduceOp::kSum, -1, described);
+  // A segment laid out in a region as it is sent (a dp_fsdp's shards):
+  // where every rank's is at the same spot, the others read it there.
+  const RegionSpot spot = segment_spot(sources);
+  publish_spot(spot);
   size_t offset = 0;
   do {
     const size_t len = std::min(layout_.slot, segment - offset);
-    copy_window(sources, offset, len, slot(rank()), true);
-    if (offset == 0) {
-      exchange_headers(o);
-    } else {
+    if (offset > 0 || spot.region == 0) copy_window(sources, offset, len, slot(rank()), true);
+    if (offset > 0) {
       arrive_and_wait(o);
+    } else {
+      exchange_headers(o);
+      if (any_spot_published()) {
+        if (same_spot_everywhere()) return all_gather_in_region(o, segment, places, spot);
+        // Some rank's segment lies elsewhere: every rank meets the staging.
+        if (spot.region != 0) copy_window(sources, offset, len, slot(rank()), true);
+        arrive_and_wait(o);
+      }
     }
     for (int32_t q = 0; q < size(); ++q) copy_window(places[static_cast<size_t>(q)], offset, len, slot(q), false);
     next_round();

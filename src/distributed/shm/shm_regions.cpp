@@ -29,6 +29,7 @@
 #include <mutex>
 #include <thread>
 
+#include "core/allocator.h"
 #include "core/error.h"
 #include "distributed/reduce_ops.h"
 #include "distributed/shm/shm_backend.h"
@@ -82,7 +83,7 @@ namespace {
 class ShmRegion : public SharedRegion {
  public:
   ShmRegion(std::shared_ptr<ShmSegment> segment, std::shared_ptr<RegionRegistry> regions, size_t entry,
-            uint64_t file_offset, size_t part, uint8_t* base, int32_t rank, int32_t world)
+            uint64_t file_offset, size_t part, uint8_t* base, int32_t rank, int32_t world, Device device)
       : segment_(std::move(segment)),
         regions_(std::move(regions)),
         entry_(entry),
@@ -90,9 +91,14 @@ class ShmRegion : public SharedRegion {
         part_(part),
         base_(base),
         rank_(rank),
-        world_(world) {}
+        world_(world),
+        device_(device) {
+    // This rank's part is memory its tensors hold, as if allocated.
+    if (base_ != nullptr) count_outside_memory(device_, part_);
+  }
   ~ShmRegion() override {
     if (base_ != nullptr) {
+      uncount_outside_memory(device_, part_);
       {
         std::lock_guard<std::mutex> lock(regions_->mutex);
         regions_->by_own_part.erase(own_part());
@@ -122,6 +128,7 @@ class ShmRegion : public SharedRegion {
   size_t part_;
   uint8_t* base_;
   int32_t rank_, world_;
+  Device device_;
 };
 
 }  // namespace
@@ -190,8 +197,8 @@ std::shared_ptr<SharedRegion> ShmBackend::create_region(size_t bytes) {
   }
   arrive_and_wait(o);
   // Holds this rank's count in the entry from here on, mapped or not.
-  auto region =
-      std::make_shared<ShmRegion>(segment_, regions_, static_cast<size_t>(chosen), offset, part, base, rank(), size());
+  auto region = std::make_shared<ShmRegion>(segment_, regions_, static_cast<size_t>(chosen), offset, part, base, rank(),
+                                            size(), device());
   const uint32_t failures = c->region_failures.load();
   next_round();
   if (failures != 0) {
@@ -267,15 +274,31 @@ RegionPlacement ShmBackend::placement_of(const std::vector<Tensor>& tensors) con
   return placement;
 }
 
-void ShmBackend::all_reduce_in_region(Call& o, const RegionPlacement& placement, DType dtype, ReduceOp op) {
-  RegionRegistry::Mapped mapped;
-  {
-    std::lock_guard<std::mutex> lock(regions_->mutex);
-    for (const auto& [own, m] : regions_->by_own_part) {
-      if (m.file_offset == placement.spot.region) mapped = m;
-    }
+RegionSpot ShmBackend::segment_spot(const std::vector<SegmentRun>& sources) const {
+  RegionSpot spot;
+  for (const SegmentRun& run : sources) {
+    if (run.view.nbytes() == 0) continue;
+    const RegionSpot at = spot_of(run.view);
+    if (at.region == 0 || at.offset < run.offset) return {};
+    const RegionSpot start{at.region, at.offset - run.offset};
+    if (spot.region != 0 && !(start == spot)) return {};
+    spot = start;
   }
-  auto base = [&](int32_t q) { return mapped.base + mapped.part * static_cast<size_t>(q); };
+  return spot;
+}
+
+uint8_t* ShmBackend::region_part(uint64_t region, int32_t q) const {
+  std::lock_guard<std::mutex> lock(regions_->mutex);
+  for (const auto& [own, m] : regions_->by_own_part) {
+    if (m.file_offset == region) return m.base + m.part * static_cast<size_t>(q);
+  }
+  fail(StatusCode::kInternal, "no mapped region at ", region);
+}
+
+void ShmBackend::all_reduce_in_region(Call& o, const RegionPlacement& placement, DType dtype, ReduceOp op) {
+  std::vector<uint8_t*> parts(static_cast<size_t>(size()));
+  for (int32_t q = 0; q < size(); ++q) parts[static_cast<size_t>(q)] = region_part(placement.spot.region, q);
+  auto base = [&](int32_t q) { return parts[static_cast<size_t>(q)]; };
   const size_t esize = dtype_size(dtype);
   size_t total = 0;
   for (const auto& run : placement.runs) total += run.second;
