@@ -21,12 +21,13 @@
  * find_unused_parameters, a bucket is one all-reduce straight over the
  * module's gradient tensors (no bucket memory, no copies); otherwise
  * gradients are copied into flat buckets as they are marked (or are views
- * into them) and the results copied back. There, on a shared-memory group
- * created with init_sync, every managed parameter that has no gradient yet
- * gets one at dp_ddp_create, zeroed, in memory the other ranks map, where
- * the all-reduce reads their values in place (no staging copies); a
- * gradient the host set or fetched before create stays where it is, and
- * while any rank has one the reductions go through the segment instead.
+ * into them) and the results copied back. In the first case, on a
+ * shared-memory group, a dp_ddp created with init_sync gives every managed
+ * parameter that has no gradient yet a zeroed one in memory the other ranks
+ * map, where the all-reduce reads their values in place (no staging
+ * copies; dp_device_memory_stats counts it); a gradient the host set or
+ * fetched before create stays where it is, and while any rank has one the
+ * reductions go through the segment instead.
  *
  * Managed parameters: those of `module` that require grad, in registration
  * order (dp_module_parameter_at), minus ignored modules (with all their
@@ -127,7 +128,8 @@
  * once; parameters that overlap in memory otherwise are DP_EINVAL at
  * dp_ddp_create naming both.
  * A dp_ddp belongs to the process that created it: in a forked child every
- * call on an inherited one is DP_ESTATE and its destroy frees nothing.
+ * call on an inherited one is DP_ESTATE and its destroy frees nothing;
+ * gradients in shared memory (above) stay shared with the parent there.
  */
 #ifndef DPARALLEL_DP_DDP_H
 #define DPARALLEL_DP_DDP_H

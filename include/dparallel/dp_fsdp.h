@@ -76,6 +76,11 @@
  * wait_unshard, reshard or post_backward swaps its slots, nor write a shard
  * while an unshard of its dp_fsdp is in flight (it is read then), nor read
  * a shard gradient before dp_fsdp_finish_backward.
+ *
+ * Memory: on a shared-memory group, with init_sync, the shards live in
+ * memory every rank of the group maps, where the other ranks' all-gathers
+ * read them (dp_device_memory_stats counts it); a forked child that writes
+ * a shard writes its parent's.
  */
 #ifndef DPARALLEL_DP_FSDP_H
 #define DPARALLEL_DP_FSDP_H

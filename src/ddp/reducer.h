@@ -293,8 +293,6 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
   // create_bucket_region's memory and the storage the buckets view it through.
   std::shared_ptr<dist::SharedRegion> region_;
   std::shared_ptr<Storage> region_storage_;
-  // create_gradient_region's: kept by the gradients' views themselves.
-  std::shared_ptr<dist::SharedRegion> gradient_region_;
   DebugLevel debug_ = DebugLevel::kOff;
   std::string timeline_path_;
   std::vector<Managed> params_;

@@ -282,8 +282,11 @@ void Reducer::create_gradient_region() {
   size_t bytes = 0;
   for (const Managed& m : params_) bytes = align_to(bytes, m.parameter->value().element_size()) + m.nbytes;
   if (bytes == 0) return;
+  // Held by the gradients' views alone: unused (every gradient already
+  // existed, a dp_ddp created again over the module), it goes at once.
+  std::shared_ptr<dist::SharedRegion> region;
   try {
-    gradient_region_ = group_->create_region(bytes);
+    region = group_->create_region(bytes);
   } catch (const Error& e) {
     if (e.code() != StatusCode::kOutOfMemory) throw;
     if (debug_ != DebugLevel::kOff) {
@@ -291,9 +294,8 @@ void Reducer::create_gradient_region() {
     }
     return;
   }
-  if (gradient_region_ == nullptr) return;
-  std::shared_ptr<dist::SharedRegion> keep = gradient_region_;
-  auto storage = Storage::wrap(group_->device(), keep->data(), keep->bytes(), [keep](void*) {});
+  if (region == nullptr) return;
+  auto storage = Storage::wrap(group_->device(), region->data(), region->bytes(), [region](void*) {});
   // A gradient the host already has (its own memory, or one it may hold a
   // handle to) stays where it is; that rank's reductions then go through
   // the slots, the others' too.
