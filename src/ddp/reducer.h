@@ -290,8 +290,7 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
   // save of it besides. With on_bucket_reduced each bucket is reported
   // before the next one is reduced.
   bool defer_ = false;
-  // create_bucket_region's memory and the storage the buckets view it through.
-  std::shared_ptr<dist::SharedRegion> region_;
+  // create_bucket_region's memory, which the buckets view.
   std::shared_ptr<Storage> region_storage_;
   DebugLevel debug_ = DebugLevel::kOff;
   std::string timeline_path_;

@@ -253,21 +253,15 @@ void Reducer::create_bucket_region() {
   }
   size_t bytes = kBucketAlign;
   for (const Managed& m : params_) bytes += align_bucket(m.nbytes) + kBucketAlign;
-  try {
-    region_ = group_->create_region(bytes);
-  } catch (const Error& e) {
-    if (e.code() != StatusCode::kOutOfMemory) throw;
-    if (debug_ != DebugLevel::kOff) {
-      std::fprintf(stderr, "[dparallel ddp rank %d] buckets in private memory: %s\n", group_->rank(), e.what());
-    }
-    return;
+  std::string why;
+  region_storage_ = group_->create_region_storage(bytes, &why);
+  if (debug_ != DebugLevel::kOff && !why.empty()) {
+    std::fprintf(stderr, "[dparallel ddp rank %d] buckets in private memory: %s\n", group_->rank(), why.c_str());
   }
-  if (region_ == nullptr) return;
-  std::shared_ptr<dist::SharedRegion> keep = region_;
-  region_storage_ = Storage::wrap(group_->device(), region_->data(), region_->bytes(), [keep](void*) {});
+  if (region_storage_ == nullptr) return;
   if (debug_ != DebugLevel::kOff) {
     std::fprintf(stderr, "[dparallel ddp rank %d] buckets in a shared region of %zu bytes: the other ranks read them\n",
-                 group_->rank(), region_->bytes());
+                 group_->rank(), region_storage_->nbytes());
   }
 }
 
@@ -284,18 +278,12 @@ void Reducer::create_gradient_region() {
   if (bytes == 0) return;
   // Held by the gradients' views alone: unused (every gradient already
   // existed, a dp_ddp created again over the module), it goes at once.
-  std::shared_ptr<dist::SharedRegion> region;
-  try {
-    region = group_->create_region(bytes);
-  } catch (const Error& e) {
-    if (e.code() != StatusCode::kOutOfMemory) throw;
-    if (debug_ != DebugLevel::kOff) {
-      std::fprintf(stderr, "[dparallel ddp rank %d] gradients in private memory: %s\n", group_->rank(), e.what());
-    }
-    return;
+  std::string why;
+  std::shared_ptr<Storage> storage = group_->create_region_storage(bytes, &why);
+  if (debug_ != DebugLevel::kOff && !why.empty()) {
+    std::fprintf(stderr, "[dparallel ddp rank %d] gradients in private memory: %s\n", group_->rank(), why.c_str());
   }
-  if (region == nullptr) return;
-  auto storage = Storage::wrap(group_->device(), region->data(), region->bytes(), [region](void*) {});
+  if (storage == nullptr) return;
   // A gradient the host already has (its own memory, or one it may hold a
   // handle to) stays where it is; that rank's reductions then go through
   // the slots, the others' too.

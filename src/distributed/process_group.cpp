@@ -428,6 +428,19 @@ std::shared_ptr<SharedRegion> ProcessGroup::create_region(size_t bytes) {
   return region;
 }
 
+std::shared_ptr<Storage> ProcessGroup::create_region_storage(size_t bytes, std::string* why) {
+  std::shared_ptr<SharedRegion> region;
+  try {
+    region = create_region(bytes);
+  } catch (const Error& e) {
+    if (e.code() != StatusCode::kOutOfMemory) throw;
+    if (why != nullptr) *why = e.what();
+    return nullptr;
+  }
+  if (region == nullptr) return nullptr;
+  return Storage::wrap(device(), region->data(), region->bytes(), [region](void*) {});
+}
+
 std::shared_ptr<Work> ProcessGroup::broadcast(const Tensor& tensor, int32_t root, bool async) {
   check_arguments(CallKind::kBroadcast, async, [&] {
     check_tensor(tensor, "tensor", "broadcast");

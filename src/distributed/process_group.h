@@ -76,6 +76,10 @@ class ProcessGroup final : private CallSite {
   // ranks map too, for tensors whose all_reduce then copies less (shm); null
   // where the backend has none.
   std::shared_ptr<SharedRegion> create_region(size_t bytes);
+  // create_region as the storage of tensors (which keep the region alive),
+  // where running out of memory is no error: null then (on every rank
+  // alike), with the reason in *why; null too where the backend has none.
+  std::shared_ptr<Storage> create_region_storage(size_t bytes, std::string* why);
   std::shared_ptr<Work> all_gather(const Tensor& input, const std::vector<Tensor>& outputs, bool async);
   std::shared_ptr<Work> reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op,
                                        bool async);

@@ -223,15 +223,8 @@ void FullyShard::create_shard_region() {
   size_t segment = 0;
   segment_offsets(false, &segment);
   if (segment == 0) return;
-  std::shared_ptr<dist::SharedRegion> region;
-  try {
-    region = group_->create_region(segment);
-  } catch (const Error& e) {
-    if (e.code() != StatusCode::kOutOfMemory) throw;
-    return;  // the shards stay in private memory; the all-gather stages them
-  }
-  if (region == nullptr) return;
-  shard_region_ = Storage::wrap(group_->device(), region->data(), region->bytes(), [region](void*) {});
+  // Out of memory, the shards stay in private memory; the all-gather stages them.
+  shard_region_ = group_->create_region_storage(segment, nullptr);
 }
 
 void FullyShard::shard_parameters() {
