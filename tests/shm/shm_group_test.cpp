@@ -277,6 +277,27 @@ TEST_P(ShmGroup, AllGatherRunsFromARegionReadTheOtherRanksSegmentsWhereTheyLie) 
     if (world == 1) return;
     gather(group.rank() == world - 1);
     EXPECT_EQ(calls_in_regions(group), 1u);
+    // The last rank makes a plain all_gather of the same bytes instead: the
+    // others' runs still land where they are named, and it gets their segments.
+    if (group.rank() != world - 1) {
+      gather(false);
+      return;
+    }
+    Tensor mine = Tensor::zeros(DType::kUInt8, {static_cast<int64_t>(segment)}, Device{DeviceType::kCpu, 0});
+    Tensor a = mine.view_at(0, DType::kFloat32, {first}), b = mine.view_at(second_at, DType::kFloat32, {second});
+    fill(a, group.rank());
+    fill(b, group.rank() + 7);
+    Tensor all = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(segment) * world}, Device{DeviceType::kCpu, 0});
+    std::vector<Tensor> outputs;
+    for (int32_t q = 0; q < world; ++q) {
+      outputs.push_back(all.view_at(static_cast<size_t>(q) * segment, DType::kUInt8, {static_cast<int64_t>(segment)}));
+    }
+    group.all_gather(mine, outputs, false);
+    for (int32_t q = 0; q + 1 < world; ++q) {
+      Tensor want = Tensor::empty(DType::kFloat32, {first}, Device{DeviceType::kCpu, 0});
+      fill(want, q);
+      EXPECT_EQ(std::memcmp(outputs[static_cast<size_t>(q)].data(), want.data(), want.nbytes()), 0) << q;
+    }
   });
 }
 

@@ -133,13 +133,17 @@ void ShmBackend::all_gather(const Tensor& input, const std::vector<Tensor>& outp
     }
   }
   Call o = begin_call(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, &input);
-  publish_spot(RegionSpot{});  // it may meet an all_gather_runs, which compares spots
+  // It may meet an all_gather_runs, which compares spots: a rank of that
+  // call whose segment lies in a region stages it after the headers, and
+  // every rank meets it there.
+  publish_spot(RegionSpot{});
   size_t offset = 0;
   do {
     const size_t len = std::min(layout_.slot, nbytes - offset);
     copy_bytes(slot(rank()), in + offset, len);
     if (offset == 0) {
       exchange_headers(o);
+      if (any_spot_published()) arrive_and_wait(o);
     } else {
       arrive_and_wait(o);
     }

@@ -31,6 +31,7 @@
 
 #include "core/allocator.h"
 #include "core/error.h"
+#include "core/process_origin.h"
 #include "distributed/reduce_ops.h"
 #include "distributed/shm/shm_backend.h"
 
@@ -97,6 +98,13 @@ class ShmRegion : public SharedRegion {
     if (base_ != nullptr) count_outside_memory(device_, part_);
   }
   ~ShmRegion() override {
+    if (!origin_.is_current()) {
+      // A forked child's copy (its tensors outlived the fork): the table
+      // and the counts are the parent's, and so is the memory. Only the
+      // child's mapping goes.
+      if (base_ != nullptr) ::munmap(base_, part_ * static_cast<size_t>(world_));
+      return;
+    }
     if (base_ != nullptr) {
       uncount_outside_memory(device_, part_);
       {
@@ -129,6 +137,7 @@ class ShmRegion : public SharedRegion {
   uint8_t* base_;
   int32_t rank_, world_;
   Device device_;
+  ProcessOrigin origin_;
 };
 
 }  // namespace
