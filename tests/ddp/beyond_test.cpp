@@ -3,6 +3,7 @@
 // bucket_plan option) and static_graph. Ranks are threads of this process,
 // each with its own group over one file store: real collectives, and the
 // test sees every rank's results.
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -401,6 +402,62 @@ TEST_P(DdpSharedGradients, AreAveragedExactlyWhereverEachRanksGradientsLie) {
           }
         }
       });
+}
+
+// A forked child that drops its copy of a dp_ddp's shared gradients only
+// unmaps them: the region stays the parent's, so a second dp_ddp's region
+// is other memory and the first one's gradients keep their values. Rank 1
+// gives its gradients its own memory first, so that rank 0's are the last
+// hold on the region.
+TEST(DdpSharedGradientsFork, AChildDroppingItsGradientsLeavesTheParentsRegionAlone) {
+  dptest::RankOptions options;
+  options.backend = DP_BACKEND_SHM;
+  const int64_t n = 50000;
+  dptest::run_thread_ranks("ddp_shared_fork_", 2, options, [&](int rank, dp_process_group* pg) {
+    auto make_module = [&] {
+      dptest::ModulePtr m = dptest::new_module();
+      TensorPtr t = make<float>({n}, std::vector<float>(static_cast<size_t>(n), 1.0f));
+      EXPECT_EQ(dp_module_register_parameter(m.get(), "w", t.get(), 1), DP_OK) << dp_last_error();
+      return m;
+    };
+    auto fill_grad = [&](dp_module* m, float v) {
+      dp_tensor* g = nullptr;
+      ASSERT_EQ(dp_module_grad(m, "w", &g), DP_OK) << dp_last_error();
+      TensorPtr owned(g);
+      std::vector<float> values(static_cast<size_t>(n), v);
+      ASSERT_EQ(dp_tensor_copy_from_host(g, values.data(), values.size() * sizeof(float)), DP_OK);
+    };
+    dptest::ModulePtr a = make_module();
+    dp_ddp* raw = nullptr;
+    ASSERT_EQ(dp_ddp_create(&raw, a.get(), pg, nullptr), DP_OK) << dp_last_error();
+    DdpPtr first(raw);
+    if (rank == 1) {
+      TensorPtr own = make<float>({n}, std::vector<float>(static_cast<size_t>(n), 0.0f));
+      ASSERT_EQ(dp_module_set_grad(a.get(), "w", own.get()), DP_OK) << dp_last_error();
+    }
+    ASSERT_EQ(dp_pg_barrier(pg), DP_OK) << dp_last_error();
+    if (rank == 0) {
+      const pid_t pid = ::fork();
+      if (pid == 0) {
+        ::_exit(dp_module_set_grad(a.get(), "w", nullptr) == DP_OK ? 0 : 1);
+      }
+      int status = 0;
+      ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+      EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+    }
+    ASSERT_EQ(dp_pg_barrier(pg), DP_OK) << dp_last_error();
+    dptest::ModulePtr b = make_module();
+    ASSERT_EQ(dp_ddp_create(&raw, b.get(), pg, nullptr), DP_OK) << dp_last_error();
+    DdpPtr second(raw);
+    fill_grad(a.get(), static_cast<float>(rank + 1));
+    fill_grad(b.get(), 10.0f);
+    EXPECT_EQ(grad_of(a.get(), "w"), std::vector<float>(static_cast<size_t>(n), static_cast<float>(rank + 1)))
+        << "the second dp_ddp's gradients are the first's memory";
+    ASSERT_EQ(dp_ddp_mark_grad_ready(first.get(), "w"), DP_OK) << dp_last_error();
+    ASSERT_EQ(dp_ddp_finish_backward(first.get()), DP_OK) << dp_last_error();
+    EXPECT_EQ(grad_of(a.get(), "w"), std::vector<float>(static_cast<size_t>(n), 1.5f));
+    EXPECT_EQ(grad_of(b.get(), "w"), std::vector<float>(static_cast<size_t>(n), 10.0f));
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, DdpSharedGradients, ::testing::Combine(::testing::Values(2, 3), ::testing::Bool()),
