@@ -107,6 +107,17 @@ long status_kib(const char* key) {
   return -1;
 }
 
+// This process's proportional set size in KiB: shared memory counted as its
+// share (resident size counts every page of another rank's part of a shared
+// region that it touched); -1 without /proc/self/smaps_rollup.
+long pss_kib() {
+  std::ifstream rollup("/proc/self/smaps_rollup");
+  for (std::string line; std::getline(rollup, line);) {
+    if (line.rfind("Pss:", 0) == 0) return std::atol(line.c_str() + 4);
+  }
+  return -1;
+}
+
 uint64_t next_random(uint64_t* state) {
   uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -499,6 +510,7 @@ int run(const Options& o) {
   // ddp warm-up (which holds the one-time bucket rebuild: old and new
   // buckets at once); peak over the timed ddp steps; resident size after.
   long rss_before = -1, hwm_warm = -1, rss_warm = -1, hwm_timed = -1, rss_after = -1;
+  long pss_before = -1, pss_after = -1;  // shared memory as this rank's share
   bool peak_reset = false;
   // ddp_join: rank 0's step times with every rank active, then with the
   // last rank joined; how long rank 0's dp_ddp_join took.
@@ -533,6 +545,7 @@ int run(const Options& o) {
       dp_module_destroy(linear);
     }
     rss_before = status_kib("VmRSS:");
+    pss_before = pss_kib();
     dp_ddp_options dopts;
     fail_on(dp_ddp_options_init(&dopts, sizeof dopts), "dp_ddp_options_init");
     dopts.bucket_cap_mb = o.bucket_cap_mb;
@@ -630,6 +643,7 @@ int run(const Options& o) {
       join_ms = (now() - j0) * 1e3;
     }
     rss_after = status_kib("VmRSS:");
+    pss_after = pss_kib();
     dp_ddp_destroy(ddp);
     dp_module_destroy(model);
   }
@@ -720,7 +734,12 @@ int run(const Options& o) {
       if (peak_reset && hwm_timed >= 0) {
         std::printf("; peak over the timed ddp steps %.1f MiB (%+.1f)", mib(hwm_timed), mib(hwm_timed - rss_before));
       }
-      std::printf("; resident at the end %.1f MiB (%+.1f)\n", mib(rss_after), mib(rss_after - rss_before));
+      std::printf("; resident at the end %.1f MiB (%+.1f)", mib(rss_after), mib(rss_after - rss_before));
+      if (pss_before >= 0 && pss_after >= 0) {
+        std::printf("; proportional set size %.1f MiB before, %.1f MiB (%+.1f) at the end", mib(pss_before),
+                    mib(pss_after), mib(pss_after - pss_before));
+      }
+      std::printf("\n");
     }
     std::fflush(stdout);
   }
