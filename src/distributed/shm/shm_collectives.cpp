@@ -426,9 +426,12 @@ void ShmBackend::arrive_and_wait(Call& o) {
     return;
   }
   const auto start = Clock::now();
+  // A background wait nobody awaits says nothing about how long a spin
+  // would bridge (its peer computes meanwhile): not recorded.
+  const bool background_unawaited = !BackgroundCalls::may_spin();
   auto arrived = [&] {
     if (!reached(arrivals.load(std::memory_order_acquire), target)) return false;
-    spin_budget_.record(Clock::now() - start);
+    if (!background_unawaited) spin_budget_.record(Clock::now() - start);
     return true;
   };
   const int32_t beside = rank_sharing_cpu();
@@ -449,7 +452,7 @@ void ShmBackend::arrive_and_wait(Call& o) {
   };
   // A background wait that no thread awaits sleeps (background_calls.h),
   // looking every kAwaitPoll whether one does, to spin from then on.
-  bool unawaited = beside < 0 && !BackgroundCalls::may_spin();
+  bool unawaited = beside < 0 && background_unawaited;
   if (spin_for(beside >= 0 || unawaited ? Clock::duration::zero() : spin_budget_.budget())) return;
   for (;;) {
     // A peer may arrive and exit at once: its arrival counts, so it is
