@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/allocator.h"
 #include "core/error.h"
 #include "distributed/background_calls.h"
 #include "distributed/process_group.h"
@@ -320,6 +321,27 @@ TEST_P(ShmGroup, AllReduceWhereATensorLiesElsewhereTakesTheSlotsOnEveryRank) {
     group.all_reduce(shifted, ReduceOp::kSum, false);
     expect_reduced(shifted, world, false);
     EXPECT_EQ(calls_in_regions(group), 0u);
+  });
+}
+
+// This rank's part of a region counts as memory its device's tensors hold
+// (dp_device_memory_stats) from its creation until the last tensor over it
+// goes. One rank alone, so that nothing else allocates meanwhile.
+TEST(ShmRegionMemory, ThisRanksPartCountsAsInUseWhileHeld) {
+  const Device cpu{DeviceType::kCpu, 0};
+  run_ranks(1, [&](ProcessGroup& group) {
+    const MemoryUsage before = memory_usage(cpu);
+    auto region = group.create_region(3 << 20);
+    ASSERT_NE(region, nullptr);
+    const size_t part = region->bytes();
+    EXPECT_GE(part, size_t{3} << 20);
+    EXPECT_EQ(memory_usage(cpu).in_use, before.in_use + part);
+    EXPECT_GE(memory_usage(cpu).peak, before.in_use + part);
+    Tensor view = in_region(region, 0, 16);
+    region.reset();
+    EXPECT_EQ(memory_usage(cpu).in_use, before.in_use + part) << "a tensor over it still holds it";
+    view = Tensor();
+    EXPECT_EQ(memory_usage(cpu).in_use, before.in_use);
   });
 }
 
