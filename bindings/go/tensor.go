@@ -44,23 +44,34 @@ func (l *Library) ownedTensor(h *C.dp_tensor) *Tensor {
 	return &Tensor{lib: l, h: h}
 }
 
-// NewTensor allocates a tensor of the given shape on device. Float tensors
-// start zeroed.
-func (l *Library) NewTensor(dtype DType, shape []int64, device Device) (*Tensor, error) {
-	const op = "dp_tensor_create"
+// shapeAndDevice converts the shape and device arguments of op: the
+// dimension count, a pointer to shape's first element (nil for a 0-d
+// shape; shape must stay alive across the call) and the device.
+func shapeAndDevice(op string, shape []int64, device Device) (C.int32_t, *C.int64_t, C.dp_device, error) {
 	ndim, err := cInt32(op, "len(shape)", len(shape))
 	if err != nil {
-		return nil, err
+		return 0, nil, C.dp_device{}, err
 	}
 	cd, err := cDevice(op, "device", device)
 	if err != nil {
-		return nil, err
+		return 0, nil, C.dp_device{}, err
 	}
-	var h *C.dp_tensor
 	var shapePtr *C.int64_t
 	if len(shape) > 0 {
 		shapePtr = (*C.int64_t)(unsafe.Pointer(&shape[0]))
 	}
+	return ndim, shapePtr, cd, nil
+}
+
+// NewTensor allocates a tensor of the given shape on device. Float tensors
+// start zeroed.
+func (l *Library) NewTensor(dtype DType, shape []int64, device Device) (*Tensor, error) {
+	const op = "dp_tensor_create"
+	ndim, shapePtr, cd, err := shapeAndDevice(op, shape, device)
+	if err != nil {
+		return nil, err
+	}
+	var h *C.dp_tensor
 	err = l.call(op, func(api *C.dp_api) C.dp_status {
 		return C.dpgo_tensor_create(api, &h, C.int32_t(dtype), ndim, shapePtr, cd)
 	})
@@ -260,17 +271,9 @@ func (t *Tensor) ToDevice(device Device) (*Tensor, error) {
 func (l *Library) TensorFromBlob(data unsafe.Pointer, dtype DType, shape []int64, device Device,
 	release func()) (*Tensor, error) {
 	const op = "dp_tensor_from_blob"
-	ndim, err := cInt32(op, "len(shape)", len(shape))
+	ndim, shapePtr, cd, err := shapeAndDevice(op, shape, device)
 	if err != nil {
 		return nil, err
-	}
-	cd, err := cDevice(op, "device", device)
-	if err != nil {
-		return nil, err
-	}
-	var shapePtr *C.int64_t
-	if len(shape) > 0 {
-		shapePtr = (*C.int64_t)(unsafe.Pointer(&shape[0]))
 	}
 	var handle cgo.Handle
 	if release != nil {

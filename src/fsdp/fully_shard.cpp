@@ -653,14 +653,12 @@ void FullyShard::run_post_backward() {
       }
       auto grads_segment = shard_grad_segment_.find(dtype);
       if (grads_segment != shard_grad_segment_.end()) {
+        // Added straight into the shard gradients: no result to add below.
         group_->reduce_scatter_runs(std::move(parts), grads_segment->second, dist::ReduceOp::kAvg, false, true);
-        for (size_t i = 0; i < params_.size(); ++i) {
-          if (member(params_[i])) grads[i] = Tensor();
-        }
-        continue;
+      } else {
+        output = Tensor::empty(dtype, {seg}, device);
+        group_->reduce_scatter_runs(std::move(parts), output, dist::ReduceOp::kAvg, false);
       }
-      output = Tensor::empty(dtype, {seg}, device);
-      group_->reduce_scatter_runs(std::move(parts), output, dist::ReduceOp::kAvg, false);
     } else {
       // Rank r's segment holds its rows of each parameter, padded to the
       // chunk; the padding and the gradients never taken are zeros.
@@ -707,7 +705,7 @@ void FullyShard::run_post_backward() {
       }
     }
     for (const Managed& m : params_) {
-      if (!m.sharded || !m.reduced || m.reduce != dtype || m.split.count == 0) continue;
+      if (!output.defined() || !member(m) || m.split.count == 0) continue;
       const int64_t n = m.split.count * m.row_numel;
       accumulate(m.shard_grad.view({n}), output.view_at(m.reduce_offset * esize, dtype, {n}));
     }

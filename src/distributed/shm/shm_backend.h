@@ -207,9 +207,8 @@ class ShmBackend : public Backend {
   int32_t pid_word_if_mapped(int32_t r) const {
     return segment_ == nullptr || segment_->data() == nullptr ? 0 : pid_word(r)->load();
   }
-  // all_reduce of `pieces` (see the file's comment), which lie in a region
-  // as `placement` says (spot.region 0: they do not).
-  void all_reduce_pieces(Call& o, const Pieces& pieces, DType dtype, ReduceOp op, const RegionPlacement& placement);
+  // all_reduce of `pieces`, the bytes of `tensors` (see the file's comment).
+  void all_reduce_pieces(Call& o, const Pieces& pieces, const std::vector<Tensor>& tensors, DType dtype, ReduceOp op);
   // Where `t` lies in a region of this group, or {} (not in one).
   RegionSpot spot_of(const Tensor& t) const;
   // Where `tensors` lie, when all lie in one region of this group.

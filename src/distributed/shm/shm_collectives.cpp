@@ -81,9 +81,10 @@ bool overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
 }  // namespace
 
 void ShmBackend::all_reduce(const Tensor& tensor, ReduceOp op) {
-  Pieces pieces({tensor});
+  const std::vector<Tensor> tensors{tensor};
+  Pieces pieces(tensors);
   Call o = begin_call(CallKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1, &tensor);
-  all_reduce_pieces(o, pieces, tensor.dtype(), op, placement_of({tensor}));
+  all_reduce_pieces(o, pieces, tensors, tensor.dtype(), op);
 }
 
 void ShmBackend::all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op) {
@@ -92,7 +93,7 @@ void ShmBackend::all_reduce_coalesced(const std::vector<Tensor>& tensors, Reduce
   Call o = begin_call(CallKind::kAllReduce, tensors[0].dtype(),
                       static_cast<int64_t>(pieces.bytes() / tensors[0].element_size()), op, -1, &tensors[0]);
   o.pieces = tensors.size();
-  all_reduce_pieces(o, pieces, tensors[0].dtype(), op, placement_of(tensors));
+  all_reduce_pieces(o, pieces, tensors, tensors[0].dtype(), op);
 }
 
 void ShmBackend::broadcast(const Tensor& tensor, int32_t root) {
@@ -205,8 +206,9 @@ void fill_window(const std::vector<SegmentRun>& runs, size_t at, size_t len, uin
 void ShmBackend::all_gather_in_region(Call& o, size_t segment, const std::vector<std::vector<SegmentRun>>& places,
                                       const RegionSpot& spot) {
   for (int32_t q = 0; q < size(); ++q) {
-    if (q != rank())
+    if (q != rank()) {
       copy_window(places[static_cast<size_t>(q)], 0, segment, region_part(spot.region, q) + spot.offset, false);
+    }
   }
   // Nobody changes its segment while another still reads it.
   arrive_and_wait(o);
@@ -350,16 +352,18 @@ void ShmBackend::barrier() {
   next_round();
 }
 
-void ShmBackend::all_reduce_pieces(Call& o, const Pieces& pieces, DType dtype, ReduceOp op,
-                                   const RegionPlacement& placement) {
+void ShmBackend::all_reduce_pieces(Call& o, const Pieces& pieces, const std::vector<Tensor>& tensors, DType dtype,
+                                   ReduceOp op) {
   const size_t esize = dtype_size(dtype);
   const size_t nbytes = pieces.bytes();
   const size_t n = nbytes / esize;
   ReduceFn fn = reduce_function(dtype, op);
   const bool small = nbytes <= std::min(kSmallAllReduceBytes, layout_.slot);
   // Tensors in a region: where every rank's are placed alike, the call
-  // reads the others' memory where it is (shm_regions.cpp).
-  const RegionSpot spot = small ? RegionSpot{} : placement.spot;
+  // reads the others' memory where it is (shm_regions.cpp). Small payloads
+  // gain nothing there and skip the lookup.
+  const RegionPlacement placement = small ? RegionPlacement{} : placement_of(tensors);
+  const RegionSpot spot = placement.spot;
   publish_spot(spot);
   if (small) {
     pieces.copy_out(slot(rank()), 0, nbytes);
