@@ -60,6 +60,20 @@ HostEntry parse_entry(const std::string& text, int32_t r) {
   return entry;
 }
 
+// "rank(s) 1, 3": the ranks whose host entry is not in the store yet; just
+// `waited_for` where the store cannot tell.
+std::string ranks_not_joined(const ProcessGroupOptions& options, const std::string& prefix, int32_t waited_for) {
+  std::string ranks;
+  try {
+    for (int32_t r = 0; r < options.world_size; ++r) {
+      if (!options.store->check({str_cat(prefix, "host/", r)})) ranks += str_cat(ranks.empty() ? "" : ", ", r);
+    }
+  } catch (const Error&) {
+    ranks.clear();
+  }
+  return "rank(s) " + (ranks.empty() ? std::to_string(waited_for) : ranks);
+}
+
 // Every rank's entry, this one's published under `prefix` first.
 std::vector<HostEntry> exchange_entries(const ProcessGroupOptions& options, const std::string& prefix) {
   EnvLookup lookup = process_env();
@@ -72,7 +86,15 @@ std::vector<HostEntry> exchange_entries(const ProcessGroupOptions& options, cons
   for (int32_t r = 0; r < options.world_size; ++r) {
     std::string theirs = mine;
     if (r != options.rank) {
-      Bytes value = options.store->get(str_cat(prefix, "host/", r), left_until(deadline));
+      Bytes value;
+      try {
+        value = options.store->get(str_cat(prefix, "host/", r), left_until(deadline));
+      } catch (const Error& e) {
+        if (e.code() != StatusCode::kTimeout) throw;
+        fail(StatusCode::kTimeout, "creating the process group on rank ", options.rank, " of ", options.world_size,
+             " timed out after ", options.timeout.count(), " ms: ", ranks_not_joined(options, prefix, r),
+             " did not join (", e.what(), ")");
+      }
       theirs.assign(value.begin(), value.end());
     }
     entries.push_back(parse_entry(theirs, r));

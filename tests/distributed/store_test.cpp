@@ -459,7 +459,7 @@ TEST_F(ProcessGroupTest, RejectsBadWorldSizeRankAndBackend) {
   dp_work_destroy(nullptr);
 }
 
-TEST_F(ProcessGroupTest, CreateTimesOutWhenAPeerNeverJoins) {
+TEST_F(ProcessGroupTest, CreateTimesOutNamingThePeerThatNeverJoins) {
   dp_process_group_options opts = options(2);
   opts.timeout_ms = 1000;
   DP_ASSERT_OK(dp_store_set_timeout(store_, 60000));  // the group's timeout must bound it, not the store's
@@ -468,6 +468,8 @@ TEST_F(ProcessGroupTest, CreateTimesOutWhenAPeerNeverJoins) {
   EXPECT_EQ(dp_process_group_create(&pg, &opts), DP_ETIMEOUT);
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
   EXPECT_EQ(pg, nullptr);
+  const std::string error = dp_last_error();
+  EXPECT_NE(error.find("rank(s) 1 did not join"), std::string::npos) << error;
 }
 
 // Leaving a healthy group waits for every rank to be leaving, through the

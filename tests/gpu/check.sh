@@ -9,9 +9,13 @@
 # pitched rows between GPUs, then the GPU benchmarks and dp-train on the GPUs.
 # Fails if a step fails, or if a GPU test skipped for a reason other than
 # needing more GPUs than this machine has. Never run in CI (no GPU there).
+#   DP_GPU_BUILD=DIR      check that existing build (CUDA and NCCL on, built for
+#                         these GPUs) instead: nothing installed or built
+#   DP_GPU_SANITIZERS=... the compute-sanitizer tools to run (default: memcheck
+#                         racecheck synccheck)
 set -eu
 root=$(cd "$(dirname "$0")/../.." && pwd)
-build="$root/build/gpu"
+build="${DP_GPU_BUILD:-$root/build/gpu}"
 jobs=$(nproc 2>/dev/null || echo 2)
 log="$build/gpu-tests.log"
 summary=""
@@ -25,7 +29,7 @@ step() {  # name, command...
   if "$@"; then note "PASS  $name"; else note "FAIL  $name"; failed=1; fi
 }
 
-"$root/cmake/install-deps.sh"
+[ -n "${DP_GPU_BUILD:-}" ] || "$root/cmake/install-deps.sh"
 gpus=0
 if command -v nvidia-smi >/dev/null 2>&1; then gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); fi
 echo "== $gpus GPU(s) visible to nvidia-smi"
@@ -33,9 +37,11 @@ echo "== $gpus GPU(s) visible to nvidia-smi"
 
 PATH="/usr/local/cuda/bin:$PATH"
 export PATH
-cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DDP_WITH_CUDA=ON -DDP_WITH_NCCL=ON \
-  -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-native}" >/dev/null
-cmake --build "$build" -j "$jobs"
+if [ -z "${DP_GPU_BUILD:-}" ]; then
+  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DDP_WITH_CUDA=ON -DDP_WITH_NCCL=ON \
+    -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-native}" >/dev/null
+  cmake --build "$build" -j "$jobs"
+fi
 
 # Every CUDA/NCCL test, one at a time (the multi-process ones take the GPUs),
 # and the conformance suite's scenarios over NCCL, one GPU per rank.
@@ -113,8 +119,24 @@ for candidate in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-s
   [ -z "$sanitizer" ] && [ -x "$candidate" ] && sanitizer=$candidate
 done
 filter='Cuda*:Nccl*-*Throughput*'
+# A binary whose selected tests make no CUDA call is no failure. NCCL probes
+# its kernels with cudaFuncGetAttributes and handles a missing image itself:
+# those reports alone, with every test passed, are no failure either.
 sanitize() {  # tool, test binary
-  (cd "$(dirname "$2")" && "$sanitizer" --tool "$1" --error-exitcode 99 --target-processes all "$2" --gtest_filter="$filter")
+  out="$build/sanitizer-$1-$(basename "$2").log"
+  rc=0
+  (cd "$(dirname "$2")" && "$sanitizer" --tool "$1" --require-cuda-init no --error-exitcode 99 \
+    --target-processes all "$2" --gtest_filter="$filter") >"$out" 2>&1 || rc=$?
+  cat "$out"
+  [ "$rc" -eq 0 ] && return 0
+  errors=$(sed -nE 's/^========= ERROR SUMMARY: ([0-9]+) error.*/\1/p' "$out" | tail -n 1)
+  probes=$(grep -c 'cudaErrorNoKernelImageForDevice.*cudaFuncGetAttributes' "$out" || true)
+  if [ -n "$errors" ] && [ "$errors" -eq "$probes" ] && grep -q '^\[  PASSED  \]' "$out" &&
+    ! grep -q '^\[  FAILED  \]' "$out"; then
+    echo "== the $probes report(s) are NCCL probing its kernels; every test passed"
+    return 0
+  fi
+  return 1
 }
 if [ -n "$sanitizer" ]; then
   bins=""
@@ -122,7 +144,7 @@ if [ -n "$sanitizer" ]; then
     [ -x "$b" ] || continue
     "$b" --gtest_list_tests --gtest_filter="$filter" 2>/dev/null | grep -q '^  ' && bins="$bins $b"
   done
-  for tool in memcheck racecheck synccheck; do
+  for tool in ${DP_GPU_SANITIZERS:-memcheck racecheck synccheck}; do
     for b in $bins; do
       step "compute-sanitizer --tool $tool $(basename "$b")" sanitize "$tool" "$b"
     done

@@ -257,15 +257,23 @@ TEST_F(CudaStreamOrder, FreedMemoryIsNotReusedBeforeTheStreamPassesTheFree) {
   EXPECT_EQ(seen, filled(n, 1.0f)) << "the freed block was handed out again before the queued read";
 }
 
-TEST_F(CudaStreamOrder, MarkOnAStreamUnderGraphCaptureIsRefusedPlainly) {
+// During a capture most CUDA calls are refused and break the host's capture:
+// the library only asks whether the stream is capturing, refuses, and the
+// host's graph still ends cleanly.
+TEST_F(CudaStreamOrder, AStreamUnderGraphCaptureIsRefusedAndTheHostsCaptureSurvives) {
   cudaStream_t capturing = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&capturing, cudaStreamNonBlocking), cudaSuccess);
-  ASSERT_EQ(cudaStreamBeginCapture(capturing, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  EXPECT_EQ(dp_set_current_stream(cuda(0), capturing), DP_OK);
   TensorPtr x = make<float>({4}, filled(4, 1.0f), cuda(0));
+  // Made current while running, captured afterwards: the copy is refused.
+  DP_ASSERT_OK(dp_set_current_stream(cuda(0), capturing));
+  ASSERT_EQ(cudaStreamBeginCapture(capturing, cudaStreamCaptureModeThreadLocal), cudaSuccess);
   std::vector<float> host(4);
   EXPECT_EQ(dp_tensor_copy_to_host(x.get(), host.data(), sizeof(float) * host.size()), DP_ESTATE);
   EXPECT_NE(last_error().find("captured into a CUDA graph"), std::string::npos) << last_error();
+  // Made current while capturing: refused at once.
+  EXPECT_EQ(dp_set_current_stream(cuda(0), capturing), DP_ESTATE);
+  EXPECT_NE(last_error().find("argument 'stream' is being captured into a CUDA graph"), std::string::npos)
+      << last_error();
   cudaGraph_t graph = nullptr;
   EXPECT_EQ(cudaStreamEndCapture(capturing, &graph), cudaSuccess);
   if (graph != nullptr) cudaGraphDestroy(graph);

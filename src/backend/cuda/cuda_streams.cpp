@@ -48,12 +48,20 @@ void destroy_stream(int32_t, void* stream) noexcept {
 
 void check_stream(int32_t index, void* stream, const char* argument) {
   if (stream == nullptr) return;
+  // First, and alone: during a capture most queries (cudaStreamGetDevice
+  // among them) are refused and invalidate the host's capture.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaError_t status = cudaStreamIsCapturing(as_stream(stream), &capture);
+  if (status == cudaSuccess && capture != cudaStreamCaptureStatusNone) {
+    fail(StatusCode::kState, "argument '", argument,
+         "' is being captured into a CUDA graph; dparallel orders its work against running streams only");
+  }
   int device = -1;
-  cudaError_t status = cudaStreamGetDevice(as_stream(stream), &device);
+  if (status == cudaSuccess) status = cudaStreamGetDevice(as_stream(stream), &device);
   if (status != cudaSuccess) {
     cudaGetLastError();
-    fail(StatusCode::kInvalidArgument, "argument '", argument,
-         "' is not a usable cudaStream_t (cudaStreamGetDevice: ", cudaGetErrorString(status), ")");
+    fail(StatusCode::kInvalidArgument, "argument '", argument, "' is not a usable cudaStream_t (",
+         cudaGetErrorString(status), ")");
   }
   if (device != index) {
     fail(StatusCode::kInvalidArgument, "argument '", argument, "' is a stream of cuda:", device,

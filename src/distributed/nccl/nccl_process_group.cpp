@@ -85,6 +85,8 @@ class NcclBackend : public Backend {
   void all_reduce(const Tensor& t, ReduceOp op) override {
     cuda::DeviceGuard guard(device().index);
     auto deadline = exchange(CallKind::kAllReduce, t.dtype(), t.numel(), op, -1, &t);
+    // One rank: every op is the identity (see reduce_scatter), in place.
+    if (size() == 1) return;
     enqueue(ncclAllReduce(t.data(), t.data(), static_cast<size_t>(t.numel()), cuda::nccl_type(t.dtype()),
                           nccl::nccl_op(t.dtype(), op), comm_, stream_),
             "ncclAllReduce", deadline, true);
@@ -94,6 +96,7 @@ class NcclBackend : public Backend {
   void broadcast(const Tensor& t, int32_t root) override {
     cuda::DeviceGuard guard(device().index);
     auto deadline = exchange(CallKind::kBroadcast, t.dtype(), t.numel(), ReduceOp::kSum, root, &t);
+    if (size() == 1) return;
     enqueue(ncclBroadcast(t.data(), t.data(), t.nbytes(), ncclUint8, root, comm_, stream_), "ncclBroadcast", deadline,
             true);
     wait_stream(deadline, true);
@@ -102,6 +105,11 @@ class NcclBackend : public Backend {
   void all_gather(const Tensor& input, const std::vector<Tensor>& outputs) override {
     cuda::DeviceGuard guard(device().index);
     size_t nbytes = input.nbytes();
+    if (size() == 1) {
+      auto deadline = exchange(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, &input);
+      copy_on_stream(outputs[0], input, deadline);
+      return;
+    }
     // Before the exchange: running out of memory here fails this rank alone, in step.
     uint8_t* flat = scratch(nbytes * static_cast<size_t>(size()), "all_gather");
     auto deadline = exchange(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, &input);
@@ -117,6 +125,14 @@ class NcclBackend : public Backend {
   void reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override {
     cuda::DeviceGuard guard(device().index);
     size_t nbytes = output.nbytes();
+    if (size() == 1) {
+      // Every op of one rank is the identity: a copy, without NCCL, whose
+      // versions before 2.29.7 left the tail of a one-rank avg unwritten
+      // (NVIDIA/nccl#1950).
+      auto deadline = exchange(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output);
+      copy_on_stream(output, inputs[0], deadline);
+      return;
+    }
     uint8_t* flat = scratch(nbytes * static_cast<size_t>(size()), "reduce_scatter");
     auto deadline = exchange(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output);
     for (int32_t r = 0; r < size(); ++r) {
@@ -197,6 +213,15 @@ class NcclBackend : public Backend {
   }
 
   void wait_stream(Clock::time_point deadline, bool exchanged) { wait(deadline, true, exchanged); }
+
+  // A one-rank collective: the input's bytes into the output, on the stream.
+  void copy_on_stream(const Tensor& output, const Tensor& input, Clock::time_point deadline) {
+    if (output.data() != input.data() && input.nbytes() > 0) {
+      check_cuda(cudaMemcpyAsync(output.data(), input.data(), input.nbytes(), cudaMemcpyDeviceToDevice, stream_),
+                 "cudaMemcpyAsync");
+    }
+    wait_stream(deadline, true);
+  }
 
   // Polls the communicator's state, and with `stream` the stream, until done;
   // an asynchronous error or the deadline aborts the communicator and fails.
