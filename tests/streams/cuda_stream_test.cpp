@@ -257,6 +257,39 @@ TEST_F(CudaStreamOrder, FreedMemoryIsNotReusedBeforeTheStreamPassesTheFree) {
   EXPECT_EQ(seen, filled(n, 1.0f)) << "the freed block was handed out again before the queued read";
 }
 
+// A host thread capturing a CUDA graph in the global mode (CUDA's default)
+// forbids synchronizing calls on every thread whose mode is not relaxed. The
+// library's work on running streams, on the capturing thread and on another,
+// neither fails nor breaks the host's capture.
+TEST_F(CudaStreamOrder, LibraryWorkBesideAHostsGlobalCaptureSucceedsAndTheCaptureStaysValid) {
+  cudaStream_t capturing = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&capturing, cudaStreamNonBlocking), cudaSuccess);
+  void* scratch = nullptr;
+  ASSERT_EQ(cudaMalloc(&scratch, 256), cudaSuccess);
+  ASSERT_EQ(cudaStreamBeginCapture(capturing, cudaStreamCaptureModeGlobal), cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(scratch, 1, 256, capturing), cudaSuccess);
+  // This thread: its current stream (stream_) is not the one capturing.
+  TensorPtr mine = make<float>({4096}, filled(4096, 3.0f), cuda(0));
+  EXPECT_EQ(values<float>(mine.get()), filled(4096, 3.0f));
+  mine.reset();
+  std::vector<float> seen;
+  std::thread other([&] {
+    EXPECT_EQ(dp_set_current_stream(cuda(0), stream_), DP_OK) << dp_last_error();
+    TensorPtr x = make<float>({1 << 16}, filled(1 << 16, 2.0f), cuda(0));
+    seen = values<float>(x.get());
+    x.reset();
+    EXPECT_EQ(dp_set_current_stream(cuda(0), nullptr), DP_OK);
+  });
+  other.join();
+  EXPECT_EQ(seen, filled(1 << 16, 2.0f));
+  cudaGraph_t graph = nullptr;
+  EXPECT_EQ(cudaStreamEndCapture(capturing, &graph), cudaSuccess);
+  EXPECT_NE(graph, nullptr);
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  cudaFree(scratch);
+  cudaStreamDestroy(capturing);
+}
+
 // During a capture most CUDA calls are refused and break the host's capture:
 // the library only asks whether the stream is capturing, refuses, and the
 // host's graph still ends cleanly.

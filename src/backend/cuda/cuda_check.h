@@ -25,7 +25,40 @@ Known thread_has_context() noexcept;
 // Whether GPU `index`'s primary context exists (cuDevicePrimaryCtxGetState).
 Known primary_context_active(int32_t index) noexcept;
 
-// Makes `index` current for the scope. At its end the previous device comes
+// The calling thread's stream capture mode is relaxed for the scope. While a
+// host thread captures a CUDA graph in the global mode (the default), any
+// other thread's synchronizing call fails and invalidates that capture; the
+// library's own work (its streams, its threads) never goes into a host's
+// graph, so it must neither fail nor break the host's capture.
+class RelaxedCapture {
+ public:
+  // `now` false: engaged later, by engage().
+  explicit RelaxedCapture(bool now = true) noexcept {
+    if (now) engage();
+  }
+  ~RelaxedCapture() { release(); }
+  RelaxedCapture(const RelaxedCapture&) = delete;
+  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
+
+  void engage() noexcept {
+    if (engaged_) return;
+    mode_ = cudaStreamCaptureModeRelaxed;
+    engaged_ = cudaThreadExchangeStreamCaptureMode(&mode_) == cudaSuccess;
+    if (!engaged_) cudaGetLastError();
+  }
+  // Puts the thread's own mode back.
+  void release() noexcept {
+    if (engaged_ && cudaThreadExchangeStreamCaptureMode(&mode_) != cudaSuccess) cudaGetLastError();
+    engaged_ = false;
+  }
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+  bool engaged_ = false;
+};
+
+// Makes `index` current for the scope, with the capture mode relaxed (see
+// RelaxedCapture). At its end the previous device comes
 // back only where device_to_restore says so: a thread that never chose a
 // device (the DDP comm thread, a group's worker, a C host's thread) stays on
 // `index` rather than gaining a context on GPU 0.
@@ -34,6 +67,7 @@ class DeviceGuard {
   explicit DeviceGuard(int32_t index) {
     const char* call = nullptr;
     check(enter(index, &call), call);
+    relaxed_.engage();
   }
   // For teardown that must not throw: a failed switch is cleared, so no later
   // launch check reports it, and leaves the thread as it was; see ok().
@@ -41,8 +75,10 @@ class DeviceGuard {
     const char* call = nullptr;
     ok_ = enter(index, &call) == cudaSuccess;
     if (!ok_) cudaGetLastError();
+    if (ok_) relaxed_.engage();
   }
   ~DeviceGuard() {
+    relaxed_.release();  // on `index`, before the switch back
     if (restore_ >= 0 && cudaSetDevice(restore_) != cudaSuccess) cudaGetLastError();
   }
   DeviceGuard(const DeviceGuard&) = delete;
@@ -66,6 +102,9 @@ class DeviceGuard {
     return rc;
   }
 
+  // Engaged once `index` is current: the exchange is made on a device the
+  // thread was meant to use.
+  RelaxedCapture relaxed_{false};
   int32_t restore_ = -1;
   bool ok_ = true;
 };

@@ -42,6 +42,7 @@ void* create_stream(int32_t index) {
 
 void destroy_stream(int32_t, void* stream) noexcept {
   if (stream == nullptr) return;
+  RelaxedCapture relaxed;
   cudaStreamSynchronize(as_stream(stream));
   cudaStreamDestroy(as_stream(stream));
 }
@@ -56,6 +57,7 @@ void check_stream(int32_t index, void* stream, const char* argument) {
     fail(StatusCode::kState, "argument '", argument,
          "' is being captured into a CUDA graph; dparallel orders its work against running streams only");
   }
+  RelaxedCapture relaxed;
   int device = -1;
   if (status == cudaSuccess) status = cudaStreamGetDevice(as_stream(stream), &device);
   if (status != cudaSuccess) {
@@ -92,7 +94,9 @@ void* create_event(int32_t index) {
 }
 
 void destroy_event(void* event) noexcept {
-  if (event != nullptr) cudaEventDestroy(as_event(event));
+  if (event == nullptr) return;
+  RelaxedCapture relaxed;
+  cudaEventDestroy(as_event(event));
 }
 
 void record_event(void* event, int32_t index, void* stream) {
@@ -108,6 +112,7 @@ void stream_wait_event(int32_t index, void* stream, void* event) {
 }
 
 bool event_query(void* event) {
+  RelaxedCapture relaxed;
   cudaError_t status = cudaEventQuery(as_event(event));
   if (status == cudaErrorNotReady) {
     cudaGetLastError();
@@ -117,6 +122,9 @@ bool event_query(void* event) {
   return true;
 }
 
-void event_synchronize(void* event) { check(cudaEventSynchronize(as_event(event)), "cudaEventSynchronize"); }
+void event_synchronize(void* event) {
+  RelaxedCapture relaxed;
+  check(cudaEventSynchronize(as_event(event)), "cudaEventSynchronize");
+}
 
 }  // namespace dparallel::cuda
