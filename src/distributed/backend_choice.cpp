@@ -60,18 +60,20 @@ HostEntry parse_entry(const std::string& text, int32_t r) {
   return entry;
 }
 
-// "rank(s) 1, 3": the ranks whose host entry is not in the store yet; just
-// `waited_for` where the store cannot tell.
-std::string ranks_not_joined(const ProcessGroupOptions& options, const std::string& prefix, int32_t waited_for) {
+// "rank(s) 1, 3 did not join": the ranks whose host entry is not in the
+// store, each asked briefly (the group's time is spent).
+std::string ranks_not_joined(const ProcessGroupOptions& options, const std::string& prefix) {
+  ReplyDeadlineCap brief(kMissingKeysBound);
   std::string ranks;
   try {
     for (int32_t r = 0; r < options.world_size; ++r) {
       if (!options.store->check({str_cat(prefix, "host/", r)})) ranks += str_cat(ranks.empty() ? "" : ", ", r);
     }
-  } catch (const Error&) {
-    ranks.clear();
+  } catch (const Error& e) {
+    return str_cat("the store did not say which rank(s) did not join: ", e.what());
   }
-  return "rank(s) " + (ranks.empty() ? std::to_string(waited_for) : ranks);
+  if (ranks.empty()) return "every rank joined, some only after the timeout";
+  return str_cat("rank(s) ", ranks, " did not join");
 }
 
 // Every rank's entry, this one's published under `prefix` first.
@@ -86,15 +88,7 @@ std::vector<HostEntry> exchange_entries(const ProcessGroupOptions& options, cons
   for (int32_t r = 0; r < options.world_size; ++r) {
     std::string theirs = mine;
     if (r != options.rank) {
-      Bytes value;
-      try {
-        value = options.store->get(str_cat(prefix, "host/", r), left_until(deadline));
-      } catch (const Error& e) {
-        if (e.code() != StatusCode::kTimeout) throw;
-        fail(StatusCode::kTimeout, "creating the process group on rank ", options.rank, " of ", options.world_size,
-             " timed out after ", options.timeout.count(), " ms: ", ranks_not_joined(options, prefix, r),
-             " did not join (", e.what(), ")");
-      }
+      Bytes value = options.store->get(str_cat(prefix, "host/", r), left_until(deadline));
       theirs.assign(value.begin(), value.end());
     }
     entries.push_back(parse_entry(theirs, r));
@@ -273,10 +267,23 @@ std::unique_ptr<ProcessGroup> create_chosen_process_group(const ProcessGroupOpti
   auto deadline = std::chrono::steady_clock::now() + options.timeout;
   std::string prefix;
   std::vector<HostEntry> entries;
+  bool timed_out = false;
+  std::string cause;
   {
     ReplyDeadlineCap cap(options.timeout);
     prefix = next_group_prefix(*options.store, "group", options.rank);
-    entries = exchange_entries(options, prefix);
+    try {
+      entries = exchange_entries(options, prefix);
+    } catch (const Error& e) {
+      if (e.code() != StatusCode::kTimeout) throw;
+      timed_out = true;
+      cause = e.what();
+    }
+  }
+  if (timed_out) {
+    fail(StatusCode::kTimeout, "creating the process group on rank ", options.rank, " of ", options.world_size,
+         " timed out after ", options.timeout.count(), " ms: ", ranks_not_joined(options, prefix), " (",
+         cause, ")");
   }
   if (std::unique_ptr<Error> error = refusal(options, entries)) {
     leave_after_every_rank(*options.store, prefix + "refused", options.rank, options.world_size, deadline);

@@ -459,8 +459,10 @@ TEST_F(ProcessGroupTest, RejectsBadWorldSizeRankAndBackend) {
   dp_work_destroy(nullptr);
 }
 
-TEST_F(ProcessGroupTest, CreateTimesOutNamingThePeerThatNeverJoins) {
-  dp_process_group_options opts = options(2);
+// Rank 0 alone of 3: the error names both ranks that never came, asked
+// after the group's time is spent.
+TEST_F(ProcessGroupTest, CreateTimesOutNamingThePeersThatNeverJoin) {
+  dp_process_group_options opts = options(3);
   opts.timeout_ms = 1000;
   DP_ASSERT_OK(dp_store_set_timeout(store_, 60000));  // the group's timeout must bound it, not the store's
   dp_process_group* pg = nullptr;
@@ -469,7 +471,28 @@ TEST_F(ProcessGroupTest, CreateTimesOutNamingThePeerThatNeverJoins) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
   EXPECT_EQ(pg, nullptr);
   const std::string error = dp_last_error();
-  EXPECT_NE(error.find("rank(s) 1 did not join"), std::string::npos) << error;
+  EXPECT_NE(error.find("rank(s) 1, 2 did not join"), std::string::npos) << error;
+}
+
+// Over a TCP store the group's deadline also bounds each reply: rank 1 of 3
+// alone still names ranks 0 and 2 once its time is spent, and its store
+// connection stays usable.
+TEST(ProcessGroupCreate, ATimeoutOverATcpStoreNamesEveryRankThatNeverJoined) {
+  StorePtr server = tcp_server();
+  StorePtr client = tcp_client(port_of(server.get()));
+  dp_process_group_options opts = DP_PROCESS_GROUP_OPTIONS_INIT;
+  opts.store = client.get();
+  opts.rank = 1;
+  opts.world_size = 3;
+  opts.timeout_ms = 1000;
+  opts.device = dptest::cpu(0);
+  dp_process_group* pg = nullptr;
+  EXPECT_EQ(dp_process_group_create(&pg, &opts), DP_ETIMEOUT);
+  EXPECT_EQ(pg, nullptr);
+  const std::string error = dp_last_error();
+  EXPECT_NE(error.find("rank(s) 0, 2 did not join"), std::string::npos) << error;
+  EXPECT_EQ(dp_store_set(client.get(), "after", "x", 1), DP_OK) << dp_last_error();
+  EXPECT_EQ(get_string(server.get(), "after"), "x");
 }
 
 // Leaving a healthy group waits for every rank to be leaving, through the

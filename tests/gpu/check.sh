@@ -129,7 +129,8 @@ sanitize() {  # tool, test binary
     --target-processes all "$2" --gtest_filter="$filter") >"$out" 2>&1 || rc=$?
   cat "$out"
   [ "$rc" -eq 0 ] && return 0
-  errors=$(sed -nE 's/^========= ERROR SUMMARY: ([0-9]+) error.*/\1/p' "$out" | tail -n 1)
+  # One summary per process (--target-processes all): every one counts.
+  errors=$(sed -nE 's/^========= ERROR SUMMARY: ([0-9]+) error.*/\1/p' "$out" | awk '{ n += $1 } END { if (NR) print n }')
   probes=$(grep -c 'cudaErrorNoKernelImageForDevice.*cudaFuncGetAttributes' "$out" || true)
   if [ -n "$errors" ] && [ "$errors" -eq "$probes" ] && grep -q '^\[  PASSED  \]' "$out" &&
     ! grep -q '^\[  FAILED  \]' "$out"; then

@@ -25,7 +25,9 @@ Known thread_has_context() noexcept;
 // Whether GPU `index`'s primary context exists (cuDevicePrimaryCtxGetState).
 Known primary_context_active(int32_t index) noexcept;
 
-// The calling thread's stream capture mode is relaxed for the scope. While a
+// The calling thread's stream capture mode is relaxed for the scope (outside
+// a DeviceGuard, engaged only where the thread has a context already: the
+// exchange is not documented to leave a thread without one). While a
 // host thread captures a CUDA graph in the global mode (the default), any
 // other thread's synchronizing call fails and invalidates that capture; the
 // library's own work (its streams, its threads) never goes into a host's
@@ -78,7 +80,7 @@ class DeviceGuard {
     if (ok_) relaxed_.engage();
   }
   ~DeviceGuard() {
-    relaxed_.release();  // on `index`, before the switch back
+    relaxed_.release();  // before the switch back, as it was engaged after it
     if (restore_ >= 0 && cudaSetDevice(restore_) != cudaSuccess) cudaGetLastError();
   }
   DeviceGuard(const DeviceGuard&) = delete;
@@ -102,8 +104,8 @@ class DeviceGuard {
     return rc;
   }
 
-  // Engaged once `index` is current: the exchange is made on a device the
-  // thread was meant to use.
+  // Engaged once `index` is current, so that the exchange never meets a
+  // thread without a context.
   RelaxedCapture relaxed_{false};
   int32_t restore_ = -1;
   bool ok_ = true;

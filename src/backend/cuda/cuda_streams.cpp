@@ -42,7 +42,7 @@ void* create_stream(int32_t index) {
 
 void destroy_stream(int32_t, void* stream) noexcept {
   if (stream == nullptr) return;
-  RelaxedCapture relaxed;
+  RelaxedCapture relaxed(thread_has_context() == Known::kYes);
   cudaStreamSynchronize(as_stream(stream));
   cudaStreamDestroy(as_stream(stream));
 }
@@ -53,11 +53,16 @@ void check_stream(int32_t index, void* stream, const char* argument) {
   // among them) are refused and invalidate the host's capture.
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   cudaError_t status = cudaStreamIsCapturing(as_stream(stream), &capture);
+  if (status == cudaErrorStreamCaptureImplicit) {
+    cudaGetLastError();
+    fail(StatusCode::kState, "argument '", argument,
+         "' is the legacy default stream while a blocking stream is being captured into a CUDA graph");
+  }
   if (status == cudaSuccess && capture != cudaStreamCaptureStatusNone) {
     fail(StatusCode::kState, "argument '", argument,
          "' is being captured into a CUDA graph; dparallel orders its work against running streams only");
   }
-  RelaxedCapture relaxed;
+  RelaxedCapture relaxed(thread_has_context() == Known::kYes);
   int device = -1;
   if (status == cudaSuccess) status = cudaStreamGetDevice(as_stream(stream), &device);
   if (status != cudaSuccess) {
@@ -95,7 +100,7 @@ void* create_event(int32_t index) {
 
 void destroy_event(void* event) noexcept {
   if (event == nullptr) return;
-  RelaxedCapture relaxed;
+  RelaxedCapture relaxed(thread_has_context() == Known::kYes);
   cudaEventDestroy(as_event(event));
 }
 
@@ -112,7 +117,7 @@ void stream_wait_event(int32_t index, void* stream, void* event) {
 }
 
 bool event_query(void* event) {
-  RelaxedCapture relaxed;
+  RelaxedCapture relaxed(thread_has_context() == Known::kYes);
   cudaError_t status = cudaEventQuery(as_event(event));
   if (status == cudaErrorNotReady) {
     cudaGetLastError();
@@ -123,7 +128,7 @@ bool event_query(void* event) {
 }
 
 void event_synchronize(void* event) {
-  RelaxedCapture relaxed;
+  RelaxedCapture relaxed(thread_has_context() == Known::kYes);
   check(cudaEventSynchronize(as_event(event)), "cudaEventSynchronize");
 }
 

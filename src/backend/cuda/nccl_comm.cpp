@@ -123,7 +123,7 @@ std::shared_ptr<CommSet> launch(const std::vector<int32_t>& devices, const char*
 // Waits for the call's streams by the deadline, watching the communicators.
 void wait_for(const std::vector<int32_t>& devices, const std::vector<cudaStream_t>& streams,
               const std::shared_ptr<CommSet>& set, const char* call) {
-  RelaxedCapture relaxed;
+  RelaxedCapture relaxed(thread_has_context() == Known::kYes);
   const std::chrono::milliseconds limit = timeout();
   NcclWaitResult result = wait_streams(
       devices.size(), WaitClock::now() + limit,

@@ -85,7 +85,8 @@ class NcclBackend : public Backend {
   void all_reduce(const Tensor& t, ReduceOp op) override {
     cuda::DeviceGuard guard(device().index);
     auto deadline = exchange(CallKind::kAllReduce, t.dtype(), t.numel(), op, -1, &t);
-    // One rank: every op is the identity (see reduce_scatter), in place.
+    // One rank: every op is the identity (see reduce_scatter), in place; the
+    // header swap waited for the stream.
     if (size() == 1) return;
     enqueue(ncclAllReduce(t.data(), t.data(), static_cast<size_t>(t.numel()), cuda::nccl_type(t.dtype()),
                           nccl::nccl_op(t.dtype(), op), comm_, stream_),
@@ -107,7 +108,7 @@ class NcclBackend : public Backend {
     size_t nbytes = input.nbytes();
     if (size() == 1) {
       auto deadline = exchange(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, &input);
-      copy_on_stream(outputs[0], input, deadline);
+      copy_on_stream(outputs[0], input, deadline, "all_gather");
       return;
     }
     // Before the exchange: running out of memory here fails this rank alone, in step.
@@ -130,7 +131,7 @@ class NcclBackend : public Backend {
       // versions before 2.29.7 left the tail of a one-rank avg unwritten
       // (NVIDIA/nccl#1950).
       auto deadline = exchange(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output);
-      copy_on_stream(output, inputs[0], deadline);
+      copy_on_stream(output, inputs[0], deadline, "reduce_scatter");
       return;
     }
     uint8_t* flat = scratch(nbytes * static_cast<size_t>(size()), "reduce_scatter");
@@ -162,7 +163,12 @@ class NcclBackend : public Backend {
     }
     auto* all = static_cast<CallHeader*>(host_headers_);
     all[rank()] = call.header;
-    if (size() == 1) return;  // nobody to compare with
+    if (size() == 1) {
+      // Nobody to compare with; the wait keeps what a finished call means
+      // (the caller's stream, which this one follows, reached it).
+      wait_stream(call.deadline, false);
+      return;
+    }
     auto* slot = static_cast<uint8_t*>(headers_) + sizeof(CallHeader) * static_cast<size_t>(rank());
     check_cuda(cudaMemcpyAsync(slot, &all[rank()], sizeof(CallHeader), cudaMemcpyHostToDevice, stream_),
                "cudaMemcpyAsync");
@@ -215,11 +221,20 @@ class NcclBackend : public Backend {
 
   void wait_stream(Clock::time_point deadline, bool exchanged) { wait(deadline, true, exchanged); }
 
-  // A one-rank collective: the input's bytes into the output, on the stream.
-  void copy_on_stream(const Tensor& output, const Tensor& input, Clock::time_point deadline) {
-    if (output.data() != input.data() && input.nbytes() > 0) {
-      check_cuda(cudaMemcpyAsync(output.data(), input.data(), input.nbytes(), cudaMemcpyDeviceToDevice, stream_),
-                 "cudaMemcpyAsync");
+  // A one-rank collective: the input's bytes into the output, on the stream;
+  // through the scratch where the two overlap in part (a copy between
+  // overlapping buffers is undefined).
+  void copy_on_stream(const Tensor& output, const Tensor& input, Clock::time_point deadline, const char* op) {
+    auto* out = static_cast<uint8_t*>(output.data());
+    const auto* in = static_cast<const uint8_t*>(input.data());
+    const size_t nbytes = input.nbytes();
+    if (out != in && nbytes > 0) {
+      if (in < out + nbytes && out < in + nbytes) {
+        uint8_t* flat = scratch(nbytes, op);
+        check_cuda(cudaMemcpyAsync(flat, in, nbytes, cudaMemcpyDeviceToDevice, stream_), "cudaMemcpyAsync");
+        in = flat;
+      }
+      check_cuda(cudaMemcpyAsync(out, in, nbytes, cudaMemcpyDeviceToDevice, stream_), "cudaMemcpyAsync");
     }
     wait_stream(deadline, true);
   }
