@@ -25,6 +25,16 @@
  * all-ones bytes (NaN for floats). Meant for tests: it makes a host's
  * missing wait fail on a machine without a GPU.
  *
+ * CUDA graphs: the library's work never goes into a host's graph. A stream
+ * being captured is refused with DP_ESTATE wherever a call would order
+ * against it (dp_set_current_stream, the dp_stream_* calls below, and any
+ * call while it is current), and the refusal leaves the capture valid.
+ * While a host thread captures in CUDA's default global mode, the library's
+ * calls on any thread (on streams not being captured) work as usual and do
+ * not invalidate the capture: the library's CUDA calls run with the
+ * thread's capture mode relaxed. A graph must not keep using a tensor the
+ * library frees.
+ *
  * Thread safety: current streams are per thread. A stream may be used from
  * any thread. A cpu stream destroyed while still current on another thread
  * makes that thread's next call DP_EINVAL, saying so; a cudaStream_t
@@ -40,7 +50,8 @@ extern "C" {
 #endif
 
 /* DP_EINVAL when `stream` is not a stream of `device` (a cpu stream from
- * dp_stream_create not yet destroyed; a cudaStream_t of that GPU). */
+ * dp_stream_create not yet destroyed; a cudaStream_t of that GPU); DP_ESTATE
+ * for a cudaStream_t being captured into a CUDA graph. */
 DP_API dp_status dp_set_current_stream(dp_device device, void *stream);
 /* *out = this thread's current stream for `device`, NULL when none is set. */
 DP_API dp_status dp_get_current_stream(dp_device device, void **out);

@@ -282,8 +282,7 @@ std::unique_ptr<ProcessGroup> create_chosen_process_group(const ProcessGroupOpti
   }
   if (timed_out) {
     fail(StatusCode::kTimeout, "creating the process group on rank ", options.rank, " of ", options.world_size,
-         " timed out after ", options.timeout.count(), " ms: ", ranks_not_joined(options, prefix), " (",
-         cause, ")");
+         " timed out after ", options.timeout.count(), " ms: ", ranks_not_joined(options, prefix), " (", cause, ")");
   }
   if (std::unique_ptr<Error> error = refusal(options, entries)) {
     leave_after_every_rank(*options.store, prefix + "refused", options.rank, options.world_size, deadline);
