@@ -79,7 +79,12 @@
  * rank marked keeps its gradient. Without the option, a parameter left
  * unmarked fails finish_backward on that rank (DP_ESTATE) and the other
  * ranks' matching reductions at once (DP_EINVAL naming that rank); the
- * group stays usable and the next backward starts afresh.
+ * group stays usable and the next backward starts afresh. The same holds
+ * for a gradient that shares memory with another managed parameter's
+ * gradient or value (dp_module_set_grad can make one, e.g. swapping two
+ * gradients through the handles dp_module_grad returns, which follow their
+ * parameter): DP_ESTATE naming both parameters, checked at the first mark
+ * of a synced backward after any gradient was set.
  *
  * A failed finish_backward leaves every managed gradient as this rank
  * computed it (its own, unaveraged values), also in buckets reduced before

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <tuple>
 
 #include "comm/comm.h"
 #include "core/device_runtime.h"
@@ -126,7 +127,10 @@ void Reducer::mark_ready(size_t index, bool has_stream, void* stream) {
     if (static_departure_.empty()) static_departure_ = departure;
     fail(StatusCode::kState, departure, " (this iteration's finish_backward fails on every rank)");
   }
-  if (requires_sync_ && !any_mark_) premark_static_unused_locked();
+  if (requires_sync_ && !any_mark_) {
+    premark_static_unused_locked();
+    check_memory_apart_locked();
+  }
   marked_[index] = 1;
   ++marked_count_;
   used_since_sync_[index] = 1;
@@ -173,6 +177,8 @@ void Reducer::issue_locked(JobSpec spec, JobState& state) {
 }
 
 void Reducer::issue_ready_buckets_locked() {
+  // Held back for finish_backward, which refuses them all.
+  if (!memory_departure_.empty()) return;
   // static_graph: the last bucket waits for finish_backward, so that a rank
   // departing from the graph still has a collective to fail every rank with.
   const size_t issuable = graph_recorded_ && !finishing_ && !buckets_.empty() ? buckets_.size() - 1 : buckets_.size();
@@ -677,6 +683,7 @@ void Reducer::reset_iteration_locked() {
   premarked_views_.clear();
   used_flags_current_ = false;
   static_departure_.clear();
+  memory_departure_.clear();
   report_error_.clear();
   for (Bucket& b : buckets_) {
     b.pending = b.params.size();
@@ -718,7 +725,14 @@ void Reducer::finish_backward() {
     flush_trace();
     return;
   }
-  if (!any_mark_) premark_static_unused_locked();
+  if (!any_mark_) {
+    premark_static_unused_locked();
+    check_memory_apart_locked();
+  }
+  if (!memory_departure_.empty()) {
+    const std::string departure = memory_departure_;  // the refusal resets the iteration
+    refuse_rest_locked(lock, departure, departure);
+  }
   std::vector<size_t> unmarked;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (marked_[i] == 0 && premarked_[i] == 0) unmarked.push_back(i);
@@ -834,6 +848,44 @@ void Reducer::refuse_rest_locked(std::unique_lock<std::mutex>& lock, const std::
   reset_iteration_locked();
   ++iteration_;
   fail(StatusCode::kState, message);
+}
+
+void Reducer::check_memory_apart_locked() {
+  const uint64_t assignments = Parameter::assignments();
+  if (assignments == apart_at_) return;
+  struct Span {
+    Device device;
+    const char* start;
+    size_t nbytes;
+    size_t param;
+    bool grad;
+  };
+  std::vector<Span> spans;
+  spans.reserve(2 * params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].nbytes == 0) continue;
+    const Tensor& value = params_[i].parameter->value();
+    spans.push_back({value.device(), static_cast<const char*>(value.data()), params_[i].nbytes, i, false});
+    Tensor grad = params_[i].parameter->grad_if_allocated();
+    if (grad.defined()) spans.push_back({grad.device(), static_cast<const char*>(grad.data()), grad.nbytes(), i, true});
+  }
+  auto key = [](const Span& s) { return std::make_tuple(s.device.type, s.device.index, s.start); };
+  std::sort(spans.begin(), spans.end(), [&](const Span& a, const Span& b) { return key(a) < key(b); });
+  for (size_t k = 1; k < spans.size(); ++k) {
+    const Span& a = spans[k - 1];
+    const Span& b = spans[k];
+    if (!(a.device == b.device) || a.start + a.nbytes <= b.start) continue;
+    if (!a.grad && !b.grad) continue;  // values: checked at create, tied weights allowed
+    auto what = [&](const Span& s) {
+      return str_cat(s.grad ? "the gradient" : "the value", " of parameter '", params_[s.param].name, "'");
+    };
+    memory_departure_ =
+        str_cat("rank ", group_->rank(), ": ", what(a), " and ", what(b),
+                " share memory (a gradient set with dp_module_set_grad); each managed parameter needs a gradient of "
+                "its own, apart from every other gradient and value");
+    return;
+  }
+  apart_at_ = assignments;
 }
 
 void Reducer::premark_static_unused_locked() {

@@ -241,6 +241,10 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
   // zeros at the iteration's first mark (or finish), so their buckets need
   // not wait for finish_backward.
   void premark_static_unused_locked();
+  // At a synced iteration's start: records in memory_departure_ a gradient
+  // that overlaps another managed gradient or value (dp_module_set_grad can
+  // make one), which would be reduced twice on this rank alone.
+  void check_memory_apart_locked();
   void run_used_map();
   void run_ready_order();
   void reduce_bucket(size_t index);
@@ -329,6 +333,8 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
   std::vector<uint8_t> static_used_;
   bool graph_recorded_ = false;
   std::string static_departure_;    // this iteration's first departure from it
+  std::string memory_departure_;    // this iteration's overlapping gradient, if any
+  uint64_t apart_at_ = UINT64_MAX;  // Parameter::assignments() when last found apart
   std::vector<uint8_t> premarked_;  // recorded unused, put in as zeros at the iteration's start
   size_t premarked_count_ = 0;
   std::map<size_t, Tensor> premarked_views_;  // their views' own values, put back at finish

@@ -103,6 +103,14 @@ Parameter::~Parameter() {
   if (it != reg.by_identity.end() && it->second.expired()) reg.by_identity.erase(it);
 }
 
+namespace {
+
+std::atomic<uint64_t> g_assignments{0};
+
+}  // namespace
+
+uint64_t Parameter::assignments() { return g_assignments.load(std::memory_order_acquire); }
+
 void Parameter::set_value(const Tensor& value) {
   ParameterRegistry& reg = registry();
   std::lock_guard<std::mutex> lock(reg.mutex);
@@ -116,6 +124,7 @@ void Parameter::set_value(const Tensor& value) {
     if (slot.expired()) slot = weak_from_this();
   }
   value_ = value;
+  g_assignments.fetch_add(1, std::memory_order_acq_rel);
 }
 
 std::shared_ptr<ParameterSharding> Parameter::sharding() const {
@@ -157,6 +166,7 @@ Tensor Parameter::grad_if_allocated() const {
 void Parameter::set_grad(const Tensor& grad) {
   std::lock_guard<std::mutex> lock(grad_mutex_);
   grad_ = grad;
+  if (grad.defined()) g_assignments.fetch_add(1, std::memory_order_acq_rel);  // none: nothing can overlap
 }
 
 void Parameter::zero_grad() {

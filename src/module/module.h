@@ -62,6 +62,9 @@ class Parameter : public std::enable_shared_from_this<Parameter> {
   // DDP reducer's bucket views.
   void set_grad(const Tensor& grad);
   void zero_grad();
+  // Counts every set_grad and set_value of any parameter: a reducer checks
+  // again that its parameters' memory lies apart only after it moves.
+  static uint64_t assignments();
 
  private:
   Tensor value_;

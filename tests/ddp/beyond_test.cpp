@@ -404,6 +404,96 @@ TEST_P(DdpSharedGradients, AreAveragedExactlyWhereverEachRanksGradientsLie) {
       });
 }
 
+// A host that swaps two gradients through dp_module_grad handles (each
+// handle follows its parameter, so the swap leaves both on one memory), or
+// sets a gradient over another parameter's value, would have that memory
+// reduced twice on its rank alone: the iteration fails on every rank, this
+// one naming both parameters, and the next one, apart again, is exact.
+TEST(DdpGradientsApart, OverlappingGradientsFailTheIterationOnEveryRankNamingBoth) {
+  dptest::RankOptions options;
+  options.backend = DP_BACKEND_SHM;
+  dptest::run_thread_ranks("ddp_apart_", 2, options, [&](int rank, dp_process_group* pg) {
+    dptest::ModulePtr m = dptest::new_module();
+    const char* names[] = {"a", "b", "c"};
+    const int64_t n = 40000;  // past the size reduced whole through the slots
+    for (const char* name : names) {
+      TensorPtr t = make<float>({n}, std::vector<float>(static_cast<size_t>(n), 1.0f));
+      ASSERT_EQ(dp_module_register_parameter(m.get(), name, t.get(), 1), DP_OK) << dp_last_error();
+    }
+    dp_ddp* raw = nullptr;
+    ASSERT_EQ(dp_ddp_create(&raw, m.get(), pg, nullptr), DP_OK) << dp_last_error();
+    DdpPtr ddp(raw);
+    auto step = [&](float base) {
+      for (int i = 0; i < 3; ++i)
+        set_grad(m.get(), names[i], base * static_cast<float>(rank + 1) + static_cast<float>(i));
+      for (int i = 2; i >= 0; --i) EXPECT_EQ(dp_ddp_mark_grad_ready(ddp.get(), names[i]), DP_OK) << dp_last_error();
+      return dp_ddp_finish_backward(ddp.get());
+    };
+    auto expect_averaged = [&](float base) {
+      for (int i = 0; i < 3; ++i) {
+        const float want = base * 1.5f + static_cast<float>(i);  // ranks 1 and 2 times base, averaged
+        EXPECT_EQ(grad_of(m.get(), names[i]), std::vector<float>(static_cast<size_t>(n), want)) << names[i];
+      }
+    };
+    ASSERT_EQ(step(2.0f), DP_OK) << dp_last_error();
+    expect_averaged(2.0f);
+
+    std::vector<float> own(static_cast<size_t>(n), 0.0f);
+    if (rank == 1) {
+      dp_tensor* ga = nullptr;
+      dp_tensor* gb = nullptr;
+      ASSERT_EQ(dp_module_grad(m.get(), "a", &ga), DP_OK);
+      ASSERT_EQ(dp_module_grad(m.get(), "b", &gb), DP_OK);
+      TensorPtr owned_a(ga), owned_b(gb);
+      ASSERT_EQ(dp_module_set_grad(m.get(), "a", gb), DP_OK) << dp_last_error();
+      ASSERT_EQ(dp_module_set_grad(m.get(), "b", ga), DP_OK) << dp_last_error();
+    }
+    dp_status s = step(4.0f);
+    const std::string error = dp_last_error();
+    if (rank == 1) {
+      EXPECT_EQ(s, DP_ESTATE) << error;
+      EXPECT_NE(error.find("parameter 'a'"), std::string::npos) << error;
+      EXPECT_NE(error.find("parameter 'b'"), std::string::npos) << error;
+      EXPECT_NE(error.find("share memory"), std::string::npos) << error;
+      // Apart again: b in memory of the host's own.
+      dp_tensor* g = nullptr;
+      ASSERT_EQ(dp_tensor_from_blob(&g, own.data(), DP_FLOAT32, 1, &n, cpu(0), nullptr, nullptr), DP_OK);
+      TensorPtr owned(g);
+      ASSERT_EQ(dp_module_set_grad(m.get(), "b", g), DP_OK) << dp_last_error();
+    } else {
+      EXPECT_EQ(s, DP_EINVAL) << error;
+      EXPECT_NE(error.find("rank 1"), std::string::npos) << error;
+    }
+    ASSERT_EQ(step(6.0f), DP_OK) << dp_last_error();
+    expect_averaged(6.0f);
+    if (rank == 1) {
+      EXPECT_EQ(own, std::vector<float>(static_cast<size_t>(n), 6.0f * 1.5f + 1.0f));
+    }
+
+    // A gradient over another parameter's value.
+    if (rank == 0) {
+      dp_tensor* value = nullptr;
+      ASSERT_EQ(dp_module_get_parameter(m.get(), "a", &value), DP_OK);
+      TensorPtr owned_value(value);
+      dp_tensor* over = nullptr;
+      ASSERT_EQ(dp_tensor_from_blob(&over, dp_tensor_data(value), DP_FLOAT32, 1, &n, cpu(0), nullptr, nullptr), DP_OK);
+      TensorPtr owned(over);
+      ASSERT_EQ(dp_module_set_grad(m.get(), "c", over), DP_OK) << dp_last_error();
+    }
+    s = step(8.0f);
+    const std::string second = dp_last_error();
+    if (rank == 0) {
+      EXPECT_EQ(s, DP_ESTATE) << second;
+      EXPECT_NE(second.find("the value of parameter 'a'"), std::string::npos) << second;
+      EXPECT_NE(second.find("the gradient of parameter 'c'"), std::string::npos) << second;
+      EXPECT_EQ(param_of(m.get(), "a"), std::vector<float>(static_cast<size_t>(n), 1.0f * 8.0f + 2.0f))
+          << "the value holds this rank's own gradient of c, not an average";
+    } else {
+      EXPECT_EQ(s, DP_EINVAL) << second;
+    }
+  });
+}
+
 // A forked child that drops its copy of a dp_ddp's shared gradients only
 // unmaps them: the region stays the parent's, so a second dp_ddp's region
 // is other memory and the first one's gradients keep their values. Rank 1
