@@ -88,7 +88,8 @@ DP_API dp_status dp_device_format(dp_device device, char *buf, size_t cap);
 /* Memory of a device's tensors: what the library allocated for them (memory
  * a host lends through dp_tensor_from_blob or DLPack is not counted; this
  * rank's part of a process group's shared memory for gradients, buckets or
- * shards is, while held), in bytes as requested: in use now, the most in use at once since the last
+ * shards is, while held, rounded up to whole 4 KiB pages), in bytes as
+ * requested: in use now, the most in use at once since the last
  * dp_device_reset_peak_memory (or since the start), and the freed blocks
  * the library keeps for reuse (all devices together; DP_CACHE_LIMIT_MB).
  * Set struct_size; fields past it are not written. Any thread. */
