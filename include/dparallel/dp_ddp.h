@@ -90,9 +90,10 @@
  * computed it (its own, unaveraged values), also in buckets reduced before
  * the failure, so the host may retry or skip the step; the next backward
  * starts afresh. Two failures are not undone: DP_ETIMEOUT (a reduction
- * still runs, the dp_ddp is unusable) and a failure of the group itself
- * (with gradients in shared memory, a peer that stalled past the timeout
- * may still write reduced values into them).
+ * still runs, the dp_ddp is unusable) and a failure of the group itself.
+ * With gradients in shared memory, a peer stalled past the timeout that
+ * resumes later writes nothing into this rank's gradients: a failed
+ * reduction makes this rank's part of the region memory of its own.
  * For this the reducer saves a bucket's own values just before reducing it
  * while a failure can still follow: not for the last bucket once the plan
  * is rebuilt (every rank has marked everything when it runs), and, where

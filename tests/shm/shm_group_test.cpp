@@ -8,6 +8,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -30,7 +31,7 @@ namespace dparallel::dist {
 namespace {
 
 // Runs body(group) on `world` ranks, each a thread with its own group.
-void run_ranks(int32_t world, const std::function<void(ProcessGroup&)>& body) {
+void run_ranks(int32_t world, const std::function<void(ProcessGroup&)>& body, Millis timeout = Millis(60000)) {
   char dir_template[] = "/tmp/dp_shm_group_XXXXXX";
   std::string dir = ::mkdtemp(dir_template);
   std::string path = dir + "/store";
@@ -43,7 +44,7 @@ void run_ranks(int32_t world, const std::function<void(ProcessGroup&)>& body) {
         options.rank = r;
         options.world_size = world;
         options.store = std::make_shared<FileStore>(path, world);
-        options.timeout = Millis(60000);
+        options.timeout = timeout;
         auto group = create_process_group(options);
         EXPECT_STREQ(group->backend_name(), "shm");
         body(*group);
@@ -327,6 +328,47 @@ TEST_P(ShmGroup, AllReduceWhereATensorLiesElsewhereTakesTheSlotsOnEveryRank) {
 // This rank's part of a region counts as memory its device's tensors hold
 // (dp_device_memory_stats) from its creation until the last tensor over it
 // goes. One rank alone, so that nothing else allocates meanwhile.
+// A peer stalled past the timeout amid a region all-reduce (here rank 1,
+// through DP_TEST_SHM_STALL) pushes its part late. The rank that gave up
+// keeps what it held when its call failed: the late pushes land in pages it
+// no longer maps.
+TEST(ShmRegionFailure, APeerPushingAfterTheTimeoutLeavesTheRankThatGaveUpAlone) {
+  ::setenv("DP_TEST_SHM_STALL", "1:7000", 1);
+  std::atomic<bool> late_rank_done{false};
+  run_ranks(
+      2,
+      [&](ProcessGroup& group) {
+        auto region = group.create_region(4 << 20);
+        ASSERT_NE(region, nullptr);
+        Tensor t = in_region(region, 4096, kRegionElements);
+        fill(t, group.rank());
+        StatusCode code = StatusCode::kOk;
+        try {
+          group.all_reduce(t, ReduceOp::kSum, false);
+        } catch (const Error& e) {
+          code = e.code();
+        }
+        if (group.rank() == 1) {
+          late_rank_done = true;
+          return;
+        }
+        EXPECT_EQ(code, StatusCode::kTimeout);
+        const auto* p = static_cast<const float*>(t.data());
+        const std::vector<float> at_failure(p, p + t.numel());
+        const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        while (!late_rank_done && std::chrono::steady_clock::now() < give_up) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+        EXPECT_TRUE(late_rank_done);
+        EXPECT_EQ(std::vector<float>(p, p + t.numel()), at_failure) << "a late push reached this rank's tensor";
+        // This rank's part is its own now: reading and writing it still work.
+        fill(t, 0);
+        EXPECT_EQ(p[kRegionElements - 1], value(0, kRegionElements - 1));
+      },
+      Millis(3000));
+  ::unsetenv("DP_TEST_SHM_STALL");
+}
+
 TEST(ShmRegionMemory, ThisRanksPartCountsAsInUseWhileHeld) {
   const Device cpu{DeviceType::kCpu, 0};
   run_ranks(1, [&](ProcessGroup& group) {

@@ -223,8 +223,14 @@ class ShmBackend : public Backend {
   // straight from the others' memory and writes the result into everyone's:
   // no staging copies.
   void all_reduce_in_region(Call& o, const RegionPlacement& placement, DType dtype, ReduceOp op);
+  void reduce_in_region(Call& o, const RegionPlacement& placement, DType dtype, ReduceOp op);
   // Rank q's part of this group's region at `region` (its file offset).
   uint8_t* region_part(uint64_t region, int32_t q) const;
+  // After a failure amid a region all-reduce: this rank's part becomes
+  // private memory holding what it holds now, so that a peer still pushing
+  // (stalled past the timeout, resumed later) writes into pages this rank no
+  // longer maps. The region leaves the table: no later call reduces in it.
+  void detach_own_part(uint64_t region) noexcept;
   // Where `sources` lie in one region exactly as in the segment (the
   // segment's start as the spot's offset), or {}.
   RegionSpot segment_spot(const std::vector<SegmentRun>& sources) const;

@@ -24,9 +24,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <new>
 #include <thread>
 
 #include "core/allocator.h"
@@ -304,7 +309,50 @@ uint8_t* ShmBackend::region_part(uint64_t region, int32_t q) const {
   fail(StatusCode::kInternal, "no mapped region at ", region);
 }
 
+void ShmBackend::detach_own_part(uint64_t region) noexcept {
+  uint8_t* own = nullptr;
+  size_t part = 0;
+  std::lock_guard<std::mutex> lock(regions_->mutex);
+  auto it = std::find_if(regions_->by_own_part.begin(), regions_->by_own_part.end(),
+                         [&](const auto& entry) { return entry.second.file_offset == region; });
+  if (it == regions_->by_own_part.end()) return;
+  own = it->first;
+  part = it->second.part;
+  std::unique_ptr<uint8_t[]> kept(new (std::nothrow) uint8_t[part]);
+  if (kept == nullptr) return;  // stays shared, as documented for this case
+  std::memcpy(kept.get(), own, part);
+  // Parts start on pages of their own: only this rank's pages change.
+  if (::mmap(own, part, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == MAP_FAILED) return;
+  std::memcpy(own, kept.get(), part);
+  regions_->by_own_part.erase(it);
+}
+
+namespace {
+
+// DP_TEST_SHM_STALL="rank:ms" (tests only): that rank stalls just before
+// its part of a region all-reduce, as a stopped peer would.
+void stall_for_tests(int32_t rank) {
+  const char* text = std::getenv("DP_TEST_SHM_STALL");
+  int stalled = -1;
+  int ms = 0;
+  if (text == nullptr || std::sscanf(text, "%d:%d", &stalled, &ms) != 2 || stalled != rank || ms <= 0) return;
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+}
+
+}  // namespace
+
 void ShmBackend::all_reduce_in_region(Call& o, const RegionPlacement& placement, DType dtype, ReduceOp op) {
+  try {
+    reduce_in_region(o, placement, dtype, op);
+  } catch (...) {
+    detach_own_part(placement.spot.region);
+    throw;
+  }
+  ++calls_in_regions_;
+}
+
+void ShmBackend::reduce_in_region(Call& o, const RegionPlacement& placement, DType dtype, ReduceOp op) {
+  stall_for_tests(rank());
   std::vector<uint8_t*> parts(static_cast<size_t>(size()));
   for (int32_t q = 0; q < size(); ++q) parts[static_cast<size_t>(q)] = region_part(placement.spot.region, q);
   auto base = [&](int32_t q) { return parts[static_cast<size_t>(q)]; };
@@ -357,7 +405,6 @@ void ShmBackend::all_reduce_in_region(Call& o, const RegionPlacement& placement,
   // Every part is everywhere once every rank has pushed its own.
   arrive_and_wait(o);
   next_round();
-  ++calls_in_regions_;
 }
 
 }  // namespace dparallel::dist::shm
