@@ -10,7 +10,10 @@
 # Fails if a step fails, or if a GPU test skipped for a reason other than
 # needing more GPUs than this machine has. Never run in CI (no GPU there).
 #   DP_GPU_BUILD=DIR      check that existing build (CUDA and NCCL on, built for
-#                         these GPUs) instead: nothing installed or built
+#                         these GPUs) instead: nothing installed or built. A
+#                         build made on another machine at the same path needs
+#                         `ctest -N` run there after its last build: ctest
+#                         lists the tests with that machine's CMake modules
 #   DP_GPU_SANITIZERS=... the compute-sanitizer tools to run (default: memcheck
 #                         racecheck synccheck)
 set -eu
