@@ -215,7 +215,11 @@ DP_API dp_status dp_pg_all_gather(dp_process_group *pg, const dp_tensor *input, 
 DP_API dp_status dp_pg_reduce_scatter(dp_process_group *pg, const dp_tensor *const *inputs,
                                       size_t ninputs /* = world size */, dp_tensor *output, int32_t op);
 DP_API dp_status dp_pg_barrier(dp_process_group *pg);
-/* The collective's status (and message) once it has finished. */
+/* The collective's status (and message) once it has finished. An _async
+ * call starts after the work queued so far on the calling thread's current
+ * stream, as every call does, but its results are ordered only by this wait
+ * (or dp_work_test saying done), as with PyTorch's async_op: work the host
+ * queues on a stream before then may see them unfinished. */
 DP_API dp_status dp_work_wait(dp_work *work);
 /* *done = 1 once finished (then dp_work_wait returns at once), else 0. */
 DP_API dp_status dp_work_test(dp_work *work, int *done);
