@@ -319,7 +319,7 @@ void ShmBackend::detach_own_part(uint64_t region) noexcept {
   own = it->first;
   part = it->second.part;
   std::unique_ptr<uint8_t[]> kept(new (std::nothrow) uint8_t[part]);
-  if (kept == nullptr) return;  // stays shared, as documented for this case
+  if (kept == nullptr) return;  // no memory for a copy: the part stays shared
   std::memcpy(kept.get(), own, part);
   // Parts start on pages of their own: only this rank's pages change.
   if (::mmap(own, part, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == MAP_FAILED) return;
