@@ -276,8 +276,17 @@ void Reducer::create_gradient_region() {
   size_t bytes = 0;
   for (const Managed& m : params_) bytes = align_to(bytes, m.parameter->value().element_size()) + m.nbytes;
   if (bytes == 0) return;
-  // Held by the gradients' views alone: unused (every gradient already
-  // existed, a dp_ddp created again over the module), it goes at once.
+  // Only where some rank has a gradient to place: a dp_ddp made again over
+  // a module whose gradients all exist would make a region and free it at
+  // once (a collective, and a peak of the gradients' size).
+  Tensor wanted = Tensor::empty(DType::kUInt8, {1}, group_->device());
+  *static_cast<uint8_t*>(wanted.data()) = std::any_of(params_.begin(), params_.end(), [](const Managed& m) {
+    return m.nbytes > 0 && !m.parameter->grad_if_allocated().defined();
+  });
+  group_->all_reduce(wanted, dist::ReduceOp::kMax, false);
+  if (*static_cast<const uint8_t*>(wanted.data()) == 0) return;
+  // Held by the gradients' views alone: what no rank places here goes with
+  // the region once the last view does.
   std::string why;
   std::shared_ptr<Storage> storage = group_->create_region_storage(bytes, &why);
   if (debug_ != DebugLevel::kOff && !why.empty()) {

@@ -404,6 +404,40 @@ TEST_P(DdpSharedGradients, AreAveragedExactlyWhereverEachRanksGradientsLie) {
       });
 }
 
+// A dp_ddp made again over a module whose gradients all exist (the first
+// one's, in its region) makes no second region, which no rank would place a
+// gradient in: with DP_DEBUG each rank reports one region, the first
+// dp_ddp's, and training stays exact.
+TEST(DdpSharedGradients, ASecondDdpOverGradientsThatAllExistMakesNoRegion) {
+  dptest::RankOptions options;
+  options.backend = DP_BACKEND_SHM;
+  const int64_t n = 100000;  // 400 KB of gradients per rank
+  ::setenv("DP_DEBUG", "INFO", 1);
+  testing::internal::CaptureStderr();
+  dptest::run_thread_ranks("ddp_second_", 2, options, [&](int rank, dp_process_group* pg) {
+    dptest::ModulePtr m = dptest::new_module();
+    TensorPtr t = make<float>({n}, std::vector<float>(static_cast<size_t>(n), 1.0f));
+    ASSERT_EQ(dp_module_register_parameter(m.get(), "w", t.get(), 1), DP_OK) << dp_last_error();
+    dp_ddp* raw = nullptr;
+    ASSERT_EQ(dp_ddp_create(&raw, m.get(), pg, nullptr), DP_OK) << dp_last_error();
+    dp_ddp_destroy(raw);
+    ASSERT_EQ(dp_ddp_create(&raw, m.get(), pg, nullptr), DP_OK) << dp_last_error();
+    DdpPtr ddp(raw);
+    set_grad(m.get(), "w", static_cast<float>(rank + 1));
+    ASSERT_EQ(dp_ddp_mark_grad_ready(ddp.get(), "w"), DP_OK) << dp_last_error();
+    ASSERT_EQ(dp_ddp_finish_backward(ddp.get()), DP_OK) << dp_last_error();
+    EXPECT_EQ(grad_of(m.get(), "w"), std::vector<float>(static_cast<size_t>(n), 1.5f));
+  });
+  const std::string log = testing::internal::GetCapturedStderr();
+  ::unsetenv("DP_DEBUG");
+  size_t regions = 0;
+  for (size_t at = log.find("in a shared region"); at != std::string::npos;
+       at = log.find("in a shared region", at + 1)) {
+    ++regions;
+  }
+  EXPECT_EQ(regions, 2u) << log;
+}
+
 // A host that swaps two gradients through dp_module_grad handles (each
 // handle follows its parameter, so the swap leaves both on one memory), or
 // sets a gradient over another parameter's value, would have that memory
