@@ -5,7 +5,6 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
-#include <tuple>
 
 #include "comm/comm.h"
 #include "core/device_runtime.h"
@@ -853,14 +852,7 @@ void Reducer::refuse_rest_locked(std::unique_lock<std::mutex>& lock, const std::
 void Reducer::check_memory_apart_locked() {
   const uint64_t assignments = Parameter::assignments();
   if (assignments == apart_at_) return;
-  struct Span {
-    Device device;
-    const char* start;
-    size_t nbytes;
-    size_t param;
-    bool grad;
-  };
-  std::vector<Span> spans;
+  std::vector<MemorySpan> spans;
   spans.reserve(2 * params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     if (params_[i].nbytes == 0) continue;
@@ -869,23 +861,18 @@ void Reducer::check_memory_apart_locked() {
     Tensor grad = params_[i].parameter->grad_if_allocated();
     if (grad.defined()) spans.push_back({grad.device(), static_cast<const char*>(grad.data()), grad.nbytes(), i, true});
   }
-  auto key = [](const Span& s) { return std::make_tuple(s.device.type, s.device.index, s.start); };
-  std::sort(spans.begin(), spans.end(), [&](const Span& a, const Span& b) { return key(a) < key(b); });
-  for (size_t k = 1; k < spans.size(); ++k) {
-    const Span& a = spans[k - 1];
-    const Span& b = spans[k];
-    if (!(a.device == b.device) || a.start + a.nbytes <= b.start) continue;
-    if (!a.grad && !b.grad) continue;  // values: checked at create, tied weights allowed
-    auto what = [&](const Span& s) {
-      return str_cat(s.grad ? "the gradient" : "the value", " of parameter '", params_[s.param].name, "'");
-    };
-    memory_departure_ =
-        str_cat("rank ", group_->rank(), ": ", what(a), " and ", what(b),
-                " share memory (a gradient set with dp_module_set_grad); each managed parameter needs a gradient of "
-                "its own, apart from every other gradient and value");
+  // Values alone were checked at create (tied weights are one parameter).
+  const auto pair = first_overlap(spans, false);
+  if (!pair) {
+    apart_at_ = assignments;
     return;
   }
-  apart_at_ = assignments;
+  auto what = [&](const MemorySpan& s) {
+    return str_cat(s.grad ? "the gradient" : "the value", " of parameter '", params_[s.param].name, "'");
+  };
+  memory_departure_ = str_cat("rank ", group_->rank(), ": ", what(pair->first), " and ", what(pair->second),
+                              " share memory (a gradient set with dp_module_set_grad); each managed parameter needs "
+                              "a gradient of its own, apart from every other gradient and value");
 }
 
 void Reducer::premark_static_unused_locked() {

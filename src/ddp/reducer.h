@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -159,6 +160,18 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
   void create_bucket_region();
   void create_gradient_region();
   void check_no_overlap() const;
+  // Memory a parameter's value or gradient covers.
+  struct MemorySpan {
+    Device device;
+    const char* start;
+    size_t nbytes;
+    size_t param;
+    bool grad;
+  };
+  // Two of `spans` (sorted here) that overlap, at least one a gradient
+  // unless `values_too`; none when they lie apart.
+  static std::optional<std::pair<MemorySpan, MemorySpan>> first_overlap(std::vector<MemorySpan>& spans,
+                                                                        bool values_too);
   std::vector<std::string> describe_for_agreement(const Setup& setup) const;
   void register_managed();
   void unregister_managed();

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "comm/comm.h"
 #include "core/error.h"
@@ -179,21 +180,34 @@ Reducer::Setup Reducer::collect_managed() {
 // Two parameters over one memory are one parameter (a tied weight); two
 // that overlap only in part would have their gradients summed twice.
 void Reducer::check_no_overlap() const {
-  std::vector<std::pair<const char*, size_t>> spans;  // start, index
+  std::vector<MemorySpan> spans;
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (params_[i].nbytes > 0) spans.emplace_back(static_cast<const char*>(params_[i].parameter->value().data()), i);
+    const Tensor& value = params_[i].parameter->value();
+    if (params_[i].nbytes > 0)
+      spans.push_back({value.device(), static_cast<const char*>(value.data()), params_[i].nbytes, i, false});
   }
-  std::sort(spans.begin(), spans.end());
-  for (size_t k = 1; k < spans.size(); ++k) {
-    const auto& [start, before] = spans[k - 1];
-    if (start + params_[before].nbytes <= spans[k].first) continue;
-    const Managed& a = params_[before];
-    const Managed& b = params_[spans[k].second];
+  if (auto pair = first_overlap(spans, true)) {
+    const Managed& a = params_[pair->first.param];
+    const Managed& b = params_[pair->second.param];
     fail_invalid("parameters '", a.name, "' (", a.parameter->value().describe(), ") and '", b.name, "' (",
                  b.parameter->value().describe(),
                  ") overlap in memory but are not the same tensor; tie a weight by registering one tensor (or "
                  "handles over the same memory, dtype and shape, which count as one parameter)");
   }
+}
+
+std::optional<std::pair<Reducer::MemorySpan, Reducer::MemorySpan>> Reducer::first_overlap(
+    std::vector<MemorySpan>& spans, bool values_too) {
+  auto key = [](const MemorySpan& s) { return std::make_tuple(s.device.type, s.device.index, s.start); };
+  std::sort(spans.begin(), spans.end(), [&](const MemorySpan& a, const MemorySpan& b) { return key(a) < key(b); });
+  // Sorted by start, any overlap shows between neighbours.
+  for (size_t k = 1; k < spans.size(); ++k) {
+    const MemorySpan& a = spans[k - 1];
+    const MemorySpan& b = spans[k];
+    if (!(a.device == b.device) || a.start + a.nbytes <= b.start) continue;
+    if (values_too || a.grad || b.grad) return std::make_pair(a, b);
+  }
+  return std::nullopt;
 }
 
 bool Reducer::is_managed(const Parameter* parameter) {

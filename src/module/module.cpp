@@ -124,7 +124,6 @@ void Parameter::set_value(const Tensor& value) {
     if (slot.expired()) slot = weak_from_this();
   }
   value_ = value;
-  g_assignments.fetch_add(1, std::memory_order_acq_rel);
 }
 
 std::shared_ptr<ParameterSharding> Parameter::sharding() const {

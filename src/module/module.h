@@ -62,8 +62,9 @@ class Parameter : public std::enable_shared_from_this<Parameter> {
   // DDP reducer's bucket views.
   void set_grad(const Tensor& grad);
   void zero_grad();
-  // Counts every set_grad and set_value of any parameter: a reducer checks
-  // again that its parameters' memory lies apart only after it moves.
+  // Counts every set_grad of a gradient, on any parameter: a reducer checks
+  // again that its parameters' memory lies apart only after one moves
+  // (set_value moves only values a dp_fsdp holds, which no reducer does).
   static uint64_t assignments();
 
  private:
