@@ -94,8 +94,10 @@ dp_status dp_fsdp_create(dp_fsdp** out, dp_module* module, dp_process_group* pg,
 dp_status dp_fsdp_unshard(dp_fsdp* fsdp, int async) {
   DP_API_BEGIN
   fsdp::FullyShard& f = changing_fsdp_arg(fsdp);
-  StreamOrder order({f.group()->device()});
-  f.unshard(async != 0);
+  // The job's work follows the host's stream when it starts; the library
+  // stream does not wait for it meanwhile (StreamOrder::kDeferred).
+  StreamOrder order({f.group()->device()}, StreamOrder::HostWait::kDeferred);
+  f.unshard(async != 0, order.take_deferred());
   order.finish();
   DP_API_END
 }
@@ -103,7 +105,8 @@ dp_status dp_fsdp_unshard(dp_fsdp* fsdp, int async) {
 dp_status dp_fsdp_wait_unshard(dp_fsdp* fsdp) {
   DP_API_BEGIN
   fsdp::FullyShard& f = changing_fsdp_arg(fsdp);
-  StreamOrder order({f.group()->device()});
+  // No work of its own on the host's tensors: only the host's stream waits.
+  StreamOrder order({f.group()->device()}, StreamOrder::HostWait::kDeferred);
   f.wait_unshard();
   order.finish();
   DP_API_END
@@ -112,7 +115,8 @@ dp_status dp_fsdp_wait_unshard(dp_fsdp* fsdp) {
 dp_status dp_fsdp_reshard(dp_fsdp* fsdp) {
   DP_API_BEGIN
   fsdp::FullyShard& f = changing_fsdp_arg(fsdp);
-  StreamOrder order({f.group()->device()});
+  // No work of its own on the host's tensors: only the host's stream waits.
+  StreamOrder order({f.group()->device()}, StreamOrder::HostWait::kDeferred);
   f.reshard();
   order.finish();
   DP_API_END
@@ -121,8 +125,8 @@ dp_status dp_fsdp_reshard(dp_fsdp* fsdp) {
 dp_status dp_fsdp_post_backward(dp_fsdp* fsdp) {
   DP_API_BEGIN
   fsdp::FullyShard& f = changing_fsdp_arg(fsdp);
-  StreamOrder order({f.group()->device()});
-  f.post_backward();
+  StreamOrder order({f.group()->device()}, StreamOrder::HostWait::kDeferred);
+  f.post_backward(order.take_deferred());
   order.finish();
   DP_API_END
 }
@@ -130,7 +134,8 @@ dp_status dp_fsdp_post_backward(dp_fsdp* fsdp) {
 dp_status dp_fsdp_finish_backward(dp_fsdp* fsdp) {
   DP_API_BEGIN
   fsdp::FullyShard& f = changing_fsdp_arg(fsdp);
-  StreamOrder order({f.group()->device()});
+  // No work of its own on the host's tensors: only the host's stream waits.
+  StreamOrder order({f.group()->device()}, StreamOrder::HostWait::kDeferred);
   f.finish_backward();
   order.finish();
   DP_API_END

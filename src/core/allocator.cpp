@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -134,15 +135,26 @@ void free_now(const Device& device, void* data, size_t nbytes) noexcept {
   registry().of(device).release_block(data, block_size(device, nbytes));
 }
 
-// Blocks freed while a host stream may still use them: each is released once
-// an event recorded on that stream at the free has completed, so the next
-// owner never writes what a queued kernel of the last one still reads.
+// The events a freed block waits for: one on the freeing thread's stream,
+// and one on the library stream where the device queues library work.
+struct Passed {
+  std::optional<Event> host, library;
+  bool query() const { return (!host || host->query()) && (!library || library->query()); }
+  void synchronize() const {
+    if (host) host->synchronize();
+    if (library) library->synchronize();
+  }
+};
+
+// Blocks freed while a stream may still use them: each is released once
+// the events recorded at the free have completed, so the next owner never
+// writes what a queued kernel of the last one still reads.
 class PendingFrees {
  public:
   // Holds no more than this many blocks before waiting for the oldest.
   static constexpr size_t kLimit = 4096;
 
-  void add(const Device& device, void* data, size_t nbytes, Event passed) {
+  void add(const Device& device, void* data, size_t nbytes, Passed passed) {
     std::deque<Block> due;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -179,7 +191,7 @@ class PendingFrees {
     Device device;
     void* data;
     size_t nbytes;
-    Event passed;
+    Passed passed;
   };
 
   void take_passed_locked(std::deque<Block>& due) {
@@ -280,8 +292,17 @@ void device_free(const Device& device, void* data, size_t nbytes) noexcept {
   const DeviceRuntime* runtime = find_device_runtime(device.type);
   if (runtime != nullptr && (stream != nullptr || runtime->default_stream_is_queued())) {
     try {
-      Event passed(device);
-      passed.record(stream);
+      Passed passed;
+      passed.host.emplace(device);
+      passed.host->record(stream);
+      // The library's queued work (LibraryWorkStaysQueued) may still use it too.
+      if (runtime->library_work_is_queued()) {
+        void* library = runtime->library_stream(device.index);
+        if (library != stream) {
+          passed.library.emplace(device);
+          passed.library->record(library);
+        }
+      }
       pending_frees().add(device, data, nbytes, std::move(passed));
       return;
     } catch (...) {

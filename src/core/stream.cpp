@@ -13,6 +13,7 @@ namespace dparallel {
 namespace {
 
 thread_local CurrentStreams t_current;
+thread_local bool t_library_work_stays_queued = false;
 
 }  // namespace
 
@@ -73,6 +74,14 @@ bool Event::query() const { return device_runtime(device_.type).event_query(hand
 
 void Event::synchronize() const { device_runtime(device_.type).event_synchronize(handle_); }
 
+LibraryWorkStaysQueued::LibraryWorkStaysQueued() : previous_(t_library_work_stays_queued) {
+  t_library_work_stays_queued = true;
+}
+
+LibraryWorkStaysQueued::~LibraryWorkStaysQueued() { t_library_work_stays_queued = previous_; }
+
+bool library_work_stays_queued() { return t_library_work_stays_queued; }
+
 bool skipping_stream_waits_for_tests() {
   static const bool skip = [] {
     const char* text = std::getenv("DP_TEST_SKIP_STREAM_WAIT");
@@ -95,7 +104,7 @@ std::optional<Event> host_work_event(const Device& device, void* host_stream) {
 
 }  // namespace
 
-StreamOrder::StreamOrder(const std::vector<Device>& devices) {
+StreamOrder::StreamOrder(const std::vector<Device>& devices, HostWait host_wait) {
   for (const Device& device : devices) {
     bool seen = std::any_of(entries_.begin(), entries_.end(), [&](const Entry& e) { return e.device == device; });
     if (seen) continue;
@@ -104,7 +113,9 @@ StreamOrder::StreamOrder(const std::vector<Device>& devices) {
     std::optional<Event> ready = host_work_event(device, host_stream);
     if (!ready) continue;
     const DeviceRuntime& runtime = device_runtime(device.type);
-    if (runtime.library_work_is_queued()) {
+    if (runtime.library_work_is_queued() && host_wait == HostWait::kDeferred) {
+      deferred_.push_back(std::move(*ready));
+    } else if (runtime.library_work_is_queued()) {
       ready->block(runtime.library_stream(device.index));
     } else {
       ready->synchronize();  // the library's work for this device runs on this thread
@@ -114,6 +125,10 @@ StreamOrder::StreamOrder(const std::vector<Device>& devices) {
 
 void StreamOrder::also_order(const Device& device, void* stream) {
   if (std::optional<Event> ready = host_work_event(device, current_stream(device))) ready->block(stream);
+}
+
+void library_streams_wait(const std::vector<Event>& host_ready) {
+  for (const Event& e : host_ready) e.block(device_runtime(e.device().type).library_stream(e.device().index));
 }
 
 void StreamOrder::finish() {

@@ -66,13 +66,21 @@ class Event {
 // stream is set). Devices may repeat.
 class StreamOrder {
  public:
-  explicit StreamOrder(const std::vector<Device>& devices);
+  // kDeferred: on devices that queue the library's work, the library stream
+  // does not wait for the host's streams here; the events are kept for the
+  // caller (take_deferred) to hand to the work that reads the host's
+  // tensors, so that the library's other work meanwhile never waits for the
+  // host's (a dp_fsdp job makes the library stream wait when it starts).
+  enum class HostWait { kNow, kDeferred };
+  explicit StreamOrder(const std::vector<Device>& devices, HostWait host_wait = HostWait::kNow);
   StreamOrder(const StreamOrder&) = delete;
   StreamOrder& operator=(const StreamOrder&) = delete;
 
   // Makes `stream` of `device` (a stream of the library's other than the
   // library stream, e.g. a process group's) wait for the host's work too.
   void also_order(const Device& device, void* stream);
+  // The host's events a kDeferred order kept (empty otherwise).
+  std::vector<Event> take_deferred() { return std::move(deferred_); }
   void finish();
 
  private:
@@ -81,7 +89,32 @@ class StreamOrder {
     void* host_stream;  // the current stream, nullptr when none is set
   };
   std::vector<Entry> entries_;
+  std::vector<Event> deferred_;
 };
+
+// Makes the library stream of each event's device wait for it (the events
+// of a kDeferred StreamOrder, at the start of the work they order).
+void library_streams_wait(const std::vector<Event>& host_ready);
+
+// While it lives, the library's device-only work queued by this thread
+// (copies within one device, fills, kernels, allocations) on devices that
+// queue it (DeviceRuntime::library_work_is_queued) returns without waiting
+// for the library stream; copies to or from the host still wait. Whatever
+// uses the results later follows the library stream: a StreamOrder's
+// finish, an event, or the allocator, whose frees follow that stream.
+class LibraryWorkStaysQueued {
+ public:
+  LibraryWorkStaysQueued();
+  ~LibraryWorkStaysQueued();
+  LibraryWorkStaysQueued(const LibraryWorkStaysQueued&) = delete;
+  LibraryWorkStaysQueued& operator=(const LibraryWorkStaysQueued&) = delete;
+
+ private:
+  bool previous_;
+};
+// Whether a LibraryWorkStaysQueued scope is open on this thread (the device
+// runtimes ask before waiting for their library stream).
+bool library_work_stays_queued();
 
 // The test-only switch DP_TEST_SKIP_STREAM_WAIT=1 drops the wait for the
 // host's stream at every call's start, so a test can show the asynchronous

@@ -5,6 +5,18 @@
 
 namespace dparallel::dist {
 
+namespace {
+
+thread_local bool t_queued_transfers = false;
+
+}  // namespace
+
+QueuedTransfers::QueuedTransfers() : previous_(t_queued_transfers) { t_queued_transfers = true; }
+
+QueuedTransfers::~QueuedTransfers() { t_queued_transfers = previous_; }
+
+bool QueuedTransfers::active() { return t_queued_transfers; }
+
 void Backend::all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op) {
   if (tensors.size() == 1) return all_reduce(tensors[0], op);
   int64_t numel = comm::total_numel(tensors);

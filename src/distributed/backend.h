@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/stream.h"
 #include "core/tensor.h"
 #include "distributed/call_header.h"
 #include "distributed/collective.h"
@@ -23,6 +24,29 @@
 #include "distributed/store/store.h"
 
 namespace dparallel::dist {
+
+// While it lives on this thread, the collectives the thread runs on a
+// backend with a transfer stream of its own (NCCL) return once their
+// transfer is queued: that stream first follows the library stream's work
+// so far, and the library stream then follows the transfer, so whatever
+// follows the library stream (the host's stream at a call's
+// StreamOrder::finish, the allocator's frees) sees the result. A queued
+// transfer that fails later (a peer gone, its deadline passed) aborts the
+// communicator and breaks the group, so the next call reports it. The
+// library's own work stays queued meanwhile (LibraryWorkStaysQueued). The
+// dp_fsdp lane jobs open it; other backends ignore it.
+class QueuedTransfers {
+ public:
+  QueuedTransfers();
+  ~QueuedTransfers();
+  QueuedTransfers(const QueuedTransfers&) = delete;
+  QueuedTransfers& operator=(const QueuedTransfers&) = delete;
+  static bool active();
+
+ private:
+  LibraryWorkStaysQueued library_;
+  bool previous_;
+};
 
 // One collective as the front tracks it for every backend.
 struct Call {

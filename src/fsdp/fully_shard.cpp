@@ -402,13 +402,14 @@ void FullyShard::reshard_locked() {
   state_ = State::kResharded;
 }
 
-void FullyShard::unshard(bool async) {
+void FullyShard::unshard(bool async, std::vector<Event> host_ready) {
   std::lock_guard<std::mutex> host(host_mutex_);
   std::unique_lock<std::mutex> lock(mutex_);
   check_usable_locked();
   if (state_ == State::kResharded) {
     ddp::JobSpec spec;
     spec.item = CallItem::kUnshard;
+    unshard_ready_ = std::move(host_ready);
     if (!params_.empty()) issue_locked(spec, unshard_job_);
     state_ = State::kUnsharding;
     unsharded_since_post_ = true;
@@ -452,7 +453,7 @@ void FullyShard::reshard() {
   if (state_ == State::kUnsharded) reshard_locked();
 }
 
-void FullyShard::post_backward() {
+void FullyShard::post_backward(std::vector<Event> host_ready) {
   std::lock_guard<std::mutex> host(host_mutex_);
   std::unique_lock<std::mutex> lock(mutex_);
   check_usable_locked();
@@ -483,6 +484,7 @@ void FullyShard::post_backward() {
     if (m.reduced) m.parameter->set_grad(Tensor());
   }
   post_grads_ = std::move(grads);
+  post_ready_ = std::move(host_ready);
   ddp::JobSpec spec;
   spec.item = CallItem::kPostBackward;
   issue_locked(spec, post_job_);
@@ -535,6 +537,16 @@ ddp::JobResult FullyShard::run_job(const ddp::JobSpec& spec) {
   ddp::JobResult result;
   result.start = Clock::now();
   try {
+    // On NCCL the job returns once its collectives are queued: the host's
+    // stream follows them through the library stream (the call's
+    // StreamOrder), and the host waits on events only.
+    dist::QueuedTransfers queued;
+    std::vector<Event> host_ready;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      host_ready = std::move(spec.item == CallItem::kUnshard ? unshard_ready_ : post_ready_);
+    }
+    library_streams_wait(host_ready);
     if (spec.item == CallItem::kUnshard) {
       std::vector<Tensor> full = gather_shards(true);
       std::lock_guard<std::mutex> lock(mutex_);

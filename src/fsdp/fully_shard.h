@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "core/stream.h"
 #include "core/tensor.h"
 #include "ddp/comm_lane.h"
 #include "distributed/process_group.h"
@@ -70,10 +71,12 @@ class FullyShard final : public ddp::LaneOwner,
   // thrown after everything is released.
   void close();
 
-  void unshard(bool async);
+  // `host_ready`: where the device queues the library's work, the host's
+  // stream events (StreamOrder::kDeferred) the job's work follows.
+  void unshard(bool async, std::vector<Event> host_ready = {});
   void wait_unshard();
   void reshard();
-  void post_backward();
+  void post_backward(std::vector<Event> host_ready = {});
   void finish_backward();
   void set_requires_gradient_sync(bool requires_sync);
 
@@ -191,6 +194,8 @@ class FullyShard final : public ddp::LaneOwner,
   std::string broken_why_;
   uint32_t iteration_ = 0;
   Pending unshard_job_, post_job_;
+  // The host's stream events each issued job's work follows (taken by the job).
+  std::vector<Event> unshard_ready_, post_ready_;
   std::vector<Tensor> gathered_;    // the unshard job's full parameters
   std::vector<Tensor> post_grads_;  // the post_backward job's full gradients
 };

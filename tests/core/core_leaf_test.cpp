@@ -13,6 +13,7 @@
 #include "core/device_runtime.h"
 #include "core/device_worker.h"
 #include "core/error.h"
+#include "core/stream.h"
 #include "core/tensor.h"
 
 using namespace dparallel;
@@ -79,6 +80,56 @@ class RecordingRuntime final : public DeviceRuntime {
   mutable std::atomic<int> allocations{0}, deallocations{0}, fills{0}, copies{0}, last_set_device{-1};
 };
 
+// Host memory behind a device that queues the library's work: events
+// recorded on the library stream while it is busy complete only when the
+// test finishes that work (finish_library_work).
+class QueuedLibraryRuntime final : public DeviceRuntime {
+ public:
+  int32_t device_count() const override { return 1; }
+  const char* unavailable_reason() const override { return ""; }
+  void set_device(int32_t) const override {}
+  Allocation allocate(int32_t, size_t nbytes) const override {
+    ++allocations;
+    return {std::malloc(nbytes), false};
+  }
+  void deallocate(int32_t, void* data, size_t) const noexcept override { std::free(data); }
+  void fill_zero(int32_t, void* data, size_t nbytes) const override { std::memset(data, 0, nbytes); }
+  void copy_rows(void*, const Device&, size_t, const void*, const Device&, size_t, size_t, size_t) const override {}
+  bool library_work_is_queued() const override { return true; }
+  bool default_stream_is_queued() const override { return true; }
+  void* library_stream(int32_t) const override { return const_cast<int*>(&library_); }
+  void* create_stream(int32_t) const override { return nullptr; }
+  void check_stream(int32_t, void*, const char*) const override {}
+  void destroy_stream(int32_t, void*) const noexcept override {}
+  void stream_synchronize(int32_t, void*) const override {}
+  void launch_host_func(int32_t, void*, std::function<void()> fn) const override { fn(); }
+  // An event holds the library work's generation it waits for, or -1.
+  void* create_event(int32_t) const override { return new int(-1); }
+  void destroy_event(void* event) const noexcept override { delete static_cast<int*>(event); }
+  void record_event(void* event, int32_t, void* stream) const override {
+    *static_cast<int*>(event) = stream == &library_ && library_busy ? finished.load() + 1 : -1;
+  }
+  void stream_wait_event(int32_t, void* stream, void*) const override {
+    if (stream == &library_) ++library_waits;
+  }
+  bool event_query(void* event) const override { return *static_cast<int*>(event) <= finished.load(); }
+  void event_synchronize(void* event) const override {
+    EXPECT_TRUE(event_query(event)) << "a wait for library work nobody finishes";
+  }
+
+  void finish_library_work() {
+    library_busy = false;
+    ++finished;
+  }
+
+  mutable std::atomic<int> allocations{0}, library_waits{0};
+  std::atomic<bool> library_busy{false};
+  std::atomic<int> finished{0};
+
+ private:
+  int library_ = 0;
+};
+
 }  // namespace
 
 TEST(CoreWithoutBackends, EveryDeviceTypeIsAClearDeviceErrorWithoutARuntime) {
@@ -123,4 +174,52 @@ TEST(CoreWithoutBackends, TheRegisteredRuntimeAllocatesCopiesFillsAndSetsTheDevi
   EXPECT_EQ(runtime.last_set_device.load(), 1);
   register_device_runtime(DeviceType::kCuda, nullptr);
   EXPECT_EQ(find_device_runtime(DeviceType::kCuda), nullptr);
+}
+
+TEST(CoreWithoutBackends, AFreedBlockIsNotReusedBeforeTheLibraryStreamPassedIt) {
+  static QueuedLibraryRuntime runtime;  // outlives the registration
+  register_device_runtime(DeviceType::kCuda, &runtime);
+  const Device gpu{DeviceType::kCuda, 0};
+  {
+    Tensor t = Tensor::empty(DType::kUInt8, {1 << 20}, gpu);
+    EXPECT_EQ(runtime.allocations.load(), 1);
+    runtime.library_busy = true;  // queued library work (LibraryWorkStaysQueued) still uses it
+  }
+  {
+    // The freeing thread has no stream of its own, so only the library
+    // stream's event holds the block back.
+    Tensor u = Tensor::empty(DType::kUInt8, {1 << 20}, gpu);
+    EXPECT_EQ(runtime.allocations.load(), 2) << "a block the library stream still uses was handed out again";
+  }
+  runtime.finish_library_work();
+  {
+    Tensor v = Tensor::empty(DType::kUInt8, {1 << 20}, gpu);
+    EXPECT_EQ(runtime.allocations.load(), 2) << "a passed block was not reused";
+  }
+  release_cached_memory();
+  register_device_runtime(DeviceType::kCuda, nullptr);
+}
+
+TEST(CoreWithoutBackends, ADeferredStreamOrderHandsTheHostsEventToTheCallerInsteadOfTheLibraryStream) {
+  static QueuedLibraryRuntime runtime;  // outlives the registration
+  register_device_runtime(DeviceType::kCuda, &runtime);
+  const Device gpu{DeviceType::kCuda, 0};
+  int host_stream = 0;
+  set_current_stream(gpu, &host_stream);
+  {
+    StreamOrder now({gpu});
+    EXPECT_EQ(runtime.library_waits.load(), 1);
+    EXPECT_TRUE(now.take_deferred().empty());
+  }
+  {
+    StreamOrder deferred({gpu}, StreamOrder::HostWait::kDeferred);
+    EXPECT_EQ(runtime.library_waits.load(), 1) << "the library stream waited for the host's at the call";
+    std::vector<Event> ready = deferred.take_deferred();
+    ASSERT_EQ(ready.size(), 1u);
+    EXPECT_EQ(ready[0].device(), gpu);
+    library_streams_wait(ready);  // where the work that reads the host's tensors starts
+    EXPECT_EQ(runtime.library_waits.load(), 2);
+  }
+  set_current_stream(gpu, nullptr);
+  register_device_runtime(DeviceType::kCuda, nullptr);
 }

@@ -7,8 +7,10 @@
 #include <cuda_runtime_api.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
+#include <future>
 #include <string>
 #include <thread>
 #include <vector>
@@ -315,3 +317,84 @@ TEST_F(CudaStreamOrder, AStreamUnderGraphCaptureIsRefusedAndTheHostsCaptureSurvi
 }
 
 }  // namespace
+
+// Holds a stream until the test opens it (at most two minutes, so that a
+// failing test cannot hang the stream for good).
+struct StreamGate {
+  std::atomic<bool> open{false};
+  static void hold(void* self) {
+    auto* gate = static_cast<StreamGate*>(self);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::minutes(2);
+    while (!gate->open.load() && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+};
+
+// dp_fsdp_unshard and post_backward + finish_backward return while the host's
+// stream is still held before the shard (and the gradient) it wrote: their
+// work is queued after that stream, and the stream sees their results.
+TEST_F(CudaStreamOrder, FsdpUnshardAndPostBackwardReturnWhileTheHostsStreamIsHeldAndItSeesTheirResults) {
+  dp_process_group* pg = nccl_group_of_one();
+  ASSERT_NE(pg, nullptr);
+  const int64_t rows = 64, cols = 256;
+  const size_t n = static_cast<size_t>(rows * cols);
+  dp_module* m = nullptr;
+  DP_ASSERT_OK(dp_module_create(&m));
+  TensorPtr w = make<float>({rows, cols}, std::vector<float>(n, 0.0f), cuda(0));
+  DP_ASSERT_OK(dp_module_register_parameter(m, "w", w.get(), 1));
+  dp_fsdp* f = nullptr;
+  DP_ASSERT_OK(dp_fsdp_create(&f, m, pg, nullptr));
+  dp_tensor* shard_handle = nullptr;
+  DP_ASSERT_OK(dp_fsdp_shard(f, 0, &shard_handle));
+  TensorPtr shard(shard_handle);
+
+  // The host's optimizer writes the shard on its stream, held before the write.
+  StreamGate first;
+  DP_ASSERT_OK(dp_stream_launch_host_func(cuda(0), stream_, StreamGate::hold, &first));
+  sources_.push_back(filled(n, 3.0f));
+  ASSERT_EQ(cudaMemcpyAsync(dp_tensor_data(shard.get()), sources_.back().data(), n * sizeof(float),
+                            cudaMemcpyHostToDevice, s()),
+            cudaSuccess);
+  // On a thread of its own, with the stream current there too; "" for DP_OK.
+  auto unshard = std::async(std::launch::async, [&] {
+    dp_status st = dp_set_current_stream(cuda(0), stream_);
+    if (st == DP_OK) st = dp_fsdp_unshard(f, 0);
+    return st == DP_OK ? std::string() : std::string(dp_last_error());
+  });
+  const bool returned = unshard.wait_for(std::chrono::seconds(60)) == std::future_status::ready;
+  first.open = true;
+  ASSERT_TRUE(returned) << "dp_fsdp_unshard waited for the host's held stream";
+  ASSERT_EQ(unshard.get(), "");
+  dp_tensor* full = nullptr;
+  DP_ASSERT_OK(dp_module_get_parameter(m, "w", &full));
+  TensorPtr full_owner(full);
+  EXPECT_EQ(read_on_stream(full), filled(n, 3.0f));
+
+  // The host's backward writes the full gradient on its held stream.
+  dp_tensor* g = nullptr;
+  DP_ASSERT_OK(dp_module_grad(m, "w", &g));
+  TensorPtr grad(g);
+  StreamGate second;
+  DP_ASSERT_OK(dp_stream_launch_host_func(cuda(0), stream_, StreamGate::hold, &second));
+  sources_.push_back(filled(n, 100.0f));
+  ASSERT_EQ(cudaMemcpyAsync(dp_tensor_data(g), sources_.back().data(), n * sizeof(float), cudaMemcpyHostToDevice, s()),
+            cudaSuccess);
+  auto backward = std::async(std::launch::async, [&] {
+    dp_status st = dp_set_current_stream(cuda(0), stream_);
+    if (st == DP_OK) st = dp_fsdp_post_backward(f);
+    if (st == DP_OK) st = dp_fsdp_finish_backward(f);
+    return st == DP_OK ? std::string() : std::string(dp_last_error());
+  });
+  const bool finished = backward.wait_for(std::chrono::seconds(60)) == std::future_status::ready;
+  second.open = true;
+  ASSERT_TRUE(finished) << "post_backward + finish_backward waited for the host's held stream";
+  ASSERT_EQ(backward.get(), "");
+  dp_tensor* shard_grad = nullptr;
+  DP_ASSERT_OK(dp_fsdp_shard_grad(f, 0, &shard_grad));
+  TensorPtr shard_grad_owner(shard_grad);
+  EXPECT_EQ(read_on_stream(shard_grad), filled(n, 100.0f));
+  dp_fsdp_destroy(f);
+  dp_module_destroy(m);
+  dp_process_group_destroy(pg);
+}

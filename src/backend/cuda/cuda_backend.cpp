@@ -170,8 +170,10 @@ class CudaRuntime final : public DeviceRuntime {
       // Stream-ordered: freeing it later never waits for the whole device.
       cudaStream_t stream = stream_of(index);
       status = cudaMallocAsync(&data, nbytes, stream);
-      if (status == cudaSuccess) {
-        status = cudaStreamSynchronize(stream);  // usable from any stream once this returns
+      // Usable from any stream once this returns; where the library's work
+      // stays queued, from the library stream and streams that follow it.
+      if (status == cudaSuccess && !library_work_stays_queued()) {
+        status = cudaStreamSynchronize(stream);
         if (status != cudaSuccess) cudaFreeAsync(data, stream);
       }
     } else {
@@ -207,7 +209,7 @@ class CudaRuntime final : public DeviceRuntime {
     DeviceGuard guard(index);
     cudaStream_t stream = stream_of(index);
     check(cudaMemsetAsync(data, 0, nbytes, stream), "cudaMemsetAsync");
-    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    finish_library_work(stream);
   }
 
   void copy_rows(void* dst, const Device& dst_device, size_t dst_pitch, const void* src, const Device& src_device,
@@ -237,7 +239,13 @@ class CudaRuntime final : public DeviceRuntime {
       check(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, kind_of(dst_device, src_device), stream),
             "cudaMemcpy2DAsync");
     }
-    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    // Host memory and the other GPU's library stream are not ordered after
+    // this stream: those copies are done when this returns.
+    if (dst_device.is_cuda() && src_device.is_cuda() && dst_device.index == src_device.index) {
+      finish_library_work(stream);
+    } else {
+      check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    }
   }
 
   bool library_work_is_queued() const override { return true; }

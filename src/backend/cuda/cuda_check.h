@@ -8,6 +8,7 @@
 
 #include "backend/cuda/device_switch.h"
 #include "core/error.h"
+#include "core/stream.h"
 
 namespace dparallel::cuda {
 
@@ -113,5 +114,11 @@ class DeviceGuard {
 
 // The stream dparallel uses on a device (created once, non-blocking).
 cudaStream_t stream_of(int32_t index);
+
+// The end of a device-only library operation queued on `stream`: it waits
+// for it unless a LibraryWorkStaysQueued scope is open on this thread.
+inline void finish_library_work(cudaStream_t stream) {
+  if (!library_work_stays_queued()) check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+}
 
 }  // namespace dparallel::cuda

@@ -244,7 +244,7 @@ void add_n(int32_t index, DType dtype, void* out, const void* const* inputs, siz
     launch(dtype, out, batch, n, numel, stream);
     check(cudaGetLastError(), "add kernel launch");
   }
-  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  finish_library_work(stream);
 }
 
 void batched_copy(int32_t index, const std::vector<Segment>& segments) {
@@ -266,7 +266,7 @@ void batched_copy(int32_t index, const std::vector<Segment>& segments) {
   }
   cudaFreeAsync(table, stream);
   check(status, "batched copy kernel");
-  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  finish_library_work(stream);
 }
 
 void cast(int32_t index, DType dst_dtype, void* dst, DType src_dtype, const void* src, size_t numel) {
@@ -280,7 +280,7 @@ void cast(int32_t index, DType dst_dtype, void* dst, DType src_dtype, const void
   });
   if (!known || !launched) fail_invalid("cuda cast: only floating dtypes convert");
   check(cudaGetLastError(), "cast kernel launch");
-  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  finish_library_work(stream);
 }
 
 void divide(int32_t index, DType dtype, void* data, size_t numel, int64_t divisor) {
@@ -292,7 +292,7 @@ void divide(int32_t index, DType dtype, void* data, size_t numel, int64_t diviso
   });
   if (!known) fail_invalid("cuda divide: only floating dtypes divide");
   check(cudaGetLastError(), "divide kernel launch");
-  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  finish_library_work(stream);
 }
 
 }  // namespace dparallel::cuda

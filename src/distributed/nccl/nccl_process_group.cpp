@@ -3,13 +3,19 @@
 // ncclCommGetAsyncError and aborts the communicator at the group's deadline,
 // so a dead peer is an error, not a hang. The headers the front checks
 // before each collective travel as an all-gather on the stream.
+// Inside QueuedTransfers a collective returns once queued, ordered between
+// the library stream's work by events; a watch thread polls its end event
+// and aborts the communicator at its deadline or an asynchronous error.
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
 #include <chrono>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <new>
 #include <thread>
+#include <vector>
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_check.h"
@@ -18,6 +24,7 @@
 #include "distributed/backend.h"
 #include "distributed/call_header.h"
 #include "distributed/nccl/nccl_ops.h"
+#include "distributed/nccl/queued_watch.h"
 
 namespace dparallel::dist {
 
@@ -28,6 +35,8 @@ using Clock = std::chrono::steady_clock;
 // The longest a destroy waits for a healthy communicator's finalize, as a
 // Gloo group waits for its peers to leave.
 constexpr Millis kFinalizeBound{5000};
+// How often the watch polls the queued collectives' end events.
+constexpr Millis kWatchPoll{10};
 
 class NcclBackend : public Backend {
  public:
@@ -56,6 +65,7 @@ class NcclBackend : public Backend {
                   "cudaMallocAsync");
       // Pinned, so that copies to and from it never block the host behind NCCL work.
       cuda::check(cudaMallocHost(&host_headers_, sizeof(CallHeader) * static_cast<size_t>(size())), "cudaMallocHost");
+      cuda::check(cudaEventCreateWithFlags(&library_ready_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
     } catch (...) {
       release();  // the destructor does not run for a constructor that throws
       throw;
@@ -65,7 +75,7 @@ class NcclBackend : public Backend {
     auto deadline = Clock::now() + timeout();
     ncclResult_t rc = ncclCommInitRankConfig(&comm_, size(), id, rank(), &config);
     try {
-      enqueue(rc, "ncclCommInitRankConfig", deadline, false);
+      check_enqueued(rc, "ncclCommInitRankConfig", deadline, false);
     } catch (...) {
       abort_comm();
       release();
@@ -86,21 +96,27 @@ class NcclBackend : public Backend {
     cuda::DeviceGuard guard(device().index);
     auto deadline = exchange(CallKind::kAllReduce, t.dtype(), t.numel(), op, -1, &t);
     // One rank: every op is the identity (see reduce_scatter), in place; the
-    // header swap waited for the stream.
+    // header swap waited for the stream (unless queued: nothing to follow).
     if (size() == 1) return;
-    enqueue(ncclAllReduce(t.data(), t.data(), static_cast<size_t>(t.numel()), cuda::nccl_type(t.dtype()),
-                          nccl::nccl_op(t.dtype(), op), comm_, stream_),
-            "ncclAllReduce", deadline, true);
-    wait_stream(deadline, true);
+    begin_transfer();
+    enqueue(
+        [&](ncclComm_t comm) {
+          return ncclAllReduce(t.data(), t.data(), static_cast<size_t>(t.numel()), cuda::nccl_type(t.dtype()),
+                               nccl::nccl_op(t.dtype(), op), comm, stream_);
+        },
+        "ncclAllReduce", deadline, true);
+    end_transfer(deadline);
   }
 
   void broadcast(const Tensor& t, int32_t root) override {
     cuda::DeviceGuard guard(device().index);
     auto deadline = exchange(CallKind::kBroadcast, t.dtype(), t.numel(), ReduceOp::kSum, root, &t);
     if (size() == 1) return;
-    enqueue(ncclBroadcast(t.data(), t.data(), t.nbytes(), ncclUint8, root, comm_, stream_), "ncclBroadcast", deadline,
-            true);
-    wait_stream(deadline, true);
+    begin_transfer();
+    enqueue(
+        [&](ncclComm_t comm) { return ncclBroadcast(t.data(), t.data(), t.nbytes(), ncclUint8, root, comm, stream_); },
+        "ncclBroadcast", deadline, true);
+    end_transfer(deadline);
   }
 
   void all_gather(const Tensor& input, const std::vector<Tensor>& outputs) override {
@@ -111,16 +127,22 @@ class NcclBackend : public Backend {
       copy_on_stream(outputs[0], input, deadline, "all_gather");
       return;
     }
-    // Before the exchange: running out of memory here fails this rank alone, in step.
-    uint8_t* flat = scratch(nbytes * static_cast<size_t>(size()), "all_gather");
+    // Outputs that lie back to back in rank order take the gather directly
+    // (in place where the input is this rank's output); others go through
+    // the scratch, allocated before the exchange: running out of memory
+    // there fails this rank alone, in step.
+    uint8_t* direct = back_to_back(outputs, input.data(), nbytes);
+    uint8_t* flat = direct != nullptr ? direct : scratch(nbytes * static_cast<size_t>(size()), "all_gather");
     auto deadline = exchange(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, &input);
-    enqueue(ncclAllGather(input.data(), flat, nbytes, ncclUint8, comm_, stream_), "ncclAllGather", deadline, true);
-    for (int32_t r = 0; r < size(); ++r) {
+    begin_transfer();
+    enqueue([&](ncclComm_t comm) { return ncclAllGather(input.data(), flat, nbytes, ncclUint8, comm, stream_); },
+            "ncclAllGather", deadline, true);
+    for (int32_t r = 0; r < size() && direct == nullptr; ++r) {
       check_cuda(cudaMemcpyAsync(outputs[r].data(), flat + nbytes * static_cast<size_t>(r), nbytes,
                                  cudaMemcpyDeviceToDevice, stream_),
                  "cudaMemcpyAsync");
     }
-    wait_stream(deadline, true);
+    end_transfer(deadline);
   }
 
   void reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override {
@@ -134,18 +156,26 @@ class NcclBackend : public Backend {
       copy_on_stream(output, inputs[0], deadline, "reduce_scatter");
       return;
     }
-    uint8_t* flat = scratch(nbytes * static_cast<size_t>(size()), "reduce_scatter");
+    // Inputs that lie back to back in rank order are reduced where they lie
+    // (in place where the output is this rank's input); others are copied
+    // into the scratch first.
+    uint8_t* direct = back_to_back(inputs, output.data(), nbytes);
+    uint8_t* flat = direct != nullptr ? direct : scratch(nbytes * static_cast<size_t>(size()), "reduce_scatter");
     auto deadline = exchange(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output);
-    for (int32_t r = 0; r < size(); ++r) {
+    begin_transfer();
+    for (int32_t r = 0; r < size() && direct == nullptr; ++r) {
       check_cuda(cudaMemcpyAsync(flat + nbytes * static_cast<size_t>(r), inputs[r].data(), nbytes,
                                  cudaMemcpyDeviceToDevice, stream_),
                  "cudaMemcpyAsync");
     }
     // recvcount is per rank: the output's element count.
-    enqueue(ncclReduceScatter(flat, output.data(), static_cast<size_t>(output.numel()), cuda::nccl_type(output.dtype()),
-                              nccl::nccl_op(output.dtype(), op), comm_, stream_),
-            "ncclReduceScatter", deadline, true);
-    wait_stream(deadline, true);
+    enqueue(
+        [&](ncclComm_t comm) {
+          return ncclReduceScatter(flat, output.data(), static_cast<size_t>(output.numel()),
+                                   cuda::nccl_type(output.dtype()), nccl::nccl_op(output.dtype(), op), comm, stream_);
+        },
+        "ncclReduceScatter", deadline, true);
+    end_transfer(deadline);
   }
 
   void barrier() override {
@@ -158,23 +188,28 @@ class NcclBackend : public Backend {
     cuda::DeviceGuard guard(device().index);
     current_ = call;
     in_call_ = true;
-    if (comm_ == nullptr) {
-      fail(StatusCode::kState, call_kind_name(call.header.kind), ": the NCCL communicator was aborted earlier");
+    bool aborted = false;
+    {
+      std::lock_guard<std::mutex> lock(comm_mutex_);
+      aborted = comm_ == nullptr;
     }
+    if (aborted) fail_aborted_by_watch();
     auto* all = static_cast<CallHeader*>(host_headers_);
     all[rank()] = call.header;
     if (size() == 1) {
       // Nobody to compare with; the wait keeps what a finished call means
-      // (the caller's stream, which this one follows, reached it).
-      wait_stream(call.deadline, false);
+      // (the caller's stream, which this one follows, reached it), except
+      // for a queued one, whose end the library stream follows instead.
+      if (!QueuedTransfers::active()) wait_stream(call.deadline, false);
       return;
     }
     auto* slot = static_cast<uint8_t*>(headers_) + sizeof(CallHeader) * static_cast<size_t>(rank());
     check_cuda(cudaMemcpyAsync(slot, &all[rank()], sizeof(CallHeader), cudaMemcpyHostToDevice, stream_),
                "cudaMemcpyAsync");
     // In place: this rank's slot of the gathered buffer is its send buffer.
-    enqueue(ncclAllGather(slot, headers_, sizeof(CallHeader), ncclUint8, comm_, stream_), "ncclAllGather",
-            call.deadline, false);
+    enqueue(
+        [&](ncclComm_t comm) { return ncclAllGather(slot, headers_, sizeof(CallHeader), ncclUint8, comm, stream_); },
+        "ncclAllGather", call.deadline, false);
     check_cuda(cudaMemcpyAsync(all, headers_, sizeof(CallHeader) * static_cast<size_t>(size()), cudaMemcpyDeviceToHost,
                                stream_),
                "cudaMemcpyAsync");
@@ -199,10 +234,26 @@ class NcclBackend : public Backend {
     cuda::check(rc, call);
   }
 
-  // A non-blocking communicator may return ncclInProgress while it is still
-  // taking a call in: nothing else may touch it or its stream until its state
-  // is ncclSuccess (NCCL's docs), so this waits for that, by the deadline.
-  void enqueue(ncclResult_t rc, const char* call, Clock::time_point deadline, bool exchanged) {
+  // Runs `nccl_call(comm)` on the communicator (under comm_mutex_: the
+  // watch may abort it meanwhile). A non-blocking communicator may return
+  // ncclInProgress while it is still taking a call in: nothing else may
+  // touch it or its stream until its state is ncclSuccess (NCCL's docs), so
+  // this waits for that, by the deadline.
+  template <typename NcclCall>
+  void enqueue(NcclCall&& nccl_call, const char* call, Clock::time_point deadline, bool exchanged) {
+    ncclResult_t rc = ncclSuccess;
+    {
+      std::unique_lock<std::mutex> lock(comm_mutex_);
+      if (comm_ == nullptr) {
+        lock.unlock();
+        fail_aborted_by_watch();
+      }
+      rc = nccl_call(comm_);
+    }
+    check_enqueued(rc, call, deadline, exchanged);
+  }
+
+  void check_enqueued(ncclResult_t rc, const char* call, Clock::time_point deadline, bool exchanged) {
     if (rc == ncclInProgress) {
       wait(deadline, false, exchanged);
     } else if (rc != ncclSuccess) {
@@ -215,11 +266,126 @@ class NcclBackend : public Backend {
   }
 
   void abort_comm() noexcept {
+    std::lock_guard<std::mutex> lock(comm_mutex_);
+    abort_comm_locked();
+  }
+  void abort_comm_locked() noexcept {
     if (comm_ != nullptr) ncclCommAbort(comm_);
     comm_ = nullptr;
   }
 
+  // Queued (QueuedTransfers): the group's stream first follows the library
+  // stream's work so far, which made the call's inputs and follows the
+  // host's stream from the call's start.
+  void begin_transfer() {
+    if (!QueuedTransfers::active()) return;
+    check_cuda(cudaEventRecord(library_ready_, cuda::stream_of(device().index)), "cudaEventRecord");
+    check_cuda(cudaStreamWaitEvent(stream_, library_ready_, 0), "cudaStreamWaitEvent");
+  }
+
+  // The end of a collective's transfer: waits for the stream, or, queued,
+  // makes the library stream follow an end event the watch polls.
+  void end_transfer(Clock::time_point deadline) {
+    if (!QueuedTransfers::active()) {
+      wait_stream(deadline, true);
+      return;
+    }
+    cudaEvent_t done = take_event();
+    cudaError_t rc = cudaEventRecord(done, stream_);
+    if (rc == cudaSuccess) rc = cudaStreamWaitEvent(cuda::stream_of(device().index), done, 0);
+    if (rc != cudaSuccess) {
+      release_event(done);
+      check_cuda(rc, "cudaEventRecord");
+    }
+    watch().add(done, deadline,
+                str_cat(call_kind_name(current_.header.kind), " #", current_.header.seq, " of ",
+                        describe_call(current_), " on rank ", rank(), " of ", size()));
+  }
+
+  cudaEvent_t take_event() {
+    {
+      std::lock_guard<std::mutex> lock(events_mutex_);
+      if (!spare_events_.empty()) {
+        cudaEvent_t event = spare_events_.back();
+        spare_events_.pop_back();
+        return event;
+      }
+    }
+    cudaEvent_t event = nullptr;
+    check_cuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    return event;
+  }
+  void release_event(cudaEvent_t event) noexcept {
+    std::lock_guard<std::mutex> lock(events_mutex_);
+    spare_events_.push_back(event);
+  }
+
+  QueuedWatch& watch() {
+    if (watch_ != nullptr) return *watch_;
+    QueuedWatch::Hooks hooks;
+    const int32_t index = device().index;
+    hooks.on_start = [index] {
+      if (cudaSetDevice(index) != cudaSuccess) cudaGetLastError();  // the queries then fail, and say why
+    };
+    hooks.query = [](void* event) {
+      cuda::RelaxedCapture relaxed;
+      cudaError_t rc = cudaEventQuery(static_cast<cudaEvent_t>(event));
+      if (rc == cudaSuccess) return QueuedWatch::kDone;
+      if (rc == cudaErrorNotReady) return QueuedWatch::kBusy;
+      cudaGetLastError();
+      return static_cast<int>(rc);
+    };
+    hooks.async_error = [this] {
+      std::lock_guard<std::mutex> lock(comm_mutex_);
+      if (comm_ == nullptr) return 0;
+      ncclResult_t state = ncclSuccess;
+      ncclResult_t rc = ncclCommGetAsyncError(comm_, &state);
+      if (rc != ncclSuccess) state = rc;
+      return state == ncclInProgress ? 0 : static_cast<int>(state);
+    };
+    hooks.release = [this](void* event) { release_event(static_cast<cudaEvent_t>(event)); };
+    hooks.on_failure = [this](const QueuedWatch::Failure& f) {
+      std::string cause;
+      switch (f.kind) {
+        case QueuedWatch::Failure::Kind::kTimeout:
+          cause = str_cat("did not finish within ", timeout().count(), " ms");
+          break;
+        case QueuedWatch::Failure::Kind::kAsyncError:
+          cause = str_cat("failed: ", nccl_error(static_cast<ncclResult_t>(f.code)));
+          break;
+        case QueuedWatch::Failure::Kind::kEventError:
+          cause = str_cat("failed on the device: ", cudaGetErrorString(static_cast<cudaError_t>(f.code)));
+          break;
+      }
+      std::string why = str_cat("nccl: the queued ", f.what, " ", cause, "; the communicator was aborted");
+      {
+        std::lock_guard<std::mutex> lock(comm_mutex_);
+        aborted_why_ = why;
+        abort_comm_locked();
+      }
+      mark_broken(why);
+    };
+    watch_ = std::make_unique<QueuedWatch>(std::move(hooks), kWatchPoll);
+    return *watch_;
+  }
+
   void wait_stream(Clock::time_point deadline, bool exchanged) { wait(deadline, true, exchanged); }
+
+  // The first of `parts` (one per rank, `nbytes` each) where they lie back
+  // to back in rank order and `other` (the collective's other buffer) is
+  // this rank's part or apart from them all: NCCL can use them in place.
+  // Null otherwise.
+  uint8_t* back_to_back(const std::vector<Tensor>& parts, const void* other, size_t nbytes) const {
+    auto* first = static_cast<uint8_t*>(parts[0].data());
+    const size_t ranks = static_cast<size_t>(size());
+    for (size_t r = 1; r < ranks; ++r) {
+      if (parts[r].data() != first + nbytes * r) return nullptr;
+    }
+    const auto* o = static_cast<const uint8_t*>(other);
+    const bool own_place = o == first + nbytes * static_cast<size_t>(rank());
+    if (!own_place && o < first + nbytes * ranks && first < o + nbytes) return nullptr;
+    return first;
+  }
 
   // A one-rank collective: the input's bytes into the output, on the stream;
   // through the scratch where the two overlap in part (a copy between
@@ -228,6 +394,7 @@ class NcclBackend : public Backend {
     auto* out = static_cast<uint8_t*>(output.data());
     const auto* in = static_cast<const uint8_t*>(input.data());
     const size_t nbytes = input.nbytes();
+    begin_transfer();
     if (out != in && nbytes > 0) {
       if (in < out + nbytes && out < in + nbytes) {
         uint8_t* flat = scratch(nbytes, op);
@@ -236,21 +403,33 @@ class NcclBackend : public Backend {
       }
       check_cuda(cudaMemcpyAsync(out, in, nbytes, cudaMemcpyDeviceToDevice, stream_), "cudaMemcpyAsync");
     }
-    wait_stream(deadline, true);
+    end_transfer(deadline);
   }
 
   // Polls the communicator's state, and with `stream` the stream, until done;
   // an asynchronous error or the deadline aborts the communicator and fails.
   void wait(Clock::time_point deadline, bool stream, bool exchanged) {
     for (;;) {
+      bool stream_done = false;
       if (stream) {
         cudaError_t q = cudaStreamQuery(stream_);
-        if (q == cudaSuccess) return;
-        if (q != cudaErrorNotReady) check_cuda(q, "cudaStreamQuery");
+        stream_done = q == cudaSuccess;
+        if (!stream_done && q != cudaErrorNotReady) check_cuda(q, "cudaStreamQuery");
       }
       ncclResult_t state = ncclSuccess;
-      ncclResult_t rc = ncclCommGetAsyncError(comm_, &state);
-      if (rc != ncclSuccess) state = rc;
+      bool aborted = false;
+      {
+        std::lock_guard<std::mutex> lock(comm_mutex_);
+        aborted = comm_ == nullptr;
+        if (!aborted && !stream_done) {
+          ncclResult_t rc = ncclCommGetAsyncError(comm_, &state);
+          if (rc != ncclSuccess) state = rc;
+        }
+      }
+      // The watch aborted it (a queued collective before this one failed):
+      // the aborted kernels end, so a finished stream proves nothing.
+      if (aborted) fail_aborted_by_watch();
+      if (stream_done) return;
       if (!stream && state == ncclSuccess) return;
       if (state != ncclSuccess && state != ncclInProgress) {
         abort_comm();
@@ -269,6 +448,19 @@ class NcclBackend : public Backend {
         std::this_thread::sleep_for(std::chrono::microseconds(50));
       }
     }
+  }
+
+  [[noreturn]] void fail_aborted_by_watch() {
+    std::string why;
+    {
+      std::lock_guard<std::mutex> lock(comm_mutex_);
+      why = aborted_why_;
+    }
+    fail(StatusCode::kState,
+         in_call_ ? str_cat(call_kind_name(current_.header.kind), " of ", describe_call(current_), " on rank ", rank(),
+                            " of ", size(), ": ")
+                  : std::string(),
+         why.empty() ? std::string("the NCCL communicator was aborted earlier") : why);
   }
 
   // Starts a collective: its header goes to every rank and every rank reaches the verdict.
@@ -319,6 +511,7 @@ class NcclBackend : public Backend {
   // Any thread may destroy the group, so the group's device is made current
   // (and the thread's own device put back only where it had one).
   void release() noexcept {
+    watch_.reset();  // first: it polls the communicator and the events
     cuda::DeviceGuard guard(device().index, std::nothrow);
     if (comm_ != nullptr) {
       bool finalized = false;
@@ -344,6 +537,12 @@ class NcclBackend : public Backend {
     if (scratch_ != nullptr) cudaFreeAsync(scratch_, stream_);
     if (headers_ != nullptr) cudaFreeAsync(headers_, stream_);
     if (host_headers_ != nullptr) cudaFreeHost(host_headers_);
+    // Queued work that waits on these still sees them: an event destroyed
+    // while recorded is released once it completes.
+    for (cudaEvent_t event : spare_events_) cudaEventDestroy(event);
+    spare_events_.clear();
+    if (library_ready_ != nullptr) cudaEventDestroy(library_ready_);
+    library_ready_ = nullptr;
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
     scratch_ = headers_ = host_headers_ = nullptr;
     scratch_bytes_ = 0;
@@ -359,6 +558,14 @@ class NcclBackend : public Backend {
   void* host_headers_ = nullptr;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
+  // Guards comm_ (and aborted_why_), which the watch may abort while the
+  // calling thread uses it.
+  std::mutex comm_mutex_;
+  std::string aborted_why_;  // why the watch aborted comm_
+  cudaEvent_t library_ready_ = nullptr;
+  std::mutex events_mutex_;
+  std::vector<cudaEvent_t> spare_events_;  // end events the watch is done with
+  std::unique_ptr<QueuedWatch> watch_;     // made at the first queued collective
   // The collective in progress (from its header exchange on), for error
   // messages; before the first, the communicator's creation is.
   Call current_;
