@@ -3,7 +3,8 @@
 #   tests/gpu/check.sh
 # Builds (Release, CUDA and NCCL on, for the GPUs present: CUDA_ARCHS
 # overrides) into build/gpu, runs every
-# CUDA/NCCL test, checks that each rank of a multi-process NCCL run has a
+# CUDA/NCCL test (fully_shard's queued NCCL collectives among them:
+# CudaFsdp.*, CudaStreamOrder.Fsdp*), checks that each rank of a multi-process NCCL run has a
 # context on its own GPU only, runs the GPU tests under compute-sanitizer
 # (memcheck, racecheck, synccheck), times a misaligned batched copy, copies
 # pitched rows between GPUs, then the GPU benchmarks and dp-train on the GPUs.

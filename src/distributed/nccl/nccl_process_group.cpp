@@ -333,6 +333,8 @@ class NcclBackend : public Backend {
       if (rc == cudaSuccess) return QueuedWatch::kDone;
       if (rc == cudaErrorNotReady) return QueuedWatch::kBusy;
       cudaGetLastError();
+      // The process is exiting with work still queued: nothing left to abort.
+      if (rc == cudaErrorCudartUnloading) return QueuedWatch::kDone;
       return static_cast<int>(rc);
     };
     hooks.async_error = [this] {
