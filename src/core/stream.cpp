@@ -13,7 +13,12 @@ namespace dparallel {
 namespace {
 
 thread_local CurrentStreams t_current;
-thread_local bool t_library_work_stays_queued = false;
+struct QueuedScope {
+  bool active = false;
+  Device device;
+  void* stream = nullptr;
+};
+thread_local QueuedScope t_queued_scope;
 
 }  // namespace
 
@@ -74,13 +79,22 @@ bool Event::query() const { return device_runtime(device_.type).event_query(hand
 
 void Event::synchronize() const { device_runtime(device_.type).event_synchronize(handle_); }
 
-LibraryWorkStaysQueued::LibraryWorkStaysQueued() : previous_(t_library_work_stays_queued) {
-  t_library_work_stays_queued = true;
+LibraryWorkStaysQueued::LibraryWorkStaysQueued(const Device& device, void* stream)
+    : previous_active_(t_queued_scope.active),
+      previous_device_(t_queued_scope.device),
+      previous_stream_(t_queued_scope.stream) {
+  t_queued_scope = {true, device, stream};
 }
 
-LibraryWorkStaysQueued::~LibraryWorkStaysQueued() { t_library_work_stays_queued = previous_; }
+LibraryWorkStaysQueued::~LibraryWorkStaysQueued() {
+  t_queued_scope = {previous_active_, previous_device_, previous_stream_};
+}
 
-bool library_work_stays_queued() { return t_library_work_stays_queued; }
+bool library_work_stays_queued() { return t_queued_scope.active; }
+
+void* library_stream_override(const Device& device) {
+  return t_queued_scope.active && t_queued_scope.device == device ? t_queued_scope.stream : nullptr;
+}
 
 bool skipping_stream_waits_for_tests() {
   static const bool skip = [] {

@@ -96,25 +96,32 @@ class StreamOrder {
 // of a kDeferred StreamOrder, at the start of the work they order).
 void library_streams_wait(const std::vector<Event>& host_ready);
 
-// While it lives, the library's device-only work queued by this thread
-// (copies within one device, fills, kernels, allocations) on devices that
-// queue it (DeviceRuntime::library_work_is_queued) returns without waiting
-// for the library stream; copies to or from the host still wait. Whatever
-// uses the results later follows the library stream: a StreamOrder's
-// finish, an event, or the allocator, whose frees follow that stream.
+// While it lives, the library's work on `device` from this thread goes to
+// `stream` instead of the device's library stream, and on devices that
+// queue the library's work (DeviceRuntime::library_work_is_queued) it stays
+// queued: device-only copies within the device, fills, kernels and
+// allocations return without waiting for it; copies to or from the host or
+// another device still wait. Whoever uses the results later follows
+// `stream` through an event; frees made inside the scope follow it too (the
+// allocator records on the library stream the thread sees).
 class LibraryWorkStaysQueued {
  public:
-  LibraryWorkStaysQueued();
+  LibraryWorkStaysQueued(const Device& device, void* stream);
   ~LibraryWorkStaysQueued();
   LibraryWorkStaysQueued(const LibraryWorkStaysQueued&) = delete;
   LibraryWorkStaysQueued& operator=(const LibraryWorkStaysQueued&) = delete;
 
  private:
-  bool previous_;
+  bool previous_active_;
+  Device previous_device_;
+  void* previous_stream_;
 };
 // Whether a LibraryWorkStaysQueued scope is open on this thread (the device
 // runtimes ask before waiting for their library stream).
 bool library_work_stays_queued();
+// The stream such a scope gives the library's work on `device`, or nullptr
+// (the device runtimes' library stream then, as ever).
+void* library_stream_override(const Device& device);
 
 // The test-only switch DP_TEST_SKIP_STREAM_WAIT=1 drops the wait for the
 // host's stream at every call's start, so a test can show the asynchronous

@@ -11,7 +11,11 @@ thread_local bool t_queued_transfers = false;
 
 }  // namespace
 
-QueuedTransfers::QueuedTransfers() : previous_(t_queued_transfers) { t_queued_transfers = true; }
+QueuedTransfers::QueuedTransfers(const Device& device, void* transfer_stream) : previous_(t_queued_transfers) {
+  if (transfer_stream == nullptr) return;
+  library_.emplace(device, transfer_stream);
+  t_queued_transfers = true;
+}
 
 QueuedTransfers::~QueuedTransfers() { t_queued_transfers = previous_; }
 

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -25,26 +26,26 @@
 
 namespace dparallel::dist {
 
-// While it lives on this thread, the collectives the thread runs on a
-// backend with a transfer stream of its own (NCCL) return once their
-// transfer is queued: that stream first follows the library stream's work
-// so far, and the library stream then follows the transfer, so whatever
-// follows the library stream (the host's stream at a call's
-// StreamOrder::finish, the allocator's frees) sees the result. A queued
-// transfer that fails later (a peer gone, its deadline passed) aborts the
-// communicator and breaks the group, so the next call reports it. The
-// library's own work stays queued meanwhile (LibraryWorkStaysQueued). The
-// dp_fsdp lane jobs open it; other backends ignore it.
+// While it lives on this thread, the collectives it runs on a backend with
+// a transfer stream of its own (NCCL; `transfer_stream`, null for others)
+// return once queued on that stream, and the library's own work on
+// `device` goes to that stream too and stays queued (LibraryWorkStaysQueued),
+// so a job's copies, casts and collectives run in order there without the
+// thread waiting for any of them. Whoever uses the results follows that
+// stream through an event recorded after them. A queued collective that
+// fails later (a peer gone, its deadline passed) aborts the communicator
+// and breaks the group, so the next call reports it. The dp_fsdp lane jobs
+// open it.
 class QueuedTransfers {
  public:
-  QueuedTransfers();
-  ~QueuedTransfers();
+  QueuedTransfers(const Device& device, void* transfer_stream);
   QueuedTransfers(const QueuedTransfers&) = delete;
   QueuedTransfers& operator=(const QueuedTransfers&) = delete;
+  ~QueuedTransfers();
   static bool active();
 
  private:
-  LibraryWorkStaysQueued library_;
+  std::optional<LibraryWorkStaysQueued> library_;
   bool previous_;
 };
 

@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "comm/comm.h"
+#include "core/device_runtime.h"
 #include "core/error.h"
 #include "ddp/agreement.h"
 #include "ddp/comm_hooks.h"
@@ -387,8 +388,25 @@ void FullyShard::wait_locked(std::unique_lock<std::mutex>& lock, Pending& pendin
   }
   Pending ended = pending;
   pending = Pending{};
-  if (ended.code != StatusCode::kOk)
+  std::optional<Event>& done = &pending == &unshard_job_ ? unshard_done_ : post_done_;
+  if (ended.code != StatusCode::kOk) {
+    done.reset();
     throw Error(ended.code, str_cat(what, " of dp_fsdp #", lane_id_, ": ", ended.error));
+  }
+  follow_job_locked(done);
+}
+
+void FullyShard::follow_job_locked(std::optional<Event>& done) {
+  if (!done) return;
+  Event end = std::move(*done);
+  done.reset();
+  // The host's stream as StreamOrder::finish would order it: the job's
+  // results (and its frees of what the host drops next) come after it.
+  if (void* stream = current_stream(end.device())) {
+    end.block(stream);
+  } else {
+    end.synchronize();
+  }
 }
 
 void FullyShard::install_full_locked() {
@@ -540,21 +558,44 @@ ddp::JobResult FullyShard::run_job(const ddp::JobSpec& spec) {
     // On NCCL the job returns once its collectives are queued: the host's
     // stream follows them through the library stream (the call's
     // StreamOrder), and the host waits on events only.
-    dist::QueuedTransfers queued;
+    const Device device = group_->device();
+    dist::QueuedTransfers queued(device, group_->transfer_stream());
     std::vector<Event> host_ready;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       host_ready = std::move(spec.item == CallItem::kUnshard ? unshard_ready_ : post_ready_);
     }
     library_streams_wait(host_ready);
-    if (spec.item == CallItem::kUnshard) {
-      std::vector<Tensor> full = gather_shards(true);
-      std::lock_guard<std::mutex> lock(mutex_);
-      gathered_ = std::move(full);
-    } else if (spec.item == CallItem::kPostBackward) {
-      run_post_backward();
-    } else {
-      fail(StatusCode::kInternal, "a dp_fsdp job of ", dist::call_item_name(spec.item, 0));
+    // Where the work stays queued, the host follows it through this event
+    // (follow_job_locked), recorded however the job ends.
+    std::optional<Event> done;
+    const DeviceRuntime& runtime = device_runtime(device.type);
+    auto record_done = [&] {
+      if (!dist::QueuedTransfers::active() || !runtime.library_work_is_queued()) return;
+      done.emplace(device);
+      done->record(runtime.library_stream(device.index));
+    };
+    try {
+      if (spec.item == CallItem::kUnshard) {
+        std::vector<Tensor> full = gather_shards(true);
+        record_done();
+        std::lock_guard<std::mutex> lock(mutex_);
+        gathered_ = std::move(full);
+        unshard_done_ = std::move(done);
+      } else if (spec.item == CallItem::kPostBackward) {
+        run_post_backward();
+        record_done();
+        std::lock_guard<std::mutex> lock(mutex_);
+        post_done_ = std::move(done);
+      } else {
+        fail(StatusCode::kInternal, "a dp_fsdp job of ", dist::call_item_name(spec.item, 0));
+      }
+    } catch (...) {
+      // What it queued before failing must pass before its memory goes back.
+      if (dist::QueuedTransfers::active() && runtime.library_work_is_queued()) {
+        runtime.stream_synchronize(device.index, runtime.library_stream(device.index));
+      }
+      throw;
     }
   } catch (const Error& e) {
     result.code = e.code();

@@ -155,8 +155,12 @@ class FullyShard final : public ddp::LaneOwner,
   void shard_parameters();
 
   void issue_locked(ddp::JobSpec spec, Pending& pending);
-  // Waits for `pending`, bounded; rethrows its error.
+  // Waits for `pending`, bounded; rethrows its error. On success the host's
+  // current stream follows the job's queued work (follow_job_locked).
   void wait_locked(std::unique_lock<std::mutex>& lock, Pending& pending, const char* what);
+  // Makes this thread's current stream for the group's device wait for
+  // `done` (or waits on the host without one), then forgets it.
+  static void follow_job_locked(std::optional<Event>& done);
   // Completes an unshard in flight (no-op otherwise): the slots get the full parameters.
   void finish_unshard_locked(std::unique_lock<std::mutex>& lock);
   void install_full_locked();
@@ -196,6 +200,8 @@ class FullyShard final : public ddp::LaneOwner,
   Pending unshard_job_, post_job_;
   // The host's stream events each issued job's work follows (taken by the job).
   std::vector<Event> unshard_ready_, post_ready_;
+  // After each job's queued work on the group's stream (QueuedTransfers).
+  std::optional<Event> unshard_done_, post_done_;
   std::vector<Tensor> gathered_;    // the unshard job's full parameters
   std::vector<Tensor> post_grads_;  // the post_backward job's full gradients
 };

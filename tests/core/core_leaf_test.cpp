@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "core/allocator.h"
 #include "core/device_runtime.h"
@@ -222,4 +223,30 @@ TEST(CoreWithoutBackends, ADeferredStreamOrderHandsTheHostsEventToTheCallerInste
   }
   set_current_stream(gpu, nullptr);
   register_device_runtime(DeviceType::kCuda, nullptr);
+}
+
+TEST(CoreWithoutBackends, AQueuedScopeGivesItsStreamToItsDeviceOnItsThreadAndRestoresTheOneBefore) {
+  const Device gpu0{DeviceType::kCuda, 0}, gpu1{DeviceType::kCuda, 1};
+  int outer_stream = 0, inner_stream = 0;
+  EXPECT_FALSE(library_work_stays_queued());
+  {
+    LibraryWorkStaysQueued outer(gpu0, &outer_stream);
+    EXPECT_TRUE(library_work_stays_queued());
+    EXPECT_EQ(library_stream_override(gpu0), &outer_stream);
+    EXPECT_EQ(library_stream_override(gpu1), nullptr);
+    EXPECT_EQ(library_stream_override(Device{}), nullptr);
+    {
+      LibraryWorkStaysQueued inner(gpu1, &inner_stream);
+      EXPECT_EQ(library_stream_override(gpu1), &inner_stream);
+      EXPECT_EQ(library_stream_override(gpu0), nullptr);
+    }
+    EXPECT_EQ(library_stream_override(gpu0), &outer_stream);
+    std::thread other([&] {
+      EXPECT_FALSE(library_work_stays_queued());
+      EXPECT_EQ(library_stream_override(gpu0), nullptr);
+    });
+    other.join();
+  }
+  EXPECT_FALSE(library_work_stays_queued());
+  EXPECT_EQ(library_stream_override(gpu0), nullptr);
 }

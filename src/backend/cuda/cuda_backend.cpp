@@ -117,6 +117,8 @@ int32_t device_count() { return probe().count; }
 const char* unavailable_reason() { return probe().reason.c_str(); }
 
 cudaStream_t stream_of(int32_t index) {
+  // A queued job's own stream (LibraryWorkStaysQueued) on its thread.
+  if (void* own = library_stream_override(Device{DeviceType::kCuda, index})) return static_cast<cudaStream_t>(own);
   static std::mutex mutex;
   static std::vector<cudaStream_t> streams;
   std::lock_guard<std::mutex> lock(mutex);

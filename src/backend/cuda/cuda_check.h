@@ -112,7 +112,8 @@ class DeviceGuard {
   bool ok_ = true;
 };
 
-// The stream dparallel uses on a device (created once, non-blocking).
+// The stream dparallel uses on a device (created once, non-blocking), or
+// the one a LibraryWorkStaysQueued scope on this thread gives it.
 cudaStream_t stream_of(int32_t index);
 
 // The end of a device-only library operation queued on `stream`: it waits

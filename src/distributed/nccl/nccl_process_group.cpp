@@ -275,31 +275,42 @@ class NcclBackend : public Backend {
   }
 
   // Queued (QueuedTransfers): the group's stream first follows the library
-  // stream's work so far, which made the call's inputs and follows the
-  // host's stream from the call's start.
+  // stream's work so far, which made the call's inputs; inside a dp_fsdp
+  // job that work is on the group's stream already (LibraryWorkStaysQueued).
   void begin_transfer() {
     if (!QueuedTransfers::active()) return;
-    check_cuda(cudaEventRecord(library_ready_, cuda::stream_of(device().index)), "cudaEventRecord");
+    cudaStream_t library = cuda::stream_of(device().index);
+    if (library == stream_) return;
+    check_cuda(cudaEventRecord(library_ready_, library), "cudaEventRecord");
     check_cuda(cudaStreamWaitEvent(stream_, library_ready_, 0), "cudaStreamWaitEvent");
   }
 
   // The end of a collective's transfer: waits for the stream, or, queued,
-  // makes the library stream follow an end event the watch polls.
+  // records an end event the watch polls (and the library stream follows,
+  // where it is another stream).
   void end_transfer(Clock::time_point deadline) {
     if (!QueuedTransfers::active()) {
       wait_stream(deadline, true);
       return;
     }
     cudaEvent_t done = take_event();
+    cudaStream_t library = cuda::stream_of(device().index);
     cudaError_t rc = cudaEventRecord(done, stream_);
-    if (rc == cudaSuccess) rc = cudaStreamWaitEvent(cuda::stream_of(device().index), done, 0);
+    const char* call = "cudaEventRecord";
+    if (rc == cudaSuccess && library != stream_) {
+      rc = cudaStreamWaitEvent(library, done, 0);
+      call = "cudaStreamWaitEvent";
+    }
     if (rc != cudaSuccess) {
       release_event(done);
-      check_cuda(rc, "cudaEventRecord");
+      check_cuda(rc, call);
     }
-    watch().add(done, deadline,
-                str_cat(call_kind_name(current_.header.kind), " #", current_.header.seq, " of ",
-                        describe_call(current_), " on rank ", rank(), " of ", size()));
+    QueuedWatch& watching = watch();
+    watching.add(done, deadline,
+                 str_cat(call_kind_name(current_.header.kind), " #", current_.header.seq, " of ",
+                         describe_call(current_), " on rank ", rank(), " of ", size()));
+    // An earlier queued collective failed meanwhile: this one will not finish right.
+    if (watching.failed()) fail_aborted_by_watch();
   }
 
   cudaEvent_t take_event() {
