@@ -95,49 +95,46 @@ dp_status dp_fsdp_unshard(dp_fsdp* fsdp, int async) {
   DP_API_BEGIN
   fsdp::FullyShard& f = changing_fsdp_arg(fsdp);
   // The job's work follows the host's stream when it starts; the library
-  // stream does not wait for it meanwhile (StreamOrder::kDeferred).
+  // stream does not wait for it meanwhile (StreamOrder::kDeferred), and the
+  // host's stream follows the job's work once the host takes the results
+  // (FullyShard::follow_job_locked), so no finish() here.
   StreamOrder order({f.group()->device()}, StreamOrder::HostWait::kDeferred);
   f.unshard(async != 0, order.take_deferred());
-  order.finish();
   DP_API_END
 }
 
 dp_status dp_fsdp_wait_unshard(dp_fsdp* fsdp) {
   DP_API_BEGIN
   fsdp::FullyShard& f = changing_fsdp_arg(fsdp);
-  // No work of its own on the host's tensors: only the host's stream waits.
-  StreamOrder order({f.group()->device()}, StreamOrder::HostWait::kDeferred);
+  // No work of its own on the host's tensors; the host's stream follows
+  // the job's work inside (FullyShard::follow_job_locked).
   f.wait_unshard();
-  order.finish();
   DP_API_END
 }
 
 dp_status dp_fsdp_reshard(dp_fsdp* fsdp) {
   DP_API_BEGIN
   fsdp::FullyShard& f = changing_fsdp_arg(fsdp);
-  // No work of its own on the host's tensors: only the host's stream waits.
-  StreamOrder order({f.group()->device()}, StreamOrder::HostWait::kDeferred);
+  // No work of its own on the host's tensors; the host's stream follows
+  // the job's work inside (FullyShard::follow_job_locked).
   f.reshard();
-  order.finish();
   DP_API_END
 }
 
 dp_status dp_fsdp_post_backward(dp_fsdp* fsdp) {
   DP_API_BEGIN
   fsdp::FullyShard& f = changing_fsdp_arg(fsdp);
-  StreamOrder order({f.group()->device()}, StreamOrder::HostWait::kDeferred);
+  StreamOrder order({f.group()->device()}, StreamOrder::HostWait::kDeferred);  // as in dp_fsdp_unshard
   f.post_backward(order.take_deferred());
-  order.finish();
   DP_API_END
 }
 
 dp_status dp_fsdp_finish_backward(dp_fsdp* fsdp) {
   DP_API_BEGIN
   fsdp::FullyShard& f = changing_fsdp_arg(fsdp);
-  // No work of its own on the host's tensors: only the host's stream waits.
-  StreamOrder order({f.group()->device()}, StreamOrder::HostWait::kDeferred);
+  // No work of its own on the host's tensors; the host's stream follows
+  // the job's work inside (FullyShard::follow_job_locked).
   f.finish_backward();
-  order.finish();
   DP_API_END
 }
 

@@ -80,19 +80,21 @@
  * Streams (GPUs): unshard and post_backward queue their work (the casts,
  * copies, the all-gather or reduce-scatter) on the NCCL group's stream,
  * after the host's current stream (dp_set_current_stream) as it was at the
- * call, and return without waiting for the device: the host's stream waits
- * for the full parameters (after a blocking unshard, wait_unshard, reshard
- * or post_backward) and for the shard gradients (after finish_backward)
- * through events; with no current stream set, those calls wait on the host
- * instead. The calling thread may still wait for the group: each job's
- * agreement round and call headers are small collectives on the group's
- * stream, behind the work queued there before them, and a job with several
- * collectives (several reduce dtypes, 0-d parameters) waits between them.
- * A queued collective's deadline (the group's timeout) runs from the call,
- * so it includes the wait for the host's stream. One that fails later (a
- * peer gone, the deadline passed) aborts the communicator and breaks the
- * group: the device work queued after it runs on what the buffers hold, and
- * the next call on the group fails naming the collective (DP_ESTATE).
+ * call; an async unshard and post_backward return at once. The host's stream
+ * then waits for the full parameters (after a blocking unshard, wait_unshard,
+ * reshard or post_backward) and for the shard gradients (after
+ * finish_backward) through events; with no current stream set, those calls
+ * wait on the host instead. A blocking call never waits for the all-gather
+ * or reduce-scatter itself, but it does wait for the job to be queued, and
+ * with more than one rank each collective's call header is a small
+ * collective on the group's stream behind the job's own wait for the host's
+ * stream: the call returns once this rank's stream (and the peers') reached
+ * it. The lane's agreement rounds likewise run behind the work queued on the
+ * group's stream. A queued collective's deadline (the group's timeout) runs
+ * from the call, so it includes that wait. One that fails later (a peer
+ * gone, the deadline passed) aborts the communicator and breaks the group:
+ * the device work queued after it runs on what the buffers hold, and the
+ * next call on the group fails naming the collective (DP_ESTATE).
  *
  * Memory: on a shared-memory group, with init_sync, the shards live in
  * memory every rank of the group maps, where the other ranks' all-gathers

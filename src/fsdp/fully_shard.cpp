@@ -268,6 +268,7 @@ FullyShard::~FullyShard() {
   if (closed_) return;
   // Not through close(): a destructor makes no collective.
   if (lane_) lane_->detach(this, lane_bound());
+  settle_queued_work();
   for (const Managed& m : params_) m.parameter->release_sharding(this);
 }
 
@@ -289,8 +290,19 @@ void FullyShard::close() {
         throw;
       }
     }
-    if (post_job_.issued) wait_locked(lock, post_job_, "the post-backward reduce_scatter");
-    if (!broken_ && !params_.empty()) {
+  } catch (...) {
+    if (!lock.owns_lock()) lock.lock();
+    error = std::current_exception();
+  }
+  // The post-backward job ends first even when the unshard failed (unless a
+  // wait already gave up on the lane).
+  try {
+    if (post_job_.issued && !broken_) wait_locked(lock, post_job_, "the post-backward reduce_scatter");
+  } catch (...) {
+    if (!error) error = std::current_exception();
+  }
+  try {
+    if (!error && !broken_ && !params_.empty()) {
       lock.unlock();
       ddp::JobSpec spec;
       spec.item = CallItem::kGatherValues;
@@ -312,8 +324,30 @@ void FullyShard::close() {
   state_ = State::kResharded;
   lock.unlock();
   lane_->detach(this, lane_bound());
+  settle_queued_work();
   for (const Managed& m : params_) m.parameter->release_sharding(this);
   if (error) std::rethrow_exception(error);
+}
+
+void FullyShard::settle_queued_work() noexcept {
+  std::optional<Event> unshard, post;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    unshard = std::move(unshard_done_);
+    post = std::move(post_done_);
+    unshard_done_.reset();
+    post_done_.reset();
+    gathered_.clear();
+  }
+  // A job that ended after its waiter gave up may still write memory the
+  // shards' owners free next; the watch's abort bounds these waits.
+  for (std::optional<Event>* done : {&unshard, &post}) {
+    if (!*done) continue;
+    try {
+      (*done)->synchronize();
+    } catch (...) {
+    }
+  }
 }
 
 const std::string& FullyShard::parameter_name(size_t index) const {
@@ -388,15 +422,14 @@ void FullyShard::wait_locked(std::unique_lock<std::mutex>& lock, Pending& pendin
   }
   Pending ended = pending;
   pending = Pending{};
-  std::optional<Event>& done = &pending == &unshard_job_ ? unshard_done_ : post_done_;
-  if (ended.code != StatusCode::kOk) {
-    done.reset();
+  // Failed or not, the host's stream follows what the job queued: a failed
+  // job may have queued writes to the shard gradients.
+  follow_job_locked(lock, &pending == &unshard_job_ ? unshard_done_ : post_done_);
+  if (ended.code != StatusCode::kOk)
     throw Error(ended.code, str_cat(what, " of dp_fsdp #", lane_id_, ": ", ended.error));
-  }
-  follow_job_locked(done);
 }
 
-void FullyShard::follow_job_locked(std::optional<Event>& done) {
+void FullyShard::follow_job_locked(std::unique_lock<std::mutex>& lock, std::optional<Event>& done) {
   if (!done) return;
   Event end = std::move(*done);
   done.reset();
@@ -404,9 +437,16 @@ void FullyShard::follow_job_locked(std::optional<Event>& done) {
   // results (and its frees of what the host drops next) come after it.
   if (void* stream = current_stream(end.device())) {
     end.block(stream);
-  } else {
-    end.synchronize();
+    return;
   }
+  lock.unlock();  // the lane takes mutex_ meanwhile
+  try {
+    end.synchronize();
+  } catch (...) {
+    lock.lock();
+    throw;
+  }
+  lock.lock();
 }
 
 void FullyShard::install_full_locked() {
@@ -575,28 +615,33 @@ ddp::JobResult FullyShard::run_job(const ddp::JobSpec& spec) {
       done.emplace(device);
       done->record(runtime.library_stream(device.index));
     };
+    // Its own frees follow the group's stream already (the allocator
+    // records on the library stream the scope gives), failed or not.
+    std::optional<Event>& done_slot = spec.item == CallItem::kUnshard ? unshard_done_ : post_done_;
+    auto keep_done = [&] {
+      try {
+        record_done();
+      } catch (const std::exception&) {
+        done.reset();  // the device failed: nothing left to follow
+      }
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_slot = std::move(done);
+    };
     try {
       if (spec.item == CallItem::kUnshard) {
         std::vector<Tensor> full = gather_shards(true);
-        record_done();
         std::lock_guard<std::mutex> lock(mutex_);
         gathered_ = std::move(full);
-        unshard_done_ = std::move(done);
       } else if (spec.item == CallItem::kPostBackward) {
         run_post_backward();
-        record_done();
-        std::lock_guard<std::mutex> lock(mutex_);
-        post_done_ = std::move(done);
       } else {
         fail(StatusCode::kInternal, "a dp_fsdp job of ", dist::call_item_name(spec.item, 0));
       }
     } catch (...) {
-      // What it queued before failing must pass before its memory goes back.
-      if (dist::QueuedTransfers::active() && runtime.library_work_is_queued()) {
-        runtime.stream_synchronize(device.index, runtime.library_stream(device.index));
-      }
+      keep_done();
       throw;
     }
+    keep_done();
   } catch (const Error& e) {
     result.code = e.code();
     result.error = e.what();

@@ -318,6 +318,8 @@ TEST_F(CudaStreamOrder, AStreamUnderGraphCaptureIsRefusedAndTheHostsCaptureSurvi
 
 }  // namespace
 
+namespace {
+
 // Holds a stream until the test opens it (at most two minutes, so that a
 // failing test cannot hang the stream for good).
 struct StreamGate {
@@ -330,6 +332,37 @@ struct StreamGate {
     }
   }
 };
+
+// Opens the gate however the test ends.
+struct OpenOnExit {
+  StreamGate* gate;
+  ~OpenOnExit() { gate->open = true; }
+};
+
+// Pinned host memory holding `values`: a copy from it stays queued (from
+// pageable memory CUDA may wait for the stream first).
+struct PinnedFloats {
+  explicit PinnedFloats(const std::vector<float>& values) : n(values.size()) {
+    EXPECT_EQ(cudaMallocHost(reinterpret_cast<void**>(&data), n * sizeof(float)), cudaSuccess);
+    std::memcpy(data, values.data(), n * sizeof(float));
+  }
+  ~PinnedFloats() { cudaFreeHost(data); }
+  float* data = nullptr;
+  size_t n;
+};
+
+// Runs `call` on a thread of its own with `stream` current there: "" for
+// DP_OK, else the error.
+template <typename Call>
+std::future<std::string> on_thread(void* stream, Call call) {
+  return std::async(std::launch::async, [stream, call] {
+    dp_status st = dp_set_current_stream(cuda(0), stream);
+    if (st == DP_OK) st = call();
+    return st == DP_OK ? std::string() : std::string(dp_last_error());
+  });
+}
+
+}  // namespace
 
 // dp_fsdp_unshard and post_backward + finish_backward return while the host's
 // stream is still held before the shard (and the gradient) it wrote: their
@@ -348,22 +381,24 @@ TEST_F(CudaStreamOrder, FsdpUnshardAndPostBackwardReturnWhileTheHostsStreamIsHel
   dp_tensor* shard_handle = nullptr;
   DP_ASSERT_OK(dp_fsdp_shard(f, 0, &shard_handle));
   TensorPtr shard(shard_handle);
+  // Static: a host function may still read its gate after a failed test returns.
+  static StreamGate gates[2];
+  StreamGate* first = &gates[0];
+  StreamGate* second = &gates[1];
+  first->open = false;
+  second->open = false;
+  OpenOnExit open_first{first}, open_second{second};
+  PinnedFloats new_shard(filled(n, 3.0f)), grad_values(filled(n, 100.0f));
 
   // The host's optimizer writes the shard on its stream, held before the write.
-  StreamGate first;
-  DP_ASSERT_OK(dp_stream_launch_host_func(cuda(0), stream_, StreamGate::hold, &first));
-  sources_.push_back(filled(n, 3.0f));
-  ASSERT_EQ(cudaMemcpyAsync(dp_tensor_data(shard.get()), sources_.back().data(), n * sizeof(float),
-                            cudaMemcpyHostToDevice, s()),
-            cudaSuccess);
-  // On a thread of its own, with the stream current there too; "" for DP_OK.
-  auto unshard = std::async(std::launch::async, [&] {
-    dp_status st = dp_set_current_stream(cuda(0), stream_);
-    if (st == DP_OK) st = dp_fsdp_unshard(f, 0);
-    return st == DP_OK ? std::string() : std::string(dp_last_error());
-  });
+  DP_ASSERT_OK(dp_stream_launch_host_func(cuda(0), stream_, StreamGate::hold, first));
+  ASSERT_EQ(
+      cudaMemcpyAsync(dp_tensor_data(shard.get()), new_shard.data, n * sizeof(float), cudaMemcpyHostToDevice, s()),
+      cudaSuccess);
+  auto unshard = on_thread(stream_, [f] { return dp_fsdp_unshard(f, 0); });
   const bool returned = unshard.wait_for(std::chrono::seconds(60)) == std::future_status::ready;
-  first.open = true;
+  EXPECT_EQ(cudaStreamQuery(s()), cudaErrorNotReady) << "the gate let go early: the test proves nothing";
+  first->open = true;
   ASSERT_TRUE(returned) << "dp_fsdp_unshard waited for the host's held stream";
   ASSERT_EQ(unshard.get(), "");
   dp_tensor* full = nullptr;
@@ -375,19 +410,16 @@ TEST_F(CudaStreamOrder, FsdpUnshardAndPostBackwardReturnWhileTheHostsStreamIsHel
   dp_tensor* g = nullptr;
   DP_ASSERT_OK(dp_module_grad(m, "w", &g));
   TensorPtr grad(g);
-  StreamGate second;
-  DP_ASSERT_OK(dp_stream_launch_host_func(cuda(0), stream_, StreamGate::hold, &second));
-  sources_.push_back(filled(n, 100.0f));
-  ASSERT_EQ(cudaMemcpyAsync(dp_tensor_data(g), sources_.back().data(), n * sizeof(float), cudaMemcpyHostToDevice, s()),
+  DP_ASSERT_OK(dp_stream_launch_host_func(cuda(0), stream_, StreamGate::hold, second));
+  ASSERT_EQ(cudaMemcpyAsync(dp_tensor_data(g), grad_values.data, n * sizeof(float), cudaMemcpyHostToDevice, s()),
             cudaSuccess);
-  auto backward = std::async(std::launch::async, [&] {
-    dp_status st = dp_set_current_stream(cuda(0), stream_);
-    if (st == DP_OK) st = dp_fsdp_post_backward(f);
-    if (st == DP_OK) st = dp_fsdp_finish_backward(f);
-    return st == DP_OK ? std::string() : std::string(dp_last_error());
+  auto backward = on_thread(stream_, [f] {
+    dp_status st = dp_fsdp_post_backward(f);
+    return st == DP_OK ? dp_fsdp_finish_backward(f) : st;
   });
   const bool finished = backward.wait_for(std::chrono::seconds(60)) == std::future_status::ready;
-  second.open = true;
+  EXPECT_EQ(cudaStreamQuery(s()), cudaErrorNotReady) << "the gate let go early: the test proves nothing";
+  second->open = true;
   ASSERT_TRUE(finished) << "post_backward + finish_backward waited for the host's held stream";
   ASSERT_EQ(backward.get(), "");
   dp_tensor* shard_grad = nullptr;

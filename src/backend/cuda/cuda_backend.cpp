@@ -119,6 +119,10 @@ const char* unavailable_reason() { return probe().reason.c_str(); }
 cudaStream_t stream_of(int32_t index) {
   // A queued job's own stream (LibraryWorkStaysQueued) on its thread.
   if (void* own = library_stream_override(Device{DeviceType::kCuda, index})) return static_cast<cudaStream_t>(own);
+  return device_stream_of(index);
+}
+
+cudaStream_t device_stream_of(int32_t index) {
   static std::mutex mutex;
   static std::vector<cudaStream_t> streams;
   std::lock_guard<std::mutex> lock(mutex);
@@ -197,7 +201,10 @@ class CudaRuntime final : public DeviceRuntime {
       if (has_memory_pools(index)) {
         // After the library's queued work; the allocator has already waited
         // for the host's streams that used the block. No device-wide wait.
-        if (cudaFreeAsync(data, stream_of(index)) != cudaSuccess) cudaGetLastError();
+        // On the device's own library stream even inside a queued job: the
+        // pool could otherwise make a later allocation there wait for the
+        // job's stream, and so for the host's.
+        if (cudaFreeAsync(data, device_stream_of(index)) != cudaSuccess) cudaGetLastError();
         return;
       }
     } catch (...) {

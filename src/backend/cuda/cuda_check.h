@@ -115,6 +115,8 @@ class DeviceGuard {
 // The stream dparallel uses on a device (created once, non-blocking), or
 // the one a LibraryWorkStaysQueued scope on this thread gives it.
 cudaStream_t stream_of(int32_t index);
+// The device's own library stream, whatever scope is open.
+cudaStream_t device_stream_of(int32_t index);
 
 // The end of a device-only library operation queued on `stream`: it waits
 // for it unless a LibraryWorkStaysQueued scope is open on this thread.

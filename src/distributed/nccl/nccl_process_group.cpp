@@ -361,10 +361,12 @@ class NcclBackend : public Backend {
       std::string cause;
       switch (f.kind) {
         case QueuedWatch::Failure::Kind::kTimeout:
-          cause = str_cat("did not finish within ", timeout().count(), " ms");
+          cause = str_cat("did not finish within ", timeout().count(),
+                          " ms of its call (the wait for this rank's stream included)");
           break;
         case QueuedWatch::Failure::Kind::kAsyncError:
-          cause = str_cat("failed: ", nccl_error(static_cast<ncclResult_t>(f.code)));
+          cause =
+              str_cat("had not finished when the communicator failed: ", nccl_error(static_cast<ncclResult_t>(f.code)));
           break;
         case QueuedWatch::Failure::Kind::kEventError:
           cause = str_cat("failed on the device: ", cudaGetErrorString(static_cast<cudaError_t>(f.code)));

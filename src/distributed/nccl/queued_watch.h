@@ -131,11 +131,14 @@ class QueuedWatch {
   }
 
   bool fail(const Failure& failure) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      failed_ = true;  // first: a collective queued meanwhile sees it
+    }
     hooks_.on_failure(failure);
     std::deque<Entry> left;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      failed_ = true;
       left.swap(entries_);
     }
     for (Entry& e : left) hooks_.release(e.event);
