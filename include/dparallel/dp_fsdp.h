@@ -94,7 +94,8 @@
  * from the call, so it includes that wait. One that fails later (a peer
  * gone, the deadline passed) aborts the communicator and breaks the group:
  * the device work queued after it runs on what the buffers hold, and the
- * next call on the group fails naming the collective (DP_ESTATE).
+ * call that waited for it on the host (no current stream set), or else the
+ * next call on the group, fails naming the collective (DP_ESTATE).
  *
  * Memory: on a shared-memory group, with init_sync, the shards live in
  * memory every rank of the group maps, where the other ranks' all-gathers

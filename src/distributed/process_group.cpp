@@ -187,6 +187,11 @@ void ProcessGroup::abort(const std::string& why) noexcept {
   backend_->abort(why);
 }
 
+std::string ProcessGroup::broken_reason() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return broken_;
+}
+
 bool ProcessGroup::broken() {
   std::lock_guard<std::mutex> lock(mutex_);
   return !broken_.empty();

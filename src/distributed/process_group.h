@@ -106,6 +106,9 @@ class ProcessGroup final : private CallSite {
   // every rank that refused), with `async` at once (the refusal is queued).
   [[noreturn]] void refuse(CallKind kind, const std::string& reason, bool async);
 
+  // Why the group is unusable, or "" while it is usable.
+  std::string broken_reason();
+
   // Breaks the group for good and makes the peers' current or next
   // collective with it fail now rather than at their timeout (a group built
   // over this one calls it when another of its parts failed). Only between

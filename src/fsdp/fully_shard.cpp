@@ -424,20 +424,26 @@ void FullyShard::wait_locked(std::unique_lock<std::mutex>& lock, Pending& pendin
   pending = Pending{};
   // Failed or not, the host's stream follows what the job queued: a failed
   // job may have queued writes to the shard gradients.
-  follow_job_locked(lock, &pending == &unshard_job_ ? unshard_done_ : post_done_);
+  const bool waited_on_host = follow_job_locked(lock, &pending == &unshard_job_ ? unshard_done_ : post_done_);
   if (ended.code != StatusCode::kOk)
     throw Error(ended.code, str_cat(what, " of dp_fsdp #", lane_id_, ": ", ended.error));
+  // Waited for on the host: a queued collective that failed meanwhile is
+  // this call's failure (with a stream, the next call reports it).
+  if (waited_on_host) {
+    const std::string broken = group_->broken_reason();
+    if (!broken.empty()) fail(StatusCode::kState, what, " of dp_fsdp #", lane_id_, ": ", broken);
+  }
 }
 
-void FullyShard::follow_job_locked(std::unique_lock<std::mutex>& lock, std::optional<Event>& done) {
-  if (!done) return;
+bool FullyShard::follow_job_locked(std::unique_lock<std::mutex>& lock, std::optional<Event>& done) {
+  if (!done) return false;
   Event end = std::move(*done);
   done.reset();
   // The host's stream as StreamOrder::finish would order it: the job's
   // results (and its frees of what the host drops next) come after it.
   if (void* stream = current_stream(end.device())) {
     end.block(stream);
-    return;
+    return false;
   }
   lock.unlock();  // the lane takes mutex_ meanwhile
   try {
@@ -447,6 +453,7 @@ void FullyShard::follow_job_locked(std::unique_lock<std::mutex>& lock, std::opti
     throw;
   }
   lock.lock();
+  return true;
 }
 
 void FullyShard::install_full_locked() {

@@ -159,9 +159,9 @@ class FullyShard final : public ddp::LaneOwner,
   // current stream follows the job's queued work (follow_job_locked).
   void wait_locked(std::unique_lock<std::mutex>& lock, Pending& pending, const char* what);
   // Makes this thread's current stream for the group's device wait for
-  // `done` (or waits on the host without one, mutex_ released), then
+  // `done` (or waits on the host without one, mutex_ released: true), then
   // forgets it.
-  static void follow_job_locked(std::unique_lock<std::mutex>& lock, std::optional<Event>& done);
+  static bool follow_job_locked(std::unique_lock<std::mutex>& lock, std::optional<Event>& done);
   // Waits for the work of jobs nobody followed (their waiters gave up) and
   // drops their results, before the memory they write is freed.
   void settle_queued_work() noexcept;

@@ -701,6 +701,38 @@ TEST(CudaFsdp, TrainingMatchesOnTheGpusOverNccl) {
   expect_parity(c, 3e-2);
 }
 
+// On 2 GPUs: rank 1 queues none of its transfers after the call headers
+// (DP_TEST_NCCL_SKIP_QUEUED, as a peer that died there), so rank 0's queued
+// all-gather never finishes. Its watch aborts the communicator at the
+// group's timeout; the blocking unshard, which waited on the host (no
+// stream set), fails naming the queued all-gather, and rank 1's next call
+// fails within the timeout too instead of hanging.
+TEST(CudaFsdp, AQueuedAllGatherWhosePeerNeverSendsIsAbortedAtTheTimeoutAndNamed) {
+  if (dptest::cuda_count() < 2) GTEST_SKIP() << "needs 2 GPU(s), found " << dptest::cuda_count();
+  ::setenv("DP_TEST_NCCL_SKIP_QUEUED", "1", 1);
+  run_ranks(
+      2, DP_BACKEND_NCCL,
+      [&](int rank, dp_process_group* pg) {
+        Toy toy(0.0f, dptest::cuda(rank));
+        dp_fsdp* raw = nullptr;
+        ASSERT_EQ(dp_fsdp_create(&raw, toy.layer[0].get(), pg, nullptr), DP_OK) << dp_last_error();
+        FsdpPtr f(raw);
+        if (rank == 0) {
+          EXPECT_EQ(dp_fsdp_unshard(f.get(), 0), DP_ESTATE);
+          std::string error = dp_last_error();
+          EXPECT_NE(error.find("the queued all_gather"), std::string::npos) << error;
+          EXPECT_NE(error.find("did not finish within 5000 ms"), std::string::npos) << error;
+          EXPECT_NE(dp_fsdp_unshard(f.get(), 0), DP_OK);
+        } else {
+          EXPECT_EQ(dp_fsdp_unshard(f.get(), 0), DP_OK) << dp_last_error();  // its own transfer was skipped
+          ASSERT_EQ(dp_fsdp_reshard(f.get()), DP_OK) << dp_last_error();
+          EXPECT_NE(dp_fsdp_unshard(f.get(), 0), DP_OK);
+        }
+      },
+      5000, true);
+  ::unsetenv("DP_TEST_NCCL_SKIP_QUEUED");
+}
+
 // Hostile sharded saves: rows that do not fit the shape, a rank's file
 // missing, a file of another kind, a folder with two saves. Each is refused
 // by name and leaves the module as it was.
