@@ -9,9 +9,10 @@
  * device then starts its device work after the work queued so far on that
  * stream (an event, never a host wait on cuda), and the stream waits for
  * the call's results: the host queues its next work on the stream without
- * synchronising. An _async collective's results are the exception: they are
- * final once dp_work_wait returns (dp_dist.h). With none set (or after setting NULL), a call waits for
- * the legacy default stream first and completes before it returns.
+ * synchronising. An _async collective's results are the exception: they
+ * are final once dp_work_wait returns (dp_dist.h). With none set (or after
+ * setting NULL), a call waits for the legacy default stream first and
+ * completes before it returns.
  * dp_parallel_apply runs each replica's callback with the caller's current
  * streams current; dp_ddp_mark_grad_ready uses the marking thread's.
  *

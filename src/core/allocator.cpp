@@ -136,7 +136,7 @@ void free_now(const Device& device, void* data, size_t nbytes) noexcept {
 }
 
 // The events a freed block waits for: one on the freeing thread's stream,
-// and one on the library stream where the device queues library work.
+// and inside a LibraryWorkStaysQueued scope one on the scope's stream.
 struct Passed {
   std::optional<Event> host, library;
   bool query() const { return (!host || host->query()) && (!library || library->query()); }
@@ -295,13 +295,10 @@ void device_free(const Device& device, void* data, size_t nbytes) noexcept {
       Passed passed;
       passed.host.emplace(device);
       passed.host->record(stream);
-      // The library's queued work (LibraryWorkStaysQueued) may still use it too.
-      if (runtime->library_work_is_queued()) {
-        void* library = runtime->library_stream(device.index);
-        if (library != stream) {
-          passed.library.emplace(device);
-          passed.library->record(library);
-        }
+      // Elsewhere the library's work is done when its call returns.
+      if (void* queued = library_stream_override(device); queued != nullptr && queued != stream) {
+        passed.library.emplace(device);
+        passed.library->record(queued);
       }
       pending_frees().add(device, data, nbytes, std::move(passed));
       return;

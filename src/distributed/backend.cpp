@@ -5,21 +5,11 @@
 
 namespace dparallel::dist {
 
-namespace {
-
-thread_local bool t_queued_transfers = false;
-
-}  // namespace
-
-QueuedTransfers::QueuedTransfers(const Device& device, void* transfer_stream) : previous_(t_queued_transfers) {
-  if (transfer_stream == nullptr) return;
-  library_.emplace(device, transfer_stream);
-  t_queued_transfers = true;
+QueuedTransfers::QueuedTransfers(const Device& device, void* transfer_stream) {
+  if (transfer_stream != nullptr) library_.emplace(device, transfer_stream);
 }
 
-QueuedTransfers::~QueuedTransfers() { t_queued_transfers = previous_; }
-
-bool QueuedTransfers::active() { return t_queued_transfers; }
+bool QueuedTransfers::active() { return library_work_stays_queued(); }
 
 void Backend::all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op) {
   if (tensors.size() == 1) return all_reduce(tensors[0], op);

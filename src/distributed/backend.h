@@ -41,12 +41,11 @@ class QueuedTransfers {
   QueuedTransfers(const Device& device, void* transfer_stream);
   QueuedTransfers(const QueuedTransfers&) = delete;
   QueuedTransfers& operator=(const QueuedTransfers&) = delete;
-  ~QueuedTransfers();
+  // Whether one that queues is open on this thread.
   static bool active();
 
  private:
-  std::optional<LibraryWorkStaysQueued> library_;
-  bool previous_;
+  std::optional<LibraryWorkStaysQueued> library_;  // what it is, where it queues
 };
 
 // One collective as the front tracks it for every backend.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <utility>
 
 #include "comm/comm.h"
 #include "core/device_runtime.h"
@@ -333,10 +334,8 @@ void FullyShard::settle_queued_work() noexcept {
   std::optional<Event> unshard, post;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    unshard = std::move(unshard_done_);
-    post = std::move(post_done_);
-    unshard_done_.reset();
-    post_done_.reset();
+    unshard = std::exchange(unshard_done_, std::nullopt);
+    post = std::exchange(post_done_, std::nullopt);
     gathered_.clear();
   }
   // A job that ended after its waiter gave up may still write memory the
@@ -602,53 +601,46 @@ ddp::JobResult FullyShard::run_job(const ddp::JobSpec& spec) {
   ddp::JobResult result;
   result.start = Clock::now();
   try {
-    // On NCCL the job returns once its collectives are queued: the host's
-    // stream follows them through the library stream (the call's
-    // StreamOrder), and the host waits on events only.
+    // On NCCL the job's work all goes on the group's stream, after the
+    // host's stream as it was at the call, and the job returns once it is
+    // queued; an end event recorded however the job ends (its own frees
+    // follow that stream already) is what the host follows
+    // (follow_job_locked).
     const Device device = group_->device();
     dist::QueuedTransfers queued(device, group_->transfer_stream());
+    const bool unshard = spec.item == CallItem::kUnshard;
     std::vector<Event> host_ready;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      host_ready = std::move(spec.item == CallItem::kUnshard ? unshard_ready_ : post_ready_);
+      host_ready = std::move(unshard ? unshard_ready_ : post_ready_);
     }
     library_streams_wait(host_ready);
-    // Where the work stays queued, the host follows it through this event
-    // (follow_job_locked), recorded however the job ends.
-    std::optional<Event> done;
-    const DeviceRuntime& runtime = device_runtime(device.type);
-    auto record_done = [&] {
-      if (!dist::QueuedTransfers::active() || !runtime.library_work_is_queued()) return;
-      done.emplace(device);
-      done->record(runtime.library_stream(device.index));
-    };
-    // Its own frees follow the group's stream already (the allocator
-    // records on the library stream the scope gives), failed or not.
-    std::optional<Event>& done_slot = spec.item == CallItem::kUnshard ? unshard_done_ : post_done_;
-    auto keep_done = [&] {
-      try {
-        record_done();
-      } catch (const std::exception&) {
-        done.reset();  // the device failed: nothing left to follow
+    struct KeepEndEvent {
+      FullyShard& self;
+      const Device& device;
+      std::optional<Event>& slot;
+      ~KeepEndEvent() {
+        if (!dist::QueuedTransfers::active()) return;
+        std::optional<Event> done;
+        try {
+          done.emplace(device);
+          done->record(device_runtime(device.type).library_stream(device.index));
+        } catch (const std::exception&) {
+          done.reset();  // the device failed: nothing left to follow
+        }
+        std::lock_guard<std::mutex> lock(self.mutex_);
+        slot = std::move(done);
       }
+    } keep{*this, device, unshard ? unshard_done_ : post_done_};
+    if (unshard) {
+      std::vector<Tensor> full = gather_shards(true);
       std::lock_guard<std::mutex> lock(mutex_);
-      done_slot = std::move(done);
-    };
-    try {
-      if (spec.item == CallItem::kUnshard) {
-        std::vector<Tensor> full = gather_shards(true);
-        std::lock_guard<std::mutex> lock(mutex_);
-        gathered_ = std::move(full);
-      } else if (spec.item == CallItem::kPostBackward) {
-        run_post_backward();
-      } else {
-        fail(StatusCode::kInternal, "a dp_fsdp job of ", dist::call_item_name(spec.item, 0));
-      }
-    } catch (...) {
-      keep_done();
-      throw;
+      gathered_ = std::move(full);
+    } else if (spec.item == CallItem::kPostBackward) {
+      run_post_backward();
+    } else {
+      fail(StatusCode::kInternal, "a dp_fsdp job of ", dist::call_item_name(spec.item, 0));
     }
-    keep_done();
   } catch (const Error& e) {
     result.code = e.code();
     result.error = e.what();

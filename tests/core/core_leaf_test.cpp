@@ -177,20 +177,22 @@ TEST(CoreWithoutBackends, TheRegisteredRuntimeAllocatesCopiesFillsAndSetsTheDevi
   EXPECT_EQ(find_device_runtime(DeviceType::kCuda), nullptr);
 }
 
-TEST(CoreWithoutBackends, AFreedBlockIsNotReusedBeforeTheLibraryStreamPassedIt) {
+TEST(CoreWithoutBackends, AFreedBlockIsNotReusedBeforeAQueuedJobsStreamPassedIt) {
   static QueuedLibraryRuntime runtime;  // outlives the registration
   register_device_runtime(DeviceType::kCuda, &runtime);
   const Device gpu{DeviceType::kCuda, 0};
+  // A job whose library work stays queued on the runtime's "library" stream.
+  LibraryWorkStaysQueued job(gpu, runtime.library_stream(0));
   {
     Tensor t = Tensor::empty(DType::kUInt8, {1 << 20}, gpu);
     EXPECT_EQ(runtime.allocations.load(), 1);
-    runtime.library_busy = true;  // queued library work (LibraryWorkStaysQueued) still uses it
+    runtime.library_busy = true;  // the job's queued work still uses it
   }
   {
-    // The freeing thread has no stream of its own, so only the library
+    // The freeing thread has no stream of its own, so only the job's
     // stream's event holds the block back.
     Tensor u = Tensor::empty(DType::kUInt8, {1 << 20}, gpu);
-    EXPECT_EQ(runtime.allocations.load(), 2) << "a block the library stream still uses was handed out again";
+    EXPECT_EQ(runtime.allocations.load(), 2) << "a block the job's stream still uses was handed out again";
   }
   runtime.finish_library_work();
   {

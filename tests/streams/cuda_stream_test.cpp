@@ -362,6 +362,15 @@ std::future<std::string> on_thread(void* stream, Call call) {
   });
 }
 
+// Whether `call` returned within 60 s while `gate` still held `stream`;
+// opens the gate either way.
+bool returned_while_held(std::future<std::string>& call, StreamGate* gate, cudaStream_t stream) {
+  const bool returned = call.wait_for(std::chrono::seconds(60)) == std::future_status::ready;
+  EXPECT_EQ(cudaStreamQuery(stream), cudaErrorNotReady) << "the gate let go early: the test proves nothing";
+  gate->open = true;
+  return returned;
+}
+
 }  // namespace
 
 // dp_fsdp_unshard and post_backward + finish_backward return while the host's
@@ -396,10 +405,7 @@ TEST_F(CudaStreamOrder, FsdpUnshardAndPostBackwardReturnWhileTheHostsStreamIsHel
       cudaMemcpyAsync(dp_tensor_data(shard.get()), new_shard.data, n * sizeof(float), cudaMemcpyHostToDevice, s()),
       cudaSuccess);
   auto unshard = on_thread(stream_, [f] { return dp_fsdp_unshard(f, 0); });
-  const bool returned = unshard.wait_for(std::chrono::seconds(60)) == std::future_status::ready;
-  EXPECT_EQ(cudaStreamQuery(s()), cudaErrorNotReady) << "the gate let go early: the test proves nothing";
-  first->open = true;
-  ASSERT_TRUE(returned) << "dp_fsdp_unshard waited for the host's held stream";
+  ASSERT_TRUE(returned_while_held(unshard, first, s())) << "dp_fsdp_unshard waited for the host's held stream";
   ASSERT_EQ(unshard.get(), "");
   dp_tensor* full = nullptr;
   DP_ASSERT_OK(dp_module_get_parameter(m, "w", &full));
@@ -417,10 +423,8 @@ TEST_F(CudaStreamOrder, FsdpUnshardAndPostBackwardReturnWhileTheHostsStreamIsHel
     dp_status st = dp_fsdp_post_backward(f);
     return st == DP_OK ? dp_fsdp_finish_backward(f) : st;
   });
-  const bool finished = backward.wait_for(std::chrono::seconds(60)) == std::future_status::ready;
-  EXPECT_EQ(cudaStreamQuery(s()), cudaErrorNotReady) << "the gate let go early: the test proves nothing";
-  second->open = true;
-  ASSERT_TRUE(finished) << "post_backward + finish_backward waited for the host's held stream";
+  ASSERT_TRUE(returned_while_held(backward, second, s()))
+      << "post_backward + finish_backward waited for the host's held stream";
   ASSERT_EQ(backward.get(), "");
   dp_tensor* shard_grad = nullptr;
   DP_ASSERT_OK(dp_fsdp_shard_grad(f, 0, &shard_grad));

@@ -3,9 +3,9 @@
 // ncclCommGetAsyncError and aborts the communicator at the group's deadline,
 // so a dead peer is an error, not a hang. The headers the front checks
 // before each collective travel as an all-gather on the stream.
-// Inside QueuedTransfers a collective returns once queued, ordered between
-// the library stream's work by events; a watch thread polls its end event
-// and aborts the communicator at its deadline or an asynchronous error.
+// Inside a dp_fsdp job (QueuedTransfers) a collective returns once queued on
+// the stream, after the job's own work there; a watch thread polls its end
+// event and aborts the communicator at its deadline or an asynchronous error.
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
@@ -66,7 +66,6 @@ class NcclBackend : public Backend {
                   "cudaMallocAsync");
       // Pinned, so that copies to and from it never block the host behind NCCL work.
       cuda::check(cudaMallocHost(&host_headers_, sizeof(CallHeader) * static_cast<size_t>(size())), "cudaMallocHost");
-      cuda::check(cudaEventCreateWithFlags(&library_ready_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
     } catch (...) {
       release();  // the destructor does not run for a constructor that throws
       throw;
@@ -99,7 +98,6 @@ class NcclBackend : public Backend {
     // One rank: every op is the identity (see reduce_scatter), in place; the
     // header swap waited for the stream (unless queued: nothing to follow).
     if (size() == 1) return;
-    begin_transfer();
     enqueue(
         [&](ncclComm_t comm) {
           return ncclAllReduce(t.data(), t.data(), static_cast<size_t>(t.numel()), cuda::nccl_type(t.dtype()),
@@ -113,7 +111,6 @@ class NcclBackend : public Backend {
     cuda::DeviceGuard guard(device().index);
     auto deadline = exchange(CallKind::kBroadcast, t.dtype(), t.numel(), ReduceOp::kSum, root, &t);
     if (size() == 1) return;
-    begin_transfer();
     enqueue(
         [&](ncclComm_t comm) { return ncclBroadcast(t.data(), t.data(), t.nbytes(), ncclUint8, root, comm, stream_); },
         "ncclBroadcast", deadline, true);
@@ -135,7 +132,6 @@ class NcclBackend : public Backend {
     uint8_t* direct = back_to_back(outputs, input.data(), nbytes);
     uint8_t* flat = direct != nullptr ? direct : scratch(nbytes * static_cast<size_t>(size()), "all_gather");
     auto deadline = exchange(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, &input);
-    begin_transfer();
     enqueue([&](ncclComm_t comm) { return ncclAllGather(input.data(), flat, nbytes, ncclUint8, comm, stream_); },
             "ncclAllGather", deadline, true);
     for (int32_t r = 0; r < size() && direct == nullptr; ++r) {
@@ -163,7 +159,6 @@ class NcclBackend : public Backend {
     uint8_t* direct = back_to_back(inputs, output.data(), nbytes);
     uint8_t* flat = direct != nullptr ? direct : scratch(nbytes * static_cast<size_t>(size()), "reduce_scatter");
     auto deadline = exchange(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output);
-    begin_transfer();
     for (int32_t r = 0; r < size() && direct == nullptr; ++r) {
       check_cuda(cudaMemcpyAsync(flat + nbytes * static_cast<size_t>(r), inputs[r].data(), nbytes,
                                  cudaMemcpyDeviceToDevice, stream_),
@@ -200,8 +195,8 @@ class NcclBackend : public Backend {
     if (size() == 1) {
       // Nobody to compare with; the wait keeps what a finished call means
       // (the caller's stream, which this one follows, reached it), except
-      // for a queued one, whose end the library stream follows instead.
-      if (!QueuedTransfers::active()) wait_stream(call.deadline, false);
+      // for a queued one, whose end the job's end event covers instead.
+      if (!queued()) wait_stream(call.deadline, false);
       return;
     }
     auto* slot = static_cast<uint8_t*>(headers_) + sizeof(CallHeader) * static_cast<size_t>(rank());
@@ -242,7 +237,7 @@ class NcclBackend : public Backend {
   // this waits for that, by the deadline.
   template <typename NcclCall>
   void enqueue(NcclCall&& nccl_call, const char* call, Clock::time_point deadline, bool exchanged) {
-    if (exchanged && QueuedTransfers::active() && skipping_queued_for_tests()) return;
+    if (exchanged && queued() && skipping_queued_for_tests()) return;
     ncclResult_t rc = ncclSuccess;
     {
       std::unique_lock<std::mutex> lock(comm_mutex_);
@@ -284,36 +279,22 @@ class NcclBackend : public Backend {
     return text != nullptr && *text != '\0' && std::atoi(text) == rank();
   }
 
-  // Queued (QueuedTransfers): the group's stream first follows the library
-  // stream's work so far, which made the call's inputs; inside a dp_fsdp
-  // job that work is on the group's stream already (LibraryWorkStaysQueued).
-  void begin_transfer() {
-    if (!QueuedTransfers::active()) return;
-    cudaStream_t library = cuda::stream_of(device().index);
-    if (library == stream_) return;
-    check_cuda(cudaEventRecord(library_ready_, library), "cudaEventRecord");
-    check_cuda(cudaStreamWaitEvent(stream_, library_ready_, 0), "cudaStreamWaitEvent");
-  }
+  // Inside a dp_fsdp job (QueuedTransfers with this group's stream): the
+  // job's own library work is on this stream already, so a collective
+  // follows it in stream order and returns once queued.
+  bool queued() const { return library_stream_override(device()) == stream_; }
 
   // The end of a collective's transfer: waits for the stream, or, queued,
-  // records an end event the watch polls (and the library stream follows,
-  // where it is another stream).
+  // records an end event the watch polls.
   void end_transfer(Clock::time_point deadline) {
-    if (!QueuedTransfers::active()) {
+    if (!queued()) {
       wait_stream(deadline, true);
       return;
     }
     cudaEvent_t done = take_event();
-    cudaStream_t library = cuda::stream_of(device().index);
-    cudaError_t rc = cudaEventRecord(done, stream_);
-    const char* call = "cudaEventRecord";
-    if (rc == cudaSuccess && library != stream_) {
-      rc = cudaStreamWaitEvent(library, done, 0);
-      call = "cudaStreamWaitEvent";
-    }
-    if (rc != cudaSuccess) {
+    if (cudaError_t rc = cudaEventRecord(done, stream_); rc != cudaSuccess) {
       release_event(done);
-      check_cuda(rc, call);
+      check_cuda(rc, "cudaEventRecord");
     }
     QueuedWatch& watching = watch();
     watching.add(done, deadline,
@@ -419,7 +400,6 @@ class NcclBackend : public Backend {
     auto* out = static_cast<uint8_t*>(output.data());
     const auto* in = static_cast<const uint8_t*>(input.data());
     const size_t nbytes = input.nbytes();
-    begin_transfer();
     if (out != in && nbytes > 0) {
       if (in < out + nbytes && out < in + nbytes) {
         uint8_t* flat = scratch(nbytes, op);
@@ -566,8 +546,6 @@ class NcclBackend : public Backend {
     // while recorded is released once it completes.
     for (cudaEvent_t event : spare_events_) cudaEventDestroy(event);
     spare_events_.clear();
-    if (library_ready_ != nullptr) cudaEventDestroy(library_ready_);
-    library_ready_ = nullptr;
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
     scratch_ = headers_ = host_headers_ = nullptr;
     scratch_bytes_ = 0;
@@ -587,7 +565,6 @@ class NcclBackend : public Backend {
   // calling thread uses it.
   std::mutex comm_mutex_;
   std::string aborted_why_;  // why the watch aborted comm_
-  cudaEvent_t library_ready_ = nullptr;
   std::mutex events_mutex_;
   std::vector<cudaEvent_t> spare_events_;  // end events the watch is done with
   std::unique_ptr<QueuedWatch> watch_;     // made at the first queued collective
