@@ -332,6 +332,16 @@ int run(const Options& o) {
         static_cast<double>(nparams) / 1e6, static_cast<double>(nparams) * 4 / 1e6, static_cast<long long>(B), o.steps,
         o.warmup, o.bucket_cap_mb, o.first_bucket_cap_mb, o.grad_as_bucket_view ? 1 : 0, o.optim_in_backward ? 1 : 0,
         o.static_graph ? 1 : 0, openblas_get_config());
+    // OpenBLAS falls back to its oldest kernels on a CPU model it does not
+    // know, which more than doubles the local step and so shrinks every
+    // ratio below: say so, since figures are only comparable per core type.
+    const std::string core = openblas_get_corename();
+    if ((core == "Prescott" || core == "Core2" || core == "Nehalem") && __builtin_cpu_supports("avx2")) {
+      std::printf(
+          "# note: OpenBLAS chose its %s kernels on a CPU with AVX2; OPENBLAS_CORETYPE=%s picks the ones "
+          "bench/RESULTS.md was measured with\n",
+          core.c_str(), __builtin_cpu_supports("avx512f") ? "SkylakeX" : "Haswell");
+    }
     std::printf("%-15s %9s %9s %16s %10s\n", "mode", "t_med_ms", "t_min_ms", "vs_local_med_ms", "cpu_ms");
     std::fflush(stdout);
   }

@@ -85,13 +85,12 @@
  * reshard or post_backward) and for the shard gradients (after
  * finish_backward) through events; with no current stream set, those calls
  * wait on the host instead. A blocking call never waits for the all-gather
- * or reduce-scatter itself, but it does wait for the job to be queued, and
- * with more than one rank each collective's call header is a small
- * collective on the group's stream behind the job's own wait for the host's
- * stream: the call returns once this rank's stream (and the peers') reached
- * it. The lane's agreement rounds likewise run behind the work queued on the
- * group's stream. A queued collective's deadline (the group's timeout) runs
- * from the call, so it includes that wait. One that fails later (a peer
+ * or reduce-scatter itself, nor for the host's stream: it waits for the job
+ * to be queued, which takes the other ranks' calls (each collective's call
+ * header, and the lane's agreement rounds, go between the ranks on a second
+ * NCCL communicator with a stream of its own, never behind queued work). A
+ * queued collective's deadline (the group's timeout) runs from the call, so
+ * it includes the wait for the host's stream. One that fails later (a peer
  * gone, the deadline passed) aborts the communicator and breaks the group:
  * the device work queued after it runs on what the buffers hold, and the
  * call that waited for it on the host (no current stream set), or else the

@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "core/error.h"
+#include "core/stream.h"
 #include "core/thread_name.h"
 #include "core/thread_pool.h"
 #include "ddp/host_values.h"
@@ -65,6 +67,12 @@ std::vector<std::vector<int64_t>> exchange_counts(dist::ProcessGroup& group, uin
   tag.job = round;
   dist::CallTagScope scope(tag);
   const Device device = group.device();
+  // Where the group has a control stream (NCCL), the round's copies and
+  // allocations go there too: the library stream may wait for a host's
+  // stream (any call made with a current stream set), and a round must not.
+  // Opened before the tensors, so that their frees follow that stream.
+  std::optional<LibraryWorkStaysQueued> staging;
+  if (void* control = group.control_stream()) staging.emplace(device, control);
   std::vector<Tensor> all = gather_outputs(group.size(), DType::kInt64, static_cast<int64_t>(values.size()), device);
   group.all_gather(to_device(host_int64(values), device), all, false);
   std::vector<std::vector<int64_t>> counts;

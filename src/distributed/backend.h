@@ -137,6 +137,10 @@ class Backend {
   // The stream of the group's device its transfers run on, where it has one
   // of its own (NCCL); a call's stream order makes it wait for the host's.
   virtual void* transfer_stream() const { return nullptr; }
+  // The stream of the group's device its control calls (call headers, the
+  // lane's agreement rounds) run on, where it has one apart from
+  // transfer_stream (NCCL with more than one rank); null otherwise.
+  virtual void* control_stream() const { return nullptr; }
   // After the front marked the group broken: makes the peers' current or
   // next collective fail now rather than at their timeout.
   virtual void abort(const std::string& /*why*/) noexcept {}

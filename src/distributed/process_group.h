@@ -63,6 +63,7 @@ class ProcessGroup final : private CallSite {
   // For tests that look at what a backend did.
   const Backend& backend() const { return *backend_; }
   void* transfer_stream() const { return backend_->transfer_stream(); }
+  void* control_stream() const { return backend_->control_stream(); }
 
   // With `async`, returns at once with the Work to wait on; otherwise returns
   // when done (the Work is then already finished).

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <future>
 #include <string>
 #include <thread>
 #include <vector>
@@ -731,6 +732,75 @@ TEST(CudaFsdp, AQueuedAllGatherWhosePeerNeverSendsIsAbortedAtTheTimeoutAndNamed)
       },
       5000, true);
   ::unsetenv("DP_TEST_NCCL_SKIP_QUEUED");
+}
+
+namespace {
+// One gate per rank (ranks are threads) that a stream's host function waits at.
+std::atomic<bool> g_stream_gate_open[2];
+void hold_stream_until_open(void* gate) {
+  auto* open = static_cast<std::atomic<bool>*>(gate);
+  while (!open->load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
+}  // namespace
+
+// With two ranks, each collective's call header and the lane's agreement
+// rounds go between the ranks apart from the queued transfers, which wait
+// for the host's stream: blocking unshards of two dp_fsdp, and an async one
+// with its wait, return while the host's stream is still held before them,
+// even after another call made the library's own stream wait for it; the
+// stream then sees the gathered parameters. Held on every rank, then on
+// rank 0 only (rank 1's gathers then wait on the device for rank 0's).
+TEST(CudaFsdp, BlockingUnshardsOnTwoGpusReturnWhileTheHostsStreamIsHeld) {
+  if (dptest::cuda_count() < 2) GTEST_SKIP() << "needs 2 GPU(s), found " << dptest::cuda_count();
+  for (bool every_rank : {true, false}) {
+    SCOPED_TRACE(every_rank ? "held on every rank" : "held on rank 0 only");
+    run_ranks(
+        2, DP_BACKEND_NCCL,
+        [&](int rank, dp_process_group* pg) {
+          const dp_device device = dptest::cuda(rank);
+          Toy toy(0.0f, device);
+          FsdpPtr f[3];
+          for (int l = 0; l < 3; ++l) {
+            dp_fsdp* raw = nullptr;
+            ASSERT_EQ(dp_fsdp_create(&raw, toy.layer[l].get(), pg, nullptr), DP_OK) << dp_last_error();
+            f[l].reset(raw);
+          }
+          void* stream = nullptr;
+          ASSERT_EQ(dp_stream_create(device, &stream), DP_OK) << dp_last_error();
+          const bool held = every_rank || rank == 0;
+          std::atomic<bool>& open = g_stream_gate_open[rank];
+          open = !held;
+          ASSERT_EQ(dp_stream_launch_host_func(device, stream, hold_stream_until_open, &open), DP_OK)
+              << dp_last_error();
+          auto calls = std::async(std::launch::async, [&]() -> std::string {
+            if (dp_set_current_stream(device, stream) != DP_OK) return dp_last_error();
+            std::string failure;
+            // Between the unshards, a call that makes the library's own
+            // stream wait for the held one (proj has no gradient to zero,
+            // so nothing waits on the host).
+            if (dp_fsdp_unshard(f[0].get(), 0) != DP_OK || dp_module_zero_grad(toy.layer[3].get()) != DP_OK ||
+                dp_fsdp_unshard(f[1].get(), 0) != DP_OK || dp_fsdp_unshard(f[2].get(), 1) != DP_OK ||
+                dp_fsdp_wait_unshard(f[2].get()) != DP_OK) {
+              failure = dp_last_error();
+            }
+            dp_set_current_stream(device, nullptr);
+            return failure;
+          });
+          // Half the group's timeout: calls that wait for the stream stay
+          // there until the gate opens below.
+          const bool returned = calls.wait_for(std::chrono::seconds(30)) == std::future_status::ready;
+          open = true;
+          EXPECT_TRUE(returned) << "rank " << rank << ": the blocking unshards waited for the host's held stream";
+          EXPECT_EQ(calls.get(), "");
+          ASSERT_EQ(dp_set_current_stream(device, stream), DP_OK) << dp_last_error();
+          for (int l = 0; l < 3; ++l) EXPECT_EQ(parameter(toy.root.get(), kWeights[l]), initial_weights(l, 0.0f));
+          EXPECT_EQ(dp_stream_synchronize(device, stream), DP_OK) << dp_last_error();
+          EXPECT_EQ(dp_set_current_stream(device, nullptr), DP_OK) << dp_last_error();
+          for (FsdpPtr& one : f) one.reset();
+          EXPECT_EQ(dp_stream_destroy(device, stream), DP_OK) << dp_last_error();
+        },
+        60000, true);
+  }
 }
 
 // Hostile sharded saves: rows that do not fit the shape, a rank's file

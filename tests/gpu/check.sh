@@ -4,7 +4,9 @@
 # Builds (Release, CUDA and NCCL on, for the GPUs present: CUDA_ARCHS
 # overrides) into build/gpu, runs every
 # CUDA/NCCL test (fully_shard's queued NCCL collectives among them:
-# CudaFsdp.*, CudaStreamOrder.Fsdp*), checks that each rank of a multi-process NCCL run has a
+# CudaFsdp.*, CudaStreamOrder.Fsdp*; with 2+ GPUs, every NCCL group also runs
+# its control communicator, and CudaFsdp.BlockingUnshardsOnTwoGpus* pins
+# that headers and rounds never wait for a held host stream), checks that each rank of a multi-process NCCL run has a
 # context on its own GPU only, runs the GPU tests under compute-sanitizer
 # (memcheck, racecheck, synccheck), times a misaligned batched copy, copies
 # pitched rows between GPUs, then the GPU benchmarks and dp-train on the GPUs.

@@ -2,13 +2,18 @@
 // store, created non-blocking. Every wait polls the stream and
 // ncclCommGetAsyncError and aborts the communicator at the group's deadline,
 // so a dead peer is an error, not a hang. The headers the front checks
-// before each collective travel as an all-gather on the stream.
+// before each collective, and the lane's agreement rounds, travel on a
+// second communicator with a stream of its own (the control channel), so
+// that they never queue behind a dp_fsdp job's transfers, which wait for
+// the host's stream.
 // Inside a dp_fsdp job (QueuedTransfers) a collective returns once queued on
 // the stream, after the job's own work there; a watch thread polls its end
 // event and aborts the communicator at its deadline or an asynchronous error.
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -39,6 +44,57 @@ constexpr Millis kFinalizeBound{5000};
 // How often the watch polls the queued collectives' end events.
 constexpr Millis kWatchPoll{10};
 
+using RevokeFn = ncclResult_t (*)(ncclComm_t, int);
+// ncclCommRevoke where the NCCL in use has it (2.28 on), else null: looked up
+// at run time, since the library may run with an older NCCL than it was
+// built with.
+RevokeFn nccl_revoke() {
+  static const RevokeFn revoke = []() -> RevokeFn {
+    Dl_info info{};
+    if (dladdr(reinterpret_cast<void*>(&ncclCommAbort), &info) == 0 || info.dli_fname == nullptr) return nullptr;
+    void* lib = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+    if (lib == nullptr) return nullptr;
+    void* symbol = dlsym(lib, "ncclCommRevoke");
+    dlclose(lib);  // only the reference RTLD_NOLOAD took: the library stays loaded
+    return reinterpret_cast<RevokeFn>(symbol);
+  }();
+  return revoke;
+}
+
+// Aborts the communicators together. Tearing one down frees device memory,
+// which waits for every kernel on the GPU, another communicator's kernel
+// still spinning for a dead peer among them: so every one is stopped before
+// any is torn down, by ncclCommRevoke where NCCL has it (for up to `bound`),
+// and the aborts, each of which stops its own kernels first, run at once on
+// threads of their own.
+void abort_together(std::vector<ncclComm_t> comms, Millis bound) noexcept {
+  comms.erase(std::remove(comms.begin(), comms.end(), nullptr), comms.end());
+  if (comms.empty()) return;
+  if (RevokeFn revoke = comms.size() > 1 ? nccl_revoke() : nullptr) {
+    std::vector<ncclResult_t> states;
+    for (ncclComm_t comm : comms) states.push_back(revoke(comm, 0));
+    auto deadline = Clock::now() + bound;
+    for (size_t i = 0; i < comms.size(); ++i) {
+      while (states[i] == ncclInProgress && Clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+        if (ncclCommGetAsyncError(comms[i], &states[i]) != ncclSuccess) break;
+      }
+    }
+  }
+  std::vector<std::thread> others;
+  std::vector<ncclComm_t> unthreaded;
+  for (size_t i = 1; i < comms.size(); ++i) {
+    try {
+      others.emplace_back([comm = comms[i]] { ncclCommAbort(comm); });
+    } catch (...) {
+      unthreaded.push_back(comms[i]);  // no thread to be had: after the first, in turn
+    }
+  }
+  ncclCommAbort(comms[0]);
+  for (ncclComm_t comm : unthreaded) ncclCommAbort(comm);
+  for (std::thread& t : others) t.join();
+}
+
 class NcclBackend : public Backend {
  public:
   NcclBackend(CallSite& site, const ProcessGroupOptions& options) : Backend(site), store_(options.store) {
@@ -47,7 +103,197 @@ class NcclBackend : public Backend {
            " GPU(s) are present (", cuda::unavailable_reason(), ")");
     }
     prefix_ = claim_key_prefix(store_, "pg");
-    std::string key = prefix_ + "nccl_id";
+    // One rank has nobody to send headers or rounds to: no control communicator.
+    std::vector<std::string> keys = {prefix_ + "nccl_id"};
+    if (size() > 1) keys.push_back(prefix_ + "nccl_control_id");
+    std::vector<ncclUniqueId> ids(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) ids[i] = unique_id(keys[i]);
+    // NCCL binds the communicator to the device current at init.
+    cuda::DeviceGuard guard(device().index);
+    try {
+      cuda::check(cudaStreamCreateWithFlags(&data_.stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+      cuda::check(cudaStreamCreateWithFlags(&control_.stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+      // Stream-ordered, as the scratch: see scratch().
+      cuda::check(cudaMallocAsync(&headers_, sizeof(CallHeader) * static_cast<size_t>(size()), control_.stream),
+                  "cudaMallocAsync");
+      // Pinned, so that copies to and from it never block the host behind NCCL work.
+      cuda::check(cudaMallocHost(&host_headers_, sizeof(CallHeader) * static_cast<size_t>(size())), "cudaMallocHost");
+    } catch (...) {
+      release();  // the destructor does not run for a constructor that throws
+      throw;
+    }
+    auto deadline = Clock::now() + timeout();
+    try {
+      init_comm(data_, ids[0], deadline, false);
+      if (ids.size() > 1) init_comm(control_, ids[1], deadline, true);
+    } catch (...) {
+      abort_comm();
+      release();
+      throw;
+    }
+    // Every rank joined the communicators with the ids: they are no longer needed.
+    if (rank() == 0) forget_keys(*store_, keys);
+  }
+
+  ~NcclBackend() override { release(); }
+
+  const char* name() const override { return "nccl"; }
+
+  DeviceType tensor_device_type() const override { return DeviceType::kCuda; }
+  void* transfer_stream() const override { return data_.stream; }
+  void* control_stream() const override { return size() > 1 ? control_.stream : nullptr; }
+
+  void all_reduce(const Tensor& t, ReduceOp op) override {
+    cuda::DeviceGuard guard(device().index);
+    Channel& ch = channel_of_call();
+    auto deadline = exchange(CallKind::kAllReduce, t.dtype(), t.numel(), op, -1, &t);
+    // One rank: every op is the identity (see reduce_scatter), in place; the
+    // header swap waited for the stream (unless queued: nothing to follow).
+    if (size() == 1) return;
+    enqueue(
+        ch,
+        [&](ncclComm_t comm, cudaStream_t stream) {
+          return ncclAllReduce(t.data(), t.data(), static_cast<size_t>(t.numel()), cuda::nccl_type(t.dtype()),
+                               nccl::nccl_op(t.dtype(), op), comm, stream);
+        },
+        "ncclAllReduce", deadline, true);
+    end_transfer(ch, deadline);
+  }
+
+  void broadcast(const Tensor& t, int32_t root) override {
+    cuda::DeviceGuard guard(device().index);
+    Channel& ch = channel_of_call();
+    auto deadline = exchange(CallKind::kBroadcast, t.dtype(), t.numel(), ReduceOp::kSum, root, &t);
+    if (size() == 1) return;
+    enqueue(
+        ch,
+        [&](ncclComm_t comm, cudaStream_t stream) {
+          return ncclBroadcast(t.data(), t.data(), t.nbytes(), ncclUint8, root, comm, stream);
+        },
+        "ncclBroadcast", deadline, true);
+    end_transfer(ch, deadline);
+  }
+
+  void all_gather(const Tensor& input, const std::vector<Tensor>& outputs) override {
+    cuda::DeviceGuard guard(device().index);
+    size_t nbytes = input.nbytes();
+    Channel& ch = channel_of_call();
+    if (size() == 1) {
+      auto deadline = exchange(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, &input);
+      copy_on_stream(ch, outputs[0], input, deadline, "all_gather");
+      return;
+    }
+    // Outputs that lie back to back in rank order take the gather directly
+    // (in place where the input is this rank's output); others go through
+    // the scratch, allocated before the exchange: running out of memory
+    // there fails this rank alone, in step.
+    uint8_t* direct = back_to_back(outputs, input.data(), nbytes);
+    uint8_t* flat = direct != nullptr ? direct : scratch(ch, nbytes * static_cast<size_t>(size()), "all_gather");
+    auto deadline = exchange(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, &input);
+    enqueue(
+        ch,
+        [&](ncclComm_t comm, cudaStream_t stream) {
+          return ncclAllGather(input.data(), flat, nbytes, ncclUint8, comm, stream);
+        },
+        "ncclAllGather", deadline, true);
+    for (int32_t r = 0; r < size() && direct == nullptr; ++r) {
+      check_cuda(cudaMemcpyAsync(outputs[r].data(), flat + nbytes * static_cast<size_t>(r), nbytes,
+                                 cudaMemcpyDeviceToDevice, ch.stream),
+                 "cudaMemcpyAsync");
+    }
+    end_transfer(ch, deadline);
+  }
+
+  void reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override {
+    cuda::DeviceGuard guard(device().index);
+    size_t nbytes = output.nbytes();
+    Channel& ch = channel_of_call();
+    if (size() == 1) {
+      // Every op of one rank is the identity: a copy, without NCCL, whose
+      // versions before 2.29.7 left the tail of a one-rank avg unwritten
+      // (NVIDIA/nccl#1950).
+      auto deadline = exchange(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output);
+      copy_on_stream(ch, output, inputs[0], deadline, "reduce_scatter");
+      return;
+    }
+    // Inputs that lie back to back in rank order are reduced where they lie
+    // (in place where the output is this rank's input); others are copied
+    // into the scratch first.
+    uint8_t* direct = back_to_back(inputs, output.data(), nbytes);
+    uint8_t* flat = direct != nullptr ? direct : scratch(ch, nbytes * static_cast<size_t>(size()), "reduce_scatter");
+    auto deadline = exchange(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output);
+    for (int32_t r = 0; r < size() && direct == nullptr; ++r) {
+      check_cuda(cudaMemcpyAsync(flat + nbytes * static_cast<size_t>(r), inputs[r].data(), nbytes,
+                                 cudaMemcpyDeviceToDevice, ch.stream),
+                 "cudaMemcpyAsync");
+    }
+    // recvcount is per rank: the output's element count.
+    enqueue(
+        ch,
+        [&](ncclComm_t comm, cudaStream_t stream) {
+          return ncclReduceScatter(flat, output.data(), static_cast<size_t>(output.numel()),
+                                   cuda::nccl_type(output.dtype()), nccl::nccl_op(output.dtype(), op), comm, stream);
+        },
+        "ncclReduceScatter", deadline, true);
+    end_transfer(ch, deadline);
+  }
+
+  void barrier() override {
+    cuda::DeviceGuard guard(device().index);
+    exchange(CallKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, nullptr);
+  }
+
+  // An all-gather of the headers on the control channel, into pinned host
+  // memory: it never waits for the data stream, nor for what a queued job
+  // there waits for.
+  void swap_headers(Call& call) override {
+    cuda::DeviceGuard guard(device().index);
+    current_ = call;
+    in_call_ = true;
+    bool aborted = false;
+    {
+      std::lock_guard<std::mutex> lock(comm_mutex_);
+      aborted = data_.comm == nullptr;
+    }
+    if (aborted) fail_aborted_by_watch();
+    auto* all = static_cast<CallHeader*>(host_headers_);
+    all[rank()] = call.header;
+    if (size() == 1) {
+      // Nobody to compare with; the wait keeps what a finished call means
+      // (the caller's stream, which this one follows, reached it), except
+      // for a queued one, whose end the job's end event covers instead.
+      if (!queued()) wait_stream(data_, call.deadline, false);
+      return;
+    }
+    auto* slot = static_cast<uint8_t*>(headers_) + sizeof(CallHeader) * static_cast<size_t>(rank());
+    check_cuda(cudaMemcpyAsync(slot, &all[rank()], sizeof(CallHeader), cudaMemcpyHostToDevice, control_.stream),
+               "cudaMemcpyAsync");
+    // In place: this rank's slot of the gathered buffer is its send buffer.
+    enqueue(
+        control_,
+        [&](ncclComm_t comm, cudaStream_t stream) {
+          return ncclAllGather(slot, headers_, sizeof(CallHeader), ncclUint8, comm, stream);
+        },
+        "ncclAllGather", call.deadline, false);
+    check_cuda(cudaMemcpyAsync(all, headers_, sizeof(CallHeader) * static_cast<size_t>(size()), cudaMemcpyDeviceToHost,
+                               control_.stream),
+               "cudaMemcpyAsync");
+    wait_stream(control_, call.deadline, false);
+  }
+
+  CallHeader received_header(int32_t r) override { return static_cast<const CallHeader*>(host_headers_)[r]; }
+
+ private:
+  // A communicator with its own stream and scratch.
+  struct Channel {
+    ncclComm_t comm = nullptr;
+    cudaStream_t stream = nullptr;
+    void* scratch = nullptr;
+    size_t scratch_bytes = 0;
+  };
+
+  // Rank 0 makes the id and puts it in the store; the others read it.
+  ncclUniqueId unique_id(const std::string& key) {
     ncclUniqueId id;
     if (rank() == 0) {
       check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
@@ -57,164 +303,25 @@ class NcclBackend : public Backend {
       if (value.size() != sizeof(id)) fail(StatusCode::kRemote, "malformed NCCL unique id in the store");
       std::memcpy(&id, value.data(), sizeof(id));
     }
-    // NCCL binds the communicator to the device current at init.
-    cuda::DeviceGuard guard(device().index);
-    try {
-      cuda::check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-      // Stream-ordered, as the scratch: see scratch().
-      cuda::check(cudaMallocAsync(&headers_, sizeof(CallHeader) * static_cast<size_t>(size()), stream_),
-                  "cudaMallocAsync");
-      // Pinned, so that copies to and from it never block the host behind NCCL work.
-      cuda::check(cudaMallocHost(&host_headers_, sizeof(CallHeader) * static_cast<size_t>(size())), "cudaMallocHost");
-    } catch (...) {
-      release();  // the destructor does not run for a constructor that throws
-      throw;
-    }
+    return id;
+  }
+
+  // `small`: for the control channel, whose calls are a few KiB: one CTA
+  // takes fewer of the SMs and buffers the data channel uses.
+  void init_comm(Channel& ch, const ncclUniqueId& id, Clock::time_point deadline, bool small) {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
-    auto deadline = Clock::now() + timeout();
-    ncclResult_t rc = ncclCommInitRankConfig(&comm_, size(), id, rank(), &config);
-    try {
-      check_enqueued(rc, "ncclCommInitRankConfig", deadline, false);
-    } catch (...) {
-      abort_comm();
-      release();
-      throw;
-    }
-    // Every rank joined the communicator with the id: it is no longer needed.
-    if (rank() == 0) forget_keys(*store_, {key});
+    if (small) config.minCTAs = config.maxCTAs = 1;
+    ncclResult_t rc = ncclCommInitRankConfig(&ch.comm, size(), id, rank(), &config);
+    check_enqueued(ch, rc, "ncclCommInitRankConfig", deadline, false);
   }
 
-  ~NcclBackend() override { release(); }
+  // The lane's agreement rounds go on the control channel: a round decides
+  // which jobs run, so it must not wait behind a queued job's transfers.
+  // The tag is the same on every rank (the headers check it), so every
+  // rank puts the call on the same communicator.
+  Channel& channel_of_call() { return size() > 1 && current_call_tag().owner == kLaneRoundOwner ? control_ : data_; }
 
-  const char* name() const override { return "nccl"; }
-
-  DeviceType tensor_device_type() const override { return DeviceType::kCuda; }
-  void* transfer_stream() const override { return stream_; }
-
-  void all_reduce(const Tensor& t, ReduceOp op) override {
-    cuda::DeviceGuard guard(device().index);
-    auto deadline = exchange(CallKind::kAllReduce, t.dtype(), t.numel(), op, -1, &t);
-    // One rank: every op is the identity (see reduce_scatter), in place; the
-    // header swap waited for the stream (unless queued: nothing to follow).
-    if (size() == 1) return;
-    enqueue(
-        [&](ncclComm_t comm) {
-          return ncclAllReduce(t.data(), t.data(), static_cast<size_t>(t.numel()), cuda::nccl_type(t.dtype()),
-                               nccl::nccl_op(t.dtype(), op), comm, stream_);
-        },
-        "ncclAllReduce", deadline, true);
-    end_transfer(deadline);
-  }
-
-  void broadcast(const Tensor& t, int32_t root) override {
-    cuda::DeviceGuard guard(device().index);
-    auto deadline = exchange(CallKind::kBroadcast, t.dtype(), t.numel(), ReduceOp::kSum, root, &t);
-    if (size() == 1) return;
-    enqueue(
-        [&](ncclComm_t comm) { return ncclBroadcast(t.data(), t.data(), t.nbytes(), ncclUint8, root, comm, stream_); },
-        "ncclBroadcast", deadline, true);
-    end_transfer(deadline);
-  }
-
-  void all_gather(const Tensor& input, const std::vector<Tensor>& outputs) override {
-    cuda::DeviceGuard guard(device().index);
-    size_t nbytes = input.nbytes();
-    if (size() == 1) {
-      auto deadline = exchange(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, &input);
-      copy_on_stream(outputs[0], input, deadline, "all_gather");
-      return;
-    }
-    // Outputs that lie back to back in rank order take the gather directly
-    // (in place where the input is this rank's output); others go through
-    // the scratch, allocated before the exchange: running out of memory
-    // there fails this rank alone, in step.
-    uint8_t* direct = back_to_back(outputs, input.data(), nbytes);
-    uint8_t* flat = direct != nullptr ? direct : scratch(nbytes * static_cast<size_t>(size()), "all_gather");
-    auto deadline = exchange(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, &input);
-    enqueue([&](ncclComm_t comm) { return ncclAllGather(input.data(), flat, nbytes, ncclUint8, comm, stream_); },
-            "ncclAllGather", deadline, true);
-    for (int32_t r = 0; r < size() && direct == nullptr; ++r) {
-      check_cuda(cudaMemcpyAsync(outputs[r].data(), flat + nbytes * static_cast<size_t>(r), nbytes,
-                                 cudaMemcpyDeviceToDevice, stream_),
-                 "cudaMemcpyAsync");
-    }
-    end_transfer(deadline);
-  }
-
-  void reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override {
-    cuda::DeviceGuard guard(device().index);
-    size_t nbytes = output.nbytes();
-    if (size() == 1) {
-      // Every op of one rank is the identity: a copy, without NCCL, whose
-      // versions before 2.29.7 left the tail of a one-rank avg unwritten
-      // (NVIDIA/nccl#1950).
-      auto deadline = exchange(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output);
-      copy_on_stream(output, inputs[0], deadline, "reduce_scatter");
-      return;
-    }
-    // Inputs that lie back to back in rank order are reduced where they lie
-    // (in place where the output is this rank's input); others are copied
-    // into the scratch first.
-    uint8_t* direct = back_to_back(inputs, output.data(), nbytes);
-    uint8_t* flat = direct != nullptr ? direct : scratch(nbytes * static_cast<size_t>(size()), "reduce_scatter");
-    auto deadline = exchange(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output);
-    for (int32_t r = 0; r < size() && direct == nullptr; ++r) {
-      check_cuda(cudaMemcpyAsync(flat + nbytes * static_cast<size_t>(r), inputs[r].data(), nbytes,
-                                 cudaMemcpyDeviceToDevice, stream_),
-                 "cudaMemcpyAsync");
-    }
-    // recvcount is per rank: the output's element count.
-    enqueue(
-        [&](ncclComm_t comm) {
-          return ncclReduceScatter(flat, output.data(), static_cast<size_t>(output.numel()),
-                                   cuda::nccl_type(output.dtype()), nccl::nccl_op(output.dtype(), op), comm, stream_);
-        },
-        "ncclReduceScatter", deadline, true);
-    end_transfer(deadline);
-  }
-
-  void barrier() override {
-    cuda::DeviceGuard guard(device().index);
-    exchange(CallKind::kBarrier, DType::kUInt8, 0, ReduceOp::kSum, -1, nullptr);
-  }
-
-  // An all-gather of the headers on the stream, into pinned host memory.
-  void swap_headers(Call& call) override {
-    cuda::DeviceGuard guard(device().index);
-    current_ = call;
-    in_call_ = true;
-    bool aborted = false;
-    {
-      std::lock_guard<std::mutex> lock(comm_mutex_);
-      aborted = comm_ == nullptr;
-    }
-    if (aborted) fail_aborted_by_watch();
-    auto* all = static_cast<CallHeader*>(host_headers_);
-    all[rank()] = call.header;
-    if (size() == 1) {
-      // Nobody to compare with; the wait keeps what a finished call means
-      // (the caller's stream, which this one follows, reached it), except
-      // for a queued one, whose end the job's end event covers instead.
-      if (!queued()) wait_stream(call.deadline, false);
-      return;
-    }
-    auto* slot = static_cast<uint8_t*>(headers_) + sizeof(CallHeader) * static_cast<size_t>(rank());
-    check_cuda(cudaMemcpyAsync(slot, &all[rank()], sizeof(CallHeader), cudaMemcpyHostToDevice, stream_),
-               "cudaMemcpyAsync");
-    // In place: this rank's slot of the gathered buffer is its send buffer.
-    enqueue(
-        [&](ncclComm_t comm) { return ncclAllGather(slot, headers_, sizeof(CallHeader), ncclUint8, comm, stream_); },
-        "ncclAllGather", call.deadline, false);
-    check_cuda(cudaMemcpyAsync(all, headers_, sizeof(CallHeader) * static_cast<size_t>(size()), cudaMemcpyDeviceToHost,
-                               stream_),
-               "cudaMemcpyAsync");
-    wait_stream(call.deadline, false);
-  }
-
-  CallHeader received_header(int32_t r) override { return static_cast<const CallHeader*>(host_headers_)[r]; }
-
- private:
   void check_nccl(ncclResult_t rc, const char* call) const {
     if (rc != ncclSuccess && rc != ncclInProgress) fail(nccl::status_of(rc), call, " failed: ", nccl_error(rc));
   }
@@ -230,29 +337,29 @@ class NcclBackend : public Backend {
     cuda::check(rc, call);
   }
 
-  // Runs `nccl_call(comm)` on the communicator (under comm_mutex_: the
+  // Runs `nccl_call(comm, stream)` on the channel (under comm_mutex_: the
   // watch may abort it meanwhile). A non-blocking communicator may return
   // ncclInProgress while it is still taking a call in: nothing else may
   // touch it or its stream until its state is ncclSuccess (NCCL's docs), so
   // this waits for that, by the deadline.
   template <typename NcclCall>
-  void enqueue(NcclCall&& nccl_call, const char* call, Clock::time_point deadline, bool exchanged) {
+  void enqueue(Channel& ch, NcclCall&& nccl_call, const char* call, Clock::time_point deadline, bool exchanged) {
     if (exchanged && queued() && skipping_queued_for_tests()) return;
     ncclResult_t rc = ncclSuccess;
     {
       std::unique_lock<std::mutex> lock(comm_mutex_);
-      if (comm_ == nullptr) {
+      if (ch.comm == nullptr) {
         lock.unlock();
         fail_aborted_by_watch();
       }
-      rc = nccl_call(comm_);
+      rc = nccl_call(ch.comm, ch.stream);
     }
-    check_enqueued(rc, call, deadline, exchanged);
+    check_enqueued(ch, rc, call, deadline, exchanged);
   }
 
-  void check_enqueued(ncclResult_t rc, const char* call, Clock::time_point deadline, bool exchanged) {
+  void check_enqueued(Channel& ch, ncclResult_t rc, const char* call, Clock::time_point deadline, bool exchanged) {
     if (rc == ncclInProgress) {
-      wait(deadline, false, exchanged);
+      wait(ch, deadline, false, exchanged);
     } else if (rc != ncclSuccess) {
       abort_comm();
       fail(nccl::status_of(rc),
@@ -266,9 +373,10 @@ class NcclBackend : public Backend {
     std::lock_guard<std::mutex> lock(comm_mutex_);
     abort_comm_locked();
   }
+  // Both communicators go together: a call waits on either.
   void abort_comm_locked() noexcept {
-    if (comm_ != nullptr) ncclCommAbort(comm_);
-    comm_ = nullptr;
+    abort_together({data_.comm, control_.comm}, kFinalizeBound);
+    data_.comm = control_.comm = nullptr;
   }
 
   // DP_TEST_NCCL_SKIP_QUEUED=<rank> (tests only): that rank queues none of
@@ -282,17 +390,17 @@ class NcclBackend : public Backend {
   // Inside a dp_fsdp job (QueuedTransfers with this group's stream): the
   // job's own library work is on this stream already, so a collective
   // follows it in stream order and returns once queued.
-  bool queued() const { return library_stream_override(device()) == stream_; }
+  bool queued() const { return library_stream_override(device()) == data_.stream; }
 
-  // The end of a collective's transfer: waits for the stream, or, queued,
-  // records an end event the watch polls.
-  void end_transfer(Clock::time_point deadline) {
-    if (!queued()) {
-      wait_stream(deadline, true);
+  // The end of a collective's transfer: waits for the stream, or, queued
+  // (only ever on the data channel), records an end event the watch polls.
+  void end_transfer(Channel& ch, Clock::time_point deadline) {
+    if (!queued() || &ch != &data_) {
+      wait_stream(ch, deadline, true);
       return;
     }
     cudaEvent_t done = take_event();
-    if (cudaError_t rc = cudaEventRecord(done, stream_); rc != cudaSuccess) {
+    if (cudaError_t rc = cudaEventRecord(done, data_.stream); rc != cudaSuccess) {
       release_event(done);
       check_cuda(rc, "cudaEventRecord");
     }
@@ -341,11 +449,7 @@ class NcclBackend : public Backend {
     };
     hooks.async_error = [this] {
       std::lock_guard<std::mutex> lock(comm_mutex_);
-      if (comm_ == nullptr) return 0;
-      ncclResult_t state = ncclSuccess;
-      ncclResult_t rc = ncclCommGetAsyncError(comm_, &state);
-      if (rc != ncclSuccess) state = rc;
-      return state == ncclInProgress ? 0 : static_cast<int>(state);
+      return static_cast<int>(async_error_locked());
     };
     hooks.release = [this](void* event) { release_event(static_cast<cudaEvent_t>(event)); };
     hooks.on_failure = [this](const QueuedWatch::Failure& f) {
@@ -375,7 +479,20 @@ class NcclBackend : public Backend {
     return *watch_;
   }
 
-  void wait_stream(Clock::time_point deadline, bool exchanged) { wait(deadline, true, exchanged); }
+  // The first asynchronous error of either communicator; ncclSuccess
+  // while both are healthy or still taking a call in, or once aborted.
+  ncclResult_t async_error_locked() {
+    for (Channel* ch : {&data_, &control_}) {
+      if (ch->comm == nullptr) continue;
+      ncclResult_t state = ncclSuccess;
+      ncclResult_t rc = ncclCommGetAsyncError(ch->comm, &state);
+      if (rc != ncclSuccess) state = rc;
+      if (state != ncclSuccess && state != ncclInProgress) return state;
+    }
+    return ncclSuccess;
+  }
+
+  void wait_stream(Channel& ch, Clock::time_point deadline, bool exchanged) { wait(ch, deadline, true, exchanged); }
 
   // The first of `parts` (one per rank, `nbytes` each) where they lie back
   // to back in rank order and `other` (the collective's other buffer) is
@@ -396,28 +513,30 @@ class NcclBackend : public Backend {
   // A one-rank collective: the input's bytes into the output, on the stream;
   // through the scratch where the two overlap in part (a copy between
   // overlapping buffers is undefined).
-  void copy_on_stream(const Tensor& output, const Tensor& input, Clock::time_point deadline, const char* op) {
+  void copy_on_stream(Channel& ch, const Tensor& output, const Tensor& input, Clock::time_point deadline,
+                      const char* op) {
     auto* out = static_cast<uint8_t*>(output.data());
     const auto* in = static_cast<const uint8_t*>(input.data());
     const size_t nbytes = input.nbytes();
     if (out != in && nbytes > 0) {
       if (in < out + nbytes && out < in + nbytes) {
-        uint8_t* flat = scratch(nbytes, op);
-        check_cuda(cudaMemcpyAsync(flat, in, nbytes, cudaMemcpyDeviceToDevice, stream_), "cudaMemcpyAsync");
+        uint8_t* flat = scratch(ch, nbytes, op);
+        check_cuda(cudaMemcpyAsync(flat, in, nbytes, cudaMemcpyDeviceToDevice, ch.stream), "cudaMemcpyAsync");
         in = flat;
       }
-      check_cuda(cudaMemcpyAsync(out, in, nbytes, cudaMemcpyDeviceToDevice, stream_), "cudaMemcpyAsync");
+      check_cuda(cudaMemcpyAsync(out, in, nbytes, cudaMemcpyDeviceToDevice, ch.stream), "cudaMemcpyAsync");
     }
-    end_transfer(deadline);
+    end_transfer(ch, deadline);
   }
 
-  // Polls the communicator's state, and with `stream` the stream, until done;
-  // an asynchronous error or the deadline aborts the communicator and fails.
-  void wait(Clock::time_point deadline, bool stream, bool exchanged) {
+  // Polls the channel's communicator state, and with `stream` its stream,
+  // until done; an asynchronous error (of either communicator) or the
+  // deadline aborts the communicators and fails.
+  void wait(Channel& ch, Clock::time_point deadline, bool stream, bool exchanged) {
     for (;;) {
       bool stream_done = false;
       if (stream) {
-        cudaError_t q = cudaStreamQuery(stream_);
+        cudaError_t q = cudaStreamQuery(ch.stream);
         stream_done = q == cudaSuccess;
         if (!stream_done && q != cudaErrorNotReady) check_cuda(q, "cudaStreamQuery");
       }
@@ -425,10 +544,14 @@ class NcclBackend : public Backend {
       bool aborted = false;
       {
         std::lock_guard<std::mutex> lock(comm_mutex_);
-        aborted = comm_ == nullptr;
+        aborted = ch.comm == nullptr;
         if (!aborted && !stream_done) {
-          ncclResult_t rc = ncclCommGetAsyncError(comm_, &state);
+          ncclResult_t rc = ncclCommGetAsyncError(ch.comm, &state);
           if (rc != ncclSuccess) state = rc;
+          if (state == ncclSuccess || state == ncclInProgress) {
+            ncclResult_t other = async_error_locked();
+            if (other != ncclSuccess) state = other;
+          }
         }
       }
       // The watch aborted it (a queued collective before this one failed):
@@ -490,81 +613,92 @@ class NcclBackend : public Backend {
          ": ", find_missing_ranks(*store_, prefix_, rank(), size(), 0, false, deadline), "; ", cause);
   }
 
-  // Grown in stream order on the group's stream: cudaFree would wait for
+  // Grown in stream order on the channel's stream: cudaFree would wait for
   // every kernel on the device, another group's NCCL kernel among them, which
   // may wait in turn for this rank (the deadlock NCCL's docs warn about).
-  uint8_t* scratch(size_t nbytes, const char* op) {
-    if (scratch_bytes_ < nbytes) {
-      if (scratch_ != nullptr) cudaFreeAsync(scratch_, stream_);
-      scratch_ = nullptr;
-      scratch_bytes_ = 0;
-      cudaError_t rc = cudaMallocAsync(&scratch_, nbytes, stream_);
+  uint8_t* scratch(Channel& ch, size_t nbytes, const char* op) {
+    if (ch.scratch_bytes < nbytes) {
+      if (ch.scratch != nullptr) cudaFreeAsync(ch.scratch, ch.stream);
+      ch.scratch = nullptr;
+      ch.scratch_bytes = 0;
+      cudaError_t rc = cudaMallocAsync(&ch.scratch, nbytes, ch.stream);
       if (rc == cudaErrorMemoryAllocation) {
         cudaGetLastError();
         fail(StatusCode::kOutOfMemory, op, ": could not allocate ", nbytes, " bytes of scratch on ",
              to_string(device()));
       }
       cuda::check(rc, "cudaMallocAsync");
-      scratch_bytes_ = nbytes;
+      ch.scratch_bytes = nbytes;
     }
-    return static_cast<uint8_t*>(scratch_);
+    return static_cast<uint8_t*>(ch.scratch);
   }
 
-  // A healthy communicator is finalized and destroyed; a failed one, or one
+  // Healthy communicators are finalized and destroyed; failed ones, or ones
   // whose finalize does not finish within kFinalizeBound (it waits for the
   // peers to finalize too, and one may be gone), aborted.
   // Any thread may destroy the group, so the group's device is made current
   // (and the thread's own device put back only where it had one).
   void release() noexcept {
-    watch_.reset();  // first: it polls the communicator and the events
+    watch_.reset();  // first: it polls the communicators and the events
     cuda::DeviceGuard guard(device().index, std::nothrow);
-    if (comm_ != nullptr) {
-      bool finalized = false;
-      if (!broken()) {
-        // Non-blocking: ncclInProgress means the finalize has started.
-        ncclResult_t state = ncclCommFinalize(comm_);
-        auto deadline = Clock::now() + std::min(timeout(), kFinalizeBound);
-        while (state == ncclInProgress && Clock::now() < deadline) {
-          std::this_thread::sleep_for(std::chrono::microseconds(100));
-          if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) break;
-        }
-        finalized = state == ncclSuccess;
-      }
-      if (finalized) {
-        ncclCommDestroy(comm_);
-      } else {
-        ncclCommAbort(comm_);
-      }
-      comm_ = nullptr;
+    Channel* channels[] = {&data_, &control_};
+    // Non-blocking: ncclInProgress means the finalize has started; both
+    // start before either is waited for, so one bound covers both.
+    ncclResult_t states[] = {ncclSystemError, ncclSystemError};
+    const bool healthy = !broken();
+    for (size_t i = 0; i < 2; ++i) {
+      if (channels[i]->comm != nullptr && healthy) states[i] = ncclCommFinalize(channels[i]->comm);
     }
-    // Both were allocated on stream_, so stream_ exists; destroying it
-    // lets its queued work (the frees) finish first.
-    if (scratch_ != nullptr) cudaFreeAsync(scratch_, stream_);
-    if (headers_ != nullptr) cudaFreeAsync(headers_, stream_);
+    auto deadline = Clock::now() + std::min(timeout(), kFinalizeBound);
+    for (size_t i = 0; i < 2; ++i) {
+      while (states[i] == ncclInProgress && Clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+        if (ncclCommGetAsyncError(channels[i]->comm, &states[i]) != ncclSuccess) break;
+      }
+    }
+    // The failed ones first: a finalized one's destroy would wait for
+    // their kernels too (see abort_together).
+    std::vector<ncclComm_t> failed;
+    for (size_t i = 0; i < 2; ++i) {
+      if (states[i] != ncclSuccess) failed.push_back(channels[i]->comm);
+    }
+    abort_together(failed, kFinalizeBound);
+    for (size_t i = 0; i < 2; ++i) {
+      if (channels[i]->comm != nullptr && states[i] == ncclSuccess) ncclCommDestroy(channels[i]->comm);
+      channels[i]->comm = nullptr;
+    }
+    // Each was allocated on its channel's stream, so that stream exists;
+    // destroying it lets its queued work (the frees) finish first.
+    if (headers_ != nullptr) cudaFreeAsync(headers_, control_.stream);
+    for (Channel* ch : channels) {
+      if (ch->scratch != nullptr) cudaFreeAsync(ch->scratch, ch->stream);
+    }
     if (host_headers_ != nullptr) cudaFreeHost(host_headers_);
     // Queued work that waits on these still sees them: an event destroyed
     // while recorded is released once it completes.
     for (cudaEvent_t event : spare_events_) cudaEventDestroy(event);
     spare_events_.clear();
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
-    scratch_ = headers_ = host_headers_ = nullptr;
-    scratch_bytes_ = 0;
-    stream_ = nullptr;
+    for (Channel* ch : channels) {
+      if (ch->stream != nullptr) cudaStreamDestroy(ch->stream);
+      *ch = Channel();
+    }
+    headers_ = host_headers_ = nullptr;
     cudaGetLastError();  // a teardown failure is not left for a later launch check to report
   }
 
   std::shared_ptr<Store> store_;
   std::string prefix_;
-  ncclComm_t comm_ = nullptr;
-  cudaStream_t stream_ = nullptr;
-  void* headers_ = nullptr;
+  // The collectives, queued dp_fsdp transfers among them.
+  Channel data_;
+  // The call headers and the lane's agreement rounds (no communicator for
+  // one rank: nothing goes between ranks then).
+  Channel control_;
+  void* headers_ = nullptr;  // on the control stream
   void* host_headers_ = nullptr;
-  void* scratch_ = nullptr;
-  size_t scratch_bytes_ = 0;
-  // Guards comm_ (and aborted_why_), which the watch may abort while the
-  // calling thread uses it.
+  // Guards both communicators (and aborted_why_), which the watch may abort
+  // while the calling thread uses them.
   std::mutex comm_mutex_;
-  std::string aborted_why_;  // why the watch aborted comm_
+  std::string aborted_why_;  // why the watch aborted the communicators
   std::mutex events_mutex_;
   std::vector<cudaEvent_t> spare_events_;  // end events the watch is done with
   std::unique_ptr<QueuedWatch> watch_;     // made at the first queued collective
