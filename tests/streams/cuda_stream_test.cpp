@@ -4,11 +4,13 @@
 // results are read back on that same stream, after the call, without any
 // synchronisation in between. Compiled always; skips without a GPU
 // (tests/gpu/check.sh runs it, also under compute-sanitizer).
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <future>
 #include <string>
@@ -433,4 +435,35 @@ TEST_F(CudaStreamOrder, FsdpUnshardAndPostBackwardReturnWhileTheHostsStreamIsHel
   dp_fsdp_destroy(f);
   dp_module_destroy(m);
   dp_process_group_destroy(pg);
+}
+
+// The library's GPU memory comes from a pool of its own that never makes one
+// stream wait for another to reuse memory: the device's default pool may
+// (cudaMemPoolReuseAllowInternalDependencies), and a dp_fsdp job's stream,
+// which waits for the host's, could then hold up the library's own stream.
+TEST_F(CudaStreamOrder, TensorsComeFromAPoolThatNeverMakesOneStreamWaitForAnother) {
+  TensorPtr t = make<float>({1 << 20}, std::vector<float>(1 << 20, 0.0f), cuda(0));
+  using GetAttribute = CUresult (*)(void*, CUpointer_attribute, CUdeviceptr);
+  void* function = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+  ASSERT_EQ(cudaGetDriverEntryPointByVersion("cuPointerGetAttribute", &function, 12000, cudaEnableDefault, &found),
+            cudaSuccess);
+#else
+  ASSERT_EQ(cudaGetDriverEntryPoint("cuPointerGetAttribute", &function, cudaEnableDefault, &found), cudaSuccess);
+#endif
+  ASSERT_EQ(found, cudaDriverEntryPointSuccess);
+  CUmemoryPool pool = nullptr;
+  const auto address = static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(dp_tensor_data(t.get())));
+  ASSERT_EQ(reinterpret_cast<GetAttribute>(function)(&pool, CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, address),
+            CUDA_SUCCESS);
+  ASSERT_NE(pool, nullptr) << "not from a stream-ordered pool";
+  cudaMemPool_t default_pool = nullptr;
+  ASSERT_EQ(cudaDeviceGetDefaultMemPool(&default_pool, 0), cudaSuccess);
+  EXPECT_NE(reinterpret_cast<cudaMemPool_t>(pool), default_pool);
+  int internal_dependencies = 1;
+  ASSERT_EQ(cudaMemPoolGetAttribute(reinterpret_cast<cudaMemPool_t>(pool), cudaMemPoolReuseAllowInternalDependencies,
+                                    &internal_dependencies),
+            cudaSuccess);
+  EXPECT_EQ(internal_dependencies, 0);
 }

@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -136,26 +137,44 @@ cudaStream_t device_stream_of(int32_t index) {
   return stream;
 }
 
+cudaMemPool_t library_pool(int32_t index) {
+  static std::mutex mutex;
+  static std::vector<std::optional<cudaMemPool_t>> known;  // nullopt: not asked yet
+  std::lock_guard<std::mutex> lock(mutex);
+  if (known.empty()) known.assign(static_cast<size_t>(device_count()), std::nullopt);
+  if (index < 0 || static_cast<size_t>(index) >= known.size()) return nullptr;
+  std::optional<cudaMemPool_t>& answer = known[static_cast<size_t>(index)];
+  if (!answer) {
+    cudaMemPool_t pool = nullptr;
+    int supported = 0;
+    if (cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, index) == cudaSuccess && supported != 0) {
+      cudaMemPoolProps props{};
+      props.allocType = cudaMemAllocationTypePinned;
+      props.location.type = cudaMemLocationTypeDevice;
+      props.location.id = index;
+      int internal_dependencies = 0;
+      if (cudaMemPoolCreate(&pool, &props) != cudaSuccess ||
+          cudaMemPoolSetAttribute(pool, cudaMemPoolReuseAllowInternalDependencies, &internal_dependencies) !=
+              cudaSuccess) {
+        if (pool != nullptr) cudaMemPoolDestroy(pool);
+        pool = nullptr;
+        if (cudaDeviceGetDefaultMemPool(&pool, index) != cudaSuccess) pool = nullptr;
+      }
+    }
+    cudaGetLastError();  // a refusal above is an answer, not an error for the next check
+    answer = pool;       // kept for the process's life, as the default pool is
+  }
+  return *answer;
+}
+
+cudaError_t malloc_async(int32_t index, void** data, size_t nbytes, cudaStream_t stream) {
+  cudaMemPool_t pool = library_pool(index);
+  return pool != nullptr ? cudaMallocFromPoolAsync(data, nbytes, pool, stream) : cudaMallocAsync(data, nbytes, stream);
+}
+
 namespace {
 
-// cudaMallocAsync's pools, where the device and driver have them.
-bool has_memory_pools(int32_t index) {
-  static std::mutex mutex;
-  static std::vector<int> known;  // -1 unknown, 0 no, 1 yes
-  std::lock_guard<std::mutex> lock(mutex);
-  if (known.empty()) known.assign(static_cast<size_t>(device_count()), -1);
-  if (index < 0 || static_cast<size_t>(index) >= known.size()) return false;
-  int& answer = known[static_cast<size_t>(index)];
-  if (answer < 0) {
-    int supported = 0;
-    if (cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, index) != cudaSuccess) {
-      cudaGetLastError();
-      supported = 0;
-    }
-    answer = supported != 0 ? 1 : 0;
-  }
-  return answer == 1;
-}
+bool has_memory_pools(int32_t index) { return library_pool(index) != nullptr; }
 
 class CudaRuntime final : public DeviceRuntime {
  public:
@@ -175,7 +194,7 @@ class CudaRuntime final : public DeviceRuntime {
     if (has_memory_pools(index)) {
       // Stream-ordered: freeing it later never waits for the whole device.
       cudaStream_t stream = stream_of(index);
-      status = cudaMallocAsync(&data, nbytes, stream);
+      status = malloc_async(index, &data, nbytes, stream);
       // Usable from any stream once this returns; where the library's work
       // stays queued, from the library stream and streams that follow it.
       if (status == cudaSuccess && !library_work_stays_queued()) {
@@ -201,9 +220,10 @@ class CudaRuntime final : public DeviceRuntime {
       if (has_memory_pools(index)) {
         // After the library's queued work; the allocator has already waited
         // for the host's streams that used the block. No device-wide wait.
-        // On the device's own library stream even inside a queued job: the
-        // pool could otherwise make a later allocation there wait for the
-        // job's stream, and so for the host's.
+        // On the device's own library stream even inside a queued job:
+        // where the default pool stands in for the library's, it could
+        // otherwise make a later allocation there wait for the job's
+        // stream, and so for the host's.
         if (cudaFreeAsync(data, device_stream_of(index)) != cudaSuccess) cudaGetLastError();
         return;
       }

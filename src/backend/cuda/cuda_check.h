@@ -118,6 +118,18 @@ cudaStream_t stream_of(int32_t index);
 // The device's own library stream, whatever scope is open.
 cudaStream_t device_stream_of(int32_t index);
 
+// The library's own stream-ordered memory pool on GPU `index`, or null where
+// the device has no memory pools. Not the device's default pool: that one
+// lets an allocation on one stream reuse memory freed on another by making
+// the first stream wait for the second
+// (cudaMemPoolReuseAllowInternalDependencies), which would tie the library
+// stream to a dp_fsdp job's stream, and so to the host's. The library's
+// pool has that off; the default pool stands in where it cannot be made.
+cudaMemPool_t library_pool(int32_t index);
+// cudaMallocAsync from library_pool(index) (or the default pool where there
+// is none) on `stream`; the device is the caller's current one.
+cudaError_t malloc_async(int32_t index, void** data, size_t nbytes, cudaStream_t stream);
+
 // The end of a device-only library operation queued on `stream`: it waits
 // for it unless a LibraryWorkStaysQueued scope is open on this thread.
 inline void finish_library_work(cudaStream_t stream) {

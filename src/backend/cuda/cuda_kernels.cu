@@ -258,7 +258,7 @@ void batched_copy(int32_t index, const std::vector<Segment>& segments) {
   cudaStream_t stream = stream_of(index);
   CopyChunk* table = nullptr;
   const size_t table_bytes = plan.size() * sizeof(CopyChunk);
-  check(cudaMallocAsync(reinterpret_cast<void**>(&table), table_bytes, stream), "cudaMallocAsync");
+  check(malloc_async(index, reinterpret_cast<void**>(&table), table_bytes, stream), "cudaMallocAsync");
   cudaError_t status = cudaMemcpyAsync(table, plan.data(), table_bytes, cudaMemcpyHostToDevice, stream);
   if (status == cudaSuccess) {
     batched_copy_kernel<<<copy_grid(plan.size()), kThreads, 0, stream>>>(table, plan.size());

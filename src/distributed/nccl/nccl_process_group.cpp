@@ -114,7 +114,8 @@ class NcclBackend : public Backend {
       cuda::check(cudaStreamCreateWithFlags(&data_.stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
       cuda::check(cudaStreamCreateWithFlags(&control_.stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
       // Stream-ordered, as the scratch: see scratch().
-      cuda::check(cudaMallocAsync(&headers_, sizeof(CallHeader) * static_cast<size_t>(size()), control_.stream),
+      cuda::check(cuda::malloc_async(device().index, &headers_, sizeof(CallHeader) * static_cast<size_t>(size()),
+                                     control_.stream),
                   "cudaMallocAsync");
       // Pinned, so that copies to and from it never block the host behind NCCL work.
       cuda::check(cudaMallocHost(&host_headers_, sizeof(CallHeader) * static_cast<size_t>(size())), "cudaMallocHost");
@@ -621,7 +622,7 @@ class NcclBackend : public Backend {
       if (ch.scratch != nullptr) cudaFreeAsync(ch.scratch, ch.stream);
       ch.scratch = nullptr;
       ch.scratch_bytes = 0;
-      cudaError_t rc = cudaMallocAsync(&ch.scratch, nbytes, ch.stream);
+      cudaError_t rc = cuda::malloc_async(device().index, &ch.scratch, nbytes, ch.stream);
       if (rc == cudaErrorMemoryAllocation) {
         cudaGetLastError();
         fail(StatusCode::kOutOfMemory, op, ": could not allocate ", nbytes, " bytes of scratch on ",
