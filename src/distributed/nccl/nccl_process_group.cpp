@@ -21,6 +21,7 @@
 #include <mutex>
 #include <new>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "backend/cuda/cuda_backend.h"
@@ -61,38 +62,42 @@ RevokeFn nccl_revoke() {
   return revoke;
 }
 
-// Aborts the communicators together. Tearing one down frees device memory,
-// which waits for every kernel on the GPU, another communicator's kernel
-// still spinning for a dead peer among them: so every one is stopped before
-// any is torn down, by ncclCommRevoke where NCCL has it (for up to `bound`),
-// and the aborts, each of which stops its own kernels first, run at once on
-// threads of their own.
-void abort_together(std::vector<ncclComm_t> comms, Millis bound) noexcept {
-  comms.erase(std::remove(comms.begin(), comms.end(), nullptr), comms.end());
-  if (comms.empty()) return;
-  if (RevokeFn revoke = comms.size() > 1 ? nccl_revoke() : nullptr) {
-    std::vector<ncclResult_t> states;
-    for (ncclComm_t comm : comms) states.push_back(revoke(comm, 0));
+// Aborts both communicators (either may be null) together. Tearing one down
+// frees device memory, which waits for every kernel on the GPU, the other
+// communicator's kernel still spinning for a dead peer among them: so both
+// are stopped before either is torn down, by ncclCommRevoke where NCCL has
+// it (for up to `bound`), and the two aborts, each of which stops its own
+// kernels first, run at once on two threads.
+void abort_together(ncclComm_t first, ncclComm_t second, Millis bound) noexcept {
+  if (first == nullptr) std::swap(first, second);
+  if (first == nullptr) return;
+  if (second == nullptr) {
+    ncclCommAbort(first);
+    return;
+  }
+  if (RevokeFn revoke = nccl_revoke()) {
+    ncclComm_t comms[] = {first, second};
+    ncclResult_t states[] = {revoke(first, 0), revoke(second, 0)};
     auto deadline = Clock::now() + bound;
-    for (size_t i = 0; i < comms.size(); ++i) {
+    for (size_t i = 0; i < 2; ++i) {
       while (states[i] == ncclInProgress && Clock::now() < deadline) {
         std::this_thread::sleep_for(std::chrono::microseconds(100));
         if (ncclCommGetAsyncError(comms[i], &states[i]) != ncclSuccess) break;
       }
     }
   }
-  std::vector<std::thread> others;
-  std::vector<ncclComm_t> unthreaded;
-  for (size_t i = 1; i < comms.size(); ++i) {
-    try {
-      others.emplace_back([comm = comms[i]] { ncclCommAbort(comm); });
-    } catch (...) {
-      unthreaded.push_back(comms[i]);  // no thread to be had: after the first, in turn
-    }
+  std::thread other;
+  try {
+    other = std::thread([second] { ncclCommAbort(second); });
+  } catch (...) {
+    // No thread to be had: in turn, after the first.
   }
-  ncclCommAbort(comms[0]);
-  for (ncclComm_t comm : unthreaded) ncclCommAbort(comm);
-  for (std::thread& t : others) t.join();
+  ncclCommAbort(first);
+  if (other.joinable()) {
+    other.join();
+  } else {
+    ncclCommAbort(second);
+  }
 }
 
 class NcclBackend : public Backend {
@@ -376,7 +381,7 @@ class NcclBackend : public Backend {
   }
   // Both communicators go together: a call waits on either.
   void abort_comm_locked() noexcept {
-    abort_together({data_.comm, control_.comm}, kFinalizeBound);
+    abort_together(data_.comm, control_.comm, kFinalizeBound);
     data_.comm = control_.comm = nullptr;
   }
 
@@ -659,11 +664,8 @@ class NcclBackend : public Backend {
     }
     // The failed ones first: a finalized one's destroy would wait for
     // their kernels too (see abort_together).
-    std::vector<ncclComm_t> failed;
-    for (size_t i = 0; i < 2; ++i) {
-      if (states[i] != ncclSuccess) failed.push_back(channels[i]->comm);
-    }
-    abort_together(failed, kFinalizeBound);
+    abort_together(states[0] != ncclSuccess ? channels[0]->comm : nullptr,
+                   states[1] != ncclSuccess ? channels[1]->comm : nullptr, kFinalizeBound);
     for (size_t i = 0; i < 2; ++i) {
       if (channels[i]->comm != nullptr && states[i] == ncclSuccess) ncclCommDestroy(channels[i]->comm);
       channels[i]->comm = nullptr;
