@@ -85,7 +85,23 @@ class BlockCache {
   }
 
  private:
-  Allocation fresh(size_t rounded) { return device_runtime(device_.type).allocate(device_.index, rounded); }
+  // Out of memory while blocks of other sizes sit in the cache: they go
+  // back to the device, and the allocation is tried once more.
+  Allocation fresh(size_t rounded) {
+    const DeviceRuntime& runtime = device_runtime(device_.type);
+    try {
+      return runtime.allocate(device_.index, rounded);
+    } catch (const Error& e) {
+      if (e.code() != StatusCode::kOutOfMemory || !holds_blocks()) throw;
+    }
+    release();
+    return runtime.allocate(device_.index, rounded);
+  }
+
+  bool holds_blocks() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return !free_.empty();
+  }
 
   void unmap(void* p, size_t rounded) noexcept {
     // A block exists only if its runtime allocated it.

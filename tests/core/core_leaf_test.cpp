@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -41,11 +42,15 @@ class RecordingRuntime final : public DeviceRuntime {
   int32_t device_count() const override { return 2; }
   const char* unavailable_reason() const override { return ""; }
   void set_device(int32_t index) const override { last_set_device = index; }
+  // Holds at most `capacity` bytes at once, as a device would.
   Allocation allocate(int32_t, size_t nbytes) const override {
+    if (in_use.load() + nbytes > capacity.load()) fail(StatusCode::kOutOfMemory, "out of recording memory");
+    in_use += nbytes;
     ++allocations;
     return {std::malloc(nbytes), false};
   }
-  void deallocate(int32_t, void* data, size_t) const noexcept override {
+  void deallocate(int32_t, void* data, size_t nbytes) const noexcept override {
+    in_use -= nbytes;
     ++deallocations;
     std::free(data);
   }
@@ -79,6 +84,8 @@ class RecordingRuntime final : public DeviceRuntime {
   void event_synchronize(void*) const override {}
 
   mutable std::atomic<int> allocations{0}, deallocations{0}, fills{0}, copies{0}, last_set_device{-1};
+  mutable std::atomic<size_t> in_use{0};
+  std::atomic<size_t> capacity{SIZE_MAX};
 };
 
 // Host memory behind a device that queues the library's work: events
@@ -175,6 +182,33 @@ TEST(CoreWithoutBackends, TheRegisteredRuntimeAllocatesCopiesFillsAndSetsTheDevi
   EXPECT_EQ(runtime.last_set_device.load(), 1);
   register_device_runtime(DeviceType::kCuda, nullptr);
   EXPECT_EQ(find_device_runtime(DeviceType::kCuda), nullptr);
+}
+
+// A device that runs out of memory while the allocator's cache holds blocks
+// of other sizes: they go back to the device and the allocation is tried
+// once more; one that cannot fit even then is still kOutOfMemory.
+TEST(CoreWithoutBackends, AnAllocationOutOfMemoryReleasesTheCachedBlocksAndTriesOnceMore) {
+  static RecordingRuntime runtime;  // outlives the registration
+  register_device_runtime(DeviceType::kCuda, &runtime);
+  const Device gpu{DeviceType::kCuda, 0};
+  runtime.capacity = size_t{3} << 20;
+  { Tensor cached = Tensor::empty(DType::kUInt8, {int64_t{2} << 20}, gpu); }
+  EXPECT_EQ(runtime.deallocations.load(), 0) << "the freed block was not kept in the cache";
+  {
+    // Another size: it fits only once the cached block is gone.
+    Tensor other = Tensor::empty(DType::kUInt8, {(int64_t{2} << 20) + 4096}, gpu);
+    EXPECT_EQ(runtime.allocations.load(), 2);
+    EXPECT_EQ(runtime.deallocations.load(), 1);
+  }
+  try {
+    Tensor too_big = Tensor::empty(DType::kUInt8, {int64_t{4} << 20}, gpu);
+    ADD_FAILURE() << "an allocation past the device's memory succeeded";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kOutOfMemory) << e.what();
+  }
+  release_cached_memory();
+  EXPECT_EQ(runtime.in_use.load(), 0u);
+  register_device_runtime(DeviceType::kCuda, nullptr);
 }
 
 TEST(CoreWithoutBackends, AFreedBlockIsNotReusedBeforeAQueuedJobsStreamPassedIt) {

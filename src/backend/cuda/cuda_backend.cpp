@@ -123,10 +123,10 @@ cudaStream_t stream_of(int32_t index) {
   return device_stream_of(index);
 }
 
-cudaStream_t device_stream_of(int32_t index) {
-  static std::mutex mutex;
-  static std::vector<cudaStream_t> streams;
-  std::lock_guard<std::mutex> lock(mutex);
+namespace {
+
+// One non-blocking stream per device, made on first use and kept.
+cudaStream_t stream_in(std::vector<cudaStream_t>& streams, int32_t index) {
   if (streams.empty()) streams.assign(static_cast<size_t>(device_count()), nullptr);
   require(index);
   cudaStream_t& stream = streams[static_cast<size_t>(index)];
@@ -137,17 +137,39 @@ cudaStream_t device_stream_of(int32_t index) {
   return stream;
 }
 
+// Where blocks go back to the pool: nothing else is ever queued there.
+cudaStream_t free_stream_of(int32_t index) {
+  static std::mutex mutex;
+  static auto* streams = new std::vector<cudaStream_t>();  // as long as the process, as the pool
+  std::lock_guard<std::mutex> lock(mutex);
+  return stream_in(*streams, index);
+}
+
+}  // namespace
+
+cudaStream_t device_stream_of(int32_t index) {
+  static std::mutex mutex;
+  static std::vector<cudaStream_t> streams;
+  std::lock_guard<std::mutex> lock(mutex);
+  return stream_in(streams, index);
+}
+
 cudaMemPool_t library_pool(int32_t index) {
   static std::mutex mutex;
-  static std::vector<std::optional<cudaMemPool_t>> known;  // nullopt: not asked yet
+  // Leaked on purpose, as the pools: tensors may be freed from static destructors of hosts.
+  static auto* known = new std::vector<std::optional<cudaMemPool_t>>();  // nullopt: not asked yet
   std::lock_guard<std::mutex> lock(mutex);
-  if (known.empty()) known.assign(static_cast<size_t>(device_count()), std::nullopt);
-  if (index < 0 || static_cast<size_t>(index) >= known.size()) return nullptr;
-  std::optional<cudaMemPool_t>& answer = known[static_cast<size_t>(index)];
+  if (known->empty()) known->assign(static_cast<size_t>(device_count()), std::nullopt);
+  if (index < 0 || static_cast<size_t>(index) >= known->size()) return nullptr;
+  std::optional<cudaMemPool_t>& answer = (*known)[static_cast<size_t>(index)];
   if (!answer) {
     cudaMemPool_t pool = nullptr;
     int supported = 0;
-    if (cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, index) == cudaSuccess && supported != 0) {
+    if (cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, index) != cudaSuccess) {
+      cudaGetLastError();  // an answer (no pools), not an error for the next check
+      supported = 0;
+    }
+    if (supported != 0) {
       cudaMemPoolProps props{};
       props.allocType = cudaMemAllocationTypePinned;
       props.location.type = cudaMemLocationTypeDevice;
@@ -156,13 +178,16 @@ cudaMemPool_t library_pool(int32_t index) {
       if (cudaMemPoolCreate(&pool, &props) != cudaSuccess ||
           cudaMemPoolSetAttribute(pool, cudaMemPoolReuseAllowInternalDependencies, &internal_dependencies) !=
               cudaSuccess) {
+        cudaGetLastError();
         if (pool != nullptr) cudaMemPoolDestroy(pool);
         pool = nullptr;
-        if (cudaDeviceGetDefaultMemPool(&pool, index) != cudaSuccess) pool = nullptr;
+        if (cudaDeviceGetDefaultMemPool(&pool, index) != cudaSuccess) {
+          cudaGetLastError();
+          pool = nullptr;
+        }
       }
     }
-    cudaGetLastError();  // a refusal above is an answer, not an error for the next check
-    answer = pool;       // kept for the process's life, as the default pool is
+    answer = pool;  // kept for the process's life, as the default pool is
   }
   return *answer;
 }
@@ -218,13 +243,12 @@ class CudaRuntime final : public DeviceRuntime {
     if (!guard.ok()) return;  // the device is unusable, and its memory with it
     try {
       if (has_memory_pools(index)) {
-        // After the library's queued work; the allocator has already waited
-        // for the host's streams that used the block. No device-wide wait.
-        // On the device's own library stream even inside a queued job:
-        // where the default pool stands in for the library's, it could
-        // otherwise make a later allocation there wait for the job's
-        // stream, and so for the host's.
-        if (cudaFreeAsync(data, device_stream_of(index)) != cudaSuccess) cudaGetLastError();
+        // The allocator hands a block here only once every stream that used
+        // it has passed it, so it goes on a stream that waits for nothing:
+        // the free is complete at once and any stream's next allocation may
+        // reuse the memory without waiting for another stream. No
+        // device-wide wait.
+        if (cudaFreeAsync(data, free_stream_of(index)) != cudaSuccess) cudaGetLastError();
         return;
       }
     } catch (...) {

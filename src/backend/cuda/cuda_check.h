@@ -119,12 +119,13 @@ cudaStream_t stream_of(int32_t index);
 cudaStream_t device_stream_of(int32_t index);
 
 // The library's own stream-ordered memory pool on GPU `index`, or null where
-// the device has no memory pools. Not the device's default pool: that one
-// lets an allocation on one stream reuse memory freed on another by making
-// the first stream wait for the second
-// (cudaMemPoolReuseAllowInternalDependencies), which would tie the library
-// stream to a dp_fsdp job's stream, and so to the host's. The library's
-// pool has that off; the default pool stands in where it cannot be made.
+// the device has no memory pools. Not the device's default pool: when that
+// one cannot grow, it serves an allocation on one stream with memory freed
+// on another by making the first stream wait for the second
+// (cudaMemPoolReuseAllowInternalDependencies), which near a full device
+// would tie the library or control stream to a dp_fsdp job's stream, and so
+// to the host's. The library's pool has that off (its frees complete at
+// once, see deallocate); the default pool stands in where it cannot be made.
 cudaMemPool_t library_pool(int32_t index);
 // cudaMallocAsync from library_pool(index) (or the default pool where there
 // is none) on `stream`; the device is the caller's current one.
