@@ -36,6 +36,11 @@ void batched_copy(int32_t index, const std::vector<Segment>& segments);
 void cast(int32_t index, DType dst_dtype, void* dst, DType src_dtype, const void* src, size_t numel);
 // data[i] /= divisor on GPU `index`; floating dtypes only.
 void divide(int32_t index, DType dtype, void* data, size_t numel, int64_t divisor);
+// Loads every kernel above on GPU `index` now (once per device). Under lazy
+// loading (CUDA_MODULE_LOADING=LAZY, CUDA's default from 12.2) a kernel's
+// first launch may wait for the whole device, which must not happen while a
+// queued collective of this process spins for a peer.
+void load_kernels(int32_t index);
 
 bool nccl_compiled();
 // In-process NCCL on distinct GPUs of this process, one communicator per

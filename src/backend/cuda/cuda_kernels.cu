@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include "backend/cuda/batched_copy_plan.h"
@@ -293,6 +295,41 @@ void divide(int32_t index, DType dtype, void* data, size_t numel, int64_t diviso
   if (!known) fail_invalid("cuda divide: only floating dtypes divide");
   check(cudaGetLastError(), "divide kernel launch");
   finish_library_work(stream);
+}
+
+void load_kernels(int32_t index) {
+  static std::mutex mutex;
+  static std::vector<bool> loaded;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (loaded.empty()) loaded.assign(static_cast<size_t>(device_count()), false);
+  if (index < 0 || static_cast<size_t>(index) >= loaded.size() || loaded[static_cast<size_t>(index)]) return;
+  DeviceGuard guard(index);
+  std::vector<const void*> kernels = {
+      reinterpret_cast<const void*>(&add_kernel<float>),   reinterpret_cast<const void*>(&add_kernel<double>),
+      reinterpret_cast<const void*>(&add_kernel<__half>),  reinterpret_cast<const void*>(&add_kernel<__nv_bfloat16>),
+      reinterpret_cast<const void*>(&add_kernel<int8_t>),  reinterpret_cast<const void*>(&add_kernel<uint8_t>),
+      reinterpret_cast<const void*>(&add_kernel<int32_t>), reinterpret_cast<const void*>(&add_kernel<int64_t>),
+      reinterpret_cast<const void*>(&or_kernel),           reinterpret_cast<const void*>(&batched_copy_kernel)};
+  // Every floating dtype pair the casts take, and each one's division.
+  char probe = 0;
+  for (DType d : {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16}) {
+    with_float_type(d, &probe, [&](auto* dst) {
+      using D = std::remove_pointer_t<decltype(dst)>;
+      kernels.push_back(reinterpret_cast<const void*>(&divide_kernel<D>));
+      for (DType s : {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16}) {
+        with_float_type(s, &probe, [&](auto* src) {
+          using S = std::remove_pointer_t<decltype(src)>;
+          kernels.push_back(reinterpret_cast<const void*>(&cast_kernel<D, S>));
+        });
+      }
+    });
+  }
+  // cudaFuncGetAttributes loads a kernel, as CUDA's lazy-loading notes advise.
+  for (const void* kernel : kernels) {
+    cudaFuncAttributes attributes;
+    check(cudaFuncGetAttributes(&attributes, kernel), "cudaFuncGetAttributes");
+  }
+  loaded[static_cast<size_t>(index)] = true;
 }
 
 }  // namespace dparallel::cuda

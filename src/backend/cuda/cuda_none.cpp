@@ -17,5 +17,6 @@ void add_n(int32_t, DType, void*, const void* const*, size_t, size_t) { unavaila
 void batched_copy(int32_t, const std::vector<Segment>&) { unavailable(); }
 void cast(int32_t, DType, void*, DType, const void*, size_t) { unavailable(); }
 void divide(int32_t, DType, void*, size_t, int64_t) { unavailable(); }
+void load_kernels(int32_t) { unavailable(); }
 
 }  // namespace dparallel::cuda

@@ -116,6 +116,9 @@ class NcclBackend : public Backend {
     // NCCL binds the communicator to the device current at init.
     cuda::DeviceGuard guard(device().index);
     try {
+      // Before any job queues: a kernel loaded lazily later could wait for
+      // the whole device while a queued collective spins for a peer.
+      cuda::load_kernels(device().index);
       cuda::check(cudaStreamCreateWithFlags(&data_.stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
       cuda::check(cudaStreamCreateWithFlags(&control_.stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
       // Stream-ordered, as the scratch: see scratch().
