@@ -111,8 +111,11 @@ class NcclBackend : public Backend {
     // One rank has nobody to send headers or rounds to: no control communicator.
     std::vector<std::string> keys = {prefix_ + "nccl_id"};
     if (size() > 1) keys.push_back(prefix_ + "nccl_control_id");
+    // One deadline for the ids and both communicators: creation waits for
+    // the other ranks no longer than the group's timeout in all.
+    const auto deadline = Clock::now() + timeout();
     std::vector<ncclUniqueId> ids(keys.size());
-    for (size_t i = 0; i < keys.size(); ++i) ids[i] = unique_id(keys[i]);
+    for (size_t i = 0; i < keys.size(); ++i) ids[i] = unique_id(keys[i], deadline);
     // NCCL binds the communicator to the device current at init.
     cuda::DeviceGuard guard(device().index);
     try {
@@ -131,7 +134,6 @@ class NcclBackend : public Backend {
       release();  // the destructor does not run for a constructor that throws
       throw;
     }
-    auto deadline = Clock::now() + timeout();
     try {
       init_comm(data_, ids[0], deadline, false);
       if (ids.size() > 1) init_comm(control_, ids[1], deadline, true);
@@ -302,13 +304,14 @@ class NcclBackend : public Backend {
   };
 
   // Rank 0 makes the id and puts it in the store; the others read it.
-  ncclUniqueId unique_id(const std::string& key) {
+  ncclUniqueId unique_id(const std::string& key, Clock::time_point deadline) {
     ncclUniqueId id;
     if (rank() == 0) {
       check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
       store_->set(key, Bytes(reinterpret_cast<uint8_t*>(&id), reinterpret_cast<uint8_t*>(&id) + sizeof(id)));
     } else {
-      Bytes value = store_->get(key, timeout());
+      auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
+      Bytes value = store_->get(key, std::max(left, Millis{1}));
       if (value.size() != sizeof(id)) fail(StatusCode::kRemote, "malformed NCCL unique id in the store");
       std::memcpy(&id, value.data(), sizeof(id));
     }
