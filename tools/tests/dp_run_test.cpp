@@ -452,8 +452,13 @@ TEST(DpRun, LeavesAloneANewProcessGroupWithTheIdOfAnEmptyRankGroup) {
                              "; for i in $(seq 600); do [ -e " + go + " ] && exit 3; sleep 0.05; done"},
                         {}));
   ASSERT_TRUE(job.wait_for_pids(1)) << job.output();
-  const std::vector<int> rank0_pid = read_pids(rank0);
-  ASSERT_EQ(rank0_pid.size(), 1u);
+  // Rank 0 may write its pid after rank 1 wrote its own.
+  std::vector<int> rank0_pid = read_pids(rank0);
+  for (auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+       rank0_pid.size() != 1 && std::chrono::steady_clock::now() < until; rank0_pid = read_pids(rank0)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_EQ(rank0_pid.size(), 1u) << job.output();
   const int group = rank0_pid[0];
   // Rank 0 is reaped (not a zombie) once its /proc entry is gone.
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
