@@ -30,6 +30,12 @@ struct FsdpDeleter {
   void operator()(dp_fsdp* f) const { dp_fsdp_destroy(f); }
 };
 using FsdpPtr = std::unique_ptr<dp_fsdp, FsdpDeleter>;
+// dp_fsdp_create, owned; null (the failure reported) when it fails.
+FsdpPtr fully_shard(dp_module* m, dp_process_group* pg, const dp_fsdp_options* o = nullptr) {
+  dp_fsdp* f = nullptr;
+  EXPECT_EQ(dp_fsdp_create(&f, m, pg, o), DP_OK) << dp_last_error();
+  return FsdpPtr(f);
+}
 struct DdpDeleter {
   void operator()(dp_ddp* d) const { dp_ddp_destroy(d); }
 };
@@ -240,13 +246,9 @@ Sharded shard_toy(Toy& toy, dp_process_group* pg, const Config& c) {
   o.reshard_after_forward = c.reshard_after_forward;
   o.param_dtype = c.param_dtype;
   for (int l = 0; l < 3; ++l) {
-    dp_fsdp* f = nullptr;
-    EXPECT_EQ(dp_fsdp_create(&f, toy.layer[l].get(), pg, &o), DP_OK) << dp_last_error();
-    s.layer[l].reset(f);
+    s.layer[l] = fully_shard(toy.layer[l].get(), pg, &o);
   }
-  dp_fsdp* f = nullptr;
-  EXPECT_EQ(dp_fsdp_create(&f, toy.linears.get(), pg, &o), DP_OK) << dp_last_error();
-  s.linears.reset(f);
+  s.linears = fully_shard(toy.linears.get(), pg, &o);
   dp_ddp* d = nullptr;
   EXPECT_EQ(dp_ddp_create(&d, toy.root.get(), pg, nullptr), DP_OK) << dp_last_error();
   s.ddp.reset(d);
@@ -470,9 +472,8 @@ TEST(Fsdp, FewerRowsThanRanksEmptyAndZeroDimParametersGatherAndReduce) {
     ASSERT_EQ(dp_module_register_parameter(m.get(), "narrow", narrow.get(), 1), DP_OK);
     ASSERT_EQ(dp_module_register_parameter(m.get(), "empty", empty.get(), 1), DP_OK);
     ASSERT_EQ(dp_module_register_parameter(m.get(), "scalar", scalar.get(), 1), DP_OK);
-    dp_fsdp* raw = nullptr;
-    ASSERT_EQ(dp_fsdp_create(&raw, m.get(), pg, nullptr), DP_OK) << dp_last_error();
-    FsdpPtr f(raw);
+    FsdpPtr f = fully_shard(m.get(), pg);
+    ASSERT_TRUE(f);
     EXPECT_EQ(parameter_shape(m.get(), "narrow"), (std::vector<int64_t>{rank == 0 ? 1 : 0, 4}));
     EXPECT_EQ(parameter_shape(m.get(), "empty"), (std::vector<int64_t>{0, 2}));
     EXPECT_EQ(parameter_shape(m.get(), "scalar"), std::vector<int64_t>{});
@@ -501,9 +502,8 @@ TEST(Fsdp, FewerRowsThanRanksEmptyAndZeroDimParametersGatherAndReduce) {
 TEST(Fsdp, MisuseIsAClearErrorNamingWhatToCall) {
   run_ranks(2, DP_BACKEND_GLOO, [](int, dp_process_group* pg) {
     Toy toy(0.0f);
-    dp_fsdp* raw = nullptr;
-    ASSERT_EQ(dp_fsdp_create(&raw, toy.layer[0].get(), pg, nullptr), DP_OK) << dp_last_error();
-    FsdpPtr f(raw);
+    FsdpPtr f = fully_shard(toy.layer[0].get(), pg);
+    ASSERT_TRUE(f);
     dp_tensor* g = nullptr;
     EXPECT_EQ(dp_module_grad(toy.root.get(), kWeights[0], &g), DP_ESTATE);
     EXPECT_NE(std::string(dp_last_error()).find("dp_fsdp_unshard"), std::string::npos) << dp_last_error();
@@ -552,9 +552,8 @@ TEST(Fsdp, ARankThatSkipsAnUnshardIsNamedWithinTheTimeout) {
       2, DP_BACKEND_GLOO,
       [&](int rank, dp_process_group* pg) {
         Toy toy(0.0f);
-        dp_fsdp* raw = nullptr;
-        ASSERT_EQ(dp_fsdp_create(&raw, toy.layer[0].get(), pg, nullptr), DP_OK) << dp_last_error();
-        FsdpPtr f(raw);
+        FsdpPtr f = fully_shard(toy.layer[0].get(), pg);
+        ASSERT_TRUE(f);
         if (rank == 0) {
           EXPECT_EQ(dp_fsdp_unshard(f.get(), 0), DP_ETIMEOUT);
           std::string error = dp_last_error();
@@ -575,9 +574,8 @@ TEST(Fsdp, ARankThatSkipsAnUnshardIsNamedWithinTheTimeout) {
 TEST(Fsdp, ARankThatMakesAnotherCallInAnUnshardsPlaceFailsNamingBoth) {
   run_ranks(2, DP_BACKEND_GLOO, [](int rank, dp_process_group* pg) {
     Toy toy(0.0f);
-    dp_fsdp* raw = nullptr;
-    ASSERT_EQ(dp_fsdp_create(&raw, toy.layer[0].get(), pg, nullptr), DP_OK) << dp_last_error();
-    FsdpPtr f(raw);
+    FsdpPtr f = fully_shard(toy.layer[0].get(), pg);
+    ASSERT_TRUE(f);
     if (rank == 0) {
       EXPECT_EQ(dp_fsdp_unshard(f.get(), 0), DP_EREMOTE);
       std::string error = dp_last_error();
@@ -616,9 +614,7 @@ Sharded shard_unsynced(Toy& toy, dp_process_group* pg) {
   EXPECT_EQ(dp_fsdp_options_init(&o, sizeof o), DP_OK);
   o.init_sync = 0;
   for (int l = 0; l < 3; ++l) {
-    dp_fsdp* f = nullptr;
-    EXPECT_EQ(dp_fsdp_create(&f, toy.layer[l].get(), pg, &o), DP_OK) << dp_last_error();
-    s.layer[l].reset(f);
+    s.layer[l] = fully_shard(toy.layer[l].get(), pg, &o);
   }
   return s;
 }
@@ -715,9 +711,8 @@ TEST(CudaFsdp, AQueuedAllGatherWhosePeerNeverSendsIsAbortedAtTheTimeoutAndNamed)
       2, DP_BACKEND_NCCL,
       [&](int rank, dp_process_group* pg) {
         Toy toy(0.0f, dptest::cuda(rank));
-        dp_fsdp* raw = nullptr;
-        ASSERT_EQ(dp_fsdp_create(&raw, toy.layer[0].get(), pg, nullptr), DP_OK) << dp_last_error();
-        FsdpPtr f(raw);
+        FsdpPtr f = fully_shard(toy.layer[0].get(), pg);
+        ASSERT_TRUE(f);
         if (rank == 0) {
           EXPECT_EQ(dp_fsdp_unshard(f.get(), 0), DP_ESTATE);
           std::string error = dp_last_error();
@@ -761,9 +756,8 @@ TEST(CudaFsdp, BlockingUnshardsOnTwoGpusReturnWhileTheHostsStreamIsHeld) {
           Toy toy(0.0f, device);
           FsdpPtr f[3];
           for (int l = 0; l < 3; ++l) {
-            dp_fsdp* raw = nullptr;
-            ASSERT_EQ(dp_fsdp_create(&raw, toy.layer[l].get(), pg, nullptr), DP_OK) << dp_last_error();
-            f[l].reset(raw);
+            f[l] = fully_shard(toy.layer[l].get(), pg);
+            ASSERT_TRUE(f[l]);
           }
           void* stream = nullptr;
           ASSERT_EQ(dp_stream_create(device, &stream), DP_OK) << dp_last_error();
