@@ -26,7 +26,8 @@
 //                   on the shards; the allocator's peak in use over the timed
 //                   steps against the unsharded parameters and gradients
 //                   (--overlap 0: no prefetch, each post_backward waited for
-//                   at once: one layer unsharded at a time)
+//                   at once: one layer unsharded at a time; --views 1: the
+//                   full parameters as views of the shards, shared memory)
 //   ddp_join        (only when asked for) ddp steps where the last rank runs
 //                   out of data halfway and calls dp_ddp_join while the
 //                   others go on: rank 0's own step times (no barrier, a
@@ -84,6 +85,7 @@ struct Options {
   // fsdp: 0 holds one layer unsharded at a time: no prefetch, and each
   // layer's reduce_scatter is waited for before the next layer's backward.
   int overlap = 1;
+  int views = 0;  // fsdp: full_params_as_views
   std::vector<std::string> modes{"local", "ddp_no_sync", "ddp", "allreduce_only"};
 };
 
@@ -425,6 +427,7 @@ int run(const Options& o) {
     dp_fsdp_options fopts;
     fail_on(dp_fsdp_options_init(&fopts, sizeof fopts), "dp_fsdp_options_init");
     fopts.reshard_after_forward = o.reshard_after_forward;
+    fopts.full_params_as_views = o.views;
     for (int l = 0; l < L; ++l) fail_on(dp_fsdp_create(&fsdp[l], layers[l], pg, &fopts), "dp_fsdp_create");
     host_weights = {};  // the slots hold the shards now
     std::vector<float*> w(L), b(L), gw(L), gb(L);
@@ -713,9 +716,10 @@ int run(const Options& o) {
           std::getenv("DP_CACHE_LIMIT_MB") != nullptr ? std::getenv("DP_CACHE_LIMIT_MB") : "default");
     }
     if (fsdp != nullptr && ddp != nullptr) {
-      std::printf("# fsdp step: %.2f ms vs ddp %.2f ms (ratio %.2f; reshard_after_forward=%d, %s)\n",
-                  fsdp->median * 1e3, ddp->median * 1e3, fsdp->median / ddp->median, o.reshard_after_forward,
-                  o.overlap != 0 ? "next layer prefetched" : "one layer unsharded at a time, reduce_scatters waited");
+      std::printf(
+          "# fsdp step: %.2f ms vs ddp %.2f ms (ratio %.2f; reshard_after_forward=%d, %s, full_params_as_views=%d)\n",
+          fsdp->median * 1e3, ddp->median * 1e3, fsdp->median / ddp->median, o.reshard_after_forward,
+          o.overlap != 0 ? "next layer prefetched" : "one layer unsharded at a time, reduce_scatters waited", o.views);
     }
     if (fsdp != nullptr) {
       std::printf(
@@ -793,6 +797,8 @@ int dp_perf_ddp_main(int argc, char** argv) {
         o.reshard_after_forward = static_cast<int>(perf::parse_int(a, v, 0, 1));
       } else if (a == "--overlap") {
         o.overlap = static_cast<int>(perf::parse_int(a, v, 0, 1));
+      } else if (a == "--views") {
+        o.views = static_cast<int>(perf::parse_int(a, v, 0, 1));
       } else if (a == "--warmup") {
         o.warmup = static_cast<int>(perf::parse_int(a, v, 0, 100000));
       } else if (a == "--bucket-cap-mb" || a == "--first-bucket-cap-mb") {
@@ -830,14 +836,14 @@ int dp_perf_ddp_main(int argc, char** argv) {
                      (8 * model_bytes + act_bytes) * static_cast<double>(local_ranks));
   } catch (const perf::UsageError& e) {
     std::fprintf(stderr, "dp-perf ddp: %s\n", e.what());
-    std::fprintf(
-        stderr,
-        "usage: dp-run -n 2 dp-perf ddp [--layers 10] [--width 1024] [--batch 32] [--steps 41] [--warmup 5]\n"
-        "       [--bucket-cap-mb 25] [--first-bucket-cap-mb 1] [--grad-as-bucket-view]\n"
-        "       [--optim-in-backward] [--static-graph]\n"
-        "       [--modes local,ddp_no_sync,ddp,allreduce_only,ddp_join,fsdp]\n"
-        "usage: dp-run -n 2 dp-perf fsdp [the same options] [--reshard-after-forward 1] [--overlap 1]: --modes "
-        "local,fsdp,ddp\n");
+    std::fprintf(stderr,
+                 "usage: dp-run -n 2 dp-perf ddp [--layers 10] [--width 1024] [--batch 32] [--steps 41] [--warmup 5]\n"
+                 "       [--bucket-cap-mb 25] [--first-bucket-cap-mb 1] [--grad-as-bucket-view]\n"
+                 "       [--optim-in-backward] [--static-graph]\n"
+                 "       [--modes local,ddp_no_sync,ddp,allreduce_only,ddp_join,fsdp]\n"
+                 "usage: dp-run -n 2 dp-perf fsdp [the same options] [--reshard-after-forward 1] [--overlap 1] "
+                 "[--views 0]: --modes "
+                 "local,fsdp,ddp\n");
     return 2;
   }
   try {

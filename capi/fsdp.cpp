@@ -60,6 +60,7 @@ fsdp::ShardingOptions options_arg(const dp_fsdp_options* opts) {
   options.param_dtype = floating_dtype_arg(o.param_dtype, "opts->param_dtype");
   options.reduce_dtype = floating_dtype_arg(o.reduce_dtype, "opts->reduce_dtype");
   options.init_sync = o.init_sync != 0;
+  options.full_params_as_views = o.full_params_as_views != 0;
   return options;
 }
 

@@ -100,6 +100,20 @@
  * memory every rank of the group maps, where the other ranks' all-gathers
  * read them (dp_device_memory_stats counts it); a forked child that writes
  * a shard writes its parent's.
+ *
+ * Full parameters as views (opts->full_params_as_views = 1): there, each
+ * parameter's shards lie back to back in that memory, rank 0's rows first,
+ * so that the full parameter is a view of every rank's shard. An unshard
+ * is then a barrier (every rank has finished writing its shards) and the
+ * full parameters take no memory. In return the host must not write a
+ * full parameter (the write would reach the shards of every rank), and
+ * must write a shard only while no rank has its dp_fsdp unsharded: the
+ * usual loop does, since dp_fsdp_finish_backward returns once every rank's
+ * post_backward (which reshards) has been called, and another rank's next
+ * unshard waits for this rank's. With gradient sync off, post_backward
+ * waits for nobody, so step the optimizer after a synced backward only.
+ * A handle kept on a full parameter after reshard sees later changes to the
+ * shards. dp_fsdp_destroy and the state dicts copy, as without views.
  */
 #ifndef DPARALLEL_DP_FSDP_H
 #define DPARALLEL_DP_FSDP_H
@@ -119,10 +133,17 @@ typedef struct dp_fsdp_options {
   int32_t param_dtype;       /* -1: the parameters' own; a floating dtype to compute in */
   int32_t reduce_dtype;      /* -1: param_dtype; a floating dtype to reduce gradients in */
   int init_sync;             /* 1: rank 0's values and the agreement check before sharding */
+  /* 1: where every rank maps the shards (a shared-memory group, init_sync,
+   * no param_dtype cast), the full parameters are views of all the ranks'
+   * shards: an unshard copies nothing and they take no memory, but the
+   * host must only read them, and must write a shard only while no rank
+   * has its dp_fsdp unsharded (see "Full parameters as views" above).
+   * Elsewhere the full parameters are copies, as with 0 (the default). */
+  int full_params_as_views;
 } dp_fsdp_options;
 
 #define DP_FSDP_OPTIONS_INIT \
-  { sizeof(dp_fsdp_options), 1, -1, -1, 1 }
+  { sizeof(dp_fsdp_options), 1, -1, -1, 1, 0 }
 
 /* Writes the defaults into the first `struct_size` bytes of `opts`. */
 DP_API dp_status dp_fsdp_options_init(dp_fsdp_options *opts, size_t struct_size);

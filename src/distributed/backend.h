@@ -115,6 +115,9 @@ class SharedRegion {
   virtual ~SharedRegion() = default;
   virtual uint8_t* data() const = 0;
   virtual size_t bytes() const = 0;
+  // Every rank's part, back to back in this process: rank r's is at
+  // all_parts() + r * bytes().
+  virtual uint8_t* all_parts() const = 0;
 };
 
 // A run of a rank's all-gather segment: bytes [offset, offset +

@@ -433,7 +433,7 @@ std::shared_ptr<SharedRegion> ProcessGroup::create_region(size_t bytes) {
   return region;
 }
 
-std::shared_ptr<Storage> ProcessGroup::create_region_storage(size_t bytes, std::string* why) {
+std::shared_ptr<Storage> ProcessGroup::create_region_storage(size_t bytes, std::string* why, bool all_parts) {
   std::shared_ptr<SharedRegion> region;
   try {
     region = create_region(bytes);
@@ -443,6 +443,10 @@ std::shared_ptr<Storage> ProcessGroup::create_region_storage(size_t bytes, std::
     return nullptr;
   }
   if (region == nullptr) return nullptr;
+  if (all_parts) {
+    return Storage::wrap(device(), region->all_parts(), region->bytes() * static_cast<size_t>(size()),
+                         [region](void*) {});
+  }
   return Storage::wrap(device(), region->data(), region->bytes(), [region](void*) {});
 }
 

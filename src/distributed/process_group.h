@@ -80,7 +80,9 @@ class ProcessGroup final : private CallSite {
   // create_region as the storage of tensors (which keep the region alive),
   // where running out of memory is no error: null then (on every rank
   // alike), with the reason in *why; null too where the backend has none.
-  std::shared_ptr<Storage> create_region_storage(size_t bytes, std::string* why);
+  // With `all_parts`, the storage is every rank's part, back to back
+  // (world * bytes, rounded up as the backend rounds a part).
+  std::shared_ptr<Storage> create_region_storage(size_t bytes, std::string* why, bool all_parts = false);
   std::shared_ptr<Work> all_gather(const Tensor& input, const std::vector<Tensor>& outputs, bool async);
   std::shared_ptr<Work> reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op,
                                        bool async);

@@ -163,7 +163,8 @@ std::vector<std::string> FullyShard::describe_for_agreement(const std::string& l
   if (!local_error.empty()) return {"error " + local_error};
   std::vector<std::string> lines;
   lines.push_back(str_cat("options reshard_after_forward ", options_.reshard_after_forward, ", param_dtype ",
-                          dtype_option(options_.param_dtype), ", reduce_dtype ", dtype_option(options_.reduce_dtype)));
+                          dtype_option(options_.param_dtype), ", reduce_dtype ", dtype_option(options_.reduce_dtype),
+                          ", full_params_as_views ", options_.full_params_as_views));
   lines.push_back(str_cat(params_.size(), " managed parameters"));
   for (size_t i = 0; i < params_.size(); ++i) {
     const Managed& m = params_[i];
@@ -221,7 +222,30 @@ bool FullyShard::wants_shard_region() const {
          std::string(group_->backend_name()) == "shm";
 }
 
+bool FullyShard::wants_views() const {
+  return options_.full_params_as_views && wants_shard_region() &&
+         std::all_of(params_.begin(), params_.end(),
+                     [](const Managed& m) { return !m.sharded || m.compute == m.dtype; });
+}
+
 void FullyShard::create_shard_region() {
+  if (wants_views()) {
+    std::vector<size_t> offsets(params_.size(), 0);
+    size_t bytes = 0;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const Managed& m = params_[i];
+      if (!m.sharded) continue;
+      offsets[i] = bytes;
+      bytes = align_up(bytes + static_cast<size_t>(m.full_shape[0] * m.row_numel) * dtype_size(m.dtype));
+    }
+    if (bytes == 0) return;
+    const auto world = static_cast<size_t>(group_->size());
+    // Out of memory, no views: the shards stay in private memory (every rank alike).
+    shard_region_ = group_->create_region_storage((bytes + world - 1) / world, nullptr, true);
+    views_ = shard_region_ != nullptr;
+    if (views_) full_offsets_ = std::move(offsets);
+    return;
+  }
   size_t segment = 0;
   segment_offsets(false, &segment);
   if (segment == 0) return;
@@ -244,8 +268,12 @@ void FullyShard::shard_parameters() {
     Shape shape = m.full_shape;
     if (m.sharded) shape[0] = m.split.count;
     // Its own memory: the full parameter's goes back to the allocator.
-    if (shard_region_ != nullptr && m.sharded) {
-      m.shard = Tensor::wrap(shard_region_, region_offsets[static_cast<size_t>(&m - params_.data())], m.dtype, shape);
+    const auto i = static_cast<size_t>(&m - params_.data());
+    if (views_ && m.sharded) {
+      const size_t rows_before = static_cast<size_t>(m.split.start * m.row_numel) * dtype_size(m.dtype);
+      m.shard = Tensor::wrap(shard_region_, full_offsets_[i] + rows_before, m.dtype, shape);
+    } else if (shard_region_ != nullptr && m.sharded) {
+      m.shard = Tensor::wrap(shard_region_, region_offsets[i], m.dtype, shape);
     } else {
       m.shard = Tensor::empty(m.dtype, shape, device);
     }
@@ -670,7 +698,26 @@ void FullyShard::drop_job(const ddp::JobSpec& spec, StatusCode code, const std::
   cv_.notify_all();
 }
 
+std::vector<Tensor> FullyShard::full_from_views(bool as_views) {
+  group_->barrier(false);
+  const Device device = group_->device();
+  std::vector<Tensor> full(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Managed& m = params_[i];
+    const DType dtype = as_views ? m.compute : m.dtype;
+    if (m.sharded && as_views) {
+      full[i] = Tensor::wrap(shard_region_, full_offsets_[i], m.dtype, m.full_shape);
+      continue;
+    }
+    full[i] = Tensor::empty(dtype, m.full_shape, device);
+    ddp::cast_into(full[i], m.sharded ? Tensor::wrap(shard_region_, full_offsets_[i], m.dtype, m.full_shape) : m.shard);
+  }
+  if (!as_views) group_->barrier(false);
+  return full;
+}
+
 std::vector<Tensor> FullyShard::gather_shards(bool compute_dtype) {
+  if (views_) return full_from_views(compute_dtype);
   const int32_t world = group_->size();
   const Device device = group_->device();
   auto dtype_of = [&](const Managed& m) { return compute_dtype ? m.compute : m.dtype; };

@@ -13,6 +13,11 @@
 // dtype. A 0-d parameter is not sharded: every rank holds it whole and its
 // gradient is all-reduced.
 //
+// With full_params_as_views on a shared-memory group, the shards are laid
+// out as the full parameters instead, in memory every rank maps: an unshard
+// is a barrier and the full parameters are views (dp_fsdp.h has the host's
+// side of that).
+//
 // The host drives one dp_fsdp from one thread at a time; calls from several
 // threads are serialised.
 #pragma once
@@ -40,6 +45,9 @@ struct ShardingOptions {
   std::optional<DType> param_dtype;   // the dtype the host computes in; unset: each parameter's own
   std::optional<DType> reduce_dtype;  // unset: the compute dtype
   bool init_sync = true;              // rank 0's values and an agreement check before sharding
+  // Where the shards can lie in memory every rank maps: full parameters are
+  // views of them (dp_fsdp.h, "Full parameters as views").
+  bool full_params_as_views = false;
 };
 
 // How torch.chunk(world) splits `rows` rows: rank r's first row and count.
@@ -86,6 +94,8 @@ class FullyShard final : public ddp::LaneOwner,
   Tensor shard_grad(size_t index) const;
   // Whether the slots hold the full parameters now.
   bool unsharded() const;
+  // Whether the full parameters are views of the shards (full_params_as_views took effect).
+  bool full_params_are_views() const { return views_; }
   const std::shared_ptr<dist::ProcessGroup>& group() const { return group_; }
   // Parameter `index`'s full value in its own dtype, gathered from every
   // rank (collective, on the lane).
@@ -151,6 +161,9 @@ class FullyShard final : public ddp::LaneOwner,
   // rank maps, at the own-dtype segment's offsets, so that the all-gather
   // reads the other ranks' shards where they lie.
   bool wants_shard_region() const;
+  // full_params_as_views asked for, on such a group, and no sharded
+  // parameter cast to another compute dtype.
+  bool wants_views() const;
   void create_shard_region();
   void shard_parameters();
 
@@ -175,6 +188,11 @@ class FullyShard final : public ddp::LaneOwner,
   // On the lane: every parameter's full value, in the compute dtype or the
   // parameter's own, from one all_gather of every rank's segment.
   std::vector<Tensor> gather_shards(bool compute_dtype);
+  // gather_shards with views: a barrier (every rank's shards are written),
+  // then the full parameters as views of the region, or copies of them
+  // (`as_views` false: a second barrier keeps every rank's shards as they
+  // are until all have copied).
+  std::vector<Tensor> full_from_views(bool as_views);
   void run_post_backward();
 
   std::shared_ptr<Module> module_;
@@ -190,6 +208,10 @@ class FullyShard final : public ddp::LaneOwner,
   // which the reduce_scatter accumulates into (no result to add afterwards).
   std::map<DType, Tensor> shard_grad_segment_;
   std::shared_ptr<Storage> shard_region_;  // create_shard_region's, or null
+  // With views: shard_region_ is every rank's part as one, and sharded
+  // parameter i's full rows start at full_offsets_[i] (rank 0's shard first).
+  bool views_ = false;
+  std::vector<size_t> full_offsets_;
 
   mutable std::mutex host_mutex_;  // serialises the host's calls
   mutable std::mutex mutex_;       // what the lane and the host share

@@ -50,6 +50,7 @@ void expect_same(const dp_fsdp_options& a, const dp_fsdp_options& b) {
   EXPECT_EQ(a.param_dtype, b.param_dtype);
   EXPECT_EQ(a.reduce_dtype, b.reduce_dtype);
   EXPECT_EQ(a.init_sync, b.init_sync);
+  EXPECT_EQ(a.full_params_as_views, b.full_params_as_views);
 }
 
 template <typename Options>

@@ -184,6 +184,7 @@ struct Config {
   int rows_per_rank = 4;
   float lr = 0.2f;
   bool cuda = false;  // rank r on cuda:r, NCCL
+  int views = 0;      // full_params_as_views on the linears
 };
 
 // Single-process training on the whole batch: the reference.
@@ -245,6 +246,7 @@ Sharded shard_toy(Toy& toy, dp_process_group* pg, const Config& c) {
   EXPECT_EQ(dp_fsdp_options_init(&o, sizeof o), DP_OK);
   o.reshard_after_forward = c.reshard_after_forward;
   o.param_dtype = c.param_dtype;
+  o.full_params_as_views = c.views;
   for (int l = 0; l < 3; ++l) {
     s.layer[l] = fully_shard(toy.layer[l].get(), pg, &o);
   }
@@ -435,6 +437,32 @@ TEST(Fsdp, TrainingMatchesAtWorldSizeOne) {
   expect_parity(c, 2e-5);
 }
 
+TEST(Fsdp, TrainingMatchesWithFullParametersAsViewsAtWorldSizeThree) {
+  Config c;
+  c.world = 3;
+  c.backend = DP_BACKEND_SHM;
+  c.views = 1;
+  expect_parity(c, 2e-5);
+}
+
+TEST(Fsdp, TrainingMatchesWithViewsKeptUnshardedOverUnsyncedMicroBatches) {
+  Config c;
+  c.backend = DP_BACKEND_SHM;
+  c.views = 1;
+  c.reshard_after_forward = 0;
+  c.micro_batches = 3;
+  expect_parity(c, 2e-5);
+}
+
+// Views cannot hold a cast: with a param_dtype the full parameters are copies.
+TEST(Fsdp, ViewsAskedWithABfloat16ParamDtypeFallBackToCopiesThatMatch) {
+  Config c;
+  c.backend = DP_BACKEND_SHM;
+  c.views = 1;
+  c.param_dtype = DP_BFLOAT16;
+  expect_parity(c, 3e-2);
+}
+
 // An unshard still in flight when the dp_fsdp is destroyed completes first;
 // the module then holds its full parameters, in their own dtype.
 TEST(Fsdp, DestroyWithAnUnshardInFlightGivesTheFullParametersBack) {
@@ -460,11 +488,14 @@ TEST(Fsdp, DestroyWithAnUnshardInFlightGivesTheFullParametersBack) {
   });
 }
 
+namespace {
+
 // A parameter with fewer rows than ranks (ranks past them keep none), an
 // empty one and a 0-d one: unshard gives them back whole, post_backward
-// averages their gradients into the shards' gradients.
-TEST(Fsdp, FewerRowsThanRanksEmptyAndZeroDimParametersGatherAndReduce) {
-  run_ranks(3, DP_BACKEND_GLOO, [](int rank, dp_process_group* pg) {
+// averages their gradients into the shards' gradients. With views (on
+// shared memory) the full parameter's rows are the shards themselves.
+void expect_narrow_empty_and_scalar_parameters(int32_t backend, int views) {
+  run_ranks(3, backend, [views](int rank, dp_process_group* pg) {
     dptest::ModulePtr m = dptest::new_module();
     TensorPtr narrow = make<float>({1, 4}, {1, 2, 3, 4});
     TensorPtr empty = make<float>({0, 2}, {});
@@ -472,14 +503,26 @@ TEST(Fsdp, FewerRowsThanRanksEmptyAndZeroDimParametersGatherAndReduce) {
     ASSERT_EQ(dp_module_register_parameter(m.get(), "narrow", narrow.get(), 1), DP_OK);
     ASSERT_EQ(dp_module_register_parameter(m.get(), "empty", empty.get(), 1), DP_OK);
     ASSERT_EQ(dp_module_register_parameter(m.get(), "scalar", scalar.get(), 1), DP_OK);
-    FsdpPtr f = fully_shard(m.get(), pg);
+    dp_fsdp_options o;
+    ASSERT_EQ(dp_fsdp_options_init(&o, sizeof o), DP_OK);
+    o.full_params_as_views = views;
+    FsdpPtr f = fully_shard(m.get(), pg, &o);
     ASSERT_TRUE(f);
     EXPECT_EQ(parameter_shape(m.get(), "narrow"), (std::vector<int64_t>{rank == 0 ? 1 : 0, 4}));
     EXPECT_EQ(parameter_shape(m.get(), "empty"), (std::vector<int64_t>{0, 2}));
     EXPECT_EQ(parameter_shape(m.get(), "scalar"), std::vector<int64_t>{});
+    dp_tensor* shard = nullptr;
+    ASSERT_EQ(dp_fsdp_shard(f.get(), 0, &shard), DP_OK);
+    TensorPtr narrow_shard(shard);
     ASSERT_EQ(dp_fsdp_unshard(f.get(), 0), DP_OK) << dp_last_error();
     EXPECT_EQ(parameter(m.get(), "narrow"), (std::vector<float>{1, 2, 3, 4}));
     EXPECT_EQ(parameter(m.get(), "scalar"), std::vector<float>{7});
+    dp_tensor* full = nullptr;
+    ASSERT_EQ(dp_module_get_parameter(m.get(), "narrow", &full), DP_OK);
+    TensorPtr narrow_full(full);
+    if (rank == 0) {
+      EXPECT_EQ(dp_tensor_data(full) == dp_tensor_data(shard), views != 0);
+    }
     const auto r = static_cast<float>(rank);
     add_grad(m.get(), "narrow", {r, r, r, 3 * r});
     add_grad(m.get(), "scalar", {6 * r});
@@ -492,10 +535,40 @@ TEST(Fsdp, FewerRowsThanRanksEmptyAndZeroDimParametersGatherAndReduce) {
     ASSERT_EQ(dp_fsdp_shard_grad(f.get(), 2, &g), DP_OK);
     TensorPtr scalar_grad(g);
     EXPECT_EQ(read(g), std::vector<float>{6});
-    // Destroying gives the module its full parameters back.
+    // Destroying gives the module its full parameters back, in memory of its own.
+    ASSERT_EQ(dp_fsdp_reshard(f.get()), DP_OK) << dp_last_error();
     f.reset();
     EXPECT_EQ(parameter(m.get(), "narrow"), (std::vector<float>{1, 2, 3, 4}));
     EXPECT_EQ(parameter_shape(m.get(), "empty"), (std::vector<int64_t>{0, 2}));
+    ASSERT_EQ(dp_module_get_parameter(m.get(), "narrow", &full), DP_OK);
+    TensorPtr given_back(full);
+    EXPECT_NE(dp_tensor_data(full), dp_tensor_data(shard));
+  });
+}
+
+}  // namespace
+
+TEST(Fsdp, FewerRowsThanRanksEmptyAndZeroDimParametersGatherAndReduce) {
+  expect_narrow_empty_and_scalar_parameters(DP_BACKEND_GLOO, 0);
+}
+
+TEST(Fsdp, FewerRowsThanRanksEmptyAndZeroDimParametersAsViewsOfTheShards) {
+  expect_narrow_empty_and_scalar_parameters(DP_BACKEND_SHM, 1);
+}
+
+// The option is part of the agreement check: ranks that differ fail alike.
+TEST(Fsdp, RanksThatDisagreeOnViewsFailTogetherNamingTheOption) {
+  run_ranks(2, DP_BACKEND_SHM, [](int rank, dp_process_group* pg) {
+    Toy toy(0.0f);
+    dp_fsdp_options o;
+    ASSERT_EQ(dp_fsdp_options_init(&o, sizeof o), DP_OK);
+    o.full_params_as_views = rank == 0 ? 1 : 0;
+    dp_fsdp* f = nullptr;
+    EXPECT_EQ(dp_fsdp_create(&f, toy.layer[0].get(), pg, &o), DP_EINVAL);
+    EXPECT_NE(std::string(dp_last_error()).find("full_params_as_views"), std::string::npos) << dp_last_error();
+    EXPECT_EQ(f, nullptr);
+    // Nothing was taken: the parameter keeps its full value.
+    EXPECT_EQ(parameter_shape(toy.root.get(), kWeights[0]), (std::vector<int64_t>{3, 3}));
   });
 }
 
@@ -569,12 +642,18 @@ TEST(Fsdp, ARankThatSkipsAnUnshardIsNamedWithinTheTimeout) {
       1000);
 }
 
+namespace {
+
 // A rank that makes another call in the skipped unshard's place (here its
-// destroy's gather): both calls fail at once, each naming both.
-TEST(Fsdp, ARankThatMakesAnotherCallInAnUnshardsPlaceFailsNamingBoth) {
-  run_ranks(2, DP_BACKEND_GLOO, [](int rank, dp_process_group* pg) {
+// destroy's gather): both calls fail at once, each naming both. With views
+// the unshard is a barrier, and so is the gather's first step.
+void expect_another_call_in_an_unshards_place_fails(int32_t backend, int views) {
+  run_ranks(2, backend, [views](int rank, dp_process_group* pg) {
     Toy toy(0.0f);
-    FsdpPtr f = fully_shard(toy.layer[0].get(), pg);
+    dp_fsdp_options o;
+    ASSERT_EQ(dp_fsdp_options_init(&o, sizeof o), DP_OK);
+    o.full_params_as_views = views;
+    FsdpPtr f = fully_shard(toy.layer[0].get(), pg, &o);
     ASSERT_TRUE(f);
     if (rank == 0) {
       EXPECT_EQ(dp_fsdp_unshard(f.get(), 0), DP_EREMOTE);
@@ -588,6 +667,16 @@ TEST(Fsdp, ARankThatMakesAnotherCallInAnUnshardsPlaceFailsNamingBoth) {
       EXPECT_EQ(parameter_shape(toy.root.get(), kWeights[0]), (std::vector<int64_t>{1, 3}));
     }
   });
+}
+
+}  // namespace
+
+TEST(Fsdp, ARankThatMakesAnotherCallInAnUnshardsPlaceFailsNamingBoth) {
+  expect_another_call_in_an_unshards_place_fails(DP_BACKEND_GLOO, 0);
+}
+
+TEST(Fsdp, ARankThatMakesAnotherCallInAViewUnshardsPlaceFailsNamingBoth) {
+  expect_another_call_in_an_unshards_place_fails(DP_BACKEND_SHM, 1);
 }
 
 // ---- state dicts ----

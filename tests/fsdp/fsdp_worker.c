@@ -7,6 +7,9 @@
  *                parameter with single-process training on the whole batch;
  *                then a full state dict from rank 0 loads back on every rank
  *   toy_gloo     the same over Gloo
+ *   toy_views    toy with full_params_as_views on the linears: the full
+ *                parameter's rows are the shard itself (shared memory)
+ *   toy_gloo_views  the same over Gloo, where the option leaves copies
  *   peer_exits   the last rank exits before an unshard the others make:
  *                theirs fails within the group's timeout naming it
  * Prints "rank R: SCENARIO passed" and exits 0 when every check held. */
@@ -22,6 +25,8 @@
 #define MAX_ROWS 64
 #define STEPS 4
 #define LR 0.2
+
+static int g_views; /* the scenario's full_params_as_views */
 
 static const char *const kWeights[4] = {"linears.0.weight", "linears.1.weight", "linears.2.weight", "proj.weight"};
 
@@ -113,7 +118,9 @@ static void toy_create(Toy *toy, float skew, dp_process_group *pg) {
   CHECK_OK(dp_module_register_module(toy->root, "linears", toy->linears));
   CHECK_OK(dp_module_register_module(toy->root, "proj", toy->layer[3]));
   if (pg == NULL) return;
-  for (int l = 0; l < 3; ++l) CHECK_OK(dp_fsdp_create(&toy->fsdp[l], toy->layer[l], pg, NULL));
+  dp_fsdp_options o = DP_FSDP_OPTIONS_INIT;
+  o.full_params_as_views = g_views;
+  for (int l = 0; l < 3; ++l) CHECK_OK(dp_fsdp_create(&toy->fsdp[l], toy->layer[l], pg, &o));
   CHECK_OK(dp_fsdp_create(&toy->fsdp_linears, toy->linears, pg, NULL));
   CHECK_OK(dp_ddp_create(&toy->ddp, toy->root, pg, NULL));
 }
@@ -237,6 +244,26 @@ static void expect_weights(Toy *toy, float expected[4][DIM * DIM], const char *w
   }
 }
 
+/* With views, the unsharded slot is the full parameter whose rows this
+ * rank keeps are its shard itself; without, a copy. */
+static void expect_full_parameter_is_view(Toy *toy, int views) {
+  dp_tensor *shard = NULL, *full = NULL;
+  CHECK_OK(dp_fsdp_shard(toy->fsdp[1], 0, &shard));
+  CHECK_OK(dp_fsdp_unshard(toy->fsdp[1], 0));
+  CHECK_OK(dp_module_get_parameter(toy->root, kWeights[1], &full));
+  if (shard != NULL && full != NULL) {
+    const int64_t chunk = (DIM + g_world - 1) / g_world;
+    const int64_t start = chunk * g_rank < DIM ? chunk * g_rank : DIM;
+    const char *rows = (const char *)dp_tensor_data(full) + start * DIM * (int64_t)sizeof(float);
+    CHECK((rows == (const char *)dp_tensor_data(shard)) == (views != 0),
+          "the full parameter's rows %lld.. are %s the shard (views %d)", (long long)start,
+          rows == (const char *)dp_tensor_data(shard) ? "" : "not", views);
+  }
+  dp_tensor_destroy(full);
+  dp_tensor_destroy(shard);
+  CHECK_OK(dp_fsdp_reshard(toy->fsdp[1]));
+}
+
 static void toy(dp_process_group *pg) {
   float expected[4][DIM * DIM];
   Toy t, other;
@@ -260,6 +287,8 @@ static void toy(dp_process_group *pg) {
     dp_tensor_destroy(shard);
   }
   CHECK(dp_ddp_num_buckets(t.ddp) == 1, "the dp_ddp has %zu buckets", dp_ddp_num_buckets(t.ddp));
+  /* Views need memory every rank maps: the shared-memory group. */
+  expect_full_parameter_is_view(&t, g_views && strcmp(dp_process_group_backend(pg), "shm") == 0);
   for (int s = 0; s < STEPS; ++s) train_step(&t, s);
   expect_weights(&t, expected, "after training");
   /* The full state dict: rank 0 writes it, every rank loads its rows. */
@@ -301,12 +330,15 @@ typedef struct Scenario {
   void (*run)(dp_process_group *pg);
   int32_t backend;
   int timeout_ms;
+  int views; /* full_params_as_views for the linears */
 } Scenario;
 
 static const Scenario kScenarios[] = {
-    {"toy", toy, DP_BACKEND_AUTO, 60000},
-    {"toy_gloo", toy, DP_BACKEND_GLOO, 60000},
-    {"peer_exits", peer_exits, DP_BACKEND_GLOO, 3000},
+    {"toy", toy, DP_BACKEND_AUTO, 60000, 0},
+    {"toy_gloo", toy, DP_BACKEND_GLOO, 60000, 0},
+    {"toy_views", toy, DP_BACKEND_AUTO, 60000, 1},
+    {"toy_gloo_views", toy, DP_BACKEND_GLOO, 60000, 1},
+    {"peer_exits", peer_exits, DP_BACKEND_GLOO, 3000, 0},
 };
 
 int main(int argc, char **argv) {
@@ -319,7 +351,8 @@ int main(int argc, char **argv) {
     if (strcmp(argv[1], kScenarios[i].name) == 0) scenario = &kScenarios[i];
   }
   if (scenario == NULL) {
-    fprintf(stderr, "usage: fsdp_worker toy|toy_gloo|peer_exits (under dp-run); unknown '%s'\n",
+    fprintf(stderr,
+            "usage: fsdp_worker toy|toy_gloo|toy_views|toy_gloo_views|peer_exits (under dp-run); unknown '%s'\n",
             argc >= 2 ? argv[1] : "");
     return 2;
   }
@@ -332,6 +365,7 @@ int main(int argc, char **argv) {
   }
   opts.backend = scenario->backend;
   opts.timeout_ms = scenario->timeout_ms;
+  g_views = scenario->views;
   if (dp_process_group_create_from_env(&pg, &opts) != DP_OK) {
     fprintf(stderr, "rank %d: group create failed: %s\n", g_rank, dp_last_error());
     return 3;

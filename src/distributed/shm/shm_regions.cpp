@@ -130,6 +130,7 @@ class ShmRegion : public SharedRegion {
   }
   uint8_t* data() const override { return own_part(); }
   size_t bytes() const override { return part_; }
+  uint8_t* all_parts() const override { return base_; }
 
  private:
   uint8_t* own_part() const { return base_ == nullptr ? nullptr : base_ + part_ * static_cast<size_t>(rank_); }
