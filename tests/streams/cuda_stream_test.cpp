@@ -441,29 +441,69 @@ TEST_F(CudaStreamOrder, FsdpUnshardAndPostBackwardReturnWhileTheHostsStreamIsHel
 // stream wait for another to reuse memory: the device's default pool may
 // (cudaMemPoolReuseAllowInternalDependencies), and a dp_fsdp job's stream,
 // which waits for the host's, could then hold up the library's own stream.
-TEST_F(CudaStreamOrder, TensorsComeFromAPoolThatNeverMakesOneStreamWaitForAnother) {
-  TensorPtr t = make<float>({1 << 20}, std::vector<float>(1 << 20, 0.0f), cuda(0));
+namespace {
+
+// The stream-ordered pool `t`'s memory comes from, or null.
+cudaMemPool_t pool_of(const dp_tensor* t) {
   using GetAttribute = CUresult (*)(void*, CUpointer_attribute, CUdeviceptr);
   void* function = nullptr;
   cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
 #if CUDART_VERSION >= 12050
-  ASSERT_EQ(cudaGetDriverEntryPointByVersion("cuPointerGetAttribute", &function, 12000, cudaEnableDefault, &found),
-            cudaSuccess);
+  cudaError_t rc =
+      cudaGetDriverEntryPointByVersion("cuPointerGetAttribute", &function, 12000, cudaEnableDefault, &found);
 #else
-  ASSERT_EQ(cudaGetDriverEntryPoint("cuPointerGetAttribute", &function, cudaEnableDefault, &found), cudaSuccess);
+  cudaError_t rc = cudaGetDriverEntryPoint("cuPointerGetAttribute", &function, cudaEnableDefault, &found);
 #endif
-  ASSERT_EQ(found, cudaDriverEntryPointSuccess);
+  EXPECT_EQ(rc, cudaSuccess);
+  EXPECT_EQ(found, cudaDriverEntryPointSuccess);
+  if (rc != cudaSuccess || found != cudaDriverEntryPointSuccess) return nullptr;
   CUmemoryPool pool = nullptr;
-  const auto address = static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(dp_tensor_data(t.get())));
-  ASSERT_EQ(reinterpret_cast<GetAttribute>(function)(&pool, CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, address),
+  const auto address = static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(dp_tensor_data(t)));
+  EXPECT_EQ(reinterpret_cast<GetAttribute>(function)(&pool, CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, address),
             CUDA_SUCCESS);
+  return reinterpret_cast<cudaMemPool_t>(pool);
+}
+
+}  // namespace
+
+TEST_F(CudaStreamOrder, TensorsComeFromAPoolThatNeverMakesOneStreamWaitForAnother) {
+  TensorPtr t = make<float>({1 << 20}, std::vector<float>(1 << 20, 0.0f), cuda(0));
+  cudaMemPool_t pool = pool_of(t.get());
   ASSERT_NE(pool, nullptr) << "not from a stream-ordered pool";
   cudaMemPool_t default_pool = nullptr;
   ASSERT_EQ(cudaDeviceGetDefaultMemPool(&default_pool, 0), cudaSuccess);
-  EXPECT_NE(reinterpret_cast<cudaMemPool_t>(pool), default_pool);
+  EXPECT_NE(pool, default_pool);
   int internal_dependencies = 1;
-  ASSERT_EQ(cudaMemPoolGetAttribute(reinterpret_cast<cudaMemPool_t>(pool), cudaMemPoolReuseAllowInternalDependencies,
-                                    &internal_dependencies),
+  ASSERT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolReuseAllowInternalDependencies, &internal_dependencies),
             cudaSuccess);
   EXPECT_EQ(internal_dependencies, 0);
+}
+
+// Peer access does not reach pool memory by itself: once two GPUs have
+// exchanged data, each one's library pool is mapped for the other, so that
+// in-process NCCL's kernels may use a peer's buffers directly.
+TEST_F(CudaStreamOrder, APeerGpuReachesTheLibraryPoolOnceTheGpusExchangedData) {
+  REQUIRE_GPUS(2);
+  int can = 0;
+  ASSERT_EQ(cudaDeviceCanAccessPeer(&can, 0, 1), cudaSuccess);
+  if (can == 0) GTEST_SKIP() << "GPUs 0 and 1 have no peer access";
+  TensorPtr on0 = make<float>({1 << 20}, std::vector<float>(1 << 20, 1.0f), cuda(0));
+  TensorPtr on1 = make<float>({1 << 20}, std::vector<float>(1 << 20, 2.0f), cuda(1));
+  const dp_device from0[2] = {cuda(0), cuda(1)}, from1[2] = {cuda(1), cuda(0)};
+  dp_tensor* out0[2] = {};
+  dp_tensor* out1[2] = {};
+  DP_ASSERT_OK(dp_broadcast(on0.get(), from0, 2, out0));
+  TensorPtr keep00(out0[0]), keep01(out0[1]);
+  DP_ASSERT_OK(dp_broadcast(on1.get(), from1, 2, out1));
+  TensorPtr keep11(out1[0]), keep10(out1[1]);
+  for (int gpu = 0; gpu < 2; ++gpu) {
+    cudaMemPool_t pool = pool_of(gpu == 0 ? on0.get() : on1.get());
+    ASSERT_NE(pool, nullptr);
+    cudaMemLocation peer{};
+    peer.type = cudaMemLocationTypeDevice;
+    peer.id = 1 - gpu;
+    cudaMemAccessFlags flags = cudaMemAccessFlagsProtNone;
+    ASSERT_EQ(cudaMemPoolGetAccess(&flags, pool, &peer), cudaSuccess);
+    EXPECT_EQ(flags, cudaMemAccessFlagsProtReadWrite) << "GPU " << gpu << "'s pool, seen from GPU " << 1 - gpu;
+  }
 }

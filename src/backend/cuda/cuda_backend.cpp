@@ -74,8 +74,24 @@ Function driver_function(const char* name) noexcept {
   return reinterpret_cast<Function>(function);
 }
 
-// Lets GPU `from`, the current device, reach `to`'s memory, once per pair:
-// copies between them then go over NVLink or PCIe instead of through the host.
+// Maps `to`'s library pool for GPU `from` as well. Only the library's own
+// pool: the device's default pool (the stand-in) is the host's too.
+void open_pool_to(int32_t to, int32_t from) {
+  cudaMemPool_t pool = library_pool(to);
+  cudaMemPool_t default_pool = nullptr;
+  if (cudaDeviceGetDefaultMemPool(&default_pool, to) != cudaSuccess) cudaGetLastError();
+  if (pool == nullptr || pool == default_pool) return;
+  cudaMemAccessDesc access{};
+  access.location.type = cudaMemLocationTypeDevice;
+  access.location.id = from;
+  access.flags = cudaMemAccessFlagsProtReadWrite;
+  // Refused, the library's own copies still work: the driver moves them.
+  if (cudaMemPoolSetAccess(pool, &access, 1) != cudaSuccess) cudaGetLastError();
+}
+
+// Lets GPU `from`, the current device, reach `to`'s memory, its library
+// pool's included, once per pair: copies between them then go over NVLink
+// or PCIe instead of through the host.
 void enable_peer_access(int32_t from, int32_t to) {
   static auto* table = new PeerAccessTable();  // lives as long as the process, as peer access does
   table->ensure(from, to, [](int32_t a, int32_t b) {
@@ -83,11 +99,14 @@ void enable_peer_access(int32_t from, int32_t to) {
     check(cudaDeviceCanAccessPeer(&can, a, b), "cudaDeviceCanAccessPeer");
     if (can == 0) return false;
     cudaError_t rc = cudaDeviceEnablePeerAccess(b, 0);
-    if (rc == cudaSuccess) return true;
-    cudaGetLastError();
-    // Already enabled (by the host, say) is success; another refusal (too
-    // many peers) leaves the copies staged through the host, still correct.
-    return rc == cudaErrorPeerAccessAlreadyEnabled;
+    if (rc != cudaSuccess) {
+      cudaGetLastError();
+      // Already enabled (by the host, say) is success; another refusal (too
+      // many peers) leaves the copies staged through the host, still correct.
+      if (rc != cudaErrorPeerAccessAlreadyEnabled) return false;
+    }
+    open_pool_to(b, a);
+    return true;
   });
 }
 
@@ -195,6 +214,15 @@ cudaMemPool_t library_pool(int32_t index) {
 cudaError_t malloc_async(int32_t index, void** data, size_t nbytes, cudaStream_t stream) {
   cudaMemPool_t pool = library_pool(index);
   return pool != nullptr ? cudaMallocFromPoolAsync(data, nbytes, pool, stream) : cudaMallocAsync(data, nbytes, stream);
+}
+
+void connect_peers(const std::vector<int32_t>& devices) {
+  for (int32_t from : devices) {
+    DeviceGuard guard(from);
+    for (int32_t to : devices) {
+      if (to != from) enable_peer_access(from, to);
+    }
+  }
 }
 
 namespace {

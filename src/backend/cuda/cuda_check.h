@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <new>
+#include <vector>
 
 #include "backend/cuda/device_switch.h"
 #include "core/error.h"
@@ -130,6 +131,11 @@ cudaMemPool_t library_pool(int32_t index);
 // cudaMallocAsync from library_pool(index) (or the default pool where there
 // is none) on `stream`; the device is the caller's current one.
 cudaError_t malloc_async(int32_t index, void** data, size_t nbytes, cudaStream_t stream);
+// Peer access between every pair of `devices` that allows it, each one's
+// library pool mapped for the others too (peer access alone does not reach
+// pool memory): in-process NCCL may have one GPU's kernels read and write
+// another's buffers directly.
+void connect_peers(const std::vector<int32_t>& devices);
 
 // The end of a device-only library operation queued on `stream`: it waits
 // for it unless a LibraryWorkStaysQueued scope is open on this thread.
