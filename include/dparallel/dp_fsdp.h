@@ -25,8 +25,9 @@
  * dp_fsdp_unshard(f, 1) starts the all-gather and returns at once, so that
  * the next module's parameters arrive while the host computes (prefetch);
  * dp_fsdp_wait_unshard, or a blocking unshard, completes it. All its
- * parameters travel in one all-gather per unshard (each padded to c rows)
- * and their gradients in one reduce-scatter per reduce dtype.
+ * parameters travel in one all-gather per unshard (each padded to c rows;
+ * none with full_params_as_views, below) and their gradients in one
+ * reduce-scatter per reduce dtype.
  *
  * - reshard_after_forward = 0 (ZeRO-2): between an unshard and the next
  *   post_backward, dp_fsdp_reshard keeps the full parameters; post_backward
@@ -46,7 +47,8 @@
  *   require grad at create are sharded but not reduced.
  * - Memory: the full parameters, and the full gradients after their
  *   reduce-scatter, are released (back to the allocator unless the host
- *   still holds a handle to them).
+ *   still holds a handle to them); full parameters that are views (below)
+ *   take none.
  *
  * Composition: a dp_fsdp manages the parameters of `module` that no live
  * dp_fsdp holds, so create the children's first; one over a module whose
@@ -101,19 +103,26 @@
  * read them (dp_device_memory_stats counts it); a forked child that writes
  * a shard writes its parent's.
  *
- * Full parameters as views (opts->full_params_as_views = 1): there, each
- * parameter's shards lie back to back in that memory, rank 0's rows first,
- * so that the full parameter is a view of every rank's shard. An unshard
- * is then a barrier (every rank has finished writing its shards) and the
- * full parameters take no memory. In return the host must not write a
- * full parameter (the write would reach the shards of every rank), and
- * must write a shard only while no rank has its dp_fsdp unsharded: the
- * usual loop does, since dp_fsdp_finish_backward returns once every rank's
- * post_backward (which reshards) has been called, and another rank's next
- * unshard waits for this rank's. With gradient sync off, post_backward
- * waits for nobody, so step the optimizer after a synced backward only.
- * A handle kept on a full parameter after reshard sees later changes to the
- * shards. dp_fsdp_destroy and the state dicts copy, as without views.
+ * Full parameters as views (opts->full_params_as_views = 1): on a
+ * shared-memory group of two or more ranks, with init_sync and no
+ * param_dtype that casts a sharded parameter, each parameter's shards lie
+ * back to back in that memory, rank 0's rows first, so that the full
+ * parameter is a view of every rank's shard. An unshard is then a barrier
+ * (every rank has issued it, so the shard writes each made before are
+ * done), no all-gather, and the full parameters take no memory; 0-d
+ * parameters are still copies. Where these conditions do not hold the
+ * option falls back to copies; after an unshard, dp_tensor_data of a full
+ * parameter plus this rank's first row is dp_fsdp_shard's data exactly
+ * when views are in use. In return the host must not write a full
+ * parameter (the write would reach the shards of every rank), and must
+ * write a shard (the optimizer, a state dict load) only while no rank has
+ * its dp_fsdp unsharded or an unshard in flight: the usual loop does, since
+ * dp_fsdp_finish_backward returns once every rank's post_backward (which
+ * reshards) has been called, and another rank's next unshard waits for this
+ * rank's. With gradient sync off, post_backward waits for nobody, so step
+ * the optimizer after a synced backward only. A handle kept on a full
+ * parameter after reshard sees later changes to the shards.
+ * dp_fsdp_destroy and the state dicts copy, as without views.
  */
 #ifndef DPARALLEL_DP_FSDP_H
 #define DPARALLEL_DP_FSDP_H
@@ -191,7 +200,7 @@ DP_API void dp_fsdp_destroy(dp_fsdp *fsdp);
  * keeps its rows of the sharded parameters and takes every other tensor
  * whole (`strict` and errors as for dp_module_load; the module is unchanged
  * on an error found before copying). Every dp_fsdp involved must be
- * resharded (DP_ESTATE otherwise). */
+ * resharded, with no unshard in flight (DP_ESTATE otherwise). */
 DP_API dp_status dp_fsdp_save_full_state_dict(dp_module *module, dp_process_group *pg, const char *path);
 DP_API dp_status dp_fsdp_load_full_state_dict(dp_module *module, const char *path, int strict);
 /* Sharded: local; each rank writes `folder`/shard-RRRRR-of-WWWWW.safetensors
@@ -204,7 +213,9 @@ DP_API dp_status dp_fsdp_load_full_state_dict(dp_module *module, const char *pat
  * another; a read that fails after the checks (a file changed meanwhile)
  * is DP_EIO and may leave the module partly loaded, as dp_module_load. Every key must name a tensor of
  * the module and every tensor must be covered, with the same dtype and full
- * shape, else DP_EINVAL naming each difference and the module is unchanged. */
+ * shape, else DP_EINVAL naming each difference and the module is unchanged;
+ * every dp_fsdp involved must be resharded, with no unshard in flight
+ * (DP_ESTATE otherwise). */
 DP_API dp_status dp_fsdp_save_sharded_state_dict(dp_module *module, dp_process_group *pg, const char *folder);
 DP_API dp_status dp_fsdp_load_sharded_state_dict(dp_module *module, const char *folder);
 

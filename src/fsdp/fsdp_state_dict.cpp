@@ -82,6 +82,20 @@ void save_full_state_dict(Module& module, dist::ProcessGroup& group, const std::
   save_state(entries, {{"format", "pt"}}, path);
 }
 
+namespace {
+
+// A load writes the shards: not while they are read as full parameters (or
+// in flight to be), here or, with views, on the other ranks.
+void check_resharded(const FullyShard& holder, const std::string& name) {
+  if (!holder.resharded()) {
+    fail(StatusCode::kState, "parameter '", name,
+         "' is unsharded or being unsharded (its slot holds, or is to hold, the full parameter): reshard its dp_fsdp "
+         "first");
+  }
+}
+
+}  // namespace
+
 void load_full_state_dict(Module& module, const std::string& path, bool strict) {
   std::vector<Held> state = held_state(module);
   struct Swapped {
@@ -94,10 +108,7 @@ void load_full_state_dict(Module& module, const std::string& path, bool strict) 
   for (const NamedParameter& np : module.named_parameters()) {
     auto holder = std::dynamic_pointer_cast<FullyShard>(np.parameter->sharding());
     if (!holder) continue;
-    if (holder->unsharded()) {
-      fail(StatusCode::kState, "parameter '", *np.name,
-           "' is unsharded (its slot holds the full parameter in the compute dtype): reshard its dp_fsdp first");
-    }
+    check_resharded(*holder, *np.name);
     const size_t index = holder->index_of(np.parameter.get());
     swapped.push_back(
         Swapped{holder, index, np.parameter,
@@ -216,6 +227,7 @@ void load_sharded_state_dict(Module& module, const std::string& folder) {
       continue;
     }
     used[name] = true;
+    if (h.holder) check_resharded(*h.holder, name);
     const bool sharded = h.holder && !h.holder->full_shape(h.index).empty();
     const Tensor target = h.holder ? h.holder->shard(h.index) : h.entry.value;
     const Shape full = h.holder ? h.holder->full_shape(h.index) : target.shape();

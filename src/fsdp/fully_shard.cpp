@@ -267,12 +267,15 @@ void FullyShard::shard_parameters() {
     const Tensor full = m.parameter->value();
     Shape shape = m.full_shape;
     if (m.sharded) shape[0] = m.split.count;
-    // Its own memory: the full parameter's goes back to the allocator.
+    // Its own memory: the full parameter's goes back to the allocator. An
+    // empty shard is never wrapped in the region, where it could share its
+    // identity with another empty shard (tied parameters).
     const auto i = static_cast<size_t>(&m - params_.data());
-    if (views_ && m.sharded) {
+    const bool in_region = shard_region_ != nullptr && m.sharded && m.split.count > 0;
+    if (in_region && views_) {
       const size_t rows_before = static_cast<size_t>(m.split.start * m.row_numel) * dtype_size(m.dtype);
       m.shard = Tensor::wrap(shard_region_, full_offsets_[i] + rows_before, m.dtype, shape);
-    } else if (shard_region_ != nullptr && m.sharded) {
+    } else if (in_region) {
       m.shard = Tensor::wrap(shard_region_, region_offsets[i], m.dtype, shape);
     } else {
       m.shard = Tensor::empty(m.dtype, shape, device);
@@ -397,6 +400,11 @@ Tensor FullyShard::shard_grad(size_t index) const {
 bool FullyShard::unsharded() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return state_ == State::kUnsharded;
+}
+
+bool FullyShard::resharded() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return state_ == State::kResharded;
 }
 
 size_t FullyShard::index_of(const Parameter* parameter) const {
@@ -862,6 +870,12 @@ void FullyShard::run_post_backward() {
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!params_[i].sharded && params_[i].reduced) whole[params_[i].reduce].push_back(i);
   }
+  // With views, finish_backward promises that every rank has reached its
+  // post_backward (its shards may be written then): with nothing to reduce,
+  // a barrier says so.
+  const bool reduces = whole.size() > 0 || std::any_of(reduce_segment_.begin(), reduce_segment_.end(),
+                                                       [](const auto& entry) { return entry.second > 0; });
+  if (views_ && !reduces) group_->barrier(false);
   for (const auto& [dtype, members] : whole) {
     std::vector<Tensor> values;
     for (size_t i : members) {

@@ -94,6 +94,8 @@ class FullyShard final : public ddp::LaneOwner,
   Tensor shard_grad(size_t index) const;
   // Whether the slots hold the full parameters now.
   bool unsharded() const;
+  // Whether the slots hold the shards with no unshard in flight.
+  bool resharded() const;
   // Whether the full parameters are views of the shards (full_params_as_views took effect).
   bool full_params_are_views() const { return views_; }
   const std::shared_ptr<dist::ProcessGroup>& group() const { return group_; }

@@ -326,6 +326,21 @@ void sgd(Toy& toy, Sharded& s, float lr) {
   ASSERT_EQ(dp_module_zero_grad(toy.root.get()), DP_OK) << dp_last_error();
 }
 
+// Whether parameter `name`'s full value (unsharded by `f`) is a view whose
+// rows `rank` keeps are its shard itself; its split of 3 rows must not be empty.
+bool full_is_view_of_shard(dp_module* root, const char* name, dp_fsdp* f, int rank, int world) {
+  dp_tensor* full = nullptr;
+  dp_tensor* shard = nullptr;
+  EXPECT_EQ(dp_module_get_parameter(root, name, &full), DP_OK);
+  EXPECT_EQ(dp_fsdp_shard(f, 0, &shard), DP_OK);
+  TensorPtr owned_full(full), owned_shard(shard);
+  if (full == nullptr || shard == nullptr) return false;
+  const int chunk = (kDim + world - 1) / world;
+  const auto row_bytes = static_cast<ptrdiff_t>(kDim * sizeof(float));
+  return static_cast<const char*>(dp_tensor_data(full)) + chunk * rank * row_bytes ==
+         static_cast<const char*>(dp_tensor_data(shard));
+}
+
 // Trains on every rank and compares each rank's full parameters with the reference.
 void expect_parity(const Config& c, double tolerance) {
   const std::vector<std::vector<float>> expected = reference(c);
@@ -348,9 +363,14 @@ void expect_parity(const Config& c, double tolerance) {
           }
           sgd(toy, s, c.lr);
         }
+        // Views where they can be: shared memory, no cast.
+        const bool views = c.views != 0 && c.backend == DP_BACKEND_SHM && c.world > 1 && c.param_dtype == -1;
         for (int l = 0; l < 4; ++l) {
           if (l < 3) {
             ASSERT_EQ(dp_fsdp_unshard(s.layer[l].get(), 0), DP_OK) << dp_last_error();
+            if (c.views != 0) {
+              EXPECT_EQ(full_is_view_of_shard(toy.root.get(), kWeights[l], s.layer[l].get(), rank, c.world), views);
+            }
           }
           std::vector<float> got = parameter(toy.root.get(), kWeights[l]);
           ASSERT_EQ(got.size(), expected[l].size());
@@ -445,7 +465,7 @@ TEST(Fsdp, TrainingMatchesWithFullParametersAsViewsAtWorldSizeThree) {
   expect_parity(c, 2e-5);
 }
 
-TEST(Fsdp, TrainingMatchesWithViewsKeptUnshardedOverUnsyncedMicroBatches) {
+TEST(Fsdp, TrainingMatchesWithViewsAndZero2OverUnsyncedMicroBatches) {
   Config c;
   c.backend = DP_BACKEND_SHM;
   c.views = 1;
@@ -554,6 +574,71 @@ TEST(Fsdp, FewerRowsThanRanksEmptyAndZeroDimParametersGatherAndReduce) {
 
 TEST(Fsdp, FewerRowsThanRanksEmptyAndZeroDimParametersAsViewsOfTheShards) {
   expect_narrow_empty_and_scalar_parameters(DP_BACKEND_SHM, 1);
+}
+
+// An unshard with views runs once every rank has issued it (the lane's
+// round, then the job's barrier): it sees what every rank wrote to its
+// shard before its own unshard, however late that rank comes.
+TEST(Fsdp, AViewUnshardSeesTheShardWritesALatePeerMadeBeforeItsUnshard) {
+  run_ranks(2, DP_BACKEND_SHM, [](int rank, dp_process_group* pg) {
+    Toy toy(0.0f);
+    dp_fsdp_options o;
+    ASSERT_EQ(dp_fsdp_options_init(&o, sizeof o), DP_OK);
+    o.full_params_as_views = 1;
+    FsdpPtr f = fully_shard(toy.layer[0].get(), pg, &o);
+    ASSERT_TRUE(f);
+    if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    dp_tensor* shard = nullptr;
+    ASSERT_EQ(dp_fsdp_shard(f.get(), 0, &shard), DP_OK);
+    TensorPtr owned(shard);
+    const std::vector<float> mine(static_cast<size_t>(dp_tensor_numel(shard)), rank == 0 ? -1.0f : 100.0f);
+    write(shard, mine);
+    ASSERT_EQ(dp_fsdp_unshard(f.get(), 0), DP_OK) << dp_last_error();
+    // Rows 0-1 are rank 0's, row 2 rank 1's.
+    EXPECT_EQ(parameter(toy.root.get(), kWeights[0]), (std::vector<float>{-1, -1, -1, -1, -1, -1, 100, 100, 100}));
+    ASSERT_EQ(dp_fsdp_reshard(f.get()), DP_OK) << dp_last_error();
+  });
+}
+
+// float32 and float64 parameters (and a 0-d one, a copy) share one region of
+// views; destroying while unsharded gives the module copies of them.
+TEST(Fsdp, ViewsOfParametersOfTwoDtypesAreGivenBackAsCopiesOnDestroy) {
+  run_ranks(2, DP_BACKEND_SHM, [](int rank, dp_process_group* pg) {
+    dptest::ModulePtr m = dptest::new_module();
+    TensorPtr w32 = make<float>({3, 2}, {1, 2, 3, 4, 5, 6});
+    TensorPtr w64 = make<double>({5}, {0.5, 1.5, 2.5, 3.5, 4.5});
+    TensorPtr scalar = make<float>({}, {7});
+    ASSERT_EQ(dp_module_register_parameter(m.get(), "w32", w32.get(), 1), DP_OK);
+    ASSERT_EQ(dp_module_register_parameter(m.get(), "w64", w64.get(), 1), DP_OK);
+    ASSERT_EQ(dp_module_register_parameter(m.get(), "scalar", scalar.get(), 1), DP_OK);
+    dp_fsdp_options o;
+    ASSERT_EQ(dp_fsdp_options_init(&o, sizeof o), DP_OK);
+    o.full_params_as_views = 1;
+    FsdpPtr f = fully_shard(m.get(), pg, &o);
+    ASSERT_TRUE(f);
+    std::vector<const void*> shards;
+    for (size_t i = 0; i < 2; ++i) {
+      dp_tensor* shard = nullptr;
+      ASSERT_EQ(dp_fsdp_shard(f.get(), i, &shard), DP_OK);
+      shards.push_back(dp_tensor_data(shard));
+      dp_tensor_destroy(shard);
+    }
+    ASSERT_EQ(dp_fsdp_unshard(f.get(), 0), DP_OK) << dp_last_error();
+    dp_tensor* full = nullptr;
+    ASSERT_EQ(dp_module_get_parameter(m.get(), "w64", &full), DP_OK);
+    TensorPtr w64_full(full);
+    EXPECT_EQ(dptest::values<double>(full), (std::vector<double>{0.5, 1.5, 2.5, 3.5, 4.5}));
+    // Rank 1 keeps rows 3-4 of w64 (chunk 3).
+    EXPECT_EQ(static_cast<const char*>(dp_tensor_data(full)) + (rank == 0 ? 0 : 3 * sizeof(double)), shards[1]);
+    EXPECT_EQ(parameter(m.get(), "w32"), (std::vector<float>{1, 2, 3, 4, 5, 6}));
+    EXPECT_EQ(parameter(m.get(), "scalar"), std::vector<float>{7});
+    f.reset();
+    ASSERT_EQ(dp_module_get_parameter(m.get(), "w64", &full), DP_OK);
+    TensorPtr w64_back(full);
+    EXPECT_EQ(dptest::values<double>(full), (std::vector<double>{0.5, 1.5, 2.5, 3.5, 4.5}));
+    for (const void* shard : shards) EXPECT_NE(dp_tensor_data(full), shard);
+    EXPECT_EQ(parameter(m.get(), "w32"), (std::vector<float>{1, 2, 3, 4, 5, 6}));
+  });
 }
 
 // The option is part of the agreement check: ranks that differ fail alike.
@@ -738,6 +823,56 @@ TEST(FsdpStateDict, FullSaveIsTheUnshardedModulesFileAndEveryRankLoadsItsRows) {
   });
   ::unlink(saved.c_str());
   ::unlink(plain.c_str());
+}
+
+// A rank that keeps no rows of one parameter next to an empty one still
+// lists both (their empty shards are not one tied tensor), so a sharded
+// save loads back on every rank.
+TEST(FsdpStateDict, EmptyShardsOfNeighbouringParametersStayApartWithViews) {
+  const std::string folder = dptest::temp_path("fsdp_empty_", "save");
+  run_ranks(3, DP_BACKEND_SHM, [&](int, dp_process_group* pg) {
+    dptest::ModulePtr m = dptest::new_module();
+    TensorPtr two_rows = make<float>({2, 16}, std::vector<float>(32, 1.0f));
+    TensorPtr no_rows = make<float>({0, 16}, {});
+    ASSERT_EQ(dp_module_register_parameter(m.get(), "two_rows", two_rows.get(), 1), DP_OK);
+    ASSERT_EQ(dp_module_register_parameter(m.get(), "no_rows", no_rows.get(), 1), DP_OK);
+    dp_fsdp_options o;
+    ASSERT_EQ(dp_fsdp_options_init(&o, sizeof o), DP_OK);
+    o.full_params_as_views = 1;
+    FsdpPtr f = fully_shard(m.get(), pg, &o);
+    ASSERT_TRUE(f);
+    EXPECT_EQ(dp_module_num_parameters(m.get()), 2u);
+    ASSERT_EQ(dp_fsdp_save_sharded_state_dict(m.get(), pg, folder.c_str()), DP_OK) << dp_last_error();
+    ASSERT_EQ(dp_pg_barrier(pg), DP_OK) << dp_last_error();
+    EXPECT_EQ(dp_fsdp_load_sharded_state_dict(m.get(), folder.c_str()), DP_OK) << dp_last_error();
+    ASSERT_EQ(dp_pg_barrier(pg), DP_OK) << dp_last_error();
+  });
+  for (int r = 0; r < 3; ++r) {
+    char name[64];
+    std::snprintf(name, sizeof name, "/shard-%05d-of-00003.safetensors", r);
+    ::unlink((folder + name).c_str());
+  }
+  ::rmdir(folder.c_str());
+}
+
+// A load writes the shards: refused while they are, or are about to be,
+// read as full parameters.
+TEST(FsdpStateDict, LoadsAreRefusedWhileAnUnshardIsInFlight) {
+  run_ranks(2, DP_BACKEND_GLOO, [](int, dp_process_group* pg) {
+    Toy toy(0.0f);
+    FsdpPtr f = fully_shard(toy.layer[0].get(), pg);
+    ASSERT_TRUE(f);
+    ASSERT_EQ(dp_fsdp_unshard(f.get(), 1), DP_OK) << dp_last_error();
+    EXPECT_EQ(dp_fsdp_load_full_state_dict(toy.root.get(), "/nonexistent/full.safetensors", 1), DP_ESTATE);
+    EXPECT_NE(std::string(dp_last_error()).find("'linears.0.weight' is unsharded or being unsharded"),
+              std::string::npos)
+        << dp_last_error();
+    ASSERT_EQ(dp_fsdp_wait_unshard(f.get()), DP_OK) << dp_last_error();
+    EXPECT_EQ(dp_fsdp_load_full_state_dict(toy.root.get(), "/nonexistent/full.safetensors", 1), DP_ESTATE);
+    ASSERT_EQ(dp_fsdp_reshard(f.get()), DP_OK) << dp_last_error();
+    EXPECT_EQ(parameter_shape(toy.root.get(), kWeights[0]),
+              (std::vector<int64_t>{dp_process_group_rank(pg) == 0 ? 2 : 1, 3}));
+  });
 }
 
 TEST(FsdpStateDict, ShardedSaveAtTwoRanksLoadsAtThree) {

@@ -336,7 +336,7 @@ typedef struct Scenario {
 static const Scenario kScenarios[] = {
     {"toy", toy, DP_BACKEND_AUTO, 60000, 0},
     {"toy_gloo", toy, DP_BACKEND_GLOO, 60000, 0},
-    {"toy_views", toy, DP_BACKEND_AUTO, 60000, 1},
+    {"toy_views", toy, DP_BACKEND_SHM, 60000, 1},
     {"toy_gloo_views", toy, DP_BACKEND_GLOO, 60000, 1},
     {"peer_exits", peer_exits, DP_BACKEND_GLOO, 3000, 0},
 };

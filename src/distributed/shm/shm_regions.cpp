@@ -86,6 +86,19 @@ struct RegionRegistry {
 
 namespace {
 
+// Drops one rank's hold on region entry `index`; the last rank's drop gives
+// the memory back, then the entry.
+void drop_region_hold(ShmSegment& segment, size_t index, uint64_t file_offset, size_t bytes) {
+  auto* control = reinterpret_cast<Control*>(segment.data());
+  RegionEntry& entry = control->regions[index];
+  if (entry.mapped.fetch_sub(1) != 1) return;
+  const bool released = segment.release(file_offset, bytes);
+  TableLock lock(control);
+  // Memory that could not be released keeps its entry, so that it is not
+  // reserved twice.
+  if (lock.locked() && released) entry.used = 0;
+}
+
 class ShmRegion : public SharedRegion {
  public:
   ShmRegion(std::shared_ptr<ShmSegment> segment, std::shared_ptr<RegionRegistry> regions, size_t entry,
@@ -118,15 +131,7 @@ class ShmRegion : public SharedRegion {
       }
       ::munmap(base_, part_ * static_cast<size_t>(world_));
     }
-    auto* control = reinterpret_cast<Control*>(segment_->data());
-    RegionEntry& entry = control->regions[entry_];
-    if (entry.mapped.fetch_sub(1) != 1) return;
-    // The last rank to unmap it: the memory goes back, then the entry.
-    const bool released = segment_->release(file_offset_, part_ * static_cast<size_t>(world_));
-    TableLock lock(control);
-    // Memory that could not be released keeps its entry, so that it is not
-    // reserved twice.
-    if (lock.locked() && released) entry.used = 0;
+    drop_region_hold(*segment_, entry_, file_offset_, part_ * static_cast<size_t>(world_));
   }
   uint8_t* data() const override { return own_part(); }
   size_t bytes() const override { return part_; }
@@ -210,19 +215,34 @@ std::shared_ptr<SharedRegion> ShmBackend::create_region(size_t bytes) {
   } catch (const Error&) {
     c->region_failures.fetch_add(1);
   }
+  // All this rank could still fail on comes before the last arrival, so
+  // that every rank gives the same answer (and all go to the next round).
+  std::shared_ptr<ShmRegion> region;
+  try {
+    // Holds this rank's count in the entry from here on, mapped or not.
+    region = std::make_shared<ShmRegion>(segment_, regions_, static_cast<size_t>(chosen), offset, part, base, rank(),
+                                         size(), device());
+    if (base != nullptr) {
+      std::lock_guard<std::mutex> lock(regions_->mutex);
+      regions_->by_own_part[region->data()] = RegionRegistry::Mapped{offset, part, base};
+    }
+  } catch (const std::bad_alloc&) {
+    c->region_failures.fetch_add(1);
+  }
   arrive_and_wait(o);
-  // Holds this rank's count in the entry from here on, mapped or not.
-  auto region = std::make_shared<ShmRegion>(segment_, regions_, static_cast<size_t>(chosen), offset, part, base, rank(),
-                                            size(), device());
   const uint32_t failures = c->region_failures.load();
   next_round();
+  if (region == nullptr) {
+    // Nothing holds this rank's count: it goes now.
+    if (base != nullptr) ::munmap(base, total);
+    drop_region_hold(*segment_, static_cast<size_t>(chosen), offset, total);
+  }
   if (failures != 0) {
     // Every rank drops it alike; the last one releases the memory.
+    region.reset();
     fail(StatusCode::kOutOfMemory, "no shared-memory region of ", bytes, " bytes per rank: ", failures,
-         " rank(s) could not map it");
+         " rank(s) could not map it or keep track of it");
   }
-  std::lock_guard<std::mutex> lock(regions_->mutex);
-  regions_->by_own_part[region->data()] = RegionRegistry::Mapped{offset, part, base};
   return region;
 }
 
