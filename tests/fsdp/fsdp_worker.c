@@ -12,6 +12,7 @@
  *   toy_gloo_views  the same over Gloo, where the option leaves copies
  *   peer_exits   the last rank exits before an unshard the others make:
  *                theirs fails within the group's timeout naming it
+ *   peer_exits_views  the same with views on shared memory
  * Prints "rank R: SCENARIO passed" and exits 0 when every check held. */
 #include <math.h>
 #include <stdio.h>
@@ -339,6 +340,7 @@ static const Scenario kScenarios[] = {
     {"toy_views", toy, DP_BACKEND_SHM, 60000, 1},
     {"toy_gloo_views", toy, DP_BACKEND_GLOO, 60000, 1},
     {"peer_exits", peer_exits, DP_BACKEND_GLOO, 3000, 0},
+    {"peer_exits_views", peer_exits, DP_BACKEND_SHM, 3000, 1},
 };
 
 int main(int argc, char **argv) {
@@ -352,7 +354,8 @@ int main(int argc, char **argv) {
   }
   if (scenario == NULL) {
     fprintf(stderr,
-            "usage: fsdp_worker toy|toy_gloo|toy_views|toy_gloo_views|peer_exits (under dp-run); unknown '%s'\n",
+            "usage: fsdp_worker toy|toy_gloo|toy_views|toy_gloo_views|peer_exits|peer_exits_views (under dp-run); "
+            "unknown '%s'\n",
             argc >= 2 ? argv[1] : "");
     return 2;
   }
