@@ -641,6 +641,33 @@ TEST(Fsdp, ViewsOfParametersOfTwoDtypesAreGivenBackAsCopiesOnDestroy) {
   });
 }
 
+// Ranks may finish their modules in different orders (an autograd engine
+// on several threads): post_backward never waits for another dp_fsdp's
+// reduce-scatter, which here would need this rank's next call first.
+TEST(Fsdp, PostBackwardsInAnotherOrderOnEachRankAllComplete) {
+  run_ranks(
+      2, DP_BACKEND_GLOO,
+      [&](int rank, dp_process_group* pg) {
+        Toy toy(0.0f);
+        FsdpPtr first = fully_shard(toy.layer[0].get(), pg);
+        FsdpPtr second = fully_shard(toy.layer[1].get(), pg);
+        ASSERT_TRUE(first && second);
+        ASSERT_EQ(dp_fsdp_unshard(first.get(), 0), DP_OK) << dp_last_error();
+        ASSERT_EQ(dp_fsdp_unshard(second.get(), 0), DP_OK) << dp_last_error();
+        add_grad(toy.root.get(), kWeights[0], std::vector<float>(9, 1.0f + static_cast<float>(rank)));
+        add_grad(toy.root.get(), kWeights[1], std::vector<float>(9, 3.0f + static_cast<float>(rank)));
+        dp_fsdp* order[2] = {first.get(), second.get()};
+        if (rank == 1) std::swap(order[0], order[1]);
+        for (dp_fsdp* f : order) ASSERT_EQ(dp_fsdp_post_backward(f), DP_OK) << dp_last_error();
+        for (dp_fsdp* f : order) ASSERT_EQ(dp_fsdp_finish_backward(f), DP_OK) << dp_last_error();
+        dp_tensor* g = nullptr;
+        ASSERT_EQ(dp_fsdp_shard_grad(second.get(), 0, &g), DP_OK);
+        TensorPtr owned(g);
+        EXPECT_EQ(read(g), std::vector<float>(rank == 0 ? 6 : 3, 3.5f));
+      },
+      20000);
+}
+
 // The option is part of the agreement check: ranks that differ fail alike.
 TEST(Fsdp, RanksThatDisagreeOnViewsFailTogetherNamingTheOption) {
   run_ranks(2, DP_BACKEND_SHM, [](int rank, dp_process_group* pg) {
