@@ -795,6 +795,16 @@ TEST(Fsdp, ARankThatMakesAnotherCallInAViewUnshardsPlaceFailsNamingBoth) {
 
 namespace {
 
+// Removes the files of a sharded save by `world` ranks, and the folder.
+void remove_sharded_save(const std::string& folder, int world) {
+  for (int r = 0; r < world; ++r) {
+    char name[64];
+    std::snprintf(name, sizeof name, "/shard-%05d-of-%05d.safetensors", r, world);
+    ::unlink((folder + name).c_str());
+  }
+  ::rmdir(folder.c_str());
+}
+
 // Toy(skew) sharded on every layer (init_sync off: each rank keeps its own
 // values), with the linears' full weights checked after an unshard.
 void expect_full_weights(Toy& toy, Sharded& s, float skew) {
@@ -874,12 +884,7 @@ TEST(FsdpStateDict, EmptyShardsOfNeighbouringParametersStayApartWithViews) {
     EXPECT_EQ(dp_fsdp_load_sharded_state_dict(m.get(), folder.c_str()), DP_OK) << dp_last_error();
     ASSERT_EQ(dp_pg_barrier(pg), DP_OK) << dp_last_error();
   });
-  for (int r = 0; r < 3; ++r) {
-    char name[64];
-    std::snprintf(name, sizeof name, "/shard-%05d-of-00003.safetensors", r);
-    ::unlink((folder + name).c_str());
-  }
-  ::rmdir(folder.c_str());
+  remove_sharded_save(folder, 3);
 }
 
 // A load writes the shards: refused while they are, or are about to be,
@@ -927,12 +932,7 @@ TEST(FsdpStateDict, ShardedSaveAtTwoRanksLoadsAtThree) {
     EXPECT_NE(error.find("unexpected key 'linears.0.weight'"), std::string::npos) << error;
     EXPECT_EQ(dptest::values<float>(w.get()), (std::vector<float>{1, 2, 3, 4}));
   });
-  for (int r = 0; r < 2; ++r) {
-    char name[64];
-    std::snprintf(name, sizeof name, "/shard-%05d-of-00002.safetensors", r);
-    ::unlink((folder + name).c_str());
-  }
-  ::rmdir(folder.c_str());
+  remove_sharded_save(folder, 2);
 }
 
 // On GPUs: one rank per GPU (up to 2) over NCCL; the collectives run on the
