@@ -202,18 +202,26 @@ void FullyShard::plan_layout() {
   }
 }
 
-std::vector<size_t> FullyShard::segment_offsets(bool compute_dtype, size_t* segment) const {
+std::vector<size_t> FullyShard::sharded_layout(const std::function<size_t(const Managed&)>& bytes_of,
+                                               size_t* total) const {
   std::vector<size_t> offsets(params_.size(), 0);
   size_t at = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
     const Managed& m = params_[i];
     if (!m.sharded) continue;
     offsets[i] = at;
-    at = align_up(at +
-                  static_cast<size_t>(m.split.chunk * m.row_numel) * dtype_size(compute_dtype ? m.compute : m.dtype));
+    at = align_up(at + bytes_of(m));
   }
-  *segment = at;
+  *total = at;
   return offsets;
+}
+
+std::vector<size_t> FullyShard::segment_offsets(bool compute_dtype, size_t* segment) const {
+  return sharded_layout(
+      [&](const Managed& m) {
+        return static_cast<size_t>(m.split.chunk * m.row_numel) * dtype_size(compute_dtype ? m.compute : m.dtype);
+      },
+      segment);
 }
 
 bool FullyShard::wants_shard_region() const {
@@ -230,14 +238,10 @@ bool FullyShard::wants_views() const {
 
 void FullyShard::create_shard_region() {
   if (wants_views()) {
-    std::vector<size_t> offsets(params_.size(), 0);
     size_t bytes = 0;
-    for (size_t i = 0; i < params_.size(); ++i) {
-      const Managed& m = params_[i];
-      if (!m.sharded) continue;
-      offsets[i] = bytes;
-      bytes = align_up(bytes + static_cast<size_t>(m.full_shape[0] * m.row_numel) * dtype_size(m.dtype));
-    }
+    std::vector<size_t> offsets = sharded_layout(
+        [](const Managed& m) { return static_cast<size_t>(m.full_shape[0] * m.row_numel) * dtype_size(m.dtype); },
+        &bytes);
     if (bytes == 0) return;
     const auto world = static_cast<size_t>(group_->size());
     // Out of memory, no views: the shards stay in private memory (every rank alike).

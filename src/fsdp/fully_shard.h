@@ -25,6 +25,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -156,6 +157,9 @@ class FullyShard final : public ddp::LaneOwner,
   std::string collect();
   std::vector<std::string> describe_for_agreement(const std::string& local_error) const;
   void plan_layout();
+  // Each sharded parameter's offset (bytes) when each takes bytes_of(it),
+  // starting on a cache line, and the total.
+  std::vector<size_t> sharded_layout(const std::function<size_t(const Managed&)>& bytes_of, size_t* total) const;
   // The all-gather segment's layout in the compute dtype or the parameters'
   // own: each sharded parameter's offset (bytes), and the segment's size.
   std::vector<size_t> segment_offsets(bool compute_dtype, size_t* segment) const;
