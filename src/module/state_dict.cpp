@@ -259,6 +259,7 @@ void save_state(const std::vector<StateEntry>& entries, const std::map<std::stri
     std::vector<uint8_t> staging;
     for (size_t i = 0; ok && i < entries.size(); ++i) {
       const Tensor& t = entries[i].value;
+      if (t.nbytes() == 0) continue;  // an empty tensor may have no memory at all
       const void* bytes = t.data();
       if (!t.device().is_cpu()) {
         staging.resize(t.nbytes());
@@ -364,6 +365,7 @@ StateFileReader::~StateFileReader() = default;
 
 void StateFileReader::read_into(const Tensor& target, size_t target_offset, uint64_t offset, size_t nbytes,
                                 std::vector<uint8_t>& staging) const {
+  if (nbytes == 0) return;  // an empty tensor may have no memory at all
   auto* dst = static_cast<uint8_t*>(target.data()) + target_offset;
   const uint64_t at = header_.data_offset + offset;
   if (target.device().is_cpu()) {

@@ -84,6 +84,29 @@ TEST(StateDict, RoundTripIsByteIdenticalOnResave) {
   std::remove(second.c_str());
 }
 
+// An empty tensor (no memory behind it) is saved with no bytes and loads back.
+TEST(StateDict, EmptyTensorsSaveAndLoadBetweenOthers) {
+  auto build = [](float start) {
+    ModulePtr root = new_module();
+    auto first = make<float>({2}, {start, start + 1});
+    auto empty = make<float>({0, 3}, {});
+    auto last = make<float>({1}, {start + 2});
+    DP_EXPECT_OK(dp_module_register_parameter(root.get(), "first", first.get(), 1));
+    DP_EXPECT_OK(dp_module_register_parameter(root.get(), "empty", empty.get(), 1));
+    DP_EXPECT_OK(dp_module_register_parameter(root.get(), "last", last.get(), 1));
+    return root;
+  };
+  ModulePtr source = build(1.0f), target = build(7.0f);
+  std::string path = temp_path("empty.safetensors");
+  DP_ASSERT_OK(dp_module_save(source.get(), path.c_str()));
+  EXPECT_TRUE(contains(read_bytes(path), "\"empty\":{\"dtype\":\"F32\",\"shape\":[0,3],\"data_offsets\":[8,8]}"));
+  DP_ASSERT_OK(dp_module_load(target.get(), path.c_str(), 1));
+  EXPECT_EQ(values<float>(parameter(target.get(), "first").get()), (std::vector<float>{1, 2}));
+  EXPECT_EQ(values<float>(parameter(target.get(), "last").get()), (std::vector<float>{3}));
+  EXPECT_EQ(dptest::shape(parameter(target.get(), "empty").get()), (std::vector<int64_t>{0, 3}));
+  std::remove(path.c_str());
+}
+
 TEST(StateDict, SharedTensorsAreSavedOnceAndLoadThroughAnyPath) {
   ModulePtr root = new_module();
   auto shared = linear(2, 2);
