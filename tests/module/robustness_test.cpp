@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <future>
 #include <iterator>
@@ -228,16 +229,22 @@ void write_file(const std::string& path, const std::string& bytes) {
   out << bytes;
 }
 
-// Names in the test temp folder that start with `prefix`.
-std::vector<std::string> temp_entries(const std::string& prefix) {
+// The entries of `dir` whose names start with `prefix`.
+std::vector<std::string> entries_in(const std::string& dir, const std::string& prefix) {
   std::vector<std::string> names;
-  DIR* dir = opendir(::testing::TempDir().c_str());
-  if (dir == nullptr) return names;
-  while (dirent* e = readdir(dir)) {
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return names;
+  while (dirent* e = readdir(d)) {
     if (std::string(e->d_name).rfind(prefix, 0) == 0) names.push_back(e->d_name);
   }
-  closedir(dir);
+  closedir(d);
   return names;
+}
+
+// A folder of this test's own (other tests save beside it at the same time).
+std::string private_dir() {
+  std::string pattern = ::testing::TempDir() + "dp_robustness_XXXXXX";
+  return ::mkdtemp(pattern.data()) != nullptr ? pattern : ::testing::TempDir();
 }
 
 }  // namespace
@@ -326,16 +333,18 @@ TEST(ModuleSave, ASymbolicLinkIsKeptAndItsTargetReplaced) {
 
 TEST(ModuleSave, AReadOnlyFileIsNotOverwritten) {
   ModulePtr m = linear(1, 1);
-  std::string path = temp_path("read_only.safetensors");
+  const std::string dir = private_dir();
+  std::string path = dir + "/read_only.safetensors";
   write_file(path, "keep me");
   ASSERT_EQ(::chmod(path.c_str(), 0444), 0);
   EXPECT_EQ(dp_module_save(m.get(), path.c_str()), DP_EIO);
   EXPECT_TRUE(contains(last_error(), "read-only file '" + path + "'")) << last_error();
   EXPECT_TRUE(contains(last_error(), std::strerror(EACCES))) << last_error();
   EXPECT_EQ(read_bytes(path), "keep me");
-  EXPECT_TRUE(temp_entries(".dp-save-").empty());
+  EXPECT_TRUE(entries_in(dir, ".dp-save-").empty());
   ::chmod(path.c_str(), 0644);
   std::remove(path.c_str());
+  ::rmdir(dir.c_str());
 }
 
 TEST(ModuleSave, AReplacedFileKeepsItsPermissions) {
@@ -353,12 +362,13 @@ TEST(ModuleSave, AReplacedFileKeepsItsPermissions) {
 TEST(ModuleSave, ABasenameNearNameMaxCanBeSaved) {
   // path + ".XXXXXX" as the temporary name passed NAME_MAX (255) from 249 characters on.
   ModulePtr m = linear(1, 1);
-  const std::string prefix = "dp_robustness_" + std::to_string(::getpid()) + "_";
-  std::string path = ::testing::TempDir() + prefix + std::string(255 - prefix.size(), 'n');
+  const std::string dir = private_dir();
+  std::string path = dir + "/" + std::string(255, 'n');
   DP_ASSERT_OK(dp_module_save(m.get(), path.c_str()));
   DP_EXPECT_OK(dp_module_load(m.get(), path.c_str(), 1));
-  EXPECT_TRUE(temp_entries(".dp-save-").empty());
+  EXPECT_TRUE(entries_in(dir, ".dp-save-").empty());
   std::remove(path.c_str());
+  ::rmdir(dir.c_str());
 }
 
 TEST(ModuleTree, AChainOf200000NestedModulesIsDestroyedWithoutRecursing) {
