@@ -484,9 +484,10 @@ TEST_F(CudaStreamOrder, TensorsComeFromAPoolThatNeverMakesOneStreamWaitForAnothe
 // in-process NCCL's kernels may use a peer's buffers directly.
 TEST_F(CudaStreamOrder, APeerGpuReachesTheLibraryPoolOnceTheGpusExchangedData) {
   REQUIRE_GPUS(2);
-  int can = 0;
-  ASSERT_EQ(cudaDeviceCanAccessPeer(&can, 0, 1), cudaSuccess);
-  if (can == 0) GTEST_SKIP() << "GPUs 0 and 1 have no peer access";
+  int can01 = 0, can10 = 0;
+  ASSERT_EQ(cudaDeviceCanAccessPeer(&can01, 0, 1), cudaSuccess);
+  ASSERT_EQ(cudaDeviceCanAccessPeer(&can10, 1, 0), cudaSuccess);
+  if (can01 == 0 || can10 == 0) GTEST_SKIP() << "GPUs 0 and 1 have no peer access both ways";
   TensorPtr on0 = make<float>({1 << 20}, std::vector<float>(1 << 20, 1.0f), cuda(0));
   TensorPtr on1 = make<float>({1 << 20}, std::vector<float>(1 << 20, 2.0f), cuda(1));
   const dp_device from0[2] = {cuda(0), cuda(1)}, from1[2] = {cuda(1), cuda(0)};

@@ -74,16 +74,16 @@ Function driver_function(const char* name) noexcept {
   return reinterpret_cast<Function>(function);
 }
 
-// Maps `to`'s library pool for GPU `from` as well. Only the library's own
-// pool: the device's default pool (the stand-in) is the host's too.
-void open_pool_to(int32_t to, int32_t from) {
-  cudaMemPool_t pool = library_pool(to);
+// Maps GPU `owner`'s library pool for GPU `peer` as well. Only the
+// library's own pool: the device's default pool (the stand-in) is the host's too.
+void open_pool(int32_t owner, int32_t peer) {
+  cudaMemPool_t pool = library_pool(owner);
   cudaMemPool_t default_pool = nullptr;
-  if (cudaDeviceGetDefaultMemPool(&default_pool, to) != cudaSuccess) cudaGetLastError();
+  if (cudaDeviceGetDefaultMemPool(&default_pool, owner) != cudaSuccess) cudaGetLastError();
   if (pool == nullptr || pool == default_pool) return;
   cudaMemAccessDesc access{};
   access.location.type = cudaMemLocationTypeDevice;
-  access.location.id = from;
+  access.location.id = peer;
   access.flags = cudaMemAccessFlagsProtReadWrite;
   // Refused, the library's own copies still work: the driver moves them.
   if (cudaMemPoolSetAccess(pool, &access, 1) != cudaSuccess) cudaGetLastError();
@@ -105,7 +105,7 @@ void enable_peer_access(int32_t from, int32_t to) {
       // many peers) leaves the copies staged through the host, still correct.
       if (rc != cudaErrorPeerAccessAlreadyEnabled) return false;
     }
-    open_pool_to(b, a);
+    open_pool(b, a);
     return true;
   });
 }

@@ -53,8 +53,12 @@ std::shared_ptr<CommSet> comms_for(const std::vector<int32_t>& devices) {
   if (it != cache().end()) return it->second;
   auto set = std::make_shared<CommSet>();
   set->comms.resize(devices.size());
-  // Before NCCL looks: its in-process transport may use peers' buffers directly.
-  connect_peers(devices);
+  // Before NCCL looks: its in-process transport may use peers' buffers
+  // directly. Best effort: NCCL sets up peer access itself otherwise.
+  try {
+    connect_peers(devices);
+  } catch (const Error&) {
+  }
   std::vector<int> ids(devices.begin(), devices.end());
   check_nccl(ncclCommInitAll(set->comms.data(), static_cast<int>(ids.size()), ids.data()), "ncclCommInitAll");
   return cache().emplace(devices, set).first->second;

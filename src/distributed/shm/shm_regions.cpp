@@ -203,16 +203,16 @@ std::shared_ptr<SharedRegion> ShmBackend::create_region(size_t bytes) {
   arrive_and_wait(o);
   const int32_t chosen = c->region_choice;
   if (chosen < 0) {
-    std::string why(c->region_error, strnlen(c->region_error, sizeof(c->region_error)));
-    next_round();
-    fail(StatusCode::kOutOfMemory, "no shared-memory region of ", bytes, " bytes per rank: ", why);
+    next_round();  // first: building the message may throw
+    fail(StatusCode::kOutOfMemory, "no shared-memory region of ", bytes,
+         " bytes per rank: ", std::string(c->region_error, strnlen(c->region_error, sizeof(c->region_error))));
   }
   const RegionEntry& entry = c->regions[chosen];
   const uint64_t offset = entry.offset;
   uint8_t* base = nullptr;
   try {
     base = segment_->map_range(offset, total);
-  } catch (const Error&) {
+  } catch (...) {  // its Error, or the bad_alloc of building one
     c->region_failures.fetch_add(1);
   }
   // All this rank could still fail on comes before the last arrival, so
@@ -226,17 +226,25 @@ std::shared_ptr<SharedRegion> ShmBackend::create_region(size_t bytes) {
       std::lock_guard<std::mutex> lock(regions_->mutex);
       regions_->by_own_part[region->data()] = RegionRegistry::Mapped{offset, part, base};
     }
-  } catch (const std::bad_alloc&) {
+  } catch (const std::exception&) {
     c->region_failures.fetch_add(1);
   }
+  // Where nothing holds this rank's count, it goes however this ends (a
+  // peer gone at the last arrival included).
+  struct DropUnheld {
+    ShmSegment* segment;  // null: the region object holds it
+    uint8_t* base;
+    size_t entry, total;
+    uint64_t offset;
+    ~DropUnheld() {
+      if (segment == nullptr) return;
+      if (base != nullptr) ::munmap(base, total);
+      drop_region_hold(*segment, entry, offset, total);
+    }
+  } drop_unheld{region == nullptr ? segment_.get() : nullptr, base, static_cast<size_t>(chosen), total, offset};
   arrive_and_wait(o);
   const uint32_t failures = c->region_failures.load();
   next_round();
-  if (region == nullptr) {
-    // Nothing holds this rank's count: it goes now.
-    if (base != nullptr) ::munmap(base, total);
-    drop_region_hold(*segment_, static_cast<size_t>(chosen), offset, total);
-  }
   if (failures != 0) {
     // Every rank drops it alike; the last one releases the memory.
     region.reset();
