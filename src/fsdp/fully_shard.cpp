@@ -401,11 +401,6 @@ Tensor FullyShard::shard_grad(size_t index) const {
   return params_[index].shard_grad;
 }
 
-bool FullyShard::unsharded() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return state_ == State::kUnsharded;
-}
-
 bool FullyShard::resharded() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return state_ == State::kResharded;
@@ -716,13 +711,13 @@ std::vector<Tensor> FullyShard::full_from_views(bool as_views) {
   std::vector<Tensor> full(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     const Managed& m = params_[i];
-    const DType dtype = as_views ? m.compute : m.dtype;
+    const Tensor held = m.sharded ? Tensor::wrap(shard_region_, full_offsets_[i], m.dtype, m.full_shape) : m.shard;
     if (m.sharded && as_views) {
-      full[i] = Tensor::wrap(shard_region_, full_offsets_[i], m.dtype, m.full_shape);
+      full[i] = held;
       continue;
     }
-    full[i] = Tensor::empty(dtype, m.full_shape, device);
-    ddp::cast_into(full[i], m.sharded ? Tensor::wrap(shard_region_, full_offsets_[i], m.dtype, m.full_shape) : m.shard);
+    full[i] = Tensor::empty(as_views ? m.compute : m.dtype, m.full_shape, device);
+    ddp::cast_into(full[i], held);
   }
   if (!as_views) group_->barrier(false);
   return full;

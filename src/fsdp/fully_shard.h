@@ -93,12 +93,8 @@ class FullyShard final : public ddp::LaneOwner,
   const std::string& parameter_name(size_t index) const;
   Tensor shard(size_t index) const;
   Tensor shard_grad(size_t index) const;
-  // Whether the slots hold the full parameters now.
-  bool unsharded() const;
   // Whether the slots hold the shards with no unshard in flight.
   bool resharded() const;
-  // Whether the full parameters are views of the shards (full_params_as_views took effect).
-  bool full_params_are_views() const { return views_; }
   const std::shared_ptr<dist::ProcessGroup>& group() const { return group_; }
   // Parameter `index`'s full value in its own dtype, gathered from every
   // rank (collective, on the lane).
