@@ -71,12 +71,14 @@ std::string call_item_name(CallItem item, uint32_t index) {
       return "dp_ddp_join's broadcast of the last rank's state";
     case CallItem::kFsdpCreate:
       return "dp_fsdp_create's agreement check and broadcast";
+    // The call kind says how (an all_gather, or a barrier when the full
+    // parameters are views of the shards).
     case CallItem::kUnshard:
-      return "the unshard's all_gather";
+      return "the unshard";
     case CallItem::kPostBackward:
       return "the post-backward reduce_scatter";
     case CallItem::kGatherValues:
-      return "the full parameters' all_gather";
+      return "the full parameters' gather";
     case CallItem::kNone:
       break;
   }

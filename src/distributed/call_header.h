@@ -26,7 +26,7 @@ enum class CallItem : uint32_t {
   kJoinSync = 6,    // dp_ddp_join's end: the last rank to join broadcasts its state
   // dp_fsdp's (items from kFsdpCreate on are a sharding's).
   kFsdpCreate = 7,     // the agreement check and broadcast at creation
-  kUnshard = 8,        // the parameters' all_gather
+  kUnshard = 8,        // the parameters' all_gather (a barrier with views)
   kPostBackward = 9,   // the gradients' reduce_scatter
   kGatherValues = 10,  // the full values, for a state dict or dp_fsdp_destroy
 };

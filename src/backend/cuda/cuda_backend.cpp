@@ -4,6 +4,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 
+#include <cstdio>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -85,8 +86,14 @@ void open_pool(int32_t owner, int32_t peer) {
   access.location.type = cudaMemLocationTypeDevice;
   access.location.id = peer;
   access.flags = cudaMemAccessFlagsProtReadWrite;
-  // Refused, the library's own copies still work: the driver moves them.
-  if (cudaMemPoolSetAccess(pool, &access, 1) != cudaSuccess) cudaGetLastError();
+  const cudaError_t rc = cudaMemPoolSetAccess(pool, &access, 1);
+  if (rc == cudaSuccess) return;
+  cudaGetLastError();
+  // The library's own copies still work (the driver moves them), but a kernel
+  // on `peer` that reads this pool directly (NCCL's in-process path) would
+  // fault far from here: say why, once per pair (the caller's table).
+  std::fprintf(stderr, "dparallel: GPU %d cannot map GPU %d's memory pool (%s): kernels on GPU %d must not read it\n",
+               peer, owner, cudaGetErrorString(rc), peer);
 }
 
 // Lets GPU `from`, the current device, reach `to`'s memory, its library
