@@ -211,6 +211,15 @@ func TestNoSyncAndGoCommHookMatchSingleProcess(t *testing.T) {
 // gathered parameters, SGD on the shards, reaches single-process training
 // on the full batch; the full and the sharded state dicts load back.
 func TestFullyShardTwoRanksMatchSingleProcess(t *testing.T) {
+	fullyShardTwoRanks(t, false)
+}
+
+// The same with the full parameters as views of the shards (shared memory).
+func TestFullyShardWithFullParamsAsViewsMatchesSingleProcess(t *testing.T) {
+	fullyShardTwoRanks(t, true)
+}
+
+func fullyShardTwoRanks(t *testing.T, views bool) {
 	lib := openLibrary(t)
 	defer lib.Close()
 	const world = 2
@@ -253,7 +262,7 @@ func TestFullyShardTwoRanksMatchSingleProcess(t *testing.T) {
 		w0, b0 := initialParameters(7 + uint64(r.rank))
 		model := buildModel(r.t, lib, w0, b0)
 		defer model.Close()
-		fsdps := shardLayers(model, nil)
+		fsdps := shardLayers(model, &FSDPOptions{FullParamsAsViews: views})
 		names, err := fsdps[0].ParameterNames()
 		r.must(err)
 		if fsdps[0].NumParameters() != 2 || len(names) != 2 || names[0] != "weight" || names[1] != "bias" {
@@ -263,10 +272,23 @@ func TestFullyShardTwoRanksMatchSingleProcess(t *testing.T) {
 		r.must(err)
 		shape, err := shard.Shape()
 		r.must(err)
-		shard.Close()
+		shardData, err := shard.Float32s()
+		r.must(err)
 		if len(shape) != 2 || shape[0] != width/world || shape[1] != width {
 			r.errorf("rank %d keeps a weight shard of shape %v, want [%d %d]", r.rank, shape, width/world, width)
 		}
+		// A view holds this rank's shard at its rows; a copy lies elsewhere.
+		r.must(fsdps[0].Unshard())
+		fullWeight, err := model.Parameter(weightName(0))
+		r.must(err)
+		fullData, err := fullWeight.Float32s()
+		r.must(err)
+		if isView := &fullData[r.rank*(width/world)*width] == &shardData[0]; isView != views {
+			r.errorf("rank %d: the full weight is a view of its shard: %v, want %v", r.rank, isView, views)
+		}
+		fullWeight.Close()
+		shard.Close()
+		r.must(fsdps[0].Reshard())
 
 		share := batch / world
 		for step := 0; step < steps; step++ {

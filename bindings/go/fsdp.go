@@ -19,6 +19,13 @@ type FSDPOptions struct {
 	MixedPrecision *FSDPMixedPrecision
 	// NoInitSync skips the agreement check and rank 0's values at create.
 	NoInitSync bool
+	// FullParamsAsViews, on a shared-memory group, makes the full parameters
+	// views of every rank's shards: an unshard copies nothing. A write to a
+	// full parameter then reaches every rank's shard, and shards may be
+	// written only while no rank has this FSDP unsharded (after
+	// FinishBackward, say). Elsewhere, or with a ParamDType cast, the full
+	// parameters stay copies.
+	FullParamsAsViews bool
 }
 
 // FSDPMixedPrecision: the full parameters and their gradients are in
@@ -64,6 +71,7 @@ func (l *Library) NewFSDP(module *Module, pg *ProcessGroup, opts *FSDPOptions) (
 	if opts != nil {
 		copts.reshard_after_forward = cbool(!opts.KeepUnshardedAfterForward)
 		copts.init_sync = cbool(!opts.NoInitSync)
+		copts.full_params_as_views = cbool(opts.FullParamsAsViews)
 		if mp := opts.MixedPrecision; mp != nil {
 			copts.param_dtype = C.int32_t(mp.ParamDType)
 			copts.reduce_dtype = C.int32_t(mp.ReduceDType)

@@ -18,6 +18,12 @@ struct FsdpOptions {
   int reduceDtype = -1;
   // Rank 0's values and the agreement check before sharding.
   bool initSync = true;
+  // On a shared-memory group, the full parameters are views of every rank's
+  // shards (an unshard copies nothing): a write to a full parameter reaches
+  // every rank's shard, and shards may be written only while no rank has
+  // the Fsdp unsharded (after finishBackward, say). Elsewhere, or with a
+  // paramDtype cast, they stay copies.
+  bool fullParamsAsViews = false;
 };
 
 // Each rank keeps only its rows of every parameter of `module` that no live
@@ -33,6 +39,7 @@ class Fsdp {
     o.param_dtype = options.paramDtype;
     o.reduce_dtype = options.reduceDtype;
     o.init_sync = options.initSync ? 1 : 0;
+    o.full_params_as_views = options.fullParamsAsViews ? 1 : 0;
     check(dp_fsdp_create(&h_, module.handle(), pg.handle(), &o));
   }
   ~Fsdp() { dp_fsdp_destroy(h_); }

@@ -13,7 +13,7 @@
 // optimizer inside backward, parameterUsed and bucket plans (ddp-extras).
 //
 //   mono DParallelTest.exe data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|tensors|streams
-//   dp-run -n 2 mono DParallelTest.exe ddp|fsdp|collectives|ddp-extras
+//   dp-run -n 2 mono DParallelTest.exe ddp|fsdp|fsdp-views|collectives|ddp-extras
 using System;
 using System.Collections.Generic;
 using System.IO;
@@ -796,9 +796,10 @@ public static class DParallelTest {
     }
 
     /// Children first; every rank in the same order.
-    public void Shard(ProcessGroup pg, bool initSync, bool ddp) {
+    public void Shard(ProcessGroup pg, bool initSync, bool ddp, bool views = false) {
       var o = new FsdpOptions();
       o.InitSync = initSync;
+      o.FullParamsAsViews = views;
       for (int l = 0; l < 3; ++l) Fsdp[l] = new Fsdp(Layer[l], pg, o);
       FsdpLinears = new Fsdp(Linears, pg);
       if (ddp) Ddp = new Ddp(Root, pg, new DdpOptions());
@@ -904,14 +905,33 @@ public static class DParallelTest {
     for (int l = 0; l < 3; ++l) toy.Fsdp[l].Reshard();
   }
 
-  static void RunFsdp() {
+  // Whether a write to layer 0's full weight (this rank's first element)
+  // reached this rank's shard: it does with views, not with copies. The
+  // shard is restored, between barriers (no rank holds the layer unsharded).
+  static void ExpectFullWeightsAreViews(Toy toy, ProcessGroup pg, int start, bool views) {
+    float before;
+    using (var shard = toy.Fsdp[0].Shard(0)) before = shard.AsSpan()[0];
+    toy.Fsdp[0].Unshard();
+    using (var full = toy.Root.GetParameter(FWeights[0])) full.AsSpan()[start * DIM] += 1;
+    toy.Fsdp[0].Reshard();
+    pg.Barrier();
+    using (var shard = toy.Fsdp[0].Shard(0)) {
+      Span<float> v = shard.AsSpan();
+      Expect((v[0] != before) == views, "with fullParamsAsViews " + views + ", a write to the full weight " +
+             (views ? "reaches" : "does not reach") + " the shard (" + before + " became " + v[0] + ")");
+      v[0] = before;
+    }
+    pg.Barrier();
+  }
+
+  static void RunFsdp(bool views) {
     var cpu0 = new Device("cpu:0");
     using (var pg = ProcessGroup.FromEnv(cpu0, 60000)) {
       int rank = pg.Rank(), world = pg.Size();
       float[][] expected = FReference(world);
       string stem = Path.Combine(Path.GetTempPath(), "dparallel-cs-fsdp-" + Environment.GetEnvironmentVariable("MASTER_PORT"));
       using (var toy = new Toy(0.05f * rank)) {  // init sync: rank 0's values
-        toy.Shard(pg, true, true);
+        toy.Shard(pg, true, true, views);
         // torch.chunk's split of the 3 rows.
         int chunk = (DIM + world - 1) / world, start = Math.Min(chunk * rank, DIM), count = Math.Min(chunk, DIM - start);
         for (int l = 0; l < 3; ++l) {
@@ -927,6 +947,7 @@ public static class DParallelTest {
         }
         Expect(toy.FsdpLinears.NumParameters() == 0, "the Fsdp over the linears finds every parameter held by a child's");
         Expect(toy.Ddp.NumBuckets() == 1, "the Ddp on the root manages proj alone");
+        ExpectFullWeightsAreViews(toy, pg, start, views);
         for (int s = 0; s < FSTEPS; ++s) FTrainStep(toy, s, rank, world);
         ExpectShardedWeights(toy, expected, "rank " + rank + " after training");
         Console.WriteLine("rank {0}: fully_shard training matches single-process training on the whole batch", rank);
@@ -1313,12 +1334,13 @@ public static class DParallelTest {
       case "view-outlives-tensor": ViewOutlivesTensor(); break;
       case "closed-handles": ClosedHandles(); break;
       case "ddp": RunDdp(); break;
-      case "fsdp": RunFsdp(); break;
+      case "fsdp": RunFsdp(false); break;
+      case "fsdp-views": RunFsdp(true); break;
       case "tensors": RunTensors(); break;
       case "streams": RunStreams(); break;
       case "collectives": RunCollectives(); break;
       case "ddp-extras": RunDdpExtras(); break;
-      default: Fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|tensors|streams|ddp|fsdp|collectives|ddp-extras"); break;
+      default: Fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|tensors|streams|ddp|fsdp|fsdp-views|collectives|ddp-extras"); break;
     }
     GC.Collect();
     GC.WaitForPendingFinalizers();

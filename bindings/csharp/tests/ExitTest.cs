@@ -7,6 +7,8 @@
 //                                 library's threads and the next call starts them
 //   mono ExitTest.exe hook-open   a one-rank DDP step through a C# comm hook,
 //                                 its Ddp, ProcessGroup and Store left open
+//   mono ExitTest.exe fsdp-open   a one-rank Fsdp left undisposed: its
+//                                 finalizer's warning must not fail the exit
 using System;
 using System.Collections.Generic;
 using System.IO;
@@ -84,6 +86,22 @@ static class ExitTest {
     Expect(g[0] == 3 && g[1] == 4, "one rank's sum is its own gradient: " + g[0] + ", " + g[1]);
   }
 
+  // Reachable still when Environment.Exit runs its finalizer.
+  static Fsdp openFsdp;
+
+  // A one-rank Fsdp left undisposed: its finalizer (which keeps it open,
+  // since disposing is collective) runs while Mono shuts down.
+  static void FsdpOpen() {
+    var cpu0 = new Device("cpu:0");
+    var store = Store.Tcp("127.0.0.1", 0, 1, true, 10000);
+    var pg = ProcessGroup.Create(store, 0, 1, cpu0, 10000);
+    var model = new Module();
+    model.RegisterParameter("w", Tensor.Of(new float[] { 1, 2, 3, 4 }, 2, 2), true);
+    openFsdp = new Fsdp(model, pg);
+    openFsdp.Unshard();
+    openFsdp.Reshard();
+  }
+
   public static int Main(string[] args) {
     string mode = args.Length > 0 ? args[0] : "";
     switch (mode) {
@@ -102,8 +120,16 @@ static class ExitTest {
       case "hook-open":
         HookOpen();
         break;
+      case "fsdp-open":
+        FsdpOpen();
+        // Environment.Exit runs the finalizers as Mono shuts down, after the
+        // console's streams (opened here) are closed.
+        Console.WriteLine("OK " + mode);
+        Console.Error.WriteLine("exiting with an Fsdp open");
+        Environment.Exit(0);
+        break;
       default:
-        Expect(false, "usage: ExitTest.exe forward|shutdown|hook-open");
+        Expect(false, "usage: ExitTest.exe forward|shutdown|hook-open|fsdp-open");
         break;
     }
     Console.WriteLine("OK " + mode);

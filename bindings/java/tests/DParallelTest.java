@@ -11,10 +11,11 @@
 // process group's collectives on shm and Gloo (collectives); DDP with
 // uneven inputs and join (join); the optimizer inside backward, gradients
 // in the host's own buffers, static graphs, parameterUsed, bucket plans and
-// stats (ddp-extras).
+// stats (ddp-extras); fully_shard against single-process training and its
+// state dicts, with copies (fsdp) and with views of the shards (fsdp-views).
 //
 //   java -cp dparallel.jar:. DParallelTest data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|tensors|streams
-//   dp-run -n 2 java -cp dparallel.jar:. DParallelTest ddp|collectives|join|ddp-extras
+//   dp-run -n 2 java -cp dparallel.jar:. DParallelTest ddp|collectives|join|ddp-extras|fsdp|fsdp-views
 import java.io.IOException;
 import java.lang.ref.PhantomReference;
 import java.lang.ref.Reference;
@@ -1285,6 +1286,279 @@ public class DParallelTest {
     }
   }
 
+  // ---- fully_shard: 3 x Linear(3, 3) in `linears` (each sharded, then
+  // the whole), `proj` under a Ddp; SGD on the shards ----
+
+  static final int DIM = 3, FROWS = 4, FSTEPS = 4;
+  static final double FLR = 0.2;
+  static final String[] F_WEIGHTS = {"linears.0.weight", "linears.1.weight", "linears.2.weight", "proj.weight"};
+
+  static float fInitial(int layer, int k, float skew) {
+    return 0.3f * (float) Math.sin(1.7f * (layer * 9 + k) + 0.4f) + skew;
+  }
+
+  static void fBatch(int step, int rows, double[] x, double[] t) {
+    for (int k = 0; k < rows * DIM; ++k) {
+      x[k] = Math.cos(0.37 * k + 0.91 * step);
+      t[k] = 0.5 * Math.sin(0.53 * k - 0.29 * step);
+    }
+  }
+
+  /** y = x W^T over `rows` rows. */
+  static double[] fLinear(double[] x, float[] w, int rows) {
+    double[] y = new double[rows * DIM];
+    for (int b = 0; b < rows; ++b) {
+      for (int o = 0; o < DIM; ++o) {
+        double sum = 0;
+        for (int i = 0; i < DIM; ++i) sum += x[b * DIM + i] * w[o * DIM + i];
+        y[b * DIM + o] = sum;
+      }
+    }
+    return y;
+  }
+
+  /** Fills g with dy^T x and returns dx = dy W. */
+  static double[] fLinearBackward(double[] dy, double[] x, float[] w, double[] g, int rows) {
+    double[] dx = new double[rows * DIM];
+    for (int b = 0; b < rows; ++b) {
+      for (int o = 0; o < DIM; ++o) {
+        for (int i = 0; i < DIM; ++i) {
+          g[o * DIM + i] += dy[b * DIM + o] * x[b * DIM + i];
+          dx[b * DIM + i] += dy[b * DIM + o] * w[o * DIM + i];
+        }
+      }
+    }
+    return dx;
+  }
+
+  /** Single-process training on the whole batch: the reference weights. */
+  static float[][] fReference(int world) {
+    int rows = FROWS * world;
+    float[][] w = new float[4][DIM * DIM];
+    for (int l = 0; l < 4; ++l) {
+      for (int k = 0; k < DIM * DIM; ++k) w[l][k] = fInitial(l, k, 0);
+    }
+    for (int s = 0; s < FSTEPS; ++s) {
+      double[] x = new double[rows * DIM], t = new double[rows * DIM];
+      fBatch(s, rows, x, t);
+      double[][] h = new double[5][];
+      h[0] = x;
+      for (int l = 0; l < 4; ++l) h[l + 1] = fLinear(h[l], w[l], rows);
+      double[] dy = new double[rows * DIM];
+      for (int k = 0; k < rows * DIM; ++k) dy[k] = (h[4][k] - t[k]) / rows;
+      double[][] g = new double[4][DIM * DIM];
+      for (int l = 3; l >= 0; --l) dy = fLinearBackward(dy, h[l], w[l], g[l], rows);
+      for (int l = 0; l < 4; ++l) {
+        for (int k = 0; k < DIM * DIM; ++k) w[l][k] -= (float) (FLR * g[l][k]);
+      }
+    }
+    return w;
+  }
+
+  static final class Toy implements AutoCloseable {
+    final Module root = new Module(), linears = new Module();
+    final Module[] layer = new Module[4];
+    final Fsdp[] fsdp = new Fsdp[3];
+    Fsdp fsdpLinears;
+    Ddp ddp;
+
+    Toy(float skew) {
+      for (int l = 0; l < 4; ++l) {
+        float[] v = new float[DIM * DIM];
+        for (int k = 0; k < v.length; ++k) v[k] = fInitial(l, k, skew);
+        layer[l] = new Module();
+        try (Tensor w = Tensor.of(v, DIM, DIM)) {
+          layer[l].registerParameter("weight", w);
+        }
+        if (l < 3) linears.registerModule(Integer.toString(l), layer[l]);
+      }
+      root.registerModule("linears", linears);
+      root.registerModule("proj", layer[3]);
+    }
+
+    /** Children first; every rank in the same order. */
+    void shard(ProcessGroup pg, boolean initSync, boolean withDdp, boolean views) {
+      FsdpOptions o = new FsdpOptions();
+      o.setInitSync(initSync);
+      o.setFullParamsAsViews(views);
+      for (int l = 0; l < 3; ++l) fsdp[l] = new Fsdp(layer[l], pg, o);
+      fsdpLinears = new Fsdp(linears, pg);
+      if (withDdp) ddp = new Ddp(root, pg, new DdpOptions());
+    }
+
+    @Override
+    public void close() {
+      if (ddp != null) ddp.close();
+      if (fsdpLinears != null) fsdpLinears.close();
+      for (int l = 2; l >= 0; --l) {
+        if (fsdp[l] != null) fsdp[l].close();
+      }
+      for (Module m : layer) m.close();
+      linears.close();
+      root.close();
+    }
+  }
+
+  static void addGrad(Module m, String name, double[] delta) {
+    try (Tensor g = m.grad(name)) {
+      FloatBuffer v = g.floats();
+      for (int k = 0; k < v.capacity(); ++k) v.put(k, v.get(k) + (float) delta[k]);
+    }
+  }
+
+  static void sgdStep(Tensor param, Tensor grad) {
+    FloatBuffer v = param.floats(), g = grad.floats();
+    for (int k = 0; k < v.capacity(); ++k) v.put(k, v.get(k) - (float) FLR * g.get(k));
+  }
+
+  static void fTrainStep(Toy toy, int step, int rank, int world) {
+    int rows = FROWS, global = FROWS * world;
+    double[] allX = new double[global * DIM], allT = new double[global * DIM];
+    fBatch(step, global, allX, allT);
+    double[][] h = new double[5][];
+    h[0] = Arrays.copyOfRange(allX, rank * rows * DIM, (rank + 1) * rows * DIM);
+    float[][] w = new float[4][];
+    // Forward: unshard with the next layer prefetched, reshard after.
+    toy.fsdpLinears.unshard();
+    toy.fsdp[0].unshard();
+    for (int l = 0; l < 3; ++l) {
+      if (l + 1 < 3) toy.fsdp[l + 1].unshard(true);
+      toy.fsdp[l].waitUnshard();
+      w[l] = read(toy.root, F_WEIGHTS[l]);
+      h[l + 1] = fLinear(h[l], w[l], rows);
+      toy.fsdp[l].reshard();
+    }
+    toy.ddp.preForward();
+    w[3] = read(toy.root, F_WEIGHTS[3]);
+    h[4] = fLinear(h[3], w[3], rows);
+    double[] dy = new double[rows * DIM];
+    for (int k = 0; k < rows * DIM; ++k) dy[k] = (h[4][k] - allT[rank * rows * DIM + k]) / rows;
+    // Backward: proj through the Ddp, the linears through their Fsdp.
+    for (int l = 3; l >= 0; --l) {
+      double[] g = new double[DIM * DIM];
+      if (l < 3) {
+        if (l == 2) toy.fsdp[2].unshard();
+        if (l > 0) toy.fsdp[l - 1].unshard(true);
+        toy.fsdp[l].waitUnshard();
+        w[l] = read(toy.root, F_WEIGHTS[l]);
+      }
+      dy = fLinearBackward(dy, h[l], w[l], g, rows);
+      addGrad(toy.root, F_WEIGHTS[l], g);
+      if (l == 3) {
+        toy.ddp.markGradReady(F_WEIGHTS[3]);
+      } else {
+        toy.fsdp[l].postBackward();
+      }
+    }
+    toy.fsdpLinears.postBackward();
+    for (int l = 0; l < 3; ++l) toy.fsdp[l].finishBackward();
+    toy.fsdpLinears.finishBackward();
+    toy.ddp.finishBackward();
+    // SGD on the shards and on proj.
+    for (int l = 0; l < 3; ++l) {
+      try (Tensor shard = toy.fsdp[l].shard(0); Tensor grad = toy.fsdp[l].shardGrad(0)) {
+        sgdStep(shard, grad);
+      }
+    }
+    try (Tensor p = toy.root.getParameter(F_WEIGHTS[3]); Tensor g = toy.root.grad(F_WEIGHTS[3])) {
+      sgdStep(p, g);
+    }
+    toy.root.zeroGrad();
+  }
+
+  static void expectShardedWeights(Toy toy, float[][] expected, String what) {
+    for (int l = 0; l < 3; ++l) toy.fsdp[l].unshard();
+    for (int l = 0; l < 4; ++l) {
+      float[] got = read(toy.root, F_WEIGHTS[l]);
+      expect(got.length == DIM * DIM, what + ": " + F_WEIGHTS[l] + " has " + got.length + " elements");
+      for (int k = 0; k < DIM * DIM; ++k) {
+        expect(Math.abs(got[k] - expected[l][k]) <= 2e-5f * (1 + Math.abs(expected[l][k])),
+               what + ": " + F_WEIGHTS[l] + "[" + k + "] is " + got[k] + ", expected " + expected[l][k]);
+      }
+    }
+    for (int l = 0; l < 3; ++l) toy.fsdp[l].reshard();
+  }
+
+  /**
+   * Whether a write to layer 0's full weight (this rank's first element)
+   * reached this rank's shard: it does with views, not with copies. The
+   * shard is restored between barriers (no rank holds the layer unsharded).
+   */
+  static void expectFullWeightsAreViews(Toy toy, ProcessGroup pg, int start, boolean views) {
+    float before;
+    try (Tensor shard = toy.fsdp[0].shard(0)) {
+      before = shard.floats().get(0);
+    }
+    toy.fsdp[0].unshard();
+    try (Tensor full = toy.root.getParameter(F_WEIGHTS[0])) {
+      FloatBuffer v = full.floats();
+      v.put(start * DIM, v.get(start * DIM) + 1);
+    }
+    toy.fsdp[0].reshard();
+    pg.barrier();
+    try (Tensor shard = toy.fsdp[0].shard(0)) {
+      FloatBuffer v = shard.floats();
+      expect((v.get(0) != before) == views, "with fullParamsAsViews " + views + ", a write to the full weight "
+          + (views ? "reaches" : "does not reach") + " the shard (" + before + " became " + v.get(0) + ")");
+      v.put(0, before);
+    }
+    pg.barrier();
+  }
+
+  static void fsdp(boolean views) throws IOException {
+    Device cpu0 = new Device("cpu:0");
+    try (ProcessGroup pg = ProcessGroup.fromEnv(cpu0, 60000)) {
+      int rank = pg.rank(), world = pg.size();
+      float[][] expected = fReference(world);
+      java.nio.file.Path dir = java.nio.file.Paths.get(System.getProperty("java.io.tmpdir"),
+          "dparallel-java-fsdp-" + System.getenv("MASTER_PORT"));
+      String full = dir.resolve("full.safetensors").toString(), folder = dir.resolve("sharded").toString();
+      if (rank == 0) java.nio.file.Files.createDirectories(dir);
+      try (Toy toy = new Toy(0.05f * rank)) {  // init sync: rank 0's values
+        toy.shard(pg, true, true, views);
+        // torch.chunk's split of the 3 rows.
+        int chunk = (DIM + world - 1) / world, start = Math.min(chunk * rank, DIM), count = Math.min(chunk, DIM - start);
+        for (int l = 0; l < 3; ++l) {
+          expect(toy.fsdp[l].numParameters() == 1 && toy.fsdp[l].parameterName(0).equals("weight"),
+                 "each linear's Fsdp holds its weight");
+          try (Tensor shard = toy.fsdp[l].shard(0)) {
+            long[] shape = shard.shapeArray();
+            expect(shape.length == 2 && shape[0] == count && shape[1] == DIM,
+                   "rank " + rank + " keeps " + count + " rows of " + F_WEIGHTS[l] + ", not " + Arrays.toString(shape));
+          }
+        }
+        expect(toy.fsdpLinears.numParameters() == 0, "the Fsdp over the linears finds every parameter held by a child's");
+        expect(toy.ddp.numBuckets() == 1, "the Ddp on the root manages proj alone");
+        expectFullWeightsAreViews(toy, pg, start, views);
+        for (int s = 0; s < FSTEPS; ++s) fTrainStep(toy, s, rank, world);
+        expectShardedWeights(toy, expected, "rank " + rank + " after training");
+        System.out.println("rank " + rank + ": fully_shard training matches single-process training on the whole batch");
+
+        pg.barrier();  // the folder exists
+        Fsdp.saveFullStateDict(toy.root, pg, full);
+        Fsdp.saveShardedStateDict(toy.root, pg, folder);
+        pg.barrier();
+        try (Toy other = new Toy(1 + rank)) {
+          other.shard(pg, false, false, false);
+          Fsdp.loadFullStateDict(other.root, full);
+          expectShardedWeights(other, expected, "rank " + rank + " after loading the full state dict");
+        }
+        try (Toy other = new Toy(3 + rank)) {
+          other.shard(pg, false, false, false);
+          Fsdp.loadShardedStateDict(other.root, folder);
+          expectShardedWeights(other, expected, "rank " + rank + " after loading the sharded state dict");
+        }
+      }
+      pg.barrier();
+      if (rank == 0) {
+        try (java.util.stream.Stream<java.nio.file.Path> walk = java.nio.file.Files.walk(dir)) {
+          walk.sorted(Collections.reverseOrder()).forEach(p -> p.toFile().delete());
+        }
+      }
+      System.out.println("rank " + rank + ": full and sharded state dicts load back");
+    }
+  }
+
   public static void main(String[] args) throws Exception {
     String mode = args.length > 0 ? args[0] : "";
     switch (mode) {
@@ -1324,8 +1598,14 @@ public class DParallelTest {
       case "ddp-extras":
         ddpExtras();
         break;
+      case "fsdp":
+        fsdp(false);
+        break;
+      case "fsdp-views":
+        fsdp(true);
+        break;
       default:
-        fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|tensors|streams|ddp|collectives|join|ddp-extras");
+        fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|tensors|streams|ddp|collectives|join|ddp-extras|fsdp|fsdp-views");
     }
     System.gc();
     System.out.println("OK " + mode);

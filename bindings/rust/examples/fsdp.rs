@@ -9,6 +9,8 @@
 //! shards. After 4 steps every parameter must match single-process training
 //! on the whole batch; then a full state dict (written by rank 0) and a
 //! sharded one (a file per rank) load back into fresh sharded models.
+//! With `--views` the layers' full parameters are views of the shards
+//! (`full_params_as_views`), which the run checks by address.
 
 use std::process::ExitCode;
 
@@ -125,7 +127,11 @@ impl Toy {
     }
 
     fn weights(&self, l: usize) -> Result<Vec<f32>> {
-        self.root.parameter(WEIGHTS[l])?.to_vec::<f32>()
+        self.weights_tensor(l)?.to_vec::<f32>()
+    }
+
+    fn weights_tensor(&self, l: usize) -> Result<Tensor> {
+        self.root.parameter(WEIGHTS[l])
     }
 
     /// Every rank tears down in the same order (the destroys are collective).
@@ -224,6 +230,27 @@ fn mismatches(t: &mut Toy, expected: &[Vec<f32>], what: &str, rank: usize) -> Re
     Ok(bad)
 }
 
+/// Whether each unsharded layer's weight holds this rank's shard at its
+/// rows (views) or lies elsewhere (copies): the number of layers that differ.
+fn check_views(t: &mut Toy, views: bool, start: usize, rank: usize) -> Result<usize> {
+    let mut bad = 0;
+    for l in 0..3 {
+        let shard = t.fsdp[l].shard(0)?.data_ptr() as usize;
+        t.fsdp[l].unshard()?;
+        let full = t.weights_tensor(l)?.data_ptr() as usize;
+        t.fsdp[l].reshard()?;
+        let rows_at = full + start * DIM * std::mem::size_of::<f32>();
+        if (rows_at == shard) != views {
+            eprintln!(
+                "FAIL: rank {rank}: layer {l}: the full weight at {full:#x}, this rank's shard at {shard:#x}; want {}",
+                if views { "a view holding the shard" } else { "a copy" }
+            );
+            bad += 1;
+        }
+    }
+    Ok(bad)
+}
+
 fn run() -> Result<usize> {
     let lib = Library::open(None)?;
     let pg = ProcessGroup::from_env(&lib)?;
@@ -232,9 +259,10 @@ fn run() -> Result<usize> {
     let mut bad = 0;
     let expected = reference(world);
 
+    let views = std::env::args().any(|a| a == "--views");
     // init_sync: every rank starts from rank 0's values.
     let mut t = Toy::new(&lib, 0.05 * rank as f32)?;
-    t.shard(&pg, &FsdpOptions::default())?;
+    t.shard(&pg, &FsdpOptions { full_params_as_views: views, ..FsdpOptions::default() })?;
     t.ddp = Some(Ddp::new(&t.root, &pg, &DdpOptions::default())?);
     // torch.chunk's split of the 3 rows.
     let chunk = DIM.div_ceil(world);
@@ -251,6 +279,7 @@ fn run() -> Result<usize> {
             bad += 1;
         }
     }
+    bad += check_views(&mut t, views, start, rank)?;
     let held = t.fsdp_linears.as_ref().map_or(usize::MAX, |f| f.num_parameters());
     if held != 0 || t.ddp.as_ref().map(|d| d.num_buckets()) != Some(1) {
         eprintln!("FAIL: rank {rank}: `linears` manages {held} parameters (want 0), the Ddp {:?}", t.ddp);

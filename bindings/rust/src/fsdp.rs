@@ -21,11 +21,23 @@ pub struct FsdpOptions {
     pub reduce_dtype: Option<DType>,
     /// Rank 0's values and the agreement check before sharding (collective).
     pub init_sync: bool,
+    /// On a shared-memory group, the full parameters are views of every
+    /// rank's shards (an unshard copies nothing). A write to a full
+    /// parameter then reaches every rank's shard, and shards may be written
+    /// only while no rank has this `Fsdp` unsharded (after `finish_backward`,
+    /// say). Elsewhere, or with a `param_dtype` cast, they stay copies.
+    pub full_params_as_views: bool,
 }
 
 impl Default for FsdpOptions {
     fn default() -> Self {
-        FsdpOptions { reshard_after_forward: true, param_dtype: None, reduce_dtype: None, init_sync: true }
+        FsdpOptions {
+            reshard_after_forward: true,
+            param_dtype: None,
+            reduce_dtype: None,
+            init_sync: true,
+            full_params_as_views: false,
+        }
     }
 }
 
@@ -74,12 +86,14 @@ impl Fsdp {
             param_dtype: 0,
             reduce_dtype: 0,
             init_sync: 0,
+            full_params_as_views: 0,
         };
         lib.check(unsafe { (lib.api().fsdp_options_init)(&mut o, size) })?;
         o.reshard_after_forward = options.reshard_after_forward as c_int;
         o.param_dtype = options.param_dtype.map_or(-1, |d| d as i32);
         o.reduce_dtype = options.reduce_dtype.map_or(-1, |d| d as i32);
         o.init_sync = options.init_sync as c_int;
+        o.full_params_as_views = options.full_params_as_views as c_int;
         let mut out = ptr::null_mut();
         lib.check(unsafe { (lib.api().fsdp_create)(&mut out, module.raw, pg.raw, &o) })?;
         Ok(Fsdp { raw: out, lib })

@@ -174,6 +174,7 @@ pub struct dp_fsdp_options {
     pub param_dtype: i32,
     pub reduce_dtype: i32,
     pub init_sync: c_int,
+    pub full_params_as_views: c_int,
 }
 
 #[repr(C)]
@@ -473,7 +474,8 @@ const _: () = {
     assert!(offset_of!(dp_ddp_options, bucket_plan) == 120);
     assert!(size_of::<dp_ddp_options>() == 128);
     assert!(size_of::<dp_ddp_stats>() == 48);
-    assert!(size_of::<dp_fsdp_options>() == 24);
+    assert!(offset_of!(dp_fsdp_options, full_params_as_views) == 24);
+    assert!(size_of::<dp_fsdp_options>() == 32);
     assert!(size_of::<dp_memory_stats>() == 32);
     assert!(size_of::<DLTensor>() == 48);
     assert!(size_of::<DLManagedTensor>() == 64);

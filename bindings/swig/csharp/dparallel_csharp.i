@@ -295,7 +295,13 @@ DP_CSHARP_CLOSEABLE(dpswig::Fsdp, swigCPtr.Handle == global::System.IntPtr.Zero)
     lock(this) {
       if (swigCPtr.Handle != global::System.IntPtr.Zero) {
         if (!disposing) {
-          global::System.Console.Error.WriteLine("dparallel: an Fsdp was collected without Dispose(); it stays open (disposing is collective)");
+          // A finalizer must not throw: as the runtime shuts down, the
+          // console's streams may be closed already (the process is ending,
+          // so the warning is moot then).
+          try {
+            global::System.Console.Error.WriteLine("dparallel: an Fsdp was collected without Dispose(); it stays open (disposing is collective)");
+          } catch (global::System.Exception) {
+          }
           return;
         }
         if (swigCMemOwn) {
