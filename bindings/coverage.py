@@ -9,17 +9,21 @@ A language wraps `dp_NAME` when its sources call it:
                 table's mirror, sys.rs);
   go            C.dpgo_NAME( in the package's .go files (not its tests), or
                 a->NAME( in its C side.
+The fields of the option and statistics structs (STRUCTS below) count too:
+a language uses FIELD when its sources (as above; for Rust, not sys.rs)
+name `.FIELD` or `->FIELD`, so an option appended to a struct is set by every binding.
 bindings/EXCLUDED.md lists, under a heading per language, the entry points
-that language leaves out on purpose, each with its reason:
+and fields that language leaves out on purpose, each with its reason:
   ## Java
   - `dp_NAME`: why a user of Java does not need it
-An entry point neither wrapped nor excluded fails the check, as do an
-exclusion without a reason, one for a name that is not a slot, and one for an
-entry point the language wraps after all.
+  - `dp_STRUCT.FIELD`: why a user of Java does not need it
+An entry point or field neither wrapped nor excluded fails the check, as do
+an exclusion without a reason, one for a name that is not a slot or field,
+and one for what the language wraps after all.
 
-  coverage.py [--root DIR] [--extra-slot NAME]...
---extra-slot adds a slot (the self-test: a new, unwrapped entry point must
-fail the check)."""
+  coverage.py [--root DIR] [--extra-slot NAME]... [--extra-field STRUCT.FIELD]...
+--extra-slot and --extra-field add a slot or a field (the self-tests: a new,
+unwrapped entry point or option must fail the check)."""
 import argparse
 import pathlib
 import re
@@ -33,6 +37,25 @@ def slots(root):
     block = text[text.index("#define DP_API_SLOTS(X)"):]
     block = block[: block.index("/* clang-format on */")]
     return re.findall(r"X\(\s*[^,]+,\s*(\w+)\s*,", block)
+
+
+# (header, struct) whose fields every binding must reach; struct_size is the
+# binding's own business.
+STRUCTS = [("dp_dist.h", "dp_process_group_options"), ("dp_ddp.h", "dp_ddp_options"),
+           ("dp_ddp.h", "dp_ddp_stats"), ("dp_fsdp.h", "dp_fsdp_options"), ("dp_base.h", "dp_memory_stats")]
+
+
+def fields(root):
+    """["STRUCT.FIELD"] of STRUCTS without the dp_ prefix, in declaration order."""
+    found = []
+    for header, struct in STRUCTS:
+        text = (root / "include/dparallel" / header).read_text()
+        start = text.index("typedef struct " + struct + " {")
+        body = text[text.index("{", start) + 1: text.index("} " + struct + ";", start)]
+        body = re.sub(r"/\*.*?\*/|//[^\n]*", "", body, flags=re.S)
+        names = re.findall(r"(\w+)\s*(?:\[[^\]]*\])?\s*;", body)
+        found += [f"{struct[3:]}.{name}" for name in names if name != "struct_size"]
+    return found
 
 
 def read_all(paths):
@@ -52,6 +75,8 @@ def sources(root):
 
 
 def wraps(language, text, name):
+    if "." in name:  # a struct field: named as a member
+        return re.search(r"(\.|->)\s*" + name.split(".", 1)[1] + r"\b", text) is not None
     if language in ("java", "csharp"):
         pattern = r"\bdp_" + name + r"\s*\("
     elif language == "rust":
@@ -73,7 +98,7 @@ def exclusions(path, problems):
                 problems.append(f"{path.name}:{number}: heading '{heading.group(1)}' is not one of "
                                 f"{', '.join(LANGUAGES)}")
             continue
-        entry = re.match(r"-\s+`dp_(\w+)`\s*:?\s*(.*)$", line)
+        entry = re.match(r"-\s+`dp_(\w+(?:\.\w+)?)`\s*:?\s*(.*)$", line)
         if not entry:
             continue
         if language is None:
@@ -90,11 +115,18 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", default=pathlib.Path(__file__).resolve().parent.parent, type=pathlib.Path)
     parser.add_argument("--extra-slot", action="append", default=[])
+    parser.add_argument("--extra-field", action="append", default=[])
     args = parser.parse_args()
-    names = slots(args.root) + args.extra_slot
-    if len(names) < 100:
-        print(f"coverage: read only {len(names)} slots from dp_api.h; the parser is out of date", file=sys.stderr)
+    entry_points = slots(args.root) + args.extra_slot
+    if len(entry_points) < 100:
+        print(f"coverage: read only {len(entry_points)} slots from dp_api.h; the parser is out of date",
+              file=sys.stderr)
         return 2
+    struct_fields = fields(args.root) + [f.removeprefix("dp_") for f in args.extra_field]
+    if len(struct_fields) < 30:
+        print(f"coverage: read only {len(struct_fields)} struct fields; the parser is out of date", file=sys.stderr)
+        return 2
+    names = entry_points + struct_fields
     problems = []
     excluded = exclusions(args.root / "bindings/EXCLUDED.md", problems)
     texts = sources(args.root)
@@ -112,7 +144,7 @@ def main():
             if name not in names:
                 problems.append(f"{language}: EXCLUDED.md lists dp_{name}, which is not an entry point")
     for language, count in wrapped_count.items():
-        print(f"{language}: {count} of {len(names)} entry points wrapped, "
+        print(f"{language}: {count} of {len(names)} entry points and struct fields wrapped, "
               f"{len(excluded[language])} excluded with a reason")
     for problem in problems:
         print(problem, file=sys.stderr)
