@@ -19,12 +19,12 @@ type FSDPOptions struct {
 	MixedPrecision *FSDPMixedPrecision
 	// NoInitSync skips the agreement check and rank 0's values at create.
 	NoInitSync bool
-	// FullParamsAsViews, on a shared-memory group, makes the full parameters
-	// views of every rank's shards: an unshard copies nothing. A write to a
-	// full parameter then reaches every rank's shard, and shards may be
-	// written only while no rank has this FSDP unsharded (after
-	// FinishBackward, say). Elsewhere, or with a ParamDType cast, the full
-	// parameters stay copies.
+	// FullParamsAsViews, on a shared-memory group of two or more ranks
+	// (without NoInitSync), makes the full parameters views of every rank's
+	// shards: an unshard copies nothing. A write to a full parameter then
+	// reaches every rank's shard, and shards may be written only while no
+	// rank has this FSDP unsharded (after FinishBackward, say). Elsewhere,
+	// or with a ParamDType cast, the full parameters stay copies.
 	FullParamsAsViews bool
 }
 

@@ -18,11 +18,12 @@ struct FsdpOptions {
   int reduceDtype = -1;
   // Rank 0's values and the agreement check before sharding.
   bool initSync = true;
-  // On a shared-memory group, the full parameters are views of every rank's
-  // shards (an unshard copies nothing): a write to a full parameter reaches
-  // every rank's shard, and shards may be written only while no rank has
-  // the Fsdp unsharded (after finishBackward, say). Elsewhere, or with a
-  // paramDtype cast, they stay copies.
+  // On a shared-memory group of two or more ranks, with initSync, the full
+  // parameters are views of every rank's shards (an unshard copies
+  // nothing): a write to a full parameter reaches every rank's shard, and
+  // shards may be written only while no rank has the Fsdp unsharded (after
+  // finishBackward, say). Elsewhere, or with a paramDtype cast, they stay
+  // copies.
   bool fullParamsAsViews = false;
 };
 

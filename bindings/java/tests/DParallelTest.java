@@ -1481,8 +1481,11 @@ public class DParallelTest {
 
   /**
    * Whether a write to layer 0's full weight (this rank's first element)
-   * reached this rank's shard: it does with views, not with copies. The
-   * shard is restored between barriers (no rank holds the layer unsharded).
+   * reached this rank's shard: it does with views, not with copies. dp_fsdp.h
+   * tells hosts not to write full parameters with views; this write is safe
+   * all the same, as only this rank's rows change, nobody reads them
+   * meanwhile, and the shard is restored between barriers (no rank holds the
+   * layer unsharded then).
    */
   static void expectFullWeightsAreViews(Toy toy, ProcessGroup pg, int start, boolean views) {
     float before;

@@ -21,11 +21,12 @@ pub struct FsdpOptions {
     pub reduce_dtype: Option<DType>,
     /// Rank 0's values and the agreement check before sharding (collective).
     pub init_sync: bool,
-    /// On a shared-memory group, the full parameters are views of every
-    /// rank's shards (an unshard copies nothing). A write to a full
-    /// parameter then reaches every rank's shard, and shards may be written
-    /// only while no rank has this `Fsdp` unsharded (after `finish_backward`,
-    /// say). Elsewhere, or with a `param_dtype` cast, they stay copies.
+    /// On a shared-memory group (two or more ranks, `init_sync`), the full
+    /// parameters are views of every rank's shards (an unshard copies
+    /// nothing). A write to a full parameter then reaches every rank's
+    /// shard, and shards may be written only while no rank has this `Fsdp`
+    /// unsharded (after `finish_backward`, say). Elsewhere, or with a
+    /// `param_dtype` cast, they stay copies.
     pub full_params_as_views: bool,
 }
 
