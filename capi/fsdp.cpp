@@ -228,7 +228,11 @@ void dp_fsdp_destroy(dp_fsdp* fsdp) {
   }
   fsdp->tag = 0;
   try {
+    // The gather reads the shards after the host's stream (its optimizer's
+    // last writes), and the host's stream reads the full parameters after it.
+    StreamOrder order({fsdp->sharding->group()->device()});
     fsdp->sharding->close();
+    order.finish();
   } catch (...) {
     capi::handle_exception(__func__);
   }

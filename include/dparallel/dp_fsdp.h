@@ -40,7 +40,9 @@
  *   shard gradients in the shards' dtype.
  * - Gradients: the shard gradients accumulate (the reduced average is added
  *   to them) until the host zeroes them (dp_module_zero_grad on the module
- *   zeroes them too). With dp_fsdp_set_requires_gradient_sync(f, 0),
+ *   zeroes them too; with a post_backward in flight it first waits for it,
+ *   as dp_fsdp_finish_backward does, and reports its failure, so the zeros
+ *   stand). With dp_fsdp_set_requires_gradient_sync(f, 0),
  *   post_backward makes no collective and keeps the full gradients, which
  *   later backwards add to; the next synced post_backward reduces the sum.
  *   A gradient never taken is reduced as zeros. Parameters that do not
@@ -97,6 +99,10 @@
  * the device work queued after it runs on what the buffers hold, and the
  * call that waited for it on the host (no current stream set), or else the
  * next call on the group, fails naming the collective (DP_ESTATE).
+ * dp_fsdp_destroy and the state-dict calls read the shards after the host's
+ * stream, and the host's stream follows what they write. A full gradient
+ * the host still holds after post_backward may be released at once: its
+ * memory is reused only after the queued reduce-scatter has read it.
  *
  * Memory: on a shared-memory group, with init_sync, the shards live in
  * memory every rank of the group maps, where the other ranks' all-gathers

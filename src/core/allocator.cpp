@@ -1,5 +1,6 @@
 #include "core/allocator.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <deque>
@@ -152,13 +153,19 @@ void free_now(const Device& device, void* data, size_t nbytes) noexcept {
 }
 
 // The events a freed block waits for: one on the freeing thread's stream,
-// and inside a LibraryWorkStaysQueued scope one on the scope's stream.
+// inside a LibraryWorkStaysQueued scope one on the scope's stream, and the
+// uses recorded on its storage.
 struct Passed {
   std::optional<Event> host, library;
-  bool query() const { return (!host || host->query()) && (!library || library->query()); }
+  std::vector<std::shared_ptr<const Event>> uses;
+  bool query() const {
+    return (!host || host->query()) && (!library || library->query()) &&
+           std::all_of(uses.begin(), uses.end(), [](const auto& used) { return used->query(); });
+  }
   void synchronize() const {
     if (host) host->synchronize();
     if (library) library->synchronize();
+    for (const auto& used : uses) used->synchronize();
   }
 };
 
@@ -301,16 +308,21 @@ Allocation device_allocate(const Device& device, size_t nbytes) {
   return a;
 }
 
-void device_free(const Device& device, void* data, size_t nbytes) noexcept {
+void device_free(const Device& device, void* data, size_t nbytes,
+                 std::vector<std::shared_ptr<const Event>> uses) noexcept {
   if (data == nullptr) return;
   usage().remove(device, nbytes);
   void* stream = current_stream(device);
   const DeviceRuntime* runtime = find_device_runtime(device.type);
-  if (runtime != nullptr && (stream != nullptr || runtime->default_stream_is_queued())) {
+  const bool host_queued = runtime != nullptr && (stream != nullptr || runtime->default_stream_is_queued());
+  if (host_queued || (runtime != nullptr && !uses.empty())) {
     try {
       Passed passed;
-      passed.host.emplace(device);
-      passed.host->record(stream);
+      passed.uses = std::move(uses);
+      if (host_queued) {
+        passed.host.emplace(device);
+        passed.host->record(stream);
+      }
       // Elsewhere the library's work is done when its call returns.
       if (void* queued = library_stream_override(device); queued != nullptr && queued != stream) {
         passed.library.emplace(device);

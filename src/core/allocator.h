@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
+#include <vector>
 
 #include "core/device_runtime.h"
 
@@ -11,7 +13,11 @@ namespace dparallel {
 
 // Throws kOutOfMemory, or kDevice for a CUDA failure.
 Allocation device_allocate(const Device& device, size_t nbytes);
-void device_free(const Device& device, void* data, size_t nbytes) noexcept;
+class Event;
+// The block is reused once the freeing thread's stream, and each of `uses`
+// (Storage::record_use), has passed it.
+void device_free(const Device& device, void* data, size_t nbytes,
+                 std::vector<std::shared_ptr<const Event>> uses = {}) noexcept;
 // What a device's tensors hold now and at most since the last reset
 // (requested bytes, counted at allocation and free).
 struct MemoryUsage {

@@ -65,9 +65,15 @@ std::shared_ptr<Storage> Storage::wrap(const Device& device, void* data, size_t 
   return std::shared_ptr<Storage>(new Storage(device, data, nbytes, std::move(deleter), false));
 }
 
+void Storage::record_use(std::shared_ptr<const Event> used) {
+  if (!from_allocator_ || used == nullptr) return;  // the host's own memory: its deleter decides
+  std::lock_guard<std::mutex> lock(uses_mutex_);
+  uses_.push_back(std::move(used));
+}
+
 Storage::~Storage() {
   if (from_allocator_) {
-    device_free(device_, data_, nbytes_);
+    device_free(device_, data_, nbytes_, std::move(uses_));
   } else if (deleter_) {
     try {
       deleter_(data_);

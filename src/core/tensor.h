@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,8 @@ namespace dparallel {
 using Shape = std::vector<int64_t>;
 
 constexpr int32_t kMaxNdim = 16;
+
+class Event;
 
 std::string shape_string(const Shape& shape);  // "2x3", "scalar" for ndim 0
 // Elements of `shape`; throws kInvalidArgument (naming `argument`) for a
@@ -48,6 +51,12 @@ class Storage {
   size_t nbytes() const { return nbytes_; }
   const Device& device() const { return device_; }
 
+  // Work queued on a stream other than the one the last holder frees on
+  // reads this memory until `used` completes: the allocator's free waits
+  // for it too (PyTorch's record_stream). For memory the host may still
+  // hold while a queued job reads it. Thread-safe.
+  void record_use(std::shared_ptr<const Event> used);
+
  private:
   Storage(const Device& device, void* data, size_t nbytes, Deleter deleter, bool from_allocator)
       : device_(device), data_(data), nbytes_(nbytes), deleter_(std::move(deleter)), from_allocator_(from_allocator) {}
@@ -57,6 +66,8 @@ class Storage {
   size_t nbytes_;
   Deleter deleter_;
   bool from_allocator_;
+  std::mutex uses_mutex_;
+  std::vector<std::shared_ptr<const Event>> uses_;  // record_use's, for the free
 };
 
 class Tensor {

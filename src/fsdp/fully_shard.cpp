@@ -367,14 +367,17 @@ void FullyShard::close() {
 
 void FullyShard::settle_queued_work() noexcept {
   std::optional<Event> unshard, post;
+  std::vector<Tensor> gathered;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     unshard = std::exchange(unshard_done_, std::nullopt);
     post = std::exchange(post_done_, std::nullopt);
+    gathered = std::move(gathered_);
     gathered_.clear();
   }
   // A job that ended after its waiter gave up may still write memory the
-  // shards' owners free next; the watch's abort bounds these waits.
+  // shards' owners free next, and the full parameters it gathered (freed
+  // below, once it is done); the watch's abort bounds these waits.
   for (std::optional<Event>* done : {&unshard, &post}) {
     if (!*done) continue;
     try {
@@ -773,6 +776,17 @@ void FullyShard::run_post_backward() {
   }
   const int32_t world = group_->size();
   const Device device = group_->device();
+  // The job's reference to a full gradient goes once its reads are queued.
+  // The host may hold another and free it later on its own stream: on a
+  // device that queues, that free must also wait for the reads queued here.
+  auto drop_grad = [&](Tensor& grad) {
+    if (grad.defined() && dist::QueuedTransfers::active()) {
+      auto used = std::make_shared<Event>(device);
+      used->record(device_runtime(device.type).library_stream(device.index));
+      grad.storage()->record_use(std::move(used));
+    }
+    grad = Tensor();
+  };
   // Sharded parameters: one reduce_scatter per reduce dtype.
   for (const auto& entry : reduce_segment_) {
     const DType dtype = entry.first;  // a variable, not a binding: lambdas below capture it
@@ -838,7 +852,7 @@ void FullyShard::run_post_backward() {
       }
       // Copied in: the full gradients' memory can go now.
       for (size_t i = 0; i < params_.size(); ++i) {
-        if (member(params_[i])) grads[i] = Tensor();
+        if (member(params_[i])) drop_grad(grads[i]);
       }
       std::vector<Tensor> inputs;
       inputs.reserve(static_cast<size_t>(world));
@@ -861,7 +875,7 @@ void FullyShard::run_post_backward() {
       accumulate(m.shard_grad.view({n}), output.view_at(m.reduce_offset * esize, dtype, {n}));
     }
     for (size_t i = 0; i < params_.size(); ++i) {
-      if (member(params_[i])) grads[i] = Tensor();
+      if (member(params_[i])) drop_grad(grads[i]);
     }
   }
   // 0-d parameters: every rank holds them whole, so their gradients are all-reduced.
@@ -883,9 +897,11 @@ void FullyShard::run_post_backward() {
       if (is_16_bit(dtype)) ddp::divide_tensor(v, world);
       values.push_back(v);
     }
+    for (size_t i : members) drop_grad(grads[i]);
     group_->all_reduce_coalesced(values, is_16_bit(dtype) ? dist::ReduceOp::kSum : dist::ReduceOp::kAvg, false);
     for (size_t k = 0; k < members.size(); ++k) accumulate(params_[members[k]].shard_grad, values[k]);
   }
+  for (Tensor& grad : grads) drop_grad(grad);
 }
 
 // ---- ParameterSharding ----
@@ -908,6 +924,21 @@ std::string FullyShard::grad_refusal(const Parameter& parameter) const {
 void FullyShard::zero_shard_grad(const Parameter& parameter) {
   const size_t index = index_of(&parameter);
   if (index == npos) return;
+  {
+    // A post_backward in flight adds into the shard gradients: it ends
+    // first (as in dp_fsdp_finish_backward, whose error this call then
+    // reports), so that the zeros are not added to, nor raced with.
+    std::lock_guard<std::mutex> host(host_mutex_);
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (post_job_.issued && !broken_ && !closed_) {
+      if (ddp::running_hook().reducer != nullptr) {
+        fail(StatusCode::kState, "zeroing the gradient of parameter '", params_[index].name, "': dp_fsdp #", lane_id_,
+             "'s post_backward is in flight, and this call runs inside a dp_ddp callback on the comm lane that "
+             "the post_backward needs; zero the gradients after dp_fsdp_finish_backward");
+      }
+      wait_locked(lock, post_job_, "the post-backward reduce_scatter");
+    }
+  }
   const Tensor& g = params_[index].shard_grad;
   fill_zero(g.data(), g.device(), g.nbytes());
 }

@@ -2,8 +2,14 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
+#include <memory>
+#include <thread>
 
+#include "core/device_runtime.h"
+#include "core/stream.h"
 #include "core/tensor.h"
 
 using namespace dparallel;
@@ -45,4 +51,40 @@ TEST(TensorZeros, ReusedBlockIsZeroedAgain) {
   Tensor clean = Tensor::zeros(DType::kFloat32, {1 << 18}, cpu);
   const auto* bytes = static_cast<const unsigned char*>(clean.data());
   for (size_t i = 0; i < clean.nbytes(); ++i) ASSERT_EQ(bytes[i], 0) << i;
+}
+
+// A block whose storage a queued job still reads (Storage::record_use) is
+// not handed out again when the host frees it, until that stream passes:
+// here a cpu stream held by a host function stands in for the job's.
+TEST(DeviceAllocator, AFreedBlockWaitsForTheQueuedUsesRecordedOnItsStorage) {
+  release_cached_memory();
+  const Device cpu{DeviceType::kCpu, 6};
+  const DeviceRuntime& runtime = device_runtime(DeviceType::kCpu);
+  void* stream = runtime.create_stream(cpu.index);
+  std::atomic<bool> open{false};
+  runtime.launch_host_func(cpu.index, stream, [&open] {
+    while (!open) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  constexpr size_t kBytes = 4 << 20;
+  std::shared_ptr<Storage> storage = Storage::allocate(cpu, kBytes, false);
+  void* const first = storage->data();
+  auto used = std::make_shared<Event>(cpu);
+  used->record(stream);
+  storage->record_use(used);
+  storage.reset();  // the host's free, with no current stream
+  std::shared_ptr<Storage> again = Storage::allocate(cpu, kBytes, false);
+  EXPECT_NE(again->data(), first) << "handed out again while the stream still reads it";
+  EXPECT_FALSE(used->query());
+  open = true;
+  runtime.stream_synchronize(cpu.index, stream);
+  again.reset();
+  // Once passed, the block is free to reuse: the next two allocations of
+  // that size take both cached blocks.
+  std::shared_ptr<Storage> one = Storage::allocate(cpu, kBytes, false);
+  std::shared_ptr<Storage> two = Storage::allocate(cpu, kBytes, false);
+  EXPECT_TRUE(one->data() == first || two->data() == first);
+  one.reset();
+  two.reset();
+  runtime.destroy_stream(cpu.index, stream);
+  release_cached_memory();
 }

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "module/module_test_util.h"
+#include "streams/stream_test_util.h"
 #include "test_util.h"
 #include "thread_ranks.h"
 
@@ -666,6 +667,59 @@ TEST(Fsdp, PostBackwardsInAnotherOrderOnEachRankAllComplete) {
         EXPECT_EQ(read(g), std::vector<float>(rank == 0 ? 6 : 3, 3.5f));
       },
       20000);
+}
+
+// dp_module_zero_grad while a post_backward's reduce-scatter is still in
+// flight (the other rank is late to its post_backward): the zeroing comes
+// after the reduction, so the shard gradient ends zero, not the reduced
+// average added to zeros.
+TEST(Fsdp, ZeroGradWhileAPostBackwardIsInFlightZeroesAfterIt) {
+  run_ranks(
+      2, DP_BACKEND_GLOO,
+      [&](int rank, dp_process_group* pg) {
+        Toy toy(0.0f);
+        FsdpPtr f = fully_shard(toy.layer[0].get(), pg);
+        ASSERT_TRUE(f);
+        ASSERT_EQ(dp_fsdp_unshard(f.get(), 0), DP_OK) << dp_last_error();
+        add_grad(toy.root.get(), kWeights[0], std::vector<float>(9, 2.0f));
+        if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        ASSERT_EQ(dp_fsdp_post_backward(f.get()), DP_OK) << dp_last_error();
+        if (rank == 0) {
+          ASSERT_EQ(dp_module_zero_grad(toy.root.get()), DP_OK) << dp_last_error();
+        }
+        ASSERT_EQ(dp_fsdp_finish_backward(f.get()), DP_OK) << dp_last_error();
+        dp_tensor* g = nullptr;
+        ASSERT_EQ(dp_fsdp_shard_grad(f.get(), 0, &g), DP_OK);
+        TensorPtr owned(g);
+        EXPECT_EQ(read(g), std::vector<float>(rank == 0 ? 6 : 3, rank == 0 ? 0.0f : 2.0f));
+      },
+      20000);
+}
+
+// dp_fsdp_destroy gathers the shards after the host's current stream: a
+// shard write still queued there (the optimizer's last step) reaches the
+// full parameter handed back to the module.
+TEST(Fsdp, DestroyGathersTheShardsAfterTheHostsCurrentStream) {
+  run_ranks(2, DP_BACKEND_GLOO, [&](int rank, dp_process_group* pg) {
+    const dp_device device = dptest::cpu(0);
+    Toy toy(0.0f, device);
+    FsdpPtr f = fully_shard(toy.layer[0].get(), pg);
+    ASSERT_TRUE(f);
+    void* stream = nullptr;
+    ASSERT_EQ(dp_stream_create(device, &stream), DP_OK) << dp_last_error();
+    ASSERT_EQ(dp_set_current_stream(device, stream), DP_OK) << dp_last_error();
+    dp_tensor* shard = nullptr;
+    ASSERT_EQ(dp_fsdp_shard(f.get(), 0, &shard), DP_OK) << dp_last_error();
+    TensorPtr owned(shard);
+    const size_t rows = rank == 0 ? 2 : 1;
+    dptest::queue_write(stream, shard, dptest::filled(rows * 3, 100.0f + 10.0f * static_cast<float>(rank)));
+    f.reset();
+    std::vector<float> want = dptest::filled(6, 100.0f);
+    for (float v : dptest::filled(3, 110.0f)) want.push_back(v);
+    EXPECT_EQ(parameter(toy.root.get(), kWeights[0]), want);  // the read follows the current stream
+    EXPECT_EQ(dp_set_current_stream(device, nullptr), DP_OK) << dp_last_error();
+    EXPECT_EQ(dp_stream_destroy(device, stream), DP_OK) << dp_last_error();
+  });
 }
 
 // The option is part of the agreement check: ranks that differ fail alike.
