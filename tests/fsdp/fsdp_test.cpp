@@ -768,6 +768,62 @@ TEST(Fsdp, MisuseIsAClearErrorNamingWhatToCall) {
   });
 }
 
+namespace {
+
+// What the on_bucket_reduced callback below got from the calls it made.
+struct CallsInsideACallback {
+  dp_module* layer = nullptr;
+  dp_fsdp* fsdp = nullptr;
+  dp_status zero_grad = DP_OK, finish = DP_OK;
+  std::string zero_grad_error, finish_error;
+};
+
+int call_fsdp_inside_callback(void* data, dp_ddp*, size_t, const size_t*, size_t) {
+  auto* calls = static_cast<CallsInsideACallback*>(data);
+  calls->zero_grad = dp_module_zero_grad(calls->layer);
+  calls->zero_grad_error = dp_last_error();
+  calls->finish = dp_fsdp_finish_backward(calls->fsdp);
+  calls->finish_error = dp_last_error();
+  return 0;
+}
+
+}  // namespace
+
+// A dp_ddp callback runs on the group's comm lane: from there, a dp_fsdp
+// call and a zero_grad that would wait for the dp_fsdp's post_backward (it
+// needs that lane) are DP_ESTATE saying why, not a wait until the timeout;
+// after the backward, both work.
+TEST(Fsdp, CallsThatNeedTheLaneAreRefusedInsideADdpCallback) {
+  run_ranks(2, DP_BACKEND_GLOO, [](int, dp_process_group* pg) {
+    Toy toy(0.0f);
+    FsdpPtr f = fully_shard(toy.layer[0].get(), pg);
+    ASSERT_TRUE(f);
+    CallsInsideACallback calls;
+    calls.layer = toy.layer[0].get();
+    calls.fsdp = f.get();
+    dp_ddp_options o;
+    ASSERT_EQ(dp_ddp_options_init(&o, sizeof o), DP_OK);
+    o.on_bucket_reduced = call_fsdp_inside_callback;
+    o.on_bucket_reduced_data = &calls;
+    dp_ddp* d = nullptr;
+    ASSERT_EQ(dp_ddp_create(&d, toy.layer[3].get(), pg, &o), DP_OK) << dp_last_error();
+    DdpPtr ddp(d);
+    ASSERT_EQ(dp_fsdp_unshard(f.get(), 0), DP_OK) << dp_last_error();
+    ASSERT_EQ(dp_ddp_pre_forward(ddp.get()), DP_OK) << dp_last_error();
+    add_grad(toy.root.get(), kWeights[0], std::vector<float>(9, 1.0f));
+    add_grad(toy.root.get(), kWeights[3], std::vector<float>(9, 1.0f));
+    ASSERT_EQ(dp_fsdp_post_backward(f.get()), DP_OK) << dp_last_error();
+    ASSERT_EQ(dp_ddp_mark_grad_ready(ddp.get(), "weight"), DP_OK) << dp_last_error();
+    ASSERT_EQ(dp_ddp_finish_backward(ddp.get()), DP_OK) << dp_last_error();
+    EXPECT_EQ(calls.zero_grad, DP_ESTATE) << calls.zero_grad_error;
+    EXPECT_NE(calls.zero_grad_error.find("inside a dp_ddp callback"), std::string::npos) << calls.zero_grad_error;
+    EXPECT_EQ(calls.finish, DP_ESTATE) << calls.finish_error;
+    EXPECT_NE(calls.finish_error.find("comm lane"), std::string::npos) << calls.finish_error;
+    ASSERT_EQ(dp_fsdp_finish_backward(f.get()), DP_OK) << dp_last_error();
+    ASSERT_EQ(dp_module_zero_grad(toy.layer[0].get()), DP_OK) << dp_last_error();
+  });
+}
+
 // A parameter a live dp_ddp manages is refused by name.
 TEST(Fsdp, ParametersOfALiveDdpAreRefusedByName) {
   run_ranks(2, DP_BACKEND_GLOO, [](int, dp_process_group* pg) {

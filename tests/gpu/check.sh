@@ -119,12 +119,15 @@ for n in $(grep -E 'Test +#[0-9]+: .*Skipped' "$log" | sed -E 's/.*Test +#([0-9]
 done
 
 # compute-sanitizer over every test binary with GPU tests, all of them but
-# the timing one (the tools slow the GPU down a hundredfold).
+# those that bound a time (the tools slow the GPU down a hundredfold): the
+# throughput one, those that wait for a timeout or assert a call returned
+# within one, and those that hold the host's stream while calls must return.
+# Those run in the ctest pass above.
 sanitizer=$(command -v compute-sanitizer || true)
 for candidate in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer; do
   [ -z "$sanitizer" ] && [ -x "$candidate" ] && sanitizer=$candidate
 done
-filter='Cuda*:Nccl*-*Throughput*'
+filter='Cuda*:Nccl*-*Throughput*:*Timeout*:*StreamIsHeld*'
 # A binary whose selected tests make no CUDA call is no failure. NCCL probes
 # its kernels with cudaFuncGetAttributes and handles a missing image itself:
 # those reports alone, with every test passed, are no failure either.
