@@ -6,6 +6,7 @@
 // and the test sees every rank's results.
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -61,14 +62,40 @@ uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(word >> 16);
 }
 
-// A float32 or bfloat16 tensor's values as floats.
+// IEEE half precision, normal numbers and zero (what the tests hold).
+float fp16_to_float(uint16_t bits) {
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000u) << 16;
+  const uint32_t exponent = (bits >> 10) & 0x1fu;
+  const uint32_t mantissa = bits & 0x3ffu;
+  uint32_t word = sign;
+  if (exponent != 0) word |= ((exponent + 112u) << 23) | (mantissa << 13);
+  float f;
+  std::memcpy(&f, &word, sizeof f);
+  return f;
+}
+
+uint16_t float_to_fp16(float f) {
+  uint32_t word;
+  std::memcpy(&word, &f, sizeof word);
+  const auto sign = static_cast<uint16_t>((word >> 16) & 0x8000u);
+  const int exponent = static_cast<int>((word >> 23) & 0xffu) - 112;
+  if (exponent <= 0) return sign;  // below half's normal range: zero
+  uint32_t rest = word & 0x7fffffu;
+  uint32_t half = (static_cast<uint32_t>(exponent) << 10) | (rest >> 13);
+  rest &= 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u) != 0)) ++half;  // round to nearest even
+  return static_cast<uint16_t>(sign | half);
+}
+
+// A float32, bfloat16 or float16 tensor's values as floats.
 std::vector<float> read(const dp_tensor* t) {
   const auto n = static_cast<size_t>(dp_tensor_numel(t));
   std::vector<float> out(n);
-  if (dp_tensor_dtype(t) == DP_BFLOAT16) {
+  if (dp_tensor_dtype(t) == DP_BFLOAT16 || dp_tensor_dtype(t) == DP_FLOAT16) {
     std::vector<uint16_t> bits(n);
     EXPECT_EQ(dp_tensor_copy_to_host(t, bits.data(), n * 2), DP_OK) << dp_last_error();
-    for (size_t i = 0; i < n; ++i) out[i] = bf16_to_float(bits[i]);
+    const bool bf16 = dp_tensor_dtype(t) == DP_BFLOAT16;
+    for (size_t i = 0; i < n; ++i) out[i] = bf16 ? bf16_to_float(bits[i]) : fp16_to_float(bits[i]);
   } else {
     EXPECT_EQ(dp_tensor_copy_to_host(t, out.data(), n * 4), DP_OK) << dp_last_error();
   }
@@ -77,9 +104,10 @@ std::vector<float> read(const dp_tensor* t) {
 
 void write(dp_tensor* t, const std::vector<float>& v) {
   ASSERT_EQ(static_cast<size_t>(dp_tensor_numel(t)), v.size());
-  if (dp_tensor_dtype(t) == DP_BFLOAT16) {
+  if (dp_tensor_dtype(t) == DP_BFLOAT16 || dp_tensor_dtype(t) == DP_FLOAT16) {
+    const bool bf16 = dp_tensor_dtype(t) == DP_BFLOAT16;
     std::vector<uint16_t> bits(v.size());
-    for (size_t i = 0; i < v.size(); ++i) bits[i] = float_to_bf16(v[i]);
+    for (size_t i = 0; i < v.size(); ++i) bits[i] = bf16 ? float_to_bf16(v[i]) : float_to_fp16(v[i]);
     ASSERT_EQ(dp_tensor_copy_from_host(t, bits.data(), bits.size() * 2), DP_OK) << dp_last_error();
   } else {
     ASSERT_EQ(dp_tensor_copy_from_host(t, v.data(), v.size() * 4), DP_OK) << dp_last_error();
@@ -180,6 +208,7 @@ struct Config {
   int32_t backend = DP_BACKEND_GLOO;
   int reshard_after_forward = 1;
   int32_t param_dtype = -1;
+  int32_t reduce_dtype = -1;
   int micro_batches = 1;  // > 1: the first ones without gradient sync
   int steps = 4;
   int rows_per_rank = 4;
@@ -247,6 +276,7 @@ Sharded shard_toy(Toy& toy, dp_process_group* pg, const Config& c) {
   EXPECT_EQ(dp_fsdp_options_init(&o, sizeof o), DP_OK);
   o.reshard_after_forward = c.reshard_after_forward;
   o.param_dtype = c.param_dtype;
+  o.reduce_dtype = c.reduce_dtype;
   o.full_params_as_views = c.views;
   for (int l = 0; l < 3; ++l) {
     s.layer[l] = fully_shard(toy.layer[l].get(), pg, &o);
@@ -450,6 +480,26 @@ TEST(Fsdp, TrainingInBfloat16MatchesWithinBfloat16Tolerance) {
   Config c;
   c.param_dtype = DP_BFLOAT16;
   expect_parity(c, 3e-2);
+}
+
+// float16 compute: reduced in float16 (divided by the world size first), at
+// world 3; and reduced in float32.
+TEST(Fsdp, TrainingInFloat16MatchesWithinFloat16Tolerance) {
+  Config c;
+  c.param_dtype = DP_FLOAT16;
+  c.world = 3;
+  expect_parity(c, 1e-2);
+  c.world = 2;
+  c.reduce_dtype = DP_FLOAT32;
+  expect_parity(c, 1e-2);
+}
+
+// Four ranks for three rows: the last rank's shards are empty, and it
+// still takes part in every all-gather and reduce-scatter.
+TEST(Fsdp, TrainingMatchesWithMoreRanksThanRows) {
+  Config c;
+  c.world = 4;
+  expect_parity(c, 2e-5);
 }
 
 TEST(Fsdp, TrainingMatchesAtWorldSizeOne) {
@@ -1057,6 +1107,20 @@ TEST(CudaFsdp, TrainingMatchesOnTheGpusOverNccl) {
   c.param_dtype = DP_BFLOAT16;
   c.micro_batches = 2;
   expect_parity(c, 3e-2);
+  // float16, reduced in float32; then ZeRO-2; then an empty shard where
+  // four GPUs make four ranks for three rows.
+  c.param_dtype = DP_FLOAT16;
+  c.reduce_dtype = DP_FLOAT32;
+  c.micro_batches = 1;
+  expect_parity(c, 1e-2);
+  c.param_dtype = -1;
+  c.reduce_dtype = -1;
+  c.reshard_after_forward = 0;
+  expect_parity(c, 2e-5);
+  if (dptest::cuda_count() >= 3) {
+    c.world = std::min(dptest::cuda_count(), 4);
+    expect_parity(c, 2e-5);
+  }
 }
 
 // On 2 GPUs: rank 1 queues none of its transfers after the call headers

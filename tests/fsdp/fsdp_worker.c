@@ -27,7 +27,8 @@
 #define STEPS 4
 #define LR 0.2
 
-static int g_views; /* the scenario's full_params_as_views */
+static int g_views;                             /* the scenario's full_params_as_views */
+static dp_device g_device = {DP_DEVICE_CPU, 0}; /* where the toy's tensors live */
 
 static const char *const kWeights[4] = {"linears.0.weight", "linears.1.weight", "linears.2.weight", "proj.weight"};
 
@@ -107,7 +108,7 @@ static void toy_create(Toy *toy, float skew, dp_process_group *pg) {
     dp_tensor *w = NULL;
     for (int k = 0; k < DIM * DIM; ++k) v[k] = initial(l, k, skew);
     CHECK_OK(dp_module_create(&toy->layer[l]));
-    CHECK_OK(dp_tensor_create(&w, DP_FLOAT32, 2, shape, (dp_device){DP_DEVICE_CPU, 0}));
+    CHECK_OK(dp_tensor_create(&w, DP_FLOAT32, 2, shape, g_device));
     CHECK_OK(dp_tensor_copy_from_host(w, v, sizeof v));
     CHECK_OK(dp_module_register_parameter(toy->layer[l], "weight", w, 1));
     dp_tensor_destroy(w);
@@ -332,15 +333,17 @@ typedef struct Scenario {
   int32_t backend;
   int timeout_ms;
   int views; /* full_params_as_views for the linears */
+  int cuda;  /* rank r's tensors on cuda:LOCAL_RANK; exits 77 without a GPU per rank */
 } Scenario;
 
 static const Scenario kScenarios[] = {
-    {"toy", toy, DP_BACKEND_AUTO, 60000, 0},
-    {"toy_gloo", toy, DP_BACKEND_GLOO, 60000, 0},
-    {"toy_views", toy, DP_BACKEND_SHM, 60000, 1},
-    {"toy_gloo_views", toy, DP_BACKEND_GLOO, 60000, 1},
-    {"peer_exits", peer_exits, DP_BACKEND_GLOO, 3000, 0},
-    {"peer_exits_views", peer_exits, DP_BACKEND_SHM, 3000, 1},
+    {"toy", toy, DP_BACKEND_AUTO, 60000, 0, 0},
+    {"toy_gloo", toy, DP_BACKEND_GLOO, 60000, 0, 0},
+    {"toy_views", toy, DP_BACKEND_SHM, 60000, 1, 0},
+    {"toy_gloo_views", toy, DP_BACKEND_GLOO, 60000, 1, 0},
+    {"peer_exits", peer_exits, DP_BACKEND_GLOO, 3000, 0, 0},
+    {"peer_exits_views", peer_exits, DP_BACKEND_SHM, 3000, 1, 0},
+    {"toy_nccl", toy, DP_BACKEND_NCCL, 60000, 0, 1},
 };
 
 int main(int argc, char **argv) {
@@ -354,7 +357,8 @@ int main(int argc, char **argv) {
   }
   if (scenario == NULL) {
     fprintf(stderr,
-            "usage: fsdp_worker toy|toy_gloo|toy_views|toy_gloo_views|peer_exits|peer_exits_views (under dp-run); "
+            "usage: fsdp_worker toy|toy_gloo|toy_views|toy_gloo_views|peer_exits|peer_exits_views|toy_nccl (under "
+            "dp-run); "
             "unknown '%s'\n",
             argc >= 2 ? argv[1] : "");
     return 2;
@@ -366,8 +370,19 @@ int main(int argc, char **argv) {
     fprintf(stderr, "rank %d: WORLD_SIZE must be 1..%d\n", g_rank, MAX_ROWS / ROWS_PER_RANK);
     return 2;
   }
+  if (scenario->cuda) {
+    const char *local_text = getenv("LOCAL_RANK");
+    int32_t gpus = 0;
+    if (dp_device_count(DP_DEVICE_CUDA, &gpus) != DP_OK) gpus = 0;
+    if (gpus < g_world) {
+      printf("rank %d: needs %d GPU(s), found %d\n", g_rank, g_world, (int)gpus);
+      return 77;
+    }
+    g_device = (dp_device){DP_DEVICE_CUDA, local_text != NULL ? atoi(local_text) : g_rank};
+  }
   opts.backend = scenario->backend;
   opts.timeout_ms = scenario->timeout_ms;
+  opts.device = g_device;
   g_views = scenario->views;
   if (dp_process_group_create_from_env(&pg, &opts) != DP_OK) {
     fprintf(stderr, "rank %d: group create failed: %s\n", g_rank, dp_last_error());

@@ -4,10 +4,12 @@
 # Builds (Release, CUDA and NCCL on, for the GPUs present: CUDA_ARCHS
 # overrides) into build/gpu, runs every
 # CUDA/NCCL test (fully_shard's queued NCCL collectives among them:
-# CudaFsdp.*, CudaStreamOrder.Fsdp*; with 2+ GPUs, every NCCL group also runs
-# its control communicator, and CudaFsdp.BlockingUnshardsOnTwoGpus* pins
-# that headers and rounds never wait for a held host stream), checks that each rank of a multi-process NCCL run has a
-# context on its own GPU only, runs the GPU tests under compute-sanitizer
+# CudaFsdp.*, CudaStreamOrder.Fsdp*, and with 2+ GPUs
+# FsdpProcesses.CudaToyModelTrainsLikeOneProcessOverNccl, one process per
+# GPU; with 2+ GPUs, every NCCL group also runs its control communicator,
+# and CudaFsdp.BlockingUnshardsOnTwoGpus* pins that headers and rounds never
+# wait for a held host stream), checks that each rank of a multi-process
+# NCCL run has a context on its own GPU only, runs the GPU tests under compute-sanitizer
 # (memcheck, racecheck, synccheck), times a misaligned batched copy, copies
 # pitched rows between GPUs, then the GPU benchmarks and dp-train on the GPUs.
 # Fails if a step fails, or if a GPU test skipped for a reason other than
