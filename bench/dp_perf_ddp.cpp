@@ -28,6 +28,9 @@
 //                   (--overlap 0: no prefetch, each post_backward waited for
 //                   at once: one layer unsharded at a time; --views 1: the
 //                   full parameters as views of the shards, shared memory)
+//   fsdp_views      (dp-perf fsdp, or when asked for) fsdp with
+//                   full_params_as_views (views on a shared-memory group,
+//                   copies elsewhere), in the same run
 //   ddp_join        (only when asked for) ddp steps where the last rank runs
 //                   out of data halfway and calls dp_ddp_join while the
 //                   others go on: rank 0's own step times (no barrier, a
@@ -387,8 +390,14 @@ int run(const Options& o) {
   // as a host that loads a checkpoint would; the resident peak over the
   // timed steps, less the resident size before the model, is what the
   // sharded model costs this rank.
-  double fsdp_peak_mib = -1, fsdp_rss_mib = -1, fsdp_unshard_wait_ms = 0, fsdp_reduce_wait_ms = 0;
-  if (wants("fsdp")) {
+  struct FsdpFigures {
+    double peak_mib = -1, rss_mib = -1, unshard_wait_ms = 0, reduce_wait_ms = 0;
+    int views = 0;
+  };
+  std::vector<std::pair<std::string, FsdpFigures>> fsdp_figures;
+  auto run_fsdp = [&](const char* mode, int views) {
+    FsdpFigures figures;
+    figures.views = views;
     const dp_device cpu0{DP_DEVICE_CPU, 0};
     auto allocated = [&](bool peak) {
       dp_memory_stats stats{};
@@ -427,7 +436,7 @@ int run(const Options& o) {
     dp_fsdp_options fopts;
     fail_on(dp_fsdp_options_init(&fopts, sizeof fopts), "dp_fsdp_options_init");
     fopts.reshard_after_forward = o.reshard_after_forward;
-    fopts.full_params_as_views = o.views;
+    fopts.full_params_as_views = views;
     for (int l = 0; l < L; ++l) fail_on(dp_fsdp_create(&fsdp[l], layers[l], pg, &fopts), "dp_fsdp_create");
     host_weights = {};  // the slots hold the shards now
     std::vector<float*> w(L), b(L), gw(L), gb(L);
@@ -501,18 +510,21 @@ int run(const Options& o) {
       }
       fail_on(dp_module_zero_grad(model), "dp_module_zero_grad");
     };
-    report("fsdp", measure(pg, o, fsdp_step, [&] {
+    report(mode, measure(pg, o, fsdp_step, [&] {
              reset_peak();
              fail_on(dp_device_reset_peak_memory(cpu0), "dp_device_reset_peak_memory");
            }));
-    fsdp_peak_mib = (allocated(true) - in_use_before) / 1048576.0;
-    fsdp_unshard_wait_ms = fsdp_waits.unshard * 1e3 / o.steps;
-    fsdp_reduce_wait_ms = fsdp_waits.reduce * 1e3 / o.steps;
-    fsdp_rss_mib = static_cast<double>(status_kib("VmHWM:") - rss_model) / 1024.0;
+    figures.peak_mib = (allocated(true) - in_use_before) / 1048576.0;
+    figures.unshard_wait_ms = fsdp_waits.unshard * 1e3 / o.steps;
+    figures.reduce_wait_ms = fsdp_waits.reduce * 1e3 / o.steps;
+    figures.rss_mib = static_cast<double>(status_kib("VmHWM:") - rss_model) / 1024.0;
     for (dp_fsdp* f : fsdp) dp_fsdp_destroy(f);
     for (dp_module* m : layers) dp_module_destroy(m);
     dp_module_destroy(model);
-  }
+    fsdp_figures.emplace_back(mode, figures);
+  };
+  if (wants("fsdp")) run_fsdp("fsdp", o.views);
+  if (wants("fsdp_views")) run_fsdp("fsdp_views", 1);
 
   // The DDP model: a dp_module whose parameters are library tensors; its
   // gradients are left to the reducer (with gradient_as_bucket_view they are
@@ -704,28 +716,27 @@ int run(const Options& o) {
       }
       std::printf("; rank 0's dp_ddp_join returned after %.2f ms\n", join_ms);
     }
-    const Timing* fsdp = find("fsdp");
-    if (fsdp_peak_mib >= 0) {
+    for (const auto& [mode, figures] : fsdp_figures) {
+      const Timing* fsdp = find(mode.c_str());
       const double unsharded = static_cast<double>(nparams) * 2 * 4 / 1048576.0;
       std::printf(
-          "# fsdp memory: %.1f MiB of parameters+gradients per rank vs %.1f MiB unsharded (ratio %.2f): rank 0's "
-          "allocator peak in use over the timed fsdp steps (shards, their gradients, and what the layers unsharded "
+          "# %s memory: %.1f MiB of parameters+gradients per rank vs %.1f MiB unsharded (ratio %.2f): rank 0's "
+          "allocator peak in use over the timed %s steps (shards, their gradients, and what the layers unsharded "
           "at once hold) against the unsharded parameters and gradients; its resident peak grew %.1f MiB (freed "
           "blocks stay cached, DP_CACHE_LIMIT_MB=%s)\n",
-          fsdp_peak_mib, unsharded, fsdp_peak_mib / unsharded, fsdp_rss_mib,
+          mode.c_str(), figures.peak_mib, unsharded, figures.peak_mib / unsharded, mode.c_str(), figures.rss_mib,
           std::getenv("DP_CACHE_LIMIT_MB") != nullptr ? std::getenv("DP_CACHE_LIMIT_MB") : "default");
-    }
-    if (fsdp != nullptr && ddp != nullptr) {
+      if (fsdp != nullptr && ddp != nullptr) {
+        std::printf(
+            "# %s step: %.2f ms vs ddp %.2f ms (ratio %.2f; reshard_after_forward=%d, %s, full_params_as_views=%d)\n",
+            mode.c_str(), fsdp->median * 1e3, ddp->median * 1e3, fsdp->median / ddp->median, o.reshard_after_forward,
+            o.overlap != 0 ? "next layer prefetched" : "one layer unsharded at a time, reduce_scatters waited",
+            figures.views);
+      }
       std::printf(
-          "# fsdp step: %.2f ms vs ddp %.2f ms (ratio %.2f; reshard_after_forward=%d, %s, full_params_as_views=%d)\n",
-          fsdp->median * 1e3, ddp->median * 1e3, fsdp->median / ddp->median, o.reshard_after_forward,
-          o.overlap != 0 ? "next layer prefetched" : "one layer unsharded at a time, reduce_scatters waited", o.views);
-    }
-    if (fsdp != nullptr) {
-      std::printf(
-          "# fsdp waits (rank 0, mean per timed step): %.2f ms for unshards (blocking, or a prefetch not yet done), "
+          "# %s waits (rank 0, mean per timed step): %.2f ms for unshards (blocking, or a prefetch not yet done), "
           "%.2f ms in dp_fsdp_finish_backward\n",
-          fsdp_unshard_wait_ms, fsdp_reduce_wait_ms);
+          mode.c_str(), figures.unshard_wait_ms, figures.reduce_wait_ms);
     }
     if (hidden_share >= 0) {
       std::printf(
@@ -766,8 +777,9 @@ int run(const Options& o) {
 
 int dp_perf_ddp_main(int argc, char** argv) {
   Options o;
-  // dp-perf fsdp: the same model sharded, beside the local and ddp steps.
-  if (argc > 0 && std::string(argv[0]) == "fsdp") o.modes = {"local", "fsdp", "ddp"};
+  // dp-perf fsdp: the same model sharded, with copies and with views of the
+  // shards, beside the local and ddp steps.
+  if (argc > 0 && std::string(argv[0]) == "fsdp") o.modes = {"local", "fsdp", "fsdp_views", "ddp"};
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
@@ -813,13 +825,15 @@ int dp_perf_ddp_main(int argc, char** argv) {
         std::stringstream list(v);
         for (std::string mode; std::getline(list, mode, ',');) {
           if (mode != "local" && mode != "ddp_no_sync" && mode != "ddp" && mode != "allreduce_only" &&
-              mode != "ddp_join" && mode != "fsdp") {
-            perf::bad_value(a, v, "a comma-separated list of local, ddp_no_sync, ddp, allreduce_only, ddp_join, fsdp");
+              mode != "ddp_join" && mode != "fsdp" && mode != "fsdp_views") {
+            perf::bad_value(
+                a, v, "a comma-separated list of local, ddp_no_sync, ddp, allreduce_only, ddp_join, fsdp, fsdp_views");
           }
           o.modes.push_back(mode);
         }
         if (o.modes.empty()) {
-          perf::bad_value(a, v, "a comma-separated list of local, ddp_no_sync, ddp, allreduce_only, ddp_join, fsdp");
+          perf::bad_value(
+              a, v, "a comma-separated list of local, ddp_no_sync, ddp, allreduce_only, ddp_join, fsdp, fsdp_views");
         }
       } else {
         throw perf::UsageError("unknown option " + a);
@@ -840,10 +854,10 @@ int dp_perf_ddp_main(int argc, char** argv) {
                  "usage: dp-run -n 2 dp-perf ddp [--layers 10] [--width 1024] [--batch 32] [--steps 41] [--warmup 5]\n"
                  "       [--bucket-cap-mb 25] [--first-bucket-cap-mb 1] [--grad-as-bucket-view]\n"
                  "       [--optim-in-backward] [--static-graph]\n"
-                 "       [--modes local,ddp_no_sync,ddp,allreduce_only,ddp_join,fsdp]\n"
+                 "       [--modes local,ddp_no_sync,ddp,allreduce_only,ddp_join,fsdp,fsdp_views]\n"
                  "usage: dp-run -n 2 dp-perf fsdp [the same options] [--reshard-after-forward 1] [--overlap 1] "
                  "[--views 0]: --modes "
-                 "local,fsdp,ddp\n");
+                 "local,fsdp,fsdp_views,ddp\n");
     return 2;
   }
   try {
