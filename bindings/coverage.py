@@ -10,8 +10,8 @@ A language wraps `dp_NAME` when its sources call it:
   go            C.dpgo_NAME( in the package's .go files (not its tests), or
                 a->NAME( in its C side.
 The fields of the option and statistics structs (STRUCTS below) count too:
-a language uses FIELD when its sources (as above; for Rust, not sys.rs)
-name `.FIELD` or `->FIELD`, so an option appended to a struct is set by every binding.
+a language uses FIELD of dp_STRUCT when one of its source files (as above;
+for Rust, not sys.rs) names dp_STRUCT and `.FIELD` or `->FIELD`, so an option appended to a struct is set by every binding.
 bindings/EXCLUDED.md lists, under a heading per language, the entry points
 and fields that language leaves out on purpose, each with its reason:
   ## Java
@@ -54,12 +54,15 @@ def fields(root):
         body = text[text.index("{", start) + 1: text.index("} " + struct + ";", start)]
         body = re.sub(r"/\*.*?\*/|//[^\n]*", "", body, flags=re.S)
         names = re.findall(r"(\w+)\s*(?:\[[^\]]*\])?\s*;", body)
+        if len(names) != body.count(";"):
+            raise ValueError(f"{header}: {struct} has {body.count(';')} members but {len(names)} were read")
         found += [f"{struct[3:]}.{name}" for name in names if name != "struct_size"]
     return found
 
 
 def read_all(paths):
-    return "\n".join(p.read_text(errors="replace") for p in paths if p.is_file())
+    """Each file's text."""
+    return [p.read_text(errors="replace") for p in paths if p.is_file()]
 
 
 def sources(root):
@@ -74,9 +77,12 @@ def sources(root):
     }
 
 
-def wraps(language, text, name):
-    if "." in name:  # a struct field: named as a member
-        return re.search(r"(\.|->)\s*" + name.split(".", 1)[1] + r"\b", text) is not None
+def wraps(language, files, name):
+    if "." in name:  # a struct field: a member access in a file that names the struct
+        struct, field = name.split(".", 1)
+        return any(re.search(r"\bdp_" + struct + r"\b", text) and re.search(r"(\.|->)\s*" + field + r"\b", text)
+                   for text in files)
+    text = "\n".join(files)
     if language in ("java", "csharp"):
         pattern = r"\bdp_" + name + r"\s*\("
     elif language == "rust":
@@ -122,7 +128,12 @@ def main():
         print(f"coverage: read only {len(entry_points)} slots from dp_api.h; the parser is out of date",
               file=sys.stderr)
         return 2
-    struct_fields = fields(args.root) + [f.removeprefix("dp_") for f in args.extra_field]
+    try:
+        struct_fields = fields(args.root)
+    except ValueError as e:
+        print(f"coverage: {e}; the parser is out of date", file=sys.stderr)
+        return 2
+    struct_fields += [f[3:] if f.startswith("dp_") else f for f in args.extra_field]
     if len(struct_fields) < 30:
         print(f"coverage: read only {len(struct_fields)} struct fields; the parser is out of date", file=sys.stderr)
         return 2

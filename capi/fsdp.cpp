@@ -1,5 +1,7 @@
 // dp_fsdp.h: fully_shard.
 #include <cstring>
+#include <optional>
+#include <vector>
 
 #include "capi/dist_internal.h"
 #include "ddp/reducer.h"
@@ -18,6 +20,13 @@ struct dp_fsdp {
 };
 
 namespace {
+
+// A group's own transfer stream (NCCL's) reads the host's tensors in the
+// gathers and broadcasts of create, destroy and the saves: it waits for the
+// host's streams too, as the library stream does.
+void order_transfers(StreamOrder& order, const dist::ProcessGroup& group) {
+  if (void* transfers = group.transfer_stream()) order.also_order(group.device(), transfers);
+}
 
 // Why a dp_fsdp call cannot run on this thread (a DDP comm hook or
 // on_bucket_reduced, on the lane it would wait for), or "".
@@ -86,6 +95,7 @@ dp_status dp_fsdp_create(dp_fsdp** out, dp_module* module, dp_process_group* pg,
   fsdp::ShardingOptions options = options_arg(opts);
   auto handle = std::make_unique<dp_fsdp>();
   StreamOrder order(capi::module_devices(*m, {pg->group->device()}));
+  order_transfers(order, *pg->group);
   handle->sharding = fsdp::FullyShard::create(m, pg->group, options);
   order.finish();
   *out = handle.release();
@@ -183,6 +193,7 @@ dp_status dp_fsdp_save_full_state_dict(dp_module* module, dp_process_group* pg, 
   dist::ProcessGroup& group = capi::group_arg(pg, "pg");
   std::string file = capi::string_arg(path, "path");
   StreamOrder order(capi::module_devices(m, {group.device()}));
+  order_transfers(order, group);
   fsdp::save_full_state_dict(m, group, file);
   order.finish();
   DP_API_END
@@ -204,6 +215,7 @@ dp_status dp_fsdp_save_sharded_state_dict(dp_module* module, dp_process_group* p
   dist::ProcessGroup& group = capi::group_arg(pg, "pg");
   std::string dir = capi::string_arg(folder, "folder");
   StreamOrder order(capi::module_devices(m, {group.device()}));
+  order_transfers(order, group);
   fsdp::save_sharded_state_dict(m, group, dir);
   order.finish();
   DP_API_END
@@ -227,12 +239,21 @@ void dp_fsdp_destroy(dp_fsdp* fsdp) {
     return;
   }
   fsdp->tag = 0;
+  // The gather reads the shards after the host's stream (its optimizer's
+  // last writes), and the host's stream reads the full parameters after it.
+  // Without that order (a failing stream) the teardown still happens.
+  std::optional<StreamOrder> order;
   try {
-    // The gather reads the shards after the host's stream (its optimizer's
-    // last writes), and the host's stream reads the full parameters after it.
-    StreamOrder order({fsdp->sharding->group()->device()});
+    const dist::ProcessGroup& group = *fsdp->sharding->group();
+    order.emplace(std::vector<Device>{group.device()});
+    order_transfers(*order, group);
+  } catch (...) {
+    capi::handle_exception(__func__);
+    order.reset();
+  }
+  try {
     fsdp->sharding->close();
-    order.finish();
+    if (order) order->finish();
   } catch (...) {
     capi::handle_exception(__func__);
   }

@@ -102,10 +102,11 @@
  * dp_fsdp_destroy and the state-dict calls read the shards after the host's
  * stream, and the host's stream follows what they write. A full gradient
  * the host still holds after post_backward may be released at once: its
- * memory is reused only after the queued reduce-scatter has read it. A
- * dp_ddp on the same group still waits on the host for the host's stream
- * to reach each bucket's marks (its bucket copies), so a dp_fsdp call
- * queued behind a bucket on the lane waits for that too.
+ * memory is reused (or, set with dp_module_set_grad over the host's own
+ * memory, its deleter runs) only after the queued reduce-scatter has read
+ * it. A dp_ddp on the same group still waits on the host for the host's
+ * stream to reach each bucket's marks (its bucket copies), so a dp_fsdp
+ * call queued behind a bucket on the lane waits for that too.
  *
  * Memory: on a shared-memory group, with init_sync, the shards live in
  * memory every rank of the group maps, where the other ranks' all-gathers

@@ -38,6 +38,8 @@ size_t cache_limit_bytes() {
 
 size_t round_up(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
+void release_pending_frees() noexcept;
+
 // Freed large blocks of one device, keyed by rounded size.
 class BlockCache {
  public:
@@ -86,22 +88,19 @@ class BlockCache {
   }
 
  private:
-  // Out of memory while blocks of other sizes sit in the cache: they go
-  // back to the device, and the allocation is tried once more.
+  // Out of memory: the blocks freed while a stream still used them are
+  // waited for, every cached block goes back to the device, and the
+  // allocation is tried once more.
   Allocation fresh(size_t rounded) {
     const DeviceRuntime& runtime = device_runtime(device_.type);
     try {
       return runtime.allocate(device_.index, rounded);
     } catch (const Error& e) {
-      if (e.code() != StatusCode::kOutOfMemory || !holds_blocks()) throw;
+      if (e.code() != StatusCode::kOutOfMemory) throw;
     }
+    release_pending_frees();
     release();
     return runtime.allocate(device_.index, rounded);
-  }
-
-  bool holds_blocks() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return !free_.empty();
   }
 
   void unmap(void* p, size_t rounded) noexcept {
@@ -291,6 +290,8 @@ PendingFrees& pending_frees() {
   static PendingFrees* instance = new PendingFrees();  // leaked like the registry
   return *instance;
 }
+
+void release_pending_frees() noexcept { pending_frees().drain(true); }
 
 }  // namespace
 

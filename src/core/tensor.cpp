@@ -1,5 +1,6 @@
 #include "core/tensor.h"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstring>
 #include <limits>
@@ -7,6 +8,7 @@
 #include "core/allocator.h"
 #include "core/device_runtime.h"
 #include "core/error.h"
+#include "core/stream.h"
 
 namespace dparallel {
 
@@ -66,8 +68,19 @@ std::shared_ptr<Storage> Storage::wrap(const Device& device, void* data, size_t 
 }
 
 void Storage::record_use(std::shared_ptr<const Event> used) {
-  if (!from_allocator_ || used == nullptr) return;  // the host's own memory: its deleter decides
+  if (used == nullptr) return;
   std::lock_guard<std::mutex> lock(uses_mutex_);
+  // Uses already passed are dropped, so memory the host keeps for many
+  // steps holds only those still in flight.
+  uses_.erase(std::remove_if(uses_.begin(), uses_.end(),
+                             [](const std::shared_ptr<const Event>& e) {
+                               try {
+                                 return e->query();
+                               } catch (...) {
+                                 return true;  // a failed device runs nothing more
+                               }
+                             }),
+              uses_.end());
   uses_.push_back(std::move(used));
 }
 
@@ -75,6 +88,12 @@ Storage::~Storage() {
   if (from_allocator_) {
     device_free(device_, data_, nbytes_, std::move(uses_));
   } else if (deleter_) {
+    try {
+      // The host's own memory goes back to it once the queued reads are done.
+      for (const auto& used : uses_) used->synchronize();
+    } catch (...) {
+      // A failed device reads nothing more.
+    }
     try {
       deleter_(data_);
     } catch (...) {

@@ -53,8 +53,9 @@ class Storage {
 
   // Work queued on a stream other than the one the last holder frees on
   // reads this memory until `used` completes: the allocator's free waits
-  // for it too (PyTorch's record_stream). For memory the host may still
-  // hold while a queued job reads it. Thread-safe.
+  // for it too (PyTorch's record_stream), and a wrapped host buffer's
+  // deleter runs only after it. For memory the host may still hold while a
+  // queued job reads it. Thread-safe.
   void record_use(std::shared_ptr<const Event> used);
 
  private:

@@ -1,7 +1,9 @@
 #include "fsdp/fully_shard.h"
 
 #include <algorithm>
+#include <exception>
 #include <limits>
+#include <optional>
 #include <utility>
 
 #include "comm/comm.h"
@@ -924,6 +926,8 @@ std::string FullyShard::grad_refusal(const Parameter& parameter) const {
 void FullyShard::zero_shard_grad(const Parameter& parameter) {
   const size_t index = index_of(&parameter);
   if (index == npos) return;
+  std::exception_ptr failed;
+  bool waited = false;
   {
     // A post_backward in flight adds into the shard gradients: it ends
     // first (as in dp_fsdp_finish_backward, whose error this call then
@@ -933,14 +937,26 @@ void FullyShard::zero_shard_grad(const Parameter& parameter) {
     if (post_job_.issued && !broken_ && !closed_) {
       if (ddp::running_hook().reducer != nullptr) {
         fail(StatusCode::kState, "zeroing the gradient of parameter '", params_[index].name, "': dp_fsdp #", lane_id_,
-             "'s post_backward is in flight, and this call runs inside a dp_ddp callback on the comm lane that "
-             "the post_backward needs; zero the gradients after dp_fsdp_finish_backward");
+             "'s post_backward is in flight, and this call runs inside a dp_ddp callback (which may run on the "
+             "comm lane the post_backward needs); zero the gradients after dp_fsdp_finish_backward");
       }
-      wait_locked(lock, post_job_, "the post-backward reduce_scatter");
+      waited = true;
+      try {
+        wait_locked(lock, post_job_, "the post-backward reduce_scatter");
+      } catch (...) {
+        failed = std::current_exception();  // its writes were followed all the same: zero, then report
+      }
     }
   }
   const Tensor& g = params_[index].shard_grad;
-  fill_zero(g.data(), g.device(), g.nbytes());
+  {
+    // The host's stream now follows the job's writes; the fill, on the
+    // library stream, follows the host's stream again.
+    std::optional<StreamOrder> after_job;
+    if (waited) after_job.emplace(std::vector<Device>{g.device()});
+    fill_zero(g.data(), g.device(), g.nbytes());
+  }
+  if (failed) std::rethrow_exception(failed);
 }
 
 }  // namespace dparallel::fsdp

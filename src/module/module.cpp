@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <exception>
 #include <map>
 #include <tuple>
 
@@ -169,9 +170,15 @@ void Parameter::set_grad(const Tensor& grad) {
 }
 
 void Parameter::zero_grad() {
-  if (auto held = sharding()) held->zero_shard_grad(*this);
+  std::exception_ptr failed;
+  try {
+    if (auto held = sharding()) held->zero_shard_grad(*this);
+  } catch (...) {
+    failed = std::current_exception();  // the full gradient is zeroed all the same
+  }
   Tensor grad = grad_if_allocated();
   if (grad.defined()) fill_zero(grad.data(), grad.device(), grad.nbytes());
+  if (failed) std::rethrow_exception(failed);
 }
 
 Module::~Module() {
@@ -403,7 +410,17 @@ NamedTensorSlot Module::find_tensor(const std::string& dotted_name) const {
 }
 
 void Module::zero_grad() {
-  for (const NamedParameter& p : named_parameters()) p.parameter->zero_grad();
+  // Every gradient is zeroed even when one fails (a dp_fsdp's post_backward
+  // that failed); the first failure is then reported.
+  std::exception_ptr failed;
+  for (const NamedParameter& p : named_parameters()) {
+    try {
+      p.parameter->zero_grad();
+    } catch (...) {
+      if (!failed) failed = std::current_exception();
+    }
+  }
+  if (failed) std::rethrow_exception(failed);
 }
 
 }  // namespace dparallel

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "core/device_runtime.h"
 #include "core/stream.h"
@@ -86,5 +87,51 @@ TEST(DeviceAllocator, AFreedBlockWaitsForTheQueuedUsesRecordedOnItsStorage) {
   one.reset();
   two.reset();
   runtime.destroy_stream(cpu.index, stream);
+  release_cached_memory();
+}
+
+// The host's own memory under a queued use: its deleter runs only once the
+// stream has passed the use, on the thread that dropped the last reference.
+TEST(DeviceAllocator, AWrappedBuffersDeleterWaitsForTheQueuedUses) {
+  const Device cpu{DeviceType::kCpu, 6};
+  const DeviceRuntime& runtime = device_runtime(DeviceType::kCpu);
+  void* stream = runtime.create_stream(cpu.index);
+  std::atomic<bool> open{false}, deleted{false};
+  runtime.launch_host_func(cpu.index, stream, [&open] {
+    while (!open) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  std::vector<float> buffer(16);
+  Storage::Deleter deleter = [&deleted](void*) { deleted = true; };
+  std::shared_ptr<Storage> storage = Storage::wrap(cpu, buffer.data(), buffer.size() * sizeof(float), {});
+  storage->arm(deleter);
+  auto used = std::make_shared<Event>(cpu);
+  used->record(stream);
+  storage->record_use(used);
+  std::thread dropper([&storage] { storage.reset(); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_FALSE(deleted) << "the deleter ran while the stream still read the buffer";
+  open = true;
+  dropper.join();
+  EXPECT_TRUE(deleted);
+  runtime.destroy_stream(cpu.index, stream);
+}
+
+// Uses already passed are dropped as new ones are recorded: memory a host
+// keeps for many steps holds only those still in flight, and its free waits
+// for nothing that is done.
+TEST(DeviceAllocator, PassedUsesAreDroppedAsNewOnesAreRecorded) {
+  const Device cpu{DeviceType::kCpu, 6};
+  std::shared_ptr<Storage> storage = Storage::allocate(cpu, 4 << 20, false);
+  std::weak_ptr<const Event> first;
+  {
+    auto used = std::make_shared<Event>(cpu);
+    used->record(nullptr);  // nothing queued: passed at once
+    first = used;
+    storage->record_use(std::move(used));
+  }
+  EXPECT_FALSE(first.expired());
+  storage->record_use(std::make_shared<Event>(cpu));
+  EXPECT_TRUE(first.expired()) << "a passed use is still held";
+  storage.reset();
   release_cached_memory();
 }
