@@ -121,6 +121,13 @@ std::vector<float> parameter(dp_module* m, const char* name) {
   return p == nullptr ? std::vector<float>{} : read(p);
 }
 
+std::vector<float> parameter_grad(dp_module* m, const char* name) {
+  dp_tensor* g = nullptr;
+  EXPECT_EQ(dp_module_grad(m, name, &g), DP_OK) << dp_last_error();
+  TensorPtr owned(g);
+  return g == nullptr ? std::vector<float>{} : read(g);
+}
+
 std::vector<int64_t> parameter_shape(dp_module* m, const char* name) {
   dp_tensor* p = nullptr;
   EXPECT_EQ(dp_module_get_parameter(m, name, &p), DP_OK) << dp_last_error();
@@ -744,6 +751,44 @@ TEST(Fsdp, ZeroGradWhileAPostBackwardIsInFlightZeroesAfterIt) {
         EXPECT_EQ(read(g), std::vector<float>(rank == 0 ? 6 : 3, rank == 0 ? 0.0f : 2.0f));
       },
       20000);
+}
+
+// A post_backward whose peer never makes its own fails within the group's
+// timeout; dp_module_zero_grad, which waits for it, reports that failure
+// naming it, and still zeroes every gradient of the module: the other
+// layers', and the shard gradient an earlier backward left.
+TEST(Fsdp, ZeroGradReportsAFailedPostBackwardAndStillZeroesEveryGradient) {
+  std::atomic<bool> done{false};
+  run_ranks(
+      2, DP_BACKEND_GLOO,
+      [&](int rank, dp_process_group* pg) {
+        Toy toy(0.0f);
+        FsdpPtr f = fully_shard(toy.layer[0].get(), pg);
+        ASSERT_TRUE(f);
+        // A first backward that both make: the shard gradient is not zero.
+        ASSERT_EQ(dp_fsdp_unshard(f.get(), 0), DP_OK) << dp_last_error();
+        add_grad(toy.root.get(), kWeights[0], std::vector<float>(9, 1.0f));
+        ASSERT_EQ(dp_fsdp_post_backward(f.get()), DP_OK) << dp_last_error();
+        ASSERT_EQ(dp_fsdp_finish_backward(f.get()), DP_OK) << dp_last_error();
+        ASSERT_EQ(dp_fsdp_unshard(f.get(), 0), DP_OK) << dp_last_error();
+        if (rank == 1) {
+          while (!done) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          return;
+        }
+        add_grad(toy.root.get(), kWeights[0], std::vector<float>(9, 2.0f));
+        add_grad(toy.root.get(), kWeights[1], std::vector<float>(9, 3.0f));
+        ASSERT_EQ(dp_fsdp_post_backward(f.get()), DP_OK) << dp_last_error();
+        EXPECT_EQ(dp_module_zero_grad(toy.root.get()), DP_ETIMEOUT);
+        const std::string error = dp_last_error();
+        EXPECT_NE(error.find("the post-backward reduce_scatter of dp_fsdp #"), std::string::npos) << error;
+        EXPECT_EQ(parameter_grad(toy.root.get(), kWeights[1]), std::vector<float>(9, 0.0f));
+        dp_tensor* g = nullptr;
+        ASSERT_EQ(dp_fsdp_shard_grad(f.get(), 0, &g), DP_OK);
+        TensorPtr owned(g);
+        EXPECT_EQ(read(g), std::vector<float>(6, 0.0f));
+        done = true;
+      },
+      1000);
 }
 
 // dp_fsdp_destroy gathers the shards after the host's current stream: a
