@@ -38,7 +38,7 @@ size_t cache_limit_bytes() {
 
 size_t round_up(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
-void release_pending_frees() noexcept;
+void release_pending_frees(const Device& device) noexcept;
 
 // Freed large blocks of one device, keyed by rounded size.
 class BlockCache {
@@ -98,7 +98,7 @@ class BlockCache {
     } catch (const Error& e) {
       if (e.code() != StatusCode::kOutOfMemory) throw;
     }
-    release_pending_frees();
+    release_pending_frees(device_);
     release();
     return runtime.allocate(device_.index, rounded);
   }
@@ -208,6 +208,26 @@ class PendingFrees {
     release(due, all);
   }
 
+  // Waits for the blocks of `device` and releases them (out of memory
+  // there: another device's blocks would not help, and its streams may
+  // wait for this thread).
+  void drain_device(const Device& device) {
+    std::deque<Block> due;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (auto it = blocks_.begin(); it != blocks_.end();) {
+        if (it->device == device) {
+          due.push_back(std::move(*it));
+          it = blocks_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      any_.store(!blocks_.empty(), std::memory_order_relaxed);
+    }
+    release(due, true);
+  }
+
  private:
   struct Block {
     Device device;
@@ -291,7 +311,13 @@ PendingFrees& pending_frees() {
   return *instance;
 }
 
-void release_pending_frees() noexcept { pending_frees().drain(true); }
+void release_pending_frees(const Device& device) noexcept {
+  try {
+    pending_frees().drain_device(device);
+  } catch (...) {
+    // No memory even for the list of blocks: the retry fails as it would.
+  }
+}
 
 }  // namespace
 
