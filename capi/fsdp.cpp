@@ -248,8 +248,7 @@ void dp_fsdp_destroy(dp_fsdp* fsdp) {
     order.emplace(std::vector<Device>{group.device()});
     order_transfers(*order, group);
   } catch (...) {
-    capi::handle_exception(__func__);
-    order.reset();
+    capi::handle_exception(__func__);  // whatever order was made is kept
   }
   try {
     fsdp->sharding->close();

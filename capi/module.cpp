@@ -151,7 +151,17 @@ dp_status dp_module_zero_grad(dp_module* module) {
   DP_API_BEGIN
   Module& m = *capi::module_arg(module, "module");
   StreamOrder order(capi::module_devices(m));
-  m.zero_grad();
+  try {
+    m.zero_grad();
+  } catch (...) {
+    // The gradients were zeroed all the same (one failure is reported):
+    // the host's stream follows the fills before the error goes back.
+    try {
+      order.finish();
+    } catch (...) {
+    }
+    throw;
+  }
   order.finish();
   DP_API_END
 }

@@ -215,13 +215,17 @@ class PendingFrees {
     std::deque<Block> due;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      for (auto it = blocks_.begin(); it != blocks_.end();) {
-        if (it->device == device) {
-          due.push_back(std::move(*it));
-          it = blocks_.erase(it);
-        } else {
-          ++it;
+      try {
+        for (auto it = blocks_.begin(); it != blocks_.end();) {
+          if (it->device == device) {
+            due.push_back(std::move(*it));  // on a throw, nothing moved: the block stays listed
+            it = blocks_.erase(it);
+          } else {
+            ++it;
+          }
         }
+      } catch (...) {
+        // Out of memory for the list: release those taken so far.
       }
       any_.store(!blocks_.empty(), std::memory_order_relaxed);
     }

@@ -944,7 +944,11 @@ void FullyShard::zero_shard_grad(const Parameter& parameter) {
       try {
         wait_locked(lock, post_job_, "the post-backward reduce_scatter");
       } catch (...) {
-        failed = std::current_exception();  // its writes were followed all the same: zero, then report
+        // Ended with an error: its writes were followed all the same, so
+        // zero, then report. Not ended (this wait gave up, the dp_fsdp is
+        // broken): it may still write, so the gradients stay as they are.
+        if (broken_) throw;
+        failed = std::current_exception();
       }
     }
   }

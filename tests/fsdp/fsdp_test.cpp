@@ -775,6 +775,11 @@ TEST(Fsdp, ZeroGradReportsAFailedPostBackwardAndStillZeroesEveryGradient) {
           while (!done) std::this_thread::sleep_for(std::chrono::milliseconds(10));
           return;
         }
+        // Rank 1 waits for this however rank 0's checks end.
+        struct Done {
+          std::atomic<bool>& flag;
+          ~Done() { flag = true; }
+        } release_rank_1{done};
         add_grad(toy.root.get(), kWeights[0], std::vector<float>(9, 2.0f));
         add_grad(toy.root.get(), kWeights[1], std::vector<float>(9, 3.0f));
         ASSERT_EQ(dp_fsdp_post_backward(f.get()), DP_OK) << dp_last_error();
@@ -786,7 +791,6 @@ TEST(Fsdp, ZeroGradReportsAFailedPostBackwardAndStillZeroesEveryGradient) {
         ASSERT_EQ(dp_fsdp_shard_grad(f.get(), 0, &g), DP_OK);
         TensorPtr owned(g);
         EXPECT_EQ(read(g), std::vector<float>(6, 0.0f));
-        done = true;
       },
       1000);
 }
