@@ -111,7 +111,9 @@ TEST(QueuedWatch, APassedDeadlineReportsTheOldestCollectiveOnceAndReleasesEveryE
   QueuedWatch watch(device.hooks(), 1ms);
   watch.add(device.event(1), QueuedWatch::Clock::now() + 30ms, "all_gather #7");
   watch.add(device.event(2), QueuedWatch::Clock::now() + kFar, "reduce_scatter #8");
-  ASSERT_TRUE(eventually([&] { return watch.failed(); }));
+  // failed() turns true first; the failure is reported and the events
+  // released after it, on the watch's thread: wait for the last of those.
+  ASSERT_TRUE(eventually([&] { return watch.failed() && device.released_count(2) == 1; }));
   ASSERT_EQ(device.failure_count(), 1u);
   {
     std::lock_guard<std::mutex> lock(device.mutex);
@@ -134,8 +136,8 @@ TEST(QueuedWatch, AnAsynchronousErrorFailsLongBeforeTheDeadline) {
   watch.add(device.event(1), QueuedWatch::Clock::now() + kFar, "all_gather #1");
   std::this_thread::sleep_for(10ms);
   EXPECT_FALSE(watch.failed());
-  device.async_error = 6;  // ncclRemoteError
-  ASSERT_TRUE(eventually([&] { return watch.failed(); }));
+  device.async_error = 6;                                                                    // ncclRemoteError
+  ASSERT_TRUE(eventually([&] { return watch.failed() && device.released_count(1) == 1; }));  // as above
   std::lock_guard<std::mutex> lock(device.mutex);
   ASSERT_EQ(device.failures.size(), 1u);
   EXPECT_EQ(device.failures[0].kind, QueuedWatch::Failure::Kind::kAsyncError);
@@ -148,7 +150,7 @@ TEST(QueuedWatch, AnEventThatFailsOnTheDeviceIsReportedWithItsCode) {
   QueuedWatch watch(device.hooks(), 1ms);
   watch.add(device.event(1, QueuedWatch::kDone), QueuedWatch::Clock::now() + kFar, "broadcast #1");
   watch.add(device.event(2, 700), QueuedWatch::Clock::now() + kFar, "all_reduce #2");
-  ASSERT_TRUE(eventually([&] { return watch.failed(); }));
+  ASSERT_TRUE(eventually([&] { return watch.failed() && device.released_count(2) == 1; }));  // as above
   std::lock_guard<std::mutex> lock(device.mutex);
   ASSERT_EQ(device.failures.size(), 1u);
   EXPECT_EQ(device.failures[0].kind, QueuedWatch::Failure::Kind::kEventError);
