@@ -99,6 +99,9 @@ class FullyShard final : public ddp::LaneOwner,
   // Parameter `index`'s full value in its own dtype, gathered from every
   // rank (collective, on the lane).
   std::vector<Tensor> gather_full_values();
+  // Runs `fn` on the lane as this dp_fsdp's next job, tagged `item`: the
+  // collectives of a state dict's save or load, which every rank makes.
+  void call_on_lane(dist::CallItem item, const std::function<void()>& fn);
   // Which parameter (index) holds `parameter`, or npos.
   size_t index_of(const Parameter* parameter) const;
   static constexpr size_t npos = ~size_t(0);
