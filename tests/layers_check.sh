@@ -28,6 +28,7 @@ src/distributed/nccl/       core/ comm/ backend/cuda/ distributed/nccl/ distribu
 src/ddp/                    core/ comm/ module/ distributed/ backend/cuda/cuda_backend.h ddp/
 src/fsdp/                   core/ comm/ module/ distributed/ ddp/ fsdp/
 capi/                       core/ comm/ module/ parallel/ distributed/ ddp/ fsdp/ backend/cpu/cpu_streams.h dparallel/ capi/
+include/dparallel/          dparallel/
 bench/                      dparallel/ *
 tools/                      dparallel/ *
 examples/                   dparallel/ *
@@ -44,9 +45,9 @@ src/distributed/nccl/nccl_ops.h         distributed/collective.h        ReduceOp
 '
 
 if [ -d .git ] || [ -f .git ]; then
-  files=$(git ls-files src capi bench tools examples bindings)
+  files=$(git ls-files include src capi bench tools examples bindings)
 else
-  files=$(find src capi bench tools examples bindings -type f)
+  files=$(find include src capi bench tools examples bindings -type f)
 fi
 files=$(printf '%s\n' $files | grep -E '\.(c|h|cc|cpp|hpp|cu|cuh)$' || true)
 [ -n "$files" ] || { echo "error: no sources under $root" >&2; exit 1; }
