@@ -49,6 +49,7 @@ if [ -d .git ] || [ -f .git ]; then
 else
   files=$(find include src capi bench tools examples bindings -type f)
 fi
+# shellcheck disable=SC2086 # one path a word
 files=$(printf '%s\n' $files | grep -E '\.(c|h|cc|cpp|hpp|cu|cuh)$' || true)
 [ -n "$files" ] || { echo "error: no sources under $root" >&2; exit 1; }
 
