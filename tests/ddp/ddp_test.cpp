@@ -134,6 +134,11 @@ TEST(Ddp, ExportsOfBucketViewGradientsKeepTheirOwnValuesAcrossTheStaticGraphRebu
   for (size_t r = 0; r < 2; ++r) expect_mentions(run, r, {"backend shm", "buckets in a shared region"});
 }
 
+TEST(Ddp, RebuildIntoAFreshSharedRegionPairsWithAJoinedRankStandingInAndKeepsTheExportsValues) {
+  Ranks run = passing("rebuild_exports_join", 2, {"DP_DEBUG=INFO"});
+  for (size_t r = 0; r < 2; ++r) expect_mentions(run, r, {"buckets in a shared region"});
+}
+
 TEST(Ddp, ExportsOfBucketViewGradientsInPrivateBucketsOnGlooKeepTheirOwnValuesAcrossTheRebuild) {
   Ranks run = passing("rebuild_exports", 2, {"DP_SHM=0"});
   for (size_t r = 0; r < 2; ++r) expect_mentions(run, r, {"backend gloo"});

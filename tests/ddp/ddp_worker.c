@@ -987,6 +987,77 @@ static void run_rebuild_exports(dp_process_group *pg, int static_graph) {
 static void rebuild_exports(dp_process_group *pg) { run_rebuild_exports(pg, 0); }
 static void rebuild_exports_static(dp_process_group *pg) { run_rebuild_exports(pg, 1); }
 
+/* Rank 1 joins before any iteration and stands in for rank 0's first
+ * finish, whose rebuild moves every gradient on both ranks (the shared
+ * region's path on each); rank 0 holds an export of each gradient across
+ * it. Rank 0's gradients average with rank 1's zeros; its exports keep
+ * step 0's; after rank 0 joins too, a step on both ranks pairs up. */
+static void rebuild_exports_join(dp_process_group *pg) {
+  static const int order[4] = {0, 3, 1, 2};
+  dp_ddp_options o = DP_DDP_OPTIONS_INIT;
+  dp_module *m = flat_module();
+  dp_ddp *ddp = NULL;
+  DLManagedTensor *exported[4] = {NULL, NULL, NULL, NULL};
+  int p, e, step;
+  o.first_bucket_cap_mb = CAP_MB(400);
+  o.bucket_cap_mb = CAP_MB(1000);
+  o.gradient_as_bucket_view = 1;
+  CHECK_OK(dp_ddp_create(&ddp, m, pg, &o));
+  if (ddp == NULL) exit(1);
+  CHECK_OK(dp_module_zero_grad(m));
+  if (g_rank == 0) {
+    for (step = 0; step < 2; ++step) {
+      CHECK_OK(dp_module_zero_grad(m));
+      flat_backward(m, ddp, order, step);
+      for (p = 0; step == 0 && p < 4; ++p) {
+        dp_tensor *g = NULL;
+        CHECK_OK(dp_module_grad(m, kFlat[p], &g));
+        if (g == NULL) exit(3);
+        CHECK_OK(dp_tensor_to_dlpack(g, &exported[p]));
+        if (exported[p] == NULL) exit(3);
+        dp_tensor_destroy(g);
+      }
+      CHECK_OK(dp_ddp_finish_backward(ddp));
+      for (p = 0; p < 4; ++p) {
+        dp_tensor *g = NULL;
+        const float *d;
+        CHECK_OK(dp_module_grad(m, kFlat[p], &g));
+        if (g == NULL) exit(3);
+        d = (const float *)dp_tensor_data(g);
+        for (e = 0; e < kFlatNumel[p]; ++e) {
+          float want = flat_grad(0, p, e, step) / (float)g_world; /* rank 1 stands in with zeros */
+          if (!close_to(d[e], want, GRAD_RTOL, GRAD_ATOL)) {
+            fprintf(stderr, "rank 0: line %d: step %d: gradient of %s[%d] is %.9g, want %.9g\n", __LINE__, step,
+                    kFlat[p], e, (double)d[e], (double)want);
+            ++g_failures;
+            break;
+          }
+        }
+        dp_tensor_destroy(g);
+        d = (const float *)exported[p]->dl_tensor.data;
+        for (e = 0; e < kFlatNumel[p]; ++e) {
+          float want = flat_grad(0, p, e, 0) / (float)g_world;
+          if (!close_to(d[e], want, GRAD_RTOL, GRAD_ATOL)) {
+            fprintf(stderr, "rank 0: line %d: step %d: the export of %s[%d] is %.9g, want step 0's %.9g\n", __LINE__,
+                    step, kFlat[p], e, (double)d[e], (double)want);
+            ++g_failures;
+            break;
+          }
+        }
+      }
+    }
+  }
+  CHECK_OK(dp_ddp_join(&ddp, 1));
+  EXPECT_PLAN("rebuilt in rank 0's order, the joined rank's too", ddp, "{0},{3,1},{2}");
+  CHECK_OK(dp_module_zero_grad(m));
+  flat_backward(m, ddp, order, 2);
+  CHECK_OK(dp_ddp_finish_backward(ddp));
+  expect_flat_average(__LINE__, m, 2);
+  for (p = 0; g_rank == 0 && p < 4; ++p) exported[p]->deleter(exported[p]);
+  dp_ddp_destroy(ddp);
+  dp_module_destroy(m);
+}
+
 /* Two backwards without sync accumulate locally (rank 0 runs a third, which
  * no communication could pair), then a synced one reduces the sums. */
 static void no_sync(dp_process_group *pg) {
@@ -1492,6 +1563,7 @@ static const Scenario kScenarios[] = {
     {"rebuild_view", rebuild_view, 60000},
     {"rebuild_exports", rebuild_exports, 60000},
     {"rebuild_exports_static", rebuild_exports_static, 60000},
+    {"rebuild_exports_join", rebuild_exports_join, 60000},
     {"no_sync", no_sync, 60000},
     {"unused_error", unused_error, 60000},
     {"unused_error_buckets", unused_error_buckets, 60000},
