@@ -53,7 +53,11 @@
  * gradient allocated or set before keeps its values in its new place) and
  * at that rebuild if the plan changed (dp_ddp_last_stats says so for that
  * iteration only). A handle from dp_module_grad follows the move; a pointer
- * taken from dp_tensor_data before it does not. On a shared-memory group
+ * taken from dp_tensor_data before it does not. A DLPack export of a
+ * gradient (or a tensor made from one) taken before the move keeps the old
+ * memory, with the values the gradient had at the move: the library never
+ * writes it again, and the memory goes when the last of them does (the
+ * new buckets never reuse it). On a shared-memory group
  * (with init_sync) the buckets, so the gradients too, lie in memory every
  * rank of the group maps, so that a reduction reads the other ranks'
  * gradients where they are.

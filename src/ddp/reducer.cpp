@@ -366,8 +366,30 @@ void Reducer::run_ready_order() {
     }
     order.push_back(static_cast<size_t>(v));
   }
+  // A plan that changes gets a fresh region (the rebuild never re-lays the
+  // old one): made here, where every rank runs this job, from what every
+  // rank holds alike (the region's existence, the plan, rank 0's order).
+  bool fresh_region = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (region_storage_ != nullptr) {
+      std::vector<std::vector<size_t>> current;
+      for (const Bucket& b : buckets_) current.push_back(b.params);
+      fresh_region = plan_for(order) != current;
+    }
+  }
+  std::shared_ptr<Storage> region;
+  if (fresh_region) {
+    std::string why;
+    region = group_->create_region_storage(bucket_region_bytes(), &why);
+    if (debug_ != DebugLevel::kOff && !why.empty()) {
+      std::fprintf(stderr, "[dparallel ddp rank %d] no shared region for the rebuilt buckets: %s\n", group_->rank(),
+                   why.c_str());
+    }
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   rank0_order_ = std::move(order);
+  next_region_ = std::move(region);
 }
 
 void Reducer::fail_job_locked(JobState& state, StatusCode code, const std::string& why) {
@@ -534,7 +556,7 @@ void Reducer::run_shadow(const JobSpec& spec) {
       // The other ranks rebuild from it at their finish: the same plan here.
       std::lock_guard<std::mutex> lock(mutex_);
       std::vector<size_t> order = std::move(rank0_order_);
-      rebuild(order);
+      rebuild(order, std::move(next_region_));
       return;
     }
     case CallItem::kBuffers:
@@ -677,6 +699,7 @@ void Reducer::reset_iteration_locked() {
   order_job_ = JobState{};
   used_result_.clear();
   rank0_order_.clear();
+  next_region_.reset();
   premarked_.assign(params_.size(), 0);
   premarked_count_ = 0;
   premarked_views_.clear();
@@ -785,13 +808,14 @@ void Reducer::finish_backward() {
   ReducerStats stats = measure_locked(finish_start);
   trace_iteration(finish_start, reduced);
   std::vector<size_t> rank0_order = std::move(rank0_order_);
+  std::shared_ptr<Storage> next_region = std::move(next_region_);
   std::string report_error = std::move(report_error_);
   const bool rebuild_now = order_job_.issued;
   std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
   ready_order_.clear();
   reset_iteration_locked();
   ++iteration_;
-  if (rebuild_now) stats.buckets_rebuilt = rebuild(rank0_order);
+  if (rebuild_now) stats.buckets_rebuilt = rebuild(rank0_order, std::move(next_region));
   stats.num_buckets = buckets_.size();
   stats_ = stats;
   if (debug_ != DebugLevel::kOff) {

@@ -158,6 +158,8 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
   // ranks map, so that a bucket's all_reduce reads theirs where it is. Room
   // for any plan's buckets; none (private buckets) when there is no room.
   void create_bucket_region();
+  // The size create_bucket_region asks for (the same on every rank).
+  size_t bucket_region_bytes() const;
   void create_gradient_region();
   void check_no_overlap() const;
   // Memory a parameter's value or gradient covers.
@@ -176,12 +178,16 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
   void register_managed();
   void unregister_managed();
 
-  // The plan (reducer_plan.cpp).
-  void build_buckets(const std::vector<std::vector<size_t>>& plan);
+  // The plan (reducer_plan.cpp). The buckets go into `region` (null:
+  // private memory), which must be fresh: memory a bucket had may still be
+  // held by the host (a DLPack export of a gradient view), so none is laid
+  // out twice.
+  void build_buckets(const std::vector<std::vector<size_t>>& plan, const std::shared_ptr<Storage>& region);
   std::vector<std::vector<size_t>> plan_for(const std::vector<size_t>& order) const;
   std::vector<PlanParam> plan_params() const;
   // True when the plan changed (with views: the gradients' storage moved).
-  bool rebuild(const std::vector<size_t>& rank0_order);
+  // `region`: the one the ready-order job made for the new buckets, if any.
+  bool rebuild(const std::vector<size_t>& rank0_order, std::shared_ptr<Storage> region);
   Tensor slot_of(size_t index) const;
   // Whether parameter `index`'s gradient is its view into the bucket (the
   // host may have set a gradient of its own since).
@@ -307,7 +313,8 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
   // save of it besides. With on_bucket_reduced each bucket is reported
   // before the next one is reduced.
   bool defer_ = false;
-  // create_bucket_region's memory, which the buckets view.
+  // The region the buckets view (create_bucket_region's, then the
+  // rebuild's); the one before goes once nothing else holds it.
   std::shared_ptr<Storage> region_storage_;
   DebugLevel debug_ = DebugLevel::kOff;
   std::string timeline_path_;
@@ -338,6 +345,9 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
   JobState order_job_;
   std::vector<uint8_t> used_result_;
   std::vector<size_t> rank0_order_;
+  // With the buckets in a region: the fresh one the ready-order job made
+  // (on every rank alike) when the rebuilt plan differs.
+  std::shared_ptr<Storage> next_region_;
   // Whether any rank used each parameter, for the iteration whose results
   // were last delivered; empty before the first.
   std::vector<uint8_t> used_flags_;

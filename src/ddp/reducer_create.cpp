@@ -69,12 +69,12 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
     defer_ = group_->device().type == DeviceType::kCpu && std::string(group_->backend_name()) == "shm" &&
              options_.hook != HookKind::kCustom && !options_.find_unused_parameters;
     if (!given_plan_.empty()) {
-      build_buckets(given_plan_);
+      build_buckets(given_plan_, region_storage_);
       rebuilt_ = true;  // a given plan is final
     } else {
       std::vector<size_t> order(params_.size());
       for (size_t i = 0; i < order.size(); ++i) order[i] = params_.size() - 1 - i;
-      build_buckets(plan_for(order));
+      build_buckets(plan_for(order), region_storage_);
     }
   } catch (...) {
     lane_->detach(this, lane_bound());
@@ -265,10 +265,8 @@ void Reducer::create_bucket_region() {
       std::string(group_->backend_name()) != "shm") {
     return;
   }
-  size_t bytes = kBucketAlign;
-  for (const Managed& m : params_) bytes += align_bucket(m.nbytes) + kBucketAlign;
   std::string why;
-  region_storage_ = group_->create_region_storage(bytes, &why);
+  region_storage_ = group_->create_region_storage(bucket_region_bytes(), &why);
   if (debug_ != DebugLevel::kOff && !why.empty()) {
     std::fprintf(stderr, "[dparallel ddp rank %d] buckets in private memory: %s\n", group_->rank(), why.c_str());
   }

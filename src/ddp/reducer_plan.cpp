@@ -1,5 +1,8 @@
 // The reducer's buckets: the plan, the bucket memory and gradient views,
 // and the local copies a failed iteration restores.
+#include <cstdio>
+#include <cstring>
+
 #include "comm/comm.h"
 #include "core/error.h"
 #include "ddp/bucket_plan.h"
@@ -38,21 +41,13 @@ bool Reducer::parameter_used(size_t index) const {
   return used_flags_[index] != 0;
 }
 
-void Reducer::build_buckets(const std::vector<std::vector<size_t>>& plan) {
-  // In the shared region the new buckets may lie where the gradients (the
-  // old buckets' views) are: their values are set aside first.
-  std::vector<Tensor> current(params_.size());
-  if (options_.gradient_as_bucket_view) {
-    for (size_t i = 0; i < params_.size(); ++i) {
-      Tensor grad = params_[i].parameter->grad_if_allocated();
-      if (!grad.defined() || region_storage_ == nullptr || grad.storage() != region_storage_) {
-        current[i] = grad;
-        continue;
-      }
-      current[i] = Tensor::empty(grad.dtype(), grad.shape(), grad.device());
-      copy_tensor(current[i], grad);
-    }
-  }
+size_t Reducer::bucket_region_bytes() const {
+  size_t bytes = kBucketAlign;
+  for (const Managed& m : params_) bytes += align_bucket(m.nbytes) + kBucketAlign;
+  return bytes;
+}
+
+void Reducer::build_buckets(const std::vector<std::vector<size_t>>& plan, const std::shared_ptr<Storage>& region) {
   std::vector<Bucket> buckets(plan.size());
   size_t region_used = 0;
   for (size_t b = 0; b < plan.size(); ++b) {
@@ -62,8 +57,8 @@ void Reducer::build_buckets(const std::vector<std::vector<size_t>>& plan) {
     int64_t numel = 0;
     for (size_t p : plan[b]) numel += params_[p].parameter->value().numel();
     bucket.numel = numel;
-    if (!in_place_ && region_storage_ != nullptr) {
-      bucket.flat = Tensor::wrap(region_storage_, region_used, bucket.dtype, {numel});
+    if (!in_place_ && region != nullptr) {
+      bucket.flat = Tensor::wrap(region, region_used, bucket.dtype, {numel});
       region_used += align_bucket(bucket.flat.nbytes());
     } else if (!in_place_) {
       bucket.flat = Tensor::zeros(bucket.dtype, {numel}, group_->device());
@@ -80,19 +75,20 @@ void Reducer::build_buckets(const std::vector<std::vector<size_t>>& plan) {
       offset += params_[p].nbytes;
     }
   }
-  if (region_storage_ != nullptr) {
+  if (region != nullptr) {
     for (Bucket& bucket : buckets) {
       if (bucket.flat.nbytes() > 0) std::memset(bucket.flat.data(), 0, bucket.flat.nbytes());
     }
   }
   if (options_.gradient_as_bucket_view) {
     // The gradients' storage moves into the buckets, keeping their values:
-    // whatever gradient a parameter had, the host's own included.
-    for (size_t i = 0; i < params_.size(); ++i) {
-      Managed& m = params_[i];
+    // whatever gradient a parameter had, the host's own included. The old
+    // memory is left as it is, to whoever still holds it.
+    for (Managed& m : params_) {
       const Tensor& value = m.parameter->value();
       Tensor view = buckets[m.bucket].flat.view_at(m.offset, value.dtype(), value.shape());
-      if (current[i].defined()) copy_tensor(view, current[i]);
+      Tensor current = m.parameter->grad_if_allocated();
+      if (current.defined()) copy_tensor(view, current);
       m.parameter->set_grad(view);
     }
   }
@@ -169,7 +165,7 @@ void Reducer::restore_local_locked(const std::map<size_t, Tensor>& saved_views) 
   for (const auto& [index, values] : saved_views) copy_tensor(slot_of(index), values);
 }
 
-bool Reducer::rebuild(const std::vector<size_t>& rank0_order) {
+bool Reducer::rebuild(const std::vector<size_t>& rank0_order, std::shared_ptr<Storage> region) {
   std::vector<bool> seen(params_.size(), false);
   for (size_t i : rank0_order) {
     if (seen[i]) fail_invalid("rank 0's ready order lists parameter ", i, " twice");
@@ -184,7 +180,15 @@ bool Reducer::rebuild(const std::vector<size_t>& rank0_order) {
   for (const Bucket& b : buckets_) current.push_back(b.params);
   const bool changed = plan != current;
   if (changed) {
-    build_buckets(plan);
+    // Never in place: the host may still hold the old buckets' memory (a
+    // DLPack export of a gradient view) and must go on reading what it
+    // held, not another parameter's gradient.
+    if (region_storage_ != nullptr && region == nullptr && debug_ != DebugLevel::kOff) {
+      std::fprintf(stderr, "[dparallel ddp rank %d] rebuilt buckets in private memory: no shared region for them\n",
+                   group_->rank());
+    }
+    build_buckets(plan, region);
+    region_storage_ = std::move(region);
     reset_iteration_locked();
   }
   rebuilt_ = true;

@@ -122,6 +122,28 @@ TEST(Ddp, BucketPlanMatchesHandComputedOneAndIsRebuiltOnceInRankZerosReadyOrder)
 
 TEST(Ddp, BucketsRebuiltWithGradientAsBucketViewKeepTheAveragedGradients) { passing("rebuild_view"); }
 
+// DP_DEBUG=INFO says where the buckets are: the region's path is the one
+// that re-laid buckets under the host's exports.
+TEST(Ddp, ExportsOfBucketViewGradientsInASharedRegionKeepTheirOwnValuesAcrossTheRebuildAndFreeTheOldRegionLast) {
+  Ranks run = passing("rebuild_exports", 2, {"DP_DEBUG=INFO"});
+  for (size_t r = 0; r < 2; ++r) expect_mentions(run, r, {"backend shm", "buckets in a shared region"});
+}
+
+TEST(Ddp, ExportsOfBucketViewGradientsKeepTheirOwnValuesAcrossTheStaticGraphRebuild) {
+  Ranks run = passing("rebuild_exports_static", 2, {"DP_DEBUG=INFO"});
+  for (size_t r = 0; r < 2; ++r) expect_mentions(run, r, {"backend shm", "buckets in a shared region"});
+}
+
+TEST(Ddp, RebuildIntoAFreshSharedRegionPairsWithAJoinedRankStandingInAndKeepsTheExportsValues) {
+  Ranks run = passing("rebuild_exports_join", 2, {"DP_DEBUG=INFO"});
+  for (size_t r = 0; r < 2; ++r) expect_mentions(run, r, {"buckets in a shared region"});
+}
+
+TEST(Ddp, ExportsOfBucketViewGradientsInPrivateBucketsOnGlooKeepTheirOwnValuesAcrossTheRebuild) {
+  Ranks run = passing("rebuild_exports", 2, {"DP_SHM=0"});
+  for (size_t r = 0; r < 2; ++r) expect_mentions(run, r, {"backend gloo"});
+}
+
 TEST(Ddp, NoSyncAccumulatesLocallyThenTheSyncedStepAveragesTheSums) {
   Ranks run = passing("no_sync");
   for (size_t r = 0; r < 2; ++r) expect_mentions(run, r, {"no_sync double mark: status -8"});

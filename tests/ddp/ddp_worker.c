@@ -10,6 +10,7 @@
  * is printed so that the driver can check it too. */
 #define _POSIX_C_SOURCE 200809L
 
+#include <dlpack/dlpack.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -833,6 +834,230 @@ static void run_rebuild(dp_process_group *pg, int view) {
 static void rebuild(dp_process_group *pg) { run_rebuild(pg, 0); }
 static void rebuild_view(dp_process_group *pg) { run_rebuild(pg, 1); }
 
+static float flat_average(int p, int e, int step) {
+  float sum = 0;
+  int r;
+  for (r = 0; r < g_world; ++r) sum += flat_grad(r, p, e, step);
+  return sum / (float)g_world;
+}
+
+/* The floats at `d` are parameter p's averaged gradient of `step`; the
+ * first that is not is printed, with the parameter whose gradient of step
+ * `now` it is, if any. */
+static void expect_flat_values(int line, const char *what, const float *d, int p, int step, int now) {
+  int e, q;
+  for (e = 0; e < kFlatNumel[p]; ++e) {
+    float want = flat_average(p, e, step);
+    if (close_to(d[e], want, GRAD_RTOL, GRAD_ATOL)) continue;
+    fprintf(stderr, "rank %d: line %d: %s of %s: [%d] is %.9g, want step %d's average %.9g", g_rank, line, what,
+            kFlat[p], e, (double)d[e], step, (double)want);
+    for (q = 0; q < 4; ++q) {
+      if (q != p && close_to(d[e], flat_average(q, e, now), GRAD_RTOL, GRAD_ATOL)) {
+        fprintf(stderr, " (%s's gradient of step %d)", kFlat[q], now);
+      }
+    }
+    fprintf(stderr, "\n");
+    ++g_failures;
+    return;
+  }
+}
+
+static uint64_t allocated_bytes(void) {
+  dp_memory_stats stats;
+  memset(&stats, 0, sizeof(stats));
+  stats.struct_size = sizeof(stats);
+  CHECK_OK(dp_device_memory_stats((dp_device){DP_DEVICE_CPU, 0}, &stats));
+  return stats.allocated_bytes;
+}
+
+/* With gradient_as_bucket_view the first finish rebuilds the plan as in
+ * run_rebuild, moving every gradient. Rank 0 holds across it, for each
+ * gradient, a DLPack export, a tensor made from a second export and its
+ * dp_module_grad handle, all taken before the finish; rank 1 holds none.
+ * The exports and tensors keep their own parameter's step 0 average (what
+ * the gradient held at the move) through two more steps, the dp_ddp's
+ * destroy and a new dp_ddp over the module; the handles follow the moves.
+ * The old memory stays while an export does and goes with the last one:
+ * no rank holds more memory than at create once none is left. */
+static void run_rebuild_exports(dp_process_group *pg, int static_graph) {
+  static const int orders[4][2][4] = {{{0, 3, 1, 2}, {2, 1, 3, 0}},
+                                      {{3, 2, 1, 0}, {1, 0, 3, 2}},
+                                      {{1, 2, 3, 0}, {0, 1, 2, 3}},
+                                      {{2, 0, 3, 1}, {3, 1, 0, 2}}};
+  dp_ddp_options o = DP_DDP_OPTIONS_INIT;
+  dp_module *m = flat_module();
+  dp_ddp *ddp = NULL;
+  DLManagedTensor *exported[4] = {NULL, NULL, NULL, NULL};
+  dp_tensor *imported[4] = {NULL, NULL, NULL, NULL};
+  dp_tensor *handle[4] = {NULL, NULL, NULL, NULL};
+  dp_ddp_stats stats;
+  const int holder = g_rank == 0;
+  uint64_t at_create, held, released;
+  int p, step;
+  printf("rank %d: backend %s\n", g_rank, dp_process_group_backend(pg));
+  o.first_bucket_cap_mb = CAP_MB(400);
+  o.bucket_cap_mb = CAP_MB(1000);
+  o.gradient_as_bucket_view = 1;
+  o.static_graph = static_graph;
+  CHECK_OK(dp_ddp_create(&ddp, m, pg, &o));
+  if (ddp == NULL) exit(1);
+  EXPECT_PLAN("at create", ddp, "{3,2},{1,0}");
+  at_create = allocated_bytes();
+
+  CHECK_OK(dp_module_zero_grad(m));
+  flat_backward(m, ddp, orders[0][g_rank == 0 ? 0 : 1], 0);
+  for (p = 0; holder && p < 4; ++p) {
+    DLManagedTensor *second = NULL;
+    CHECK_OK(dp_module_grad(m, kFlat[p], &handle[p]));
+    if (handle[p] == NULL) exit(3);
+    CHECK_OK(dp_tensor_to_dlpack(handle[p], &exported[p]));
+    CHECK_OK(dp_tensor_to_dlpack(handle[p], &second));
+    if (exported[p] == NULL || second == NULL) exit(3);
+    CHECK_OK(dp_tensor_from_dlpack(&imported[p], second));
+    if (imported[p] == NULL) exit(3);
+  }
+  CHECK_OK(dp_ddp_finish_backward(ddp));
+  memset(&stats, 0, sizeof(stats));
+  stats.struct_size = sizeof(stats);
+  CHECK_OK(dp_ddp_last_stats(ddp, &stats));
+  CHECK(stats.buckets_rebuilt == 1, "buckets_rebuilt is %d after the first synced iteration", stats.buckets_rebuilt);
+  EXPECT_PLAN("rebuilt in rank 0's order", ddp, "{0},{3,1},{2}");
+  expect_flat_average(__LINE__, m, 0);
+
+  for (step = 1; step <= 2; ++step) {
+    CHECK_OK(dp_module_zero_grad(m));
+    flat_backward(m, ddp, orders[step][g_rank == 0 ? 0 : 1], step);
+    CHECK_OK(dp_ddp_finish_backward(ddp));
+    expect_flat_average(__LINE__, m, step);
+    for (p = 0; holder && p < 4; ++p) {
+      expect_flat_values(__LINE__, "the export taken before the rebuild", (const float *)exported[p]->dl_tensor.data, p,
+                         0, step);
+      expect_flat_values(__LINE__, "the tensor made from an export", (const float *)dp_tensor_data(imported[p]), p, 0,
+                         step);
+      expect_flat_values(__LINE__, "the dp_module_grad handle", (const float *)dp_tensor_data(handle[p]), p, step,
+                         step);
+    }
+  }
+  held = allocated_bytes();
+  if (holder) {
+    CHECK(held > at_create, "%llu bytes allocated with the old gradients exported, %llu at create: not held",
+          (unsigned long long)held, (unsigned long long)at_create);
+  } else {
+    CHECK(held <= at_create, "%llu bytes allocated after the rebuild, %llu at create: the old buckets stayed",
+          (unsigned long long)held, (unsigned long long)at_create);
+  }
+
+  /* A new dp_ddp moves the gradients again (into memory of its own). */
+  dp_ddp_destroy(ddp);
+  ddp = NULL;
+  CHECK_OK(dp_ddp_create(&ddp, m, pg, &o));
+  if (ddp == NULL) exit(1);
+  CHECK_OK(dp_module_zero_grad(m));
+  flat_backward(m, ddp, orders[3][g_rank == 0 ? 0 : 1], 3);
+  CHECK_OK(dp_ddp_finish_backward(ddp));
+  expect_flat_average(__LINE__, m, 3);
+  for (p = 0; holder && p < 4; ++p) {
+    expect_flat_values(__LINE__, "the export after a new dp_ddp", (const float *)exported[p]->dl_tensor.data, p, 0, 3);
+    expect_flat_values(__LINE__, "the tensor from an export after a new dp_ddp",
+                       (const float *)dp_tensor_data(imported[p]), p, 0, 3);
+    expect_flat_values(__LINE__, "the dp_module_grad handle after a new dp_ddp",
+                       (const float *)dp_tensor_data(handle[p]), p, 3, 3);
+  }
+  dp_ddp_destroy(ddp);
+
+  /* The first dp_ddp's memory goes with the last export (the handles
+   * followed the moves and hold none of it). */
+  held = allocated_bytes();
+  for (p = 0; holder && p < 4; ++p) {
+    exported[p]->deleter(exported[p]);
+    dp_tensor_destroy(imported[p]);
+  }
+  released = allocated_bytes();
+  if (holder) {
+    CHECK(released < held, "%llu bytes allocated after the exports went, %llu with them: nothing released",
+          (unsigned long long)released, (unsigned long long)held);
+  }
+  /* Left: the gradients in the second dp_ddp's buckets, as many bytes. */
+  CHECK(released <= at_create, "%llu bytes allocated at the end, %llu at the first create: old buckets stayed",
+        (unsigned long long)released, (unsigned long long)at_create);
+  for (p = 0; holder && p < 4; ++p) dp_tensor_destroy(handle[p]);
+  dp_module_destroy(m);
+}
+
+static void rebuild_exports(dp_process_group *pg) { run_rebuild_exports(pg, 0); }
+static void rebuild_exports_static(dp_process_group *pg) { run_rebuild_exports(pg, 1); }
+
+/* Rank 1 joins before any iteration and stands in for rank 0's first
+ * finish, whose rebuild moves every gradient on both ranks (the shared
+ * region's path on each); rank 0 holds an export of each gradient across
+ * it. Rank 0's gradients average with rank 1's zeros; its exports keep
+ * step 0's; after rank 0 joins too, a step on both ranks pairs up. */
+static void rebuild_exports_join(dp_process_group *pg) {
+  static const int order[4] = {0, 3, 1, 2};
+  dp_ddp_options o = DP_DDP_OPTIONS_INIT;
+  dp_module *m = flat_module();
+  dp_ddp *ddp = NULL;
+  DLManagedTensor *exported[4] = {NULL, NULL, NULL, NULL};
+  int p, e, step;
+  o.first_bucket_cap_mb = CAP_MB(400);
+  o.bucket_cap_mb = CAP_MB(1000);
+  o.gradient_as_bucket_view = 1;
+  CHECK_OK(dp_ddp_create(&ddp, m, pg, &o));
+  if (ddp == NULL) exit(1);
+  CHECK_OK(dp_module_zero_grad(m));
+  if (g_rank == 0) {
+    for (step = 0; step < 2; ++step) {
+      CHECK_OK(dp_module_zero_grad(m));
+      flat_backward(m, ddp, order, step);
+      for (p = 0; step == 0 && p < 4; ++p) {
+        dp_tensor *g = NULL;
+        CHECK_OK(dp_module_grad(m, kFlat[p], &g));
+        if (g == NULL) exit(3);
+        CHECK_OK(dp_tensor_to_dlpack(g, &exported[p]));
+        if (exported[p] == NULL) exit(3);
+        dp_tensor_destroy(g);
+      }
+      CHECK_OK(dp_ddp_finish_backward(ddp));
+      for (p = 0; p < 4; ++p) {
+        dp_tensor *g = NULL;
+        const float *d;
+        CHECK_OK(dp_module_grad(m, kFlat[p], &g));
+        if (g == NULL) exit(3);
+        d = (const float *)dp_tensor_data(g);
+        for (e = 0; e < kFlatNumel[p]; ++e) {
+          float want = flat_grad(0, p, e, step) / (float)g_world; /* rank 1 stands in with zeros */
+          if (!close_to(d[e], want, GRAD_RTOL, GRAD_ATOL)) {
+            fprintf(stderr, "rank 0: line %d: step %d: gradient of %s[%d] is %.9g, want %.9g\n", __LINE__, step,
+                    kFlat[p], e, (double)d[e], (double)want);
+            ++g_failures;
+            break;
+          }
+        }
+        dp_tensor_destroy(g);
+        d = (const float *)exported[p]->dl_tensor.data;
+        for (e = 0; e < kFlatNumel[p]; ++e) {
+          float want = flat_grad(0, p, e, 0) / (float)g_world;
+          if (!close_to(d[e], want, GRAD_RTOL, GRAD_ATOL)) {
+            fprintf(stderr, "rank 0: line %d: step %d: the export of %s[%d] is %.9g, want step 0's %.9g\n", __LINE__,
+                    step, kFlat[p], e, (double)d[e], (double)want);
+            ++g_failures;
+            break;
+          }
+        }
+      }
+    }
+  }
+  CHECK_OK(dp_ddp_join(&ddp, 1));
+  EXPECT_PLAN("rebuilt in rank 0's order, the joined rank's too", ddp, "{0},{3,1},{2}");
+  CHECK_OK(dp_module_zero_grad(m));
+  flat_backward(m, ddp, order, 2);
+  CHECK_OK(dp_ddp_finish_backward(ddp));
+  expect_flat_average(__LINE__, m, 2);
+  for (p = 0; g_rank == 0 && p < 4; ++p) exported[p]->deleter(exported[p]);
+  dp_ddp_destroy(ddp);
+  dp_module_destroy(m);
+}
+
 /* Two backwards without sync accumulate locally (rank 0 runs a third, which
  * no communication could pair), then a synced one reduces the sums. */
 static void no_sync(dp_process_group *pg) {
@@ -1336,6 +1561,9 @@ static const Scenario kScenarios[] = {
     {"ignored", ignored, 60000},
     {"rebuild", rebuild, 60000},
     {"rebuild_view", rebuild_view, 60000},
+    {"rebuild_exports", rebuild_exports, 60000},
+    {"rebuild_exports_static", rebuild_exports_static, 60000},
+    {"rebuild_exports_join", rebuild_exports_join, 60000},
     {"no_sync", no_sync, 60000},
     {"unused_error", unused_error, 60000},
     {"unused_error_buckets", unused_error_buckets, 60000},
