@@ -6,6 +6,7 @@ set(_fuzz_sources
   ${PROJECT_SOURCE_DIR}/src/module/module.cpp
   ${PROJECT_SOURCE_DIR}/src/module/safetensors.cpp
   ${PROJECT_SOURCE_DIR}/src/module/state_dict.cpp
+  ${PROJECT_SOURCE_DIR}/src/module/checksum.cpp
   ${PROJECT_SOURCE_DIR}/src/core/allocator.cpp
   ${PROJECT_SOURCE_DIR}/src/core/device.cpp
   ${PROJECT_SOURCE_DIR}/src/core/device_runtime.cpp
