@@ -21,6 +21,13 @@
 
 #include "dparallel/dparallel.h"
 
+// A released handle and the call that releases it, in the language's own
+// terms (C# says "disposed" and "Dispose()").
+#ifndef DPSWIG_CLOSED
+#define DPSWIG_CLOSED "closed"
+#define DPSWIG_CLOSE_CALL "close()"
+#endif
+
 namespace dpswig {
 
 class Error : public std::exception {
@@ -244,8 +251,8 @@ class Gate {
   Lease<H> hold(H* const& slot, const char* kind, const char* arg = nullptr) {
     std::lock_guard<std::mutex> lock(mu_);
     if (shut_ || slot == nullptr) {
-      throw Error(DP_ESTATE, arg != nullptr ? "invalid state: '" + std::string(arg) + "' is closed"
-                                            : "the " + std::string(kind) + " is closed");
+      throw Error(DP_ESTATE, arg != nullptr ? "invalid state: '" + std::string(arg) + "' is " DPSWIG_CLOSED
+                                            : "the " + std::string(kind) + " is " DPSWIG_CLOSED);
     }
     ++calls_;
     return Lease<H>(this, slot);
@@ -263,8 +270,9 @@ class Gate {
     if (shut_) return false;
     if (calls_ > 0 && CallbackScope::active()) {
       throw Error(DP_ESTATE,
-                  "invalid state: close() inside a callback while a call on the same object is in flight (it would "
-                  "wait for itself); close it after that call returns");
+                  "invalid state: " DPSWIG_CLOSE_CALL
+                  " inside a callback while a call on the same object is in flight (it would wait for itself); "
+                  "call it after that call returns");
     }
     shut_ = true;
     idle_.wait(lock, [this] { return calls_ == 0; });

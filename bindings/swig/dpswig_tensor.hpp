@@ -178,7 +178,7 @@ class Tensor {
   // Hands the handle over (to the library) once the calls in flight on it
   // returned; this object is closed after.
   dp_tensor* release() {
-    if (!gate_.shut() || h_ == nullptr) throw Error(DP_ESTATE, "the tensor is closed");
+    if (!gate_.shut() || h_ == nullptr) throw Error(DP_ESTATE, "the tensor is " DPSWIG_CLOSED);
     dp_tensor* h = h_;
     h_ = nullptr;
     return h;

@@ -7,6 +7,11 @@
 
 %include <arrays_csharp.i>
 
+%begin %{
+#define DPSWIG_CLOSED "disposed"
+#define DPSWIG_CLOSE_CALL "Dispose()"
+%}
+
 // Sizes and indices as ulong, not SWIG's default uint: tensors pass 4 GiB.
 %apply unsigned long long { size_t };
 %apply const unsigned long long & { const size_t & };
