@@ -23,7 +23,7 @@
 
 // A released handle and the call that releases it, in the language's own
 // terms (C# says "disposed" and "Dispose()").
-#ifndef DPSWIG_CLOSED
+#if !defined(DPSWIG_CLOSED) && !defined(SWIG)
 #define DPSWIG_CLOSED "closed"
 #define DPSWIG_CLOSE_CALL "close()"
 #endif
