@@ -7,7 +7,9 @@
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use dparallel::{Device, Library, Module, Result, Tensor, DP_ESTATE};
+use dparallel::{
+    Device, Library, Module, ProcessGroup, ProcessGroupOptions, ReduceOp, Result, Store, Tensor, DP_ESTATE,
+};
 
 struct Checks {
     failures: usize,
@@ -120,6 +122,49 @@ fn run() -> Result<usize> {
             "refused",
         );
     }
+
+    // Collectives write (and read) the memory while they run: refused while
+    // another handle's slice covers it.
+    let path = std::env::temp_dir().join(format!("dp-rust-views-{}", std::process::id()));
+    let path = path.to_str().expect("a UTF-8 temporary path").to_string();
+    let _ = std::fs::remove_file(&path);
+    let store = Store::file(&lib, &path, 1)?;
+    let options = ProcessGroupOptions { rank: Some(0), world_size: Some(1), store: Some(&store), ..Default::default() };
+    let pg = ProcessGroup::new(&lib, &options)?;
+    {
+        let mut g5 = m.grad("w")?;
+        let held = g1.as_slice::<f32>()?;
+        let reduced = pg.all_reduce(&mut g5, ReduceOp::Sum);
+        c.expect(
+            "all_reduce of a gradient another handle's slice reads is refused",
+            refused(&reduced),
+            describe(&reduced),
+        );
+        let started = pg.scope(|s| s.all_reduce_async(&mut g5, ReduceOp::Sum).map(|w| w.wait()));
+        c.expect(
+            "all_reduce_async of it is refused too",
+            matches!(&started, Err(e) if e.code() == DP_ESTATE),
+            format!("{:?}", started.map(|_| ())),
+        );
+        drop(held);
+        let reduced = pg.all_reduce(&mut g5, ReduceOp::Sum);
+        c.expect("the all_reduce runs once the slice is gone", reduced.is_ok(), describe(&reduced));
+        // While an async collective runs, the memory stays out of reach.
+        pg.scope(|s| -> Result<()> {
+            let work = s.all_reduce_async(&mut g5, ReduceOp::Sum)?;
+            let during = g1.as_slice::<f32>().map(|v| v.len());
+            c.expect(
+                "a slice is refused while an async collective on the memory may run",
+                refused(&during),
+                describe(&during),
+            );
+            work.wait()
+        })?;
+        c.expect("a slice is granted once the scope is over", g1.as_slice::<f32>().is_ok(), "refused");
+    }
+    drop(pg);
+    drop(store);
+    let _ = std::fs::remove_file(&path);
 
     // Threads racing for mutable slices of one gradient, each through its own
     // handle: a granted slice is exclusive, so unsynchronized increments of

@@ -267,7 +267,8 @@ impl Tensor {
     /// Checked per storage, whichever handle reaches it (`Module::grad` and
     /// `Module::parameter` give a new handle each call): while a mutable
     /// slice over this memory lives, this is DP_ESTATE, and while this one
-    /// lives no mutable slice is taken nor `copy_from` writes it. The
+    /// lives no mutable slice is taken, nor does `copy_from` or a
+    /// collective of the process group write it. The
     /// library's own writes are ordered by its calls: a gradient marked ready
     /// (`Ddp::mark_grad_ready*`) is the library's until `finish_backward`
     /// returns, an `Fsdp`'s parameters between `unshard_async` and

@@ -14,7 +14,7 @@ use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use crate::{Element, Error, Result, DP_ESTATE};
+use crate::{sys, Element, Error, Library, Result, DP_ESTATE};
 
 struct Borrow {
     id: u64,
@@ -56,6 +56,15 @@ impl StorageBorrow {
         borrows.push(Borrow { id, start, end, exclusive });
         Ok(StorageBorrow { id })
     }
+}
+
+/// Keeps slices over `raw`'s memory out while the library reads it
+/// (`exclusive` false) or writes it (true) for a call: a collective on a
+/// tensor whose memory another handle's slice covers is refused.
+pub(crate) fn borrow_tensor(lib: &Library, raw: *mut sys::dp_tensor, exclusive: bool) -> Result<StorageBorrow> {
+    let data = unsafe { (lib.api().tensor_data)(raw) } as usize;
+    let bytes = unsafe { (lib.api().tensor_nbytes)(raw) };
+    StorageBorrow::acquire(data, bytes, exclusive)
 }
 
 impl Drop for StorageBorrow {

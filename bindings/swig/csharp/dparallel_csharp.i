@@ -279,9 +279,9 @@ class CSharpPinned : public HostMemory {
 
   /// <summary>Releases the native handle, once the calls in flight on it
   /// (from other threads) have returned; a second call does nothing. Inside
-  /// a callback, while a call on this object runs, it throws
-  /// DParallelException (Status.STATE) instead of waiting for
-  /// itself.</summary>
+  /// a callback, while a call on this object is in flight (maybe the one
+  /// running the callback), it throws DParallelException (Status.STATE)
+  /// instead of waiting.</summary>
   public void Dispose() {
     if (swigCPtr.Handle != global::System.IntPtr.Zero) closeRaw();
   }

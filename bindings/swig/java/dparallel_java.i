@@ -331,8 +331,8 @@ class JavaFloatArray : public FloatSource, public FloatSink {
 %extend CLASS {
 %proxycode %{
   /** Releases the native handle, once the calls in flight on it (from other threads) have returned; a second
-   * call does nothing. Inside a callback, while a call on this object runs, it throws DParallelException
-   * (Status.STATE) instead of waiting for itself. */
+   * call does nothing. Inside a callback, while a call on this object is in flight (maybe the one running the
+   * callback), it throws DParallelException (Status.STATE) instead of waiting. */
   @Override
   public void close() {
     if (swigCPtr != 0) closeRaw();
