@@ -268,8 +268,8 @@ impl Tensor {
     /// `Module::parameter` give a new handle each call): while a mutable
     /// slice over this memory lives, this is DP_ESTATE, and while this one
     /// lives no mutable slice is taken, nor does `copy_from` or a
-    /// collective of the process group write it. The
-    /// library's own writes are ordered by its calls: a gradient marked ready
+    /// collective of the process group write it. The library's other writes
+    /// are ordered by its calls: a gradient marked ready
     /// (`Ddp::mark_grad_ready*`) is the library's until `finish_backward`
     /// returns, an `Fsdp`'s parameters between `unshard_async` and
     /// `wait_unshard`; drop the slice before such a call.
