@@ -296,7 +296,9 @@ func (d *DDP) Close() {
 		return
 	}
 	d.lease.shut(func() {
-		d.lib.use("dp_ddp_destroy", func(api *C.dp_api) { C.dpgo_ddp_destroy(api, d.h) })
+		if d.h != nil { // one never made holds nothing
+			d.lib.use("dp_ddp_destroy", func(api *C.dp_api) { C.dpgo_ddp_destroy(api, d.h) })
+		}
 		d.h = nil
 		if d.callbacks != nil {
 			d.callbacks.handle.Delete()

@@ -152,7 +152,9 @@ func (pg *ProcessGroup) Close() {
 		return
 	}
 	pg.lease.shut(func() {
-		pg.lib.use("dp_process_group_destroy", func(api *C.dp_api) { C.dpgo_process_group_destroy(api, pg.h) })
+		if pg.h != nil { // one never made holds nothing
+			pg.lib.use("dp_process_group_destroy", func(api *C.dp_api) { C.dpgo_process_group_destroy(api, pg.h) })
+		}
 		pg.h = nil
 	})
 }
@@ -399,7 +401,9 @@ func (w *Work) Close() {
 		return
 	}
 	w.lease.shut(func() {
-		w.lib.use("dp_work_destroy", func(api *C.dp_api) { C.dpgo_work_destroy(api, w.h) })
+		if w.h != nil { // one never made holds nothing
+			w.lib.use("dp_work_destroy", func(api *C.dp_api) { C.dpgo_work_destroy(api, w.h) })
+		}
 		w.h = nil
 	})
 }

@@ -102,7 +102,9 @@ func (f *FSDP) Close() {
 		return
 	}
 	f.lease.shut(func() {
-		f.lib.use("dp_fsdp_destroy", func(api *C.dp_api) { C.dpgo_fsdp_destroy(api, f.h) })
+		if f.h != nil { // one never made holds nothing
+			f.lib.use("dp_fsdp_destroy", func(api *C.dp_api) { C.dpgo_fsdp_destroy(api, f.h) })
+		}
 		f.h = nil
 	})
 }

@@ -54,7 +54,9 @@ func (m *Module) Close() {
 		return
 	}
 	m.lease.shut(func() {
-		m.lib.use("dp_module_destroy", func(api *C.dp_api) { C.dpgo_module_destroy(api, m.h) })
+		if m.h != nil { // one never made holds nothing
+			m.lib.use("dp_module_destroy", func(api *C.dp_api) { C.dpgo_module_destroy(api, m.h) })
+		}
 		m.h = nil
 	})
 }

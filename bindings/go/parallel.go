@@ -337,7 +337,9 @@ func (s *ReplicaSet) Close() {
 		return
 	}
 	s.lease.shut(func() {
-		s.lib.use("dp_replica_set_destroy", func(api *C.dp_api) { C.dpgo_replica_set_destroy(api, s.h) })
+		if s.h != nil { // one never made holds nothing
+			s.lib.use("dp_replica_set_destroy", func(api *C.dp_api) { C.dpgo_replica_set_destroy(api, s.h) })
+		}
 		s.h = nil
 	})
 }

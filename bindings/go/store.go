@@ -96,7 +96,9 @@ func (s *Store) Close() {
 		return
 	}
 	s.lease.shut(func() {
-		s.lib.use("dp_store_destroy", func(api *C.dp_api) { C.dpgo_store_destroy(api, s.h) })
+		if s.h != nil { // one never made holds nothing
+			s.lib.use("dp_store_destroy", func(api *C.dp_api) { C.dpgo_store_destroy(api, s.h) })
+		}
 		s.h = nil
 	})
 }

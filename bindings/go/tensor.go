@@ -129,7 +129,9 @@ func (t *Tensor) Close() {
 		return
 	}
 	t.lease.shut(func() {
-		t.lib.use("dp_tensor_destroy", func(api *C.dp_api) { C.dpgo_tensor_destroy(api, t.h) })
+		if t.h != nil { // one never made holds nothing
+			t.lib.use("dp_tensor_destroy", func(api *C.dp_api) { C.dpgo_tensor_destroy(api, t.h) })
+		}
 		t.h = nil
 	})
 }
