@@ -8,19 +8,30 @@ import "C"
 // In-process collectives across this process's devices (torch.cuda.comm's
 // semantics). Every output is a new tensor the caller closes.
 
-// tensorHandles checks a list of tensors for the named argument.
-func tensorHandles(op, arg string, tensors []*Tensor) ([]*C.dp_tensor, error) {
+// tensorHandles checks a list of tensors for the named argument and holds
+// each (args releases them after the call).
+func tensorHandles(op, arg string, tensors []*Tensor, args *heldArgs) ([]*C.dp_tensor, error) {
 	if len(tensors) == 0 {
 		return nil, invalid(op, "argument '%s' is empty", arg)
 	}
 	hs := make([]*C.dp_tensor, len(tensors))
 	for i, t := range tensors {
-		if t == nil || t.h == nil {
+		if t == nil {
+			return nil, invalid(op, "argument '%s'[%d] is nil or closed", arg, i)
+		}
+		if t.lease.enter() {
+			*args = append(*args, t.lease.leave)
+		} else {
 			return nil, invalid(op, "argument '%s'[%d] is nil or closed", arg, i)
 		}
 		hs[i] = t.h
 	}
 	return hs, nil
+}
+
+// tensorArg holds a single tensor argument (args releases it after the call).
+func tensorArg(op, arg string, t *Tensor, args *heldArgs) error {
+	return args.hold(t.arg(op, arg))
 }
 
 func (l *Library) ownedTensors(hs []*C.dp_tensor) []*Tensor {
@@ -35,8 +46,13 @@ func (l *Library) ownedTensors(hs []*C.dp_tensor) []*Tensor {
 // storage on t's own device.
 func (l *Library) Broadcast(t *Tensor, devices []Device) ([]*Tensor, error) {
 	const op = "dp_broadcast"
+	var args heldArgs
+	defer args.release()
 	if t == nil {
 		return nil, invalid(op, "argument 'tensor' is nil")
+	}
+	if err := tensorArg(op, "tensor", t, &args); err != nil {
+		return nil, err
 	}
 	if len(devices) == 0 {
 		return nil, invalid(op, "argument 'devices' is empty")
@@ -60,7 +76,9 @@ func (l *Library) Broadcast(t *Tensor, devices []Device) ([]*Tensor, error) {
 // on devices[d].
 func (l *Library) BroadcastCoalesced(tensors []*Tensor, devices []Device, bufferSize int) ([][]*Tensor, error) {
 	const op = "dp_broadcast_coalesced"
-	hs, err := tensorHandles(op, "tensors", tensors)
+	var args heldArgs
+	defer args.release()
+	hs, err := tensorHandles(op, "tensors", tensors, &args)
 	if err != nil {
 		return nil, err
 	}
@@ -94,7 +112,9 @@ func (l *Library) BroadcastCoalesced(tensors []*Tensor, devices []Device, buffer
 // destination.
 func (l *Library) ReduceAdd(inputs []*Tensor, destination Device) (*Tensor, error) {
 	const op = "dp_reduce_add"
-	hs, err := tensorHandles(op, "inputs", inputs)
+	var args heldArgs
+	defer args.release()
+	hs, err := tensorHandles(op, "inputs", inputs, &args)
 	if err != nil {
 		return nil, err
 	}
@@ -117,6 +137,8 @@ func (l *Library) ReduceAdd(inputs []*Tensor, destination Device) (*Tensor, erro
 // inputs[d][i], on destination. bufferSize as for BroadcastCoalesced.
 func (l *Library) ReduceAddCoalesced(inputs [][]*Tensor, destination Device, bufferSize int) ([]*Tensor, error) {
 	const op = "dp_reduce_add_coalesced"
+	var args heldArgs
+	defer args.release()
 	if len(inputs) == 0 || len(inputs[0]) == 0 {
 		return nil, invalid(op, "argument 'inputs' is empty")
 	}
@@ -133,7 +155,7 @@ func (l *Library) ReduceAddCoalesced(inputs [][]*Tensor, destination Device, buf
 		if len(list) != n {
 			return nil, invalid(op, "argument 'inputs'[%d] has %d tensors, inputs[0] has %d", d, len(list), n)
 		}
-		h, err := tensorHandles(op, "inputs", list)
+		h, err := tensorHandles(op, "inputs", list, &args)
 		if err != nil {
 			return nil, err
 		}
@@ -156,8 +178,13 @@ func (l *Library) ReduceAddCoalesced(inputs [][]*Tensor, destination Device, buf
 // per device, summing to the dimension.
 func (l *Library) Scatter(t *Tensor, devices []Device, chunkSizes []int64, dim int) ([]*Tensor, error) {
 	const op = "dp_scatter"
+	var args heldArgs
+	defer args.release()
 	if t == nil {
 		return nil, invalid(op, "argument 'tensor' is nil")
+	}
+	if err := tensorArg(op, "tensor", t, &args); err != nil {
+		return nil, err
 	}
 	if len(devices) == 0 {
 		return nil, invalid(op, "argument 'devices' is empty")
@@ -191,7 +218,9 @@ func (l *Library) Scatter(t *Tensor, devices []Device, chunkSizes []int64, dim i
 // Gather concatenates tensors along dim into a new tensor on destination.
 func (l *Library) Gather(tensors []*Tensor, dim int, destination Device) (*Tensor, error) {
 	const op = "dp_gather"
-	hs, err := tensorHandles(op, "tensors", tensors)
+	var args heldArgs
+	defer args.release()
+	hs, err := tensorHandles(op, "tensors", tensors, &args)
 	if err != nil {
 		return nil, err
 	}

@@ -74,7 +74,8 @@ type DDP struct {
 	lib       *Library
 	h         *C.dp_ddp
 	borrowed  bool
-	callbacks *ddpCallbacks
+	callbacks *ddpCallbacks // set once, at NewDDP
+	lease     lease         // the calls in flight; Close waits for them
 }
 
 // ddpCallbacks is what the C callbacks reach through a cgo.Handle.
@@ -116,7 +117,10 @@ func dpgoCommHook(call C.uintptr_t, pg *C.dp_process_group, bucket C.size_t, fla
 		c = cgo.Handle(call).Value().(*ddpCallbacks)
 		group := &ProcessGroup{lib: c.lib, h: pg, borrowed: true}
 		t := &Tensor{lib: c.lib, h: flat, borrowed: true}
-		defer func() { group.h, t.h = nil, nil }() // the library's handles end with the call
+		defer func() { // the library's handles end with the call
+			group.lease.shut(func() { group.h = nil })
+			t.lease.shut(func() { t.h = nil })
+		}()
 		err = c.hook(group, int(bucket), t)
 	})
 	if failure != nil {
@@ -144,7 +148,7 @@ func dpgoBucketReduced(call C.uintptr_t, ddp *C.dp_ddp, bucket C.size_t, indices
 	failure := runPinned(func() {
 		c = cgo.Handle(call).Value().(*ddpCallbacks)
 		d := &DDP{lib: c.lib, h: ddp, borrowed: true}
-		defer func() { d.h = nil }()
+		defer d.lease.shut(func() { d.h = nil })
 		err = c.reduced(d, int(bucket), params)
 	})
 	if failure != nil {
@@ -250,6 +254,20 @@ func (l *Library) NewDDP(module *Module, pg *ProcessGroup, opts *DDPOptions) (*D
 				C.uintptr_t(callbacks.handle))
 		}
 	}
+	var args heldArgs
+	defer args.release()
+	if err := args.hold(module.arg(op, "module")); err != nil {
+		if callbacks != nil {
+			callbacks.handle.Delete()
+		}
+		return nil, err
+	}
+	if err := args.hold(pg.arg(op, "pg")); err != nil {
+		if callbacks != nil {
+			callbacks.handle.Delete()
+		}
+		return nil, err
+	}
 	var h *C.dp_ddp
 	err = l.call(op, func(api *C.dp_api) C.dp_status { return C.dpgo_ddp_create(api, &h, module.h, pg.h, &copts) })
 	if err != nil {
@@ -266,21 +284,26 @@ func (d *DDP) call(op string, f func(api *C.dp_api) C.dp_status) error {
 	if d == nil {
 		return nilReceiver(op, "d", "*DDP")
 	}
-	return d.lib.call(op, f)
+	return held(&d.lease, op, "DDP", func() error { return d.lib.call(op, f) })
 }
 
-// Close drops the queued reductions, waits for the running one and releases
-// the module and the group.
+// Close waits for the calls in flight on the reducer (from other
+// goroutines), drops the queued reductions, waits for the running one and
+// releases the module and the group. Inside a callback, while a call on
+// this DDP runs, that happens when the call returns.
 func (d *DDP) Close() {
-	if d == nil || d.h == nil || d.borrowed {
+	if d == nil || d.borrowed {
 		return
 	}
-	d.lib.use("dp_ddp_destroy", func(api *C.dp_api) { C.dpgo_ddp_destroy(api, d.h) })
-	d.h = nil
-	if d.callbacks != nil {
-		d.callbacks.handle.Delete()
-		d.callbacks = nil
-	}
+	d.lease.shut(func() {
+		if d.h != nil { // one never made holds nothing
+			d.lib.use("dp_ddp_destroy", func(api *C.dp_api) { C.dpgo_ddp_destroy(api, d.h) })
+		}
+		d.h = nil
+		if d.callbacks != nil {
+			d.callbacks.handle.Delete()
+		}
+	})
 }
 
 // PreForward starts a step (broadcasting buffers from rank 0, unless
@@ -351,7 +374,9 @@ func (d *DDP) NumBuckets() (n int) {
 	if d == nil {
 		return 0
 	}
-	d.lib.use("dp_ddp_num_buckets", func(api *C.dp_api) { n = int(C.dpgo_ddp_num_buckets(api, d.h)) })
+	held(&d.lease, "dp_ddp_num_buckets", "DDP", func() error {
+		return d.lib.use("dp_ddp_num_buckets", func(api *C.dp_api) { n = int(C.dpgo_ddp_num_buckets(api, d.h)) })
+	})
 	return n
 }
 
@@ -442,10 +467,13 @@ func (l *Library) Join(ddps ...*DDP) error {
 		return invalid(op, "argument 'ddps' is empty")
 	}
 	hs := make([]*C.dp_ddp, len(ddps))
+	var args heldArgs
+	defer args.release()
 	for i, d := range ddps {
-		if d == nil || d.h == nil {
+		if d == nil || !d.lease.enter() {
 			return invalid(op, "argument 'ddps'[%d] is nil or closed", i)
 		}
+		args = append(args, d.lease.leave)
 		hs[i] = d.h
 	}
 	err := l.call(op, func(api *C.dp_api) C.dp_status { return C.dpgo_ddp_join(api, &hs[0], C.size_t(len(hs))) })

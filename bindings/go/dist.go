@@ -31,6 +31,7 @@ type ProcessGroup struct {
 	lib      *Library
 	h        *C.dp_process_group
 	borrowed bool
+	lease    lease // the calls in flight; Close waits for them
 }
 
 // Backend is the transport a group asks for; ProcessGroup.Backend says what
@@ -82,9 +83,10 @@ func (l *Library) NewProcessGroup(rank, worldSize int, opts *ProcessGroupOptions
 	if opts != nil {
 		copts.backend = C.int32_t(opts.Backend)
 		if opts.Store != nil {
-			if opts.Store.h == nil {
+			if !opts.Store.lease.enter() {
 				return nil, invalid(op, "argument 'opts.Store' is a closed store")
 			}
+			defer opts.Store.lease.leave()
 			copts.store = opts.Store.h
 		}
 		if opts.Timeout != 0 {
@@ -128,16 +130,33 @@ func (pg *ProcessGroup) call(op string, f func(api *C.dp_api) C.dp_status) error
 	if pg == nil {
 		return nilReceiver(op, "pg", "*ProcessGroup")
 	}
-	return pg.lib.call(op, f)
+	return held(&pg.lease, op, "process group", func() error { return pg.lib.call(op, f) })
 }
 
-// Close waits for queued collectives, then leaves the group.
+// arg holds the group as the argument `name` of op until the returned
+// function runs; a closed one is an invalid argument.
+func (pg *ProcessGroup) arg(op, name string) (func(), error) {
+	return heldArg(&pg.lease, op, name, "process group")
+}
+
+// use is lib.use, holding the group's handle.
+func (pg *ProcessGroup) use(op string, f func(api *C.dp_api)) error {
+	return held(&pg.lease, op, "process group", func() error { return pg.lib.use(op, f) })
+}
+
+// Close waits for the calls in flight on the group (from other goroutines)
+// and its queued collectives, then leaves the group; inside a callback,
+// while a call on the group runs, it leaves when that call returns.
 func (pg *ProcessGroup) Close() {
-	if pg == nil || pg.h == nil || pg.borrowed {
+	if pg == nil || pg.borrowed {
 		return
 	}
-	pg.lib.use("dp_process_group_destroy", func(api *C.dp_api) { C.dpgo_process_group_destroy(api, pg.h) })
-	pg.h = nil
+	pg.lease.shut(func() {
+		if pg.h != nil { // one never made holds nothing
+			pg.lib.use("dp_process_group_destroy", func(api *C.dp_api) { C.dpgo_process_group_destroy(api, pg.h) })
+		}
+		pg.h = nil
+	})
 }
 
 // Rank, Size and Backend describe the group; -1, -1 and "" on a closed group
@@ -147,7 +166,7 @@ func (pg *ProcessGroup) Rank() int {
 	if pg == nil {
 		return rank
 	}
-	pg.lib.use("dp_process_group_rank", func(api *C.dp_api) { rank = int(C.dpgo_process_group_rank(api, pg.h)) })
+	pg.use("dp_process_group_rank", func(api *C.dp_api) { rank = int(C.dpgo_process_group_rank(api, pg.h)) })
 	return rank
 }
 
@@ -156,7 +175,7 @@ func (pg *ProcessGroup) Size() int {
 	if pg == nil {
 		return size
 	}
-	pg.lib.use("dp_process_group_size", func(api *C.dp_api) { size = int(C.dpgo_process_group_size(api, pg.h)) })
+	pg.use("dp_process_group_size", func(api *C.dp_api) { size = int(C.dpgo_process_group_size(api, pg.h)) })
 	return size
 }
 
@@ -164,7 +183,7 @@ func (pg *ProcessGroup) Backend() (backend string) {
 	if pg == nil {
 		return ""
 	}
-	pg.lib.use("dp_process_group_backend", func(api *C.dp_api) {
+	pg.use("dp_process_group_backend", func(api *C.dp_api) {
 		backend = C.GoString(C.dpgo_process_group_backend(api, pg.h))
 	})
 	return backend
@@ -173,8 +192,13 @@ func (pg *ProcessGroup) Backend() (backend string) {
 // AllReduce combines t across ranks, in place.
 func (pg *ProcessGroup) AllReduce(t *Tensor, op ReduceOp) error {
 	const name = "dp_pg_all_reduce"
+	var args heldArgs
+	defer args.release()
 	if t == nil {
 		return nilArgument(name, "t")
+	}
+	if err := tensorArg(name, "t", t, &args); err != nil {
+		return err
 	}
 	return pg.call(name, func(api *C.dp_api) C.dp_status {
 		return C.dpgo_pg_all_reduce(api, pg.h, t.h, C.int32_t(op))
@@ -184,8 +208,13 @@ func (pg *ProcessGroup) AllReduce(t *Tensor, op ReduceOp) error {
 // Broadcast copies root's t to every rank, in place.
 func (pg *ProcessGroup) Broadcast(t *Tensor, root int) error {
 	const op = "dp_pg_broadcast"
+	var args heldArgs
+	defer args.release()
 	if t == nil {
 		return nilArgument(op, "t")
+	}
+	if err := tensorArg(op, "t", t, &args); err != nil {
+		return err
 	}
 	croot, err := cInt32(op, "root", root)
 	if err != nil {
@@ -204,10 +233,15 @@ func (pg *ProcessGroup) Barrier() error {
 // input.
 func (pg *ProcessGroup) AllGather(input *Tensor, outputs []*Tensor) error {
 	const op = "dp_pg_all_gather"
+	var args heldArgs
+	defer args.release()
 	if input == nil {
 		return invalid(op, "argument 'input' is nil")
 	}
-	hs, err := tensorHandles(op, "outputs", outputs)
+	if err := tensorArg(op, "input", input, &args); err != nil {
+		return err
+	}
+	hs, err := tensorHandles(op, "outputs", outputs, &args)
 	if err != nil {
 		return err
 	}
@@ -220,10 +254,15 @@ func (pg *ProcessGroup) AllGather(input *Tensor, outputs []*Tensor) error {
 // inputs[this rank] (inputs: one per rank, each like output).
 func (pg *ProcessGroup) ReduceScatter(inputs []*Tensor, output *Tensor, op ReduceOp) error {
 	const name = "dp_pg_reduce_scatter"
+	var args heldArgs
+	defer args.release()
 	if output == nil {
 		return invalid(name, "argument 'output' is nil")
 	}
-	hs, err := tensorHandles(name, "inputs", inputs)
+	if err := tensorArg(name, "output", output, &args); err != nil {
+		return err
+	}
+	hs, err := tensorHandles(name, "inputs", inputs, &args)
 	if err != nil {
 		return err
 	}
@@ -235,8 +274,14 @@ func (pg *ProcessGroup) ReduceScatter(inputs []*Tensor, output *Tensor, op Reduc
 // Work is a collective in flight. Its tensors must stay open until Wait
 // (or a Test saying done) returns.
 type Work struct {
-	lib *Library
-	h   *C.dp_work
+	lib   *Library
+	h     *C.dp_work
+	lease lease // the calls in flight; Close waits for them
+}
+
+// call is lib.call holding the work's handle; a closed work is StatusState.
+func (w *Work) call(op string, f func(api *C.dp_api) C.dp_status) error {
+	return held(&w.lease, op, "work", func() error { return w.lib.call(op, f) })
 }
 
 // async starts a collective and wraps its handle.
@@ -245,7 +290,7 @@ func (pg *ProcessGroup) async(op string, f func(api *C.dp_api, out **C.dp_work) 
 		return nil, nilReceiver(op, "pg", "*ProcessGroup")
 	}
 	var h *C.dp_work
-	err := pg.lib.call(op, func(api *C.dp_api) C.dp_status { return f(api, &h) })
+	err := pg.call(op, func(api *C.dp_api) C.dp_status { return f(api, &h) })
 	if err != nil {
 		return nil, err
 	}
@@ -254,8 +299,13 @@ func (pg *ProcessGroup) async(op string, f func(api *C.dp_api, out **C.dp_work) 
 
 func (pg *ProcessGroup) AllReduceAsync(t *Tensor, op ReduceOp) (*Work, error) {
 	const name = "dp_pg_all_reduce_async"
+	var args heldArgs
+	defer args.release()
 	if t == nil {
 		return nil, nilArgument(name, "t")
+	}
+	if err := tensorArg(name, "t", t, &args); err != nil {
+		return nil, err
 	}
 	return pg.async(name, func(api *C.dp_api, out **C.dp_work) C.dp_status {
 		return C.dpgo_pg_all_reduce_async(api, pg.h, t.h, C.int32_t(op), out)
@@ -264,8 +314,13 @@ func (pg *ProcessGroup) AllReduceAsync(t *Tensor, op ReduceOp) (*Work, error) {
 
 func (pg *ProcessGroup) BroadcastAsync(t *Tensor, root int) (*Work, error) {
 	const op = "dp_pg_broadcast_async"
+	var args heldArgs
+	defer args.release()
 	if t == nil {
 		return nil, nilArgument(op, "t")
+	}
+	if err := tensorArg(op, "t", t, &args); err != nil {
+		return nil, err
 	}
 	croot, err := cInt32(op, "root", root)
 	if err != nil {
@@ -278,10 +333,15 @@ func (pg *ProcessGroup) BroadcastAsync(t *Tensor, root int) (*Work, error) {
 
 func (pg *ProcessGroup) AllGatherAsync(input *Tensor, outputs []*Tensor) (*Work, error) {
 	const op = "dp_pg_all_gather_async"
+	var args heldArgs
+	defer args.release()
 	if input == nil {
 		return nil, invalid(op, "argument 'input' is nil")
 	}
-	hs, err := tensorHandles(op, "outputs", outputs)
+	if err := tensorArg(op, "input", input, &args); err != nil {
+		return nil, err
+	}
+	hs, err := tensorHandles(op, "outputs", outputs, &args)
 	if err != nil {
 		return nil, err
 	}
@@ -292,10 +352,15 @@ func (pg *ProcessGroup) AllGatherAsync(input *Tensor, outputs []*Tensor) (*Work,
 
 func (pg *ProcessGroup) ReduceScatterAsync(inputs []*Tensor, output *Tensor, op ReduceOp) (*Work, error) {
 	const name = "dp_pg_reduce_scatter_async"
+	var args heldArgs
+	defer args.release()
 	if output == nil {
 		return nil, invalid(name, "argument 'output' is nil")
 	}
-	hs, err := tensorHandles(name, "inputs", inputs)
+	if err := tensorArg(name, "output", output, &args); err != nil {
+		return nil, err
+	}
+	hs, err := tensorHandles(name, "inputs", inputs, &args)
 	if err != nil {
 		return nil, err
 	}
@@ -315,10 +380,7 @@ func (w *Work) Wait() error {
 	if w == nil {
 		return nilReceiver("dp_work_wait", "w", "*Work")
 	}
-	if w.h == nil {
-		return invalid("dp_work_wait", "the work is closed")
-	}
-	return w.lib.call("dp_work_wait", func(api *C.dp_api) C.dp_status { return C.dpgo_work_wait(api, w.h) })
+	return w.call("dp_work_wait", func(api *C.dp_api) C.dp_status { return C.dpgo_work_wait(api, w.h) })
 }
 
 // Test reports whether the collective has finished (then Wait returns at
@@ -327,19 +389,21 @@ func (w *Work) Test() (bool, error) {
 	if w == nil {
 		return false, nilReceiver("dp_work_test", "w", "*Work")
 	}
-	if w.h == nil {
-		return false, invalid("dp_work_test", "the work is closed")
-	}
 	var done C.int
-	err := w.lib.call("dp_work_test", func(api *C.dp_api) C.dp_status { return C.dpgo_work_test(api, w.h, &done) })
+	err := w.call("dp_work_test", func(api *C.dp_api) C.dp_status { return C.dpgo_work_test(api, w.h, &done) })
 	return done != 0, err
 }
 
-// Close drops the handle; the collective still completes.
+// Close drops the handle once the calls in flight on it have returned; the
+// collective still completes.
 func (w *Work) Close() {
-	if w == nil || w.h == nil {
+	if w == nil {
 		return
 	}
-	w.lib.use("dp_work_destroy", func(api *C.dp_api) { C.dpgo_work_destroy(api, w.h) })
-	w.h = nil
+	w.lease.shut(func() {
+		if w.h != nil { // one never made holds nothing
+			w.lib.use("dp_work_destroy", func(api *C.dp_api) { C.dpgo_work_destroy(api, w.h) })
+		}
+		w.h = nil
+	})
 }

@@ -47,8 +47,9 @@ type FSDPMixedPrecision struct {
 //
 // Every rank makes the same calls in the same order.
 type FSDP struct {
-	lib *Library
-	h   *C.dp_fsdp
+	lib   *Library
+	h     *C.dp_fsdp
+	lease lease // the calls in flight; Close waits for them
 }
 
 // NewFSDP shards module's parameters over pg (collective unless
@@ -77,6 +78,14 @@ func (l *Library) NewFSDP(module *Module, pg *ProcessGroup, opts *FSDPOptions) (
 			copts.reduce_dtype = C.int32_t(mp.ReduceDType)
 		}
 	}
+	var args heldArgs
+	defer args.release()
+	if err := args.hold(module.arg(op, "module")); err != nil {
+		return nil, err
+	}
+	if err := args.hold(pg.arg(op, "pg")); err != nil {
+		return nil, err
+	}
 	var h *C.dp_fsdp
 	err = l.call(op, func(api *C.dp_api) C.dp_status { return C.dpgo_fsdp_create(api, &h, module.h, pg.h, &copts) })
 	if err != nil {
@@ -86,23 +95,31 @@ func (l *Library) NewFSDP(module *Module, pg *ProcessGroup, opts *FSDPOptions) (
 }
 
 // Close is collective (every rank closes its FSDP of the pair): the
-// module's slots get the full parameters back.
+// module's slots get the full parameters back, once the calls in flight on
+// this FSDP (from other goroutines) have returned.
 func (f *FSDP) Close() {
-	if f == nil || f.h == nil {
+	if f == nil {
 		return
 	}
-	f.lib.use("dp_fsdp_destroy", func(api *C.dp_api) { C.dpgo_fsdp_destroy(api, f.h) })
-	f.h = nil
+	f.lease.shut(func() {
+		if f.h != nil { // one never made holds nothing
+			f.lib.use("dp_fsdp_destroy", func(api *C.dp_api) { C.dpgo_fsdp_destroy(api, f.h) })
+		}
+		f.h = nil
+	})
 }
 
+// simple is lib.call holding the FSDP's handle; a closed FSDP is StatusState.
 func (f *FSDP) simple(op string, fn func(api *C.dp_api) C.dp_status) error {
 	if f == nil {
 		return nilReceiver(op, "f", "*FSDP")
 	}
-	if f.h == nil {
-		return invalid(op, "the FSDP is closed")
-	}
-	return f.lib.call(op, fn)
+	return held(&f.lease, op, "FSDP", func() error {
+		if f.h == nil { // an FSDP not made by NewFSDP
+			return invalid(op, "the FSDP is closed")
+		}
+		return f.lib.call(op, fn)
+	})
 }
 
 // Unshard all-gathers: the slots hold the full parameters once it returns.
@@ -153,7 +170,9 @@ func (f *FSDP) NumParameters() (n int) {
 	if f == nil {
 		return 0
 	}
-	f.lib.use("dp_fsdp_num_parameters", func(api *C.dp_api) { n = int(C.dpgo_fsdp_num_parameters(api, f.h)) })
+	held(&f.lease, "dp_fsdp_num_parameters", "FSDP", func() error {
+		return f.lib.use("dp_fsdp_num_parameters", func(api *C.dp_api) { n = int(C.dpgo_fsdp_num_parameters(api, f.h)) })
+	})
 	return n
 }
 
@@ -210,6 +229,11 @@ func (m *Module) SaveFullStateDict(pg *ProcessGroup, path string) error {
 	if pg == nil {
 		return invalid("dp_fsdp_save_full_state_dict", "argument 'pg' is nil")
 	}
+	done, err := pg.arg("dp_fsdp_save_full_state_dict", "pg")
+	if err != nil {
+		return err
+	}
+	defer done()
 	cpath := C.CString(path)
 	defer C.free(unsafe.Pointer(cpath))
 	return m.call("dp_fsdp_save_full_state_dict", func(api *C.dp_api) C.dp_status {
@@ -235,6 +259,11 @@ func (m *Module) SaveShardedStateDict(pg *ProcessGroup, folder string) error {
 	if pg == nil {
 		return invalid("dp_fsdp_save_sharded_state_dict", "argument 'pg' is nil")
 	}
+	done, err := pg.arg("dp_fsdp_save_sharded_state_dict", "pg")
+	if err != nil {
+		return err
+	}
+	defer done()
 	cfolder := C.CString(folder)
 	defer C.free(unsafe.Pointer(cfolder))
 	return m.call("dp_fsdp_save_sharded_state_dict", func(api *C.dp_api) C.dp_status {

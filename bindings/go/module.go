@@ -14,6 +14,7 @@ type Module struct {
 	lib      *Library
 	h        *C.dp_module
 	borrowed bool
+	lease    lease // the calls in flight; Close waits for them
 }
 
 // NewModule makes an empty module.
@@ -26,21 +27,38 @@ func (l *Library) NewModule() (*Module, error) {
 	return &Module{lib: l, h: h}, nil
 }
 
-// call is lib.call on a module that may be nil.
+// call is lib.call on a module that may be nil, holding its handle (Close
+// waits); on a closed module it is a StatusState error.
 func (m *Module) call(op string, f func(api *C.dp_api) C.dp_status) error {
 	if m == nil {
 		return nilReceiver(op, "m", "*Module")
 	}
-	return m.lib.call(op, f)
+	return held(&m.lease, op, "module", func() error { return m.lib.call(op, f) })
 }
 
-// Close drops this reference (the tree lives while any handle to it does).
+// use is lib.use, holding the module's handle.
+func (m *Module) use(op string, f func(api *C.dp_api)) error {
+	return held(&m.lease, op, "module", func() error { return m.lib.use(op, f) })
+}
+
+// arg holds the module as the argument `name` of op until the returned
+// function runs; a closed one is an invalid argument.
+func (m *Module) arg(op, name string) (func(), error) { return heldArg(&m.lease, op, name, "module") }
+
+// Close drops this reference once the calls in flight on it (from other
+// goroutines) have returned; the tree lives while any handle to it does.
+// Inside a callback, while a call on this module runs, the reference is
+// dropped when that call returns.
 func (m *Module) Close() {
-	if m == nil || m.h == nil || m.borrowed {
+	if m == nil || m.borrowed {
 		return
 	}
-	m.lib.use("dp_module_destroy", func(api *C.dp_api) { C.dpgo_module_destroy(api, m.h) })
-	m.h = nil
+	m.lease.shut(func() {
+		if m.h != nil { // one never made holds nothing
+			m.lib.use("dp_module_destroy", func(api *C.dp_api) { C.dpgo_module_destroy(api, m.h) })
+		}
+		m.h = nil
+	})
 }
 
 // RegisterParameter adds a parameter; the module holds its own reference to
@@ -49,9 +67,11 @@ func (m *Module) RegisterParameter(name string, value *Tensor, requiresGrad bool
 	var h *C.dp_tensor
 	if value != nil {
 		// nil registers an empty slot; a closed tensor is a mistake.
-		if value.h == nil {
-			return invalid("dp_module_register_parameter", "argument 'value' (for %q) is a closed tensor", name)
+		done, err := value.arg("dp_module_register_parameter", "value")
+		if err != nil {
+			return err
 		}
+		defer done()
 		h = value.h
 	}
 	cname := C.CString(name)
@@ -69,9 +89,11 @@ func (m *Module) RegisterParameter(name string, value *Tensor, requiresGrad bool
 func (m *Module) RegisterModule(name string, child *Module) error {
 	var h *C.dp_module
 	if child != nil {
-		if child.h == nil {
-			return invalid("dp_module_register_module", "argument 'child' (for %q) is a closed module", name)
+		done, err := child.arg("dp_module_register_module", "child")
+		if err != nil {
+			return err
 		}
+		defer done()
 		h = child.h
 	}
 	cname := C.CString(name)
@@ -87,7 +109,7 @@ func (m *Module) NumParameters() (n int) {
 	if m == nil {
 		return 0
 	}
-	m.lib.use("dp_module_num_parameters", func(api *C.dp_api) { n = int(C.dpgo_module_num_parameters(api, m.h)) })
+	m.use("dp_module_num_parameters", func(api *C.dp_api) { n = int(C.dpgo_module_num_parameters(api, m.h)) })
 	return n
 }
 
@@ -180,9 +202,11 @@ func (m *Module) Load(path string, strict bool) error {
 func (m *Module) RegisterBuffer(name string, value *Tensor, persistent bool) error {
 	var h *C.dp_tensor
 	if value != nil {
-		if value.h == nil {
-			return invalid("dp_module_register_buffer", "argument 'value' (for %q) is a closed tensor", name)
+		done, err := value.arg("dp_module_register_buffer", "value")
+		if err != nil {
+			return err
 		}
+		defer done()
 		h = value.h
 	}
 	cname := C.CString(name)
@@ -198,7 +222,7 @@ func (m *Module) NumBuffers() (n int) {
 	if m == nil {
 		return 0
 	}
-	m.lib.use("dp_module_num_buffers", func(api *C.dp_api) { n = int(C.dpgo_module_num_buffers(api, m.h)) })
+	m.use("dp_module_num_buffers", func(api *C.dp_api) { n = int(C.dpgo_module_num_buffers(api, m.h)) })
 	return n
 }
 
@@ -267,9 +291,11 @@ func (m *Module) RequiresGrad(name string) (bool, error) {
 func (m *Module) SetGrad(name string, grad *Tensor) error {
 	var h *C.dp_tensor
 	if grad != nil {
-		if grad.h == nil {
-			return invalid("dp_module_set_grad", "argument 'grad' (for %q) is a closed tensor", name)
+		done, err := grad.arg("dp_module_set_grad", "grad")
+		if err != nil {
+			return err
 		}
+		defer done()
 		h = grad.h
 	}
 	cname := C.CString(name)

@@ -81,7 +81,10 @@ func dpgoForward(call C.uintptr_t, index C.size_t, replica *C.dp_module, input *
 	m := &Module{lib: c.lib, h: replica, borrowed: true}
 	in := &Tensor{lib: c.lib, h: input, borrowed: true}
 	// The library's handles end with the call.
-	defer func() { m.h, in.h = nil, nil }()
+	defer func() {
+		m.lease.shut(func() { m.h = nil })
+		in.lease.shut(func() { in.h = nil })
+	}()
 	var out *Tensor
 	var err error
 	failure := runCallback(func() { out, err = c.fn(i, m, in, goDevice(device)) })
@@ -92,14 +95,26 @@ func dpgoForward(call C.uintptr_t, index C.size_t, replica *C.dp_module, input *
 	case err != nil:
 		c.fail(i, err)
 		return 2
-	case out == nil || out.h == nil:
+	case out == nil:
 		c.fail(i, errors.New("the forward returned no tensor"))
 		return 3
 	}
-	*output = out.h
-	if !out.borrowed {
-		out.h = nil // the library has taken the reference over
+	var h *C.dp_tensor
+	if out.borrowed {
+		// A tensor the library lent (the input): still the library's.
+		if out.lease.enter() {
+			h = out.h
+			out.lease.leave()
+		}
+	} else {
+		// The library takes the reference over: the tensor is closed.
+		out.lease.shut(func() { h, out.h = out.h, nil })
 	}
+	if h == nil {
+		c.fail(i, errors.New("the forward returned a closed tensor (or one a call was still using)"))
+		return 3
+	}
+	*output = h
 	return 0
 }
 
@@ -121,12 +136,20 @@ func (l *Library) ParallelApply(replicas []*Module, inputs []*Tensor, devices []
 	}
 	rh := make([]*C.dp_module, n)
 	ih := make([]*C.dp_tensor, n)
+	var args heldArgs
+	defer args.release()
 	for i := 0; i < n; i++ {
 		if replicas[i] == nil {
 			return nil, invalid(op, "argument 'replicas'[%d] is nil", i)
 		}
 		if inputs[i] == nil {
 			return nil, invalid(op, "argument 'inputs'[%d] is nil", i)
+		}
+		if err := args.hold(replicas[i].arg(op, fmt.Sprintf("replicas[%d]", i))); err != nil {
+			return nil, err
+		}
+		if err := args.hold(inputs[i].arg(op, fmt.Sprintf("inputs[%d]", i))); err != nil {
+			return nil, err
 		}
 		rh[i], ih[i] = replicas[i].h, inputs[i].h
 	}
@@ -179,6 +202,14 @@ func (l *Library) DataParallel(module *Module, input *Tensor, devices []Device, 
 	if err != nil {
 		return nil, err
 	}
+	var args heldArgs
+	defer args.release()
+	if err := args.hold(module.arg(op, "module")); err != nil {
+		return nil, err
+	}
+	if err := args.hold(input.arg(op, "input")); err != nil {
+		return nil, err
+	}
 	var out *C.dp_tensor
 	err = l.runForward(op, fn, func(api *C.dp_api, call C.uintptr_t) C.dp_status {
 		return C.dpgo_data_parallel(api, module.h, input.h, &cd[0], C.size_t(len(cd)), cout, cdim, call, &out)
@@ -207,6 +238,11 @@ func (l *Library) Replicate(module *Module, devices []Device, detach bool) ([]*M
 	if detach {
 		d = 1
 	}
+	done, err := module.arg(op, "module")
+	if err != nil {
+		return nil, err
+	}
+	defer done()
 	err = l.call(op, func(api *C.dp_api) C.dp_status {
 		return C.dpgo_replicate(api, module.h, &cd[0], C.size_t(len(cd)), d, &out[0])
 	})
@@ -230,11 +266,19 @@ func (l *Library) ReduceGradients(replicas []*Module, target *Module) error {
 		return nilArgument(op, "target")
 	}
 	rh := make([]*C.dp_module, len(replicas))
+	var args heldArgs
+	defer args.release()
 	for i, r := range replicas {
 		if r == nil {
 			return invalid(op, "argument 'replicas'[%d] is nil", i)
 		}
+		if err := args.hold(r.arg(op, fmt.Sprintf("replicas[%d]", i))); err != nil {
+			return err
+		}
 		rh[i] = r.h
+	}
+	if err := args.hold(target.arg(op, "target")); err != nil {
+		return err
 	}
 	return l.call(op, func(api *C.dp_api) C.dp_status {
 		return C.dpgo_reduce_gradients(api, &rh[0], C.size_t(len(rh)), target.h)
@@ -243,8 +287,9 @@ func (l *Library) ReduceGradients(replicas []*Module, target *Module) error {
 
 // ReplicaSet keeps a module's replicas across steps.
 type ReplicaSet struct {
-	lib *Library
-	h   *C.dp_replica_set
+	lib   *Library
+	h     *C.dp_replica_set
+	lease lease // the calls in flight; Close waits for them
 }
 
 // NewReplicaSet replicates module onto devices (each listed once).
@@ -260,6 +305,11 @@ func (l *Library) NewReplicaSet(module *Module, devices []Device) (*ReplicaSet, 
 	if err != nil {
 		return nil, err
 	}
+	done, err := module.arg(op, "module")
+	if err != nil {
+		return nil, err
+	}
+	defer done()
 	var h *C.dp_replica_set
 	err = l.call(op, func(api *C.dp_api) C.dp_status {
 		return C.dpgo_replica_set_create(api, &h, module.h, &cd[0], C.size_t(len(cd)))
@@ -270,20 +320,28 @@ func (l *Library) NewReplicaSet(module *Module, devices []Device) (*ReplicaSet, 
 	return &ReplicaSet{lib: l, h: h}, nil
 }
 
-// call is lib.call on a replica set that may be nil.
+// call is lib.call on a replica set that may be nil, holding its handle
+// (Close waits); on a closed set it is a StatusState error.
 func (s *ReplicaSet) call(op string, f func(api *C.dp_api) C.dp_status) error {
 	if s == nil {
 		return nilReceiver(op, "s", "*ReplicaSet")
 	}
-	return s.lib.call(op, f)
+	return held(&s.lease, op, "replica set", func() error { return s.lib.call(op, f) })
 }
 
+// Close destroys the set once the calls in flight on it (from other
+// goroutines) have returned; inside one of its own forwards, when that
+// call returns.
 func (s *ReplicaSet) Close() {
-	if s == nil || s.h == nil {
+	if s == nil {
 		return
 	}
-	s.lib.use("dp_replica_set_destroy", func(api *C.dp_api) { C.dpgo_replica_set_destroy(api, s.h) })
-	s.h = nil
+	s.lease.shut(func() {
+		if s.h != nil { // one never made holds nothing
+			s.lib.use("dp_replica_set_destroy", func(api *C.dp_api) { C.dpgo_replica_set_destroy(api, s.h) })
+		}
+		s.h = nil
+	})
 }
 
 // Size is the number of replicas; 0 on a closed set or library.
@@ -291,7 +349,9 @@ func (s *ReplicaSet) Size() (n int) {
 	if s == nil {
 		return 0
 	}
-	s.lib.use("dp_replica_set_size", func(api *C.dp_api) { n = int(C.dpgo_replica_set_size(api, s.h)) })
+	held(&s.lease, "dp_replica_set_size", "replica set", func() error {
+		return s.lib.use("dp_replica_set_size", func(api *C.dp_api) { n = int(C.dpgo_replica_set_size(api, s.h)) })
+	})
 	return n
 }
 
@@ -334,9 +394,16 @@ func (s *ReplicaSet) Apply(input *Tensor, dim int, outputDevice Device, fn Forwa
 	if err != nil {
 		return nil, err
 	}
+	done, err := input.arg(op, "input")
+	if err != nil {
+		return nil, err
+	}
+	defer done()
 	var out *C.dp_tensor
-	err = s.lib.runForward(op, fn, func(api *C.dp_api, call C.uintptr_t) C.dp_status {
-		return C.dpgo_replica_set_apply(api, s.h, input.h, cdim, cout, call, &out)
+	err = held(&s.lease, op, "replica set", func() error {
+		return s.lib.runForward(op, fn, func(api *C.dp_api, call C.uintptr_t) C.dp_status {
+			return C.dpgo_replica_set_apply(api, s.h, input.h, cdim, cout, call, &out)
+		})
 	})
 	if err != nil {
 		return nil, err

@@ -16,8 +16,9 @@ import (
 // Store is a key-value store the ranks of a job share (c10d's contract): a
 // file every rank sees, or a TCP server. Safe for use from many goroutines.
 type Store struct {
-	lib *Library
-	h   *C.dp_store
+	lib   *Library
+	h     *C.dp_store
+	lease lease // the calls in flight; Close waits for them
 }
 
 // milliseconds converts a timeout for the library, which takes int32 ms.
@@ -84,17 +85,22 @@ func (s *Store) call(op string, f func(api *C.dp_api) C.dp_status) error {
 	if s == nil {
 		return nilReceiver(op, "s", "*Store")
 	}
-	return s.lib.call(op, f)
+	return held(&s.lease, op, "store", func() error { return s.lib.call(op, f) })
 }
 
-// Close drops this handle; a process group made with the store holds its
+// Close drops this handle once the calls in flight on it (from other
+// goroutines) have returned; a process group made with the store holds its
 // own reference.
 func (s *Store) Close() {
-	if s == nil || s.h == nil {
+	if s == nil {
 		return
 	}
-	s.lib.use("dp_store_destroy", func(api *C.dp_api) { C.dpgo_store_destroy(api, s.h) })
-	s.h = nil
+	s.lease.shut(func() {
+		if s.h != nil { // one never made holds nothing
+			s.lib.use("dp_store_destroy", func(api *C.dp_api) { C.dpgo_store_destroy(api, s.h) })
+		}
+		s.h = nil
+	})
 }
 
 // Set stores value under key; the last set wins.

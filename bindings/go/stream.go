@@ -21,8 +21,8 @@ type Stream struct {
 	mu     sync.Mutex
 	p      unsafe.Pointer
 	owned  bool
-	closed bool
 	errs   []error // host functions that failed, for the next Synchronize or Close
+	lease  lease   // the calls in flight; Close waits for them
 }
 
 // NewStream makes a stream of device; Close destroys it.
@@ -66,22 +66,26 @@ func (s *Stream) Device() Device {
 	return s.device
 }
 
-// open is the stream's device and handle for a call, or an error for a nil
-// or closed Stream (a closed one must not stand for the legacy default
-// stream, which nil means to the library).
-func (s *Stream) open(op string) (C.dp_device, unsafe.Pointer, error) {
+// open runs f with the stream's device and handle, held until f returns
+// (Close waits), or is an error for a nil or closed Stream (a closed one
+// must not stand for the legacy default stream, which nil means to the
+// library).
+func (s *Stream) open(op string, f func(cd C.dp_device, p unsafe.Pointer) error) error {
 	if s == nil {
-		return C.dp_device{}, nil, invalid(op, "argument 's' (the stream) is nil")
-	}
-	s.mu.Lock()
-	closed, p := s.closed, s.p
-	s.mu.Unlock()
-	if closed {
-		return C.dp_device{}, nil, &Error{Status: StatusState, Op: op,
-			Message: fmt.Sprintf("the stream (of %v) is closed", s.device)}
+		return invalid(op, "argument 's' (the stream) is nil")
 	}
 	cd, err := cDevice(op, "device", s.device)
-	return cd, p, err
+	if err != nil {
+		return err
+	}
+	if !s.lease.enter() {
+		return &Error{Status: StatusState, Op: op, Message: fmt.Sprintf("the stream (of %v) is closed", s.device)}
+	}
+	defer s.lease.leave()
+	s.mu.Lock()
+	p := s.p
+	s.mu.Unlock()
+	return f(cd, p)
 }
 
 func (s *Stream) takeErrors(err error) error {
@@ -101,13 +105,12 @@ func (s *Stream) takeErrors(err error) error {
 // StatusState; on a closed stream too.
 func (s *Stream) Synchronize() error {
 	const op = "dp_stream_synchronize"
-	cd, p, err := s.open(op)
-	if err != nil {
+	err := s.open(op, func(cd C.dp_device, p unsafe.Pointer) error {
+		return s.lib.call(op, func(api *C.dp_api) C.dp_status { return C.dpgo_stream_synchronize(api, cd, p) })
+	})
+	if s == nil {
 		return err
 	}
-	err = s.lib.call(op, func(api *C.dp_api) C.dp_status {
-		return C.dpgo_stream_synchronize(api, cd, p)
-	})
 	return s.takeErrors(err)
 }
 
@@ -116,26 +119,28 @@ func (s *Stream) Synchronize() error {
 // are reported as by Synchronize. A host function may close its own
 // stream: the stream then ends after its queued work, without waiting for
 // it. Closing twice does nothing; other calls on a closed stream are
-// StatusState.
+// StatusState. Calls in flight on the stream from other goroutines return
+// first; from inside a callback, while a call on this stream runs, the
+// stream is destroyed when that call returns (and Close reports nothing).
 func (s *Stream) Close() error {
 	if s == nil {
 		return nil
 	}
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
-		return nil
-	}
-	p, owned := s.p, s.owned
-	s.p, s.owned, s.closed = nil, false, true
-	s.mu.Unlock()
 	var err error
-	if owned && p != nil {
-		const op = "dp_stream_destroy"
-		var cd C.dp_device
-		if cd, err = cDevice(op, "device", s.device); err == nil {
-			err = s.lib.call(op, func(api *C.dp_api) C.dp_status { return C.dpgo_stream_destroy(api, cd, p) })
+	if !s.lease.shut(func() {
+		s.mu.Lock()
+		p, owned := s.p, s.owned
+		s.p, s.owned = nil, false
+		s.mu.Unlock()
+		if owned && p != nil {
+			const op = "dp_stream_destroy"
+			var cd C.dp_device
+			if cd, err = cDevice(op, "device", s.device); err == nil {
+				err = s.lib.call(op, func(api *C.dp_api) C.dp_status { return C.dpgo_stream_destroy(api, cd, p) })
+			}
 		}
+	}) {
+		return nil
 	}
 	return s.takeErrors(err)
 }
@@ -156,18 +161,16 @@ func (s *Stream) LaunchHostFunc(fn func()) error {
 	if fn == nil {
 		return invalid(op, "argument 'fn' is nil")
 	}
-	cd, p, err := s.open(op)
-	if err != nil {
+	return s.open(op, func(cd C.dp_device, p unsafe.Pointer) error {
+		h := cgo.NewHandle(&hostFunc{stream: s, fn: fn})
+		err := s.lib.call(op, func(api *C.dp_api) C.dp_status {
+			return C.dpgo_stream_launch_host_func(api, cd, p, C.uintptr_t(h))
+		})
+		if err != nil {
+			h.Delete()
+		}
 		return err
-	}
-	h := cgo.NewHandle(&hostFunc{stream: s, fn: fn})
-	err = s.lib.call(op, func(api *C.dp_api) C.dp_status {
-		return C.dpgo_stream_launch_host_func(api, cd, p, C.uintptr_t(h))
 	})
-	if err != nil {
-		h.Delete()
-	}
-	return err
 }
 
 //export dpgoHostFunc

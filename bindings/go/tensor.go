@@ -35,7 +35,23 @@ type Tensor struct {
 	lib      *Library
 	h        *C.dp_tensor
 	borrowed bool
+	lease    lease // the calls in flight; Close waits for them
 }
+
+// use and call run one entry point on the tensor's handle, which stays
+// valid until they return (Close waits); on a closed tensor they are
+// StatusState errors.
+func (t *Tensor) use(op string, f func(api *C.dp_api)) error {
+	return held(&t.lease, op, "tensor", func() error { return t.lib.use(op, f) })
+}
+
+func (t *Tensor) call(op string, f func(api *C.dp_api) C.dp_status) error {
+	return held(&t.lease, op, "tensor", func() error { return t.lib.call(op, f) })
+}
+
+// arg holds the tensor as the argument `name` of op until the returned
+// function runs; a closed one is an invalid argument.
+func (t *Tensor) arg(op, name string) (func(), error) { return heldArg(&t.lease, op, name, "tensor") }
 
 func (l *Library) ownedTensor(h *C.dp_tensor) *Tensor {
 	if h == nil {
@@ -103,14 +119,21 @@ func (l *Library) TensorFromFloat32s(data []float32, shape []int64, device Devic
 	return t, nil
 }
 
-// Close drops this reference; the storage lives while the library (or a
+// Close drops this reference once the calls in flight on it (from other
+// goroutines) have returned; the storage lives while the library (or a
 // module) holds another. Closing twice, or a borrowed tensor, does nothing.
+// Inside a callback, while a call on this tensor runs, the reference is
+// dropped when that call returns.
 func (t *Tensor) Close() {
-	if t == nil || t.h == nil || t.borrowed {
+	if t == nil || t.borrowed {
 		return
 	}
-	t.lib.use("dp_tensor_destroy", func(api *C.dp_api) { C.dpgo_tensor_destroy(api, t.h) })
-	t.h = nil
+	t.lease.shut(func() {
+		if t.h != nil { // one never made holds nothing
+			t.lib.use("dp_tensor_destroy", func(api *C.dp_api) { C.dpgo_tensor_destroy(api, t.h) })
+		}
+		t.h = nil
+	})
 }
 
 // DType, Numel and Device describe the tensor; on a closed tensor or
@@ -121,7 +144,7 @@ func (t *Tensor) DType() DType {
 	if t == nil {
 		return dtype
 	}
-	t.lib.use("dp_tensor_dtype", func(api *C.dp_api) { dtype = DType(C.dpgo_tensor_dtype(api, t.h)) })
+	t.use("dp_tensor_dtype", func(api *C.dp_api) { dtype = DType(C.dpgo_tensor_dtype(api, t.h)) })
 	return dtype
 }
 
@@ -130,7 +153,7 @@ func (t *Tensor) Numel() int64 {
 	if t == nil {
 		return numel
 	}
-	t.lib.use("dp_tensor_numel", func(api *C.dp_api) { numel = int64(C.dpgo_tensor_numel(api, t.h)) })
+	t.use("dp_tensor_numel", func(api *C.dp_api) { numel = int64(C.dpgo_tensor_numel(api, t.h)) })
 	return numel
 }
 
@@ -139,7 +162,7 @@ func (t *Tensor) Device() Device {
 	if t == nil {
 		return device
 	}
-	t.lib.use("dp_tensor_device", func(api *C.dp_api) { device = goDevice(C.dpgo_tensor_device(api, t.h)) })
+	t.use("dp_tensor_device", func(api *C.dp_api) { device = goDevice(C.dpgo_tensor_device(api, t.h)) })
 	return device
 }
 
@@ -149,7 +172,7 @@ func (t *Tensor) Shape() ([]int64, error) {
 		return nil, nilArgument(op, "t")
 	}
 	var shape []int64
-	err := t.lib.call(op, func(api *C.dp_api) C.dp_status {
+	err := t.call(op, func(api *C.dp_api) C.dp_status {
 		ndim := C.dpgo_tensor_ndim(api, t.h)
 		if ndim < 0 {
 			return C.DP_EINVAL // an invalid handle: dp_tensor_ndim set the message
@@ -169,12 +192,12 @@ func (t *Tensor) Shape() ([]int64, error) {
 // the tensor).
 func (t *Tensor) Float32s() ([]float32, error) {
 	const op = "Float32s"
-	if t == nil || t.h == nil {
-		return nil, invalid(op, "the tensor is closed (or nil)")
+	if t == nil {
+		return nil, nilArgument(op, "t")
 	}
 	var data []float32
 	var refusal error
-	err := t.lib.use(op, func(api *C.dp_api) {
+	err := t.use(op, func(api *C.dp_api) {
 		if dt := DType(C.dpgo_tensor_dtype(api, t.h)); dt != Float32 {
 			refusal = invalid(op, "the tensor's dtype is %d, not float32", int32(dt))
 			return
@@ -203,7 +226,7 @@ func (t *Tensor) CopyFromFloat32s(src []float32) error {
 	if len(src) == 0 {
 		return invalid("CopyFromFloat32s", "argument 'src' is empty")
 	}
-	return t.lib.call("dp_tensor_copy_from_host", func(api *C.dp_api) C.dp_status {
+	return t.call("dp_tensor_copy_from_host", func(api *C.dp_api) C.dp_status {
 		return C.dpgo_tensor_copy_from_host(api, t.h, unsafe.Pointer(&src[0]), C.size_t(4*len(src)))
 	})
 }
@@ -217,7 +240,7 @@ func (t *Tensor) CopyToFloat32s(dst []float32) error {
 	if len(dst) == 0 {
 		return invalid("CopyToFloat32s", "argument 'dst' is empty")
 	}
-	return t.lib.call("dp_tensor_copy_to_host", func(api *C.dp_api) C.dp_status {
+	return t.call("dp_tensor_copy_to_host", func(api *C.dp_api) C.dp_status {
 		return C.dpgo_tensor_copy_to_host(api, t.h, unsafe.Pointer(&dst[0]), C.size_t(4*len(dst)))
 	})
 }
@@ -227,7 +250,7 @@ func (t *Tensor) NBytes() (n int) {
 	if t == nil {
 		return 0
 	}
-	t.lib.use("dp_tensor_nbytes", func(api *C.dp_api) { n = int(C.dpgo_tensor_nbytes(api, t.h)) })
+	t.use("dp_tensor_nbytes", func(api *C.dp_api) { n = int(C.dpgo_tensor_nbytes(api, t.h)) })
 	return n
 }
 
@@ -237,7 +260,7 @@ func (t *Tensor) Data() (p unsafe.Pointer) {
 	if t == nil {
 		return nil
 	}
-	t.lib.use("dp_tensor_data", func(api *C.dp_api) { p = C.dpgo_tensor_data(api, t.h) })
+	t.use("dp_tensor_data", func(api *C.dp_api) { p = C.dpgo_tensor_data(api, t.h) })
 	return p
 }
 
@@ -252,7 +275,7 @@ func (t *Tensor) ToDevice(device Device) (*Tensor, error) {
 		return nil, err
 	}
 	var h *C.dp_tensor
-	err = t.lib.call(op, func(api *C.dp_api) C.dp_status {
+	err = t.call(op, func(api *C.dp_api) C.dp_status {
 		return C.dpgo_tensor_to_device(api, &h, t.h, cd)
 	})
 	if err != nil {
@@ -332,7 +355,7 @@ func (t *Tensor) ToDLPack() (unsafe.Pointer, error) {
 		return nil, nilArgument(op, "t")
 	}
 	var out unsafe.Pointer
-	err := t.lib.call(op, func(api *C.dp_api) C.dp_status {
+	err := t.call(op, func(api *C.dp_api) C.dp_status {
 		return C.dpgo_tensor_to_dlpack(api, t.h, &out)
 	})
 	if err != nil {

@@ -9,6 +9,5 @@
 %newobject dpswig::reduceAdd;
 %newobject dpswig::broadcastCoalesced;
 %newobject dpswig::reduceAddCoalesced;
-%ignore dpswig::tensorArgs;
 
 %include "dpswig_comm.hpp"

@@ -20,13 +20,20 @@
 %ignore dpswig::fail_argument;
 %ignore dpswig::rawDevices;
 %ignore dpswig::PendingException;
+%ignore dpswig::CallbackScope;
+%ignore dpswig::Gate;
+%ignore dpswig::Lease;
+%ignore dpswig::TensorArgs;
+%ignore dpswig::ModuleArgs;
 %ignore dpswig::FloatSource;
 %ignore dpswig::FloatSink;
 %ignore dpswig::HostBytes;
 %ignore dpswig::Device::raw;
 %ignore dpswig::Device::fromRaw;
 %ignore dpswig::MemoryStats::MemoryStats;
-%ignore *::close;
+// close() waits for the calls in flight; each language's close()/Dispose()
+// calls it as closeRaw.
+%rename(closeRaw) *::close;
 %ignore *::handle;
 %ignore *::release;
 %ignore *::handles;

@@ -6,13 +6,6 @@
 
 namespace dpswig {
 
-inline std::vector<const dp_tensor*> tensorArgs(const std::vector<Tensor*>& tensors, const char* name) {
-  std::vector<const dp_tensor*> out;
-  out.reserve(tensors.size());
-  for (Tensor* t : tensors) out.push_back(tensorArg(t, name));
-  return out;
-}
-
 // `tensor` on every device: a view where it already lives, a copy elsewhere.
 inline TensorList* broadcast(const Tensor& tensor, const std::vector<Device>& devices) {
   std::vector<dp_device> raw = rawDevices(devices);
@@ -31,7 +24,8 @@ inline TensorList* broadcast(const Tensor& tensor, const std::vector<Device>& de
 // tensor t on devices[d] (for d = 0 it shares the input's memory).
 inline TensorList* broadcastCoalesced(const std::vector<Tensor*>& tensors, const std::vector<Device>& devices,
                                       size_t bufferSize = 0) {
-  std::vector<const dp_tensor*> in = tensorArgs(tensors, "tensors");
+  TensorArgs args(tensors, "tensors");
+  const std::vector<const dp_tensor*>& in = args.craw();
   std::vector<dp_device> raw = rawDevices(devices);
   TensorList* list = new TensorList();
   list->handles().assign(raw.size() * in.size(), nullptr);
@@ -56,7 +50,8 @@ inline TensorList* reduceAddCoalesced(const std::vector<Tensor*>& inputs, size_t
     throw Error(DP_EINVAL, "invalid argument: 'inputs' holds " + std::to_string(inputs.size()) +
                                " tensors, not a multiple of 'ndevices' (" + std::to_string(ndevices) + ")");
   }
-  std::vector<const dp_tensor*> in = tensorArgs(inputs, "inputs");
+  TensorArgs args(inputs, "inputs");
+  const std::vector<const dp_tensor*>& in = args.craw();
   size_t ntensors = in.size() / ndevices;
   TensorList* list = new TensorList();
   list->handles().assign(ntensors, nullptr);
@@ -92,7 +87,8 @@ inline TensorList* scatter(const Tensor& tensor, const std::vector<Device>& devi
 
 // The tensors concatenated along `dim` on `destination`.
 inline Tensor* gather(const std::vector<Tensor*>& tensors, int dim, const Device& destination) {
-  std::vector<const dp_tensor*> in = tensorArgs(tensors, "tensors");
+  TensorArgs args(tensors, "tensors");
+  const std::vector<const dp_tensor*>& in = args.craw();
   dp_tensor* out = nullptr;
   check(dp_gather(in.data(), in.size(), dim, destination.raw(), &out));
   return new Tensor(out, true);
@@ -100,7 +96,8 @@ inline Tensor* gather(const std::vector<Tensor*>& tensors, int dim, const Device
 
 // The element-wise sum of `inputs` on `destination`.
 inline Tensor* reduceAdd(const std::vector<Tensor*>& inputs, const Device& destination) {
-  std::vector<const dp_tensor*> in = tensorArgs(inputs, "inputs");
+  TensorArgs args(inputs, "inputs");
+  const std::vector<const dp_tensor*>& in = args.craw();
   dp_tensor* out = nullptr;
   check(dp_reduce_add(in.data(), in.size(), destination.raw(), &out));
   return new Tensor(out, true);

@@ -11,6 +11,7 @@
 #ifndef DPARALLEL_BINDINGS_SWIG_COMMON_HPP
 #define DPARALLEL_BINDINGS_SWIG_COMMON_HPP
 
+#include <condition_variable>
 #include <cstdint>
 #include <exception>
 #include <mutex>
@@ -19,6 +20,13 @@
 #include <vector>
 
 #include "dparallel/dparallel.h"
+
+// A released handle and the call that releases it, in the language's own
+// terms (C# says "disposed" and "Dispose()").
+#if !defined(DPSWIG_CLOSED) && !defined(SWIG)
+#define DPSWIG_CLOSED "closed"
+#define DPSWIG_CLOSE_CALL "close()"
+#endif
 
 namespace dpswig {
 
@@ -182,6 +190,110 @@ class FloatSink {
   virtual size_t size() const = 0;
   virtual void write(const float* src) = 0;
 };
+
+// Marks this thread as running a host callback (a forward, a comm hook, a
+// stream's host function) while it lives: a close() there may be one the
+// call that runs the callback waits for.
+class CallbackScope {
+ public:
+  CallbackScope() { ++depth(); }
+  ~CallbackScope() { --depth(); }
+  CallbackScope(const CallbackScope&) = delete;
+  CallbackScope& operator=(const CallbackScope&) = delete;
+  static bool active() { return depth() > 0; }
+
+ private:
+  static int& depth() {
+    static thread_local int d = 0;
+    return d;
+  }
+};
+
+class Gate;
+
+// One call's hold on a handle: the handle stays valid (close() waits) until
+// the lease goes. A temporary lease lives to the end of the full
+// expression, so `check(dp_x(handle()))` holds it across the call.
+template <class H>
+class Lease {
+ public:
+  Lease(Gate* gate, H* h) : gate_(gate), h_(h) {}
+  Lease(Lease&& other) noexcept : gate_(other.gate_), h_(other.h_) { other.gate_ = nullptr; }
+  // Takes over `other`'s hold for another pointer the same object guards.
+  template <class O>
+  Lease(Lease<O>&& other, H* h) noexcept : gate_(other.gate_), h_(h) {
+    other.gate_ = nullptr;
+  }
+  Lease(const Lease&) = delete;
+  Lease& operator=(const Lease&) = delete;
+  Lease& operator=(Lease&&) = delete;
+  inline ~Lease();
+  operator H*() const { return h_; }
+  H* operator->() const { return h_; }
+  H* get() const { return h_; }
+
+ private:
+  template <class>
+  friend class Lease;
+  Gate* gate_;
+  H* h_;
+};
+
+// The calls in flight on one handle object, each holding a Lease. close()
+// shuts the gate: it waits for those calls, then releases the handle, so a
+// close on one thread never frees a handle under a call on another; a call
+// after it throws Status.STATE.
+class Gate {
+ public:
+  // A lease on `*slot` (read under the lock: close() clears it), or
+  // Status.STATE once shut, naming `arg` when the handle is an argument.
+  template <class H>
+  Lease<H> hold(H* const& slot, const char* kind, const char* arg = nullptr) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shut_ || slot == nullptr) {
+      throw Error(DP_ESTATE, arg != nullptr ? "invalid state: '" + std::string(arg) + "' is " DPSWIG_CLOSED
+                                            : "the " + std::string(kind) + " is " DPSWIG_CLOSED);
+    }
+    ++calls_;
+    return Lease<H>(this, slot);
+  }
+  void leave() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--calls_ == 0) idle_.notify_all();
+  }
+  // Shuts the gate once the calls in flight are done: true for the first
+  // close, false when it was shut already. From inside a callback while a
+  // call is in flight it would wait for itself (the call waits for the
+  // callback): Status.STATE then, and the gate stays open.
+  bool shut() {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (shut_) return false;
+    if (calls_ > 0 && CallbackScope::active()) {
+      throw Error(DP_ESTATE,
+                  "invalid state: " DPSWIG_CLOSE_CALL
+                  " inside a callback while a call on the same object is in flight (it would wait for itself); "
+                  "call it after that call returns");
+    }
+    shut_ = true;
+    idle_.wait(lock, [this] { return calls_ == 0; });
+    return true;
+  }
+  bool isShut() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return shut_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable idle_;
+  long calls_ = 0;
+  bool shut_ = false;
+};
+
+template <class H>
+Lease<H>::~Lease() {
+  if (gate_ != nullptr) gate_->leave();
+}
 
 // Keeps the first C++ exception a callback raised on a worker thread, for
 // the caller's thread to rethrow.

@@ -27,6 +27,7 @@ class CommHook {
 
   static int trampoline(void* user_data, dp_process_group* pg, size_t bucket_index, dp_tensor* flat_bucket) {
     CommHook* hook = static_cast<CommHook*>(user_data);
+    CallbackScope scope;
     try {
       ProcessGroup g(pg, false);
       Tensor b(flat_bucket, false);
@@ -119,21 +120,24 @@ class Ddp {
     return make(module, pg, options, hook);
   }
   ~Ddp() {
-    if (owned_) dp_ddp_destroy(h_);
+    if (owned_ && h_ != nullptr) dp_ddp_destroy(h_);
   }
   Ddp(const Ddp&) = delete;
   Ddp& operator=(const Ddp&) = delete;
+  // Destroys the reducer once the calls in flight on it returned.
   void close() {
+    if (!gate_.shut()) return;
     if (owned_) dp_ddp_destroy(h_);
     h_ = nullptr;
   }
+  bool isClosed() const { return gate_.isShut(); }
   void preForward() { check(dp_ddp_pre_forward(handle())); }
   void markGradReady(const std::string& name) { check(dp_ddp_mark_grad_ready(handle(), name.c_str())); }
   void markGradReady(size_t index) { check(dp_ddp_mark_grad_ready_index(handle(), index)); }
   // The gradient is final once the work queued so far on `stream` (of the
   // parameter's device) completes.
   void markGradReady(size_t index, const Stream& stream) {
-    check(dp_ddp_mark_grad_ready_stream(handle(), index, stream.handle()));
+    check(dp_ddp_mark_grad_ready_stream(handle(), index, stream.handle("stream")));
   }
   void finishBackward() {
     dp_status s = dp_ddp_finish_backward(handle());
@@ -145,11 +149,14 @@ class Ddp {
   // parameters and buffers of the rank that ran the most synced iterations.
   // Every rank passes the same Ddp, in the same order.
   static void join(const std::vector<Ddp*>& ddps) {
+    std::vector<Lease<dp_ddp>> leases;
     std::vector<dp_ddp*> raw;
+    leases.reserve(ddps.size());
     raw.reserve(ddps.size());
     for (Ddp* d : ddps) {
       if (d == nullptr) fail_argument("'ddps' holds a null Ddp");
-      raw.push_back(d->handle());
+      leases.push_back(d->handle("ddps"));
+      raw.push_back(leases.back());
     }
     if (raw.empty()) fail_argument("'ddps' is empty");
     dp_status s = dp_ddp_join(raw.data(), raw.size());
@@ -165,10 +172,11 @@ class Ddp {
   }
   // The current bucket plan as text, for DdpOptions.bucketPlan.
   std::string bucketPlan() const {
+    Lease<dp_ddp> ddp = handle();
     size_t len = 0;
-    check(dp_ddp_bucket_plan(handle(), nullptr, 0, &len));
+    check(dp_ddp_bucket_plan(ddp, nullptr, 0, &len));
     std::string out(len + 1, '\0');
-    check(dp_ddp_bucket_plan(handle(), &out[0], out.size(), &len));
+    check(dp_ddp_bucket_plan(ddp, &out[0], out.size(), &len));
     out.resize(len);
     return out;
   }
@@ -183,18 +191,16 @@ class Ddp {
   }
   size_t numBuckets() const { return dp_ddp_num_buckets(handle()); }
   std::vector<size_t> bucketParameters(size_t bucket) const {
+    Lease<dp_ddp> ddp = handle();
     size_t count = 0;
-    check(dp_ddp_bucket_parameters(handle(), bucket, nullptr, 0, &count));
+    check(dp_ddp_bucket_parameters(ddp, bucket, nullptr, 0, &count));
     std::vector<size_t> out(count);
-    check(dp_ddp_bucket_parameters(handle(), bucket, out.data(), out.size(), &count));
+    check(dp_ddp_bucket_parameters(ddp, bucket, out.data(), out.size(), &count));
     return out;
   }
 
   Ddp(dp_ddp* handle, bool owned) : h_(handle), owned_(owned) {}
-  dp_ddp* handle() const {
-    if (h_ == nullptr) throw Error(DP_ESTATE, "the ddp is closed");
-    return h_;
-  }
+  Lease<dp_ddp> handle(const char* arg = nullptr) const { return gate_.hold(h_, "ddp", arg); }
 
  private:
   Ddp() {}
@@ -229,7 +235,7 @@ class Ddp {
       o.hook_fn = &CommHook::trampoline;
       o.hook_user_data = hook;
     }
-    check(dp_ddp_create(&h_, module.handle(), pg.handle(), &o));
+    check(dp_ddp_create(&h_, module.handle("module"), pg.handle("pg"), &o));
   }
 
   static Ddp* make(Module& module, ProcessGroup& pg, const DdpOptions& options, CommHook* hook) {
@@ -247,6 +253,7 @@ class Ddp {
     if (reduced_ != nullptr) reduced_->rethrowPending();
   }
 
+  mutable Gate gate_;
   dp_ddp* h_ = nullptr;
   bool owned_ = true;
   CommHook* hook_ = nullptr;
@@ -256,6 +263,7 @@ class Ddp {
 inline int BucketReduced::trampoline(void* user_data, dp_ddp* ddp, size_t bucket_index, const size_t* param_indices,
                                      size_t nparams) {
   BucketReduced* callback = static_cast<BucketReduced*>(user_data);
+  CallbackScope scope;
   try {
     Ddp d(ddp, false);
     std::vector<size_t> params(param_indices, param_indices + nparams);

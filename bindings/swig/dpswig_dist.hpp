@@ -43,21 +43,27 @@ class Store {
     check(st);
     return s;
   }
-  ~Store() { dp_store_destroy(h_); }
+  ~Store() {
+    if (h_ != nullptr) dp_store_destroy(h_);
+  }
   Store(const Store&) = delete;
   Store& operator=(const Store&) = delete;
+  // Destroys the store once the calls in flight on it returned.
   void close() {
+    if (!gate_.shut()) return;
     dp_store_destroy(h_);
     h_ = nullptr;
   }
+  bool isClosed() const { return gate_.isShut(); }
   void set(const std::string& key, const std::string& value) {
     check(dp_store_set(handle(), key.c_str(), value.data(), value.size()));
   }
   std::string get(const std::string& key) {
+    Lease<dp_store> store = handle();
     size_t len = 0;
-    check(dp_store_get(handle(), key.c_str(), nullptr, 0, &len));
+    check(dp_store_get(store, key.c_str(), nullptr, 0, &len));
     std::string out(len, '\0');
-    check(dp_store_get(handle(), key.c_str(), len > 0 ? &out[0] : nullptr, len, &len));
+    check(dp_store_get(store, key.c_str(), len > 0 ? &out[0] : nullptr, len, &len));
     out.resize(len);
     return out;
   }
@@ -77,25 +83,29 @@ class Store {
     return p;
   }
   void setTimeout(int timeoutMs) { check(dp_store_set_timeout(handle(), timeoutMs)); }
-  dp_store* handle() const {
-    if (h_ == nullptr) throw Error(DP_ESTATE, "the store is closed");
-    return h_;
-  }
+  Lease<dp_store> handle(const char* arg = nullptr) const { return gate_.hold(h_, "store", arg); }
 
  private:
   Store() {}
+  mutable Gate gate_;
   dp_store* h_ = nullptr;
 };
 
 class Work {
  public:
-  ~Work() { dp_work_destroy(h_); }
+  ~Work() {
+    if (h_ != nullptr) dp_work_destroy(h_);
+  }
   Work(const Work&) = delete;
   Work& operator=(const Work&) = delete;
+  // Drops the handle once the calls in flight on it returned (the
+  // collective still completes).
   void close() {
+    if (!gate_.shut()) return;
     dp_work_destroy(h_);
     h_ = nullptr;
   }
+  bool isClosed() const { return gate_.isShut(); }
   void waitFor() { check(dp_work_wait(handle())); }
   bool test() {
     int done = 0;
@@ -105,19 +115,10 @@ class Work {
   explicit Work(dp_work* handle) : h_(handle) {}
 
  private:
-  dp_work* handle() const {
-    if (h_ == nullptr) throw Error(DP_ESTATE, "the work is closed");
-    return h_;
-  }
+  Lease<dp_work> handle() const { return gate_.hold(h_, "work"); }
+  mutable Gate gate_;
   dp_work* h_ = nullptr;
 };
-
-inline std::vector<dp_tensor*> mutableArgs(const std::vector<Tensor*>& tensors, const char* name) {
-  std::vector<dp_tensor*> out;
-  out.reserve(tensors.size());
-  for (Tensor* t : tensors) out.push_back(tensorArg(t, name));
-  return out;
-}
 
 class ProcessGroup {
  public:
@@ -140,7 +141,8 @@ class ProcessGroup {
                               int timeoutMs = 300000, int backend = DP_BACKEND_AUTO) {
     dp_process_group_options opts;
     check(dp_process_group_options_init(&opts, sizeof opts));
-    opts.store = store.handle();
+    Lease<dp_store> held = store.handle("store");
+    opts.store = held;
     opts.rank = rank;
     opts.world_size = worldSize;
     opts.device = device.raw();
@@ -153,14 +155,17 @@ class ProcessGroup {
     return pg;
   }
   ~ProcessGroup() {
-    if (owned_) dp_process_group_destroy(h_);
+    if (owned_ && h_ != nullptr) dp_process_group_destroy(h_);
   }
   ProcessGroup(const ProcessGroup&) = delete;
   ProcessGroup& operator=(const ProcessGroup&) = delete;
+  // Leaves the group once the calls in flight on it returned.
   void close() {
+    if (!gate_.shut()) return;
     if (owned_) dp_process_group_destroy(h_);
     h_ = nullptr;
   }
+  bool isClosed() const { return gate_.isShut(); }
   int rank() const { return dp_process_group_rank(handle()); }
   int size() const { return dp_process_group_size(handle()); }
   std::string backend() const { return dp_process_group_backend(handle()); }
@@ -179,25 +184,25 @@ class ProcessGroup {
   // outputs[r] receives rank r's input (one output per rank, each of the
   // input's dtype and numel).
   void allGather(const Tensor& input, const std::vector<Tensor*>& outputs) {
-    std::vector<dp_tensor*> out = mutableArgs(outputs, "outputs");
-    check(dp_pg_all_gather(handle(), input.handle(), out.data(), out.size()));
+    TensorArgs out(outputs, "outputs");
+    check(dp_pg_all_gather(handle(), input.handle(), out.raw().data(), out.raw().size()));
   }
   Work* allGatherAsync(const Tensor& input, const std::vector<Tensor*>& outputs) {
-    std::vector<dp_tensor*> out = mutableArgs(outputs, "outputs");
+    TensorArgs out(outputs, "outputs");
     dp_work* w = nullptr;
-    check(dp_pg_all_gather_async(handle(), input.handle(), out.data(), out.size(), &w));
+    check(dp_pg_all_gather_async(handle(), input.handle(), out.raw().data(), out.raw().size(), &w));
     return new Work(w);
   }
   // output = the reduction over the ranks of their inputs[this rank] (one
   // input per rank).
   void reduceScatter(const std::vector<Tensor*>& inputs, Tensor& output, int op = DP_SUM) {
-    std::vector<dp_tensor*> in = mutableArgs(inputs, "inputs");
-    std::vector<const dp_tensor*> cin(in.begin(), in.end());
+    TensorArgs in(inputs, "inputs");
+    const std::vector<const dp_tensor*>& cin = in.craw();
     check(dp_pg_reduce_scatter(handle(), cin.data(), cin.size(), output.handle(), op));
   }
   Work* reduceScatterAsync(const std::vector<Tensor*>& inputs, Tensor& output, int op = DP_SUM) {
-    std::vector<dp_tensor*> in = mutableArgs(inputs, "inputs");
-    std::vector<const dp_tensor*> cin(in.begin(), in.end());
+    TensorArgs in(inputs, "inputs");
+    const std::vector<const dp_tensor*>& cin = in.craw();
     dp_work* w = nullptr;
     check(dp_pg_reduce_scatter_async(handle(), cin.data(), cin.size(), output.handle(), op, &w));
     return new Work(w);
@@ -210,12 +215,10 @@ class ProcessGroup {
   }
 
   ProcessGroup(dp_process_group* handle, bool owned) : h_(handle), owned_(owned) {}
-  dp_process_group* handle() const {
-    if (h_ == nullptr) throw Error(DP_ESTATE, "the process group is closed");
-    return h_;
-  }
+  Lease<dp_process_group> handle(const char* arg = nullptr) const { return gate_.hold(h_, "process group", arg); }
 
  private:
+  mutable Gate gate_;
   dp_process_group* h_ = nullptr;
   bool owned_ = true;
 };

@@ -41,15 +41,20 @@ class Fsdp {
     o.reduce_dtype = options.reduceDtype;
     o.init_sync = options.initSync ? 1 : 0;
     o.full_params_as_views = options.fullParamsAsViews ? 1 : 0;
-    check(dp_fsdp_create(&h_, module.handle(), pg.handle(), &o));
+    check(dp_fsdp_create(&h_, module.handle("module"), pg.handle("pg"), &o));
   }
-  ~Fsdp() { dp_fsdp_destroy(h_); }
+  ~Fsdp() {
+    if (h_ != nullptr) dp_fsdp_destroy(h_);
+  }
   Fsdp(const Fsdp&) = delete;
   Fsdp& operator=(const Fsdp&) = delete;
+  // Destroys it (collective) once the calls in flight on it returned.
   void close() {
+    if (!gate_.shut()) return;
     dp_fsdp_destroy(h_);
     h_ = nullptr;
   }
+  bool isClosed() const { return gate_.isShut(); }
   // All-gather: the module's slots hold the full parameters. With `async`
   // it returns once the gather is issued (waitUnshard completes it).
   void unshard(bool async = false) { check(dp_fsdp_unshard(handle(), async ? 1 : 0)); }
@@ -87,25 +92,23 @@ class Fsdp {
   // rank of `pg` calls it, rank 0 writes `path` as Module.save would for the
   // unsharded module. Loading is local: each rank keeps its rows.
   static void saveFullStateDict(Module& module, ProcessGroup& pg, const std::string& path) {
-    check(dp_fsdp_save_full_state_dict(module.handle(), pg.handle(), path.c_str()));
+    check(dp_fsdp_save_full_state_dict(module.handle("module"), pg.handle("pg"), path.c_str()));
   }
   static void loadFullStateDict(Module& module, const std::string& path, bool strict = true) {
-    check(dp_fsdp_load_full_state_dict(module.handle(), path.c_str(), strict ? 1 : 0));
+    check(dp_fsdp_load_full_state_dict(module.handle("module"), path.c_str(), strict ? 1 : 0));
   }
   // Sharded: each rank writes its own file into `folder`; a load (after
   // every rank's save has returned) may run at another world size.
   static void saveShardedStateDict(Module& module, ProcessGroup& pg, const std::string& folder) {
-    check(dp_fsdp_save_sharded_state_dict(module.handle(), pg.handle(), folder.c_str()));
+    check(dp_fsdp_save_sharded_state_dict(module.handle("module"), pg.handle("pg"), folder.c_str()));
   }
   static void loadShardedStateDict(Module& module, const std::string& folder) {
-    check(dp_fsdp_load_sharded_state_dict(module.handle(), folder.c_str()));
+    check(dp_fsdp_load_sharded_state_dict(module.handle("module"), folder.c_str()));
   }
 
  private:
-  dp_fsdp* handle() const {
-    if (h_ == nullptr) throw Error(DP_ESTATE, "the fsdp is closed");
-    return h_;
-  }
+  Lease<dp_fsdp> handle() const { return gate_.hold(h_, "fsdp"); }
+  mutable Gate gate_;
   dp_fsdp* h_ = nullptr;
 };
 

@@ -9,27 +9,31 @@ namespace dpswig {
 class Module {
  public:
   Module() { check(dp_module_create(&h_)); }
+  // No call is in flight when the object itself goes.
   ~Module() {
-    if (owned_) dp_module_destroy(h_);
+    if (owned_ && h_ != nullptr) dp_module_destroy(h_);
   }
   Module(const Module&) = delete;
   Module& operator=(const Module&) = delete;
+  // Releases this reference once the calls in flight on it returned.
   void close() {
+    if (!gate_.shut()) return;
     if (owned_) dp_module_destroy(h_);
     h_ = nullptr;
   }
-  bool isClosed() const { return h_ == nullptr; }
+  bool isClosed() const { return gate_.isShut(); }
   // `value` may be null (an empty slot). The module holds its own reference.
   void registerParameter(const std::string& name, Tensor* value, bool requiresGrad = true) {
-    check(dp_module_register_parameter(handle(), name.c_str(), value != nullptr ? value->handle() : nullptr,
-                                       requiresGrad ? 1 : 0));
+    Lease<dp_tensor> v = value != nullptr ? value->handle("value") : Lease<dp_tensor>(nullptr, nullptr);
+    check(dp_module_register_parameter(handle(), name.c_str(), v, requiresGrad ? 1 : 0));
   }
   void registerBuffer(const std::string& name, Tensor* value, bool persistent = true) {
-    check(dp_module_register_buffer(handle(), name.c_str(), value != nullptr ? value->handle() : nullptr,
-                                    persistent ? 1 : 0));
+    Lease<dp_tensor> v = value != nullptr ? value->handle("value") : Lease<dp_tensor>(nullptr, nullptr);
+    check(dp_module_register_buffer(handle(), name.c_str(), v, persistent ? 1 : 0));
   }
   void registerModule(const std::string& name, Module* child) {
-    check(dp_module_register_module(handle(), name.c_str(), child != nullptr ? child->handle() : nullptr));
+    Lease<dp_module> c = child != nullptr ? child->handle("child") : Lease<dp_module>(nullptr, nullptr);
+    check(dp_module_register_module(handle(), name.c_str(), c));
   }
   size_t numParameters() const { return dp_module_num_parameters(handle()); }
   size_t numBuffers() const { return dp_module_num_buffers(handle()); }
@@ -86,7 +90,8 @@ class Module {
   // dtype, shape and device as the parameter; not while a Ddp's backward is
   // in flight.
   void setGrad(const std::string& dottedName, Tensor* grad) {
-    check(dp_module_set_grad(handle(), dottedName.c_str(), grad != nullptr ? grad->handle() : nullptr));
+    Lease<dp_tensor> g = grad != nullptr ? grad->handle("grad") : Lease<dp_tensor>(nullptr, nullptr);
+    check(dp_module_set_grad(handle(), dottedName.c_str(), g));
   }
   void zeroGrad() { check(dp_module_zero_grad(handle())); }
   void save(const std::string& path) const { check(dp_module_save(handle(), path.c_str())); }
@@ -103,45 +108,75 @@ class Module {
   }
 
   Module(dp_module* handle, bool owned) : h_(handle), owned_(owned) {}
-  dp_module* handle() const {
-    if (h_ == nullptr) throw Error(DP_ESTATE, "the module is closed");
-    return h_;
-  }
+  // The handle, held for one call (`arg`: the argument's name).
+  Lease<dp_module> handle(const char* arg = nullptr) const { return gate_.hold(h_, "module", arg); }
 
  private:
   static Tensor* wrap(dp_tensor* t) { return t != nullptr ? new Tensor(t, true) : nullptr; }
+  mutable Gate gate_;
   dp_module* h_ = nullptr;
   bool owned_ = true;
 };
 
-inline dp_module* moduleArg(Module* m, const char* name) {
+inline Lease<dp_module> moduleArg(Module* m, const char* name) {
   if (m == nullptr) throw Error(DP_EINVAL, "invalid argument: '" + std::string(name) + "' is null");
-  return m->handle();
+  return m->handle(name);
 }
+
+// Leases on every module of a list argument, held while the call runs.
+class ModuleArgs {
+ public:
+  ModuleArgs(const std::vector<Module*>& modules, const char* name) {
+    leases_.reserve(modules.size());
+    raw_.reserve(modules.size());
+    for (Module* m : modules) {
+      leases_.push_back(moduleArg(m, name));
+      raw_.push_back(leases_.back());
+    }
+  }
+  std::vector<dp_module*>& raw() { return raw_; }
+
+ private:
+  std::vector<Lease<dp_module>> leases_;
+  std::vector<dp_module*> raw_;
+};
 
 // Owned results of calls that make several handles; handle() gives a new
 // reference, so the list can be closed independently of what came out of it.
 class ModuleList {
  public:
   ModuleList() {}
-  ~ModuleList() { close(); }
+  ~ModuleList() {
+    for (dp_module* m : h_) dp_module_destroy(m);
+  }
   ModuleList(const ModuleList&) = delete;
   ModuleList& operator=(const ModuleList&) = delete;
-  size_t size() const { return h_.size(); }
+  size_t size() const {
+    Lease<std::vector<dp_module*>> list = held();
+    return list->size();
+  }
   Module* get(size_t index) const {
-    if (index >= h_.size()) fail_argument("'index' is past the end of the list");
+    Lease<std::vector<dp_module*>> list = held();
+    if (index >= list->size()) fail_argument("'index' is past the end of the list");
     dp_module* m = nullptr;
-    check(dp_module_get_module(h_[index], "", &m));
+    check(dp_module_get_module((*list)[index], "", &m));
     return new Module(m, true);
   }
+  // Releases the modules once the calls in flight on the list returned.
   void close() {
+    if (!gate_.shut()) return;
     for (dp_module* m : h_) dp_module_destroy(m);
     h_.clear();
   }
+  bool isClosed() const { return gate_.isShut(); }
+  // For the call that fills the list, before any host code sees it.
   std::vector<dp_module*>& handles() { return h_; }
 
  private:
+  Lease<std::vector<dp_module*>> held() const { return gate_.hold(self_, "module list"); }
+  mutable Gate gate_;
   std::vector<dp_module*> h_;
+  std::vector<dp_module*>* const self_ = &h_;
 };
 
 }  // namespace dpswig

@@ -20,6 +20,7 @@ class ForwardFunction {
   static int trampoline(void* user_data, size_t index, dp_module* replica, dp_tensor* input, dp_device device,
                         dp_tensor** output) {
     ForwardFunction* fn = static_cast<ForwardFunction*>(user_data);
+    CallbackScope scope;
     try {
       Module m(replica, false);
       Tensor in(input, false);
@@ -66,14 +67,12 @@ inline TensorList* parallelApply(const std::vector<Module*>& replicas, const std
   ForwardFunction& f = functionArg(fn);
   if (replicas.size() != inputs.size()) fail_argument("'replicas' and 'inputs' differ in length");
   if (!devices.empty() && devices.size() != inputs.size()) fail_argument("'devices' and 'inputs' differ in length");
-  std::vector<dp_module*> r;
-  std::vector<dp_tensor*> in;
-  for (Module* m : replicas) r.push_back(moduleArg(m, "replicas"));
-  for (Tensor* t : inputs) in.push_back(tensorArg(t, "inputs"));
+  ModuleArgs r(replicas, "replicas");
+  TensorArgs in(inputs, "inputs");
   std::vector<dp_device> raw = rawDevices(devices);
   TensorList* list = new TensorList();
   list->handles().assign(inputs.size(), nullptr);
-  dp_status s = dp_parallel_apply(r.data(), in.data(), raw.empty() ? nullptr : raw.data(), in.size(),
+  dp_status s = dp_parallel_apply(r.raw().data(), in.raw().data(), raw.empty() ? nullptr : raw.data(), inputs.size(),
                                   &ForwardFunction::trampoline, &f, list->handles().data());
   try {
     f.rethrowPending();
@@ -99,9 +98,8 @@ inline ModuleList* replicate(const Module& module, const std::vector<Device>& de
 }
 
 inline void reduceGradients(const std::vector<Module*>& replicas, Module& target) {
-  std::vector<dp_module*> r;
-  for (Module* m : replicas) r.push_back(moduleArg(m, "replicas"));
-  check(dp_reduce_gradients(r.data(), r.size(), target.handle()));
+  ModuleArgs r(replicas, "replicas");
+  check(dp_reduce_gradients(r.raw().data(), r.raw().size(), target.handle()));
 }
 
 class ReplicaSet {
@@ -110,13 +108,18 @@ class ReplicaSet {
     std::vector<dp_device> raw = rawDevices(devices);
     check(dp_replica_set_create(&h_, module.handle(), raw.data(), raw.size()));
   }
-  ~ReplicaSet() { dp_replica_set_destroy(h_); }
+  ~ReplicaSet() {
+    if (h_ != nullptr) dp_replica_set_destroy(h_);
+  }
   ReplicaSet(const ReplicaSet&) = delete;
   ReplicaSet& operator=(const ReplicaSet&) = delete;
+  // Destroys the set once the calls in flight on it returned.
   void close() {
+    if (!gate_.shut()) return;
     dp_replica_set_destroy(h_);
     h_ = nullptr;
   }
+  bool isClosed() const { return gate_.isShut(); }
   size_t size() const { return dp_replica_set_size(handle()); }
   void sync() { check(dp_replica_set_sync(handle())); }
   Module* replica(size_t index) const {
@@ -136,10 +139,8 @@ class ReplicaSet {
   void reduceGradients() { check(dp_replica_set_reduce_gradients(handle())); }
 
  private:
-  dp_replica_set* handle() const {
-    if (h_ == nullptr) throw Error(DP_ESTATE, "the replica set is closed");
-    return h_;
-  }
+  Lease<dp_replica_set> handle() const { return gate_.hold(h_, "replica set"); }
+  mutable Gate gate_;
   dp_replica_set* h_ = nullptr;
 };
 

@@ -40,17 +40,20 @@ class Stream {
   // No current stream for `device` on this thread: calls complete before
   // they return again.
   static void clearCurrent(const Device& device) { check(dp_set_current_stream(device.raw(), nullptr)); }
+  // No call is in flight when the object itself goes.
   ~Stream() {
     if (owned_ && !closed_) dp_stream_destroy(device_.raw(), s_);
   }
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;
+  // Frees an owned stream once the calls in flight on it returned.
   void close() {
-    if (owned_ && !closed_) dp_stream_destroy(device_.raw(), s_);
+    if (!gate_.shut()) return;
+    if (owned_) dp_stream_destroy(device_.raw(), s_);
     closed_ = true;
   }
   Device device() const { return device_; }
-  NativePointer pointer() const { return handle(); }
+  NativePointer pointer() const { return handle().get(); }
   // Later calls on this thread that touch tensors on the stream's device
   // queue their work on it, after what it holds.
   void makeCurrent() { check(dp_set_current_stream(device_.raw(), handle())); }
@@ -65,19 +68,24 @@ class Stream {
     check(dp_stream_launch_host_func(device_.raw(), handle(), &runHostCall, call));
     fn.call.release();  // runHostCall deletes it
   }
-  bool isClosed() const { return closed_; }
+  bool isClosed() const { return gate_.isShut(); }
 
-  void* handle() const {
-    if (closed_) throw Error(DP_ESTATE, "the stream is closed");
-    return s_;
+  // The stream, held for one call (`arg`: the argument's name). A wrapped
+  // legacy default stream is null, so the slot is the stream object itself.
+  Lease<void> handle(const char* arg = nullptr) const {
+    Lease<const Stream> self = gate_.hold(self_, "stream", arg);
+    return Lease<void>(std::move(self), s_);
   }
 
  private:
   Stream(const Device& device, void* s, bool owned) : device_(device), s_(s), owned_(owned) {}
   static void runHostCall(void* call) {
+    CallbackScope scope;
     std::unique_ptr<HostCall> owned(static_cast<HostCall*>(call));
     owned->run();
   }
+  mutable Gate gate_;
+  const Stream* const self_ = this;
   Device device_;
   void* s_ = nullptr;
   bool owned_ = true;

@@ -33,17 +33,20 @@ class Tensor {
     check(dp_tensor_create(&h_, dtype, static_cast<int32_t>(extents.size()), extents.empty() ? nullptr : extents.data(),
                            device.raw()));
   }
+  // No call is in flight when the object itself goes.
   ~Tensor() {
-    if (owned_) dp_tensor_destroy(h_);
+    if (owned_ && h_ != nullptr) dp_tensor_destroy(h_);
   }
   Tensor(const Tensor&) = delete;
   Tensor& operator=(const Tensor&) = delete;
-  // Releases this reference now; later calls on the object fail.
+  // Releases this reference once the calls in flight on it returned; later
+  // calls on the object fail.
   void close() {
+    if (!gate_.shut()) return;
     if (owned_) dp_tensor_destroy(h_);
     h_ = nullptr;
   }
-  bool isClosed() const { return h_ == nullptr; }
+  bool isClosed() const { return gate_.isShut(); }
   int dtype() const { return dp_tensor_dtype(handle()); }
   int ndim() const { return dp_tensor_ndim(handle()); }
   std::vector<long long> shape() const {
@@ -57,7 +60,7 @@ class Tensor {
   // The tensor's own memory (cpu tensors only), valid while this reference
   // lives: a view that may outlive the tensor takes it from viewReference().
   HostBytes hostBytes() const {
-    dp_tensor* t = cpuHandle();
+    Lease<dp_tensor> t = cpuHandle();
     return HostBytes{dp_tensor_data(t), dp_tensor_nbytes(t)};
   }
   // A new reference to this cpu tensor's memory for a zero-copy view to own,
@@ -68,7 +71,7 @@ class Tensor {
   }
   // One copy from or to a host array of exactly numel float32 values.
   void copyFrom(const FloatSource& values) {
-    dp_tensor* t = floatTensor(values.size(), "values");
+    Lease<dp_tensor> t = floatTensor(values.size(), "values");
     if (dp_tensor_device(t).type == DP_DEVICE_CPU) {
       values.read(static_cast<float*>(dp_tensor_data(t)));
     } else {
@@ -78,7 +81,7 @@ class Tensor {
     }
   }
   void copyTo(FloatSink& values) const {
-    dp_tensor* t = floatTensor(values.size(), "values");
+    Lease<dp_tensor> t = floatTensor(values.size(), "values");
     if (dp_tensor_device(t).type == DP_DEVICE_CPU) {
       values.write(static_cast<const float*>(dp_tensor_data(t)));
     } else {
@@ -88,11 +91,11 @@ class Tensor {
     }
   }
   void copyFrom(const float* values, size_t count) {
-    dp_tensor* t = floatTensor(count, "values");
+    Lease<dp_tensor> t = floatTensor(count, "values");
     check(dp_tensor_copy_from_host(t, values, count * sizeof(float)));
   }
   void copyTo(float* values, size_t count) const {
-    dp_tensor* t = floatTensor(count, "values");
+    Lease<dp_tensor> t = floatTensor(count, "values");
     check(dp_tensor_copy_to_host(t, values, count * sizeof(float)));
   }
   // A tensor over `buffer`'s first bytes, without a copy: writes through
@@ -161,7 +164,7 @@ class Tensor {
   }
   // A new reference to the same memory: it stays valid after this one closes.
   Tensor* share() const {
-    dp_tensor* t = handle();
+    Lease<dp_tensor> t = handle();
     dp_device d = dp_tensor_device(t);
     dp_tensor* out = nullptr;
     check(dp_broadcast(t, &d, 1, &out));
@@ -169,28 +172,29 @@ class Tensor {
   }
 
   Tensor(dp_tensor* handle, bool owned) : h_(handle), owned_(owned) {}
-  dp_tensor* handle() const {
-    if (h_ == nullptr) throw Error(DP_ESTATE, "the tensor is closed");
-    return h_;
-  }
-  // Hands the handle over (to the library); this object is closed after.
+  // The handle, held for one call (`arg`: the argument's name, for the
+  // message when it is closed).
+  Lease<dp_tensor> handle(const char* arg = nullptr) const { return gate_.hold(h_, "tensor", arg); }
+  // Hands the handle over (to the library) once the calls in flight on it
+  // returned; this object is closed after.
   dp_tensor* release() {
-    dp_tensor* h = handle();
+    if (!gate_.shut() || h_ == nullptr) throw Error(DP_ESTATE, "the tensor is " DPSWIG_CLOSED);
+    dp_tensor* h = h_;
     h_ = nullptr;
     return h;
   }
 
  private:
   static void releaseHost(void* keep) { delete static_cast<HostMemory*>(keep); }
-  dp_tensor* cpuHandle() const {
-    dp_tensor* t = handle();
+  Lease<dp_tensor> cpuHandle() const {
+    Lease<dp_tensor> t = handle();
     if (dp_tensor_device(t).type != DP_DEVICE_CPU) {
       throw Error(DP_EUNSUPPORTED, "a view of the tensor's memory needs a cpu tensor; copy it with to() first");
     }
     return t;
   }
-  dp_tensor* floatTensor(size_t count, const char* name) const {
-    dp_tensor* t = handle();
+  Lease<dp_tensor> floatTensor(size_t count, const char* name) const {
+    Lease<dp_tensor> t = handle();
     if (dp_tensor_dtype(t) != DP_FLOAT32) fail_argument("the tensor is not float32; float arrays copy only float32");
     if (static_cast<int64_t>(count) != dp_tensor_numel(t)) {
       throw Error(DP_EINVAL, "invalid argument: '" + std::string(name) + "' has " + std::to_string(count) +
@@ -199,36 +203,71 @@ class Tensor {
     return t;
   }
 
+  mutable Gate gate_;
   dp_tensor* h_ = nullptr;
   bool owned_ = true;
 };
 
-inline dp_tensor* tensorArg(Tensor* t, const char* name) {
+inline Lease<dp_tensor> tensorArg(Tensor* t, const char* name) {
   if (t == nullptr) throw Error(DP_EINVAL, "invalid argument: '" + std::string(name) + "' is null");
-  return t->handle();
+  return t->handle(name);
 }
+
+// Leases on every tensor of a list argument, held while the call runs.
+class TensorArgs {
+ public:
+  TensorArgs(const std::vector<Tensor*>& tensors, const char* name) {
+    leases_.reserve(tensors.size());
+    raw_.reserve(tensors.size());
+    for (Tensor* t : tensors) {
+      leases_.push_back(tensorArg(t, name));
+      raw_.push_back(leases_.back());
+    }
+    craw_.assign(raw_.begin(), raw_.end());
+  }
+  std::vector<dp_tensor*>& raw() { return raw_; }
+  const std::vector<const dp_tensor*>& craw() const { return craw_; }
+
+ private:
+  std::vector<Lease<dp_tensor>> leases_;
+  std::vector<dp_tensor*> raw_;
+  std::vector<const dp_tensor*> craw_;
+};
 
 class TensorList {
  public:
   TensorList() {}
-  ~TensorList() { close(); }
+  ~TensorList() {
+    for (dp_tensor* t : h_) dp_tensor_destroy(t);
+  }
   TensorList(const TensorList&) = delete;
   TensorList& operator=(const TensorList&) = delete;
-  size_t size() const { return h_.size(); }
+  size_t size() const {
+    Lease<std::vector<dp_tensor*>> list = held();
+    return list->size();
+  }
   Tensor* get(size_t index) const {
-    if (index >= h_.size()) fail_argument("'index' is past the end of the list");
-    if (h_[index] == nullptr) return nullptr;
-    Tensor borrowed(h_[index], false);
+    Lease<std::vector<dp_tensor*>> list = held();
+    if (index >= list->size()) fail_argument("'index' is past the end of the list");
+    if ((*list)[index] == nullptr) return nullptr;
+    Tensor borrowed((*list)[index], false);
     return borrowed.share();
   }
+  // Releases the tensors once the calls in flight on the list returned.
   void close() {
+    if (!gate_.shut()) return;
     for (dp_tensor* t : h_) dp_tensor_destroy(t);
     h_.clear();
   }
+  bool isClosed() const { return gate_.isShut(); }
+  // For the call that fills the list, before any host code sees it.
   std::vector<dp_tensor*>& handles() { return h_; }
 
  private:
+  Lease<std::vector<dp_tensor*>> held() const { return gate_.hold(self_, "tensor list"); }
+  mutable Gate gate_;
   std::vector<dp_tensor*> h_;
+  std::vector<dp_tensor*>* const self_ = &h_;
 };
 
 }  // namespace dpswig

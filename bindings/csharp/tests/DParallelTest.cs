@@ -5,14 +5,15 @@
 // exceptions thrown in callbacks surface in the caller, that bad arguments
 // raise DParallelException naming the argument, that AsMemory() views keep
 // the tensor's memory alive after the tensor is disposed or collected, and
-// that every handle answers IsClosed() after Dispose(). The rest: fully_shard
+// that every handle answers IsClosed() after Dispose(), and that Dispose()
+// racing calls on other threads never crashes (dispose-races). The rest: fully_shard
 // on every rank against single-process training, with its state dicts
 // (fsdp); tensors over pinned arrays, DLPack, coalesced collectives, memory
 // stats and shutdown (tensors); streams and host functions (streams); the
 // process group's collectives (collectives); join with uneven inputs, the
 // optimizer inside backward, parameterUsed and bucket plans (ddp-extras).
 //
-//   mono DParallelTest.exe data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|tensors|streams
+//   mono DParallelTest.exe data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|dispose-races|tensors|streams
 //   dp-run -n 2 mono DParallelTest.exe ddp|fsdp|fsdp-views|collectives|ddp-extras
 using System;
 using System.Collections.Generic;
@@ -538,6 +539,134 @@ public static class DParallelTest {
       CheckCloses("Store", store, store.IsClosed, () => store.Port());
     }
     Console.WriteLine("every handle answers IsClosed() after Dispose()");
+  }
+
+  // ---- Dispose() racing calls on other threads ----
+
+  /// A call on a disposed object: DParallelException, Status.STATE, saying so.
+  static bool IsDisposedError(Exception e) {
+    return e is DParallelException d && d.Code == Status.STATE && d.Message.Contains("disposed");
+  }
+
+  /// `rounds` times: `callers` threads call `use` on a new object from
+  /// `make` until it is disposed, while this thread disposes it once every
+  /// caller has made a call. Nothing crashes; a call racing Dispose() either
+  /// completes or throws the disposed error, and every call that starts
+  /// after Dispose() returned throws it.
+  static void RaceDispose<T>(string what, int rounds, int callers, Func<T> make, Action<T> use) where T : IDisposable {
+    for (int round = 0; round < rounds; ++round) {
+      T handle = make();
+      var called = new CountdownEvent(callers);
+      int disposed = 0;
+      Exception wrong = null;
+      var threads = new Thread[callers];
+      for (int i = 0; i < callers; ++i) {
+        threads[i] = new Thread(() => {
+          bool counted = false;
+          try {
+            while (true) {
+              bool afterDispose = Volatile.Read(ref disposed) != 0;
+              try {
+                use(handle);
+              } catch (Exception e) {
+                if (!IsDisposedError(e)) Interlocked.CompareExchange(ref wrong, e, null);
+                return;
+              }
+              if (afterDispose) {
+                Interlocked.CompareExchange(ref wrong, new InvalidOperationException("a call that started after Dispose() returned"), null);
+                return;
+              }
+              if (!counted) {
+                counted = true;
+                called.Signal();
+              }
+            }
+          } catch (Exception e) {
+            Interlocked.CompareExchange(ref wrong, e, null);
+          } finally {
+            if (!counted) called.Signal();
+          }
+        });
+        threads[i].Start();
+      }
+      called.Wait();
+      handle.Dispose();
+      Volatile.Write(ref disposed, 1);
+      foreach (Thread t in threads) t.Join();
+      if (wrong != null) Fail(what + ", round " + round + ": a caller racing Dispose() got " + wrong);
+      try {
+        use(handle);
+        Fail(what + ": a call after Dispose() returned");
+      } catch (Exception e) {
+        Expect(IsDisposedError(e), what + ": a call after Dispose() is the disposed error, not " + e);
+      }
+    }
+    Console.WriteLine("{0}: Dispose() raced calls on {1} threads {2} times", what, callers, rounds);
+  }
+
+  /// A forward that disposes the replica set running it.
+  class DisposesItsSet : ForwardFunction {
+    internal ReplicaSet Set;
+    public override Tensor Forward(ulong index, Module replica, Tensor input, Device device) {
+      Set.Dispose();
+      return input;
+    }
+  }
+
+  static void DisposeRaces() {
+    var cpu0 = new Device("cpu:0");
+    DeviceList devices = Device.List("cpu:0,cpu:1");
+    // The thousand-round race, on the cheapest handle, then every other kind.
+    RaceDispose("Tensor", 1000, 3, () => Tensor.Of(new float[] { 1, 2, 3, 4 }, 4), t => {
+      var output = new float[4];
+      t.CopyTo(output);
+      if (t.Numel() != 4 || output[3] != 4) throw new InvalidOperationException("a racing call read wrong values");
+    });
+    RaceDispose("Module", 300, 3, BuildModel, m => {
+      if (m.NumParameters() != 2 * LAYERS) throw new InvalidOperationException("a racing call saw the wrong parameters");
+      m.GetParameter("fc0.bias").Dispose();
+    });
+    using (var input = Tensor.Of(new float[] { 1, 2, 3, 4 }, 4))
+    using (Module model = BuildModel())
+    using (var grad = Tensor.Of(new float[] { 1, 2 }, 2)) {
+      RaceDispose("TensorList", 100, 3, () => Parallel.Scatter(input, devices, 0), l => l.Get(1).Dispose());
+      RaceDispose("ModuleList", 50, 3, () => Parallel.Replicate(model, devices, false), l => l.Get(1).Dispose());
+      RaceDispose("ReplicaSet", 50, 3, () => new ReplicaSet(model, devices), s => s.Sync());
+      RaceDispose("DeviceStream", 100, 3, () => new DeviceStream(cpu0), s => s.Synchronize());
+      RaceDispose("Store", 30, 3, () => Store.Tcp("127.0.0.1", 0, 1, true, 10000), s => s.Add("k", 1));
+      using (Store store = Store.Tcp("127.0.0.1", 0, 1, true, 10000)) {
+        // Collectives are one thread's at a time; the group's reads are anyone's.
+        RaceDispose("ProcessGroup", 30, 3, () => ProcessGroup.Create(store, 0, 1, cpu0, 10000), pg => {
+          if (pg.Rank() != 0 || pg.Size() != 1) throw new InvalidOperationException("a racing call read the wrong rank");
+        });
+        using (ProcessGroup pg = ProcessGroup.Create(store, 0, 1, cpu0, 10000)) {
+          RaceDispose("Work", 100, 3, () => pg.AllReduceAsync(grad, ReduceOp.SUM), w => w.WaitFor());
+          RaceDispose("Ddp", 50, 3, () => new Ddp(model, pg, new DdpOptions()), d => d.LastStats());
+          using (Module plain = BuildModel()) {
+            RaceDispose("Fsdp", 30, 3, () => new Fsdp(plain, pg), f => f.ParameterName(0));
+          }
+        }
+      }
+      // A handle argument disposed under a call: the call holds it too.
+      RaceDispose("Tensor as an argument", 300, 3, () => Tensor.Of(new float[] { 1, 2 }, 2), t => {
+        using (var m = new Module()) m.RegisterParameter("w", t);
+      });
+      // Inside a callback, disposing the object whose call runs it would
+      // wait for itself: refused instead.
+      using (var set = new ReplicaSet(model, devices))
+      using (var rows = Tensor.Of(new float[] { 1, 2, 3, 4 }, 4, 1)) {
+        try {
+          set.Apply(rows, 0, cpu0, new DisposesItsSet { Set = set }).Dispose();
+          Fail("Dispose() inside the set's own forward returned");
+        } catch (DParallelException e) {
+          Expect(e.Code == Status.STATE && e.Message.Contains("inside a callback"),
+                 "Dispose() inside the forward of the object's own call is Status.STATE: " + e.Message);
+        }
+        Expect(!set.IsClosed(), "the refused Dispose() leaves the set open");
+        set.Sync();
+      }
+    }
+    Console.WriteLine("Dispose() racing calls never crashed; calls after it threw the disposed error");
   }
 
   /// `call` fails with Status.INVALID and a message that contains `naming`.
@@ -1336,6 +1465,7 @@ public static class DParallelTest {
       case "store": RunStore(); break;
       case "view-outlives-tensor": ViewOutlivesTensor(); break;
       case "closed-handles": ClosedHandles(); break;
+      case "dispose-races": DisposeRaces(); break;
       case "ddp": RunDdp(); break;
       case "fsdp": RunFsdp(false); break;
       case "fsdp-views": RunFsdp(true); break;
@@ -1343,7 +1473,7 @@ public static class DParallelTest {
       case "streams": RunStreams(); break;
       case "collectives": RunCollectives(); break;
       case "ddp-extras": RunDdpExtras(); break;
-      default: Fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|tensors|streams|ddp|fsdp|fsdp-views|collectives|ddp-extras"); break;
+      default: Fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|dispose-races|tensors|streams|ddp|fsdp|fsdp-views|collectives|ddp-extras"); break;
     }
     GC.Collect();
     GC.WaitForPendingFinalizers();

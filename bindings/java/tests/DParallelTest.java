@@ -5,7 +5,8 @@
 // that exceptions thrown in callbacks surface in the caller, that bad
 // arguments raise DParallelException naming the argument, that zero-copy
 // views keep the tensor's memory alive after the tensor is closed or
-// collected, and that every handle answers isClosed() after close(). The
+// collected, that every handle answers isClosed() after close(), and that
+// close() racing calls on other threads never crashes (close-races). The
 // rest: DLPack, tensors over direct buffers, coalesced collectives, memory
 // stats and shutdown (tensors); streams and host functions (streams); the
 // process group's collectives on shm and Gloo (collectives); DDP with
@@ -14,7 +15,7 @@
 // stats (ddp-extras); fully_shard against single-process training and its
 // state dicts, with copies (fsdp) and with views of the shards (fsdp-views).
 //
-//   java -cp dparallel.jar:. DParallelTest data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|tensors|streams
+//   java -cp dparallel.jar:. DParallelTest data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|close-races|tensors|streams
 //   dp-run -n 2 java -cp dparallel.jar:. DParallelTest ddp|collectives|join|ddp-extras|fsdp|fsdp-views
 import java.io.IOException;
 import java.lang.ref.PhantomReference;
@@ -553,6 +554,141 @@ public class DParallelTest {
       checkCloses("Store", store, store::isClosed, store::port);
     }
     System.out.println("every handle answers isClosed() after close()");
+  }
+
+  // ---- close() racing calls on other threads ----
+
+  /** A call on a closed object: DParallelException, Status.STATE, saying it is closed. */
+  static boolean isClosedError(Throwable e) {
+    return e instanceof DParallelException && ((DParallelException) e).getCode() == Status.STATE
+        && e.getMessage().contains("closed");
+  }
+
+  /** `rounds` times: `callers` threads call `use` on a new object from `make` until it is closed, while this
+   * thread closes it once every caller has made a call. Nothing crashes; a call racing close() either
+   * completes or throws the closed error, and every call that starts after close() returned throws it. */
+  static <T extends AutoCloseable> void raceClose(String what, int rounds, int callers,
+                                                  java.util.function.Supplier<T> make,
+                                                  java.util.function.Consumer<T> use) throws Exception {
+    for (int round = 0; round < rounds; ++round) {
+      T handle = make.get();
+      java.util.concurrent.CountDownLatch called = new java.util.concurrent.CountDownLatch(callers);
+      java.util.concurrent.atomic.AtomicBoolean closed = new java.util.concurrent.atomic.AtomicBoolean();
+      java.util.concurrent.atomic.AtomicReference<Throwable> wrong = new java.util.concurrent.atomic.AtomicReference<>();
+      Thread[] threads = new Thread[callers];
+      for (int i = 0; i < callers; ++i) {
+        threads[i] = new Thread(() -> {
+          boolean counted = false;
+          try {
+            while (true) {
+              boolean afterClose = closed.get();
+              try {
+                use.accept(handle);
+              } catch (RuntimeException e) {
+                if (!isClosedError(e)) wrong.compareAndSet(null, e);
+                return;
+              }
+              if (afterClose) {
+                wrong.compareAndSet(null, new AssertionError("a call that started after close() returned"));
+                return;
+              }
+              if (!counted) {
+                counted = true;
+                called.countDown();
+              }
+            }
+          } catch (Throwable t) {
+            wrong.compareAndSet(null, t);
+          } finally {
+            if (!counted) called.countDown();
+          }
+        });
+        threads[i].start();
+      }
+      called.await();
+      handle.close();
+      closed.set(true);
+      for (Thread t : threads) t.join();
+      if (wrong.get() != null) {
+        wrong.get().printStackTrace();
+        fail(what + ", round " + round + ": a caller racing close() got " + wrong.get());
+      }
+      try {
+        use.accept(handle);
+        fail(what + ": a call after close() returned");
+      } catch (RuntimeException e) {
+        expect(isClosedError(e), what + ": a call after close() is the closed error, not " + e);
+      }
+    }
+    System.out.println(what + ": close() raced calls on " + callers + " threads " + rounds + " times");
+  }
+
+  /** A forward that closes the replica set running it. */
+  static class ClosesItsSet extends ForwardFunction {
+    ReplicaSet set;
+
+    @Override
+    public Tensor forward(long index, Module replica, Tensor input, Device device) {
+      set.close();
+      return input;
+    }
+  }
+
+  static void closeRaces() throws Exception {
+    Device cpu0 = new Device("cpu:0");
+    DeviceList devices = Device.list("cpu:0,cpu:1");
+    // The thousand-round race, on the cheapest handle, then every other kind.
+    raceClose("Tensor", 1000, 3, () -> Tensor.of(new float[] {1, 2, 3, 4}, 4), t -> {
+      float[] out = new float[4];
+      t.copyTo(out);
+      if (t.numel() != 4 || out[3] != 4) throw new AssertionError("a racing call read wrong values");
+    });
+    raceClose("Module", 300, 3, DParallelTest::buildModel, m -> {
+      if (m.numParameters() != 2 * LAYERS) throw new AssertionError("a racing call saw the wrong parameters");
+      m.getParameter("fc0.bias").close();
+    });
+    try (Tensor input = Tensor.of(new float[] {1, 2, 3, 4}, 4); Module model = buildModel();
+         Tensor grad = Tensor.of(new float[] {1, 2}, 2)) {
+      raceClose("TensorList", 100, 3, () -> Parallel.scatter(input, devices, 0), l -> l.get(1).close());
+      raceClose("ModuleList", 50, 3, () -> Parallel.replicate(model, devices, false), l -> l.get(1).close());
+      raceClose("ReplicaSet", 50, 3, () -> new ReplicaSet(model, devices), ReplicaSet::sync);
+      raceClose("DeviceStream", 100, 3, () -> new DeviceStream(cpu0), DeviceStream::synchronize);
+      raceClose("Store", 30, 3, () -> Store.tcp("127.0.0.1", 0, 1, true, 10000), s -> s.add("k", 1));
+      try (Store store = Store.tcp("127.0.0.1", 0, 1, true, 10000)) {
+        // Collectives are one thread's at a time; the group's reads are anyone's.
+        raceClose("ProcessGroup", 30, 3, () -> ProcessGroup.create(store, 0, 1, cpu0, 10000), pg -> {
+          if (pg.rank() != 0 || pg.size() != 1) throw new AssertionError("a racing call read the wrong rank");
+        });
+        try (ProcessGroup pg = ProcessGroup.create(store, 0, 1, cpu0, 10000)) {
+          raceClose("Work", 100, 3, () -> pg.allReduceAsync(grad, ReduceOp.SUM), Work::waitFor);
+          raceClose("Ddp", 50, 3, () -> new Ddp(model, pg, new DdpOptions()), d -> d.lastStats());
+          try (Module plain = buildModel()) {
+            raceClose("Fsdp", 30, 3, () -> new Fsdp(plain, pg), f -> f.parameterName(0));
+          }
+        }
+      }
+      // A handle argument closed under a call: the call holds it too.
+      raceClose("Tensor as an argument", 300, 3, () -> Tensor.of(new float[] {1, 2}, 2), t -> {
+        try (Module m = new Module()) {
+          m.registerParameter("w", t);
+        }
+      });
+      // Inside a callback, closing the object whose call runs it would wait for itself: refused instead.
+      try (ReplicaSet set = new ReplicaSet(model, devices)) {
+        ClosesItsSet fn = new ClosesItsSet();
+        fn.set = set;
+        try (Tensor in = Tensor.of(new float[] {1, 2, 3, 4}, 4, 1)) {
+          set.apply(in, 0, cpu0, fn).close();
+          fail("close() inside the set's own forward returned");
+        } catch (DParallelException e) {
+          expect(e.getCode() == Status.STATE && e.getMessage().contains("inside a callback"),
+                 "close() inside the forward of the object's own call is Status.STATE: " + e.getMessage());
+        }
+        expect(!set.isClosed(), "the refused close() leaves the set open");
+        set.sync();
+      }
+    }
+    System.out.println("close() racing calls never crashed; calls after it threw the closed error");
   }
 
   /** `call` fails with Status.INVALID and a message that contains `naming` (the argument, or the bad name). */
@@ -1589,6 +1725,9 @@ public class DParallelTest {
       case "tensors":
         tensors();
         break;
+      case "close-races":
+        closeRaces();
+        break;
       case "streams":
         streams();
         break;
@@ -1608,7 +1747,7 @@ public class DParallelTest {
         fsdp(true);
         break;
       default:
-        fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|tensors|streams|ddp|collectives|join|ddp-extras|fsdp|fsdp-views");
+        fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|close-races|tensors|streams|ddp|collectives|join|ddp-extras|fsdp|fsdp-views");
     }
     System.gc();
     System.out.println("OK " + mode);

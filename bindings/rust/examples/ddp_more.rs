@@ -350,7 +350,7 @@ fn stream_marks(lib: &Library, pg: &ProcessGroup, c: &mut Checks) -> Result<()> 
             // The gradient is written on the stream, after the mark is made.
             stream.launch_host_func(move || {
                 std::thread::sleep(std::time::Duration::from_millis(3));
-                if let Ok(s) = g.as_mut_slice::<f32>() {
+                if let Ok(mut s) = g.as_mut_slice::<f32>() {
                     s.fill(value);
                 }
             })?;

@@ -30,7 +30,7 @@ fn replica_step(c: &Config, r: Replica<'_>, seen: &Mutex<Vec<(usize, ThreadId)>>
         return Err(Error::new(DP_EINVAL, format!("input: shape {shape:?}, want [rows, {}]", 2 * c.width)));
     }
     let rows = r.input.as_slice::<f32>()?;
-    let loss = mlp::module_forward_backward(c, r.module, rows, shape[0] as usize, 1, |_| Ok(()))?;
+    let loss = mlp::module_forward_backward(c, r.module, &rows, shape[0] as usize, 1, |_| Ok(()))?;
     Tensor::from_slice(r.module.library(), &[loss as f32], &[1], r.device)
 }
 

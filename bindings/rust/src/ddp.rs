@@ -13,7 +13,8 @@ use crate::error::cstring;
 use crate::parallel::panic_text;
 use crate::tensor::sealed;
 use crate::{
-    sys, Element, Error, InPlace, Library, Module, ProcessGroup, Result, Stream, Tensor, DP_EINVAL, DP_EIO, DP_ETIMEOUT,
+    sys, Element, Error, InPlace, Library, Module, ProcessGroup, Result, Stream, Tensor, TensorSliceMut, DP_EINVAL,
+    DP_EIO, DP_ETIMEOUT,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -123,7 +124,7 @@ impl std::ops::Deref for Bucket<'_> {
 
 impl Bucket<'_> {
     /// The bucket's elements, writable in place.
-    pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T]> {
+    pub fn as_mut_slice<T: Element>(&mut self) -> Result<TensorSliceMut<'_, T>> {
         self.tensor.as_mut_slice()
     }
 }

@@ -8,7 +8,20 @@ use std::ptr;
 use std::sync::Mutex;
 
 use crate::error::{cstring, owned_text};
+use crate::view::{borrow_tensor, StorageBorrow};
 use crate::{sys, Device, InPlace, Library, Result, Tensor};
+
+/// Borrows the memory of a collective's inputs (read) and outputs (written).
+fn borrow_all(lib: &Library, inputs: &[&Tensor], outputs: &[Tensor]) -> Result<Vec<StorageBorrow>> {
+    let mut borrows = Vec::with_capacity(inputs.len() + outputs.len());
+    for t in inputs {
+        borrows.push(borrow_tensor(lib, t.raw, false)?);
+    }
+    for t in outputs {
+        borrows.push(borrow_tensor(lib, t.raw, true)?);
+    }
+    Ok(borrows)
+}
 
 /// A key-value store for rendezvous (dp_store_*); safe from any thread.
 pub struct Store {
@@ -232,16 +245,25 @@ impl ProcessGroup {
         unsafe { owned_text((self.lib.api().process_group_backend)(self.raw)) }
     }
 
+    // The collectives refuse a tensor whose memory a live slice covers,
+    // through any handle (see `Tensor::as_slice`): they write their
+    // outputs, and read their inputs, while the call runs.
+
     pub fn all_reduce<T: InPlace + ?Sized>(&self, tensor: &mut T, op: ReduceOp) -> Result<()> {
-        self.lib.check(unsafe { (self.lib.api().pg_all_reduce)(self.raw, tensor.raw_mut(), op as i32) })
+        let raw = tensor.raw_mut();
+        let _written = borrow_tensor(&self.lib, raw, true)?;
+        self.lib.check(unsafe { (self.lib.api().pg_all_reduce)(self.raw, raw, op as i32) })
     }
 
     pub fn broadcast<T: InPlace + ?Sized>(&self, tensor: &mut T, root: i32) -> Result<()> {
-        self.lib.check(unsafe { (self.lib.api().pg_broadcast)(self.raw, tensor.raw_mut(), root) })
+        let raw = tensor.raw_mut();
+        let _written = borrow_tensor(&self.lib, raw, true)?;
+        self.lib.check(unsafe { (self.lib.api().pg_broadcast)(self.raw, raw, root) })
     }
 
     /// `outputs[r]` receives rank r's input.
     pub fn all_gather(&self, input: &Tensor, outputs: &mut [Tensor]) -> Result<()> {
+        let _borrows = borrow_all(&self.lib, &[input], outputs)?;
         let raw: Vec<*mut sys::dp_tensor> = outputs.iter().map(|t| t.raw).collect();
         self.lib.check(unsafe { (self.lib.api().pg_all_gather)(self.raw, input.raw, raw.as_ptr(), raw.len()) })
     }
@@ -249,10 +271,12 @@ impl ProcessGroup {
     /// `output` = the reduction over the ranks of their `inputs[this rank]`
     /// (one input per rank).
     pub fn reduce_scatter<T: InPlace + ?Sized>(&self, inputs: &[&Tensor], output: &mut T, op: ReduceOp) -> Result<()> {
+        let out = output.raw_mut();
+        let _read = borrow_all(&self.lib, inputs, &[])?;
+        let _written = borrow_tensor(&self.lib, out, true)?;
         let raw: Vec<*const sys::dp_tensor> = inputs.iter().map(|t| t.raw as *const _).collect();
         let api = self.lib.api();
-        self.lib
-            .check(unsafe { (api.pg_reduce_scatter)(self.raw, raw.as_ptr(), raw.len(), output.raw_mut(), op as i32) })
+        self.lib.check(unsafe { (api.pg_reduce_scatter)(self.raw, raw.as_ptr(), raw.len(), out, op as i32) })
     }
 
     /// Runs `body` with a [`WorkScope`], through which it starts
@@ -281,7 +305,13 @@ impl ProcessGroup {
     where
         F: for<'scope> FnOnce(&'scope WorkScope<'scope, 'env>) -> R,
     {
-        let scope = WorkScope { pg: self, pending: Mutex::new(Vec::new()), _scope: PhantomData, _env: PhantomData };
+        let scope = WorkScope {
+            pg: self,
+            pending: Mutex::new(Vec::new()),
+            borrows: Mutex::new(Vec::new()),
+            _scope: PhantomData,
+            _env: PhantomData,
+        };
         // Declared after `scope`, dropped before it: waits on the way out,
         // panics included.
         let _wait_all = WaitAll(&scope);
@@ -324,6 +354,9 @@ pub struct WorkScope<'scope, 'env: 'scope> {
     // What the scope waits for and destroys on the way out: a Work waited
     // for or dropped takes its own out (null).
     pending: Mutex<Vec<PendingWork>>,
+    // The memory the collectives read or write, kept from slices until
+    // every one of them is done (dropped after WaitAll).
+    borrows: Mutex<Vec<StorageBorrow>>,
     _scope: PhantomData<&'scope mut &'scope ()>,
     _env: PhantomData<&'env mut &'env ()>,
 }
@@ -363,6 +396,11 @@ impl<'scope> WorkScope<'scope, '_> {
         self.pg
     }
 
+    // Keeps the collective's memory from slices until the scope ends.
+    fn keep(&self, borrows: Vec<StorageBorrow>) {
+        self.borrows.lock().unwrap_or_else(|p| p.into_inner()).extend(borrows);
+    }
+
     /// Starts an all_reduce of `tensor` in place.
     pub fn all_reduce_async<T: InPlace + ?Sized>(
         &'scope self,
@@ -371,7 +409,9 @@ impl<'scope> WorkScope<'scope, '_> {
     ) -> Result<Work<'scope>> {
         let mut out = ptr::null_mut();
         let raw = tensor.raw_mut();
+        let written = borrow_tensor(&self.pg.lib, raw, true)?;
         let st = unsafe { (self.pg.lib.api().pg_all_reduce_async)(self.pg.raw, raw, op as i32, &mut out) };
+        self.keep(vec![written]);
         self.pg.work(st, out, Some(self))
     }
 
@@ -383,7 +423,9 @@ impl<'scope> WorkScope<'scope, '_> {
     ) -> Result<Work<'scope>> {
         let mut out = ptr::null_mut();
         let raw = tensor.raw_mut();
+        let written = borrow_tensor(&self.pg.lib, raw, true)?;
         let st = unsafe { (self.pg.lib.api().pg_broadcast_async)(self.pg.raw, raw, root, &mut out) };
+        self.keep(vec![written]);
         self.pg.work(st, out, Some(self))
     }
 
@@ -393,10 +435,12 @@ impl<'scope> WorkScope<'scope, '_> {
         input: &'scope Tensor,
         outputs: &'scope mut [Tensor],
     ) -> Result<Work<'scope>> {
+        let borrows = borrow_all(&self.pg.lib, &[input], outputs)?;
         let raw: Vec<*mut sys::dp_tensor> = outputs.iter().map(|t| t.raw).collect();
         let mut out = ptr::null_mut();
         let api = self.pg.lib.api();
         let st = unsafe { (api.pg_all_gather_async)(self.pg.raw, input.raw, raw.as_ptr(), raw.len(), &mut out) };
+        self.keep(borrows);
         self.pg.work(st, out, Some(self))
     }
 
@@ -407,12 +451,15 @@ impl<'scope> WorkScope<'scope, '_> {
         output: &'scope mut T,
         op: ReduceOp,
     ) -> Result<Work<'scope>> {
+        let output = output.raw_mut();
+        let mut borrows = borrow_all(&self.pg.lib, inputs, &[])?;
+        borrows.push(borrow_tensor(&self.pg.lib, output, true)?);
         let raw: Vec<*const sys::dp_tensor> = inputs.iter().map(|t| t.raw as *const _).collect();
         let mut out = ptr::null_mut();
         let api = self.pg.lib.api();
-        let st = unsafe {
-            (api.pg_reduce_scatter_async)(self.pg.raw, raw.as_ptr(), raw.len(), output.raw_mut(), op as i32, &mut out)
-        };
+        let st =
+            unsafe { (api.pg_reduce_scatter_async)(self.pg.raw, raw.as_ptr(), raw.len(), output, op as i32, &mut out) };
+        self.keep(borrows);
         self.pg.work(st, out, Some(self))
     }
 }

@@ -8,8 +8,14 @@
 //!   `Library` are gone.
 //! - A failing call is `Err(Error)` with the status code and the message of
 //!   `dp_last_error()`, which names the offending argument.
-//! - CPU tensors are read and written in place as `&[T]` / `&mut [T]`,
-//!   borrowed from the tensor.
+//! - CPU tensors are read and written in place through guards that deref to
+//!   `&[T]` / `&mut [T]`, borrowed from the tensor and checked per storage:
+//!   a mutable slice is refused while another slice covers the same memory,
+//!   through whichever handle (`Tensor::as_slice`). `as_slice_unchecked`
+//!   skips the check and is `unsafe`.
+//! - Thread safety: handles are `Send + Sync`; a call takes `&self` or
+//!   `&mut self` and dropping takes the handle by value, so no handle is
+//!   released while a call on it runs on another thread.
 //! - Forward callbacks are closures; one that returns `Err` or panics fails
 //!   the call with `DP_EUSER`, its message (or the panic's) appended. A panic
 //!   never unwinds into the library.
@@ -36,6 +42,7 @@ mod module;
 mod parallel;
 mod stream;
 mod tensor;
+mod view;
 
 pub use ddp::{Bucket, CommHook, Ddp, DdpHooks, DdpOptions, DdpStats};
 pub use device::{DType, Device, DeviceKind, Element};
@@ -51,3 +58,4 @@ pub use sys::{
     DP_EUSER,
 };
 pub use tensor::{DlPack, InPlace, Tensor};
+pub use view::{TensorSlice, TensorSliceMut};

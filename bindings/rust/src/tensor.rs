@@ -4,13 +4,18 @@ use std::os::raw::c_void;
 use std::ptr;
 
 use crate::device::dtype_name;
+use crate::view::{StorageBorrow, TensorSlice, TensorSliceMut};
 use crate::{sys, DType, Device, Element, Error, Library, Result, DP_EINVAL, DP_EUNSUPPORTED};
 use std::fmt;
 
 /// A reference to a tensor. Tensors taken out of a module (parameters,
 /// gradients) share its storage: writing through them writes the module's.
-/// The slices borrow this handle; other handles over the same storage are
-/// the caller's to keep from writing meanwhile, as in C.
+/// Slices of the memory borrow this handle and are checked per storage, so
+/// two handles over the same memory never give a mutable slice and another
+/// slice at once (see [`Tensor::as_slice`]).
+///
+/// Dropping a handle needs it owned, so no call on it can be running then:
+/// the borrow checker is its lease, across threads too.
 pub struct Tensor {
     pub(crate) raw: *mut sys::dp_tensor,
     pub(crate) lib: Library,
@@ -256,38 +261,82 @@ impl Tensor {
         Ok(())
     }
 
-    /// The elements, in place (CPU tensors of dtype T).
+    /// The elements, read in place (CPU tensors of dtype T), through a
+    /// guard that derefs to `&[T]`.
     ///
-    /// Not enforced: the slice must not be held while the library writes
-    /// this tensor's memory, through this handle or another one on the same
-    /// memory (`Module::grad` and `Module::parameter` give new handles): a
-    /// gradient marked ready (`Ddp::mark_grad_ready*`) until
-    /// `finish_backward` returns, or an `Fsdp`'s parameters between
-    /// `unshard_async` and `wait_unshard`. Read such a tensor after the call
-    /// that waits for it.
-    pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
+    /// Checked per storage, whichever handle reaches it (`Module::grad` and
+    /// `Module::parameter` give a new handle each call): while a mutable
+    /// slice over this memory lives, this is DP_ESTATE, and while this one
+    /// lives no mutable slice is taken, nor does `copy_from` or a
+    /// collective of the process group write it. The library's other writes
+    /// are ordered by its calls: a gradient marked ready
+    /// (`Ddp::mark_grad_ready*`) is the library's until `finish_backward`
+    /// returns, an `Fsdp`'s parameters between `unshard_async` and
+    /// `wait_unshard`; drop the slice before such a call.
+    pub fn as_slice<T: Element>(&self) -> Result<TensorSlice<'_, T>> {
         self.check_view::<T>()?;
         let n = self.numel();
         let data = unsafe { (self.lib.api().tensor_data)(self.raw) } as *const T;
-        if n == 0 || data.is_null() {
-            return Ok(&[]);
-        }
-        Ok(unsafe { std::slice::from_raw_parts(data, n) })
+        unsafe { TensorSlice::new(data, n) }
     }
 
-    /// The elements, writable in place (CPU tensors of dtype T).
-    ///
-    /// Not enforced: as for [`Tensor::as_slice`], the slice must not be held
-    /// while the library reads or writes this tensor's memory, nor while
-    /// another handle on the same memory is read.
-    pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T]> {
+    /// The elements, written in place (CPU tensors of dtype T), through a
+    /// guard that derefs to `&mut [T]`. Checked as [`Tensor::as_slice`]: no
+    /// other slice over this memory may be live, through any handle.
+    pub fn as_mut_slice<T: Element>(&mut self) -> Result<TensorSliceMut<'_, T>> {
         self.check_view::<T>()?;
         let n = self.numel();
         let data = unsafe { (self.lib.api().tensor_data)(self.raw) } as *mut T;
+        unsafe { TensorSliceMut::new(data, n) }
+    }
+
+    /// The elements as a plain slice, without the per-storage check.
+    ///
+    /// # Safety
+    /// While the slice lives, nothing writes this memory: no mutable slice
+    /// through another handle on the same storage, no `copy_from`, no
+    /// library call that writes it.
+    pub unsafe fn as_slice_unchecked<T: Element>(&self) -> Result<&[T]> {
+        self.check_view::<T>()?;
+        let n = self.numel();
+        let data = (self.lib.api().tensor_data)(self.raw) as *const T;
+        if n == 0 || data.is_null() {
+            return Ok(&[]);
+        }
+        Ok(std::slice::from_raw_parts(data, n))
+    }
+
+    /// The elements as a plain mutable slice, without the per-storage check.
+    ///
+    /// # Safety
+    /// While the slice lives, nothing else reads or writes this memory:
+    /// no slice through another handle on the same storage, no copy, no
+    /// library call that uses it.
+    pub unsafe fn as_mut_slice_unchecked<T: Element>(&mut self) -> Result<&mut [T]> {
+        self.check_view::<T>()?;
+        let n = self.numel();
+        let data = (self.lib.api().tensor_data)(self.raw) as *mut T;
         if n == 0 || data.is_null() {
             return Ok(&mut []);
         }
-        Ok(unsafe { std::slice::from_raw_parts_mut(data, n) })
+        Ok(std::slice::from_raw_parts_mut(data, n))
+    }
+
+    /// Runs `f` on the elements read in place (see [`Tensor::as_slice`]).
+    pub fn with_slice<T: Element, R>(&self, f: impl FnOnce(&[T]) -> R) -> Result<R> {
+        Ok(f(&self.as_slice::<T>()?))
+    }
+
+    /// Runs `f` on the elements written in place (see [`Tensor::as_mut_slice`]).
+    pub fn with_mut_slice<T: Element, R>(&mut self, f: impl FnOnce(&mut [T]) -> R) -> Result<R> {
+        Ok(f(&mut self.as_mut_slice::<T>()?))
+    }
+
+    // Keeps slices over this memory out while the library reads or writes
+    // it from the host (a no-op range for device memory, which no slice covers).
+    fn borrow_storage(&self, exclusive: bool) -> Result<StorageBorrow> {
+        let data = unsafe { (self.lib.api().tensor_data)(self.raw) } as usize;
+        StorageBorrow::acquire(data, self.nbytes(), exclusive)
     }
 
     /// Copies `src` (exactly numel elements of the tensor's dtype) in, on any device.
@@ -299,6 +348,7 @@ impl Tensor {
                 format!("src: {} elements into a {} tensor", dtype_name(T::DTYPE as i32), dtype_name(code)),
             ));
         }
+        let _borrow = self.borrow_storage(true)?;
         let api = self.lib.api();
         self.lib.check(unsafe {
             (api.tensor_copy_from_host)(self.raw, src.as_ptr() as *const c_void, std::mem::size_of_val(src))
@@ -314,6 +364,7 @@ impl Tensor {
                 format!("dst: {} elements from a {} tensor", dtype_name(T::DTYPE as i32), dtype_name(code)),
             ));
         }
+        let _borrow = self.borrow_storage(false)?;
         let api = self.lib.api();
         self.lib.check(unsafe {
             (api.tensor_copy_to_host)(self.raw, dst.as_mut_ptr() as *mut c_void, std::mem::size_of_val(dst))

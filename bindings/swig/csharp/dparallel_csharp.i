@@ -7,6 +7,11 @@
 
 %include <arrays_csharp.i>
 
+%begin %{
+#define DPSWIG_CLOSED "disposed"
+#define DPSWIG_CLOSE_CALL "Dispose()"
+%}
+
 // Sizes and indices as ulong, not SWIG's default uint: tensors pass 4 GiB.
 %apply unsigned long long { size_t };
 %apply const unsigned long long & { const size_t & };
@@ -258,43 +263,57 @@ class CSharpPinned : public HostMemory {
 %typemap(csclassmodifiers) dpswig::Device "public partial class"
 %pragma(csharp) moduleclassmodifiers="public partial class"
 
-// Every handle: IsClosed() reads the proxy, so it answers on a disposed
-// object instead of throwing. CLOSED is the test, with the native half
-// where the library can take the handle.
-%csmethodmodifiers dpswig::Tensor::isClosed "private";
-%csmethodmodifiers dpswig::Module::isClosed "private";
-%csmethodmodifiers dpswig::Stream::isClosed "private";
-%define DP_CSHARP_CLOSEABLE(CLASS, CLOSED)
+// Every handle: Dispose() releases the native handle once the calls in
+// flight on it have returned (each call holds a lease on it, so a Dispose
+// on one thread never frees what a call on another uses), and a call after
+// it throws DParallelException (Status.STATE). The native object itself, a
+// few bytes, is deleted by the finalizer: no call can be on its way into it
+// then. IsClosed() reads the proxy too, so it answers on any object.
+%define DP_CSHARP_CLOSEABLE(CLASS)
+%csmethodmodifiers CLASS::close "private";
+%csmethodmodifiers CLASS::isClosed "private";
+%typemap(csdispose) CLASS %{
+  ~$csclassname() {
+    Dispose(false);
+  }
+
+  /// <summary>Releases the native handle, once the calls in flight on it
+  /// (from other threads) have returned; a second call does nothing. Inside
+  /// a callback, while a call on this object is in flight (maybe the one
+  /// running the callback), it throws DParallelException (Status.STATE)
+  /// instead of waiting.</summary>
+  public void Dispose() {
+    if (swigCPtr.Handle != global::System.IntPtr.Zero) closeRaw();
+  }
+%}
 %extend CLASS {
 %proxycode %{
   /// <summary>Whether this object is disposed: its other calls then throw
   /// DParallelException (Status.STATE).</summary>
   public bool IsClosed() {
-    lock (this) {
-      return CLOSED;
-    }
+    return swigCPtr.Handle == global::System.IntPtr.Zero || isClosedRaw();
   }
 %}
 }
 %enddef
-DP_CSHARP_CLOSEABLE(dpswig::Tensor, swigCPtr.Handle == global::System.IntPtr.Zero || isClosedRaw())
-DP_CSHARP_CLOSEABLE(dpswig::TensorList, swigCPtr.Handle == global::System.IntPtr.Zero)
-DP_CSHARP_CLOSEABLE(dpswig::Module, swigCPtr.Handle == global::System.IntPtr.Zero || isClosedRaw())
-DP_CSHARP_CLOSEABLE(dpswig::ModuleList, swigCPtr.Handle == global::System.IntPtr.Zero)
-DP_CSHARP_CLOSEABLE(dpswig::ReplicaSet, swigCPtr.Handle == global::System.IntPtr.Zero)
-DP_CSHARP_CLOSEABLE(dpswig::Store, swigCPtr.Handle == global::System.IntPtr.Zero)
-DP_CSHARP_CLOSEABLE(dpswig::ProcessGroup, swigCPtr.Handle == global::System.IntPtr.Zero)
-DP_CSHARP_CLOSEABLE(dpswig::Work, swigCPtr.Handle == global::System.IntPtr.Zero)
-DP_CSHARP_CLOSEABLE(dpswig::Ddp, swigCPtr.Handle == global::System.IntPtr.Zero)
-DP_CSHARP_CLOSEABLE(dpswig::Stream, swigCPtr.Handle == global::System.IntPtr.Zero || isClosedRaw())
-DP_CSHARP_CLOSEABLE(dpswig::Fsdp, swigCPtr.Handle == global::System.IntPtr.Zero)
+DP_CSHARP_CLOSEABLE(dpswig::Tensor)
+DP_CSHARP_CLOSEABLE(dpswig::TensorList)
+DP_CSHARP_CLOSEABLE(dpswig::Module)
+DP_CSHARP_CLOSEABLE(dpswig::ModuleList)
+DP_CSHARP_CLOSEABLE(dpswig::ReplicaSet)
+DP_CSHARP_CLOSEABLE(dpswig::Store)
+DP_CSHARP_CLOSEABLE(dpswig::ProcessGroup)
+DP_CSHARP_CLOSEABLE(dpswig::Work)
+DP_CSHARP_CLOSEABLE(dpswig::Ddp)
+DP_CSHARP_CLOSEABLE(dpswig::Stream)
+DP_CSHARP_CLOSEABLE(dpswig::Fsdp)
 // Disposing an Fsdp is collective: from the finalizer it would run at
 // another moment on each rank, so one collected undisposed stays open, and
 // says so.
 %typemap(csdisposing, methodname="Dispose", methodmodifiers="protected", parameters="bool disposing") dpswig::Fsdp {
     lock(this) {
       if (swigCPtr.Handle != global::System.IntPtr.Zero) {
-        if (!disposing) {
+        if (!disposing && !isClosedRaw()) {
           // A finalizer must not throw: as the runtime shuts down, the
           // console's streams may be closed already (the process is ending,
           // so the warning is moot then).

@@ -309,46 +309,64 @@ class JavaFloatArray : public FloatSource, public FloatSink {
 %javamethodmodifiers dpswig::BucketReduced::BucketReduced "";
 %typemap(javaclassmodifiers) dpswig::BucketReduced "public abstract class";
 
-// Every handle: close() deletes the native object now, and isClosed() reads
-// the proxy, so it answers on a closed object instead of throwing. CLOSED
-// is the test, with the native half where the library can take the handle.
-%javamethodmodifiers dpswig::Tensor::isClosed "private";
-%javamethodmodifiers dpswig::Module::isClosed "private";
-%javamethodmodifiers dpswig::Stream::isClosed "private";
-%define DP_JAVA_CLOSEABLE(CLASS, CLOSED)
+// Every handle: close() releases the native handle once the calls in
+// flight on it have returned (each call holds a lease on it, so a close on
+// one thread never frees what a call on another uses), and a call after it
+// throws DParallelException (Status.STATE). The native object itself, a
+// few bytes, stays until the proxy is collected: no call can be on its way
+// into it then. delete() is for the finalizer alone.
+%define DP_JAVA_CLOSEABLE(CLASS)
 %typemap(javainterfaces) CLASS "AutoCloseable"
+%javamethodmodifiers CLASS::close "private";
+%javamethodmodifiers CLASS::isClosed "private";
+%typemap(javadestruct, methodname="delete", methodmodifiers="protected synchronized", parameters="") CLASS {
+    if (swigCPtr != 0) {
+      if (swigCMemOwn) {
+        swigCMemOwn = false;
+        $jnicall;
+      }
+      swigCPtr = 0;
+    }
+  }
 %extend CLASS {
 %proxycode %{
-  /** Releases the native handle now (a second call does nothing); the finalizer is only a safety net. */
+  /** Releases the native handle, once the calls in flight on it (from other threads) have returned; a second
+   * call does nothing. Inside a callback, while a call on this object is in flight (maybe the one running the
+   * callback), it throws DParallelException (Status.STATE) instead of waiting. */
   @Override
   public void close() {
-    delete();
+    if (swigCPtr != 0) closeRaw();
   }
 
   /** Whether this object is closed: its other calls then throw DParallelException (Status.STATE). */
-  public synchronized boolean isClosed() {
-    return CLOSED;
+  public boolean isClosed() {
+    return swigCPtr == 0 || isClosedRaw();
   }
 %}
 }
 %enddef
-DP_JAVA_CLOSEABLE(dpswig::Tensor, swigCPtr == 0 || isClosedRaw())
-DP_JAVA_CLOSEABLE(dpswig::TensorList, swigCPtr == 0)
-DP_JAVA_CLOSEABLE(dpswig::Module, swigCPtr == 0 || isClosedRaw())
-DP_JAVA_CLOSEABLE(dpswig::ModuleList, swigCPtr == 0)
-DP_JAVA_CLOSEABLE(dpswig::ReplicaSet, swigCPtr == 0)
-DP_JAVA_CLOSEABLE(dpswig::Store, swigCPtr == 0)
-DP_JAVA_CLOSEABLE(dpswig::ProcessGroup, swigCPtr == 0)
-DP_JAVA_CLOSEABLE(dpswig::Work, swigCPtr == 0)
-DP_JAVA_CLOSEABLE(dpswig::Ddp, swigCPtr == 0)
-DP_JAVA_CLOSEABLE(dpswig::Stream, swigCPtr == 0 || isClosedRaw())
-DP_JAVA_CLOSEABLE(dpswig::Fsdp, swigCPtr == 0)
+DP_JAVA_CLOSEABLE(dpswig::Tensor)
+DP_JAVA_CLOSEABLE(dpswig::TensorList)
+DP_JAVA_CLOSEABLE(dpswig::Module)
+DP_JAVA_CLOSEABLE(dpswig::ModuleList)
+DP_JAVA_CLOSEABLE(dpswig::ReplicaSet)
+DP_JAVA_CLOSEABLE(dpswig::Store)
+DP_JAVA_CLOSEABLE(dpswig::ProcessGroup)
+DP_JAVA_CLOSEABLE(dpswig::Work)
+DP_JAVA_CLOSEABLE(dpswig::Ddp)
+DP_JAVA_CLOSEABLE(dpswig::Stream)
+DP_JAVA_CLOSEABLE(dpswig::Fsdp)
 // Closing an Fsdp is collective: from the finalizer it would run at another
 // moment on each rank, so one collected unclosed stays open, and says so.
 %typemap(javafinalize) dpswig::Fsdp %{
   @SuppressWarnings("deprecation")
   protected void finalize() {
-    if (swigCPtr != 0) System.err.println("dparallel: an Fsdp was collected without close(); it stays open (closing is collective)");
+    if (swigCPtr == 0) return;
+    if (isClosedRaw()) {
+      delete();
+    } else {
+      System.err.println("dparallel: an Fsdp was collected without close(); it stays open (closing is collective)");
+    }
   }
 %}
 

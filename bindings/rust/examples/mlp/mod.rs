@@ -5,7 +5,7 @@
 
 #![allow(dead_code)]
 
-use dparallel::{Device, Library, Module, Result, Tensor};
+use dparallel::{Device, Library, Module, Result, Tensor, TensorSlice, TensorSliceMut};
 
 pub const RTOL: f64 = 1.3e-6;
 pub const ATOL: f64 = 5e-5;
@@ -261,10 +261,16 @@ pub fn module_forward_backward(
     layer_done: impl FnMut(usize) -> Result<()>,
 ) -> Result<f64> {
     let mut t = layer_tensors(c, m)?;
-    let w: Vec<&[f32]> = t.w.iter().map(|x| x.as_slice::<f32>()).collect::<Result<_>>()?;
-    let b: Vec<&[f32]> = t.b.iter().map(|x| x.as_slice::<f32>()).collect::<Result<_>>()?;
-    let mut gw: Vec<&mut [f32]> = t.gw.iter_mut().map(|x| x.as_mut_slice::<f32>()).collect::<Result<_>>()?;
-    let mut gb: Vec<&mut [f32]> = t.gb.iter_mut().map(|x| x.as_mut_slice::<f32>()).collect::<Result<_>>()?;
+    let w_views: Vec<TensorSlice<f32>> = t.w.iter().map(|x| x.as_slice::<f32>()).collect::<Result<_>>()?;
+    let b_views: Vec<TensorSlice<f32>> = t.b.iter().map(|x| x.as_slice::<f32>()).collect::<Result<_>>()?;
+    let mut gw_views: Vec<TensorSliceMut<f32>> =
+        t.gw.iter_mut().map(|x| x.as_mut_slice::<f32>()).collect::<Result<_>>()?;
+    let mut gb_views: Vec<TensorSliceMut<f32>> =
+        t.gb.iter_mut().map(|x| x.as_mut_slice::<f32>()).collect::<Result<_>>()?;
+    let w: Vec<&[f32]> = w_views.iter().map(|v| &**v).collect();
+    let b: Vec<&[f32]> = b_views.iter().map(|v| &**v).collect();
+    let mut gw: Vec<&mut [f32]> = gw_views.iter_mut().map(|v| &mut **v).collect();
+    let mut gb: Vec<&mut [f32]> = gb_views.iter_mut().map(|v| &mut **v).collect();
     forward_backward(c, &w, &b, &mut gw, &mut gb, rows, n, c.batch, world, layer_done)
 }
 
@@ -273,7 +279,7 @@ pub fn module_sgd(m: &Module, lr: f32) -> Result<()> {
     for (name, mut p) in m.parameters()? {
         let g = m.grad(&name)?;
         let g = g.as_slice::<f32>()?;
-        for (pv, gv) in p.as_mut_slice::<f32>()?.iter_mut().zip(g) {
+        for (pv, gv) in p.as_mut_slice::<f32>()?.iter_mut().zip(g.iter()) {
             *pv -= lr * gv;
         }
     }

@@ -1,0 +1,235 @@
+//! Slices of one storage through several handles: a mutable slice is
+//! exclusive whichever handle it comes through (two `Module::grad` handles,
+//! a registered tensor and `Module::parameter`), also across threads.
+//!
+//!   DP_LIBRARY=path/to/libdparallel.so views
+
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use dparallel::{
+    Device, Library, Module, ProcessGroup, ProcessGroupOptions, ReduceOp, Result, Store, Tensor, DP_ESTATE,
+};
+
+struct Checks {
+    failures: usize,
+}
+
+impl Checks {
+    fn expect(&mut self, what: &str, ok: bool, detail: impl std::fmt::Display) {
+        if ok {
+            println!("ok: {what}");
+        } else {
+            eprintln!("FAIL: {what}: {detail}");
+            self.failures += 1;
+        }
+    }
+}
+
+fn refused<T>(r: &Result<T>) -> bool {
+    matches!(r, Err(e) if e.code() == DP_ESTATE && e.message().contains("borrowed"))
+}
+
+fn describe<T: std::fmt::Debug>(r: &Result<T>) -> String {
+    match r {
+        Ok(v) => format!("granted {v:?}"),
+        Err(e) => format!("{e}"),
+    }
+}
+
+fn run() -> Result<usize> {
+    let lib = Library::open(None)?;
+    let mut c = Checks { failures: 0 };
+    let w = Tensor::from_slice(&lib, &[1.0f32, 2.0, 3.0, 4.0], &[4], Device::cpu(0))?;
+    let mut m = Module::new(&lib)?;
+    m.register_parameter("w", &w, true)?;
+
+    // Two gradient handles over one storage.
+    let mut g1 = m.grad("w")?;
+    let mut g2 = m.grad("w")?;
+    {
+        let mut s1 = g1.as_mut_slice::<f32>()?;
+        s1[0] = 5.0;
+        let second = g2.as_mut_slice::<f32>();
+        c.expect(
+            "a second mutable slice of one gradient through another handle is refused",
+            refused(&second),
+            describe(&second),
+        );
+        drop(second);
+        let shared = g2.as_slice::<f32>();
+        c.expect(
+            "a shared slice beside a mutable one through another handle is refused",
+            refused(&shared),
+            describe(&shared),
+        );
+        drop(shared);
+        let copied = g2.copy_from(&[9.0f32; 4]);
+        c.expect(
+            "copy_from through another handle under a mutable slice is refused",
+            refused(&copied),
+            describe(&copied),
+        );
+        let mut out = [0.0f32; 4];
+        let read = g2.copy_to(&mut out);
+        c.expect("copy_to through another handle under a mutable slice is refused", refused(&read), describe(&read));
+        c.expect("the mutable slice still holds what it wrote", s1[0] == 5.0, format!("{:?}", &*s1));
+    }
+    let again = g2.as_mut_slice::<f32>().map(|mut s| {
+        s[1] = 6.0;
+        s.to_vec()
+    });
+    c.expect(
+        "once the first slice is dropped the other handle gets one",
+        matches!(&again, Ok(v) if v[..2] == [5.0, 6.0]),
+        describe(&again),
+    );
+
+    // Shared slices coexist; a write through any handle waits for them to go.
+    {
+        let a = g1.as_slice::<f32>()?;
+        let b = g2.as_slice::<f32>()?;
+        c.expect("shared slices through two handles coexist", a[..] == b[..], format!("{a:?} {b:?}"));
+        let write = g2.copy_from(&[0.0f32; 4]);
+        c.expect("copy_from under a shared slice of another handle is refused", refused(&write), describe(&write));
+        let mut g3 = m.grad("w")?;
+        let third = g3.as_mut_slice::<f32>();
+        c.expect("a mutable slice under shared ones is refused", refused(&third), describe(&third));
+    }
+
+    // A registered tensor and the module's parameter handle are one storage too.
+    let mut w_alias = w;
+    let mut p = m.parameter("w")?;
+    {
+        let ps = p.as_mut_slice::<f32>()?;
+        let via_registered = w_alias.as_slice::<f32>();
+        c.expect(
+            "the registered tensor's slice is refused under the parameter's mutable one",
+            refused(&via_registered),
+            describe(&via_registered),
+        );
+        drop(ps);
+    }
+    c.expect("a slice is granted once the other is gone", w_alias.as_mut_slice::<f32>().is_ok(), "refused");
+
+    // The check is per storage: other tensors are not affected.
+    let mut other = Tensor::from_slice(&lib, &[0.0f32; 4], &[4], Device::cpu(0))?;
+    {
+        let _held = p.as_mut_slice::<f32>()?;
+        c.expect(
+            "a mutable slice of another storage is granted meanwhile",
+            other.as_mut_slice::<f32>().is_ok(),
+            "refused",
+        );
+    }
+
+    // Collectives write (and read) the memory while they run: refused while
+    // another handle's slice covers it.
+    let path = std::env::temp_dir().join(format!("dp-rust-views-{}", std::process::id()));
+    let path = path.to_str().expect("a UTF-8 temporary path").to_string();
+    let _ = std::fs::remove_file(&path);
+    let store = Store::file(&lib, &path, 1)?;
+    let options = ProcessGroupOptions { rank: Some(0), world_size: Some(1), store: Some(&store), ..Default::default() };
+    let pg = ProcessGroup::new(&lib, &options)?;
+    {
+        let mut g5 = m.grad("w")?;
+        let held = g1.as_slice::<f32>()?;
+        let reduced = pg.all_reduce(&mut g5, ReduceOp::Sum);
+        c.expect(
+            "all_reduce of a gradient another handle's slice reads is refused",
+            refused(&reduced),
+            describe(&reduced),
+        );
+        let started = pg.scope(|s| s.all_reduce_async(&mut g5, ReduceOp::Sum).map(|w| w.wait()));
+        c.expect(
+            "all_reduce_async of it is refused too",
+            matches!(&started, Err(e) if e.code() == DP_ESTATE),
+            format!("{:?}", started.map(|_| ())),
+        );
+        drop(held);
+        let reduced = pg.all_reduce(&mut g5, ReduceOp::Sum);
+        c.expect("the all_reduce runs once the slice is gone", reduced.is_ok(), describe(&reduced));
+        // While an async collective runs, the memory stays out of reach.
+        pg.scope(|s| -> Result<()> {
+            let work = s.all_reduce_async(&mut g5, ReduceOp::Sum)?;
+            let during = g1.as_slice::<f32>().map(|v| v.len());
+            c.expect(
+                "a slice is refused while an async collective on the memory may run",
+                refused(&during),
+                describe(&during),
+            );
+            work.wait()
+        })?;
+        c.expect("a slice is granted once the scope is over", g1.as_slice::<f32>().is_ok(), "refused");
+    }
+    drop(pg);
+    drop(store);
+    let _ = std::fs::remove_file(&path);
+
+    // Threads racing for mutable slices of one gradient, each through its own
+    // handle: a granted slice is exclusive, so unsynchronized increments of
+    // its first element add up to the number granted.
+    m.zero_grad()?;
+    let granted = AtomicUsize::new(0);
+    let threads = 8;
+    let rounds = 1000;
+    std::thread::scope(|scope| -> Result<()> {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                let m = &m;
+                let granted = &granted;
+                scope.spawn(move || -> Result<()> {
+                    let mut g = m.grad("w")?;
+                    for _ in 0..rounds {
+                        match g.as_mut_slice::<f32>() {
+                            Ok(mut s) => {
+                                let v = s[0];
+                                std::hint::black_box(&mut s);
+                                s[0] = v + 1.0;
+                                granted.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(e) if e.code() == DP_ESTATE => {}
+                            Err(e) => return Err(e),
+                        }
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for worker in workers {
+            worker.join().expect("a racing thread panicked")?;
+        }
+        Ok(())
+    })?;
+    let total = m.grad("w")?.to_vec::<f32>()?[0] as usize;
+    let granted = granted.load(Ordering::Relaxed);
+    c.expect(
+        "racing threads' granted slices were exclusive (no increment lost)",
+        total == granted && granted > 0,
+        format!("{total} increments seen, {granted} slices granted"),
+    );
+
+    // The unchecked path stays available, as unsafe.
+    let mut g4 = m.grad("w")?;
+    let _held = g1.as_slice::<f32>()?;
+    let unchecked = unsafe { g4.as_mut_slice_unchecked::<f32>() }.map(|s| s.len());
+    c.expect("as_mut_slice_unchecked skips the check", matches!(unchecked, Ok(4)), describe(&unchecked));
+    Ok(c.failures)
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(0) => {
+            println!("views passed");
+            ExitCode::SUCCESS
+        }
+        Ok(n) => {
+            eprintln!("{n} failure(s)");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("views: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
