@@ -2,16 +2,21 @@
 //
 //   dp-run -n 4 [--nnodes M --node-rank K] [--master-addr A] [--master-port P]
 //          [--grace-ms G] prog args...
+//   dp-run --help
 //
 // Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR
 // and MASTER_PORT and, on a single node without one, a fresh DP_STORE_TOKEN.
 // Without a port on a single node, dp-run picks a free one and keeps it bound
 // (not listening) while it runs, so no other program takes it before rank 0
-// listens on it. Their output is prefixed with "[rank R] " (a line longer
-// than 64 KiB is split, so a rank's output never piles up in dp-run's
-// memory). When a rank fails, the others get SIGTERM (SIGKILL after
+// listens on it. When a rank fails, the others get SIGTERM (SIGKILL after
 // the grace period) and dp-run exits with the failed rank's code (128 + signal
 // for a signal). Usage errors exit with 2.
+//
+// Output (kOutputHelp, which --help prints): each rank's stdout and stderr
+// come through pipes of their own, as whole lines, NUL bytes and all.
+// dp-run holds at most 64 KiB of each (kBufferSize): a rank that writes
+// faster than dp-run's output takes waits, and a longer line goes out in
+// pieces kept together.
 //
 // Stopping: nothing a rank started outlives dp-run. Signals go to each rank's
 // whole process group, so what a rank started is stopped with it, also after
@@ -111,15 +116,26 @@ void read_requests(Requests& requests) {
   }
 }
 
-// Set once writing to stdout failed with EPIPE: its reader is gone.
+// Set once writing to stdout or stderr failed with EPIPE: its reader is gone.
 bool g_output_lost = false;
 
+constexpr const char* kUsage =
+    "usage: dp-run -n N [--nnodes M --node-rank K] [--master-addr A] [--master-port P] [--grace-ms G] prog "
+    "[args...]\n";
+
+constexpr const char* kOutputHelp =
+    "Each rank's stdout lines go to dp-run's stdout and its stderr lines to dp-run's stderr, whole and\n"
+    "prefixed with \"[rank R] \". A line without its newline yet shows once the rank pauses for 0.1 s\n"
+    "(progress), and ends when the rank exits. A line longer than 64 KiB goes out in pieces that\n"
+    "nothing comes between while the rank writes it; paused for 1 s, another rank's line may end it.\n"
+    "\n"
+    "Ranks get DP_LINE_BUFFERED_STDOUT=1, on which libdparallel makes their stdout line-buffered.\n"
+    "A program not linked against libdparallel must do that itself (C: setvbuf(stdout, NULL, _IOLBF, 0)\n"
+    "first thing in main; Python: python -u) or flush its stdout, or its lines come 4 KiB at a time.\n"
+    "Text without a newline shows only once the program has written it (flushed it, in C).\n";
+
 [[noreturn]] void usage(const char* message) {
-  std::fprintf(stderr,
-               "dp-run: %s\n"
-               "usage: dp-run -n N [--nnodes M --node-rank K] [--master-addr A] [--master-port P] [--grace-ms G] "
-               "prog [args...]\n",
-               message);
+  std::fprintf(stderr, "dp-run: %s\n%s", message, kUsage);
   std::exit(2);
 }
 
@@ -172,54 +188,177 @@ std::string random_token() {
   return buf;
 }
 
+using Clock = std::chrono::steady_clock;
+
+// What dp-run holds of one rank's stream: a rank's endless line never piles
+// up in dp-run's memory, and a rank that outwrites dp-run's output waits.
+constexpr size_t kBufferSize = size_t{64} * 1024;
+// An unfinished line idle this long is shown as it is (progress); once it
+// is shown, another rank's output may end it, after the same pause.
+constexpr auto kShowUnfinishedAfter = std::chrono::milliseconds(100);
+// A line longer than the buffer goes out in pieces that nothing else comes
+// between while its rank writes it; paused this long, another rank's output
+// may end it.
+constexpr auto kLongLinePause = std::chrono::seconds(1);
+
+// One of a rank's output streams, read through a pipe of its own.
+struct RankStream {
+  int fd = -1;           // the read end; -1 once at its end
+  std::string buffered;  // read, not yet written: at most kBufferSize bytes
+  Clock::time_point last_read{};
+};
+
+enum Stream { kStdout = 0, kStderr = 1 };
+
 struct Rank {
   int rank = 0;
   pid_t pid = -1;
-  int out_fd = -1;      // the read end of the rank's stdout+stderr pipe
-  std::string pending;  // a partial line
+  RankStream streams[2];  // its stdout and stderr, by Stream
   bool running = false;
   int exit_code = 0;
   bool group_gone = false;  // seen empty once the rank was reaped
 };
 
-// A partial line this long is printed as a line of its own.
-constexpr size_t kMaxLine = size_t{64} * 1024;
+// dp-run's stdout or stderr, where the ranks' stdout or stderr lines go.
+struct Sink {
+  int fd;
+  int open_rank;   // the index of the rank whose line is started here but not ended; -1 if none
+  bool open_long;  // that line was started because it outgrew the buffer
+};
+Sink g_sinks[2] = {{STDOUT_FILENO, -1, false}, {STDERR_FILENO, -1, false}};
 
-void emit(Rank& r, const char* data, size_t size) {
-  if (g_output_lost) return;
-  r.pending.append(data, size);
-  errno = 0;
-  size_t start = 0;
-  for (size_t nl; (nl = r.pending.find('\n', start)) != std::string::npos; start = nl + 1) {
-    std::fprintf(stdout, "[rank %d] %.*s\n", r.rank, static_cast<int>(nl - start), r.pending.data() + start);
-  }
-  for (; r.pending.size() - start >= kMaxLine; start += kMaxLine) {
-    std::fprintf(stdout, "[rank %d] %.*s\n", r.rank, static_cast<int>(kMaxLine), r.pending.data() + start);
-  }
-  r.pending.erase(0, start);
-  std::fflush(stdout);
-  if (std::ferror(stdout) != 0) {
-    g_output_lost = errno == EPIPE;
-    std::clearerr(stdout);
+// Writes all of `data` as it is (bytes, NULs too).
+void write_all(int fd, const std::string& data) {
+  size_t done = 0;
+  while (done < data.size()) {
+    ssize_t n = ::write(fd, data.data() + done, data.size() - done);
+    if (n > 0) {
+      done += static_cast<size_t>(n);
+    } else if (n < 0 && errno == EINTR) {
+    } else if (n < 0 && errno == EAGAIN) {  // a non-blocking file description shared with another program
+      pollfd p{fd, POLLOUT, 0};
+      ::poll(&p, 1, 100);
+    } else {
+      if (n < 0 && errno == EPIPE) g_output_lost = true;
+      return;
+    }
   }
 }
 
-void drain(Rank& r) {
-  if (r.out_fd < 0) return;
-  char buf[65536];
-  for (;;) {
-    ssize_t n = ::read(r.out_fd, buf, sizeof(buf));
+// Reads what the stream has, as far as its buffer has room.
+void read_stream(RankStream& stream, Clock::time_point now) {
+  char buf[kBufferSize];
+  while (stream.fd >= 0 && stream.buffered.size() < kBufferSize) {
+    ssize_t n = ::read(stream.fd, buf, kBufferSize - stream.buffered.size());
     if (n > 0) {
-      emit(r, buf, static_cast<size_t>(n));
+      stream.buffered.append(buf, static_cast<size_t>(n));
+      stream.last_read = now;
       continue;
     }
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && errno == EAGAIN) return;
-    if (!r.pending.empty()) emit(r, "\n", 1);
-    ::close(r.out_fd);
-    r.out_fd = -1;
+    ::close(stream.fd);
+    stream.fd = -1;
+  }
+}
+
+bool idle_for(const RankStream& stream, Clock::time_point now, Clock::duration pause) {
+  return now - stream.last_read >= pause;
+}
+
+// Whether the stream has output that would be written to a free sink now.
+bool has_output_ready(const RankStream& stream, Clock::time_point now) {
+  return !stream.buffered.empty() &&
+         (stream.buffered.find('\n') != std::string::npos || stream.buffered.size() >= kBufferSize || stream.fd < 0 ||
+          idle_for(stream, now, kShowUnfinishedAfter));
+}
+
+// Writes what the ranks' `which` streams hold to its sink: whole lines, each
+// with its rank's prefix; an unfinished line once it is idle, its stream at
+// its end, or it fills the buffer. While a rank's line is started on the
+// sink, only that rank's bytes go there, until it ends the line or pauses
+// while another rank has output waiting (then dp-run ends the line).
+void forward(std::vector<Rank>& ranks, Stream which, Clock::time_point now) {
+  Sink& sink = g_sinks[which];
+  if (g_output_lost) {
+    for (Rank& r : ranks) r.streams[which].buffered.clear();
+    sink.open_rank = -1;
     return;
   }
+  std::string out;
+  if (sink.open_rank >= 0) {
+    const auto owner = static_cast<size_t>(sink.open_rank);
+    RankStream& stream = ranks[owner].streams[which];
+    const size_t nl = stream.buffered.find('\n');
+    if (nl != std::string::npos) {
+      out.append(stream.buffered, 0, nl + 1);
+      stream.buffered.erase(0, nl + 1);
+      sink.open_rank = -1;
+    } else {
+      out += stream.buffered;
+      stream.buffered.clear();
+      bool others_waiting = false;
+      for (size_t i = 0; i < ranks.size() && !others_waiting; ++i) {
+        others_waiting = i != owner && has_output_ready(ranks[i].streams[which], now);
+      }
+      const auto pause = sink.open_long ? Clock::duration(kLongLinePause) : Clock::duration(kShowUnfinishedAfter);
+      if (stream.fd < 0 || (others_waiting && idle_for(stream, now, pause))) {
+        out += '\n';
+        sink.open_rank = -1;
+      }
+    }
+  }
+  for (size_t i = 0; i < ranks.size() && sink.open_rank < 0; ++i) {
+    RankStream& stream = ranks[i].streams[which];
+    if (stream.buffered.empty()) continue;
+    const std::string prefix = "[rank " + std::to_string(ranks[i].rank) + "] ";
+    size_t start = 0;
+    for (size_t nl; (nl = stream.buffered.find('\n', start)) != std::string::npos; start = nl + 1) {
+      out += prefix;
+      out.append(stream.buffered, start, nl + 1 - start);
+    }
+    stream.buffered.erase(0, start);
+    if (stream.buffered.empty()) continue;
+    const bool is_long = stream.buffered.size() >= kBufferSize;
+    if (stream.fd >= 0 && !is_long && !idle_for(stream, now, kShowUnfinishedAfter)) continue;
+    out += prefix;
+    out += stream.buffered;
+    stream.buffered.clear();
+    if (stream.fd < 0) {
+      out += '\n';
+    } else {
+      sink.open_rank = static_cast<int>(i);
+      sink.open_long = is_long;
+    }
+  }
+  write_all(sink.fd, out);
+}
+
+// Moves what the ranks wrote to dp-run's stdout and stderr.
+void pump(std::vector<Rank>& ranks) {
+  const auto now = Clock::now();
+  for (Rank& r : ranks) {
+    for (RankStream& stream : r.streams) read_stream(stream, now);
+  }
+  forward(ranks, kStdout, now);
+  forward(ranks, kStderr, now);
+}
+
+// The streams with room in their buffers, to poll.
+void add_readable(const std::vector<Rank>& ranks, std::vector<pollfd>& fds) {
+  for (const Rank& r : ranks) {
+    for (const RankStream& stream : r.streams) {
+      if (stream.fd >= 0 && stream.buffered.size() < kBufferSize) fds.push_back({stream.fd, POLLIN, 0});
+    }
+  }
+}
+
+// dp-run's own message on its stderr, on a line of its own.
+void say(const std::string& text) {
+  std::string out;
+  if (g_sinks[kStderr].open_rank >= 0) out += '\n';
+  g_sinks[kStderr].open_rank = -1;
+  write_all(STDERR_FILENO, out + "dp-run: " + text + "\n");
 }
 
 // Each rank leads its own process group; it is signalled even after the rank
@@ -339,6 +478,10 @@ int main(int argc, char** argv) {
       if (i + 1 >= argc) usage((std::string(flag) + " needs a value").c_str());
       return argv[++i];
     };
+    if (a == "-h" || a == "--help") {
+      std::printf("%s\n%s", kUsage, kOutputHelp);
+      return 0;
+    }
     if (a == "-n" || a == "--nproc-per-node")
       nproc = parse_int(value("-n"), "-n", 1, 4096);
     else if (a == "--nnodes")
@@ -361,10 +504,10 @@ int main(int argc, char** argv) {
   }
   if (nproc < 0) usage("-n is required");
   if (i >= argc) usage("no program given");
-  // One pipe per rank stays open: past the open-file limit, ranks would start and then be killed.
+  // Two pipes per rank stay open: past the open-file limit, ranks would start and then be killed.
   rlimit files{};
   if (::getrlimit(RLIMIT_NOFILE, &files) == 0) {
-    const rlim_t needed = static_cast<rlim_t>(nproc) + 16;
+    const rlim_t needed = 2 * static_cast<rlim_t>(nproc) + 16;
     if (files.rlim_cur < needed && files.rlim_max >= needed) {
       files.rlim_cur = needed;
       ::setrlimit(RLIMIT_NOFILE, &files);
@@ -384,6 +527,11 @@ int main(int argc, char** argv) {
     usage(("cannot find a free port on " + master_addr).c_str());
   }
   if (nnodes == 1 && std::getenv("DP_STORE_TOKEN") == nullptr) setenv("DP_STORE_TOKEN", random_token().c_str(), 1);
+  // Line-buffered stdout for programs linked against libdparallel, which
+  // honours this. Not stdbuf's LD_PRELOAD: that breaks sanitized programs
+  // (their runtime must load first), static ones and programs that run
+  // others; nor a pseudo-terminal, which changes more than buffering.
+  setenv("DP_LINE_BUFFERED_STDOUT", "1", 0);
 
   // The signals the front catches: the stop signals, but those it was started
   // with ignored (nohup), except SIGINT, SIGQUIT and SIGTERM.
@@ -446,8 +594,8 @@ int main(int argc, char** argv) {
   for (long local = 0; local < nproc; ++local) {
     Rank& r = ranks[static_cast<size_t>(local)];
     r.rank = static_cast<int>(node_rank * nproc + local);
-    int fds[2];
-    if (::pipe2(fds, O_CLOEXEC) != 0) {
+    int out[2], err[2];
+    if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0) {
       std::perror("dp-run: pipe");
       signal_all(ranks, SIGKILL);
       return 1;
@@ -463,8 +611,8 @@ int main(int argc, char** argv) {
       // Ranks do not outlive a launcher that was killed.
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (::getppid() != launcher_pid) ::_exit(128 + SIGKILL);
-      ::dup2(fds[1], 1);
-      ::dup2(fds[1], 2);
+      ::dup2(out[1], STDOUT_FILENO);
+      ::dup2(err[1], STDERR_FILENO);
       setenv("RANK", std::to_string(r.rank).c_str(), 1);
       setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
       setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
@@ -476,17 +624,21 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "dp-run: cannot run '%s': %s\n", argv[i], std::strerror(errno));
       ::_exit(127);
     }
-    ::close(fds[1]);
+    ::close(out[1]);
+    ::close(err[1]);
     if (pid < 0) {
       std::perror("dp-run: fork");
-      ::close(fds[0]);
+      ::close(out[0]);
+      ::close(err[0]);
       signal_all(ranks, SIGKILL);
       return 1;
     }
     ::setpgid(pid, pid);  // also here, so that a kill before the child's own call reaches it
-    ::fcntl(fds[0], F_SETFL, O_NONBLOCK);
+    ::fcntl(out[0], F_SETFL, O_NONBLOCK);
+    ::fcntl(err[0], F_SETFL, O_NONBLOCK);
     r.pid = pid;
-    r.out_fd = fds[0];
+    r.streams[kStdout].fd = out[0];
+    r.streams[kStderr].fd = err[0];
     r.running = true;
   }
 
@@ -505,12 +657,10 @@ int main(int argc, char** argv) {
   auto hurry = [&] { return requests.front_gone || requests.signals > signals_at_stop; };
   for (;;) {
     std::vector<pollfd> fds;
-    for (Rank& r : ranks) {
-      if (r.out_fd >= 0) fds.push_back({r.out_fd, POLLIN, 0});
-    }
+    add_readable(ranks, fds);
     if (requests.fd >= 0) fds.push_back({requests.fd, POLLIN, 0});
     ::poll(fds.data(), fds.size(), 20);
-    for (Rank& r : ranks) drain(r);
+    pump(ranks);
     read_requests(requests);
     reap(ranks);
     bool any_running = false;
@@ -520,7 +670,8 @@ int main(int argc, char** argv) {
         continue;
       }
       if (r.exit_code != 0 && !stopping) {
-        std::fprintf(stderr, "dp-run: rank %d exited with code %d; stopping the other ranks\n", r.rank, r.exit_code);
+        say("rank " + std::to_string(r.rank) + " exited with code " + std::to_string(r.exit_code) +
+            "; stopping the other ranks");
         stop(r.exit_code, SIGTERM);
       }
     }
@@ -546,29 +697,38 @@ int main(int argc, char** argv) {
         signal_all(ranks, SIGKILL);
         deadline = std::chrono::steady_clock::time_point::max();
       }
-      for (Rank& r : ranks) drain(r);
+      pump(ranks);
       read_requests(requests);
       ::usleep(10000);
       reap(ranks);
     }
   }
   stop_escaped(grace_ms, hurry, [&] {
-    for (Rank& r : ranks) drain(r);
+    pump(ranks);
     read_requests(requests);
   });
   // The ranks are gone; read what they left, but do not wait on a leftover
   // child of theirs that still holds the pipe.
   auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-  for (Rank& r : ranks) {
-    while (r.out_fd >= 0 && std::chrono::steady_clock::now() < give_up) {
-      pollfd p{r.out_fd, POLLIN, 0};
-      ::poll(&p, 1, 50);
-      drain(r);
+  auto any_stream_open = [&] {
+    for (const Rank& r : ranks) {
+      if (r.streams[kStdout].fd >= 0 || r.streams[kStderr].fd >= 0) return true;
     }
-    if (r.out_fd >= 0) {
-      if (!r.pending.empty()) emit(r, "\n", 1);
-      ::close(r.out_fd);
+    return false;
+  };
+  while (any_stream_open() && std::chrono::steady_clock::now() < give_up) {
+    std::vector<pollfd> fds;
+    add_readable(ranks, fds);
+    ::poll(fds.data(), fds.size(), 50);
+    pump(ranks);
+  }
+  for (Rank& r : ranks) {
+    for (RankStream& stream : r.streams) {
+      read_stream(stream, Clock::now());
+      if (stream.fd >= 0) ::close(stream.fd);
+      stream.fd = -1;
     }
   }
+  pump(ranks);  // with every stream at its end, this writes all that is left
   return result;
 }
