@@ -465,12 +465,16 @@ int front(pid_t launcher, const sigset_t& caught, long grace_ms) {
   return killed ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+// What the command line asks for.
+struct Options {
   long nproc = -1, nnodes = 1, node_rank = 0, grace_ms = 5000;
   std::string master_addr;
   long master_port = -1;
+  char** program = nullptr;  // the ranks' program and its arguments, null-terminated
+};
+
+Options parse_args(int argc, char** argv) {
+  Options o;
   int i = 1;
   for (; i < argc; ++i) {
     std::string a = argv[i];
@@ -480,20 +484,20 @@ int main(int argc, char** argv) {
     };
     if (a == "-h" || a == "--help") {
       std::printf("%s\n%s", kUsage, kOutputHelp);
-      return 0;
+      std::exit(0);
     }
     if (a == "-n" || a == "--nproc-per-node")
-      nproc = parse_int(value("-n"), "-n", 1, 4096);
+      o.nproc = parse_int(value("-n"), "-n", 1, 4096);
     else if (a == "--nnodes")
-      nnodes = parse_int(value("--nnodes"), "--nnodes", 1, 100000);
+      o.nnodes = parse_int(value("--nnodes"), "--nnodes", 1, 100000);
     else if (a == "--node-rank")
-      node_rank = parse_int(value("--node-rank"), "--node-rank", 0, 99999);
+      o.node_rank = parse_int(value("--node-rank"), "--node-rank", 0, 99999);
     else if (a == "--master-addr")
-      master_addr = value("--master-addr");
+      o.master_addr = value("--master-addr");
     else if (a == "--master-port")
-      master_port = parse_int(value("--master-port"), "--master-port", 1, 65535);
+      o.master_port = parse_int(value("--master-port"), "--master-port", 1, 65535);
     else if (a == "--grace-ms")
-      grace_ms = parse_int(value("--grace-ms"), "--grace-ms", 0, 3600000);
+      o.grace_ms = parse_int(value("--grace-ms"), "--grace-ms", 0, 3600000);
     else if (a == "--") {
       ++i;
       break;
@@ -502,128 +506,119 @@ int main(int argc, char** argv) {
     else
       break;
   }
-  if (nproc < 0) usage("-n is required");
+  if (o.nproc < 0) usage("-n is required");
   if (i >= argc) usage("no program given");
-  // Two pipes per rank stay open: past the open-file limit, ranks would start and then be killed.
+  o.program = argv + i;
+  return o;
+}
+
+// Two pipes per rank stay open: past the open-file limit, ranks would start and then be killed.
+void raise_open_file_limit(long nproc) {
   rlimit files{};
-  if (::getrlimit(RLIMIT_NOFILE, &files) == 0) {
-    const rlim_t needed = 2 * static_cast<rlim_t>(nproc) + 16;
-    if (files.rlim_cur < needed && files.rlim_max >= needed) {
-      files.rlim_cur = needed;
-      ::setrlimit(RLIMIT_NOFILE, &files);
-    }
-    if (files.rlim_cur < needed) {
-      usage(("-n " + std::to_string(nproc) + " needs " + std::to_string(needed) + " open files; the limit is " +
-             std::to_string(files.rlim_cur))
-                .c_str());
-    }
+  if (::getrlimit(RLIMIT_NOFILE, &files) != 0) return;
+  const rlim_t needed = 2 * static_cast<rlim_t>(nproc) + 16;
+  if (files.rlim_cur < needed && files.rlim_max >= needed) {
+    files.rlim_cur = needed;
+    ::setrlimit(RLIMIT_NOFILE, &files);
   }
-  if (node_rank >= nnodes) usage("--node-rank must be below --nnodes");
-  if (nnodes > 1 && (master_addr.empty() || master_port < 0)) {
+  if (files.rlim_cur < needed) {
+    usage(("-n " + std::to_string(nproc) + " needs " + std::to_string(needed) + " open files; the limit is " +
+           std::to_string(files.rlim_cur))
+              .c_str());
+  }
+}
+
+// Where the ranks meet (the master's address and port, the store's token),
+// and the environment every rank shares.
+void set_up_rendezvous(Options& o) {
+  if (o.node_rank >= o.nnodes) usage("--node-rank must be below --nnodes");
+  if (o.nnodes > 1 && (o.master_addr.empty() || o.master_port < 0)) {
     usage("with --nnodes > 1, --master-addr and --master-port are required (node 0 serves the store there)");
   }
-  if (master_addr.empty()) master_addr = "127.0.0.1";
-  if (master_port < 0 && hold_free_port(master_addr, &master_port) < 0) {
-    usage(("cannot find a free port on " + master_addr).c_str());
+  if (o.master_addr.empty()) o.master_addr = "127.0.0.1";
+  if (o.master_port < 0 && hold_free_port(o.master_addr, &o.master_port) < 0) {
+    usage(("cannot find a free port on " + o.master_addr).c_str());
   }
-  if (nnodes == 1 && std::getenv("DP_STORE_TOKEN") == nullptr) setenv("DP_STORE_TOKEN", random_token().c_str(), 1);
+  if (o.nnodes == 1 && std::getenv("DP_STORE_TOKEN") == nullptr) setenv("DP_STORE_TOKEN", random_token().c_str(), 1);
   // Line-buffered stdout for programs linked against libdparallel, which
   // honours this. Not stdbuf's LD_PRELOAD: that breaks sanitized programs
   // (their runtime must load first), static ones and programs that run
   // others; nor a pseudo-terminal, which changes more than buffering.
   setenv("DP_LINE_BUFFERED_STDOUT", "1", 0);
+}
 
-  // The signals the front catches: the stop signals, but those it was started
-  // with ignored (nohup), except SIGINT, SIGQUIT and SIGTERM.
+// The signals the front catches, and what the ranks get back of how dp-run
+// was started.
+struct Signals {
   std::vector<int> caught;
   sigset_t caught_set;
-  sigemptyset(&caught_set);
+  struct sigaction started_sigchld;
+  sigset_t started_mask;
+};
+
+// The stop signals, but those dp-run was started with ignored (nohup),
+// except SIGINT, SIGQUIT and SIGTERM; blocked until the front unblocks them
+// (the launcher keeps them blocked).
+Signals take_signals() {
+  Signals s{};
+  sigemptyset(&s.caught_set);
   for (int sig : stop_signals()) {
     struct sigaction started {};
     ::sigaction(sig, nullptr, &started);
     if (started.sa_handler == SIG_IGN && sig != SIGINT && sig != SIGQUIT && sig != SIGTERM) continue;
-    caught.push_back(sig);
-    sigaddset(&caught_set, sig);
+    s.caught.push_back(sig);
+    sigaddset(&s.caught_set, sig);
   }
   // Inherited, a SIGCHLD ignore would have the kernel reap the ranks before
   // dp-run learns how they exited; the ranks get it back.
-  struct sigaction started_sigchld {};
   struct sigaction default_action {};
   default_action.sa_handler = SIG_DFL;
-  ::sigaction(SIGCHLD, &default_action, &started_sigchld);
-  // Blocked until the front unblocks them: the launcher keeps them blocked.
-  sigset_t started_mask;
-  ::sigprocmask(SIG_BLOCK, &caught_set, &started_mask);
-  int control[2];
-  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, control) != 0) {
-    std::perror("dp-run: socketpair");
-    return 1;
-  }
-  g_control_fd = control[0];
-  struct sigaction pass {};
-  pass.sa_handler = pass_on;
-  pass.sa_mask = caught_set;
-  for (int sig : caught) ::sigaction(sig, &pass, nullptr);
-  // Orphans come to the launcher (and, if it dies, to the front), so they can be reaped and counted as gone.
-  ::prctl(PR_SET_CHILD_SUBREAPER, 1);
-  const pid_t launcher = ::fork();
-  if (launcher != 0) {
-    ::close(control[1]);
-    return front(launcher, caught_set, grace_ms);
-  }
+  ::sigaction(SIGCHLD, &default_action, &s.started_sigchld);
+  ::sigprocmask(SIG_BLOCK, &s.caught_set, &s.started_mask);
+  return s;
+}
 
-  // The launcher. Its own process group keeps it alive when dp-run's group is
-  // killed. The stop signals reach it only through the control socket, so one
-  // sent to both processes counts once; SIGTTOU is blocked too, for writing to
-  // a terminal (with `stty tostop`) from a background group.
-  ::close(control[0]);
-  g_control_fd = -1;
+// The rank's side of the fork: it becomes the program, in a process group of
+// its own, its stdout and stderr the write ends of its pipes.
+[[noreturn]] void exec_rank(const Options& o, const Signals& signals, pid_t launcher_pid, int rank, long local,
+                            int out_fd, int err_fd) {
+  // The rank starts with the dispositions and mask dp-run was started
+  // with; a signal sent to its group before this stays pending until then.
+  for (int sig : signals.caught) ::signal(sig, SIG_DFL);
+  ::sigaction(SIGCHLD, &signals.started_sigchld, nullptr);
+  ::sigprocmask(SIG_SETMASK, &signals.started_mask, nullptr);
   ::setpgid(0, 0);
-  ::prctl(PR_SET_NAME, "dp-run-launcher");  // for ps and pkill -x
-  ::prctl(PR_SET_CHILD_SUBREAPER, 1);       // not inherited across fork
-  sigset_t ttou;
-  sigemptyset(&ttou);
-  sigaddset(&ttou, SIGTTOU);
-  ::sigprocmask(SIG_BLOCK, &ttou, nullptr);
-  Requests requests;
-  requests.fd = control[1];
+  // Ranks do not outlive a launcher that was killed.
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != launcher_pid) ::_exit(128 + SIGKILL);
+  ::dup2(out_fd, STDOUT_FILENO);
+  ::dup2(err_fd, STDERR_FILENO);
+  setenv("RANK", std::to_string(rank).c_str(), 1);
+  setenv("WORLD_SIZE", std::to_string(o.nnodes * o.nproc).c_str(), 1);
+  setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
+  setenv("LOCAL_WORLD_SIZE", std::to_string(o.nproc).c_str(), 1);
+  setenv("GROUP_RANK", std::to_string(o.node_rank).c_str(), 1);
+  setenv("MASTER_ADDR", o.master_addr.c_str(), 1);
+  setenv("MASTER_PORT", std::to_string(o.master_port).c_str(), 1);
+  ::execvp(o.program[0], o.program);
+  std::fprintf(stderr, "dp-run: cannot run '%s': %s\n", o.program[0], std::strerror(errno));
+  ::_exit(127);
+}
 
-  const long world = nnodes * nproc;
+// Starts this node's ranks; false (with the ranks started so far killed) if one cannot be.
+bool spawn_ranks(const Options& o, const Signals& signals, std::vector<Rank>& ranks) {
   const pid_t launcher_pid = ::getpid();
-  std::vector<Rank> ranks(static_cast<size_t>(nproc));
-  for (long local = 0; local < nproc; ++local) {
+  for (long local = 0; local < o.nproc; ++local) {
     Rank& r = ranks[static_cast<size_t>(local)];
-    r.rank = static_cast<int>(node_rank * nproc + local);
+    r.rank = static_cast<int>(o.node_rank * o.nproc + local);
     int out[2], err[2];
     if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0) {
       std::perror("dp-run: pipe");
       signal_all(ranks, SIGKILL);
-      return 1;
+      return false;
     }
     pid_t pid = ::fork();
-    if (pid == 0) {
-      // The rank starts with the dispositions and mask dp-run was started
-      // with; a signal sent to its group before this stays pending until then.
-      for (int sig : caught) ::signal(sig, SIG_DFL);
-      ::sigaction(SIGCHLD, &started_sigchld, nullptr);
-      ::sigprocmask(SIG_SETMASK, &started_mask, nullptr);
-      ::setpgid(0, 0);
-      // Ranks do not outlive a launcher that was killed.
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != launcher_pid) ::_exit(128 + SIGKILL);
-      ::dup2(out[1], STDOUT_FILENO);
-      ::dup2(err[1], STDERR_FILENO);
-      setenv("RANK", std::to_string(r.rank).c_str(), 1);
-      setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
-      setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
-      setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
-      setenv("GROUP_RANK", std::to_string(node_rank).c_str(), 1);
-      setenv("MASTER_ADDR", master_addr.c_str(), 1);
-      setenv("MASTER_PORT", std::to_string(master_port).c_str(), 1);
-      ::execvp(argv[i], argv + i);
-      std::fprintf(stderr, "dp-run: cannot run '%s': %s\n", argv[i], std::strerror(errno));
-      ::_exit(127);
-    }
+    if (pid == 0) exec_rank(o, signals, launcher_pid, r.rank, local, out[1], err[1]);
     ::close(out[1]);
     ::close(err[1]);
     if (pid < 0) {
@@ -631,7 +626,7 @@ int main(int argc, char** argv) {
       ::close(out[0]);
       ::close(err[0]);
       signal_all(ranks, SIGKILL);
-      return 1;
+      return false;
     }
     ::setpgid(pid, pid);  // also here, so that a kill before the child's own call reaches it
     ::fcntl(out[0], F_SETFL, O_NONBLOCK);
@@ -641,82 +636,105 @@ int main(int argc, char** argv) {
     r.streams[kStderr].fd = err[0];
     r.running = true;
   }
+  return true;
+}
 
+// The launcher's view of the running job.
+struct Job {
+  std::vector<Rank> ranks;
+  Requests requests;
+  long grace_ms = 0;
   int result = 0;
   bool stopping = false;
   int signals_at_stop = 0;  // a signal after stopping began escalates to SIGKILL
-  auto kill_at = std::chrono::steady_clock::time_point::max();
-  auto stop = [&](int exit_code, int sig) {
+  Clock::time_point kill_at = Clock::time_point::max();
+
+  void stop(int exit_code, int sig) {
     stopping = true;
     signals_at_stop = requests.signals;
     result = exit_code;
     signal_all(ranks, sig);
-    kill_at = std::chrono::steady_clock::now() + std::chrono::milliseconds(grace_ms);
-  };
+    kill_at = Clock::now() + std::chrono::milliseconds(grace_ms);
+  }
+
   // With the front gone (killed), the rest of the job is killed at once.
-  auto hurry = [&] { return requests.front_gone || requests.signals > signals_at_stop; };
+  bool hurry() const { return requests.front_gone || requests.signals > signals_at_stop; }
+};
+
+// Forwards the ranks' output and stops the job when a rank fails, a signal
+// comes or the output is lost, until every rank has exited.
+void supervise(Job& job) {
   for (;;) {
     std::vector<pollfd> fds;
-    add_readable(ranks, fds);
-    if (requests.fd >= 0) fds.push_back({requests.fd, POLLIN, 0});
+    add_readable(job.ranks, fds);
+    if (job.requests.fd >= 0) fds.push_back({job.requests.fd, POLLIN, 0});
     ::poll(fds.data(), fds.size(), 20);
-    pump(ranks);
-    read_requests(requests);
-    reap(ranks);
+    pump(job.ranks);
+    read_requests(job.requests);
+    reap(job.ranks);
     bool any_running = false;
-    for (Rank& r : ranks) {
+    for (Rank& r : job.ranks) {
       if (r.running) {
         any_running = true;
         continue;
       }
-      if (r.exit_code != 0 && !stopping) {
+      if (r.exit_code != 0 && !job.stopping) {
         say("rank " + std::to_string(r.rank) + " exited with code " + std::to_string(r.exit_code) +
             "; stopping the other ranks");
-        stop(r.exit_code, SIGTERM);
+        job.stop(r.exit_code, SIGTERM);
       }
     }
     // The ranks get the signal dp-run got, but SIGPIPE: their own output still works.
-    if (!stopping && requests.first_signal != 0) {
-      stop(128 + requests.first_signal, requests.first_signal == SIGPIPE ? SIGTERM : requests.first_signal);
+    const int first_signal = job.requests.first_signal;
+    if (!job.stopping && first_signal != 0)
+      job.stop(128 + first_signal, first_signal == SIGPIPE ? SIGTERM : first_signal);
+    if (!job.stopping && g_output_lost) job.stop(128 + SIGPIPE, SIGTERM);
+    if (!job.stopping && job.requests.front_gone) job.stop(128 + SIGKILL, SIGKILL);
+    if (job.stopping && job.hurry()) job.kill_at = Clock::now();
+    if (job.stopping && Clock::now() >= job.kill_at) {
+      signal_all(job.ranks, SIGKILL);
+      job.kill_at = Clock::time_point::max();
     }
-    if (!stopping && g_output_lost) stop(128 + SIGPIPE, SIGTERM);
-    if (!stopping && requests.front_gone) stop(128 + SIGKILL, SIGKILL);
-    if (stopping && hurry()) kill_at = std::chrono::steady_clock::now();
-    if (stopping && std::chrono::steady_clock::now() >= kill_at) {
-      signal_all(ranks, SIGKILL);
-      kill_at = std::chrono::steady_clock::time_point::max();
-    }
-    if (!any_running) break;
+    if (!any_running) return;
   }
-  // What the ranks left running in their groups: SIGTERM, SIGKILL after the grace period.
-  if (any_group_alive(ranks)) {
-    signal_all(ranks, SIGTERM);
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(grace_ms);
-    while (any_group_alive(ranks)) {
-      if (std::chrono::steady_clock::now() >= deadline || hurry()) {
-        signal_all(ranks, SIGKILL);
-        deadline = std::chrono::steady_clock::time_point::max();
+}
+
+// Stops what the ranks left running: in their groups, then what escaped them.
+void stop_what_the_ranks_left(Job& job) {
+  // In their groups: SIGTERM, SIGKILL after the grace period.
+  if (any_group_alive(job.ranks)) {
+    signal_all(job.ranks, SIGTERM);
+    auto deadline = Clock::now() + std::chrono::milliseconds(job.grace_ms);
+    while (any_group_alive(job.ranks)) {
+      if (Clock::now() >= deadline || job.hurry()) {
+        signal_all(job.ranks, SIGKILL);
+        deadline = Clock::time_point::max();
       }
-      pump(ranks);
-      read_requests(requests);
+      pump(job.ranks);
+      read_requests(job.requests);
       ::usleep(10000);
-      reap(ranks);
+      reap(job.ranks);
     }
   }
-  stop_escaped(grace_ms, hurry, [&] {
-    pump(ranks);
-    read_requests(requests);
-  });
-  // The ranks are gone; read what they left, but do not wait on a leftover
-  // child of theirs that still holds the pipe.
-  auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  stop_escaped(
+      job.grace_ms, [&] { return job.hurry(); },
+      [&] {
+        pump(job.ranks);
+        read_requests(job.requests);
+      });
+}
+
+// The ranks are gone; writes what they left, but does not wait on a leftover
+// child of theirs that still holds a pipe.
+void finish_output(std::vector<Rank>& ranks) {
+  auto give_up = Clock::now() + std::chrono::seconds(1);
   auto any_stream_open = [&] {
     for (const Rank& r : ranks) {
       if (r.streams[kStdout].fd >= 0 || r.streams[kStderr].fd >= 0) return true;
     }
     return false;
   };
-  while (any_stream_open() && std::chrono::steady_clock::now() < give_up) {
+  while (any_stream_open() && Clock::now() < give_up) {
     std::vector<pollfd> fds;
     add_readable(ranks, fds);
     ::poll(fds.data(), fds.size(), 50);
@@ -730,5 +748,56 @@ int main(int argc, char** argv) {
     }
   }
   pump(ranks);  // with every stream at its end, this writes all that is left
-  return result;
+}
+
+// The launcher. Its own process group keeps it alive when dp-run's group is
+// killed. The stop signals reach it only through the control socket, so one
+// sent to both processes counts once; SIGTTOU is blocked too, for writing to
+// a terminal (with `stty tostop`) from a background group.
+int launcher(const Options& o, const Signals& signals, int control_fd) {
+  ::setpgid(0, 0);
+  ::prctl(PR_SET_NAME, "dp-run-launcher");  // for ps and pkill -x
+  ::prctl(PR_SET_CHILD_SUBREAPER, 1);       // not inherited across fork
+  sigset_t ttou;
+  sigemptyset(&ttou);
+  sigaddset(&ttou, SIGTTOU);
+  ::sigprocmask(SIG_BLOCK, &ttou, nullptr);
+  Job job;
+  job.requests.fd = control_fd;
+  job.grace_ms = o.grace_ms;
+  job.ranks.resize(static_cast<size_t>(o.nproc));
+  if (!spawn_ranks(o, signals, job.ranks)) return 1;
+  supervise(job);
+  stop_what_the_ranks_left(job);
+  finish_output(job.ranks);
+  return job.result;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options options = parse_args(argc, argv);
+  raise_open_file_limit(options.nproc);
+  set_up_rendezvous(options);
+  const Signals signals = take_signals();
+  int control[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, control) != 0) {
+    std::perror("dp-run: socketpair");
+    return 1;
+  }
+  g_control_fd = control[0];
+  struct sigaction pass {};
+  pass.sa_handler = pass_on;
+  pass.sa_mask = signals.caught_set;
+  for (int sig : signals.caught) ::sigaction(sig, &pass, nullptr);
+  // Orphans come to the launcher (and, if it dies, to the front), so they can be reaped and counted as gone.
+  ::prctl(PR_SET_CHILD_SUBREAPER, 1);
+  const pid_t launcher_pid = ::fork();
+  if (launcher_pid != 0) {
+    ::close(control[1]);
+    return front(launcher_pid, signals.caught_set, options.grace_ms);
+  }
+  ::close(control[0]);
+  g_control_fd = -1;
+  return launcher(options, signals, control[1]);
 }
