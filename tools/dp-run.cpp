@@ -125,9 +125,10 @@ constexpr const char* kUsage =
 
 constexpr const char* kOutputHelp =
     "Each rank's stdout lines go to dp-run's stdout and its stderr lines to dp-run's stderr, whole and\n"
-    "prefixed with \"[rank R] \". A line without its newline yet shows once the rank pauses for 0.1 s\n"
-    "(progress), and ends when the rank exits. A line longer than 64 KiB goes out in pieces that\n"
-    "nothing comes between while the rank writes it; paused for 1 s, another rank's line may end it.\n"
+    "prefixed with \"[rank R] \". A line without its newline yet shows after 0.1 s (progress), and\n"
+    "another rank's line may then end it; it ends when the rank exits. A line longer than 64 KiB goes\n"
+    "out in pieces that nothing comes between while the rank writes it; paused for 1 s, another\n"
+    "rank's line may end it.\n"
     "\n"
     "Ranks get DP_LINE_BUFFERED_STDOUT=1, on which libdparallel makes their stdout line-buffered.\n"
     "A program not linked against libdparallel must do that itself (C: setvbuf(stdout, NULL, _IOLBF, 0)\n"
@@ -193,8 +194,8 @@ using Clock = std::chrono::steady_clock;
 // What dp-run holds of one rank's stream: a rank's endless line never piles
 // up in dp-run's memory, and a rank that outwrites dp-run's output waits.
 constexpr size_t kBufferSize = size_t{64} * 1024;
-// An unfinished line idle this long is shown as it is (progress); once it
-// is shown, another rank's output may end it, after the same pause.
+// An unfinished line that waited this long is shown as it is (progress);
+// then another rank's output may end it.
 constexpr auto kShowUnfinishedAfter = std::chrono::milliseconds(100);
 // A line longer than the buffer goes out in pieces that nothing else comes
 // between while its rank writes it; paused this long, another rank's output
@@ -206,6 +207,7 @@ struct RankStream {
   int fd = -1;           // the read end; -1 once at its end
   std::string buffered;  // read, not yet written: at most kBufferSize bytes
   Clock::time_point last_read{};
+  Clock::time_point unfinished_since{};  // when (at the latest) the unfinished line in `buffered` began
 };
 
 enum Stream { kStdout = 0, kStderr = 1 };
@@ -251,6 +253,7 @@ void read_stream(RankStream& stream, Clock::time_point now) {
   while (stream.fd >= 0 && stream.buffered.size() < kBufferSize) {
     ssize_t n = ::read(stream.fd, buf, kBufferSize - stream.buffered.size());
     if (n > 0) {
+      if (stream.buffered.empty()) stream.unfinished_since = now;
       stream.buffered.append(buf, static_cast<size_t>(n));
       stream.last_read = now;
       continue;
@@ -262,22 +265,29 @@ void read_stream(RankStream& stream, Clock::time_point now) {
   }
 }
 
-bool idle_for(const RankStream& stream, Clock::time_point now, Clock::duration pause) {
-  return now - stream.last_read >= pause;
+// Drops the first `count` bytes written; what is left began with the last read, at the latest.
+void consume(RankStream& stream, size_t count) {
+  stream.buffered.erase(0, count);
+  stream.unfinished_since = stream.last_read;
+}
+
+bool unfinished_waited(const RankStream& stream, Clock::time_point now) {
+  return now - stream.unfinished_since >= kShowUnfinishedAfter;
 }
 
 // Whether the stream has output that would be written to a free sink now.
 bool has_output_ready(const RankStream& stream, Clock::time_point now) {
   return !stream.buffered.empty() &&
          (stream.buffered.find('\n') != std::string::npos || stream.buffered.size() >= kBufferSize || stream.fd < 0 ||
-          idle_for(stream, now, kShowUnfinishedAfter));
+          unfinished_waited(stream, now));
 }
 
 // Writes what the ranks' `which` streams hold to its sink: whole lines, each
-// with its rank's prefix; an unfinished line once it is idle, its stream at
-// its end, or it fills the buffer. While a rank's line is started on the
-// sink, only that rank's bytes go there, until it ends the line or pauses
-// while another rank has output waiting (then dp-run ends the line).
+// with its rank's prefix; an unfinished line once it waited, its stream is
+// at its end, or it fills the buffer. While a rank's line is started on the
+// sink, only that rank's bytes go there, until it ends the line or another
+// rank has output waiting (then dp-run ends the line): at once for a line
+// shown unfinished, after the rank paused for kLongLinePause for a long one.
 void forward(std::vector<Rank>& ranks, Stream which, Clock::time_point now) {
   Sink& sink = g_sinks[which];
   if (g_output_lost) {
@@ -292,17 +302,18 @@ void forward(std::vector<Rank>& ranks, Stream which, Clock::time_point now) {
     const size_t nl = stream.buffered.find('\n');
     if (nl != std::string::npos) {
       out.append(stream.buffered, 0, nl + 1);
-      stream.buffered.erase(0, nl + 1);
+      consume(stream, nl + 1);
       sink.open_rank = -1;
     } else {
+      if (stream.buffered.size() >= kBufferSize) sink.open_long = true;
       out += stream.buffered;
       stream.buffered.clear();
       bool others_waiting = false;
       for (size_t i = 0; i < ranks.size() && !others_waiting; ++i) {
         others_waiting = i != owner && has_output_ready(ranks[i].streams[which], now);
       }
-      const auto pause = sink.open_long ? Clock::duration(kLongLinePause) : Clock::duration(kShowUnfinishedAfter);
-      if (stream.fd < 0 || (others_waiting && idle_for(stream, now, pause))) {
+      const bool paused = !sink.open_long || now - stream.last_read >= kLongLinePause;
+      if (stream.fd < 0 || (others_waiting && paused)) {
         out += '\n';
         sink.open_rank = -1;
       }
@@ -317,10 +328,10 @@ void forward(std::vector<Rank>& ranks, Stream which, Clock::time_point now) {
       out += prefix;
       out.append(stream.buffered, start, nl + 1 - start);
     }
-    stream.buffered.erase(0, start);
+    if (start > 0) consume(stream, start);
     if (stream.buffered.empty()) continue;
     const bool is_long = stream.buffered.size() >= kBufferSize;
-    if (stream.fd >= 0 && !is_long && !idle_for(stream, now, kShowUnfinishedAfter)) continue;
+    if (stream.fd >= 0 && !is_long && !unfinished_waited(stream, now)) continue;
     out += prefix;
     out += stream.buffered;
     stream.buffered.clear();

@@ -631,6 +631,38 @@ TEST(DpRunOutput, ShowsAnUnfinishedLineWhileTheRankWaitsAndNeverMergesItWithAnot
   EXPECT_EQ(output.back(), '\n') << output;
 }
 
+// Rank 0 grows a line of dots, never pausing long, until released; rank 1
+// writes a line meanwhile, which must not wait for rank 0's to end.
+TEST(DpRunOutput, ShowsAGrowingUnfinishedLineWithoutHoldingBackAnotherRanksLines) {
+  Job job;
+  const std::string go = job.dir() + "/go";
+  ASSERT_TRUE(job.start({"-n", "2", "sh", "-c",
+                         "if [ $RANK = 0 ]; then for i in $(seq 3000); do [ -e " + go +
+                             " ] && break; printf .; sleep 0.02; done; echo end; else echo 'rank 1 line'; for i in "
+                             "$(seq 3000); do [ -e " +
+                             go + " ] && break; sleep 0.02; done; fi"},
+                        {}));
+  const bool dots_shown = job.wait_for_output("[rank 0] .");
+  const bool line_shown = job.wait_for_output("[rank 1] rank 1 line\n");
+  std::ofstream(go) << "go\n";
+  int status = job.wait();
+  EXPECT_TRUE(dots_shown) << "rank 0's unfinished line came only once the rank was released";
+  EXPECT_TRUE(line_shown) << "rank 1's line waited for rank 0's to end";
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "dp-run ended with " << exit_text(status);
+  const std::string output = job.output();
+  std::string rank0_text;
+  for (const std::string& line : lines_of(output)) {
+    if (starts_with(line, "[rank 0] ")) {
+      rank0_text += line.substr(9);
+    } else {
+      EXPECT_EQ(line, "[rank 1] rank 1 line") << output;
+    }
+  }
+  ASSERT_GE(rank0_text.size(), 4u) << output;
+  EXPECT_EQ(rank0_text.substr(rank0_text.size() - 3), "end") << output;
+  EXPECT_EQ(rank0_text.find_first_not_of('.'), rank0_text.size() - 3) << output;
+}
+
 // Rank 0 writes a 1 MiB line, far more than dp-run buffers, while rank 1
 // writes short lines all along.
 TEST(DpRunOutput, KeepsALineLongerThanItsBuffersWholeWhileAnotherRankWrites) {
