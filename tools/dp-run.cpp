@@ -125,10 +125,10 @@ constexpr const char* kUsage =
 
 constexpr const char* kOutputHelp =
     "Each rank's stdout lines go to dp-run's stdout and its stderr lines to dp-run's stderr, whole and\n"
-    "prefixed with \"[rank R] \". A line without its newline yet shows after 0.1 s (progress), and\n"
-    "another rank's line may then end it; it ends when the rank exits. A line longer than 64 KiB goes\n"
-    "out in pieces that nothing comes between while the rank writes it; paused for 1 s, another\n"
-    "rank's line may end it.\n"
+    "prefixed with \"[rank R] \". A line without its newline yet shows after 0.1 s (progress); once\n"
+    "the rank pauses for 0.1 s, or after 1 s, another rank's line may end it, and it ends when the\n"
+    "rank exits. A line longer than 64 KiB goes out in pieces that nothing comes between while the\n"
+    "rank writes it; paused for 1 s, another rank's line may end it.\n"
     "\n"
     "Ranks get DP_LINE_BUFFERED_STDOUT=1, on which libdparallel makes their stdout line-buffered.\n"
     "A program not linked against libdparallel must do that itself (C: setvbuf(stdout, NULL, _IOLBF, 0)\n"
@@ -195,11 +195,13 @@ using Clock = std::chrono::steady_clock;
 // up in dp-run's memory, and a rank that outwrites dp-run's output waits.
 constexpr size_t kBufferSize = size_t{64} * 1024;
 // An unfinished line that waited this long is shown as it is (progress);
-// then another rank's output may end it.
+// once its rank pauses this long, another rank's output may end it.
 constexpr auto kShowUnfinishedAfter = std::chrono::milliseconds(100);
-// A line longer than the buffer goes out in pieces that nothing else comes
-// between while its rank writes it; paused this long, another rank's output
-// may end it.
+// A shown line shorter than the buffer may be ended for another rank's
+// output after this long, so that a growing progress line does not hold the
+// other ranks back. A longer one goes out in pieces that nothing else comes
+// between while its rank writes it: it may be ended once the rank paused
+// this long.
 constexpr auto kLongLinePause = std::chrono::seconds(1);
 
 // One of a rank's output streams, read through a pipe of its own.
@@ -224,10 +226,11 @@ struct Rank {
 // dp-run's stdout or stderr, where the ranks' stdout or stderr lines go.
 struct Sink {
   int fd;
-  int open_rank;   // the index of the rank whose line is started here but not ended; -1 if none
-  bool open_long;  // that line was started because it outgrew the buffer
+  int open_rank = -1;  // the index of the rank whose line is started here but not ended; -1 if none
+  size_t open_length = 0;
+  Clock::time_point open_since{};
 };
-Sink g_sinks[2] = {{STDOUT_FILENO, -1, false}, {STDERR_FILENO, -1, false}};
+Sink g_sinks[2] = {{STDOUT_FILENO}, {STDERR_FILENO}};
 
 // Writes all of `data` as it is (bytes, NULs too).
 void write_all(int fd, const std::string& data) {
@@ -286,8 +289,8 @@ bool has_output_ready(const RankStream& stream, Clock::time_point now) {
 // with its rank's prefix; an unfinished line once it waited, its stream is
 // at its end, or it fills the buffer. While a rank's line is started on the
 // sink, only that rank's bytes go there, until it ends the line or another
-// rank has output waiting (then dp-run ends the line): at once for a line
-// shown unfinished, after the rank paused for kLongLinePause for a long one.
+// rank has output waiting and the line may be ended (kShowUnfinishedAfter,
+// kLongLinePause); then dp-run ends it.
 void forward(std::vector<Rank>& ranks, Stream which, Clock::time_point now) {
   Sink& sink = g_sinks[which];
   if (g_output_lost) {
@@ -305,15 +308,18 @@ void forward(std::vector<Rank>& ranks, Stream which, Clock::time_point now) {
       consume(stream, nl + 1);
       sink.open_rank = -1;
     } else {
-      if (stream.buffered.size() >= kBufferSize) sink.open_long = true;
+      sink.open_length += stream.buffered.size();
       out += stream.buffered;
       stream.buffered.clear();
       bool others_waiting = false;
       for (size_t i = 0; i < ranks.size() && !others_waiting; ++i) {
         others_waiting = i != owner && has_output_ready(ranks[i].streams[which], now);
       }
-      const bool paused = !sink.open_long || now - stream.last_read >= kLongLinePause;
-      if (stream.fd < 0 || (others_waiting && paused)) {
+      const auto paused = now - stream.last_read;
+      const bool may_end = sink.open_length >= kBufferSize
+                               ? paused >= kLongLinePause
+                               : paused >= kShowUnfinishedAfter || now - sink.open_since >= kLongLinePause;
+      if (stream.fd < 0 || (others_waiting && may_end)) {
         out += '\n';
         sink.open_rank = -1;
       }
@@ -330,17 +336,17 @@ void forward(std::vector<Rank>& ranks, Stream which, Clock::time_point now) {
     }
     if (start > 0) consume(stream, start);
     if (stream.buffered.empty()) continue;
-    const bool is_long = stream.buffered.size() >= kBufferSize;
-    if (stream.fd >= 0 && !is_long && !unfinished_waited(stream, now)) continue;
+    if (stream.fd >= 0 && stream.buffered.size() < kBufferSize && !unfinished_waited(stream, now)) continue;
     out += prefix;
     out += stream.buffered;
-    stream.buffered.clear();
     if (stream.fd < 0) {
       out += '\n';
     } else {
       sink.open_rank = static_cast<int>(i);
-      sink.open_long = is_long;
+      sink.open_length = stream.buffered.size();
+      sink.open_since = now;
     }
+    stream.buffered.clear();
   }
   write_all(sink.fd, out);
 }
