@@ -53,6 +53,7 @@
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -231,6 +232,15 @@ struct Sink {
   Clock::time_point open_since{};
 };
 Sink g_sinks[2] = {{STDOUT_FILENO}, {STDERR_FILENO}};
+// Whether dp-run's stdout and stderr are one file (a terminal, `2>&1`): then
+// a line started on one is ended before anything goes to the other.
+bool g_sinks_shared = false;
+
+bool same_file(int a, int b) {
+  struct stat sa {
+  }, sb{};
+  return ::fstat(a, &sa) == 0 && ::fstat(b, &sb) == 0 && sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+}
 
 // Writes all of `data` as it is (bytes, NULs too).
 void write_all(int fd, const std::string& data) {
@@ -285,6 +295,28 @@ bool has_output_ready(const RankStream& stream, Clock::time_point now) {
           unfinished_waited(stream, now));
 }
 
+// Whether a rank other than `except` has output for the sink `which`.
+bool others_waiting(const std::vector<Rank>& ranks, Stream which, Clock::time_point now, int except) {
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (static_cast<int>(i) != except && has_output_ready(ranks[i].streams[which], now)) return true;
+  }
+  return false;
+}
+
+// Whether the sink's started line may be ended for other output (see kLongLinePause).
+bool open_line_may_end(const Sink& sink, const RankStream& owner, Clock::time_point now) {
+  const auto paused = now - owner.last_read;
+  return sink.open_length >= kBufferSize ? paused >= kLongLinePause
+                                         : paused >= kShowUnfinishedAfter || now - sink.open_since >= kLongLinePause;
+}
+
+// Ends the line started on `sink`, if any.
+void end_open_line(Sink& sink) {
+  if (sink.open_rank < 0) return;
+  sink.open_rank = -1;
+  write_all(sink.fd, "\n");
+}
+
 // Writes what the ranks' `which` streams hold to its sink: whole lines, each
 // with its rank's prefix; an unfinished line once it waited, its stream is
 // at its end, or it fills the buffer. While a rank's line is started on the
@@ -297,6 +329,13 @@ void forward(std::vector<Rank>& ranks, Stream which, Clock::time_point now) {
     for (Rank& r : ranks) r.streams[which].buffered.clear();
     sink.open_rank = -1;
     return;
+  }
+  // On a shared file, the other sink's started line ends first, or this sink waits.
+  Sink& other = g_sinks[1 - which];
+  if (g_sinks_shared && other.open_rank >= 0 && others_waiting(ranks, which, now, -1)) {
+    const RankStream& owner = ranks[static_cast<size_t>(other.open_rank)].streams[1 - which];
+    if (!open_line_may_end(other, owner, now)) return;
+    end_open_line(other);
   }
   std::string out;
   if (sink.open_rank >= 0) {
@@ -311,15 +350,8 @@ void forward(std::vector<Rank>& ranks, Stream which, Clock::time_point now) {
       sink.open_length += stream.buffered.size();
       out += stream.buffered;
       stream.buffered.clear();
-      bool others_waiting = false;
-      for (size_t i = 0; i < ranks.size() && !others_waiting; ++i) {
-        others_waiting = i != owner && has_output_ready(ranks[i].streams[which], now);
-      }
-      const auto paused = now - stream.last_read;
-      const bool may_end = sink.open_length >= kBufferSize
-                               ? paused >= kLongLinePause
-                               : paused >= kShowUnfinishedAfter || now - sink.open_since >= kLongLinePause;
-      if (stream.fd < 0 || (others_waiting && may_end)) {
+      if (stream.fd < 0 ||
+          (others_waiting(ranks, which, now, sink.open_rank) && open_line_may_end(sink, stream, now))) {
         out += '\n';
         sink.open_rank = -1;
       }
@@ -372,10 +404,9 @@ void add_readable(const std::vector<Rank>& ranks, std::vector<pollfd>& fds) {
 
 // dp-run's own message on its stderr, on a line of its own.
 void say(const std::string& text) {
-  std::string out;
-  if (g_sinks[kStderr].open_rank >= 0) out += '\n';
-  g_sinks[kStderr].open_rank = -1;
-  write_all(STDERR_FILENO, out + "dp-run: " + text + "\n");
+  end_open_line(g_sinks[kStderr]);
+  if (g_sinks_shared) end_open_line(g_sinks[kStdout]);
+  write_all(STDERR_FILENO, "dp-run: " + text + "\n");
 }
 
 // Each rank leads its own process group; it is signalled even after the rank
@@ -779,6 +810,7 @@ int launcher(const Options& o, const Signals& signals, int control_fd) {
   sigemptyset(&ttou);
   sigaddset(&ttou, SIGTTOU);
   ::sigprocmask(SIG_BLOCK, &ttou, nullptr);
+  g_sinks_shared = same_file(STDOUT_FILENO, STDERR_FILENO);
   Job job;
   job.requests.fd = control_fd;
   job.grace_ms = o.grace_ms;

@@ -631,6 +631,35 @@ TEST(DpRunOutput, ShowsAnUnfinishedLineWhileTheRankWaitsAndNeverMergesItWithAnot
   EXPECT_EQ(output.back(), '\n') << output;
 }
 
+// dp-run's stdout and stderr are one file here: rank 0 shows progress on
+// stdout and waits; rank 1 then writes a line to stderr.
+TEST(DpRunOutput, EndsAnUnfinishedStdoutLineBeforeAStderrLineOnTheSameFile) {
+  Job job;
+  const std::string go = job.dir() + "/go", started = job.dir() + "/started";
+  ASSERT_TRUE(job.start({"-n", "2", "sh", "-c",
+                         "if [ $RANK = 0 ]; then printf 'progress 50%%'; f=" + go + "; else f=" + started +
+                             "; fi; for i in $(seq 3000); do [ -e $f ] && break; sleep 0.02; done; if [ $RANK = 0 "
+                             "]; then echo ' done'; else echo 'rank 1 warning' >&2; fi"},
+                        {}));
+  const bool progress_shown = job.wait_for_output("[rank 0] progress 50%");
+  std::ofstream(started) << "go\n";
+  const bool warning_shown = job.wait_for_output("rank 1 warning\n");
+  std::ofstream(go) << "go\n";
+  int status = job.wait();
+  EXPECT_TRUE(progress_shown && warning_shown) << job.output();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "dp-run ended with " << exit_text(status);
+  const std::string output = job.output();
+  std::string rank0_text;
+  for (const std::string& line : lines_of(output)) {
+    if (starts_with(line, "[rank 0] ")) {
+      rank0_text += line.substr(9);
+    } else {
+      EXPECT_EQ(line, "[rank 1] rank 1 warning") << output;
+    }
+  }
+  EXPECT_EQ(rank0_text, "progress 50% done") << output;
+}
+
 // Rank 0 grows a line of dots, never pausing long, until released; rank 1
 // writes a line meanwhile, which must not wait for rank 0's to end.
 TEST(DpRunOutput, ShowsAGrowingUnfinishedLineWithoutHoldingBackAnotherRanksLines) {
