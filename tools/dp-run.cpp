@@ -127,9 +127,10 @@ constexpr const char* kUsage =
 constexpr const char* kOutputHelp =
     "Each rank's stdout lines go to dp-run's stdout and its stderr lines to dp-run's stderr, whole and\n"
     "prefixed with \"[rank R] \". A line without its newline yet shows after 0.1 s (progress); once\n"
-    "the rank pauses for 0.1 s, or after 1 s, another rank's line may end it, and it ends when the\n"
-    "rank exits. A line longer than 64 KiB goes out in pieces that nothing comes between while the\n"
-    "rank writes it; paused for 1 s, another rank's line may end it.\n"
+    "the rank pauses for 0.1 s, or after 1 s, another line may end it (another rank's, or one for\n"
+    "dp-run's other stream when both are one file, as a terminal is), and it ends when the rank\n"
+    "exits. A line longer than 64 KiB goes out in pieces that nothing comes between while the rank\n"
+    "writes it; paused for 1 s, another line may end it.\n"
     "\n"
     "Ranks get DP_LINE_BUFFERED_STDOUT=1, on which libdparallel makes their stdout line-buffered.\n"
     "A program not linked against libdparallel must do that itself (C: setvbuf(stdout, NULL, _IOLBF, 0)\n"
