@@ -292,8 +292,8 @@ bool unfinished_waited(const RankStream& stream, Clock::time_point now) {
 // Whether the stream has output that would be written to a free sink now.
 bool has_output_ready(const RankStream& stream, Clock::time_point now) {
   return !stream.buffered.empty() &&
-         (stream.buffered.find('\n') != std::string::npos || stream.buffered.size() >= kBufferSize || stream.fd < 0 ||
-          unfinished_waited(stream, now));
+         (stream.buffered.size() >= kBufferSize || stream.fd < 0 || unfinished_waited(stream, now) ||
+          stream.buffered.find('\n') != std::string::npos);
 }
 
 // Whether a rank other than `except` has output for the sink `which`.
