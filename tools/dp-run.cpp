@@ -231,6 +231,7 @@ struct Sink {
   int open_rank = -1;  // the index of the rank whose line is started here but not ended; -1 if none
   size_t open_length = 0;
   Clock::time_point open_since{};
+  std::string out;  // what goes out next; kept, so that its memory is reused
 };
 Sink g_sinks[2] = {{STDOUT_FILENO}, {STDERR_FILENO}};
 // Whether dp-run's stdout and stderr are one file (a terminal, `2>&1`): then
@@ -338,7 +339,8 @@ void forward(std::vector<Rank>& ranks, Stream which, Clock::time_point now) {
     if (!open_line_may_end(other, owner, now)) return;
     end_open_line(other);
   }
-  std::string out;
+  std::string& out = sink.out;
+  out.clear();
   if (sink.open_rank >= 0) {
     const auto owner = static_cast<size_t>(sink.open_rank);
     RankStream& stream = ranks[owner].streams[which];
