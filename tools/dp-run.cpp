@@ -305,8 +305,10 @@ bool others_waiting(const std::vector<Rank>& ranks, Stream which, Clock::time_po
   return false;
 }
 
-// Whether the sink's started line may be ended for other output (see kLongLinePause).
+// Whether the sink's started line may be ended for other output (see
+// kLongLinePause); always once its stream is at its end.
 bool open_line_may_end(const Sink& sink, const RankStream& owner, Clock::time_point now) {
+  if (owner.fd < 0) return true;
   const auto paused = now - owner.last_read;
   return sink.open_length >= kBufferSize ? paused >= kLongLinePause
                                          : paused >= kShowUnfinishedAfter || now - sink.open_since >= kLongLinePause;
