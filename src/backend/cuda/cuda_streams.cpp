@@ -4,8 +4,11 @@
 #include <cuda_runtime_api.h>
 
 #include <memory>
+#include <new>
+#include <optional>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/event_devices.h"
 
 namespace dparallel::cuda {
 
@@ -26,6 +29,24 @@ void refuse_capturing(void* stream, const char* what) {
   }
 }
 
+EventDevices& event_devices() {
+  static auto* table = new EventDevices();  // as long as the process: events may outlive static destructors
+  return *table;
+}
+
+// The event's device made current for the scope, where the library made
+// the event (see event_devices.h); a failed switch leaves the thread as it was.
+class EventDeviceGuard {
+ public:
+  explicit EventDeviceGuard(void* event) {
+    const int32_t index = event_devices().device_of(event);
+    if (index >= 0) guard_.emplace(index, std::nothrow);
+  }
+
+ private:
+  std::optional<DeviceGuard> guard_;
+};
+
 void host_func_trampoline(void* data) {
   std::unique_ptr<std::function<void()>> fn(static_cast<std::function<void()>*>(data));
   (*fn)();
@@ -40,8 +61,11 @@ void* create_stream(int32_t index) {
   return stream;
 }
 
-void destroy_stream(int32_t, void* stream) noexcept {
+void destroy_stream(int32_t index, void* stream) noexcept {
   if (stream == nullptr) return;
+  // The stream's device, made current first: a thread's first CUDA call
+  // would otherwise make a context on GPU 0 (and a failed switch is cleared).
+  DeviceGuard guard(index, std::nothrow);
   RelaxedCapture relaxed(thread_has_context() == Known::kYes);
   cudaStreamSynchronize(as_stream(stream));
   cudaStreamDestroy(as_stream(stream));
@@ -95,13 +119,21 @@ void* create_event(int32_t index) {
   DeviceGuard guard(index);
   cudaEvent_t event = nullptr;
   check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  try {
+    event_devices().remember(event, index);
+  } catch (...) {
+    cudaEventDestroy(event);
+    throw;
+  }
   return event;
 }
 
 void destroy_event(void* event) noexcept {
   if (event == nullptr) return;
+  EventDeviceGuard guard(event);
   RelaxedCapture relaxed(thread_has_context() == Known::kYes);
   cudaEventDestroy(as_event(event));
+  event_devices().forget(event);
 }
 
 void record_event(void* event, int32_t index, void* stream) {
@@ -117,6 +149,7 @@ void stream_wait_event(int32_t index, void* stream, void* event) {
 }
 
 bool event_query(void* event) {
+  EventDeviceGuard guard(event);
   RelaxedCapture relaxed(thread_has_context() == Known::kYes);
   cudaError_t status = cudaEventQuery(as_event(event));
   if (status == cudaErrorNotReady) {
@@ -128,6 +161,7 @@ bool event_query(void* event) {
 }
 
 void event_synchronize(void* event) {
+  EventDeviceGuard guard(event);
   RelaxedCapture relaxed(thread_has_context() == Known::kYes);
   check(cudaEventSynchronize(as_event(event)), "cudaEventSynchronize");
 }
