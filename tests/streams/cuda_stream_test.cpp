@@ -337,6 +337,32 @@ TEST_F(CudaStreamOrder, AStreamUnderGraphCaptureIsRefusedAndTheHostsCaptureSurvi
   cudaStreamDestroy(capturing);
 }
 
+// With no current stream, the library orders after the legacy default
+// stream; while the host captures a blocking stream, that stream cannot be
+// used: a copy is refused with DP_ESTATE, a free still returns, and the
+// host's capture stays valid (an event recorded on the legacy stream would
+// have invalidated it).
+TEST_F(CudaStreamOrder, NoCurrentStreamDuringABlockingCaptureLeavesTheCaptureValid) {
+  DP_ASSERT_OK(dp_set_current_stream(cuda(0), nullptr));
+  TensorPtr x = make<float>({1024}, filled(1024, 1.0f), cuda(0));
+  TensorPtr y = make<float>({1024}, filled(1024, 2.0f), cuda(0));
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  cudaStream_t blocking = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&blocking), cudaSuccess);  // blocking: synchronizes with the legacy stream
+  ASSERT_EQ(cudaStreamBeginCapture(blocking, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(dp_tensor_data(y.get()), 0, 1024 * sizeof(float), blocking), cudaSuccess);
+  std::vector<float> host(1024);
+  EXPECT_EQ(dp_tensor_copy_to_host(x.get(), host.data(), sizeof(float) * host.size()), DP_ESTATE);
+  EXPECT_NE(last_error().find("legacy default stream"), std::string::npos) << last_error();
+  x.reset();  // a free without a current stream
+  cudaGraph_t graph = nullptr;
+  EXPECT_EQ(cudaStreamEndCapture(blocking, &graph), cudaSuccess) << "the host's capture was invalidated";
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  cudaGetLastError();
+  cudaStreamDestroy(blocking);
+  EXPECT_EQ(values<float>(y.get()), filled(1024, 2.0f));  // captured, never run
+}
+
 }  // namespace
 
 namespace {

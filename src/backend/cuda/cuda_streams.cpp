@@ -29,6 +29,24 @@ void refuse_capturing(void* stream, const char* what) {
   }
 }
 
+// The legacy default stream (null) of the current device while a blocking
+// stream there is being captured into a CUDA graph: recording or waiting
+// on it would fail with cudaErrorStreamCaptureImplicit and invalidate the
+// host's capture. Asked first, by a query that leaves the capture alone.
+void refuse_legacy_during_capture(void* stream, const char* what) {
+  if (stream != nullptr) return;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t rc = cudaStreamIsCapturing(cudaStreamLegacy, &status);
+  if (rc == cudaSuccess) return;
+  cudaGetLastError();
+  if (rc == cudaErrorStreamCaptureImplicit) {
+    fail(StatusCode::kState, what,
+         ": no current stream is set, and the legacy default stream cannot be used while a blocking stream is being "
+         "captured into a CUDA graph; set a current stream (dp_set_current_stream)");
+  }
+  check(rc, "cudaStreamIsCapturing");
+}
+
 EventDevices& event_devices() {
   static auto* table = new EventDevices();  // as long as the process: events may outlive static destructors
   return *table;
@@ -139,12 +157,14 @@ void destroy_event(void* event) noexcept {
 void record_event(void* event, int32_t index, void* stream) {
   refuse_capturing(stream, "recording an event");
   DeviceGuard guard(index);
+  refuse_legacy_during_capture(stream, "recording an event");
   check(cudaEventRecord(as_event(event), as_stream(stream)), "cudaEventRecord");
 }
 
 void stream_wait_event(int32_t index, void* stream, void* event) {
   refuse_capturing(stream, "waiting for an event");
   DeviceGuard guard(index);
+  refuse_legacy_during_capture(stream, "waiting for an event");
   check(cudaStreamWaitEvent(as_stream(stream), as_event(event), 0), "cudaStreamWaitEvent");
 }
 
