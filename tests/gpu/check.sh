@@ -116,12 +116,14 @@ note "== dparallel GPU check $(date -u +%FT%TZ)$([ "$dry" -eq 1 ] && echo ' (dry
 sed 's/^/      bundle /' "$bundle/MANIFEST" >>"$summary"
 note "      this machine: $(ldd --version 2>/dev/null | head -n 1), $(nproc) cores"
 gpus=0
+gpu_line=""
 if command -v nvidia-smi >/dev/null 2>&1; then
-  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-  nvidia-smi -L >"$logs/nvidia-smi.txt" 2>&1
-  nvidia-smi >>"$logs/nvidia-smi.txt" 2>&1
+  gpus=$(timeout 60 nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  timeout 60 nvidia-smi >"$logs/nvidia-smi.txt" 2>&1
+  gpu_line=$(timeout 60 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null |
+    head -n 1)
 fi
-note "      $gpus GPU(s) visible to nvidia-smi"
+note "      $gpus GPU(s) visible to nvidia-smi${gpu_line:+: $gpu_line}"
 if [ "$gpus" -eq 0 ]; then
   fail_note "no GPU visible to nvidia-smi (for a dry run, put a stand-in nvidia-smi on PATH)"
   finish
