@@ -91,7 +91,17 @@ done | sort -u | while read -r soname path; do
   skip_lib "$soname" || [ -e "$out/lib/$soname" ] || cp -L "$path" "$out/lib/$soname"
 done
 ln -sf libdparallel.so.0 "$out/lib/libdparallel.so"
-strip --strip-unneeded "$out"/bin/* "$out"/lib/*.so.* 2>/dev/null || true
+# The C++ runtime goes apart: it needs this machine's glibc, which an older
+# image lacks; check.sh uses it only where the image's glibc is recent enough.
+mkdir -p "$out/lib/cxx"
+for f in "$out"/lib/libstdc++.so* "$out"/lib/libgcc_s.so*; do
+  [ -e "$f" ] && mv "$f" "$out/lib/cxx/"
+done
+glibc_of() {  # the newest GLIBC_2.N symbol version the files need, as 2.N
+  for f in "$@"; do objdump -T "$f" 2>/dev/null; done | grep -o 'GLIBC_2\.[0-9]*' | sed 's/GLIBC_//' |
+    sort -t. -k2 -n -u | tail -n 1
+}
+strip --strip-unneeded "$out"/bin/* "$out"/lib/*.so.* "$out"/lib/cxx/*.so* 2>/dev/null || true
 
 {
   echo "built_from=$from"
@@ -100,6 +110,8 @@ strip --strip-unneeded "$out"/bin/* "$out"/lib/*.so.* 2>/dev/null || true
   echo "glibc=$(ldd --version 2>/dev/null | head -n 1)"
   echo "nvcc=$(/usr/local/cuda/bin/nvcc --version 2>/dev/null | tail -n 1)"
   [ -z "$left_out" ] || echo "left_out=$left_out"
+  echo "glibc_needed=$(glibc_of "$out"/bin/* "$out"/lib/*.so*)"
+  echo "cxx_runtime_glibc_needed=$(glibc_of "$out"/lib/cxx/*.so*)"
 } >"$out/MANIFEST"
 
 size_kb=$(du -sk "$out" | cut -f1)

@@ -152,7 +152,24 @@ if [ -n "$nccl_dir" ]; then
 else
   fail_note "libnccl.so.2 not found (set DP_NCCL_LIB_DIR)"
 fi
-LD_LIBRARY_PATH="$bundle/lib${nccl_dir:+:$nccl_dir}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# The carried C++ runtime (this build's GCC) only where the image's glibc
+# is as new as it needs; else the image's own, which the ldd check below
+# then shows to be new enough or not.
+version_ge() {  # 2.N 2.M: whether N >= M
+  [ "${1#*.}" -ge "${2#*.}" ] 2>/dev/null
+}
+image_glibc=$(getconf GNU_LIBC_VERSION 2>/dev/null | awk '{ print $2 }')
+cxx_needs=$(sed -n 's/^cxx_runtime_glibc_needed=//p' "$bundle/MANIFEST")
+cxx_dir=""
+if [ -d "$bundle/lib/cxx" ]; then
+  if [ -z "$cxx_needs" ] || version_ge "${image_glibc:-0.0}" "$cxx_needs"; then
+    cxx_dir="$bundle/lib/cxx"
+    note "      C++ runtime: the bundle's (glibc ${image_glibc:-?} here, $cxx_needs needed)"
+  else
+    note "      C++ runtime: the image's (the bundle's needs glibc $cxx_needs, this image has $image_glibc)"
+  fi
+fi
+LD_LIBRARY_PATH="$bundle/lib${cxx_dir:+:$cxx_dir}${nccl_dir:+:$nccl_dir}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export LD_LIBRARY_PATH
 # NCCL over loopback only (no network here), its warnings in the logs.
 NCCL_SOCKET_IFNAME=lo
@@ -172,7 +189,7 @@ fi
 # bundle, and none loads the shared CUDA runtime.
 resolve() {
   bad=0
-  for f in "$bin"/* "$bundle"/lib/*.so*; do
+  for f in "$bin"/* "$bundle"/lib/*.so* ${cxx_dir:+"$cxx_dir"/*.so*}; do
     [ -f "$f" ] || continue
     listing=$(ldd "$f" 2>&1) || { echo "$f: ldd failed: $listing"; bad=1; continue; }
     echo "$f"
