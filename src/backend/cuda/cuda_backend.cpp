@@ -210,14 +210,9 @@ cudaMemPool_t library_pool(int32_t index) {
       props.location.type = cudaMemLocationTypeDevice;
       props.location.id = index;
       int internal_dependencies = 0;
-      // Kept across synchronizations: at the default threshold (0) the pool
-      // gives its memory back to the driver at every synchronize, and the
-      // next allocation maps it again. PyTorch's async allocator does the same.
-      uint64_t release_threshold = UINT64_MAX;
       if (cudaMemPoolCreate(&pool, &props) != cudaSuccess ||
           cudaMemPoolSetAttribute(pool, cudaMemPoolReuseAllowInternalDependencies, &internal_dependencies) !=
-              cudaSuccess ||
-          cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &release_threshold) != cudaSuccess) {
+              cudaSuccess) {
         cudaGetLastError();
         if (pool != nullptr) cudaMemPoolDestroy(pool);
         pool = nullptr;
@@ -226,6 +221,18 @@ cudaMemPool_t library_pool(int32_t index) {
           pool = nullptr;
         }
       }
+    }
+    // Kept across synchronizations: at the default threshold (0) the pool
+    // gives its memory back to the driver at every synchronize, and the next
+    // allocation maps it again; PyTorch's async allocator keeps it too. Only
+    // the library's own pool: the default one is the host's. A refusal
+    // leaves the pool as it was, slower but correct.
+    cudaMemPool_t default_pool = nullptr;
+    if (pool != nullptr && cudaDeviceGetDefaultMemPool(&default_pool, index) != cudaSuccess) cudaGetLastError();
+    uint64_t release_threshold = UINT64_MAX;
+    if (pool != nullptr && pool != default_pool &&
+        cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &release_threshold) != cudaSuccess) {
+      cudaGetLastError();
     }
     answer = pool;  // kept for the process's life, as the default pool is
   }

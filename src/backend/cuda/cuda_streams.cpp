@@ -149,9 +149,10 @@ void* create_event(int32_t index) {
 void destroy_event(void* event) noexcept {
   if (event == nullptr) return;
   EventDeviceGuard guard(event);
+  // Forgotten first: once destroyed, its handle may come back for another event.
+  event_devices().forget(event);
   RelaxedCapture relaxed(thread_has_context() == Known::kYes);
   cudaEventDestroy(as_event(event));
-  event_devices().forget(event);
 }
 
 void record_event(void* event, int32_t index, void* stream) {
