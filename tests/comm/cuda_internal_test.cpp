@@ -8,6 +8,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -234,6 +235,60 @@ TEST(CudaAddN, MoreThanEightInputsInHalfBfloatInt32AndBool) {
     cuda::add_n(0, dtype, inputs[kInputs - 1].data(), pointers.data(), pointers.size(), kNumel);
     EXPECT_EQ(typed_values(inputs[kInputs - 1]), want) << dtype_name(dtype) << " in place";
   }
+}
+
+// One copy of 2.5 GiB, host to GPU, GPU to GPU (same device) and back:
+// a single row used to go through cudaMemcpy2DAsync with a pitch of its
+// whole size, past the device's maximum pitch. Every byte is compared.
+TEST(CudaLargeCopies, HostToGpuAndGpuToGpuOfTwoAndAHalfGiBCopyEveryByte) {
+  REQUIRE_GPUS(1);
+  const Device gpu{DeviceType::kCuda, 0};
+  const size_t n = (size_t{5} << 30) / 2;
+  Tensor host = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(n)}, kHost);
+  auto* h = static_cast<unsigned char*>(host.data());
+  for (size_t i = 0; i < n; ++i) h[i] = static_cast<unsigned char>((i * 131 + (i >> 20)) % 251);
+  Tensor on_gpu = host.to(gpu);
+  Tensor second = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(n)}, gpu);
+  copy_bytes(second.data(), gpu, on_gpu.data(), gpu, n);
+  Tensor back = second.to(kHost);
+  EXPECT_EQ(std::memcmp(back.data(), host.data(), n), 0);
+}
+
+// Threads copying batches at once on the device's stream share its kept
+// chunk table: each one's upload must queue after the other's launch.
+TEST(CudaBatchedCopy, ThreadsSharingTheKeptTableEachCopyTheirOwnSegments) {
+  REQUIRE_GPUS(1);
+  const Device gpu{DeviceType::kCuda, 0};
+  const size_t kSize = size_t{4} << 20;
+  std::vector<std::thread> threads;
+  std::vector<int> exact(4, 0);
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::vector<unsigned char> src_bytes = random_bytes(kSize, 10 + t);
+      Tensor src = bytes_on(src_bytes, gpu), dst = bytes_on(std::vector<unsigned char>(kSize, 0), gpu);
+      int good = 0;
+      for (int round = 0; round < 20; ++round) {
+        // A different number of segments each round, so the table grows too.
+        const size_t pieces = 1 + static_cast<size_t>((round * 7 + t) % 60);
+        const size_t piece = kSize / pieces;
+        std::vector<cuda::Segment> segments;
+        for (size_t k = 0; k < pieces; ++k) {
+          segments.push_back(
+              {static_cast<char*>(dst.data()) + k * piece, static_cast<const char*>(src.data()) + k * piece, piece});
+        }
+        cuda::batched_copy(0, segments);
+        std::vector<unsigned char> got = bytes_of(dst);
+        if (std::equal(got.begin(), got.begin() + static_cast<std::ptrdiff_t>(piece * pieces), src_bytes.begin())) {
+          ++good;
+        }
+        cuda::batched_copy(0, {{dst.data(), dst.data(), 0}});  // nothing to copy: no table
+        copy_bytes(dst.data(), gpu, bytes_on(std::vector<unsigned char>(kSize, 0), gpu).data(), gpu, kSize);
+      }
+      exact[static_cast<size_t>(t)] = good;
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  EXPECT_EQ(exact, std::vector<int>(4, 20));
 }
 
 }  // namespace

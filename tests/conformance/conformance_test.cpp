@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <string>
 #include <thread>
 #include <vector>
@@ -87,7 +88,10 @@ class Conformance : public ::testing::Test {
   // (comma-separated) with `argument`.
   static dptest::Ranks ranks(const std::string& scenarios, int per_host, const std::string& argument = "") {
     dptest::Ranks run;
-    run.program = DP_CONFORMANCE_WORKER;
+    // DP_CONFORMANCE_WORKER in the environment: the worker where a copied
+    // build put it (tests/gpu/check.sh runs a bundle moved to a GPU machine).
+    const char* worker = std::getenv("DP_CONFORMANCE_WORKER");
+    run.program = worker != nullptr && *worker != '\0' ? worker : DP_CONFORMANCE_WORKER;
     run.arguments = scenarios + " " + argument;
     run.world = dptest::world_size(kBackend, per_host);
     run.limit = std::chrono::seconds(200);

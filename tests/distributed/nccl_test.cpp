@@ -3,9 +3,11 @@
 // refuses two ranks of one communicator on the same GPU, so a single GPU runs
 // world-size-1 groups (still every NCCL call, type and op) and the
 // multi-rank cases live in tests/multiprocess (MultiProcessNccl.*).
+#include <dlfcn.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -128,11 +130,10 @@ const char* kOpNames[] = {"sum", "avg", "min", "max", "prod"};
 
 // With one rank every reduction is the identity and every copy exact: any
 // wrong type size, op or scratch offset shows up as changed bytes.
-TEST(NcclGroup, WorldSizeOneEveryCollectiveOpAndDtypeOnCuda0) {
-  REQUIRE_GPUS(1);
-  GroupPtr pg = single_rank_group();
-  ASSERT_NE(pg, nullptr);
-  EXPECT_STREQ(dp_process_group_backend(pg.get()), "nccl");
+// `avg_tail_unwritten`: NCCL itself runs the calls, and it is older than
+// 2.29.7, which leaves the tail of a one-rank reduce_scatter avg unwritten
+// (NVIDIA/nccl#1950): that one case is not checked.
+void expect_every_collective_op_and_dtype_is_the_identity(dp_process_group* pg, bool avg_tail_unwritten = false) {
   for (size_t n : {size_t(0), size_t(1), size_t(7), size_t(70001)}) {
     for (int32_t dtype : kDtypes) {
       const std::vector<uint8_t> in = pattern(dtype, n, 1);
@@ -140,27 +141,99 @@ TEST(NcclGroup, WorldSizeOneEveryCollectiveOpAndDtypeOnCuda0) {
         if (dtype == DP_BOOL && op == DP_AVG) continue;
         SCOPED_TRACE(std::string("dtype ") + std::to_string(dtype) + " op " + kOpNames[op] + " n " + std::to_string(n));
         TensorPtr t = gpu_tensor(dtype, n, in);
-        DP_EXPECT_OK(dp_pg_all_reduce(pg.get(), t.get(), op));
+        DP_EXPECT_OK(dp_pg_all_reduce(pg, t.get(), op));
         EXPECT_EQ(bytes_of(t.get()), in);
 
         TensorPtr src = gpu_tensor(dtype, n, in);
         TensorPtr out = gpu_tensor(dtype, n, pattern(dtype, n, 2));
         const dp_tensor* ins[1] = {src.get()};
-        DP_EXPECT_OK(dp_pg_reduce_scatter(pg.get(), ins, 1, out.get(), op));
-        EXPECT_EQ(bytes_of(out.get()), in);
+        DP_EXPECT_OK(dp_pg_reduce_scatter(pg, ins, 1, out.get(), op));
+        if (!(avg_tail_unwritten && op == DP_AVG)) {
+          EXPECT_EQ(bytes_of(out.get()), in);
+        }
       }
       TensorPtr b = gpu_tensor(dtype, n, in);
-      DP_EXPECT_OK(dp_pg_broadcast(pg.get(), b.get(), 0));
+      DP_EXPECT_OK(dp_pg_broadcast(pg, b.get(), 0));
       EXPECT_EQ(bytes_of(b.get()), in);
 
       TensorPtr src = gpu_tensor(dtype, n, in);
       TensorPtr out = gpu_tensor(dtype, n, pattern(dtype, n, 3));
       dp_tensor* outs[1] = {out.get()};
-      DP_EXPECT_OK(dp_pg_all_gather(pg.get(), src.get(), outs, 1));
+      DP_EXPECT_OK(dp_pg_all_gather(pg, src.get(), outs, 1));
       EXPECT_EQ(bytes_of(out.get()), in);
     }
   }
-  DP_EXPECT_OK(dp_pg_barrier(pg.get()));
+  DP_EXPECT_OK(dp_pg_barrier(pg));
+}
+
+TEST(NcclGroup, WorldSizeOneEveryCollectiveOpAndDtypeOnCuda0) {
+  REQUIRE_GPUS(1);
+  GroupPtr pg = single_rank_group();
+  ASSERT_NE(pg, nullptr);
+  EXPECT_STREQ(dp_process_group_backend(pg.get()), "nccl");
+  expect_every_collective_op_and_dtype_is_the_identity(pg.get());
+}
+
+// NCCL's version as loaded with the library (22907 for 2.29.7), 0 if unknown.
+int loaded_nccl_version() {
+  using GetVersion = int (*)(int*);
+  auto get = reinterpret_cast<GetVersion>(::dlsym(RTLD_DEFAULT, "ncclGetVersion"));
+  int version = 0;
+  if (get == nullptr || get(&version) != 0) return 0;
+  return version;
+}
+
+// DP_TEST_NCCL_SINGLE_RANK=1 for the groups made in the scope (read at creation).
+class SingleRankNccl {
+ public:
+  SingleRankNccl() { ::setenv("DP_TEST_NCCL_SINGLE_RANK", "1", 1); }
+  ~SingleRankNccl() { ::unsetenv("DP_TEST_NCCL_SINGLE_RANK"); }
+};
+
+// The same through NCCL itself (the test-only switch): the non-blocking
+// enqueue and its ncclInProgress polling, the op mapping (avg, premul
+// where NCCL has it), fp16 and bf16, the in-place and scratch paths on the
+// data channel, and the header all-gather on the control channel for every
+// call. NCCL before 2.29.7 leaves the tail of a one-rank reduce_scatter avg
+// unwritten (NVIDIA/nccl#1950): that case is left out there.
+TEST(NcclSingleRank, EveryCollectiveOpAndDtypeGoesThroughNcclOnBothChannels) {
+  REQUIRE_GPUS(1);
+  GroupPtr pg;
+  {
+    SingleRankNccl through_nccl;
+    pg = single_rank_group();
+  }
+  ASSERT_NE(pg, nullptr);
+  const int version = loaded_nccl_version();
+  RecordProperty("nccl_version", version);
+  expect_every_collective_op_and_dtype_is_the_identity(pg.get(), version < 22907);
+}
+
+// Queued on the group's worker thread, in issue order, through NCCL.
+TEST(NcclSingleRank, AsyncCollectivesThroughNcclFinishInIssueOrder) {
+  REQUIRE_GPUS(1);
+  GroupPtr pg;
+  {
+    SingleRankNccl through_nccl;
+    pg = single_rank_group();
+  }
+  ASSERT_NE(pg, nullptr);
+  const std::vector<uint8_t> in = pattern(DP_BFLOAT16, 100001, 5);
+  TensorPtr a = gpu_tensor(DP_BFLOAT16, 100001, in);
+  TensorPtr b = gpu_tensor(DP_BFLOAT16, 100001, pattern(DP_BFLOAT16, 100001, 6));
+  dp_tensor* outs[1] = {b.get()};
+  dp_work *w1 = nullptr, *w2 = nullptr, *w3 = nullptr;
+  DP_ASSERT_OK(dp_pg_all_reduce_async(pg.get(), a.get(), DP_AVG, &w1));
+  DP_ASSERT_OK(dp_pg_all_gather_async(pg.get(), a.get(), outs, 1, &w2));
+  DP_ASSERT_OK(dp_pg_barrier_async(pg.get(), &w3));
+  DP_EXPECT_OK(dp_work_wait(w3));
+  DP_EXPECT_OK(dp_work_wait(w1));
+  DP_EXPECT_OK(dp_work_wait(w2));
+  EXPECT_EQ(bytes_of(a.get()), in);
+  EXPECT_EQ(bytes_of(b.get()), in);
+  dp_work_destroy(w1);
+  dp_work_destroy(w2);
+  dp_work_destroy(w3);
 }
 
 TEST(NcclGroup, AsyncWorkOnTheWorkerThreadKeepsIssueOrder) {

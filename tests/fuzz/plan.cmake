@@ -12,7 +12,8 @@ add_custom_command(
   DEPENDS ${DP_PLAN_FUZZ_SOURCES} ${PROJECT_SOURCE_DIR}/src/ddp/plan_text.h ${PROJECT_SOURCE_DIR}/src/core/error.h
   COMMENT "Building the bucket plan fuzzer with clang"
   VERBATIM)
-add_custom_target(plan_fuzz ALL DEPENDS ${DP_PLAN_FUZZER})
+# The target is not named as its output file: Ninja refuses a phony target that names itself.
+add_custom_target(dp_plan_fuzzer ALL DEPENDS ${DP_PLAN_FUZZER})
 # New inputs go to the build tree's corpus; the committed seeds are only read.
 add_test(NAME dp_plan_fuzz
   COMMAND ${CMAKE_COMMAND} -E env ASAN_OPTIONS=detect_leaks=1

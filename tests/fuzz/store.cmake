@@ -12,7 +12,8 @@ add_custom_command(
   DEPENDS ${DP_STORE_FUZZ_SOURCES} ${PROJECT_SOURCE_DIR}/src/distributed/store/tcp_protocol.h
   COMMENT "Building the store fuzzer with clang"
   VERBATIM)
-add_custom_target(store_fuzz ALL DEPENDS ${DP_STORE_FUZZER})
+# The target is not named as its output file: Ninja refuses a phony target that names itself.
+add_custom_target(dp_store_fuzzer ALL DEPENDS ${DP_STORE_FUZZER})
 # New inputs go to the build tree's corpus; the committed seeds are only read.
 add_test(NAME dp_store_fuzz
   COMMAND ${CMAKE_COMMAND} -E env ASAN_OPTIONS=detect_leaks=1

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <future>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -26,7 +27,10 @@ using namespace dptest;
 
 namespace {
 
-constexpr int kHoldMs = 50;
+// Long enough that a call that does not wait for the held stream reads the
+// tensor before the copy wrote it (tests/gpu/check.sh runs these tests with
+// the wait switched off, where each must fail).
+constexpr int kHoldMs = 250;
 
 void hold_stream(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(kHoldMs)); }
 
@@ -35,6 +39,18 @@ std::vector<float> filled(size_t n, float start) {
   for (size_t i = 0; i < n; ++i) v[i] = start + static_cast<float>(i);
   return v;
 }
+
+// Pinned host memory holding `values`: a copy from it stays queued (from
+// pageable memory CUDA may wait for the stream first).
+struct PinnedFloats {
+  explicit PinnedFloats(const std::vector<float>& values) : n(values.size()) {
+    EXPECT_EQ(cudaMallocHost(reinterpret_cast<void**>(&data), n * sizeof(float)), cudaSuccess);
+    std::memcpy(data, values.data(), n * sizeof(float));
+  }
+  ~PinnedFloats() { cudaFreeHost(data); }
+  float* data = nullptr;
+  size_t n;
+};
 
 class CudaStreamOrder : public ::testing::Test {
  protected:
@@ -53,11 +69,11 @@ class CudaStreamOrder : public ::testing::Test {
   // A tensor on cuda:0 that the stream writes later: held first, then copied.
   TensorPtr produced(size_t n, float start) {
     TensorPtr t = make<float>({static_cast<int64_t>(n)}, std::vector<float>(n, -7.0f), cuda(0));
-    sources_.push_back(filled(n, start));
+    sources_.push_back(std::make_unique<PinnedFloats>(filled(n, start)));
     EXPECT_EQ(dp_stream_launch_host_func(cuda(0), stream_, hold_stream, nullptr), DP_OK) << dp_last_error();
-    EXPECT_EQ(cudaMemcpyAsync(dp_tensor_data(t.get()), sources_.back().data(), n * sizeof(float),
-                              cudaMemcpyHostToDevice, s()),
-              cudaSuccess);
+    EXPECT_EQ(
+        cudaMemcpyAsync(dp_tensor_data(t.get()), sources_.back()->data, n * sizeof(float), cudaMemcpyHostToDevice, s()),
+        cudaSuccess);
     return t;
   }
   // Reads a GPU tensor back on the stream, after everything queued so far.
@@ -70,7 +86,10 @@ class CudaStreamOrder : public ::testing::Test {
   }
 
   void* stream_ = nullptr;
-  std::vector<std::vector<float>> sources_;  // pageable sources of queued copies
+  // Pinned sources of queued copies: from pageable memory CUDA may wait for
+  // the held stream before it returns, and the call after would find the
+  // tensor written whether it waited or not.
+  std::vector<std::unique_ptr<PinnedFloats>> sources_;
 };
 
 TEST_F(CudaStreamOrder, BroadcastOnOneGpuReadsWhatTheStreamWroteAndTheStreamWaitsForItsResult) {
@@ -154,9 +173,9 @@ TEST_F(CudaStreamOrder, DdpMarksWithoutAStreamArgumentWaitForTheCurrentStream) {
   dp_tensor* g = nullptr;
   DP_ASSERT_OK(dp_module_grad(m, "w", &g));
   TensorPtr grad(g);
-  sources_.push_back(filled(1 << 16, 1.0f));
+  sources_.push_back(std::make_unique<PinnedFloats>(filled(1 << 16, 1.0f)));
   DP_ASSERT_OK(dp_stream_launch_host_func(cuda(0), stream_, hold_stream, nullptr));
-  ASSERT_EQ(cudaMemcpyAsync(dp_tensor_data(g), sources_.back().data(), sources_.back().size() * sizeof(float),
+  ASSERT_EQ(cudaMemcpyAsync(dp_tensor_data(g), sources_.back()->data, sources_.back()->n * sizeof(float),
                             cudaMemcpyHostToDevice, s()),
             cudaSuccess);
   DP_ASSERT_OK(dp_ddp_mark_grad_ready(ddp, "w"));
@@ -318,6 +337,32 @@ TEST_F(CudaStreamOrder, AStreamUnderGraphCaptureIsRefusedAndTheHostsCaptureSurvi
   cudaStreamDestroy(capturing);
 }
 
+// With no current stream, the library orders after the legacy default
+// stream; while the host captures a blocking stream, that stream cannot be
+// used: a copy is refused with DP_ESTATE, a free still returns, and the
+// host's capture stays valid (an event recorded on the legacy stream would
+// have invalidated it).
+TEST_F(CudaStreamOrder, NoCurrentStreamDuringABlockingCaptureLeavesTheCaptureValid) {
+  DP_ASSERT_OK(dp_set_current_stream(cuda(0), nullptr));
+  TensorPtr x = make<float>({1024}, filled(1024, 1.0f), cuda(0));
+  TensorPtr y = make<float>({1024}, filled(1024, 2.0f), cuda(0));
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  cudaStream_t blocking = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&blocking), cudaSuccess);  // blocking: synchronizes with the legacy stream
+  ASSERT_EQ(cudaStreamBeginCapture(blocking, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(dp_tensor_data(y.get()), 0, 1024 * sizeof(float), blocking), cudaSuccess);
+  std::vector<float> host(1024);
+  EXPECT_EQ(dp_tensor_copy_to_host(x.get(), host.data(), sizeof(float) * host.size()), DP_ESTATE);
+  EXPECT_NE(last_error().find("legacy default stream"), std::string::npos) << last_error();
+  x.reset();  // a free without a current stream
+  cudaGraph_t graph = nullptr;
+  EXPECT_EQ(cudaStreamEndCapture(blocking, &graph), cudaSuccess) << "the host's capture was invalidated";
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  cudaGetLastError();
+  cudaStreamDestroy(blocking);
+  EXPECT_EQ(values<float>(y.get()), filled(1024, 2.0f));  // captured, never run
+}
+
 }  // namespace
 
 namespace {
@@ -339,18 +384,6 @@ struct StreamGate {
 struct OpenOnExit {
   StreamGate* gate;
   ~OpenOnExit() { gate->open = true; }
-};
-
-// Pinned host memory holding `values`: a copy from it stays queued (from
-// pageable memory CUDA may wait for the stream first).
-struct PinnedFloats {
-  explicit PinnedFloats(const std::vector<float>& values) : n(values.size()) {
-    EXPECT_EQ(cudaMallocHost(reinterpret_cast<void**>(&data), n * sizeof(float)), cudaSuccess);
-    std::memcpy(data, values.data(), n * sizeof(float));
-  }
-  ~PinnedFloats() { cudaFreeHost(data); }
-  float* data = nullptr;
-  size_t n;
 };
 
 // Runs `call` on a thread of its own with `stream` current there: "" for

@@ -10,9 +10,11 @@
 #include <string>
 #include <vector>
 
+#include "backend/cuda/copy_path.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_streams.h"
 #include "backend/cuda/peer_access.h"
+#include "backend/cuda/pinned_host_cache.h"
 #include "core/device_runtime.h"
 
 namespace dparallel::cuda {
@@ -55,6 +57,13 @@ cudaMemcpyKind kind_of(const Device& dst, const Device& src) {
 
 // The GPU whose stream carries a copy: the destination's unless it is host memory.
 int32_t copy_device(const Device& dst, const Device& src) { return dst.is_cuda() ? dst.index : src.index; }
+
+// The widest pitch a 2-D copy on GPU `index` takes (cudaDevAttrMaxPitch).
+size_t max_pitch(int32_t index) {
+  int value = 0;
+  check(cudaDeviceGetAttribute(&value, cudaDevAttrMaxPitch, index), "cudaDeviceGetAttribute");
+  return static_cast<size_t>(value);
+}
 
 // A driver function by name, or null where the driver lacks it (or there is
 // no driver): the runtime looks it up, so libcuda is never linked.
@@ -213,6 +222,18 @@ cudaMemPool_t library_pool(int32_t index) {
         }
       }
     }
+    // Kept across synchronizations: at the default threshold (0) the pool
+    // gives its memory back to the driver at every synchronize, and the next
+    // allocation maps it again; PyTorch's async allocator keeps it too. Only
+    // the library's own pool: the default one is the host's. A refusal
+    // leaves the pool as it was, slower but correct.
+    cudaMemPool_t default_pool = nullptr;
+    if (pool != nullptr && cudaDeviceGetDefaultMemPool(&default_pool, index) != cudaSuccess) cudaGetLastError();
+    uint64_t release_threshold = UINT64_MAX;
+    if (pool != nullptr && pool != default_pool &&
+        cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &release_threshold) != cudaSuccess) {
+      cudaGetLastError();
+    }
     answer = pool;  // kept for the process's life, as the default pool is
   }
   return *answer;
@@ -221,6 +242,27 @@ cudaMemPool_t library_pool(int32_t index) {
 cudaError_t malloc_async(int32_t index, void** data, size_t nbytes, cudaStream_t stream) {
   cudaMemPool_t pool = library_pool(index);
   return pool != nullptr ? cudaMallocFromPoolAsync(data, nbytes, pool, stream) : cudaMallocAsync(data, nbytes, stream);
+}
+
+namespace {
+
+PinnedHostCache& pinned_host_cache() {
+  static auto* cache = new PinnedHostCache();  // as long as the process: its blocks are never freed
+  return *cache;
+}
+
+}  // namespace
+
+void* pinned_host_take(size_t nbytes) {
+  return pinned_host_cache().take(nbytes, [](size_t bytes) {
+    void* block = nullptr;
+    check(cudaMallocHost(&block, bytes), "cudaMallocHost");
+    return block;
+  });
+}
+
+void pinned_host_give(void* block) noexcept {
+  if (block != nullptr) pinned_host_cache().give(block);
 }
 
 void connect_peers(const std::vector<int32_t>& devices) {
@@ -308,11 +350,17 @@ class CudaRuntime final : public DeviceRuntime {
     int32_t index = copy_device(dst_device, src_device);
     DeviceGuard guard(index);
     cudaStream_t stream = stream_of(index);
+    const CopyPath path = copy_path(rows, dst_pitch, src_pitch, row_bytes, max_pitch(index));
     if (dst_device.is_cuda() && src_device.is_cuda() && dst_device.index != src_device.index) {
       enable_peer_access(index, src_device.index);
-      if (rows == 1) {
-        check(cudaMemcpyPeerAsync(dst, dst_device.index, src, src_device.index, row_bytes, stream),
-              "cudaMemcpyPeerAsync");
+      if (path != CopyPath::kPitched) {
+        const size_t runs = path == CopyPath::kLinear ? 1 : rows;
+        const size_t run_bytes = path == CopyPath::kLinear ? rows * row_bytes : row_bytes;
+        for (size_t r = 0; r < runs; ++r) {
+          check(cudaMemcpyPeerAsync(static_cast<char*>(dst) + r * dst_pitch, dst_device.index,
+                                    static_cast<const char*>(src) + r * src_pitch, src_device.index, run_bytes, stream),
+                "cudaMemcpyPeerAsync");
+        }
       } else {
         // The peer form of a pitched copy: one slice of `rows` rows.
         cudaMemcpy3DPeerParms p{};
@@ -323,9 +371,17 @@ class CudaRuntime final : public DeviceRuntime {
         p.extent = cudaExtent{row_bytes, rows, 1};
         check(cudaMemcpy3DPeerAsync(&p, stream), "cudaMemcpy3DPeerAsync");
       }
-    } else {
+    } else if (path == CopyPath::kPitched) {
       check(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, kind_of(dst_device, src_device), stream),
             "cudaMemcpy2DAsync");
+    } else {
+      const size_t runs = path == CopyPath::kLinear ? 1 : rows;
+      const size_t run_bytes = path == CopyPath::kLinear ? rows * row_bytes : row_bytes;
+      for (size_t r = 0; r < runs; ++r) {
+        check(cudaMemcpyAsync(static_cast<char*>(dst) + r * dst_pitch, static_cast<const char*>(src) + r * src_pitch,
+                              run_bytes, kind_of(dst_device, src_device), stream),
+              "cudaMemcpyAsync");
+      }
     }
     // Host memory and the other GPU's library stream are not ordered after
     // this stream: those copies are done when this returns.

@@ -131,6 +131,12 @@ cudaMemPool_t library_pool(int32_t index);
 // cudaMallocAsync from library_pool(index) (or the default pool where there
 // is none) on `stream`; the device is the caller's current one.
 cudaError_t malloc_async(int32_t index, void** data, size_t nbytes, cudaStream_t stream);
+// Pinned host memory of at least `nbytes` from a process-wide cache, and
+// back to it: cudaMallocHost and cudaFreeHost may wait for every kernel on
+// the device (another group's NCCL kernel spinning for a peer among them),
+// so they run once per block only, and blocks are never freed.
+void* pinned_host_take(size_t nbytes);
+void pinned_host_give(void* block) noexcept;
 // Peer access between every pair of `devices` that allows it, each one's
 // library pool mapped for the others too (peer access alone does not reach
 // pool memory): in-process NCCL may have one GPU's kernels read and write

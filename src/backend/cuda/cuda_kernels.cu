@@ -6,11 +6,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <type_traits>
 #include <vector>
 
 #include "backend/cuda/batched_copy_plan.h"
+#include "backend/cuda/copy_path.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_check.h"
 
@@ -249,6 +252,27 @@ void add_n(int32_t index, DType dtype, void* out, const void* const* inputs, siz
   finish_library_work(stream);
 }
 
+namespace {
+
+// batched_copy's chunk table on a device's own library stream, kept and grown.
+struct CopyTable {
+  std::mutex mutex;
+  void* data = nullptr;
+  size_t bytes = 0;
+};
+
+CopyTable& copy_table(int32_t index) {
+  static std::mutex mutex;
+  // As long as the process, as the pool its tables come from.
+  static auto* tables = new std::map<int32_t, std::unique_ptr<CopyTable>>();
+  std::lock_guard<std::mutex> lock(mutex);
+  std::unique_ptr<CopyTable>& table = (*tables)[index];
+  if (table == nullptr) table = std::make_unique<CopyTable>();
+  return *table;
+}
+
+}  // namespace
+
 void batched_copy(int32_t index, const std::vector<Segment>& segments) {
   if (segments.empty()) return;
   DeviceGuard guard(index);
@@ -258,16 +282,36 @@ void batched_copy(int32_t index, const std::vector<Segment>& segments) {
   const std::vector<CopyChunk> plan = plan_batched_copy(segments, static_cast<size_t>(sms) * 4);
   if (plan.empty()) return;
   cudaStream_t stream = stream_of(index);
-  CopyChunk* table = nullptr;
   const size_t table_bytes = plan.size() * sizeof(CopyChunk);
-  check(malloc_async(index, reinterpret_cast<void**>(&table), table_bytes, stream), "cudaMallocAsync");
-  cudaError_t status = cudaMemcpyAsync(table, plan.data(), table_bytes, cudaMemcpyHostToDevice, stream);
-  if (status == cudaSuccess) {
-    batched_copy_kernel<<<copy_grid(plan.size()), kThreads, 0, stream>>>(table, plan.size());
-    status = cudaGetLastError();
+  // The table goes to the GPU, then the kernel reads it, in stream order.
+  auto upload_and_launch = [&](void* table) {
+    cudaError_t status = cudaMemcpyAsync(table, plan.data(), table_bytes, cudaMemcpyHostToDevice, stream);
+    if (status != cudaSuccess) return status;
+    batched_copy_kernel<<<copy_grid(plan.size()), kThreads, 0, stream>>>(static_cast<CopyChunk*>(table), plan.size());
+    return cudaGetLastError();
+  };
+  if (stream == device_stream_of(index)) {
+    // The device's own stream keeps its table (a job's stream, which ends
+    // with its job, allocates one per call). Locked from the upload to the
+    // launch, so that another thread's upload queues after this launch.
+    CopyTable& kept = copy_table(index);
+    std::lock_guard<std::mutex> lock(kept.mutex);
+    if (kept.bytes < table_bytes) {
+      const size_t capacity = copy_table_capacity(table_bytes, kept.bytes);
+      if (kept.data != nullptr) cudaFreeAsync(kept.data, stream);
+      kept.data = nullptr;
+      kept.bytes = 0;
+      check(malloc_async(index, &kept.data, capacity, stream), "cudaMallocAsync");
+      kept.bytes = capacity;
+    }
+    check(upload_and_launch(kept.data), "batched copy kernel");
+  } else {
+    void* table = nullptr;
+    check(malloc_async(index, &table, table_bytes, stream), "cudaMallocAsync");
+    const cudaError_t status = upload_and_launch(table);
+    cudaFreeAsync(table, stream);
+    check(status, "batched copy kernel");
   }
-  cudaFreeAsync(table, stream);
-  check(status, "batched copy kernel");
   finish_library_work(stream);
 }
 

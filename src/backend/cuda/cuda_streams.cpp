@@ -4,8 +4,11 @@
 #include <cuda_runtime_api.h>
 
 #include <memory>
+#include <new>
+#include <optional>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/event_devices.h"
 
 namespace dparallel::cuda {
 
@@ -26,6 +29,42 @@ void refuse_capturing(void* stream, const char* what) {
   }
 }
 
+// The legacy default stream (null) of the current device while a blocking
+// stream there is being captured into a CUDA graph: recording or waiting
+// on it would fail with cudaErrorStreamCaptureImplicit and invalidate the
+// host's capture. Asked first, by a query that leaves the capture alone.
+void refuse_legacy_during_capture(void* stream, const char* what) {
+  if (stream != nullptr) return;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t rc = cudaStreamIsCapturing(cudaStreamLegacy, &status);
+  if (rc == cudaSuccess) return;
+  cudaGetLastError();
+  if (rc == cudaErrorStreamCaptureImplicit) {
+    fail(StatusCode::kState, what,
+         ": no current stream is set, and the legacy default stream cannot be used while a blocking stream is being "
+         "captured into a CUDA graph; set a current stream (dp_set_current_stream)");
+  }
+  check(rc, "cudaStreamIsCapturing");
+}
+
+EventDevices& event_devices() {
+  static auto* table = new EventDevices();  // as long as the process: events may outlive static destructors
+  return *table;
+}
+
+// The event's device made current for the scope, where the library made
+// the event (see event_devices.h); a failed switch leaves the thread as it was.
+class EventDeviceGuard {
+ public:
+  explicit EventDeviceGuard(void* event) {
+    const int32_t index = event_devices().device_of(event);
+    if (index >= 0) guard_.emplace(index, std::nothrow);
+  }
+
+ private:
+  std::optional<DeviceGuard> guard_;
+};
+
 void host_func_trampoline(void* data) {
   std::unique_ptr<std::function<void()>> fn(static_cast<std::function<void()>*>(data));
   (*fn)();
@@ -40,8 +79,11 @@ void* create_stream(int32_t index) {
   return stream;
 }
 
-void destroy_stream(int32_t, void* stream) noexcept {
+void destroy_stream(int32_t index, void* stream) noexcept {
   if (stream == nullptr) return;
+  // The stream's device, made current first: a thread's first CUDA call
+  // would otherwise make a context on GPU 0 (and a failed switch is cleared).
+  DeviceGuard guard(index, std::nothrow);
   RelaxedCapture relaxed(thread_has_context() == Known::kYes);
   cudaStreamSynchronize(as_stream(stream));
   cudaStreamDestroy(as_stream(stream));
@@ -95,11 +137,20 @@ void* create_event(int32_t index) {
   DeviceGuard guard(index);
   cudaEvent_t event = nullptr;
   check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  try {
+    event_devices().remember(event, index);
+  } catch (...) {
+    cudaEventDestroy(event);
+    throw;
+  }
   return event;
 }
 
 void destroy_event(void* event) noexcept {
   if (event == nullptr) return;
+  EventDeviceGuard guard(event);
+  // Forgotten first: once destroyed, its handle may come back for another event.
+  event_devices().forget(event);
   RelaxedCapture relaxed(thread_has_context() == Known::kYes);
   cudaEventDestroy(as_event(event));
 }
@@ -107,16 +158,19 @@ void destroy_event(void* event) noexcept {
 void record_event(void* event, int32_t index, void* stream) {
   refuse_capturing(stream, "recording an event");
   DeviceGuard guard(index);
+  refuse_legacy_during_capture(stream, "recording an event");
   check(cudaEventRecord(as_event(event), as_stream(stream)), "cudaEventRecord");
 }
 
 void stream_wait_event(int32_t index, void* stream, void* event) {
   refuse_capturing(stream, "waiting for an event");
   DeviceGuard guard(index);
+  refuse_legacy_during_capture(stream, "waiting for an event");
   check(cudaStreamWaitEvent(as_stream(stream), as_event(event), 0), "cudaStreamWaitEvent");
 }
 
 bool event_query(void* event) {
+  EventDeviceGuard guard(event);
   RelaxedCapture relaxed(thread_has_context() == Known::kYes);
   cudaError_t status = cudaEventQuery(as_event(event));
   if (status == cudaErrorNotReady) {
@@ -128,6 +182,7 @@ bool event_query(void* event) {
 }
 
 void event_synchronize(void* event) {
+  EventDeviceGuard guard(event);
   RelaxedCapture relaxed(thread_has_context() == Known::kYes);
   check(cudaEventSynchronize(as_event(event)), "cudaEventSynchronize");
 }

@@ -102,7 +102,8 @@ void abort_together(ncclComm_t first, ncclComm_t second, Millis bound) noexcept 
 
 class NcclBackend : public Backend {
  public:
-  NcclBackend(CallSite& site, const ProcessGroupOptions& options) : Backend(site), store_(options.store) {
+  NcclBackend(CallSite& site, const ProcessGroupOptions& options)
+      : Backend(site), store_(options.store), talks_(size() > 1 || single_rank_nccl_for_tests()) {
     if (cuda::device_count() <= options.device.index) {
       fail(StatusCode::kDevice, "the NCCL backend needs ", to_string(options.device), " but ", cuda::device_count(),
            " GPU(s) are present (", cuda::unavailable_reason(), ")");
@@ -110,7 +111,7 @@ class NcclBackend : public Backend {
     prefix_ = claim_key_prefix(store_, "pg");
     // One rank has nobody to send headers or rounds to: no control communicator.
     std::vector<std::string> keys = {prefix_ + "nccl_id"};
-    if (size() > 1) keys.push_back(prefix_ + "nccl_control_id");
+    if (talks_) keys.push_back(prefix_ + "nccl_control_id");
     // One deadline for the ids and both communicators: creation waits for
     // the other ranks no longer than the group's timeout in all.
     const auto deadline = Clock::now() + timeout();
@@ -128,8 +129,10 @@ class NcclBackend : public Backend {
       cuda::check(cuda::malloc_async(device().index, &headers_, sizeof(CallHeader) * static_cast<size_t>(size()),
                                      control_.stream),
                   "cudaMallocAsync");
-      // Pinned, so that copies to and from it never block the host behind NCCL work.
-      cuda::check(cudaMallocHost(&host_headers_, sizeof(CallHeader) * static_cast<size_t>(size())), "cudaMallocHost");
+      // Pinned, so that copies to and from it never block the host behind
+      // NCCL work; from the cache, so that no allocation waits for another
+      // group's kernels.
+      host_headers_ = cuda::pinned_host_take(sizeof(CallHeader) * static_cast<size_t>(size()));
     } catch (...) {
       release();  // the destructor does not run for a constructor that throws
       throw;
@@ -152,7 +155,7 @@ class NcclBackend : public Backend {
 
   DeviceType tensor_device_type() const override { return DeviceType::kCuda; }
   void* transfer_stream() const override { return data_.stream; }
-  void* control_stream() const override { return size() > 1 ? control_.stream : nullptr; }
+  void* control_stream() const override { return talks_ ? control_.stream : nullptr; }
 
   void all_reduce(const Tensor& t, ReduceOp op) override {
     cuda::DeviceGuard guard(device().index);
@@ -160,7 +163,7 @@ class NcclBackend : public Backend {
     auto deadline = exchange(CallKind::kAllReduce, t.dtype(), t.numel(), op, -1, &t);
     // One rank: every op is the identity (see reduce_scatter), in place; the
     // header swap waited for the stream (unless queued: nothing to follow).
-    if (size() == 1) return;
+    if (!talks_) return;
     enqueue(
         ch,
         [&](ncclComm_t comm, cudaStream_t stream) {
@@ -175,7 +178,7 @@ class NcclBackend : public Backend {
     cuda::DeviceGuard guard(device().index);
     Channel& ch = channel_of_call();
     auto deadline = exchange(CallKind::kBroadcast, t.dtype(), t.numel(), ReduceOp::kSum, root, &t);
-    if (size() == 1) return;
+    if (!talks_) return;
     enqueue(
         ch,
         [&](ncclComm_t comm, cudaStream_t stream) {
@@ -189,7 +192,7 @@ class NcclBackend : public Backend {
     cuda::DeviceGuard guard(device().index);
     size_t nbytes = input.nbytes();
     Channel& ch = channel_of_call();
-    if (size() == 1) {
+    if (!talks_) {
       auto deadline = exchange(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, &input);
       copy_on_stream(ch, outputs[0], input, deadline, "all_gather");
       return;
@@ -219,7 +222,7 @@ class NcclBackend : public Backend {
     cuda::DeviceGuard guard(device().index);
     size_t nbytes = output.nbytes();
     Channel& ch = channel_of_call();
-    if (size() == 1) {
+    if (!talks_) {
       // Every op of one rank is the identity: a copy, without NCCL, whose
       // versions before 2.29.7 left the tail of a one-rank avg unwritten
       // (NVIDIA/nccl#1950).
@@ -269,7 +272,7 @@ class NcclBackend : public Backend {
     if (aborted) fail_aborted_by_watch();
     auto* all = static_cast<CallHeader*>(host_headers_);
     all[rank()] = call.header;
-    if (size() == 1) {
+    if (!talks_) {
       // Nobody to compare with; the wait keeps what a finished call means
       // (the caller's stream, which this one follows, reached it), except
       // for a queued one, whose end the job's end event covers instead.
@@ -332,7 +335,7 @@ class NcclBackend : public Backend {
   // which jobs run, so it must not wait behind a queued job's transfers.
   // The tag is the same on every rank (the headers check it), so every
   // rank puts the call on the same communicator.
-  Channel& channel_of_call() { return size() > 1 && current_call_tag().owner == kLaneRoundOwner ? control_ : data_; }
+  Channel& channel_of_call() { return talks_ && current_call_tag().owner == kLaneRoundOwner ? control_ : data_; }
 
   void check_nccl(ncclResult_t rc, const char* call) const {
     if (rc != ncclSuccess && rc != ncclInProgress) fail(nccl::status_of(rc), call, " failed: ", nccl_error(rc));
@@ -389,6 +392,16 @@ class NcclBackend : public Backend {
   void abort_comm_locked() noexcept {
     abort_together(data_.comm, control_.comm, kFinalizeBound);
     data_.comm = control_.comm = nullptr;
+  }
+
+  // DP_TEST_NCCL_SINGLE_RANK=1 (tests only, read when a group is made): a
+  // one-rank group calls NCCL as a larger one does (both communicators, the
+  // header all-gather on the control channel, every collective on the data
+  // channel), so that one GPU runs NCCL's paths; NCCL refuses two ranks on
+  // one GPU. Without it, one rank never calls NCCL after its creation.
+  static bool single_rank_nccl_for_tests() {
+    const char* text = std::getenv("DP_TEST_NCCL_SINGLE_RANK");
+    return text != nullptr && text[0] == '1' && text[1] == '\0';
   }
 
   // DP_TEST_NCCL_SKIP_QUEUED=<rank> (tests only): that rank queues none of
@@ -682,7 +695,15 @@ class NcclBackend : public Backend {
     for (Channel* ch : channels) {
       if (ch->scratch != nullptr) cudaFreeAsync(ch->scratch, ch->stream);
     }
-    if (host_headers_ != nullptr) cudaFreeHost(host_headers_);
+    // Back to the cache once the control stream's copies out of it are done:
+    // every wait for that stream has returned or the call failed, and a
+    // failed call's copy may still be queued, so the stream is waited for
+    // first (bounded: its NCCL kernels were aborted above).
+    if (host_headers_ != nullptr) {
+      if (control_.stream == nullptr || cudaStreamSynchronize(control_.stream) == cudaSuccess) {
+        cuda::pinned_host_give(host_headers_);
+      }
+    }
     // Queued work that waits on these still sees them: an event destroyed
     // while recorded is released once it completes.
     for (cudaEvent_t event : spare_events_) cudaEventDestroy(event);
@@ -696,6 +717,9 @@ class NcclBackend : public Backend {
   }
 
   std::shared_ptr<Store> store_;
+  // Whether calls go through NCCL: more than one rank, or one under
+  // DP_TEST_NCCL_SINGLE_RANK=1.
+  const bool talks_;
   std::string prefix_;
   // The collectives, queued dp_fsdp transfers among them.
   Channel data_;
