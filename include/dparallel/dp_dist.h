@@ -167,7 +167,8 @@ typedef struct dp_process_group_options {
  * has; one with a newer header gets the fields this library knows and zeros
  * after them. opts->struct_size becomes `struct_size`, so the create calls
  * read only what the caller has. DP_EINVAL for a struct_size below
- * sizeof(size_t). */
+ * sizeof(size_t) or one that ends inside a field (no header's size); every
+ * call that takes a struct with struct_size refuses those alike. */
 DP_API dp_status dp_process_group_options_init(dp_process_group_options *opts, size_t struct_size);
 typedef struct dp_process_group dp_process_group;
 /* Joins the group: every rank calls it with the same world size and store.
