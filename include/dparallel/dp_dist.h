@@ -136,7 +136,10 @@ DP_API void dp_store_destroy(dp_store *store);
  * Every rank must ask for the same one (else DP_EINVAL on every rank).
  * AUTO: NCCL for cuda; for cpu, shared memory when every rank runs on one
  *   host, "shm+gloo" across hosts with the same number of ranks (at least
- *   2) on each, else Gloo (DP_SHM=0 on any rank: always Gloo).
+ *   2) on each, else Gloo (DP_SHM=0 on any rank: always Gloo). On one host,
+ *   where rank 0 finds no room for the shared memory (out of memory, or past
+ *   its file-size limit, RLIMIT_FSIZE), every rank uses Gloo and rank 0
+ *   says why on stderr; SHM then fails with DP_ENOMEM on every rank.
  * GLOO: Gloo for cpu, even when every rank runs on one host.
  * NCCL: NCCL for cuda.
  * SHM: shared memory for cpu; DP_EUNSUPPORTED naming the hosts when the
