@@ -179,6 +179,7 @@ TEST(Shm, AFileSizeLimitBelowTheRegionsKeepsBucketsAndShardsPrivateOnEveryRankAn
   auto results = run_ranks(run);
   expect_all_passed(results);
   ASSERT_EQ(results.size(), 2u);
+  EXPECT_NE(results[0].output.find("shards in private memory"), std::string::npos) << results[0].output;
   EXPECT_NE(results[0].output.find("buckets in private memory"), std::string::npos) << results[0].output;
   EXPECT_NE(results[0].output.find("file-size limit"), std::string::npos) << results[0].output;
 }
