@@ -174,14 +174,19 @@ TEST(Shm, AFileSizeLimitBelowTheSegmentGivesGlooOnEveryRankAndKillsNone) {
 TEST(Shm, AFileSizeLimitBelowTheRegionsKeepsBucketsAndShardsPrivateOnEveryRankAndKillsNone) {
   Ranks run{"past_file_limit", "shm"};
   run.world = 2;
-  // 12 MiB: the segment fits, 2 x 16 MiB does not; DP_DEBUG: DDP says where its buckets went.
-  run.env[-1] = {"DP_TEST_FILE_SIZE_LIMIT=12582912", "DP_DEBUG=INFO"};
+  // 12 MiB on rank 0 alone: the segment fits, 2 x 16 MiB does not; the other
+  // rank, unlimited, must fall back alike. DP_DEBUG: DDP and FSDP say where
+  // their memory went.
+  run.env[-1] = {"DP_DEBUG=INFO"};
+  run.env[0] = {"DP_TEST_FILE_SIZE_LIMIT=12582912"};
   auto results = run_ranks(run);
   expect_all_passed(results);
   ASSERT_EQ(results.size(), 2u);
-  EXPECT_NE(results[0].output.find("shards in private memory"), std::string::npos) << results[0].output;
-  EXPECT_NE(results[0].output.find("buckets in private memory"), std::string::npos) << results[0].output;
-  EXPECT_NE(results[0].output.find("file-size limit"), std::string::npos) << results[0].output;
+  for (const Result& r : results) {
+    EXPECT_NE(r.output.find("shards in private memory"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("buckets in private memory"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("file-size limit"), std::string::npos) << r.output;
+  }
 }
 
 TEST(Shm, OneRankPerHostUsesGloo) {
