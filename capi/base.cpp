@@ -103,16 +103,12 @@ dp_status dp_device_format(dp_device device, char* buf, size_t cap) {
 dp_status dp_device_memory_stats(dp_device device, dp_memory_stats* out) {
   DP_API_BEGIN
   capi::require_arg(out, "out");
-  if (out->struct_size < sizeof(size_t)) {
-    fail_invalid("argument 'out' has struct_size ", out->struct_size, "; set it to sizeof(dp_memory_stats)");
-  }
   const MemoryUsage usage = memory_usage(capi::device_arg(device, "device"));
   dp_memory_stats full{};
-  full.struct_size = out->struct_size;
   full.allocated_bytes = usage.in_use;
   full.peak_allocated_bytes = usage.peak;
   full.cached_bytes = cached_bytes();
-  std::memcpy(out, &full, std::min(out->struct_size, sizeof(full)));
+  capi::write_stats(out, full);
   DP_API_END
 }
 

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "capi/struct_fields.h"
 #include "core/device.h"
 #include "core/error.h"
 #include "core/stream.h"
@@ -95,6 +96,34 @@ dp_module* new_module_handle(std::shared_ptr<Module> module);
 void export_modules(const std::vector<std::shared_ptr<Module>>& modules, dp_module** out);
 std::string string_arg(const char* text, const char* name);
 
+// Whether KnownFields<Struct> lists every field: in order, without overlap,
+// the last one ending where only tail padding is left.
+template <typename Struct>
+constexpr bool fields_cover_struct() {
+  size_t end = 0;
+  for (const FieldSpan& f : KnownFields<Struct>::kFields) {
+    if (f.begin < end) return false;
+    end = f.end;
+  }
+  return end <= sizeof(Struct) && sizeof(Struct) - end < alignof(Struct);
+}
+
+// kInvalidArgument unless `struct_size` is one a header of Struct can have
+// (struct_size_text introduces it in the message, `fix` ends the message):
+// at least a size_t, and ending on no field this library knows; anything
+// past our last field is a newer header's.
+template <typename Struct>
+void check_struct_size(size_t struct_size, const char* struct_size_text, const char* fix) {
+  static_assert(fields_cover_struct<Struct>(), "KnownFields must list every field of the struct");
+  if (struct_size < sizeof(size_t)) fail_invalid(struct_size_text, " ", struct_size, "; ", fix);
+  for (const FieldSpan& f : KnownFields<Struct>::kFields) {
+    if (struct_size > f.begin && struct_size < f.end) {
+      fail_invalid(struct_size_text, " ", struct_size, ", which ends inside field '", f.name, "' of ",
+                   KnownFields<Struct>::kName, " (bytes ", f.begin, " to ", f.end, "); ", fix);
+    }
+  }
+}
+
 // dp_<name>_options_init: writes exactly `struct_size` bytes at `opts` (the
 // caller's sizeof, older or newer than ours): our defaults, zeros past the
 // fields we know, and struct_size itself, so that the create call reads only
@@ -103,10 +132,8 @@ std::string string_arg(const char* text, const char* name);
 template <typename Options>
 void options_init(Options* opts, size_t struct_size, const Options& defaults) {
   require_arg(opts, "opts");
-  if (struct_size < sizeof(size_t)) {
-    fail_invalid("argument 'struct_size' is ", struct_size, "; pass sizeof the options struct (at least ",
-                 sizeof(size_t), ")");
-  }
+  const std::string fix = std::string("pass sizeof(") + KnownFields<Options>::kName + ")";
+  check_struct_size<Options>(struct_size, "argument 'struct_size' is", fix.c_str());
   auto* bytes = reinterpret_cast<unsigned char*>(opts);
   const size_t known = std::min(struct_size, sizeof(Options));
   std::memcpy(bytes, &defaults, known);
@@ -120,11 +147,21 @@ template <typename Options>
 Options read_options(const Options* opts, const Options& defaults, const char* init_macro) {
   Options o = defaults;
   if (opts == nullptr) return o;
-  if (opts->struct_size < sizeof(size_t)) {
-    fail_invalid("argument 'opts' has struct_size ", opts->struct_size, "; initialise it with ", init_macro);
-  }
+  const std::string fix = std::string("initialise it with ") + init_macro;
+  check_struct_size<Options>(opts->struct_size, "argument 'opts' has struct_size", fix.c_str());
   std::memcpy(&o, opts, std::min(opts->struct_size, sizeof(o)));
   return o;
+}
+
+// Writes `full` into the caller's stats struct `out` as far as its
+// struct_size goes (a struct_size that ends inside a field is refused).
+template <typename Stats>
+void write_stats(Stats* out, Stats full) {
+  require_arg(out, "out");
+  const std::string fix = std::string("set it to sizeof(") + KnownFields<Stats>::kName + ")";
+  check_struct_size<Stats>(out->struct_size, "argument 'out' has struct_size", fix.c_str());
+  full.struct_size = out->struct_size;
+  std::memcpy(out, &full, std::min(out->struct_size, sizeof(full)));
 }
 
 // The devices a call touches, for its StreamOrder: the tensors', then `more`.

@@ -258,19 +258,14 @@ dp_status dp_ddp_bucket_parameters(const dp_ddp* ddp, size_t bucket, size_t* ind
 dp_status dp_ddp_last_stats(const dp_ddp* ddp, dp_ddp_stats* out) {
   DP_API_BEGIN
   const ddp::Reducer& reducer = ddp_arg(ddp, false);
-  capi::require_arg(out, "out");
-  if (out->struct_size < sizeof(size_t)) {
-    fail_invalid("argument 'out' has struct_size ", out->struct_size, "; set it to sizeof(dp_ddp_stats)");
-  }
   ddp::ReducerStats s = reducer.last_stats();
   dp_ddp_stats full{};
-  full.struct_size = out->struct_size;
   full.backward_ms = s.backward_ms;
   full.reduce_ms = s.reduce_ms;
   full.exposed_ms = s.exposed_ms;
   full.num_buckets = s.num_buckets;
   full.buckets_rebuilt = s.buckets_rebuilt ? 1 : 0;
-  std::memcpy(out, &full, std::min(out->struct_size, sizeof(full)));
+  capi::write_stats(out, full);
   DP_API_END
 }
 

@@ -62,13 +62,8 @@ dist::Millis timeout_arg(int32_t timeout_ms, const char* name) {
 std::string env_token() { return dist::job_token(dist::process_env()); }
 
 dp_process_group_options options_arg(const dp_process_group_options* opts) {
-  dp_process_group_options o = DP_PROCESS_GROUP_OPTIONS_INIT;
-  if (opts == nullptr) return o;
-  if (opts->struct_size < sizeof(size_t)) {
-    fail_invalid("argument 'opts' has struct_size ", opts->struct_size,
-                 "; initialise it with DP_PROCESS_GROUP_OPTIONS_INIT");
-  }
-  std::memcpy(&o, opts, std::min(opts->struct_size, sizeof(o)));
+  static const dp_process_group_options kDefaults = DP_PROCESS_GROUP_OPTIONS_INIT;
+  dp_process_group_options o = capi::read_options(opts, kDefaults, "DP_PROCESS_GROUP_OPTIONS_INIT");
   o.struct_size = sizeof(o);
   return o;
 }

@@ -60,7 +60,10 @@ dp_status dp_stream_launch_host_func(dp_device device, void* stream, void (*fn)(
   Device d = capi::device_arg(device, "device");
   const DeviceRuntime& runtime = device_runtime(d.type);
   runtime.check_stream(d.index, stream, "stream");
-  runtime.launch_host_func(d.index, stream, [fn, user_data] { fn(user_data); });
+  runtime.launch_host_func(d.index, stream, [fn, user_data, d, stream] {
+    HostFunctionScope running(d, stream);
+    fn(user_data);
+  });
   DP_API_END
 }
 

@@ -248,7 +248,7 @@ typedef struct dp_ddp_options {
  * `struct_size` bytes: pass sizeof(dp_ddp_options). Bytes past the fields
  * this library knows are zeroed and opts->struct_size becomes `struct_size`,
  * as with dp_process_group_options_init. DP_EINVAL for a struct_size below
- * sizeof(size_t). */
+ * sizeof(size_t) or one that ends inside a field (no header's size). */
 DP_API dp_status dp_ddp_options_init(dp_ddp_options *opts, size_t struct_size);
 
 /* Wraps `module` for data-parallel training over `pg` (every rank calls it

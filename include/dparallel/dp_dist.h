@@ -136,7 +136,10 @@ DP_API void dp_store_destroy(dp_store *store);
  * Every rank must ask for the same one (else DP_EINVAL on every rank).
  * AUTO: NCCL for cuda; for cpu, shared memory when every rank runs on one
  *   host, "shm+gloo" across hosts with the same number of ranks (at least
- *   2) on each, else Gloo (DP_SHM=0 on any rank: always Gloo).
+ *   2) on each, else Gloo (DP_SHM=0 on any rank: always Gloo). On one host,
+ *   where rank 0 finds no room for the shared memory (out of memory, or past
+ *   its file-size limit, RLIMIT_FSIZE), every rank uses Gloo and rank 0
+ *   says why on stderr; SHM then fails with DP_ENOMEM on every rank.
  * GLOO: Gloo for cpu, even when every rank runs on one host.
  * NCCL: NCCL for cuda.
  * SHM: shared memory for cpu; DP_EUNSUPPORTED naming the hosts when the
@@ -167,7 +170,8 @@ typedef struct dp_process_group_options {
  * has; one with a newer header gets the fields this library knows and zeros
  * after them. opts->struct_size becomes `struct_size`, so the create calls
  * read only what the caller has. DP_EINVAL for a struct_size below
- * sizeof(size_t). */
+ * sizeof(size_t) or one that ends inside a field (no header's size); every
+ * call that takes a struct with struct_size refuses those alike. */
 DP_API dp_status dp_process_group_options_init(dp_process_group_options *opts, size_t struct_size);
 typedef struct dp_process_group dp_process_group;
 /* Joins the group: every rank calls it with the same world size and store.

@@ -111,7 +111,10 @@
  * Memory: on a shared-memory group, with init_sync, the shards live in
  * memory every rank of the group maps, where the other ranks' all-gathers
  * read them (dp_device_memory_stats counts it); a forked child that writes
- * a shard writes its parent's.
+ * a shard writes its parent's. Where that memory cannot be had (out of
+ * memory, or past rank 0's file-size limit, RLIMIT_FSIZE) the shards stay
+ * in each rank's own memory, on every rank alike, and views fall back to
+ * copies (DP_DEBUG=INFO says why on stderr).
  *
  * Full parameters as views (opts->full_params_as_views = 1): on a
  * shared-memory group of two or more ranks, with init_sync and no

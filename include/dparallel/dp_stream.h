@@ -72,7 +72,11 @@ DP_API dp_status dp_stream_synchronize(dp_device device, void *stream);
 /* Queues fn(user_data) on `stream`: it runs on a host thread after the work
  * queued before it, and work queued after it waits for it (cuda:
  * cudaLaunchHostFunc; fn must not call CUDA). On a cpu device's legacy
- * default stream outside DP_CPU_ASYNC=1, fn runs before this returns. */
+ * default stream outside DP_CPU_ASYNC=1, fn runs before this returns.
+ * Inside fn, a call that would order after `stream` itself (one with
+ * `stream` current, or with none current on a default stream that is a
+ * queue) would wait for fn: it returns DP_ESTATE instead; so does, on a
+ * cuda device, any call that needs CUDA. */
 DP_API dp_status dp_stream_launch_host_func(dp_device device, void *stream, void (*fn)(void *user_data),
                                             void *user_data);
 

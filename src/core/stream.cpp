@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <optional>
+#include <sstream>
+#include <string>
 #include <utility>
 
 #include "core/device_runtime.h"
@@ -19,6 +21,19 @@ struct QueuedScope {
   void* stream = nullptr;
 };
 thread_local QueuedScope t_queued_scope;
+struct RunningHostFunction {
+  bool active = false;
+  Device device;
+  void* stream = nullptr;
+};
+thread_local RunningHostFunction t_host_function;
+
+std::string stream_name(void* stream) {
+  if (stream == nullptr) return "the legacy default stream";
+  std::ostringstream name;
+  name << "stream " << stream;
+  return name.str();
+}
 
 }  // namespace
 
@@ -96,6 +111,32 @@ void* library_stream_override(const Device& device) {
   return t_queued_scope.active && t_queued_scope.device == device ? t_queued_scope.stream : nullptr;
 }
 
+HostFunctionScope::HostFunctionScope(const Device& device, void* stream) noexcept
+    : previous_active_(t_host_function.active),
+      previous_device_(t_host_function.device),
+      previous_stream_(t_host_function.stream) {
+  t_host_function = {true, device, stream};
+}
+
+HostFunctionScope::~HostFunctionScope() { t_host_function = {previous_active_, previous_device_, previous_stream_}; }
+
+bool running_host_function_of(DeviceType type) { return t_host_function.active && t_host_function.device.type == type; }
+
+void refuse_ordering_inside_host_function(const Device& device, void* stream) {
+  const RunningHostFunction& running = t_host_function;
+  if (!running.active) return;
+  if (running.device.type == DeviceType::kCuda && device.type == DeviceType::kCuda) {
+    fail(StatusCode::kState, "a host function running as a CUDA stream callback (dp_stream_launch_host_func on ",
+         stream_name(running.stream), " of ", to_string(running.device), ") called a function that uses ",
+         to_string(device), ", but CUDA allows no CUDA call there; call it from a host thread instead");
+  }
+  if (running.device == device && running.stream == stream) {
+    fail(StatusCode::kState, "a host function running on ", stream_name(stream), " of ", to_string(device),
+         " called a function that orders its work after that same stream, so it would wait for the host "
+         "function itself; call it from another thread, or make another stream current first");
+  }
+}
+
 bool skipping_stream_waits_for_tests() {
   static const bool skip = [] {
     const char* text = std::getenv("DP_TEST_SKIP_STREAM_WAIT");
@@ -110,6 +151,7 @@ namespace {
 // the legacy default), or none where nothing can be pending there.
 std::optional<Event> host_work_event(const Device& device, void* host_stream) {
   if (host_stream == nullptr && !device_runtime(device.type).default_stream_is_queued()) return std::nullopt;
+  refuse_ordering_inside_host_function(device, host_stream);
   if (skipping_stream_waits_for_tests()) return std::nullopt;
   std::optional<Event> ready(std::in_place, device);
   ready->record(host_stream);

@@ -123,6 +123,28 @@ bool library_work_stays_queued();
 // (the device runtimes' library stream then, as ever).
 void* library_stream_override(const Device& device);
 
+// While it lives, this thread runs a host function queued on `stream` of
+// `device` (dp_stream_launch_host_func): work queued on that stream after it
+// cannot start before it returns, so nothing here may wait for that work.
+class HostFunctionScope {
+ public:
+  HostFunctionScope(const Device& device, void* stream) noexcept;
+  ~HostFunctionScope();
+  HostFunctionScope(const HostFunctionScope&) = delete;
+  HostFunctionScope& operator=(const HostFunctionScope&) = delete;
+
+ private:
+  bool previous_active_;
+  Device previous_device_;
+  void* previous_stream_;
+};
+// kState unless the calling thread may order after `stream` of `device`:
+// a host function running on that very stream would wait for itself, and
+// one running in a CUDA stream callback must not call CUDA at all.
+void refuse_ordering_inside_host_function(const Device& device, void* stream);
+// Whether this thread runs a host function queued on a stream of `type`.
+bool running_host_function_of(DeviceType type);
+
 // The test-only switch DP_TEST_SKIP_STREAM_WAIT=1 drops the wait for the
 // host's stream at every call's start, so a test can show the asynchronous
 // cpu mode catches exactly that mistake. Never set it otherwise.

@@ -184,6 +184,22 @@ std::vector<int32_t> pids_of(const std::vector<HostEntry>& entries) {
   return pids;
 }
 
+// Shared memory for ranks all on one host. Where rank 0 finds no room for
+// the segment (memory, or its file-size limit), every rank hears it from
+// rank 0 and all take Gloo instead.
+std::unique_ptr<ProcessGroup> shm_or_gloo_group(const ProcessGroupOptions& options, const std::string& prefix,
+                                                const std::vector<int32_t>& pids) {
+  try {
+    return create_shm_process_group(options, prefix, pids);
+  } catch (const Error& e) {
+    if (e.code() != StatusCode::kOutOfMemory) throw;
+    if (options.rank == 0) {
+      std::fprintf(stderr, "[dparallel] cpu process group: using Gloo, not shared memory: %s\n", e.what());
+    }
+  }
+  return gloo_group(options);
+}
+
 // A cpu group for AUTO (see backend_choice.h).
 std::unique_ptr<ProcessGroup> choose_automatically(const ProcessGroupOptions& options, const std::string& prefix,
                                                    const std::vector<HostEntry>& entries, const Hosts& hosts) {
@@ -192,7 +208,7 @@ std::unique_ptr<ProcessGroup> choose_automatically(const ProcessGroupOptions& op
   if (!shm_allowed) return gloo_group(options);
   const std::vector<int32_t> pids = pids_of(entries);
   if (hosts.keys.size() == 1) {
-    if (options.world_size <= kMaxShmRanks) return create_shm_process_group(options, prefix, pids);
+    if (options.world_size <= kMaxShmRanks) return shm_or_gloo_group(options, prefix, pids);
     return gloo_group(options);
   }
   bool even = true;

@@ -1,9 +1,11 @@
 #include "fsdp/fully_shard.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <exception>
 #include <limits>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include "comm/comm.h"
@@ -238,7 +240,18 @@ bool FullyShard::wants_views() const {
                      [](const Managed& m) { return !m.sharded || m.compute == m.dtype; });
 }
 
+namespace {
+
+// DP_DEBUG=INFO or DETAIL: says why the shards stay in private memory.
+void report_private_shards(int32_t rank, const std::string& why) {
+  if (why.empty() || ddp::debug_level_from_env() == ddp::DebugLevel::kOff) return;
+  std::fprintf(stderr, "[dparallel fsdp rank %d] shards in private memory: %s\n", rank, why.c_str());
+}
+
+}  // namespace
+
 void FullyShard::create_shard_region() {
+  std::string why;
   if (wants_views()) {
     size_t bytes = 0;
     std::vector<size_t> offsets = sharded_layout(
@@ -247,7 +260,8 @@ void FullyShard::create_shard_region() {
     if (bytes == 0) return;
     const auto world = static_cast<size_t>(group_->size());
     // Out of memory, no views: the shards stay in private memory (every rank alike).
-    shard_region_ = group_->create_region_storage((bytes + world - 1) / world, nullptr, true);
+    shard_region_ = group_->create_region_storage((bytes + world - 1) / world, &why, true);
+    report_private_shards(group_->rank(), why);
     views_ = shard_region_ != nullptr;
     if (views_) full_offsets_ = std::move(offsets);
     return;
@@ -256,7 +270,8 @@ void FullyShard::create_shard_region() {
   segment_offsets(false, &segment);
   if (segment == 0) return;
   // Out of memory, the shards stay in private memory; the all-gather stages them.
-  shard_region_ = group_->create_region_storage(segment, nullptr);
+  shard_region_ = group_->create_region_storage(segment, &why);
+  report_private_shards(group_->rank(), why);
 }
 
 void FullyShard::shard_parameters() {

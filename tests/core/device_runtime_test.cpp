@@ -3,12 +3,16 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "backend/cuda/cuda_backend.h"
 #include "core/device_worker.h"
 #include "core/error.h"
+#include "core/stream.h"
 #include "core/tensor.h"
 
 using namespace dparallel;
@@ -28,6 +32,48 @@ std::string device_error_of(Fn fn) {
   }
   ADD_FAILURE() << "no error";
   return "";
+}
+
+// A task on a cpu stream that records an event behind itself on that stream
+// and then waits for it would wait forever: the wait is kState instead.
+TEST(DeviceRuntimes, ACpuStreamTaskWaitingForAnEventQueuedBehindItselfIsStateNotAHang) {
+  const DeviceRuntime& runtime = device_runtime(DeviceType::kCpu);
+  void* stream = runtime.create_stream(0);
+  std::mutex mutex;
+  std::condition_variable finished;
+  bool done = false;
+  StatusCode synchronize_code = StatusCode::kOk, wait_code = StatusCode::kOk;
+  std::string message;
+  runtime.launch_host_func(0, stream, [&] {
+    auto code_of = [&](auto fn) {
+      try {
+        fn();
+      } catch (const Error& e) {
+        message = e.what();
+        return e.code();
+      }
+      return StatusCode::kOk;
+    };
+    Event behind(Device{DeviceType::kCpu, 0});
+    behind.record(stream);
+    synchronize_code = code_of([&] { behind.synchronize(); });
+    wait_code = code_of([&] { behind.block(nullptr); });  // the calling thread waits: no queue there
+    std::lock_guard<std::mutex> lock(mutex);
+    done = true;
+    finished.notify_all();
+  });
+  {
+    std::unique_lock<std::mutex> lock(mutex);
+    ASSERT_TRUE(finished.wait_for(lock, std::chrono::seconds(60), [&] { return done; }))
+        << "the task waited for itself";
+  }
+  EXPECT_EQ(synchronize_code, StatusCode::kState);
+  if (!runtime.default_stream_is_queued()) {
+    EXPECT_EQ(wait_code, StatusCode::kState);
+  }
+  EXPECT_TRUE(contains(message, "wait for itself")) << message;
+  runtime.stream_synchronize(0, stream);
+  runtime.destroy_stream(0, stream);
 }
 
 }  // namespace

@@ -156,6 +156,39 @@ TEST(Shm, UnevenHostsUseGlooAndSayWhy) {
   EXPECT_NE(results[0].output.find("different numbers of ranks (2, 1)"), std::string::npos) << results[0].output;
 }
 
+// A file-size limit (RLIMIT_FSIZE) below the shared memory: the kernel's
+// SIGXFSZ would end rank 0, which grows the segment. Below the segment
+// itself every rank takes Gloo; below only DDP's and FSDP's regions they
+// stay in private memory. Either way every rank lives and computes right.
+TEST(Shm, AFileSizeLimitBelowTheSegmentGivesGlooOnEveryRankAndKillsNone) {
+  Ranks run{"past_file_limit", "gloo"};
+  run.world = 2;
+  run.env[0] = {"DP_TEST_FILE_SIZE_LIMIT=65536"};
+  auto results = run_ranks(run);
+  expect_all_passed(results);
+  ASSERT_EQ(results.size(), 2u);
+  EXPECT_NE(results[0].output.find("using Gloo, not shared memory"), std::string::npos) << results[0].output;
+  EXPECT_NE(results[0].output.find("file-size limit"), std::string::npos) << results[0].output;
+}
+
+TEST(Shm, AFileSizeLimitBelowTheRegionsKeepsBucketsAndShardsPrivateOnEveryRankAndKillsNone) {
+  Ranks run{"past_file_limit", "shm"};
+  run.world = 2;
+  // 12 MiB on rank 0 alone: the segment fits, 2 x 16 MiB does not; the other
+  // rank, unlimited, must fall back alike. DP_DEBUG: DDP and FSDP say where
+  // their memory went.
+  run.env[-1] = {"DP_DEBUG=INFO"};
+  run.env[0] = {"DP_TEST_FILE_SIZE_LIMIT=12582912"};
+  auto results = run_ranks(run);
+  expect_all_passed(results);
+  ASSERT_EQ(results.size(), 2u);
+  for (const Result& r : results) {
+    EXPECT_NE(r.output.find("shards in private memory"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("buckets in private memory"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("file-size limit"), std::string::npos) << r.output;
+  }
+}
+
 TEST(Shm, OneRankPerHostUsesGloo) {
   Ranks run{"backend", "gloo"};
   run.world = 2;

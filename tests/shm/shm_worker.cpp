@@ -7,7 +7,14 @@
 //                             float sums that round are the rank-order sum bit
 //                             for bit, every time; the group must report BACKEND
 //   shm_worker loop           all-reduces until killed (prints "looping" first)
+//   shm_worker past_file_limit BACKEND
+//                             the group reports BACKEND and all-reduces right; a
+//                             dp_ddp and a dp_fsdp over a parameter of 16 MiB
+//                             (their shared regions past the limit below) train
+//                             and shard right
+// DP_TEST_FILE_SIZE_LIMIT=BYTES sets this process's RLIMIT_FSIZE first.
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -99,6 +106,75 @@ void run_loop(dp_process_group* pg) {
   }
 }
 
+// A module of one float parameter "w" of n values, value(i) on every rank
+// but junk on the others than rank 0 where `only_rank0` is set.
+dp_module* one_parameter(size_t n, int rank, bool only_rank0) {
+  dp_module* m = nullptr;
+  CHECK_OK(dp_module_create(&m));
+  int64_t shape[1] = {static_cast<int64_t>(n)};
+  dp_tensor* w = nullptr;
+  CHECK_OK(dp_tensor_create(&w, DP_FLOAT32, 1, shape, dp_device{DP_DEVICE_CPU, 0}));
+  auto* p = static_cast<float*>(dp_tensor_data(w));
+  for (size_t i = 0; i < n; ++i) p[i] = only_rank0 && rank != 0 ? -1.0f : static_cast<float>(i % 13);
+  CHECK_OK(dp_module_register_parameter(m, "w", w, 1));
+  dp_tensor_destroy(w);
+  return m;
+}
+
+// DDP's buckets and FSDP's shards go in shared regions where they fit; past
+// rank 0's file-size limit every rank keeps them in private memory, and both
+// still compute right.
+void run_past_file_limit(dp_process_group* pg) {
+  const int rank = dp_process_group_rank(pg), world = dp_process_group_size(pg);
+  const size_t n = size_t(4) << 20;  // 16 MiB of floats
+  dp_module* sharded = one_parameter(n, rank, true);
+  dp_fsdp* fsdp = nullptr;
+  CHECK_OK(dp_fsdp_create(&fsdp, sharded, pg, nullptr));
+  if (fsdp != nullptr) {
+    dp_tensor* shard = nullptr;
+    CHECK_OK(dp_fsdp_shard(fsdp, 0, &shard));
+    const size_t rows = n / static_cast<size_t>(world);
+    const auto* sp = static_cast<const float*>(dp_tensor_data(shard));
+    bool right = static_cast<size_t>(dp_tensor_numel(shard)) == rows;
+    for (size_t i = 0; i < rows && right; ++i) right = sp[i] == static_cast<float>((rank * rows + i) % 13);
+    CHECK(right, "this rank's shard is not rank 0's rows %zu..%zu", rank * rows, (rank + 1) * rows);
+    dp_tensor_destroy(shard);
+    CHECK_OK(dp_fsdp_unshard(fsdp, 0));
+    dp_tensor* full = nullptr;
+    CHECK_OK(dp_module_get_parameter(sharded, "w", &full));
+    const auto* fp = static_cast<const float*>(dp_tensor_data(full));
+    right = static_cast<size_t>(dp_tensor_numel(full)) == n;
+    for (size_t i = 0; i < n && right; ++i) right = fp[i] == static_cast<float>(i % 13);
+    CHECK(right, "the unsharded parameter is not rank 0's");
+    dp_tensor_destroy(full);
+    dp_fsdp_destroy(fsdp);
+  }
+  dp_module_destroy(sharded);
+
+  dp_module* m = one_parameter(n, rank, false);
+  dp_ddp_options options = DP_DDP_OPTIONS_INIT;
+  options.gradient_as_bucket_view = 1;  // buckets in a shared region, where there is room
+  dp_ddp* ddp = nullptr;
+  CHECK_OK(dp_ddp_create(&ddp, m, pg, &options));
+  if (ddp != nullptr) {
+    CHECK_OK(dp_ddp_pre_forward(ddp));
+    dp_tensor* g = nullptr;
+    CHECK_OK(dp_module_grad(m, "w", &g));
+    auto* gp = static_cast<float*>(dp_tensor_data(g));
+    for (size_t i = 0; i < n; ++i) gp[i] = static_cast<float>(rank + 1);
+    CHECK_OK(dp_ddp_mark_grad_ready(ddp, "w"));
+    CHECK_OK(dp_ddp_finish_backward(ddp));
+    const float mean = static_cast<float>(world + 1) / 2.0f;
+    gp = static_cast<float*>(dp_tensor_data(g));
+    bool right = true;
+    for (size_t i = 0; i < n && right; ++i) right = gp[i] == mean;
+    CHECK(right, "the averaged gradient is not %g everywhere", static_cast<double>(mean));
+    dp_tensor_destroy(g);
+    dp_ddp_destroy(ddp);
+  }
+  dp_module_destroy(m);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -107,6 +183,15 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::string scenario = argv[1];
+  if (const char* limit_text = std::getenv("DP_TEST_FILE_SIZE_LIMIT")) {
+    rlimit limit{};
+    ::getrlimit(RLIMIT_FSIZE, &limit);
+    limit.rlim_cur = static_cast<rlim_t>(std::strtoull(limit_text, nullptr, 10));
+    if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) {
+      std::fprintf(stderr, "setrlimit(RLIMIT_FSIZE) failed\n");
+      return 2;
+    }
+  }
   const char* rank_text = std::getenv("RANK");
   g_rank = rank_text != nullptr ? std::atoi(rank_text) : -1;
   const char* timeout_text = std::getenv("DP_TEST_TIMEOUT_MS");
@@ -126,6 +211,11 @@ int main(int argc, char** argv) {
     CHECK(std::strcmp(dp_process_group_backend(pg), argv[2]) == 0, "backend %s, want %s", dp_process_group_backend(pg),
           argv[2]);
     run_rank_order_sums(pg, argc > 3 ? std::atoi(argv[3]) : 1);
+  } else if (scenario == "past_file_limit" && argc > 2) {
+    CHECK(std::strcmp(dp_process_group_backend(pg), argv[2]) == 0, "backend %s, want %s", dp_process_group_backend(pg),
+          argv[2]);
+    expect_group_works(pg, 300000);
+    run_past_file_limit(pg);
   } else if (scenario == "loop") {
     run_loop(pg);
   } else {

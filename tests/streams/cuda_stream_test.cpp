@@ -10,10 +10,15 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <future>
+<<<<<<< HEAD
 #include <memory>
+=======
+#include <mutex>
+>>>>>>> hostile-core
 #include <string>
 #include <thread>
 #include <vector>
@@ -495,6 +500,52 @@ cudaMemPool_t pool_of(const dp_tensor* t) {
   EXPECT_EQ(reinterpret_cast<GetAttribute>(function)(&pool, CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, address),
             CUDA_SUCCESS);
   return reinterpret_cast<cudaMemPool_t>(pool);
+}
+
+// What a host function on a CUDA stream got from the library.
+struct CallbackCalls {
+  dp_tensor* tensor = nullptr;
+  std::mutex mutex;
+  std::condition_variable finished;
+  bool done = false;
+  dp_status copy = DP_OK, synchronize = DP_OK, current = DP_OK;
+  std::string copy_error;
+};
+
+void call_cuda_from_callback(void* data) {
+  auto* c = static_cast<CallbackCalls*>(data);
+  float one = 1.0f;
+  dp_status copy = dp_tensor_copy_from_host(c->tensor, &one, sizeof one);
+  std::string copy_error = copy == DP_OK ? "" : dp_last_error();
+  dp_status synchronize = dp_stream_synchronize(cuda(0), nullptr);
+  dp_status current = dp_set_current_stream(cuda(0), nullptr);
+  std::lock_guard<std::mutex> lock(c->mutex);
+  c->copy = copy;
+  c->copy_error = copy_error;
+  c->synchronize = synchronize;
+  c->current = current;
+  c->done = true;
+  c->finished.notify_all();
+}
+
+// CUDA forbids CUDA calls in a stream callback: the library refuses each
+// such call with DP_ESTATE, at once, and the stream goes on.
+TEST_F(CudaStreamOrder, AHostFunctionOnACudaStreamThatCallsTheLibraryForCudaIsEstate) {
+  TensorPtr t = make<float>({1}, std::vector<float>{5.0f}, cuda(0));
+  CallbackCalls c;
+  c.tensor = t.get();
+  DP_ASSERT_OK(dp_stream_launch_host_func(cuda(0), stream_, call_cuda_from_callback, &c));
+  {
+    std::unique_lock<std::mutex> lock(c.mutex);
+    ASSERT_TRUE(c.finished.wait_for(lock, std::chrono::seconds(60), [&] { return c.done; }))
+        << "the host function never finished";
+  }
+  EXPECT_EQ(c.copy, DP_ESTATE) << c.copy_error;
+  EXPECT_NE(c.copy_error.find("CUDA stream callback"), std::string::npos) << c.copy_error;
+  EXPECT_EQ(c.synchronize, DP_ESTATE);
+  EXPECT_EQ(c.current, DP_ESTATE);
+  DP_EXPECT_OK(dp_stream_synchronize(cuda(0), stream_));
+  EXPECT_EQ(values<float>(t.get()), std::vector<float>{5.0f}) << "the refused copy wrote nothing";
 }
 
 }  // namespace

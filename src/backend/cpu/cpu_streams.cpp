@@ -203,6 +203,10 @@ struct Event {
   std::condition_variable changed;
   uint64_t recorded = 0;
   uint64_t completed = 0;
+  // The generation a stream's own thread (a host function) recorded behind
+  // itself: that thread waiting for it would wait forever.
+  uint64_t behind_recorder = 0;
+  std::thread::id recorder;
 
   void complete(uint64_t generation) {
     {
@@ -210,6 +214,15 @@ struct Event {
       if (generation > completed) completed = generation;
     }
     changed.notify_all();
+  }
+  // kState where the calling thread would wait for work queued behind the
+  // task it is running.
+  void refuse_waiting_for_itself(uint64_t generation) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (completed < generation && generation == behind_recorder && recorder == std::this_thread::get_id()) {
+      fail(StatusCode::kState,
+           "a host function waited for an event it recorded on its own cpu stream, which would wait for itself");
+    }
   }
   void wait_for(uint64_t generation) {
     std::unique_lock<std::mutex> lock(mutex);
@@ -321,6 +334,10 @@ void record_event(void* event, int32_t index, void* stream) {
   {
     std::lock_guard<std::mutex> lock(e->mutex);
     generation = ++e->recorded;
+    if (queue != nullptr && queue->runs_on_this_thread()) {
+      e->behind_recorder = generation;
+      e->recorder = std::this_thread::get_id();
+    }
   }
   if (queue == nullptr) {
     e->complete(generation);  // the calling thread is the stream: all it queued is done
@@ -338,6 +355,7 @@ void stream_wait_event(int32_t index, void* stream, void* event) {
     generation = e->recorded;
   }
   if (queue == nullptr) {
+    e->refuse_waiting_for_itself(generation);
     e->wait_for(generation);  // the calling thread is the stream
     return;
   }
@@ -357,6 +375,7 @@ void event_synchronize(void* event) {
     std::lock_guard<std::mutex> lock(e->mutex);
     generation = e->recorded;
   }
+  e->refuse_waiting_for_itself(generation);
   e->wait_for(generation);
 }
 

@@ -20,6 +20,17 @@ inline void check(cudaError_t result, const char* call) {
   }
 }
 
+// CUDA forbids CUDA calls in a stream callback (cudaLaunchHostFunc): a host
+// function queued there that calls the library gets kState, not a hang or a
+// broken context.
+inline void refuse_in_stream_callback() {
+  if (running_host_function_of(DeviceType::kCuda)) {
+    fail(StatusCode::kState,
+         "a host function running as a CUDA stream callback (dp_stream_launch_host_func) called a function "
+         "that needs CUDA, which CUDA forbids there; call it from a host thread instead");
+  }
+}
+
 // What the driver says, read through cudaGetDriverEntryPoint: libcuda is
 // never linked, so the library loads on machines without a driver.
 // Whether the calling thread has a current context (it chose a device).
@@ -69,6 +80,7 @@ class RelaxedCapture {
 class DeviceGuard {
  public:
   explicit DeviceGuard(int32_t index) {
+    refuse_in_stream_callback();
     const char* call = nullptr;
     check(enter(index, &call), call);
     relaxed_.engage();

@@ -90,6 +90,7 @@ void destroy_stream(int32_t index, void* stream) noexcept {
 }
 
 void check_stream(int32_t index, void* stream, const char* argument) {
+  refuse_in_stream_callback();
   if (stream == nullptr) return;
   // First, and alone: during a capture most queries (cudaStreamGetDevice
   // among them) are refused and invalidate the host's capture.

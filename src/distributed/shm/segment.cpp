@@ -2,8 +2,11 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/random.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -27,6 +30,43 @@ using Clock = SegmentDoor::Clock;
 // How long the door waits for one connection's secret: a connection that
 // sends nothing must not hold the door for the others until the deadline.
 constexpr std::chrono::milliseconds kSecretWait{2000};
+
+// posix_fallocate, with SIGXFSZ held back: past the file-size limit
+// (RLIMIT_FSIZE) the kernel sends it to this thread, and its default
+// action ends the process. Blocked here (in this thread only: the host's
+// disposition and other threads stay as they are), the call returns EFBIG;
+// the signal it raised is then taken off, so it never arrives later. One
+// already pending before the call is left to the host.
+int reserve_within_file_limit(int fd, off_t offset, off_t bytes) {
+  sigset_t xfsz, previous, pending;
+  sigemptyset(&xfsz);
+  sigaddset(&xfsz, SIGXFSZ);
+  pthread_sigmask(SIG_BLOCK, &xfsz, &previous);
+  sigemptyset(&pending);
+  sigpending(&pending);
+  const bool pending_before = sigismember(&pending, SIGXFSZ) == 1;
+  int rc = ::posix_fallocate(fd, offset, bytes);
+  if (rc == EFBIG && !pending_before) {
+    const timespec no_wait{0, 0};
+    while (sigtimedwait(&xfsz, nullptr, &no_wait) < 0 && errno == EINTR) {
+    }
+  }
+  pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+  return rc;
+}
+
+// Why reserving `bytes` more bytes (up to `end`) failed with `rc`.
+std::string reserve_failure(int rc, size_t end) {
+  if (rc != EFBIG) return std::strerror(rc);
+  rlimit limit{};
+  ::getrlimit(RLIMIT_FSIZE, &limit);
+  return str_cat("the shared-memory file would reach ", end, " bytes, past this process's file-size limit (",
+                 "RLIMIT_FSIZE, ulimit -f) of ", static_cast<unsigned long long>(limit.rlim_cur), " bytes");
+}
+
+StatusCode reserve_failure_code(int rc) {
+  return rc == ENOSPC || rc == ENOMEM || rc == EFBIG ? StatusCode::kOutOfMemory : StatusCode::kIo;
+}
 
 // Maps `bytes` of `fd`; on failure closes it and fails.
 uint8_t* map_shared(int fd, size_t bytes) {
@@ -160,10 +200,10 @@ ShmSegment ShmSegment::create(size_t bytes) {
     fail(StatusCode::kIo, "creating shared memory (memfd_create) failed: ", std::strerror(errno),
          " (DP_SHM=0 makes the ranks on one host use Gloo instead)");
   }
-  int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  int rc = reserve_within_file_limit(fd, 0, static_cast<off_t>(bytes));
   if (rc != 0) {
     ::close(fd);
-    fail(StatusCode::kIo, "reserving ", bytes, " bytes of shared memory failed: ", std::strerror(rc),
+    fail(reserve_failure_code(rc), "reserving ", bytes, " bytes of shared memory failed: ", reserve_failure(rc, bytes),
          " (DP_SHM=0 makes the ranks on one host use Gloo instead)");
   }
   return ShmSegment(map_shared(fd, bytes), bytes, fd);
@@ -187,10 +227,10 @@ ShmSegment ShmSegment::map_received(int fd, size_t bytes) {
 }
 
 void ShmSegment::reserve(size_t offset, size_t bytes) const {
-  int rc = ::posix_fallocate(fd_, static_cast<off_t>(offset), static_cast<off_t>(bytes));
+  int rc = reserve_within_file_limit(fd_, static_cast<off_t>(offset), static_cast<off_t>(bytes));
   if (rc != 0) {
-    fail(rc == ENOSPC || rc == ENOMEM ? StatusCode::kOutOfMemory : StatusCode::kIo, "reserving ", bytes,
-         " more bytes of shared memory failed: ", std::strerror(rc));
+    fail(reserve_failure_code(rc), "reserving ", bytes,
+         " more bytes of shared memory failed: ", reserve_failure(rc, offset + bytes));
   }
 }
 

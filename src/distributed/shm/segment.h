@@ -24,7 +24,8 @@ class ShmSegment {
   ShmSegment& operator=(const ShmSegment&) = delete;
 
   // A new segment of `bytes`, its memory reserved so that running out fails
-  // here (kIo) rather than as SIGBUS later, and mapped. Its descriptor stays
+  // here (kOutOfMemory: no memory, or past the file-size limit; kIo for
+  // other failures) rather than as SIGBUS later, and mapped. Its descriptor stays
   // open (fd()) until close_fd(): to be handed out, and for reserve() and
   // map_range().
   static ShmSegment create(size_t bytes);
@@ -33,7 +34,8 @@ class ShmSegment {
   static ShmSegment map_received(int fd, size_t bytes);
 
   // Reserves [offset, offset + bytes) of the file (growing it where that
-  // lies past its end): kOutOfMemory when there is no room. Needs fd().
+  // lies past its end): kOutOfMemory when there is no room (nor under the
+  // file-size limit, RLIMIT_FSIZE). Needs fd().
   void reserve(size_t offset, size_t bytes) const;
   // Returns [offset, offset + bytes) of the file to the system; false when
   // the file cannot (its size stays).

@@ -121,9 +121,10 @@ void ShmBackend::set_up(std::vector<int32_t> pids) {
   };
   std::string key = prefix_ + "shm_segment";
   if (rank() == 0) {
-    // The others fail with this reason instead of waiting for the door.
+    // The others fail with this reason instead of waiting for the door
+    // ('~': no room for the segment, which they fail with alike).
     auto tell_others = [&](const Error& e) {
-      std::string why = str_cat("!", e.what());
+      std::string why = str_cat(e.code() == StatusCode::kOutOfMemory ? "~" : "!", e.what());
       try {
         store_->set(key, Bytes(why.begin(), why.end()));
       } catch (const Error&) {
@@ -165,8 +166,9 @@ void ShmBackend::set_up(std::vector<int32_t> pids) {
     }
     Bytes value = store_->get(key, left_until(deadline));
     std::string door(value.begin(), value.end());
-    if (!door.empty() && door[0] == '!') {
-      fail(StatusCode::kIo, "rank 0 could not set up shared memory for the ranks on this host: ", door.substr(1));
+    if (!door.empty() && (door[0] == '!' || door[0] == '~')) {
+      fail(door[0] == '~' ? StatusCode::kOutOfMemory : StatusCode::kIo,
+           "rank 0 could not set up shared memory for the ranks on this host: ", door.substr(1));
     }
     if (door.size() != 65 || door[32] != ' ' || door.find_first_not_of("0123456789abcdef ") != std::string::npos) {
       fail(StatusCode::kIo, "the store holds no shared-memory door under '", key, "'");
