@@ -14,11 +14,8 @@
 #include <cstdint>
 #include <cstring>
 #include <future>
-<<<<<<< HEAD
 #include <memory>
-=======
 #include <mutex>
->>>>>>> hostile-core
 #include <string>
 #include <thread>
 #include <vector>
