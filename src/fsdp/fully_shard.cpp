@@ -13,6 +13,7 @@
 #include "ddp/comm_hooks.h"
 #include "ddp/reducer.h"
 #include "distributed/background_calls.h"
+#include "module/memory_overlap.h"
 
 namespace dparallel::fsdp {
 
@@ -116,6 +117,7 @@ void FullyShard::init() {
 std::string FullyShard::collect() {
   const Device device = group_->device();
   try {
+    if (!options_.argument_error.empty()) fail_invalid(options_.argument_error);
     for (const NamedParameter& np : module_->named_parameters()) {
       // A parameter a child's dp_fsdp holds is the child's.
       if (!np.parameter || np.parameter->sharding()) continue;
@@ -146,6 +148,11 @@ std::string FullyShard::collect() {
       m.reduce = options_.reduce_dtype.value_or(m.compute);
       params_.push_back(std::move(m));
     }
+    // Overlapping shards would be cut from memory two parameters share.
+    std::vector<std::pair<std::string, const Parameter*>> values;
+    values.reserve(params_.size());
+    for (const Managed& m : params_) values.emplace_back(m.name, m.parameter.get());
+    check_values_apart(values);
     auto self = shared_from_this();
     for (const Managed& m : params_) {
       if (!m.parameter->claim_sharding(self)) {
@@ -570,29 +577,51 @@ void FullyShard::post_backward(std::vector<Event> host_ready) {
   if (post_job_.issued) wait_locked(lock, post_job_, "the post-backward reduce_scatter");
   finish_unshard_locked(lock);
   std::vector<Tensor> grads(params_.size());
+  std::string refusal;
   for (size_t i = 0; i < params_.size(); ++i) {
     const Managed& m = params_[i];
     if (!m.reduced) continue;
     grads[i] = m.parameter->grad_if_allocated();
     if (grads[i].defined() && (grads[i].shape() != m.full_shape || grads[i].dtype() != m.compute)) {
-      fail_invalid("parameter '", m.name, "' has the gradient ", grads[i].describe(), " but its full gradient is ",
-                   dtype_name(m.compute), " ", shape_string(m.full_shape),
-                   ": set a gradient while the parameter is unsharded");
+      if (refusal.empty()) {
+        refusal = str_cat("parameter '", m.name, "' has the gradient ", grads[i].describe(),
+                          " but its full gradient is ", dtype_name(m.compute), " ", shape_string(m.full_shape),
+                          ": set a gradient while the parameter is unsharded");
+      }
+      // Never reduced nor kept: the next backward starts it afresh.
+      m.parameter->set_grad(Tensor());
+      grads[i] = Tensor();
     }
   }
+  // Refused or not, the call reshards as on every rank, so that the ranks'
+  // next unshards still pair.
   unsharded_since_post_ = false;
   reshard_locked();
   // Without sync the full gradients stay and the next backward adds to them.
-  if (!requires_sync_ || params_.empty()) return;
+  if (!requires_sync_ || params_.empty() || (!refusal.empty() && !post_backward_communicates())) {
+    // No collective for anyone to pair a refusal with.
+    if (!refusal.empty()) fail_invalid(refusal, " (the gradient was dropped)");
+    return;
+  }
   for (const Managed& m : params_) {
     if (m.reduced) m.parameter->set_grad(Tensor());
   }
-  post_grads_ = std::move(grads);
   post_ready_ = std::move(host_ready);
   ddp::JobSpec spec;
   spec.item = CallItem::kPostBackward;
+  if (refusal.empty()) {
+    post_grads_ = std::move(grads);
+  } else {
+    // In the reduce-scatter's place: the other ranks' post_backward fails
+    // naming this rank, and every rank stays in step.
+    spec.refusal = refusal;
+  }
   issue_locked(spec, post_job_);
   ++iteration_;
+  if (!refusal.empty()) {
+    wait_locked(lock, post_job_, "the post-backward reduce_scatter");
+    fail(StatusCode::kInternal, "dp_fsdp #", lane_id_, ": a refused post_backward passed");
+  }
 }
 
 void FullyShard::finish_backward() {
@@ -646,6 +675,11 @@ ddp::JobResult FullyShard::run_job(const ddp::JobSpec& spec) {
     // queued; an end event recorded however the job ends (its own frees
     // follow that stream already) is what the host follows
     // (follow_job_locked).
+    if (!spec.refusal.empty()) {
+      // Stands in for the job's first collective: the verdict names this rank.
+      group_->refuse(spec.item == CallItem::kUnshard ? dist::CallKind::kAllGather : dist::CallKind::kReduceScatter,
+                     spec.refusal, false);
+    }
     const Device device = group_->device();
     dist::QueuedTransfers queued(device, group_->transfer_stream());
     const bool unshard = spec.item == CallItem::kUnshard;
@@ -769,6 +803,12 @@ std::vector<Tensor> FullyShard::gather_shards(bool compute_dtype) {
   return full;
 }
 
+bool FullyShard::reduces() const {
+  return std::any_of(params_.begin(), params_.end(), [](const Managed& m) { return !m.sharded && m.reduced; }) ||
+         std::any_of(reduce_segment_.begin(), reduce_segment_.end(),
+                     [](const auto& entry) { return entry.second > 0; });
+}
+
 void FullyShard::run_post_backward() {
   std::vector<Tensor> grads;
   {
@@ -888,9 +928,7 @@ void FullyShard::run_post_backward() {
   // With views, finish_backward promises that every rank has reached its
   // post_backward (its shards may be written then): with nothing to reduce,
   // a barrier says so.
-  const bool reduces = whole.size() > 0 || std::any_of(reduce_segment_.begin(), reduce_segment_.end(),
-                                                       [](const auto& entry) { return entry.second > 0; });
-  if (views_ && !reduces) group_->barrier(false);
+  if (views_ && !reduces()) group_->barrier(false);
   for (const auto& [dtype, members] : whole) {
     std::vector<Tensor> values;
     for (size_t i : members) {
@@ -920,7 +958,8 @@ std::string FullyShard::grad_refusal(const Parameter& parameter) const {
   return str_cat("parameter '", m.name, "' is sharded by dp_fsdp #", lane_id_, " and its slot holds this rank's ", held,
                  state_ == State::kUnsharding ? " (an unshard is in flight: dp_fsdp_wait_unshard)"
                                               : " (call dp_fsdp_unshard first)",
-                 "; the shard's gradient is dp_fsdp_shard_grad");
+                 "; its full gradient, ", dtype_name(m.compute), " ", shape_string(m.full_shape),
+                 ", is taken or set while it is unsharded; the shard's gradient is dp_fsdp_shard_grad");
 }
 
 void FullyShard::zero_shard_grad(const Parameter& parameter) {
