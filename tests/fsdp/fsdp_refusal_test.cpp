@@ -1,0 +1,79 @@
+// A dp_fsdp call refused on one rank still takes its collective's place:
+// the other ranks' matching call fails at once naming that rank, and every
+// rank goes on in step. The wrong gradient is set here through the module
+// itself, past dp_module_set_grad's checks, so the test links the library's
+// internals. Ranks are threads of this process, each with its own group.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "capi/capi_internal.h"
+#include "core/tensor.h"
+#include "thread_ranks.h"
+
+using dptest::make;
+using dptest::TensorPtr;
+
+namespace {
+
+std::vector<float> read(const dp_tensor* t) {
+  std::vector<float> out(static_cast<size_t>(dp_tensor_numel(t)));
+  EXPECT_EQ(dp_tensor_copy_to_host(t, out.data(), out.size() * sizeof(float)), DP_OK) << dp_last_error();
+  return out;
+}
+
+// The full gradient of "weight", written through dp_module_grad.
+void set_full_grad(dp_module* m, float value) {
+  dp_tensor* g = nullptr;
+  ASSERT_EQ(dp_module_grad(m, "weight", &g), DP_OK) << dp_last_error();
+  TensorPtr owned(g);
+  std::vector<float> v(static_cast<size_t>(dp_tensor_numel(g)), value);
+  ASSERT_EQ(dp_tensor_copy_from_host(g, v.data(), v.size() * sizeof(float)), DP_OK) << dp_last_error();
+}
+
+}  // namespace
+
+// Rank 1's post_backward finds a gradient of another shape: it fails
+// (DP_EINVAL naming the parameter), rank 0's reduce-scatter fails with it
+// instead of pairing with rank 1's next unshard, both end resharded, and the
+// next iteration reduces as usual. The group's timeout is past the test's
+// limit, so a rank left waiting shows as a timeout of the test.
+TEST(FsdpRefusal, APostBackwardRefusedOnOneRankFailsTheOthersNamingItAndTheNextIterationReduces) {
+  dptest::run_thread_ranks(
+      "fsdp_refusal_", 2, dptest::RankOptions{DP_BACKEND_GLOO, 120000}, [](int rank, dp_process_group* pg) {
+        dptest::ModulePtr m = dptest::new_module();
+        TensorPtr w = make<float>({4, 3}, std::vector<float>(12, 0.5f));
+        ASSERT_EQ(dp_module_register_parameter(m.get(), "weight", w.get(), 1), DP_OK) << dp_last_error();
+        dp_fsdp* f = nullptr;
+        ASSERT_EQ(dp_fsdp_create(&f, m.get(), pg, nullptr), DP_OK) << dp_last_error();
+        ASSERT_EQ(dp_fsdp_unshard(f, 0), DP_OK) << dp_last_error();
+        if (rank == 1) {
+          auto parameter = m->module->get_parameter("weight");
+          parameter->set_grad(
+              dparallel::Tensor::zeros(dparallel::DType::kFloat32, {2, 3}, parameter->value().device()));
+          EXPECT_EQ(dp_fsdp_post_backward(f), DP_EINVAL);
+          std::string error = dp_last_error();
+          EXPECT_NE(error.find("rank 1 refused"), std::string::npos) << error;
+          EXPECT_NE(error.find("'weight'"), std::string::npos) << error;
+          EXPECT_EQ(dp_fsdp_finish_backward(f), DP_OK) << dp_last_error();
+        } else {
+          set_full_grad(m.get(), 1.0f);
+          ASSERT_EQ(dp_fsdp_post_backward(f), DP_OK) << dp_last_error();
+          EXPECT_EQ(dp_fsdp_finish_backward(f), DP_EINVAL);
+          std::string error = dp_last_error();
+          EXPECT_NE(error.find("rank 1 refused"), std::string::npos) << error;
+          EXPECT_NE(error.find("'weight'"), std::string::npos) << error;
+        }
+        // Both resharded, nothing reduced: the next iteration pairs and reduces.
+        ASSERT_EQ(dp_fsdp_unshard(f, 0), DP_OK) << dp_last_error();
+        set_full_grad(m.get(), static_cast<float>(rank + 1));
+        ASSERT_EQ(dp_fsdp_post_backward(f), DP_OK) << dp_last_error();
+        ASSERT_EQ(dp_fsdp_finish_backward(f), DP_OK) << dp_last_error();
+        dp_tensor* g = nullptr;
+        ASSERT_EQ(dp_fsdp_shard_grad(f, 0, &g), DP_OK) << dp_last_error();
+        TensorPtr owned(g);
+        EXPECT_EQ(read(g), std::vector<float>(6, 1.5f));
+        dp_fsdp_destroy(f);
+      });
+}
