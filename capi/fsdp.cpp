@@ -203,7 +203,12 @@ dp_status dp_fsdp_save_full_state_dict(dp_module* module, dp_process_group* pg, 
   if (!refusal.empty()) fail(StatusCode::kState, refusal);
   Module& m = *capi::module_arg(module, "module");
   dist::ProcessGroup& group = capi::group_arg(pg, "pg");
-  std::string file = capi::string_arg(path, "path");
+  std::string file;
+  try {
+    file = capi::string_arg(path, "path");
+  } catch (const Error& e) {
+    fsdp::refuse_full_state_dict_save(m, e.what());
+  }
   StreamOrder order(capi::module_devices(m, {group.device()}));
   order_transfers(order, group);
   fsdp::save_full_state_dict(m, group, file);

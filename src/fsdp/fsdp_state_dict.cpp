@@ -82,6 +82,18 @@ void save_full_state_dict(Module& module, dist::ProcessGroup& group, const std::
   save_state(entries, {{"format", "pt"}}, path);
 }
 
+void refuse_full_state_dict_save(Module& module, const std::string& reason) {
+  // The gathers in save_full_state_dict's order; a gather with no collective
+  // is skipped there too.
+  std::vector<const FullyShard*> seen;
+  for (const Held& h : held_state(module)) {
+    if (!h.holder || std::find(seen.begin(), seen.end(), h.holder.get()) != seen.end()) continue;
+    seen.push_back(h.holder.get());
+    h.holder->refuse_gather(reason);
+  }
+  fail_invalid(reason);
+}
+
 namespace {
 
 // A load writes the shards: not while they are read as full parameters (or

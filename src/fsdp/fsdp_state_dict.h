@@ -22,6 +22,10 @@ namespace dparallel::fsdp {
 
 // Collective over the ranks of the dp_fsdp's groups (each must be `group`).
 void save_full_state_dict(Module& module, dist::ProcessGroup& group, const std::string& path);
+// save_full_state_dict refused on this rank for `reason` (an argument error):
+// in the place of its first gather that makes a collective, so that the
+// other ranks' save fails naming this rank. Throws kInvalidArgument.
+[[noreturn]] void refuse_full_state_dict_save(Module& module, const std::string& reason);
 // Local: every tensor of the file, the sharded parameters' rows of this
 // rank only. `strict` as for dp_module_load. The dp_fsdp must be resharded.
 void load_full_state_dict(Module& module, const std::string& path, bool strict);

@@ -346,8 +346,10 @@ void FullyShard::close() {
   } catch (...) {
     if (!error) error = std::current_exception();
   }
+  // A job that failed (a peer's refusal, say) leaves the lane and the group
+  // usable: the other ranks' destroy gathers, so this one does too.
   try {
-    if (!error && !broken_ && !params_.empty()) {
+    if (!broken_ && !params_.empty()) {
       lock.unlock();
       ddp::JobSpec spec;
       spec.item = CallItem::kGatherValues;
@@ -358,7 +360,7 @@ void FullyShard::close() {
     }
   } catch (...) {
     if (!lock.owns_lock()) lock.lock();
-    error = std::current_exception();
+    if (!error) error = std::current_exception();
   }
   closed_ = true;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -652,6 +654,24 @@ std::vector<Tensor> FullyShard::gather_full_values() {
   lane_->call(
       this, spec, [&] { full = gather_shards(false); }, lane_bound());
   return full;
+}
+
+void FullyShard::refuse_gather(const std::string& reason) {
+  std::lock_guard<std::mutex> host(host_mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
+  check_usable_locked();
+  finish_unshard_locked(lock);
+  size_t segment = 0;
+  segment_offsets(false, &segment);
+  // What gather_shards makes a collective of.
+  if (!views_ && (segment == 0 || group_->size() == 1)) return;
+  ddp::JobSpec spec;
+  spec.item = CallItem::kGatherValues;
+  spec.iteration = iteration_;
+  lock.unlock();
+  lane_->call(
+      this, spec, [&] { group_->refuse(dist::CallKind::kAllGather, reason, false); }, lane_bound());
+  fail(StatusCode::kInternal, "dp_fsdp #", lane_id_, ": a refused gather passed");
 }
 
 void FullyShard::load_shard_from_full(size_t index, const Tensor& full) {

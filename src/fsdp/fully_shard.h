@@ -102,6 +102,11 @@ class FullyShard final : public ddp::LaneOwner,
   // Parameter `index`'s full value in its own dtype, gathered from every
   // rank (collective, on the lane).
   std::vector<Tensor> gather_full_values();
+  // This rank's gather_full_values, refused for `reason`: when the gather
+  // makes a collective, the refusal takes its place, so that the other
+  // ranks' gather fails naming this rank, and the verdict is thrown; else
+  // returns (there is nothing to stand in for).
+  void refuse_gather(const std::string& reason);
   // Which parameter (index) holds `parameter`, or npos.
   size_t index_of(const Parameter* parameter) const;
   static constexpr size_t npos = ~size_t(0);

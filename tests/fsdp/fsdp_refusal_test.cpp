@@ -4,6 +4,7 @@
 // itself, past dp_module_set_grad's checks, so the test links the library's
 // internals. Ranks are threads of this process, each with its own group.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <string>
 #include <vector>
@@ -76,4 +77,65 @@ TEST(FsdpRefusal, APostBackwardRefusedOnOneRankFailsTheOthersNamingItAndTheNextI
         EXPECT_EQ(read(g), std::vector<float>(6, 1.5f));
         dp_fsdp_destroy(f);
       });
+}
+
+// Rank 0's post_backward job fails with rank 1's refusal and its host goes
+// straight to dp_fsdp_destroy: the failure is reported there, and the
+// destroy still gathers with rank 1's, so both get the full parameters back
+// (rank 1's destroy is not left waiting for a gather rank 0 skipped).
+TEST(FsdpRefusal, ADestroyAfterAPeersRefusalStillGathersWithTheOtherRanks) {
+  dptest::run_thread_ranks(
+      "fsdp_refusal_", 2, dptest::RankOptions{DP_BACKEND_GLOO, 120000}, [](int rank, dp_process_group* pg) {
+        dptest::ModulePtr m = dptest::new_module();
+        std::vector<float> values(12);
+        for (size_t k = 0; k < values.size(); ++k) values[k] = static_cast<float>(k);
+        TensorPtr w = make<float>({4, 3}, values);
+        ASSERT_EQ(dp_module_register_parameter(m.get(), "weight", w.get(), 1), DP_OK) << dp_last_error();
+        dp_fsdp* f = nullptr;
+        ASSERT_EQ(dp_fsdp_create(&f, m.get(), pg, nullptr), DP_OK) << dp_last_error();
+        ASSERT_EQ(dp_fsdp_unshard(f, 0), DP_OK) << dp_last_error();
+        if (rank == 1) {
+          auto parameter = m->module->get_parameter("weight");
+          parameter->set_grad(
+              dparallel::Tensor::zeros(dparallel::DType::kFloat32, {2, 3}, parameter->value().device()));
+          EXPECT_EQ(dp_fsdp_post_backward(f), DP_EINVAL);
+        } else {
+          set_full_grad(m.get(), 1.0f);
+          ASSERT_EQ(dp_fsdp_post_backward(f), DP_OK) << dp_last_error();
+        }
+        dp_fsdp_destroy(f);
+        if (rank == 0) {
+          std::string error = dp_last_error();
+          EXPECT_NE(error.find("rank 1 refused"), std::string::npos) << error;
+        }
+        dp_tensor* p = nullptr;
+        ASSERT_EQ(dp_module_get_parameter(m.get(), "weight", &p), DP_OK) << dp_last_error();
+        TensorPtr full(p);
+        EXPECT_EQ(read(p), values);
+      });
+}
+
+// Rank 1 alone passes a NULL path to the full state dict save: every rank's
+// save fails at once naming rank 1 and the argument (rank 0 is not left in
+// its gather), and a save with good arguments then works on every rank.
+TEST(FsdpRefusal, ANullPathOnOneRankFailsEveryRanksFullSaveNamingItAndTheNextSaveWorks) {
+  const std::string path = dptest::temp_path("fsdp_refusal_", "full.safetensors");
+  ::unlink(path.c_str());
+  dptest::run_thread_ranks(
+      "fsdp_refusal_", 2, dptest::RankOptions{DP_BACKEND_GLOO, 120000}, [&](int rank, dp_process_group* pg) {
+        dptest::ModulePtr m = dptest::new_module();
+        TensorPtr w = make<float>({4, 3}, std::vector<float>(12, 0.5f));
+        ASSERT_EQ(dp_module_register_parameter(m.get(), "weight", w.get(), 1), DP_OK) << dp_last_error();
+        dp_fsdp* f = nullptr;
+        ASSERT_EQ(dp_fsdp_create(&f, m.get(), pg, nullptr), DP_OK) << dp_last_error();
+        EXPECT_EQ(dp_fsdp_save_full_state_dict(m.get(), pg, rank == 1 ? nullptr : path.c_str()), DP_EINVAL);
+        std::string error = dp_last_error();
+        EXPECT_NE(error.find("rank 1 refused"), std::string::npos) << error;
+        EXPECT_NE(error.find("'path'"), std::string::npos) << error;
+        EXPECT_EQ(::access(path.c_str(), F_OK), -1) << "rank 0 wrote the file of a refused save";
+        ASSERT_EQ(dp_fsdp_save_full_state_dict(m.get(), pg, path.c_str()), DP_OK) << dp_last_error();
+        dp_fsdp_destroy(f);
+      });
+  EXPECT_EQ(::access(path.c_str(), F_OK), 0);
+  ::unlink(path.c_str());
 }
