@@ -74,7 +74,7 @@ std::shared_ptr<FullyShard> FullyShard::create(std::shared_ptr<Module> module,
 
 FullyShard::FullyShard(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGroup> group,
                        ShardingOptions options)
-    : module_(std::move(module)), group_(std::move(group)), options_(options) {}
+    : module_(std::move(module)), group_(std::move(group)), options_(std::move(options)) {}
 
 FullyShard::Clock::duration FullyShard::lane_bound() const { return group_->timeout() + std::chrono::seconds(3); }
 
