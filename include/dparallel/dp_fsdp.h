@@ -74,7 +74,9 @@
  * drops that gradient; with gradient sync it takes its reduce-scatter's
  * place, so the other ranks' dp_fsdp_finish_backward fails at once with
  * DP_EINVAL naming this rank, nothing is reduced, and every rank goes on
- * with the next iteration.
+ * with the next iteration. So does a post_backward whose previous one
+ * failed with no dp_fsdp_finish_backward reporting it (the message carries
+ * that failure).
  * A rank whose peers skip an unshard it makes (or make another call in its
  * place) fails within the group's timeout: DP_EREMOTE naming both calls, or
  * DP_ETIMEOUT naming the ranks that had not issued it, after which the

@@ -575,8 +575,19 @@ void FullyShard::post_backward(std::vector<Event> host_ready) {
          " was not unsharded since its last post_backward, so no full gradient can have been computed: call "
          "dp_fsdp_unshard before the module's forward and backward");
   }
-  // The last reduce_scatter's shard gradients are final before this one adds to them.
-  if (post_job_.issued) wait_locked(lock, post_job_, "the post-backward reduce_scatter");
+  // The last reduce_scatter's shard gradients are final before this one adds
+  // to them. Its failure (a peer's refusal, say), not yet reported by a
+  // finish_backward, fails this call, in its job's place: the other ranks
+  // issue theirs.
+  std::string previous;
+  if (post_job_.issued) {
+    try {
+      wait_locked(lock, post_job_, "the post-backward reduce_scatter");
+    } catch (const Error& e) {
+      if (broken_) throw;
+      previous = str_cat("the previous post_backward failed, and no dp_fsdp_finish_backward reported it: ", e.what());
+    }
+  }
   finish_unshard_locked(lock);
   std::vector<Tensor> grads(params_.size());
   std::string refusal;
@@ -595,6 +606,8 @@ void FullyShard::post_backward(std::vector<Event> host_ready) {
       grads[i] = Tensor();
     }
   }
+  if (!refusal.empty()) refusal += " (the gradient was dropped)";
+  if (refusal.empty()) refusal = previous;
   // Refused or not, the call reshards as on every rank, so that the ranks'
   // next unshards still pair.
   unsharded_since_post_ = false;
@@ -602,7 +615,7 @@ void FullyShard::post_backward(std::vector<Event> host_ready) {
   // Without sync the full gradients stay and the next backward adds to them.
   if (!requires_sync_ || params_.empty() || (!refusal.empty() && !post_backward_communicates())) {
     // No collective for anyone to pair a refusal with.
-    if (!refusal.empty()) fail_invalid(refusal, " (the gradient was dropped)");
+    if (!refusal.empty()) fail_invalid(refusal);
     return;
   }
   for (const Managed& m : params_) {

@@ -79,6 +79,56 @@ TEST(FsdpRefusal, APostBackwardRefusedOnOneRankFailsTheOthersNamingItAndTheNextI
       });
 }
 
+// Rank 0's host does not call dp_fsdp_finish_backward after its
+// post_backward job failed with rank 1's refusal: its next post_backward
+// reports that failure, in that post_backward's place (rank 1's
+// finish_backward then fails naming rank 0), and both still reshard, so the
+// iteration after that pairs and reduces.
+TEST(FsdpRefusal, AFailureNotWaitedForFailsTheNextPostBackwardInItsPlaceAndTheRanksStayInStep) {
+  dptest::run_thread_ranks(
+      "fsdp_refusal_", 2, dptest::RankOptions{DP_BACKEND_GLOO, 120000}, [](int rank, dp_process_group* pg) {
+        dptest::ModulePtr m = dptest::new_module();
+        TensorPtr w = make<float>({4, 3}, std::vector<float>(12, 0.5f));
+        ASSERT_EQ(dp_module_register_parameter(m.get(), "weight", w.get(), 1), DP_OK) << dp_last_error();
+        dp_fsdp* f = nullptr;
+        ASSERT_EQ(dp_fsdp_create(&f, m.get(), pg, nullptr), DP_OK) << dp_last_error();
+        ASSERT_EQ(dp_fsdp_unshard(f, 0), DP_OK) << dp_last_error();
+        if (rank == 1) {
+          auto parameter = m->module->get_parameter("weight");
+          parameter->set_grad(
+              dparallel::Tensor::zeros(dparallel::DType::kFloat32, {2, 3}, parameter->value().device()));
+          EXPECT_EQ(dp_fsdp_post_backward(f), DP_EINVAL);
+        } else {
+          set_full_grad(m.get(), 1.0f);
+          ASSERT_EQ(dp_fsdp_post_backward(f), DP_OK) << dp_last_error();
+        }
+        // The next iteration; rank 0 has not seen its job fail.
+        ASSERT_EQ(dp_fsdp_unshard(f, 0), DP_OK) << dp_last_error();
+        set_full_grad(m.get(), 1.0f);
+        if (rank == 0) {
+          EXPECT_EQ(dp_fsdp_post_backward(f), DP_EINVAL);
+          std::string error = dp_last_error();
+          EXPECT_NE(error.find("the previous post_backward failed"), std::string::npos) << error;
+          EXPECT_NE(error.find("rank 1 refused"), std::string::npos) << error;
+          EXPECT_EQ(dp_fsdp_finish_backward(f), DP_OK) << dp_last_error();
+        } else {
+          ASSERT_EQ(dp_fsdp_post_backward(f), DP_OK) << dp_last_error();
+          EXPECT_EQ(dp_fsdp_finish_backward(f), DP_EINVAL);
+          std::string error = dp_last_error();
+          EXPECT_NE(error.find("rank 0 refused"), std::string::npos) << error;
+        }
+        ASSERT_EQ(dp_fsdp_unshard(f, 0), DP_OK) << dp_last_error();
+        set_full_grad(m.get(), static_cast<float>(rank + 1));
+        ASSERT_EQ(dp_fsdp_post_backward(f), DP_OK) << dp_last_error();
+        ASSERT_EQ(dp_fsdp_finish_backward(f), DP_OK) << dp_last_error();
+        dp_tensor* g = nullptr;
+        ASSERT_EQ(dp_fsdp_shard_grad(f, 0, &g), DP_OK) << dp_last_error();
+        TensorPtr owned(g);
+        EXPECT_EQ(read(g), std::vector<float>(6, 1.5f));
+        dp_fsdp_destroy(f);
+      });
+}
+
 // Rank 0's post_backward job fails with rank 1's refusal and its host goes
 // straight to dp_fsdp_destroy: the failure is reported there, and the
 // destroy still gathers with rank 1's, so both get the full parameters back
