@@ -310,24 +310,82 @@ Timing measure(dp_process_group* pg, const Options& o, Step&& step) {
   return measure(pg, o, step, [] {});
 }
 
-int run(const Options& o) {
-  dp_process_group* pg = nullptr;
-  fail_on(dp_process_group_create_from_env(&pg, nullptr), "joining the process group (run it under dp-run)");
-  const int rank = dp_process_group_rank(pg), world = dp_process_group_size(pg);
-  openblas_set_num_threads(1);
-  const int L = o.layers;
-  const int64_t W = o.width, B = o.batch;
-  const int64_t nparams = static_cast<int64_t>(L) * (W * W + W);
-  const size_t per_layer = static_cast<size_t>(W * W + W);
+// What every mode of one run shares: the group, the options, this rank's
+// inputs and targets, the host's model, and the timings reported so far.
+struct Bench {
+  Bench(const Options& options, dp_process_group* group)
+      : o(options),
+        pg(group),
+        rank(dp_process_group_rank(group)),
+        world(dp_process_group_size(group)),
+        L(options.layers),
+        W(options.width),
+        B(options.batch),
+        nparams(static_cast<int64_t>(L) * (W * W + W)),
+        per_layer(static_cast<size_t>(W * W + W)),
+        x(static_cast<size_t>(B * W)),
+        y(static_cast<size_t>(B * W)),
+        mlp(L, W, B) {
+    // Inputs and targets of this rank, fixed across steps (as in the anchor).
+    uint64_t data_rng = 1000 + static_cast<uint64_t>(rank);
+    for (float& v : x) v = uniform(&data_rng, 1.7f);
+    for (float& v : y) v = uniform(&data_rng, 1.7f);
+  }
 
-  // Inputs and targets of this rank, fixed across steps (as in the anchor).
-  std::vector<float> x(static_cast<size_t>(B * W)), y(static_cast<size_t>(B * W));
-  uint64_t data_rng = 1000 + static_cast<uint64_t>(rank);
-  for (float& v : x) v = uniform(&data_rng, 1.7f);
-  for (float& v : y) v = uniform(&data_rng, 1.7f);
-  Mlp mlp(L, W, B);
-  auto no_marks = [](int) {};
+  bool wants(const char* mode) const { return std::find(o.modes.begin(), o.modes.end(), mode) != o.modes.end(); }
+  const Timing* find(const char* name) const {
+    for (const auto& [n, t] : results) {
+      if (n == name) return &t;
+    }
+    return nullptr;
+  }
+  // Keeps a mode's timing; rank 0 prints it, against the local step's.
+  void report(const std::string& name, Timing t) {
+    results.emplace_back(name, t);
+    if (rank != 0) return;
+    std::string rel(16, ' ');
+    if (name != "local" && !results.empty() && results.front().first == "local") {
+      char text[32];
+      std::snprintf(text, sizeof text, "%+16.2f", (t.median - results.front().second.median) * 1e3);
+      rel = text;
+    }
+    std::printf("%-15s %9.2f %9.2f %s %10.2f\n", name.c_str(), t.median * 1e3, t.min * 1e3, rel.c_str(), t.cpu * 1e3);
+    std::fflush(stdout);
+  }
 
+  const Options& o;
+  dp_process_group* pg;
+  const int rank, world, L;
+  const int64_t W, B, nparams;
+  const size_t per_layer;
+  std::vector<float> x, y;
+  Mlp mlp;
+  std::vector<std::pair<std::string, Timing>> results;
+};
+
+// What the fsdp modes report beside their step times.
+struct FsdpFigures {
+  double peak_mib = -1, rss_mib = -1, unshard_wait_ms = 0, reduce_wait_ms = 0;
+  int views = 0;
+};
+
+// What the ddp modes report beside their step times.
+struct DdpFigures {
+  double hidden_share = -1, reduce_ms = 0, exposed_ms = 0;
+  size_t num_buckets = 0;
+  long rss_before = -1, hwm_warm = -1, rss_warm = -1, hwm_timed = -1, rss_after = -1;
+  long pss_before = -1, pss_after = -1;
+  bool peak_reset = false;
+  std::vector<double> all_active, one_joined;
+  double join_ms = -1;
+};
+
+// Rank 0's first lines: the run's settings and the table's head.
+void print_header(const Bench& bench) {
+  const Options& o = bench.o;
+  dp_process_group* pg = bench.pg;
+  const int rank = bench.rank, world = bench.world, L = bench.L;
+  const int64_t W = bench.W, B = bench.B, nparams = bench.nparams;
   if (rank == 0) {
     std::printf(
         "# dparallel DDP/%s, world=%d, model %dxLinear(%lld,%lld) = %.2f M params (%.1f MB grads), batch=%lld/rank, "
@@ -350,23 +408,20 @@ int run(const Options& o) {
     std::printf("%-15s %9s %9s %16s %10s\n", "mode", "t_med_ms", "t_min_ms", "vs_local_med_ms", "cpu_ms");
     std::fflush(stdout);
   }
-  std::vector<std::pair<std::string, Timing>> results;
-  auto report = [&](const std::string& name, Timing t) {
-    results.emplace_back(name, t);
-    if (rank != 0) return;
-    std::string rel(16, ' ');
-    if (name != "local" && !results.empty() && results.front().first == "local") {
-      char text[32];
-      std::snprintf(text, sizeof text, "%+16.2f", (t.median - results.front().second.median) * 1e3);
-      rel = text;
-    }
-    std::printf("%-15s %9.2f %9.2f %s %10.2f\n", name.c_str(), t.median * 1e3, t.min * 1e3, rel.c_str(), t.cpu * 1e3);
-    std::fflush(stdout);
-  };
-  auto wants = [&](const char* mode) { return std::find(o.modes.begin(), o.modes.end(), mode) != o.modes.end(); };
+}
 
+void run_local(Bench& bench) {
+  const Options& o = bench.o;
+  dp_process_group* pg = bench.pg;
+  const int L = bench.L;
+  const int64_t W = bench.W, nparams = bench.nparams;
+  const size_t per_layer = bench.per_layer;
+  std::vector<float>&x = bench.x, &y = bench.y;
+  Mlp& mlp = bench.mlp;
+  auto report = [&](const std::string& name, Timing t) { bench.report(name, t); };
+  auto no_marks = [](int) {};
   // local: the host's own arrays, no dparallel call in the step.
-  if (wants("local")) {
+  {
     std::vector<float> params(per_layer * L), grads(per_layer * L);
     std::vector<float*> w(L), b(L), gw(L), gb(L);
     uint64_t rng = 42;
@@ -382,18 +437,24 @@ int run(const Options& o) {
              sgd(params.data(), grads.data(), nparams);
            }));
   }
+}
 
-  // fsdp: one dp_fsdp per layer, the host unsharding each layer before its
-  // forward and backward with the next one prefetched, resharding after its
-  // forward, post_backward once its backward is done, SGD on the shards.
-  // The initial weights are the host's (from_blob) and freed once sharded,
-  // as a host that loads a checkpoint would; the resident peak over the
-  // timed steps, less the resident size before the model, is what the
-  // sharded model costs this rank.
-  struct FsdpFigures {
-    double peak_mib = -1, rss_mib = -1, unshard_wait_ms = 0, reduce_wait_ms = 0;
-    int views = 0;
-  };
+// fsdp: one dp_fsdp per layer, the host unsharding each layer before its
+// forward and backward with the next one prefetched, resharding after its
+// forward, post_backward once its backward is done, SGD on the shards.
+// The initial weights are the host's (from_blob) and freed once sharded,
+// as a host that loads a checkpoint would; the resident peak over the
+// timed steps, less the resident size before the model, is what the
+// sharded model costs this rank.
+std::vector<std::pair<std::string, FsdpFigures>> run_fsdp_modes(Bench& bench) {
+  const Options& o = bench.o;
+  dp_process_group* pg = bench.pg;
+  const int L = bench.L;
+  const int64_t W = bench.W;
+  std::vector<float>&x = bench.x, &y = bench.y;
+  Mlp& mlp = bench.mlp;
+  auto wants = [&](const char* mode) { return bench.wants(mode); };
+  auto report = [&](const std::string& name, Timing t) { bench.report(name, t); };
   std::vector<std::pair<std::string, FsdpFigures>> fsdp_figures;
   auto run_fsdp = [&](const char* mode, int views) {
     FsdpFigures figures;
@@ -525,10 +586,22 @@ int run(const Options& o) {
   };
   if (wants("fsdp")) run_fsdp("fsdp", o.views);
   if (wants("fsdp_views")) run_fsdp("fsdp_views", 1);
+  return fsdp_figures;
+}
 
-  // The DDP model: a dp_module whose parameters are library tensors; its
-  // gradients are left to the reducer (with gradient_as_bucket_view they are
-  // views into the buckets and never allocated on their own).
+// The DDP model: a dp_module whose parameters are library tensors; its
+// gradients are left to the reducer (with gradient_as_bucket_view they are
+// views into the buckets and never allocated on their own).
+DdpFigures run_ddp_modes(Bench& bench) {
+  const Options& o = bench.o;
+  dp_process_group* pg = bench.pg;
+  const int L = bench.L;
+  const int64_t W = bench.W;
+  std::vector<float>&x = bench.x, &y = bench.y;
+  Mlp& mlp = bench.mlp;
+  auto wants = [&](const char* mode) { return bench.wants(mode); };
+  auto report = [&](const std::string& name, Timing t) { bench.report(name, t); };
+  const int rank = bench.rank, world = bench.world;
   double hidden_share = -1, reduce_ms = 0, exposed_ms = 0;
   size_t num_buckets = 0;
   // Resident size before dp_ddp_create; peak and resident size after the
@@ -673,20 +746,39 @@ int run(const Options& o) {
     dp_module_destroy(model);
   }
 
-  if (wants("allreduce_only")) {
+  return DdpFigures{hidden_share, reduce_ms,  exposed_ms, num_buckets, rss_before, hwm_warm,   rss_warm, hwm_timed,
+                    rss_after,    pss_before, pss_after,  peak_reset,  all_active, one_joined, join_ms};
+}
+
+void run_allreduce_only(Bench& bench) {
+  const Options& o = bench.o;
+  dp_process_group* pg = bench.pg;
+  const int64_t nparams = bench.nparams;
+  auto report = [&](const std::string& name, Timing t) { bench.report(name, t); };
+  {
     dp_tensor* flat = nullptr;
     fail_on(dp_tensor_create(&flat, DP_FLOAT32, 1, &nparams, dp_device{DP_DEVICE_CPU, 0}), "dp_tensor_create");
     report("allreduce_only", measure(pg, o, [&](int) { fail_on(dp_pg_all_reduce(pg, flat, DP_SUM), "all_reduce"); }));
     dp_tensor_destroy(flat);
   }
+}
 
+// Rank 0's closing lines: overheads, memory and waits, from every mode's figures.
+void print_summary(const Bench& bench, const std::vector<std::pair<std::string, FsdpFigures>>& fsdp_figures,
+                   const DdpFigures& ddp_figures) {
+  const Options& o = bench.o;
+  const int rank = bench.rank, world = bench.world;
+  const int64_t nparams = bench.nparams;
+  const double hidden_share = ddp_figures.hidden_share, reduce_ms = ddp_figures.reduce_ms,
+               exposed_ms = ddp_figures.exposed_ms, join_ms = ddp_figures.join_ms;
+  const size_t num_buckets = ddp_figures.num_buckets;
+  const long rss_before = ddp_figures.rss_before, hwm_warm = ddp_figures.hwm_warm, rss_warm = ddp_figures.rss_warm,
+             hwm_timed = ddp_figures.hwm_timed, rss_after = ddp_figures.rss_after, pss_before = ddp_figures.pss_before,
+             pss_after = ddp_figures.pss_after;
+  const bool peak_reset = ddp_figures.peak_reset;
+  const std::vector<double>&all_active = ddp_figures.all_active, &one_joined = ddp_figures.one_joined;
   if (rank == 0) {
-    auto find = [&](const char* name) -> const Timing* {
-      for (const auto& [n, t] : results) {
-        if (n == name) return &t;
-      }
-      return nullptr;
-    };
+    auto find = [&](const char* name) { return bench.find(name); };
     const Timing *local = find("local"), *no_sync = find("ddp_no_sync"), *ddp = find("ddp"),
                  *flat = find("allreduce_only");
     if (local != nullptr && ddp != nullptr) {
@@ -768,6 +860,19 @@ int run(const Options& o) {
     }
     std::fflush(stdout);
   }
+}
+
+int run(const Options& o) {
+  dp_process_group* pg = nullptr;
+  fail_on(dp_process_group_create_from_env(&pg, nullptr), "joining the process group (run it under dp-run)");
+  openblas_set_num_threads(1);
+  Bench b(o, pg);
+  print_header(b);
+  if (b.wants("local")) run_local(b);
+  const auto fsdp_figures = run_fsdp_modes(b);
+  const DdpFigures ddp_figures = run_ddp_modes(b);
+  if (b.wants("allreduce_only")) run_allreduce_only(b);
+  print_summary(b, fsdp_figures, ddp_figures);
   fail_on(dp_pg_barrier(pg), "final barrier");
   dp_process_group_destroy(pg);
   return 0;

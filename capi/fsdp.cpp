@@ -207,7 +207,7 @@ dp_status dp_fsdp_save_full_state_dict(dp_module* module, dp_process_group* pg, 
   try {
     file = capi::string_arg(path, "path");
   } catch (const Error& e) {
-    fsdp::refuse_full_state_dict_save(m, e.what());
+    fsdp::refuse_full_state_dict_save(m, group, e.what());
   }
   StreamOrder order(capi::module_devices(m, {group.device()}));
   order_transfers(order, group);

@@ -228,7 +228,9 @@ func (m *Module) LoadFullStateDict(path string, strict bool) error {
 }
 
 // SaveShardedStateDict writes this rank's rows to one file per rank in
-// folder (made when missing). Local; pg says this rank's place.
+// folder (made when missing), then rank 0 writes the save's manifest last.
+// Collective over pg: it succeeds on every rank or fails on every rank, and
+// a failed save leaves the folder's last complete save loadable.
 func (m *Module) SaveShardedStateDict(pg *ProcessGroup, folder string) error {
 	if pg == nil {
 		return invalid("dp_fsdp_save_sharded_state_dict", "argument 'pg' is nil")
@@ -240,8 +242,10 @@ func (m *Module) SaveShardedStateDict(pg *ProcessGroup, folder string) error {
 	})
 }
 
-// LoadShardedStateDict reads a sharded save (of any world size, once every
-// rank's save has returned) and keeps the rows this rank holds now.
+// LoadShardedStateDict reads a complete sharded save (of any world size),
+// checked against its manifest, and keeps the rows this rank holds now.
+// Collective over the group of the Fsdp holding the module: every rank
+// loads, or none does and the module is unchanged.
 func (m *Module) LoadShardedStateDict(folder string) error {
 	cfolder := C.CString(folder)
 	defer C.free(unsafe.Pointer(cfolder))

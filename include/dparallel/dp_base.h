@@ -7,7 +7,9 @@
  * - A handle that comes out through a first out-parameter (`**out`) is a new
  *   owned reference; release it with the matching `_destroy`, which accepts
  *   NULL. Arrays of output handles are caller-allocated and filled with new
- *   references. There are no borrowed handles.
+ *   references. The only borrowed handles are those a callback receives for
+ *   the length of the call (dp_forward_fn, dp_comm_hook_fn,
+ *   dp_bucket_reduced_fn); each says so.
  * - On failure: a handle out-parameter is set to NULL (when the pointer to it
  *   is not itself NULL), value out-parameters and caller-allocated output
  *   arrays are left untouched, no handle is created and nothing leaks. Inputs

@@ -216,33 +216,67 @@ DP_API void dp_fsdp_destroy(dp_fsdp *fsdp);
 
 /* State dicts of a module whose parameters dp_fsdp hold (the root, say).
  *
+ * Checkpoints never load wrong: every save is a transaction that succeeds on
+ * every rank or fails on every rank (naming the rank that failed and why),
+ * and a save that fails, or a rank that dies while saving, leaves the last
+ * complete save at that path or in that folder as it was, loadable. Every
+ * file carries checksums; a load refuses a damaged, partial or mixed save
+ * before it changes anything.
+ *
  * Full: collective over the ranks of `pg`, which every dp_fsdp holding a
  * parameter of `module` must be on (else DP_EINVAL naming the parameter):
  * each sharded parameter is gathered (one all-gather per dp_fsdp, in the
  * order their first parameters are listed) and rank 0 writes `path` as
- * dp_module_save would for the unsharded module: the same bytes. The other
- * ranks write nothing. Loading is local: every rank can read the file; each
- * keeps its rows of the sharded parameters and takes every other tensor
- * whole (`strict` and errors as for dp_module_load; the module is unchanged
- * on an error found before copying). Every dp_fsdp involved must be
- * resharded, with no unshard in flight (DP_ESTATE otherwise). A NULL
- * `path` on one rank takes the place of its first gather: every rank's
- * save fails with DP_EINVAL naming that rank, and nothing is written. */
+ * dp_module_save would for the unsharded module: the same bytes, through a
+ * temporary file flushed to disk and renamed over `path`. Rank 0's outcome
+ * is every rank's: when its write fails, every rank gets its status, the
+ * others' messages saying rank 0 could not write, and a file already at
+ * `path` is as it was. Loading is local: every rank can read the file;
+ * each keeps its rows of the sharded parameters and takes every other
+ * tensor whole (`strict` and errors as for dp_module_load: without
+ * `strict`, every tensor the file lacks, sharded or not, is left as it is;
+ * the module is unchanged on an error found before copying, a damaged file
+ * included). Every dp_fsdp involved must be resharded, with no unshard in
+ * flight (DP_ESTATE otherwise). A NULL `path` on one rank takes the place
+ * of its first collective: every rank's save fails with DP_EINVAL naming
+ * that rank, and nothing is written. */
 DP_API dp_status dp_fsdp_save_full_state_dict(dp_module *module, dp_process_group *pg, const char *path);
 DP_API dp_status dp_fsdp_load_full_state_dict(dp_module *module, const char *path, int strict);
-/* Sharded: local; each rank writes `folder`/shard-RRRRR-of-WWWWW.safetensors
- * (the folder is made when missing) holding its rows of every sharded
- * parameter, with metadata "dp.rows.<name>" = "first count rows" to re-shard
- * them; rank 0's file also holds every tensor that is not sharded. Loading
- * reads the header of every file of the save (load after every rank's save
- * has returned, e.g. after a dp_pg_barrier), then only the rows this rank
- * keeps now and the whole tensors, so a save at one world size loads at
- * another; a read that fails after the checks (a file changed meanwhile)
- * is DP_EIO and may leave the module partly loaded, as dp_module_load. Every key must name a tensor of
- * the module and every tensor must be covered, with the same dtype and full
- * shape, else DP_EINVAL naming each difference and the module is unchanged;
- * every dp_fsdp involved must be resharded, with no unshard in flight
- * (DP_ESTATE otherwise). */
+/* Sharded: collective over `pg` (as for the full save). Each save gets an
+ * id (16 hex digits, rank 0's); each rank writes
+ * `folder`/shard-RRRRR-of-WWWWW-<id>.safetensors (the folder is made when
+ * missing) holding its rows of every sharded parameter, with metadata
+ * "dp.rows.<name>" = "first count rows" to re-shard them and "dp.save_id";
+ * rank 0's file also holds every tensor that is not sharded. Once every
+ * rank reported its file written, rank 0 writes `folder`/manifest.json,
+ * last and atomically: the save's id, world size, every file with its size
+ * and header checksum, and every tensor's row ranges with each piece's
+ * CRC-32C. Only then is the save complete; rank 0 then removes the files
+ * of earlier saves in the folder. A failure on any rank before that fails
+ * the save on every rank (DP_EIO, DP_EINVAL, ... as the failing rank got
+ * it, the others naming that rank), removes this save's files and leaves
+ * the folder's last complete save as it was. When a rank dies after the
+ * manifest may have been written, the others fail saying the outcome is
+ * unknown and keep their files: the manifest decides. One save at a time
+ * per folder.
+ *
+ * Loading is collective over the group of the dp_fsdp holding the module's
+ * tensors (every rank calls it; local for a module no dp_fsdp holds). It
+ * reads the manifest and checks every file against it: a folder without a
+ * manifest is DP_EINVAL; a malformed manifest, a missing file, a file of
+ * another save or world size, a size or header checksum that differs, row
+ * ranges that overlap or leave rows in no file are DP_EIO naming the file
+ * or the tensor. It then reads only the rows this rank keeps now and the
+ * whole tensors, so a save at one world size loads at another, checking
+ * each piece it reads against its checksum first (DP_EIO naming the file
+ * and the tensor). Every key must name a tensor of the module and every
+ * tensor must be covered, with the same dtype and full shape, else
+ * DP_EINVAL naming each difference. A refusal on any rank is every rank's
+ * (the others naming that rank), and the module is unchanged on every
+ * rank; a read that fails after the checks (a file changed meanwhile) is
+ * DP_EIO and may leave the module partly loaded, as dp_module_load. Every
+ * dp_fsdp involved must be resharded, with no unshard in flight (DP_ESTATE
+ * otherwise). */
 DP_API dp_status dp_fsdp_save_sharded_state_dict(dp_module *module, dp_process_group *pg, const char *folder);
 DP_API dp_status dp_fsdp_load_sharded_state_dict(dp_module *module, const char *folder);
 

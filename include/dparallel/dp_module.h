@@ -85,11 +85,14 @@ DP_API dp_status dp_module_set_grad(dp_module *module, const char *dotted_name, 
 /* Fills every allocated gradient with zeros (the storage is kept). */
 DP_API dp_status dp_module_zero_grad(dp_module *module);
 /* The state dict (parameters and persistent buffers, each tensor once) as a
- * safetensors file with metadata {"format": "pt"}, written to a new
+ * safetensors file with metadata {"format": "pt"} and "dp.crc32c" (the
+ * CRC-32C of the data section, eight lowercase hex digits), written to a new
  * temporary file (".dp-save-" and six random characters, removed on failure)
- * in the folder of the file it replaces, then renamed over that file, so
- * concurrent saves never share a temporary file and a name up to NAME_MAX
- * can be saved. Saving the same state twice gives the same bytes.
+ * in the folder of the file it replaces, flushed to disk (fsync), then
+ * renamed over that file: `path` holds the old file or the whole new one,
+ * never a part, even across a crash. Concurrent saves never share a
+ * temporary file and a name up to NAME_MAX can be saved. Saving the same
+ * state twice gives the same bytes.
  * - A symbolic link `path` is kept: the file it (finally) names is replaced,
  *   or created when it does not exist.
  * - An existing file keeps its permission bits; a new one gets 0666 & ~umask.
@@ -106,9 +109,13 @@ DP_API dp_status dp_module_save(const dp_module *module, const char *path);
  * path to a tensor. A `path` that is not a regular file (checked without
  * opening a FIFO for reading, so never blocking) is DP_EINVAL naming it. A
  * malformed file (truncated, bad header length, bad JSON, a key twice at any
- * level, unknown dtype, overlapping or out-of-range offsets) is DP_EIO. With
- * `strict`, missing and unexpected keys are DP_EINVAL naming all of them; a
- * shape or dtype mismatch always is, naming the key and both shapes. Checking
+ * level, unknown dtype, overlapping or out-of-range offsets) is DP_EIO, and
+ * so is one whose data differs from its "dp.crc32c" checksum (read whole and
+ * checked before any tensor changes; files of other writers, without one,
+ * load unchecked). With `strict`, missing and unexpected keys are DP_EINVAL
+ * naming all of them; without it, tensors the file lacks are left as they
+ * are. A shape or dtype mismatch always is DP_EINVAL, naming the key and
+ * both shapes. Checking
  * the header takes time linear in its size. The header is checked against
  * the file's size before any tensor data is read, and the data is read
  * straight into the tensors (no second copy of the file in memory). On any

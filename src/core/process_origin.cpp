@@ -27,7 +27,7 @@ ProcessOrigin::ProcessOrigin() noexcept : pid_(::getpid()) {
 void ProcessOrigin::check(const char* what) const {
   if (is_current()) return;
   fail(StatusCode::kState, what, " was created in process ", pid_, "; this is a forked child (pid ", ::getpid(),
-       "), which must not use its parent's process groups, stores or dp_ddp (that would talk on the parent's "
+       "), which must not use its parent's process groups, stores, dp_ddp or dp_fsdp (that would talk on the parent's "
        "connections): create new ones in the child");
 }
 

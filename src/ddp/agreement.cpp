@@ -26,32 +26,41 @@ std::vector<std::string> split_lines(const std::string& text) {
   return lines;
 }
 
-// Every rank all-gathers every rank's description and reports the same first
-// difference from rank 0 (or the lowest rank's own error).
-void check_agreement(dist::ProcessGroup& group, const std::vector<std::string>& description) {
+std::vector<std::string> all_gather_strings(dist::ProcessGroup& group, const std::string& mine) {
   const Device device = group.device();
   const int32_t world = group.size();
-  std::string mine;
-  for (const auto& line : description) mine += line + "\n";
   std::vector<Tensor> lengths = gather_outputs(world, DType::kInt64, 1, device);
   group.all_gather(to_device(host_int64({static_cast<int64_t>(mine.size())}), device), lengths, false);
   size_t longest = 0;
   std::vector<size_t> sizes;
   for (const Tensor& t : lengths) {
     int64_t n = read_int64(t).at(0);
-    if (n < 0 || n > (int64_t(1) << 31)) fail(StatusCode::kRemote, "a rank sent a malformed description");
+    if (n < 0 || n > (int64_t(1) << 31)) fail(StatusCode::kRemote, "a rank sent a malformed length");
     sizes.push_back(static_cast<size_t>(n));
     longest = std::max(longest, static_cast<size_t>(n));
   }
+  longest = std::max<size_t>(longest, 1);  // no empty all_gather
   Tensor padded = Tensor::zeros(DType::kUInt8, {static_cast<int64_t>(longest)}, kHostDevice);
-  std::memcpy(padded.data(), mine.data(), mine.size());
+  if (!mine.empty()) std::memcpy(padded.data(), mine.data(), mine.size());
   std::vector<Tensor> all = gather_outputs(world, DType::kUInt8, static_cast<int64_t>(longest), device);
   group.all_gather(to_device(padded, device), all, false);
-  std::vector<std::vector<std::string>> lines;
+  std::vector<std::string> out;
+  out.reserve(static_cast<size_t>(world));
   for (int32_t r = 0; r < world; ++r) {
     Tensor host = to_device(all[r], kHostDevice);
-    lines.push_back(split_lines(std::string(static_cast<const char*>(host.data()), sizes[r])));
+    out.emplace_back(static_cast<const char*>(host.data()), sizes[r]);
   }
+  return out;
+}
+
+// Every rank all-gathers every rank's description and reports the same first
+// difference from rank 0 (or the lowest rank's own error).
+void check_agreement(dist::ProcessGroup& group, const std::vector<std::string>& description) {
+  const int32_t world = group.size();
+  std::string mine;
+  for (const auto& line : description) mine += line + "\n";
+  std::vector<std::vector<std::string>> lines;
+  for (const std::string& text : all_gather_strings(group, mine)) lines.push_back(split_lines(text));
   for (int32_t r = 0; r < world; ++r) {
     if (!lines[r].empty() && starts_with(lines[r][0], "error ")) {
       fail_invalid("rank ", r, " refused: ", lines[r][0].substr(6));

@@ -12,6 +12,9 @@ namespace dparallel::ddp {
 
 std::vector<std::string> split_lines(const std::string& text);
 
+// Collective: every rank's `mine`, in rank order.
+std::vector<std::string> all_gather_strings(dist::ProcessGroup& group, const std::string& mine);
+
 // Collective: every rank all-gathers every rank's description and fails the
 // same way on the first difference from rank 0 (kInvalidArgument naming
 // both lines), or on the lowest rank's own error (a first line "error ...").

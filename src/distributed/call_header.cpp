@@ -79,6 +79,8 @@ std::string call_item_name(CallItem item, uint32_t index) {
       return "the post-backward reduce_scatter";
     case CallItem::kGatherValues:
       return "the full parameters' gather";
+    case CallItem::kStateDict:
+      return "a state dict's agreement";
     case CallItem::kNone:
       break;
   }

@@ -29,6 +29,7 @@ enum class CallItem : uint32_t {
   kUnshard = 8,        // the parameters' all_gather (a barrier with views)
   kPostBackward = 9,   // the gradients' reduce_scatter
   kGatherValues = 10,  // the full values, for a state dict or dp_fsdp_destroy
+  kStateDict = 11,     // a state dict save's or load's agreement (the save's id, every rank's outcome)
 };
 inline bool is_sharding_item(CallItem item) { return item >= CallItem::kFsdpCreate; }
 

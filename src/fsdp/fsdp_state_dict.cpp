@@ -1,7 +1,9 @@
 #include "fsdp/fsdp_state_dict.h"
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -9,10 +11,14 @@
 #include <cstring>
 #include <map>
 #include <memory>
-#include <sstream>
+#include <new>
+#include <nlohmann/json.hpp>
+#include <set>
 
 #include "core/error.h"
+#include "ddp/agreement.h"
 #include "fsdp/fully_shard.h"
+#include "fsdp/save_manifest.h"
 #include "module/safetensors.h"
 #include "module/state_dict.h"
 
@@ -20,14 +26,20 @@ namespace dparallel::fsdp {
 
 namespace {
 
+using Json = nlohmann::json;
+
 constexpr const char* kShardedFormat = "dp-fsdp-sharded";
 constexpr const char* kRowsKey = "dp.rows.";
+constexpr const char* kSaveIdKey = "dp.save_id";
+// A manifest larger than this is not one a save wrote.
+constexpr int64_t kMaxManifestBytes = int64_t(1) << 30;
 
 // A state dict entry and, when a dp_fsdp holds it, which one and its index there.
 struct Held {
   StateEntry entry;
   std::shared_ptr<FullyShard> holder;
   size_t index = 0;
+  bool sharded() const { return holder && !holder->full_shape(index).empty(); }
 };
 
 // state_dict(module), each entry with the dp_fsdp that holds it (if any).
@@ -55,10 +67,386 @@ void check_group(const Held& h, const dist::ProcessGroup& group) {
   }
 }
 
-std::string shard_file(const std::string& folder, int32_t rank, int32_t world) {
-  char name[64];
-  std::snprintf(name, sizeof name, "/shard-%05d-of-%05d.safetensors", rank, world);
-  return folder + name;
+// A load writes the shards: not while they are read as full parameters (or
+// in flight to be), here or, with views, on the other ranks.
+void check_resharded(const FullyShard& holder, const std::string& name) {
+  if (!holder.resharded()) {
+    fail(StatusCode::kState, "parameter '", name,
+         "' is unsharded or being unsharded (its slot holds, or is to hold, the full parameter): reshard its "
+         "dp_fsdp first");
+  }
+}
+
+// The dp_fsdp whose lane carries a state dict's collectives, so that they
+// pair with its other jobs; null when no dp_fsdp holds the module's tensors.
+std::shared_ptr<FullyShard> lane_holder(const std::vector<Held>& state) {
+  for (const Held& h : state) {
+    if (h.holder) return h.holder;
+  }
+  return nullptr;
+}
+
+// Every rank's `mine`, on the holder's lane or as the host's own call.
+std::vector<std::string> exchange(dist::ProcessGroup& group, const std::shared_ptr<FullyShard>& holder,
+                                  const std::string& mine) {
+  std::vector<std::string> all;
+  if (holder) {
+    holder->call_on_lane(dist::CallItem::kStateDict, [&] { all = ddp::all_gather_strings(group, mine); });
+  } else {
+    all = ddp::all_gather_strings(group, mine);
+  }
+  return all;
+}
+
+// How a rank's part of a collective save or load went, as the ranks tell
+// each other: "ok[ detail]" or "error <code> <message>".
+struct Outcome {
+  StatusCode code = StatusCode::kOk;
+  std::string message;
+  bool ok() const { return code == StatusCode::kOk; }
+};
+
+template <typename Step>
+Outcome run_step(Step&& step) {
+  try {
+    step();
+    return {};
+  } catch (const Error& e) {
+    return {e.code(), e.what()};
+  } catch (const std::bad_alloc&) {
+    return {StatusCode::kOutOfMemory, "out of memory"};
+  } catch (const std::exception& e) {
+    return {StatusCode::kInternal, e.what()};
+  }
+}
+
+std::string encode_outcome(const Outcome& o, const std::string& detail = "") {
+  if (o.ok()) return detail.empty() ? "ok" : "ok " + detail;
+  return str_cat("error ", static_cast<int>(o.code), " ", o.message);
+}
+
+Outcome decode_outcome(const std::string& text, int32_t rank, std::string* detail = nullptr) {
+  if (text == "ok" || text.rfind("ok ", 0) == 0) {
+    if (detail) *detail = text.size() > 3 ? text.substr(3) : std::string();
+    return {};
+  }
+  int code = 0, used = 0;
+  if (std::sscanf(text.c_str(), "error %d %n", &code, &used) == 1 && code < 0 &&
+      code >= static_cast<int>(StatusCode::kInternal)) {
+    return {static_cast<StatusCode>(code), text.substr(static_cast<size_t>(used))};
+  }
+  return {StatusCode::kRemote, str_cat("rank ", rank, " sent a malformed outcome")};
+}
+
+// This rank's failure, else the lowest failing rank's, named; nothing when every rank's step went well.
+void fail_on_every_rank(const std::vector<std::string>& outcomes, const Outcome& mine, int32_t rank,
+                        const std::string& what) {
+  if (!mine.ok()) fail(mine.code, mine.message);
+  for (size_t r = 0; r < outcomes.size(); ++r) {
+    const Outcome o = decode_outcome(outcomes[r], static_cast<int32_t>(r));
+    if (!o.ok() && static_cast<int32_t>(r) != rank) fail(o.code, what, " failed on rank ", r, ": ", o.message);
+  }
+}
+
+void remove_quietly(const std::string& path) { (void)::unlink(path.c_str()); }
+
+void make_folder(const std::string& folder) {
+  if (::mkdir(folder.c_str(), 0777) != 0 && errno != EEXIST) {
+    fail(StatusCode::kIo, "cannot make the folder '", folder, "': ", std::strerror(errno));
+  }
+  struct stat info {};
+  if (::stat(folder.c_str(), &info) != 0 || !S_ISDIR(info.st_mode)) {
+    fail_invalid("argument 'folder' ('", folder, "') is not a folder");
+  }
+}
+
+// ---- sharded saves ----
+
+// Writes this rank's file and returns what the manifest needs of it.
+Json write_rank_file(const std::vector<Held>& state, int32_t rank, int32_t world, const std::string& save_id,
+                     const std::string& path) {
+  std::map<std::string, std::string> metadata{{"format", kShardedFormat},
+                                              {"rank", std::to_string(rank)},
+                                              {"world", std::to_string(world)},
+                                              {kSaveIdKey, save_id}};
+  std::vector<StateEntry> entries;
+  Json pieces = Json::array();
+  for (const Held& h : state) {
+    if (!h.sharded()) {
+      // Whole tensors are rank 0's to write.
+      if (rank != 0) continue;
+      entries.push_back(StateEntry{h.entry.name, h.holder ? h.holder->shard(h.index) : h.entry.value});
+      pieces.push_back({{"name", h.entry.name}});
+      continue;
+    }
+    const RowSplit split = h.holder->split_of(h.index, rank);
+    const int64_t rows = h.holder->full_shape(h.index).front();
+    metadata[kRowsKey + h.entry.name] = str_cat(split.start, " ", split.count, " ", rows);
+    entries.push_back(StateEntry{h.entry.name, h.holder->shard(h.index)});
+    pieces.push_back({{"name", h.entry.name}, {"first_row", split.start}, {"row_count", split.count}, {"rows", rows}});
+  }
+  const SavedFile saved = save_state(entries, metadata, path);
+  for (size_t i = 0; i < entries.size(); ++i) pieces[i]["crc32c"] = saved.entry_crcs.at(i);
+  return {{"bytes", saved.bytes}, {"header_crc32c", saved.header_crc}, {"pieces", std::move(pieces)}};
+}
+
+// Rank 0, once every rank reported its file written: the manifest, last.
+void write_manifest(const std::string& folder, const std::string& save_id, int32_t world,
+                    const std::vector<std::string>& reports) {
+  Manifest m;
+  m.save_id = save_id;
+  m.world_size = world;
+  std::map<std::string, size_t> tensor_index;
+  for (int32_t r = 0; r < world; ++r) {
+    std::string detail;
+    decode_outcome(reports.at(static_cast<size_t>(r)), r, &detail);
+    try {
+      const Json report = Json::parse(detail);
+      m.files.push_back(ManifestFile{shard_file_name(r, world, save_id), report.at("bytes").get<uint64_t>(),
+                                     report.at("header_crc32c").get<uint32_t>()});
+      for (const Json& p : report.at("pieces")) {
+        const std::string name = p.at("name").get<std::string>();
+        auto [it, added] = tensor_index.try_emplace(name, m.tensors.size());
+        if (added) m.tensors.push_back(ManifestTensor{name, p.contains("rows") ? p.at("rows").get<int64_t>() : -1, {}});
+        ManifestPiece piece;
+        piece.file = static_cast<size_t>(r);
+        piece.crc = p.at("crc32c").get<uint32_t>();
+        if (p.contains("rows")) {
+          piece.first_row = p.at("first_row").get<int64_t>();
+          piece.row_count = p.at("row_count").get<int64_t>();
+        }
+        m.tensors[it->second].pieces.push_back(piece);
+      }
+    } catch (const Json::exception& e) {
+      fail(StatusCode::kRemote, "rank ", r, " sent a malformed report of its file: ", e.what());
+    }
+  }
+  const std::string path = folder + "/" + kManifestName;
+  const std::string text = encode_manifest(m);
+  // Never a manifest that a load would refuse (ranks that disagree on a tensor's rows).
+  parse_manifest(text, path);
+  write_atomically(path, [&](std::FILE* f) { return std::fwrite(text.data(), 1, text.size(), f) == text.size(); });
+}
+
+// Rank 0, once a save is complete: the rank files of every other save in the folder.
+void remove_other_saves(const std::string& folder, const std::string& save_id) {
+  DIR* dir = ::opendir(folder.c_str());
+  if (dir == nullptr) return;
+  std::vector<std::string> stale;
+  while (dirent* d = ::readdir(dir)) {
+    std::string id;
+    if (parse_shard_file_name(d->d_name, &id) && id != save_id) stale.push_back(folder + "/" + d->d_name);
+  }
+  ::closedir(dir);
+  for (const std::string& path : stale) remove_quietly(path);
+}
+
+// ---- sharded loads ----
+
+std::string read_manifest_text(const std::string& folder) {
+  const std::string path = folder + "/" + kManifestName;
+  struct stat info {};
+  if (::stat(path.c_str(), &info) != 0) {
+    if (errno != ENOENT) fail(StatusCode::kIo, "cannot stat '", path, "': ", std::strerror(errno));
+    struct stat folder_info {};
+    if (::stat(folder.c_str(), &folder_info) != 0 || !S_ISDIR(folder_info.st_mode)) {
+      fail(StatusCode::kIo, "cannot open the folder '", folder, "': ", std::strerror(ENOENT));
+    }
+    fail_invalid("the folder '", folder, "' holds no complete sharded save: it has no ", kManifestName,
+                 ", which a save writes last, once every rank's file is written");
+  }
+  if (!S_ISREG(info.st_mode)) fail_invalid("'", path, "' is not a regular file");
+  if (info.st_size > kMaxManifestBytes) {
+    fail(StatusCode::kIo, "'", path, "' is ", info.st_size, " bytes, more than any manifest a save writes");
+  }
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) fail(StatusCode::kIo, "cannot open '", path, "': ", std::strerror(errno));
+  std::string text(static_cast<size_t>(info.st_size), '\0');
+  size_t got = 0;
+  while (got < text.size()) {
+    const ssize_t n = ::read(fd, text.data() + got, text.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int saved = n < 0 ? errno : EIO;
+      ::close(fd);
+      fail(StatusCode::kIo, "cannot read '", path, "': ", std::strerror(saved));
+    }
+    got += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  return text;
+}
+
+// Opens every file of the save and checks it is the one the manifest names:
+// its size, its header's checksum, the save's id, its rank and world size.
+std::vector<std::unique_ptr<StateFileReader>> open_save_files(const std::string& folder, const Manifest& m) {
+  std::vector<std::unique_ptr<StateFileReader>> files;
+  for (size_t r = 0; r < m.files.size(); ++r) {
+    const ManifestFile& f = m.files[r];
+    files.push_back(std::make_unique<StateFileReader>(folder + "/" + f.name));
+    const StateFileReader& file = *files.back();
+    if (file.file_size() != f.bytes) {
+      fail(StatusCode::kIo, "'", file.path(), "' is ", file.file_size(), " bytes, but save ", m.save_id, " wrote ",
+           f.bytes, ": it is not that save's file, or it is damaged");
+    }
+    const auto& metadata = file.header().metadata;
+    auto value = [&](const char* key) {
+      auto it = metadata.find(key);
+      return it == metadata.end() ? std::string("(none)") : it->second;
+    };
+    if (value("format") != kShardedFormat || value(kSaveIdKey) != m.save_id || value("rank") != std::to_string(r) ||
+        value("world") != std::to_string(m.world_size)) {
+      fail(StatusCode::kIo, "'", file.path(), "' is not rank ", r, "'s file of save ", m.save_id, " (", m.world_size,
+           " ranks): its metadata says format ", value("format"), ", save ", value(kSaveIdKey), ", rank ",
+           value("rank"), " of ", value("world"));
+    }
+    if (file.header_crc() != f.header_crc) {
+      fail(StatusCode::kIo, "'", file.path(), "' is damaged: its header differs from its checksum in the manifest");
+    }
+  }
+  return files;
+}
+
+// One piece of a tensor as a file holds it, checked against the manifest.
+struct Piece {
+  size_t file = 0;
+  const safetensors::Entry* entry = nullptr;
+  int64_t first = 0, count = -1, rows = 0;  // whole: count -1
+  uint32_t crc = 0;
+};
+
+std::map<std::string, std::vector<Piece>> match_pieces(const Manifest& m,
+                                                       const std::vector<std::unique_ptr<StateFileReader>>& files) {
+  std::vector<std::map<std::string, const safetensors::Entry*>> entries(files.size());
+  for (size_t f = 0; f < files.size(); ++f) {
+    for (const safetensors::Entry& e : files[f]->header().entries) entries[f][e.name] = &e;
+  }
+  std::map<std::string, std::vector<Piece>> pieces;
+  std::vector<std::set<std::string>> listed(files.size());
+  for (const ManifestTensor& t : m.tensors) {
+    for (const ManifestPiece& mp : t.pieces) {
+      const StateFileReader& file = *files[mp.file];
+      auto found = entries[mp.file].find(t.name);
+      if (found == entries[mp.file].end()) {
+        fail(StatusCode::kIo, "'", file.path(), "' has no tensor '", t.name, "', which the manifest says it holds");
+      }
+      listed[mp.file].insert(t.name);
+      Piece p{mp.file, found->second, mp.first_row, mp.row_count, t.rows, mp.crc};
+      const auto& metadata = file.header().metadata;
+      auto rows = metadata.find(kRowsKey + t.name);
+      const std::string stated = t.rows >= 0 ? str_cat(p.first, " ", p.count, " ", p.rows) : std::string("(none)");
+      const std::string in_file = rows == metadata.end() ? std::string("(none)") : rows->second;
+      const Shape& shape = p.entry->shape;
+      if (stated != in_file || (t.rows >= 0 && (shape.empty() || shape[0] != p.count))) {
+        fail(StatusCode::kIo, "'", file.path(), "': the rows of '", t.name, "' are ", in_file, " with shape ",
+             shape_string(shape), " in the file but ", stated, " in the manifest");
+      }
+      std::vector<Piece>& list = pieces[t.name];
+      if (!list.empty()) {
+        const safetensors::Entry& first = *list.front().entry;
+        if (first.dtype != p.entry->dtype || first.shape.size() != shape.size() ||
+            !std::equal(shape.begin() + (t.rows >= 0 ? 1 : 0), shape.end(),
+                        first.shape.begin() + (t.rows >= 0 ? 1 : 0))) {
+          fail(StatusCode::kIo, "the pieces of '", t.name, "' differ: ", dtype_name(first.dtype), " ",
+               shape_string(first.shape), " in '", files[list.front().file]->path(), "' but ",
+               dtype_name(p.entry->dtype), " ", shape_string(shape), " in '", file.path(), "'");
+        }
+      }
+      list.push_back(p);
+    }
+  }
+  for (size_t f = 0; f < files.size(); ++f) {
+    for (const auto& [name, entry] : entries[f]) {
+      if (listed[f].count(name) == 0) {
+        fail(StatusCode::kIo, "'", files[f]->path(), "' holds '", name, "', which the manifest does not list");
+      }
+    }
+  }
+  return pieces;
+}
+
+// A byte range of a piece to copy into a tensor.
+struct Copy {
+  Tensor target;
+  size_t target_offset;
+  size_t file;
+  uint64_t offset;  // into the file's data section
+  size_t bytes;
+};
+
+struct ShardedLoad {
+  std::vector<std::unique_ptr<StateFileReader>> files;
+  std::vector<Copy> copies;
+};
+
+// Plans every copy and checks everything it reads (the manifest, the files,
+// the checksums of the pieces the copies read): an error leaves the module
+// unchanged.
+ShardedLoad plan_sharded_load(const std::vector<Held>& state, const std::string& folder) {
+  const Manifest m = parse_manifest(read_manifest_text(folder), folder + "/" + kManifestName);
+  ShardedLoad plan;
+  plan.files = open_save_files(folder, m);
+  const std::map<std::string, std::vector<Piece>> pieces = match_pieces(m, plan.files);
+  std::vector<std::string> problems;
+  std::set<std::string> used;
+  std::set<const Piece*> read;
+  for (const Held& h : state) {
+    const std::string& name = h.entry.name;
+    auto found = pieces.find(name);
+    if (found == pieces.end() || found->second.empty()) {
+      problems.push_back(str_cat("missing key '", name, "'"));
+      continue;
+    }
+    used.insert(name);
+    if (h.holder) check_resharded(*h.holder, name);
+    const bool sharded = h.sharded();
+    const Tensor target = h.holder ? h.holder->shard(h.index) : h.entry.value;
+    const Shape full = h.holder ? h.holder->full_shape(h.index) : target.shape();
+    const Piece& first = found->second.front();
+    Shape piece_full = first.entry->shape;
+    if (first.count >= 0) piece_full[0] = first.rows;
+    if (first.entry->dtype != target.dtype() || piece_full != full || (first.count >= 0) != sharded) {
+      problems.push_back(str_cat("'", name, "' is ", dtype_name(first.entry->dtype), " ", shape_string(piece_full),
+                                 first.count >= 0 ? " (sharded)" : "", " in the files but ", dtype_name(target.dtype()),
+                                 " ", shape_string(full), sharded ? " (sharded)" : "", " in the module"));
+      continue;
+    }
+    if (!sharded) {
+      plan.copies.push_back(Copy{target, 0, first.file, first.entry->begin, target.nbytes()});
+      read.insert(&first);
+      continue;
+    }
+    // The manifest's rows tile the tensor: the pieces cover this rank's rows once.
+    const RowSplit mine = h.holder->split_of(h.index, h.holder->group()->rank());
+    const size_t row_bytes = mine.count > 0 ? target.nbytes() / static_cast<size_t>(mine.count) : 0;
+    for (const Piece& p : found->second) {
+      const int64_t from = std::max(mine.start, p.first);
+      const int64_t to = std::min(mine.start + mine.count, p.first + p.count);
+      if (to <= from) continue;
+      plan.copies.push_back(Copy{target, static_cast<size_t>(from - mine.start) * row_bytes, p.file,
+                                 p.entry->begin + static_cast<uint64_t>(from - p.first) * row_bytes,
+                                 static_cast<size_t>(to - from) * row_bytes});
+      read.insert(&p);
+    }
+  }
+  for (const auto& [name, list] : pieces) {
+    if (used.count(name) == 0) problems.push_back(str_cat("unexpected key '", name, "'"));
+  }
+  if (!problems.empty()) {
+    std::string text;
+    for (const std::string& p : problems) text += (text.empty() ? "" : "; ") + p;
+    fail_invalid("error loading the sharded state dict in '", folder, "' into the module: ", text);
+  }
+  // Every piece read, whole: the copies take only the rows this rank keeps.
+  std::vector<uint8_t> staging;
+  for (const Piece* p : read) {
+    const StateFileReader& file = *plan.files[p->file];
+    if (file.data_crc(p->entry->begin, p->entry->end - p->entry->begin, staging) != p->crc) {
+      fail(StatusCode::kIo, "'", file.path(), "' is damaged: the bytes of '", p->entry->name,
+           "' differ from their checksum in the manifest");
+    }
+  }
+  return plan;
 }
 
 }  // namespace
@@ -73,43 +461,46 @@ void save_full_state_dict(Module& module, dist::ProcessGroup& group, const std::
   }
   std::map<const FullyShard*, std::vector<Tensor>> full;
   for (const auto& holder : holders) full[holder.get()] = holder->gather_full_values();
-  if (group.rank() != 0) return;
-  std::vector<StateEntry> entries;
-  entries.reserve(state.size());
-  for (const Held& h : state) {
-    entries.push_back(h.holder ? StateEntry{h.entry.name, full[h.holder.get()].at(h.index)} : h.entry);
+  Outcome wrote;
+  if (group.rank() == 0) {
+    wrote = run_step([&] {
+      std::vector<StateEntry> entries;
+      entries.reserve(state.size());
+      for (const Held& h : state) {
+        entries.push_back(h.holder ? StateEntry{h.entry.name, full[h.holder.get()].at(h.index)} : h.entry);
+      }
+      save_state(entries, {{"format", "pt"}}, path);
+    });
   }
-  save_state(entries, {{"format", "pt"}}, path);
+  full.clear();
+  // Rank 0's write is every rank's outcome.
+  const std::vector<std::string> outcomes = exchange(group, lane_holder(state), encode_outcome(wrote));
+  const Outcome rank0 = decode_outcome(outcomes.at(0), 0);
+  if (!rank0.ok()) {
+    fail(rank0.code, group.rank() == 0 ? std::string() : "rank 0 could not write the full state dict: ", rank0.message,
+         " (a file that was at '", path, "' is as it was)");
+  }
 }
 
-void refuse_full_state_dict_save(Module& module, const std::string& reason) {
-  // The gathers in save_full_state_dict's order; a gather with no collective
-  // is skipped there too.
+void refuse_full_state_dict_save(Module& module, dist::ProcessGroup& group, const std::string& reason) {
+  const std::vector<Held> state = held_state(module);
+  // The gathers in save_full_state_dict's order (one with no collective is
+  // skipped there too), else the outcomes' exchange.
   std::vector<const FullyShard*> seen;
-  for (const Held& h : held_state(module)) {
+  for (const Held& h : state) {
     if (!h.holder || std::find(seen.begin(), seen.end(), h.holder.get()) != seen.end()) continue;
     seen.push_back(h.holder.get());
     h.holder->refuse_gather(reason);
   }
+  if (const std::shared_ptr<FullyShard> holder = lane_holder(state)) {
+    holder->call_on_lane(dist::CallItem::kStateDict, [&] { group.refuse(dist::CallKind::kAllGather, reason, false); });
+  } else {
+    group.refuse(dist::CallKind::kAllGather, reason, false);
+  }
   fail_invalid(reason);
 }
 
-namespace {
-
-// A load writes the shards: not while they are read as full parameters (or
-// in flight to be), here or, with views, on the other ranks.
-void check_resharded(const FullyShard& holder, const std::string& name) {
-  if (!holder.resharded()) {
-    fail(StatusCode::kState, "parameter '", name,
-         "' is unsharded or being unsharded (its slot holds, or is to hold, the full parameter): reshard its dp_fsdp "
-         "first");
-  }
-}
-
-}  // namespace
-
 void load_full_state_dict(Module& module, const std::string& path, bool strict) {
-  std::vector<Held> state = held_state(module);
   struct Swapped {
     std::shared_ptr<FullyShard> holder;
     size_t index;
@@ -126,16 +517,18 @@ void load_full_state_dict(Module& module, const std::string& path, bool strict) 
         Swapped{holder, index, np.parameter,
                 Tensor::zeros(holder->dtype(index), holder->full_shape(index), holder->group()->device())});
   }
-  // The file loads into full-size stand-ins; each rank then keeps its rows.
+  // The file loads into full-size stand-ins; each rank then keeps its rows
+  // of those the file wrote (a key it lacks leaves the shard alone).
   for (const Swapped& s : swapped) s.parameter->set_value(s.full);
+  std::set<TensorIdentity> written;
   try {
-    load_module(module, path, strict);
+    for (const Tensor& t : load_module(module, path, strict)) written.insert(identity_of(t));
   } catch (...) {
     for (const Swapped& s : swapped) s.parameter->set_value(s.holder->shard(s.index));
     throw;
   }
   for (const Swapped& s : swapped) {
-    s.holder->load_shard_from_full(s.index, s.full);
+    if (written.count(identity_of(s.full)) != 0) s.holder->load_shard_from_full(s.index, s.full);
     s.parameter->set_value(s.holder->shard(s.index));
   }
 }
@@ -143,153 +536,73 @@ void load_full_state_dict(Module& module, const std::string& path, bool strict) 
 void save_sharded_state_dict(Module& module, dist::ProcessGroup& group, const std::string& folder) {
   std::vector<Held> state = held_state(module);
   for (const Held& h : state) check_group(h, group);
-  if (::mkdir(folder.c_str(), 0777) != 0 && errno != EEXIST) {
-    fail(StatusCode::kIo, "cannot make the folder '", folder, "': ", std::strerror(errno));
-  }
+  const std::shared_ptr<FullyShard> holder = lane_holder(state);
   const int32_t rank = group.rank(), world = group.size();
-  std::map<std::string, std::string> metadata{
-      {"format", kShardedFormat}, {"rank", std::to_string(rank)}, {"world", std::to_string(world)}};
-  std::vector<StateEntry> entries;
-  for (const Held& h : state) {
-    const bool sharded = h.holder && !h.holder->full_shape(h.index).empty();
-    if (!sharded) {
-      // Whole tensors are rank 0's to write.
-      if (rank == 0) entries.push_back(StateEntry{h.entry.name, h.holder ? h.holder->shard(h.index) : h.entry.value});
-      continue;
-    }
-    const RowSplit split = h.holder->split_of(h.index, rank);
-    metadata[kRowsKey + h.entry.name] =
-        str_cat(split.start, " ", split.count, " ", h.holder->full_shape(h.index).front());
-    entries.push_back(StateEntry{h.entry.name, h.holder->shard(h.index)});
+  const std::string what = str_cat("the sharded save to '", folder, "'");
+  const std::string kept = "; nothing of it is kept, and the folder's last complete save is as it was";
+  // Rank 0's id names the save.
+  const std::string save_id = exchange(group, holder, rank == 0 ? new_save_id() : std::string()).at(0);
+  if (!is_save_id(save_id)) fail(StatusCode::kRemote, what, ": rank 0 sent a malformed save id");
+  const std::string file = folder + "/" + shard_file_name(rank, world, save_id);
+  // Every rank writes its file under a name of this save's: the last save's files stay.
+  std::string report;
+  const Outcome wrote = run_step([&] {
+    make_folder(folder);
+    report = write_rank_file(state, rank, world, save_id, file).dump();
+  });
+  std::vector<std::string> reports;
+  try {
+    reports = exchange(group, holder, encode_outcome(wrote, report));
+    fail_on_every_rank(reports, wrote, rank, what);
+  } catch (const Error& e) {
+    remove_quietly(file);
+    fail(e.code(), e.what(), kept);
   }
-  save_state(entries, metadata, shard_file(folder, rank, world));
+  // Rank 0 writes the manifest last: the save is complete once it is in place.
+  Outcome committed;
+  if (rank == 0) committed = run_step([&] { write_manifest(folder, save_id, world, reports); });
+  std::vector<std::string> verdict;
+  try {
+    verdict = exchange(group, holder, encode_outcome(committed));
+  } catch (const Error& e) {
+    // Whether the manifest is in place may be unknown here: the files stay, and a load checks them.
+    fail(e.code(), what,
+         committed.ok() && rank == 0 ? " is complete, but the ranks could not learn it: "
+                                     : ": the ranks could not learn whether it completed: ",
+         e.what());
+  }
+  const Outcome rank0 = decode_outcome(verdict.at(0), 0);
+  if (!rank0.ok()) {
+    remove_quietly(file);
+    fail(rank0.code, what, " failed on rank 0, writing its manifest: ", rank0.message, kept);
+  }
+  if (rank == 0) remove_other_saves(folder, save_id);
 }
 
 void load_sharded_state_dict(Module& module, const std::string& folder) {
-  // How many files: rank 0's name says.
-  int32_t world = 0;
-  if (DIR* dir = ::opendir(folder.c_str())) {
-    while (dirent* d = ::readdir(dir)) {
-      int32_t n = 0;
-      char tail[32] = {};
-      if (std::sscanf(d->d_name, "shard-00000-of-%5d.%20s", &n, tail) == 2 && std::string(tail) == "safetensors") {
-        if (world != 0 && world != n) {
-          ::closedir(dir);
-          fail_invalid("the folder '", folder, "' holds shards of two saves (", world, " and ", n, " ranks)");
-        }
-        world = n;
-      }
-    }
-    ::closedir(dir);
-  } else {
-    fail(StatusCode::kIo, "cannot open the folder '", folder, "': ", std::strerror(errno));
-  }
-  if (world <= 0) fail_invalid("the folder '", folder, "' holds no shard-00000-of-N.safetensors");
-  // Only the headers are read now; later just the rows this rank keeps.
-  std::vector<std::unique_ptr<StateFileReader>> files;
-  for (int32_t r = 0; r < world; ++r) {
-    files.push_back(std::make_unique<StateFileReader>(shard_file(folder, r, world)));
-    const auto& metadata = files.back()->header().metadata;
-    auto format = metadata.find("format");
-    if (format == metadata.end() || format->second != kShardedFormat) {
-      fail_invalid("'", files.back()->path(), "' is not a sharded state dict of dp_fsdp (its metadata has no format \"",
-                   kShardedFormat, "\")");
+  const std::vector<Held> state = held_state(module);
+  const std::shared_ptr<FullyShard> holder = lane_holder(state);
+  for (const Held& h : state) {
+    if (h.holder && h.holder->group() != holder->group()) {
+      fail_invalid("the module's tensors are held by dp_fsdp on two process groups ('", h.entry.name,
+                   "' and another): a sharded load agrees over one");
     }
   }
-  // Every piece of every key: its file, entry and rows (whole: count -1).
-  struct Piece {
-    size_t file;
-    const safetensors::Entry* entry;
-    int64_t first = 0, count = -1, rows = 0;
-  };
-  std::map<std::string, std::vector<Piece>> pieces;
-  for (size_t f = 0; f < files.size(); ++f) {
-    const safetensors::Header& header = files[f]->header();
-    for (const safetensors::Entry& e : header.entries) {
-      Piece p{f, &e};
-      auto rows = header.metadata.find(kRowsKey + e.name);
-      if (rows != header.metadata.end()) {
-        std::istringstream in(rows->second);
-        if (!(in >> p.first >> p.count >> p.rows) || p.first < 0 || p.count < 0 || p.first + p.count > p.rows ||
-            e.shape.empty() || e.shape[0] != p.count) {
-          fail_invalid("'", shard_file(folder, static_cast<int32_t>(f), world), "': the rows of '", e.name,
-                       "' are given as \"", rows->second, "\", which its shape ", shape_string(e.shape),
-                       " does not match");
-        }
-      }
-      pieces[e.name].push_back(p);
-    }
-  }
-  // Plan every copy first: an error leaves the module unchanged.
-  struct Copy {
-    Tensor target;
-    size_t target_offset;
-    size_t file;
-    uint64_t offset;  // into the file's data section
-    size_t bytes;
-  };
-  std::vector<Copy> copies;
-  std::vector<std::string> problems;
-  std::map<std::string, bool> used;
-  for (const Held& h : held_state(module)) {
-    const std::string& name = h.entry.name;
-    auto found = pieces.find(name);
-    if (found == pieces.end()) {
-      problems.push_back(str_cat("missing key '", name, "'"));
-      continue;
-    }
-    used[name] = true;
-    if (h.holder) check_resharded(*h.holder, name);
-    const bool sharded = h.holder && !h.holder->full_shape(h.index).empty();
-    const Tensor target = h.holder ? h.holder->shard(h.index) : h.entry.value;
-    const Shape full = h.holder ? h.holder->full_shape(h.index) : target.shape();
-    bool matches = true;
-    for (const Piece& p : found->second) {
-      Shape piece_full = p.entry->shape;
-      if (p.count >= 0) piece_full[0] = p.rows;
-      if (p.entry->dtype != target.dtype() || piece_full != full || (p.count >= 0) != sharded) {
-        problems.push_back(str_cat("'", name, "' is ", dtype_name(p.entry->dtype), " ", shape_string(piece_full),
-                                   p.count >= 0 ? " (sharded)" : "", " in the files but ", dtype_name(target.dtype()),
-                                   " ", shape_string(full), sharded ? " (sharded)" : "", " in the module"));
-        matches = false;
-        break;
-      }
-    }
-    if (!matches) continue;
-    if (!sharded) {
-      const Piece& p = found->second.front();
-      copies.push_back(Copy{target, 0, p.file, p.entry->begin, target.nbytes()});
-      continue;
-    }
-    const RowSplit mine = h.holder->split_of(h.index, h.holder->group()->rank());
-    const size_t row_bytes = mine.count > 0 ? target.nbytes() / static_cast<size_t>(mine.count) : 0;
-    int64_t covered = 0;
-    for (const Piece& p : found->second) {
-      const int64_t from = std::max(mine.start, p.first);
-      const int64_t to = std::min(mine.start + mine.count, p.first + p.count);
-      if (to <= from) continue;
-      copies.push_back(Copy{target, static_cast<size_t>(from - mine.start) * row_bytes, p.file,
-                            p.entry->begin + static_cast<uint64_t>(from - p.first) * row_bytes,
-                            static_cast<size_t>(to - from) * row_bytes});
-      covered += to - from;
-    }
-    if (covered != mine.count) {
-      problems.push_back(str_cat("the files hold ", covered, " of the ", mine.count, " rows of '", name,
-                                 "' this rank keeps (rows ", mine.start, " to ", mine.start + mine.count, ")"));
-    }
-  }
-  for (const auto& [name, list] : pieces) {
-    if (used.count(name) == 0) problems.push_back(str_cat("unexpected key '", name, "'"));
-  }
-  if (!problems.empty()) {
-    std::string text;
-    for (const std::string& p : problems) text += (text.empty() ? "" : "; ") + p;
-    fail_invalid("error loading the sharded state dict in '", folder, "' into the module: ", text);
+  ShardedLoad plan;
+  const Outcome planned = run_step([&] { plan = plan_sharded_load(state, folder); });
+  if (holder) {
+    // Every rank loads, or none does.
+    dist::ProcessGroup& group = *holder->group();
+    fail_on_every_rank(exchange(group, holder, encode_outcome(planned)), planned, group.rank(),
+                       str_cat("the sharded load from '", folder, "' (the module is unchanged on every rank)"));
+  } else if (!planned.ok()) {
+    fail(planned.code, planned.message);
   }
   // A read that fails now (a file changed meanwhile) is kIo and may leave
   // the module partly loaded, as dp_module_load.
   std::vector<uint8_t> staging;
-  for (const Copy& c : copies) files[c.file]->read_into(c.target, c.target_offset, c.offset, c.bytes, staging);
+  for (const Copy& c : plan.copies)
+    plan.files[c.file]->read_into(c.target, c.target_offset, c.offset, c.bytes, staging);
 }
 
 }  // namespace dparallel::fsdp

@@ -1,16 +1,22 @@
-// State dicts of a module whose parameters dp_fsdp hold.
+// State dicts of a module whose parameters dp_fsdp hold. Every save is a
+// transaction: it fails on every rank or succeeds on every rank, and a
+// failed one leaves what was there before loadable.
 //
 // Full: every rank gathers each sharded parameter (one all-gather per
 // dp_fsdp, on its lane) and `group`'s rank 0 writes what dp_module_save
-// writes for the unsharded module. Every rank can load such a file and keeps
-// its rows.
+// writes for the unsharded module (through a temporary file renamed into
+// place, with its data's checksum); rank 0's outcome is every rank's. Every
+// rank can load such a file and keeps its rows.
 //
 // Sharded: each rank writes its own file in a folder,
-// shard-RRRRR-of-WWWWW.safetensors, holding its rows of every sharded
-// parameter (metadata "dp.rows.<name>" = "first count rows"); rank 0's also
-// holds every tensor that is not sharded. Loading reads every file's
-// header, then only the rows this rank keeps now (at any world size) and
-// the whole tensors.
+// shard-RRRRR-of-WWWWW-<save id>.safetensors, holding its rows of every
+// sharded parameter (metadata "dp.rows.<name>" = "first count rows", and
+// the save's id); rank 0's also holds every tensor that is not sharded.
+// Once every rank reported its file written, rank 0 writes manifest.json
+// (save_manifest.h) last and removes the files of earlier saves. Loading
+// checks the manifest and every file against it, then reads only the rows
+// this rank keeps now (at any world size) and the whole tensors, each piece
+// it reads checked against its checksum first.
 #pragma once
 
 #include <string>
@@ -23,18 +29,24 @@ namespace dparallel::fsdp {
 // Collective over the ranks of the dp_fsdp's groups (each must be `group`).
 void save_full_state_dict(Module& module, dist::ProcessGroup& group, const std::string& path);
 // save_full_state_dict refused on this rank for `reason` (an argument error):
-// in the place of its first gather that makes a collective, so that the
-// other ranks' save fails naming this rank. Throws kInvalidArgument.
-[[noreturn]] void refuse_full_state_dict_save(Module& module, const std::string& reason);
+// in the place of its first collective (a gather, or the outcomes'
+// exchange), so that the other ranks' save fails naming this rank. Throws
+// kInvalidArgument.
+[[noreturn]] void refuse_full_state_dict_save(Module& module, dist::ProcessGroup& group, const std::string& reason);
 // Local: every tensor of the file, the sharded parameters' rows of this
-// rank only. `strict` as for dp_module_load. The dp_fsdp must be resharded.
+// rank only; without `strict`, what the file lacks is left as it is.
+// `strict` as for dp_module_load. The dp_fsdp must be resharded.
 void load_full_state_dict(Module& module, const std::string& path, bool strict);
 
-// Local: this rank's file in `folder` (made when missing).
+// Collective over `group`: this rank's file in `folder` (made when
+// missing), then the manifest.
 void save_sharded_state_dict(Module& module, dist::ProcessGroup& group, const std::string& folder);
-// Local: every key of the files must name a tensor of the module and every
-// tensor must be covered, else kInvalidArgument naming them; the module is
-// unchanged then.
+// Collective over the group of the dp_fsdp holding the module's tensors
+// (local when none does): a folder without a complete save, or whose files
+// differ from its manifest, is refused (kInvalidArgument or kIo naming the
+// file and tensor); every key must name a tensor of the module and every
+// tensor must be covered, else kInvalidArgument naming them. A refusal on
+// any rank is every rank's, and the module is unchanged then.
 void load_sharded_state_dict(Module& module, const std::string& folder);
 
 }  // namespace dparallel::fsdp

@@ -687,6 +687,18 @@ void FullyShard::refuse_gather(const std::string& reason) {
   fail(StatusCode::kInternal, "dp_fsdp #", lane_id_, ": a refused gather passed");
 }
 
+void FullyShard::call_on_lane(CallItem item, const std::function<void()>& fn) {
+  std::lock_guard<std::mutex> host(host_mutex_);
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    check_usable_locked();
+  }
+  ddp::JobSpec spec;
+  spec.item = item;
+  spec.iteration = iteration_;
+  lane_->call(this, spec, fn, lane_bound());
+}
+
 void FullyShard::load_shard_from_full(size_t index, const Tensor& full) {
   const Managed& m = params_.at(index);
   if (!m.sharded) {

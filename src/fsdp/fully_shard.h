@@ -107,6 +107,9 @@ class FullyShard final : public ddp::LaneOwner,
   // ranks' gather fails naming this rank, and the verdict is thrown; else
   // returns (there is nothing to stand in for).
   void refuse_gather(const std::string& reason);
+  // Runs `fn` on the lane as this dp_fsdp's next job, tagged `item`: the
+  // collectives of a state dict's save or load, which every rank makes.
+  void call_on_lane(dist::CallItem item, const std::function<void()>& fn);
   // Which parameter (index) holds `parameter`, or npos.
   size_t index_of(const Parameter* parameter) const;
   static constexpr size_t npos = ~size_t(0);

@@ -9,6 +9,7 @@
 #include <climits>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -16,6 +17,7 @@
 #include <unordered_map>
 
 #include "core/error.h"
+#include "module/checksum.h"
 #include "module/safetensors.h"
 
 namespace dparallel {
@@ -213,16 +215,21 @@ std::vector<StateEntry> state_dict(Module& module) {
 
 void save_module(Module& module, const std::string& path) { save_state(state_dict(module), {{"format", "pt"}}, path); }
 
-void save_state(const std::vector<StateEntry>& entries, const std::map<std::string, std::string>& metadata,
-                const std::string& path) {
-  std::vector<safetensors::Entry> layout;
-  uint64_t offset = 0;
-  for (const StateEntry& e : entries) {
-    if (e.name == "__metadata__") fail_invalid("a tensor named \"__metadata__\" cannot be saved in safetensors");
-    layout.push_back(safetensors::Entry{e.name, e.value.dtype(), e.value.shape(), offset, offset + e.value.nbytes()});
-    offset += e.value.nbytes();
-  }
-  std::string header = safetensors::encode_header(layout, metadata);
+namespace {
+
+// Makes a rename in `folder` (of `target`) last through a crash; best
+// effort, as some file systems cannot sync a folder.
+void sync_folder_of(const std::string& target) {
+  const std::string folder = folder_of(target);
+  int fd = ::open(folder.empty() ? "." : folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return;
+  (void)::fsync(fd);
+  ::close(fd);
+}
+
+}  // namespace
+
+void write_atomically(const std::string& path, const std::function<bool(std::FILE*)>& write) {
   const std::string target = save_target(path);
   const std::string named = target == path ? "'" + path + "'" : "'" + target + "' (the target of '" + path + "')";
   mode_t mode = 0666 & ~current_umask();  // what a new file gets
@@ -249,30 +256,26 @@ void save_state(const std::vector<StateEntry>& entries, const std::map<std::stri
     // mkstemp makes the file 0600.
     File f(fchmod(fd, mode) == 0 ? ::fdopen(fd, "wb") : nullptr);
     if (!f) {
-      int saved = errno;
+      int saved_errno = errno;
       ::close(fd);
       std::remove(temporary.c_str());
-      errno = saved;
+      errno = saved_errno;
       io_error("cannot create", temporary);
     }
-    bool ok = std::fwrite(header.data(), 1, header.size(), f.get()) == header.size();
-    std::vector<uint8_t> staging;
-    for (size_t i = 0; ok && i < entries.size(); ++i) {
-      const Tensor& t = entries[i].value;
-      if (t.nbytes() == 0) continue;  // an empty tensor may have no memory at all
-      const void* bytes = t.data();
-      if (!t.device().is_cpu()) {
-        staging.resize(t.nbytes());
-        copy_bytes(staging.data(), kHost, t.data(), t.device(), t.nbytes());
-        bytes = staging.data();
-      }
-      ok = std::fwrite(bytes, 1, t.nbytes(), f.get()) == t.nbytes();
-    }
-    if (!ok || std::fflush(f.get()) != 0) {
-      int saved = errno;
+    bool ok = false;
+    try {
+      ok = write(f.get());
+    } catch (...) {
       f.reset();
       std::remove(temporary.c_str());
-      errno = saved;
+      throw;
+    }
+    // On disk before the rename: a crash never leaves the name on a part.
+    if (!ok || std::fflush(f.get()) != 0 || ::fsync(fileno(f.get())) != 0) {
+      int saved_errno = errno;
+      f.reset();
+      std::remove(temporary.c_str());
+      errno = saved_errno;
       io_error("cannot write", temporary);
     }
     if (std::fclose(f.release()) != 0) {
@@ -281,11 +284,58 @@ void save_state(const std::vector<StateEntry>& entries, const std::map<std::stri
     }
   }
   if (std::rename(temporary.c_str(), target.c_str()) != 0) {
-    int saved = errno;
+    int saved_errno = errno;
     std::remove(temporary.c_str());
-    errno = saved;
+    errno = saved_errno;
     io_error("cannot rename the saved file to", target);
   }
+  sync_folder_of(target);
+}
+
+SavedFile save_state(const std::vector<StateEntry>& entries, const std::map<std::string, std::string>& metadata,
+                     const std::string& path) {
+  std::vector<safetensors::Entry> layout;
+  uint64_t offset = 0;
+  for (const StateEntry& e : entries) {
+    if (e.name == "__metadata__") fail_invalid("a tensor named \"__metadata__\" cannot be saved in safetensors");
+    layout.push_back(safetensors::Entry{e.name, e.value.dtype(), e.value.shape(), offset, offset + e.value.nbytes()});
+    offset += e.value.nbytes();
+  }
+  // The checksum is known once the data is written: a stand-in of the same
+  // length holds its place, and the header is written again at the end.
+  std::map<std::string, std::string> with_checksum = metadata;
+  with_checksum[kDataChecksumKey] = crc32c_text(0);
+  std::string header = safetensors::encode_header(layout, with_checksum);
+  SavedFile saved;
+  write_atomically(path, [&](std::FILE* f) {
+    saved.entry_crcs.clear();
+    if (std::fwrite(header.data(), 1, header.size(), f) != header.size()) return false;
+    uint32_t data_crc = 0;
+    std::vector<uint8_t> staging;
+    for (const StateEntry& e : entries) {
+      const Tensor& t = e.value;
+      if (t.nbytes() == 0) {  // an empty tensor may have no memory at all
+        saved.entry_crcs.push_back(crc32c(0, nullptr, 0));
+        continue;
+      }
+      const void* bytes = t.data();
+      if (!t.device().is_cpu()) {
+        staging.resize(t.nbytes());
+        copy_bytes(staging.data(), kHost, t.data(), t.device(), t.nbytes());
+        bytes = staging.data();
+      }
+      saved.entry_crcs.push_back(crc32c(0, bytes, t.nbytes()));
+      data_crc = crc32c(data_crc, bytes, t.nbytes());
+      if (std::fwrite(bytes, 1, t.nbytes(), f) != t.nbytes()) return false;
+    }
+    with_checksum[kDataChecksumKey] = crc32c_text(data_crc);
+    header = safetensors::encode_header(layout, with_checksum);
+    return std::fflush(f) == 0 &&
+           ::pwrite(fileno(f), header.data(), header.size(), 0) == static_cast<ssize_t>(header.size());
+  });
+  saved.header_crc = crc32c(0, header.data(), header.size());
+  saved.bytes = header.size() + offset;
+  return saved;
 }
 
 namespace {
@@ -377,19 +427,85 @@ void StateFileReader::read_into(const Tensor& target, size_t target_offset, uint
   copy_bytes(dst, target.device(), staging.data(), kHost, nbytes);
 }
 
-void load_module(Module& module, const std::string& path, bool strict) {
+namespace {
+
+// Checksums read the file in pieces of this size at most.
+constexpr uint64_t kChecksumChunk = 4u << 20;
+
+uint32_t file_crc(const InputFile& file, uint64_t at, uint64_t nbytes, std::vector<uint8_t>& staging) {
+  uint32_t crc = 0;
+  staging.resize(static_cast<size_t>(std::min(nbytes, kChecksumChunk)));
+  while (nbytes > 0) {
+    const uint64_t n = std::min(nbytes, kChecksumChunk);
+    file.read_at(staging.data(), n, at);
+    crc = crc32c(crc, staging.data(), static_cast<size_t>(n));
+    at += n;
+    nbytes -= n;
+  }
+  return crc;
+}
+
+// The checksum a header's metadata gives its data section; false when it has none.
+bool stated_data_crc(const safetensors::Header& header, const std::string& origin, uint32_t* crc) {
+  auto stated = header.metadata.find(kDataChecksumKey);
+  if (stated == header.metadata.end()) return false;
+  if (!parse_crc32c(stated->second, crc)) {
+    fail(StatusCode::kIo, "'", origin, "': its checksum \"", stated->second, "\" (metadata \"", kDataChecksumKey,
+         "\") is not eight lowercase hex digits");
+  }
+  return true;
+}
+
+[[noreturn]] void checksum_differs(const std::string& origin, uint32_t stated, uint32_t computed) {
+  fail(StatusCode::kIo, "'", origin, "' is damaged: its data's CRC-32C is ", crc32c_text(computed),
+       " but its header says ", crc32c_text(stated), " (nothing was loaded)");
+}
+
+}  // namespace
+
+uint32_t StateFileReader::data_crc(uint64_t offset, uint64_t nbytes, std::vector<uint8_t>& staging) const {
+  return file_crc(impl_->file, header_.data_offset + offset, nbytes, staging);
+}
+
+uint32_t StateFileReader::header_crc() const {
+  std::vector<uint8_t> staging;
+  return file_crc(impl_->file, 0, header_.data_offset, staging);
+}
+
+uint64_t StateFileReader::file_size() const { return impl_->file.size(); }
+
+void StateFileReader::verify_data_checksum(std::vector<uint8_t>& staging) const {
+  uint32_t stated = 0;
+  if (!stated_data_crc(header_, path_, &stated)) return;
+  const uint32_t computed = data_crc(0, impl_->file.size() - header_.data_offset, staging);
+  if (computed != stated) checksum_differs(path_, stated, computed);
+}
+
+std::vector<Tensor> load_module(Module& module, const std::string& path, bool strict) {
   // Header first, then each tensor's bytes straight into place: loading never
   // holds a second copy of the file.
   StateFileReader file(path);
   std::vector<uint8_t> staging;
-  for (const auto& [entry, target] : plan_load(module, file.header(), path, strict)) {
+  const Copies copies = plan_load(module, file.header(), path, strict);
+  file.verify_data_checksum(staging);
+  std::vector<Tensor> written;
+  written.reserve(copies.size());
+  for (const auto& [entry, target] : copies) {
     file.read_into(target, 0, entry->begin, target.nbytes(), staging);
+    written.push_back(target);
   }
+  return written;
 }
 
 void load_module_image(Module& module, const uint8_t* data, size_t size, const std::string& origin, bool strict) {
   const safetensors::Header header = parse_from(origin, [&] { return safetensors::parse(data, size); });
-  for (const auto& [entry, target] : plan_load(module, header, origin, strict)) {
+  const Copies copies = plan_load(module, header, origin, strict);
+  uint32_t stated = 0;
+  if (stated_data_crc(header, origin, &stated)) {
+    const uint32_t computed = crc32c(0, data + header.data_offset, size - header.data_offset);
+    if (computed != stated) checksum_differs(origin, stated, computed);
+  }
+  for (const auto& [entry, target] : copies) {
     copy_bytes(target.data(), target.device(), data + header.data_offset + entry->begin, kHost, target.nbytes());
   }
 }

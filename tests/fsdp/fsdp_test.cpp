@@ -4,6 +4,8 @@
 // root, and a forward and backward written here. Ranks are threads of this
 // process, each with its own group over one file store: real collectives,
 // and the test sees every rank's results.
+#include <dirent.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,6 +16,8 @@
 #include <cstring>
 #include <functional>
 #include <future>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -1032,14 +1036,37 @@ TEST(Fsdp, ARankThatMakesAnotherCallInAViewUnshardsPlaceFailsNamingBoth) {
 
 namespace {
 
-// Removes the files of a sharded save by `world` ranks, and the folder.
-void remove_sharded_save(const std::string& folder, int world) {
-  for (int r = 0; r < world; ++r) {
-    char name[64];
-    std::snprintf(name, sizeof name, "/shard-%05d-of-%05d.safetensors", r, world);
-    ::unlink((folder + name).c_str());
+// Removes a save's folder and the files in it.
+void remove_sharded_save(const std::string& folder, int) {
+  if (DIR* dir = ::opendir(folder.c_str())) {
+    while (dirent* d = ::readdir(dir)) {
+      if (std::strcmp(d->d_name, ".") != 0 && std::strcmp(d->d_name, "..") != 0) {
+        ::unlink((folder + "/" + d->d_name).c_str());
+      }
+    }
+    ::closedir(dir);
   }
   ::rmdir(folder.c_str());
+}
+
+// The names of the files in `folder`, sorted.
+std::vector<std::string> files_in(const std::string& folder) {
+  std::vector<std::string> names;
+  if (DIR* dir = ::opendir(folder.c_str())) {
+    while (dirent* d = ::readdir(dir)) {
+      if (d->d_name[0] != '.') names.push_back(d->d_name);
+    }
+    ::closedir(dir);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+void write_file(const std::string& path, const std::string& bytes) {
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  ASSERT_NE(f, nullptr) << path;
+  ASSERT_EQ(std::fwrite(bytes.data(), 1, bytes.size(), f), bytes.size());
+  std::fclose(f);
 }
 
 // Toy(skew) sharded on every layer (init_sync off: each rank keeps its own
@@ -1299,27 +1326,34 @@ TEST(CudaFsdp, BlockingUnshardsOnTwoGpusReturnWhileTheHostsStreamIsHeld) {
   }
 }
 
-// Hostile sharded saves: rows that do not fit the shape, a rank's file
-// missing, a file of another kind, a folder with two saves. Each is refused
-// by name and leaves the module as it was.
-TEST(FsdpStateDict, ABrokenShardedSaveIsRefusedByNameAndChangesNothing) {
+// Hostile sharded saves: the manifest missing, damaged or edited (rows in
+// two files, rows in none, a file named elsewhere), a rank's file missing,
+// garbage, replaced by another save's, its header or its data changed by a
+// byte. Each is refused on every rank, naming the file or the tensor, and
+// leaves the module as it was; the save loads again once it is restored.
+TEST(FsdpStateDict, ABrokenShardedSaveIsRefusedByNameOnEveryRankAndChangesNothing) {
   const std::string folder = dptest::temp_path("fsdp_hostile_", "save");
-  run_ranks(2, DP_BACKEND_GLOO, [&](int, dp_process_group* pg) {
-    Toy toy(0.25f);
-    Sharded s = shard_unsynced(toy, pg);
-    ASSERT_EQ(dp_fsdp_save_sharded_state_dict(toy.root.get(), pg, folder.c_str()), DP_OK) << dp_last_error();
-  });
-  const std::string rank0 = folder + "/shard-00000-of-00002.safetensors";
-  const std::string rank1 = folder + "/shard-00001-of-00002.safetensors";
-  const std::string good = dptest::read_bytes(rank1);
-  auto write = [](const std::string& path, const std::string& bytes) {
-    std::FILE* f = std::fopen(path.c_str(), "wb");
-    ASSERT_NE(f, nullptr);
-    ASSERT_EQ(std::fwrite(bytes.data(), 1, bytes.size(), f), bytes.size());
-    std::fclose(f);
-  };
-  auto expect_refused = [&](const char* what, dp_status want, const std::string& needle) {
+  const std::string other = dptest::temp_path("fsdp_hostile_", "other");
+  for (const std::string& f : {folder, other}) {
     run_ranks(2, DP_BACKEND_GLOO, [&](int, dp_process_group* pg) {
+      Toy toy(0.25f);
+      Sharded s = shard_unsynced(toy, pg);
+      ASSERT_EQ(dp_fsdp_save_sharded_state_dict(toy.root.get(), pg, f.c_str()), DP_OK) << dp_last_error();
+    });
+  }
+  // manifest.json and one file per rank, of one save.
+  const std::vector<std::string> names = files_in(folder);
+  ASSERT_EQ(names.size(), 3u);
+  ASSERT_EQ(names[0], "manifest.json");
+  const std::string manifest = folder + "/manifest.json";
+  const std::string rank0 = folder + "/" + names[1];
+  const std::string rank1 = folder + "/" + names[2];
+  ASSERT_EQ(names[1].rfind("shard-00000-of-00002-", 0), 0u) << names[1];
+  ASSERT_EQ(names[2].rfind("shard-00001-of-00002-", 0), 0u) << names[2];
+  const std::string good_manifest = dptest::read_bytes(manifest);
+  const std::string good0 = dptest::read_bytes(rank0), good1 = dptest::read_bytes(rank1);
+  auto expect_refused = [&](const char* what, dp_status want, const std::string& needle, int world = 2) {
+    run_ranks(world, DP_BACKEND_GLOO, [&](int, dp_process_group* pg) {
       Toy toy(-1.0f);
       Sharded s = shard_unsynced(toy, pg);
       EXPECT_EQ(dp_fsdp_load_sharded_state_dict(toy.root.get(), folder.c_str()), want) << what;
@@ -1327,29 +1361,183 @@ TEST(FsdpStateDict, ABrokenShardedSaveIsRefusedByNameAndChangesNothing) {
       expect_full_weights(toy, s, -1.0f);
     });
   };
-  // Rows claimed past the shape: rank 1 holds row 2 of 3 ("2 1 3"); "2 2 3" overruns.
-  std::string bad_rows = good;
-  const size_t at = bad_rows.find("\"2 1 3\"");
-  ASSERT_NE(at, std::string::npos) << good.substr(0, 400);
-  bad_rows.replace(at, 7, "\"2 2 3\"");
-  write(rank1, bad_rows);
-  expect_refused("rows past the shape", DP_EINVAL, "does not match");
-  // Not a safetensors file at all.
-  write(rank1, "garbage");
-  expect_refused("garbage", DP_EIO, rank1);
-  // A rank's file missing.
+  auto edit_manifest = [&](const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json m = nlohmann::json::parse(good_manifest);
+    edit(m);
+    write_file(manifest, m.dump(1));
+  };
+  auto piece_of = [](nlohmann::json& m, const std::string& tensor, size_t file) -> nlohmann::json& {
+    for (auto& t : m["tensors"]) {
+      if (t["name"] != tensor) continue;
+      for (auto& p : t["pieces"]) {
+        if (p["file"] == file) return p;
+      }
+    }
+    throw std::runtime_error("no piece of " + tensor);
+  };
+  ::unlink(manifest.c_str());
+  expect_refused("no manifest", DP_EINVAL, "holds no complete sharded save");
+  write_file(manifest, "{\"format\": \"dp-fsdp-sharded-manifest\", ");
+  expect_refused("a cut manifest", DP_EIO, "it is not JSON");
+  // Rank 1's rows 2..3 of linears.0.weight claimed from row 1: rows 1..2 in
+  // two files, also when one rank loads all the rows.
+  edit_manifest([&](nlohmann::json& m) { piece_of(m, "linears.0.weight", 1)["first_row"] = 1; });
+  expect_refused("overlapping rows", DP_EIO, "'linears.0.weight''s rows 1 to 2 are in two files");
+  expect_refused("overlapping rows at one rank", DP_EIO, "are in two files", 1);
+  edit_manifest([&](nlohmann::json& m) { piece_of(m, "linears.1.weight", 1)["row_count"] = 0; });
+  expect_refused("missing rows", DP_EIO, "'linears.1.weight''s rows 2 to 3 are in no file");
+  edit_manifest([&](nlohmann::json& m) { m["files"][1]["name"] = "../" + names[2]; });
+  expect_refused("a file named elsewhere", DP_EIO, "where this save's is");
+  edit_manifest([&](nlohmann::json& m) { m["world_size"] = 3; });
+  expect_refused("another world size", DP_EIO, "not a list of world_size (3) files");
+  write_file(manifest, good_manifest);
+  // Rank 1's file.
   ::unlink(rank1.c_str());
   expect_refused("a missing file", DP_EIO, rank1);
-  // A second save's rank-0 file beside the first.
-  write(rank1, good);
-  write(folder + "/shard-00000-of-00003.safetensors", dptest::read_bytes(rank0));
-  expect_refused("two saves", DP_EINVAL, "two saves");
-  ::unlink((folder + "/shard-00000-of-00003.safetensors").c_str());
-  // An ordinary safetensors file in its place.
+  write_file(rank1, "garbage");
+  expect_refused("garbage", DP_EIO, rank1);
+  write_file(rank1, dptest::read_bytes(other + "/" + files_in(other)[2]));
+  expect_refused("another save's file", DP_EIO, "is not rank 1's file of save");
+  // One byte of the rows in its header ("2 1 3": row 2, one row, of 3).
+  std::string edited = good1;
+  const size_t at = edited.find("\"2 1 3\"");
+  ASSERT_NE(at, std::string::npos) << good1.substr(0, 400);
+  edited[at + 1] = '1';
+  write_file(rank1, edited);
+  expect_refused("rows edited in a header", DP_EIO, "its header differs from its checksum");
+  // One bit of its data: rank 0 reads none of rank 1's file at two ranks
+  // and fails through rank 1's verdict.
+  edited = good1;
+  edited[edited.size() - 2] = static_cast<char>(edited[edited.size() - 2] ^ 0x01);
+  write_file(rank1, edited);
+  expect_refused("a flipped bit", DP_EIO, "' differ from their checksum in the manifest");
+  expect_refused("a flipped bit at one rank", DP_EIO, "' differ from their checksum in the manifest", 1);
+  write_file(rank1, good1);
+  // An ordinary safetensors file in rank 0's place.
   Toy plain(0.0f);
   ASSERT_EQ(dp_module_save(plain.root.get(), rank0.c_str()), DP_OK);
-  expect_refused("an unsharded file", DP_EINVAL, "not a sharded state dict");
-  ::unlink(rank0.c_str());
-  ::unlink(rank1.c_str());
-  ::rmdir(folder.c_str());
+  expect_refused("an unsharded file", DP_EIO, rank0);
+  write_file(rank0, good0);
+  // Restored, it loads.
+  run_ranks(2, DP_BACKEND_GLOO, [&](int, dp_process_group* pg) {
+    Toy toy(-1.0f);
+    Sharded s = shard_unsynced(toy, pg);
+    EXPECT_EQ(dp_fsdp_load_sharded_state_dict(toy.root.get(), folder.c_str()), DP_OK) << dp_last_error();
+    expect_full_weights(toy, s, 0.25f);
+  });
+  remove_sharded_save(folder, 2);
+  remove_sharded_save(other, 2);
+}
+
+// A second save that fails on one rank (here its folder cannot be made)
+// fails on every rank, naming that rank; no file of it is left, and the
+// first save loads as it was. A third save succeeds and removes the first's
+// files.
+TEST(FsdpStateDict, ASaveThatFailsOnOneRankFailsOnEveryRankAndTheLastCompleteSaveStillLoads) {
+  const std::string folder = dptest::temp_path("fsdp_failing_", "save");
+  const std::string blocked = dptest::temp_path("fsdp_failing_", "not_a_folder");
+  write_file(blocked, "a file");
+  run_ranks(2, DP_BACKEND_SHM, [&](int rank, dp_process_group* pg) {
+    Toy toy(0.25f);
+    Sharded s = shard_unsynced(toy, pg);
+    ASSERT_EQ(dp_fsdp_save_sharded_state_dict(toy.root.get(), pg, folder.c_str()), DP_OK) << dp_last_error();
+    ASSERT_EQ(dp_pg_barrier(pg), DP_OK);
+    const std::vector<std::string> first = files_in(folder);
+    Toy changed(0.75f);
+    Sharded c = shard_unsynced(changed, pg);
+    const std::string mine = rank == 1 ? blocked : folder;
+    EXPECT_EQ(dp_fsdp_save_sharded_state_dict(changed.root.get(), pg, mine.c_str()), DP_EINVAL);
+    const std::string error = dp_last_error();
+    if (rank == 0) {
+      EXPECT_NE(error.find("failed on rank 1"), std::string::npos) << error;
+    }
+    EXPECT_NE(error.find("is not a folder"), std::string::npos) << error;
+    EXPECT_NE(error.find("last complete save is as it was"), std::string::npos) << error;
+    ASSERT_EQ(dp_pg_barrier(pg), DP_OK);
+    EXPECT_EQ(files_in(folder), first);
+    EXPECT_EQ(dp_fsdp_load_sharded_state_dict(changed.root.get(), folder.c_str()), DP_OK) << dp_last_error();
+    expect_full_weights(changed, c, 0.25f);
+    // The group is still in step: a third save replaces the first.
+    Toy third(0.5f);
+    Sharded t = shard_unsynced(third, pg);
+    ASSERT_EQ(dp_fsdp_save_sharded_state_dict(third.root.get(), pg, folder.c_str()), DP_OK) << dp_last_error();
+    ASSERT_EQ(dp_pg_barrier(pg), DP_OK);
+    const std::vector<std::string> now = files_in(folder);
+    EXPECT_EQ(now.size(), 3u);
+    for (const std::string& name : first) {
+      if (name != "manifest.json") {
+        EXPECT_EQ(std::count(now.begin(), now.end(), name), 0) << name;
+      }
+    }
+    EXPECT_EQ(dp_fsdp_load_sharded_state_dict(changed.root.get(), folder.c_str()), DP_OK) << dp_last_error();
+    expect_full_weights(changed, c, 0.5f);
+    ASSERT_EQ(dp_pg_barrier(pg), DP_OK);
+  });
+  remove_sharded_save(folder, 2);
+  ::unlink(blocked.c_str());
+}
+
+// A full save is collective: when rank 0 cannot write the file every rank
+// fails, naming rank 0, and a file already there is as it was.
+TEST(FsdpStateDict, AFullSaveThatRankZeroCannotWriteFailsOnEveryRank) {
+  const std::string path = dptest::temp_path("fsdp_full_fail_", "full.safetensors");
+  const std::string nowhere = dptest::temp_path("fsdp_full_fail_", "no_such_folder") + "/full.safetensors";
+  run_ranks(2, DP_BACKEND_GLOO, [&](int rank, dp_process_group* pg) {
+    Toy toy(0.25f);
+    Sharded s = shard_unsynced(toy, pg);
+    EXPECT_EQ(dp_fsdp_save_full_state_dict(toy.root.get(), pg, nowhere.c_str()), DP_EIO);
+    std::string error = dp_last_error();
+    if (rank == 1) {
+      EXPECT_NE(error.find("rank 0 could not write the full state dict"), std::string::npos) << error;
+    }
+    EXPECT_NE(error.find("no_such_folder"), std::string::npos) << error;
+    ASSERT_EQ(dp_fsdp_save_full_state_dict(toy.root.get(), pg, path.c_str()), DP_OK) << dp_last_error();
+    ASSERT_EQ(dp_pg_barrier(pg), DP_OK);
+    const std::string before = dptest::read_bytes(path);
+    if (rank == 0) {
+      ASSERT_EQ(::chmod(path.c_str(), 0444), 0);
+    }
+    ASSERT_EQ(dp_pg_barrier(pg), DP_OK);
+    Toy changed(0.75f);
+    Sharded c = shard_unsynced(changed, pg);
+    EXPECT_EQ(dp_fsdp_save_full_state_dict(changed.root.get(), pg, path.c_str()), DP_EIO);
+    error = dp_last_error();
+    EXPECT_NE(error.find("read-only"), std::string::npos) << error;
+    EXPECT_EQ(dptest::read_bytes(path), before);
+    ASSERT_EQ(dp_pg_barrier(pg), DP_OK);
+  });
+  ::unlink(path.c_str());
+}
+
+// A load that is not strict leaves what the file lacks as it was: the
+// fsdp-held parameters a file of the projection alone does not hold, and
+// the whole module for another model's file.
+TEST(FsdpStateDict, ANonStrictFullLoadLeavesWhatTheFileLacksAsItWas) {
+  const std::string proj_only = dptest::temp_path("fsdp_partial_", "proj.safetensors");
+  const std::string unrelated = dptest::temp_path("fsdp_partial_", "other.safetensors");
+  {
+    Toy source(0.5f);
+    dptest::ModulePtr root = dptest::new_module();
+    ASSERT_EQ(dp_module_register_module(root.get(), "proj", source.layer[3].get()), DP_OK);
+    ASSERT_EQ(dp_module_save(root.get(), proj_only.c_str()), DP_OK) << dp_last_error();
+    dptest::ModulePtr m = dptest::new_module();
+    TensorPtr w = make<float>({2, 2}, {1, 2, 3, 4});
+    ASSERT_EQ(dp_module_register_parameter(m.get(), "weight", w.get(), 1), DP_OK);
+    ASSERT_EQ(dp_module_save(m.get(), unrelated.c_str()), DP_OK) << dp_last_error();
+  }
+  run_ranks(2, DP_BACKEND_GLOO, [&](int, dp_process_group* pg) {
+    Toy toy(-1.0f);
+    Sharded s = shard_unsynced(toy, pg);
+    ASSERT_EQ(dp_fsdp_load_full_state_dict(toy.root.get(), unrelated.c_str(), 0), DP_OK) << dp_last_error();
+    expect_full_weights(toy, s, -1.0f);
+    ASSERT_EQ(dp_fsdp_load_full_state_dict(toy.root.get(), proj_only.c_str(), 0), DP_OK) << dp_last_error();
+    for (int l = 0; l < 3; ++l) {
+      ASSERT_EQ(dp_fsdp_unshard(s.layer[l].get(), 0), DP_OK) << dp_last_error();
+      EXPECT_EQ(parameter(toy.root.get(), kWeights[l]), initial_weights(l, -1.0f)) << kWeights[l];
+      ASSERT_EQ(dp_fsdp_reshard(s.layer[l].get()), DP_OK) << dp_last_error();
+    }
+    EXPECT_EQ(parameter(toy.root.get(), kWeights[3]), initial_weights(3, 0.5f));
+  });
+  ::unlink(proj_only.c_str());
+  ::unlink(unrelated.c_str());
 }

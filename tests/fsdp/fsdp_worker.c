@@ -13,15 +13,26 @@
  *   peer_exits   the last rank exits before an unshard the others make:
  *                theirs fails within the group's timeout naming it
  *   peer_exits_views  the same with views on shared memory
+ *   save_fails   a sharded save, then a second one that rank 1 cannot write
+ *                (a file-size limit): it fails on every rank, naming rank 1,
+ *                and the first save still loads, its files alone in the folder
+ *   save_killed  the same, but rank 1 dies while writing (as SIGXFSZ's
+ *                default would kill it, though with exit code 0 so that
+ *                dp-run lets rank 0 go on): rank 0's save fails, and a new
+ *                group of rank 0 alone loads the first save
  *   refuse_dtype  rank 1 alone asks for an integer param_dtype: every rank's
  *                create fails at once naming rank 1, and the group works on
  *   refuse_overlap  rank 1 alone gives a module with two parameters over
  *                overlapping memory: the same, naming both parameters
  * Prints "rank R: SCENARIO passed" and exits 0 when every check held. */
+#include <dirent.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include "c_worker_check.h"
 
@@ -407,6 +418,102 @@ static void refuse_overlap(dp_process_group *pg) {
   toy_destroy(&t);
 }
 
+/* Adds `delta` to every weight: the shards of the linears and proj whole. */
+static void add_to_weights(Toy *toy, float delta) {
+  for (int l = 0; l < 4; ++l) {
+    dp_tensor *t = NULL;
+    float v[DIM * DIM];
+    if (l < 3) {
+      CHECK_OK(dp_fsdp_shard(toy->fsdp[l], 0, &t));
+    } else {
+      CHECK_OK(dp_module_get_parameter(toy->root, kWeights[3], &t));
+    }
+    if (t == NULL) continue;
+    size_t n = (size_t)dp_tensor_numel(t);
+    CHECK_OK(dp_tensor_copy_to_host(t, v, n * sizeof(float)));
+    for (size_t k = 0; k < n; ++k) v[k] += delta;
+    CHECK_OK(dp_tensor_copy_from_host(t, v, n * sizeof(float)));
+    dp_tensor_destroy(t);
+  }
+}
+
+/* The entries of `folder` whose names do not start with a dot. */
+static int count_files(const char *folder) {
+  int n = 0;
+  DIR *dir = opendir(folder);
+  if (dir == NULL) return -1;
+  for (struct dirent *d; (d = readdir(dir)) != NULL;) n += d->d_name[0] != '.';
+  closedir(dir);
+  return n;
+}
+
+static void exit_quietly(int sig) {
+  (void)sig;
+  _exit(0);
+}
+
+static void save_fails_or_dies(dp_process_group *pg, int dies) {
+  float expected[4][DIM * DIM];
+  struct rlimit limit, saved;
+  char folder[512];
+  Toy t;
+  for (int l = 0; l < 4; ++l) {
+    for (int k = 0; k < DIM * DIM; ++k) expected[l][k] = initial(l, k, 0.0f);
+  }
+  snprintf(folder, sizeof folder, "%s/checkpoint", g_dir);
+  toy_create(&t, 0.05f * (float)g_rank, pg); /* init_sync: rank 0's values */
+  CHECK_OK(dp_fsdp_save_sharded_state_dict(t.root, pg, folder));
+  add_to_weights(&t, 1.0f);
+  getrlimit(RLIMIT_FSIZE, &saved);
+  if (g_rank == 1) {
+    /* Smaller than any file of the save: its first write fails. */
+    limit = saved;
+    limit.rlim_cur = 64;
+    signal(SIGXFSZ, dies ? exit_quietly : SIG_IGN);
+    CHECK(setrlimit(RLIMIT_FSIZE, &limit) == 0, "setrlimit");
+  }
+  dp_status st = dp_fsdp_save_sharded_state_dict(t.root, pg, folder);
+  CHECK(st != DP_OK, "the second save returned DP_OK");
+  if (g_rank == 0) {
+    CHECK(strstr(dp_last_error(), dies ? "rank(s) 1 did not arrive" : "failed on rank 1") != NULL,
+          "the error does not name rank 1: %s", dp_last_error());
+  }
+  printf("rank %d: the second save failed: %s\n", g_rank, dp_last_error());
+  if (g_rank == 1) setrlimit(RLIMIT_FSIZE, &saved);
+  if (!dies) {
+    CHECK_OK(dp_pg_barrier(pg));
+    CHECK(count_files(folder) == 3, "the folder holds %d files, not the first save's 3", count_files(folder));
+    CHECK_OK(dp_fsdp_load_sharded_state_dict(t.root, folder));
+    expect_weights(&t, expected, "the first save, loaded after the second failed");
+    toy_destroy(&t);
+    return;
+  }
+  /* Rank 1 is gone, and the group with it: rank 0 alone loads the first save. */
+  toy_destroy(&t);
+  char store_path[600];
+  dp_store *store = NULL;
+  dp_process_group *alone = NULL;
+  dp_process_group_options o = DP_PROCESS_GROUP_OPTIONS_INIT;
+  snprintf(store_path, sizeof store_path, "%s/alone.store", g_dir);
+  CHECK_OK(dp_store_create_file(&store, store_path, 1));
+  o.rank = 0;
+  o.world_size = 1;
+  o.store = store;
+  o.backend = DP_BACKEND_GLOO;
+  CHECK_OK(dp_process_group_create(&alone, &o));
+  dp_store_destroy(store);
+  if (alone == NULL) return;
+  Toy again;
+  toy_create(&again, 2.0f, alone);
+  CHECK_OK(dp_fsdp_load_sharded_state_dict(again.root, folder));
+  expect_weights(&again, expected, "the first save, loaded after rank 1 died in the second");
+  toy_destroy(&again);
+  dp_process_group_destroy(alone);
+}
+
+static void save_fails(dp_process_group *pg) { save_fails_or_dies(pg, 0); }
+static void save_killed(dp_process_group *pg) { save_fails_or_dies(pg, 1); }
+
 typedef struct Scenario {
   const char *name;
   void (*run)(dp_process_group *pg);
@@ -427,6 +534,8 @@ static const Scenario kScenarios[] = {
     /* Longer than the test's limit: a rank left waiting is killed. */
     {"refuse_dtype", refuse_dtype, DP_BACKEND_AUTO, 120000, 0, 0},
     {"refuse_overlap", refuse_overlap, DP_BACKEND_AUTO, 120000, 0, 0},
+    {"save_fails", save_fails, DP_BACKEND_AUTO, 60000, 0, 0},
+    {"save_killed", save_killed, DP_BACKEND_GLOO, 10000, 0, 0},
 };
 
 int main(int argc, char **argv) {
@@ -440,8 +549,8 @@ int main(int argc, char **argv) {
   }
   if (scenario == NULL) {
     fprintf(stderr,
-            "usage: fsdp_worker toy|toy_gloo|toy_views|toy_gloo_views|peer_exits|peer_exits_views|toy_nccl|"
-            "refuse_dtype|refuse_overlap (under dp-run); "
+            "usage: fsdp_worker toy|toy_gloo|toy_views|toy_gloo_views|peer_exits|peer_exits_views|toy_nccl|save_fails|"
+            "save_killed|refuse_dtype|refuse_overlap (under dp-run); "
             "unknown '%s'\n",
             argc >= 2 ? argv[1] : "");
     return 2;

@@ -40,6 +40,16 @@ ModulePtr model(float start) {
   return root;
 }
 
+// CRC-32C one bit at a time: a second implementation to check the library's against.
+uint32_t crc32c_bitwise(const std::string& bytes) {
+  uint32_t crc = ~0u;
+  for (unsigned char b : bytes) {
+    crc ^= b;
+    for (int i = 0; i < 8; ++i) crc = (crc >> 1) ^ ((crc & 1u) ? 0x82f63b78u : 0u);
+  }
+  return ~crc;
+}
+
 }  // namespace
 
 TEST(StateDict, FileFollowsTheSafetensorsLayout) {
@@ -52,7 +62,13 @@ TEST(StateDict, FileFollowsTheSafetensorsLayout) {
   for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint8_t>(bytes[static_cast<size_t>(i)]);
   EXPECT_EQ(n % 8, 0u);
   std::string header = bytes.substr(8, n);
-  EXPECT_EQ(header.rfind("{\"__metadata__\":{\"format\":\"pt\"},", 0), 0u) << header;
+  // The metadata: the data section's CRC-32C, then the format.
+  const std::string checksum_key = "{\"__metadata__\":{\"dp.crc32c\":\"";
+  ASSERT_EQ(header.rfind(checksum_key, 0), 0u) << header;
+  char stated[16];
+  std::snprintf(stated, sizeof stated, "%08x", crc32c_bitwise(bytes.substr(8 + n)));
+  EXPECT_EQ(header.substr(checksum_key.size(), 8), stated) << header;
+  EXPECT_EQ(header.find("\",\"format\":\"pt\"},", checksum_key.size() + 8), checksum_key.size() + 8) << header;
   // state_dict() order: the root's own tensors, then each child's.
   EXPECT_TRUE(contains(header,
                        "\"count\":{\"dtype\":\"I64\",\"shape\":[1],\"data_offsets\":[0,8]},"
@@ -185,6 +201,36 @@ TEST(StateDict, IoFailuresAreReported) {
   EXPECT_TRUE(contains(last_error(), "is a directory; checkpoints are regular files")) << last_error();
   EXPECT_EQ(dp_module_save(m.get(), nullptr), DP_EINVAL);
   EXPECT_EQ(dp_module_load(nullptr, "x", 1), DP_EINVAL);
+}
+
+// A saved file whose data changed (a flipped bit, another file's bytes
+// spliced in) is refused as damaged, naming it, before anything loads; a
+// checksum that is not eight hex digits is refused too. A file without a
+// checksum (another writer's) still loads.
+TEST(StateDict, AFileWhoseDataDiffersFromItsChecksumIsRefusedAndChangesNothing) {
+  ModulePtr saved = model(7.0f);
+  std::string path = temp_path("damaged.safetensors");
+  DP_ASSERT_OK(dp_module_save(saved.get(), path.c_str()));
+  const std::string good = read_bytes(path);
+  ModulePtr m = model(1.0f);
+  std::string flipped = good;
+  flipped[flipped.size() - 3] = static_cast<char>(flipped[flipped.size() - 3] ^ 0x10);
+  write_bytes(path, flipped);
+  EXPECT_EQ(dp_module_load(m.get(), path.c_str(), 1), DP_EIO);
+  EXPECT_TRUE(contains(last_error(), "is damaged")) << last_error();
+  EXPECT_TRUE(contains(last_error(), path)) << last_error();
+  EXPECT_EQ(values<float>(parameter(m.get(), "fc.weight").get()), iota<float>(6, 1.0f));
+  std::string bad_text = good;
+  const size_t at = bad_text.find("\"dp.crc32c\":\"") + 13;
+  bad_text[at] = 'X';
+  write_bytes(path, bad_text);
+  EXPECT_EQ(dp_module_load(m.get(), path.c_str(), 1), DP_EIO);
+  EXPECT_TRUE(contains(last_error(), "is not eight lowercase hex digits")) << last_error();
+  EXPECT_EQ(values<float>(parameter(m.get(), "fc.weight").get()), iota<float>(6, 1.0f));
+  write_bytes(path, good);
+  DP_ASSERT_OK(dp_module_load(m.get(), path.c_str(), 1));
+  EXPECT_EQ(values<float>(parameter(m.get(), "fc.weight").get()), iota<float>(6, 7.0f));
+  std::remove(path.c_str());
 }
 
 // Every file under tests/module/malformed/ is refused with a message, and the

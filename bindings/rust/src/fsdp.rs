@@ -178,7 +178,8 @@ impl Fsdp {
 impl Module {
     /// Collective over `pg`: gathers each sharded parameter and rank 0 writes
     /// `path` as `save` would for the unsharded module (the other ranks
-    /// write nothing). Every `Fsdp` involved must be resharded.
+    /// write nothing; rank 0's outcome is every rank's). Every `Fsdp`
+    /// involved must be resharded.
     pub fn save_full_state_dict(&self, pg: &ProcessGroup, path: &str) -> Result<()> {
         let c = cstring("path", path)?;
         self.lib.check(unsafe { (self.lib.api().fsdp_save_full_state_dict)(self.raw, pg.raw, c.as_ptr()) })
@@ -192,15 +193,20 @@ impl Module {
         self.lib.check(unsafe { (api.fsdp_load_full_state_dict)(self.raw, c.as_ptr(), strict as c_int) })
     }
 
-    /// Local: each rank writes its rows to `folder`/shard-RRRRR-of-WWWWW.safetensors
-    /// (rank 0's also holds the tensors that are not sharded).
+    /// Collective over `pg`: each rank writes its rows to
+    /// `folder`/shard-RRRRR-of-WWWWW-<id>.safetensors (rank 0's also holds the
+    /// tensors that are not sharded), then rank 0 writes `manifest.json`
+    /// last. It succeeds on every rank or fails on every rank, and a failed
+    /// save leaves the folder's last complete save loadable.
     pub fn save_sharded_state_dict(&self, pg: &ProcessGroup, folder: &str) -> Result<()> {
         let c = cstring("folder", folder)?;
         self.lib.check(unsafe { (self.lib.api().fsdp_save_sharded_state_dict)(self.raw, pg.raw, c.as_ptr()) })
     }
 
-    /// Reads the rows this rank keeps now from every file of a sharded save
-    /// (made at any world size); load after every rank's save has returned.
+    /// Reads the rows this rank keeps now from a complete sharded save (made
+    /// at any world size), checked against its manifest. Collective over the
+    /// group of the `Fsdp` holding the module: every rank loads, or none
+    /// does and the module is unchanged.
     pub fn load_sharded_state_dict(&mut self, folder: &str) -> Result<()> {
         let c = cstring("folder", folder)?;
         self.lib.check(unsafe { (self.lib.api().fsdp_load_sharded_state_dict)(self.raw, c.as_ptr()) })

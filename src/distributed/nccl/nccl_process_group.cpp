@@ -1,4 +1,4 @@
-// The NCCL backend: one communicator per rank, its unique id through the
+// The NCCL backend: a data communicator per rank, its unique id through the
 // store, created non-blocking. Every wait polls the stream and
 // ncclCommGetAsyncError and aborts the communicator at the group's deadline,
 // so a dead peer is an error, not a hang. The headers the front checks
