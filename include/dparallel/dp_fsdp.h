@@ -239,7 +239,7 @@ DP_API void dp_fsdp_destroy(dp_fsdp *fsdp);
  * included). Every dp_fsdp involved must be resharded, with no unshard in
  * flight (DP_ESTATE otherwise). A NULL `path` on one rank takes the place
  * of its first collective: every rank's save fails with DP_EINVAL naming
- * that rank, and nothing is written. */
+ * that rank, and the group stays usable. */
 DP_API dp_status dp_fsdp_save_full_state_dict(dp_module *module, dp_process_group *pg, const char *path);
 DP_API dp_status dp_fsdp_load_full_state_dict(dp_module *module, const char *path, int strict);
 /* Sharded: collective over `pg` (as for the full save). Each save gets an

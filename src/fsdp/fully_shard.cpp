@@ -674,17 +674,23 @@ void FullyShard::refuse_gather(const std::string& reason) {
   std::unique_lock<std::mutex> lock(mutex_);
   check_usable_locked();
   finish_unshard_locked(lock);
+  // As gather_full_values: a job (the lane numbers them) when there is a
+  // parameter, and a collective in it as gather_shards makes one.
+  if (params_.empty()) return;
   size_t segment = 0;
   segment_offsets(false, &segment);
-  // What gather_shards makes a collective of.
-  if (!views_ && (segment == 0 || group_->size() == 1)) return;
+  const bool communicates = views_ || (segment > 0 && group_->size() > 1);
   ddp::JobSpec spec;
   spec.item = CallItem::kGatherValues;
   spec.iteration = iteration_;
   lock.unlock();
   lane_->call(
-      this, spec, [&] { group_->refuse(dist::CallKind::kAllGather, reason, false); }, lane_bound());
-  fail(StatusCode::kInternal, "dp_fsdp #", lane_id_, ": a refused gather passed");
+      this, spec,
+      [&] {
+        if (communicates) group_->refuse(dist::CallKind::kAllGather, reason, false);
+      },
+      lane_bound());
+  if (communicates) fail(StatusCode::kInternal, "dp_fsdp #", lane_id_, ": a refused gather passed");
 }
 
 void FullyShard::call_on_lane(CallItem item, const std::function<void()>& fn) {

@@ -102,10 +102,10 @@ class FullyShard final : public ddp::LaneOwner,
   // Parameter `index`'s full value in its own dtype, gathered from every
   // rank (collective, on the lane).
   std::vector<Tensor> gather_full_values();
-  // This rank's gather_full_values, refused for `reason`: when the gather
-  // makes a collective, the refusal takes its place, so that the other
-  // ranks' gather fails naming this rank, and the verdict is thrown; else
-  // returns (there is nothing to stand in for).
+  // This rank's gather_full_values, refused for `reason`: its job, and when
+  // the gather makes a collective, the refusal in its place, so that the
+  // other ranks' gather fails naming this rank, and the verdict is thrown;
+  // else returns (there is nothing to stand in for).
   void refuse_gather(const std::string& reason);
   // Runs `fn` on the lane as this dp_fsdp's next job, tagged `item`: the
   // collectives of a state dict's save or load, which every rank makes.

@@ -165,16 +165,22 @@ TEST(FsdpRefusal, ADestroyAfterAPeersRefusalStillGathersWithTheOtherRanks) {
       });
 }
 
+namespace {
+
 // Rank 1 alone passes a NULL path to the full state dict save: every rank's
 // save fails at once naming rank 1 and the argument (rank 0 is not left in
-// its gather), and a save with good arguments then works on every rank.
-TEST(FsdpRefusal, ANullPathOnOneRankFailsEveryRanksFullSaveNamingItAndTheNextSaveWorks) {
+// its gather, or, for a 0-d parameter that is gathered without one, in the
+// exchange of rank 0's outcome), and a save with good arguments then works
+// on every rank.
+void expect_null_path_refused_on_every_rank(const std::vector<int64_t>& shape) {
   const std::string path = dptest::temp_path("fsdp_refusal_", "full.safetensors");
   ::unlink(path.c_str());
   dptest::run_thread_ranks(
       "fsdp_refusal_", 2, dptest::RankOptions{DP_BACKEND_GLOO, 120000}, [&](int rank, dp_process_group* pg) {
         dptest::ModulePtr m = dptest::new_module();
-        TensorPtr w = make<float>({4, 3}, std::vector<float>(12, 0.5f));
+        size_t numel = 1;
+        for (int64_t d : shape) numel *= static_cast<size_t>(d);
+        TensorPtr w = make<float>(shape, std::vector<float>(numel, 0.5f));
         ASSERT_EQ(dp_module_register_parameter(m.get(), "weight", w.get(), 1), DP_OK) << dp_last_error();
         dp_fsdp* f = nullptr;
         ASSERT_EQ(dp_fsdp_create(&f, m.get(), pg, nullptr), DP_OK) << dp_last_error();
@@ -182,10 +188,23 @@ TEST(FsdpRefusal, ANullPathOnOneRankFailsEveryRanksFullSaveNamingItAndTheNextSav
         std::string error = dp_last_error();
         EXPECT_NE(error.find("rank 1 refused"), std::string::npos) << error;
         EXPECT_NE(error.find("'path'"), std::string::npos) << error;
-        EXPECT_EQ(::access(path.c_str(), F_OK), -1) << "rank 0 wrote the file of a refused save";
+        // A sharded parameter's gather fails before rank 0 writes.
+        if (!shape.empty()) {
+          EXPECT_EQ(::access(path.c_str(), F_OK), -1) << "rank 0 wrote the file of a refused save";
+        }
         ASSERT_EQ(dp_fsdp_save_full_state_dict(m.get(), pg, path.c_str()), DP_OK) << dp_last_error();
         dp_fsdp_destroy(f);
       });
   EXPECT_EQ(::access(path.c_str(), F_OK), 0);
   ::unlink(path.c_str());
+}
+
+}  // namespace
+
+TEST(FsdpRefusal, ANullPathOnOneRankFailsEveryRanksFullSaveNamingItAndTheNextSaveWorks) {
+  expect_null_path_refused_on_every_rank({4, 3});
+}
+
+TEST(FsdpRefusal, ANullPathOnOneRankFailsEveryRanksFullSaveOfAZeroDimParameterToo) {
+  expect_null_path_refused_on_every_rank({});
 }
