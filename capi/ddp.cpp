@@ -66,16 +66,22 @@ std::vector<std::string> names_arg(const char* const* names, size_t count, const
   return out;
 }
 
-ddp::ReducerOptions options_arg(const dp_ddp_options* opts, const std::shared_ptr<dist::ProcessGroup>& group) {
+// Fills `options`; whether the creation makes collectives (init_sync, a
+// bucket plan) is set first, so that it is known when a later field is bad.
+void options_arg(const dp_ddp_options* opts, const std::shared_ptr<dist::ProcessGroup>& group,
+                 ddp::ReducerOptions& options) {
   static const dp_ddp_options kDefaults = DP_DDP_OPTIONS_INIT;
   const dp_ddp_options o = capi::read_options(opts, kDefaults, "DP_DDP_OPTIONS_INIT");
-  ddp::ReducerOptions options;
+  options.init_sync = o.init_sync != 0;
+  if (o.bucket_plan != nullptr) {
+    options.bucket_plan = o.bucket_plan;
+    if (options.bucket_plan.empty()) fail_invalid("argument 'opts->bucket_plan' is empty; pass NULL for none");
+  }
   options.bucket_cap_bytes = cap_arg(o.bucket_cap_mb, "opts->bucket_cap_mb");
   options.first_bucket_cap_bytes = cap_arg(o.first_bucket_cap_mb, "opts->first_bucket_cap_mb");
   options.gradient_as_bucket_view = o.gradient_as_bucket_view != 0;
   options.broadcast_buffers = o.broadcast_buffers != 0;
   options.find_unused_parameters = o.find_unused_parameters != 0;
-  options.init_sync = o.init_sync != 0;
   options.ignored_modules = names_arg(o.ignored_modules, o.num_ignored_modules, "opts->ignored_modules");
   options.ignored_parameters = names_arg(o.ignored_parameters, o.num_ignored_parameters, "opts->ignored_parameters");
   if (o.comm_hook < DP_HOOK_ALLREDUCE || o.comm_hook > DP_HOOK_CUSTOM) {
@@ -85,10 +91,6 @@ ddp::ReducerOptions options_arg(const dp_ddp_options* opts, const std::shared_pt
   options.hook = static_cast<ddp::HookKind>(o.comm_hook);
   options.static_graph = o.static_graph != 0;
   options.join_divide_by_initial_world_size = o.join_divide_by_initial_world_size != 0;
-  if (o.bucket_plan != nullptr) {
-    options.bucket_plan = o.bucket_plan;
-    if (options.bucket_plan.empty()) fail_invalid("argument 'opts->bucket_plan' is empty; pass NULL for none");
-  }
   if (options.hook == ddp::HookKind::kCustom) {
     if (o.hook_fn == nullptr) fail_invalid("argument 'opts->hook_fn' is NULL but 'opts->comm_hook' is DP_HOOK_CUSTOM");
     dp_comm_hook_fn fn = o.hook_fn;
@@ -110,7 +112,6 @@ ddp::ReducerOptions options_arg(const dp_ddp_options* opts, const std::shared_pt
       }
     };
   }
-  return options;
 }
 
 // on_bucket_reduced as the reducer calls it, given the handle it reports.
@@ -137,18 +138,30 @@ dp_status dp_ddp_options_init(dp_ddp_options* opts, size_t struct_size) {
 
 dp_status dp_ddp_create(dp_ddp** out, dp_module* module, dp_process_group* pg, const dp_ddp_options* opts) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  if (out != nullptr) *out = nullptr;
   std::string refusal = refusal_inside_comm_hook(nullptr);
   if (!refusal.empty()) fail(StatusCode::kState, refusal);
-  const std::shared_ptr<Module>& m = capi::module_arg(module, "module");
   capi::group_arg(pg, "pg");
-  ddp::ReducerOptions options = options_arg(opts, pg->group);
+  // Any other argument error is refused in the creation's place (see
+  // ReducerOptions::argument_error), over an empty module when it is the
+  // module that is bad.
+  std::shared_ptr<Module> m;
+  ddp::ReducerOptions options;
+  try {
+    capi::require_arg(out, "out");
+    m = capi::module_arg(module, "module");
+    options_arg(opts, pg->group, options);
+  } catch (const Error& e) {
+    if (e.code() != StatusCode::kInvalidArgument) throw;
+    options.argument_error = e.what();
+    if (!m) m = std::make_shared<Module>();
+  }
   auto handle = std::make_unique<dp_ddp>();
   set_bucket_reduced(options, opts, handle.get());
   StreamOrder order(capi::module_devices(*m, {pg->group->device()}));
   handle->reducer = std::make_shared<ddp::Reducer>(m, pg->group, std::move(options));
   order.finish();
+  if (out == nullptr) fail(StatusCode::kInternal, "a dp_ddp was made for a NULL 'out'");
   *out = handle.release();
   DP_API_END
 }

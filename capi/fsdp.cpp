@@ -61,16 +61,16 @@ std::optional<DType> floating_dtype_arg(int32_t code, const char* name) {
   return dtype;
 }
 
-fsdp::ShardingOptions options_arg(const dp_fsdp_options* opts) {
+// Fills `options`; init_sync (whether the creation makes collectives) is
+// set first, so that it is known when a later field is bad.
+void options_arg(const dp_fsdp_options* opts, fsdp::ShardingOptions& options) {
   static const dp_fsdp_options kDefaults = DP_FSDP_OPTIONS_INIT;
   const dp_fsdp_options o = capi::read_options(opts, kDefaults, "DP_FSDP_OPTIONS_INIT");
-  fsdp::ShardingOptions options;
+  options.init_sync = o.init_sync != 0;
   options.reshard_after_forward = o.reshard_after_forward != 0;
   options.param_dtype = floating_dtype_arg(o.param_dtype, "opts->param_dtype");
   options.reduce_dtype = floating_dtype_arg(o.reduce_dtype, "opts->reduce_dtype");
-  options.init_sync = o.init_sync != 0;
   options.full_params_as_views = o.full_params_as_views != 0;
-  return options;
 }
 
 }  // namespace
@@ -86,18 +86,30 @@ dp_status dp_fsdp_options_init(dp_fsdp_options* opts, size_t struct_size) {
 
 dp_status dp_fsdp_create(dp_fsdp** out, dp_module* module, dp_process_group* pg, const dp_fsdp_options* opts) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  if (out != nullptr) *out = nullptr;
   std::string refusal = refusal_inside_callback();
   if (!refusal.empty()) fail(StatusCode::kState, refusal);
-  const std::shared_ptr<Module>& m = capi::module_arg(module, "module");
   capi::group_arg(pg, "pg");
-  fsdp::ShardingOptions options = options_arg(opts);
+  // Any other argument error is refused in the creation's place (see
+  // ShardingOptions::argument_error), over an empty module when it is the
+  // module that is bad.
+  std::shared_ptr<Module> m;
+  fsdp::ShardingOptions options;
+  try {
+    capi::require_arg(out, "out");
+    m = capi::module_arg(module, "module");
+    options_arg(opts, options);
+  } catch (const Error& e) {
+    if (e.code() != StatusCode::kInvalidArgument) throw;
+    options.argument_error = e.what();
+    if (!m) m = std::make_shared<Module>();
+  }
   auto handle = std::make_unique<dp_fsdp>();
   StreamOrder order(capi::module_devices(*m, {pg->group->device()}));
   order_transfers(order, *pg->group);
   handle->sharding = fsdp::FullyShard::create(m, pg->group, options);
   order.finish();
+  if (out == nullptr) fail(StatusCode::kInternal, "a dp_fsdp was made for a NULL 'out'");
   *out = handle.release();
   DP_API_END
 }
@@ -191,7 +203,12 @@ dp_status dp_fsdp_save_full_state_dict(dp_module* module, dp_process_group* pg, 
   if (!refusal.empty()) fail(StatusCode::kState, refusal);
   Module& m = *capi::module_arg(module, "module");
   dist::ProcessGroup& group = capi::group_arg(pg, "pg");
-  std::string file = capi::string_arg(path, "path");
+  std::string file;
+  try {
+    file = capi::string_arg(path, "path");
+  } catch (const Error& e) {
+    fsdp::refuse_full_state_dict_save(m, group, e.what());
+  }
   StreamOrder order(capi::module_devices(m, {group.device()}));
   order_transfers(order, group);
   fsdp::save_full_state_dict(m, group, file);

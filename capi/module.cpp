@@ -135,6 +135,12 @@ dp_status dp_module_set_grad(dp_module* module, const char* dotted_name, dp_tens
     return DP_OK;
   }
   const Tensor& g = capi::tensor_arg(grad, "grad");
+  // While a dp_fsdp's slot holds this rank's shard, a gradient of the
+  // shard's shape would pass the checks below and fail post_backward.
+  if (auto sharding = parameter->sharding()) {
+    std::string refusal = sharding->grad_refusal(*parameter);
+    if (!refusal.empty()) fail(StatusCode::kState, "argument 'grad' cannot be set now: ", refusal);
+  }
   const Tensor& value = parameter->value();
   if (g.dtype() != value.dtype() || g.shape() != value.shape() || g.device() != value.device()) {
     fail_invalid("argument 'grad' is ", g.describe(), " but parameter \"", name, "\" is ", value.describe(),

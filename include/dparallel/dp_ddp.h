@@ -256,7 +256,10 @@ DP_API dp_status dp_ddp_options_init(dp_ddp_options *opts, size_t struct_size);
  * init_sync, every rank checks that parameter count, names, dtypes and
  * shapes agree (an error names the first mismatch, the rank and both
  * values, on every rank), then parameters and buffers are broadcast from
- * rank 0. */
+ * rank 0. With init_sync or a bucket_plan, an argument error found on one
+ * rank (an option, the module, `out`; not `pg`) takes the creation's place:
+ * every rank fails at once with DP_EINVAL naming that rank ("rank 1
+ * refused: ..."), and the group stays usable. */
 DP_API dp_status dp_ddp_create(dp_ddp **out, dp_module *module, dp_process_group *pg,
                                const dp_ddp_options *opts /* may be NULL */);
 /* With broadcast_buffers, broadcasts the module's buffers from rank 0. */

@@ -65,15 +65,26 @@
  * dp_module_save and replication see what the slots hold (the shards while
  * resharded): a module's full state is dp_fsdp_save_full_state_dict's.
  *
- * Errors: dp_module_grad of a parameter whose slot holds its shard is
- * DP_ESTATE naming it; post_backward with no unshard since the last one is
- * DP_ESTATE; wait_unshard with none in flight while resharded is DP_ESTATE.
+ * Errors: dp_module_grad or dp_module_set_grad of a parameter whose slot
+ * holds its shard is DP_ESTATE naming it and its full shape; post_backward
+ * with no unshard since the last one is DP_ESTATE; wait_unshard with none
+ * in flight while resharded is DP_ESTATE. A post_backward that finds a
+ * gradient of another shape or dtype than the full parameter's (one set
+ * past dp_module_set_grad) is DP_EINVAL naming it, and still reshards and
+ * drops that gradient; with gradient sync it takes its reduce-scatter's
+ * place, so the other ranks' dp_fsdp_finish_backward fails at once with
+ * DP_EINVAL naming this rank, nothing is reduced, and every rank goes on
+ * with the next iteration. So does a post_backward whose previous one
+ * failed with no dp_fsdp_finish_backward reporting it (the message carries
+ * that failure).
  * A rank whose peers skip an unshard it makes (or make another call in its
  * place) fails within the group's timeout: DP_EREMOTE naming both calls, or
  * DP_ETIMEOUT naming the ranks that had not issued it, after which the
  * dp_fsdp is unusable (DP_ESTATE). With init_sync, names, dtypes and shapes
  * are compared across ranks first and any difference (or one rank's
- * argument error) is DP_EINVAL on every rank naming the first one.
+ * argument error: an option, the module, `out`, parameters over
+ * overlapping memory; not `pg`) is DP_EINVAL on every rank naming the first
+ * one, and the group stays usable.
  *
  * Thread safety: one dp_fsdp's calls are serialised; the host must not use
  * the module's managed parameters from another thread while unshard,
@@ -170,7 +181,9 @@ typedef struct dp_fsdp_options {
 /* Writes the defaults into the first `struct_size` bytes of `opts`. */
 DP_API dp_status dp_fsdp_options_init(dp_fsdp_options *opts, size_t struct_size);
 /* Collective when init_sync is set. A parameter a live dp_ddp manages is
- * DP_EINVAL naming it. `opts` may be NULL (the defaults). */
+ * DP_EINVAL naming it, and so are two parameters over overlapping memory
+ * (naming both; handles over the same memory, dtype and shape are one tied
+ * parameter). `opts` may be NULL (the defaults). */
 DP_API dp_status dp_fsdp_create(dp_fsdp **out, dp_module *module, dp_process_group *pg,
                                 const dp_fsdp_options *opts /* may be NULL */);
 /* All-gather: the slots hold the full parameters (in param_dtype). With
@@ -199,7 +212,9 @@ DP_API dp_status dp_fsdp_shard_grad(const dp_fsdp *fsdp, size_t index, dp_tensor
  * slots get the full parameters back, gathered in their own dtype, and the
  * parameters are free for another dp_fsdp or dp_ddp. When the gather fails
  * (a peer gone), the slots keep this rank's shards and dp_last_error says
- * why. NULL is accepted. */
+ * why. A job that failed before (an unshard or post_backward the host did
+ * not wait for) is reported in dp_last_error too, and the gather still
+ * runs unless the dp_fsdp is unusable. NULL is accepted. */
 DP_API void dp_fsdp_destroy(dp_fsdp *fsdp);
 
 /* State dicts of a module whose parameters dp_fsdp hold (the root, say).
@@ -225,7 +240,9 @@ DP_API void dp_fsdp_destroy(dp_fsdp *fsdp);
  * `strict`, every tensor the file lacks, sharded or not, is left as it is;
  * the module is unchanged on an error found before copying, a damaged file
  * included). Every dp_fsdp involved must be resharded, with no unshard in
- * flight (DP_ESTATE otherwise). */
+ * flight (DP_ESTATE otherwise). A NULL `path` on one rank takes the place
+ * of its first collective: every rank's save fails with DP_EINVAL naming
+ * that rank, and the group stays usable. */
 DP_API dp_status dp_fsdp_save_full_state_dict(dp_module *module, dp_process_group *pg, const char *path);
 DP_API dp_status dp_fsdp_load_full_state_dict(dp_module *module, const char *path, int strict);
 /* Sharded: collective over `pg` (as for the full save). Each save gets an

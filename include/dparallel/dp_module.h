@@ -77,7 +77,10 @@ DP_API dp_status dp_module_grad(dp_module *module, const char *dotted_name, dp_t
  * its own beyond the bucket; with gradient_as_bucket_view, a gradient set
  * after dp_ddp_create is copied into its bucket slot and back instead of
  * being a view, and the next create or rebuild replaces it by a view. Set
- * it between backwards, not while a dp_ddp's backward is in flight. */
+ * it between backwards, not while a dp_ddp's backward is in flight. A
+ * parameter a dp_fsdp shards takes its full gradient (the full parameter's
+ * dtype and shape) only while unsharded: while its slot holds this rank's
+ * shard, setting one is DP_ESTATE saying so (dropping it with NULL is not). */
 DP_API dp_status dp_module_set_grad(dp_module *module, const char *dotted_name, dp_tensor *grad);
 /* Fills every allocated gradient with zeros (the storage is kept). */
 DP_API dp_status dp_module_zero_grad(dp_module *module);

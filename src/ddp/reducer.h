@@ -23,6 +23,7 @@
 #include "ddp/comm_lane.h"
 #include "ddp/plan_text.h"
 #include "distributed/process_group.h"
+#include "module/memory_overlap.h"
 #include "module/module.h"
 
 namespace dparallel::ddp {
@@ -55,6 +56,10 @@ struct ReducerOptions {
   // While ranks have joined: the built-in hooks divide by the initial
   // world size (true) or by the ranks still active (false).
   bool join_divide_by_initial_world_size = true;
+  // An argument error the caller found on this rank: refused in the
+  // creation's place, so that with init_sync or a bucket plan (a creation
+  // that makes collectives) every rank fails naming it.
+  std::string argument_error;
 };
 
 struct ReducerStats {
@@ -162,18 +167,6 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
   size_t bucket_region_bytes() const;
   void create_gradient_region();
   void check_no_overlap() const;
-  // Memory a parameter's value or gradient covers.
-  struct MemorySpan {
-    Device device;
-    const char* start;
-    size_t nbytes;
-    size_t param;
-    bool grad;
-  };
-  // Two of `spans` (sorted here) that overlap, at least one a gradient
-  // unless `values_too`; none when they lie apart.
-  static std::optional<std::pair<MemorySpan, MemorySpan>> first_overlap(std::vector<MemorySpan>& spans,
-                                                                        bool values_too);
   std::vector<std::string> describe_for_agreement(const Setup& setup) const;
   void register_managed();
   void unregister_managed();

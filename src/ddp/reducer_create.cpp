@@ -7,7 +7,6 @@
 #include <cstring>
 #include <set>
 #include <sstream>
-#include <tuple>
 
 #include "comm/comm.h"
 #include "core/error.h"
@@ -59,9 +58,11 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
         create_bucket_region();
         create_gradient_region();
       });
-    } else if (!given_plan_.empty()) {
+    } else if (!options_.bucket_plan.empty()) {
       // Ranks given different plans would pair unlike buckets.
-      std::vector<std::string> description = split_lines(format_plan(plan_params(), given_plan_));
+      std::vector<std::string> description = !setup.local_error.empty()
+                                                 ? std::vector<std::string>{"error " + setup.local_error}
+                                                 : split_lines(format_plan(plan_params(), given_plan_));
       on_lane(CallItem::kCreate, [&] { check_agreement(*group_, description); });
     }
     in_place_ = group_->device().type == DeviceType::kCpu && options_.hook == HookKind::kAllReduce &&
@@ -96,11 +97,13 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
 }
 
 // The managed parameters and the buffers, checked; registered as managed.
-// With init_sync an argument error is returned instead of thrown.
+// With init_sync or a bucket plan an argument error is returned instead of
+// thrown.
 Reducer::Setup Reducer::collect_managed() {
   Setup setup;
   const Device device = group_->device();
   try {
+    if (!options_.argument_error.empty()) fail_invalid(options_.argument_error);
     if (options_.bucket_cap_bytes == 0) fail_invalid("argument 'opts->bucket_cap_mb' must be > 0");
     if (options_.first_bucket_cap_bytes == 0) fail_invalid("argument 'opts->first_bucket_cap_mb' must be > 0");
     if (options_.hook == HookKind::kCustom && !options_.custom_hook) {
@@ -170,44 +173,19 @@ Reducer::Setup Reducer::collect_managed() {
       given_plan_ = parse_plan(options_.bucket_plan, plan_params(), "opts->bucket_plan");
     register_managed();
   } catch (const Error& e) {
-    if (e.code() != StatusCode::kInvalidArgument || !options_.init_sync) throw;
+    // A creation without collectives fails on this rank alone.
+    if (e.code() != StatusCode::kInvalidArgument || (!options_.init_sync && options_.bucket_plan.empty())) throw;
     setup.local_error = e.what();
     params_.clear();
   }
   return setup;
 }
 
-// Two parameters over one memory are one parameter (a tied weight); two
-// that overlap only in part would have their gradients summed twice.
 void Reducer::check_no_overlap() const {
-  std::vector<MemorySpan> spans;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const Tensor& value = params_[i].parameter->value();
-    if (params_[i].nbytes > 0)
-      spans.push_back({value.device(), static_cast<const char*>(value.data()), params_[i].nbytes, i, false});
-  }
-  if (auto pair = first_overlap(spans, true)) {
-    const Managed& a = params_[pair->first.param];
-    const Managed& b = params_[pair->second.param];
-    fail_invalid("parameters '", a.name, "' (", a.parameter->value().describe(), ") and '", b.name, "' (",
-                 b.parameter->value().describe(),
-                 ") overlap in memory but are not the same tensor; tie a weight by registering one tensor (or "
-                 "handles over the same memory, dtype and shape, which count as one parameter)");
-  }
-}
-
-std::optional<std::pair<Reducer::MemorySpan, Reducer::MemorySpan>> Reducer::first_overlap(
-    std::vector<MemorySpan>& spans, bool values_too) {
-  auto key = [](const MemorySpan& s) { return std::make_tuple(s.device.type, s.device.index, s.start); };
-  std::sort(spans.begin(), spans.end(), [&](const MemorySpan& a, const MemorySpan& b) { return key(a) < key(b); });
-  // Sorted by start, any overlap shows between neighbours.
-  for (size_t k = 1; k < spans.size(); ++k) {
-    const MemorySpan& a = spans[k - 1];
-    const MemorySpan& b = spans[k];
-    if (!(a.device == b.device) || a.start + a.nbytes <= b.start) continue;
-    if (values_too || a.grad || b.grad) return std::make_pair(a, b);
-  }
-  return std::nullopt;
+  std::vector<std::pair<std::string, const Parameter*>> values;
+  values.reserve(params_.size());
+  for (const Managed& m : params_) values.emplace_back(m.name, m.parameter.get());
+  check_values_apart(values);
 }
 
 bool Reducer::is_managed(const Parameter* parameter) {

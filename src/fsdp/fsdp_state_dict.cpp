@@ -482,6 +482,24 @@ void save_full_state_dict(Module& module, dist::ProcessGroup& group, const std::
   }
 }
 
+void refuse_full_state_dict_save(Module& module, dist::ProcessGroup& group, const std::string& reason) {
+  const std::vector<Held> state = held_state(module);
+  // The gathers in save_full_state_dict's order (one with no collective is
+  // skipped there too), else the outcomes' exchange.
+  std::vector<const FullyShard*> seen;
+  for (const Held& h : state) {
+    if (!h.holder || std::find(seen.begin(), seen.end(), h.holder.get()) != seen.end()) continue;
+    seen.push_back(h.holder.get());
+    h.holder->refuse_gather(reason);
+  }
+  if (const std::shared_ptr<FullyShard> holder = lane_holder(state)) {
+    holder->call_on_lane(dist::CallItem::kStateDict, [&] { group.refuse(dist::CallKind::kAllGather, reason, false); });
+  } else {
+    group.refuse(dist::CallKind::kAllGather, reason, false);
+  }
+  fail_invalid(reason);
+}
+
 void load_full_state_dict(Module& module, const std::string& path, bool strict) {
   struct Swapped {
     std::shared_ptr<FullyShard> holder;

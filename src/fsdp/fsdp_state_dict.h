@@ -28,6 +28,11 @@ namespace dparallel::fsdp {
 
 // Collective over the ranks of the dp_fsdp's groups (each must be `group`).
 void save_full_state_dict(Module& module, dist::ProcessGroup& group, const std::string& path);
+// save_full_state_dict refused on this rank for `reason` (an argument error):
+// in the place of its first collective (a gather, or the outcomes'
+// exchange), so that the other ranks' save fails naming this rank. Throws
+// kInvalidArgument.
+[[noreturn]] void refuse_full_state_dict_save(Module& module, dist::ProcessGroup& group, const std::string& reason);
 // Local: every tensor of the file, the sharded parameters' rows of this
 // rank only; without `strict`, what the file lacks is left as it is.
 // `strict` as for dp_module_load. The dp_fsdp must be resharded.

@@ -15,6 +15,7 @@
 #include "ddp/comm_hooks.h"
 #include "ddp/reducer.h"
 #include "distributed/background_calls.h"
+#include "module/memory_overlap.h"
 
 namespace dparallel::fsdp {
 
@@ -75,7 +76,7 @@ std::shared_ptr<FullyShard> FullyShard::create(std::shared_ptr<Module> module,
 
 FullyShard::FullyShard(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGroup> group,
                        ShardingOptions options)
-    : module_(std::move(module)), group_(std::move(group)), options_(options) {}
+    : module_(std::move(module)), group_(std::move(group)), options_(std::move(options)) {}
 
 FullyShard::Clock::duration FullyShard::lane_bound() const { return group_->timeout() + std::chrono::seconds(3); }
 
@@ -118,6 +119,7 @@ void FullyShard::init() {
 std::string FullyShard::collect() {
   const Device device = group_->device();
   try {
+    if (!options_.argument_error.empty()) fail_invalid(options_.argument_error);
     for (const NamedParameter& np : module_->named_parameters()) {
       // A parameter a child's dp_fsdp holds is the child's.
       if (!np.parameter || np.parameter->sharding()) continue;
@@ -148,6 +150,11 @@ std::string FullyShard::collect() {
       m.reduce = options_.reduce_dtype.value_or(m.compute);
       params_.push_back(std::move(m));
     }
+    // Overlapping shards would be cut from memory two parameters share.
+    std::vector<std::pair<std::string, const Parameter*>> values;
+    values.reserve(params_.size());
+    for (const Managed& m : params_) values.emplace_back(m.name, m.parameter.get());
+    check_values_apart(values);
     auto self = shared_from_this();
     for (const Managed& m : params_) {
       if (!m.parameter->claim_sharding(self)) {
@@ -354,8 +361,10 @@ void FullyShard::close() {
   } catch (...) {
     if (!error) error = std::current_exception();
   }
+  // A job that failed (a peer's refusal, say) leaves the lane and the group
+  // usable: the other ranks' destroy gathers, so this one does too.
   try {
-    if (!error && !broken_ && !params_.empty()) {
+    if (!broken_ && !params_.empty()) {
       lock.unlock();
       ddp::JobSpec spec;
       spec.item = CallItem::kGatherValues;
@@ -366,7 +375,7 @@ void FullyShard::close() {
     }
   } catch (...) {
     if (!lock.owns_lock()) lock.lock();
-    error = std::current_exception();
+    if (!error) error = std::current_exception();
   }
   closed_ = true;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -581,33 +590,68 @@ void FullyShard::post_backward(std::vector<Event> host_ready) {
          " was not unsharded since its last post_backward, so no full gradient can have been computed: call "
          "dp_fsdp_unshard before the module's forward and backward");
   }
-  // The last reduce_scatter's shard gradients are final before this one adds to them.
-  if (post_job_.issued) wait_locked(lock, post_job_, "the post-backward reduce_scatter");
+  // The last reduce_scatter's shard gradients are final before this one adds
+  // to them. Its failure (a peer's refusal, say), not yet reported by a
+  // finish_backward, fails this call, in its job's place: the other ranks
+  // issue theirs.
+  std::string previous;
+  if (post_job_.issued) {
+    try {
+      wait_locked(lock, post_job_, "the post-backward reduce_scatter");
+    } catch (const Error& e) {
+      if (broken_) throw;
+      previous = str_cat("the previous post_backward failed, and no dp_fsdp_finish_backward reported it: ", e.what());
+    }
+  }
   finish_unshard_locked(lock);
   std::vector<Tensor> grads(params_.size());
+  std::string refusal;
   for (size_t i = 0; i < params_.size(); ++i) {
     const Managed& m = params_[i];
     if (!m.reduced) continue;
     grads[i] = m.parameter->grad_if_allocated();
     if (grads[i].defined() && (grads[i].shape() != m.full_shape || grads[i].dtype() != m.compute)) {
-      fail_invalid("parameter '", m.name, "' has the gradient ", grads[i].describe(), " but its full gradient is ",
-                   dtype_name(m.compute), " ", shape_string(m.full_shape),
-                   ": set a gradient while the parameter is unsharded");
+      if (refusal.empty()) {
+        refusal = str_cat("parameter '", m.name, "' has the gradient ", grads[i].describe(),
+                          " but its full gradient is ", dtype_name(m.compute), " ", shape_string(m.full_shape),
+                          ": set a gradient while the parameter is unsharded");
+      }
+      // Never reduced nor kept: the next backward starts it afresh.
+      m.parameter->set_grad(Tensor());
+      grads[i] = Tensor();
     }
   }
+  if (!refusal.empty()) refusal += " (the gradient was dropped)";
+  if (refusal.empty()) refusal = previous;
+  // Refused or not, the call reshards as on every rank, so that the ranks'
+  // next unshards still pair.
   unsharded_since_post_ = false;
   reshard_locked();
   // Without sync the full gradients stay and the next backward adds to them.
-  if (!requires_sync_ || params_.empty()) return;
+  if (!requires_sync_ || params_.empty() || (!refusal.empty() && !post_backward_communicates())) {
+    // No collective for anyone to pair a refusal with.
+    if (!refusal.empty()) fail_invalid(refusal);
+    return;
+  }
   for (const Managed& m : params_) {
     if (m.reduced) m.parameter->set_grad(Tensor());
   }
-  post_grads_ = std::move(grads);
   post_ready_ = std::move(host_ready);
   ddp::JobSpec spec;
   spec.item = CallItem::kPostBackward;
+  if (refusal.empty()) {
+    post_grads_ = std::move(grads);
+  } else {
+    // In the reduce-scatter's place: the other ranks' post_backward fails
+    // naming this rank, and every rank stays in step.
+    spec.refusal = refusal;
+  }
   issue_locked(spec, post_job_);
   ++iteration_;
+  if (!refusal.empty()) {
+    wait_locked(lock, post_job_, "the post-backward reduce_scatter");
+    fail(StatusCode::kInternal, "dp_fsdp #", lane_id_, ": a refused post_backward passed");
+  }
 }
 
 void FullyShard::finish_backward() {
@@ -638,6 +682,30 @@ std::vector<Tensor> FullyShard::gather_full_values() {
   lane_->call(
       this, spec, [&] { full = gather_shards(false); }, lane_bound());
   return full;
+}
+
+void FullyShard::refuse_gather(const std::string& reason) {
+  std::lock_guard<std::mutex> host(host_mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
+  check_usable_locked();
+  finish_unshard_locked(lock);
+  // As gather_full_values: a job (the lane numbers them) when there is a
+  // parameter, and a collective in it as gather_shards makes one.
+  if (params_.empty()) return;
+  size_t segment = 0;
+  segment_offsets(false, &segment);
+  const bool communicates = views_ || (segment > 0 && group_->size() > 1);
+  ddp::JobSpec spec;
+  spec.item = CallItem::kGatherValues;
+  spec.iteration = iteration_;
+  lock.unlock();
+  lane_->call(
+      this, spec,
+      [&] {
+        if (communicates) group_->refuse(dist::CallKind::kAllGather, reason, false);
+      },
+      lane_bound());
+  if (communicates) fail(StatusCode::kInternal, "dp_fsdp #", lane_id_, ": a refused gather passed");
 }
 
 void FullyShard::call_on_lane(CallItem item, const std::function<void()>& fn) {
@@ -673,6 +741,11 @@ ddp::JobResult FullyShard::run_job(const ddp::JobSpec& spec) {
     // queued; an end event recorded however the job ends (its own frees
     // follow that stream already) is what the host follows
     // (follow_job_locked).
+    if (!spec.refusal.empty()) {
+      // Stands in for the job's first collective: the verdict names this rank.
+      group_->refuse(spec.item == CallItem::kUnshard ? dist::CallKind::kAllGather : dist::CallKind::kReduceScatter,
+                     spec.refusal, false);
+    }
     const Device device = group_->device();
     dist::QueuedTransfers queued(device, group_->transfer_stream());
     const bool unshard = spec.item == CallItem::kUnshard;
@@ -796,6 +869,12 @@ std::vector<Tensor> FullyShard::gather_shards(bool compute_dtype) {
   return full;
 }
 
+bool FullyShard::reduces() const {
+  return std::any_of(params_.begin(), params_.end(), [](const Managed& m) { return !m.sharded && m.reduced; }) ||
+         std::any_of(reduce_segment_.begin(), reduce_segment_.end(),
+                     [](const auto& entry) { return entry.second > 0; });
+}
+
 void FullyShard::run_post_backward() {
   std::vector<Tensor> grads;
   {
@@ -915,9 +994,7 @@ void FullyShard::run_post_backward() {
   // With views, finish_backward promises that every rank has reached its
   // post_backward (its shards may be written then): with nothing to reduce,
   // a barrier says so.
-  const bool reduces = whole.size() > 0 || std::any_of(reduce_segment_.begin(), reduce_segment_.end(),
-                                                       [](const auto& entry) { return entry.second > 0; });
-  if (views_ && !reduces) group_->barrier(false);
+  if (views_ && !reduces()) group_->barrier(false);
   for (const auto& [dtype, members] : whole) {
     std::vector<Tensor> values;
     for (size_t i : members) {
@@ -947,7 +1024,8 @@ std::string FullyShard::grad_refusal(const Parameter& parameter) const {
   return str_cat("parameter '", m.name, "' is sharded by dp_fsdp #", lane_id_, " and its slot holds this rank's ", held,
                  state_ == State::kUnsharding ? " (an unshard is in flight: dp_fsdp_wait_unshard)"
                                               : " (call dp_fsdp_unshard first)",
-                 "; the shard's gradient is dp_fsdp_shard_grad");
+                 "; its full gradient, ", dtype_name(m.compute), " ", shape_string(m.full_shape),
+                 ", is taken or set while it is unsharded; the shard's gradient is dp_fsdp_shard_grad");
 }
 
 void FullyShard::zero_shard_grad(const Parameter& parameter) {

@@ -49,6 +49,9 @@ struct ShardingOptions {
   // Where the shards can lie in memory every rank maps: full parameters are
   // views of them (dp_fsdp.h, "Full parameters as views").
   bool full_params_as_views = false;
+  // An argument error the caller found on this rank: refused in the
+  // creation's place, so that with init_sync every rank fails naming it.
+  std::string argument_error;
 };
 
 // How torch.chunk(world) splits `rows` rows: rank r's first row and count.
@@ -99,6 +102,11 @@ class FullyShard final : public ddp::LaneOwner,
   // Parameter `index`'s full value in its own dtype, gathered from every
   // rank (collective, on the lane).
   std::vector<Tensor> gather_full_values();
+  // This rank's gather_full_values, refused for `reason`: its job, and when
+  // the gather makes a collective, the refusal in its place, so that the
+  // other ranks' gather fails naming this rank, and the verdict is thrown;
+  // else returns (there is nothing to stand in for).
+  void refuse_gather(const std::string& reason);
   // Runs `fn` on the lane as this dp_fsdp's next job, tagged `item`: the
   // collectives of a state dict's save or load, which every rank makes.
   void call_on_lane(dist::CallItem item, const std::function<void()>& fn);
@@ -199,6 +207,10 @@ class FullyShard final : public ddp::LaneOwner,
   // are until all have copied).
   std::vector<Tensor> full_from_views(bool as_views);
   void run_post_backward();
+  // Whether a post_backward's job reduces anything (a collective even with
+  // nothing to reduce: with views, a barrier).
+  bool reduces() const;
+  bool post_backward_communicates() const { return views_ || reduces(); }
 
   std::shared_ptr<Module> module_;
   std::shared_ptr<dist::ProcessGroup> group_;

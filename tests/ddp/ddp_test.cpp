@@ -209,6 +209,19 @@ TEST(Ddp, InitSyncShapeMismatchIsEinvalOnEveryRankNamingTheParameterAndBothShape
   for (size_t r = 0; r < 2; ++r) expect_mentions(run, r, {"status -1", "fc2.weight", "3x2", "2x2"});
 }
 
+// One rank's bad option takes the create's place in the sequence: the
+// other rank fails at once naming it (the group's timeout is past the run's
+// limit, so a rank left waiting is killed), and the group stays usable.
+TEST(Ddp, ABadOptionOnOneRankIsEinvalOnEveryRankNamingItAndTheGroupStaysUsable) {
+  Ranks run = passing("refuse_cap");
+  for (size_t r = 0; r < 2; ++r) expect_mentions(run, r, {"status -1", "rank 1 refused", "opts->bucket_cap_mb"});
+}
+
+TEST(Ddp, AnUnknownIgnoredNameOnOneRankWithABucketPlanIsEinvalOnEveryRankAndTheGroupStaysUsable) {
+  Ranks run = passing("refuse_plan_name");
+  for (size_t r = 0; r < 2; ++r) expect_mentions(run, r, {"status -1", "rank 1 refused", "fc9.weight"});
+}
+
 TEST(Ddp, DivergingGraphsUnderDebugDetailAreEinvalOnEveryRankNamingTheBucket) {
   Ranks run = passing("detail_mismatch", 2, {"DP_DEBUG=DETAIL"});
   for (size_t r = 0; r < 2; ++r) expect_mentions(run, r, {"status -1", "bucket 0", "rank 1 reduces"});

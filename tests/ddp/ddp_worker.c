@@ -1512,6 +1512,65 @@ static void init_mismatch(dp_process_group *pg) {
   net_destroy(&net);
 }
 
+/* The group still works after a refused create: an all_reduce sums every
+ * rank's number, and a create with good options succeeds on every rank. */
+static void expect_group_usable(Net *net, dp_process_group *pg) {
+  dp_tensor *t = new_tensor(1, 1, 0);
+  Wrap w;
+  *(float *)dp_tensor_data(t) = (float)(g_rank + 1);
+  CHECK_OK(dp_pg_all_reduce(pg, t, DP_SUM));
+  CHECK(*(float *)dp_tensor_data(t) == (float)(g_world * (g_world + 1) / 2), "the all_reduce after the refusal gave %g",
+        (double)*(float *)dp_tensor_data(t));
+  dp_tensor_destroy(t);
+  CHECK_OK(wrap_whole(&w, net, pg, NULL));
+  wrap_destroy(&w);
+}
+
+/* Rank 1 alone gives a bucket cap of -1 MiB: every rank's create fails at
+ * once with DP_EINVAL naming rank 1 and the option (not at the group's
+ * timeout), and the group stays usable. */
+static void refuse_cap(dp_process_group *pg) {
+  dp_ddp_options o = DP_DDP_OPTIONS_INIT;
+  Net net;
+  Wrap w;
+  net_create(&net, 42, 2, 0);
+  if (g_rank == 1) o.bucket_cap_mb = -1.0;
+  EXPECT_ERROR("create with bucket_cap_mb -1 on rank 1", wrap_whole(&w, &net, pg, &o), DP_EINVAL, "rank 1 refused",
+               "opts->bucket_cap_mb");
+  CHECK(w.ddp[0] == NULL, "%s", "a dp_ddp came out of a failed create");
+  expect_group_usable(&net, pg);
+  net_destroy(&net);
+}
+
+/* Without init_sync but with a bucket plan (a create that compares the
+ * plans across ranks), rank 1 alone ignores a parameter the net does not
+ * have: every rank fails at once naming rank 1 and the name. */
+static void refuse_plan_name(dp_process_group *pg) {
+  dp_ddp_options o = DP_DDP_OPTIONS_INIT;
+  const char *unknown[1] = {"fc9.weight"};
+  char plan[512];
+  size_t len = 0;
+  Net net;
+  Wrap w;
+  net_create(&net, 42, 2, 0);
+  CHECK_OK(wrap_whole(&w, &net, pg, NULL));
+  if (w.count != 1) exit(1);
+  CHECK_OK(dp_ddp_bucket_plan(w.ddp[0], plan, sizeof plan, &len));
+  CHECK(len < sizeof plan, "the plan takes %zu bytes", len);
+  wrap_destroy(&w);
+  o.init_sync = 0;
+  o.bucket_plan = plan;
+  if (g_rank == 1) {
+    o.ignored_parameters = unknown;
+    o.num_ignored_parameters = 1;
+  }
+  EXPECT_ERROR("create with a plan and an unknown ignored parameter on rank 1", wrap_whole(&w, &net, pg, &o), DP_EINVAL,
+               "rank 1 refused", "fc9.weight");
+  CHECK(w.ddp[0] == NULL, "%s", "a dp_ddp came out of a failed create");
+  expect_group_usable(&net, pg);
+  net_destroy(&net);
+}
+
 /* No init_sync, and rank 1's fc2.weight is 3x2: its bucket holds 20
  * elements where rank 0's holds 18. finish_backward fails on every rank
  * (with DP_DEBUG=DETAIL naming the bucket), never hangs or reduces
@@ -1580,6 +1639,9 @@ static const Scenario kScenarios[] = {
     {"init_mismatch", init_mismatch, 60000},
     {"detail_mismatch", detail_mismatch, 10000},
     {"graph_mismatch", graph_mismatch, 10000},
+    /* Longer than the driver's limit: a rank left waiting shows as killed. */
+    {"refuse_cap", refuse_cap, 120000},
+    {"refuse_plan_name", refuse_plan_name, 120000},
 };
 
 int main(int argc, char **argv) {

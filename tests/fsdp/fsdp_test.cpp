@@ -871,6 +871,34 @@ TEST(Fsdp, MisuseIsAClearErrorNamingWhatToCall) {
   });
 }
 
+// While the slot holds the shard, a gradient of the shard's shape would pass
+// dp_module_set_grad's shape check and fail post_backward on this rank
+// alone: it is refused at once, saying when and in what shape; once
+// unsharded, a full gradient is taken and reduced.
+TEST(Fsdp, AGradientSetWhileTheSlotHoldsTheShardIsRefusedSayingWhenAndItsFullShape) {
+  run_ranks(2, DP_BACKEND_GLOO, [](int rank, dp_process_group* pg) {
+    Toy toy(0.0f);
+    FsdpPtr f = fully_shard(toy.layer[0].get(), pg);
+    ASSERT_TRUE(f);
+    const int64_t rows = rank == 0 ? 2 : 1;
+    TensorPtr shard_shaped = make<float>({rows, kDim}, std::vector<float>(static_cast<size_t>(rows * kDim), 1.0f));
+    EXPECT_EQ(dp_module_set_grad(toy.layer[0].get(), "weight", shard_shaped.get()), DP_ESTATE);
+    std::string error = dp_last_error();
+    EXPECT_NE(error.find("argument 'grad'"), std::string::npos) << error;
+    EXPECT_NE(error.find("float32 3x3"), std::string::npos) << error;
+    EXPECT_NE(error.find("while it is unsharded"), std::string::npos) << error;
+    ASSERT_EQ(dp_fsdp_unshard(f.get(), 0), DP_OK) << dp_last_error();
+    TensorPtr full = make<float>({kDim, kDim}, std::vector<float>(kDim * kDim, static_cast<float>(rank + 1)));
+    ASSERT_EQ(dp_module_set_grad(toy.layer[0].get(), "weight", full.get()), DP_OK) << dp_last_error();
+    ASSERT_EQ(dp_fsdp_post_backward(f.get()), DP_OK) << dp_last_error();
+    ASSERT_EQ(dp_fsdp_finish_backward(f.get()), DP_OK) << dp_last_error();
+    dp_tensor* g = nullptr;
+    ASSERT_EQ(dp_fsdp_shard_grad(f.get(), 0, &g), DP_OK) << dp_last_error();
+    TensorPtr owned(g);
+    EXPECT_EQ(read(g), std::vector<float>(static_cast<size_t>(rows * kDim), 1.5f));
+  });
+}
+
 namespace {
 
 // What the on_bucket_reduced callback below got from the calls it made.

@@ -20,6 +20,10 @@
  *                default would kill it, though with exit code 0 so that
  *                dp-run lets rank 0 go on): rank 0's save fails, and a new
  *                group of rank 0 alone loads the first save
+ *   refuse_dtype  rank 1 alone asks for an integer param_dtype: every rank's
+ *                create fails at once naming rank 1, and the group works on
+ *   refuse_overlap  rank 1 alone gives a module with two parameters over
+ *                overlapping memory: the same, naming both parameters
  * Prints "rank R: SCENARIO passed" and exits 0 when every check held. */
 #include <dirent.h>
 #include <math.h>
@@ -338,6 +342,82 @@ static void peer_exits(dp_process_group *pg) {
   toy_destroy(&t);
 }
 
+/* Prints a failed call's message for the driver and checks it: DP_EINVAL
+ * naming `a` and `b`. */
+static void expect_einval(dp_status st, const char *what, const char *a, const char *b) {
+  const char *message = dp_last_error();
+  printf("rank %d: %s: status %d: %s\n", g_rank, what, (int)st, st == DP_OK ? "" : message);
+  CHECK(st == DP_EINVAL, "%s returned %d, want DP_EINVAL", what, (int)st);
+  if (st == DP_OK) return;
+  CHECK(strstr(message, a) != NULL && strstr(message, b) != NULL, "%s: the error does not name '%s' and '%s': %s", what,
+        a, b, message);
+}
+
+/* After a refused create the group still works: an all_reduce, then a
+ * dp_fsdp made with good options on every rank, unsharded and resharded. */
+static void expect_group_usable(dp_module *module, dp_process_group *pg) {
+  int64_t one = 1;
+  dp_tensor *t = NULL;
+  CHECK_OK(dp_tensor_create(&t, DP_FLOAT32, 1, &one, g_device));
+  float v = (float)(g_rank + 1);
+  CHECK_OK(dp_tensor_copy_from_host(t, &v, sizeof v));
+  CHECK_OK(dp_pg_all_reduce(pg, t, DP_SUM));
+  CHECK_OK(dp_tensor_copy_to_host(t, &v, sizeof v));
+  CHECK(v == (float)(g_world * (g_world + 1) / 2), "the all_reduce after the refusal gave %g", (double)v);
+  dp_tensor_destroy(t);
+  dp_fsdp *f = NULL;
+  CHECK_OK(dp_fsdp_create(&f, module, pg, NULL));
+  if (f == NULL) return;
+  CHECK_OK(dp_fsdp_unshard(f, 0));
+  CHECK_OK(dp_fsdp_reshard(f));
+  dp_fsdp_destroy(f);
+}
+
+static void refuse_dtype(dp_process_group *pg) {
+  Toy t;
+  toy_create(&t, 0.0f, NULL);
+  dp_fsdp_options o = DP_FSDP_OPTIONS_INIT;
+  if (g_rank == 1) o.param_dtype = DP_INT32;
+  dp_fsdp *f = NULL;
+  expect_einval(dp_fsdp_create(&f, t.layer[0], pg, &o), "create with param_dtype DP_INT32 on rank 1", "rank 1 refused",
+                "opts->param_dtype");
+  CHECK(f == NULL, "%s", "a dp_fsdp came out of a failed create");
+  expect_group_usable(t.layer[0], pg);
+  toy_destroy(&t);
+}
+
+static void no_delete(void *ctx) { (void)ctx; }
+
+static void refuse_overlap(dp_process_group *pg) {
+  Toy t;
+  toy_create(&t, 0.0f, NULL);
+  /* "alias": on rank 1 the weight's second row, elsewhere memory of its own. */
+  dp_module *m = NULL;
+  CHECK_OK(dp_module_create(&m));
+  dp_tensor *weight = NULL, *alias = NULL;
+  CHECK_OK(dp_module_get_parameter(t.layer[0], "weight", &weight));
+  CHECK_OK(dp_module_register_parameter(m, "weight", weight, 1));
+  int64_t row = DIM;
+  if (g_rank == 1) {
+    CHECK_OK(dp_tensor_from_blob(&alias, (float *)dp_tensor_data(weight) + DIM, DP_FLOAT32, 1, &row, g_device,
+                                 no_delete, NULL));
+  } else {
+    CHECK_OK(dp_tensor_create(&alias, DP_FLOAT32, 1, &row, g_device));
+  }
+  CHECK_OK(dp_module_register_parameter(m, "alias", alias, 1));
+  dp_tensor_destroy(alias);
+  dp_tensor_destroy(weight);
+  dp_fsdp *f = NULL;
+  expect_einval(dp_fsdp_create(&f, m, pg, NULL), "create over overlapping parameters on rank 1", "rank 1 refused",
+                "'weight'");
+  CHECK(strstr(dp_last_error(), "'alias'") != NULL && strstr(dp_last_error(), "overlap") != NULL,
+        "the error does not name 'alias' and the overlap: %s", dp_last_error());
+  CHECK(f == NULL, "%s", "a dp_fsdp came out of a failed create");
+  expect_group_usable(t.layer[1], pg);
+  dp_module_destroy(m);
+  toy_destroy(&t);
+}
+
 /* Adds `delta` to every weight: the shards of the linears and proj whole. */
 static void add_to_weights(Toy *toy, float delta) {
   for (int l = 0; l < 4; ++l) {
@@ -451,6 +531,9 @@ static const Scenario kScenarios[] = {
     {"peer_exits", peer_exits, DP_BACKEND_GLOO, 3000, 0, 0},
     {"peer_exits_views", peer_exits, DP_BACKEND_SHM, 3000, 1, 0},
     {"toy_nccl", toy, DP_BACKEND_NCCL, 60000, 0, 1},
+    /* Longer than the test's limit: a rank left waiting is killed. */
+    {"refuse_dtype", refuse_dtype, DP_BACKEND_AUTO, 120000, 0, 0},
+    {"refuse_overlap", refuse_overlap, DP_BACKEND_AUTO, 120000, 0, 0},
     {"save_fails", save_fails, DP_BACKEND_AUTO, 60000, 0, 0},
     {"save_killed", save_killed, DP_BACKEND_GLOO, 10000, 0, 0},
 };
@@ -467,8 +550,7 @@ int main(int argc, char **argv) {
   if (scenario == NULL) {
     fprintf(stderr,
             "usage: fsdp_worker toy|toy_gloo|toy_views|toy_gloo_views|peer_exits|peer_exits_views|toy_nccl|save_fails|"
-            "save_killed (under "
-            "dp-run); "
+            "save_killed|refuse_dtype|refuse_overlap (under dp-run); "
             "unknown '%s'\n",
             argc >= 2 ? argv[1] : "");
     return 2;
