@@ -230,10 +230,16 @@ dp_status dp_fsdp_save_sharded_state_dict(dp_module* module, dp_process_group* p
   DP_API_BEGIN
   Module& m = *capi::module_arg(module, "module");
   dist::ProcessGroup& group = capi::group_arg(pg, "pg");
-  std::string dir = capi::string_arg(folder, "folder");
+  // A bad folder on one rank fails every rank's save in its report's place.
+  std::string dir, refusal;
+  try {
+    dir = capi::string_arg(folder, "folder");
+  } catch (const Error& e) {
+    refusal = e.what();
+  }
   StreamOrder order(capi::module_devices(m, {group.device()}));
   order_transfers(order, group);
-  fsdp::save_sharded_state_dict(m, group, dir);
+  fsdp::save_sharded_state_dict(m, group, dir, refusal);
   order.finish();
   DP_API_END
 }
@@ -241,9 +247,15 @@ dp_status dp_fsdp_save_sharded_state_dict(dp_module* module, dp_process_group* p
 dp_status dp_fsdp_load_sharded_state_dict(dp_module* module, const char* folder) {
   DP_API_BEGIN
   Module& m = *capi::module_arg(module, "module");
-  std::string dir = capi::string_arg(folder, "folder");
+  // A bad folder on one rank fails every rank's load in its plan's place.
+  std::string dir, refusal;
+  try {
+    dir = capi::string_arg(folder, "folder");
+  } catch (const Error& e) {
+    refusal = e.what();
+  }
   StreamOrder order(capi::module_devices(m));
-  fsdp::load_sharded_state_dict(m, dir);
+  fsdp::load_sharded_state_dict(m, dir, refusal);
   order.finish();
   DP_API_END
 }

@@ -533,7 +533,8 @@ void load_full_state_dict(Module& module, const std::string& path, bool strict) 
   }
 }
 
-void save_sharded_state_dict(Module& module, dist::ProcessGroup& group, const std::string& folder) {
+void save_sharded_state_dict(Module& module, dist::ProcessGroup& group, const std::string& folder,
+                             const std::string& refusal) {
   std::vector<Held> state = held_state(module);
   for (const Held& h : state) check_group(h, group);
   const std::shared_ptr<FullyShard> holder = lane_holder(state);
@@ -547,6 +548,7 @@ void save_sharded_state_dict(Module& module, dist::ProcessGroup& group, const st
   // Every rank writes its file under a name of this save's: the last save's files stay.
   std::string report;
   const Outcome wrote = run_step([&] {
+    if (!refusal.empty()) fail_invalid(refusal);
     make_folder(folder);
     report = write_rank_file(state, rank, world, save_id, file).dump();
   });
@@ -555,7 +557,7 @@ void save_sharded_state_dict(Module& module, dist::ProcessGroup& group, const st
     reports = exchange(group, holder, encode_outcome(wrote, report));
     fail_on_every_rank(reports, wrote, rank, what);
   } catch (const Error& e) {
-    remove_quietly(file);
+    if (refusal.empty()) remove_quietly(file);
     fail(e.code(), e.what(), kept);
   }
   // Rank 0 writes the manifest last: the save is complete once it is in place.
@@ -579,7 +581,7 @@ void save_sharded_state_dict(Module& module, dist::ProcessGroup& group, const st
   if (rank == 0) remove_other_saves(folder, save_id);
 }
 
-void load_sharded_state_dict(Module& module, const std::string& folder) {
+void load_sharded_state_dict(Module& module, const std::string& folder, const std::string& refusal) {
   const std::vector<Held> state = held_state(module);
   const std::shared_ptr<FullyShard> holder = lane_holder(state);
   for (const Held& h : state) {
@@ -589,7 +591,10 @@ void load_sharded_state_dict(Module& module, const std::string& folder) {
     }
   }
   ShardedLoad plan;
-  const Outcome planned = run_step([&] { plan = plan_sharded_load(state, folder); });
+  const Outcome planned = run_step([&] {
+    if (!refusal.empty()) fail_invalid(refusal);
+    plan = plan_sharded_load(state, folder);
+  });
   if (holder) {
     // Every rank loads, or none does.
     dist::ProcessGroup& group = *holder->group();

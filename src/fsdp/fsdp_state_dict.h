@@ -39,14 +39,18 @@ void save_full_state_dict(Module& module, dist::ProcessGroup& group, const std::
 void load_full_state_dict(Module& module, const std::string& path, bool strict);
 
 // Collective over `group`: this rank's file in `folder` (made when
-// missing), then the manifest.
-void save_sharded_state_dict(Module& module, dist::ProcessGroup& group, const std::string& folder);
+// missing), then the manifest. With a `refusal` (this rank's argument
+// error), the rank writes nothing and its refusal fails every rank's save
+// in the place of its report, naming it.
+void save_sharded_state_dict(Module& module, dist::ProcessGroup& group, const std::string& folder,
+                             const std::string& refusal = "");
 // Collective over the group of the dp_fsdp holding the module's tensors
 // (local when none does): a folder without a complete save, or whose files
 // differ from its manifest, is refused (kInvalidArgument or kIo naming the
 // file and tensor); every key must name a tensor of the module and every
 // tensor must be covered, else kInvalidArgument naming them. A refusal on
 // any rank is every rank's, and the module is unchanged then.
-void load_sharded_state_dict(Module& module, const std::string& folder);
+// With a `refusal`, this rank reads nothing and the load fails on every rank.
+void load_sharded_state_dict(Module& module, const std::string& folder, const std::string& refusal = "");
 
 }  // namespace dparallel::fsdp

@@ -1477,6 +1477,36 @@ TEST(FsdpStateDict, ASaveThatFailsOnOneRankFailsOnEveryRankAndTheLastCompleteSav
   ::unlink(blocked.c_str());
 }
 
+// A NULL folder on one rank is that rank's refusal in the save's (and the
+// load's) place: every rank fails at once naming it, and the group stays in
+// step for the next save and load.
+TEST(FsdpStateDict, ANullFolderOnOneRankFailsEveryRanksShardedSaveAndLoadNamingIt) {
+  const std::string folder = dptest::temp_path("fsdp_null_folder_", "save");
+  run_ranks(2, DP_BACKEND_GLOO, [&](int rank, dp_process_group* pg) {
+    Toy toy(0.25f);
+    Sharded s = shard_unsynced(toy, pg);
+    const char* mine = rank == 1 ? nullptr : folder.c_str();
+    EXPECT_EQ(dp_fsdp_save_sharded_state_dict(toy.root.get(), pg, mine), DP_EINVAL);
+    std::string error = dp_last_error();
+    EXPECT_NE(error.find("'folder'"), std::string::npos) << error;
+    if (rank == 0) {
+      EXPECT_NE(error.find("failed on rank 1"), std::string::npos) << error;
+    }
+    ASSERT_EQ(dp_fsdp_save_sharded_state_dict(toy.root.get(), pg, folder.c_str()), DP_OK) << dp_last_error();
+    Toy other(-1.0f);
+    Sharded o = shard_unsynced(other, pg);
+    EXPECT_EQ(dp_fsdp_load_sharded_state_dict(other.root.get(), mine), DP_EINVAL);
+    error = dp_last_error();
+    if (rank == 0) {
+      EXPECT_NE(error.find("failed on rank 1"), std::string::npos) << error;
+    }
+    expect_full_weights(other, o, -1.0f);
+    ASSERT_EQ(dp_fsdp_load_sharded_state_dict(other.root.get(), folder.c_str()), DP_OK) << dp_last_error();
+    expect_full_weights(other, o, 0.25f);
+  });
+  remove_sharded_save(folder, 2);
+}
+
 // A full save is collective: when rank 0 cannot write the file every rank
 // fails, naming rank 0, and a file already there is as it was.
 TEST(FsdpStateDict, AFullSaveThatRankZeroCannotWriteFailsOnEveryRank) {
