@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use dparallel::comm::broadcast;
 use dparallel::{
-    Ddp, DdpOptions, Device, Library, Module, ProcessGroup, ProcessGroupOptions, ReduceOp, Result, Store, Tensor,
-    DP_ESTATE,
+    Ddp, DdpOptions, Device, Fsdp, FsdpOptions, Library, Module, ProcessGroup, ProcessGroupOptions, ReduceOp, Result,
+    Store, Tensor, DP_ESTATE,
 };
 
 struct Checks {
@@ -245,6 +245,30 @@ fn run() -> Result<usize> {
         describe(&outcome.map(|_| ())),
     );
     drop(ddp);
+
+    // FSDP: its backward steps write the shard gradients.
+    let mut sharded = Module::new(&lib)?;
+    sharded.register_parameter("v", &Tensor::from_slice(&lib, &[1.0f32; 4], &[4], Device::cpu(0))?, true)?;
+    let mut fsdp = Fsdp::new(&sharded, &pg, &FsdpOptions::default())?;
+    fsdp.unshard()?;
+    sharded.grad("v")?.copy_from(&[2.0f32; 4])?;
+    {
+        let mut shard_grad = fsdp.shard_grad(0)?;
+        let mut held = shard_grad.as_mut_slice::<f32>()?;
+        held.fill(3.0);
+        let stepped = fsdp.post_backward();
+        c.expect(
+            "FSDP post_backward under a slice of a shard gradient is refused",
+            refused(&stepped),
+            describe(&stepped),
+        );
+        c.expect("and leaves the shard gradient alone", held[..] == [3.0; 4], format!("{:?}", &*held));
+    }
+    let stepped = fsdp.post_backward().and_then(|()| fsdp.finish_backward());
+    c.expect("FSDP's backward steps run once the slice is gone", stepped.is_ok(), describe(&stepped));
+    let reduced = fsdp.shard_grad(0)?.to_vec::<f32>()?;
+    c.expect("and add the gradient to what the slice wrote", reduced == [5.0; 4], format!("{reduced:?}"));
+    drop(fsdp);
     drop(pg);
     drop(store);
     let _ = std::fs::remove_file(&path);
