@@ -224,6 +224,7 @@ impl Module {
         let mut out = vec![ptr::null_mut(); devices.len()];
         let raw_devices: Vec<sys::dp_device> = devices.iter().map(|d| d.0).collect();
         let api = self.lib.api();
+        let _call = self.access(Access::Read, Access::Read, Access::Untouched).begin("replicate")?;
         self.lib.check(unsafe {
             (api.replicate)(self.raw, raw_devices.as_ptr(), raw_devices.len(), detach as c_int, out.as_mut_ptr())
         })?;

@@ -127,6 +127,12 @@ where
     let raw_replicas: Vec<*mut sys::dp_module> = replicas.iter().map(|m| m.raw).collect();
     let raw_inputs: Vec<*mut sys::dp_tensor> = inputs.iter().map(|t| t.raw).collect();
     let raw_devices: Option<Vec<sys::dp_device>> = devices.map(|d| d.iter().map(|d| d.0).collect());
+    let mut access = CallAccess::new();
+    for input in inputs {
+        // Copied to another device when it is not on its replica's.
+        access.tensor(&lib, input.raw, Access::Read);
+    }
+    let _call = access.begin("parallel_apply")?;
     let state = ForwardState { forward: &forward, lib: lib.clone(), failures: Mutex::new(Vec::new()) };
     let mut out = vec![ptr::null_mut(); replicas.len()];
     let st = unsafe {
@@ -176,6 +182,7 @@ impl ReplicaSet {
         let lib = module.lib.clone();
         let raw_devices: Vec<sys::dp_device> = devices.iter().map(|d| d.0).collect();
         let mut out = ptr::null_mut();
+        let _call = module.access(Access::Read, Access::Read, Access::Untouched).begin("ReplicaSet::new")?;
         lib.check(unsafe {
             (lib.api().replica_set_create)(&mut out, module.raw, raw_devices.as_ptr(), raw_devices.len())
         })?;
