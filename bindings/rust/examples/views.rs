@@ -7,8 +7,10 @@
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use dparallel::comm::broadcast;
 use dparallel::{
-    Device, Library, Module, ProcessGroup, ProcessGroupOptions, ReduceOp, Result, Store, Tensor, DP_ESTATE,
+    Ddp, DdpOptions, Device, Fsdp, FsdpOptions, Library, Module, ProcessGroup, ProcessGroupOptions, ReduceOp, Result,
+    Store, Tensor, DP_ESTATE,
 };
 
 struct Checks {
@@ -28,6 +30,10 @@ impl Checks {
 
 fn refused<T>(r: &Result<T>) -> bool {
     matches!(r, Err(e) if e.code() == DP_ESTATE && e.message().contains("borrowed"))
+}
+
+fn refused_during_call<T>(r: &Result<T>) -> bool {
+    matches!(r, Err(e) if e.code() == DP_ESTATE && e.message().contains("library call in progress"))
 }
 
 fn describe<T: std::fmt::Debug>(r: &Result<T>) -> String {
@@ -162,6 +168,107 @@ fn run() -> Result<usize> {
         })?;
         c.expect("a slice is granted once the scope is over", g1.as_slice::<f32>().is_ok(), "refused");
     }
+
+    // Calls that write the module's memory on their own are refused while a
+    // slice of it lives, whichever handle the slice comes through; calls
+    // that read it only under a mutable slice.
+    let saved = format!("{path}.safetensors");
+    m.save(&saved)?;
+    let mut ddp = Ddp::new(&m, &pg, &DdpOptions::default())?;
+    ddp.pre_forward()?;
+    {
+        let mut g6 = m.grad("w")?;
+        let mut held = g6.as_mut_slice::<f32>()?;
+        held.fill(7.0);
+        let zeroed = m.zero_grad();
+        c.expect("zero_grad under a mutable slice of a gradient is refused", refused(&zeroed), describe(&zeroed));
+        let marked = ddp.mark_grad_ready("w");
+        c.expect("DDP mark_grad_ready under it is refused", refused(&marked), describe(&marked));
+        let finished = ddp.finish_backward();
+        c.expect("DDP finish_backward under it is refused", refused(&finished), describe(&finished));
+        let copies = broadcast(&m.grad("w")?, &[Device::cpu(0)]);
+        c.expect(
+            "broadcast (a read) of the gradient under a mutable slice is refused",
+            refused(&copies),
+            describe(&copies.map(|v| v.len())),
+        );
+        c.expect("the refused calls left the slice's values alone", held[..] == [7.0; 4], format!("{:?}", &*held));
+    }
+    {
+        let marked = ddp.mark_grad_ready("w").and_then(|()| ddp.finish_backward());
+        c.expect("DDP's step runs once the slice is gone", marked.is_ok(), describe(&marked));
+        m.zero_grad()?;
+        c.expect("zero_grad runs once the slice is gone", m.grad("w")?.to_vec::<f32>()? == [0.0; 4], "not zeroed");
+    }
+    {
+        let held = p.as_slice::<f32>()?;
+        let loaded = m.load(&saved, true);
+        c.expect("load under a shared slice of a parameter is refused", refused(&loaded), describe(&loaded));
+        let read = m.save(&saved);
+        c.expect("save (a read) under a shared slice of a parameter is fine", read.is_ok(), describe(&read));
+        drop(held);
+        let mut held = p.as_mut_slice::<f32>()?;
+        held[0] = 8.0;
+        let read = m.save(&saved);
+        c.expect("save under a mutable slice of a parameter is refused", refused(&read), describe(&read));
+        let loaded = m.load(&saved, true);
+        c.expect("load under it is refused", refused(&loaded), describe(&loaded));
+        c.expect("and leaves the parameter as the slice wrote it", held[0] == 8.0, format!("{:?}", &*held));
+    }
+    let loaded = m.load(&saved, true);
+    c.expect("load runs once the slice is gone", loaded.is_ok(), describe(&loaded));
+    let _ = std::fs::remove_file(&saved);
+
+    // While a call runs, slices of the memory it writes are refused to other
+    // threads (the closures it runs itself may take them).
+    let input = Tensor::from_slice(&lib, &[1.0f32, 2.0], &[2, 1], Device::cpu(0))?;
+    let other_handle = m.retain()?;
+    let outcome = m.data_parallel(&input, &[Device::cpu(0)], Device::cpu(0), 0, |r| {
+        let in_closure = r.module.grad("w")?.as_mut_slice::<f32>().map(|s| s.len());
+        let other_thread = std::thread::scope(|s| {
+            s.spawn(|| other_handle.grad("w").and_then(|mut g| g.as_mut_slice::<f32>().map(|s| s.len())))
+                .join()
+                .unwrap()
+        });
+        let during = refused_during_call(&other_thread);
+        if in_closure.is_err() || !during {
+            return Err(dparallel::Error::new(
+                dparallel::DP_EINVAL,
+                format!("in the closure: {}; another thread: {}", describe(&in_closure), describe(&other_thread)),
+            ));
+        }
+        Tensor::from_slice(r.module.library(), &[0.0f32], &[1], r.device)
+    });
+    c.expect(
+        "during data_parallel another thread's slice of the gradient is refused, the closure's replica granted",
+        outcome.is_ok(),
+        describe(&outcome.map(|_| ())),
+    );
+    drop(ddp);
+
+    // FSDP: its backward steps write the shard gradients.
+    let mut sharded = Module::new(&lib)?;
+    sharded.register_parameter("v", &Tensor::from_slice(&lib, &[1.0f32; 4], &[4], Device::cpu(0))?, true)?;
+    let mut fsdp = Fsdp::new(&sharded, &pg, &FsdpOptions::default())?;
+    fsdp.unshard()?;
+    sharded.grad("v")?.copy_from(&[2.0f32; 4])?;
+    {
+        let mut shard_grad = fsdp.shard_grad(0)?;
+        let mut held = shard_grad.as_mut_slice::<f32>()?;
+        held.fill(3.0);
+        let stepped = fsdp.post_backward();
+        c.expect(
+            "FSDP post_backward under a slice of a shard gradient is refused",
+            refused(&stepped),
+            describe(&stepped),
+        );
+        c.expect("and leaves the shard gradient alone", held[..] == [3.0; 4], format!("{:?}", &*held));
+    }
+    let stepped = fsdp.post_backward().and_then(|()| fsdp.finish_backward());
+    c.expect("FSDP's backward steps run once the slice is gone", stepped.is_ok(), describe(&stepped));
+    let reduced = fsdp.shard_grad(0)?.to_vec::<f32>()?;
+    c.expect("and add the gradient to what the slice wrote", reduced == [5.0; 4], format!("{reduced:?}"));
+    drop(fsdp);
     drop(pg);
     drop(store);
     let _ = std::fs::remove_file(&path);

@@ -3,7 +3,18 @@
 
 use std::ptr;
 
+use crate::view::{Access, CallAccess, StorageBorrow};
 use crate::{sys, Device, Error, Library, Result, Tensor, DP_EINVAL};
+
+/// Each of these calls reads its inputs: refused while a mutable slice
+/// covers one, and holding them against one meanwhile.
+fn reading<'a>(lib: &Library, inputs: impl IntoIterator<Item = &'a Tensor>, what: &str) -> Result<StorageBorrow> {
+    let mut access = CallAccess::new();
+    for t in inputs {
+        access.tensor(lib, t.raw, Access::Read);
+    }
+    access.begin(what)
+}
 
 /// The library of the first tensor; an empty list names `argument`.
 fn lib_of(tensors: &[&Tensor], argument: &str) -> Result<Library> {
@@ -24,6 +35,7 @@ pub fn broadcast(tensor: &Tensor, devices: &[Device]) -> Result<Vec<Tensor>> {
     let lib = tensor.lib.clone();
     let d = raw_devices(devices);
     let mut out = vec![ptr::null_mut(); d.len()];
+    let _call = reading(&lib, [tensor], "broadcast")?;
     lib.check(unsafe { (lib.api().broadcast)(tensor.raw, d.as_ptr(), d.len(), out.as_mut_ptr()) })?;
     Ok(owned(&lib, out))
 }
@@ -36,6 +48,7 @@ pub fn broadcast_coalesced(tensors: &[&Tensor], devices: &[Device], buffer_size:
     let raw: Vec<*const sys::dp_tensor> = tensors.iter().map(|t| t.raw as *const _).collect();
     let d = raw_devices(devices);
     let mut out = vec![ptr::null_mut(); d.len() * raw.len()];
+    let _call = reading(&lib, tensors.iter().copied(), "broadcast_coalesced")?;
     lib.check(unsafe {
         (lib.api().broadcast_coalesced)(raw.as_ptr(), raw.len(), d.as_ptr(), d.len(), buffer_size, out.as_mut_ptr())
     })?;
@@ -49,6 +62,7 @@ pub fn reduce_add(inputs: &[&Tensor], destination: Device) -> Result<Tensor> {
     let lib = lib_of(inputs, "inputs")?;
     let raw: Vec<*const sys::dp_tensor> = inputs.iter().map(|t| t.raw as *const _).collect();
     let mut out = ptr::null_mut();
+    let _call = reading(&lib, inputs.iter().copied(), "reduce_add")?;
     lib.check(unsafe { (lib.api().reduce_add)(raw.as_ptr(), raw.len(), destination.0, &mut out) })?;
     Ok(unsafe { Tensor::from_raw(&lib, out) })
 }
@@ -68,6 +82,7 @@ pub fn reduce_add_coalesced(inputs: &[&[&Tensor]], destination: Device, buffer_s
     let lib = lib_of(first, "inputs[0]")?;
     let raw: Vec<*const sys::dp_tensor> = inputs.iter().flat_map(|l| l.iter().map(|t| t.raw as *const _)).collect();
     let mut out = vec![ptr::null_mut(); ntensors];
+    let _call = reading(&lib, inputs.iter().flat_map(|l| l.iter().copied()), "reduce_add_coalesced")?;
     lib.check(unsafe {
         (lib.api().reduce_add_coalesced)(
             raw.as_ptr(),
@@ -100,6 +115,7 @@ pub fn scatter(tensor: &Tensor, devices: &[Device], chunk_sizes: Option<&[i64]>,
     let d = raw_devices(devices);
     let mut out = vec![ptr::null_mut(); d.len()];
     let mut count = 0usize;
+    let _call = reading(&lib, [tensor], "scatter")?;
     lib.check(unsafe {
         (lib.api().scatter)(
             tensor.raw,
@@ -121,6 +137,7 @@ pub fn gather(tensors: &[&Tensor], dim: i32, destination: Device) -> Result<Tens
     let lib = lib_of(tensors, "tensors")?;
     let raw: Vec<*const sys::dp_tensor> = tensors.iter().map(|t| t.raw as *const _).collect();
     let mut out = ptr::null_mut();
+    let _call = reading(&lib, tensors.iter().copied(), "gather")?;
     lib.check(unsafe { (lib.api().gather)(raw.as_ptr(), raw.len(), dim, destination.0, &mut out) })?;
     Ok(unsafe { Tensor::from_raw(&lib, out) })
 }

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use crate::error::cstring;
 use crate::parallel::panic_text;
 use crate::tensor::sealed;
+use crate::view::{Access, CallAccess, CallbackScope, StorageBorrow};
 use crate::{
     sys, Element, Error, InPlace, Library, Module, ProcessGroup, Result, Stream, Tensor, TensorSliceMut, DP_EINVAL,
     DP_EIO, DP_ETIMEOUT,
@@ -106,6 +107,8 @@ pub struct Ddp {
     timed_out: bool,
     // false for the handle a bucket-reduced closure is lent.
     owned: bool,
+    // The wrapped module, whose memory the reducer writes (None when lent).
+    module: Option<Module>,
 }
 
 /// The flat bucket a comm hook is lent: this rank's gradients of one
@@ -200,6 +203,7 @@ fn in_hook() -> bool {
 /// (it holds a reference), and `IN_HOOK` counts it.
 struct HookCall {
     state: Option<Arc<HookState>>,
+    _lent: CallbackScope,
 }
 
 impl HookCall {
@@ -208,7 +212,7 @@ impl HookCall {
         let ptr = user_data as *const HookState;
         Arc::increment_strong_count(ptr);
         IN_HOOK.with(|n| n.set(n.get() + 1));
-        HookCall { state: Some(Arc::from_raw(ptr)) }
+        HookCall { state: Some(Arc::from_raw(ptr)), _lent: CallbackScope::enter() }
     }
 
     fn state(&self) -> &HookState {
@@ -290,7 +294,7 @@ unsafe extern "C" fn bucket_reduced_trampoline(
     let state = call.state();
     let Some(callback) = state.hooks.on_bucket_reduced.as_ref() else { return 3 };
     let outcome = catch_unwind(AssertUnwindSafe(|| {
-        let lent = Ddp { raw: ddp, lib: state.lib.clone(), hooks: None, timed_out: false, owned: false };
+        let lent = Ddp { raw: ddp, lib: state.lib.clone(), hooks: None, timed_out: false, owned: false, module: None };
         let params = if nparams == 0 || param_indices.is_null() {
             &[][..]
         } else {
@@ -411,8 +415,19 @@ impl Ddp {
             }
         }
         let mut out = ptr::null_mut();
+        // The initial broadcast writes the state; bucket views move gradients.
+        let _call = module.access(Access::Write, Access::Write, Access::Write).begin("Ddp::new")?;
         lib.check(unsafe { (lib.api().ddp_create)(&mut out, module.raw, pg.raw, &o) })?;
-        Ok(Ddp { raw: out, lib, hooks, timed_out: false, owned: true })
+        Ok(Ddp { raw: out, lib, hooks, timed_out: false, owned: true, module: Some(module.retain()?) })
+    }
+
+    // Bucket copies and reductions write gradients; broadcasts (buffers
+    // before a forward, all of the state at a join) write the rest.
+    fn begin_call(&self, what: &str, parameters: Access, buffers: Access) -> Result<StorageBorrow> {
+        match &self.module {
+            Some(module) => module.access(parameters, buffers, Access::Write).begin(what),
+            None => CallAccess::new().begin(what),
+        }
     }
 
     /// The handle, still owned by `self`.
@@ -438,16 +453,19 @@ impl Ddp {
 
     /// With broadcast_buffers, broadcasts the module's buffers from rank 0.
     pub fn pre_forward(&mut self) -> Result<()> {
+        let _call = self.begin_call("pre_forward", Access::Untouched, Access::Write)?;
         self.check(unsafe { (self.lib.api().ddp_pre_forward)(self.raw) })
     }
 
     /// The parameter's gradient is final for this backward.
     pub fn mark_grad_ready(&self, param_name: &str) -> Result<()> {
+        let _call = self.begin_call("mark_grad_ready", Access::Untouched, Access::Untouched)?;
         let c = cstring("param_name", param_name)?;
         self.lib.check(unsafe { (self.lib.api().ddp_mark_grad_ready)(self.raw, c.as_ptr()) })
     }
 
     pub fn mark_grad_ready_index(&self, param_index: usize) -> Result<()> {
+        let _call = self.begin_call("mark_grad_ready_index", Access::Untouched, Access::Untouched)?;
         self.lib.check(unsafe { (self.lib.api().ddp_mark_grad_ready_index)(self.raw, param_index) })
     }
 
@@ -455,6 +473,7 @@ impl Ddp {
     /// stream of the parameter's device) completes; the library waits on an
     /// event, never the whole device.
     pub fn mark_grad_ready_stream(&self, param_index: usize, stream: &Stream) -> Result<()> {
+        let _call = self.begin_call("mark_grad_ready_stream", Access::Untouched, Access::Untouched)?;
         let api = self.lib.api();
         self.lib.check(unsafe { (api.ddp_mark_grad_ready_stream)(self.raw, param_index, stream.as_raw()) })
     }
@@ -465,6 +484,7 @@ impl Ddp {
     /// left running, and dropping this `Ddp` then leaks its closures (see
     /// [`Ddp`]).
     pub fn finish_backward(&mut self) -> Result<()> {
+        let _call = self.begin_call("finish_backward", Access::Untouched, Access::Untouched)?;
         self.check(unsafe { (self.lib.api().ddp_finish_backward)(self.raw) })
     }
 
@@ -552,6 +572,8 @@ impl Ddp {
             return Err(Error::new(DP_EINVAL, "ddps: empty; pass every Ddp this rank drives"));
         };
         let lib = first.lib.clone();
+        let _calls =
+            ddps.iter().map(|d| d.begin_call("join", Access::Write, Access::Write)).collect::<Result<Vec<_>>>()?;
         let raw: Vec<*mut sys::dp_ddp> = ddps.iter().map(|d| d.raw).collect();
         let st = unsafe { (lib.api().ddp_join)(raw.as_ptr(), raw.len()) };
         if st == sys::DP_OK {

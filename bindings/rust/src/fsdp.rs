@@ -6,6 +6,7 @@ use std::os::raw::c_int;
 use std::ptr;
 
 use crate::error::{cstring, owned_text};
+use crate::view::{Access, StorageBorrow};
 use crate::{sys, DType, Library, Module, ProcessGroup, Result, Tensor};
 
 /// dp_fsdp_options; the defaults are DP_FSDP_OPTIONS_INIT's.
@@ -57,6 +58,8 @@ impl Default for FsdpOptions {
 pub struct Fsdp {
     raw: *mut sys::dp_fsdp,
     lib: Library,
+    // The sharded module, whose memory the calls write.
+    module: Module,
 }
 
 // One dp_fsdp's calls are serialised by the library (dp_fsdp.h).
@@ -96,17 +99,37 @@ impl Fsdp {
         o.init_sync = options.init_sync as c_int;
         o.full_params_as_views = options.full_params_as_views as c_int;
         let mut out = ptr::null_mut();
+        // Sharding replaces the parameters (after a broadcast with init_sync).
+        let _call = module.access(Access::Write, Access::Write, Access::Write).begin("Fsdp::new")?;
         lib.check(unsafe { (lib.api().fsdp_create)(&mut out, module.raw, pg.raw, &o) })?;
-        Ok(Fsdp { raw: out, lib })
+        Ok(Fsdp { raw: out, lib, module: module.retain()? })
     }
 
     /// The handle, still owned by `self`.
+    // Unshard, reshard and the backward steps may write any parameter,
+    // gradient, shard or shard gradient of the module.
+    fn begin_call(&self, what: &str) -> Result<StorageBorrow> {
+        let mut access = self.module.access(Access::Write, Access::Untouched, Access::Write);
+        let api = self.lib.api();
+        for index in 0..self.num_parameters() {
+            for get in [api.fsdp_shard, api.fsdp_shard_grad] {
+                let mut tensor = ptr::null_mut();
+                if unsafe { get(self.raw, index, &mut tensor) } == sys::DP_OK && !tensor.is_null() {
+                    access.tensor(&self.lib, tensor, Access::Write);
+                    unsafe { (api.tensor_destroy)(tensor) };
+                }
+            }
+        }
+        access.begin(what)
+    }
+
     pub fn as_raw(&self) -> *mut sys::dp_fsdp {
         self.raw
     }
 
     /// All-gathers: the module's slots hold the full parameters.
     pub fn unshard(&mut self) -> Result<()> {
+        let _call = self.begin_call("unshard")?;
         self.lib.check(unsafe { (self.lib.api().fsdp_unshard)(self.raw, 0) })
     }
 
@@ -115,26 +138,31 @@ impl Fsdp {
     /// Until then the library writes the module's parameter slots: leave
     /// them alone meanwhile (not enforced; see [`Tensor::as_slice`]).
     pub fn unshard_async(&mut self) -> Result<()> {
+        let _call = self.begin_call("unshard_async")?;
         self.lib.check(unsafe { (self.lib.api().fsdp_unshard)(self.raw, 1) })
     }
 
     pub fn wait_unshard(&mut self) -> Result<()> {
+        let _call = self.begin_call("wait_unshard")?;
         self.lib.check(unsafe { (self.lib.api().fsdp_wait_unshard)(self.raw) })
     }
 
     /// The slots hold the shards again (see `reshard_after_forward`).
     pub fn reshard(&mut self) -> Result<()> {
+        let _call = self.begin_call("reshard")?;
         self.lib.check(unsafe { (self.lib.api().fsdp_reshard)(self.raw) })
     }
 
     /// The full gradients are final: reshards, then reduce-scatters their
     /// average into the shard gradients, asynchronously.
     pub fn post_backward(&mut self) -> Result<()> {
+        let _call = self.begin_call("post_backward")?;
         self.lib.check(unsafe { (self.lib.api().fsdp_post_backward)(self.raw) })
     }
 
     /// Waits for the last `post_backward`'s reduce-scatter.
     pub fn finish_backward(&mut self) -> Result<()> {
+        let _call = self.begin_call("finish_backward")?;
         self.lib.check(unsafe { (self.lib.api().fsdp_finish_backward)(self.raw) })
     }
 
@@ -181,6 +209,7 @@ impl Module {
     /// write nothing; rank 0's outcome is every rank's). Every `Fsdp`
     /// involved must be resharded.
     pub fn save_full_state_dict(&self, pg: &ProcessGroup, path: &str) -> Result<()> {
+        let _call = self.access(Access::Read, Access::Read, Access::Untouched).begin("save_full_state_dict")?;
         let c = cstring("path", path)?;
         self.lib.check(unsafe { (self.lib.api().fsdp_save_full_state_dict)(self.raw, pg.raw, c.as_ptr()) })
     }
@@ -188,17 +217,19 @@ impl Module {
     /// Local: every rank reads `path` and keeps its rows of the sharded
     /// parameters, every other tensor whole.
     pub fn load_full_state_dict(&mut self, path: &str, strict: bool) -> Result<()> {
+        let _call = self.access(Access::Write, Access::Write, Access::Untouched).begin("load_full_state_dict")?;
         let c = cstring("path", path)?;
         let api = self.lib.api();
         self.lib.check(unsafe { (api.fsdp_load_full_state_dict)(self.raw, c.as_ptr(), strict as c_int) })
     }
 
     /// Collective over `pg`: each rank writes its rows to
-    /// `folder`/shard-RRRRR-of-WWWWW-<id>.safetensors (rank 0's also holds the
+    /// `folder/shard-RRRRR-of-WWWWW-<id>.safetensors` (rank 0's also holds the
     /// tensors that are not sharded), then rank 0 writes `manifest.json`
     /// last. It succeeds on every rank or fails on every rank, and a failed
     /// save leaves the folder's last complete save loadable.
     pub fn save_sharded_state_dict(&self, pg: &ProcessGroup, folder: &str) -> Result<()> {
+        let _call = self.access(Access::Read, Access::Read, Access::Untouched).begin("save_sharded_state_dict")?;
         let c = cstring("folder", folder)?;
         self.lib.check(unsafe { (self.lib.api().fsdp_save_sharded_state_dict)(self.raw, pg.raw, c.as_ptr()) })
     }
@@ -208,6 +239,7 @@ impl Module {
     /// group of the `Fsdp` holding the module: every rank loads, or none
     /// does and the module is unchanged.
     pub fn load_sharded_state_dict(&mut self, folder: &str) -> Result<()> {
+        let _call = self.access(Access::Write, Access::Write, Access::Untouched).begin("load_sharded_state_dict")?;
         let c = cstring("folder", folder)?;
         self.lib.check(unsafe { (self.lib.api().fsdp_load_sharded_state_dict)(self.raw, c.as_ptr()) })
     }

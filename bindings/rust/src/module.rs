@@ -6,6 +6,7 @@ use std::ptr;
 
 use crate::error::{cstring, owned_text};
 use crate::parallel::run_forward;
+use crate::view::{note_grad_reached, Access, CallAccess};
 use crate::{sys, Device, Error, Library, Replica, Result, Tensor, DP_EINVAL};
 
 /// A reference to a module tree (see dp_module.h). Methods taking `&self`
@@ -152,7 +153,22 @@ impl Module {
         let c = cstring("dotted_name", name)?;
         let mut out = ptr::null_mut();
         self.lib.check(unsafe { (self.lib.api().module_grad)(self.raw, c.as_ptr(), &mut out) })?;
+        self.note_grad_reached(name);
         Ok(unsafe { Tensor::from_raw(&self.lib, out) })
+    }
+
+    // Later calls on the tree check slices of this parameter's gradient.
+    fn note_grad_reached(&self, name: &str) {
+        if let Ok(Some(value)) = self.get_parameter(name) {
+            note_grad_reached(unsafe { (self.lib.api().tensor_data)(value.raw) } as usize);
+        }
+    }
+
+    /// The memory a call on this tree touches, one kind at a time.
+    pub(crate) fn access(&self, parameters: Access, buffers: Access, grads: Access) -> CallAccess {
+        let mut access = CallAccess::new();
+        access.module(self, parameters, buffers, grads);
+        access
     }
 
     /// Makes `grad` the parameter's gradient without copying: memory the
@@ -165,10 +181,15 @@ impl Module {
     pub fn set_grad(&mut self, name: &str, grad: Option<&Tensor>) -> Result<()> {
         let c = cstring("dotted_name", name)?;
         let raw = grad.map_or(ptr::null_mut(), |g| g.raw);
-        self.lib.check(unsafe { (self.lib.api().module_set_grad)(self.raw, c.as_ptr(), raw) })
+        self.lib.check(unsafe { (self.lib.api().module_set_grad)(self.raw, c.as_ptr(), raw) })?;
+        if grad.is_some() {
+            self.note_grad_reached(name);
+        }
+        Ok(())
     }
 
     pub fn zero_grad(&mut self) -> Result<()> {
+        let _call = self.access(Access::Untouched, Access::Untouched, Access::Write).begin("zero_grad")?;
         self.lib.check(unsafe { (self.lib.api().module_zero_grad)(self.raw) })
     }
 
@@ -188,11 +209,13 @@ impl Module {
     /// The state dict as a safetensors file.
     pub fn save(&self, path: &str) -> Result<()> {
         let c = cstring("path", path)?;
+        let _call = self.access(Access::Read, Access::Read, Access::Untouched).begin("save")?;
         self.lib.check(unsafe { (self.lib.api().module_save)(self.raw, c.as_ptr()) })
     }
 
     pub fn load(&mut self, path: &str, strict: bool) -> Result<()> {
         let c = cstring("path", path)?;
+        let _call = self.access(Access::Write, Access::Write, Access::Untouched).begin("load")?;
         self.lib.check(unsafe { (self.lib.api().module_load)(self.raw, c.as_ptr(), strict as c_int) })
     }
 
@@ -201,6 +224,7 @@ impl Module {
         let mut out = vec![ptr::null_mut(); devices.len()];
         let raw_devices: Vec<sys::dp_device> = devices.iter().map(|d| d.0).collect();
         let api = self.lib.api();
+        let _call = self.access(Access::Read, Access::Read, Access::Untouched).begin("replicate")?;
         self.lib.check(unsafe {
             (api.replicate)(self.raw, raw_devices.as_ptr(), raw_devices.len(), detach as c_int, out.as_mut_ptr())
         })?;
@@ -210,6 +234,11 @@ impl Module {
     /// Adds every replica's gradients into this module's (dp_reduce_gradients).
     pub fn reduce_gradients_from(&mut self, replicas: &[&Module]) -> Result<()> {
         let raw: Vec<*mut sys::dp_module> = replicas.iter().map(|m| m.raw).collect();
+        let mut access = self.access(Access::Untouched, Access::Untouched, Access::Write);
+        for replica in replicas {
+            access.module(replica, Access::Untouched, Access::Untouched, Access::Read);
+        }
+        let _call = access.begin("reduce_gradients_from")?;
         self.lib.check(unsafe { (self.lib.api().reduce_gradients)(raw.as_ptr(), raw.len(), self.raw) })
     }
 
@@ -228,6 +257,8 @@ impl Module {
         F: Fn(Replica<'_>) -> Result<Tensor> + Sync,
     {
         let raw_devices: Vec<sys::dp_device> = devices.iter().map(|d| d.0).collect();
+        let mut access = self.access(Access::Read, Access::Read, Access::Write);
+        let _call = access.tensor(&self.lib, input.raw, Access::Read).begin("data_parallel")?;
         let lib = self.lib.clone();
         let raw = self.raw;
         run_forward(&lib, &forward, |f, ud, out| unsafe {

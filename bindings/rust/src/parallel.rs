@@ -7,6 +7,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
 use std::sync::Mutex;
 
+use crate::view::{Access, CallAccess, CallbackScope};
 use crate::{sys, Device, Error, Library, Module, Result, Tensor, DP_EINVAL};
 
 /// What a forward callback receives: the replica and its input, lent for
@@ -47,6 +48,7 @@ where
     F: Fn(Replica<'_>) -> Result<Tensor> + Sync,
 {
     let state = &*(user_data as *const ForwardState<'_, F>);
+    let _lent = CallbackScope::enter();
     let outcome = catch_unwind(AssertUnwindSafe(|| {
         let module = Module { raw: replica, lib: state.lib.clone(), owned: false };
         let input = Tensor::borrowed(&state.lib, input);
@@ -125,6 +127,12 @@ where
     let raw_replicas: Vec<*mut sys::dp_module> = replicas.iter().map(|m| m.raw).collect();
     let raw_inputs: Vec<*mut sys::dp_tensor> = inputs.iter().map(|t| t.raw).collect();
     let raw_devices: Option<Vec<sys::dp_device>> = devices.map(|d| d.iter().map(|d| d.0).collect());
+    let mut access = CallAccess::new();
+    for input in inputs {
+        // Copied to another device when it is not on its replica's.
+        access.tensor(&lib, input.raw, Access::Read);
+    }
+    let _call = access.begin("parallel_apply")?;
     let state = ForwardState { forward: &forward, lib: lib.clone(), failures: Mutex::new(Vec::new()) };
     let mut out = vec![ptr::null_mut(); replicas.len()];
     let st = unsafe {
@@ -151,6 +159,8 @@ where
 pub struct ReplicaSet {
     pub(crate) raw: *mut sys::dp_replica_set,
     pub(crate) lib: Library,
+    // The replicated module, whose memory sync and reduce_gradients touch.
+    module: Module,
 }
 
 unsafe impl Send for ReplicaSet {}
@@ -172,10 +182,11 @@ impl ReplicaSet {
         let lib = module.lib.clone();
         let raw_devices: Vec<sys::dp_device> = devices.iter().map(|d| d.0).collect();
         let mut out = ptr::null_mut();
+        let _call = module.access(Access::Read, Access::Read, Access::Untouched).begin("ReplicaSet::new")?;
         lib.check(unsafe {
             (lib.api().replica_set_create)(&mut out, module.raw, raw_devices.as_ptr(), raw_devices.len())
         })?;
-        Ok(ReplicaSet { raw: out, lib })
+        Ok(ReplicaSet { raw: out, lib, module: module.retain()? })
     }
 
     pub fn len(&self) -> usize {
@@ -188,7 +199,19 @@ impl ReplicaSet {
 
     /// Copies the module's parameters and buffers into the replicas.
     pub fn sync(&mut self) -> Result<()> {
+        let access = self.access(Access::Read, Access::Untouched, Access::Write, Access::Untouched)?;
+        let _call = access.begin("replica set sync")?;
         self.lib.check(unsafe { (self.lib.api().replica_set_sync)(self.raw) })
+    }
+
+    // The module's parameters and gradients, and every replica's
+    // parameters and buffers, and gradients.
+    fn access(&self, module: Access, grads: Access, replicas: Access, replica_grads: Access) -> Result<CallAccess> {
+        let mut access = self.module.access(module, module, grads);
+        for index in 0..self.len() {
+            access.module(&self.replica(index)?, replicas, replicas, replica_grads);
+        }
+        Ok(access)
     }
 
     pub fn replica(&self, index: usize) -> Result<Module> {
@@ -199,6 +222,8 @@ impl ReplicaSet {
 
     /// Adds the replicas' gradients into the module's, then zeroes theirs.
     pub fn reduce_gradients(&mut self) -> Result<()> {
+        let access = self.access(Access::Untouched, Access::Write, Access::Untouched, Access::Write)?;
+        let _call = access.begin("replica set reduce_gradients")?;
         self.lib.check(unsafe { (self.lib.api().replica_set_reduce_gradients)(self.raw) })
     }
 
@@ -207,6 +232,8 @@ impl ReplicaSet {
     where
         F: Fn(Replica<'_>) -> Result<Tensor> + Sync,
     {
+        let mut access = self.access(Access::Untouched, Access::Untouched, Access::Read, Access::Untouched)?;
+        let _call = access.tensor(&self.lib, input.raw, Access::Read).begin("replica set apply")?;
         let lib = self.lib.clone();
         let raw = self.raw;
         run_forward(&lib, &forward, |f, ud, out| unsafe {

@@ -5,6 +5,7 @@ use std::os::raw::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
 
+use crate::view::CallbackScope;
 use crate::{sys, Device, Library, Result};
 
 /// A queue of device work: a `cudaStream_t` on a cuda device, a queue run by
@@ -37,6 +38,9 @@ impl Drop for Stream {
 
 unsafe extern "C" fn host_func_trampoline(user_data: *mut c_void) {
     let f = Box::from_raw(user_data as *mut Box<dyn FnOnce() + Send>);
+    // Work on a stream is ordered with the calls that take the stream
+    // (mark_grad_ready_stream waits for it): they lend it their memory.
+    let _lent = CallbackScope::enter();
     // Nothing may unwind into the library's thread; the panic message has
     // been printed by the panic hook.
     let _ = catch_unwind(AssertUnwindSafe(f));

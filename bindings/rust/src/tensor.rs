@@ -4,7 +4,7 @@ use std::os::raw::c_void;
 use std::ptr;
 
 use crate::device::dtype_name;
-use crate::view::{StorageBorrow, TensorSlice, TensorSliceMut};
+use crate::view::{Access, CallAccess, StorageBorrow, TensorSlice, TensorSliceMut};
 use crate::{sys, DType, Device, Element, Error, Library, Result, DP_EINVAL, DP_EUNSUPPORTED};
 use std::fmt;
 
@@ -194,6 +194,8 @@ impl Tensor {
     /// stays alive until it is dropped, even after every `Tensor` over it.
     pub fn to_dlpack(&self) -> Result<DlPack> {
         let mut out = ptr::null_mut();
+        // The capsule's holder may write the memory.
+        let _call = self.call_access(Access::Write).begin("to_dlpack")?;
         self.lib.check(unsafe { (self.lib.api().tensor_to_dlpack)(self.raw, &mut out) })?;
         Ok(DlPack { raw: out })
     }
@@ -334,6 +336,12 @@ impl Tensor {
 
     // Keeps slices over this memory out while the library reads or writes
     // it from the host (a no-op range for device memory, which no slice covers).
+    fn call_access(&self, access: Access) -> CallAccess {
+        let mut call = CallAccess::new();
+        call.tensor(&self.lib, self.raw, access);
+        call
+    }
+
     fn borrow_storage(&self, exclusive: bool) -> Result<StorageBorrow> {
         let data = unsafe { (self.lib.api().tensor_data)(self.raw) } as usize;
         StorageBorrow::acquire(data, self.nbytes(), exclusive)
@@ -383,6 +391,7 @@ impl Tensor {
     /// A copy on `device` (always new storage).
     pub fn to_device(&self, device: Device) -> Result<Tensor> {
         let mut out = ptr::null_mut();
+        let _call = self.call_access(Access::Read).begin("to_device")?;
         self.lib.check(unsafe { (self.lib.api().tensor_to_device)(&mut out, self.raw, device.0) })?;
         Ok(unsafe { Tensor::from_raw(&self.lib, out) })
     }

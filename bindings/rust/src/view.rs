@@ -7,20 +7,58 @@
 //! it covers, as `RefCell` records its borrows: a mutable slice over memory
 //! any other slice covers, or a shared one over memory a mutable slice
 //! covers, is refused with DP_ESTATE, whichever handle it comes through.
+//!
+//! A library call that reads or writes memory on its own (zero_grad, load,
+//! a DDP or FSDP step, a collective) records the ranges it may touch for
+//! its duration ([`CallAccess`]): it is refused while a conflicting slice
+//! lives, and a conflicting slice is refused while it runs. Calls do not
+//! exclude one another (the library orders its own accesses), and closures
+//! the library runs during a call (forward closures, comm hooks) may take
+//! slices of the memory it lends them.
 
+use std::cell::Cell;
+use std::collections::HashSet;
 use std::fmt;
 use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use crate::{sys, Element, Error, Library, Result, DP_ESTATE};
+use crate::{sys, Element, Error, Library, Module, Result, DP_ESTATE};
 
 struct Borrow {
     id: u64,
     start: usize,
     end: usize,
     exclusive: bool,
+    // Held by a library call rather than a slice.
+    call: bool,
+}
+
+thread_local! {
+    // Closures the library is running on this thread, inside a call.
+    static IN_CALLBACK: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Marks the current thread as running a closure for the library while it
+/// lives: the memory of the calls in progress is lent to it.
+pub(crate) struct CallbackScope(());
+
+impl CallbackScope {
+    pub(crate) fn enter() -> CallbackScope {
+        IN_CALLBACK.with(|n| n.set(n.get() + 1));
+        CallbackScope(())
+    }
+}
+
+impl Drop for CallbackScope {
+    fn drop(&mut self) {
+        IN_CALLBACK.with(|n| n.set(n.get() - 1));
+    }
+}
+
+fn in_callback() -> bool {
+    IN_CALLBACK.with(|n| n.get() > 0)
 }
 
 // Few slices are live at once: a scan is cheaper than an interval tree.
@@ -42,7 +80,20 @@ impl StorageBorrow {
         let end = start.saturating_add(bytes);
         // Nothing panics while the lock is held, so a poisoned lock is sound.
         let mut borrows = BORROWS.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(other) = borrows.iter().find(|b| b.start < end && start < b.end && (exclusive || b.exclusive)) {
+        let lent = in_callback();
+        if let Some(other) =
+            borrows.iter().find(|b| b.start < end && start < b.end && (exclusive || b.exclusive) && !(b.call && lent))
+        {
+            if other.call {
+                return Err(Error::new(
+                    DP_ESTATE,
+                    format!(
+                        "tensor: its memory is being {} by a library call in progress on another thread; take the \
+                         slice once it returns",
+                        if other.exclusive { "written" } else { "read" }
+                    ),
+                ));
+            }
             let (held, wanted) = if other.exclusive { ("a mutable", "") } else { ("a shared", "mutable ") };
             return Err(Error::new(
                 DP_ESTATE,
@@ -53,7 +104,130 @@ impl StorageBorrow {
             ));
         }
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        borrows.push(Borrow { id, start, end, exclusive });
+        borrows.push(Borrow { id, start, end, exclusive, call: false });
+        Ok(StorageBorrow { id })
+    }
+}
+
+/// How a library call uses one kind of memory.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Access {
+    Untouched,
+    Read,
+    Write,
+}
+
+/// The memory one library call may read or write, collected before the
+/// call and held by it ([`CallAccess::begin`]) while it runs.
+pub(crate) struct CallAccess {
+    // (start, end, written)
+    ranges: Vec<(usize, usize, bool)>,
+}
+
+// Parameters whose gradient a host can reach (it took it through
+// `Module::grad` or set it), by the address of the parameter's value: only
+// those gradients are enumerated, as dp_module_grad allocates the others.
+static GRADS_REACHED: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
+
+/// Records that the gradient of the parameter whose value is at `value` is
+/// reachable from the host.
+pub(crate) fn note_grad_reached(value: usize) {
+    if value != 0 {
+        GRADS_REACHED.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(HashSet::new).insert(value);
+    }
+}
+
+impl CallAccess {
+    pub(crate) fn new() -> CallAccess {
+        CallAccess { ranges: Vec::new() }
+    }
+
+    pub(crate) fn range(&mut self, start: usize, bytes: usize, access: Access) -> &mut CallAccess {
+        if access != Access::Untouched && start != 0 && bytes != 0 {
+            self.ranges.push((start, start.saturating_add(bytes), access == Access::Write));
+        }
+        self
+    }
+
+    pub(crate) fn tensor(&mut self, lib: &Library, raw: *mut sys::dp_tensor, access: Access) -> &mut CallAccess {
+        if raw.is_null() {
+            return self;
+        }
+        let data = unsafe { (lib.api().tensor_data)(raw) } as usize;
+        let bytes = unsafe { (lib.api().tensor_nbytes)(raw) };
+        self.range(data, bytes, access)
+    }
+
+    /// Every parameter, buffer and host-reachable gradient of `module`'s
+    /// tree, in one pass over its listing.
+    pub(crate) fn module(&mut self, module: &Module, parameters: Access, buffers: Access, grads: Access) -> &mut Self {
+        let lib = &module.lib;
+        let api = lib.api();
+        if parameters != Access::Untouched || grads != Access::Untouched {
+            let reached = GRADS_REACHED.lock().unwrap_or_else(|e| e.into_inner()).clone().unwrap_or_default();
+            for index in 0..module.num_parameters() {
+                let mut name = std::ptr::null();
+                let mut value = std::ptr::null_mut();
+                if unsafe { (api.module_parameter_at)(module.raw, index, &mut name, &mut value) } != sys::DP_OK
+                    || value.is_null()
+                {
+                    continue;
+                }
+                let address = unsafe { (api.tensor_data)(value) } as usize;
+                self.tensor(lib, value, parameters);
+                unsafe { (api.tensor_destroy)(value) };
+                if grads == Access::Untouched || !reached.contains(&address) {
+                    continue;
+                }
+                let mut grad = std::ptr::null_mut();
+                if unsafe { (api.module_grad)(module.raw, name, &mut grad) } == sys::DP_OK && !grad.is_null() {
+                    self.tensor(lib, grad, grads);
+                    unsafe { (api.tensor_destroy)(grad) };
+                }
+            }
+        }
+        if buffers != Access::Untouched {
+            for index in 0..module.num_buffers() {
+                let mut name = std::ptr::null();
+                let mut value = std::ptr::null_mut();
+                if unsafe { (api.module_buffer_at)(module.raw, index, &mut name, &mut value) } == sys::DP_OK
+                    && !value.is_null()
+                {
+                    self.tensor(lib, value, buffers);
+                    unsafe { (api.tensor_destroy)(value) };
+                }
+            }
+        }
+        self
+    }
+
+    /// Refuses the call named `what` with DP_ESTATE when a live slice
+    /// covers memory it writes, or a live mutable slice memory it reads;
+    /// otherwise holds the ranges until the returned borrow drops.
+    pub(crate) fn begin(&self, what: &str) -> Result<StorageBorrow> {
+        if self.ranges.is_empty() {
+            return Ok(StorageBorrow { id: 0 });
+        }
+        let mut borrows = BORROWS.lock().unwrap_or_else(|e| e.into_inner());
+        for &(start, end, written) in &self.ranges {
+            let conflict =
+                borrows.iter().find(|b| !b.call && b.start < end && start < b.end && (written || b.exclusive));
+            if let Some(other) = conflict {
+                let held = if other.exclusive { "a mutable" } else { "a shared" };
+                let used = if written { "writes" } else { "reads" };
+                return Err(Error::new(
+                    DP_ESTATE,
+                    format!(
+                        "{what}: memory it {used} is borrowed by {held} slice (through a tensor handle on the same \
+                         storage); drop that slice before the call"
+                    ),
+                ));
+            }
+        }
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        for &(start, end, written) in &self.ranges {
+            borrows.push(Borrow { id, start, end, exclusive: written, call: true });
+        }
         Ok(StorageBorrow { id })
     }
 }
@@ -73,9 +247,7 @@ impl Drop for StorageBorrow {
             return;
         }
         let mut borrows = BORROWS.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(i) = borrows.iter().position(|b| b.id == self.id) {
-            borrows.swap_remove(i);
-        }
+        borrows.retain(|b| b.id != self.id);
     }
 }
 

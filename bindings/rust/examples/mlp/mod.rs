@@ -5,7 +5,7 @@
 
 #![allow(dead_code)]
 
-use dparallel::{Device, Library, Module, Result, Tensor, TensorSlice, TensorSliceMut};
+use dparallel::{Device, Library, Module, Result, Tensor, TensorSlice};
 
 pub const RTOL: f64 = 1.3e-6;
 pub const ATOL: f64 = 5e-5;
@@ -97,8 +97,9 @@ fn forward(c: &Config, w: &[&[f32]], b: &[&[f32]], x: &[f32], ld: usize, n: usiz
 /// Forward and backward over n rows of `rows` ([x | y], pitch 2*width):
 /// adds to gw/gb these rows' part of the gradient of the loss over
 /// `full_batch` rows (MSE, mean over rows and outputs), times `world` (a DDP
-/// reducer divides the ranks' sum by the world size). Calls `layer_done(l)`
-/// once layer l's gradients are final, last layer first. Returns these rows'
+/// reducer divides the ranks' sum by the world size). Calls
+/// `layer_done(l, gw[l], gb[l])` once layer l's gradients are final, last
+/// layer first. Returns these rows'
 /// part of the loss.
 #[allow(clippy::too_many_arguments)]
 pub fn forward_backward(
@@ -111,7 +112,7 @@ pub fn forward_backward(
     n: usize,
     full_batch: usize,
     world: usize,
-    mut layer_done: impl FnMut(usize) -> Result<()>,
+    mut layer_done: impl FnMut(usize, &[f32], &[f32]) -> Result<()>,
 ) -> Result<f64> {
     let wd = c.width;
     let ld = 2 * wd;
@@ -143,7 +144,7 @@ pub fn forward_backward(
             }
             gb[l][j] += s;
         }
-        layer_done(l)?;
+        layer_done(l, gw[l], gb[l])?;
         if l == 0 {
             break;
         }
@@ -251,27 +252,33 @@ pub fn layer_tensors(c: &Config, m: &Module) -> Result<LayerTensors> {
     Ok(t)
 }
 
-/// forward_backward straight over a module's tensors (no copies).
+/// forward_backward over a module: its parameters read in place, each
+/// layer's gradients accumulated in host buffers and copied into the
+/// module's before `layer_done(l)` (a reducer reads and writes them from
+/// then on, so no slice of them may live across that call).
 pub fn module_forward_backward(
     c: &Config,
     m: &Module,
     rows: &[f32],
     n: usize,
     world: usize,
-    layer_done: impl FnMut(usize) -> Result<()>,
+    mut layer_done: impl FnMut(usize) -> Result<()>,
 ) -> Result<f64> {
     let mut t = layer_tensors(c, m)?;
     let w_views: Vec<TensorSlice<f32>> = t.w.iter().map(|x| x.as_slice::<f32>()).collect::<Result<_>>()?;
     let b_views: Vec<TensorSlice<f32>> = t.b.iter().map(|x| x.as_slice::<f32>()).collect::<Result<_>>()?;
-    let mut gw_views: Vec<TensorSliceMut<f32>> =
-        t.gw.iter_mut().map(|x| x.as_mut_slice::<f32>()).collect::<Result<_>>()?;
-    let mut gb_views: Vec<TensorSliceMut<f32>> =
-        t.gb.iter_mut().map(|x| x.as_mut_slice::<f32>()).collect::<Result<_>>()?;
+    let mut gw_host: Vec<Vec<f32>> = t.gw.iter().map(|x| x.to_vec::<f32>()).collect::<Result<_>>()?;
+    let mut gb_host: Vec<Vec<f32>> = t.gb.iter().map(|x| x.to_vec::<f32>()).collect::<Result<_>>()?;
     let w: Vec<&[f32]> = w_views.iter().map(|v| &**v).collect();
     let b: Vec<&[f32]> = b_views.iter().map(|v| &**v).collect();
-    let mut gw: Vec<&mut [f32]> = gw_views.iter_mut().map(|v| &mut **v).collect();
-    let mut gb: Vec<&mut [f32]> = gb_views.iter_mut().map(|v| &mut **v).collect();
-    forward_backward(c, &w, &b, &mut gw, &mut gb, rows, n, c.batch, world, layer_done)
+    let mut gw: Vec<&mut [f32]> = gw_host.iter_mut().map(|v| &mut v[..]).collect();
+    let mut gb: Vec<&mut [f32]> = gb_host.iter_mut().map(|v| &mut v[..]).collect();
+    let (module_gw, module_gb) = (&mut t.gw, &mut t.gb);
+    forward_backward(c, &w, &b, &mut gw, &mut gb, rows, n, c.batch, world, |l, gw_l, gb_l| {
+        module_gw[l].copy_from(gw_l)?;
+        module_gb[l].copy_from(gb_l)?;
+        layer_done(l)
+    })
 }
 
 /// SGD on the module's parameters, in place.
@@ -300,7 +307,8 @@ pub fn reference_training(c: &Config, d: &Dataset, init: &Params) -> (Params, Ve
             let b: Vec<&[f32]> = p.b.iter().map(|v| &v[..]).collect();
             let mut gwr: Vec<&mut [f32]> = gw.iter_mut().map(|v| &mut v[..]).collect();
             let mut gbr: Vec<&mut [f32]> = gb.iter_mut().map(|v| &mut v[..]).collect();
-            forward_backward(c, &w, &b, &mut gwr, &mut gbr, &rows, c.batch, c.batch, 1, |_| Ok(())).expect("reference")
+            forward_backward(c, &w, &b, &mut gwr, &mut gbr, &rows, c.batch, c.batch, 1, |_, _, _| Ok(()))
+                .expect("reference")
         };
         losses.push(loss);
         for l in 0..c.layers {
