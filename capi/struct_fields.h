@@ -21,8 +21,15 @@ struct FieldSpan {
   size_t end;
 };
 
+// The size of a member, from its pointer-to-member type (a pointer field's
+// size is what is wanted, which sizeof on the field reads as a mistake).
+template <typename Struct, typename Field>
+constexpr size_t member_size(Field Struct::*) {
+  return sizeof(Field);  // NOLINT(bugprone-sizeof-expression): a pointer field's own size
+}
+
 #define DP_FIELD_SPAN(type, field) \
-  FieldSpan { #field, offsetof(type, field), offsetof(type, field) + sizeof(type::field) }
+  FieldSpan { #field, offsetof(type, field), offsetof(type, field) + member_size(&type::field) }
 
 template <typename Struct>
 struct KnownFields;
