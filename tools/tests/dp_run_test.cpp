@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -23,6 +24,10 @@
 extern char** environ;
 
 namespace {
+
+// The environment variable whose value (the job's folder) marks every
+// process of a Job.
+constexpr const char* kJobMarker = "DP_TEST_JOB_DIR";
 
 struct Finished {
   int exit_code = -1;
@@ -167,13 +172,25 @@ class Job {
   Job& operator=(const Job&) = delete;
   ~Job() {
     if (pid_ > 0 && !exited_) kill_dp_run();
-    for (int pid : read_pids(pids_path())) ::kill(pid, SIGKILL);
+    // Only processes of this job: a pid that exited may already name
+    // another test's process (pids are reused, and a test here rewinds them).
+    for (int pid : read_pids(pids_path())) {
+      if (of_job(pid)) ::kill(pid, SIGKILL);
+    }
     for (const char* name : {"/pids", "/out", "/err", "/rank.sh", "/go", "/rank0", "/started", "/done"})
       ::unlink((dir_ + name).c_str());
     ::rmdir(dir_.c_str());
   }
 
   const std::string& dir() const { return dir_; }
+  // Whether `pid` is a process this job started (its environment carries
+  // the job's marker, which dp-run and the ranks pass on).
+  bool of_job(int pid) const {
+    std::ifstream in("/proc/" + std::to_string(pid) + "/environ", std::ios::binary);
+    const std::string environ((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const std::string marker = std::string(kJobMarker) + "=" + dir_;
+    return environ.find(marker + '\0') != std::string::npos;
+  }
   std::string pids_path() const { return dir_ + "/pids"; }
   std::string output() const { return read_text(dir_ + "/out"); }
   std::string error_output() const { return read_text(dir_ + "/err"); }
@@ -211,6 +228,7 @@ class Job {
     } else {
       ::dup2(1, 2);
     }
+    ::setenv(kJobMarker, dir_.c_str(), 1);
     ::execv(DP_RUN, argv.data());
     ::_exit(127);
   }
