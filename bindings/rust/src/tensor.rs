@@ -285,11 +285,17 @@ impl Tensor {
     /// `Module::parameter` give a new handle each call): while a mutable
     /// slice over this memory lives, this is DP_ESTATE, and while this one
     /// lives no mutable slice is taken, nor does `copy_from` or a
-    /// collective of the process group write it. The library's other writes
-    /// are ordered by its calls: a gradient marked ready
-    /// (`Ddp::mark_grad_ready*`) is the library's until `finish_backward`
-    /// returns, an `Fsdp`'s parameters between `unshard_async` and
-    /// `wait_unshard`; drop the slice before such a call.
+    /// collective of the process group write it. Memory that work a call
+    /// left running uses is refused the same way until the call that
+    /// completes it: a gradient marked ready (`Ddp::mark_grad_ready*`)
+    /// until `Ddp::finish_backward`, a shard after `Fsdp::unshard_async`
+    /// (mutable slices) until `Fsdp::wait_unshard`, the shard gradients
+    /// after `Fsdp::post_backward` until `Fsdp::finish_backward`, an
+    /// exported tensor until its DLPack deleter runs (see [`Ddp`],
+    /// [`Fsdp`], [`Tensor::to_dlpack`]).
+    ///
+    /// [`Ddp`]: crate::Ddp
+    /// [`Fsdp`]: crate::Fsdp
     pub fn as_slice<T: Element>(&self) -> Result<TensorSlice<'_, T>> {
         self.check_view::<T>()?;
         let n = self.numel();

@@ -15,6 +15,11 @@
 //! exclude one another (the library orders its own accesses), and closures
 //! the library runs during a call (forward closures, comm hooks) may take
 //! slices of the memory it lends them.
+//!
+//! Work a call leaves running (a DDP bucket's reduction after a mark, an
+//! FSDP unshard or reduce-scatter, a DLPack export's holder) keeps its
+//! ranges recorded past the call ([`CallAccess::begin_pending`]), held by
+//! the handle that started it until the call (or deleter) that completes it.
 
 use std::cell::Cell;
 use std::collections::HashSet;
