@@ -110,6 +110,12 @@ fn ddp(lib: &Library, c: &mut Checks) -> Result<()> {
     c.expect("marking it twice fails", matches!(&twice, Err(e) if e.code() == DP_ESTATE), describe(&twice));
     let during = mutable_len(&mut a);
     c.expect("and leaves the first mark's hold", held_until(&during, DDP_UNTIL), describe(&during));
+    let replaced = m.retain()?.set_grad("a", Some(&Tensor::zeros(lib, dparallel::DType::F32, &[4], Device::cpu(0))?));
+    c.expect(
+        "set_grad of a marked gradient is refused (the reduction would write the new one)",
+        held_until(&replaced, DDP_UNTIL),
+        describe(&replaced),
+    );
     ddp.mark_grad_ready_index(1)?;
     let during = mutable_len(&mut b);
     c.expect("a gradient marked by index is refused", held_until(&during, DDP_UNTIL), describe(&during));
@@ -121,6 +127,10 @@ fn ddp(lib: &Library, c: &mut Checks) -> Result<()> {
         describe(&after),
     );
     c.expect("and so is the one marked by index", mutable_len(&mut b).is_ok(), "refused");
+    let own = Tensor::from_slice(lib, &[3.0f32; 4], &[4], Device::cpu(0))?;
+    let replaced = m.retain()?.set_grad("a", Some(&own));
+    c.expect("set_grad between backwards is fine", replaced.is_ok(), describe(&replaced));
+    a = m.grad("a")?;
 
     // A stream mark: the host func on the stream is lent the gradient.
     let stream = Stream::new(lib, Device::cpu(0))?;

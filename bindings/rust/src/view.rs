@@ -97,7 +97,7 @@ impl StorageBorrow {
             .find(|b| b.start < end && start < b.end && (exclusive || b.exclusive) && !(b.lendable && lent))
         {
             if let Some(pending) = other.pending {
-                return Err(Error::new(DP_ESTATE, format!("tensor: {pending}; take the slice after that call")));
+                return Err(Error::new(DP_ESTATE, format!("tensor: {pending}; take the slice after that")));
             }
             if other.call {
                 return Err(Error::new(
@@ -128,6 +128,14 @@ impl StorageBorrow {
     pub(crate) fn keep_forever(self) {
         std::mem::forget(self);
     }
+}
+
+/// Whether work of kind `pending` holds memory overlapping `bytes` bytes
+/// at `start`.
+pub(crate) fn pending_over(start: usize, bytes: usize, pending: Pending) -> bool {
+    let end = start.saturating_add(bytes);
+    let borrows = BORROWS.lock().unwrap_or_else(|e| e.into_inner());
+    borrows.iter().any(|b| b.start < end && start < b.end && b.pending == Some(pending.why))
 }
 
 /// Work a library call leaves running past its return, which keeps its
