@@ -9,9 +9,10 @@
 #include "comm/comm.h"
 #include "core/device_runtime.h"
 #include "core/error.h"
-#include "ddp/host_values.h"
 #include "distributed/background_calls.h"
 #include "distributed/reduce_ops.h"
+#include "lane/float_math.h"
+#include "lane/host_values.h"
 
 namespace dparallel::ddp {
 
@@ -31,26 +32,9 @@ double ms_between(Reducer::Clock::time_point a, Reducer::Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
 
-thread_local RunningHook t_running_hook;
-
 // In every message about an iteration that departs from the recorded static
 // graph; a peer's refusal carrying it fails finish_backward with kState.
 constexpr const char* kStaticDeparture = "departs from the static graph";
-
-}  // namespace
-
-RunningHook running_hook() noexcept { return t_running_hook; }
-
-namespace {
-
-// Marks this thread as running a reducer's hook or callback for the scope.
-class RunningHookScope {
- public:
-  explicit RunningHookScope(RunningHook hook) { t_running_hook = hook; }
-  ~RunningHookScope() { t_running_hook = RunningHook{}; }
-  RunningHookScope(const RunningHookScope&) = delete;
-  RunningHookScope& operator=(const RunningHookScope&) = delete;
-};
 
 }  // namespace
 
@@ -70,7 +54,7 @@ Reducer::~Reducer() {
 }
 
 void Reducer::on_lane(CallItem item, const std::function<void()>& fn) {
-  JobSpec spec;
+  lane::JobSpec spec;
   spec.item = item;
   // dp_ddp_join's sync pairs ranks whose iteration counts differ.
   spec.iteration = item == CallItem::kJoinSync ? 0 : iteration_;
@@ -167,7 +151,7 @@ void Reducer::mark_ready(size_t index, bool has_stream, void* stream) {
 
 // ---- the iteration's jobs ----
 
-void Reducer::issue_locked(JobSpec spec, JobState& state) {
+void Reducer::issue_locked(lane::JobSpec spec, JobState& state) {
   spec.iteration = iteration_;
   state.issued = true;
   if (!lane_->push(shared_from_this(), std::move(spec))) {
@@ -182,7 +166,7 @@ void Reducer::issue_ready_buckets_locked() {
   // departing from the graph still has a collective to fail every rank with.
   const size_t issuable = graph_recorded_ && !finishing_ && !buckets_.empty() ? buckets_.size() - 1 : buckets_.size();
   while (next_issue_ < issuable && buckets_[next_issue_].pending == 0) {
-    JobSpec spec;
+    lane::JobSpec spec;
     spec.index = next_issue_;
     issue_locked(std::move(spec), buckets_[next_issue_].job);
     ++next_issue_;
@@ -197,20 +181,20 @@ void Reducer::issue_ready_buckets_locked() {
 void Reducer::issue_tail_locked(const std::string& refusal) {
   tail_issued_ = true;
   if (options_.find_unused_parameters && !graph_recorded_) {
-    JobSpec spec;
+    lane::JobSpec spec;
     spec.item = CallItem::kUsedMap;
     spec.refusal = refusal;
     issue_locked(std::move(spec), used_map_job_);
   }
   if (!rebuilt_) {
-    JobSpec spec;
+    lane::JobSpec spec;
     spec.item = CallItem::kReadyOrder;
     spec.refusal = refusal;
     issue_locked(std::move(spec), order_job_);
   }
 }
 
-Reducer::JobState& Reducer::job_state(const JobSpec& spec) {
+Reducer::JobState& Reducer::job_state(const lane::JobSpec& spec) {
   switch (spec.item) {
     case CallItem::kBucket:
       return buckets_.at(spec.index).job;
@@ -223,8 +207,8 @@ Reducer::JobState& Reducer::job_state(const JobSpec& spec) {
   }
 }
 
-JobResult Reducer::run_job(const JobSpec& spec) {
-  JobResult result;
+lane::JobResult Reducer::run_job(const lane::JobSpec& spec) {
+  lane::JobResult result;
   result.start = Clock::now();
   try {
     if (!spec.refusal.empty()) {
@@ -263,7 +247,7 @@ JobResult Reducer::run_job(const JobSpec& spec) {
   return result;
 }
 
-void Reducer::complete_job(const JobSpec& spec, JobResult result) {
+void Reducer::complete_job(const lane::JobSpec& spec, lane::JobResult result) {
   // A joined rank's stand-in belongs to no iteration of its own: the other
   // ranks' iteration fails or not on their side; the join goes on.
   if (spec.shadow) return;
@@ -279,7 +263,7 @@ void Reducer::complete_job(const JobSpec& spec, JobResult result) {
 
 void Reducer::run_bucket(size_t index) {
   copy_into_bucket(index);
-  if (debug_ == DebugLevel::kDetail) check_fingerprint(index);
+  if (debug_ == lane::DebugLevel::kDetail) check_fingerprint(index);
   if (defers(index)) return;
   // The results go back into the gradients here, while the host's backward
   // goes on, unless the used map must decide it first; what the used flags
@@ -330,14 +314,14 @@ bool Reducer::needs_save(size_t index) const {
 
 // Which parameters any rank used since the last synced backward.
 void Reducer::run_used_map() {
-  Tensor map = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(params_.size())}, kHostDevice);
+  Tensor map = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(params_.size())}, lane::kHostDevice);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     std::memcpy(map.data(), used_since_sync_.data(), used_since_sync_.size());
   }
-  Tensor on_device = to_device(map, group_->device());
+  Tensor on_device = lane::to_device(map, group_->device());
   group_->all_reduce(on_device, ReduceOp::kMax, false);
-  Tensor back = to_device(on_device, kHostDevice);
+  Tensor back = lane::to_device(on_device, lane::kHostDevice);
   std::lock_guard<std::mutex> lock(mutex_);
   used_result_.assign(static_cast<const uint8_t*>(back.data()),
                       static_cast<const uint8_t*>(back.data()) + params_.size());
@@ -357,10 +341,10 @@ void Reducer::run_ready_order() {
       if (!seen[i]) values.push_back(static_cast<int64_t>(i));
     }
   }
-  Tensor t = to_device(host_int64(values), group_->device());
+  Tensor t = lane::to_device(lane::host_int64(values), group_->device());
   group_->broadcast(t, 0, false);
   std::vector<size_t> order;
-  for (int64_t v : read_int64(t)) {
+  for (int64_t v : lane::read_int64(t)) {
     if (v < 0 || static_cast<size_t>(v) >= params_.size()) {
       fail_invalid("rank 0's ready order names parameter ", v, " but this rank manages ", params_.size());
     }
@@ -382,7 +366,7 @@ void Reducer::run_ready_order() {
   if (fresh_region) {
     std::string why;
     region = group_->create_region_storage(bucket_region_bytes(), &why);
-    if (debug_ != DebugLevel::kOff && !why.empty()) {
+    if (debug_ != lane::DebugLevel::kOff && !why.empty()) {
       std::fprintf(stderr, "[dparallel ddp rank %d] no shared region for the rebuilt buckets: %s\n", group_->rank(),
                    why.c_str());
     }
@@ -400,7 +384,7 @@ void Reducer::fail_job_locked(JobState& state, StatusCode code, const std::strin
   cv_.notify_all();
 }
 
-void Reducer::drop_job(const JobSpec& spec, StatusCode code, const std::string& why) {
+void Reducer::drop_job(const lane::JobSpec& spec, StatusCode code, const std::string& why) {
   if (spec.shadow) return;  // the lane is stuck: the join fails with its reason
   std::lock_guard<std::mutex> lock(mutex_);
   if (spec.item == CallItem::kBucket && spec.index >= buckets_.size()) return;
@@ -445,17 +429,17 @@ void Reducer::check_fingerprint(size_t index) {
   const Bucket& bucket = buckets_[index];
   const Device device = group_->device();
   const int32_t world = group_->size();
-  std::vector<Tensor> all = gather_outputs(world, DType::kInt64, 3, device);
-  Tensor mine = host_int64({static_cast<int64_t>(index), bucket.numel, static_cast<int64_t>(bucket.dtype)});
-  group_->all_gather(to_device(mine, device), all, false);
-  std::vector<int64_t> first = read_int64(all[0]);
+  std::vector<Tensor> all = lane::gather_outputs(world, DType::kInt64, 3, device);
+  Tensor mine = lane::host_int64({static_cast<int64_t>(index), bucket.numel, static_cast<int64_t>(bucket.dtype)});
+  group_->all_gather(lane::to_device(mine, device), all, false);
+  std::vector<int64_t> first = lane::read_int64(all[0]);
   auto describe = [](const std::vector<int64_t>& f) {
     const char* dtype = f[2] >= 0 && f[2] <= static_cast<int64_t>(DType::kBool) ? dtype_name(static_cast<DType>(f[2]))
                                                                                 : "unknown-dtype";
     return str_cat("bucket ", f[0], " (", f[1], " ", dtype, " elements)");
   };
   for (int32_t r = 1; r < world; ++r) {
-    std::vector<int64_t> theirs = read_int64(all[r]);
+    std::vector<int64_t> theirs = lane::read_int64(all[r]);
     if (theirs != first) {
       fail_invalid("DP_DEBUG=DETAIL: the ranks' graphs diverge: rank ", r, " reduces ", describe(theirs),
                    " where rank 0 reduces ", describe(first),
@@ -484,7 +468,7 @@ void Reducer::average_coalesced(const std::vector<Tensor>& tensors) {
     return;
   }
   group_->all_reduce_coalesced(tensors, ReduceOp::kSum, false);
-  for (const Tensor& t : tensors) divide_tensor(t, by);
+  for (const Tensor& t : tensors) lane::divide_tensor(t, by);
 }
 
 void Reducer::reduce_deferred(bool shadow) {
@@ -532,18 +516,18 @@ void Reducer::reduce_zeros(size_t index) {
 
 void Reducer::reduce_flat(size_t index, const Tensor& flat) {
   if (options_.hook != HookKind::kCustom) return reduce_with_builtin_hook(options_.hook, *group_, flat, divisor());
-  RunningHookScope running(RunningHook{this, index, "comm hook"});
+  lane::RunningHookScope running(lane::RunningHook{this, index, "comm hook"});
   options_.custom_hook(index, flat);
 }
 
-void Reducer::run_shadow(const JobSpec& spec) {
+void Reducer::run_shadow(const lane::JobSpec& spec) {
   switch (spec.item) {
     case CallItem::kBucket: {
       if (spec.index >= buckets_.size()) {
         fail(StatusCode::kState, "dp_ddp_join: another rank reduces bucket ", spec.index, " but this rank has ",
              buckets_.size(), " buckets");
       }
-      if (debug_ == DebugLevel::kDetail) check_fingerprint(spec.index);
+      if (debug_ == lane::DebugLevel::kDetail) check_fingerprint(spec.index);
       if (defers(spec.index)) return;
       if (defer_) return reduce_deferred(true);
       return reduce_zeros(spec.index);
@@ -570,7 +554,7 @@ void Reducer::run_shadow(const JobSpec& spec) {
 
 void Reducer::join(const std::vector<std::shared_ptr<Reducer>>& reducers) {
   if (reducers.empty()) return;
-  std::shared_ptr<CommLane> lane = reducers.front()->lane_;
+  std::shared_ptr<lane::CommLane> shared_lane = reducers.front()->lane_;
   for (const auto& r : reducers) {
     std::lock_guard<std::mutex> lock(r->mutex_);
     if (r->broken_) fail_broken();
@@ -579,9 +563,10 @@ void Reducer::join(const std::vector<std::shared_ptr<Reducer>>& reducers) {
            "dp_ddp_join: a backward of a dp_ddp passed is in progress; join after its "
            "dp_ddp_finish_backward");
     }
-    if (r->lane_ != lane) fail_invalid("argument 'ddps': the dp_ddp are on different process groups");
+    if (r->lane_ != shared_lane) fail_invalid("argument 'ddps': the dp_ddp are on different process groups");
   }
-  lane->join(std::vector<std::shared_ptr<LaneOwner>>(reducers.begin(), reducers.end()), reducers.front()->lane_bound());
+  shared_lane->join(std::vector<std::shared_ptr<lane::LaneOwner>>(reducers.begin(), reducers.end()),
+                    reducers.front()->lane_bound());
   for (const auto& r : reducers) {
     r->on_lane(CallItem::kJoinSync, [&] { r->sync_after_join(); });
   }
@@ -595,12 +580,12 @@ void Reducer::sync_after_join() {
   }
   const int32_t world = group_->size();
   const Device device = group_->device();
-  std::vector<Tensor> all = gather_outputs(world, DType::kInt64, 1, device);
-  group_->all_gather(to_device(host_int64({static_cast<int64_t>(mine)}), device), all, false);
+  std::vector<Tensor> all = lane::gather_outputs(world, DType::kInt64, 1, device);
+  group_->all_gather(lane::to_device(lane::host_int64({static_cast<int64_t>(mine)}), device), all, false);
   int32_t root = 0;
   int64_t most = -1;
   for (int32_t r = 0; r < world; ++r) {
-    int64_t n = read_int64(all[static_cast<size_t>(r)]).at(0);
+    int64_t n = lane::read_int64(all[static_cast<size_t>(r)]).at(0);
     if (n >= most) {
       most = n;
       root = r;
@@ -609,16 +594,16 @@ void Reducer::sync_after_join() {
   broadcast_state(sync_state_, root);
   // static_graph may have been recorded while this rank stood in: every
   // rank takes the root's record, so their later iterations run alike.
-  Tensor graph = Tensor::zeros(DType::kUInt8, {static_cast<int64_t>(params_.size() + 1)}, kHostDevice);
+  Tensor graph = Tensor::zeros(DType::kUInt8, {static_cast<int64_t>(params_.size() + 1)}, lane::kHostDevice);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto* bytes = static_cast<uint8_t*>(graph.data());
     bytes[0] = graph_recorded_ ? 1 : 0;
     for (size_t i = 0; i < static_used_.size() && i < params_.size(); ++i) bytes[i + 1] = static_used_[i];
   }
-  Tensor on_device = to_device(graph, device);
+  Tensor on_device = lane::to_device(graph, device);
   group_->broadcast(on_device, root, false);
-  Tensor back = to_device(on_device, kHostDevice);
+  Tensor back = lane::to_device(on_device, lane::kHostDevice);
   const auto* bytes = static_cast<const uint8_t*>(back.data());
   std::lock_guard<std::mutex> lock(mutex_);
   graph_recorded_ = bytes[0] != 0;
@@ -632,7 +617,7 @@ void Reducer::report_bucket(size_t index) {
   if (!options_.on_bucket_reduced) return;
   int rc = 0;
   {
-    RunningHookScope running(RunningHook{this, index, "on_bucket_reduced callback"});
+    lane::RunningHookScope running(lane::RunningHook{this, index, "on_bucket_reduced callback"});
     rc = options_.on_bucket_reduced(index, buckets_[index].params);
   }
   if (rc == 0) return;
@@ -728,12 +713,12 @@ void Reducer::finish_backward() {
   struct ClearFinishing {
     std::unique_lock<std::mutex>& lock;
     bool& flag;
-    CommLane& lane;
+    lane::CommLane& comm_lane;
     const Reducer* owner;
     ~ClearFinishing() {
       if (!lock.owns_lock()) lock.lock();
       flag = false;
-      lane.set_in_backward(owner, false);
+      comm_lane.set_in_backward(owner, false);
     }
   } clear_finishing{lock, finishing_, *lane_, this};
   const auto finish_start = Clock::now();
@@ -818,7 +803,7 @@ void Reducer::finish_backward() {
   if (rebuild_now) stats.buckets_rebuilt = rebuild(rank0_order, std::move(next_region));
   stats.num_buckets = buckets_.size();
   stats_ = stats;
-  if (debug_ != DebugLevel::kOff) {
+  if (debug_ != lane::DebugLevel::kOff) {
     std::fprintf(stderr, "[dparallel ddp rank %d] backward %.3f ms, reductions %.3f ms, exposed %.3f ms\n",
                  group_->rank(), stats.backward_ms, stats.reduce_ms, stats.exposed_ms);
   }
@@ -857,7 +842,7 @@ void Reducer::refuse_static_departure_locked(std::unique_lock<std::mutex>& lock,
 void Reducer::refuse_rest_locked(std::unique_lock<std::mutex>& lock, const std::string& refusal,
                                  const std::string& message) {
   for (size_t b = next_issue_; b < buckets_.size(); ++b) {
-    JobSpec spec;
+    lane::JobSpec spec;
     spec.index = b;
     spec.refusal = refusal;
     issue_locked(std::move(spec), buckets_[b].job);

@@ -20,9 +20,10 @@
 #include "core/stream.h"
 #include "core/tensor.h"
 #include "ddp/comm_hooks.h"
-#include "ddp/comm_lane.h"
 #include "ddp/plan_text.h"
 #include "distributed/process_group.h"
+#include "lane/comm_lane.h"
+#include "lane/debug_level.h"
 #include "module/memory_overlap.h"
 #include "module/module.h"
 
@@ -70,13 +71,11 @@ struct ReducerStats {
   bool buckets_rebuilt = false;
 };
 
-enum class DebugLevel { kOff, kInfo, kDetail };
-
 // Bucket memory in a shared region: each bucket starts on a cache line.
 constexpr size_t kBucketAlign = 64;
 inline size_t align_bucket(size_t bytes) { return (bytes + kBucketAlign - 1) / kBucketAlign * kBucketAlign; }
 
-class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
+class Reducer : public lane::LaneOwner, public std::enable_shared_from_this<Reducer> {
  public:
   using Clock = std::chrono::steady_clock;
 
@@ -119,7 +118,7 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
   bool parameter_used(size_t index) const;
 
  private:
-  friend class CommLane;
+  friend class lane::CommLane;
   struct Managed {
     std::string name;
     std::shared_ptr<Parameter> parameter;
@@ -219,7 +218,7 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
 
   void broadcast_state(const std::vector<std::pair<std::string, Tensor>>& tensors, int32_t root = 0);
   // A joined rank's part in another rank's job: zeros, nothing kept.
-  void run_shadow(const JobSpec& spec);
+  void run_shadow(const lane::JobSpec& spec);
   // What the built-in hooks divide by: the world size, or with
   // join_divide_by_initial_world_size off, the ranks still active.
   int64_t divisor() const;
@@ -234,16 +233,16 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
   void on_lane(dist::CallItem item, const std::function<void()>& fn);
 
   // Issuing this iteration's jobs.
-  void issue_locked(JobSpec spec, JobState& state);
+  void issue_locked(lane::JobSpec spec, JobState& state);
   void issue_ready_buckets_locked();
   // The used map and the ready order, once every bucket is issued and the
   // marks are final (all marked, or the host finished).
   void issue_tail_locked(const std::string& refusal);
   // LaneOwner: a job of this iteration (or, with a refusal, its refusal).
-  JobResult run_job(const JobSpec& spec) override;
-  void complete_job(const JobSpec& spec, JobResult result) override;
-  JobState& job_state(const JobSpec& spec);
-  void drop_job(const JobSpec& spec, StatusCode code, const std::string& why) override;
+  lane::JobResult run_job(const lane::JobSpec& spec) override;
+  void complete_job(const lane::JobSpec& spec, lane::JobResult result) override;
+  JobState& job_state(const lane::JobSpec& spec);
+  void drop_job(const lane::JobSpec& spec, StatusCode code, const std::string& why) override;
   void fail_job_locked(JobState& state, StatusCode code, const std::string& why);
   void run_bucket(size_t index);
   // Calls on_bucket_reduced for bucket `index` (no lock held); a non-zero
@@ -309,7 +308,7 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
   // The region the buckets view (create_bucket_region's, then the
   // rebuild's); the one before goes once nothing else holds it.
   std::shared_ptr<Storage> region_storage_;
-  DebugLevel debug_ = DebugLevel::kOff;
+  lane::DebugLevel debug_ = lane::DebugLevel::kOff;
   std::string timeline_path_;
   std::vector<Managed> params_;
   std::vector<std::pair<std::string, Tensor>> buffers_;     // broadcast by pre_forward
@@ -321,7 +320,7 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
   std::condition_variable cv_;
   std::vector<Bucket> buckets_;
   bool broken_ = false;  // a wait outlived its bound: only destroy is left
-  std::shared_ptr<CommLane> lane_;
+  std::shared_ptr<lane::CommLane> lane_;
   uint32_t lane_id_ = 0;
   uint32_t iteration_ = 0;                // synced backwards begun: the jobs' iteration
   std::atomic<int32_t> active_ranks_{0};  // 0 until the lane sets it: the world
@@ -363,16 +362,5 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
   ReducerStats stats_;
   std::vector<std::string> trace_events_;
 };
-
-// What this thread is running: a reducer's comm hook or on_bucket_reduced
-// callback (`what`), for its bucket, or nothing.
-struct RunningHook {
-  const Reducer* reducer = nullptr;
-  size_t bucket = 0;
-  const char* what = "comm hook";
-};
-RunningHook running_hook() noexcept;
-
-DebugLevel debug_level_from_env();
 
 }  // namespace dparallel::ddp

@@ -11,10 +11,11 @@
 #include "comm/comm.h"
 #include "core/device_runtime.h"
 #include "core/error.h"
-#include "ddp/agreement.h"
-#include "ddp/comm_hooks.h"
 #include "ddp/reducer.h"
 #include "distributed/background_calls.h"
+#include "lane/agreement.h"
+#include "lane/debug_level.h"
+#include "lane/float_math.h"
 #include "module/memory_overlap.h"
 
 namespace dparallel::fsdp {
@@ -50,7 +51,7 @@ void accumulate(const Tensor& dst, const Tensor& src) {
     return;
   }
   Tensor cast = Tensor::empty(dst.dtype(), dst.shape(), dst.device());
-  ddp::cast_into(cast, src);
+  lane::cast_into(cast, src);
   comm::reduce_add_into(dst, {dst, cast});
 }
 
@@ -84,26 +85,26 @@ void FullyShard::init() {
   // An argument error on one rank fails every rank's agreement check
   // (with init_sync) instead of leaving the others waiting.
   std::string local_error = collect();
-  lane_ = ddp::CommLane::for_group(group_);
+  lane_ = lane::CommLane::for_group(group_);
   lane_id_ = lane_->attach(this);
   try {
     if (options_.init_sync) {
       std::vector<std::string> description = describe_for_agreement(local_error);
-      ddp::JobSpec spec;
+      lane::JobSpec spec;
       spec.item = CallItem::kFsdpCreate;
       lane_->call(
           this, spec,
           [&] {
-            ddp::check_agreement(*group_, description);
+            lane::check_agreement(*group_, description);
             std::vector<Tensor> values;
             for (const Managed& m : params_) values.push_back(m.parameter->value());
-            ddp::broadcast_tensors(*group_, values, 0);
+            lane::broadcast_tensors(*group_, values, 0);
           },
           lane_bound());
     }
     plan_layout();
     if (options_.init_sync && wants_shard_region()) {
-      ddp::JobSpec spec;
+      lane::JobSpec spec;
       spec.item = CallItem::kFsdpCreate;
       lane_->call(
           this, spec, [&] { create_shard_region(); }, lane_bound());
@@ -251,7 +252,7 @@ namespace {
 
 // DP_DEBUG=INFO or DETAIL: says why the shards stay in private memory.
 void report_private_shards(int32_t rank, const std::string& why) {
-  if (why.empty() || ddp::debug_level_from_env() == ddp::DebugLevel::kOff) return;
+  if (why.empty() || lane::debug_level_from_env() == lane::DebugLevel::kOff) return;
   std::fprintf(stderr, "[dparallel fsdp rank %d] shards in private memory: %s\n", rank, why.c_str());
 }
 
@@ -366,7 +367,7 @@ void FullyShard::close() {
   try {
     if (!broken_ && !params_.empty()) {
       lock.unlock();
-      ddp::JobSpec spec;
+      lane::JobSpec spec;
       spec.item = CallItem::kGatherValues;
       spec.iteration = iteration_;
       lane_->call(
@@ -455,7 +456,7 @@ void FullyShard::check_usable_locked() const {
   if (broken_) fail(StatusCode::kState, broken_why_, "; the dp_fsdp is unusable");
 }
 
-void FullyShard::issue_locked(ddp::JobSpec spec, Pending& pending) {
+void FullyShard::issue_locked(lane::JobSpec spec, Pending& pending) {
   pending = Pending{};
   pending.issued = true;
   spec.iteration = iteration_;
@@ -535,7 +536,7 @@ void FullyShard::unshard(bool async, std::vector<Event> host_ready) {
   std::unique_lock<std::mutex> lock(mutex_);
   check_usable_locked();
   if (state_ == State::kResharded) {
-    ddp::JobSpec spec;
+    lane::JobSpec spec;
     spec.item = CallItem::kUnshard;
     unshard_ready_ = std::move(host_ready);
     if (!params_.empty()) issue_locked(spec, unshard_job_);
@@ -637,7 +638,7 @@ void FullyShard::post_backward(std::vector<Event> host_ready) {
     if (m.reduced) m.parameter->set_grad(Tensor());
   }
   post_ready_ = std::move(host_ready);
-  ddp::JobSpec spec;
+  lane::JobSpec spec;
   spec.item = CallItem::kPostBackward;
   if (refusal.empty()) {
     post_grads_ = std::move(grads);
@@ -676,7 +677,7 @@ std::vector<Tensor> FullyShard::gather_full_values() {
   if (params_.empty()) return {};
   lock.unlock();
   std::vector<Tensor> full;
-  ddp::JobSpec spec;
+  lane::JobSpec spec;
   spec.item = CallItem::kGatherValues;
   spec.iteration = iteration_;
   lane_->call(
@@ -695,7 +696,7 @@ void FullyShard::refuse_gather(const std::string& reason) {
   size_t segment = 0;
   segment_offsets(false, &segment);
   const bool communicates = views_ || (segment > 0 && group_->size() > 1);
-  ddp::JobSpec spec;
+  lane::JobSpec spec;
   spec.item = CallItem::kGatherValues;
   spec.iteration = iteration_;
   lock.unlock();
@@ -714,7 +715,7 @@ void FullyShard::call_on_lane(CallItem item, const std::function<void()>& fn) {
     std::unique_lock<std::mutex> lock(mutex_);
     check_usable_locked();
   }
-  ddp::JobSpec spec;
+  lane::JobSpec spec;
   spec.item = item;
   spec.iteration = iteration_;
   lane_->call(this, spec, fn, lane_bound());
@@ -723,17 +724,18 @@ void FullyShard::call_on_lane(CallItem item, const std::function<void()>& fn) {
 void FullyShard::load_shard_from_full(size_t index, const Tensor& full) {
   const Managed& m = params_.at(index);
   if (!m.sharded) {
-    ddp::cast_into(m.shard, full);
+    lane::cast_into(m.shard, full);
     return;
   }
   if (m.split.count == 0) return;
-  ddp::cast_into(m.shard.view({m.split.count * m.row_numel}), rows_of(full, m.split.start, m.split.count, m.row_numel));
+  lane::cast_into(m.shard.view({m.split.count * m.row_numel}),
+                  rows_of(full, m.split.start, m.split.count, m.row_numel));
 }
 
 // ---- on the lane ----
 
-ddp::JobResult FullyShard::run_job(const ddp::JobSpec& spec) {
-  ddp::JobResult result;
+lane::JobResult FullyShard::run_job(const lane::JobSpec& spec) {
+  lane::JobResult result;
   result.start = Clock::now();
   try {
     // On NCCL the job's work all goes on the group's stream, after the
@@ -792,7 +794,7 @@ ddp::JobResult FullyShard::run_job(const ddp::JobSpec& spec) {
   return result;
 }
 
-void FullyShard::complete_job(const ddp::JobSpec& spec, ddp::JobResult result) {
+void FullyShard::complete_job(const lane::JobSpec& spec, lane::JobResult result) {
   std::lock_guard<std::mutex> lock(mutex_);
   Pending& pending = spec.item == CallItem::kUnshard ? unshard_job_ : post_job_;
   pending.done = true;
@@ -801,7 +803,7 @@ void FullyShard::complete_job(const ddp::JobSpec& spec, ddp::JobResult result) {
   cv_.notify_all();
 }
 
-void FullyShard::drop_job(const ddp::JobSpec& spec, StatusCode code, const std::string& why) {
+void FullyShard::drop_job(const lane::JobSpec& spec, StatusCode code, const std::string& why) {
   std::lock_guard<std::mutex> lock(mutex_);
   Pending& pending = spec.item == CallItem::kUnshard ? unshard_job_ : post_job_;
   pending.done = true;
@@ -822,7 +824,7 @@ std::vector<Tensor> FullyShard::full_from_views(bool as_views) {
       continue;
     }
     full[i] = Tensor::empty(as_views ? m.compute : m.dtype, m.full_shape, device);
-    ddp::cast_into(full[i], held);
+    lane::cast_into(full[i], held);
   }
   if (!as_views) group_->barrier(false);
   return full;
@@ -847,7 +849,7 @@ std::vector<Tensor> FullyShard::gather_shards(bool compute_dtype) {
     const Managed& m = params_[i];
     full[i] = Tensor::empty(dtype_of(m), m.full_shape, device);
     if (!m.sharded) {
-      ddp::cast_into(full[i], m.shard);
+      lane::cast_into(full[i], m.shard);
       continue;
     }
     for (int32_t r = 0; r < world; ++r) {
@@ -856,7 +858,7 @@ std::vector<Tensor> FullyShard::gather_shards(bool compute_dtype) {
       const Tensor rows = rows_of(full[i], s.start, s.count, m.row_numel);
       if (r == rank) {
         const Tensor shard = m.shard.view({s.count * m.row_numel});
-        ddp::cast_into(rows, shard);
+        lane::cast_into(rows, shard);
         // Sent from the shard itself where no cast is needed: in a region,
         // the other ranks read it there.
         sources.push_back(dist::SegmentRun{offsets[i], bytes_of(dtype_of(m) == m.dtype ? shard : rows)});
@@ -949,7 +951,7 @@ void FullyShard::run_post_backward() {
           if (s.count == 0) continue;
           const int64_t n = s.count * m.row_numel;
           if (grads[i].defined()) {
-            ddp::cast_into(input.view_at(at * esize, dtype, {n}), rows_of(grads[i], s.start, s.count, m.row_numel));
+            lane::cast_into(input.view_at(at * esize, dtype, {n}), rows_of(grads[i], s.start, s.count, m.row_numel));
           } else {
             fill_zero(bytes + at * esize, device, static_cast<size_t>(n) * esize);
           }
@@ -971,7 +973,7 @@ void FullyShard::run_post_backward() {
       output = inputs[static_cast<size_t>(group_->rank())];
       if (is_16_bit(dtype)) {
         // As the 16-bit comm hooks: divide first, so that the sum cannot overflow.
-        ddp::divide_tensor(input, world);
+        lane::divide_tensor(input, world);
         group_->reduce_scatter(inputs, output, dist::ReduceOp::kSum, false);
       } else {
         group_->reduce_scatter(inputs, output, dist::ReduceOp::kAvg, false);
@@ -999,8 +1001,8 @@ void FullyShard::run_post_backward() {
     std::vector<Tensor> values;
     for (size_t i : members) {
       Tensor v = Tensor::zeros(dtype, params_[i].full_shape, device);
-      if (grads[i].defined()) ddp::cast_into(v, grads[i]);
-      if (is_16_bit(dtype)) ddp::divide_tensor(v, world);
+      if (grads[i].defined()) lane::cast_into(v, grads[i]);
+      if (is_16_bit(dtype)) lane::divide_tensor(v, world);
       values.push_back(v);
     }
     for (size_t i : members) drop_grad(grads[i]);
@@ -1040,7 +1042,7 @@ void FullyShard::zero_shard_grad(const Parameter& parameter) {
     std::lock_guard<std::mutex> host(host_mutex_);
     std::unique_lock<std::mutex> lock(mutex_);
     if (post_job_.issued && !broken_ && !closed_) {
-      if (ddp::running_hook().reducer != nullptr) {
+      if (lane::running_hook().owner != nullptr) {
         fail(StatusCode::kState, "zeroing the gradient of parameter '", params_[index].name, "': dp_fsdp #", lane_id_,
              "'s post_backward is in flight, and this call runs inside a dp_ddp callback (which may run on the "
              "comm lane the post_backward needs); zero the gradients after dp_fsdp_finish_backward");

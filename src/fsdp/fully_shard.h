@@ -35,8 +35,8 @@
 
 #include "core/stream.h"
 #include "core/tensor.h"
-#include "ddp/comm_lane.h"
 #include "distributed/process_group.h"
+#include "lane/comm_lane.h"
 #include "module/module.h"
 
 namespace dparallel::fsdp {
@@ -62,7 +62,7 @@ struct RowSplit {
 };
 RowSplit split_rows(int64_t rows, int32_t world, int32_t rank);
 
-class FullyShard final : public ddp::LaneOwner,
+class FullyShard final : public lane::LaneOwner,
                          public ParameterSharding,
                          public std::enable_shared_from_this<FullyShard> {
  public:
@@ -124,9 +124,9 @@ class FullyShard final : public ddp::LaneOwner,
 
   // LaneOwner.
   const char* owner_kind() const override { return "dp_fsdp"; }
-  ddp::JobResult run_job(const ddp::JobSpec& spec) override;
-  void complete_job(const ddp::JobSpec& spec, ddp::JobResult result) override;
-  void drop_job(const ddp::JobSpec& spec, StatusCode code, const std::string& why) override;
+  lane::JobResult run_job(const lane::JobSpec& spec) override;
+  void complete_job(const lane::JobSpec& spec, lane::JobResult result) override;
+  void drop_job(const lane::JobSpec& spec, StatusCode code, const std::string& why) override;
 
   // ParameterSharding.
   std::string grad_refusal(const Parameter& parameter) const override;
@@ -180,7 +180,7 @@ class FullyShard final : public ddp::LaneOwner,
   void create_shard_region();
   void shard_parameters();
 
-  void issue_locked(ddp::JobSpec spec, Pending& pending);
+  void issue_locked(lane::JobSpec spec, Pending& pending);
   // Waits for `pending`, bounded; rethrows its error. On success the host's
   // current stream follows the job's queued work (follow_job_locked).
   void wait_locked(std::unique_lock<std::mutex>& lock, Pending& pending, const char* what);
@@ -215,7 +215,7 @@ class FullyShard final : public ddp::LaneOwner,
   std::shared_ptr<Module> module_;
   std::shared_ptr<dist::ProcessGroup> group_;
   ShardingOptions options_;
-  std::shared_ptr<ddp::CommLane> lane_;
+  std::shared_ptr<lane::CommLane> lane_;
   uint32_t lane_id_ = 0;
   std::vector<Managed> params_;
   std::map<const Parameter*, size_t> index_;

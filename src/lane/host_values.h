@@ -7,7 +7,7 @@
 
 #include "core/tensor.h"
 
-namespace dparallel::ddp {
+namespace dparallel::lane {
 
 inline const Device kHostDevice{DeviceType::kCpu, 0};
 
@@ -34,4 +34,4 @@ inline std::vector<Tensor> gather_outputs(int32_t world, DType dtype, int64_t nu
   return outputs;
 }
 
-}  // namespace dparallel::ddp
+}  // namespace dparallel::lane
