@@ -45,7 +45,7 @@ void Reducer::close() {
   closed_ = true;
   if (lane_) lane_->detach(this, lane_bound());
   flush_trace();
-  unregister_managed();
+  release_parameters();
 }
 
 Reducer::~Reducer() {

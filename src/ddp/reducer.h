@@ -106,8 +106,6 @@ class Reducer : public lane::LaneOwner, public std::enable_shared_from_this<Redu
   // on every rank): shadows the other ranks' jobs until every rank joined,
   // then every rank takes the parameters and buffers of the last to join.
   static void join(const std::vector<std::shared_ptr<Reducer>>& reducers);
-  // Whether a live reducer manages `parameter`.
-  static bool is_managed(const Parameter* parameter);
   // The ranks still active for the job about to run (the lane sets it).
   void set_active_ranks(int32_t active) override { active_ranks_.store(active); }
   const char* owner_kind() const override { return "dp_ddp"; }
@@ -167,8 +165,10 @@ class Reducer : public lane::LaneOwner, public std::enable_shared_from_this<Redu
   void create_gradient_region();
   void check_no_overlap() const;
   std::vector<std::string> describe_for_agreement(const Setup& setup) const;
-  void register_managed();
-  void unregister_managed();
+  // Makes this reducer the owner of params_ (kInvalidArgument naming the
+  // first one another live dp_ddp or dp_fsdp holds: then it claims none).
+  void claim_parameters();
+  void release_parameters();
 
   // The plan (reducer_plan.cpp). The buckets go into `region` (null:
   // private memory), which must be fresh: memory a bucket had may still be
@@ -311,6 +311,7 @@ class Reducer : public lane::LaneOwner, public std::enable_shared_from_this<Redu
   lane::DebugLevel debug_ = lane::DebugLevel::kOff;
   std::string timeline_path_;
   std::vector<Managed> params_;
+  std::shared_ptr<ParameterOwner> parameter_owner_;         // holds params_ (claim_parameters) while the reducer lives
   std::vector<std::pair<std::string, Tensor>> buffers_;     // broadcast by pre_forward
   std::vector<std::pair<std::string, Tensor>> sync_state_;  // parameters and buffers: broadcast at create and join
   std::vector<std::vector<size_t>> given_plan_;             // parsed from options_.bucket_plan

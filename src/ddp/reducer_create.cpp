@@ -20,15 +20,12 @@ namespace {
 
 using dist::CallItem;
 
-// Parameters managed by a live reducer: one reducer per parameter.
-std::mutex& managed_mutex() {
-  static std::mutex mutex;
-  return mutex;
-}
-std::set<const Parameter*>& managed_set() {
-  static std::set<const Parameter*> managed;
-  return managed;
-}
+// What holds a dp_ddp's parameters (Parameter::claim): made with the
+// reducer, which is not shared yet when it claims them.
+class DdpParameterOwner final : public ParameterOwner {
+ public:
+  const char* owner_kind() const override { return "dp_ddp"; }
+};
 
 size_t align_to(size_t bytes, size_t align) { return (bytes + align - 1) / align * align; }
 
@@ -79,7 +76,7 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
     }
   } catch (...) {
     lane_->detach(this, lane_bound());
-    unregister_managed();
+    release_parameters();
     throw;
   }
   for (size_t i = 0; i < params_.size(); ++i) index_by_name_.emplace(params_[i].name, i);
@@ -96,7 +93,7 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
   }
 }
 
-// The managed parameters and the buffers, checked; registered as managed.
+// The managed parameters and the buffers, checked; claimed (Parameter::claim).
 // With init_sync or a bucket plan an argument error is returned instead of
 // thrown.
 Reducer::Setup Reducer::collect_managed() {
@@ -171,7 +168,7 @@ Reducer::Setup Reducer::collect_managed() {
     check_no_overlap();
     if (!options_.bucket_plan.empty())
       given_plan_ = parse_plan(options_.bucket_plan, plan_params(), "opts->bucket_plan");
-    register_managed();
+    claim_parameters();
   } catch (const Error& e) {
     // A creation without collectives fails on this rank alone.
     if (e.code() != StatusCode::kInvalidArgument || (!options_.init_sync && options_.bucket_plan.empty())) throw;
@@ -188,26 +185,19 @@ void Reducer::check_no_overlap() const {
   check_values_apart(values);
 }
 
-bool Reducer::is_managed(const Parameter* parameter) {
-  std::lock_guard<std::mutex> lock(managed_mutex());
-  return managed_set().count(parameter) != 0;
-}
-
-void Reducer::register_managed() {
-  std::lock_guard<std::mutex> lock(managed_mutex());
-  for (const Managed& m : params_) {
-    if (managed_set().count(m.parameter.get()) != 0) {
-      fail_invalid("parameter '", m.name,
-                   "' is already managed by another live dp_ddp; wrap disjoint submodules, or destroy the other "
-                   "dp_ddp first");
-    }
+void Reducer::claim_parameters() {
+  if (!parameter_owner_) parameter_owner_ = std::make_shared<DdpParameterOwner>();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const std::string holder = params_[i].parameter->claim(parameter_owner_);
+    if (holder.empty()) continue;
+    for (size_t j = 0; j < i; ++j) params_[j].parameter->release(parameter_owner_.get());
+    fail_invalid("parameter '", params_[i].name, "' is already managed by another live ", holder,
+                 "; wrap disjoint submodules, or destroy the other ", holder, " first");
   }
-  for (const Managed& m : params_) managed_set().insert(m.parameter.get());
 }
 
-void Reducer::unregister_managed() {
-  std::lock_guard<std::mutex> lock(managed_mutex());
-  for (const Managed& m : params_) managed_set().erase(m.parameter.get());
+void Reducer::release_parameters() {
+  for (const Managed& m : params_) m.parameter->release(parameter_owner_.get());
 }
 
 std::vector<std::string> Reducer::describe_for_agreement(const Setup& setup) const {

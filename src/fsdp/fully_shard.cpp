@@ -11,7 +11,6 @@
 #include "comm/comm.h"
 #include "core/device_runtime.h"
 #include "core/error.h"
-#include "ddp/reducer.h"
 #include "distributed/background_calls.h"
 #include "lane/agreement.h"
 #include "lane/debug_level.h"
@@ -112,7 +111,7 @@ void FullyShard::init() {
     shard_parameters();
   } catch (...) {
     lane_->detach(this, lane_bound());
-    for (const Managed& m : params_) m.parameter->release_sharding(this);
+    for (const Managed& m : params_) m.parameter->release(this);
     throw;
   }
 }
@@ -125,7 +124,7 @@ std::string FullyShard::collect() {
       // A parameter a child's dp_fsdp holds is the child's.
       if (!np.parameter || np.parameter->sharding()) continue;
       const std::string& name = *np.name;
-      if (ddp::Reducer::is_managed(np.parameter.get())) {
+      if (np.parameter->owner_kind() != nullptr) {
         fail_invalid("parameter '", name,
                      "' is managed by a live dp_ddp; create every dp_fsdp before the dp_ddp over their parent, which "
                      "then leaves their parameters alone");
@@ -158,12 +157,12 @@ std::string FullyShard::collect() {
     check_values_apart(values);
     auto self = shared_from_this();
     for (const Managed& m : params_) {
-      if (!m.parameter->claim_sharding(self)) {
-        fail_invalid("parameter '", m.name, "' was taken by another dp_fsdp created meanwhile");
+      if (const std::string holder = m.parameter->claim(self); !holder.empty()) {
+        fail_invalid("parameter '", m.name, "' was taken by a ", holder, " created meanwhile");
       }
     }
   } catch (const Error& e) {
-    for (const Managed& m : params_) m.parameter->release_sharding(this);
+    for (const Managed& m : params_) m.parameter->release(this);
     if (e.code() != StatusCode::kInvalidArgument || !options_.init_sync) throw;
     params_.clear();
     return e.what();
@@ -330,7 +329,7 @@ FullyShard::~FullyShard() {
   // Not through close(): a destructor makes no collective.
   if (lane_) lane_->detach(this, lane_bound());
   settle_queued_work();
-  for (const Managed& m : params_) m.parameter->release_sharding(this);
+  for (const Managed& m : params_) m.parameter->release(this);
 }
 
 void FullyShard::close() {
@@ -388,7 +387,7 @@ void FullyShard::close() {
   lock.unlock();
   lane_->detach(this, lane_bound());
   settle_queued_work();
-  for (const Managed& m : params_) m.parameter->release_sharding(this);
+  for (const Managed& m : params_) m.parameter->release(this);
   if (error) std::rethrow_exception(error);
 }
 
