@@ -132,7 +132,7 @@ bool CommLane::park_if_idle() {
     }
     // The job it runs or publishes is the last one issued and ends within
     // the group's timeout. Waited for without thread_mutex_, so a host
-    // issuing the next job (holding its reducer's lock) is never held up.
+    // issuing the next job (holding its owner's lock) is never held up.
     threads.unlock();
     const bool settled = state_->cv.wait_until(lock, deadline, [&] {
       return has_pending_locked(*state_) || (state_->running == nullptr && state_->holding == nullptr);
@@ -157,8 +157,8 @@ CommLane::~CommLane() {
     stuck = state_->running != nullptr && !state_->stuck.empty();
     state_->cv.notify_all();
   }
-  // A worker stuck in a job (or this very thread, when the job's reducer
-  // was the last owner) ends on its own; the state lives as long as it.
+  // A worker stuck in a job (or this very thread, when the job's owner
+  // held the lane's last reference) ends on its own; the state lives as long as it.
   std::lock_guard<std::mutex> threads(thread_mutex_);
   if (!thread_.joinable()) return;  // parked
   if (stuck || on_worker()) {
@@ -356,7 +356,7 @@ bool CommLane::detach(const LaneOwner* owner, Clock::duration bound) {
       state_->owners.erase(it);
     }
     if (!on_worker() && (state_->running == owner || state_->holding == owner)) {
-      // Also past the running job's end: the worker lets go of the reducer
+      // Also past the running job's end: the worker lets go of the owner
       // before this returns, so that its last reference is the caller's.
       ended = state_->stuck.empty() &&
               state_->cv.wait_for(lock, bound, [&] { return state_->running != owner && state_->holding != owner; });

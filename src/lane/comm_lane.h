@@ -41,7 +41,7 @@ class CommLane {
   // or the calling thread's own, keeps its worker.
   static void park_idle_lanes();
   // Numbers every rank must agree on, kept as long as the group: a lane
-  // ends when its last dp_ddp does, at another moment on each rank, and the
+  // ends when its last owner does, at another moment on each rank, and the
   // next one goes on counting.
   struct Counters {
     uint32_t next_owner = 0;
@@ -67,7 +67,7 @@ class CommLane {
   // one to end, then forgets the owner. False when the job did not end: the
   // lane is then stuck for good.
   bool detach(const LaneOwner* owner, Clock::duration bound);
-  // A reducer gave up waiting for its jobs: when one is running, the lane
+  // An owner gave up waiting for its jobs: when one is running, the lane
   // is stuck for good (`why` and the running job in the reason), and every
   // queued job is dropped with that reason.
   void give_up(const std::string& why);
@@ -103,7 +103,7 @@ class CommLane {
   };
   struct Owner {
     uint32_t id = 0;
-    const char* kind = "dp_ddp";  // the owner's owner_kind(), for messages
+    const char* kind = "";  // the owner's owner_kind(), for messages
     bool in_backward = false;
     std::shared_ptr<LaneOwner> joined;  // set while shadowing (dp_ddp_join)
     bool join_done = false;             // a round showed every rank joined
@@ -124,7 +124,7 @@ class CommLane {
     uint64_t pushes = 0;  // grows with every job issued: the worker waits for it to change
     const LaneOwner* running = nullptr;
     // The owner whose job the worker holds (running it, or publishing its
-    // outcome): its reducer must not be released on the worker's thread.
+    // outcome): its owner must not be released on the worker's thread.
     const LaneOwner* holding = nullptr;
     std::string running_name;
     const char* running_kind = "";  // the running job's owner_kind()

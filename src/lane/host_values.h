@@ -1,5 +1,5 @@
 // Small int64 and byte vectors moved between the host and a process
-// group's device, for the reducer's and the lane's own collectives.
+// group's device, for the reducer's, the sharding's and the lane's own collectives.
 #pragma once
 
 #include <cstring>

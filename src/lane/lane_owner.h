@@ -13,7 +13,7 @@
 
 namespace dparallel::lane {
 
-// How a job ended: handed to its reducer once the lane is free again, so
+// How a job ended: handed to its owner once the lane is free again, so
 // that whoever waits for it may use the group as soon as it wakes.
 struct JobResult {
   StatusCode code = StatusCode::kOk;
