@@ -5,8 +5,8 @@
 #include "core/allocator.h"
 #include "core/device_worker.h"
 #include "core/thread_pool.h"
-#include "ddp/comm_lane.h"
 #include "device/cpu/cpu_streams.h"
+#include "lane/comm_lane.h"
 
 namespace dparallel::capi {
 const char* last_error_text() noexcept;
@@ -124,7 +124,7 @@ dp_status dp_shutdown(void) {
   cpu::stop_default_streams();
   cpu::park_idle_streams();
   stop_compute_threads();
-  ddp::CommLane::park_idle_lanes();
+  lane::CommLane::park_idle_lanes();
   DP_API_END
 }
 

@@ -23,9 +23,9 @@ namespace {
 
 // Why a call that changes a dp_ddp cannot run on this thread, or "" when it can.
 std::string refusal_inside_comm_hook(const dp_ddp* handle) {
-  ddp::RunningHook hook = ddp::running_hook();
-  if (hook.reducer == nullptr) return "";
-  bool own = handle != nullptr && handle->tag == kDdpTag && handle->reducer.get() == hook.reducer;
+  lane::RunningHook hook = lane::running_hook();
+  if (hook.owner == nullptr) return "";
+  bool own = handle != nullptr && handle->tag == kDdpTag && hook.owner == handle->reducer.get();
   return str_cat("called from inside the ", hook.what, " of ", own ? "this dp_ddp" : "a dp_ddp", " (bucket ",
                  hook.bucket,
                  "): a hook may run collectives on the process group it is given and use dp_tensor functions, but "

@@ -4,10 +4,10 @@
 #include <vector>
 
 #include "capi/dist_internal.h"
-#include "ddp/reducer.h"
 #include "dparallel/dp_fsdp.h"
 #include "fsdp/fsdp_state_dict.h"
 #include "fsdp/fully_shard.h"
+#include "lane/lane_owner.h"
 
 using namespace dparallel;
 
@@ -31,8 +31,8 @@ void order_transfers(StreamOrder& order, const dist::ProcessGroup& group) {
 // Why a dp_fsdp call cannot run on this thread (a DDP comm hook or
 // on_bucket_reduced, on the lane it would wait for), or "".
 std::string refusal_inside_callback() {
-  ddp::RunningHook hook = ddp::running_hook();
-  if (hook.reducer == nullptr) return "";
+  lane::RunningHook hook = lane::running_hook();
+  if (hook.owner == nullptr) return "";
   return str_cat("called from inside the ", hook.what, " of a dp_ddp (bucket ", hook.bucket,
                  "): it runs on the process group's comm lane, which a dp_fsdp call would wait for");
 }

@@ -12,6 +12,7 @@ cd "$root"
 # include: a folder (ending in /: anything under it), `folder/*` (the files
 # directly in it, not its subfolders), a file, or `*` (a file beside it,
 # no folder). The longest line that holds the including file decides.
+# src/ddp/ and src/fsdp/ are siblings on src/lane/: neither lists the other.
 rules='
 src/core/                   core/
 src/device/                 core/ device/
@@ -25,9 +26,10 @@ src/distributed/shm/        core/ comm/ distributed/shm/ distributed/backend.h d
 src/distributed/shm/shm_process_group.h  core/ comm/ distributed/shm/ distributed/backend.h distributed/call_header.h distributed/reduce_ops.h distributed/process_group.h
 src/distributed/gloo/       core/ comm/ distributed/gloo/ distributed/backend.h distributed/call_header.h distributed/reduce_ops.h distributed/rendezvous.h
 src/distributed/nccl/       core/ comm/ device/cuda/ distributed/nccl/ distributed/backend.h distributed/call_header.h distributed/reduce_ops.h
-src/ddp/                    core/ comm/ module/ distributed/ device/cuda/cuda_runtime.h ddp/
-src/fsdp/                   core/ comm/ module/ distributed/ ddp/ fsdp/
-capi/                       core/ comm/ module/ parallel/ distributed/ ddp/ fsdp/ device/cpu/cpu_streams.h dparallel/ capi/
+src/lane/                   core/ comm/ module/ distributed/ device/cuda/cuda_runtime.h lane/
+src/ddp/                    core/ comm/ module/ distributed/ lane/ ddp/
+src/fsdp/                   core/ comm/ module/ distributed/ lane/ fsdp/
+capi/                       core/ comm/ module/ parallel/ distributed/ lane/ ddp/ fsdp/ device/cpu/cpu_streams.h dparallel/ capi/
 include/dparallel/          dparallel/
 bench/                      dparallel/ *
 tools/                      dparallel/ *

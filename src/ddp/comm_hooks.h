@@ -15,10 +15,5 @@ const char* hook_name(HookKind hook);
 // the ranks divided by `divisor` (the world size, or while ranks have
 // joined, possibly the ranks still active).
 void reduce_with_builtin_hook(HookKind hook, dist::ProcessGroup& group, const Tensor& flat, int64_t divisor);
-// dst = src converted: the same element count and device, floating dtypes
-// (a copy when they are the same dtype).
-void cast_into(const Tensor& dst, const Tensor& src);
-// t /= divisor, in place, on t's device (floating dtypes).
-void divide_tensor(const Tensor& t, int64_t divisor);
 
 }  // namespace dparallel::ddp

@@ -20,9 +20,10 @@
 #include "core/stream.h"
 #include "core/tensor.h"
 #include "ddp/comm_hooks.h"
-#include "ddp/comm_lane.h"
 #include "ddp/plan_text.h"
 #include "distributed/process_group.h"
+#include "lane/comm_lane.h"
+#include "lane/debug_level.h"
 #include "module/memory_overlap.h"
 #include "module/module.h"
 
@@ -70,13 +71,11 @@ struct ReducerStats {
   bool buckets_rebuilt = false;
 };
 
-enum class DebugLevel { kOff, kInfo, kDetail };
-
 // Bucket memory in a shared region: each bucket starts on a cache line.
 constexpr size_t kBucketAlign = 64;
 inline size_t align_bucket(size_t bytes) { return (bytes + kBucketAlign - 1) / kBucketAlign * kBucketAlign; }
 
-class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
+class Reducer : public lane::LaneOwner, public std::enable_shared_from_this<Reducer> {
  public:
   using Clock = std::chrono::steady_clock;
 
@@ -107,8 +106,6 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
   // on every rank): shadows the other ranks' jobs until every rank joined,
   // then every rank takes the parameters and buffers of the last to join.
   static void join(const std::vector<std::shared_ptr<Reducer>>& reducers);
-  // Whether a live reducer manages `parameter`.
-  static bool is_managed(const Parameter* parameter);
   // The ranks still active for the job about to run (the lane sets it).
   void set_active_ranks(int32_t active) override { active_ranks_.store(active); }
   const char* owner_kind() const override { return "dp_ddp"; }
@@ -119,7 +116,7 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
   bool parameter_used(size_t index) const;
 
  private:
-  friend class CommLane;
+  friend class lane::CommLane;
   struct Managed {
     std::string name;
     std::shared_ptr<Parameter> parameter;
@@ -168,8 +165,10 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
   void create_gradient_region();
   void check_no_overlap() const;
   std::vector<std::string> describe_for_agreement(const Setup& setup) const;
-  void register_managed();
-  void unregister_managed();
+  // Makes this reducer the owner of params_ (kInvalidArgument naming the
+  // first one another live dp_ddp or dp_fsdp holds: then it claims none).
+  void claim_parameters();
+  void release_parameters();
 
   // The plan (reducer_plan.cpp). The buckets go into `region` (null:
   // private memory), which must be fresh: memory a bucket had may still be
@@ -219,7 +218,7 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
 
   void broadcast_state(const std::vector<std::pair<std::string, Tensor>>& tensors, int32_t root = 0);
   // A joined rank's part in another rank's job: zeros, nothing kept.
-  void run_shadow(const JobSpec& spec);
+  void run_shadow(const lane::JobSpec& spec);
   // What the built-in hooks divide by: the world size, or with
   // join_divide_by_initial_world_size off, the ranks still active.
   int64_t divisor() const;
@@ -234,16 +233,16 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
   void on_lane(dist::CallItem item, const std::function<void()>& fn);
 
   // Issuing this iteration's jobs.
-  void issue_locked(JobSpec spec, JobState& state);
+  void issue_locked(lane::JobSpec spec, JobState& state);
   void issue_ready_buckets_locked();
   // The used map and the ready order, once every bucket is issued and the
   // marks are final (all marked, or the host finished).
   void issue_tail_locked(const std::string& refusal);
   // LaneOwner: a job of this iteration (or, with a refusal, its refusal).
-  JobResult run_job(const JobSpec& spec) override;
-  void complete_job(const JobSpec& spec, JobResult result) override;
-  JobState& job_state(const JobSpec& spec);
-  void drop_job(const JobSpec& spec, StatusCode code, const std::string& why) override;
+  lane::JobResult run_job(const lane::JobSpec& spec) override;
+  void complete_job(const lane::JobSpec& spec, lane::JobResult result) override;
+  JobState& job_state(const lane::JobSpec& spec);
+  void drop_job(const lane::JobSpec& spec, StatusCode code, const std::string& why) override;
   void fail_job_locked(JobState& state, StatusCode code, const std::string& why);
   void run_bucket(size_t index);
   // Calls on_bucket_reduced for bucket `index` (no lock held); a non-zero
@@ -309,9 +308,10 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
   // The region the buckets view (create_bucket_region's, then the
   // rebuild's); the one before goes once nothing else holds it.
   std::shared_ptr<Storage> region_storage_;
-  DebugLevel debug_ = DebugLevel::kOff;
+  lane::DebugLevel debug_ = lane::DebugLevel::kOff;
   std::string timeline_path_;
   std::vector<Managed> params_;
+  std::shared_ptr<ParameterOwner> parameter_owner_;         // holds params_ (claim_parameters) while the reducer lives
   std::vector<std::pair<std::string, Tensor>> buffers_;     // broadcast by pre_forward
   std::vector<std::pair<std::string, Tensor>> sync_state_;  // parameters and buffers: broadcast at create and join
   std::vector<std::vector<size_t>> given_plan_;             // parsed from options_.bucket_plan
@@ -321,7 +321,7 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
   std::condition_variable cv_;
   std::vector<Bucket> buckets_;
   bool broken_ = false;  // a wait outlived its bound: only destroy is left
-  std::shared_ptr<CommLane> lane_;
+  std::shared_ptr<lane::CommLane> lane_;
   uint32_t lane_id_ = 0;
   uint32_t iteration_ = 0;                // synced backwards begun: the jobs' iteration
   std::atomic<int32_t> active_ranks_{0};  // 0 until the lane sets it: the world
@@ -363,16 +363,5 @@ class Reducer : public LaneOwner, public std::enable_shared_from_this<Reducer> {
   ReducerStats stats_;
   std::vector<std::string> trace_events_;
 };
-
-// What this thread is running: a reducer's comm hook or on_bucket_reduced
-// callback (`what`), for its bucket, or nothing.
-struct RunningHook {
-  const Reducer* reducer = nullptr;
-  size_t bucket = 0;
-  const char* what = "comm hook";
-};
-RunningHook running_hook() noexcept;
-
-DebugLevel debug_level_from_env();
 
 }  // namespace dparallel::ddp

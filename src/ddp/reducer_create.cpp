@@ -10,9 +10,9 @@
 
 #include "comm/comm.h"
 #include "core/error.h"
-#include "ddp/agreement.h"
-#include "ddp/host_values.h"
 #include "ddp/reducer.h"
+#include "lane/agreement.h"
+#include "lane/host_values.h"
 
 namespace dparallel::ddp {
 
@@ -20,15 +20,12 @@ namespace {
 
 using dist::CallItem;
 
-// Parameters managed by a live reducer: one reducer per parameter.
-std::mutex& managed_mutex() {
-  static std::mutex mutex;
-  return mutex;
-}
-std::set<const Parameter*>& managed_set() {
-  static std::set<const Parameter*> managed;
-  return managed;
-}
+// What holds a dp_ddp's parameters (Parameter::claim): made with the
+// reducer, which is not shared yet when it claims them.
+class DdpParameterOwner final : public ParameterOwner {
+ public:
+  const char* owner_kind() const override { return "dp_ddp"; }
+};
 
 size_t align_to(size_t bytes, size_t align) { return (bytes + align - 1) / align * align; }
 
@@ -42,18 +39,18 @@ bool starts_with(const std::string& s, const std::string& prefix) { return s.com
 
 Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGroup> group, ReducerOptions options)
     : module_(std::move(module)), group_(std::move(group)), options_(std::move(options)) {
-  debug_ = debug_level_from_env();
+  debug_ = lane::debug_level_from_env();
   if (const char* path = std::getenv("DP_TIMELINE"); path != nullptr && *path != '\0') timeline_path_ = path;
   // Checks that could fail on one rank only are collected, so that with
   // init_sync every rank fails naming them instead of waiting for this one.
   Setup setup = collect_managed();
-  lane_ = CommLane::for_group(group_);
+  lane_ = lane::CommLane::for_group(group_);
   lane_id_ = lane_->attach(this);
   try {
     if (options_.init_sync) {
       std::vector<std::string> description = describe_for_agreement(setup);
       on_lane(CallItem::kCreate, [&] {
-        check_agreement(*group_, description);
+        lane::check_agreement(*group_, description);
         broadcast_state(setup.state);
         create_bucket_region();
         create_gradient_region();
@@ -62,8 +59,8 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
       // Ranks given different plans would pair unlike buckets.
       std::vector<std::string> description = !setup.local_error.empty()
                                                  ? std::vector<std::string>{"error " + setup.local_error}
-                                                 : split_lines(format_plan(plan_params(), given_plan_));
-      on_lane(CallItem::kCreate, [&] { check_agreement(*group_, description); });
+                                                 : lane::split_lines(format_plan(plan_params(), given_plan_));
+      on_lane(CallItem::kCreate, [&] { lane::check_agreement(*group_, description); });
     }
     in_place_ = group_->device().type == DeviceType::kCpu && options_.hook == HookKind::kAllReduce &&
                 !options_.gradient_as_bucket_view && !options_.find_unused_parameters;
@@ -79,7 +76,7 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
     }
   } catch (...) {
     lane_->detach(this, lane_bound());
-    unregister_managed();
+    release_parameters();
     throw;
   }
   for (size_t i = 0; i < params_.size(); ++i) index_by_name_.emplace(params_[i].name, i);
@@ -96,7 +93,7 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
   }
 }
 
-// The managed parameters and the buffers, checked; registered as managed.
+// The managed parameters and the buffers, checked; claimed (Parameter::claim).
 // With init_sync or a bucket plan an argument error is returned instead of
 // thrown.
 Reducer::Setup Reducer::collect_managed() {
@@ -171,7 +168,7 @@ Reducer::Setup Reducer::collect_managed() {
     check_no_overlap();
     if (!options_.bucket_plan.empty())
       given_plan_ = parse_plan(options_.bucket_plan, plan_params(), "opts->bucket_plan");
-    register_managed();
+    claim_parameters();
   } catch (const Error& e) {
     // A creation without collectives fails on this rank alone.
     if (e.code() != StatusCode::kInvalidArgument || (!options_.init_sync && options_.bucket_plan.empty())) throw;
@@ -188,26 +185,19 @@ void Reducer::check_no_overlap() const {
   check_values_apart(values);
 }
 
-bool Reducer::is_managed(const Parameter* parameter) {
-  std::lock_guard<std::mutex> lock(managed_mutex());
-  return managed_set().count(parameter) != 0;
-}
-
-void Reducer::register_managed() {
-  std::lock_guard<std::mutex> lock(managed_mutex());
-  for (const Managed& m : params_) {
-    if (managed_set().count(m.parameter.get()) != 0) {
-      fail_invalid("parameter '", m.name,
-                   "' is already managed by another live dp_ddp; wrap disjoint submodules, or destroy the other "
-                   "dp_ddp first");
-    }
+void Reducer::claim_parameters() {
+  if (!parameter_owner_) parameter_owner_ = std::make_shared<DdpParameterOwner>();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const std::string holder = params_[i].parameter->claim(parameter_owner_);
+    if (holder.empty()) continue;
+    for (size_t j = 0; j < i; ++j) params_[j].parameter->release(parameter_owner_.get());
+    fail_invalid("parameter '", params_[i].name, "' is already managed by another live ", holder,
+                 "; wrap disjoint submodules, or destroy the other ", holder, " first");
   }
-  for (const Managed& m : params_) managed_set().insert(m.parameter.get());
 }
 
-void Reducer::unregister_managed() {
-  std::lock_guard<std::mutex> lock(managed_mutex());
-  for (const Managed& m : params_) managed_set().erase(m.parameter.get());
+void Reducer::release_parameters() {
+  for (const Managed& m : params_) m.parameter->release(parameter_owner_.get());
 }
 
 std::vector<std::string> Reducer::describe_for_agreement(const Setup& setup) const {
@@ -219,7 +209,7 @@ std::vector<std::string> Reducer::describe_for_agreement(const Setup& setup) con
       ", find_unused_parameters ", options_.find_unused_parameters, ", broadcast_buffers ", options_.broadcast_buffers,
       ", static_graph ", options_.static_graph, ", on_bucket_reduced ", options_.on_bucket_reduced ? "set" : "unset"));
   if (!given_plan_.empty()) {
-    for (const std::string& line : split_lines(format_plan(plan_params(), given_plan_))) {
+    for (const std::string& line : lane::split_lines(format_plan(plan_params(), given_plan_))) {
       description.push_back("bucket plan: " + line);
     }
   }
@@ -245,11 +235,11 @@ void Reducer::create_bucket_region() {
   }
   std::string why;
   region_storage_ = group_->create_region_storage(bucket_region_bytes(), &why);
-  if (debug_ != DebugLevel::kOff && !why.empty()) {
+  if (debug_ != lane::DebugLevel::kOff && !why.empty()) {
     std::fprintf(stderr, "[dparallel ddp rank %d] buckets in private memory: %s\n", group_->rank(), why.c_str());
   }
   if (region_storage_ == nullptr) return;
-  if (debug_ != DebugLevel::kOff) {
+  if (debug_ != lane::DebugLevel::kOff) {
     std::fprintf(stderr, "[dparallel ddp rank %d] buckets in a shared region of %zu bytes: the other ranks read them\n",
                  group_->rank(), region_storage_->nbytes());
   }
@@ -279,7 +269,7 @@ void Reducer::create_gradient_region() {
   // the region once the last view does.
   std::string why;
   std::shared_ptr<Storage> storage = group_->create_region_storage(bytes, &why);
-  if (debug_ != DebugLevel::kOff && !why.empty()) {
+  if (debug_ != lane::DebugLevel::kOff && !why.empty()) {
     std::fprintf(stderr, "[dparallel ddp rank %d] gradients in private memory: %s\n", group_->rank(), why.c_str());
   }
   if (storage == nullptr) return;
@@ -299,7 +289,7 @@ void Reducer::create_gradient_region() {
     }
     offset += m.nbytes;
   }
-  if (debug_ != DebugLevel::kOff) {
+  if (debug_ != lane::DebugLevel::kOff) {
     std::fprintf(stderr,
                  "[dparallel ddp rank %d] %zu of %zu gradients in a shared region of %zu bytes: the other ranks "
                  "read them\n",
@@ -311,7 +301,7 @@ void Reducer::broadcast_state(const std::vector<std::pair<std::string, Tensor>>&
   std::vector<Tensor> list;
   list.reserve(tensors.size());
   for (const auto& t : tensors) list.push_back(t.second);
-  broadcast_tensors(*group_, list, root);
+  lane::broadcast_tensors(*group_, list, root);
 }
 
 }  // namespace dparallel::ddp

@@ -4,7 +4,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 
@@ -31,18 +30,8 @@ int64_t micros(Reducer::Clock::time_point t) {
 
 }  // namespace
 
-DebugLevel debug_level_from_env() {
-  const char* text = std::getenv("DP_DEBUG");
-  if (text == nullptr) return DebugLevel::kOff;
-  std::string level(text);
-  for (char& c : level) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  if (level == "DETAIL") return DebugLevel::kDetail;
-  if (level == "INFO") return DebugLevel::kInfo;
-  return DebugLevel::kOff;
-}
-
 void Reducer::log_plan(const std::string& title) const {
-  if (debug_ == DebugLevel::kOff) return;
+  if (debug_ == lane::DebugLevel::kOff) return;
   std::fprintf(stderr, "[dparallel ddp rank %d] %s:\n", group_->rank(), title.c_str());
   for (size_t b = 0; b < buckets_.size(); ++b) {
     std::fprintf(stderr, "[dparallel ddp rank %d]   bucket %zu: %s, %zu bytes: %s\n", group_->rank(), b,

@@ -183,7 +183,7 @@ bool Reducer::rebuild(const std::vector<size_t>& rank0_order, std::shared_ptr<St
     // Never in place: the host may still hold the old buckets' memory (a
     // DLPack export of a gradient view) and must go on reading what it
     // held, not another parameter's gradient.
-    if (region_storage_ != nullptr && region == nullptr && debug_ != DebugLevel::kOff) {
+    if (region_storage_ != nullptr && region == nullptr && debug_ != lane::DebugLevel::kOff) {
       std::fprintf(stderr, "[dparallel ddp rank %d] rebuilt buckets in private memory: no shared region for them\n",
                    group_->rank());
     }

@@ -6,8 +6,8 @@
 
 #include "comm/comm.h"
 #include "core/device_runtime.h"
-#include "ddp/comm_hooks.h"
 #include "distributed/backend.h"
+#include "lane/float_math.h"
 
 namespace dparallel::fsdp {
 
@@ -23,7 +23,7 @@ void accumulate(const Tensor& dst, const Tensor& src) {
     return;
   }
   Tensor cast = Tensor::empty(dst.dtype(), dst.shape(), dst.device());
-  ddp::cast_into(cast, src);
+  lane::cast_into(cast, src);
   comm::reduce_add_into(dst, {dst, cast});
 }
 
@@ -44,7 +44,7 @@ std::vector<Tensor> full_from_region(const ShardLayout& layout, dist::ProcessGro
       continue;
     }
     full[i] = Tensor::empty(m.full_dtype(kind), m.full_shape, group.device());
-    ddp::cast_into(full[i], held);
+    lane::cast_into(full[i], held);
   }
   if (!as_views) group.barrier(false);
   return full;
@@ -67,7 +67,7 @@ std::vector<Tensor> all_gather_full(const ShardLayout& layout, dist::ProcessGrou
     const DType dtype = m.full_dtype(kind);
     full[i] = Tensor::empty(dtype, m.full_shape, group.device());
     if (!m.sharded) {
-      ddp::cast_into(full[i], m.shard);
+      lane::cast_into(full[i], m.shard);
       continue;
     }
     for (int32_t r = 0; r < world; ++r) {
@@ -76,7 +76,7 @@ std::vector<Tensor> all_gather_full(const ShardLayout& layout, dist::ProcessGrou
       const Tensor rows = rows_of(full[i], s.start, s.count, m.row_numel);
       if (r == rank) {
         const Tensor shard = m.shard.view({s.count * m.row_numel});
-        ddp::cast_into(rows, shard);
+        lane::cast_into(rows, shard);
         // Sent from the shard itself where no cast is needed: in a region,
         // the other ranks read it there.
         sources.push_back(dist::SegmentRun{offsets[i], bytes_of(dtype == m.dtype ? shard : rows)});
@@ -157,7 +157,7 @@ void reduce_scatter_dtype(const ShardLayout& layout, dist::ProcessGroup& group, 
         if (s.count == 0) continue;
         const int64_t n = s.count * m.row_numel;
         if (grads[i].defined()) {
-          ddp::cast_into(input.view_at(at * esize, dtype, {n}), rows_of(grads[i], s.start, s.count, m.row_numel));
+          lane::cast_into(input.view_at(at * esize, dtype, {n}), rows_of(grads[i], s.start, s.count, m.row_numel));
         } else {
           fill_zero(bytes + at * esize, device, static_cast<size_t>(n) * esize);
         }
@@ -179,7 +179,7 @@ void reduce_scatter_dtype(const ShardLayout& layout, dist::ProcessGroup& group, 
     output = inputs[static_cast<size_t>(group.rank())];
     if (is_16_bit(dtype)) {
       // As the 16-bit comm hooks: divide first, so that the sum cannot overflow.
-      ddp::divide_tensor(input, world);
+      lane::divide_tensor(input, world);
       group.reduce_scatter(inputs, output, dist::ReduceOp::kSum, false);
     } else {
       group.reduce_scatter(inputs, output, dist::ReduceOp::kAvg, false);
@@ -229,8 +229,8 @@ void reduce_gradients(const ShardLayout& layout, dist::ProcessGroup& group, std:
     std::vector<Tensor> values;
     for (size_t i : members) {
       Tensor v = Tensor::zeros(dtype, layout.at(i).full_shape, device);
-      if (grads[i].defined()) ddp::cast_into(v, grads[i]);
-      if (is_16_bit(dtype)) ddp::divide_tensor(v, world);
+      if (grads[i].defined()) lane::cast_into(v, grads[i]);
+      if (is_16_bit(dtype)) lane::divide_tensor(v, world);
       values.push_back(v);
     }
     for (size_t i : members) drop_grad(grads[i], device);

@@ -16,9 +16,9 @@
 #include <set>
 
 #include "core/error.h"
-#include "ddp/agreement.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/save_manifest.h"
+#include "lane/agreement.h"
 #include "module/safetensors.h"
 #include "module/state_dict.h"
 
@@ -91,9 +91,9 @@ std::vector<std::string> exchange(dist::ProcessGroup& group, const std::shared_p
                                   const std::string& mine) {
   std::vector<std::string> all;
   if (holder) {
-    holder->call_on_lane(dist::CallItem::kStateDict, [&] { all = ddp::all_gather_strings(group, mine); });
+    holder->call_on_lane(dist::CallItem::kStateDict, [&] { all = lane::all_gather_strings(group, mine); });
   } else {
-    all = ddp::all_gather_strings(group, mine);
+    all = lane::all_gather_strings(group, mine);
   }
   return all;
 }

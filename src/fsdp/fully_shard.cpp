@@ -7,7 +7,6 @@
 
 #include "core/device_runtime.h"
 #include "core/error.h"
-#include "ddp/reducer.h"
 #include "distributed/background_calls.h"
 #include "fsdp/fsdp_collectives.h"
 
@@ -30,7 +29,7 @@ FullyShard::~FullyShard() {
   // Not through close(): a destructor makes no collective.
   if (lane_) lane_->detach(this, lane_bound());
   settle_queued_work();
-  for (const ShardedParam& m : layout_.params()) m.parameter->release_sharding(this);
+  for (const ShardedParam& m : layout_.params()) m.parameter->release(this);
 }
 
 void FullyShard::close() {
@@ -67,7 +66,7 @@ void FullyShard::close() {
   try {
     if (!broken_ && !layout_.params().empty()) {
       lock.unlock();
-      ddp::JobSpec spec;
+      lane::JobSpec spec;
       spec.item = CallItem::kGatherValues;
       spec.iteration = iteration_;
       lane_->call(
@@ -88,7 +87,7 @@ void FullyShard::close() {
   lock.unlock();
   lane_->detach(this, lane_bound());
   settle_queued_work();
-  for (const ShardedParam& m : layout_.params()) m.parameter->release_sharding(this);
+  for (const ShardedParam& m : layout_.params()) m.parameter->release(this);
   if (error) std::rethrow_exception(error);
 }
 
@@ -146,7 +145,7 @@ void FullyShard::check_usable_locked() const {
   if (broken_) fail(StatusCode::kState, broken_why_, "; the dp_fsdp is unusable");
 }
 
-void FullyShard::issue_locked(ddp::JobSpec spec, Pending& pending) {
+void FullyShard::issue_locked(lane::JobSpec spec, Pending& pending) {
   pending = Pending{};
   pending.issued = true;
   spec.iteration = iteration_;
@@ -226,7 +225,7 @@ void FullyShard::unshard(bool async, std::vector<Event> host_ready) {
   std::unique_lock<std::mutex> lock(mutex_);
   check_usable_locked();
   if (state_ == State::kResharded) {
-    ddp::JobSpec spec;
+    lane::JobSpec spec;
     spec.item = CallItem::kUnshard;
     unshard_ready_ = std::move(host_ready);
     if (!layout_.params().empty()) issue_locked(spec, unshard_job_);
@@ -328,7 +327,7 @@ void FullyShard::post_backward(std::vector<Event> host_ready) {
     if (m.reduced) m.parameter->set_grad(Tensor());
   }
   post_ready_ = std::move(host_ready);
-  ddp::JobSpec spec;
+  lane::JobSpec spec;
   spec.item = CallItem::kPostBackward;
   if (refusal.empty()) {
     post_grads_ = std::move(grads);
@@ -367,7 +366,7 @@ std::vector<Tensor> FullyShard::gather_full_values() {
   if (layout_.params().empty()) return {};
   lock.unlock();
   std::vector<Tensor> full;
-  ddp::JobSpec spec;
+  lane::JobSpec spec;
   spec.item = CallItem::kGatherValues;
   spec.iteration = iteration_;
   lane_->call(
@@ -384,7 +383,7 @@ void FullyShard::refuse_gather(const std::string& reason) {
   // parameter, and a collective in it as gather_full makes one.
   if (layout_.params().empty()) return;
   const bool communicates = gather_communicates(layout_);
-  ddp::JobSpec spec;
+  lane::JobSpec spec;
   spec.item = CallItem::kGatherValues;
   spec.iteration = iteration_;
   lock.unlock();
@@ -403,7 +402,7 @@ void FullyShard::call_on_lane(CallItem item, const std::function<void()>& fn) {
     std::unique_lock<std::mutex> lock(mutex_);
     check_usable_locked();
   }
-  ddp::JobSpec spec;
+  lane::JobSpec spec;
   spec.item = item;
   spec.iteration = iteration_;
   lane_->call(this, spec, fn, lane_bound());
@@ -411,8 +410,8 @@ void FullyShard::call_on_lane(CallItem item, const std::function<void()>& fn) {
 
 // ---- on the lane ----
 
-ddp::JobResult FullyShard::run_job(const ddp::JobSpec& spec) {
-  ddp::JobResult result;
+lane::JobResult FullyShard::run_job(const lane::JobSpec& spec) {
+  lane::JobResult result;
   result.start = Clock::now();
   try {
     // On NCCL the job's work all goes on the group's stream, after the
@@ -477,7 +476,7 @@ ddp::JobResult FullyShard::run_job(const ddp::JobSpec& spec) {
   return result;
 }
 
-void FullyShard::complete_job(const ddp::JobSpec& spec, ddp::JobResult result) {
+void FullyShard::complete_job(const lane::JobSpec& spec, lane::JobResult result) {
   std::lock_guard<std::mutex> lock(mutex_);
   Pending& pending = spec.item == CallItem::kUnshard ? unshard_job_ : post_job_;
   pending.done = true;
@@ -486,7 +485,7 @@ void FullyShard::complete_job(const ddp::JobSpec& spec, ddp::JobResult result) {
   cv_.notify_all();
 }
 
-void FullyShard::drop_job(const ddp::JobSpec& spec, StatusCode code, const std::string& why) {
+void FullyShard::drop_job(const lane::JobSpec& spec, StatusCode code, const std::string& why) {
   std::lock_guard<std::mutex> lock(mutex_);
   Pending& pending = spec.item == CallItem::kUnshard ? unshard_job_ : post_job_;
   pending.done = true;
@@ -525,7 +524,7 @@ void FullyShard::zero_shard_grad(const Parameter& parameter) {
     std::lock_guard<std::mutex> host(host_mutex_);
     std::unique_lock<std::mutex> lock(mutex_);
     if (post_job_.issued && !broken_ && !closed_) {
-      if (ddp::running_hook().reducer != nullptr) {
+      if (lane::running_hook().owner != nullptr) {
         fail(StatusCode::kState, "zeroing the gradient of parameter '", layout_.at(index).name, "': dp_fsdp #",
              lane_id_,
              "'s post_backward is in flight, and this call runs inside a dp_ddp callback (which may run on the "

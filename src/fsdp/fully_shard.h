@@ -34,9 +34,9 @@
 
 #include "core/stream.h"
 #include "core/tensor.h"
-#include "ddp/comm_lane.h"
 #include "distributed/process_group.h"
 #include "fsdp/sharded_param.h"
+#include "lane/comm_lane.h"
 #include "module/module.h"
 
 namespace dparallel::fsdp {
@@ -54,7 +54,7 @@ struct ShardingOptions {
   std::string argument_error;
 };
 
-class FullyShard final : public ddp::LaneOwner,
+class FullyShard final : public lane::LaneOwner,
                          public ParameterSharding,
                          public std::enable_shared_from_this<FullyShard> {
  public:
@@ -116,9 +116,9 @@ class FullyShard final : public ddp::LaneOwner,
 
   // LaneOwner.
   const char* owner_kind() const override { return "dp_fsdp"; }
-  ddp::JobResult run_job(const ddp::JobSpec& spec) override;
-  void complete_job(const ddp::JobSpec& spec, ddp::JobResult result) override;
-  void drop_job(const ddp::JobSpec& spec, StatusCode code, const std::string& why) override;
+  lane::JobResult run_job(const lane::JobSpec& spec) override;
+  void complete_job(const lane::JobSpec& spec, lane::JobResult result) override;
+  void drop_job(const lane::JobSpec& spec, StatusCode code, const std::string& why) override;
 
   // ParameterSharding.
   std::string grad_refusal(const Parameter& parameter) const override;
@@ -148,7 +148,7 @@ class FullyShard final : public ddp::LaneOwner,
   // shards get (kPrivate when the region could not be made).
   ShardPlacement create_shard_region(ShardPlacement wanted, std::shared_ptr<Storage>* region);
 
-  void issue_locked(ddp::JobSpec spec, Pending& pending);
+  void issue_locked(lane::JobSpec spec, Pending& pending);
   // Waits for `pending`, bounded; rethrows its error. On success the host's
   // current stream follows the job's queued work (follow_job_locked).
   void wait_locked(std::unique_lock<std::mutex>& lock, Pending& pending, const char* what);
@@ -169,7 +169,7 @@ class FullyShard final : public ddp::LaneOwner,
   std::shared_ptr<Module> module_;
   std::shared_ptr<dist::ProcessGroup> group_;
   ShardingOptions options_;
-  std::shared_ptr<ddp::CommLane> lane_;
+  std::shared_ptr<lane::CommLane> lane_;
   uint32_t lane_id_ = 0;
   // The parameters, their shards, and where the shards lie (fixed by init).
   ShardLayout layout_;

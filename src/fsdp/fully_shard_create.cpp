@@ -7,10 +7,9 @@
 #include <utility>
 
 #include "core/error.h"
-#include "ddp/agreement.h"
-#include "ddp/comm_hooks.h"
-#include "ddp/reducer.h"
 #include "fsdp/fully_shard.h"
+#include "lane/agreement.h"
+#include "lane/debug_level.h"
 #include "module/memory_overlap.h"
 
 namespace dparallel::fsdp {
@@ -27,7 +26,7 @@ std::string dtype_option(const std::optional<DType>& dtype) { return dtype ? dty
 
 // DP_DEBUG=INFO or DETAIL: says why the shards stay in private memory.
 void report_private_shards(int32_t rank, const std::string& why) {
-  if (why.empty() || ddp::debug_level_from_env() == ddp::DebugLevel::kOff) return;
+  if (why.empty() || lane::debug_level_from_env() == lane::DebugLevel::kOff) return;
   std::fprintf(stderr, "[dparallel fsdp rank %d] shards in private memory: %s\n", rank, why.c_str());
 }
 
@@ -49,20 +48,20 @@ void FullyShard::init() {
   // An argument error on one rank fails every rank's agreement check
   // (with init_sync) instead of leaving the others waiting.
   std::string local_error = collect();
-  lane_ = ddp::CommLane::for_group(group_);
+  lane_ = lane::CommLane::for_group(group_);
   lane_id_ = lane_->attach(this);
   try {
     if (options_.init_sync) {
       std::vector<std::string> description = describe_for_agreement(local_error);
-      ddp::JobSpec spec;
+      lane::JobSpec spec;
       spec.item = CallItem::kFsdpCreate;
       lane_->call(
           this, spec,
           [&] {
-            ddp::check_agreement(*group_, description);
+            lane::check_agreement(*group_, description);
             std::vector<Tensor> values;
             for (const ShardedParam& m : layout_.params()) values.push_back(m.parameter->value());
-            ddp::broadcast_tensors(*group_, values, 0);
+            lane::broadcast_tensors(*group_, values, 0);
           },
           lane_bound());
     }
@@ -73,7 +72,7 @@ void FullyShard::init() {
     ShardPlacement placement = ShardPlacement::kPrivate;
     if (options_.init_sync && wants_shard_region()) {
       const ShardPlacement wanted = layout_.wanted_placement(true, options_.full_params_as_views);
-      ddp::JobSpec spec;
+      lane::JobSpec spec;
       spec.item = CallItem::kFsdpCreate;
       lane_->call(
           this, spec, [&] { placement = create_shard_region(wanted, &region); }, lane_bound());
@@ -85,7 +84,7 @@ void FullyShard::init() {
     }
   } catch (...) {
     lane_->detach(this, lane_bound());
-    for (const ShardedParam& m : layout_.params()) m.parameter->release_sharding(this);
+    for (const ShardedParam& m : layout_.params()) m.parameter->release(this);
     throw;
   }
 }
@@ -99,7 +98,7 @@ std::string FullyShard::collect() {
       // A parameter a child's dp_fsdp holds is the child's.
       if (!np.parameter || np.parameter->sharding()) continue;
       const std::string& name = *np.name;
-      if (ddp::Reducer::is_managed(np.parameter.get())) {
+      if (np.parameter->owner_kind() != nullptr) {
         fail_invalid("parameter '", name,
                      "' is managed by a live dp_ddp; create every dp_fsdp before the dp_ddp over their parent, which "
                      "then leaves their parameters alone");
@@ -132,12 +131,12 @@ std::string FullyShard::collect() {
     check_values_apart(values);
     auto self = shared_from_this();
     for (const ShardedParam& m : params) {
-      if (!m.parameter->claim_sharding(self)) {
-        fail_invalid("parameter '", m.name, "' was taken by another dp_fsdp created meanwhile");
+      if (const std::string holder = m.parameter->claim(self); !holder.empty()) {
+        fail_invalid("parameter '", m.name, "' was taken by a ", holder, " created meanwhile");
       }
     }
   } catch (const Error& e) {
-    for (const ShardedParam& m : params) m.parameter->release_sharding(this);
+    for (const ShardedParam& m : params) m.parameter->release(this);
     if (e.code() != StatusCode::kInvalidArgument || !options_.init_sync) throw;
     params.clear();
     return e.what();

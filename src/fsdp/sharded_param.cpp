@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "core/error.h"
-#include "ddp/comm_hooks.h"
+#include "lane/float_math.h"
 
 namespace dparallel::fsdp {
 
@@ -187,11 +187,12 @@ bool ShardLayout::reduces() const {
 void ShardLayout::load_shard_from_full(size_t index, const Tensor& full) const {
   const ShardedParam& m = params_.at(index);
   if (!m.sharded) {
-    ddp::cast_into(m.shard, full);
+    lane::cast_into(m.shard, full);
     return;
   }
   if (m.split.count == 0) return;
-  ddp::cast_into(m.shard.view({m.split.count * m.row_numel}), rows_of(full, m.split.start, m.split.count, m.row_numel));
+  lane::cast_into(m.shard.view({m.split.count * m.row_numel}),
+                  rows_of(full, m.split.start, m.split.count, m.row_numel));
 }
 
 }  // namespace dparallel::fsdp

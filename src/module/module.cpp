@@ -129,26 +129,39 @@ void Parameter::set_value(const Tensor& value) {
 
 std::shared_ptr<ParameterSharding> Parameter::sharding() const {
   std::lock_guard<std::mutex> lock(grad_mutex_);
-  return sharding_.lock();
+  return std::dynamic_pointer_cast<ParameterSharding>(owner_.lock());
 }
 
-bool Parameter::claim_sharding(const std::shared_ptr<ParameterSharding>& sharding) {
-  std::lock_guard<std::mutex> lock(grad_mutex_);
-  auto held = sharding_.lock();
-  if (held && held != sharding) return false;
-  sharding_ = sharding;
-  return true;
+// The owner is let go of after the lock: its last reference may end it,
+// and its end releases its parameters.
+const char* Parameter::owner_kind() const {
+  std::shared_ptr<ParameterOwner> held;
+  {
+    std::lock_guard<std::mutex> lock(grad_mutex_);
+    held = owner_.lock();
+  }
+  return held ? held->owner_kind() : nullptr;
 }
 
-void Parameter::release_sharding(const ParameterSharding* sharding) {
+std::string Parameter::claim(const std::shared_ptr<ParameterOwner>& owner) {
+  std::shared_ptr<ParameterOwner> held;
   std::lock_guard<std::mutex> lock(grad_mutex_);
-  auto held = sharding_.lock();
-  if (!held || held.get() == sharding) sharding_.reset();
+  held = owner_.lock();
+  if (held && held != owner) return held->owner_kind();
+  owner_ = owner;
+  return "";
+}
+
+void Parameter::release(const ParameterOwner* owner) {
+  std::shared_ptr<ParameterOwner> held;
+  std::lock_guard<std::mutex> lock(grad_mutex_);
+  held = owner_.lock();
+  if (!held || held.get() == owner) owner_.reset();
 }
 
 Tensor Parameter::grad() {
   std::unique_lock<std::mutex> lock(grad_mutex_);
-  if (auto sharding = sharding_.lock()) {
+  if (auto sharding = std::dynamic_pointer_cast<ParameterSharding>(owner_.lock())) {
     lock.unlock();
     std::string refusal = sharding->grad_refusal(*this);
     if (!refusal.empty()) fail(StatusCode::kState, refusal);

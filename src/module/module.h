@@ -17,11 +17,20 @@ namespace dparallel {
 
 class Parameter;
 
-// What holds a parameter sharded (a dp_fsdp): while it lives, no other
-// dp_fsdp or dp_ddp takes the parameter.
-class ParameterSharding {
+// What holds a parameter: a dp_ddp or a dp_fsdp. A parameter has at most
+// one live owner; another's claim is refused (Parameter::claim) until the
+// owner releases it or ends.
+class ParameterOwner {
  public:
-  virtual ~ParameterSharding() = default;
+  virtual ~ParameterOwner() = default;
+  // For messages: "dp_ddp" or "dp_fsdp".
+  virtual const char* owner_kind() const = 0;
+};
+
+// An owner that holds a parameter sharded (a dp_fsdp): the slot may hold
+// this rank's shard rather than the full parameter.
+class ParameterSharding : public ParameterOwner {
+ public:
   // Empty when the gradient of the parameter's current value may be taken
   // (the value is the full parameter); else why not.
   virtual std::string grad_refusal(const Parameter& parameter) const = 0;
@@ -46,11 +55,15 @@ class Parameter : public std::enable_shared_from_this<Parameter> {
   // host's thread, between its uses of the module). Tying by identity
   // follows the new value.
   void set_value(const Tensor& value);
-  // The live sharding that holds this parameter, or null.
+  // The live owner that holds this parameter sharded, or null.
   std::shared_ptr<ParameterSharding> sharding() const;
-  // Makes `sharding` this parameter's; false when another live one holds it.
-  bool claim_sharding(const std::shared_ptr<ParameterSharding>& sharding);
-  void release_sharding(const ParameterSharding* sharding);
+  // The live owner's owner_kind(), or null when none holds it.
+  const char* owner_kind() const;
+  // Makes `owner` this parameter's: "" when it is now (or already was), else
+  // the owner_kind() of the live owner that holds it.
+  std::string claim(const std::shared_ptr<ParameterOwner>& owner);
+  // Lets go of the parameter when `owner` holds it.
+  void release(const ParameterOwner* owner);
   bool requires_grad() const { return requires_grad_; }
   void set_requires_grad(bool requires_grad) { requires_grad_ = requires_grad; }
   // The gradient, allocated zeroed on first use. kState when a sharding
@@ -73,7 +86,7 @@ class Parameter : public std::enable_shared_from_this<Parameter> {
   bool registered_ = false;
   mutable std::mutex grad_mutex_;
   Tensor grad_;
-  std::weak_ptr<ParameterSharding> sharding_;  // guarded by grad_mutex_
+  std::weak_ptr<ParameterOwner> owner_;  // guarded by grad_mutex_
 };
 
 struct BufferSlot {

@@ -969,6 +969,38 @@ TEST(Fsdp, ParametersOfALiveDdpAreRefusedByName) {
   });
 }
 
+// The group's comm lane refuses a host collective while a dp_fsdp's unshard
+// waits there for the other rank, naming the dp_fsdp and its own calls (the
+// lane is shared with dp_ddp, whose calls it must not name here).
+TEST(Fsdp, AHostCollectiveWhileAnUnshardIsQueuedIsRefusedNamingTheDpFsdp) {
+  std::atomic<bool> refused{false};
+  run_ranks(2, DP_BACKEND_GLOO, [&](int rank, dp_process_group* pg) {
+    Toy toy(0.0f);
+    FsdpPtr f = fully_shard(toy.layer[0].get(), pg);
+    ASSERT_TRUE(f);
+    if (rank == 0) {
+      struct Release {  // however this rank's checks end, the other goes on
+        std::atomic<bool>& flag;
+        ~Release() { flag = true; }
+      } release{refused};
+      ASSERT_EQ(dp_fsdp_unshard(f.get(), 1), DP_OK) << dp_last_error();
+      EXPECT_EQ(dp_pg_barrier(pg), DP_ESTATE);
+      const std::string error = dp_last_error();
+      EXPECT_NE(error.find("dp_fsdp #"), std::string::npos) << error;
+      EXPECT_NE(error.find("has collectives queued"), std::string::npos) << error;
+      EXPECT_NE(error.find("dp_fsdp_finish_backward"), std::string::npos) << error;
+      EXPECT_EQ(error.find("dp_ddp"), std::string::npos) << error;
+      refused = true;
+      ASSERT_EQ(dp_fsdp_wait_unshard(f.get()), DP_OK) << dp_last_error();
+    } else {
+      while (!refused) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      ASSERT_EQ(dp_fsdp_unshard(f.get(), 0), DP_OK) << dp_last_error();
+    }
+    ASSERT_EQ(dp_fsdp_reshard(f.get()), DP_OK) << dp_last_error();
+    EXPECT_EQ(dp_pg_barrier(pg), DP_OK) << dp_last_error();
+  });
+}
+
 // A rank that skips an unshard the other makes and waits: the other's
 // unshard fails within the group's timeout naming it, and so does every
 // later call that needs the group's lane.

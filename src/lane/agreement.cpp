@@ -1,4 +1,4 @@
-#include "ddp/agreement.h"
+#include "lane/agreement.h"
 
 #include <algorithm>
 #include <cstring>
@@ -6,9 +6,9 @@
 
 #include "comm/comm.h"
 #include "core/error.h"
-#include "ddp/host_values.h"
+#include "lane/host_values.h"
 
-namespace dparallel::ddp {
+namespace dparallel::lane {
 
 namespace {
 
@@ -94,4 +94,4 @@ void broadcast_tensors(dist::ProcessGroup& group, const std::vector<Tensor>& lis
   }
 }
 
-}  // namespace dparallel::ddp
+}  // namespace dparallel::lane

@@ -2,10 +2,11 @@
 // a process group, in an order all ranks agree on whatever order their hosts mark,
 // finish or use threads in.
 //
-// Each dp_ddp (an owner) issues its jobs in its own sequence, the same on
-// every rank: bucket reductions in index order, then the used map and the
-// ready order, the buffers' broadcast before a forward, the agreement check
-// at creation. The lane pairs jobs by that identity (owner, job number),
+// Each dp_ddp and dp_fsdp (an owner, lane_owner.h) issues its jobs in its
+// own sequence, the same on every rank: a dp_ddp's bucket reductions in
+// index order, then the used map and the ready order, the buffers'
+// broadcast before a forward, the agreement check at creation; a dp_fsdp's
+// all-gathers and reduce-scatters. The lane pairs jobs by that identity (owner, job number),
 // never by arrival: in a round, the ranks all-gather how many jobs each
 // owner has issued, and every rank runs, in (owner, job number) order, the
 // jobs every rank has issued. Every call a job makes carries its identity
@@ -26,57 +27,21 @@
 #include <thread>
 #include <vector>
 
-#include "distributed/call_header.h"
 #include "distributed/process_group.h"
+#include "lane/lane_owner.h"
 
-namespace dparallel::ddp {
-
-// How a job ended: handed to its reducer once the lane is free again, so
-// that whoever waits for it may use the group as soon as it wakes.
-struct JobResult {
-  StatusCode code = StatusCode::kOk;
-  std::string error;
-  std::chrono::steady_clock::time_point start, end;
-};
-
-struct JobSpec {
-  dist::CallItem item = dist::CallItem::kBucket;
-  size_t index = 0;     // the bucket, for kBucket
-  std::string refusal;  // nonempty: the job stands in for its collectives and fails them on every rank
-  uint32_t iteration = 0;
-  bool shadow = false;  // a joined rank's stand-in for the other ranks' job: zeros, nothing kept
-};
-
-// What issues jobs on a lane: a dp_ddp's reducer, a dp_fsdp's sharding.
-class LaneOwner {
- public:
-  virtual ~LaneOwner() = default;
-  // For messages: "dp_ddp" or "dp_fsdp".
-  virtual const char* owner_kind() const = 0;
-  // On the lane's worker: one job (or, with a refusal, its refusal).
-  virtual JobResult run_job(const JobSpec& spec) = 0;
-  // Once the lane is free again: how the job ended.
-  virtual void complete_job(const JobSpec& spec, JobResult result) = 0;
-  // The lane dropped a job unrun: it fails with `why`.
-  virtual void drop_job(const JobSpec& spec, StatusCode code, const std::string& why) = 0;
-  // The ranks still active (not joined) for the job about to run.
-  virtual void set_active_ranks(int32_t active) { (void)active; }
-};
+namespace dparallel::lane {
 
 class CommLane {
  public:
   using Clock = std::chrono::steady_clock;
-  // How many owners' counts one round carries; an owner past them waits
-  // for a later round.
-  static constexpr size_t kOwnersPerRound = 128;
-
   static std::shared_ptr<CommLane> for_group(const std::shared_ptr<dist::ProcessGroup>& group);
   // dp_shutdown: ends the worker of every lane with nothing issued, running
   // or shadowed (joins it); the next job starts a new one. A lane at work,
   // or the calling thread's own, keeps its worker.
   static void park_idle_lanes();
   // Numbers every rank must agree on, kept as long as the group: a lane
-  // ends when its last dp_ddp does, at another moment on each rank, and the
+  // ends when its last owner does, at another moment on each rank, and the
   // next one goes on counting.
   struct Counters {
     uint32_t next_owner = 0;
@@ -102,7 +67,7 @@ class CommLane {
   // one to end, then forgets the owner. False when the job did not end: the
   // lane is then stuck for good.
   bool detach(const LaneOwner* owner, Clock::duration bound);
-  // A reducer gave up waiting for its jobs: when one is running, the lane
+  // An owner gave up waiting for its jobs: when one is running, the lane
   // is stuck for good (`why` and the running job in the reason), and every
   // queued job is dropped with that reason.
   void give_up(const std::string& why);
@@ -138,7 +103,7 @@ class CommLane {
   };
   struct Owner {
     uint32_t id = 0;
-    const char* kind = "dp_ddp";
+    const char* kind = "";  // the owner's owner_kind(), for messages
     bool in_backward = false;
     std::shared_ptr<LaneOwner> joined;  // set while shadowing (dp_ddp_join)
     bool join_done = false;             // a round showed every rank joined
@@ -159,9 +124,10 @@ class CommLane {
     uint64_t pushes = 0;  // grows with every job issued: the worker waits for it to change
     const LaneOwner* running = nullptr;
     // The owner whose job the worker holds (running it, or publishing its
-    // outcome): its reducer must not be released on the worker's thread.
+    // outcome): its owner must not be released on the worker's thread.
     const LaneOwner* holding = nullptr;
     std::string running_name;
+    const char* running_kind = "";  // the running job's owner_kind()
     Clock::time_point running_since;
     std::vector<std::vector<int64_t>> last_counts;  // the last round's reports, per rank
     std::string stuck;                              // why the lane stopped for good
@@ -176,6 +142,7 @@ class CommLane {
   // One agreement round and the jobs it lets run; false when it ran none.
   static bool run_round(State& state, std::unique_lock<std::mutex>& lock);
   static std::string job_name(const Job& job);
+  static int64_t millis(Clock::duration d) { return std::chrono::duration_cast<std::chrono::milliseconds>(d).count(); }
   static bool has_pending_locked(const State& state);
   // Marks the lane stuck (locked) and returns the jobs to drop.
   static std::deque<Job> stick_locked(State& state, const std::string& why, StatusCode code = StatusCode::kState);
@@ -198,4 +165,4 @@ class CommLane {
   std::thread thread_;
 };
 
-}  // namespace dparallel::ddp
+}  // namespace dparallel::lane

@@ -8,7 +8,7 @@
 #include "core/tensor.h"
 #include "distributed/process_group.h"
 
-namespace dparallel::ddp {
+namespace dparallel::lane {
 
 std::vector<std::string> split_lines(const std::string& text);
 
@@ -23,4 +23,4 @@ void check_agreement(dist::ProcessGroup& group, const std::vector<std::string>& 
 // Collective: `tensors` from `root`, coalesced per dtype in chunks.
 void broadcast_tensors(dist::ProcessGroup& group, const std::vector<Tensor>& tensors, int32_t root);
 
-}  // namespace dparallel::ddp
+}  // namespace dparallel::lane

@@ -1,5 +1,5 @@
 // Small int64 and byte vectors moved between the host and a process
-// group's device, for the reducer's and the lane's own collectives.
+// group's device, for the reducer's, the sharding's and the lane's own collectives.
 #pragma once
 
 #include <cstring>
@@ -7,7 +7,7 @@
 
 #include "core/tensor.h"
 
-namespace dparallel::ddp {
+namespace dparallel::lane {
 
 inline const Device kHostDevice{DeviceType::kCpu, 0};
 
@@ -34,4 +34,4 @@ inline std::vector<Tensor> gather_outputs(int32_t world, DType dtype, int64_t nu
   return outputs;
 }
 
-}  // namespace dparallel::ddp
+}  // namespace dparallel::lane
