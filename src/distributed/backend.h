@@ -127,6 +127,37 @@ struct SegmentRun {
   Tensor view;
 };
 
+// How a backend's collectives run on this thread while the caller waits.
+enum class ThreadModel : int32_t {
+  // Every collective finishes on the calling thread before it returns.
+  kCallerWaits,
+  // Inside QueuedTransfers on the backend's transfer stream, a collective
+  // returns once queued there; a watch thread of the backend sees it end.
+  kQueuesOnStream,
+};
+
+// What a backend offers beyond the collectives every backend runs; callers
+// ask this rather than the backend's name.
+struct BackendCapabilities {
+  // Memory every rank maps (Backend::regions()); collectives on tensors
+  // inside it read the other ranks' parts directly.
+  bool shared_regions = false;
+  // all_gather_runs and reduce_scatter_runs read and write the runs where
+  // they lie, without a contiguous scratch.
+  bool in_place_runs = false;
+  // The transfers are memory copies by this process's own cores (no NIC or
+  // device does them), so overlapping them with compute gains nothing.
+  bool transfers_on_host_cores = false;
+  // A stream of its own for transfers (transfer_stream()).
+  bool transfer_stream = false;
+  // A stream of its own for control calls apart from the transfers
+  // (control_stream()).
+  bool control_stream = false;
+  // The device type its tensors must live on.
+  DeviceType tensor_device = DeviceType::kCpu;
+  ThreadModel threads = ThreadModel::kCallerWaits;
+};
+
 class Backend {
  public:
   explicit Backend(CallSite& site) : site_(site) {}
@@ -135,8 +166,9 @@ class Backend {
   Backend& operator=(const Backend&) = delete;
 
   virtual const char* name() const = 0;
+  virtual BackendCapabilities capabilities() const = 0;
   // The device type this backend's tensors must live on.
-  virtual DeviceType tensor_device_type() const = 0;
+  DeviceType tensor_device_type() const { return capabilities().tensor_device; }
   // The stream of the group's device its transfers run on, where it has one
   // of its own (NCCL); a call's stream order makes it wait for the host's.
   virtual void* transfer_stream() const { return nullptr; }

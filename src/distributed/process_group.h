@@ -62,6 +62,7 @@ class ProcessGroup final : private CallSite {
   const char* backend_name() const { return backend_->name(); }
   // For tests that look at what a backend did.
   const Backend& backend() const { return *backend_; }
+  BackendCapabilities capabilities() const { return backend_->capabilities(); }
   void* transfer_stream() const { return backend_->transfer_stream(); }
   void* control_stream() const { return backend_->control_stream(); }
 

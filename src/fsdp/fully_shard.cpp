@@ -238,7 +238,7 @@ std::vector<size_t> FullyShard::segment_offsets(bool compute_dtype, size_t* segm
 bool FullyShard::wants_shard_region() const {
   const bool any_sharded = std::any_of(params_.begin(), params_.end(), [](const Managed& m) { return m.sharded; });
   return any_sharded && group_->size() > 1 && group_->device().type == DeviceType::kCpu &&
-         std::string(group_->backend_name()) == "shm";
+         group_->capabilities().shared_regions;
 }
 
 bool FullyShard::wants_views() const {

@@ -153,7 +153,14 @@ class NcclBackend : public Backend {
 
   const char* name() const override { return "nccl"; }
 
-  DeviceType tensor_device_type() const override { return DeviceType::kCuda; }
+  BackendCapabilities capabilities() const override {
+    BackendCapabilities caps;
+    caps.transfer_stream = true;
+    caps.control_stream = talks_;
+    caps.tensor_device = DeviceType::kCuda;
+    caps.threads = ThreadModel::kQueuesOnStream;
+    return caps;
+  }
   void* transfer_stream() const override { return data_.stream; }
   void* control_stream() const override { return talks_ ? control_.stream : nullptr; }
 

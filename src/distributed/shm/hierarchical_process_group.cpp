@@ -76,7 +76,9 @@ class HierarchicalBackend : public Backend {
 
   void abort(const std::string& why) noexcept override { abort_parts(why); }
 
-  DeviceType tensor_device_type() const override { return DeviceType::kCpu; }
+  // Regions and in-place runs are the local group's alone; the world's
+  // collectives cross hosts.
+  BackendCapabilities capabilities() const override { return {}; }
 
   void all_reduce(const Tensor& tensor, ReduceOp op) override {
     const auto n = static_cast<size_t>(tensor.numel());

@@ -188,7 +188,13 @@ class ShmBackend : public Backend {
   const char* name() const override { return "shm"; }
   // all_reduce calls that read the other ranks' memory in a region.
   uint64_t calls_in_regions() const { return calls_in_regions_; }
-  DeviceType tensor_device_type() const override { return DeviceType::kCpu; }
+  BackendCapabilities capabilities() const override {
+    BackendCapabilities caps;
+    caps.shared_regions = true;
+    caps.in_place_runs = true;
+    caps.transfers_on_host_cores = true;
+    return caps;
+  }
   // Swaps headers with every rank at this round's barrier.
   void swap_headers(Call& o) override {
     std::memcpy(header_slot(rank()), &o.header, sizeof(CallHeader));
