@@ -107,9 +107,9 @@ class CallSite {
   Millis timeout_;
 };
 
-// Memory every rank of a group maps (Backend::create_region): this rank's
-// part, which collectives on tensors inside it can read from the other
-// ranks' parts directly instead of through staging copies.
+// Memory every rank of a group maps (RegionService::create_region): this
+// rank's part, which collectives on tensors inside it can read from the
+// other ranks' parts directly instead of through staging copies.
 class SharedRegion {
  public:
   virtual ~SharedRegion() = default;
@@ -118,6 +118,22 @@ class SharedRegion {
   // Every rank's part, back to back in this process: rank r's is at
   // all_parts() + r * bytes().
   virtual uint8_t* all_parts() const = 0;
+};
+
+// Shared regions, a service a backend offers beside its collectives
+// (Backend::regions(); capabilities().shared_regions says it does), as
+// symmetric memory stands apart from the backends that move bytes.
+class RegionService {
+ public:
+  // A collective of the group: every rank gets `bytes` of memory that the
+  // other ranks map too. Tensors inside it may outlive the group.
+  virtual std::shared_ptr<SharedRegion> create_region(size_t bytes) = 0;
+
+ protected:
+  RegionService() = default;
+  ~RegionService() = default;
+  RegionService(const RegionService&) = default;
+  RegionService& operator=(const RegionService&) = default;
 };
 
 // A run of a rank's all-gather segment: bytes [offset, offset +
@@ -209,10 +225,8 @@ class Backend {
   virtual void reduce_scatter_runs(const std::vector<std::vector<SegmentRun>>& parts, const Tensor& output, ReduceOp op,
                                    bool accumulate);
   virtual void barrier() = 0;
-  // A collective: every rank gets `bytes` of memory that the other ranks
-  // map too; null where the backend has none. Tensors inside it may outlive
-  // the group.
-  virtual std::shared_ptr<SharedRegion> create_region(size_t /*bytes*/) { return nullptr; }
+  // Its shared regions, or null where it has none.
+  virtual RegionService* regions() { return nullptr; }
 
  protected:
   int32_t rank() const { return site_.rank(); }
