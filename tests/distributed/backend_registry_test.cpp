@@ -155,6 +155,7 @@ void run_ranks(int32_t world, const std::function<std::unique_ptr<ProcessGroup>(
   std::string dir = ::mkdtemp(dir_template);
   std::string path = dir + "/store";
   std::vector<std::thread> threads;
+  threads.reserve(static_cast<size_t>(world));
   std::vector<std::string> errors(static_cast<size_t>(world));
   for (int32_t r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
