@@ -263,8 +263,9 @@ std::unique_ptr<ProcessGroup> choose(const ProcessGroupOptions& options, const s
                                      const std::vector<HostEntry>& entries) {
   const BackendSetup setup{prefix, pids_of(entries)};
   if (options.backend != BackendChoice::kAuto) return group_of(*find_backend(options.backend), options, setup);
-  if (options.device.type != DeviceType::kCpu)
+  if (options.device.type != DeviceType::kCpu) {
     return group_of(automatic_device_backend(options.device), options, setup);
+  }
   return choose_automatically(options, prefix, entries, group_by_host(entries));
 }
 
