@@ -21,6 +21,7 @@ src/module/                 core/ comm/ module/
 src/parallel/               core/ comm/ module/ parallel/
 src/distributed/            core/ comm/ distributed/* distributed/store/
 src/distributed/backend_choice.cpp  core/ comm/ distributed/* distributed/store/ distributed/shm/ distributed/gloo/ distributed/nccl/
+src/distributed/backend_registry.cpp  core/ comm/ distributed/* distributed/store/ distributed/shm/ distributed/gloo/ distributed/nccl/
 src/distributed/store/      core/ distributed/store/
 src/distributed/shm/        core/ comm/ distributed/shm/ distributed/backend.h distributed/call_header.h distributed/reduce_ops.h
 src/distributed/shm/shm_process_group.h  core/ comm/ distributed/shm/ distributed/backend.h distributed/call_header.h distributed/reduce_ops.h distributed/process_group.h
@@ -43,7 +44,7 @@ bindings/                   dparallel/ *
 exceptions='
 src/distributed/shm/shm_collectives.cpp distributed/background_calls.h  the barrier asks whether a background thread may spin (a process-wide count, not a backend file)
 src/distributed/shm/shm_setup.cpp       distributed/process_group.h     create_shm_process_group makes a whole group, as shm_process_group.h declares it
-src/distributed/nccl/nccl_ops.h         distributed/collective.h        ReduceOp and CallKind, which the front and the call headers share
+src/distributed/nccl/nccl_util.h         distributed/collective.h        ReduceOp and CallKind, which the front and the call headers share
 '
 
 if [ -d .git ] || [ -f .git ]; then

@@ -64,7 +64,7 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
     }
     in_place_ = group_->device().type == DeviceType::kCpu && options_.hook == HookKind::kAllReduce &&
                 !options_.gradient_as_bucket_view && !options_.find_unused_parameters;
-    defer_ = group_->device().type == DeviceType::kCpu && std::string(group_->backend_name()) == "shm" &&
+    defer_ = group_->device().type == DeviceType::kCpu && group_->capabilities().transfers_on_host_cores &&
              options_.hook != HookKind::kCustom && !options_.find_unused_parameters;
     if (!given_plan_.empty()) {
       build_buckets(given_plan_, region_storage_);
@@ -230,7 +230,7 @@ std::vector<std::string> Reducer::describe_for_agreement(const Setup& setup) con
 
 void Reducer::create_bucket_region() {
   if (!options_.gradient_as_bucket_view || group_->device().type != DeviceType::kCpu || group_->size() == 1 ||
-      std::string(group_->backend_name()) != "shm") {
+      !group_->capabilities().shared_regions) {
     return;
   }
   std::string why;
@@ -249,8 +249,7 @@ void Reducer::create_gradient_region() {
   // Where gradients are reduced in place as one coalesced all_reduce
   // (in_place_) on shared memory: the same on every rank.
   if (options_.gradient_as_bucket_view || options_.hook != HookKind::kAllReduce || options_.find_unused_parameters ||
-      group_->device().type != DeviceType::kCpu || group_->size() == 1 ||
-      std::string(group_->backend_name()) != "shm") {
+      group_->device().type != DeviceType::kCpu || group_->size() == 1 || !group_->capabilities().shared_regions) {
     return;
   }
   size_t bytes = 0;

@@ -107,9 +107,9 @@ class CallSite {
   Millis timeout_;
 };
 
-// Memory every rank of a group maps (Backend::create_region): this rank's
-// part, which collectives on tensors inside it can read from the other
-// ranks' parts directly instead of through staging copies.
+// Memory every rank of a group maps (RegionService::create_region): this
+// rank's part, which collectives on tensors inside it can read from the
+// other ranks' parts directly instead of through staging copies.
 class SharedRegion {
  public:
   virtual ~SharedRegion() = default;
@@ -120,11 +120,58 @@ class SharedRegion {
   virtual uint8_t* all_parts() const = 0;
 };
 
+// Shared regions, a service a backend offers beside its collectives
+// (Backend::regions(); capabilities().shared_regions says it does), as
+// symmetric memory stands apart from the backends that move bytes.
+class RegionService {
+ public:
+  // A collective of the group: every rank gets `bytes` of memory that the
+  // other ranks map too. Tensors inside it may outlive the group.
+  virtual std::shared_ptr<SharedRegion> create_region(size_t bytes) = 0;
+
+ protected:
+  RegionService() = default;
+  ~RegionService() = default;
+  RegionService(const RegionService&) = default;
+  RegionService& operator=(const RegionService&) = default;
+};
+
 // A run of a rank's all-gather segment: bytes [offset, offset +
 // view.nbytes()) of the segment are `view`'s bytes.
 struct SegmentRun {
   size_t offset = 0;
   Tensor view;
+};
+
+// How a backend's collectives run on this thread while the caller waits.
+enum class ThreadModel : int32_t {
+  // Every collective finishes on the calling thread before it returns.
+  kCallerWaits,
+  // Inside QueuedTransfers on the backend's transfer stream, a collective
+  // returns once queued there; a watch thread of the backend sees it end.
+  kQueuesOnStream,
+};
+
+// What a backend offers beyond the collectives every backend runs; callers
+// ask this rather than the backend's name.
+struct BackendCapabilities {
+  // Memory every rank maps (Backend::regions()); collectives on tensors
+  // inside it read the other ranks' parts directly.
+  bool shared_regions = false;
+  // all_gather_runs and reduce_scatter_runs read and write the runs where
+  // they lie, without a contiguous scratch.
+  bool in_place_runs = false;
+  // The transfers are memory copies by this process's own cores (no NIC or
+  // device does them), so overlapping them with compute gains nothing.
+  bool transfers_on_host_cores = false;
+  // A stream of its own for transfers (transfer_stream()).
+  bool transfer_stream = false;
+  // A stream of its own for control calls apart from the transfers
+  // (control_stream()).
+  bool control_stream = false;
+  // The device type its tensors must live on.
+  DeviceType tensor_device = DeviceType::kCpu;
+  ThreadModel threads = ThreadModel::kCallerWaits;
 };
 
 class Backend {
@@ -135,8 +182,9 @@ class Backend {
   Backend& operator=(const Backend&) = delete;
 
   virtual const char* name() const = 0;
+  virtual BackendCapabilities capabilities() const = 0;
   // The device type this backend's tensors must live on.
-  virtual DeviceType tensor_device_type() const = 0;
+  DeviceType tensor_device_type() const { return capabilities().tensor_device; }
   // The stream of the group's device its transfers run on, where it has one
   // of its own (NCCL); a call's stream order makes it wait for the host's.
   virtual void* transfer_stream() const { return nullptr; }
@@ -177,10 +225,8 @@ class Backend {
   virtual void reduce_scatter_runs(const std::vector<std::vector<SegmentRun>>& parts, const Tensor& output, ReduceOp op,
                                    bool accumulate);
   virtual void barrier() = 0;
-  // A collective: every rank gets `bytes` of memory that the other ranks
-  // map too; null where the backend has none. Tensors inside it may outlive
-  // the group.
-  virtual std::shared_ptr<SharedRegion> create_region(size_t /*bytes*/) { return nullptr; }
+  // Its shared regions, or null where it has none.
+  virtual RegionService* regions() { return nullptr; }
 
  protected:
   int32_t rank() const { return site_.rank(); }

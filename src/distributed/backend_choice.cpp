@@ -24,19 +24,21 @@ std::string read_first_line(const char* path) {
   return line;
 }
 
+// The row that runs AUTO on a device other than cpu: the backend across
+// hosts there (NCCL on cuda).
+const BackendEntry& automatic_device_backend(const Device& device) {
+  for (const BackendEntry& entry : backend_registry()) {
+    if (entry.make != nullptr && entry.crosses_hosts && entry.device == device.type) return entry;
+  }
+  fail(StatusCode::kUnsupported, "no backend runs process groups on ", to_string(device));
+}
+
 // What a rank asks for, as it publishes it: AUTO on a cuda device is NCCL.
 const char* request_name(const ProcessGroupOptions& options) {
-  switch (options.backend) {
-    case BackendChoice::kGloo:
-      return "DP_BACKEND_GLOO";
-    case BackendChoice::kNccl:
-      return "DP_BACKEND_NCCL";
-    case BackendChoice::kShm:
-      return "DP_BACKEND_SHM";
-    case BackendChoice::kAuto:
-      break;
+  if (options.backend == BackendChoice::kAuto && options.device.type != DeviceType::kCpu) {
+    return automatic_device_backend(options.device).request;
   }
-  return options.device.type == DeviceType::kCuda ? "DP_BACKEND_NCCL" : "DP_BACKEND_AUTO";
+  return find_backend(options.backend)->request;
 }
 
 // One rank's published entry: "<request> <shm allowed 0|1> <pid> <host key>".
@@ -172,8 +174,15 @@ void leave_after_every_rank(Store& store, const std::string& key, int32_t rank, 
   }
 }
 
+// A group over `entry`'s backend, where it can run here.
+std::unique_ptr<ProcessGroup> group_of(const BackendEntry& entry, const ProcessGroupOptions& options,
+                                       const BackendSetup& setup) {
+  check_available(entry, options.device);
+  return make_process_group(options, [&](CallSite& site) { return entry.make(site, options, setup); });
+}
+
 std::unique_ptr<ProcessGroup> gloo_group(const ProcessGroupOptions& options) {
-  return make_process_group(options, [&](CallSite& site) { return create_gloo_backend(site, options); });
+  return group_of(*find_backend(BackendChoice::kGloo), options, {});
 }
 
 // Every rank's pid, by rank.
@@ -190,7 +199,7 @@ std::vector<int32_t> pids_of(const std::vector<HostEntry>& entries) {
 std::unique_ptr<ProcessGroup> shm_or_gloo_group(const ProcessGroupOptions& options, const std::string& prefix,
                                                 const std::vector<int32_t>& pids) {
   try {
-    return create_shm_process_group(options, prefix, pids);
+    return group_of(*find_backend(BackendChoice::kShm), options, {prefix, pids});
   } catch (const Error& e) {
     if (e.code() != StatusCode::kOutOfMemory) throw;
     if (options.rank == 0) {
@@ -231,8 +240,11 @@ std::unique_ptr<ProcessGroup> choose_automatically(const ProcessGroupOptions& op
         }
       }
     }
-    return make_process_group(
-        options, [&](CallSite& site) { return create_hierarchical_backend(site, options, prefix, layout); });
+    const BackendEntry& local = *find_backend(BackendChoice::kShm);
+    const BackendEntry& cross = cross_host_backend(options.device);
+    return make_process_group(options, [&](CallSite& site) {
+      return create_hierarchical_backend(site, options, prefix, layout, local, cross);
+    });
   }
   // One rank per host has nothing to share; uneven hosts would leave some
   // local ranks without peers across hosts.
@@ -249,13 +261,12 @@ std::unique_ptr<ProcessGroup> choose_automatically(const ProcessGroupOptions& op
 // The group for `options`, the entries published under `prefix` agreeing.
 std::unique_ptr<ProcessGroup> choose(const ProcessGroupOptions& options, const std::string& prefix,
                                      const std::vector<HostEntry>& entries) {
-  const bool cuda = options.backend == BackendChoice::kNccl ||
-                    (options.backend == BackendChoice::kAuto && options.device.type == DeviceType::kCuda);
-  if (cuda) return make_process_group(options, [&](CallSite& site) { return create_nccl_backend(site, options); });
-  if (options.backend == BackendChoice::kGloo) return gloo_group(options);
-  Hosts hosts = group_by_host(entries);
-  if (options.backend != BackendChoice::kShm) return choose_automatically(options, prefix, entries, hosts);
-  return create_shm_process_group(options, prefix, pids_of(entries));
+  const BackendSetup setup{prefix, pids_of(entries)};
+  if (options.backend != BackendChoice::kAuto) return group_of(*find_backend(options.backend), options, setup);
+  if (options.device.type != DeviceType::kCpu) {
+    return group_of(automatic_device_backend(options.device), options, setup);
+  }
+  return choose_automatically(options, prefix, entries, group_by_host(entries));
 }
 
 }  // namespace

@@ -8,7 +8,8 @@
 //   AUTO on cpu, unless DP_SHM is "0" on any rank: shared memory when every
 //   rank runs on one host; hierarchical (shared memory inside each host,
 //   Gloo across) when the ranks span hosts with the same number of ranks,
-//   at least 2, on each; else Gloo.
+//   at least 2, on each (its leg across hosts the registry's first row that
+//   crosses hosts on the device, backend_registry.h); else Gloo.
 #pragma once
 
 #include <memory>

@@ -6,12 +6,10 @@
 #include <string>
 
 #include "core/device.h"
+#include "distributed/backend_registry.h"
 #include "distributed/store/store.h"
 
 namespace dparallel::dist {
-
-// The backend a host asks for; what runs is the group's backend_name().
-enum class BackendChoice : int32_t { kAuto = 0, kGloo = 1, kNccl = 2, kShm = 3 };
 
 struct ProcessGroupOptions {
   BackendChoice backend = BackendChoice::kAuto;

@@ -429,7 +429,11 @@ std::shared_ptr<SharedRegion> ProcessGroup::create_region(size_t bytes) {
   });
   std::shared_ptr<SharedRegion> region;
   submit(
-      CallKind::kBarrier, [this, bytes, &region] { region = backend_->create_region(bytes); }, false);
+      CallKind::kBarrier,
+      [this, bytes, &region] {
+        if (RegionService* service = backend_->regions()) region = service->create_region(bytes);
+      },
+      false);
   return region;
 }
 
@@ -594,31 +598,25 @@ void check_process_group_options(const ProcessGroupOptions& options) {
   if (options.timeout.count() <= 0) {
     fail_invalid("argument 'timeout_ms' is ", options.timeout.count(), "; it must be > 0");
   }
-  const char* cpu_backend = nullptr;
-  switch (options.backend) {
-    case BackendChoice::kAuto:
-      return;
-    case BackendChoice::kGloo:
-      cpu_backend = "Gloo";
-      break;
-    case BackendChoice::kShm:
-      cpu_backend = "shared-memory";
-      break;
-    case BackendChoice::kNccl:
-      if (options.device.type != DeviceType::kCuda) {
-        fail_invalid("argument 'device' is ", to_string(options.device),
-                     " but the NCCL backend works on cuda tensors; use DP_BACKEND_AUTO or DP_BACKEND_GLOO");
-      }
-      return;
+  const BackendEntry* asked = find_backend(options.backend);
+  if (asked == nullptr) {
+    std::string values;
+    const std::vector<BackendEntry>& rows = backend_registry();
+    for (size_t i = 0; i < rows.size(); ++i) {
+      values += str_cat(i == 0 ? "" : i + 1 == rows.size() ? " or " : ", ", rows[i].request);
+    }
+    fail_invalid("argument 'backend' is ", static_cast<int32_t>(options.backend), "; it must be ", values);
   }
-  if (cpu_backend == nullptr) {
-    fail_invalid("argument 'backend' is ", static_cast<int32_t>(options.backend),
-                 "; it must be DP_BACKEND_AUTO, DP_BACKEND_GLOO, DP_BACKEND_NCCL or DP_BACKEND_SHM");
+  // AUTO runs on every device; the others on their own.
+  if (asked->make == nullptr || asked->device == options.device.type) return;
+  std::string instead = "DP_BACKEND_AUTO";
+  for (const BackendEntry& entry : backend_registry()) {
+    if (entry.make != nullptr && entry.crosses_hosts && entry.device == options.device.type) {
+      instead += str_cat(" or ", entry.request);
+    }
   }
-  if (options.device.type != DeviceType::kCpu) {
-    fail_invalid("argument 'device' is ", to_string(options.device), " but the ", cpu_backend,
-                 " backend works on cpu tensors; use DP_BACKEND_NCCL");
-  }
+  fail_invalid("argument 'device' is ", to_string(options.device), " but the ", asked->title, " backend works on ",
+               asked->device == DeviceType::kCpu ? "cpu" : "cuda", " tensors; use ", instead);
 }
 
 std::unique_ptr<ProcessGroup> make_process_group(const ProcessGroupOptions& options,

@@ -62,6 +62,7 @@ class ProcessGroup final : private CallSite {
   const char* backend_name() const { return backend_->name(); }
   // For tests that look at what a backend did.
   const Backend& backend() const { return *backend_; }
+  BackendCapabilities capabilities() const { return backend_->capabilities(); }
   void* transfer_stream() const { return backend_->transfer_stream(); }
   void* control_stream() const { return backend_->control_stream(); }
 
@@ -74,8 +75,8 @@ class ProcessGroup final : private CallSite {
   std::shared_ptr<Work> all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp op, bool async);
   std::shared_ptr<Work> broadcast(const Tensor& tensor, int32_t root, bool async);
   // A collective (every rank asks for the same `bytes`): memory the other
-  // ranks map too, for tensors whose all_reduce then copies less (shm); null
-  // where the backend has none.
+  // ranks map too, for tensors whose all_reduce then copies less, from the
+  // backend's RegionService (shm); null where the backend has none.
   std::shared_ptr<SharedRegion> create_region(size_t bytes);
   // create_region as the storage of tensors (which keep the region alive),
   // where running out of memory is no error: null then (on every rank

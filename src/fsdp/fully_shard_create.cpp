@@ -162,7 +162,7 @@ std::vector<std::string> FullyShard::describe_for_agreement(const std::string& l
 
 bool FullyShard::wants_shard_region() const {
   return layout_.any_sharded() && group_->size() > 1 && group_->device().type == DeviceType::kCpu &&
-         std::string(group_->backend_name()) == "shm";
+         group_->capabilities().shared_regions;
 }
 
 ShardPlacement FullyShard::create_shard_region(ShardPlacement wanted, std::shared_ptr<Storage>* region) {

@@ -1,10 +1,9 @@
 // NCCL's types and reductions for each dtype and op; runs without a GPU
 // (built only where NCCL is, since it includes nccl.h).
-#include "distributed/nccl/nccl_ops.h"
-
 #include <gtest/gtest.h>
 
 #include "device/cuda/nccl_types.h"
+#include "distributed/nccl/nccl_util.h"
 
 namespace dparallel::dist::nccl {
 namespace {
@@ -67,11 +66,11 @@ TEST(NcclOps, BoolSumAndMaxAreOrMinAndProdAreAnd) {
 }
 
 TEST(NcclOps, APeersFailureIsRemoteTheRestIsThisDevice) {
-  EXPECT_EQ(status_of(ncclRemoteError), StatusCode::kRemote);
-  EXPECT_EQ(status_of(ncclSystemError), StatusCode::kRemote);
-  EXPECT_EQ(status_of(ncclUnhandledCudaError), StatusCode::kDevice);
-  EXPECT_EQ(status_of(ncclInternalError), StatusCode::kDevice);
-  EXPECT_EQ(status_of(ncclInvalidUsage), StatusCode::kDevice);
+  EXPECT_EQ(cuda::nccl_status(ncclRemoteError), StatusCode::kRemote);
+  EXPECT_EQ(cuda::nccl_status(ncclSystemError), StatusCode::kRemote);
+  EXPECT_EQ(cuda::nccl_status(ncclUnhandledCudaError), StatusCode::kDevice);
+  EXPECT_EQ(cuda::nccl_status(ncclInternalError), StatusCode::kDevice);
+  EXPECT_EQ(cuda::nccl_status(ncclInvalidUsage), StatusCode::kDevice);
 }
 
 // ncclAvg and ncclBfloat16 need NCCL >= 2.10, in the headers and the library loaded.

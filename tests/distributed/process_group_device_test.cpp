@@ -23,7 +23,11 @@ class CountingBackend : public Backend {
  public:
   CountingBackend(CallSite& site, Counts& counts) : Backend(site), counts_(counts) {}
   const char* name() const override { return device().is_cuda() ? "nccl" : "gloo"; }
-  DeviceType tensor_device_type() const override { return device().type; }
+  BackendCapabilities capabilities() const override {
+    BackendCapabilities caps;
+    caps.tensor_device = device().type;
+    return caps;
+  }
   void all_reduce(const Tensor&, ReduceOp) override { ++counts_.runs; }
   void broadcast(const Tensor&, int32_t) override { ++counts_.runs; }
   void all_gather(const Tensor&, const std::vector<Tensor>&) override { ++counts_.runs; }

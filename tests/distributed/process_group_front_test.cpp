@@ -44,7 +44,7 @@ class ScriptedBackend : public Backend {
   ScriptedBackend(CallSite& site, Script& script) : Backend(site), script_(script) {}
 
   const char* name() const override { return "scripted"; }
-  DeviceType tensor_device_type() const override { return DeviceType::kCpu; }
+  BackendCapabilities capabilities() const override { return {}; }
   void report_to(std::shared_ptr<Store> store) { set_failure_reports(std::move(store), "front/"); }
 
   void swap_headers(Call& call) override {

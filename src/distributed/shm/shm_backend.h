@@ -158,7 +158,7 @@ size_t slot_bytes_for(int32_t world);
 // Wakes every rank asleep on `word`, in any process.
 void futex_wake(std::atomic<uint32_t>* word);
 
-class ShmBackend : public Backend {
+class ShmBackend : public Backend, private RegionService {
  public:
   // `pids`: every rank's pid, when known before the segment exists (the
   // host exchange), so that a rank that dies before it maps the segment is
@@ -182,13 +182,17 @@ class ShmBackend : public Backend {
                            bool accumulate) override;
   void reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override;
   void barrier() override;
-  // rank 0 reserves every rank's part in the segment's file (reusing a
-  // released region's place where it fits); every rank maps them all.
-  std::shared_ptr<SharedRegion> create_region(size_t bytes) override;
+  RegionService* regions() override { return this; }
   const char* name() const override { return "shm"; }
   // all_reduce calls that read the other ranks' memory in a region.
   uint64_t calls_in_regions() const { return calls_in_regions_; }
-  DeviceType tensor_device_type() const override { return DeviceType::kCpu; }
+  BackendCapabilities capabilities() const override {
+    BackendCapabilities caps;
+    caps.shared_regions = true;
+    caps.in_place_runs = true;
+    caps.transfers_on_host_cores = true;
+    return caps;
+  }
   // Swaps headers with every rank at this round's barrier.
   void swap_headers(Call& o) override {
     std::memcpy(header_slot(rank()), &o.header, sizeof(CallHeader));
@@ -203,6 +207,9 @@ class ShmBackend : public Backend {
   void after_failed_verdict() override { next_round(); }
 
  private:
+  // rank 0 reserves every rank's part in the segment's file (reusing a
+  // released region's place where it fits); every rank maps them all.
+  std::shared_ptr<SharedRegion> create_region(size_t bytes) override;
   // Rank r's pid in the segment, or 0 before this rank mapped it or r did.
   int32_t pid_word_if_mapped(int32_t r) const {
     return segment_ == nullptr || segment_->data() == nullptr ? 0 : pid_word(r)->load();

@@ -34,10 +34,11 @@ struct HostLayout {
   std::vector<int32_t> local_pids;  // this host's ranks' pids, by local rank
 };
 
-// The backend of ranks on several hosts: shared memory inside each, Gloo
-// across (hierarchical_process_group.cpp); `prefix` is the group's own
-// namespace in the store.
+// The backend of ranks on several hosts: `local`'s backend inside each,
+// `cross`'s across (rows of backend_registry.h; hierarchical_backend.cpp);
+// `prefix` is the group's own namespace in the store.
 std::unique_ptr<Backend> create_hierarchical_backend(CallSite& site, const ProcessGroupOptions& options,
-                                                     const std::string& prefix, const HostLayout& layout);
+                                                     const std::string& prefix, const HostLayout& layout,
+                                                     const BackendEntry& local, const BackendEntry& cross);
 
 }  // namespace dparallel::dist

@@ -1,11 +1,16 @@
 // The hierarchical cpu group: ranks on several hosts, the same number (at
-// least 2) on each. Three groups inside it, made in this order on every rank:
-//   local: the ranks of this host, through shared memory (shm_process_group);
-//   cross: the ranks with this rank's local index, one per host, through Gloo;
-//   world: every rank, through Gloo.
+// least 2) on each, over two backends the choice hands it from the registry
+// (backend_registry.h): a local one that joins one host's ranks (shared
+// memory) and one that crosses hosts (Gloo). Three groups inside it, made in
+// this order on every rank:
+//   local: the ranks of this host, through the local backend;
+//   cross: the ranks with this rank's local index, one per host, through the
+//   cross-host backend;
+//   world: every rank, through the cross-host backend.
+// Its name joins theirs: "shm+gloo".
 // Each collective first swaps this group's call headers (call_header.h),
-// inside each host through shared memory, then across hosts through Gloo,
-// and every rank checks them:
+// inside each host through the local group, then across hosts through the
+// cross group, and every rank checks them:
 // mismatched, refused or out-of-step calls get the same verdicts as on a
 // flat group, before any data moves. Then:
 //   all_reduce: a reduce-scatter inside the host (each local rank gets one
@@ -22,6 +27,8 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -34,28 +41,43 @@ namespace dparallel::dist {
 
 namespace {
 
+// "<local>+<cross>", as static text that lives as long as the process
+// (backend_name() hands it out as such).
+const char* joined_name(const BackendEntry& local, const BackendEntry& cross) {
+  static std::mutex mutex;
+  static std::set<std::string> names;
+  std::lock_guard<std::mutex> lock(mutex);
+  return names.insert(str_cat(local.name, "+", cross.name)).first->c_str();
+}
+
 class HierarchicalBackend : public Backend {
  public:
   HierarchicalBackend(CallSite& site, const ProcessGroupOptions& options, const std::string& prefix,
-                      const HostLayout& layout)
+                      const HostLayout& layout, const BackendEntry& local_backend, const BackendEntry& cross_backend)
       : Backend(site),
         store_(options.store),
         prefix_(prefix + "hier/"),
+        name_(joined_name(local_backend, cross_backend)),
+        local_name_(local_backend.name),
+        cross_name_(cross_backend.name),
         local_rank_(layout.local_rank),
         local_size_(layout.local_size) {
     set_failure_reports(store_, prefix_);
     ProcessGroupOptions local = options;
     local.rank = layout.local_rank;
     local.world_size = layout.local_size;
-    local_ = create_shm_process_group(local, str_cat(prefix_, "host", layout.host, "/"), layout.local_pids);
+    const BackendSetup local_setup{str_cat(prefix_, "host", layout.host, "/"), layout.local_pids};
+    local_ = make_process_group(local, [&](CallSite& part) { return local_backend.make(part, local, local_setup); });
+    // The cross-host groups have stores of their own: no prefix, no pids.
+    const BackendSetup cross_setup;
     ProcessGroupOptions cross = options;
     cross.rank = layout.host;
     cross.world_size = layout.hosts;
     cross.store = std::make_shared<PrefixStore>(options.store, str_cat(prefix_, "cross", layout.local_rank, "/"));
-    cross_ = make_process_group(cross, [&](CallSite& part) { return create_gloo_backend(part, cross); });
+    cross_ = make_process_group(cross, [&](CallSite& part) { return cross_backend.make(part, cross, cross_setup); });
     ProcessGroupOptions world = options;
     world.store = std::make_shared<PrefixStore>(options.store, prefix_ + "world/");
-    world_ = make_process_group(world, [&](CallSite& part) { return create_gloo_backend(part, world); });
+    world_ = make_process_group(world, [&](CallSite& part) { return cross_backend.make(part, world, cross_setup); });
     const size_t header = sizeof(CallHeader);
     const auto per_host = static_cast<size_t>(layout.local_size);
     const auto hosts = static_cast<size_t>(layout.hosts);
@@ -72,11 +94,13 @@ class HierarchicalBackend : public Backend {
     headers_.resize(static_cast<size_t>(size()));
   }
 
-  const char* name() const override { return "shm+gloo"; }
+  const char* name() const override { return name_; }
 
   void abort(const std::string& why) noexcept override { abort_parts(why); }
 
-  DeviceType tensor_device_type() const override { return DeviceType::kCpu; }
+  // Regions and in-place runs are the local group's alone; the world's
+  // collectives cross hosts.
+  BackendCapabilities capabilities() const override { return {}; }
 
   void all_reduce(const Tensor& tensor, ReduceOp op) override {
     const auto n = static_cast<size_t>(tensor.numel());
@@ -110,11 +134,12 @@ class HierarchicalBackend : public Backend {
     }
     const Tensor& mine = slices[static_cast<size_t>(local_rank_)];
     const ReduceOp inner = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
-    step(o, "shm reduce-scatter among this host's ranks", [&] { local_->reduce_scatter(slices, mine, inner, false); });
-    step(o, "gloo all-reduce with the ranks of this local index on the other hosts",
+    step(o, local_name_, "reduce-scatter among this host's ranks",
+         [&] { local_->reduce_scatter(slices, mine, inner, false); });
+    step(o, cross_name_, "all-reduce with the ranks of this local index on the other hosts",
          [&] { cross_->all_reduce(mine, inner, false); });
     if (op == ReduceOp::kAvg) divide_in_place(tensor.dtype(), mine.data(), chunk, size());
-    step(o, "shm all-gather among this host's ranks", [&] { local_->all_gather(mine, slices, false); });
+    step(o, local_name_, "all-gather among this host's ranks", [&] { local_->all_gather(mine, slices, false); });
     if (!direct) std::memcpy(tensor.data(), base.data(), n * esize);
   }
 
@@ -122,21 +147,21 @@ class HierarchicalBackend : public Backend {
     Call o = begin_call(CallKind::kBroadcast, tensor.dtype(), tensor.numel(), ReduceOp::kSum, root, &tensor);
     exchange_headers(o);
     if (tensor.numel() == 0) return;  // every rank's is empty: the headers matched
-    step(o, "gloo broadcast", [&] { world_->broadcast(tensor, root, false); });
+    step(o, cross_name_, "broadcast", [&] { world_->broadcast(tensor, root, false); });
   }
 
   void all_gather(const Tensor& input, const std::vector<Tensor>& outputs) override {
     Call o = begin_call(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, &input);
     exchange_headers(o);
     if (input.numel() == 0) return;
-    step(o, "gloo all-gather", [&] { world_->all_gather(input, outputs, false); });
+    step(o, cross_name_, "all-gather", [&] { world_->all_gather(input, outputs, false); });
   }
 
   void reduce_scatter(const std::vector<Tensor>& inputs, const Tensor& output, ReduceOp op) override {
     Call o = begin_call(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output);
     exchange_headers(o);
     if (output.numel() == 0) return;
-    step(o, "gloo reduce-scatter", [&] { world_->reduce_scatter(inputs, output, op, false); });
+    step(o, cross_name_, "reduce-scatter", [&] { world_->reduce_scatter(inputs, output, op, false); });
   }
 
   void barrier() override {
@@ -145,16 +170,16 @@ class HierarchicalBackend : public Backend {
   }
 
   // Swaps the call headers in two steps: among this host's ranks through
-  // shared memory, then the host's headers with the ranks of this local
-  // index on the other hosts through Gloo (only 2 of Gloo's ranks per
-  // exchange with 2 hosts, not every rank). Each header lands in the slot its
+  // the local group, then the host's headers with the ranks of this local
+  // index on the other hosts through the cross group (only 2 of its ranks
+  // per exchange with 2 hosts, not every rank). Each header lands in the slot its
   // rank field names; a slot nobody filled stays zero, which the verdict
   // reads as a malformed header.
   void swap_headers(Call& o) override {
     std::memcpy(mine_.data(), &o.header, sizeof(CallHeader));
-    step(o, "shm header exchange among this host's ranks",
+    step(o, local_name_, "header exchange among this host's ranks",
          [&] { local_->all_gather(mine_, host_header_views_, false); });
-    step(o, "gloo header exchange with the other hosts",
+    step(o, cross_name_, "header exchange with the other hosts",
          [&] { cross_->all_gather(host_headers_, gathered_host_views_, false); });
     std::fill(headers_.begin(), headers_.end(), CallHeader{});
     const auto* gathered = static_cast<const uint8_t*>(gathered_headers_.data());
@@ -170,7 +195,7 @@ class HierarchicalBackend : public Backend {
   // Runs one step of a collective on a part; a failure aborts every part and
   // names the ranks of this group that did not report it.
   template <typename F>
-  void step(const Call& o, const char* what, F&& f) {
+  void step(const Call& o, const char* leg, const char* what, F&& f) {
     try {
       f();
       return;
@@ -181,7 +206,7 @@ class HierarchicalBackend : public Backend {
       if (e.code() == StatusCode::kInvalidArgument || e.code() == StatusCode::kOutOfMemory) throw;
       StatusCode code = e.code() == StatusCode::kTimeout ? e.code() : StatusCode::kRemote;
       // The part numbers its ranks its own way; this group's ranks are named above.
-      std::string cause = str_cat(what, " (ranks numbered within that group): ", e.what());
+      std::string cause = str_cat(leg, " ", what, " (ranks numbered within that group): ", e.what());
       mark_broken(cause);
       abort_parts(cause);
       fail_call(o, code, cause);
@@ -206,6 +231,9 @@ class HierarchicalBackend : public Backend {
 
   std::shared_ptr<Store> store_;
   std::string prefix_;
+  const char* name_;
+  const char* local_name_;  // the local backend's, in failures
+  const char* cross_name_;  // the cross-host backend's, in failures
   int32_t local_rank_;
   int32_t local_size_;
   std::unique_ptr<ProcessGroup> local_;
@@ -223,8 +251,9 @@ class HierarchicalBackend : public Backend {
 }  // namespace
 
 std::unique_ptr<Backend> create_hierarchical_backend(CallSite& site, const ProcessGroupOptions& options,
-                                                     const std::string& prefix, const HostLayout& layout) {
-  return std::make_unique<HierarchicalBackend>(site, options, prefix, layout);
+                                                     const std::string& prefix, const HostLayout& layout,
+                                                     const BackendEntry& local, const BackendEntry& cross) {
+  return std::make_unique<HierarchicalBackend>(site, options, prefix, layout, local, cross);
 }
 
 }  // namespace dparallel::dist

@@ -279,7 +279,7 @@ class GlooBackend : public Backend {
 
   void abort(const std::string& /*why*/) noexcept override { close_connections(); }
 
-  DeviceType tensor_device_type() const override { return DeviceType::kCpu; }
+  BackendCapabilities capabilities() const override { return {}; }
 
   void all_reduce(const Tensor& tensor, ReduceOp op) override {
     size_t nbytes = tensor.nbytes();

@@ -10,7 +10,6 @@
 // the stream, after the job's own work there; a watch thread polls its end
 // event and aborts the communicator at its deadline or an asynchronous error.
 #include <cuda_runtime_api.h>
-#include <dlfcn.h>
 #include <nccl.h>
 
 #include <algorithm>
@@ -20,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -30,7 +30,7 @@
 #include "device/cuda/nccl_types.h"
 #include "distributed/backend.h"
 #include "distributed/call_header.h"
-#include "distributed/nccl/nccl_ops.h"
+#include "distributed/nccl/nccl_util.h"
 #include "distributed/nccl/queued_watch.h"
 
 namespace dparallel::dist {
@@ -45,69 +45,11 @@ constexpr Millis kFinalizeBound{5000};
 // How often the watch polls the queued collectives' end events.
 constexpr Millis kWatchPoll{10};
 
-using RevokeFn = ncclResult_t (*)(ncclComm_t, int);
-// ncclCommRevoke where the NCCL in use has it (2.28 on), else null: looked up
-// at run time, since the library may run with an older NCCL than it was
-// built with.
-RevokeFn nccl_revoke() {
-  static const RevokeFn revoke = []() -> RevokeFn {
-    Dl_info info{};
-    if (dladdr(reinterpret_cast<void*>(&ncclCommAbort), &info) == 0 || info.dli_fname == nullptr) return nullptr;
-    void* lib = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
-    if (lib == nullptr) return nullptr;
-    void* symbol = dlsym(lib, "ncclCommRevoke");
-    dlclose(lib);  // only the reference RTLD_NOLOAD took: the library stays loaded
-    return reinterpret_cast<RevokeFn>(symbol);
-  }();
-  return revoke;
-}
-
-// Aborts both communicators (either may be null) together. Tearing one down
-// frees device memory, which waits for every kernel on the GPU, the other
-// communicator's kernel still spinning for a dead peer among them: so both
-// are stopped before either is torn down, by ncclCommRevoke where NCCL has
-// it (for up to `bound`), and the two aborts, each of which stops its own
-// kernels first, run at once on two threads.
-void abort_together(ncclComm_t first, ncclComm_t second, Millis bound) noexcept {
-  if (first == nullptr) std::swap(first, second);
-  if (first == nullptr) return;
-  if (second == nullptr) {
-    ncclCommAbort(first);
-    return;
-  }
-  if (RevokeFn revoke = nccl_revoke()) {
-    ncclComm_t comms[] = {first, second};
-    ncclResult_t states[] = {revoke(first, 0), revoke(second, 0)};
-    auto deadline = Clock::now() + bound;
-    for (size_t i = 0; i < 2; ++i) {
-      while (states[i] == ncclInProgress && Clock::now() < deadline) {
-        std::this_thread::sleep_for(std::chrono::microseconds(100));
-        if (ncclCommGetAsyncError(comms[i], &states[i]) != ncclSuccess) break;
-      }
-    }
-  }
-  std::thread other;
-  try {
-    other = std::thread([second] { ncclCommAbort(second); });
-  } catch (...) {
-    // No thread to be had: in turn, after the first.
-  }
-  ncclCommAbort(first);
-  if (other.joinable()) {
-    other.join();
-  } else {
-    ncclCommAbort(second);
-  }
-}
-
 class NcclBackend : public Backend {
  public:
   NcclBackend(CallSite& site, const ProcessGroupOptions& options)
       : Backend(site), store_(options.store), talks_(size() > 1 || single_rank_nccl_for_tests()) {
-    if (cuda::device_count() <= options.device.index) {
-      fail(StatusCode::kDevice, "the NCCL backend needs ", to_string(options.device), " but ", cuda::device_count(),
-           " GPU(s) are present (", cuda::unavailable_reason(), ")");
-    }
+    if (std::optional<Error> why = nccl_availability(options.device)) throw Error(*why);
     prefix_ = claim_key_prefix(store_, "pg");
     // One rank has nobody to send headers or rounds to: no control communicator.
     std::vector<std::string> keys = {prefix_ + "nccl_id"};
@@ -153,7 +95,14 @@ class NcclBackend : public Backend {
 
   const char* name() const override { return "nccl"; }
 
-  DeviceType tensor_device_type() const override { return DeviceType::kCuda; }
+  BackendCapabilities capabilities() const override {
+    BackendCapabilities caps;
+    caps.transfer_stream = true;
+    caps.control_stream = talks_;
+    caps.tensor_device = DeviceType::kCuda;
+    caps.threads = ThreadModel::kQueuesOnStream;
+    return caps;
+  }
   void* transfer_stream() const override { return data_.stream; }
   void* control_stream() const override { return talks_ ? control_.stream : nullptr; }
 
@@ -338,11 +287,7 @@ class NcclBackend : public Backend {
   Channel& channel_of_call() { return talks_ && current_call_tag().owner == kLaneRoundOwner ? control_ : data_; }
 
   void check_nccl(ncclResult_t rc, const char* call) const {
-    if (rc != ncclSuccess && rc != ncclInProgress) fail(nccl::status_of(rc), call, " failed: ", nccl_error(rc));
-  }
-
-  static std::string nccl_error(ncclResult_t rc) {
-    return str_cat(ncclGetErrorString(rc), " (", ncclGetLastError(nullptr), ")");
+    if (rc != ncclSuccess && rc != ncclInProgress) fail(cuda::nccl_status(rc), call, " failed: ", nccl::error_text(rc));
   }
 
   // A CUDA failure mid-collective leaves the ranks out of step: the communicator goes.
@@ -377,10 +322,10 @@ class NcclBackend : public Backend {
       wait(ch, deadline, false, exchanged);
     } else if (rc != ncclSuccess) {
       abort_comm();
-      fail(nccl::status_of(rc),
+      fail(cuda::nccl_status(rc),
            in_call_ ? str_cat(call_kind_name(current_.header.kind), " of ", describe_call(current_))
                     : std::string("creating the NCCL communicator"),
-           " on rank ", rank(), " of ", size(), ": ", call, " failed: ", nccl_error(rc));
+           " on rank ", rank(), " of ", size(), ": ", call, " failed: ", nccl::error_text(rc));
     }
   }
 
@@ -390,7 +335,7 @@ class NcclBackend : public Backend {
   }
   // Both communicators go together: a call waits on either.
   void abort_comm_locked() noexcept {
-    abort_together(data_.comm, control_.comm, kFinalizeBound);
+    nccl::abort_together(data_.comm, control_.comm, kFinalizeBound);
     data_.comm = control_.comm = nullptr;
   }
 
@@ -485,8 +430,8 @@ class NcclBackend : public Backend {
                           " ms of its call (the wait for this rank's stream included)");
           break;
         case QueuedWatch::Failure::Kind::kAsyncError:
-          cause =
-              str_cat("had not finished when the communicator failed: ", nccl_error(static_cast<ncclResult_t>(f.code)));
+          cause = str_cat("had not finished when the communicator failed: ",
+                          nccl::error_text(static_cast<ncclResult_t>(f.code)));
           break;
         case QueuedWatch::Failure::Kind::kEventError:
           cause = str_cat("failed on the device: ", cudaGetErrorString(static_cast<cudaError_t>(f.code)));
@@ -586,8 +531,8 @@ class NcclBackend : public Backend {
       if (!stream && state == ncclSuccess) return;
       if (state != ncclSuccess && state != ncclInProgress) {
         abort_comm();
-        fail_nccl(nccl::status_of(state), str_cat("nccl: ", nccl_error(state), "; the communicator was aborted"),
-                  exchanged, deadline);
+        fail_nccl(cuda::nccl_status(state),
+                  str_cat("nccl: ", nccl::error_text(state), "; the communicator was aborted"), exchanged, deadline);
       }
       if (Clock::now() >= deadline) {
         abort_comm();
@@ -683,8 +628,8 @@ class NcclBackend : public Backend {
     }
     // The failed ones first: a finalized one's destroy would wait for
     // their kernels too (see abort_together).
-    abort_together(states[0] != ncclSuccess ? channels[0]->comm : nullptr,
-                   states[1] != ncclSuccess ? channels[1]->comm : nullptr, kFinalizeBound);
+    nccl::abort_together(states[0] != ncclSuccess ? channels[0]->comm : nullptr,
+                         states[1] != ncclSuccess ? channels[1]->comm : nullptr, kFinalizeBound);
     for (size_t i = 0; i < 2; ++i) {
       if (channels[i]->comm != nullptr && states[i] == ncclSuccess) ncclCommDestroy(channels[i]->comm);
       channels[i]->comm = nullptr;
