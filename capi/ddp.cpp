@@ -168,9 +168,9 @@ dp_status dp_ddp_create(dp_ddp** out, dp_module* module, dp_process_group* pg, c
   }
   auto handle = std::make_unique<dp_ddp>();
   set_bucket_reduced(options, opts, handle.get());
-  StreamOrder order(capi::module_devices(*m, {pg->group->device()}));
-  handle->reducer = std::make_shared<ddp::Reducer>(m, pg->group, std::move(options));
-  order.finish();
+  handle->reducer = capi::in_stream_order(capi::module_devices(*m, {pg->group->device()}), [&] {
+    return std::make_shared<ddp::Reducer>(m, pg->group, std::move(options));
+  });
   if (out == nullptr) fail(StatusCode::kInternal, "a dp_ddp was made for a NULL 'out'");
   *out = handle.release();
   DP_API_END
@@ -180,9 +180,7 @@ dp_status dp_ddp_pre_forward(dp_ddp* ddp) {
   DP_API_BEGIN
   // Every tensor a dp_ddp touches after create is on its group's device.
   ddp::Reducer& reducer = ddp_arg(ddp);
-  StreamOrder order({reducer.device()});
-  reducer.pre_forward();
-  order.finish();
+  capi::in_stream_order({reducer.device()}, [&] { reducer.pre_forward(); });
   DP_API_END
 }
 
@@ -211,9 +209,7 @@ dp_status dp_ddp_finish_backward(dp_ddp* ddp) {
   // Gradients accumulated by unsynced backwards, or left unmarked, are read
   // here: after the finishing thread's stream has written them.
   ddp::Reducer& reducer = ddp_arg(ddp);
-  StreamOrder order({reducer.device()});
-  reducer.finish_backward();
-  order.finish();
+  capi::in_stream_order({reducer.device()}, [&] { reducer.finish_backward(); });
   DP_API_END
 }
 
@@ -236,7 +232,6 @@ dp_status dp_ddp_join(dp_ddp* const* ddps, size_t n) {
 dp_status dp_ddp_parameter_used(const dp_ddp* ddp, size_t param_index, int* out) {
   DP_API_BEGIN
   capi::require_arg(out, "out");
-  *out = 0;
   *out = ddp_arg(ddp, false).parameter_used(param_index) ? 1 : 0;
   DP_API_END
 }
