@@ -10,7 +10,7 @@
 
 using namespace dparallel;
 
-#define DP_CHECK_HOOK_CODE(id, code, name, c_name) static_assert(c_name == static_cast<int32_t>(ddp::HookKind::id));
+#define DP_CHECK_HOOK_CODE(id, code, name, c_name) static_assert((c_name) == static_cast<int32_t>(ddp::HookKind::id));
 DP_COMM_HOOKS(DP_CHECK_HOOK_CODE)
 #undef DP_CHECK_HOOK_CODE
 

@@ -80,6 +80,7 @@ TEST(CallKindNames, EveryCallKindHasADistinctNonEmptyName) {
 #undef DP_CALL_KIND_VALUE
   };
   std::vector<std::string> names;
+  names.reserve(all.size());
   for (dist::CallKind kind : all) names.emplace_back(dist::call_kind_name(static_cast<uint32_t>(kind)));
   expect_distinct_names(names, "unknown collective");
 }
