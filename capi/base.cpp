@@ -27,7 +27,9 @@ static_assert(DP_EUNSUPPORTED == static_cast<int32_t>(StatusCode::kUnsupported))
 static_assert(DP_EINTERNAL == static_cast<int32_t>(StatusCode::kInternal));
 static_assert(DP_DEVICE_CPU == static_cast<int32_t>(DeviceType::kCpu));
 static_assert(DP_DEVICE_CUDA == static_cast<int32_t>(DeviceType::kCuda));
-static_assert(DP_BOOL == static_cast<int32_t>(DType::kBool) && DP_BFLOAT16 == static_cast<int32_t>(DType::kBFloat16));
+#define DP_CHECK_DTYPE_CODE(id, code, name, size, c_name) static_assert((c_name) == static_cast<int32_t>(DType::id));
+DP_DTYPES(DP_CHECK_DTYPE_CODE)
+#undef DP_CHECK_DTYPE_CODE
 
 extern "C" {
 

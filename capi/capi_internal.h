@@ -7,6 +7,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "capi/struct_fields.h"
@@ -70,6 +71,39 @@ bool destroy_allowed(const Handle* handle, const char* function) noexcept {
 template <typename T>
 void require_arg(const T* pointer, const char* name) {
   if (pointer == nullptr) null_argument(name);
+}
+
+// An entry point's handle out-parameter, first thing: it must not be NULL,
+// and *out is NULL from here until the call succeeds (dp_base.h).
+template <typename Handle>
+void clear_out(Handle** out, const char* name) {
+  require_arg(out, name);
+  *out = nullptr;
+}
+
+// A stream of the library's besides the library stream that reads the
+// host's tensors (a process group's transfer stream: transfer_stream_of).
+struct OtherStream {
+  Device device;
+  void* stream = nullptr;
+};
+
+// Runs `work`, an entry point's device work on `devices`, in the host's
+// stream order (core/stream.h): after the work on the host's current
+// streams (on the library stream and on `also`), and those streams following
+// it once it returned. Returns what `work` returns.
+template <typename Work>
+std::invoke_result_t<Work&> in_stream_order(const std::vector<Device>& devices, Work&& work, OtherStream also = {}) {
+  StreamOrder order(devices);
+  if (also.stream != nullptr) order.also_order(also.device, also.stream);
+  if constexpr (std::is_void_v<std::invoke_result_t<Work&>>) {
+    work();
+    order.finish();
+  } else {
+    std::invoke_result_t<Work&> result = work();
+    order.finish();
+    return result;
+  }
 }
 
 const Tensor& tensor_arg(const dp_tensor* handle, const std::string& name);

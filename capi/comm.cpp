@@ -25,9 +25,8 @@ dp_status dp_broadcast(const dp_tensor* tensor, const dp_device* devices, size_t
   const Tensor& source = capi::tensor_arg(tensor, "tensor");
   if (ndevices == 0) fail_invalid("argument 'ndevices' is 0: broadcast needs at least one device");
   std::vector<Device> targets = capi::devices_arg(devices, ndevices, "devices");
-  StreamOrder order(capi::devices_of({source}, targets));
-  std::vector<Tensor> copies = comm::broadcast(source, targets);
-  order.finish();
+  std::vector<Tensor> copies =
+      capi::in_stream_order(capi::devices_of({source}, targets), [&] { return comm::broadcast(source, targets); });
   capi::export_tensors(copies, out);
   DP_API_END
 }
@@ -40,9 +39,8 @@ dp_status dp_broadcast_coalesced(const dp_tensor* const* tensors, size_t ntensor
   require_out(out, ndevices * ntensors, "out");
   std::vector<Tensor> inputs = capi::tensors_arg(tensors, ntensors, "tensors");
   std::vector<Device> targets = capi::devices_arg(devices, ndevices, "devices");
-  StreamOrder order(capi::devices_of(inputs, targets));
-  std::vector<std::vector<Tensor>> copies = comm::broadcast_coalesced(inputs, targets, buffer_size);
-  order.finish();
+  std::vector<std::vector<Tensor>> copies = capi::in_stream_order(
+      capi::devices_of(inputs, targets), [&] { return comm::broadcast_coalesced(inputs, targets, buffer_size); });
   std::vector<Tensor> flat;
   for (auto& per_device : copies) {
     for (auto& t : per_device) flat.push_back(std::move(t));
@@ -53,14 +51,12 @@ dp_status dp_broadcast_coalesced(const dp_tensor* const* tensors, size_t ntensor
 
 dp_status dp_reduce_add(const dp_tensor* const* inputs, size_t ninputs, dp_device destination, dp_tensor** out) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  capi::clear_out(out, "out");
   if (ninputs == 0) fail_invalid("argument 'ninputs' is 0: reduce_add needs at least one input");
   std::vector<Tensor> tensors = capi::tensors_arg(inputs, ninputs, "inputs");
   Device dest = capi::device_arg(destination, "destination");
-  StreamOrder order(capi::devices_of(tensors, {dest}));
-  Tensor sum = comm::reduce_add(tensors, dest);
-  order.finish();
+  Tensor sum =
+      capi::in_stream_order(capi::devices_of(tensors, {dest}), [&] { return comm::reduce_add(tensors, dest); });
   *out = capi::new_tensor_handle(sum);
   DP_API_END
 }
@@ -78,9 +74,8 @@ dp_status dp_reduce_add_coalesced(const dp_tensor* const* inputs, size_t ndevice
     lists[d].assign(all.begin() + static_cast<std::ptrdiff_t>(d * ntensors),
                     all.begin() + static_cast<std::ptrdiff_t>((d + 1) * ntensors));
   }
-  StreamOrder order(capi::devices_of(all, {dest}));
-  std::vector<Tensor> sums = comm::reduce_add_coalesced(lists, dest, buffer_size);
-  order.finish();
+  std::vector<Tensor> sums = capi::in_stream_order(
+      capi::devices_of(all, {dest}), [&] { return comm::reduce_add_coalesced(lists, dest, buffer_size); });
   capi::export_tensors(sums, out);
   DP_API_END
 }
@@ -95,9 +90,8 @@ dp_status dp_scatter(const dp_tensor* tensor, const dp_device* devices, size_t n
   std::vector<Device> targets = capi::devices_arg(devices, ndevices, "devices");
   std::vector<int64_t> sizes;
   if (chunk_sizes != nullptr) sizes.assign(chunk_sizes, chunk_sizes + ndevices);
-  StreamOrder order(capi::devices_of({source}, targets));
-  std::vector<Tensor> chunks = comm::scatter(source, targets, sizes, dim);
-  order.finish();
+  std::vector<Tensor> chunks = capi::in_stream_order(capi::devices_of({source}, targets),
+                                                     [&] { return comm::scatter(source, targets, sizes, dim); });
   capi::export_tensors(chunks, out);
   *out_count = chunks.size();
   DP_API_END
@@ -106,14 +100,12 @@ dp_status dp_scatter(const dp_tensor* tensor, const dp_device* devices, size_t n
 dp_status dp_gather(const dp_tensor* const* tensors, size_t ntensors, int32_t dim, dp_device destination,
                     dp_tensor** out) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  capi::clear_out(out, "out");
   if (ntensors == 0) fail_invalid("argument 'ntensors' is 0: gather needs at least one tensor");
   std::vector<Tensor> inputs = capi::tensors_arg(tensors, ntensors, "tensors");
   Device dest = capi::device_arg(destination, "destination");
-  StreamOrder order(capi::devices_of(inputs, {dest}));
-  Tensor gathered = comm::gather(inputs, dim, dest);
-  order.finish();
+  Tensor gathered =
+      capi::in_stream_order(capi::devices_of(inputs, {dest}), [&] { return comm::gather(inputs, dim, dest); });
   *out = capi::new_tensor_handle(gathered);
   DP_API_END
 }

@@ -2,6 +2,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <iterator>
 
 #include "capi/dist_internal.h"
 #include "ddp/reducer.h"
@@ -9,7 +10,9 @@
 
 using namespace dparallel;
 
-static_assert(DP_HOOK_CUSTOM == static_cast<int32_t>(ddp::HookKind::kCustom));
+#define DP_CHECK_HOOK_CODE(id, code, name, c_name) static_assert((c_name) == static_cast<int32_t>(ddp::HookKind::id));
+DP_COMM_HOOKS(DP_CHECK_HOOK_CODE)
+#undef DP_CHECK_HOOK_CODE
 
 constexpr uint64_t kDdpTag = 0x6470'6464'7021'2121ull;  // "dpddp!!!"
 
@@ -66,6 +69,17 @@ std::vector<std::string> names_arg(const char* const* names, size_t count, const
   return out;
 }
 
+ddp::HookKind hook_arg(int32_t code, const char* name) {
+  const auto count = static_cast<int32_t>(std::size(ddp::kHookKinds));
+  if (code < 0 || code >= count) {
+    std::string names;
+    for (int32_t i = 0; i < count; ++i)
+      names += str_cat(i == 0 ? "" : i + 1 == count ? " or " : ", ", ddp::kHookKinds[i].c_name);
+    fail_invalid("argument '", name, "' is ", code, "; it must be ", names, " (0..", count - 1, ")");
+  }
+  return static_cast<ddp::HookKind>(code);
+}
+
 // Fills `options`; whether the creation makes collectives (init_sync, a
 // bucket plan) is set first, so that it is known when a later field is bad.
 void options_arg(const dp_ddp_options* opts, const std::shared_ptr<dist::ProcessGroup>& group,
@@ -84,11 +98,7 @@ void options_arg(const dp_ddp_options* opts, const std::shared_ptr<dist::Process
   options.find_unused_parameters = o.find_unused_parameters != 0;
   options.ignored_modules = names_arg(o.ignored_modules, o.num_ignored_modules, "opts->ignored_modules");
   options.ignored_parameters = names_arg(o.ignored_parameters, o.num_ignored_parameters, "opts->ignored_parameters");
-  if (o.comm_hook < DP_HOOK_ALLREDUCE || o.comm_hook > DP_HOOK_CUSTOM) {
-    fail_invalid("argument 'opts->comm_hook' is ", o.comm_hook,
-                 "; it must be DP_HOOK_ALLREDUCE, DP_HOOK_FP16, DP_HOOK_BF16 or DP_HOOK_CUSTOM (0..3)");
-  }
-  options.hook = static_cast<ddp::HookKind>(o.comm_hook);
+  options.hook = hook_arg(o.comm_hook, "opts->comm_hook");
   options.static_graph = o.static_graph != 0;
   options.join_divide_by_initial_world_size = o.join_divide_by_initial_world_size != 0;
   if (options.hook == ddp::HookKind::kCustom) {
@@ -158,9 +168,9 @@ dp_status dp_ddp_create(dp_ddp** out, dp_module* module, dp_process_group* pg, c
   }
   auto handle = std::make_unique<dp_ddp>();
   set_bucket_reduced(options, opts, handle.get());
-  StreamOrder order(capi::module_devices(*m, {pg->group->device()}));
-  handle->reducer = std::make_shared<ddp::Reducer>(m, pg->group, std::move(options));
-  order.finish();
+  handle->reducer = capi::in_stream_order(capi::module_devices(*m, {pg->group->device()}), [&] {
+    return std::make_shared<ddp::Reducer>(m, pg->group, std::move(options));
+  });
   if (out == nullptr) fail(StatusCode::kInternal, "a dp_ddp was made for a NULL 'out'");
   *out = handle.release();
   DP_API_END
@@ -170,9 +180,7 @@ dp_status dp_ddp_pre_forward(dp_ddp* ddp) {
   DP_API_BEGIN
   // Every tensor a dp_ddp touches after create is on its group's device.
   ddp::Reducer& reducer = ddp_arg(ddp);
-  StreamOrder order({reducer.device()});
-  reducer.pre_forward();
-  order.finish();
+  capi::in_stream_order({reducer.device()}, [&] { reducer.pre_forward(); });
   DP_API_END
 }
 
@@ -201,9 +209,7 @@ dp_status dp_ddp_finish_backward(dp_ddp* ddp) {
   // Gradients accumulated by unsynced backwards, or left unmarked, are read
   // here: after the finishing thread's stream has written them.
   ddp::Reducer& reducer = ddp_arg(ddp);
-  StreamOrder order({reducer.device()});
-  reducer.finish_backward();
-  order.finish();
+  capi::in_stream_order({reducer.device()}, [&] { reducer.finish_backward(); });
   DP_API_END
 }
 
@@ -226,7 +232,6 @@ dp_status dp_ddp_join(dp_ddp* const* ddps, size_t n) {
 dp_status dp_ddp_parameter_used(const dp_ddp* ddp, size_t param_index, int* out) {
   DP_API_BEGIN
   capi::require_arg(out, "out");
-  *out = 0;
   *out = ddp_arg(ddp, false).parameter_used(param_index) ? 1 : 0;
   DP_API_END
 }

@@ -12,8 +12,10 @@ using namespace dparallel;
 
 static_assert(DP_BACKEND_NCCL == static_cast<int32_t>(dist::BackendChoice::kNccl) &&
               DP_BACKEND_SHM == static_cast<int32_t>(dist::BackendChoice::kShm));
-static_assert(DP_PROD == static_cast<int32_t>(dist::ReduceOp::kProd) &&
-              DP_AVG == static_cast<int32_t>(dist::ReduceOp::kAvg));
+#define DP_CHECK_REDUCE_OP_CODE(id, code, name, c_name) \
+  static_assert((c_name) == static_cast<int32_t>(dist::ReduceOp::id));
+DP_REDUCE_OPS(DP_CHECK_REDUCE_OP_CODE)
+#undef DP_CHECK_REDUCE_OP_CODE
 
 namespace dparallel::capi {
 
@@ -200,8 +202,7 @@ extern "C" {
 
 dp_status dp_store_create_file(dp_store** out, const char* path, int32_t world_size) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  capi::clear_out(out, "out");
   capi::require_arg(path, "path");
   auto store = std::make_shared<dist::FileStore>(path, world_size);
   *out = new dp_store{kStoreTag, store};
@@ -211,8 +212,7 @@ dp_status dp_store_create_file(dp_store** out, const char* path, int32_t world_s
 dp_status dp_store_create_tcp(dp_store** out, const char* host, uint16_t port, int32_t world_size, int is_server,
                               int32_t timeout_ms) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  capi::clear_out(out, "out");
   capi::require_arg(host, "host");
   if (world_size <= 0) fail_invalid("argument 'world_size' is ", world_size, "; it must be >= 1");
   dist::TcpStoreOptions options;
@@ -303,8 +303,7 @@ dp_status dp_process_group_options_init(dp_process_group_options* opts, size_t s
 
 dp_status dp_process_group_create(dp_process_group** out, const dp_process_group_options* opts) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  capi::clear_out(out, "out");
   capi::require_arg(opts, "opts");
   *out = new_group(options_arg(opts), dist::RankSource::kOptions);
   DP_API_END
@@ -312,8 +311,7 @@ dp_status dp_process_group_create(dp_process_group** out, const dp_process_group
 
 dp_status dp_process_group_create_from_env(dp_process_group** out, const dp_process_group_options* opts) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  capi::clear_out(out, "out");
   *out = new_group(options_arg(opts), dist::RankSource::kLaunchEnv);
   DP_API_END
 }

@@ -40,5 +40,10 @@ dist::Store& store_arg(const dp_store* handle, const char* name);
 dist::ProcessGroup& group_arg(const dp_process_group* handle, const char* name);
 // kState naming `name` when `origin` is another process (this is a forked child).
 void check_origin(const ProcessOrigin& origin, const char* name);
+// The group's own transfer stream (NCCL's; none for others), for
+// in_stream_order when the group's collectives read the host's tensors.
+inline OtherStream transfer_stream_of(const dist::ProcessGroup& group) {
+  return {group.device(), group.transfer_stream()};
+}
 
 }  // namespace dparallel::capi

@@ -82,8 +82,7 @@ extern "C" {
 
 dp_status dp_tensor_from_dlpack(dp_tensor** out, DLManagedTensor* managed) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  capi::clear_out(out, "out");
   capi::require_arg(managed, "managed");
   const DLTensor& dl = managed->dl_tensor;
   if (dl.ndim < 0 || dl.ndim > kMaxNdim) fail_invalid("DLPack tensor has ndim ", dl.ndim, "; expected 0..", kMaxNdim);
@@ -117,8 +116,7 @@ dp_status dp_tensor_from_dlpack(dp_tensor** out, DLManagedTensor* managed) {
 
 dp_status dp_tensor_to_dlpack(const dp_tensor* tensor, DLManagedTensor** out) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  capi::clear_out(out, "out");
   const Tensor& t = capi::tensor_arg(tensor, "tensor");
   auto exported = std::make_unique<Exported>();
   exported->tensor = t;

@@ -105,10 +105,9 @@ dp_status dp_fsdp_create(dp_fsdp** out, dp_module* module, dp_process_group* pg,
     if (!m) m = std::make_shared<Module>();
   }
   auto handle = std::make_unique<dp_fsdp>();
-  StreamOrder order(capi::module_devices(*m, {pg->group->device()}));
-  order_transfers(order, *pg->group);
-  handle->sharding = fsdp::FullyShard::create(m, pg->group, options);
-  order.finish();
+  handle->sharding = capi::in_stream_order(
+      capi::module_devices(*m, {pg->group->device()}), [&] { return fsdp::FullyShard::create(m, pg->group, options); },
+      capi::transfer_stream_of(*pg->group));
   if (out == nullptr) fail(StatusCode::kInternal, "a dp_fsdp was made for a NULL 'out'");
   *out = handle.release();
   DP_API_END
@@ -175,24 +174,21 @@ size_t dp_fsdp_num_parameters(const dp_fsdp* fsdp) {
 
 dp_status dp_fsdp_parameter_name(const dp_fsdp* fsdp, size_t index, const char** out) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  capi::clear_out(out, "out");
   *out = fsdp_arg(fsdp).parameter_name(index).c_str();
   DP_API_END
 }
 
 dp_status dp_fsdp_shard(const dp_fsdp* fsdp, size_t index, dp_tensor** out) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  capi::clear_out(out, "out");
   *out = capi::new_tensor_handle(fsdp_arg(fsdp).shard(index));
   DP_API_END
 }
 
 dp_status dp_fsdp_shard_grad(const dp_fsdp* fsdp, size_t index, dp_tensor** out) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  capi::clear_out(out, "out");
   *out = capi::new_tensor_handle(fsdp_arg(fsdp).shard_grad(index));
   DP_API_END
 }
@@ -209,10 +205,9 @@ dp_status dp_fsdp_save_full_state_dict(dp_module* module, dp_process_group* pg, 
   } catch (const Error& e) {
     fsdp::refuse_full_state_dict_save(m, group, e.what());
   }
-  StreamOrder order(capi::module_devices(m, {group.device()}));
-  order_transfers(order, group);
-  fsdp::save_full_state_dict(m, group, file);
-  order.finish();
+  capi::in_stream_order(
+      capi::module_devices(m, {group.device()}), [&] { fsdp::save_full_state_dict(m, group, file); },
+      capi::transfer_stream_of(group));
   DP_API_END
 }
 
@@ -220,9 +215,7 @@ dp_status dp_fsdp_load_full_state_dict(dp_module* module, const char* path, int 
   DP_API_BEGIN
   Module& m = *capi::module_arg(module, "module");
   std::string file = capi::string_arg(path, "path");
-  StreamOrder order(capi::module_devices(m));
-  fsdp::load_full_state_dict(m, file, strict != 0);
-  order.finish();
+  capi::in_stream_order(capi::module_devices(m), [&] { fsdp::load_full_state_dict(m, file, strict != 0); });
   DP_API_END
 }
 
@@ -237,10 +230,9 @@ dp_status dp_fsdp_save_sharded_state_dict(dp_module* module, dp_process_group* p
   } catch (const Error& e) {
     refusal = e.what();
   }
-  StreamOrder order(capi::module_devices(m, {group.device()}));
-  order_transfers(order, group);
-  fsdp::save_sharded_state_dict(m, group, dir, refusal);
-  order.finish();
+  capi::in_stream_order(
+      capi::module_devices(m, {group.device()}), [&] { fsdp::save_sharded_state_dict(m, group, dir, refusal); },
+      capi::transfer_stream_of(group));
   DP_API_END
 }
 
@@ -254,9 +246,7 @@ dp_status dp_fsdp_load_sharded_state_dict(dp_module* module, const char* folder)
   } catch (const Error& e) {
     refusal = e.what();
   }
-  StreamOrder order(capi::module_devices(m));
-  fsdp::load_sharded_state_dict(m, dir, refusal);
-  order.finish();
+  capi::in_stream_order(capi::module_devices(m), [&] { fsdp::load_sharded_state_dict(m, dir, refusal); });
   DP_API_END
 }
 

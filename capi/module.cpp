@@ -15,8 +15,7 @@ Tensor optional_tensor(const dp_tensor* value) {
 dp_tensor* tensor_or_null(const Tensor& tensor) { return tensor.defined() ? capi::new_tensor_handle(tensor) : nullptr; }
 
 const Module& checked_module(const dp_module* module, dp_tensor** out) {
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  capi::clear_out(out, "out");
   return *capi::module_arg(module, "module");
 }
 
@@ -26,8 +25,7 @@ extern "C" {
 
 dp_status dp_module_create(dp_module** out) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  capi::clear_out(out, "out");
   *out = capi::new_module_handle(std::make_shared<Module>());
   DP_API_END
 }
@@ -105,8 +103,7 @@ dp_status dp_module_get_buffer(const dp_module* module, const char* dotted_name,
 
 dp_status dp_module_get_module(const dp_module* module, const char* dotted_name, dp_module** out) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  capi::clear_out(out, "out");
   const auto& m = capi::module_arg(module, "module");
   std::string name = capi::string_arg(dotted_name, "dotted_name");
   auto found = name.empty() ? m : m->get_module(name);
@@ -176,9 +173,7 @@ dp_status dp_module_save(const dp_module* module, const char* path) {
   DP_API_BEGIN
   Module& m = *capi::module_arg(module, "module");
   std::string file = capi::string_arg(path, "path");
-  StreamOrder order(capi::module_devices(m));
-  save_module(m, file);
-  order.finish();
+  capi::in_stream_order(capi::module_devices(m), [&] { save_module(m, file); });
   DP_API_END
 }
 
@@ -186,9 +181,7 @@ dp_status dp_module_load(dp_module* module, const char* path, int strict) {
   DP_API_BEGIN
   Module& m = *capi::module_arg(module, "module");
   std::string file = capi::string_arg(path, "path");
-  StreamOrder order(capi::module_devices(m));
-  load_module(m, file, strict != 0);
-  order.finish();
+  capi::in_stream_order(capi::module_devices(m), [&] { load_module(m, file, strict != 0); });
   DP_API_END
 }
 

@@ -54,9 +54,8 @@ dp_status dp_parallel_apply(dp_module* const* replicas, dp_tensor* const* inputs
   if (devices != nullptr) targets = capi::devices_arg(devices, n, "devices");
   std::vector<Device> touched = capi::devices_of(tensors, targets);
   for (const ModulePtr& m : modules) touched = capi::module_devices(*m, touched);
-  StreamOrder order(touched);
-  std::vector<Tensor> outputs = parallel_apply(modules, tensors, targets, wrap_forward(fn, user_data));
-  order.finish();
+  std::vector<Tensor> outputs = capi::in_stream_order(
+      touched, [&] { return parallel_apply(modules, tensors, targets, wrap_forward(fn, user_data)); });
   capi::export_tensors(outputs, out);
   DP_API_END
 }
@@ -64,8 +63,7 @@ dp_status dp_parallel_apply(dp_module* const* replicas, dp_tensor* const* inputs
 dp_status dp_data_parallel(dp_module* module, dp_tensor* input, const dp_device* devices, size_t ndevices,
                            dp_device output_device, int32_t dim, dp_forward_fn fn, void* user_data, dp_tensor** out) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  capi::clear_out(out, "out");
   if (fn == nullptr) capi::null_argument("fn");
   const ModulePtr& m = capi::module_arg(module, "module");
   const Tensor& x = capi::tensor_arg(input, "input");
@@ -74,9 +72,8 @@ dp_status dp_data_parallel(dp_module* module, dp_tensor* input, const dp_device*
   Device destination = capi::device_arg(output_device, "output_device");
   std::vector<Device> touched = capi::module_devices(*m, capi::devices_of({x}, targets));
   touched.push_back(destination);
-  StreamOrder order(touched);
-  Tensor output = data_parallel(m, x, targets, destination, dim, wrap_forward(fn, user_data));
-  order.finish();
+  Tensor output = capi::in_stream_order(
+      touched, [&] { return data_parallel(m, x, targets, destination, dim, wrap_forward(fn, user_data)); });
   *out = capi::new_tensor_handle(output);
   DP_API_END
 }
@@ -84,17 +81,15 @@ dp_status dp_data_parallel(dp_module* module, dp_tensor* input, const dp_device*
 dp_status dp_replica_set_apply(dp_replica_set* set, dp_tensor* input, int32_t dim, dp_device output_device,
                                dp_forward_fn fn, void* user_data, dp_tensor** out) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  capi::clear_out(out, "out");
   if (fn == nullptr) capi::null_argument("fn");
   ReplicaSet& s = capi::replica_set_arg(set, "set");
   const Tensor& x = capi::tensor_arg(input, "input");
   Device destination = capi::device_arg(output_device, "output_device");
   std::vector<Device> touched = capi::module_devices(*s.module(), capi::devices_of({x}, s.devices()));
   touched.push_back(destination);
-  StreamOrder order(touched);
-  Tensor output = replica_set_apply(s, x, dim, destination, wrap_forward(fn, user_data));
-  order.finish();
+  Tensor output = capi::in_stream_order(
+      touched, [&] { return replica_set_apply(s, x, dim, destination, wrap_forward(fn, user_data)); });
   *out = capi::new_tensor_handle(output);
   DP_API_END
 }

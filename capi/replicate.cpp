@@ -13,9 +13,8 @@ dp_status dp_replicate(const dp_module* module, const dp_device* devices, size_t
   for (size_t i = 0; i < ndevices; ++i) out[i] = nullptr;
   Module& m = *capi::module_arg(module, "module");
   std::vector<Device> targets = capi::devices_arg(devices, ndevices, "devices");
-  StreamOrder order(capi::module_devices(m, targets));
-  std::vector<ModulePtr> replicas = replicate(m, targets, detach != 0);
-  order.finish();
+  std::vector<ModulePtr> replicas =
+      capi::in_stream_order(capi::module_devices(m, targets), [&] { return replicate(m, targets, detach != 0); });
   capi::export_modules(replicas, out);
   DP_API_END
 }
@@ -26,22 +25,18 @@ dp_status dp_reduce_gradients(dp_module* const* replicas, size_t nreplicas, dp_m
   Module& destination = *capi::module_arg(target, "target");
   std::vector<Device> devices = capi::module_devices(destination);
   for (const ModulePtr& source : sources) devices = capi::module_devices(*source, devices);
-  StreamOrder order(devices);
-  reduce_gradients(sources, destination);
-  order.finish();
+  capi::in_stream_order(devices, [&] { reduce_gradients(sources, destination); });
   DP_API_END
 }
 
 dp_status dp_replica_set_create(dp_replica_set** out, dp_module* module, const dp_device* devices, size_t ndevices) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  capi::clear_out(out, "out");
   const ModulePtr& m = capi::module_arg(module, "module");
   std::vector<Device> targets = capi::devices_arg(devices, ndevices, "devices");
   auto handle = std::make_unique<dp_replica_set>();
-  StreamOrder order(capi::module_devices(*m, targets));
-  handle->set = std::make_unique<ReplicaSet>(m, targets);
-  order.finish();
+  capi::in_stream_order(capi::module_devices(*m, targets),
+                        [&] { handle->set = std::make_unique<ReplicaSet>(m, targets); });
   *out = handle.release();
   DP_API_END
 }
@@ -49,16 +44,13 @@ dp_status dp_replica_set_create(dp_replica_set** out, dp_module* module, const d
 dp_status dp_replica_set_sync(dp_replica_set* set) {
   DP_API_BEGIN
   ReplicaSet& s = capi::replica_set_arg(set, "set");
-  StreamOrder order(capi::module_devices(*s.module(), s.devices()));
-  s.sync();
-  order.finish();
+  capi::in_stream_order(capi::module_devices(*s.module(), s.devices()), [&] { s.sync(); });
   DP_API_END
 }
 
 dp_status dp_replica_set_replica(const dp_replica_set* set, size_t index, dp_module** out) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  capi::clear_out(out, "out");
   *out = capi::new_module_handle(capi::replica_set_arg(set, "set").replica(index));
   DP_API_END
 }
@@ -66,9 +58,7 @@ dp_status dp_replica_set_replica(const dp_replica_set* set, size_t index, dp_mod
 dp_status dp_replica_set_reduce_gradients(dp_replica_set* set) {
   DP_API_BEGIN
   ReplicaSet& s = capi::replica_set_arg(set, "set");
-  StreamOrder order(capi::module_devices(*s.module(), s.devices()));
-  s.reduce_gradients();
-  order.finish();
+  capi::in_stream_order(capi::module_devices(*s.module(), s.devices()), [&] { s.reduce_gradients(); });
   DP_API_END
 }
 

@@ -19,16 +19,14 @@ dp_status dp_set_current_stream(dp_device device, void* stream) {
 
 dp_status dp_get_current_stream(dp_device device, void** out) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  capi::clear_out(out, "out");
   *out = current_stream(capi::device_arg(device, "device"));
   DP_API_END
 }
 
 dp_status dp_stream_create(dp_device device, void** out) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  capi::clear_out(out, "out");
   Device d = capi::device_arg(device, "device");
   *out = device_runtime(d.type).create_stream(d.index);
   DP_API_END

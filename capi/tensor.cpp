@@ -21,8 +21,7 @@ extern "C" {
 
 dp_status dp_tensor_create(dp_tensor** out, int32_t dtype, int32_t ndim, const int64_t* shape, dp_device device) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  capi::clear_out(out, "out");
   DType type = capi::dtype_arg(dtype, "dtype");
   Shape dims = capi::shape_arg(ndim, shape, "shape");
   Device dev = capi::device_arg(device, "device");
@@ -33,8 +32,7 @@ dp_status dp_tensor_create(dp_tensor** out, int32_t dtype, int32_t ndim, const i
 dp_status dp_tensor_from_blob(dp_tensor** out, void* data, int32_t dtype, int32_t ndim, const int64_t* shape,
                               dp_device device, void (*deleter)(void* ctx), void* ctx) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  capi::clear_out(out, "out");
   DType type = capi::dtype_arg(dtype, "dtype");
   Shape dims = capi::shape_arg(ndim, shape, "shape");
   Device dev = capi::device_arg(device, "device");
@@ -66,9 +64,9 @@ dp_status dp_tensor_copy_from_host(dp_tensor* tensor, const void* src, size_t nb
   const Tensor& t = capi::tensor_arg(tensor, "tensor");
   check_byte_count(t, nbytes);
   if (nbytes > 0) capi::require_arg(src, "src");
-  StreamOrder order({t.device()});
-  copy_bytes(t.data(), t.device(), src, Device{DeviceType::kCpu, 0}, nbytes);
-  order.finish();
+  capi::in_stream_order({t.device()}, [&] {
+    copy_bytes(t.data(), t.device(), src, Device{DeviceType::kCpu, 0}, nbytes);
+  });
   DP_API_END
 }
 
@@ -77,9 +75,9 @@ dp_status dp_tensor_copy_to_host(const dp_tensor* tensor, void* dst, size_t nbyt
   const Tensor& t = capi::tensor_arg(tensor, "tensor");
   check_byte_count(t, nbytes);
   if (nbytes > 0) capi::require_arg(dst, "dst");
-  StreamOrder order({t.device()});
-  copy_bytes(dst, Device{DeviceType::kCpu, 0}, t.data(), t.device(), nbytes);
-  order.finish();
+  capi::in_stream_order({t.device()}, [&] {
+    copy_bytes(dst, Device{DeviceType::kCpu, 0}, t.data(), t.device(), nbytes);
+  });
   DP_API_END
 }
 
@@ -130,13 +128,10 @@ void* dp_tensor_data(const dp_tensor* tensor) {
 
 dp_status dp_tensor_to_device(dp_tensor** out, const dp_tensor* tensor, dp_device device) {
   DP_API_BEGIN
-  capi::require_arg(out, "out");
-  *out = nullptr;
+  capi::clear_out(out, "out");
   const Tensor& t = capi::tensor_arg(tensor, "tensor");
   Device dev = capi::device_arg(device, "device");
-  StreamOrder order({t.device(), dev});
-  Tensor copy = t.to(dev);
-  order.finish();
+  Tensor copy = capi::in_stream_order({t.device(), dev}, [&] { return t.to(dev); });
   *out = capi::new_tensor_handle(copy);
   DP_API_END
 }

@@ -5,49 +5,13 @@
 namespace dparallel {
 
 size_t dtype_size(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return 4;
-    case DType::kFloat64:
-      return 8;
-    case DType::kFloat16:
-    case DType::kBFloat16:
-      return 2;
-    case DType::kInt8:
-    case DType::kUInt8:
-      return 1;
-    case DType::kInt32:
-      return 4;
-    case DType::kInt64:
-      return 8;
-    case DType::kBool:
-      return 1;
-  }
-  return 0;
+  const auto code = static_cast<int32_t>(dtype);
+  return dtype_is_valid(code) ? kDTypes[code].size : 0;
 }
 
 const char* dtype_name(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return "float32";
-    case DType::kFloat64:
-      return "float64";
-    case DType::kFloat16:
-      return "float16";
-    case DType::kBFloat16:
-      return "bfloat16";
-    case DType::kInt8:
-      return "int8";
-    case DType::kUInt8:
-      return "uint8";
-    case DType::kInt32:
-      return "int32";
-    case DType::kInt64:
-      return "int64";
-    case DType::kBool:
-      return "bool";
-  }
-  return "unknown";
+  const auto code = static_cast<int32_t>(dtype);
+  return dtype_is_valid(code) ? kDTypes[code].name : "unknown";
 }
 
 DType dtype_from_code(int32_t code, const char* argument) {

@@ -1,22 +1,15 @@
 #include "ddp/comm_hooks.h"
 
+#include <iterator>
+
 #include "core/error.h"
 #include "lane/float_math.h"
 
 namespace dparallel::ddp {
 
 const char* hook_name(HookKind hook) {
-  switch (hook) {
-    case HookKind::kAllReduce:
-      return "allreduce";
-    case HookKind::kFp16:
-      return "fp16";
-    case HookKind::kBf16:
-      return "bf16";
-    case HookKind::kCustom:
-      return "custom";
-  }
-  return "unknown";
+  const auto code = static_cast<size_t>(hook);
+  return code < std::size(kHookKinds) ? kHookKinds[code].name : "unknown";
 }
 
 void reduce_with_builtin_hook(HookKind hook, dist::ProcessGroup& group, const Tensor& flat, int64_t divisor) {

@@ -7,17 +7,8 @@
 namespace dparallel::dist {
 
 const char* call_kind_name(uint32_t kind) {
-  switch (static_cast<CallKind>(kind)) {
-    case CallKind::kAllReduce:
-      return "all_reduce";
-    case CallKind::kBroadcast:
-      return "broadcast";
-    case CallKind::kAllGather:
-      return "all_gather";
-    case CallKind::kReduceScatter:
-      return "reduce_scatter";
-    case CallKind::kBarrier:
-      return "barrier";
+  for (const CallKindInfo& info : kCallKinds) {
+    if (static_cast<uint32_t>(info.kind) == kind) return info.name;
   }
   return "unknown collective";
 }

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <iterator>
 #include <limits>
 #include <thread>
 #include <vector>
@@ -18,25 +19,17 @@
 namespace dparallel::dist {
 
 const char* reduce_op_name(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum:
-      return "sum";
-    case ReduceOp::kAvg:
-      return "avg";
-    case ReduceOp::kMin:
-      return "min";
-    case ReduceOp::kMax:
-      return "max";
-    case ReduceOp::kProd:
-      return "prod";
-  }
-  return "unknown";
+  const auto code = static_cast<size_t>(op);
+  return code < std::size(kReduceOps) ? kReduceOps[code].name : "unknown";
 }
 
 ReduceOp reduce_op_arg(int32_t code, const char* argument) {
-  if (code < 0 || code > static_cast<int32_t>(ReduceOp::kProd)) {
-    fail_invalid("argument '", argument, "' is ", code,
-                 "; it must be DP_SUM, DP_AVG, DP_MIN, DP_MAX or DP_PROD (0..4)");
+  const auto count = static_cast<int32_t>(std::size(kReduceOps));
+  if (code < 0 || code >= count) {
+    std::string names;
+    for (int32_t i = 0; i < count; ++i)
+      names += str_cat(i == 0 ? "" : i + 1 == count ? " or " : ", ", kReduceOps[i].c_name);
+    fail_invalid("argument '", argument, "' is ", code, "; it must be ", names, " (0..", count - 1, ")");
   }
   return static_cast<ReduceOp>(code);
 }
