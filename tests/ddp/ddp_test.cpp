@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -17,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "backends.h"
 #include "process_util.h"
 
 namespace {
@@ -30,9 +32,11 @@ struct Ranks {
 };
 
 // Runs `world` ranks of ddp_worker `scenario` with `env` added ("{dir}" in a
-// value is the run's folder, DP_TEST_DIR); kills them all after `limit`.
+// value is the run's folder, DP_TEST_DIR), and rank r's `rank_env(r)`;
+// kills them all after `limit`.
 Ranks run_ranks(const std::string& scenario, int world, std::vector<std::string> env = {},
-                std::chrono::seconds limit = std::chrono::seconds(60), const char* worker = DP_DDP_WORKER) {
+                std::chrono::seconds limit = std::chrono::seconds(60), const char* worker = DP_DDP_WORKER,
+                const std::function<std::vector<std::string>(int)>& rank_env = nullptr) {
   char dir_template[] = "/tmp/dp_ddp_XXXXXX";
   dptest::RankJob job;
   job.name = scenario;
@@ -44,12 +48,19 @@ Ranks run_ranks(const std::string& scenario, int world, std::vector<std::string>
   job.world = world;
   // Inherited, these would change a scenario.
   job.drop_inherited = [](const std::string& entry) {
-    return entry.rfind("DP_TEST_DIR=", 0) == 0 || entry.rfind("DP_DEBUG=", 0) == 0 ||
-           entry.rfind("DP_TIMELINE=", 0) == 0 || entry.rfind("DP_TEST_SEED=", 0) == 0;
+    for (const char* name :
+         {"DP_TEST_DIR=", "DP_DEBUG=", "DP_TIMELINE=", "DP_TEST_SEED=", "DP_TEST_GROUP_", "DP_SHM=", "DP_HOST_ID="}) {
+      if (entry.rfind(name, 0) == 0) return true;
+    }
+    return false;
   };
-  job.env = [&](int) {
+  job.env = [&](int r) {
     std::vector<std::string> vars = {"DP_TEST_DIR=" + job.dir};
     vars.insert(vars.end(), env.begin(), env.end());
+    if (rank_env) {
+      std::vector<std::string> mine = rank_env(r);
+      vars.insert(vars.end(), mine.begin(), mine.end());
+    }
     return vars;
   };
   job.limit = limit;
@@ -99,19 +110,43 @@ Ranks passing(const std::string& scenario, int world = 2, std::vector<std::strin
 
 TEST(Ddp, StateDictNamesBytesAndStorageUnchangedByWrappingTheNetOrEachLayer) { passing("state_dict"); }
 
-TEST(Ddp, TrainingMatchesFullBatchReferenceOverTwoShuffledIterations) { passing("parity"); }
+// Training against a single process on the full batch, over every backend
+// that carries the worker's cpu tensors (backends.h): at world sizes 2 to 4,
+// and its bucket layouts (DdpParityLayouts) at 2 and 4.
+class DdpParity : public ::testing::TestWithParam<dptest::BackendWorld> {
+ protected:
+  void expect_matches(const std::string& scenario) {
+    const auto [backend, world] = GetParam();
+    DP_SKIP_UNLESS_AVAILABLE(backend, world);
+    Ranks run = run_ranks(scenario, world, {}, std::chrono::seconds(60), DP_DDP_WORKER,
+                          [backend = backend, world = world](int r) { return dptest::rank_env(backend, r, world); });
+    expect_passed(run, scenario, world);
+  }
+};
+class DdpParityLayouts : public DdpParity {};
 
-TEST(Ddp, TrainingMatchesWithFc1Fc2Fc3EachUnderItsOwnDdp) { passing("parity_layers"); }
+INSTANTIATE_TEST_SUITE_P(Backends, DdpParity,
+                         ::testing::ValuesIn(dptest::backend_worlds(dptest::RankKind::kProcesses, {2, 3, 4},
+                                                                    DP_DEVICE_CPU)),
+                         dptest::BackendWorldName());
+INSTANTIATE_TEST_SUITE_P(Backends, DdpParityLayouts,
+                         ::testing::ValuesIn(dptest::backend_worlds(dptest::RankKind::kProcesses, {2, 4},
+                                                                    DP_DEVICE_CPU)),
+                         dptest::BackendWorldName());
 
-TEST(Ddp, TrainingMatchesWithOneMegabyteBucketCap) { passing("parity_cap1"); }
+TEST_P(DdpParity, TrainingMatchesFullBatchReferenceOverTwoShuffledIterations) { expect_matches("parity"); }
 
-TEST(Ddp, TrainingMatchesWithGradientAsBucketView) { passing("parity_view"); }
+TEST_P(DdpParityLayouts, TrainingMatchesWithFc1Fc2Fc3EachUnderItsOwnDdp) { expect_matches("parity_layers"); }
 
-TEST(Ddp, TrainingMatchesWithABucketPerLayer) { passing("parity_small_buckets"); }
+TEST_P(DdpParityLayouts, TrainingMatchesWithOneMegabyteBucketCap) { expect_matches("parity_cap1"); }
 
-TEST(Ddp, TrainingMatchesWithGradientAsBucketViewAndABucketPerLayer) { passing("parity_view_small_buckets"); }
+TEST_P(DdpParityLayouts, TrainingMatchesWithGradientAsBucketView) { expect_matches("parity_view"); }
 
-TEST(Ddp, TrainingMatchesWithThreeRanks) { passing("parity", 3); }
+TEST_P(DdpParityLayouts, TrainingMatchesWithABucketPerLayer) { expect_matches("parity_small_buckets"); }
+
+TEST_P(DdpParityLayouts, TrainingMatchesWithGradientAsBucketViewAndABucketPerLayer) {
+  expect_matches("parity_view_small_buckets");
+}
 
 TEST(Ddp, IgnoredModuleOrParameterKeepsLocalGradientWhileOthersAreAveraged) { passing("ignored"); }
 
