@@ -28,25 +28,19 @@
 #include "test_util.h"
 #include "thread_ranks.h"
 
+using dptest::DdpPtr;
+using dptest::FsdpPtr;
 using dptest::make;
 using dptest::TensorPtr;
 
 namespace {
 
-struct FsdpDeleter {
-  void operator()(dp_fsdp* f) const { dp_fsdp_destroy(f); }
-};
-using FsdpPtr = std::unique_ptr<dp_fsdp, FsdpDeleter>;
 // dp_fsdp_create, owned; null (the failure reported) when it fails.
 FsdpPtr fully_shard(dp_module* m, dp_process_group* pg, const dp_fsdp_options* o = nullptr) {
   dp_fsdp* f = nullptr;
   EXPECT_EQ(dp_fsdp_create(&f, m, pg, o), DP_OK) << dp_last_error();
   return FsdpPtr(f);
 }
-struct DdpDeleter {
-  void operator()(dp_ddp* d) const { dp_ddp_destroy(d); }
-};
-using DdpPtr = std::unique_ptr<dp_ddp, DdpDeleter>;
 
 void run_ranks(int world, int32_t backend, const std::function<void(int, dp_process_group*)>& body,
                int timeout_ms = 60000, bool cuda = false) {
