@@ -202,13 +202,15 @@ TEST(NcclSingleRank, EveryCollectiveOpAndDtypeGoesThroughNcclOnBothChannels) {
   expect_every_collective_op_and_dtype_is_the_identity(pg.get(), version < 22907);
 }
 
-// An async all_reduce (avg) of `a`, all_gather of `a` into `b` and barrier,
-// issued on `pg` in that order; the works are destroyed with it.
+// `n` elements of `dtype` on cuda:0, `a` and `b` (distinct), and an async
+// all_reduce (avg) of `a`, all_gather of `a` into `b` and barrier issued on
+// `pg` in that order; the works are destroyed with it.
 struct IssuedInOrder {
-  IssuedInOrder(dp_process_group* pg, dp_tensor* a, dp_tensor* b) {
-    dp_tensor* outs[1] = {b};
-    DP_EXPECT_OK(dp_pg_all_reduce_async(pg, a, DP_AVG, &all_reduce));
-    DP_EXPECT_OK(dp_pg_all_gather_async(pg, a, outs, 1, &all_gather));
+  IssuedInOrder(dp_process_group* pg, int32_t dtype, size_t n)
+      : in(pattern(dtype, n, 5)), a(gpu_tensor(dtype, n, in)), b(gpu_tensor(dtype, n, pattern(dtype, n, 6))) {
+    dp_tensor* outs[1] = {b.get()};
+    DP_EXPECT_OK(dp_pg_all_reduce_async(pg, a.get(), DP_AVG, &all_reduce));
+    DP_EXPECT_OK(dp_pg_all_gather_async(pg, a.get(), outs, 1, &all_gather));
     DP_EXPECT_OK(dp_pg_barrier_async(pg, &barrier));
   }
   ~IssuedInOrder() {
@@ -216,6 +218,8 @@ struct IssuedInOrder {
   }
   IssuedInOrder(const IssuedInOrder&) = delete;
   IssuedInOrder& operator=(const IssuedInOrder&) = delete;
+  const std::vector<uint8_t> in;  // a's values
+  TensorPtr a, b;
   dp_work* all_reduce = nullptr;
   dp_work* all_gather = nullptr;
   dp_work* barrier = nullptr;
@@ -230,32 +234,26 @@ TEST(NcclSingleRank, AsyncCollectivesThroughNcclFinishInIssueOrder) {
     pg = single_rank_group();
   }
   ASSERT_NE(pg, nullptr);
-  const std::vector<uint8_t> in = pattern(DP_BFLOAT16, 100001, 5);
-  TensorPtr a = gpu_tensor(DP_BFLOAT16, 100001, in);
-  TensorPtr b = gpu_tensor(DP_BFLOAT16, 100001, pattern(DP_BFLOAT16, 100001, 6));
-  IssuedInOrder works(pg.get(), a.get(), b.get());
+  IssuedInOrder works(pg.get(), DP_BFLOAT16, 100001);
   DP_EXPECT_OK(dp_work_wait(works.barrier));
   DP_EXPECT_OK(dp_work_wait(works.all_reduce));
   DP_EXPECT_OK(dp_work_wait(works.all_gather));
-  EXPECT_EQ(bytes_of(a.get()), in);
-  EXPECT_EQ(bytes_of(b.get()), in);
+  EXPECT_EQ(bytes_of(works.a.get()), works.in);
+  EXPECT_EQ(bytes_of(works.b.get()), works.in);
 }
 
 TEST(NcclGroup, AsyncWorkOnTheWorkerThreadKeepsIssueOrder) {
   REQUIRE_GPUS(1);
   GroupPtr pg = single_rank_group();
   ASSERT_NE(pg, nullptr);
-  const std::vector<uint8_t> in = pattern(DP_FLOAT32, 100000, 5);
-  TensorPtr a = gpu_tensor(DP_FLOAT32, 100000, in);
-  TensorPtr b = gpu_tensor(DP_FLOAT32, 100000, pattern(DP_FLOAT32, 100000, 6));
-  IssuedInOrder works(pg.get(), a.get(), b.get());
+  IssuedInOrder works(pg.get(), DP_FLOAT32, 100000);
   DP_EXPECT_OK(dp_work_wait(works.barrier));
   int done = 0;
   DP_EXPECT_OK(dp_work_test(works.all_reduce, &done));
   EXPECT_EQ(done, 1) << "the barrier finished before the all_reduce issued ahead of it";
   DP_EXPECT_OK(dp_work_wait(works.all_reduce));
   DP_EXPECT_OK(dp_work_wait(works.all_gather));
-  EXPECT_EQ(bytes_of(b.get()), in);
+  EXPECT_EQ(bytes_of(works.b.get()), works.in);
 }
 
 TEST(NcclGroup, CpuTensorsAreRejectedNamingTheArgument) {
