@@ -156,6 +156,22 @@ inline std::vector<BackendWorld> backend_worlds(RankKind kind, const std::vector
   return out;
 }
 
+// Every backend once, at the first of `worlds` where it fits: for scenarios
+// whose world size matters less than their cost.
+inline std::vector<BackendWorld> smallest_backend_worlds(RankKind kind, const std::vector<int>& worlds,
+                                                         std::optional<dp_device_type> tensors = std::nullopt) {
+  std::vector<BackendWorld> out;
+  for (const BackendInfo& b : kBackends) {
+    for (int world : worlds) {
+      if (fits(b.backend, world, kind, tensors)) {
+        out.emplace_back(b.backend, world);
+        break;
+      }
+    }
+  }
+  return out;
+}
+
 // "gloo_world2", for test names.
 inline std::string backend_world_name(Backend b, int world) {
   return std::string(backend_name(b)) + "_world" + std::to_string(world);

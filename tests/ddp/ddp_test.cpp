@@ -112,7 +112,8 @@ TEST(Ddp, StateDictNamesBytesAndStorageUnchangedByWrappingTheNetOrEachLayer) { p
 
 // Training against a single process on the full batch, over every backend
 // that carries the worker's cpu tensors (backends.h): at world sizes 2 to 4,
-// and its bucket layouts (DdpParityLayouts) at 2 and 4.
+// and with other bucket layouts (DdpParityLayouts) at each backend's
+// smallest world size.
 class DdpParity : public ::testing::TestWithParam<dptest::BackendWorld> {
  protected:
   void expect_matches(const std::string& scenario) {
@@ -130,8 +131,8 @@ INSTANTIATE_TEST_SUITE_P(Backends, DdpParity,
                                                                     DP_DEVICE_CPU)),
                          dptest::BackendWorldName());
 INSTANTIATE_TEST_SUITE_P(Backends, DdpParityLayouts,
-                         ::testing::ValuesIn(dptest::backend_worlds(dptest::RankKind::kProcesses, {2, 4},
-                                                                    DP_DEVICE_CPU)),
+                         ::testing::ValuesIn(dptest::smallest_backend_worlds(dptest::RankKind::kProcesses, {2, 3, 4},
+                                                                             DP_DEVICE_CPU)),
                          dptest::BackendWorldName());
 
 TEST_P(DdpParity, TrainingMatchesFullBatchReferenceOverTwoShuffledIterations) { expect_matches("parity"); }
