@@ -19,87 +19,18 @@
 #include <vector>
 
 #include "backends.h"
-#include "process_util.h"
+#include "worker_job.h"
 
 namespace {
 
-using dptest::read_file;
+using dptest::expect_mentions;
+using dptest::expect_passed;
+using Ranks = dptest::WorkerRun;
 
-struct Ranks {
-  std::vector<int> exit_codes;  // 128 + signal when killed
-  std::vector<std::string> outputs;
-  std::map<std::string, std::string> files;  // what the ranks left in DP_TEST_DIR
-};
-
-// Runs `world` ranks of ddp_worker `scenario` with `env` added ("{dir}" in a
-// value is the run's folder, DP_TEST_DIR), and rank r's `rank_env(r)`;
-// kills them all after `limit`.
 Ranks run_ranks(const std::string& scenario, int world, std::vector<std::string> env = {},
                 std::chrono::seconds limit = std::chrono::seconds(60), const char* worker = DP_DDP_WORKER,
                 const std::function<std::vector<std::string>(int)>& rank_env = nullptr) {
-  char dir_template[] = "/tmp/dp_ddp_XXXXXX";
-  dptest::RankJob job;
-  job.name = scenario;
-  job.dir = ::mkdtemp(dir_template);
-  for (auto& e : env) {
-    for (size_t at = e.find("{dir}"); at != std::string::npos; at = e.find("{dir}")) e.replace(at, 5, job.dir);
-  }
-  job.argv = {worker, scenario};
-  job.world = world;
-  // Inherited, these would change a scenario.
-  job.drop_inherited = [](const std::string& entry) {
-    for (const char* name :
-         {"DP_TEST_DIR=", "DP_DEBUG=", "DP_TIMELINE=", "DP_TEST_SEED=", "DP_TEST_GROUP_", "DP_SHM=", "DP_HOST_ID="}) {
-      if (entry.rfind(name, 0) == 0) return true;
-    }
-    return false;
-  };
-  job.env = [&](int r) {
-    std::vector<std::string> vars = {"DP_TEST_DIR=" + job.dir};
-    vars.insert(vars.end(), env.begin(), env.end());
-    if (rank_env) {
-      std::vector<std::string> mine = rank_env(r);
-      vars.insert(vars.end(), mine.begin(), mine.end());
-    }
-    return vars;
-  };
-  job.limit = limit;
-  Ranks run;
-  for (auto& exit : dptest::run_rank_processes(job)) {
-    run.exit_codes.push_back(exit.exit_code);
-    run.outputs.push_back(std::move(exit.output));
-  }
-  // What the ranks left besides their output.
-  if (DIR* d = ::opendir(job.dir.c_str())) {
-    while (dirent* e = ::readdir(d)) {
-      std::string name = e->d_name;
-      if (name == "." || name == "..") continue;
-      run.files[name] = read_file(job.dir + "/" + name);
-      ::unlink((job.dir + "/" + name).c_str());
-    }
-    ::closedir(d);
-  }
-  ::rmdir(job.dir.c_str());
-  return run;
-}
-
-// Every rank exited 0 having printed its "passed" line.
-void expect_passed(const Ranks& run, const std::string& scenario, int world) {
-  ASSERT_EQ(run.exit_codes.size(), static_cast<size_t>(world));
-  for (size_t r = 0; r < run.exit_codes.size(); ++r) {
-    EXPECT_EQ(run.exit_codes[r], 0) << "rank " << r << " output:\n" << run.outputs[r];
-    std::string line = "rank " + std::to_string(r) + ": " + scenario + " passed";
-    EXPECT_NE(run.outputs[r].find(line), std::string::npos) << "no '" << line << "' in:\n" << run.outputs[r];
-  }
-}
-
-void expect_mentions(const Ranks& run, size_t rank, const std::vector<std::string>& texts) {
-  ASSERT_LT(rank, run.outputs.size());
-  for (const auto& t : texts) {
-    EXPECT_NE(run.outputs[rank].find(t), std::string::npos)
-        << "rank " << rank << "'s output does not mention '" << t << "':\n"
-        << run.outputs[rank];
-  }
+  return dptest::run_worker(worker, scenario, world, std::move(env), limit, rank_env);
 }
 
 Ranks passing(const std::string& scenario, int world = 2, std::vector<std::string> env = {}) {
