@@ -1647,7 +1647,6 @@ static const Scenario kScenarios[] = {
 int main(int argc, char **argv) {
   const Scenario *scenario = NULL;
   const char *rank_text = getenv("RANK"), *world_text = getenv("WORLD_SIZE"), *dir = getenv("DP_TEST_DIR");
-  const char *asked = getenv("DP_TEST_GROUP_BACKEND"), *reports = getenv("DP_TEST_GROUP_REPORTS");
   dp_process_group_options opts = DP_PROCESS_GROUP_OPTIONS_INIT;
   dp_process_group *pg = NULL;
   size_t i;
@@ -1669,17 +1668,14 @@ int main(int argc, char **argv) {
     return 2;
   }
   opts.timeout_ms = scenario->timeout_ms;
-  /* The test's backend (tests/backends.h rank_env): the dp_backend asked
-   * for, and what the group must then report. */
-  if (asked != NULL) opts.backend = atoi(asked);
+  opts.backend = test_group_backend(DP_BACKEND_AUTO);
   if (dp_process_group_create_from_env(&pg, &opts) != DP_OK) {
     fprintf(stderr, "rank %d: group create failed: %s\n", g_rank, dp_last_error());
     return 3;
   }
   CHECK(dp_process_group_rank(pg) == g_rank && dp_process_group_size(pg) == g_world, "group is rank %d of %d",
         dp_process_group_rank(pg), dp_process_group_size(pg));
-  CHECK(reports == NULL || strcmp(dp_process_group_backend(pg), reports) == 0, "the group runs over %s, not %s",
-        dp_process_group_backend(pg), reports);
+  check_test_group_backend(pg);
   scenario->run(pg);
   dp_process_group_destroy(pg);
   if (g_failures == 0) printf("rank %d: %s passed\n", g_rank, scenario->name);

@@ -539,7 +539,6 @@ static const Scenario kScenarios[] = {
 int main(int argc, char **argv) {
   const Scenario *scenario = NULL;
   const char *rank_text = getenv("RANK"), *world_text = getenv("WORLD_SIZE"), *dir = getenv("DP_TEST_DIR");
-  const char *asked = getenv("DP_TEST_GROUP_BACKEND"), *reports = getenv("DP_TEST_GROUP_REPORTS");
   dp_process_group_options opts = DP_PROCESS_GROUP_OPTIONS_INIT;
   dp_process_group *pg = NULL;
   setvbuf(stdout, NULL, _IOLBF, 0);
@@ -561,8 +560,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "rank %d: WORLD_SIZE must be 1..%d\n", g_rank, MAX_ROWS / ROWS_PER_RANK);
     return 2;
   }
-  opts.backend = scenario->backend;
-  if (asked != NULL && scenario->run == toy) opts.backend = atoi(asked);
+  opts.backend = scenario->run == toy ? test_group_backend(scenario->backend) : scenario->backend;
   if (opts.backend == DP_BACKEND_NCCL) {
     const char *local_text = getenv("LOCAL_RANK");
     int32_t gpus = 0;
@@ -580,8 +578,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "rank %d: group create failed: %s\n", g_rank, dp_last_error());
     return 3;
   }
-  CHECK(reports == NULL || scenario->run != toy || strcmp(dp_process_group_backend(pg), reports) == 0,
-        "the group runs over %s, not %s", dp_process_group_backend(pg), reports);
+  if (scenario->run == toy) check_test_group_backend(pg);
   scenario->run(pg);
   dp_process_group_destroy(pg);
   if (g_failures == 0) printf("rank %d: %s passed\n", g_rank, scenario->name);
