@@ -1,12 +1,12 @@
 // dp_base.h: status text, errors, version, devices, dtypes.
 #include <cstring>
 
-#include "backend/cpu/cpu_streams.h"
 #include "capi/capi_internal.h"
 #include "core/allocator.h"
 #include "core/device_worker.h"
 #include "core/thread_pool.h"
 #include "ddp/comm_lane.h"
+#include "device/cpu/cpu_streams.h"
 
 namespace dparallel::capi {
 const char* last_error_text() noexcept;

@@ -14,8 +14,8 @@ cd "$root"
 # no folder). The longest line that holds the including file decides.
 rules='
 src/core/                   core/
-src/backend/                core/ backend/
-src/comm/                   core/ backend/ comm/
+src/device/                 core/ device/
+src/comm/                   core/ device/ comm/
 src/module/                 core/ comm/ module/
 src/parallel/               core/ comm/ module/ parallel/
 src/distributed/            core/ comm/ distributed/* distributed/store/
@@ -24,10 +24,10 @@ src/distributed/store/      core/ distributed/store/
 src/distributed/shm/        core/ comm/ distributed/shm/ distributed/backend.h distributed/call_header.h distributed/reduce_ops.h
 src/distributed/shm/shm_process_group.h  core/ comm/ distributed/shm/ distributed/backend.h distributed/call_header.h distributed/reduce_ops.h distributed/process_group.h
 src/distributed/gloo/       core/ comm/ distributed/gloo/ distributed/backend.h distributed/call_header.h distributed/reduce_ops.h distributed/rendezvous.h
-src/distributed/nccl/       core/ comm/ backend/cuda/ distributed/nccl/ distributed/backend.h distributed/call_header.h distributed/reduce_ops.h
-src/ddp/                    core/ comm/ module/ distributed/ backend/cuda/cuda_backend.h ddp/
+src/distributed/nccl/       core/ comm/ device/cuda/ distributed/nccl/ distributed/backend.h distributed/call_header.h distributed/reduce_ops.h
+src/ddp/                    core/ comm/ module/ distributed/ device/cuda/cuda_runtime.h ddp/
 src/fsdp/                   core/ comm/ module/ distributed/ ddp/ fsdp/
-capi/                       core/ comm/ module/ parallel/ distributed/ ddp/ fsdp/ backend/cpu/cpu_streams.h dparallel/ capi/
+capi/                       core/ comm/ module/ parallel/ distributed/ ddp/ fsdp/ device/cpu/cpu_streams.h dparallel/ capi/
 include/dparallel/          dparallel/
 bench/                      dparallel/ *
 tools/                      dparallel/ *

@@ -149,13 +149,19 @@ func (m *Module) names(op string, count func(*C.dp_api) C.size_t,
 // Parameter is a new reference to the parameter at the dotted name; it
 // shares the module's storage.
 func (m *Module) Parameter(name string) (*Tensor, error) {
+	return m.tensorNamed("dp_module_get_parameter", name,
+		func(api *C.dp_api, cname *C.char, h **C.dp_tensor) C.dp_status {
+			return C.dpgo_module_get_parameter(api, m.h, cname, h)
+		})
+}
+
+// tensorNamed calls fn's getter for the tensor at the dotted name and
+// wraps the new reference it returns (nil stays nil).
+func (m *Module) tensorNamed(fn, name string, get func(*C.dp_api, *C.char, **C.dp_tensor) C.dp_status) (*Tensor, error) {
 	cname := C.CString(name)
 	defer C.free(unsafe.Pointer(cname))
 	var h *C.dp_tensor
-	err := m.call("dp_module_get_parameter", func(api *C.dp_api) C.dp_status {
-		return C.dpgo_module_get_parameter(api, m.h, cname, &h)
-	})
-	if err != nil {
+	if err := m.call(fn, func(api *C.dp_api) C.dp_status { return get(api, cname, &h) }); err != nil {
 		return nil, err
 	}
 	return m.lib.ownedTensor(h), nil
@@ -164,14 +170,9 @@ func (m *Module) Parameter(name string) (*Tensor, error) {
 // Grad is a new reference to the parameter's gradient (allocated zeroed on
 // first use, then the same storage every time).
 func (m *Module) Grad(name string) (*Tensor, error) {
-	cname := C.CString(name)
-	defer C.free(unsafe.Pointer(cname))
-	var h *C.dp_tensor
-	err := m.call("dp_module_grad", func(api *C.dp_api) C.dp_status { return C.dpgo_module_grad(api, m.h, cname, &h) })
-	if err != nil {
-		return nil, err
-	}
-	return m.lib.ownedTensor(h), nil
+	return m.tensorNamed("dp_module_grad", name, func(api *C.dp_api, cname *C.char, h **C.dp_tensor) C.dp_status {
+		return C.dpgo_module_grad(api, m.h, cname, h)
+	})
 }
 
 // ZeroGrad fills every allocated gradient with zeros.
@@ -238,16 +239,9 @@ func (m *Module) BufferNames() ([]string, error) {
 // Buffer is a new reference to the buffer at the dotted name; nil for a
 // slot registered empty.
 func (m *Module) Buffer(name string) (*Tensor, error) {
-	cname := C.CString(name)
-	defer C.free(unsafe.Pointer(cname))
-	var h *C.dp_tensor
-	err := m.call("dp_module_get_buffer", func(api *C.dp_api) C.dp_status {
-		return C.dpgo_module_get_buffer(api, m.h, cname, &h)
+	return m.tensorNamed("dp_module_get_buffer", name, func(api *C.dp_api, cname *C.char, h **C.dp_tensor) C.dp_status {
+		return C.dpgo_module_get_buffer(api, m.h, cname, h)
 	})
-	if err != nil {
-		return nil, err
-	}
-	return m.lib.ownedTensor(h), nil
 }
 
 // Submodule is a new reference to the child at the dotted name ("" is the

@@ -35,7 +35,9 @@
  * calls on any thread (on streams not being captured) work as usual and do
  * not invalidate the capture: the library's CUDA calls run with the
  * thread's capture mode relaxed. A graph must not keep using a tensor the
- * library frees.
+ * library frees. With no current stream set, a tensor freed while a
+ * blocking stream is being captured keeps its memory until the capture has
+ * ended and the legacy default stream has passed the free.
  *
  * Thread safety: current streams are per thread. A stream may be used from
  * any thread. A cpu stream destroyed while still current on another thread

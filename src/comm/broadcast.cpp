@@ -1,9 +1,9 @@
 #include <algorithm>
 
-#include "backend/cpu/cpu_kernels.h"
-#include "backend/cuda/cuda_backend.h"
 #include "comm/comm.h"
 #include "core/error.h"
+#include "device/cpu/cpu_kernels.h"
+#include "device/cuda/cuda_runtime.h"
 
 namespace dparallel::comm {
 

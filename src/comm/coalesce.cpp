@@ -1,8 +1,8 @@
 #include <map>
 
-#include "backend/cuda/cuda_backend.h"
 #include "comm/comm.h"
 #include "core/error.h"
+#include "device/cuda/cuda_runtime.h"
 
 namespace dparallel::comm {
 

@@ -154,11 +154,37 @@ void free_now(const Device& device, void* data, size_t nbytes) noexcept {
 // The events a freed block waits for: one on the freeing thread's stream,
 // inside a LibraryWorkStaysQueued scope one on the scope's stream, and the
 // uses recorded on its storage.
+// Records `event` on `stream`; false where the stream is the legacy default
+// stream and a blocking stream is being captured into a CUDA graph (the
+// runtime refuses it then, to keep the host's capture valid).
+bool record_unless_capturing(Event& event, void* stream) {
+  try {
+    event.record(stream);
+    return true;
+  } catch (const Error& error) {
+    if (stream == nullptr && error.code() == StatusCode::kState) return false;
+    throw;
+  }
+}
+
 struct Passed {
   std::optional<Event> host, library;
+  // Freed with no current stream during a capture: the event on the legacy
+  // stream is recorded once the capture has ended. Recorded later, it
+  // still follows every use queued before the free.
+  std::optional<Device> host_deferred;
   std::vector<std::shared_ptr<const Event>> uses;
-  bool query() const {
-    return (!host || host->query()) && (!library || library->query()) &&
+  // False while the deferred event cannot be recorded yet.
+  bool recorded() {
+    if (!host_deferred) return true;
+    Event event(*host_deferred);
+    if (!record_unless_capturing(event, nullptr)) return false;
+    host.emplace(std::move(event));
+    host_deferred.reset();
+    return true;
+  }
+  bool query() {
+    return recorded() && (!host || host->query()) && (!library || library->query()) &&
            std::all_of(uses.begin(), uses.end(), [](const auto& used) { return used->query(); });
   }
   void synchronize() const {
@@ -183,8 +209,13 @@ class PendingFrees {
       blocks_.push_back({device, data, nbytes, std::move(passed)});
       any_.store(true, std::memory_order_relaxed);
       if (blocks_.size() > kLimit) {
-        due.push_back(std::move(blocks_.front()));
-        blocks_.pop_front();
+        // The oldest that can be waited for: during a capture the list
+        // may outgrow the limit by the blocks freed meanwhile.
+        auto oldest = std::find_if(blocks_.begin(), blocks_.end(), ready_to_wait);
+        if (oldest != blocks_.end()) {
+          due.push_back(std::move(*oldest));
+          blocks_.erase(oldest);
+        }
       }
       take_passed_locked(due);
     }
@@ -199,7 +230,7 @@ class PendingFrees {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (all) {
-        due.swap(blocks_);
+        take_locked(due, [](Block& b) { return ready_to_wait(b); });
       } else {
         take_passed_locked(due);
       }
@@ -215,18 +246,7 @@ class PendingFrees {
     std::deque<Block> due;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      try {
-        for (auto it = blocks_.begin(); it != blocks_.end();) {
-          if (it->device == device) {
-            due.push_back(std::move(*it));  // on a throw, nothing moved: the block stays listed
-            it = blocks_.erase(it);
-          } else {
-            ++it;
-          }
-        }
-      } catch (...) {
-        // Out of memory for the list: release those taken so far.
-      }
+      take_locked(due, [&device](Block& b) { return b.device == device && ready_to_wait(b); });
       any_.store(!blocks_.empty(), std::memory_order_relaxed);
     }
     release(due, true);
@@ -240,22 +260,42 @@ class PendingFrees {
     Passed passed;
   };
 
-  void take_passed_locked(std::deque<Block>& due) {
-    for (auto it = blocks_.begin(); it != blocks_.end();) {
-      bool passed = false;
-      try {
-        passed = it->passed.query();
-      } catch (...) {
-        passed = true;  // a failing device: nothing more will run there
-      }
-      if (passed) {
-        due.push_back(std::move(*it));
-        it = blocks_.erase(it);
-      } else {
-        ++it;
-      }
+  // Whether a block's events can be waited for (a failing device: yes,
+  // nothing more will run there).
+  static bool ready_to_wait(Block& block) noexcept {
+    try {
+      return block.passed.recorded();
+    } catch (...) {
+      return true;
     }
   }
+
+  static bool passed(Block& block) noexcept {
+    try {
+      return block.passed.query();
+    } catch (...) {
+      return true;
+    }
+  }
+
+  // Moves the blocks `take` selects into `due`.
+  template <typename Take>
+  void take_locked(std::deque<Block>& due, Take take) noexcept {
+    try {
+      for (auto it = blocks_.begin(); it != blocks_.end();) {
+        if (take(*it)) {
+          due.push_back(std::move(*it));  // on a throw, nothing moved: the block stays listed
+          it = blocks_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    } catch (...) {
+      // Out of memory for the list: release those taken so far.
+    }
+  }
+
+  void take_passed_locked(std::deque<Block>& due) noexcept { take_locked(due, passed); }
 
   static void release(std::deque<Block>& due, bool wait) noexcept {
     for (Block& b : due) {
@@ -351,8 +391,12 @@ void device_free(const Device& device, void* data, size_t nbytes,
       Passed passed;
       passed.uses = std::move(uses);
       if (host_queued) {
-        passed.host.emplace(device);
-        passed.host->record(stream);
+        Event host(device);
+        if (record_unless_capturing(host, stream)) {
+          passed.host.emplace(std::move(host));
+        } else {
+          passed.host_deferred = device;
+        }
       }
       // Elsewhere the library's work is done when its call returns.
       if (void* queued = library_stream_override(device); queued != nullptr && queued != stream) {

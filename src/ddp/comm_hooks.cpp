@@ -1,8 +1,8 @@
 #include "ddp/comm_hooks.h"
 
-#include "backend/cuda/cuda_backend.h"
 #include "core/error.h"
 #include "core/half.h"
+#include "device/cuda/cuda_runtime.h"
 #include "distributed/reduce_ops.h"
 
 namespace dparallel::ddp {

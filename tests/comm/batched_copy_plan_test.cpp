@@ -1,7 +1,7 @@
 // The plan behind cuda::batched_copy: how segments are cut into chunks and
 // which word width each chunk copies with. Host code only; the kernel follows
 // the plan as run_plan below does.
-#include "backend/cuda/batched_copy_plan.h"
+#include "device/cuda/batched_copy_plan.h"
 
 #include <gtest/gtest.h>
 

@@ -7,9 +7,9 @@
 #include <new>
 #include <vector>
 
-#include "backend/cuda/copy_path.h"
-#include "backend/cuda/event_devices.h"
-#include "backend/cuda/pinned_host_cache.h"
+#include "device/cuda/copy_path.h"
+#include "device/cuda/event_devices.h"
+#include "device/cuda/pinned_host_cache.h"
 
 namespace dparallel::cuda {
 namespace {

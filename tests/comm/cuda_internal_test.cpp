@@ -12,10 +12,10 @@
 #include <utility>
 #include <vector>
 
-#include "backend/cuda/cuda_backend.h"
 #include "comm/comm.h"
 #include "core/half.h"
 #include "core/tensor.h"
+#include "device/cuda/cuda_runtime.h"
 
 namespace dparallel::comm {
 namespace {

@@ -1,15 +1,16 @@
 // The CUDA runtime's side of the backend on a GPU: its memory pool and
 // device guards. Built only with CUDA; each test skips without the GPUs it
 // needs.
+#include "device/cuda/cuda_runtime.h"
+
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <thread>
 
-#include "backend/cuda/cuda_backend.h"
-#include "backend/cuda/cuda_check.h"
 #include "core/device_runtime.h"
+#include "device/cuda/cuda_check.h"
 
 namespace dparallel::cuda {
 namespace {

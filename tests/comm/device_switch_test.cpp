@@ -1,5 +1,5 @@
 // Which device a DeviceGuard puts back when it ends, decided without a GPU.
-#include "backend/cuda/device_switch.h"
+#include "device/cuda/device_switch.h"
 
 #include <gtest/gtest.h>
 

@@ -1,6 +1,6 @@
 // How in-process NCCL calls wait: polls, asynchronous errors and the
 // deadline, driven by fake queries and a fake clock.
-#include "backend/cuda/nccl_wait.h"
+#include "device/cuda/nccl_wait.h"
 
 #include <gtest/gtest.h>
 

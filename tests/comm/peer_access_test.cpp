@@ -1,6 +1,6 @@
 // Peer access between GPUs: enabled once per directed pair, whichever
 // threads ask, without a GPU.
-#include "backend/cuda/peer_access.h"
+#include "device/cuda/peer_access.h"
 
 #include <gtest/gtest.h>
 

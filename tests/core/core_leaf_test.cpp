@@ -127,6 +127,56 @@ class QueuedLibraryRuntime final : public DeviceRuntime {
   int library_ = 0;
 };
 
+// Host memory behind a device whose default stream (null) queues work and,
+// while `capturing` (a host capturing a graph on a blocking stream), refuses
+// events as CUDA's legacy stream does.
+class CapturingRuntime final : public DeviceRuntime {
+ public:
+  int32_t device_count() const override { return 1; }
+  const char* unavailable_reason() const override { return ""; }
+  void set_device(int32_t) const override {}
+  Allocation allocate(int32_t, size_t nbytes) const override {
+    ++allocations;
+    return {std::malloc(nbytes), false};
+  }
+  void deallocate(int32_t, void* data, size_t) const noexcept override {
+    ++deallocations;
+    std::free(data);
+  }
+  void fill_zero(int32_t, void* data, size_t nbytes) const override { std::memset(data, 0, nbytes); }
+  void copy_rows(void*, const Device&, size_t, const void*, const Device&, size_t, size_t, size_t) const override {}
+  bool library_work_is_queued() const override { return true; }
+  bool default_stream_is_queued() const override { return true; }
+  void* library_stream(int32_t) const override { return nullptr; }
+  void* create_stream(int32_t) const override { return nullptr; }
+  void check_stream(int32_t, void*, const char*) const override {}
+  void destroy_stream(int32_t, void*) const noexcept override {}
+  void stream_synchronize(int32_t, void*) const override {}
+  void launch_host_func(int32_t, void*, std::function<void()> fn) const override { fn(); }
+  // An event holds the default stream's generation it waits for, or -1.
+  void* create_event(int32_t) const override { return new int(-1); }
+  void destroy_event(void* event) const noexcept override { delete static_cast<int*>(event); }
+  void record_event(void* event, int32_t, void* stream) const override {
+    if (stream == nullptr && capturing)
+      fail(StatusCode::kState, "the legacy default stream is refused during a capture");
+    *static_cast<int*>(event) = default_busy ? finished.load() + 1 : -1;
+  }
+  void stream_wait_event(int32_t, void*, void*) const override {}
+  bool event_query(void* event) const override { return *static_cast<int*>(event) <= finished.load(); }
+  void event_synchronize(void* event) const override {
+    EXPECT_TRUE(event_query(event)) << "a wait for default-stream work nobody finishes";
+  }
+
+  void finish_default_work() {
+    default_busy = false;
+    ++finished;
+  }
+
+  mutable std::atomic<int> allocations{0}, deallocations{0};
+  std::atomic<bool> capturing{false}, default_busy{false};
+  std::atomic<int> finished{0};
+};
+
 }  // namespace
 
 TEST(CoreWithoutBackends, EveryDeviceTypeIsAClearDeviceErrorWithoutARuntime) {
@@ -223,6 +273,40 @@ TEST(CoreWithoutBackends, AFreedBlockIsNotReusedBeforeAQueuedJobsStreamPassedIt)
     EXPECT_EQ(runtime.allocations.load(), 2) << "a passed block was not reused";
   }
   release_cached_memory();
+  register_device_runtime(DeviceType::kCuda, nullptr);
+}
+
+// A block freed while the default stream refuses events (a capture is in
+// progress) is neither freed at once nor waited for: it waits until an
+// event can be recorded, and then for the work queued before it.
+TEST(CoreWithoutBackends, AFreeDuringACaptureWaitsForTheCaptureToEndAndThenForTheDefaultStream) {
+  static CapturingRuntime runtime;  // outlives the registration
+  register_device_runtime(DeviceType::kCuda, &runtime);
+  const Device gpu{DeviceType::kCuda, 0};
+  runtime.default_busy = true;  // a read of the first block is queued
+  {
+    Tensor t = Tensor::empty(DType::kUInt8, {1 << 20}, gpu);
+    EXPECT_EQ(runtime.allocations.load(), 1);
+    runtime.capturing = true;
+  }
+  {
+    Tensor u = Tensor::empty(DType::kUInt8, {1 << 20}, gpu);
+    EXPECT_EQ(runtime.allocations.load(), 2) << "a block freed during the capture was handed out again";
+  }
+  release_cached_memory();
+  EXPECT_EQ(runtime.deallocations.load(), 0) << "a block freed during the capture was released";
+  runtime.capturing = false;  // recorded now, behind the queued read
+  {
+    Tensor v = Tensor::empty(DType::kUInt8, {1 << 20}, gpu);
+    EXPECT_EQ(runtime.allocations.load(), 3) << "a block was handed out before the queued read";
+  }
+  runtime.finish_default_work();
+  {
+    Tensor w = Tensor::empty(DType::kUInt8, {1 << 20}, gpu);
+    EXPECT_EQ(runtime.allocations.load(), 3) << "a passed block was not reused";
+  }
+  release_cached_memory();
+  EXPECT_EQ(runtime.deallocations.load(), 3);
   register_device_runtime(DeviceType::kCuda, nullptr);
 }
 

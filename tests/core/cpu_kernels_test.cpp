@@ -1,4 +1,4 @@
-#include "backend/cpu/cpu_kernels.h"
+#include "device/cpu/cpu_kernels.h"
 
 #include <gtest/gtest.h>
 

@@ -9,11 +9,11 @@
 #include <string>
 #include <vector>
 
-#include "backend/cuda/cuda_backend.h"
 #include "core/device_worker.h"
 #include "core/error.h"
 #include "core/stream.h"
 #include "core/tensor.h"
+#include "device/cuda/cuda_runtime.h"
 #include "error_util.h"
 
 using namespace dparallel;

@@ -4,7 +4,7 @@
 
 #include <gtest/gtest.h>
 
-#include "backend/cuda/nccl_types.h"
+#include "device/cuda/nccl_types.h"
 
 namespace dparallel::dist::nccl {
 namespace {

@@ -15,14 +15,14 @@ set(_fuzz_sources
   ${PROJECT_SOURCE_DIR}/src/core/stream.cpp
   ${PROJECT_SOURCE_DIR}/src/core/tensor.cpp
   ${PROJECT_SOURCE_DIR}/src/core/thread_pool.cpp
-  ${PROJECT_SOURCE_DIR}/src/backend/cpu/cpu_kernels.cpp
-  ${PROJECT_SOURCE_DIR}/src/backend/cpu/cpu_runtime.cpp
-  ${PROJECT_SOURCE_DIR}/src/backend/cpu/cpu_streams.cpp
-  ${PROJECT_SOURCE_DIR}/src/backend/register_runtimes.cpp
-  ${PROJECT_SOURCE_DIR}/src/backend/cuda/cuda_none.cpp
+  ${PROJECT_SOURCE_DIR}/src/device/cpu/cpu_kernels.cpp
+  ${PROJECT_SOURCE_DIR}/src/device/cpu/cpu_runtime.cpp
+  ${PROJECT_SOURCE_DIR}/src/device/cpu/cpu_streams.cpp
+  ${PROJECT_SOURCE_DIR}/src/device/register_runtimes.cpp
+  ${PROJECT_SOURCE_DIR}/src/device/cuda/cuda_none.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/safetensors_fuzz.cpp)
 file(GLOB _fuzz_headers ${PROJECT_SOURCE_DIR}/src/module/*.h ${PROJECT_SOURCE_DIR}/src/core/*.h
-     ${PROJECT_SOURCE_DIR}/src/backend/cpu/*.h ${PROJECT_SOURCE_DIR}/src/backend/cuda/*.h)
+     ${PROJECT_SOURCE_DIR}/src/device/cpu/*.h ${PROJECT_SOURCE_DIR}/src/device/cuda/*.h)
 set(_fuzz_binary ${CMAKE_CURRENT_BINARY_DIR}/safetensors_fuzz)
 add_custom_command(
   OUTPUT ${_fuzz_binary}

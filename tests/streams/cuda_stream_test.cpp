@@ -365,6 +365,51 @@ TEST_F(CudaStreamOrder, NoCurrentStreamDuringABlockingCaptureLeavesTheCaptureVal
   EXPECT_EQ(values<float>(y.get()), filled(1024, 2.0f));  // captured, never run
 }
 
+// A free with no current stream during a blocking capture cannot record on
+// the legacy stream; the block waits until the capture has ended, so that a
+// read queued before the free still sees the freed tensor's values, however
+// another thread allocates meanwhile.
+TEST_F(CudaStreamOrder, AFreeDuringABlockingCaptureIsNotReusedBeforeTheQueuedRead) {
+  const size_t n = 1 << 20;
+  void* pinned = nullptr;
+  ASSERT_EQ(cudaMallocHost(&pinned, n * sizeof(float)), cudaSuccess);
+  auto* seen_data = static_cast<float*>(pinned);
+  std::memset(seen_data, 0, n * sizeof(float));
+  DP_ASSERT_OK(dp_set_current_stream(cuda(0), nullptr));
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  cudaStream_t reading = nullptr, capturing = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&reading), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreate(&capturing), cudaSuccess);
+  {
+    TensorPtr x = make<float>({static_cast<int64_t>(n)}, filled(n, 1.0f), cuda(0));
+    DP_ASSERT_OK(dp_stream_launch_host_func(cuda(0), reading, hold_stream, nullptr));
+    ASSERT_EQ(cudaMemcpyAsync(seen_data, dp_tensor_data(x.get()), n * sizeof(float), cudaMemcpyDeviceToHost, reading),
+              cudaSuccess);
+    ASSERT_EQ(cudaStreamBeginCapture(capturing, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  }  // freed during the capture, with no current stream, while the read is queued
+  std::vector<TensorPtr> reused;
+  std::thread other([&] {
+    EXPECT_EQ(dp_set_current_stream(cuda(0), stream_), DP_OK) << dp_last_error();
+    for (int i = 0; i < 4; ++i) {
+      dp_tensor* t = nullptr;
+      int64_t shape = static_cast<int64_t>(n);
+      EXPECT_EQ(dp_tensor_create(&t, DP_FLOAT32, 1, &shape, cuda(0)), DP_OK) << dp_last_error();  // zero-filled
+      reused.emplace_back(t);
+    }
+    EXPECT_EQ(dp_set_current_stream(cuda(0), nullptr), DP_OK);
+  });
+  other.join();
+  cudaGraph_t graph = nullptr;
+  EXPECT_EQ(cudaStreamEndCapture(capturing, &graph), cudaSuccess) << "the host's capture was invalidated";
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  ASSERT_EQ(cudaStreamSynchronize(reading), cudaSuccess);
+  std::vector<float> seen(seen_data, seen_data + n);
+  cudaFreeHost(seen_data);
+  cudaStreamDestroy(capturing);
+  cudaStreamDestroy(reading);
+  EXPECT_EQ(seen, filled(n, 1.0f)) << "the block freed during the capture was handed out before the queued read";
+}
+
 }  // namespace
 
 namespace {

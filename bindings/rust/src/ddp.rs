@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use crate::error::cstring;
 use crate::parallel::panic_text;
 use crate::tensor::sealed;
-use crate::view::{Access, CallAccess, CallbackScope, StorageBorrow};
+use crate::view::{Access, CallAccess, CallbackScope, StorageBorrow, DDP_MARKED};
 use crate::{
     sys, Element, Error, InPlace, Library, Module, ProcessGroup, Result, Stream, Tensor, TensorSliceMut, DP_EINVAL,
     DP_EIO, DP_ETIMEOUT,
@@ -83,8 +83,12 @@ pub struct DdpStats {
 /// The DDP gradient reducer over a module and a process group (dp_ddp.h).
 /// `mark_grad_ready*` may be called from several threads at once (`&self`);
 /// every other call takes `&mut self`. A gradient marked ready belongs to the
-/// library until `finish_backward` returns: neither read nor write it meanwhile
-/// (not enforced; see [`Tensor::as_slice`]).
+/// library until `finish_backward` returns (its bucket is reduced, and the
+/// result written back, in the background): from the mark on, a slice of it
+/// is `DP_ESTATE` through any handle, until `finish_backward` returns, fails,
+/// or the `Ddp` is dropped (which waits for the reduction running). Closures
+/// the library runs (comm hooks, on_bucket_reduced, stream host functions)
+/// may take such slices.
 ///
 /// Dropping it destroys the reducer, which waits for the reduction running.
 /// Two cases leak instead, so that a closure the library may still run never
@@ -94,7 +98,8 @@ pub struct DdpStats {
 /// the library for the rest of the process; and a `Ddp` dropped inside a
 /// comm hook or an on_bucket_reduced closure (of any `Ddp`, e.g. the closure
 /// held its last `Arc<Ddp>`) is not destroyed at all: the reducer, its
-/// closures and its references to the module and the group stay.
+/// closures and its references to the module and the group stay. In both
+/// cases the gradients marked ready stay out of reach of slices for good.
 pub struct Ddp {
     pub(crate) raw: *mut sys::dp_ddp,
     pub(crate) lib: Library,
@@ -109,6 +114,11 @@ pub struct Ddp {
     owned: bool,
     // The wrapped module, whose memory the reducer writes (None when lent).
     module: Option<Module>,
+    // The gradients marked ready in the backward in flight: the library may
+    // read and write them until finish_backward.
+    marked: Mutex<Vec<StorageBorrow>>,
+    // Managed-parameter index -> name, for the index forms of the marks.
+    managed_names: Vec<String>,
 }
 
 /// The flat bucket a comm hook is lent: this rank's gradients of one
@@ -195,7 +205,7 @@ thread_local! {
     static IN_HOOK: Cell<usize> = const { Cell::new(0) };
 }
 
-fn in_hook() -> bool {
+pub(crate) fn in_hook() -> bool {
     IN_HOOK.with(|n| n.get() > 0)
 }
 
@@ -294,7 +304,16 @@ unsafe extern "C" fn bucket_reduced_trampoline(
     let state = call.state();
     let Some(callback) = state.hooks.on_bucket_reduced.as_ref() else { return 3 };
     let outcome = catch_unwind(AssertUnwindSafe(|| {
-        let lent = Ddp { raw: ddp, lib: state.lib.clone(), hooks: None, timed_out: false, owned: false, module: None };
+        let lent = Ddp {
+            raw: ddp,
+            lib: state.lib.clone(),
+            hooks: None,
+            timed_out: false,
+            owned: false,
+            module: None,
+            marked: Mutex::new(Vec::new()),
+            managed_names: Vec::new(),
+        };
         let params = if nparams == 0 || param_indices.is_null() {
             &[][..]
         } else {
@@ -332,20 +351,28 @@ impl Drop for Ddp {
             // Inside a comm hook or an on_bucket_reduced closure,
             // dp_ddp_destroy destroys nothing (dp_ddp.h), and this reducer's
             // own closure may be the one running: leak the reducer and its
-            // closures.
+            // closures. A reduction may still write the marked gradients.
             std::mem::forget(self.hooks.take());
+            self.keep_marked_forever();
             return;
         }
         // Returns at once when a hook is stuck past the timeout, leaving it
         // running.
         unsafe { (self.lib.api().ddp_destroy)(self.raw) };
+        // A closure still running after the destroy's wait was left running:
+        // the reduction it belongs to writes the gradients once it returns.
+        let closure_running = self.hooks.as_ref().is_some_and(|h| Arc::strong_count(h) > 1);
         if self.timed_out {
             // A closure may still run, now or later: its state stays, and
             // with it a reference to the library.
             std::mem::forget(self.hooks.take());
         }
+        if self.timed_out || closure_running {
+            self.keep_marked_forever();
+        }
         // Otherwise no closure runs any more: a trampoline still returning
-        // holds its own reference.
+        // holds its own reference; the destroy dropped the queued reductions
+        // and waited for the running one, so the marked gradients are free.
     }
 }
 
@@ -418,7 +445,93 @@ impl Ddp {
         // The initial broadcast writes the state; bucket views move gradients.
         let _call = module.access(Access::Write, Access::Write, Access::Write).begin("Ddp::new")?;
         lib.check(unsafe { (lib.api().ddp_create)(&mut out, module.raw, pg.raw, &o) })?;
-        Ok(Ddp { raw: out, lib, hooks, timed_out: false, owned: true, module: Some(module.retain()?) })
+        let mut ddp = Ddp {
+            raw: out,
+            lib,
+            hooks,
+            timed_out: false,
+            owned: true,
+            module: None,
+            marked: Mutex::new(Vec::new()),
+            managed_names: Vec::new(),
+        };
+        ddp.module = Some(module.retain()?);
+        ddp.managed_names = ddp.read_managed_names();
+        Ok(ddp)
+    }
+
+    /// Each managed parameter's name by its index: the bucket plan names
+    /// each bucket's parameters in the order `bucket_parameters` gives their
+    /// indices. Empty when they disagree (an index mark then holds every
+    /// gradient the host can reach).
+    fn read_managed_names(&self) -> Vec<String> {
+        let Ok(plan) = self.bucket_plan() else { return Vec::new() };
+        let mut names: Vec<Option<String>> = Vec::new();
+        let buckets = plan.lines().filter(|line| line.starts_with("bucket "));
+        let mut count = 0;
+        for (bucket, line) in buckets.enumerate() {
+            count += 1;
+            let Ok(indices) = self.bucket_parameters(bucket) else { return Vec::new() };
+            // "bucket <dtype> <names...>"
+            let words: Vec<&str> = line.split(' ').skip(2).collect();
+            if words.len() != indices.len() {
+                return Vec::new();
+            }
+            for (index, word) in indices.into_iter().zip(words) {
+                if names.len() <= index {
+                    names.resize(index + 1, None);
+                }
+                names[index] = percent_decoded(word);
+            }
+        }
+        if count != self.num_buckets() {
+            return Vec::new();
+        }
+        names.into_iter().collect::<Option<Vec<String>>>().unwrap_or_default()
+    }
+
+    /// Marks a gradient ready through `mark`: from now on the library may
+    /// read and write it in the background, so it is held (`marked`) from
+    /// before the call until the backward ends.
+    fn mark(&self, what: &str, name: Option<&str>, mark: impl FnOnce() -> sys::dp_status) -> Result<()> {
+        let _call = self.begin_call(what, Access::Untouched, Access::Untouched)?;
+        let held = match &self.module {
+            Some(module) => {
+                let mut access = CallAccess::new();
+                match name.map(CString::new) {
+                    Some(Ok(name)) => access.grad(module, &name, Access::Write),
+                    // No name to find it by: every gradient the host can reach.
+                    _ => access.module(module, Access::Untouched, Access::Untouched, Access::Write),
+                };
+                access.begin_pending(what, DDP_MARKED)?
+            }
+            None => CallAccess::new().begin(what)?,
+        };
+        let st = mark();
+        if st == sys::DP_OK {
+            self.marked.lock().unwrap_or_else(|p| p.into_inner()).push(held);
+        }
+        self.lib.check(st)
+    }
+
+    /// After a call that ends the backward with status `st`: the marked
+    /// gradients are free again, unless the reduction may still run.
+    fn settle_marked(&mut self, st: sys::dp_status) {
+        if st == DP_ETIMEOUT {
+            // A reduction was left running past the timeout.
+            self.keep_marked_forever();
+        } else if st == sys::DP_OK || !in_hook() {
+            // Inside a hook every call is refused at once, the backward still
+            // in flight; anywhere else a failed finish_backward has waited
+            // for every reduction.
+            self.marked.get_mut().unwrap_or_else(|p| p.into_inner()).clear();
+        }
+    }
+
+    fn keep_marked_forever(&mut self) {
+        for held in self.marked.get_mut().unwrap_or_else(|p| p.into_inner()).drain(..) {
+            held.keep_forever();
+        }
     }
 
     // Bucket copies and reductions write gradients; broadcasts (buffers
@@ -458,34 +571,47 @@ impl Ddp {
     }
 
     /// The parameter's gradient is final for this backward.
+    /// From here until `finish_backward` returns, the library may read and
+    /// write this gradient: slices of it are `DP_ESTATE` meanwhile.
     pub fn mark_grad_ready(&self, param_name: &str) -> Result<()> {
-        let _call = self.begin_call("mark_grad_ready", Access::Untouched, Access::Untouched)?;
         let c = cstring("param_name", param_name)?;
-        self.lib.check(unsafe { (self.lib.api().ddp_mark_grad_ready)(self.raw, c.as_ptr()) })
+        self.mark("mark_grad_ready", Some(param_name), || unsafe {
+            (self.lib.api().ddp_mark_grad_ready)(self.raw, c.as_ptr())
+        })
     }
 
+    /// As `mark_grad_ready`, by managed-parameter index.
     pub fn mark_grad_ready_index(&self, param_index: usize) -> Result<()> {
-        let _call = self.begin_call("mark_grad_ready_index", Access::Untouched, Access::Untouched)?;
-        self.lib.check(unsafe { (self.lib.api().ddp_mark_grad_ready_index)(self.raw, param_index) })
+        let name = self.managed_names.get(param_index).map(String::as_str);
+        self.mark("mark_grad_ready_index", name, || unsafe {
+            (self.lib.api().ddp_mark_grad_ready_index)(self.raw, param_index)
+        })
     }
 
     /// The gradient is final once the work queued so far on `stream` (a
     /// stream of the parameter's device) completes; the library waits on an
     /// event, never the whole device.
+    /// Slices of the gradient are refused until `finish_backward`, as after
+    /// `mark_grad_ready`; work on `stream` is lent them.
     pub fn mark_grad_ready_stream(&self, param_index: usize, stream: &Stream) -> Result<()> {
-        let _call = self.begin_call("mark_grad_ready_stream", Access::Untouched, Access::Untouched)?;
-        let api = self.lib.api();
-        self.lib.check(unsafe { (api.ddp_mark_grad_ready_stream)(self.raw, param_index, stream.as_raw()) })
+        let name = self.managed_names.get(param_index).map(String::as_str);
+        self.mark("mark_grad_ready_stream", name, || unsafe {
+            (self.lib.api().ddp_mark_grad_ready_stream)(self.raw, param_index, stream.as_raw())
+        })
     }
 
     /// Waits for every bucket; the module's gradients then hold the average
     /// over the ranks. A closure's `Err` or panic is DP_EUSER with its message.
     /// DP_ETIMEOUT when a comm hook ran past the group's timeout: the hook is
     /// left running, and dropping this `Ddp` then leaks its closures (see
-    /// [`Ddp`]).
+    /// [`Ddp`]), and the marked gradients then stay out of reach of
+    /// slices. Otherwise, failed or not, the backward is over once it
+    /// returns: slices of the marked gradients are granted again.
     pub fn finish_backward(&mut self) -> Result<()> {
         let _call = self.begin_call("finish_backward", Access::Untouched, Access::Untouched)?;
-        self.check(unsafe { (self.lib.api().ddp_finish_backward)(self.raw) })
+        let st = unsafe { (self.lib.api().ddp_finish_backward)(self.raw) };
+        self.settle_marked(st);
+        self.check(st)
     }
 
     /// `false`: later backwards only accumulate locally (PyTorch's
@@ -582,10 +708,33 @@ impl Ddp {
         let mut err = lib.error(st);
         for d in ddps.iter_mut() {
             d.timed_out |= st == DP_ETIMEOUT;
+            // A join during a backward is refused, which goes on; only a
+            // timeout leaves work running.
+            if st == DP_ETIMEOUT {
+                d.keep_marked_forever();
+            }
             if let Some(state) = d.hooks.as_ref() {
                 state.append_to(&mut err);
             }
         }
         Err(err)
     }
+}
+
+/// A name of the bucket plan, its `%XX` escapes decoded; None if malformed.
+fn percent_decoded(word: &str) -> Option<String> {
+    let bytes = word.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
 }

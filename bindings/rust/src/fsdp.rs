@@ -5,9 +5,10 @@ use std::fmt;
 use std::os::raw::c_int;
 use std::ptr;
 
+use crate::ddp::in_hook;
 use crate::error::{cstring, owned_text};
-use crate::view::{Access, StorageBorrow};
-use crate::{sys, DType, Library, Module, ProcessGroup, Result, Tensor};
+use crate::view::{Access, CallAccess, Pending, StorageBorrow, FSDP_POST_BACKWARD, FSDP_UNSHARD};
+use crate::{sys, DType, Library, Module, ProcessGroup, Result, Tensor, DP_ETIMEOUT};
 
 /// dp_fsdp_options; the defaults are DP_FSDP_OPTIONS_INIT's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,14 +53,26 @@ impl Default for FsdpOptions {
 /// `shard` / `shard_grad`. Dropping it is collective: every rank drops its
 /// `Fsdp` of the pair, and the module's slots get the full parameters back.
 ///
-/// A shard handle shares the shard's memory: do not write it while an
-/// unshard of its `Fsdp` is in flight, nor read a shard gradient before
-/// `finish_backward`.
+/// A shard handle shares the shard's memory. Work these calls leave running
+/// keeps it out of reach of slices, through any handle, until the call that
+/// completes it returns (or fails, or the `Fsdp` is dropped): after
+/// `unshard_async`, a mutable slice of a shard (the module's slot holds it
+/// meanwhile) is `DP_ESTATE` until `wait_unshard`, `unshard`, `reshard` or
+/// `post_backward`; after a synced `post_backward`, any slice of a shard
+/// gradient, or a mutable one of a full gradient taken before, until
+/// `finish_backward` or the next `post_backward`. After a DP_ETIMEOUT that
+/// memory stays out of reach for good (the work may still run).
 pub struct Fsdp {
     raw: *mut sys::dp_fsdp,
     lib: Library,
     // The sharded module, whose memory the calls write.
     module: Module,
+    // The shards an unshard_async's all-gather reads until it is waited for.
+    unshard_in_flight: Option<StorageBorrow>,
+    // The shard gradients (written) and the full gradients (read) of the
+    // reduce-scatter of a synced post_backward, until it is waited for.
+    post_in_flight: Option<StorageBorrow>,
+    requires_sync: bool,
 }
 
 // One dp_fsdp's calls are serialised by the library (dp_fsdp.h).
@@ -74,6 +87,8 @@ impl fmt::Debug for Fsdp {
 
 impl Drop for Fsdp {
     fn drop(&mut self) {
+        // Waits for the unshard and the reduce-scatter in flight; the held
+        // memory is released after it (the fields drop after this).
         unsafe { (self.lib.api().fsdp_destroy)(self.raw) };
     }
 }
@@ -102,7 +117,14 @@ impl Fsdp {
         // Sharding replaces the parameters (after a broadcast with init_sync).
         let _call = module.access(Access::Write, Access::Write, Access::Write).begin("Fsdp::new")?;
         lib.check(unsafe { (lib.api().fsdp_create)(&mut out, module.raw, pg.raw, &o) })?;
-        Ok(Fsdp { raw: out, lib, module: module.retain()? })
+        Ok(Fsdp {
+            raw: out,
+            lib,
+            module: module.retain()?,
+            unshard_in_flight: None,
+            post_in_flight: None,
+            requires_sync: true,
+        })
     }
 
     /// The handle, still owned by `self`.
@@ -127,50 +149,131 @@ impl Fsdp {
         self.raw
     }
 
+    /// The memory work of this `Fsdp` left running uses: its shards (read by
+    /// an unshard), or its shard gradients (written) and the full gradients
+    /// the host can reach (read) by a post_backward's reduce-scatter.
+    fn hold(&self, what: &str, pending: Pending, post_backward: bool) -> Result<StorageBorrow> {
+        let mut access = CallAccess::new();
+        let api = self.lib.api();
+        for index in 0..self.num_parameters() {
+            let get = if post_backward { api.fsdp_shard_grad } else { api.fsdp_shard };
+            let mut tensor = ptr::null_mut();
+            if unsafe { get(self.raw, index, &mut tensor) } == sys::DP_OK && !tensor.is_null() {
+                access.tensor(&self.lib, tensor, if post_backward { Access::Write } else { Access::Read });
+                unsafe { (api.tensor_destroy)(tensor) };
+            }
+            if post_backward {
+                let mut name = ptr::null();
+                if unsafe { (api.fsdp_parameter_name)(self.raw, index, &mut name) } == sys::DP_OK && !name.is_null() {
+                    access.reached_grad(&self.module, unsafe { std::ffi::CStr::from_ptr(name) }, Access::Read);
+                }
+            }
+        }
+        access.begin_pending(what, pending)
+    }
+
+    /// After a call with status `st` that waits for the work `held`: it is
+    /// done, unless the wait gave up (a timeout: it stays held for good) or
+    /// the call was refused inside a DDP closure (still in flight).
+    fn settle(st: sys::dp_status, held: &mut Option<StorageBorrow>) {
+        if st == DP_ETIMEOUT {
+            if let Some(held) = held.take() {
+                held.keep_forever();
+            }
+        } else if st == sys::DP_OK || !in_hook() {
+            *held = None;
+        }
+    }
+
+    /// After a call that waits for an unshard in flight.
+    fn settle_unshard(&mut self, st: sys::dp_status) -> Result<()> {
+        Fsdp::settle(st, &mut self.unshard_in_flight);
+        if st == DP_ETIMEOUT {
+            // The dp_fsdp is unusable: nothing waits for the reduce-scatter.
+            Fsdp::settle(st, &mut self.post_in_flight);
+        }
+        self.lib.check(st)
+    }
+
     /// All-gathers: the module's slots hold the full parameters.
     pub fn unshard(&mut self) -> Result<()> {
         let _call = self.begin_call("unshard")?;
-        self.lib.check(unsafe { (self.lib.api().fsdp_unshard)(self.raw, 0) })
+        let st = unsafe { (self.lib.api().fsdp_unshard)(self.raw, 0) };
+        self.settle_unshard(st)
     }
 
     /// Starts the all-gather and returns at once (prefetch); `wait_unshard`,
-    /// or a blocking `unshard`, completes it.
-    /// Until then the library writes the module's parameter slots: leave
-    /// them alone meanwhile (not enforced; see [`Tensor::as_slice`]).
+    /// or a blocking `unshard`, completes it (as do `reshard` and
+    /// `post_backward`). Until then the library reads the shards, which the
+    /// module's slots hold meanwhile: a mutable slice of one is `DP_ESTATE`.
     pub fn unshard_async(&mut self) -> Result<()> {
         let _call = self.begin_call("unshard_async")?;
-        self.lib.check(unsafe { (self.lib.api().fsdp_unshard)(self.raw, 1) })
+        let held = self.hold("unshard_async", FSDP_UNSHARD, false)?;
+        let st = unsafe { (self.lib.api().fsdp_unshard)(self.raw, 1) };
+        if st == sys::DP_OK {
+            // One in flight already is this one (it adds nothing).
+            self.unshard_in_flight = Some(held);
+            return Ok(());
+        }
+        if st == DP_ETIMEOUT {
+            held.keep_forever();
+        }
+        self.settle_unshard(st)
     }
 
+    /// Waits for the all-gather of `unshard_async`: the slots hold the full
+    /// parameters, and the shards may be sliced again.
     pub fn wait_unshard(&mut self) -> Result<()> {
         let _call = self.begin_call("wait_unshard")?;
-        self.lib.check(unsafe { (self.lib.api().fsdp_wait_unshard)(self.raw) })
+        let st = unsafe { (self.lib.api().fsdp_wait_unshard)(self.raw) };
+        self.settle_unshard(st)
     }
 
     /// The slots hold the shards again (see `reshard_after_forward`).
     pub fn reshard(&mut self) -> Result<()> {
         let _call = self.begin_call("reshard")?;
-        self.lib.check(unsafe { (self.lib.api().fsdp_reshard)(self.raw) })
+        let st = unsafe { (self.lib.api().fsdp_reshard)(self.raw) };
+        self.settle_unshard(st)
     }
 
     /// The full gradients are final: reshards, then reduce-scatters their
-    /// average into the shard gradients, asynchronously.
+    /// average into the shard gradients, asynchronously. With gradient sync,
+    /// until `finish_backward` (or the next `post_backward`) the shard
+    /// gradients may not be sliced, nor the full gradients taken before
+    /// sliced mutably.
     pub fn post_backward(&mut self) -> Result<()> {
         let _call = self.begin_call("post_backward")?;
-        self.lib.check(unsafe { (self.lib.api().fsdp_post_backward)(self.raw) })
+        let held = if self.requires_sync { Some(self.hold("post_backward", FSDP_POST_BACKWARD, true)?) } else { None };
+        let st = unsafe { (self.lib.api().fsdp_post_backward)(self.raw) };
+        // It waited for the previous reduce-scatter first.
+        Fsdp::settle(st, &mut self.post_in_flight);
+        if st == sys::DP_OK {
+            self.post_in_flight = held;
+        } else if let (Some(held), true) = (held, st == DP_ETIMEOUT) {
+            held.keep_forever();
+        }
+        self.settle_unshard(st)
     }
 
-    /// Waits for the last `post_backward`'s reduce-scatter.
+    /// Waits for the last `post_backward`'s reduce-scatter: the shard
+    /// gradients may be sliced again.
     pub fn finish_backward(&mut self) -> Result<()> {
         let _call = self.begin_call("finish_backward")?;
-        self.lib.check(unsafe { (self.lib.api().fsdp_finish_backward)(self.raw) })
+        let st = unsafe { (self.lib.api().fsdp_finish_backward)(self.raw) };
+        Fsdp::settle(st, &mut self.post_in_flight);
+        if st == DP_ETIMEOUT {
+            Fsdp::settle(st, &mut self.unshard_in_flight);
+        }
+        self.lib.check(st)
     }
 
     /// `false`: `post_backward` keeps the full gradients, which later
     /// backwards add to; the next synced one reduces the sum.
     pub fn set_requires_gradient_sync(&mut self, requires_sync: bool) -> Result<()> {
         let api = self.lib.api();
-        self.lib.check(unsafe { (api.fsdp_set_requires_gradient_sync)(self.raw, requires_sync as c_int) })
+        self.lib.check(unsafe { (api.fsdp_set_requires_gradient_sync)(self.raw, requires_sync as c_int) })?;
+        self.requires_sync = requires_sync;
+        Ok(())
     }
 
     /// The managed parameters, in the module's listing order.

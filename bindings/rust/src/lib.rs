@@ -11,7 +11,11 @@
 //! - CPU tensors are read and written in place through guards that deref to
 //!   `&[T]` / `&mut [T]`, borrowed from the tensor and checked per storage:
 //!   a mutable slice is refused while another slice covers the same memory,
-//!   through whichever handle (`Tensor::as_slice`). `as_slice_unchecked`
+//!   through whichever handle (`Tensor::as_slice`), and so is a slice of
+//!   memory the library uses, during a call or in work the call left
+//!   running (DDP gradients marked ready until `finish_backward`, FSDP
+//!   shards after `unshard_async` until `wait_unshard`, a DLPack export
+//!   until its deleter runs). `as_slice_unchecked`
 //!   skips the check and is `unsafe`.
 //! - Thread safety: handles are `Send + Sync`; a call takes `&self` or
 //!   `&mut self` and dropping takes the handle by value, so no handle is

@@ -6,8 +6,8 @@ use std::ptr;
 
 use crate::error::{cstring, owned_text};
 use crate::parallel::run_forward;
-use crate::view::{note_grad_reached, Access, CallAccess};
-use crate::{sys, Device, Error, Library, Replica, Result, Tensor, DP_EINVAL};
+use crate::view::{note_grad_reached, pending_over, Access, CallAccess, DDP_MARKED};
+use crate::{sys, Device, Error, Library, Replica, Result, Tensor, DP_EINVAL, DP_ESTATE};
 
 /// A reference to a module tree (see dp_module.h). Methods taking `&self`
 /// are the ones dp_module.h allows from several threads at once.
@@ -177,9 +177,24 @@ impl Module {
     /// reference, so the memory lives as long as the module uses it (a
     /// vector is freed once the last tensor over it is gone). `None` drops
     /// the gradient (the next `grad` allocates zeros). Set it between
-    /// backwards, not while a `Ddp` backward is in flight.
+    /// backwards: while the current gradient is marked ready in a `Ddp`
+    /// backward this is DP_ESTATE.
     pub fn set_grad(&mut self, name: &str, grad: Option<&Tensor>) -> Result<()> {
         let c = cstring("dotted_name", name)?;
+        // A reduction in flight writes whichever gradient the parameter has
+        // when it ends: one set meanwhile would be written under its slices.
+        let mut current = ptr::null_mut();
+        if unsafe { (self.lib.api().module_grad)(self.raw, c.as_ptr(), &mut current) } == sys::DP_OK
+            && !current.is_null()
+        {
+            let current = unsafe { Tensor::from_raw(&self.lib, current) };
+            if pending_over(current.data_ptr() as usize, current.nbytes(), DDP_MARKED) {
+                return Err(Error::new(
+                    DP_ESTATE,
+                    format!("set_grad: parameter '{name}''s gradient: {}", DDP_MARKED.why),
+                ));
+            }
+        }
         let raw = grad.map_or(ptr::null_mut(), |g| g.raw);
         self.lib.check(unsafe { (self.lib.api().module_set_grad)(self.raw, c.as_ptr(), raw) })?;
         if grad.is_some() {

@@ -4,7 +4,7 @@ use std::os::raw::c_void;
 use std::ptr;
 
 use crate::device::dtype_name;
-use crate::view::{Access, CallAccess, StorageBorrow, TensorSlice, TensorSliceMut};
+use crate::view::{Access, CallAccess, StorageBorrow, TensorSlice, TensorSliceMut, DLPACK_EXPORT};
 use crate::{sys, DType, Device, Element, Error, Library, Result, DP_EINVAL, DP_EUNSUPPORTED};
 use std::fmt;
 
@@ -179,6 +179,9 @@ impl Tensor {
     /// destroyed. It must be compact row-major on a cpu or cuda device with
     /// a dtype the library knows; on failure it is dropped (its deleter runs).
     pub fn from_dlpack(lib: &Library, managed: DlPack) -> Result<Tensor> {
+        // One of `to_dlpack`'s: the new tensor's slices are checked as any
+        // other, so the export's hold on the memory can go.
+        unsafe { release_export(managed.raw) };
         let raw = managed.raw;
         let mut out = ptr::null_mut();
         let st = unsafe { (lib.api().tensor_from_dlpack)(&mut out, raw) };
@@ -192,11 +195,23 @@ impl Tensor {
 
     /// A DLPack tensor over this tensor's memory (zero-copy); the memory
     /// stays alive until it is dropped, even after every `Tensor` over it.
+    ///
+    /// Its holder may read and write the memory until the capsule's deleter
+    /// runs: until then a slice of it is `DP_ESTATE` through any handle
+    /// (and `to_dlpack` is refused under a slice). The deleter runs when
+    /// the `DlPack` is dropped, or, after `into_raw`, when the consumer
+    /// calls it; `Tensor::from_dlpack` of it ends the hold at once, its
+    /// tensor's slices being checked as any other's.
     pub fn to_dlpack(&self) -> Result<DlPack> {
         let mut out = ptr::null_mut();
-        // The capsule's holder may write the memory.
-        let _call = self.call_access(Access::Write).begin("to_dlpack")?;
+        let held = self.call_access(Access::Write).begin_pending("to_dlpack", DLPACK_EXPORT)?;
         self.lib.check(unsafe { (self.lib.api().tensor_to_dlpack)(self.raw, &mut out) })?;
+        // The capsule's deleter ends the hold, then runs the library's.
+        unsafe {
+            let export = Box::new(Export { manager_ctx: (*out).manager_ctx, deleter: (*out).deleter, _held: held });
+            (*out).manager_ctx = Box::into_raw(export) as *mut c_void;
+            (*out).deleter = Some(delete_export);
+        }
         Ok(DlPack { raw: out })
     }
 
@@ -270,11 +285,17 @@ impl Tensor {
     /// `Module::parameter` give a new handle each call): while a mutable
     /// slice over this memory lives, this is DP_ESTATE, and while this one
     /// lives no mutable slice is taken, nor does `copy_from` or a
-    /// collective of the process group write it. The library's other writes
-    /// are ordered by its calls: a gradient marked ready
-    /// (`Ddp::mark_grad_ready*`) is the library's until `finish_backward`
-    /// returns, an `Fsdp`'s parameters between `unshard_async` and
-    /// `wait_unshard`; drop the slice before such a call.
+    /// collective of the process group write it. Memory that work a call
+    /// left running uses is refused the same way until the call that
+    /// completes it: a gradient marked ready (`Ddp::mark_grad_ready*`)
+    /// until `Ddp::finish_backward`, a shard after `Fsdp::unshard_async`
+    /// (mutable slices) until `Fsdp::wait_unshard`, the shard gradients
+    /// after `Fsdp::post_backward` until `Fsdp::finish_backward`, an
+    /// exported tensor until its DLPack deleter runs (see [`Ddp`],
+    /// [`Fsdp`], [`Tensor::to_dlpack`]).
+    ///
+    /// [`Ddp`]: crate::Ddp
+    /// [`Fsdp`]: crate::Fsdp
     pub fn as_slice<T: Element>(&self) -> Result<TensorSlice<'_, T>> {
         self.check_view::<T>()?;
         let n = self.numel();
@@ -413,6 +434,50 @@ impl InPlace for Tensor {
     fn raw_mut(&mut self) -> *mut sys::dp_tensor {
         self.raw
     }
+}
+
+/// What `to_dlpack` puts in the capsule's place: the library's own context
+/// and deleter, and the hold on the memory that the deleter ends.
+struct Export {
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut sys::DLManagedTensor)>,
+    _held: StorageBorrow,
+}
+
+/// Puts the library's context and deleter back into a capsule of
+/// `to_dlpack` and ends its hold on the memory; nothing for another one.
+///
+/// # Safety
+/// `raw` is a valid DLManagedTensor whose deleter has not run.
+unsafe fn release_export(raw: *mut sys::DLManagedTensor) {
+    if !is_export(raw) {
+        return;
+    }
+    let export = Box::from_raw((*raw).manager_ctx as *mut Export);
+    (*raw).manager_ctx = export.manager_ctx;
+    (*raw).deleter = export.deleter;
+}
+
+/// The deleter of a capsule from `to_dlpack`, called once by its holder,
+/// from any thread.
+unsafe extern "C" fn delete_export(raw: *mut sys::DLManagedTensor) {
+    if raw.is_null() {
+        return;
+    }
+    // Nothing may unwind into the caller.
+    let _ = std::panic::catch_unwind(|| release_export(raw));
+    if is_export(raw) {
+        return;
+    }
+    if let Some(deleter) = (*raw).deleter {
+        deleter(raw);
+    }
+}
+
+/// Whether `raw`'s deleter is still `delete_export` (one function, one
+/// address: it is no generic).
+unsafe fn is_export(raw: *mut sys::DLManagedTensor) -> bool {
+    (*raw).deleter.map(|f| f as usize) == Some(delete_export as *const () as usize)
 }
 
 /// An owned DLPack `DLManagedTensor` (dlpack.h): its deleter runs on drop.

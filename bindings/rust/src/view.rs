@@ -15,9 +15,15 @@
 //! exclude one another (the library orders its own accesses), and closures
 //! the library runs during a call (forward closures, comm hooks) may take
 //! slices of the memory it lends them.
+//!
+//! Work a call leaves running (a DDP bucket's reduction after a mark, an
+//! FSDP unshard or reduce-scatter, a DLPack export's holder) keeps its
+//! ranges recorded past the call ([`CallAccess::begin_pending`]), held by
+//! the handle that started it until the call (or deleter) that completes it.
 
 use std::cell::Cell;
 use std::collections::HashSet;
+use std::ffi::CStr;
 use std::fmt;
 use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
@@ -33,6 +39,11 @@ struct Borrow {
     exclusive: bool,
     // Held by a library call rather than a slice.
     call: bool,
+    // Held past its call by work the call left running: what that work is
+    // and which call completes it.
+    pending: Option<&'static str>,
+    // Closures the library runs may take slices of it.
+    lendable: bool,
 }
 
 thread_local! {
@@ -81,9 +92,13 @@ impl StorageBorrow {
         // Nothing panics while the lock is held, so a poisoned lock is sound.
         let mut borrows = BORROWS.lock().unwrap_or_else(|e| e.into_inner());
         let lent = in_callback();
-        if let Some(other) =
-            borrows.iter().find(|b| b.start < end && start < b.end && (exclusive || b.exclusive) && !(b.call && lent))
+        if let Some(other) = borrows
+            .iter()
+            .find(|b| b.start < end && start < b.end && (exclusive || b.exclusive) && !(b.lendable && lent))
         {
+            if let Some(pending) = other.pending {
+                return Err(Error::new(DP_ESTATE, format!("tensor: {pending}; take the slice after that")));
+            }
             if other.call {
                 return Err(Error::new(
                     DP_ESTATE,
@@ -104,10 +119,61 @@ impl StorageBorrow {
             ));
         }
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        borrows.push(Borrow { id, start, end, exclusive, call: false });
+        borrows.push(Borrow { id, start, end, exclusive, call: false, pending: None, lendable: false });
         Ok(StorageBorrow { id })
     }
+
+    /// Keeps the ranges recorded for the rest of the process: work that
+    /// may still use the memory was left running (a timeout).
+    pub(crate) fn keep_forever(self) {
+        std::mem::forget(self);
+    }
 }
+
+/// Whether work of kind `pending` holds memory overlapping `bytes` bytes
+/// at `start`.
+pub(crate) fn pending_over(start: usize, bytes: usize, pending: Pending) -> bool {
+    let end = start.saturating_add(bytes);
+    let borrows = BORROWS.lock().unwrap_or_else(|e| e.into_inner());
+    borrows.iter().any(|b| b.start < end && start < b.end && b.pending == Some(pending.why))
+}
+
+/// Work a library call leaves running past its return, which keeps its
+/// memory out of reach of slices until the call that completes it.
+#[derive(Clone, Copy)]
+pub(crate) struct Pending {
+    /// Why a slice is refused meanwhile, naming the completing call.
+    pub(crate) why: &'static str,
+    /// Closures the library runs (comm hooks, on_bucket_reduced, stream
+    /// host functions, forwards) are ordered with that work, as with a call.
+    pub(crate) lent_to_closures: bool,
+}
+
+pub(crate) const DDP_MARKED: Pending = Pending {
+    why:
+        "its memory is a gradient marked ready (Ddp::mark_grad_ready*), which its bucket's reduction reads and writes \
+          in the background until Ddp::finish_backward returns",
+    lent_to_closures: true,
+};
+
+pub(crate) const FSDP_UNSHARD: Pending = Pending {
+    why:
+        "its memory is a shard the all-gather of Fsdp::unshard_async reads in the background until Fsdp::wait_unshard \
+          (or unshard, reshard, post_backward) returns",
+    lent_to_closures: true,
+};
+
+pub(crate) const FSDP_POST_BACKWARD: Pending = Pending {
+    why: "its memory is a gradient the reduce-scatter of Fsdp::post_backward uses in the background until \
+          Fsdp::finish_backward (or the next post_backward) returns",
+    lent_to_closures: true,
+};
+
+pub(crate) const DLPACK_EXPORT: Pending = Pending {
+    why: "its memory is exported through DLPack (Tensor::to_dlpack), whose holder may write it until the capsule's \
+          deleter runs (the DlPack dropped, or its consumer done with it)",
+    lent_to_closures: false,
+};
 
 /// How a library call uses one kind of memory.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -201,10 +267,53 @@ impl CallAccess {
         self
     }
 
+    /// The gradient of `module`'s parameter `name`, which dp_module_grad
+    /// allocates (zeroed) if it has none yet; nothing when there is none to
+    /// have (an unknown name, a sharded slot).
+    pub(crate) fn grad(&mut self, module: &Module, name: &CStr, access: Access) -> &mut Self {
+        let api = module.lib.api();
+        let mut grad = std::ptr::null_mut();
+        if unsafe { (api.module_grad)(module.raw, name.as_ptr(), &mut grad) } == sys::DP_OK && !grad.is_null() {
+            self.tensor(&module.lib, grad, access);
+            unsafe { (api.tensor_destroy)(grad) };
+        }
+        self
+    }
+
+    /// As [`CallAccess::grad`], only when the host can reach that gradient
+    /// (see [`note_grad_reached`]), so that nothing is allocated.
+    pub(crate) fn reached_grad(&mut self, module: &Module, name: &CStr, access: Access) -> &mut Self {
+        let api = module.lib.api();
+        let mut value = std::ptr::null_mut();
+        if unsafe { (api.module_get_parameter)(module.raw, name.as_ptr(), &mut value) } != sys::DP_OK || value.is_null()
+        {
+            return self;
+        }
+        let address = unsafe { (api.tensor_data)(value) } as usize;
+        unsafe { (api.tensor_destroy)(value) };
+        let reached =
+            GRADS_REACHED.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|r| r.contains(&address));
+        if reached {
+            self.grad(module, name, access);
+        }
+        self
+    }
+
     /// Refuses the call named `what` with DP_ESTATE when a live slice
     /// covers memory it writes, or a live mutable slice memory it reads;
     /// otherwise holds the ranges until the returned borrow drops.
     pub(crate) fn begin(&self, what: &str) -> Result<StorageBorrow> {
+        self.hold(what, None)
+    }
+
+    /// As [`CallAccess::begin`], for work `what` leaves running past its
+    /// return: the caller keeps the borrow until the work is complete, and
+    /// slices refused meanwhile say why (`pending`).
+    pub(crate) fn begin_pending(&self, what: &str, pending: Pending) -> Result<StorageBorrow> {
+        self.hold(what, Some(pending))
+    }
+
+    fn hold(&self, what: &str, pending: Option<Pending>) -> Result<StorageBorrow> {
         if self.ranges.is_empty() {
             return Ok(StorageBorrow { id: 0 });
         }
@@ -226,7 +335,15 @@ impl CallAccess {
         }
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         for &(start, end, written) in &self.ranges {
-            borrows.push(Borrow { id, start, end, exclusive: written, call: true });
+            borrows.push(Borrow {
+                id,
+                start,
+                end,
+                exclusive: written,
+                call: true,
+                pending: pending.map(|p| p.why),
+                lendable: pending.map_or(true, |p| p.lent_to_closures),
+            });
         }
         Ok(StorageBorrow { id })
     }

@@ -3,9 +3,9 @@
 
 #include <nccl.h>
 
-#include "backend/cuda/nccl_types.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "device/cuda/nccl_types.h"
 #include "distributed/collective.h"
 
 namespace dparallel::dist::nccl {

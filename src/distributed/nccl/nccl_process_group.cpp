@@ -24,10 +24,10 @@
 #include <utility>
 #include <vector>
 
-#include "backend/cuda/cuda_backend.h"
-#include "backend/cuda/cuda_check.h"
-#include "backend/cuda/nccl_types.h"
 #include "core/error.h"
+#include "device/cuda/cuda_check.h"
+#include "device/cuda/cuda_runtime.h"
+#include "device/cuda/nccl_types.h"
 #include "distributed/backend.h"
 #include "distributed/call_header.h"
 #include "distributed/nccl/nccl_ops.h"

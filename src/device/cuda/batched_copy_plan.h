@@ -9,7 +9,7 @@
 #include <limits>
 #include <vector>
 
-#include "backend/cuda/cuda_backend.h"
+#include "device/cuda/cuda_runtime.h"
 
 namespace dparallel::cuda {
 

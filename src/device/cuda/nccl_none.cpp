@@ -1,6 +1,6 @@
 // The in-process NCCL interface of a build without NCCL: callers use peer copies instead.
-#include "backend/cuda/cuda_backend.h"
 #include "core/error.h"
+#include "device/cuda/cuda_runtime.h"
 
 namespace dparallel::cuda {
 

@@ -7,9 +7,9 @@
 #include <new>
 #include <vector>
 
-#include "backend/cuda/device_switch.h"
 #include "core/error.h"
 #include "core/stream.h"
+#include "device/cuda/device_switch.h"
 
 namespace dparallel::cuda {
 

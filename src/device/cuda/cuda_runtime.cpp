@@ -1,5 +1,5 @@
 // Host-side CUDA runtime use: devices, memory, copies and streams.
-#include "backend/cuda/cuda_backend.h"
+#include "device/cuda/cuda_runtime.h"
 
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
@@ -10,12 +10,12 @@
 #include <string>
 #include <vector>
 
-#include "backend/cuda/copy_path.h"
-#include "backend/cuda/cuda_check.h"
-#include "backend/cuda/cuda_streams.h"
-#include "backend/cuda/peer_access.h"
-#include "backend/cuda/pinned_host_cache.h"
 #include "core/device_runtime.h"
+#include "device/cuda/copy_path.h"
+#include "device/cuda/cuda_check.h"
+#include "device/cuda/cuda_streams.h"
+#include "device/cuda/peer_access.h"
+#include "device/cuda/pinned_host_cache.h"
 
 namespace dparallel::cuda {
 

@@ -1,11 +1,11 @@
-#include "backend/cpu/cpu_runtime.h"
+#include "device/cpu/cpu_runtime.h"
 
 #include <sys/mman.h>
 
-#include "backend/cpu/cpu_kernels.h"
-#include "backend/cpu/cpu_streams.h"
 #include "core/device_runtime.h"
 #include "core/error.h"
+#include "device/cpu/cpu_kernels.h"
+#include "device/cpu/cpu_streams.h"
 
 namespace dparallel::cpu {
 

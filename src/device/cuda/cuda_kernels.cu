@@ -12,10 +12,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "backend/cuda/batched_copy_plan.h"
-#include "backend/cuda/copy_path.h"
-#include "backend/cuda/cuda_backend.h"
-#include "backend/cuda/cuda_check.h"
+#include "device/cuda/batched_copy_plan.h"
+#include "device/cuda/copy_path.h"
+#include "device/cuda/cuda_check.h"
+#include "device/cuda/cuda_runtime.h"
 
 namespace dparallel::cuda {
 

@@ -1,5 +1,5 @@
 // Streams and events of cuda devices for the core's DeviceRuntime.
-#include "backend/cuda/cuda_streams.h"
+#include "device/cuda/cuda_streams.h"
 
 #include <cuda_runtime_api.h>
 
@@ -7,8 +7,8 @@
 #include <new>
 #include <optional>
 
-#include "backend/cuda/cuda_check.h"
-#include "backend/cuda/event_devices.h"
+#include "device/cuda/cuda_check.h"
+#include "device/cuda/event_devices.h"
 
 namespace dparallel::cuda {
 

@@ -1,4 +1,4 @@
-#include "backend/cpu/cpu_streams.h"
+#include "device/cpu/cpu_streams.h"
 
 #include <atomic>
 #include <chrono>

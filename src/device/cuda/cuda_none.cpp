@@ -1,7 +1,7 @@
 // The CUDA interface of a build without CUDA: no GPUs, every use an error.
 // (nccl_none.cpp supplies the NCCL half.)
-#include "backend/cuda/cuda_backend.h"
 #include "core/error.h"
+#include "device/cuda/cuda_runtime.h"
 
 namespace dparallel::cuda {
 

@@ -2,8 +2,8 @@
 // loads. src/CMakeLists.txt links this object into every binary built from
 // the library's objects, never as a member of an archive, so a static link
 // cannot drop it and its initialiser always runs.
-#include "backend/cpu/cpu_runtime.h"
-#include "backend/cuda/cuda_backend.h"
+#include "device/cpu/cpu_runtime.h"
+#include "device/cuda/cuda_runtime.h"
 
 namespace dparallel {
 

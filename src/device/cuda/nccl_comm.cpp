@@ -13,10 +13,10 @@
 #include <thread>
 #include <vector>
 
-#include "backend/cuda/cuda_backend.h"
-#include "backend/cuda/cuda_check.h"
-#include "backend/cuda/nccl_types.h"
-#include "backend/cuda/nccl_wait.h"
+#include "device/cuda/cuda_check.h"
+#include "device/cuda/cuda_runtime.h"
+#include "device/cuda/nccl_types.h"
+#include "device/cuda/nccl_wait.h"
 
 namespace dparallel::cuda {
 
