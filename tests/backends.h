@@ -19,9 +19,9 @@ namespace dptest {
 enum class Backend { kGloo, kShm, kHierarchical, kNccl };
 
 struct BackendInfo {
+  const char* name;      // the suites': test names, DP_TEST_BACKEND
+  const char* reported;  // what dp_process_group_backend answers
   Backend backend;
-  const char* name;       // the suites': test names, DP_TEST_BACKEND
-  const char* reported;   // what dp_process_group_backend answers
   dp_device_type device;  // where the tensors it carries live
   // Its group needs this many ranks on each host at least (hierarchical:
   // else every host's part is one rank and AUTO picks Gloo).
@@ -31,10 +31,11 @@ struct BackendInfo {
   bool threads;
 };
 
-inline const BackendInfo kBackends[] = {{Backend::kGloo, "gloo", "gloo", DP_DEVICE_CPU, 1, true},
-                                        {Backend::kShm, "shm", "shm", DP_DEVICE_CPU, 1, true},
-                                        {Backend::kHierarchical, "hierarchical", "shm+gloo", DP_DEVICE_CPU, 2, false},
-                                        {Backend::kNccl, "nccl", "nccl", DP_DEVICE_CUDA, 1, true}};
+// In Backend's order.
+inline const BackendInfo kBackends[] = {{"gloo", "gloo", Backend::kGloo, DP_DEVICE_CPU, 1, true},
+                                        {"shm", "shm", Backend::kShm, DP_DEVICE_CPU, 1, true},
+                                        {"hierarchical", "shm+gloo", Backend::kHierarchical, DP_DEVICE_CPU, 2, false},
+                                        {"nccl", "nccl", Backend::kNccl, DP_DEVICE_CUDA, 1, true}};
 
 // The same list as types, for typed suites.
 template <Backend B>
