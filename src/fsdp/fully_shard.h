@@ -1,17 +1,17 @@
 // fully_shard (PyTorch's FSDP2) over a module's parameters: each rank keeps
-// rows [r*c, min((r+1)*c, rows)) of every parameter (c = ceil(rows/world),
-// torch.chunk's split on dim 0); unshard all-gathers them into full
-// parameters, post_backward reduce-scatters the full gradients into the
-// shards' gradients. Every collective is a job on the group's comm lane
-// (ddp/comm_lane.h), so dp_ddp and several dp_fsdp on one group pair their
-// calls by identity whatever order the host issues them in.
+// its rows of every parameter (sharded_param.h has the layout); unshard
+// all-gathers them into full parameters, post_backward reduce-scatters the
+// full gradients into the shards' gradients (fsdp_collectives.h). Every
+// collective is a job on the group's comm lane (ddp/comm_lane.h), so dp_ddp
+// and several dp_fsdp on one group pair their calls by identity whatever
+// order the host issues them in. This file is the state machine over those
+// jobs and the host's calls; fully_shard_create.cpp makes one.
 //
 // One all-gather per unshard: every sharded parameter's rows, cast to the
-// compute dtype, lie in one flat byte buffer per rank (a segment), each
-// padded to c rows, so that rank r's segment is the same layout on every
-// rank. The gradients go the same way back, one reduce-scatter per reduce
-// dtype. A 0-d parameter is not sharded: every rank holds it whole and its
-// gradient is all-reduced.
+// compute dtype, lie in one flat byte buffer per rank (a segment), so that
+// rank r's segment is the same layout on every rank. The gradients go the
+// same way back, one reduce-scatter per reduce dtype. A 0-d parameter is
+// not sharded: every rank holds it whole and its gradient is all-reduced.
 //
 // With full_params_as_views on a shared-memory group, the shards are laid
 // out as the full parameters instead, in memory every rank maps: an unshard
@@ -26,7 +26,6 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -37,6 +36,7 @@
 #include "core/tensor.h"
 #include "ddp/comm_lane.h"
 #include "distributed/process_group.h"
+#include "fsdp/sharded_param.h"
 #include "module/module.h"
 
 namespace dparallel::fsdp {
@@ -53,14 +53,6 @@ struct ShardingOptions {
   // creation's place, so that with init_sync every rank fails naming it.
   std::string argument_error;
 };
-
-// How torch.chunk(world) splits `rows` rows: rank r's first row and count.
-struct RowSplit {
-  int64_t chunk = 0;  // ceil(rows / world): the padded rows of every rank
-  int64_t start = 0;
-  int64_t count = 0;
-};
-RowSplit split_rows(int64_t rows, int32_t world, int32_t rank);
 
 class FullyShard final : public ddp::LaneOwner,
                          public ParameterSharding,
@@ -92,7 +84,7 @@ class FullyShard final : public ddp::LaneOwner,
   void finish_backward();
   void set_requires_gradient_sync(bool requires_sync);
 
-  size_t num_parameters() const { return params_.size(); }
+  size_t num_parameters() const { return layout_.size(); }
   const std::string& parameter_name(size_t index) const;
   Tensor shard(size_t index) const;
   Tensor shard_grad(size_t index) const;
@@ -111,16 +103,16 @@ class FullyShard final : public ddp::LaneOwner,
   // collectives of a state dict's save or load, which every rank makes.
   void call_on_lane(dist::CallItem item, const std::function<void()>& fn);
   // Which parameter (index) holds `parameter`, or npos.
-  size_t index_of(const Parameter* parameter) const;
-  static constexpr size_t npos = ~size_t(0);
+  size_t index_of(const Parameter* parameter) const { return layout_.index_of(parameter); }
+  static constexpr size_t npos = ShardLayout::npos;
   // Parameter `index`'s full shape and own dtype (its shard's).
-  const Shape& full_shape(size_t index) const { return params_.at(index).full_shape; }
-  DType dtype(size_t index) const { return params_.at(index).dtype; }
+  const Shape& full_shape(size_t index) const { return layout_.at(index).full_shape; }
+  DType dtype(size_t index) const { return layout_.at(index).dtype; }
   // The row split of parameter `index` on `rank` (0-d parameters: whole).
-  RowSplit split_of(size_t index, int32_t rank) const;
+  RowSplit split_of(size_t index, int32_t rank) const { return layout_.at(index).split_on(group_->size(), rank); }
   // Copies the rows of `full` (the parameter's full shape and any dtype it
   // casts from) that this rank keeps into its shard.
-  void load_shard_from_full(size_t index, const Tensor& full);
+  void load_shard_from_full(size_t index, const Tensor& full) { layout_.load_shard_from_full(index, full); }
 
   // LaneOwner.
   const char* owner_kind() const override { return "dp_fsdp"; }
@@ -136,20 +128,6 @@ class FullyShard final : public ddp::LaneOwner,
   FullyShard(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGroup> group, ShardingOptions options);
   void init();
 
-  struct Managed {
-    std::string name;
-    std::shared_ptr<Parameter> parameter;
-    DType dtype = DType::kFloat32;    // the shard's: the parameter's own
-    DType compute = DType::kFloat32;  // the full parameter's while unsharded
-    DType reduce = DType::kFloat32;
-    Shape full_shape;
-    bool sharded = true;  // false for a 0-d parameter
-    bool reduced = true;  // requires grad at create: its gradient is reduced
-    int64_t row_numel = 1;
-    RowSplit split;
-    size_t reduce_offset = 0;  // elements into a rank's reduce segment of its dtype
-    Tensor shard, shard_grad;
-  };
   // A job issued on the lane and how it ended.
   struct Pending {
     bool issued = false;
@@ -163,22 +141,12 @@ class FullyShard final : public ddp::LaneOwner,
   // is kept for the agreement check instead of thrown.
   std::string collect();
   std::vector<std::string> describe_for_agreement(const std::string& local_error) const;
-  void plan_layout();
-  // Each sharded parameter's offset (bytes) when each takes bytes_of(it),
-  // starting on a cache line, and the total.
-  std::vector<size_t> sharded_layout(const std::function<size_t(const Managed&)>& bytes_of, size_t* total) const;
-  // The all-gather segment's layout in the compute dtype or the parameters'
-  // own: each sharded parameter's offset (bytes), and the segment's size.
-  std::vector<size_t> segment_offsets(bool compute_dtype, size_t* segment) const;
-  // On a shared-memory group (with init_sync): the shards in memory every
-  // rank maps, at the own-dtype segment's offsets, so that the all-gather
-  // reads the other ranks' shards where they lie.
+  // On a shared-memory group (with init_sync): the shards can lie in memory
+  // every rank maps (ShardLayout::wanted_placement).
   bool wants_shard_region() const;
-  // full_params_as_views asked for, on such a group, and no sharded
-  // parameter cast to another compute dtype.
-  bool wants_views() const;
-  void create_shard_region();
-  void shard_parameters();
+  // Collective: the region for `wanted`, into *region; the placement the
+  // shards get (kPrivate when the region could not be made).
+  ShardPlacement create_shard_region(ShardPlacement wanted, std::shared_ptr<Storage>* region);
 
   void issue_locked(ddp::JobSpec spec, Pending& pending);
   // Waits for `pending`, bounded; rethrows its error. On success the host's
@@ -198,37 +166,13 @@ class FullyShard final : public ddp::LaneOwner,
   void check_usable_locked() const;
   Clock::duration lane_bound() const;
 
-  // On the lane: every parameter's full value, in the compute dtype or the
-  // parameter's own, from one all_gather of every rank's segment.
-  std::vector<Tensor> gather_shards(bool compute_dtype);
-  // gather_shards with views: a barrier (every rank's shards are written),
-  // then the full parameters as views of the region, or copies of them
-  // (`as_views` false: a second barrier keeps every rank's shards as they
-  // are until all have copied).
-  std::vector<Tensor> full_from_views(bool as_views);
-  void run_post_backward();
-  // Whether a post_backward's job reduces anything (a collective even with
-  // nothing to reduce: with views, a barrier).
-  bool reduces() const;
-  bool post_backward_communicates() const { return views_ || reduces(); }
-
   std::shared_ptr<Module> module_;
   std::shared_ptr<dist::ProcessGroup> group_;
   ShardingOptions options_;
   std::shared_ptr<ddp::CommLane> lane_;
   uint32_t lane_id_ = 0;
-  std::vector<Managed> params_;
-  std::map<const Parameter*, size_t> index_;
-  std::map<DType, size_t> reduce_segment_;  // one rank's reduce segment (elements) per reduce dtype
-  // Per reduce dtype whose sharded parameters all have that dtype: their
-  // shard gradients are views of one tensor laid out as the reduce segment,
-  // which the reduce_scatter accumulates into (no result to add afterwards).
-  std::map<DType, Tensor> shard_grad_segment_;
-  std::shared_ptr<Storage> shard_region_;  // create_shard_region's, or null
-  // With views: shard_region_ is every rank's part as one, and sharded
-  // parameter i's full rows start at full_offsets_[i] (rank 0's shard first).
-  bool views_ = false;
-  std::vector<size_t> full_offsets_;
+  // The parameters, their shards, and where the shards lie (fixed by init).
+  ShardLayout layout_;
 
   mutable std::mutex host_mutex_;  // serialises the host's calls
   mutable std::mutex mutex_;       // what the lane and the host share
