@@ -1,5 +1,6 @@
-// What the multi-process tests share: a free loopback port, reading a
-// rank's output file, and running a job's ranks as processes.
+// What the multi-process tests share: a free loopback port, whether a
+// process still runs, reading a rank's output file, and running a job's
+// ranks as processes.
 #pragma once
 
 #include <arpa/inet.h>
@@ -13,6 +14,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <fstream>
 #include <functional>
 #include <sstream>
@@ -36,6 +38,16 @@ inline int free_port() {
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
   ::close(fd);
   return ntohs(addr.sin_port);
+}
+
+// Alive and not a zombie (an orphan's zombie may wait long for a reaper).
+inline bool running(int pid) {
+  FILE* stat = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
+  if (stat == nullptr) return false;
+  char state = 0;
+  const int scanned = std::fscanf(stat, "%*d %*s %c", &state);
+  std::fclose(stat);
+  return scanned == 1 && state != 'Z' && state != 'X';
 }
 
 inline std::string read_file(const std::string& path) {

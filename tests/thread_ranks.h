@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "group_util.h"
 #include "module/module_test_util.h"
 #include "test_util.h"
 
@@ -30,21 +31,10 @@ inline void run_thread_ranks(const std::string& prefix, int world, const RankOpt
   std::vector<std::thread> ranks;
   for (int r = 0; r < world; ++r) {
     ranks.emplace_back([&, r] {
-      dp_store* store = nullptr;
-      ASSERT_EQ(dp_store_create_file(&store, path.c_str(), world), DP_OK) << dp_last_error();
-      dp_process_group_options o = DP_PROCESS_GROUP_OPTIONS_INIT;
-      o.rank = r;
-      o.world_size = world;
-      o.store = store;
-      o.timeout_ms = options.timeout_ms;
-      o.backend = options.backend;
-      if (options.cuda) o.device = cuda(r);
-      dp_process_group* pg = nullptr;
-      dp_status st = dp_process_group_create(&pg, &o);
-      dp_store_destroy(store);
-      ASSERT_EQ(st, DP_OK) << dp_last_error();
-      body(r, pg);
-      dp_process_group_destroy(pg);
+      GroupPtr pg = file_store_group(
+          path, r, world, GroupOptions{options.backend, options.timeout_ms, options.cuda ? cuda(r) : cpu(0)});
+      ASSERT_NE(pg, nullptr);
+      body(r, pg.get());
     });
   }
   for (auto& t : ranks) t.join();

@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include "group_util.h"
 #include "test_util.h"
 
 using namespace dptest;
@@ -25,29 +26,9 @@ TEST(CpuDeviceLimit, EnvironmentVariableSetsTheNumberOfLogicalDevices) {
 
 namespace {
 
-struct GroupDeleter {
-  void operator()(dp_process_group* g) const { dp_process_group_destroy(g); }
-};
-using GroupPtr = std::unique_ptr<dp_process_group, GroupDeleter>;
-
-// A one-rank Gloo group on `device`, over a file store of its own.
-GroupPtr single_rank_group(dp_device device) {
-  char path[] = "/tmp/dp_env_store_XXXXXX";
-  int fd = ::mkstemp(path);
-  if (fd >= 0) ::close(fd);
-  ::unlink(path);
-  dp_store* store = nullptr;
-  EXPECT_EQ(dp_store_create_file(&store, path, 1), DP_OK) << dp_last_error();
-  dp_process_group_options o = DP_PROCESS_GROUP_OPTIONS_INIT;
-  o.rank = 0;
-  o.world_size = 1;
-  o.store = store;
-  o.timeout_ms = 20000;
-  o.device = device;
-  dp_process_group* pg = nullptr;
-  EXPECT_EQ(dp_process_group_create(&pg, &o), DP_OK) << dp_last_error();
-  dp_store_destroy(store);  // the group holds its own reference
-  return GroupPtr(pg);
+// A one-rank group on `device`, over a file store of its own.
+SingleRankGroup single_rank_group(dp_device device) {
+  return SingleRankGroup(GroupOptions{DP_BACKEND_AUTO, 20000, device});
 }
 
 // A port that was free a moment ago.
@@ -67,12 +48,26 @@ void clear_launch_env() {
   }
 }
 
+// A one-rank group whose options name no store: the default store at
+// MASTER_ADDR (loopback) and a free MASTER_PORT, set here.
+GroupPtr one_rank_group_over_the_default_store() {
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", std::to_string(free_port()).c_str(), 1);
+  dp_process_group_options o = DP_PROCESS_GROUP_OPTIONS_INIT;
+  o.rank = 0;
+  o.world_size = 1;
+  o.timeout_ms = 20000;
+  dp_process_group* raw = nullptr;
+  EXPECT_EQ(dp_process_group_create(&raw, &o), DP_OK) << dp_last_error();
+  return GroupPtr(raw);
+}
+
 }  // namespace
 
 // cpu:i is a logical device of its own: a group on cpu:0 refuses cpu:1 tensors.
 TEST(ProcessGroupCpuDevice, TensorOnAnotherLogicalCpuIsInvalidNamingBothDevices) {
-  GroupPtr pg = single_rank_group(cpu(0));
-  ASSERT_NE(pg, nullptr);
+  SingleRankGroup pg = single_rank_group(cpu(0));
+  ASSERT_NE(pg.get(), nullptr);
   auto other = make<float>({4}, {1, 2, 3, 4}, cpu(1));
   EXPECT_EQ(dp_pg_all_reduce(pg.get(), other.get(), DP_SUM), DP_EINVAL);
   EXPECT_NE(last_error().find("argument 'tensor' is float32 4 on cpu:1"), std::string::npos) << last_error();
@@ -84,8 +79,8 @@ TEST(ProcessGroupCpuDevice, TensorOnAnotherLogicalCpuIsInvalidNamingBothDevices)
   DP_EXPECT_OK(dp_pg_all_reduce(pg.get(), mine.get(), DP_SUM));
   EXPECT_EQ(values<float>(mine.get()), (std::vector<float>{1, 2, 3, 4}));
 
-  GroupPtr pg2 = single_rank_group(cpu(2));
-  ASSERT_NE(pg2, nullptr);
+  SingleRankGroup pg2 = single_rank_group(cpu(2));
+  ASSERT_NE(pg2.get(), nullptr);
   EXPECT_EQ(dp_pg_broadcast(pg2.get(), mine.get(), 0), DP_EINVAL);
   EXPECT_NE(last_error().find("process group is on cpu:2"), std::string::npos) << last_error();
   auto on_two = make<int32_t>({2}, {5, 6}, cpu(2));
@@ -95,15 +90,8 @@ TEST(ProcessGroupCpuDevice, TensorOnAnotherLogicalCpuIsInvalidNamingBothDevices)
 // The header promises only MASTER_ADDR and MASTER_PORT for the default store.
 TEST(ProcessGroupEnv, CreateWithoutAStoreNeedsOnlyMasterAddrAndPort) {
   clear_launch_env();
-  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-  ::setenv("MASTER_PORT", std::to_string(free_port()).c_str(), 1);
-  dp_process_group_options o = DP_PROCESS_GROUP_OPTIONS_INIT;
-  o.rank = 0;
-  o.world_size = 1;
-  o.timeout_ms = 20000;
-  dp_process_group* raw = nullptr;
-  DP_ASSERT_OK(dp_process_group_create(&raw, &o));
-  GroupPtr pg(raw);
+  GroupPtr pg = one_rank_group_over_the_default_store();
+  ASSERT_NE(pg, nullptr);
   EXPECT_EQ(dp_process_group_size(pg.get()), 1);
   DP_EXPECT_OK(dp_pg_barrier(pg.get()));
 }
@@ -112,15 +100,8 @@ TEST(ProcessGroupEnv, OptionsRankAndWorldSizeWinOverTheEnvironment) {
   clear_launch_env();
   ::setenv("RANK", "3", 1);
   ::setenv("WORLD_SIZE", "8", 1);
-  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-  ::setenv("MASTER_PORT", std::to_string(free_port()).c_str(), 1);
-  dp_process_group_options o = DP_PROCESS_GROUP_OPTIONS_INIT;
-  o.rank = 0;
-  o.world_size = 1;
-  o.timeout_ms = 20000;
-  dp_process_group* raw = nullptr;
-  DP_ASSERT_OK(dp_process_group_create(&raw, &o));
-  GroupPtr pg(raw);
+  GroupPtr pg = one_rank_group_over_the_default_store();
+  ASSERT_NE(pg, nullptr);
   EXPECT_EQ(dp_process_group_rank(pg.get()), 0);
   EXPECT_EQ(dp_process_group_size(pg.get()), 1);
 }

@@ -1,5 +1,5 @@
 // The conformance suite: every scenario of conformance_worker is written once
-// and run over each backend (backend.h), as real processes on this host:
+// and run over each backend (backends.h), as real processes on this host:
 // Conformance/gloo.*, Conformance/shm.*, Conformance/hierarchical.* (two
 // pretend hosts) and Conformance/nccl.* (one GPU per rank; skipped without
 // enough of them). "PerHost" counts the ranks on each host. Each run is
@@ -16,7 +16,7 @@
 #include <thread>
 #include <vector>
 
-#include "backend.h"
+#include "backends.h"
 #include "dparallel/dparallel.h"
 #include "ranks.h"
 
@@ -25,30 +25,12 @@ namespace {
 using dptest::Backend;
 using dptest::RankExit;
 
-struct Gloo {
-  static constexpr Backend kBackend = Backend::kGloo;
-};
-struct Shm {
-  static constexpr Backend kBackend = Backend::kShm;
-};
-struct Hierarchical {
-  static constexpr Backend kBackend = Backend::kHierarchical;
-};
-struct Nccl {
-  static constexpr Backend kBackend = Backend::kNccl;
-};
-
 struct TypeNames {
   template <typename T>
   static std::string GetName(int) {
     return dptest::backend_name(T::kBackend);
   }
 };
-
-int gpus() {
-  int32_t n = 0;
-  return dp_device_count(DP_DEVICE_CUDA, &n) == DP_OK ? n : 0;
-}
 
 // One busy loop per core while it lives.
 class CpuHog {
@@ -103,9 +85,7 @@ class Conformance : public ::testing::Test {
   static void skip_unless_runnable(int world, Where where) {
     if (kBackend != Backend::kNccl) return;
     if (where == Where::kCpuOnly) GTEST_SKIP() << "not a nccl scenario (cpu tensors or processes only)";
-    if (gpus() < world) {
-      GTEST_SKIP() << "needs " << world << " GPUs (one per rank), found " << gpus();
-    }
+    DP_SKIP_UNLESS_AVAILABLE(kBackend, world);
   }
 
   static void expect_passes(const dptest::Ranks& run, Where where = Where::kAnyDevice) {
@@ -132,8 +112,7 @@ class Conformance : public ::testing::Test {
   }
 };
 
-using Backends = ::testing::Types<Gloo, Shm, Hierarchical, Nccl>;
-TYPED_TEST_SUITE(Conformance, Backends, TypeNames);
+TYPED_TEST_SUITE(Conformance, dptest::BackendTypes, TypeNames);
 
 TYPED_TEST(Conformance, EveryCollectiveOpDtypeAndSizeSyncAndAsyncWithTwoRanksPerHost) {
   this->expect_passes(this->ranks("collectives,async,in_place", 2));

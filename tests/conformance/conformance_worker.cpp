@@ -2,7 +2,7 @@
 // copies with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set):
 //   conformance_worker SCENARIO[,SCENARIO...] [RANK]
 // runs the scenarios in order on one group over the backend DP_TEST_BACKEND
-// names (backend.h; default: whatever DP_BACKEND_AUTO picks). DP_TEST_STORE=
+// names (backends.h; default: whatever DP_BACKEND_AUTO picks). DP_TEST_STORE=
 // <path> makes the group use a file store. RANK is the refusing, killed or
 // stopped rank (default the last). Exit code 0 means every check passed, 3
 // that the group could not be created; failures are printed.
@@ -47,7 +47,7 @@
 #include <thread>
 #include <vector>
 
-#include "backend.h"
+#include "backends.h"
 #include "dparallel/dparallel.h"
 #include "worker_util.h"
 

@@ -17,24 +17,13 @@
 #include "core/error.h"
 #include "core/stream.h"
 #include "core/tensor.h"
+#include "error_util.h"
 
 using namespace dparallel;
+using dptest::contains;
+using dptest::device_error_of;
 
 namespace {
-
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
-
-template <typename Fn>
-std::string device_error_of(Fn fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kDevice) << e.what();
-    return e.what();
-  }
-  ADD_FAILURE() << "no error";
-  return "";
-}
 
 // Host memory behind a recording runtime.
 class RecordingRuntime final : public DeviceRuntime {

@@ -14,25 +14,13 @@
 #include "core/stream.h"
 #include "core/tensor.h"
 #include "device/cuda/cuda_runtime.h"
+#include "error_util.h"
 
 using namespace dparallel;
+using dptest::contains;
+using dptest::device_error_of;
 
 namespace {
-
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
-
-// The message of the kDevice error `fn` throws, or "" (with a failure) if it does not.
-template <typename Fn>
-std::string device_error_of(Fn fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kDevice) << e.what();
-    return e.what();
-  }
-  ADD_FAILURE() << "no error";
-  return "";
-}
 
 // A task on a cpu stream that records an event behind itself on that stream
 // and then waits for it would wait forever: the wait is kState instead.

@@ -13,18 +13,15 @@
 #include <thread>
 #include <vector>
 
+#include "group_util.h"
 #include "module/module_test_util.h"
 
 namespace {
 
+using dptest::DdpPtr;
 using dptest::make;
 using dptest::ModulePtr;
 using dptest::TensorPtr;
-
-struct DdpDeleter {
-  void operator()(dp_ddp* d) const { dp_ddp_destroy(d); }
-};
-using DdpPtr = std::unique_ptr<dp_ddp, DdpDeleter>;
 
 const char* const kParams[] = {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"};
 
@@ -81,22 +78,8 @@ std::string plan(const dp_ddp* ddp) {
 class DdpApi : public ::testing::Test {
  protected:
   void SetUp() override {
-    path_ = dptest::temp_path("ddp_api_", "store");
-    ::unlink(path_.c_str());
-    dp_store* store = nullptr;
-    DP_ASSERT_OK(dp_store_create_file(&store, path_.c_str(), 1));
-    dp_process_group_options o = DP_PROCESS_GROUP_OPTIONS_INIT;
-    o.rank = 0;
-    o.world_size = 1;
-    o.store = store;
-    o.timeout_ms = 60000;
-    dp_status st = dp_process_group_create(&pg_, &o);
-    dp_store_destroy(store);  // the group holds its own reference
-    ASSERT_EQ(st, DP_OK) << dp_last_error();
-  }
-  void TearDown() override {
-    dp_process_group_destroy(pg_);
-    ::unlink(path_.c_str());
+    pg_ = group_.get();
+    ASSERT_NE(pg_, nullptr);
   }
 
   DdpPtr create(dp_module* m, const dp_ddp_options* opts = nullptr) {
@@ -115,7 +98,7 @@ class DdpApi : public ::testing::Test {
     return st;
   }
 
-  std::string path_;
+  dptest::SingleRankGroup group_;  // a one-rank group, gone after TearDown
   dp_process_group* pg_ = nullptr;
 };
 

@@ -20,16 +20,12 @@
 #include "thread_ranks.h"
 
 using dptest::cpu;
+using dptest::DdpPtr;
 using dptest::make;
 using dptest::TensorPtr;
 using dptest::values;
 
 namespace {
-
-struct DdpDeleter {
-  void operator()(dp_ddp* d) const { dp_ddp_destroy(d); }
-};
-using DdpPtr = std::unique_ptr<dp_ddp, DdpDeleter>;
 
 void run_ranks(int world, const std::function<void(int, dp_process_group*)>& body) {
   dptest::run_thread_ranks("ddp_beyond_", world, dptest::RankOptions{}, body);

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -17,78 +18,19 @@
 #include <thread>
 #include <vector>
 
-#include "process_util.h"
+#include "backends.h"
+#include "worker_job.h"
 
 namespace {
 
-using dptest::read_file;
+using dptest::expect_mentions;
+using dptest::expect_passed;
+using Ranks = dptest::WorkerRun;
 
-struct Ranks {
-  std::vector<int> exit_codes;  // 128 + signal when killed
-  std::vector<std::string> outputs;
-  std::map<std::string, std::string> files;  // what the ranks left in DP_TEST_DIR
-};
-
-// Runs `world` ranks of ddp_worker `scenario` with `env` added ("{dir}" in a
-// value is the run's folder, DP_TEST_DIR); kills them all after `limit`.
 Ranks run_ranks(const std::string& scenario, int world, std::vector<std::string> env = {},
-                std::chrono::seconds limit = std::chrono::seconds(60), const char* worker = DP_DDP_WORKER) {
-  char dir_template[] = "/tmp/dp_ddp_XXXXXX";
-  dptest::RankJob job;
-  job.name = scenario;
-  job.dir = ::mkdtemp(dir_template);
-  for (auto& e : env) {
-    for (size_t at = e.find("{dir}"); at != std::string::npos; at = e.find("{dir}")) e.replace(at, 5, job.dir);
-  }
-  job.argv = {worker, scenario};
-  job.world = world;
-  // Inherited, these would change a scenario.
-  job.drop_inherited = [](const std::string& entry) {
-    return entry.rfind("DP_TEST_DIR=", 0) == 0 || entry.rfind("DP_DEBUG=", 0) == 0 ||
-           entry.rfind("DP_TIMELINE=", 0) == 0 || entry.rfind("DP_TEST_SEED=", 0) == 0;
-  };
-  job.env = [&](int) {
-    std::vector<std::string> vars = {"DP_TEST_DIR=" + job.dir};
-    vars.insert(vars.end(), env.begin(), env.end());
-    return vars;
-  };
-  job.limit = limit;
-  Ranks run;
-  for (auto& exit : dptest::run_rank_processes(job)) {
-    run.exit_codes.push_back(exit.exit_code);
-    run.outputs.push_back(std::move(exit.output));
-  }
-  // What the ranks left besides their output.
-  if (DIR* d = ::opendir(job.dir.c_str())) {
-    while (dirent* e = ::readdir(d)) {
-      std::string name = e->d_name;
-      if (name == "." || name == "..") continue;
-      run.files[name] = read_file(job.dir + "/" + name);
-      ::unlink((job.dir + "/" + name).c_str());
-    }
-    ::closedir(d);
-  }
-  ::rmdir(job.dir.c_str());
-  return run;
-}
-
-// Every rank exited 0 having printed its "passed" line.
-void expect_passed(const Ranks& run, const std::string& scenario, int world) {
-  ASSERT_EQ(run.exit_codes.size(), static_cast<size_t>(world));
-  for (size_t r = 0; r < run.exit_codes.size(); ++r) {
-    EXPECT_EQ(run.exit_codes[r], 0) << "rank " << r << " output:\n" << run.outputs[r];
-    std::string line = "rank " + std::to_string(r) + ": " + scenario + " passed";
-    EXPECT_NE(run.outputs[r].find(line), std::string::npos) << "no '" << line << "' in:\n" << run.outputs[r];
-  }
-}
-
-void expect_mentions(const Ranks& run, size_t rank, const std::vector<std::string>& texts) {
-  ASSERT_LT(rank, run.outputs.size());
-  for (const auto& t : texts) {
-    EXPECT_NE(run.outputs[rank].find(t), std::string::npos)
-        << "rank " << rank << "'s output does not mention '" << t << "':\n"
-        << run.outputs[rank];
-  }
+                std::chrono::seconds limit = std::chrono::seconds(60), const char* worker = DP_DDP_WORKER,
+                const std::function<std::vector<std::string>(int)>& rank_env = nullptr) {
+  return dptest::run_worker(worker, scenario, world, std::move(env), limit, rank_env);
 }
 
 Ranks passing(const std::string& scenario, int world = 2, std::vector<std::string> env = {}) {
@@ -99,19 +41,44 @@ Ranks passing(const std::string& scenario, int world = 2, std::vector<std::strin
 
 TEST(Ddp, StateDictNamesBytesAndStorageUnchangedByWrappingTheNetOrEachLayer) { passing("state_dict"); }
 
-TEST(Ddp, TrainingMatchesFullBatchReferenceOverTwoShuffledIterations) { passing("parity"); }
+// Training against a single process on the full batch, over every backend
+// that carries the worker's cpu tensors (backends.h): at world sizes 2 to 4,
+// and with other bucket layouts (DdpParityLayouts) at each backend's
+// smallest world size.
+class DdpParity : public ::testing::TestWithParam<dptest::BackendWorld> {
+ protected:
+  void expect_matches(const std::string& scenario) {
+    const auto [backend, world] = GetParam();
+    DP_SKIP_UNLESS_AVAILABLE(backend, world);
+    Ranks run = run_ranks(scenario, world, {}, std::chrono::seconds(60), DP_DDP_WORKER,
+                          [backend = backend, world = world](int r) { return dptest::rank_env(backend, r, world); });
+    expect_passed(run, scenario, world);
+  }
+};
+class DdpParityLayouts : public DdpParity {};
 
-TEST(Ddp, TrainingMatchesWithFc1Fc2Fc3EachUnderItsOwnDdp) { passing("parity_layers"); }
+INSTANTIATE_TEST_SUITE_P(Backends, DdpParity,
+                         ::testing::ValuesIn(dptest::backend_worlds(dptest::RankKind::kProcesses, {2, 3, 4},
+                                                                    DP_DEVICE_CPU)),
+                         dptest::BackendWorldName());
+INSTANTIATE_TEST_SUITE_P(Backends, DdpParityLayouts,
+                         ::testing::ValuesIn(dptest::smallest_backend_worlds(dptest::RankKind::kProcesses, {2, 3, 4},
+                                                                             DP_DEVICE_CPU)),
+                         dptest::BackendWorldName());
 
-TEST(Ddp, TrainingMatchesWithOneMegabyteBucketCap) { passing("parity_cap1"); }
+TEST_P(DdpParity, TrainingMatchesFullBatchReferenceOverTwoShuffledIterations) { expect_matches("parity"); }
 
-TEST(Ddp, TrainingMatchesWithGradientAsBucketView) { passing("parity_view"); }
+TEST_P(DdpParityLayouts, TrainingMatchesWithFc1Fc2Fc3EachUnderItsOwnDdp) { expect_matches("parity_layers"); }
 
-TEST(Ddp, TrainingMatchesWithABucketPerLayer) { passing("parity_small_buckets"); }
+TEST_P(DdpParityLayouts, TrainingMatchesWithOneMegabyteBucketCap) { expect_matches("parity_cap1"); }
 
-TEST(Ddp, TrainingMatchesWithGradientAsBucketViewAndABucketPerLayer) { passing("parity_view_small_buckets"); }
+TEST_P(DdpParityLayouts, TrainingMatchesWithGradientAsBucketView) { expect_matches("parity_view"); }
 
-TEST(Ddp, TrainingMatchesWithThreeRanks) { passing("parity", 3); }
+TEST_P(DdpParityLayouts, TrainingMatchesWithABucketPerLayer) { expect_matches("parity_small_buckets"); }
+
+TEST_P(DdpParityLayouts, TrainingMatchesWithGradientAsBucketViewAndABucketPerLayer) {
+  expect_matches("parity_view_small_buckets");
+}
 
 TEST(Ddp, IgnoredModuleOrParameterKeepsLocalGradientWhileOthersAreAveraged) { passing("ignored"); }
 

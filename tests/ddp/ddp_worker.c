@@ -1668,12 +1668,14 @@ int main(int argc, char **argv) {
     return 2;
   }
   opts.timeout_ms = scenario->timeout_ms;
+  opts.backend = test_group_backend(DP_BACKEND_AUTO);
   if (dp_process_group_create_from_env(&pg, &opts) != DP_OK) {
     fprintf(stderr, "rank %d: group create failed: %s\n", g_rank, dp_last_error());
     return 3;
   }
   CHECK(dp_process_group_rank(pg) == g_rank && dp_process_group_size(pg) == g_world, "group is rank %d of %d",
         dp_process_group_rank(pg), dp_process_group_size(pg));
+  check_test_group_backend(pg);
   scenario->run(pg);
   dp_process_group_destroy(pg);
   if (g_failures == 0) printf("rank %d: %s passed\n", g_rank, scenario->name);

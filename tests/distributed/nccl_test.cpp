@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/half.h"
+#include "group_util.h"
 #include "test_util.h"
 
 using namespace dptest;
@@ -26,10 +27,6 @@ struct StoreDeleter {
   void operator()(dp_store* s) const { dp_store_destroy(s); }
 };
 using StorePtr = std::unique_ptr<dp_store, StoreDeleter>;
-struct GroupDeleter {
-  void operator()(dp_process_group* g) const { dp_process_group_destroy(g); }
-};
-using GroupPtr = std::unique_ptr<dp_process_group, GroupDeleter>;
 
 StorePtr file_store(int32_t world) {
   char path[] = "/tmp/dp_nccl_store_XXXXXX";
@@ -53,11 +50,7 @@ dp_process_group_options nccl_options(dp_store* store, int32_t world, int32_t ti
 }
 
 GroupPtr single_rank_group(int gpu = 0, int32_t timeout_ms = 60000) {
-  StorePtr store = file_store(1);
-  dp_process_group_options o = nccl_options(store.get(), 1, timeout_ms, gpu);
-  dp_process_group* pg = nullptr;
-  EXPECT_EQ(dp_process_group_create(&pg, &o), DP_OK) << dp_last_error();
-  return GroupPtr(pg);
+  return file_store_group(fresh_store_path(), 0, 1, GroupOptions{DP_BACKEND_NCCL, timeout_ms, cuda(gpu)});
 }
 
 const int32_t kDtypes[] = {DP_FLOAT32, DP_FLOAT64, DP_FLOAT16, DP_BFLOAT16, DP_INT8,
@@ -209,6 +202,29 @@ TEST(NcclSingleRank, EveryCollectiveOpAndDtypeGoesThroughNcclOnBothChannels) {
   expect_every_collective_op_and_dtype_is_the_identity(pg.get(), version < 22907);
 }
 
+// `n` elements of `dtype` on cuda:0, `a` and `b` (distinct), and an async
+// all_reduce (avg) of `a`, all_gather of `a` into `b` and barrier issued on
+// `pg` in that order; the works are destroyed with it.
+struct IssuedInOrder {
+  IssuedInOrder(dp_process_group* pg, int32_t dtype, size_t n)
+      : in(pattern(dtype, n, 5)), a(gpu_tensor(dtype, n, in)), b(gpu_tensor(dtype, n, pattern(dtype, n, 6))) {
+    dp_tensor* outs[1] = {b.get()};
+    DP_EXPECT_OK(dp_pg_all_reduce_async(pg, a.get(), DP_AVG, &all_reduce));
+    DP_EXPECT_OK(dp_pg_all_gather_async(pg, a.get(), outs, 1, &all_gather));
+    DP_EXPECT_OK(dp_pg_barrier_async(pg, &barrier));
+  }
+  ~IssuedInOrder() {
+    for (dp_work* w : {all_reduce, all_gather, barrier}) dp_work_destroy(w);
+  }
+  IssuedInOrder(const IssuedInOrder&) = delete;
+  IssuedInOrder& operator=(const IssuedInOrder&) = delete;
+  const std::vector<uint8_t> in;  // a's values
+  TensorPtr a, b;
+  dp_work* all_reduce = nullptr;
+  dp_work* all_gather = nullptr;
+  dp_work* barrier = nullptr;
+};
+
 // Queued on the group's worker thread, in issue order, through NCCL.
 TEST(NcclSingleRank, AsyncCollectivesThroughNcclFinishInIssueOrder) {
   REQUIRE_GPUS(1);
@@ -218,46 +234,26 @@ TEST(NcclSingleRank, AsyncCollectivesThroughNcclFinishInIssueOrder) {
     pg = single_rank_group();
   }
   ASSERT_NE(pg, nullptr);
-  const std::vector<uint8_t> in = pattern(DP_BFLOAT16, 100001, 5);
-  TensorPtr a = gpu_tensor(DP_BFLOAT16, 100001, in);
-  TensorPtr b = gpu_tensor(DP_BFLOAT16, 100001, pattern(DP_BFLOAT16, 100001, 6));
-  dp_tensor* outs[1] = {b.get()};
-  dp_work *w1 = nullptr, *w2 = nullptr, *w3 = nullptr;
-  DP_ASSERT_OK(dp_pg_all_reduce_async(pg.get(), a.get(), DP_AVG, &w1));
-  DP_ASSERT_OK(dp_pg_all_gather_async(pg.get(), a.get(), outs, 1, &w2));
-  DP_ASSERT_OK(dp_pg_barrier_async(pg.get(), &w3));
-  DP_EXPECT_OK(dp_work_wait(w3));
-  DP_EXPECT_OK(dp_work_wait(w1));
-  DP_EXPECT_OK(dp_work_wait(w2));
-  EXPECT_EQ(bytes_of(a.get()), in);
-  EXPECT_EQ(bytes_of(b.get()), in);
-  dp_work_destroy(w1);
-  dp_work_destroy(w2);
-  dp_work_destroy(w3);
+  IssuedInOrder works(pg.get(), DP_BFLOAT16, 100001);
+  DP_EXPECT_OK(dp_work_wait(works.barrier));
+  DP_EXPECT_OK(dp_work_wait(works.all_reduce));
+  DP_EXPECT_OK(dp_work_wait(works.all_gather));
+  EXPECT_EQ(bytes_of(works.a.get()), works.in);
+  EXPECT_EQ(bytes_of(works.b.get()), works.in);
 }
 
 TEST(NcclGroup, AsyncWorkOnTheWorkerThreadKeepsIssueOrder) {
   REQUIRE_GPUS(1);
   GroupPtr pg = single_rank_group();
   ASSERT_NE(pg, nullptr);
-  const std::vector<uint8_t> in = pattern(DP_FLOAT32, 100000, 5);
-  TensorPtr a = gpu_tensor(DP_FLOAT32, 100000, in);
-  TensorPtr b = gpu_tensor(DP_FLOAT32, 100000, pattern(DP_FLOAT32, 100000, 6));
-  dp_tensor* outs[1] = {b.get()};
-  dp_work *w1 = nullptr, *w2 = nullptr, *w3 = nullptr;
-  DP_ASSERT_OK(dp_pg_all_reduce_async(pg.get(), a.get(), DP_AVG, &w1));
-  DP_ASSERT_OK(dp_pg_all_gather_async(pg.get(), a.get(), outs, 1, &w2));
-  DP_ASSERT_OK(dp_pg_barrier_async(pg.get(), &w3));
-  DP_EXPECT_OK(dp_work_wait(w3));
+  IssuedInOrder works(pg.get(), DP_FLOAT32, 100000);
+  DP_EXPECT_OK(dp_work_wait(works.barrier));
   int done = 0;
-  DP_EXPECT_OK(dp_work_test(w1, &done));
+  DP_EXPECT_OK(dp_work_test(works.all_reduce, &done));
   EXPECT_EQ(done, 1) << "the barrier finished before the all_reduce issued ahead of it";
-  DP_EXPECT_OK(dp_work_wait(w1));
-  DP_EXPECT_OK(dp_work_wait(w2));
-  EXPECT_EQ(bytes_of(b.get()), in);
-  dp_work_destroy(w1);
-  dp_work_destroy(w2);
-  dp_work_destroy(w3);
+  DP_EXPECT_OK(dp_work_wait(works.all_reduce));
+  DP_EXPECT_OK(dp_work_wait(works.all_gather));
+  EXPECT_EQ(bytes_of(works.b.get()), works.in);
 }
 
 TEST(NcclGroup, CpuTensorsAreRejectedNamingTheArgument) {

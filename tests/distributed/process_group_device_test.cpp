@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "distributed/process_group.h"
+#include "error_util.h"
 
 namespace dparallel::dist {
 namespace {
@@ -80,27 +81,14 @@ Tensor on(DeviceType type, int32_t index) {
   return Tensor::wrap(Storage::wrap(Device{type, index}, g_memory, sizeof g_memory, nullptr), 0, DType::kFloat32, {16});
 }
 
-// The message of the invalid-argument error `call` raises ("" if none).
-template <typename F>
-std::string invalid(F&& call) {
-  try {
-    call();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
-    return e.what();
-  }
-  ADD_FAILURE() << "no error";
-  return "";
-}
-
 TEST(ProcessGroupDevice, TensorOnAnotherGpuIsRejectedNamingTheArgumentAndBothGpus) {
   CountingGroup group;
   Tensor other = on(DeviceType::kCuda, 1);
-  std::string m = invalid([&] { group.all_reduce(other, ReduceOp::kSum, false); });
+  std::string m = dptest::invalid_argument_error_of([&] { group.all_reduce(other, ReduceOp::kSum, false); });
   EXPECT_NE(m.find("all_reduce: argument 'tensor'"), std::string::npos) << m;
   EXPECT_NE(m.find("cuda:1"), std::string::npos) << m;
   EXPECT_NE(m.find("is on cuda:0"), std::string::npos) << m;
-  m = invalid([&] { group.broadcast(other, 0, true); });
+  m = dptest::invalid_argument_error_of([&] { group.broadcast(other, 0, true); });
   EXPECT_NE(m.find("broadcast: argument 'tensor'"), std::string::npos) << m;
   EXPECT_EQ(group.runs, 0);
   group.barrier(false);  // after the queued (async) refusal
@@ -110,10 +98,10 @@ TEST(ProcessGroupDevice, TensorOnAnotherGpuIsRejectedNamingTheArgumentAndBothGpu
 TEST(ProcessGroupDevice, TensorOnAnotherLogicalCpuIsRefused) {
   CountingGroup group(Device{DeviceType::kCpu, 0});
   Tensor other = on(DeviceType::kCpu, 1), mine = on(DeviceType::kCpu, 0);
-  std::string m = invalid([&] { group.all_reduce(other, ReduceOp::kSum, false); });
+  std::string m = dptest::invalid_argument_error_of([&] { group.all_reduce(other, ReduceOp::kSum, false); });
   EXPECT_NE(m.find("all_reduce: argument 'tensor' is float32 16 on cpu:1"), std::string::npos) << m;
   EXPECT_NE(m.find("gloo process group is on cpu:0"), std::string::npos) << m;
-  m = invalid([&] { group.all_gather(mine, {mine, other}, false); });
+  m = dptest::invalid_argument_error_of([&] { group.all_gather(mine, {mine, other}, false); });
   EXPECT_NE(m.find("'outputs[1]' is float32 16 on cpu:1"), std::string::npos) << m;
   EXPECT_EQ(group.runs, 0);
   EXPECT_EQ(group.refusals, 2);
@@ -124,18 +112,19 @@ TEST(ProcessGroupDevice, TensorOnAnotherLogicalCpuIsRefused) {
 TEST(ProcessGroupDevice, OneOutputOrInputOnAnotherGpuIsNamedByIndex) {
   CountingGroup group;
   Tensor mine = on(DeviceType::kCuda, 0), other = on(DeviceType::kCuda, 3);
-  std::string m = invalid([&] { group.all_gather(mine, {mine, other}, false); });
+  std::string m = dptest::invalid_argument_error_of([&] { group.all_gather(mine, {mine, other}, false); });
   EXPECT_NE(m.find("'outputs[1]'"), std::string::npos) << m;
-  m = invalid([&] { group.reduce_scatter({other, mine}, mine, ReduceOp::kSum, false); });
+  m = dptest::invalid_argument_error_of([&] { group.reduce_scatter({other, mine}, mine, ReduceOp::kSum, false); });
   EXPECT_NE(m.find("'inputs[0]'"), std::string::npos) << m;
-  m = invalid([&] { group.reduce_scatter({mine, mine}, other, ReduceOp::kSum, false); });
+  m = dptest::invalid_argument_error_of([&] { group.reduce_scatter({mine, mine}, other, ReduceOp::kSum, false); });
   EXPECT_NE(m.find("'output'"), std::string::npos) << m;
   EXPECT_EQ(group.runs, 0);
 }
 
 TEST(ProcessGroupDevice, CpuTensorOnACudaGroupIsRejected) {
   CountingGroup group;
-  std::string m = invalid([&] { group.all_reduce(on(DeviceType::kCpu, 0), ReduceOp::kSum, false); });
+  std::string m =
+      dptest::invalid_argument_error_of([&] { group.all_reduce(on(DeviceType::kCpu, 0), ReduceOp::kSum, false); });
   EXPECT_NE(m.find("works on cuda tensors"), std::string::npos) << m;
   EXPECT_EQ(group.runs, 0);
 }

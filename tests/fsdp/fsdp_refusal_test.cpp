@@ -33,6 +33,26 @@ void set_full_grad(dp_module* m, float value) {
   ASSERT_EQ(dp_tensor_copy_from_host(g, v.data(), v.size() * sizeof(float)), DP_OK) << dp_last_error();
 }
 
+// A gradient of "weight" of another shape than its full value, set through
+// the module itself.
+void set_grad_of_another_shape(dp_module* m) {
+  auto parameter = m->module->get_parameter("weight");
+  parameter->set_grad(dparallel::Tensor::zeros(dparallel::DType::kFloat32, {2, 3}, parameter->value().device()));
+}
+
+// An iteration of two ranks whose full gradients are rank + 1: each
+// shard's gradient is their average.
+void expect_an_iteration_reduces(dp_fsdp* f, dp_module* m, int rank) {
+  ASSERT_EQ(dp_fsdp_unshard(f, 0), DP_OK) << dp_last_error();
+  set_full_grad(m, static_cast<float>(rank + 1));
+  ASSERT_EQ(dp_fsdp_post_backward(f), DP_OK) << dp_last_error();
+  ASSERT_EQ(dp_fsdp_finish_backward(f), DP_OK) << dp_last_error();
+  dp_tensor* g = nullptr;
+  ASSERT_EQ(dp_fsdp_shard_grad(f, 0, &g), DP_OK) << dp_last_error();
+  TensorPtr owned(g);
+  EXPECT_EQ(read(g), std::vector<float>(6, 1.5f));
+}
+
 }  // namespace
 
 // Rank 1's post_backward finds a gradient of another shape: it fails
@@ -50,9 +70,7 @@ TEST(FsdpRefusal, APostBackwardRefusedOnOneRankFailsTheOthersNamingItAndTheNextI
         ASSERT_EQ(dp_fsdp_create(&f, m.get(), pg, nullptr), DP_OK) << dp_last_error();
         ASSERT_EQ(dp_fsdp_unshard(f, 0), DP_OK) << dp_last_error();
         if (rank == 1) {
-          auto parameter = m->module->get_parameter("weight");
-          parameter->set_grad(
-              dparallel::Tensor::zeros(dparallel::DType::kFloat32, {2, 3}, parameter->value().device()));
+          set_grad_of_another_shape(m.get());
           EXPECT_EQ(dp_fsdp_post_backward(f), DP_EINVAL);
           std::string error = dp_last_error();
           EXPECT_NE(error.find("rank 1 refused"), std::string::npos) << error;
@@ -67,14 +85,7 @@ TEST(FsdpRefusal, APostBackwardRefusedOnOneRankFailsTheOthersNamingItAndTheNextI
           EXPECT_NE(error.find("'weight'"), std::string::npos) << error;
         }
         // Both resharded, nothing reduced: the next iteration pairs and reduces.
-        ASSERT_EQ(dp_fsdp_unshard(f, 0), DP_OK) << dp_last_error();
-        set_full_grad(m.get(), static_cast<float>(rank + 1));
-        ASSERT_EQ(dp_fsdp_post_backward(f), DP_OK) << dp_last_error();
-        ASSERT_EQ(dp_fsdp_finish_backward(f), DP_OK) << dp_last_error();
-        dp_tensor* g = nullptr;
-        ASSERT_EQ(dp_fsdp_shard_grad(f, 0, &g), DP_OK) << dp_last_error();
-        TensorPtr owned(g);
-        EXPECT_EQ(read(g), std::vector<float>(6, 1.5f));
+        expect_an_iteration_reduces(f, m.get(), rank);
         dp_fsdp_destroy(f);
       });
 }
@@ -94,9 +105,7 @@ TEST(FsdpRefusal, AFailureNotWaitedForFailsTheNextPostBackwardInItsPlaceAndTheRa
         ASSERT_EQ(dp_fsdp_create(&f, m.get(), pg, nullptr), DP_OK) << dp_last_error();
         ASSERT_EQ(dp_fsdp_unshard(f, 0), DP_OK) << dp_last_error();
         if (rank == 1) {
-          auto parameter = m->module->get_parameter("weight");
-          parameter->set_grad(
-              dparallel::Tensor::zeros(dparallel::DType::kFloat32, {2, 3}, parameter->value().device()));
+          set_grad_of_another_shape(m.get());
           EXPECT_EQ(dp_fsdp_post_backward(f), DP_EINVAL);
         } else {
           set_full_grad(m.get(), 1.0f);
@@ -117,14 +126,7 @@ TEST(FsdpRefusal, AFailureNotWaitedForFailsTheNextPostBackwardInItsPlaceAndTheRa
           std::string error = dp_last_error();
           EXPECT_NE(error.find("rank 0 refused"), std::string::npos) << error;
         }
-        ASSERT_EQ(dp_fsdp_unshard(f, 0), DP_OK) << dp_last_error();
-        set_full_grad(m.get(), static_cast<float>(rank + 1));
-        ASSERT_EQ(dp_fsdp_post_backward(f), DP_OK) << dp_last_error();
-        ASSERT_EQ(dp_fsdp_finish_backward(f), DP_OK) << dp_last_error();
-        dp_tensor* g = nullptr;
-        ASSERT_EQ(dp_fsdp_shard_grad(f, 0, &g), DP_OK) << dp_last_error();
-        TensorPtr owned(g);
-        EXPECT_EQ(read(g), std::vector<float>(6, 1.5f));
+        expect_an_iteration_reduces(f, m.get(), rank);
         dp_fsdp_destroy(f);
       });
 }
@@ -145,9 +147,7 @@ TEST(FsdpRefusal, ADestroyAfterAPeersRefusalStillGathersWithTheOtherRanks) {
         ASSERT_EQ(dp_fsdp_create(&f, m.get(), pg, nullptr), DP_OK) << dp_last_error();
         ASSERT_EQ(dp_fsdp_unshard(f, 0), DP_OK) << dp_last_error();
         if (rank == 1) {
-          auto parameter = m->module->get_parameter("weight");
-          parameter->set_grad(
-              dparallel::Tensor::zeros(dparallel::DType::kFloat32, {2, 3}, parameter->value().device()));
+          set_grad_of_another_shape(m.get());
           EXPECT_EQ(dp_fsdp_post_backward(f), DP_EINVAL);
         } else {
           set_full_grad(m.get(), 1.0f);

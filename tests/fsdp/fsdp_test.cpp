@@ -22,30 +22,25 @@
 #include <thread>
 #include <vector>
 
+#include "backends.h"
 #include "module/module_test_util.h"
 #include "streams/stream_test_util.h"
 #include "test_util.h"
 #include "thread_ranks.h"
 
+using dptest::DdpPtr;
+using dptest::FsdpPtr;
 using dptest::make;
 using dptest::TensorPtr;
 
 namespace {
 
-struct FsdpDeleter {
-  void operator()(dp_fsdp* f) const { dp_fsdp_destroy(f); }
-};
-using FsdpPtr = std::unique_ptr<dp_fsdp, FsdpDeleter>;
 // dp_fsdp_create, owned; null (the failure reported) when it fails.
 FsdpPtr fully_shard(dp_module* m, dp_process_group* pg, const dp_fsdp_options* o = nullptr) {
   dp_fsdp* f = nullptr;
   EXPECT_EQ(dp_fsdp_create(&f, m, pg, o), DP_OK) << dp_last_error();
   return FsdpPtr(f);
 }
-struct DdpDeleter {
-  void operator()(dp_ddp* d) const { dp_ddp_destroy(d); }
-};
-using DdpPtr = std::unique_ptr<dp_ddp, DdpDeleter>;
 
 void run_ranks(int world, int32_t backend, const std::function<void(int, dp_process_group*)>& body,
                int timeout_ms = 60000, bool cuda = false) {
@@ -216,7 +211,7 @@ Matrix rows_of(const Matrix& m, int first, int count) {
 
 struct Config {
   int world = 2;
-  int32_t backend = DP_BACKEND_GLOO;
+  dptest::Backend backend = dptest::Backend::kGloo;  // cuda tensors, rank r on cuda:r, where it carries them
   int reshard_after_forward = 1;
   int32_t param_dtype = -1;
   int32_t reduce_dtype = -1;
@@ -224,8 +219,8 @@ struct Config {
   int steps = 4;
   int rows_per_rank = 4;
   float lr = 0.2f;
-  bool cuda = false;  // rank r on cuda:r, NCCL
-  int views = 0;      // full_params_as_views on the linears
+  int views = 0;  // full_params_as_views on the linears
+  bool cuda() const { return dptest::info_of(backend).device == DP_DEVICE_CUDA; }
 };
 
 // Single-process training on the whole batch: the reference.
@@ -387,10 +382,11 @@ bool full_is_view_of_shard(dp_module* root, const char* name, dp_fsdp* f, int ra
 void expect_parity(const Config& c, double tolerance) {
   const std::vector<std::vector<float>> expected = reference(c);
   run_ranks(
-      c.world, c.backend,
+      c.world, dptest::backend_option(c.backend),
       [&](int rank, dp_process_group* pg) {
+        EXPECT_STREQ(dp_process_group_backend(pg), dptest::reported_backend(c.backend));
         Toy toy(0.05f * static_cast<float>(rank),  // init_sync makes rank 0's values everyone's
-                c.cuda ? dptest::cuda(rank) : dptest::cpu(0));
+                c.cuda() ? dptest::cuda(rank) : dptest::cpu(0));
         Sharded s = shard_toy(toy, pg, c);
         const int global_rows = c.rows_per_rank * c.world;
         for (int step = 0; step < c.steps; ++step) {
@@ -406,7 +402,7 @@ void expect_parity(const Config& c, double tolerance) {
           sgd(toy, s, c.lr);
         }
         // Views where they can be: shared memory, no cast.
-        const bool views = c.views != 0 && c.backend == DP_BACKEND_SHM && c.world > 1 && c.param_dtype == -1;
+        const bool views = c.views != 0 && c.backend == dptest::Backend::kShm && c.world > 1 && c.param_dtype == -1;
         for (int l = 0; l < 4; ++l) {
           if (l < 3) {
             ASSERT_EQ(dp_fsdp_unshard(s.layer[l].get(), 0), DP_OK) << dp_last_error();
@@ -425,7 +421,7 @@ void expect_parity(const Config& c, double tolerance) {
           }
         }
       },
-      60000, c.cuda);
+      60000, c.cuda());
 }
 
 }  // namespace
@@ -465,85 +461,95 @@ TEST(Fsdp, ToyModelShardsRowsLikeTorchChunkAndDdpManagesOnlyProj) {
   });
 }
 
-TEST(Fsdp, TrainingMatchesSingleProcessOnTheWholeBatchWithPrefetch) { expect_parity(Config{}, 2e-5); }
+// fully_shard training against single-process training on the whole batch,
+// over every backend whose ranks can be threads (backends.h), on the tensors
+// each carries: FsdpParity at world sizes 1 to 3 in float32, bfloat16 and
+// float16 compute (reduced in the compute dtype, float16 divided by the
+// world size first); FsdpParityFloat32's variants at 1 and 2.
+class FsdpParityFloat32 : public ::testing::TestWithParam<dptest::BackendWorld> {
+ protected:
+  // Skipped where this machine cannot run the backend.
+  void SetUp() override {
+    c_.backend = std::get<0>(GetParam());
+    c_.world = std::get<1>(GetParam());
+    DP_SKIP_UNLESS_AVAILABLE(c_.backend, c_.world);
+  }
+  Config c_;
+};
 
-TEST(Fsdp, TrainingMatchesOnSharedMemoryAtWorldSizeThree) {
-  Config c;
-  c.world = 3;
-  c.backend = DP_BACKEND_SHM;
-  expect_parity(c, 2e-5);
+class FsdpParity : public ::testing::TestWithParam<std::tuple<dptest::BackendWorld, int32_t>> {
+ protected:
+  void SetUp() override {
+    c_.backend = std::get<0>(std::get<0>(GetParam()));
+    c_.world = std::get<1>(std::get<0>(GetParam()));
+    c_.param_dtype = std::get<1>(GetParam());
+    DP_SKIP_UNLESS_AVAILABLE(c_.backend, c_.world);
+  }
+  // Within the compute dtype's precision.
+  double tolerance() const {
+    if (c_.param_dtype == DP_BFLOAT16) return 3e-2;
+    return c_.param_dtype == DP_FLOAT16 ? 1e-2 : 2e-5;
+  }
+  Config c_;
+};
+
+// "gloo_world2_bfloat16", for test names.
+std::string backend_world_dtype_name(const ::testing::TestParamInfo<FsdpParity::ParamType>& instance) {
+  const int32_t dtype = std::get<1>(instance.param);
+  const char* compute = dtype == DP_BFLOAT16 ? "bfloat16" : dtype == DP_FLOAT16 ? "float16" : "float32";
+  const dptest::BackendWorld& run = std::get<0>(instance.param);
+  return dptest::backend_world_name(std::get<0>(run), std::get<1>(run)) + "_" + compute;
 }
 
-TEST(Fsdp, TrainingMatchesWithParametersKeptUnshardedFromForwardToBackward) {
-  Config c;
-  c.reshard_after_forward = 0;
-  expect_parity(c, 2e-5);
+INSTANTIATE_TEST_SUITE_P(Backends, FsdpParity,
+                         ::testing::Combine(::testing::ValuesIn(dptest::backend_worlds(dptest::RankKind::kThreads,
+                                                                                       {1, 2, 3})),
+                                            ::testing::Values(-1, DP_BFLOAT16, DP_FLOAT16)),
+                         backend_world_dtype_name);
+INSTANTIATE_TEST_SUITE_P(Backends, FsdpParityFloat32,
+                         ::testing::ValuesIn(dptest::backend_worlds(dptest::RankKind::kThreads, {1, 2})),
+                         dptest::BackendWorldName());
+
+TEST_P(FsdpParity, TrainingMatchesSingleProcessOnTheWholeBatchWithPrefetch) { expect_parity(c_, tolerance()); }
+
+// Views where they can be (shared memory, world > 1, no cast); copies that
+// match elsewhere, and with a param_dtype, as views cannot hold a cast.
+TEST_P(FsdpParity, TrainingMatchesWithFullParametersAsViewsOrTheirCopies) {
+  c_.views = 1;
+  expect_parity(c_, tolerance());
 }
 
-TEST(Fsdp, TrainingMatchesWithGradientsAccumulatedUnsyncedOverMicroBatches) {
-  Config c;
-  c.micro_batches = 3;
-  c.world = 3;
-  expect_parity(c, 2e-5);
+TEST_P(FsdpParityFloat32, TrainingMatchesWithParametersKeptUnshardedFromForwardToBackward) {
+  c_.reshard_after_forward = 0;
+  expect_parity(c_, 2e-5);
 }
 
-TEST(Fsdp, TrainingInBfloat16MatchesWithinBfloat16Tolerance) {
-  Config c;
-  c.param_dtype = DP_BFLOAT16;
-  expect_parity(c, 3e-2);
+TEST_P(FsdpParityFloat32, TrainingMatchesWithGradientsAccumulatedUnsyncedOverMicroBatches) {
+  c_.micro_batches = 3;
+  expect_parity(c_, 2e-5);
 }
 
-// float16 compute: reduced in float16 (divided by the world size first), at
-// world 3; and reduced in float32.
-TEST(Fsdp, TrainingInFloat16MatchesWithinFloat16Tolerance) {
-  Config c;
-  c.param_dtype = DP_FLOAT16;
-  c.world = 3;
-  expect_parity(c, 1e-2);
-  c.world = 2;
-  c.reduce_dtype = DP_FLOAT32;
-  expect_parity(c, 1e-2);
+TEST_P(FsdpParityFloat32, TrainingMatchesWithViewsAndZero2OverUnsyncedMicroBatches) {
+  c_.views = 1;
+  c_.reshard_after_forward = 0;
+  c_.micro_batches = 3;
+  expect_parity(c_, 2e-5);
+}
+
+TEST_P(FsdpParityFloat32, TrainingInFloat16ReducedInFloat32MatchesWithinFloat16Tolerance) {
+  c_.param_dtype = DP_FLOAT16;
+  c_.reduce_dtype = DP_FLOAT32;
+  expect_parity(c_, 1e-2);
 }
 
 // Four ranks for three rows: the last rank's shards are empty, and it
 // still takes part in every all-gather and reduce-scatter.
-TEST(Fsdp, TrainingMatchesWithMoreRanksThanRows) {
-  Config c;
-  c.world = 4;
-  expect_parity(c, 2e-5);
-}
+class FsdpParityFourRanks : public FsdpParityFloat32 {};
+INSTANTIATE_TEST_SUITE_P(Backends, FsdpParityFourRanks,
+                         ::testing::ValuesIn(dptest::backend_worlds(dptest::RankKind::kThreads, {4})),
+                         dptest::BackendWorldName());
 
-TEST(Fsdp, TrainingMatchesAtWorldSizeOne) {
-  Config c;
-  c.world = 1;
-  expect_parity(c, 2e-5);
-}
-
-TEST(Fsdp, TrainingMatchesWithFullParametersAsViewsAtWorldSizeThree) {
-  Config c;
-  c.world = 3;
-  c.backend = DP_BACKEND_SHM;
-  c.views = 1;
-  expect_parity(c, 2e-5);
-}
-
-TEST(Fsdp, TrainingMatchesWithViewsAndZero2OverUnsyncedMicroBatches) {
-  Config c;
-  c.backend = DP_BACKEND_SHM;
-  c.views = 1;
-  c.reshard_after_forward = 0;
-  c.micro_batches = 3;
-  expect_parity(c, 2e-5);
-}
-
-// Views cannot hold a cast: with a param_dtype the full parameters are copies.
-TEST(Fsdp, ViewsAskedWithABfloat16ParamDtypeFallBackToCopiesThatMatch) {
-  Config c;
-  c.backend = DP_BACKEND_SHM;
-  c.views = 1;
-  c.param_dtype = DP_BFLOAT16;
-  expect_parity(c, 3e-2);
-}
+TEST_P(FsdpParityFourRanks, TrainingMatchesWithMoreRanksThanRows) { expect_parity(c_, 2e-5); }
 
 // An unshard still in flight when the dp_fsdp is destroyed completes first;
 // the module then holds its full parameters, in their own dtype.
@@ -1229,34 +1235,6 @@ TEST(FsdpStateDict, ShardedSaveAtTwoRanksLoadsAtThree) {
     EXPECT_EQ(dptest::values<float>(w.get()), (std::vector<float>{1, 2, 3, 4}));
   });
   remove_sharded_save(folder, 2);
-}
-
-// On GPUs: one rank per GPU (up to 2) over NCCL; the collectives run on the
-// group's stream and the host's copies order after them.
-TEST(CudaFsdp, TrainingMatchesOnTheGpusOverNccl) {
-  if (dptest::cuda_count() < 1) GTEST_SKIP() << "needs 1 GPU(s), found " << dptest::cuda_count();
-  Config c;
-  c.cuda = true;
-  c.backend = DP_BACKEND_NCCL;
-  c.world = dptest::cuda_count() >= 2 ? 2 : 1;
-  expect_parity(c, 2e-5);
-  c.param_dtype = DP_BFLOAT16;
-  c.micro_batches = 2;
-  expect_parity(c, 3e-2);
-  // float16, reduced in float32; then ZeRO-2; then an empty shard where
-  // four GPUs make four ranks for three rows.
-  c.param_dtype = DP_FLOAT16;
-  c.reduce_dtype = DP_FLOAT32;
-  c.micro_batches = 1;
-  expect_parity(c, 1e-2);
-  c.param_dtype = -1;
-  c.reduce_dtype = -1;
-  c.reshard_after_forward = 0;
-  expect_parity(c, 2e-5);
-  if (dptest::cuda_count() >= 3) {
-    c.world = std::min(dptest::cuda_count(), 4);
-    expect_parity(c, 2e-5);
-  }
 }
 
 // On 2 GPUs: rank 1 queues none of its transfers after the call headers

@@ -6,10 +6,9 @@
  *   toy          trains 4 steps with prefetching unshards and compares every
  *                parameter with single-process training on the whole batch;
  *                then a full state dict from rank 0 loads back on every rank
- *   toy_gloo     the same over Gloo
  *   toy_views    toy with full_params_as_views on the linears: the full
- *                parameter's rows are the shard itself (shared memory)
- *   toy_gloo_views  the same over Gloo, where the option leaves copies
+ *                parameter's rows are the shard itself on shared memory;
+ *                elsewhere the option leaves copies
  *   peer_exits   the last rank exits before an unshard the others make:
  *                theirs fails within the group's timeout naming it
  *   peer_exits_views  the same with views on shared memory
@@ -24,6 +23,9 @@
  *                create fails at once naming rank 1, and the group works on
  *   refuse_overlap  rank 1 alone gives a module with two parameters over
  *                overlapping memory: the same, naming both parameters
+ * toy and toy_views run over the backend DP_TEST_GROUP_BACKEND names
+ * (tests/backends.h rank_env; NCCL: rank r's tensors on cuda:LOCAL_RANK,
+ * exit 77 without a GPU per rank), the others over their own.
  * Prints "rank R: SCENARIO passed" and exits 0 when every check held. */
 #include <dirent.h>
 #include <math.h>
@@ -520,22 +522,18 @@ typedef struct Scenario {
   int32_t backend;
   int timeout_ms;
   int views; /* full_params_as_views for the linears */
-  int cuda;  /* rank r's tensors on cuda:LOCAL_RANK; exits 77 without a GPU per rank */
 } Scenario;
 
 static const Scenario kScenarios[] = {
-    {"toy", toy, DP_BACKEND_AUTO, 60000, 0, 0},
-    {"toy_gloo", toy, DP_BACKEND_GLOO, 60000, 0, 0},
-    {"toy_views", toy, DP_BACKEND_SHM, 60000, 1, 0},
-    {"toy_gloo_views", toy, DP_BACKEND_GLOO, 60000, 1, 0},
-    {"peer_exits", peer_exits, DP_BACKEND_GLOO, 3000, 0, 0},
-    {"peer_exits_views", peer_exits, DP_BACKEND_SHM, 3000, 1, 0},
-    {"toy_nccl", toy, DP_BACKEND_NCCL, 60000, 0, 1},
+    {"toy", toy, DP_BACKEND_AUTO, 60000, 0},
+    {"toy_views", toy, DP_BACKEND_AUTO, 60000, 1},
+    {"peer_exits", peer_exits, DP_BACKEND_GLOO, 3000, 0},
+    {"peer_exits_views", peer_exits, DP_BACKEND_SHM, 3000, 1},
     /* Longer than the test's limit: a rank left waiting is killed. */
-    {"refuse_dtype", refuse_dtype, DP_BACKEND_AUTO, 120000, 0, 0},
-    {"refuse_overlap", refuse_overlap, DP_BACKEND_AUTO, 120000, 0, 0},
-    {"save_fails", save_fails, DP_BACKEND_AUTO, 60000, 0, 0},
-    {"save_killed", save_killed, DP_BACKEND_GLOO, 10000, 0, 0},
+    {"refuse_dtype", refuse_dtype, DP_BACKEND_AUTO, 120000, 0},
+    {"refuse_overlap", refuse_overlap, DP_BACKEND_AUTO, 120000, 0},
+    {"save_fails", save_fails, DP_BACKEND_AUTO, 60000, 0},
+    {"save_killed", save_killed, DP_BACKEND_GLOO, 10000, 0},
 };
 
 int main(int argc, char **argv) {
@@ -549,8 +547,8 @@ int main(int argc, char **argv) {
   }
   if (scenario == NULL) {
     fprintf(stderr,
-            "usage: fsdp_worker toy|toy_gloo|toy_views|toy_gloo_views|peer_exits|peer_exits_views|toy_nccl|save_fails|"
-            "save_killed|refuse_dtype|refuse_overlap (under dp-run); "
+            "usage: fsdp_worker toy|toy_views|peer_exits|peer_exits_views|save_fails|save_killed|refuse_dtype|"
+            "refuse_overlap (under dp-run); "
             "unknown '%s'\n",
             argc >= 2 ? argv[1] : "");
     return 2;
@@ -562,7 +560,8 @@ int main(int argc, char **argv) {
     fprintf(stderr, "rank %d: WORLD_SIZE must be 1..%d\n", g_rank, MAX_ROWS / ROWS_PER_RANK);
     return 2;
   }
-  if (scenario->cuda) {
+  opts.backend = scenario->run == toy ? test_group_backend(scenario->backend) : scenario->backend;
+  if (opts.backend == DP_BACKEND_NCCL) {
     const char *local_text = getenv("LOCAL_RANK");
     int32_t gpus = 0;
     if (dp_device_count(DP_DEVICE_CUDA, &gpus) != DP_OK) gpus = 0;
@@ -572,7 +571,6 @@ int main(int argc, char **argv) {
     }
     g_device = (dp_device){DP_DEVICE_CUDA, local_text != NULL ? atoi(local_text) : g_rank};
   }
-  opts.backend = scenario->backend;
   opts.timeout_ms = scenario->timeout_ms;
   opts.device = g_device;
   g_views = scenario->views;
@@ -580,6 +578,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "rank %d: group create failed: %s\n", g_rank, dp_last_error());
     return 3;
   }
+  if (scenario->run == toy) check_test_group_backend(pg);
   scenario->run(pg);
   dp_process_group_destroy(pg);
   if (g_failures == 0) printf("rank %d: %s passed\n", g_rank, scenario->name);

@@ -33,6 +33,16 @@ struct ReplicaSetDeleter {
 };
 using ReplicaSetPtr = std::unique_ptr<dp_replica_set, ReplicaSetDeleter>;
 
+struct DdpDeleter {
+  void operator()(dp_ddp* d) const { dp_ddp_destroy(d); }
+};
+using DdpPtr = std::unique_ptr<dp_ddp, DdpDeleter>;
+
+struct FsdpDeleter {
+  void operator()(dp_fsdp* f) const { dp_fsdp_destroy(f); }
+};
+using FsdpPtr = std::unique_ptr<dp_fsdp, FsdpDeleter>;
+
 inline ModulePtr new_module() {
   dp_module* m = nullptr;
   EXPECT_EQ(dp_module_create(&m), DP_OK) << dp_last_error();

@@ -15,6 +15,10 @@
 #include <string>
 #include <thread>
 
+#include "process_util.h"
+
+using dptest::running;
+
 namespace {
 
 struct LaunchResult {
@@ -69,16 +73,6 @@ TEST(Launcher, StopsTheOtherRanksAndExitsWithTheFailedRanksCode) {
   EXPECT_LT(r.seconds, 10.0) << "the sleeping ranks were not stopped";
   EXPECT_NE(r.output.find("[rank 1] failing"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("rank 1 exited with code 3"), std::string::npos) << r.output;
-}
-
-// Alive and not a zombie (an orphan's zombie may wait long for a reaper).
-bool running(int pid) {
-  FILE* stat = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
-  if (stat == nullptr) return false;
-  char state = 0;
-  int scanned = std::fscanf(stat, "%*d %*s %c", &state);
-  std::fclose(stat);
-  return scanned == 1 && state != 'Z' && state != 'X';
 }
 
 // Expects `count` pids in the file at `path`, none running; kills them and removes the file.

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "group_util.h"
 #include "module/module_test_util.h"
 #include "streams/stream_test_util.h"
 #include "test_util.h"
@@ -29,24 +30,10 @@ namespace {
 class StreamOrderDist : public ::testing::Test {
  protected:
   void SetUp() override {
-    path_ = dptest::temp_path("stream_dist_", "store");
-    ::unlink(path_.c_str());
-    dp_store* store = nullptr;
-    DP_ASSERT_OK(dp_store_create_file(&store, path_.c_str(), 1));
-    dp_process_group_options o = DP_PROCESS_GROUP_OPTIONS_INIT;
-    o.rank = 0;
-    o.world_size = 1;
-    o.store = store;
-    o.timeout_ms = 60000;
-    dp_status st = dp_process_group_create(&pg_, &o);
-    dp_store_destroy(store);
-    ASSERT_EQ(st, DP_OK) << dp_last_error();
+    pg_ = group_.get();
+    ASSERT_NE(pg_, nullptr);
   }
-  void TearDown() override {
-    dp_process_group_destroy(pg_);
-    ::unlink(path_.c_str());
-  }
-  std::string path_;
+  dptest::SingleRankGroup group_;  // a one-rank group, gone after TearDown
   dp_process_group* pg_ = nullptr;
 };
 

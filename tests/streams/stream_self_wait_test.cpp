@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "group_util.h"
 #include "module/module_test_util.h"
 #include "test_util.h"
 
@@ -84,18 +85,8 @@ dp_status call_in_host_function(const char* name, void* stream, bool make_curren
 class HostFunctionOnItsStream : public ::testing::Test {
  protected:
   void SetUp() override {
-    path_ = dptest::temp_path("self_wait_", "store");
-    ::unlink(path_.c_str());
-    dp_store* store = nullptr;
-    DP_ASSERT_OK(dp_store_create_file(&store, path_.c_str(), 1));
-    dp_process_group_options o = DP_PROCESS_GROUP_OPTIONS_INIT;
-    o.rank = 0;
-    o.world_size = 1;
-    o.store = store;
-    o.timeout_ms = 60000;
-    dp_status st = dp_process_group_create(&pg_, &o);
-    dp_store_destroy(store);
-    ASSERT_EQ(st, DP_OK) << dp_last_error();
+    pg_ = group_.get();
+    ASSERT_NE(pg_, nullptr);
     x_ = make<float>({16}, std::vector<float>(16, 2.0f));
     module_ = dptest::new_module();
     weight_ = make<float>({8}, std::vector<float>(8, 1.0f));
@@ -105,8 +96,6 @@ class HostFunctionOnItsStream : public ::testing::Test {
   void TearDown() override {
     dp_ddp_destroy(ddp_);
     module_.reset();
-    dp_process_group_destroy(pg_);
-    ::unlink(path_.c_str());
   }
 
   // Every call that orders after the current stream of cpu:0, by name; what
@@ -157,7 +146,7 @@ class HostFunctionOnItsStream : public ::testing::Test {
     };
   }
 
-  std::string path_;
+  dptest::SingleRankGroup group_;  // a one-rank group, gone after TearDown
   dp_process_group* pg_ = nullptr;
   TensorPtr x_;
   dptest::ModulePtr module_;
