@@ -209,6 +209,17 @@ func (l *Library) use(op string, f func(api *C.dp_api)) error {
 	return nil
 }
 
+// shutHandle shuts l (see lease.shut) and then destroys *h through op,
+// unless it was never made, and forgets it.
+func shutHandle[H any](l *lease, lib *Library, op string, h **H, destroy func(api *C.dp_api, h *H)) {
+	l.shut(func() {
+		if *h != nil {
+			lib.use(op, func(api *C.dp_api) { destroy(api, *h) })
+		}
+		*h = nil
+	})
+}
+
 func (l *Library) leave() {
 	if l.calls.Add(-1) == closedFlag {
 		l.drainOnce.Do(func() { close(l.drained) })

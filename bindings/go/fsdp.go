@@ -101,11 +101,8 @@ func (f *FSDP) Close() {
 	if f == nil {
 		return
 	}
-	f.lease.shut(func() {
-		if f.h != nil { // one never made holds nothing
-			f.lib.use("dp_fsdp_destroy", func(api *C.dp_api) { C.dpgo_fsdp_destroy(api, f.h) })
-		}
-		f.h = nil
+	shutHandle(&f.lease, f.lib, "dp_fsdp_destroy", &f.h, func(api *C.dp_api, h *C.dp_fsdp) {
+		C.dpgo_fsdp_destroy(api, h)
 	})
 }
 

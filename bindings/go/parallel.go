@@ -336,11 +336,8 @@ func (s *ReplicaSet) Close() {
 	if s == nil {
 		return
 	}
-	s.lease.shut(func() {
-		if s.h != nil { // one never made holds nothing
-			s.lib.use("dp_replica_set_destroy", func(api *C.dp_api) { C.dpgo_replica_set_destroy(api, s.h) })
-		}
-		s.h = nil
+	shutHandle(&s.lease, s.lib, "dp_replica_set_destroy", &s.h, func(api *C.dp_api, h *C.dp_replica_set) {
+		C.dpgo_replica_set_destroy(api, h)
 	})
 }
 

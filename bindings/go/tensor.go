@@ -128,11 +128,8 @@ func (t *Tensor) Close() {
 	if t == nil || t.borrowed {
 		return
 	}
-	t.lease.shut(func() {
-		if t.h != nil { // one never made holds nothing
-			t.lib.use("dp_tensor_destroy", func(api *C.dp_api) { C.dpgo_tensor_destroy(api, t.h) })
-		}
-		t.h = nil
+	shutHandle(&t.lease, t.lib, "dp_tensor_destroy", &t.h, func(api *C.dp_api, h *C.dp_tensor) {
+		C.dpgo_tensor_destroy(api, h)
 	})
 }
 
