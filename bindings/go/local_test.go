@@ -414,14 +414,7 @@ func TestDevicesStatusesAndMemory(t *testing.T) {
 // dp_shutdown ends the device workers, which the next forward starts
 // again; from inside a forward it is refused.
 func TestShutdownEndsThreadsAndTheyRestart(t *testing.T) {
-	lib := openLibrary(t)
-	defer lib.Close()
-	w, b := initialParameters(7)
-	model := buildModel(t, lib, w, b)
-	defer model.Close()
-	input, err := lib.NewTensor(Float32, []int64{4, 2 * width}, CPU(0))
-	must(t, err)
-	defer input.Close()
+	lib, model, input := openWithModelAndBatch(t)
 	devices := []Device{CPU(0), CPU(1)}
 	for round := 0; round < 2; round++ {
 		out, err := lib.DataParallel(model, input, devices, CPU(0), 0, replicaStep(lib))
@@ -429,7 +422,7 @@ func TestShutdownEndsThreadsAndTheyRestart(t *testing.T) {
 		out.Close()
 		must(t, lib.Shutdown())
 	}
-	_, err = lib.DataParallel(model, input, devices, CPU(0), 0, func(i int, r *Module, in *Tensor,
+	_, err := lib.DataParallel(model, input, devices, CPU(0), 0, func(i int, r *Module, in *Tensor,
 		d Device) (*Tensor, error) {
 		return in, lib.Shutdown()
 	})
@@ -442,14 +435,7 @@ func TestShutdownEndsThreadsAndTheyRestart(t *testing.T) {
 // Bad arguments to the newer calls are errors naming them, caught before
 // anything reaches the library.
 func TestNewCallsNameTheirBadArguments(t *testing.T) {
-	lib := openLibrary(t)
-	defer lib.Close()
-	m, err := lib.NewModule()
-	must(t, err)
-	defer m.Close()
-	x, err := lib.NewTensor(Float32, []int64{2}, CPU(0))
-	must(t, err)
-	defer x.Close()
+	lib, m, x := openWithModuleAndTensor(t)
 	hook := func(*ProcessGroup, int, *Tensor) error { return nil }
 	cases := []struct {
 		what string
