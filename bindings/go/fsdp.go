@@ -223,19 +223,26 @@ func (f *FSDP) ShardGrad(index int) (*Tensor, error) {
 // FSDPs are all on pg and resharded) and rank 0 writes path as Save would
 // for the unsharded module. Collective.
 func (m *Module) SaveFullStateDict(pg *ProcessGroup, path string) error {
+	return m.saveStateDict("dp_fsdp_save_full_state_dict", pg, path,
+		func(api *C.dp_api, pg *C.dp_process_group, path *C.char) C.dp_status {
+			return C.dpgo_fsdp_save_full_state_dict(api, m.h, pg, path)
+		})
+}
+
+// saveStateDict runs op, a save collective over pg, to path.
+func (m *Module) saveStateDict(op string, pg *ProcessGroup, path string,
+	save func(api *C.dp_api, pg *C.dp_process_group, path *C.char) C.dp_status) error {
 	if pg == nil {
-		return invalid("dp_fsdp_save_full_state_dict", "argument 'pg' is nil")
+		return nilArgument(op, "pg")
 	}
-	done, err := pg.arg("dp_fsdp_save_full_state_dict", "pg")
+	done, err := pg.arg(op, "pg")
 	if err != nil {
 		return err
 	}
 	defer done()
 	cpath := C.CString(path)
 	defer C.free(unsafe.Pointer(cpath))
-	return m.call("dp_fsdp_save_full_state_dict", func(api *C.dp_api) C.dp_status {
-		return C.dpgo_fsdp_save_full_state_dict(api, m.h, pg.h, cpath)
-	})
+	return m.call(op, func(api *C.dp_api) C.dp_status { return save(api, pg.h, cpath) })
 }
 
 // LoadFullStateDict reads a full state dict: each rank keeps its rows of
@@ -253,19 +260,10 @@ func (m *Module) LoadFullStateDict(path string, strict bool) error {
 // Collective over pg: it succeeds on every rank or fails on every rank, and
 // a failed save leaves the folder's last complete save loadable.
 func (m *Module) SaveShardedStateDict(pg *ProcessGroup, folder string) error {
-	if pg == nil {
-		return invalid("dp_fsdp_save_sharded_state_dict", "argument 'pg' is nil")
-	}
-	done, err := pg.arg("dp_fsdp_save_sharded_state_dict", "pg")
-	if err != nil {
-		return err
-	}
-	defer done()
-	cfolder := C.CString(folder)
-	defer C.free(unsafe.Pointer(cfolder))
-	return m.call("dp_fsdp_save_sharded_state_dict", func(api *C.dp_api) C.dp_status {
-		return C.dpgo_fsdp_save_sharded_state_dict(api, m.h, pg.h, cfolder)
-	})
+	return m.saveStateDict("dp_fsdp_save_sharded_state_dict", pg, folder,
+		func(api *C.dp_api, pg *C.dp_process_group, folder *C.char) C.dp_status {
+			return C.dpgo_fsdp_save_sharded_state_dict(api, m.h, pg, folder)
+		})
 }
 
 // LoadShardedStateDict reads a complete sharded save (of any world size),
