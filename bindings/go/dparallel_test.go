@@ -70,6 +70,17 @@ func openWithModelAndBatch(t *testing.T) (*Library, *Module, *Tensor) {
 	return lib, model, input
 }
 
+// openWithReplicaSet is openWithModelAndBatch with the model replicated on
+// cpu:0 and cpu:1.
+func openWithReplicaSet(t *testing.T) (*Library, *Module, *ReplicaSet, *Tensor) {
+	t.Helper()
+	lib, model, input := openWithModelAndBatch(t)
+	set, err := lib.NewReplicaSet(model, []Device{CPU(0), CPU(1)})
+	must(t, err)
+	t.Cleanup(set.Close)
+	return lib, model, set, input
+}
+
 func must(t *testing.T, err error) {
 	t.Helper()
 	if err != nil {
@@ -438,10 +449,10 @@ func TestReplicaSetTrainingMatchesSingleDevice(t *testing.T) {
 func TestDataParallelStepGivesFullBatchGradients(t *testing.T) {
 	lib := openLibrary(t)
 	teacherW, teacherB := initialParameters(99)
+	rows := batchOf(0, teacherW, teacherB)
 	w, b := initialParameters(7)
 	model := buildModel(t, lib, w, b)
 	defer model.Close()
-	rows := batchOf(0, teacherW, teacherB)
 	input, err := lib.TensorFromFloat32s(rows, []int64{batch, 2 * width}, CPU(0))
 	must(t, err)
 	defer input.Close()
@@ -566,12 +577,9 @@ func TestBadArgumentsAreErrorsNamingThem(t *testing.T) {
 // A forward that panics or fails is an error in the caller, carrying the Go
 // cause; the process survives and the replica set keeps working.
 func TestForwardPanicAndErrorBecomeErrors(t *testing.T) {
-	lib, model, input := openWithModelAndBatch(t)
-	set, err := lib.NewReplicaSet(model, []Device{CPU(0), CPU(1)})
-	must(t, err)
-	defer set.Close()
+	lib, _, set, input := openWithReplicaSet(t)
 
-	_, err = set.Apply(input, 0, CPU(0), func(index int, replica *Module, in *Tensor, d Device) (*Tensor, error) {
+	_, err := set.Apply(input, 0, CPU(0), func(index int, replica *Module, in *Tensor, d Device) (*Tensor, error) {
 		if index == 1 {
 			var nilMap map[string]int
 			nilMap["boom"] = 1 // a runtime panic on the library's worker thread
@@ -634,11 +642,8 @@ func TestForwardGoexitBecomesError(t *testing.T) {
 // panic(nil) in a forward is a failure that says so, not a success with no
 // output (before Go 1.21 recover() returns nil for it).
 func TestForwardPanicNilBecomesError(t *testing.T) {
-	lib, model, input := openWithModelAndBatch(t)
-	set, err := lib.NewReplicaSet(model, []Device{CPU(0), CPU(1)})
-	must(t, err)
-	defer set.Close()
-	_, err = set.Apply(input, 0, CPU(0), func(index int, replica *Module, in *Tensor, d Device) (*Tensor, error) {
+	lib, _, set, input := openWithReplicaSet(t)
+	_, err := set.Apply(input, 0, CPU(0), func(index int, replica *Module, in *Tensor, d Device) (*Tensor, error) {
 		if index == 1 {
 			panic(nil)
 		}
@@ -661,10 +666,7 @@ func TestForwardPanicNilBecomesError(t *testing.T) {
 // would wait for the devices its own call holds: it gets DP_ESTATE, not a
 // deadlock.
 func TestApplyInsideForwardIsRefused(t *testing.T) {
-	lib, model, input := openWithModelAndBatch(t)
-	set, err := lib.NewReplicaSet(model, []Device{CPU(0), CPU(1)})
-	must(t, err)
-	defer set.Close()
+	lib, model, set, input := openWithReplicaSet(t)
 	devices := []Device{CPU(0), CPU(1)}
 	nested := []struct {
 		op   string
