@@ -368,14 +368,13 @@ func (d *DDP) SetRequiresGradientSync(sync bool) error {
 
 // NumBuckets is the number of gradient buckets; 0 on a closed reducer or
 // library.
-func (d *DDP) NumBuckets() (n int) {
+func (d *DDP) NumBuckets() int {
 	if d == nil {
 		return 0
 	}
-	held(&d.lease, "dp_ddp_num_buckets", "DDP", func() error {
-		return d.lib.use("dp_ddp_num_buckets", func(api *C.dp_api) { n = int(C.dpgo_ddp_num_buckets(api, d.h)) })
+	return heldCount(&d.lease, d.lib, "dp_ddp_num_buckets", "DDP", func(api *C.dp_api) int {
+		return int(C.dpgo_ddp_num_buckets(api, d.h))
 	})
-	return n
 }
 
 // BucketParameters lists bucket's managed-parameter indices in their order

@@ -163,14 +163,13 @@ func (f *FSDP) SetRequiresGradientSync(sync bool) error {
 }
 
 // NumParameters counts the managed parameters; 0 on a closed FSDP.
-func (f *FSDP) NumParameters() (n int) {
+func (f *FSDP) NumParameters() int {
 	if f == nil {
 		return 0
 	}
-	held(&f.lease, "dp_fsdp_num_parameters", "FSDP", func() error {
-		return f.lib.use("dp_fsdp_num_parameters", func(api *C.dp_api) { n = int(C.dpgo_fsdp_num_parameters(api, f.h)) })
+	return heldCount(&f.lease, f.lib, "dp_fsdp_num_parameters", "FSDP", func(api *C.dp_api) int {
+		return int(C.dpgo_fsdp_num_parameters(api, f.h))
 	})
-	return n
 }
 
 // ParameterNames lists the managed parameters, relative to the module, in

@@ -73,6 +73,17 @@ func TestStoresRoundTrip(t *testing.T) {
 	}
 }
 
+// takeValues is the values of x, a new reference that a call returned with
+// err, and closes x.
+func takeValues(t *testing.T, x *Tensor, err error) []float32 {
+	t.Helper()
+	must(t, err)
+	defer x.Close()
+	v, err := x.Float32s()
+	must(t, err)
+	return v
+}
+
 // Buffers are registered, listed, looked up and saved (the persistent
 // ones); submodules, requires_grad and a gradient set by the host.
 func TestModuleBuffersAndGradients(t *testing.T) {
@@ -107,11 +118,7 @@ func TestModuleBuffersAndGradients(t *testing.T) {
 		t.Errorf("buffer names %v", names)
 	}
 	b, err := root.Buffer("fc.running_mean")
-	must(t, err)
-	bv, err := b.Float32s()
-	must(t, err)
-	b.Close()
-	if fmt.Sprint(bv) != "[0.5 0.25]" {
+	if bv := takeValues(t, b, err); fmt.Sprint(bv) != "[0.5 0.25]" {
 		t.Errorf("fc.running_mean holds %v", bv)
 	}
 	if _, err := root.Buffer("fc.nope"); !errors.Is(err, StatusInvalid) || !strings.Contains(err.Error(), "fc.nope") {
@@ -154,11 +161,7 @@ func TestModuleBuffersAndGradients(t *testing.T) {
 	defer g.Close()
 	must(t, root.SetGrad("fc.weight", g))
 	got, err := root.Grad("fc.weight")
-	must(t, err)
-	gv, err := got.Float32s()
-	must(t, err)
-	got.Close()
-	if fmt.Sprint(gv) != "[-1 -2 -3 -4]" {
+	if gv := takeValues(t, got, err); fmt.Sprint(gv) != "[-1 -2 -3 -4]" {
 		t.Errorf("the gradient set holds %v", gv)
 	}
 	if err := root.SetGrad("fc.weight", mean); !errors.Is(err, StatusInvalid) || !strings.Contains(err.Error(), "'grad'") {
