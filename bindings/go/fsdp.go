@@ -223,14 +223,14 @@ func (f *FSDP) ShardGrad(index int) (*Tensor, error) {
 // for the unsharded module. Collective.
 func (m *Module) SaveFullStateDict(pg *ProcessGroup, path string) error {
 	return m.saveStateDict("dp_fsdp_save_full_state_dict", pg, path,
-		func(api *C.dp_api, pg *C.dp_process_group, path *C.char) C.dp_status {
-			return C.dpgo_fsdp_save_full_state_dict(api, m.h, pg, path)
+		func(api *C.dp_api, group *C.dp_process_group, cpath *C.char) C.dp_status {
+			return C.dpgo_fsdp_save_full_state_dict(api, m.h, group, cpath)
 		})
 }
 
 // saveStateDict runs op, a save collective over pg, to path.
 func (m *Module) saveStateDict(op string, pg *ProcessGroup, path string,
-	save func(api *C.dp_api, pg *C.dp_process_group, path *C.char) C.dp_status) error {
+	save func(api *C.dp_api, group *C.dp_process_group, cpath *C.char) C.dp_status) error {
 	if pg == nil {
 		return nilArgument(op, "pg")
 	}
@@ -260,8 +260,8 @@ func (m *Module) LoadFullStateDict(path string, strict bool) error {
 // a failed save leaves the folder's last complete save loadable.
 func (m *Module) SaveShardedStateDict(pg *ProcessGroup, folder string) error {
 	return m.saveStateDict("dp_fsdp_save_sharded_state_dict", pg, folder,
-		func(api *C.dp_api, pg *C.dp_process_group, folder *C.char) C.dp_status {
-			return C.dpgo_fsdp_save_sharded_state_dict(api, m.h, pg, folder)
+		func(api *C.dp_api, group *C.dp_process_group, cfolder *C.char) C.dp_status {
+			return C.dpgo_fsdp_save_sharded_state_dict(api, m.h, group, cfolder)
 		})
 }
 
