@@ -40,14 +40,7 @@ func checkArgCases(t *testing.T, cases []argCase) {
 // argument, never panics; accessors on nil handles give the invalid-handle
 // values.
 func TestNilHandlesAreErrorsNamingThem(t *testing.T) {
-	lib := openLibrary(t)
-	defer lib.Close()
-	m, err := lib.NewModule()
-	must(t, err)
-	defer m.Close()
-	x, err := lib.NewTensor(Float32, []int64{2}, CPU(0))
-	must(t, err)
-	defer x.Close()
+	lib, m, x := openWithModuleAndTensor(t)
 	pg := &ProcessGroup{lib: lib}
 	var (
 		nt   *Tensor

@@ -29,8 +29,12 @@ func tensorHandles(op, arg string, tensors []*Tensor, args *heldArgs) ([]*C.dp_t
 	return hs, nil
 }
 
-// tensorArg holds a single tensor argument (args releases it after the call).
+// tensorArg holds a single tensor argument, which may not be nil (args
+// releases it after the call).
 func tensorArg(op, arg string, t *Tensor, args *heldArgs) error {
+	if t == nil {
+		return nilArgument(op, arg)
+	}
 	return args.hold(t.arg(op, arg))
 }
 
@@ -48,9 +52,6 @@ func (l *Library) Broadcast(t *Tensor, devices []Device) ([]*Tensor, error) {
 	const op = "dp_broadcast"
 	var args heldArgs
 	defer args.release()
-	if t == nil {
-		return nil, invalid(op, "argument 'tensor' is nil")
-	}
 	if err := tensorArg(op, "tensor", t, &args); err != nil {
 		return nil, err
 	}
@@ -180,9 +181,6 @@ func (l *Library) Scatter(t *Tensor, devices []Device, chunkSizes []int64, dim i
 	const op = "dp_scatter"
 	var args heldArgs
 	defer args.release()
-	if t == nil {
-		return nil, invalid(op, "argument 'tensor' is nil")
-	}
 	if err := tensorArg(op, "tensor", t, &args); err != nil {
 		return nil, err
 	}

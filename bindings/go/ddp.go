@@ -123,8 +123,15 @@ func dpgoCommHook(call C.uintptr_t, pg *C.dp_process_group, bucket C.size_t, fla
 		}()
 		err = c.hook(group, int(bucket), t)
 	})
+	return c.answer(err, failure, fmt.Sprintf("the comm hook of bucket %d", int(bucket)))
+}
+
+// answer is a callback's result for the library: 0, or 1 once err (or the
+// callback's failure, from runPinned, as what did it) is recorded on c (nil
+// when the call handle was not found).
+func (c *ddpCallbacks) answer(err, failure error, what string) C.int {
 	if failure != nil {
-		err = fmt.Errorf("the comm hook of bucket %d %w", int(bucket), failure)
+		err = fmt.Errorf("%s %w", what, failure)
 	}
 	if err == nil {
 		return 0
@@ -151,16 +158,7 @@ func dpgoBucketReduced(call C.uintptr_t, ddp *C.dp_ddp, bucket C.size_t, indices
 		defer d.lease.shut(func() { d.h = nil })
 		err = c.reduced(d, int(bucket), params)
 	})
-	if failure != nil {
-		err = fmt.Errorf("on_bucket_reduced of bucket %d %w", int(bucket), failure)
-	}
-	if err == nil {
-		return 0
-	}
-	if c != nil {
-		c.fail(err)
-	}
-	return 1
+	return c.answer(err, failure, fmt.Sprintf("on_bucket_reduced of bucket %d", int(bucket)))
 }
 
 // cStrings is a C array of C strings, freed by free.
@@ -370,14 +368,13 @@ func (d *DDP) SetRequiresGradientSync(sync bool) error {
 
 // NumBuckets is the number of gradient buckets; 0 on a closed reducer or
 // library.
-func (d *DDP) NumBuckets() (n int) {
+func (d *DDP) NumBuckets() int {
 	if d == nil {
 		return 0
 	}
-	held(&d.lease, "dp_ddp_num_buckets", "DDP", func() error {
-		return d.lib.use("dp_ddp_num_buckets", func(api *C.dp_api) { n = int(C.dpgo_ddp_num_buckets(api, d.h)) })
+	return heldCount(&d.lease, d.lib, "dp_ddp_num_buckets", "DDP", func(api *C.dp_api) int {
+		return int(C.dpgo_ddp_num_buckets(api, d.h))
 	})
-	return n
 }
 
 // BucketParameters lists bucket's managed-parameter indices in their order

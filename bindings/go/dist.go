@@ -151,11 +151,8 @@ func (pg *ProcessGroup) Close() {
 	if pg == nil || pg.borrowed {
 		return
 	}
-	pg.lease.shut(func() {
-		if pg.h != nil { // one never made holds nothing
-			pg.lib.use("dp_process_group_destroy", func(api *C.dp_api) { C.dpgo_process_group_destroy(api, pg.h) })
-		}
-		pg.h = nil
+	shutHandle(&pg.lease, pg.lib, "dp_process_group_destroy", &pg.h, func(api *C.dp_api, h *C.dp_process_group) {
+		C.dpgo_process_group_destroy(api, h)
 	})
 }
 
@@ -194,9 +191,6 @@ func (pg *ProcessGroup) AllReduce(t *Tensor, op ReduceOp) error {
 	const name = "dp_pg_all_reduce"
 	var args heldArgs
 	defer args.release()
-	if t == nil {
-		return nilArgument(name, "t")
-	}
 	if err := tensorArg(name, "t", t, &args); err != nil {
 		return err
 	}
@@ -210,9 +204,6 @@ func (pg *ProcessGroup) Broadcast(t *Tensor, root int) error {
 	const op = "dp_pg_broadcast"
 	var args heldArgs
 	defer args.release()
-	if t == nil {
-		return nilArgument(op, "t")
-	}
 	if err := tensorArg(op, "t", t, &args); err != nil {
 		return err
 	}
@@ -235,9 +226,6 @@ func (pg *ProcessGroup) AllGather(input *Tensor, outputs []*Tensor) error {
 	const op = "dp_pg_all_gather"
 	var args heldArgs
 	defer args.release()
-	if input == nil {
-		return invalid(op, "argument 'input' is nil")
-	}
 	if err := tensorArg(op, "input", input, &args); err != nil {
 		return err
 	}
@@ -256,9 +244,6 @@ func (pg *ProcessGroup) ReduceScatter(inputs []*Tensor, output *Tensor, op Reduc
 	const name = "dp_pg_reduce_scatter"
 	var args heldArgs
 	defer args.release()
-	if output == nil {
-		return invalid(name, "argument 'output' is nil")
-	}
 	if err := tensorArg(name, "output", output, &args); err != nil {
 		return err
 	}
@@ -301,9 +286,6 @@ func (pg *ProcessGroup) AllReduceAsync(t *Tensor, op ReduceOp) (*Work, error) {
 	const name = "dp_pg_all_reduce_async"
 	var args heldArgs
 	defer args.release()
-	if t == nil {
-		return nil, nilArgument(name, "t")
-	}
 	if err := tensorArg(name, "t", t, &args); err != nil {
 		return nil, err
 	}
@@ -316,9 +298,6 @@ func (pg *ProcessGroup) BroadcastAsync(t *Tensor, root int) (*Work, error) {
 	const op = "dp_pg_broadcast_async"
 	var args heldArgs
 	defer args.release()
-	if t == nil {
-		return nil, nilArgument(op, "t")
-	}
 	if err := tensorArg(op, "t", t, &args); err != nil {
 		return nil, err
 	}
@@ -335,9 +314,6 @@ func (pg *ProcessGroup) AllGatherAsync(input *Tensor, outputs []*Tensor) (*Work,
 	const op = "dp_pg_all_gather_async"
 	var args heldArgs
 	defer args.release()
-	if input == nil {
-		return nil, invalid(op, "argument 'input' is nil")
-	}
 	if err := tensorArg(op, "input", input, &args); err != nil {
 		return nil, err
 	}
@@ -354,9 +330,6 @@ func (pg *ProcessGroup) ReduceScatterAsync(inputs []*Tensor, output *Tensor, op 
 	const name = "dp_pg_reduce_scatter_async"
 	var args heldArgs
 	defer args.release()
-	if output == nil {
-		return nil, invalid(name, "argument 'output' is nil")
-	}
 	if err := tensorArg(name, "output", output, &args); err != nil {
 		return nil, err
 	}
@@ -400,10 +373,7 @@ func (w *Work) Close() {
 	if w == nil {
 		return
 	}
-	w.lease.shut(func() {
-		if w.h != nil { // one never made holds nothing
-			w.lib.use("dp_work_destroy", func(api *C.dp_api) { C.dpgo_work_destroy(api, w.h) })
-		}
-		w.h = nil
+	shutHandle(&w.lease, w.lib, "dp_work_destroy", &w.h, func(api *C.dp_api, h *C.dp_work) {
+		C.dpgo_work_destroy(api, h)
 	})
 }

@@ -209,6 +209,26 @@ func (l *Library) use(op string, f func(api *C.dp_api)) error {
 	return nil
 }
 
+// shutHandle shuts l (see lease.shut) and then destroys *h through op,
+// unless it was never made, and forgets it.
+func shutHandle[H any](l *lease, lib *Library, op string, h **H, destroy func(api *C.dp_api, h *H)) {
+	l.shut(func() {
+		if *h != nil {
+			lib.use(op, func(api *C.dp_api) { destroy(api, *h) })
+		}
+		*h = nil
+	})
+}
+
+// heldCount is n's answer through lib while l is held; 0 when the handle
+// or the library is closed.
+func heldCount(l *lease, lib *Library, op, kind string, n func(api *C.dp_api) int) (count int) {
+	held(l, op, kind, func() error {
+		return lib.use(op, func(api *C.dp_api) { count = n(api) })
+	})
+	return count
+}
+
 func (l *Library) leave() {
 	if l.calls.Add(-1) == closedFlag {
 		l.drainOnce.Do(func() { close(l.drained) })

@@ -39,6 +39,48 @@ func openLibrary(t *testing.T) *Library {
 	return lib
 }
 
+// openWithModuleAndTensor opens the library with an empty module and a
+// two-element tensor, valid handles for argument checks; the test's cleanup
+// closes them, then the library.
+func openWithModuleAndTensor(t *testing.T) (*Library, *Module, *Tensor) {
+	t.Helper()
+	lib := openLibrary(t)
+	t.Cleanup(func() { lib.Close() })
+	m, err := lib.NewModule()
+	must(t, err)
+	t.Cleanup(m.Close)
+	x, err := lib.NewTensor(Float32, []int64{2}, CPU(0))
+	must(t, err)
+	t.Cleanup(x.Close)
+	return lib, m, x
+}
+
+// openWithModelAndBatch opens the library with the test model and a batch
+// for it on cpu:0; the test's cleanup closes them, then the library.
+func openWithModelAndBatch(t *testing.T) (*Library, *Module, *Tensor) {
+	t.Helper()
+	lib := openLibrary(t)
+	t.Cleanup(func() { lib.Close() })
+	w, b := initialParameters(7)
+	model := buildModel(t, lib, w, b)
+	t.Cleanup(model.Close)
+	input, err := lib.NewTensor(Float32, []int64{4, 2 * width}, CPU(0))
+	must(t, err)
+	t.Cleanup(input.Close)
+	return lib, model, input
+}
+
+// openWithReplicaSet is openWithModelAndBatch with the model replicated on
+// cpu:0 and cpu:1.
+func openWithReplicaSet(t *testing.T) (*Library, *Module, *ReplicaSet, *Tensor) {
+	t.Helper()
+	lib, model, input := openWithModelAndBatch(t)
+	set, err := lib.NewReplicaSet(model, []Device{CPU(0), CPU(1)})
+	must(t, err)
+	t.Cleanup(set.Close)
+	return lib, model, set, input
+}
+
 func must(t *testing.T, err error) {
 	t.Helper()
 	if err != nil {
@@ -407,10 +449,10 @@ func TestReplicaSetTrainingMatchesSingleDevice(t *testing.T) {
 func TestDataParallelStepGivesFullBatchGradients(t *testing.T) {
 	lib := openLibrary(t)
 	teacherW, teacherB := initialParameters(99)
+	rows := batchOf(0, teacherW, teacherB)
 	w, b := initialParameters(7)
 	model := buildModel(t, lib, w, b)
 	defer model.Close()
-	rows := batchOf(0, teacherW, teacherB)
 	input, err := lib.TensorFromFloat32s(rows, []int64{batch, 2 * width}, CPU(0))
 	must(t, err)
 	defer input.Close()
@@ -492,13 +534,7 @@ func TestParallelApplyRunsEveryReplicaOnItsDevice(t *testing.T) {
 
 // A bad argument is an error that names it, with the status code.
 func TestBadArgumentsAreErrorsNamingThem(t *testing.T) {
-	lib := openLibrary(t)
-	m, err := lib.NewModule()
-	must(t, err)
-	defer m.Close()
-	x, err := lib.NewTensor(Float32, []int64{2}, CPU(0))
-	must(t, err)
-	defer x.Close()
+	lib, m, x := openWithModuleAndTensor(t)
 	cases := []struct {
 		what string
 		err  error
@@ -541,18 +577,9 @@ func TestBadArgumentsAreErrorsNamingThem(t *testing.T) {
 // A forward that panics or fails is an error in the caller, carrying the Go
 // cause; the process survives and the replica set keeps working.
 func TestForwardPanicAndErrorBecomeErrors(t *testing.T) {
-	lib := openLibrary(t)
-	w, b := initialParameters(7)
-	model := buildModel(t, lib, w, b)
-	defer model.Close()
-	set, err := lib.NewReplicaSet(model, []Device{CPU(0), CPU(1)})
-	must(t, err)
-	defer set.Close()
-	input, err := lib.NewTensor(Float32, []int64{4, 2 * width}, CPU(0))
-	must(t, err)
-	defer input.Close()
+	lib, _, set, input := openWithReplicaSet(t)
 
-	_, err = set.Apply(input, 0, CPU(0), func(index int, replica *Module, in *Tensor, d Device) (*Tensor, error) {
+	_, err := set.Apply(input, 0, CPU(0), func(index int, replica *Module, in *Tensor, d Device) (*Tensor, error) {
 		if index == 1 {
 			var nilMap map[string]int
 			nilMap["boom"] = 1 // a runtime panic on the library's worker thread
@@ -589,13 +616,7 @@ func TestForwardPanicAndErrorBecomeErrors(t *testing.T) {
 // threads and, with one device, on the calling thread; the process and the
 // library carry on.
 func TestForwardGoexitBecomesError(t *testing.T) {
-	lib := openLibrary(t)
-	w, b := initialParameters(7)
-	model := buildModel(t, lib, w, b)
-	defer model.Close()
-	input, err := lib.NewTensor(Float32, []int64{4, 2 * width}, CPU(0))
-	must(t, err)
-	defer input.Close()
+	lib, model, input := openWithModelAndBatch(t)
 	for _, devices := range [][]Device{{CPU(0), CPU(1)}, {CPU(0)}} {
 		last := len(devices) - 1
 		_, err := lib.DataParallel(model, input, devices, CPU(0), 0, func(index int, replica *Module, in *Tensor,
@@ -621,17 +642,8 @@ func TestForwardGoexitBecomesError(t *testing.T) {
 // panic(nil) in a forward is a failure that says so, not a success with no
 // output (before Go 1.21 recover() returns nil for it).
 func TestForwardPanicNilBecomesError(t *testing.T) {
-	lib := openLibrary(t)
-	w, b := initialParameters(7)
-	model := buildModel(t, lib, w, b)
-	defer model.Close()
-	set, err := lib.NewReplicaSet(model, []Device{CPU(0), CPU(1)})
-	must(t, err)
-	defer set.Close()
-	input, err := lib.NewTensor(Float32, []int64{4, 2 * width}, CPU(0))
-	must(t, err)
-	defer input.Close()
-	_, err = set.Apply(input, 0, CPU(0), func(index int, replica *Module, in *Tensor, d Device) (*Tensor, error) {
+	lib, _, set, input := openWithReplicaSet(t)
+	_, err := set.Apply(input, 0, CPU(0), func(index int, replica *Module, in *Tensor, d Device) (*Tensor, error) {
 		if index == 1 {
 			panic(nil)
 		}
@@ -654,16 +666,7 @@ func TestForwardPanicNilBecomesError(t *testing.T) {
 // would wait for the devices its own call holds: it gets DP_ESTATE, not a
 // deadlock.
 func TestApplyInsideForwardIsRefused(t *testing.T) {
-	lib := openLibrary(t)
-	w, b := initialParameters(7)
-	model := buildModel(t, lib, w, b)
-	defer model.Close()
-	set, err := lib.NewReplicaSet(model, []Device{CPU(0), CPU(1)})
-	must(t, err)
-	defer set.Close()
-	input, err := lib.NewTensor(Float32, []int64{4, 2 * width}, CPU(0))
-	must(t, err)
-	defer input.Close()
+	lib, model, set, input := openWithReplicaSet(t)
 	devices := []Device{CPU(0), CPU(1)}
 	nested := []struct {
 		op   string

@@ -101,11 +101,8 @@ func (f *FSDP) Close() {
 	if f == nil {
 		return
 	}
-	f.lease.shut(func() {
-		if f.h != nil { // one never made holds nothing
-			f.lib.use("dp_fsdp_destroy", func(api *C.dp_api) { C.dpgo_fsdp_destroy(api, f.h) })
-		}
-		f.h = nil
+	shutHandle(&f.lease, f.lib, "dp_fsdp_destroy", &f.h, func(api *C.dp_api, h *C.dp_fsdp) {
+		C.dpgo_fsdp_destroy(api, h)
 	})
 }
 
@@ -166,14 +163,13 @@ func (f *FSDP) SetRequiresGradientSync(sync bool) error {
 }
 
 // NumParameters counts the managed parameters; 0 on a closed FSDP.
-func (f *FSDP) NumParameters() (n int) {
+func (f *FSDP) NumParameters() int {
 	if f == nil {
 		return 0
 	}
-	held(&f.lease, "dp_fsdp_num_parameters", "FSDP", func() error {
-		return f.lib.use("dp_fsdp_num_parameters", func(api *C.dp_api) { n = int(C.dpgo_fsdp_num_parameters(api, f.h)) })
+	return heldCount(&f.lease, f.lib, "dp_fsdp_num_parameters", "FSDP", func(api *C.dp_api) int {
+		return int(C.dpgo_fsdp_num_parameters(api, f.h))
 	})
-	return n
 }
 
 // ParameterNames lists the managed parameters, relative to the module, in
@@ -226,19 +222,26 @@ func (f *FSDP) ShardGrad(index int) (*Tensor, error) {
 // FSDPs are all on pg and resharded) and rank 0 writes path as Save would
 // for the unsharded module. Collective.
 func (m *Module) SaveFullStateDict(pg *ProcessGroup, path string) error {
+	return m.saveStateDict("dp_fsdp_save_full_state_dict", pg, path,
+		func(api *C.dp_api, group *C.dp_process_group, cpath *C.char) C.dp_status {
+			return C.dpgo_fsdp_save_full_state_dict(api, m.h, group, cpath)
+		})
+}
+
+// saveStateDict runs op, a save collective over pg, to path.
+func (m *Module) saveStateDict(op string, pg *ProcessGroup, path string,
+	save func(api *C.dp_api, group *C.dp_process_group, cpath *C.char) C.dp_status) error {
 	if pg == nil {
-		return invalid("dp_fsdp_save_full_state_dict", "argument 'pg' is nil")
+		return nilArgument(op, "pg")
 	}
-	done, err := pg.arg("dp_fsdp_save_full_state_dict", "pg")
+	done, err := pg.arg(op, "pg")
 	if err != nil {
 		return err
 	}
 	defer done()
 	cpath := C.CString(path)
 	defer C.free(unsafe.Pointer(cpath))
-	return m.call("dp_fsdp_save_full_state_dict", func(api *C.dp_api) C.dp_status {
-		return C.dpgo_fsdp_save_full_state_dict(api, m.h, pg.h, cpath)
-	})
+	return m.call(op, func(api *C.dp_api) C.dp_status { return save(api, pg.h, cpath) })
 }
 
 // LoadFullStateDict reads a full state dict: each rank keeps its rows of
@@ -256,19 +259,10 @@ func (m *Module) LoadFullStateDict(path string, strict bool) error {
 // Collective over pg: it succeeds on every rank or fails on every rank, and
 // a failed save leaves the folder's last complete save loadable.
 func (m *Module) SaveShardedStateDict(pg *ProcessGroup, folder string) error {
-	if pg == nil {
-		return invalid("dp_fsdp_save_sharded_state_dict", "argument 'pg' is nil")
-	}
-	done, err := pg.arg("dp_fsdp_save_sharded_state_dict", "pg")
-	if err != nil {
-		return err
-	}
-	defer done()
-	cfolder := C.CString(folder)
-	defer C.free(unsafe.Pointer(cfolder))
-	return m.call("dp_fsdp_save_sharded_state_dict", func(api *C.dp_api) C.dp_status {
-		return C.dpgo_fsdp_save_sharded_state_dict(api, m.h, pg.h, cfolder)
-	})
+	return m.saveStateDict("dp_fsdp_save_sharded_state_dict", pg, folder,
+		func(api *C.dp_api, group *C.dp_process_group, cfolder *C.char) C.dp_status {
+			return C.dpgo_fsdp_save_sharded_state_dict(api, m.h, group, cfolder)
+		})
 }
 
 // LoadShardedStateDict reads a complete sharded save (of any world size),

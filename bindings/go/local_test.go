@@ -73,6 +73,17 @@ func TestStoresRoundTrip(t *testing.T) {
 	}
 }
 
+// takeValues is the values of x, a new reference that a call returned with
+// err, and closes x.
+func takeValues(t *testing.T, x *Tensor, err error) []float32 {
+	t.Helper()
+	must(t, err)
+	defer x.Close()
+	v, err := x.Float32s()
+	must(t, err)
+	return v
+}
+
 // Buffers are registered, listed, looked up and saved (the persistent
 // ones); submodules, requires_grad and a gradient set by the host.
 func TestModuleBuffersAndGradients(t *testing.T) {
@@ -107,11 +118,7 @@ func TestModuleBuffersAndGradients(t *testing.T) {
 		t.Errorf("buffer names %v", names)
 	}
 	b, err := root.Buffer("fc.running_mean")
-	must(t, err)
-	bv, err := b.Float32s()
-	must(t, err)
-	b.Close()
-	if fmt.Sprint(bv) != "[0.5 0.25]" {
+	if bv := takeValues(t, b, err); fmt.Sprint(bv) != "[0.5 0.25]" {
 		t.Errorf("fc.running_mean holds %v", bv)
 	}
 	if _, err := root.Buffer("fc.nope"); !errors.Is(err, StatusInvalid) || !strings.Contains(err.Error(), "fc.nope") {
@@ -154,11 +161,7 @@ func TestModuleBuffersAndGradients(t *testing.T) {
 	defer g.Close()
 	must(t, root.SetGrad("fc.weight", g))
 	got, err := root.Grad("fc.weight")
-	must(t, err)
-	gv, err := got.Float32s()
-	must(t, err)
-	got.Close()
-	if fmt.Sprint(gv) != "[-1 -2 -3 -4]" {
+	if gv := takeValues(t, got, err); fmt.Sprint(gv) != "[-1 -2 -3 -4]" {
 		t.Errorf("the gradient set holds %v", gv)
 	}
 	if err := root.SetGrad("fc.weight", mean); !errors.Is(err, StatusInvalid) || !strings.Contains(err.Error(), "'grad'") {
@@ -414,14 +417,7 @@ func TestDevicesStatusesAndMemory(t *testing.T) {
 // dp_shutdown ends the device workers, which the next forward starts
 // again; from inside a forward it is refused.
 func TestShutdownEndsThreadsAndTheyRestart(t *testing.T) {
-	lib := openLibrary(t)
-	defer lib.Close()
-	w, b := initialParameters(7)
-	model := buildModel(t, lib, w, b)
-	defer model.Close()
-	input, err := lib.NewTensor(Float32, []int64{4, 2 * width}, CPU(0))
-	must(t, err)
-	defer input.Close()
+	lib, model, input := openWithModelAndBatch(t)
 	devices := []Device{CPU(0), CPU(1)}
 	for round := 0; round < 2; round++ {
 		out, err := lib.DataParallel(model, input, devices, CPU(0), 0, replicaStep(lib))
@@ -429,7 +425,7 @@ func TestShutdownEndsThreadsAndTheyRestart(t *testing.T) {
 		out.Close()
 		must(t, lib.Shutdown())
 	}
-	_, err = lib.DataParallel(model, input, devices, CPU(0), 0, func(i int, r *Module, in *Tensor,
+	_, err := lib.DataParallel(model, input, devices, CPU(0), 0, func(i int, r *Module, in *Tensor,
 		d Device) (*Tensor, error) {
 		return in, lib.Shutdown()
 	})
@@ -442,14 +438,7 @@ func TestShutdownEndsThreadsAndTheyRestart(t *testing.T) {
 // Bad arguments to the newer calls are errors naming them, caught before
 // anything reaches the library.
 func TestNewCallsNameTheirBadArguments(t *testing.T) {
-	lib := openLibrary(t)
-	defer lib.Close()
-	m, err := lib.NewModule()
-	must(t, err)
-	defer m.Close()
-	x, err := lib.NewTensor(Float32, []int64{2}, CPU(0))
-	must(t, err)
-	defer x.Close()
+	lib, m, x := openWithModuleAndTensor(t)
 	hook := func(*ProcessGroup, int, *Tensor) error { return nil }
 	cases := []struct {
 		what string

@@ -53,11 +53,8 @@ func (m *Module) Close() {
 	if m == nil || m.borrowed {
 		return
 	}
-	m.lease.shut(func() {
-		if m.h != nil { // one never made holds nothing
-			m.lib.use("dp_module_destroy", func(api *C.dp_api) { C.dpgo_module_destroy(api, m.h) })
-		}
-		m.h = nil
+	shutHandle(&m.lease, m.lib, "dp_module_destroy", &m.h, func(api *C.dp_api, h *C.dp_module) {
+		C.dpgo_module_destroy(api, h)
 	})
 }
 

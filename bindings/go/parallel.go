@@ -336,23 +336,19 @@ func (s *ReplicaSet) Close() {
 	if s == nil {
 		return
 	}
-	s.lease.shut(func() {
-		if s.h != nil { // one never made holds nothing
-			s.lib.use("dp_replica_set_destroy", func(api *C.dp_api) { C.dpgo_replica_set_destroy(api, s.h) })
-		}
-		s.h = nil
+	shutHandle(&s.lease, s.lib, "dp_replica_set_destroy", &s.h, func(api *C.dp_api, h *C.dp_replica_set) {
+		C.dpgo_replica_set_destroy(api, h)
 	})
 }
 
 // Size is the number of replicas; 0 on a closed set or library.
-func (s *ReplicaSet) Size() (n int) {
+func (s *ReplicaSet) Size() int {
 	if s == nil {
 		return 0
 	}
-	held(&s.lease, "dp_replica_set_size", "replica set", func() error {
-		return s.lib.use("dp_replica_set_size", func(api *C.dp_api) { n = int(C.dpgo_replica_set_size(api, s.h)) })
+	return heldCount(&s.lease, s.lib, "dp_replica_set_size", "replica set", func(api *C.dp_api) int {
+		return int(C.dpgo_replica_set_size(api, s.h))
 	})
-	return n
 }
 
 // Sync copies the module's current parameters into the replicas.

@@ -95,11 +95,8 @@ func (s *Store) Close() {
 	if s == nil {
 		return
 	}
-	s.lease.shut(func() {
-		if s.h != nil { // one never made holds nothing
-			s.lib.use("dp_store_destroy", func(api *C.dp_api) { C.dpgo_store_destroy(api, s.h) })
-		}
-		s.h = nil
+	shutHandle(&s.lease, s.lib, "dp_store_destroy", &s.h, func(api *C.dp_api, h *C.dp_store) {
+		C.dpgo_store_destroy(api, h)
 	})
 }
 

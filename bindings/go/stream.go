@@ -27,13 +27,10 @@ type Stream struct {
 
 // NewStream makes a stream of device; Close destroys it.
 func (l *Library) NewStream(device Device) (*Stream, error) {
-	const op = "dp_stream_create"
-	cd, err := cDevice(op, "device", device)
-	if err != nil {
-		return nil, err
-	}
-	var p unsafe.Pointer
-	err = l.call(op, func(api *C.dp_api) C.dp_status { return C.dpgo_stream_create(api, cd, &p) })
+	p, err := l.deviceStream("dp_stream_create", device,
+		func(api *C.dp_api, cd C.dp_device, p *unsafe.Pointer) C.dp_status {
+			return C.dpgo_stream_create(api, cd, p)
+		})
 	if err != nil {
 		return nil, err
 	}
@@ -203,12 +200,20 @@ func (l *Library) SetCurrentStream(device Device, stream unsafe.Pointer) error {
 // CurrentStream is the calling OS thread's current stream for device; nil
 // when none is set.
 func (l *Library) CurrentStream(device Device) (unsafe.Pointer, error) {
-	const op = "dp_get_current_stream"
+	return l.deviceStream("dp_get_current_stream", device,
+		func(api *C.dp_api, cd C.dp_device, p *unsafe.Pointer) C.dp_status {
+			return C.dpgo_get_current_stream(api, cd, p)
+		})
+}
+
+// deviceStream runs op, which answers a stream of device.
+func (l *Library) deviceStream(op string, device Device,
+	f func(api *C.dp_api, cd C.dp_device, p *unsafe.Pointer) C.dp_status) (unsafe.Pointer, error) {
 	cd, err := cDevice(op, "device", device)
 	if err != nil {
 		return nil, err
 	}
 	var p unsafe.Pointer
-	err = l.call(op, func(api *C.dp_api) C.dp_status { return C.dpgo_get_current_stream(api, cd, &p) })
+	err = l.call(op, func(api *C.dp_api) C.dp_status { return f(api, cd, &p) })
 	return p, err
 }

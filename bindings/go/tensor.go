@@ -128,11 +128,8 @@ func (t *Tensor) Close() {
 	if t == nil || t.borrowed {
 		return
 	}
-	t.lease.shut(func() {
-		if t.h != nil { // one never made holds nothing
-			t.lib.use("dp_tensor_destroy", func(api *C.dp_api) { C.dpgo_tensor_destroy(api, t.h) })
-		}
-		t.h = nil
+	shutHandle(&t.lease, t.lib, "dp_tensor_destroy", &t.h, func(api *C.dp_api, h *C.dp_tensor) {
+		C.dpgo_tensor_destroy(api, h)
 	})
 }
 
@@ -140,30 +137,32 @@ func (t *Tensor) Close() {
 // library they are -1, -1 and device index -1, as the library answers for
 // an invalid handle.
 func (t *Tensor) DType() DType {
-	dtype := DType(-1)
-	if t == nil {
-		return dtype
-	}
-	t.use("dp_tensor_dtype", func(api *C.dp_api) { dtype = DType(C.dpgo_tensor_dtype(api, t.h)) })
-	return dtype
+	return tensorQuery(t, "dp_tensor_dtype", DType(-1), func(api *C.dp_api, h *C.dp_tensor) DType {
+		return DType(C.dpgo_tensor_dtype(api, h))
+	})
 }
 
 func (t *Tensor) Numel() int64 {
-	numel := int64(-1)
-	if t == nil {
-		return numel
-	}
-	t.use("dp_tensor_numel", func(api *C.dp_api) { numel = int64(C.dpgo_tensor_numel(api, t.h)) })
-	return numel
+	return tensorQuery(t, "dp_tensor_numel", int64(-1), func(api *C.dp_api, h *C.dp_tensor) int64 {
+		return int64(C.dpgo_tensor_numel(api, h))
+	})
 }
 
 func (t *Tensor) Device() Device {
-	device := Device{Index: -1}
+	return tensorQuery(t, "dp_tensor_device", Device{Index: -1}, func(api *C.dp_api, h *C.dp_tensor) Device {
+		return goDevice(C.dpgo_tensor_device(api, h))
+	})
+}
+
+// tensorQuery is get's answer for t, or invalid on a nil or closed tensor or
+// library.
+func tensorQuery[V any](t *Tensor, op string, invalid V, get func(api *C.dp_api, h *C.dp_tensor) V) V {
 	if t == nil {
-		return device
+		return invalid
 	}
-	t.use("dp_tensor_device", func(api *C.dp_api) { device = goDevice(C.dpgo_tensor_device(api, t.h)) })
-	return device
+	v := invalid
+	t.use(op, func(api *C.dp_api) { v = get(api, t.h) })
+	return v
 }
 
 func (t *Tensor) Shape() ([]int64, error) {
@@ -220,28 +219,33 @@ func (t *Tensor) Float32s() ([]float32, error) {
 // CopyFromFloat32s copies src, which holds exactly Numel elements, into a
 // float32 tensor on any device.
 func (t *Tensor) CopyFromFloat32s(src []float32) error {
-	if t == nil {
-		return nilArgument("dp_tensor_copy_from_host", "t")
-	}
-	if len(src) == 0 {
-		return invalid("CopyFromFloat32s", "argument 'src' is empty")
-	}
-	return t.call("dp_tensor_copy_from_host", func(api *C.dp_api) C.dp_status {
-		return C.dpgo_tensor_copy_from_host(api, t.h, unsafe.Pointer(&src[0]), C.size_t(4*len(src)))
-	})
+	return t.copyHost("dp_tensor_copy_from_host", "CopyFromFloat32s", "src", src,
+		func(api *C.dp_api, h *C.dp_tensor, p unsafe.Pointer, n C.size_t) C.dp_status {
+			return C.dpgo_tensor_copy_from_host(api, h, p, n)
+		})
 }
 
 // CopyToFloat32s copies a float32 tensor from any device into dst, which
 // holds exactly Numel elements.
 func (t *Tensor) CopyToFloat32s(dst []float32) error {
+	return t.copyHost("dp_tensor_copy_to_host", "CopyToFloat32s", "dst", dst,
+		func(api *C.dp_api, h *C.dp_tensor, p unsafe.Pointer, n C.size_t) C.dp_status {
+			return C.dpgo_tensor_copy_to_host(api, h, p, n)
+		})
+}
+
+// copyHost runs op, a copy between t and buf (the argument arg of method),
+// which holds exactly Numel float32 elements.
+func (t *Tensor) copyHost(op, method, arg string, buf []float32,
+	f func(api *C.dp_api, h *C.dp_tensor, p unsafe.Pointer, n C.size_t) C.dp_status) error {
 	if t == nil {
-		return nilArgument("dp_tensor_copy_to_host", "t")
+		return nilArgument(op, "t")
 	}
-	if len(dst) == 0 {
-		return invalid("CopyToFloat32s", "argument 'dst' is empty")
+	if len(buf) == 0 {
+		return invalid(method, "argument '%s' is empty", arg)
 	}
-	return t.call("dp_tensor_copy_to_host", func(api *C.dp_api) C.dp_status {
-		return C.dpgo_tensor_copy_to_host(api, t.h, unsafe.Pointer(&dst[0]), C.size_t(4*len(dst)))
+	return t.call(op, func(api *C.dp_api) C.dp_status {
+		return f(api, t.h, unsafe.Pointer(&buf[0]), C.size_t(4*len(buf)))
 	})
 }
 
