@@ -1,8 +1,8 @@
 #include "lane/float_math.h"
 
-#include "device/cuda/cuda_runtime.h"
 #include "core/error.h"
 #include "core/half.h"
+#include "device/cuda/cuda_runtime.h"
 #include "distributed/reduce_ops.h"
 
 namespace dparallel::lane {
