@@ -226,7 +226,9 @@ timed='*Throughput*:*Timeout*:*TimesOut*:*StreamIsHeld*:*IsHeld*:*LargeCopies*'
 # Each binary and its GPU tests: the library's own kernels first.
 gpu_binaries="dp_comm_cuda_internal_tests dp_capi_tests dp_cuda_stream_tests dp_ddp_cuda_tests dp_nccl_tests
 dp_fsdp_tests dp_stream_tests"
-gpu_filter='*Cuda*:*Nccl*'
+# The suites over the backend list name their instances after the backend
+# (Backends/FsdpParity.*/nccl_world1_float32).
+gpu_filter='*Cuda*:*Nccl*:*/nccl_*'
 # Those with a step of their own are left out of the plain pass.
 own_steps='NcclSingleRank.*:CudaLargeCopies.*'
 
