@@ -246,6 +246,76 @@ DP_API dp_status dp_pg_barrier_async(dp_process_group *pg, dp_work **out);
 /* "shm", "shm+gloo", "gloo" or "nccl" (static text); NULL for an invalid handle. */
 DP_API const char *dp_process_group_backend(const dp_process_group *pg);
 
+/* ---- subgroups (c10d's split_group, MPI_Comm_split) ---- */
+/* A collective over `pg`: every rank of pg calls it, in its place among
+ * pg's other collectives (it runs as one all_gather of pg, so a rank that
+ * calls another collective meanwhile fails as out of step, on every rank).
+ * The ranks passing the same `color` >= 0 form a new group, *out, ranked by
+ * (`key`, rank in pg): equal keys keep pg's order. A negative color joins
+ * none: *out = NULL and DP_OK, after taking part in the exchange. The new
+ * groups are made through pg's store, under keys of their own (no new store
+ * is needed), and choose their backend as any group does (DP_BACKEND_AUTO:
+ * shared memory when all its ranks run on one host, and so on).
+ * `opts` NULL: pg's timeout and device, DP_BACKEND_AUTO; otherwise its
+ * backend, timeout_ms and device are used (its rank, world_size and store
+ * are ignored). A bad argument past `pg` (NULL out, a bad opts) refuses the
+ * exchange: the other ranks' split fails at once naming this rank (DP_EINVAL)
+ * and pg stays usable. The new group holds its own reference to pg's store
+ * and keeps working after pg is destroyed, as long as the store's server
+ * runs (with the default store: rank 0's process of pg's job). A new
+ * group's own collectives are independent of pg's: a thread may drive each. */
+DP_API dp_status dp_process_group_split(dp_process_group *pg, int32_t color, int32_t key,
+                                        const dp_process_group_options *opts /* may be NULL */,
+                                        dp_process_group **out);
+/* The hosts of a group, as its creation learnt them (no communication):
+ * ranks count as on one host when their host keys match (DP_HOST_ID when
+ * set, else the boot id and host name, in the same network and pid
+ * namespaces). local_rank: this rank's index among the group's ranks on its
+ * host, in rank order; local_size: how many of the group's ranks run on
+ * this host; num_hosts: how many hosts the group spans. -1 (and
+ * dp_last_error set) for a NULL or invalid handle. */
+DP_API int32_t dp_process_group_local_rank(const dp_process_group *pg);
+DP_API int32_t dp_process_group_local_size(const dp_process_group *pg);
+DP_API int32_t dp_process_group_num_hosts(const dp_process_group *pg);
+
+/* ---- device meshes (PyTorch's init_device_mesh) ---- */
+/* The ranks of a group laid out as an n-dimensional array, with one group
+ * per dimension: the ranks that differ only in their coordinate along it,
+ * ranked by that coordinate. Each is a new group made by
+ * dp_process_group_split (one split of pg per dimension, in dimension
+ * order), a normal group that dp_ddp and dp_fsdp run on. Creating a mesh is
+ * a collective over pg; a bad argument past `pg` refuses the first split
+ * (the other ranks fail at once naming this rank). The mesh does not need
+ * pg afterwards. */
+typedef struct dp_device_mesh dp_device_mesh;
+/* pg's ranks row-major over `shape` (`ndim` >= 1 extents, each > 0, their
+ * product the world size: else DP_EINVAL naming 'shape' with both numbers).
+ * `dim_names`: ndim distinct non-empty names, or NULL for "dim0", "dim1",
+ * ... (copied). */
+DP_API dp_status dp_device_mesh_create(dp_device_mesh **out, dp_process_group *pg, const int32_t *shape, size_t ndim,
+                                       const char *const *dim_names /* may be NULL */);
+/* The 2-D mesh ("host", "local") of pg's hosts: coordinate (host index,
+ * local rank), hosts numbered in the order of their lowest rank. "local"
+ * joins this rank's host (shared memory under AUTO), "host" the ranks of
+ * this local rank on every host. DP_EINVAL naming the counts when the
+ * hosts run different numbers of pg's ranks. */
+DP_API dp_status dp_device_mesh_create_by_host(dp_device_mesh **out, dp_process_group *pg);
+/* The number of dimensions; 0 (and dp_last_error set) for an invalid handle. */
+DP_API size_t dp_device_mesh_ndim(const dp_device_mesh *mesh);
+/* The group of the dimension `dim_name` (DP_EINVAL naming it and listing
+ * the mesh's names when there is none). *out is borrowed: it lives as long
+ * as the mesh; dp_process_group_destroy on it is refused (nothing freed). */
+DP_API dp_status dp_device_mesh_group(const dp_device_mesh *mesh, const char *dim_name, dp_process_group **out);
+/* Leaves the mesh's groups (as dp_process_group_destroy); NULL is accepted. */
+DP_API void dp_device_mesh_destroy(dp_device_mesh *mesh);
+/* Writes the ndim extents of the mesh; `cap` must be at least ndim. */
+DP_API dp_status dp_device_mesh_shape(const dp_device_mesh *mesh, int32_t *out, size_t cap);
+/* Writes this rank's ndim coordinates in the mesh (its rank in each
+ * dimension's group); `cap` must be at least ndim. */
+DP_API dp_status dp_device_mesh_coordinate(const dp_device_mesh *mesh, int32_t *out, size_t cap);
+/* The name of dimension `dim` (< ndim); *out lives as long as the mesh. */
+DP_API dp_status dp_device_mesh_dim_name(const dp_device_mesh *mesh, size_t dim, const char **out);
+
 #ifdef __cplusplus
 }
 #endif
