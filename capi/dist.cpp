@@ -334,6 +334,53 @@ const char* dp_process_group_backend(const dp_process_group* pg) {
   DP_API_END_VALUE(nullptr)
 }
 
+dp_status dp_process_group_split(dp_process_group* pg, int32_t color, int32_t key, const dp_process_group_options* opts,
+                                 dp_process_group** out) {
+  DP_API_BEGIN
+  if (out != nullptr) *out = nullptr;
+  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
+  dist::SplitOptions options;
+  options.timeout = group.timeout();
+  options.device = group.device();
+  try {
+    capi::require_arg(out, "out");
+    if (opts != nullptr) {
+      dp_process_group_options o = options_arg(opts);
+      options.backend = static_cast<dist::BackendChoice>(o.backend);
+      options.timeout = timeout_arg(o.timeout_ms, "opts->timeout_ms");
+      options.device = capi::device_arg(o.device, "opts->device");
+    }
+  } catch (const Error& e) {
+    // Refused in the exchange's place, so that the other ranks fail now too.
+    group.refuse(dist::CallKind::kAllGather, e.what(), false);
+  }
+  std::unique_ptr<dist::ProcessGroup> child = group.split(color, key, options);
+  if (child) {
+    auto* handle = new dp_process_group();
+    handle->group = std::move(child);
+    *out = handle;
+  }
+  DP_API_END
+}
+
+int32_t dp_process_group_local_rank(const dp_process_group* pg) {
+  DP_API_BEGIN
+  return capi::group_arg(pg, "pg").local_rank();
+  DP_API_END_VALUE(-1)
+}
+
+int32_t dp_process_group_local_size(const dp_process_group* pg) {
+  DP_API_BEGIN
+  return capi::group_arg(pg, "pg").local_size();
+  DP_API_END_VALUE(-1)
+}
+
+int32_t dp_process_group_num_hosts(const dp_process_group* pg) {
+  DP_API_BEGIN
+  return capi::group_arg(pg, "pg").num_hosts();
+  DP_API_END_VALUE(-1)
+}
+
 void dp_process_group_destroy(dp_process_group* pg) {
   if (pg == nullptr || pg->tag != kGroupTag || !pg->origin.is_current() || !capi::destroy_allowed(pg, __func__)) {
     return;

@@ -35,7 +35,7 @@ extern "C" {
 #endif
 
 /* abi_minor of the table this header describes. */
-#define DP_API_MINOR 8
+#define DP_API_MINOR 9
 
 /* Every slot of the table, in table order: X(return type, name, (parameters))
  * for the entry point dp_<name>. The struct below and the library's table are
@@ -207,7 +207,22 @@ extern "C" {
   X(dp_status, device_memory_stats, (dp_device device, dp_memory_stats *out))                                           \
   X(dp_status, device_reset_peak_memory, (dp_device device))                                                          \
   /* ---- abi_minor 8: the library's own threads (dp_base.h) ---- */                                                   \
-  X(dp_status, shutdown, (void))
+  X(dp_status, shutdown, (void))                                                                                        \
+  /* ---- abi_minor 9: subgroups and device meshes (dp_dist.h) ---- */                                                 \
+  X(dp_status, process_group_split,                                                                                    \
+    (dp_process_group * pg, int32_t color, int32_t key, const dp_process_group_options *opts, dp_process_group **out)) \
+  X(int32_t, process_group_local_rank, (const dp_process_group *pg))                                                   \
+  X(int32_t, process_group_local_size, (const dp_process_group *pg))                                                   \
+  X(int32_t, process_group_num_hosts, (const dp_process_group *pg))                                                    \
+  X(dp_status, device_mesh_create,                                                                                     \
+    (dp_device_mesh **out, dp_process_group *pg, const int32_t *shape, size_t ndim, const char *const *dim_names))     \
+  X(dp_status, device_mesh_create_by_host, (dp_device_mesh **out, dp_process_group *pg))                              \
+  X(size_t, device_mesh_ndim, (const dp_device_mesh *mesh))                                                            \
+  X(dp_status, device_mesh_group, (const dp_device_mesh *mesh, const char *dim_name, dp_process_group **out))          \
+  X(void, device_mesh_destroy, (dp_device_mesh *mesh))                                                                 \
+  X(dp_status, device_mesh_shape, (const dp_device_mesh *mesh, int32_t *out, size_t cap))                              \
+  X(dp_status, device_mesh_coordinate, (const dp_device_mesh *mesh, int32_t *out, size_t cap))                         \
+  X(dp_status, device_mesh_dim_name, (const dp_device_mesh *mesh, size_t dim, const char **out))
 /* clang-format on */
 
 /* A type, a name and a parameter list cannot be parenthesised. */

@@ -265,8 +265,7 @@ DP_API const char *dp_process_group_backend(const dp_process_group *pg);
  * runs (with the default store: rank 0's process of pg's job). A new
  * group's own collectives are independent of pg's: a thread may drive each. */
 DP_API dp_status dp_process_group_split(dp_process_group *pg, int32_t color, int32_t key,
-                                        const dp_process_group_options *opts /* may be NULL */,
-                                        dp_process_group **out);
+                                        const dp_process_group_options *opts /* may be NULL */, dp_process_group **out);
 /* The hosts of a group, as its creation learnt them (no communication):
  * ranks count as on one host when their host keys match (DP_HOST_ID when
  * set, else the boot id and host name, in the same network and pid

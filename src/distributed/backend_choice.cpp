@@ -316,6 +316,13 @@ std::unique_ptr<ProcessGroup> create_chosen_process_group(const ProcessGroupOpti
     throw Error(*error);
   }
   std::unique_ptr<ProcessGroup> group = choose(options, prefix, entries);
+  GroupLineage lineage{options.store, prefix, options.master_addr, {}};
+  const Hosts hosts = group_by_host(entries);
+  lineage.host_of_rank.resize(entries.size());
+  for (size_t h = 0; h < hosts.members.size(); ++h) {
+    for (int32_t r : hosts.members[h]) lineage.host_of_rank[static_cast<size_t>(r)] = static_cast<int32_t>(h);
+  }
+  group->set_lineage(std::move(lineage));
   // Every rank read the host entries before it could take part in creating
   // the group; a refused group leaves them (they cost memory only).
   forget_keys(*options.store, {str_cat(prefix, "host/", options.rank)});

@@ -46,6 +46,23 @@ namespace dparallel::dist {
 // Makes the backend a new group runs, as the group's CallSite sees it.
 using BackendFactory = std::function<std::unique_ptr<Backend>(CallSite& site)>;
 
+// How a group made by create_process_group came to be: what splitting it
+// and asking about its hosts need, learnt at its creation.
+struct GroupLineage {
+  std::shared_ptr<Store> store;
+  std::string prefix;       // the group's keys in `store`
+  std::string master_addr;  // as its options had it
+  // Every rank's host, numbered in the order of each host's lowest rank.
+  std::vector<int32_t> host_of_rank;
+};
+
+// What a split's new group asks for beyond its ranks: its backend, timeout and device.
+struct SplitOptions {
+  BackendChoice backend = BackendChoice::kAuto;
+  Millis timeout{300000};
+  Device device{DeviceType::kCpu, 0};
+};
+
 class ProcessGroup final : private CallSite {
  public:
   // A group of `rank` in `world_size` over the backend `make_backend` makes.
@@ -109,6 +126,29 @@ class ProcessGroup final : private CallSite {
   // synchronously once every rank has seen the refusal (the verdict, naming
   // every rank that refused), with `async` at once (the refusal is queued).
   [[noreturn]] void refuse(CallKind kind, const std::string& reason, bool async);
+
+  // Records how the group was made (create_chosen_process_group); groups
+  // made inside a backend have none.
+  void set_lineage(GroupLineage lineage);
+  // Among the group's ranks on this rank's host (GroupLineage::host_of_rank):
+  // this rank's index in rank order, and how many there are; the hosts the
+  // group spans. kState for a group without a lineage.
+  int32_t local_rank() const;
+  int32_t local_size() const;
+  int32_t num_hosts() const;
+  // A collective over this group, run as one all_gather (so it keeps its
+  // place among the group's collectives and a peer's other call fails it as
+  // out of step): the ranks passing the same `color` >= 0 form a new group,
+  // ranked by (`key`, rank here), over this group's store under keys of
+  // their own; a negative color joins none (null). `agreement` must be the
+  // same on every rank (kInvalidArgument on every rank naming those that
+  // differ, `what` saying what it stands for): callers that split on every
+  // rank with arguments they must agree on (a mesh's shape) pass their hash.
+  // A bad `options` refuses the exchange (the other ranks fail naming this
+  // rank). The new group holds its own reference to the store.
+  std::unique_ptr<ProcessGroup> split(int32_t color, int32_t key, const SplitOptions& options, uint64_t agreement = 0,
+                                      const char* what = "");
+  const GroupLineage& lineage() const;
 
   // Why the group is unusable, or "" while it is usable.
   std::string broken_reason();
@@ -194,6 +234,8 @@ class ProcessGroup final : private CallSite {
   std::shared_ptr<Store> report_store_;
   std::string report_prefix_;
   std::weak_ptr<CallGate> gate_;
+  std::shared_ptr<const GroupLineage> lineage_;
+  uint64_t splits_ = 0;  // splits so far: each new group's keys are "split<n>/"
   // Last: made after the state above, and gone before it.
   std::unique_ptr<Backend> backend_;
 };
