@@ -48,9 +48,14 @@
  *   their own: while a dp_ddp on the group is in a backward, the host's
  *   calls on the group are DP_ESTATE at once, nothing sent (dp_ddp.h).
  * - dp_work: one thread at a time per handle.
+ * - dp_device_mesh: its queries (ndim, shape, coordinate, dim_name, group)
+ *   from any number of threads at once; each dimension's group is a
+ *   dp_process_group of its own, driven as above (one thread per group:
+ *   the groups of different dimensions may be driven by different
+ *   threads). Creating a mesh or splitting a group drives the parent group.
  *
- * Processes: a store, group or work belongs to the process that created
- * it. In a forked child every call on an inherited one is DP_ESTATE ("this
+ * Processes: a store, group, work or mesh belongs to the process that
+ * created it. In a forked child every call on an inherited one is DP_ESTATE ("this
  * is a forked child"), without a byte on the parent's connections or shared
  * memory, and destroying it there frees nothing and touches nothing the
  * parent uses; the child makes its own.

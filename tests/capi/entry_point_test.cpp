@@ -76,6 +76,19 @@ TEST(CapiEntryPoints, AFailedCallLeavesItsHandleOutNull) {
                               [](dp_store** out) { return dp_store_create_tcp(out, nullptr, 0, 1, 1, 1000); });
   expect_out_nulled<dp_process_group>("dp_process_group_create",
                                       [](dp_process_group** out) { return dp_process_group_create(out, nullptr); });
+  expect_out_nulled<dp_process_group>("dp_process_group_split", [](dp_process_group** out) {
+    return dp_process_group_split(nullptr, 0, 0, nullptr, out);
+  });
+  expect_out_nulled<dp_device_mesh>("dp_device_mesh_create", [](dp_device_mesh** out) {
+    const int32_t extents[] = {1};
+    return dp_device_mesh_create(out, nullptr, extents, 1, nullptr);
+  });
+  expect_out_nulled<dp_device_mesh>("dp_device_mesh_create_by_host",
+                                    [](dp_device_mesh** out) { return dp_device_mesh_create_by_host(out, nullptr); });
+  expect_out_nulled<dp_process_group>(
+      "dp_device_mesh_group", [](dp_process_group** out) { return dp_device_mesh_group(nullptr, "dim0", out); });
+  expect_out_nulled<const char>("dp_device_mesh_dim_name",
+                                [](const char** out) { return dp_device_mesh_dim_name(nullptr, 0, out); });
   expect_out_nulled<dp_tensor>("dp_fsdp_shard", [](dp_tensor** out) { return dp_fsdp_shard(nullptr, 0, out); });
   expect_out_nulled<dp_tensor>("dp_fsdp_shard_grad",
                                [](dp_tensor** out) { return dp_fsdp_shard_grad(nullptr, 0, out); });
@@ -103,6 +116,11 @@ TEST(CapiEntryPoints, AFailedCallLeavesItsValueOutAsItWas) {
   size_t count = 7;
   EXPECT_EQ(dp_ddp_bucket_parameters(nullptr, 0, nullptr, 0, &count), DP_EINVAL);
   EXPECT_EQ(count, 7u);
+  int32_t coordinate[1] = {7};
+  EXPECT_EQ(dp_device_mesh_coordinate(nullptr, coordinate, 1), DP_EINVAL);
+  EXPECT_EQ(coordinate[0], 7);
+  EXPECT_EQ(dp_device_mesh_shape(nullptr, coordinate, 1), DP_EINVAL);
+  EXPECT_EQ(coordinate[0], 7);
   dp_device device{7, 7};
   EXPECT_EQ(dp_device_parse("no such device", &device), DP_EINVAL);
   EXPECT_EQ(device.type, 7);

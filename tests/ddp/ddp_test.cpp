@@ -80,6 +80,8 @@ TEST_P(DdpParityLayouts, TrainingMatchesWithGradientAsBucketViewAndABucketPerLay
   expect_matches("parity_view_small_buckets");
 }
 
+TEST(Ddp, TrainingOnEachDimensionOfATwoByTwoDeviceMeshMatchesFullBatchReference) { passing("parity_mesh", 4); }
+
 TEST(Ddp, IgnoredModuleOrParameterKeepsLocalGradientWhileOthersAreAveraged) { passing("ignored"); }
 
 TEST(Ddp, BucketPlanMatchesHandComputedOneAndIsRebuiltOnceInRankZerosReadyOrder) {

@@ -525,6 +525,31 @@ static void run_parity(dp_process_group *pg, int layers, const dp_ddp_options *o
 
 static void parity_whole(dp_process_group *pg) { run_parity(pg, 0, NULL); }
 
+/* Training parity on each dimension of a 2x2 device mesh: the dimension's
+ * group (2 ranks) trains on its shard of the batch, as any group does. */
+static void parity_mesh(dp_process_group *pg) {
+  static const int32_t shape[2] = {2, 2};
+  static const char *const names[2] = {"outer", "inner"};
+  const int rank = g_rank, world = g_world;
+  dp_device_mesh *mesh = NULL;
+  int d;
+  CHECK(world == 4, "parity_mesh runs on 4 ranks, not %d", world);
+  CHECK_OK(dp_device_mesh_create(&mesh, pg, shape, 2, names));
+  for (d = 0; d < 2 && mesh != NULL; ++d) {
+    dp_process_group *dim = NULL;
+    CHECK_OK(dp_device_mesh_group(mesh, names[d], &dim));
+    if (dim == NULL) break;
+    g_rank = dp_process_group_rank(dim);
+    g_world = dp_process_group_size(dim);
+    /* Row-major: "outer" joins ranks 2 apart, "inner" neighbours. */
+    CHECK(g_world == 2 && g_rank == (d == 0 ? rank / 2 : rank % 2), "%s: rank %d of %d", names[d], g_rank, g_world);
+    run_parity(dim, 0, NULL);
+  }
+  g_rank = rank;
+  g_world = world;
+  dp_device_mesh_destroy(mesh);
+}
+
 static void parity_layers(dp_process_group *pg) {
   dp_ddp_options o = DP_DDP_OPTIONS_INIT;
   run_parity(pg, 1, &o);
@@ -1613,6 +1638,7 @@ static const Scenario kScenarios[] = {
     {"state_dict", state_dict, 60000},
     {"parity", parity_whole, 60000},
     {"parity_layers", parity_layers, 60000},
+    {"parity_mesh", parity_mesh, 60000},
     {"parity_cap1", parity_cap1, 60000},
     {"parity_view", parity_view, 60000},
     {"parity_small_buckets", parity_small_buckets, 60000},

@@ -242,6 +242,33 @@ TEST(NcclSingleRank, AsyncCollectivesThroughNcclFinishInIssueOrder) {
   EXPECT_EQ(bytes_of(works.b.get()), works.in);
 }
 
+// A split exchanges its colors through the group's own collective on the
+// GPU; the new groups and a mesh's run NCCL on the parent's device (through
+// NCCL itself, DP_TEST_NCCL_SINGLE_RANK, for the groups made in its scope).
+TEST(NcclGroup, SplitAndMeshDimensionOfAGroupOnCuda0AreNcclGroupsThatAllReduce) {
+  REQUIRE_GPUS(1);
+  SingleRankNccl through_nccl;
+  GroupPtr pg = single_rank_group();
+  ASSERT_NE(pg, nullptr);
+  dp_process_group* child = nullptr;
+  DP_ASSERT_OK(dp_process_group_split(pg.get(), 3, 0, nullptr, &child));
+  GroupPtr owned(child);
+  EXPECT_STREQ(dp_process_group_backend(child), "nccl");
+  const int32_t shape[1] = {1};
+  dp_device_mesh* mesh = nullptr;
+  DP_ASSERT_OK(dp_device_mesh_create(&mesh, pg.get(), shape, 1, nullptr));
+  dp_process_group* dim = nullptr;
+  DP_EXPECT_OK(dp_device_mesh_group(mesh, "dim0", &dim));
+  for (dp_process_group* group : {child, dim, pg.get()}) {
+    if (group == nullptr) continue;
+    EXPECT_STREQ(dp_process_group_backend(group), "nccl");
+    TensorPtr t = make<float>({2}, {2.5f, -1.0f}, cuda(0));
+    DP_EXPECT_OK(dp_pg_all_reduce(group, t.get(), DP_SUM));
+    EXPECT_EQ(values<float>(t.get()), (std::vector<float>{2.5f, -1.0f}));
+  }
+  dp_device_mesh_destroy(mesh);
+}
+
 TEST(NcclGroup, AsyncWorkOnTheWorkerThreadKeepsIssueOrder) {
   REQUIRE_GPUS(1);
   GroupPtr pg = single_rank_group();
