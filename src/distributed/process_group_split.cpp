@@ -71,9 +71,11 @@ std::unique_ptr<ProcessGroup> ProcessGroup::split(int32_t color, int32_t key, co
   values[kNumber] = static_cast<int64_t>(splits_);
   std::memcpy(&values[kAgreement], &agreement, sizeof(agreement));
   std::vector<Tensor> all;
+  all.reserve(static_cast<size_t>(size()));
   for (int32_t r = 0; r < size(); ++r) all.push_back(Tensor::empty(DType::kInt64, {kSplitFields}, device));
   all_gather(device == kHost ? mine : mine.to(device), all, false);
   std::vector<std::vector<int64_t>> by_rank;
+  by_rank.reserve(all.size());
   for (const Tensor& t : all) {
     Tensor host = t.device() == kHost ? t : t.to(kHost);
     const auto* v = static_cast<const int64_t*>(host.data());
