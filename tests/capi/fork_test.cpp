@@ -1,4 +1,4 @@
-// A forked child inherits its parent's stores, groups, works and dp_ddp but
+// A forked child inherits its parent's stores, groups, meshes, works and dp_ddp but
 // none of its threads: every call on them there is DP_ESTATE, destroying
 // them there touches nothing of the parent's, and the parent carries on.
 #include <signal.h>
@@ -58,6 +58,11 @@ TEST(Fork, ChildIsRefusedEveryCallOnInheritedHandlesAndTheParentCarriesOn) {
   DP_ASSERT_OK(dp_ddp_create(&ddp, module, pg, nullptr));
   dp_tensor* t = nullptr;
   DP_ASSERT_OK(dp_tensor_create(&t, DP_FLOAT32, 1, shape, dp_device{DP_DEVICE_CPU, 0}));
+  const int32_t mesh_shape[1] = {1};
+  dp_device_mesh* mesh = nullptr;
+  DP_ASSERT_OK(dp_device_mesh_create(&mesh, pg, mesh_shape, 1, nullptr));
+  dp_process_group* mesh_group = nullptr;
+  DP_ASSERT_OK(dp_device_mesh_group(mesh, "dim0", &mesh_group));
   dp_work* work = nullptr;
   DP_ASSERT_OK(dp_pg_all_reduce_async(pg, t, DP_SUM, &work));
   DP_ASSERT_OK(dp_work_wait(work));
@@ -76,7 +81,14 @@ TEST(Fork, ChildIsRefusedEveryCallOnInheritedHandlesAndTheParentCarriesOn) {
     dp_process_group* child_group = nullptr;
     bad +=
         refused_in_child("dp_process_group_create over the inherited store", dp_process_group_create(&child_group, &o));
-    // None of these may stop the parent's store server or group.
+    bad += refused_in_child("dp_process_group_split", dp_process_group_split(pg, 0, 0, nullptr, &child_group));
+    dp_device_mesh* child_mesh = nullptr;
+    bad += refused_in_child("dp_device_mesh_create", dp_device_mesh_create(&child_mesh, pg, mesh_shape, 1, nullptr));
+    int32_t coordinate[1];
+    bad += refused_in_child("dp_device_mesh_coordinate", dp_device_mesh_coordinate(mesh, coordinate, 1));
+    bad += refused_in_child("dp_pg_all_reduce on a mesh's group", dp_pg_all_reduce(mesh_group, t, DP_SUM));
+    // None of these may stop the parent's store server, groups or mesh.
+    dp_device_mesh_destroy(mesh);
     dp_ddp_destroy(ddp);
     dp_work_destroy(work);
     dp_process_group_destroy(pg);
@@ -93,6 +105,8 @@ TEST(Fork, ChildIsRefusedEveryCallOnInheritedHandlesAndTheParentCarriesOn) {
   DP_EXPECT_OK(dp_store_get(server, "before", buf, sizeof(buf), &len));
   DP_EXPECT_OK(dp_store_set(server, "after", "2", 1));
   DP_EXPECT_OK(dp_pg_all_reduce(pg, t, DP_SUM));
+  DP_EXPECT_OK(dp_pg_all_reduce(mesh_group, t, DP_SUM));
+  dp_device_mesh_destroy(mesh);
   DP_EXPECT_OK(dp_ddp_mark_grad_ready(ddp, "w"));
   DP_EXPECT_OK(dp_ddp_finish_backward(ddp));
   dp_ddp_destroy(ddp);
