@@ -58,6 +58,25 @@ type ProcessGroupOptions struct {
 	Device Device
 }
 
+// apply sets the backend, timeout and device of copts from o (not its store).
+func (o *ProcessGroupOptions) apply(op string, copts *C.dp_process_group_options) (err error) {
+	copts.backend = C.int32_t(o.Backend)
+	if o.Timeout != 0 {
+		if o.Timeout < 0 {
+			return invalid(op, "argument 'opts.Timeout' is negative (%v)", o.Timeout)
+		}
+		if copts.timeout_ms, err = milliseconds(op, "opts.Timeout", o.Timeout); err != nil {
+			return err
+		}
+	}
+	if o.Device != (Device{}) {
+		if copts.device, err = cDevice(op, "opts.Device", o.Device); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // NewProcessGroup joins a group as rank of worldSize; -1 for either reads it
 // from the environment (RANK, WORLD_SIZE, or mpirun's). Every rank passes
 // the same world size, store and backend.
@@ -81,7 +100,6 @@ func (l *Library) NewProcessGroup(rank, worldSize int, opts *ProcessGroupOptions
 	copts.rank = crank
 	copts.world_size = cworld
 	if opts != nil {
-		copts.backend = C.int32_t(opts.Backend)
 		if opts.Store != nil {
 			if !opts.Store.lease.enter() {
 				return nil, invalid(op, "argument 'opts.Store' is a closed store")
@@ -89,18 +107,8 @@ func (l *Library) NewProcessGroup(rank, worldSize int, opts *ProcessGroupOptions
 			defer opts.Store.lease.leave()
 			copts.store = opts.Store.h
 		}
-		if opts.Timeout != 0 {
-			if opts.Timeout < 0 {
-				return nil, invalid(op, "argument 'opts.Timeout' is negative (%v)", opts.Timeout)
-			}
-			if copts.timeout_ms, err = milliseconds(op, "opts.Timeout", opts.Timeout); err != nil {
-				return nil, err
-			}
-		}
-		if opts.Device != (Device{}) {
-			if copts.device, err = cDevice(op, "opts.Device", opts.Device); err != nil {
-				return nil, err
-			}
+		if err = opts.apply(op, &copts); err != nil {
+			return nil, err
 		}
 	}
 	var h *C.dp_process_group

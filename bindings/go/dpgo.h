@@ -209,7 +209,27 @@ dp_status dpgo_stream_launch_host_func(const dp_api *a, dp_device device, void *
     (m, path, strict))                                                                                                 \
   X(dp_status, fsdp_save_sharded_state_dict, (const dp_api *a, dp_module *m, dp_process_group *pg, const char *dir),   \
     (m, pg, dir))                                                                                                      \
-  X(dp_status, fsdp_load_sharded_state_dict, (const dp_api *a, dp_module *m, const char *dir), (m, dir))
+  X(dp_status, fsdp_load_sharded_state_dict, (const dp_api *a, dp_module *m, const char *dir), (m, dir))              \
+  X(dp_status, process_group_split,                                                                                    \
+    (const dp_api *a, dp_process_group *pg, int32_t color, int32_t key, const dp_process_group_options *o,             \
+     dp_process_group **out),                                                                                          \
+    (pg, color, key, o, out))                                                                                          \
+  X(int32_t, process_group_local_rank, (const dp_api *a, const dp_process_group *pg), (pg))                            \
+  X(int32_t, process_group_local_size, (const dp_api *a, const dp_process_group *pg), (pg))                            \
+  X(int32_t, process_group_num_hosts, (const dp_api *a, const dp_process_group *pg), (pg))                             \
+  X(dp_status, device_mesh_create,                                                                                     \
+    (const dp_api *a, dp_device_mesh **out, dp_process_group *pg, const int32_t *shape, size_t ndim,                   \
+     const char *const *names),                                                                                        \
+    (out, pg, shape, ndim, names))                                                                                     \
+  X(dp_status, device_mesh_create_by_host, (const dp_api *a, dp_device_mesh **out, dp_process_group *pg), (out, pg))   \
+  X(size_t, device_mesh_ndim, (const dp_api *a, const dp_device_mesh *m), (m))                                         \
+  X(dp_status, device_mesh_group, (const dp_api *a, const dp_device_mesh *m, const char *name, dp_process_group **out), \
+    (m, name, out))                                                                                                    \
+  V(device_mesh_destroy, (const dp_api *a, dp_device_mesh *m), (m))                                                    \
+  X(dp_status, device_mesh_shape, (const dp_api *a, const dp_device_mesh *m, int32_t *out, size_t cap), (m, out, cap)) \
+  X(dp_status, device_mesh_coordinate, (const dp_api *a, const dp_device_mesh *m, int32_t *out, size_t cap),           \
+    (m, out, cap))                                                                                                     \
+  X(dp_status, device_mesh_dim_name, (const dp_api *a, const dp_device_mesh *m, size_t d, const char **out), (m, d, out))
 
 #define DPGO_DECLARE(ret, name, params, args) ret dpgo_##name params;
 #define DPGO_DECLARE_VOID(name, params, args) void dpgo_##name params;

@@ -11,8 +11,15 @@
 %newobject dpswig::ProcessGroup::allGatherAsync;
 %newobject dpswig::ProcessGroup::reduceScatterAsync;
 %newobject dpswig::ProcessGroup::barrierAsync;
+%newobject dpswig::ProcessGroup::split;
+%newobject dpswig::DeviceMesh::create;
+%newobject dpswig::DeviceMesh::byHost;
+%newobject dpswig::DeviceMesh::group;
 %ignore dpswig::mutableArgs;
 %ignore dpswig::Work::Work(dp_work*);
 %ignore dpswig::ProcessGroup::ProcessGroup(dp_process_group*, bool);
+%ignore dpswig::ProcessGroup::ProcessGroup(dp_process_group*, std::shared_ptr<void>);
+
+%template(IntVector) std::vector<int>;
 
 %include "dpswig_dist.hpp"

@@ -2,6 +2,8 @@
 #ifndef DPARALLEL_BINDINGS_SWIG_DIST_HPP
 #define DPARALLEL_BINDINGS_SWIG_DIST_HPP
 
+#include <memory>
+
 #include "dpswig_tensor.hpp"
 
 namespace dpswig {
@@ -169,6 +171,23 @@ class ProcessGroup {
   int rank() const { return dp_process_group_rank(handle()); }
   int size() const { return dp_process_group_size(handle()); }
   std::string backend() const { return dp_process_group_backend(handle()); }
+  // Among the group's ranks on this host (as its creation learnt them).
+  int localRank() const { return dp_process_group_local_rank(handle()); }
+  int localSize() const { return dp_process_group_local_size(handle()); }
+  int numHosts() const { return dp_process_group_num_hosts(handle()); }
+  // Collective over this group (MPI_Comm_split): the ranks passing the same
+  // color >= 0 form a new group ranked by (key, rank here); a negative color
+  // joins none (null). The new group has this one's timeout and device.
+  ProcessGroup* split(int color, int key) { return splitWith(color, key, nullptr); }
+  // As split, the new group on `device` with `timeoutMs` and `backend`.
+  ProcessGroup* split(int color, int key, const Device& device, int timeoutMs, int backend = DP_BACKEND_AUTO) {
+    dp_process_group_options opts;
+    check(dp_process_group_options_init(&opts, sizeof opts));
+    opts.device = device.raw();
+    opts.timeout_ms = timeoutMs;
+    opts.backend = backend;
+    return splitWith(color, key, &opts);
+  }
   void allReduce(Tensor& tensor, int op = DP_SUM) { check(dp_pg_all_reduce(handle(), tensor.handle(), op)); }
   Work* allReduceAsync(Tensor& tensor, int op = DP_SUM) {
     dp_work* w = nullptr;
@@ -215,12 +234,100 @@ class ProcessGroup {
   }
 
   ProcessGroup(dp_process_group* handle, bool owned) : h_(handle), owned_(owned) {}
+  // A borrowed group whose owner `keep` holds (a mesh's dimension).
+  ProcessGroup(dp_process_group* handle, std::shared_ptr<void> keep)
+      : h_(handle), owned_(false), keep_(std::move(keep)) {}
   Lease<dp_process_group> handle(const char* arg = nullptr) const { return gate_.hold(h_, "process group", arg); }
 
  private:
+  ProcessGroup* splitWith(int color, int key, const dp_process_group_options* opts) {
+    dp_process_group* child = nullptr;
+    check(dp_process_group_split(handle(), color, key, opts, &child));
+    return child == nullptr ? nullptr : new ProcessGroup(child, true);
+  }
+
   mutable Gate gate_;
   dp_process_group* h_ = nullptr;
   bool owned_ = true;
+  std::shared_ptr<void> keep_;  // what keeps a borrowed handle alive
+};
+
+// A group's ranks laid out as an n-dimensional array with one group per
+// dimension (PyTorch's init_device_mesh); creating one is collective.
+class DeviceMesh {
+ public:
+  // The group's ranks row-major over `shape`; `names` one per dimension, or
+  // empty for "dim0", "dim1", ...
+  static DeviceMesh* create(ProcessGroup& pg, const std::vector<int>& shape,
+                            const std::vector<std::string>& names = std::vector<std::string>()) {
+    if (!names.empty() && names.size() != shape.size()) {
+      fail_argument(
+          ("'names' has " + std::to_string(names.size()) + " names for " + std::to_string(shape.size()) + " dimensions")
+              .c_str());
+    }
+    std::vector<int32_t> extents(shape.begin(), shape.end());
+    std::vector<const char*> raw;
+    for (const std::string& name : names) raw.push_back(name.c_str());
+    dp_device_mesh* mesh = nullptr;
+    check(dp_device_mesh_create(&mesh, pg.handle("pg"), extents.data(), extents.size(),
+                                names.empty() ? nullptr : raw.data()));
+    return new DeviceMesh(mesh);
+  }
+  // ("host", "local"): one row per host.
+  static DeviceMesh* byHost(ProcessGroup& pg) {
+    dp_device_mesh* mesh = nullptr;
+    check(dp_device_mesh_create_by_host(&mesh, pg.handle("pg")));
+    return new DeviceMesh(mesh);
+  }
+  DeviceMesh(const DeviceMesh&) = delete;
+  DeviceMesh& operator=(const DeviceMesh&) = delete;
+  // Leaves the mesh's groups once the calls in flight on the mesh returned
+  // and every group taken from it is closed.
+  void close() {
+    if (!gate_.shut()) return;
+    h_ = nullptr;
+    owner_.reset();
+  }
+  bool isClosed() const { return gate_.isShut(); }
+  long ndim() const { return static_cast<long>(dims(handle())); }
+  std::vector<int> shape() const {
+    Lease<dp_device_mesh> mesh = handle();
+    std::vector<int32_t> out(dims(mesh));
+    check(dp_device_mesh_shape(mesh, out.data(), out.size()));
+    return std::vector<int>(out.begin(), out.end());
+  }
+  // This rank's coordinate along each dimension.
+  std::vector<int> coordinate() const {
+    Lease<dp_device_mesh> mesh = handle();
+    std::vector<int32_t> out(dims(mesh));
+    check(dp_device_mesh_coordinate(mesh, out.data(), out.size()));
+    return std::vector<int>(out.begin(), out.end());
+  }
+  std::string dimName(long dim) const {
+    if (dim < 0) fail_argument(("'dim' is negative (" + std::to_string(dim) + ")").c_str());
+    const char* name = nullptr;
+    check(dp_device_mesh_dim_name(handle(), static_cast<size_t>(dim), &name));
+    return name;
+  }
+  // The group of dimension `name`; it keeps the mesh's groups alive while
+  // open, and closing it leaves the mesh as it is.
+  ProcessGroup* group(const std::string& name) const {
+    Lease<dp_device_mesh> mesh = handle();
+    dp_process_group* pg = nullptr;
+    check(dp_device_mesh_group(mesh, name.c_str(), &pg));
+    return new ProcessGroup(pg, owner_);
+  }
+  Lease<dp_device_mesh> handle(const char* arg = nullptr) const { return gate_.hold(h_, "device mesh", arg); }
+
+ private:
+  explicit DeviceMesh(dp_device_mesh* mesh)
+      : h_(mesh), owner_(mesh, [](dp_device_mesh* m) { dp_device_mesh_destroy(m); }) {}
+  // A live mesh has at least one dimension.
+  static size_t dims(const dp_device_mesh* mesh) { return dp_device_mesh_ndim(mesh); }
+
+  mutable Gate gate_;
+  dp_device_mesh* h_ = nullptr;
+  std::shared_ptr<dp_device_mesh> owner_;
 };
 
 }  // namespace dpswig

@@ -14,7 +14,8 @@ set(DP_SWIG_TEST_SCENARIOS
     "ddp 2 ddp_two_process_parity"
     "collectives 2 process_group_collectives"
     "fsdp 2 fsdp_two_process_parity_and_state_dicts"
-    "fsdp-views 2 fsdp_full_params_as_views_two_process_parity")
+    "fsdp-views 2 fsdp_full_params_as_views_two_process_parity"
+    "mesh 2 process_group_split_and_device_mesh")
 
 # Adds <prefix>_<name> for each scenario. PROCESS: the command that runs
 # one process of the test program, the argument after it; ENV: a

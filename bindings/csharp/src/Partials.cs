@@ -3,6 +3,15 @@ using System.Threading;
 
 namespace DParallel {
 
+public partial class DeviceMesh {
+  /// <summary>The group's ranks row-major over <c>shape</c>, the dimensions
+  /// named <c>names</c> (none: "dim0", "dim1", ...). Collective over
+  /// <c>pg</c>.</summary>
+  public static DeviceMesh Create(ProcessGroup pg, int[] shape, params string[] names) {
+    return Create(pg, new IntVector(shape), new StringVector(names));
+  }
+}
+
 public partial class Tensor {
   /// <summary>A float32 tensor of the given shape (zeros) on cpu:0.</summary>
   public Tensor(params long[] shape) : this(new LongVector(shape)) {}

@@ -1285,6 +1285,50 @@ public static class DParallelTest {
 
   // ---- the process group's collectives ----
 
+  // Subgroups and meshes on the ranks of one host: a split that reverses
+  // the ranks, one that rank 0 alone joins, the 1-D and by-host meshes, and
+  // a mesh's group that outlives the mesh's Dispose().
+  static void RunMesh() {
+    using (var pg = ProcessGroup.FromEnv(new Device("cpu:0"), 60000)) {
+      int rank = pg.Rank(), world = pg.Size();
+      Expect(pg.LocalRank() == rank && pg.LocalSize() == world && pg.NumHosts() == 1,
+             "one host: local rank " + pg.LocalRank() + " of " + pg.LocalSize() + " on " + pg.NumHosts() + " host(s)");
+      using (var reversed = pg.Split(0, -rank)) {
+        Expect(reversed.Rank() == world - 1 - rank && reversed.Size() == world, "split by key -rank: rank " + reversed.Rank());
+        using (var t = Tensor.Of(new float[] { rank }, 1)) {
+          reversed.Broadcast(t, 0);
+          Expect(t.ToArray()[0] == world - 1, "broadcast from the reversed group's rank 0: " + t.ToArray()[0]);
+        }
+      }
+      ProcessGroup alone = pg.Split(rank == 0 ? 7 : -1, 0);
+      Expect((alone != null) == (rank == 0), "a negative color joins no group");
+      if (alone != null) {
+        Expect(alone.Size() == 1, "rank 0 alone: size " + alone.Size());
+        alone.Dispose();
+      }
+      using (var mesh = DeviceMesh.Create(pg, new[] { world }, "dp")) {
+        Expect(mesh.Ndim() == 1 && mesh.DimName(0) == "dp", "a 1-D mesh named dp");
+        Expect(mesh.Shape()[0] == world && mesh.Coordinate()[0] == rank, "the mesh's shape and this rank's coordinate");
+        ExpectInvalid(() => mesh.Group("tp"), "'tp'");
+        ProcessGroup dp = mesh.Group("dp");
+        mesh.Dispose();
+        using (var t = Tensor.Of(new float[] { rank + 1 }, 1)) {
+          dp.AllReduce(t, ReduceOp.SUM);
+          Expect(t.ToArray()[0] == world * (world + 1) / 2, "all_reduce over the mesh's group after the mesh's Dispose: " + t.ToArray()[0]);
+        }
+        dp.Dispose();
+      }
+      ExpectInvalid(() => DeviceMesh.Create(pg, new[] { world + 1 }), "'shape'");
+      using (var hosts = DeviceMesh.ByHost(pg))
+      using (var local = hosts.Group("local"))
+      using (var across = hosts.Group("host")) {
+        Expect(hosts.Shape()[0] == 1 && hosts.Shape()[1] == world, "by host: one row of " + world);
+        Expect(local.Size() == world && local.Backend() == "shm", "the local group is this host's, on shm: " + local.Backend());
+        Expect(across.Size() == 1, "one host: the host group is this rank alone");
+      }
+    }
+  }
+
   static void RunCollectives() {
     using (var pg = ProcessGroup.FromEnv(new Device("cpu:0"), 60000)) {
       int rank = pg.Rank(), world = pg.Size();
@@ -1473,7 +1517,8 @@ public static class DParallelTest {
       case "streams": RunStreams(); break;
       case "collectives": RunCollectives(); break;
       case "ddp-extras": RunDdpExtras(); break;
-      default: Fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|dispose-races|tensors|streams|ddp|fsdp|fsdp-views|collectives|ddp-extras"); break;
+      case "mesh": RunMesh(); break;
+      default: Fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|dispose-races|tensors|streams|ddp|fsdp|fsdp-views|collectives|ddp-extras|mesh"); break;
     }
     GC.Collect();
     GC.WaitForPendingFinalizers();

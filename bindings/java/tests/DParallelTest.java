@@ -1698,6 +1698,50 @@ public class DParallelTest {
     }
   }
 
+  // Subgroups and meshes on the ranks of one host: a split that reverses
+  // the ranks, one that rank 0 alone joins, the 1-D and by-host meshes, and
+  // a mesh's group that outlives the mesh's close().
+  static void mesh() {
+    Device cpu0 = new Device("cpu:0");
+    try (ProcessGroup pg = ProcessGroup.fromEnv(cpu0, 60000)) {
+      int rank = pg.rank(), world = pg.size();
+      expect(pg.localRank() == rank && pg.localSize() == world && pg.numHosts() == 1,
+          "one host: local rank " + pg.localRank() + " of " + pg.localSize() + " on " + pg.numHosts() + " host(s)");
+      try (ProcessGroup reversed = pg.split(0, -rank)) {
+        expect(reversed.rank() == world - 1 - rank && reversed.size() == world, "split by key -rank: rank " + reversed.rank());
+        try (Tensor t = Tensor.of(new float[] {rank}, 1)) {
+          reversed.broadcast(t, 0);
+          expectValues("broadcast from the reversed group's rank 0", t.toArray(), new float[] {world - 1});
+        }
+      }
+      ProcessGroup alone = pg.split(rank == 0 ? 7 : -1, 0);
+      expect((alone != null) == (rank == 0), "a negative color joins no group");
+      if (alone != null) {
+        expect(alone.size() == 1, "rank 0 alone: size " + alone.size());
+        alone.close();
+      }
+      try (DeviceMesh mesh = DeviceMesh.create(pg, new int[] {world}, "dp")) {
+        expect(mesh.ndim() == 1 && mesh.dimName(0).equals("dp"), "a 1-D mesh named dp");
+        expect(java.util.Arrays.equals(mesh.shape().toIntArray(), new int[] {world}), "the mesh's shape");
+        expect(java.util.Arrays.equals(mesh.coordinate().toIntArray(), new int[] {rank}), "this rank's coordinate");
+        expectInvalid(() -> mesh.group("tp"), "'tp'");
+        ProcessGroup dp = mesh.group("dp");
+        mesh.close();
+        try (Tensor t = Tensor.of(new float[] {rank + 1}, 1)) {
+          dp.allReduce(t, ReduceOp.SUM);
+          expectValues("all_reduce over the mesh's group after the mesh's close", t.toArray(), new float[] {world * (world + 1) / 2});
+        }
+        dp.close();
+      }
+      expectInvalid(() -> DeviceMesh.create(pg, new int[] {world + 1}), "'shape'");
+      try (DeviceMesh hosts = DeviceMesh.byHost(pg); ProcessGroup local = hosts.group("local"); ProcessGroup across = hosts.group("host")) {
+        expect(java.util.Arrays.equals(hosts.shape().toIntArray(), new int[] {1, world}), "by host: one row of " + world);
+        expect(local.size() == world && local.backend().equals("shm"), "the local group is this host's, on shm: " + local.backend());
+        expect(across.size() == 1, "one host: the host group is this rank alone");
+      }
+    }
+  }
+
   public static void main(String[] args) throws Exception {
     String mode = args.length > 0 ? args[0] : "";
     switch (mode) {
@@ -1746,8 +1790,11 @@ public class DParallelTest {
       case "fsdp-views":
         fsdp(true);
         break;
+      case "mesh":
+        mesh();
+        break;
       default:
-        fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|close-races|tensors|streams|ddp|collectives|join|ddp-extras|fsdp|fsdp-views");
+        fail("usage: DParallelTest data-parallel|forward-throws|bad-argument|store|view-outlives-tensor|closed-handles|close-races|tensors|streams|ddp|collectives|join|ddp-extras|fsdp|fsdp-views|mesh");
     }
     System.gc();
     System.out.println("OK " + mode);

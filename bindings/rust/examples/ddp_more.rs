@@ -17,6 +17,9 @@
 //!   stream-marks          gradients written by host closures queued on a cpu
 //!                         stream and marked with mark_grad_ready_stream: the
 //!                         reduction waits for them
+//!   mesh                  subgroups (a split reversing the ranks, one only
+//!                         rank 0 joins) and the 1-D and by-host meshes: ranks,
+//!                         shapes, coordinates and an all_reduce per group
 //!
 //! The module has three parameters, a[4], b[3], c[2], with buckets of one
 //! parameter each. Prints "rank R: SCENARIO passed" when every check held.
@@ -25,8 +28,8 @@ use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 
 use dparallel::{
-    DType, Ddp, DdpHooks, DdpOptions, Device, Error, Library, Module, ProcessGroup, ReduceOp, Result, Stream, Tensor,
-    DP_EINVAL, DP_EUSER,
+    DType, Ddp, DdpHooks, DdpOptions, Device, DeviceMesh, Error, Library, Module, ProcessGroup, ReduceOp, Result,
+    Stream, Tensor, DP_EINVAL, DP_EUSER,
 };
 
 const NAMES: [&str; 3] = ["a", "b", "c"];
@@ -371,6 +374,72 @@ fn stream_marks(lib: &Library, pg: &ProcessGroup, c: &mut Checks) -> Result<()> 
     stream.destroy()
 }
 
+fn mesh(lib: &Library, pg: &ProcessGroup, c: &mut Checks) -> Result<()> {
+    let (rank, world) = (pg.rank(), pg.size());
+    let cpu = Device::cpu(0);
+    c.expect(
+        "one host: local rank, local size and hosts",
+        (pg.local_rank(), pg.local_size(), pg.num_hosts()) == (rank, world, 1),
+        format!("{} of {} on {}", pg.local_rank(), pg.local_size(), pg.num_hosts()),
+    );
+    let reversed = pg.split(0, -rank)?.expect("every rank passes color 0");
+    c.expect("split by key -rank reverses the ranks", reversed.rank() == world - 1 - rank, reversed.rank());
+    let mut t = Tensor::from_slice(lib, &[rank as f32], &[1], cpu)?;
+    reversed.broadcast(&mut t, 0)?;
+    c.expect(
+        "broadcast from the reversed group's rank 0",
+        t.to_vec::<f32>()? == [(world - 1) as f32],
+        format!("{t:?}"),
+    );
+    drop(reversed);
+    let alone = pg.split(if rank == 0 { 7 } else { -1 }, 0)?;
+    c.expect(
+        "a negative color joins no group; rank 0 is alone in its own",
+        alone.as_ref().map(|g| g.size()) == (rank == 0).then_some(1),
+        format!("{alone:?}"),
+    );
+    drop(alone);
+
+    let mesh = DeviceMesh::new(pg, &[world], &["dp"])?;
+    c.expect("a 1-D mesh named dp", mesh.ndim() == 1 && mesh.dim_names() == ["dp"], format!("{mesh:?}"));
+    c.expect(
+        "the mesh's shape and this rank's coordinate",
+        mesh.shape()? == [world] && mesh.coordinate()? == [rank],
+        "",
+    );
+    match mesh.group("tp") {
+        Err(e) if e.code() == DP_EINVAL && e.message().contains("'tp'") => {
+            c.expect(&format!("unknown dimension: {e}"), true, "")
+        }
+        other => c.expect("an unknown dimension is DP_EINVAL naming it", false, format!("{other:?}")),
+    }
+    let mut t = Tensor::from_slice(lib, &[(rank + 1) as f32], &[1], cpu)?;
+    mesh.group("dp")?.all_reduce(&mut t, ReduceOp::Sum)?;
+    c.expect(
+        "all_reduce over the mesh's group",
+        t.to_vec::<f32>()? == [(world * (world + 1) / 2) as f32],
+        format!("{t:?}"),
+    );
+    drop(mesh);
+    match DeviceMesh::new(pg, &[world + 1], &[]) {
+        Err(e) if e.code() == DP_EINVAL && e.message().contains("'shape'") => {
+            c.expect(&format!("a wrong shape: {e}"), true, "")
+        }
+        other => c.expect("a shape not the world size is DP_EINVAL naming it", false, format!("{other:?}")),
+    }
+
+    let hosts = DeviceMesh::by_host(pg)?;
+    let local = hosts.group("local")?;
+    c.expect("by host: one row of the world", hosts.shape()? == [1, world], format!("{hosts:?}"));
+    c.expect(
+        "the local group is this host's, on shm",
+        local.size() == world && local.backend() == "shm",
+        local.backend(),
+    );
+    c.expect("one host: the host group is this rank alone", hosts.group("host")?.size() == 1, "");
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let scenario = std::env::args().nth(1).unwrap_or_default();
     let run = |c: &mut Checks| -> Result<()> {
@@ -384,6 +453,7 @@ fn main() -> ExitCode {
             "bucket-reduced" => bucket_reduced(&lib, &pg, c)?,
             "bucket-reduced-error" => bucket_reduced_error(&lib, &pg, c)?,
             "stream-marks" => stream_marks(&lib, &pg, c)?,
+            "mesh" => mesh(&lib, &pg, c)?,
             _ => return Err(Error::new(DP_EINVAL, format!("scenario: unknown '{scenario}'"))),
         }
         pg.barrier()

@@ -245,6 +245,47 @@ impl ProcessGroup {
         unsafe { owned_text((self.lib.api().process_group_backend)(self.raw)) }
     }
 
+    /// This rank's index among the group's ranks on its host.
+    pub fn local_rank(&self) -> i32 {
+        unsafe { (self.lib.api().process_group_local_rank)(self.raw) }
+    }
+
+    /// How many of the group's ranks run on this host.
+    pub fn local_size(&self) -> i32 {
+        unsafe { (self.lib.api().process_group_local_size)(self.raw) }
+    }
+
+    /// How many hosts the group spans.
+    pub fn num_hosts(&self) -> i32 {
+        unsafe { (self.lib.api().process_group_num_hosts)(self.raw) }
+    }
+
+    /// dp_process_group_split, collective over this group (MPI_Comm_split):
+    /// the ranks passing the same `color` >= 0 form a new group ranked by
+    /// (`key`, rank here); a negative color joins none (`None`). The new
+    /// group has this one's timeout and device, and chooses its backend.
+    pub fn split(&self, color: i32, key: i32) -> Result<Option<ProcessGroup>> {
+        self.split_raw(color, key, ptr::null())
+    }
+
+    /// As `split`, the new group with the options' backend, timeout and
+    /// device (their rank, world size and store are not used).
+    pub fn split_with(&self, color: i32, key: i32, options: &ProcessGroupOptions<'_>) -> Result<Option<ProcessGroup>> {
+        let o = options.raw_options(&self.lib)?;
+        self.split_raw(color, key, &o)
+    }
+
+    fn split_raw(
+        &self,
+        color: i32,
+        key: i32,
+        options: *const sys::dp_process_group_options,
+    ) -> Result<Option<ProcessGroup>> {
+        let mut out = ptr::null_mut();
+        self.lib.check(unsafe { (self.lib.api().process_group_split)(self.raw, color, key, options, &mut out) })?;
+        Ok((!out.is_null()).then(|| ProcessGroup { raw: out, lib: self.lib.clone(), owned: true }))
+    }
+
     // The collectives refuse a tensor whose memory a live slice covers,
     // through any handle (see `Tensor::as_slice`): they write their
     // outputs, and read their inputs, while the call runs.

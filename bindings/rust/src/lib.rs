@@ -42,6 +42,7 @@ mod dist;
 mod error;
 mod fsdp;
 mod library;
+mod mesh;
 mod module;
 mod parallel;
 mod stream;
@@ -54,6 +55,7 @@ pub use dist::{Backend, ProcessGroup, ProcessGroupOptions, ReduceOp, Store, Work
 pub use error::{Error, Result};
 pub use fsdp::{Fsdp, FsdpOptions};
 pub use library::{Library, MemoryStats, DEFAULT_LIBRARY};
+pub use mesh::DeviceMesh;
 pub use module::Module;
 pub use parallel::{parallel_apply, Replica, ReplicaSet};
 pub use stream::{clear_current_stream, current_stream, Stream};

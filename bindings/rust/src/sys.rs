@@ -21,7 +21,7 @@ extern "C" {
 /// The ABI major this mirror describes (DP_VERSION_MAJOR).
 pub const DP_VERSION_MAJOR: u32 = 0;
 /// The abi_minor of the table this mirror describes (DP_API_MINOR).
-pub const DP_API_MINOR: u32 = 8;
+pub const DP_API_MINOR: u32 = 9;
 
 pub type dp_status = i32;
 pub const DP_OK: dp_status = 0;
@@ -69,6 +69,10 @@ pub struct dp_store {
 }
 #[repr(C)]
 pub struct dp_process_group {
+    _private: [u8; 0],
+}
+#[repr(C)]
+pub struct dp_device_mesh {
     _private: [u8; 0],
 }
 #[repr(C)]
@@ -440,6 +444,31 @@ dp_api_slots! {
     device_reset_peak_memory: unsafe extern "C" fn(dp_device) -> St,
     // ---- abi_minor 8: the library's own threads (dp_base.h) ----
     shutdown: unsafe extern "C" fn() -> St,
+    // ---- abi_minor 9: subgroups and device meshes (dp_dist.h) ----
+    process_group_split: unsafe extern "C" fn(
+        *mut dp_process_group,
+        i32,
+        i32,
+        *const dp_process_group_options,
+        *mut *mut dp_process_group,
+    ) -> St,
+    process_group_local_rank: unsafe extern "C" fn(*const dp_process_group) -> i32,
+    process_group_local_size: unsafe extern "C" fn(*const dp_process_group) -> i32,
+    process_group_num_hosts: unsafe extern "C" fn(*const dp_process_group) -> i32,
+    device_mesh_create: unsafe extern "C" fn(
+        *mut *mut dp_device_mesh,
+        *mut dp_process_group,
+        *const i32,
+        usize,
+        *const *const c_char,
+    ) -> St,
+    device_mesh_create_by_host: unsafe extern "C" fn(*mut *mut dp_device_mesh, *mut dp_process_group) -> St,
+    device_mesh_ndim: unsafe extern "C" fn(*const dp_device_mesh) -> usize,
+    device_mesh_group: unsafe extern "C" fn(*const dp_device_mesh, *const c_char, *mut *mut dp_process_group) -> St,
+    device_mesh_destroy: unsafe extern "C" fn(*mut dp_device_mesh),
+    device_mesh_shape: unsafe extern "C" fn(*const dp_device_mesh, *mut i32, usize) -> St,
+    device_mesh_coordinate: unsafe extern "C" fn(*const dp_device_mesh, *mut i32, usize) -> St,
+    device_mesh_dim_name: unsafe extern "C" fn(*const dp_device_mesh, usize, *mut *const c_char) -> St,
 }
 
 /// Offset of the first function pointer.
@@ -468,7 +497,9 @@ const _: () = {
     assert!(offset_of!(dp_api, fsdp_options_init) == slot(108));
     assert!(offset_of!(dp_api, device_memory_stats) == slot(125));
     assert!(offset_of!(dp_api, shutdown) == slot(127));
-    assert!(size_of::<dp_api>() == slot(128));
+    assert!(offset_of!(dp_api, process_group_split) == slot(128));
+    assert!(offset_of!(dp_api, device_mesh_dim_name) == slot(139));
+    assert!(size_of::<dp_api>() == slot(140));
     assert!(size_of::<dp_process_group_options>() == 48);
     assert!(offset_of!(dp_ddp_options, static_graph) == 96);
     assert!(offset_of!(dp_ddp_options, bucket_plan) == 120);

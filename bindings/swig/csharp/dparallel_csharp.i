@@ -261,6 +261,7 @@ class CSharpPinned : public HostMemory {
 %typemap(csclassmodifiers) dpswig::ReplicaSet "public partial class"
 %typemap(csclassmodifiers) dpswig::Ddp "public partial class"
 %typemap(csclassmodifiers) dpswig::Device "public partial class"
+%typemap(csclassmodifiers) dpswig::DeviceMesh "public partial class"
 %pragma(csharp) moduleclassmodifiers="public partial class"
 
 // Every handle: Dispose() releases the native handle once the calls in
@@ -303,6 +304,7 @@ DP_CSHARP_CLOSEABLE(dpswig::ModuleList)
 DP_CSHARP_CLOSEABLE(dpswig::ReplicaSet)
 DP_CSHARP_CLOSEABLE(dpswig::Store)
 DP_CSHARP_CLOSEABLE(dpswig::ProcessGroup)
+DP_CSHARP_CLOSEABLE(dpswig::DeviceMesh)
 DP_CSHARP_CLOSEABLE(dpswig::Work)
 DP_CSHARP_CLOSEABLE(dpswig::Ddp)
 DP_CSHARP_CLOSEABLE(dpswig::Stream)

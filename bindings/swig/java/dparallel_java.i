@@ -352,6 +352,7 @@ DP_JAVA_CLOSEABLE(dpswig::ModuleList)
 DP_JAVA_CLOSEABLE(dpswig::ReplicaSet)
 DP_JAVA_CLOSEABLE(dpswig::Store)
 DP_JAVA_CLOSEABLE(dpswig::ProcessGroup)
+DP_JAVA_CLOSEABLE(dpswig::DeviceMesh)
 DP_JAVA_CLOSEABLE(dpswig::Work)
 DP_JAVA_CLOSEABLE(dpswig::Ddp)
 DP_JAVA_CLOSEABLE(dpswig::Stream)
@@ -485,6 +486,30 @@ DP_JAVA_CLOSEABLE(dpswig::Fsdp)
     LongVector v = new LongVector();
     for (long x : values) v.add(x);
     return v;
+  }
+%}
+
+%typemap(javacode) std::vector<int> %{
+  public static IntVector of(int... values) {
+    IntVector v = new IntVector();
+    for (int x : values) v.add(x);
+    return v;
+  }
+
+  public int[] toIntArray() {
+    int[] out = new int[size()];
+    for (int i = 0; i < out.length; ++i) out[i] = get(i);
+    return out;
+  }
+%}
+
+%typemap(javacode) dpswig::DeviceMesh %{
+  /** The group's ranks row-major over {@code shape}, the dimensions named {@code names} (none: "dim0", "dim1",
+   * ...). Collective over {@code pg}. */
+  public static DeviceMesh create(ProcessGroup pg, int[] shape, String... names) {
+    StringVector list = new StringVector();
+    for (String name : names) list.add(name);
+    return create(pg, IntVector.of(shape), list);
   }
 %}
 
