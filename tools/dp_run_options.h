@@ -14,8 +14,8 @@ inline constexpr const char* kRendezvousHelp =
     "--master-addr (default 127.0.0.1). Without --master-port, both ports are free ones dp-run picks\n"
     "(it holds the store's until the job ends); with --master-port P, MASTER_PORT is P and the store\n"
     "is at P + 1, or at --store-port S, so every node of a job derives the same ports. On a single\n"
-    "node without one, dp-run makes a fresh DP_STORE_TOKEN; every node of a multi-node job needs the\n"
-    "same token in its environment.\n";
+    "node without one, dp-run makes a fresh DP_STORE_TOKEN; on several, each node passes on its own\n"
+    "environment's, which must be the same on all.\n";
 
 // What the command line asks for.
 struct Options {

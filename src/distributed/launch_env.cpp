@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
 
 #include "core/error.h"
 #include "distributed/nodelist.h"
@@ -38,7 +39,20 @@ const Launcher kNoLauncher = {
 constexpr const char* kDefaultHost = "MASTER_ADDR";
 constexpr const char* kDefaultPort = "MASTER_PORT";
 
-bool is_slurm(const Launcher* launcher) { return launcher == &kLaunchers[3]; }
+bool same_text(const EnvLookup& lookup, const char* a, const char* b) {
+  return is_set(lookup, a) && is_set(lookup, b) && std::strcmp(lookup(a), lookup(b)) == 0;
+}
+
+// Whether srun started these ranks: its variables were found, or the
+// launcher's agree with them (srun --mpi=pmi2 sets PMI_RANK and PMI_SIZE
+// too). mpirun in an allocation starts its ranks from daemons that srun
+// started one per node: theirs do not agree (but for one rank a node, when
+// the daemons' step places rank 0 alike).
+bool is_slurm(const EnvLookup& lookup, const Launcher* launcher) {
+  if (launcher == nullptr) return false;
+  if (launcher == &kLaunchers[3]) return true;
+  return same_text(lookup, launcher->rank_var, "SLURM_PROCID") && same_text(lookup, launcher->size_var, "SLURM_NTASKS");
+}
 
 const char* unset_or_empty(const EnvLookup& lookup, const char* name) {
   return lookup(name) == nullptr ? "is not set" : "is empty";
@@ -52,7 +66,7 @@ void read_store_host(const EnvLookup& lookup, const Launcher* launcher, const ch
       return;
     }
   }
-  if (is_slurm(launcher)) {
+  if (is_slurm(lookup, launcher)) {
     // The step's nodes, where its task 0 runs; the job's outside a step.
     for (const char* name : {"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"}) {
       if (is_set(lookup, name)) {
@@ -76,7 +90,7 @@ void read_store_port(const EnvLookup& lookup, const Launcher* launcher, const ch
       return;
     }
   }
-  if (is_slurm(launcher) && is_set(lookup, "SLURM_JOB_ID")) {
+  if (is_slurm(lookup, launcher) && is_set(lookup, "SLURM_JOB_ID")) {
     // Steps of one job that run at once on one host get ports of their own.
     int64_t key = integer_var(lookup, "SLURM_JOB_ID", 0, INT64_MAX, hint) % kSlurmPorts;
     if (is_set(lookup, "SLURM_STEP_ID")) key += integer_var(lookup, "SLURM_STEP_ID", 0, INT64_MAX, hint) % kSlurmPorts;
@@ -84,7 +98,7 @@ void read_store_port(const EnvLookup& lookup, const Launcher* launcher, const ch
     address.port_from = is_set(lookup, "SLURM_STEP_ID") ? "SLURM_JOB_ID and SLURM_STEP_ID" : "SLURM_JOB_ID";
     return;
   }
-  if (is_slurm(launcher)) {
+  if (is_slurm(lookup, launcher)) {
     fail_invalid("environment variable ", kDefaultPort, " ", unset_or_empty(lookup, kDefaultPort),
                  ", and environment variable SLURM_JOB_ID ", unset_or_empty(lookup, "SLURM_JOB_ID"), " (", hint, ")");
   }

@@ -37,8 +37,10 @@ struct StoreAddress {
   std::string port_from;
 };
 
-// First of: DP_STORE_ADDR, MASTER_ADDR, and under Slurm (`launcher`) the
-// first host of SLURM_STEP_NODELIST, else of SLURM_JOB_NODELIST. First of:
+// First of: DP_STORE_ADDR, MASTER_ADDR, and under Slurm (`launcher` is
+// Slurm, or its rank and world-size variables hold what SLURM_PROCID and
+// SLURM_NTASKS do, as srun's PMI plugin sets them) the first host of
+// SLURM_STEP_NODELIST, else of SLURM_JOB_NODELIST. First of:
 // DP_STORE_PORT, MASTER_PORT, and under Slurm kSlurmPortBase +
 // (SLURM_JOB_ID + SLURM_STEP_ID) % kSlurmPorts. Empty counts as unset. A
 // missing or malformed variable is kInvalidArgument naming it (and `hint`).

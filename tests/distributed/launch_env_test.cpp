@@ -161,6 +161,19 @@ TEST(LaunchEnv, OnlySlurmGetsDefaultsForTheStore) {
   EXPECT_EQ(read(ompi, false).rank, 2);
 }
 
+TEST(LaunchEnv, PmiVariablesThatSrunSetItselfGetSlurmsDefaultsForTheStore) {
+  // srun --mpi=pmi2: PMI_RANK and PMI_SIZE are SLURM_PROCID and SLURM_NTASKS.
+  Vars srun = merged({kSlurm, {{"PMI_RANK", "5"}, {"PMI_SIZE", "16"}}});
+  LaunchEnv env = read(srun);
+  EXPECT_STREQ(env.launcher->name, "MPICH or Intel MPI");
+  EXPECT_EQ(env.store.host, "node003");
+  EXPECT_EQ(env.store.port, 23456);
+  // mpiexec inside an allocation: its ranks carry the Slurm variables of the
+  // step that started its daemons, which do not agree.
+  Vars mpiexec = merged({kSlurm, {{"PMI_RANK", "5"}, {"PMI_SIZE", "32"}}});
+  EXPECT_TRUE(contains(invalid(mpiexec), "environment variable MASTER_ADDR is not set (MPICH's"));
+}
+
 TEST(LaunchEnv, SlurmWithoutNodelistOrJobIdNamesWhatIsMissing) {
   Vars slurm = kSlurm;
   slurm.erase("SLURM_JOB_NODELIST");

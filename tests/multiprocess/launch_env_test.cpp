@@ -84,14 +84,26 @@ TEST(ClusterLaunch, SlurmsVariablesAloneMakeAGroupWithItsStoreOnTheNodelistsFirs
                      " served by rank 0 (host from the first host of SLURM_JOB_NODELIST, port from SLURM_JOB_ID)"});
 }
 
-TEST(ClusterLaunch, PmiVariablesAloneMakeAGroup) {
+// MPICH's and Intel MPI's variables, MASTER_ADDR and MASTER_PORT, and DP_DEBUG when `debug`.
+std::vector<dptest::RankExit> run_pmi_group(bool debug) {
   const std::string port = std::to_string(dptest::free_port());
-  auto exits = run_group("pmi", [&](int r) {
-    return std::vector<std::string>{
-        "PMI_RANK=" + std::to_string(r), "PMI_SIZE=2",          "MPI_LOCALRANKID=" + std::to_string(r),
-        "MASTER_ADDR=127.0.0.1",         "MASTER_PORT=" + port, "DP_DEBUG=INFO"};
+  return run_group("pmi", [&](int r) {
+    std::vector<std::string> env = {"PMI_RANK=" + std::to_string(r), "PMI_SIZE=2",
+                                    "MPI_LOCALRANKID=" + std::to_string(r), "MASTER_ADDR=127.0.0.1",
+                                    "MASTER_PORT=" + port};
+    if (debug) env.push_back("DP_DEBUG=INFO");
+    return env;
   });
-  expect_passed(exits, "group", {"rank from PMI_RANK (MPICH or Intel MPI)", "port from MASTER_PORT"});
+}
+
+TEST(ClusterLaunch, PmiVariablesAloneMakeAGroup) {
+  expect_passed(run_pmi_group(true), "group", {"rank from PMI_RANK (MPICH or Intel MPI)", "port from MASTER_PORT"});
+}
+
+TEST(ClusterLaunch, SaysNothingOfTheLauncherWithoutDpDebug) {
+  auto exits = run_pmi_group(false);
+  expect_passed(exits, "group", {});
+  for (const auto& exit : exits) EXPECT_EQ(exit.output.find("dparallel: rank"), std::string::npos) << exit.output;
 }
 
 struct Node {
