@@ -25,6 +25,7 @@ const Launcher kLaunchers[] = {
     {"Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", true,
      "srun sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_JOB_NODELIST and SLURM_JOB_ID for each task"},
 };
+const Launcher* const kSlurm = &kLaunchers[3];
 
 const Launcher kNoLauncher = {
     "torchrun",
@@ -50,7 +51,7 @@ bool same_text(const EnvLookup& lookup, const char* a, const char* b) {
 // the daemons' step places rank 0 alike).
 bool is_slurm(const EnvLookup& lookup, const Launcher* launcher) {
   if (launcher == nullptr) return false;
-  if (launcher == &kLaunchers[3]) return true;
+  if (launcher == kSlurm) return true;
   return same_text(lookup, launcher->rank_var, "SLURM_PROCID") && same_text(lookup, launcher->size_var, "SLURM_NTASKS");
 }
 
