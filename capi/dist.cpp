@@ -1,5 +1,6 @@
 // dp_dist.h: stores, process groups and their work.
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -7,6 +8,7 @@
 #include "distributed/rendezvous.h"
 #include "distributed/store/file_store.h"
 #include "distributed/store/tcp_store.h"
+#include "lane/debug_level.h"
 
 using namespace dparallel;
 
@@ -86,10 +88,15 @@ dp_process_group* new_group(dp_process_group_options o, dist::RankSource source)
   options.rank = o.rank;
   options.world_size = o.world_size;
   dist::EnvLookup env = dist::process_env();
-  dist::resolve_rank(options, source, env);
+  std::string ranks_from;
+  dist::resolve_rank(options, source, env, &ranks_from);
   // Before the default store connects: a bad argument fails at once.
   dist::check_process_group_options(options);
   options.device = capi::device_arg(o.device, "opts->device");
+  // Before connecting, so that a rank that waits for its store has said where.
+  if (lane::debug_level_from_env() != lane::DebugLevel::kOff) {
+    std::fprintf(stderr, "%s\n", dist::rendezvous_line(options, ranks_from, env).c_str());
+  }
   dist::connect_default_store(options, env);
   auto* handle = new dp_process_group();
   try {

@@ -66,8 +66,9 @@ struct RankJob {
   // Inherited variables a rank does not get (the launcher's own never pass).
   std::function<bool(const std::string& entry)> drop_inherited;
   std::function<std::vector<std::string>(int rank)> env;  // added for rank r, last
-  std::chrono::seconds limit{60};                         // then every rank still running is killed
-  int stopped_rank = -1;                                  // this rank may stop; it is killed once the others are done
+  bool torchrun_env = true;        // RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; else only `env`'s
+  std::chrono::seconds limit{60};  // then every rank still running is killed
+  int stopped_rank = -1;           // this rank may stop; it is killed once the others are done
   // Called every few ms while the ranks run, with their output so far, until
   // it returns true (it has acted).
   std::function<bool(const std::vector<pid_t>&, const std::vector<std::string>&)> watch;
@@ -79,10 +80,11 @@ struct RankExit {
 };
 
 // Starts every rank of `job` with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
-// (loopback) and a free MASTER_PORT, reaps them within its limit, and
+// (loopback) and a free MASTER_PORT (unless !torchrun_env), reaps them within its limit, and
 // returns their exit codes and output (the output files are removed).
 inline std::vector<RankExit> run_rank_processes(const RankJob& job) {
-  static const char* const kLauncher[] = {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "MASTER_ADDR=", "MASTER_PORT="};
+  static const char* const kLauncher[] = {
+      "RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "MASTER_ADDR=", "MASTER_PORT=", "DP_STORE_ADDR=", "DP_STORE_PORT="};
   const int port = free_port();
   std::vector<pid_t> pids;
   std::vector<std::string> outputs;
@@ -94,11 +96,13 @@ inline std::vector<RankExit> run_rank_processes(const RankJob& job) {
       for (const char* name : kLauncher) launcher = launcher || entry.rfind(name, 0) == 0;
       if (!launcher && !(job.drop_inherited && job.drop_inherited(entry))) vars.push_back(entry);
     }
-    vars.push_back("RANK=" + std::to_string(r));
-    vars.push_back("WORLD_SIZE=" + std::to_string(job.world));
-    vars.push_back("LOCAL_RANK=" + std::to_string(r));
-    vars.push_back("MASTER_ADDR=127.0.0.1");
-    vars.push_back("MASTER_PORT=" + std::to_string(port));
+    if (job.torchrun_env) {
+      vars.push_back("RANK=" + std::to_string(r));
+      vars.push_back("WORLD_SIZE=" + std::to_string(job.world));
+      vars.push_back("LOCAL_RANK=" + std::to_string(r));
+      vars.push_back("MASTER_ADDR=127.0.0.1");
+      vars.push_back("MASTER_PORT=" + std::to_string(port));
+    }
     if (job.env) {
       for (auto& v : job.env(r)) vars.push_back(v);
     }

@@ -1,14 +1,17 @@
 // dp-run: starts the local ranks of a job, like `torchrun --standalone`.
 //
 //   dp-run -n 4 [--nnodes M --node-rank K] [--master-addr A] [--master-port P]
-//          [--grace-ms G] prog args...
+//          [--store-port S] [--grace-ms G] prog args...
 //   dp-run --help
 //
-// Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR
-// and MASTER_PORT and, on a single node without one, a fresh DP_STORE_TOKEN.
-// Without a port on a single node, dp-run picks a free one and keeps it bound
-// (not listening) while it runs, so no other program takes it before rank 0
-// listens on it. When a rank fails, the others get SIGTERM (SIGKILL after
+// Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+// MASTER_PORT, DP_STORE_ADDR, DP_STORE_PORT and, on a single node without
+// one, a fresh DP_STORE_TOKEN (kRendezvousHelp). dparallel's store is at
+// DP_STORE_PORT, and MASTER_PORT, another port, is the program's own
+// framework's. Without --master-port, dp-run picks both; it keeps the
+// store's bound (not listening) while it runs, so no other program takes it
+// before rank 0 listens on it. With --master-port P, the store is at
+// --store-port or P + 1: each node of a job derives the same. When a rank fails, the others get SIGTERM (SIGKILL after
 // the grace period) and dp-run exits with the failed rank's code (128 + signal
 // for a signal). Usage errors exit with 2.
 //

@@ -18,8 +18,8 @@ namespace dprun {
 namespace {
 
 constexpr const char* kUsage =
-    "usage: dp-run -n N [--nnodes M --node-rank K] [--master-addr A] [--master-port P] [--grace-ms G] prog "
-    "[args...]\n";
+    "usage: dp-run -n N [--nnodes M --node-rank K] [--master-addr A] [--master-port P] [--store-port S]\n"
+    "              [--grace-ms G] prog [args...]\n";
 
 [[noreturn]] void usage(const char* message) {
   std::fprintf(stderr, "dp-run: %s\n%s", message, kUsage);
@@ -87,7 +87,7 @@ Options parse_args(int argc, char** argv) {
       return argv[++i];
     };
     if (a == "-h" || a == "--help") {
-      std::printf("%s\n%s", kUsage, kOutputHelp);
+      std::printf("%s\n%s\n%s", kUsage, kRendezvousHelp, kOutputHelp);
       std::exit(0);
     }
     if (a == "-n" || a == "--nproc-per-node")
@@ -100,6 +100,8 @@ Options parse_args(int argc, char** argv) {
       o.master_addr = value("--master-addr");
     else if (a == "--master-port")
       o.master_port = parse_int(value("--master-port"), "--master-port", 1, 65535);
+    else if (a == "--store-port")
+      o.store_port = parse_int(value("--store-port"), "--store-port", 1, 65535);
     else if (a == "--grace-ms")
       o.grace_ms = parse_int(value("--grace-ms"), "--grace-ms", 0, 3600000);
     else if (a == "--") {
@@ -134,11 +136,26 @@ void raise_open_file_limit(long nproc) {
 void set_up_rendezvous(Options& o) {
   if (o.node_rank >= o.nnodes) usage("--node-rank must be below --nnodes");
   if (o.nnodes > 1 && (o.master_addr.empty() || o.master_port < 0)) {
-    usage("with --nnodes > 1, --master-addr and --master-port are required (node 0 serves the store there)");
+    usage(
+        "with --nnodes > 1, --master-addr and --master-port are required (node 0 serves the store there, at "
+        "--store-port or the master port + 1)");
   }
   if (o.master_addr.empty()) o.master_addr = "127.0.0.1";
-  if (o.master_port < 0 && hold_free_port(o.master_addr, &o.master_port) < 0) {
+  // The store's port: derived from --master-port, so that every node agrees on it.
+  if (o.store_port < 0 && o.master_port == 65535) {
+    usage("--master-port 65535 leaves no port for the store (the master port + 1); give --store-port");
+  }
+  if (o.store_port < 0 && o.master_port > 0) o.store_port = o.master_port + 1;
+  if (o.store_port < 0 && hold_free_port(o.master_addr, &o.store_port) < 0) {
     usage(("cannot find a free port on " + o.master_addr).c_str());
+  }
+  if (o.store_port == o.master_port) usage("--store-port must differ from --master-port");
+  // The host framework's port: a free one, not held (the framework binds it
+  // as it likes), other than the store's (held, or given).
+  for (int tries = 0; o.master_port < 0 || o.master_port == o.store_port; ++tries) {
+    const int probe = tries < 100 ? hold_free_port(o.master_addr, &o.master_port) : -1;
+    if (probe < 0) usage(("cannot find a second free port on " + o.master_addr).c_str());
+    ::close(probe);
   }
   if (o.nnodes == 1 && std::getenv("DP_STORE_TOKEN") == nullptr) setenv("DP_STORE_TOKEN", random_token().c_str(), 1);
   // Line-buffered stdout for programs linked against libdparallel, which

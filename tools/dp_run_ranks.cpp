@@ -77,6 +77,8 @@ std::vector<pid_t> own_children() {
   setenv("GROUP_RANK", std::to_string(o.node_rank).c_str(), 1);
   setenv("MASTER_ADDR", o.master_addr.c_str(), 1);
   setenv("MASTER_PORT", std::to_string(o.master_port).c_str(), 1);
+  setenv("DP_STORE_ADDR", o.master_addr.c_str(), 1);
+  setenv("DP_STORE_PORT", std::to_string(o.store_port).c_str(), 1);
   ::execvp(o.program[0], o.program);
   std::fprintf(stderr, "dp-run: cannot run '%s': %s\n", o.program[0], std::strerror(errno));
   ::_exit(127);

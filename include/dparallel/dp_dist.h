@@ -19,8 +19,10 @@
  * Environment: DP_STORE_TOKEN (a job token the TCP store requires of every
  * client), DP_SOCKET_IFNAME (the network interface Gloo uses; default
  * loopback when the store is on a loopback address, else this host's name),
- * DP_SHM ("0": cpu groups that ask for DP_BACKEND_AUTO use Gloo; otherwise
- * an AUTO cpu group whose ranks all run on one host uses shared memory,
+ * DP_STORE_ADDR and DP_STORE_PORT (where the default store is; see
+ * dp_process_group_create_from_env), DP_SHM ("0": cpu groups that ask for
+ * DP_BACKEND_AUTO use Gloo; otherwise an AUTO cpu group whose ranks all
+ * run on one host uses shared memory,
  * through a segment private to the job: an anonymous memfd, no file in
  * /dev/shm or elsewhere; ranks on several hosts with the same number of
  * ranks, at least 2, on each are hierarchical: shared memory inside each
@@ -159,9 +161,9 @@ typedef enum dp_reduce_op { DP_SUM = 0, DP_AVG = 1, DP_MIN = 2, DP_MAX = 3, DP_P
 typedef struct dp_process_group_options {
   size_t struct_size;
   int32_t backend;    /* dp_backend (above); default AUTO */
-  int32_t rank;       /* -1 (the default): from RANK, or mpirun's OMPI_COMM_WORLD_RANK */
-  int32_t world_size; /* -1 (the default): from WORLD_SIZE, or OMPI_COMM_WORLD_SIZE */
-  dp_store *store;    /* NULL: a TCP store at MASTER_ADDR:MASTER_PORT, served by rank 0 */
+  int32_t rank;       /* -1 (the default): the launcher's (see dp_process_group_create_from_env) */
+  int32_t world_size; /* -1 (the default): the launcher's */
+  dp_store *store;    /* NULL: a TCP store served by rank 0 (see dp_process_group_create_from_env) */
   int32_t timeout_ms; /* default 300000 */
   dp_device device;   /* the device this rank's tensors live on */
 } dp_process_group_options;
@@ -181,14 +183,44 @@ DP_API dp_status dp_process_group_options_init(dp_process_group_options *opts, s
 typedef struct dp_process_group dp_process_group;
 /* Joins the group: every rank calls it with the same world size and store.
  * The group holds its own reference to the store. The options' rank and
- * world size win; only those left -1 are read from the environment. With a
- * NULL store, MASTER_ADDR and MASTER_PORT are the only other variables read
- * (LOCAL_RANK is never needed). A missing variable is DP_EINVAL naming it. */
+ * world size win; only those left -1 are read from the launcher's variables
+ * (the rank's and the world size's, as dp_process_group_create_from_env
+ * finds them; the local rank is never needed). With a NULL store, the
+ * store's address is read as there too. A missing variable is DP_EINVAL
+ * naming it. */
 DP_API dp_status dp_process_group_create(dp_process_group **out, const dp_process_group_options *opts);
-/* As dp_process_group_create, with rank and world size from torchrun's
- * RANK, WORLD_SIZE, LOCAL_RANK or mpirun's OMPI_COMM_WORLD_RANK, _SIZE,
- * _LOCAL_RANK, and the store (when opts->store is NULL) at MASTER_ADDR,
- * MASTER_PORT. A missing variable is DP_EINVAL naming it. */
+/* As dp_process_group_create, with rank and world size (and the local rank,
+ * checked but unused) from the first launcher whose rank or world-size
+ * variable is set, in this order:
+ *   torchrun, dp-run: RANK, WORLD_SIZE, LOCAL_RANK;
+ *   Open MPI's mpirun: OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK;
+ *   MPICH's and Intel MPI's mpiexec: PMI_RANK, PMI_SIZE, and MPI_LOCALRANKID
+ *     when set;
+ *   Slurm's srun: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID.
+ * With a NULL opts->store, rank 0 serves a TCP store that every rank
+ * connects to (each of the two on its own):
+ *   host: DP_STORE_ADDR, else MASTER_ADDR, else under Slurm the first host
+ *     of SLURM_STEP_NODELIST, else of SLURM_JOB_NODELIST ("node[003-005],gpu7"
+ *     is node003; where Slurm starts task 0 by default);
+ *   port: DP_STORE_PORT, else MASTER_PORT, else under Slurm 20000 +
+ *     (SLURM_JOB_ID + SLURM_STEP_ID) % 10000, below Linux's ephemeral ports.
+ *     Two jobs (or steps) whose rank 0 shares a host collide there when
+ *     their sums agree modulo 10000, as does anything else on that port:
+ *     set DP_STORE_PORT (or MASTER_PORT) to choose one.
+ * "Under Slurm": srun's variables were found, or the launcher's rank and
+ * world size are SLURM_PROCID's and SLURM_NTASKS's (srun --mpi=pmi2 sets
+ * PMI_RANK and PMI_SIZE too); mpirun's ranks in an allocation need
+ * MASTER_ADDR and MASTER_PORT.
+ * dp-run sets DP_STORE_ADDR and DP_STORE_PORT for dparallel's store and
+ * leaves MASTER_PORT, another port, to the program's own framework (such as
+ * torch.distributed's env://), which would otherwise collide with it. Set
+ * by hand, MASTER_ADDR and MASTER_PORT alone serve dparallel as before.
+ * A variable set but empty counts as unset when choosing among these; one
+ * that is needed and missing, empty, malformed or out of range (a rank not
+ * below the world size, a malformed node list) is DP_EINVAL naming it. With
+ * DP_DEBUG=INFO or DETAIL, this and dp_process_group_create say in one line
+ * on stderr which variables gave the rank, the world size and the store's
+ * address, before connecting to the store. */
 DP_API dp_status dp_process_group_create_from_env(dp_process_group **out,
                                                   const dp_process_group_options *opts /* may be NULL */);
 /* -1 (and dp_last_error set) for a NULL or invalid handle. */

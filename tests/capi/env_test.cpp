@@ -43,7 +43,8 @@ uint16_t free_port() {
 
 void clear_launch_env() {
   for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK",
-                        "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"}) {
+                        "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID",
+                        "SLURM_NTASKS", "DP_STORE_ADDR", "DP_STORE_PORT"}) {
     ::unsetenv(v);
   }
 }
@@ -129,4 +130,42 @@ TEST(ProcessGroupEnv, EnvironmentFillsOnlyWhatTheOptionsLeaveUnset) {
   GroupPtr pg(raw);
   EXPECT_EQ(dp_process_group_rank(pg.get()), 0);
   DP_EXPECT_OK(dp_pg_barrier(pg.get()));
+}
+
+// dp-run's store variables win: MASTER_ADDR:MASTER_PORT is left to the host's
+// own framework, here a listening server on a port and an address this host
+// cannot serve on (TEST-NET-1), either of which would fail the store.
+TEST(ProcessGroupEnv, DefaultStoreIsAtDpStoreAddrAndPortNotMasterAddrAndPort) {
+  clear_launch_env();
+  dp_store* host_framework = nullptr;
+  DP_ASSERT_OK(dp_store_create_tcp(&host_framework, "127.0.0.1", 0, 1, 1, 5000));
+  uint16_t taken = 0;
+  DP_ASSERT_OK(dp_store_tcp_port(host_framework, &taken));
+  ::setenv("MASTER_ADDR", "192.0.2.1", 1);
+  ::setenv("MASTER_PORT", std::to_string(taken).c_str(), 1);
+  ::setenv("DP_STORE_ADDR", "127.0.0.1", 1);
+  ::setenv("DP_STORE_PORT", std::to_string(free_port()).c_str(), 1);
+  dp_process_group_options o = DP_PROCESS_GROUP_OPTIONS_INIT;
+  o.rank = 0;
+  o.world_size = 1;
+  o.timeout_ms = 20000;
+  dp_process_group* raw = nullptr;
+  EXPECT_EQ(dp_process_group_create(&raw, &o), DP_OK) << dp_last_error();
+  GroupPtr pg(raw);
+  if (pg != nullptr) {
+    DP_EXPECT_OK(dp_pg_barrier(pg.get()));
+  }
+  pg.reset();
+  // And the store's port alone: the address comes from MASTER_ADDR.
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::unsetenv("DP_STORE_ADDR");
+  ::setenv("DP_STORE_PORT", std::to_string(free_port()).c_str(), 1);
+  raw = nullptr;
+  ::setenv("RANK", "0", 1);
+  ::setenv("WORLD_SIZE", "1", 1);
+  ::setenv("LOCAL_RANK", "0", 1);
+  EXPECT_EQ(dp_process_group_create_from_env(&raw, &o), DP_OK) << dp_last_error();
+  dp_process_group_destroy(raw);
+  dp_store_destroy(host_framework);
+  clear_launch_env();
 }

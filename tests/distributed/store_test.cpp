@@ -584,7 +584,9 @@ TEST_F(ProcessGroupTest, SingleRankCollectivesCheckTheirArguments) {
 }
 
 TEST(ProcessGroup, CreateFromEnvNamesTheMissingVariable) {
-  const char* vars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK"};
+  const char* vars[] = {"RANK",        "WORLD_SIZE",    "LOCAL_RANK",    "MASTER_ADDR",
+                        "MASTER_PORT", "DP_STORE_ADDR", "DP_STORE_PORT", "OMPI_COMM_WORLD_RANK",
+                        "PMI_RANK",    "PMI_SIZE",      "SLURM_PROCID",  "SLURM_NTASKS"};
   for (const char* v : vars) ::unsetenv(v);
   dp_process_group* pg = nullptr;
   EXPECT_EQ(dp_process_group_create_from_env(&pg, nullptr), DP_EINVAL);

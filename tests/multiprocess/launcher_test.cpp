@@ -45,11 +45,11 @@ LaunchResult launch(const std::string& args) {
 TEST(Launcher, GivesEachRankTorchrunsEnvironmentAndPrefixesItsOutput) {
   LaunchResult r = launch(
       "-n 3 sh -c 'echo r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK lw=$LOCAL_WORLD_SIZE a=$MASTER_ADDR "
-      "p=${MASTER_PORT:+set} t=${DP_STORE_TOKEN:+set}'");
+      "p=${MASTER_PORT:+set} t=${DP_STORE_TOKEN:+set} sa=$DP_STORE_ADDR sp=${DP_STORE_PORT:+set}'");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   for (int rank = 0; rank < 3; ++rank) {
     std::string line = "[rank " + std::to_string(rank) + "] r=" + std::to_string(rank) +
-                       " w=3 l=" + std::to_string(rank) + " lw=3 a=127.0.0.1 p=set t=set";
+                       " w=3 l=" + std::to_string(rank) + " lw=3 a=127.0.0.1 p=set t=set sa=127.0.0.1 sp=set";
     EXPECT_NE(r.output.find(line), std::string::npos) << r.output;
   }
 }
@@ -57,10 +57,11 @@ TEST(Launcher, GivesEachRankTorchrunsEnvironmentAndPrefixesItsOutput) {
 TEST(Launcher, NumbersRanksByNodeInMultiNodeJobs) {
   LaunchResult r = launch(
       "-n 2 --nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --master-port 29999 "
-      "sh -c 'echo r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK p=$MASTER_PORT'");
+      "sh -c 'echo r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK p=$MASTER_PORT sp=$DP_STORE_PORT'");
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("[rank 2] r=2 w=4 l=0 p=29999"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("[rank 3] r=3 w=4 l=1 p=29999"), std::string::npos) << r.output;
+  // The store's port is derived from the master port, the same on every node.
+  EXPECT_NE(r.output.find("[rank 2] r=2 w=4 l=0 p=29999 sp=30000"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank 3] r=3 w=4 l=1 p=29999 sp=30000"), std::string::npos) << r.output;
   LaunchResult missing = launch("-n 2 --nnodes 2 --node-rank 1 true");
   EXPECT_EQ(missing.exit_code, 2) << missing.output;
   EXPECT_NE(missing.output.find("--master-addr"), std::string::npos) << missing.output;
@@ -152,10 +153,10 @@ TEST(Launcher, ASecondInterruptDuringTheGracePeriodKillsAtOnce) {
   EXPECT_EQ(WEXITSTATUS(status), 128 + SIGINT);
 }
 
-TEST(Launcher, HoldsThePortItPicksUntilTheJobEnds) {
-  // The rank prints its MASTER_PORT and lives 3 s; meanwhile no other socket may bind that port.
+TEST(Launcher, HoldsTheStorePortItPicksUntilTheJobEnds) {
+  // The rank prints its DP_STORE_PORT and lives 3 s; meanwhile no other socket may bind that port.
   std::string command =
-      std::string("timeout -s KILL 30 ") + DP_RUN + " -n 1 sh -c 'echo port=$MASTER_PORT; sleep 3' 2>&1";
+      std::string("timeout -s KILL 30 ") + DP_RUN + " -n 1 sh -c 'echo port=$DP_STORE_PORT; sleep 3' 2>&1";
   FILE* shell = ::popen(command.c_str(), "r");
   ASSERT_NE(shell, nullptr);
   char line[256];
