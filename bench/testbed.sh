@@ -134,11 +134,11 @@ fi
 }
 
 echo "# $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg), $(date -u '+%F %H:%M UTC')"
-anchors=$here/../../shared/anchors
-if [ -x "$build/torch2/bin/python" ] || /usr/bin/python3 -c 'import torch' 2>/dev/null; then
+anchors=$(cd "$here/../.." && pwd)/shared/anchors
+if [ -x "$anchors/build/torch2/bin/python" ] || /usr/bin/python3 -c 'import torch' 2>/dev/null; then
   echo "# PyTorch is installed, but its DDP anchor (anchors/5_ddp.sh) runs on one host only: not run across hosts"
 else
-  echo "# PyTorch DDP/gloo skipped: no torch (neither $build/torch2 from $anchors/install_deps.sh nor python3's)"
+  echo "# PyTorch DDP/gloo skipped: no torch (neither $anchors/build/torch2 from install_deps.sh nor python3's)"
 fi
 if command -v mpirun >/dev/null 2>&1; then
   echo "# Open MPI is installed, but its anchor (anchors/3_mpi.sh) runs on one host only: not run across hosts"
@@ -154,13 +154,24 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 trap 'exit 129' HUP
 
+# The run under way, if any (its testbed.sh stops its hosts' commands).
+stop_child() {
+  [ -z "$child" ] && return 0
+  kill -TERM "$child" 2>/dev/null
+  wait "$child" 2>/dev/null
+}
+
 # on_hosts BACKEND ARGS...: dp-perf ARGS under dp-run on every host; rank 0's lines.
 on_hosts() {
   backend=$1
   shift
   if [ "$backend" = gloo ]; then set -- env DP_SHM=0 "$@"; else set -- env -u DP_SHM "$@"; fi
-  "$@" >"$out" 2>&1
+  # In the background, so that a signal reaches this shell's traps at once.
+  "$@" >"$out" 2>&1 &
+  child=$!
+  wait "$child"
   code=$?
+  child=""
   if [ "$code" != 0 ]; then
     cat "$out"
     echo "failed with $code" >&2
@@ -170,7 +181,8 @@ on_hosts() {
 }
 
 out=$(mktemp "/tmp/dptb_run$$_XXXXXX") || exit 1
-trap '"$tb" down --name "$name"; rm -f "$out"' EXIT
+child=""
+trap 'stop_child; "$tb" down --name "$name"; rm -f "$out"' EXIT
 for hosts in $hosts_list; do
   "$tb" up --name "$name" --hosts "$hosts" --rate none || exit 1
   for rate in $rates; do
