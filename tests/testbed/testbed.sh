@@ -75,42 +75,42 @@ host_count() {
 # Stops every process in testbed $1's namespaces (they are the testbed's
 # commands and their children): SIGTERM, up to 5 s to exit, then SIGKILL.
 stop_processes() {
-  nss=$(namespaces_of "$1")
-  [ -n "$nss" ] || return 0
-  pids=$(for ns in $nss; do ip netns pids "$ns" 2>/dev/null; done)
-  [ -n "$pids" ] || return 0
+  sp_nss=$(namespaces_of "$1")
+  [ -n "$sp_nss" ] || return 0
+  sp_pids=$(for sp_ns in $sp_nss; do ip netns pids "$sp_ns" 2>/dev/null; done)
+  [ -n "$sp_pids" ] || return 0
   # shellcheck disable=SC2086 # one pid a word
-  kill -TERM $pids 2>/dev/null
-  tries=0
-  while [ "$tries" -lt 50 ]; do
-    left=$(for ns in $nss; do ip netns pids "$ns" 2>/dev/null; done)
-    [ -n "$left" ] || return 0
+  kill -TERM $sp_pids 2>/dev/null
+  sp_tries=0
+  while [ "$sp_tries" -lt 50 ]; do
+    sp_left=$(for sp_ns in $sp_nss; do ip netns pids "$sp_ns" 2>/dev/null; done)
+    [ -n "$sp_left" ] || return 0
     sleep 0.1
-    tries=$((tries + 1))
+    sp_tries=$((sp_tries + 1))
   done
   # shellcheck disable=SC2086
-  kill -KILL $left 2>/dev/null
+  kill -KILL $sp_left 2>/dev/null
 }
 
 # Removes testbed $1: its processes, then its namespaces (deleting a
 # namespace deletes its ends of the veth pairs, and so the pairs).
 teardown() {
   stop_processes "$1"
-  for ns in $(namespaces_of "$1"); do
-    ip netns del "$ns" 2>/dev/null
+  for td_ns in $(namespaces_of "$1"); do
+    ip netns del "$td_ns" 2>/dev/null
   done
 }
 
 # The testbeds of runs whose process is gone, and their log folders.
 clean_stale() {
-  for name in $(ip netns list 2>/dev/null | sed -n "s/^${prefix}\(run[0-9]*\)-.*/\1/p" | sort -u); do
-    kill -0 "${name#run}" 2>/dev/null || teardown "$name"
+  for cs_name in $(ip netns list 2>/dev/null | sed -n "s/^${prefix}\(run[0-9]*\)-.*/\1/p" | sort -u); do
+    kill -0 "${cs_name#run}" 2>/dev/null || teardown "$cs_name"
   done
-  for old in /tmp/dptb_run*_*; do
-    [ -d "$old" ] || continue
-    owner=${old#/tmp/dptb_run}
-    owner=${owner%%_*}
-    kill -0 "$owner" 2>/dev/null || rm -rf "$old"
+  for cs_old in /tmp/dptb_run*_*; do
+    [ -d "$cs_old" ] || continue
+    cs_owner=${cs_old#/tmp/dptb_run}
+    cs_owner=${cs_owner%%_*}
+    kill -0 "$cs_owner" 2>/dev/null || rm -rf "$cs_old"
   done
 }
 
@@ -138,21 +138,21 @@ shape_dev() {
     tc -n "$2" qdisc del dev "$3" root 2>/dev/null
     return 0
   fi
-  burst=$(($1 / 8 / 1000))
-  [ "$burst" -ge 131072 ] || burst=131072
-  tc -n "$2" qdisc replace dev "$3" root tbf rate "$1"bit burst "$burst" latency 50ms ||
+  sd_burst=$(($1 / 8 / 1000))
+  [ "$sd_burst" -ge 131072 ] || sd_burst=131072
+  tc -n "$2" qdisc replace dev "$3" root tbf rate "$1"bit burst "$sd_burst" latency 50ms ||
     die "tc qdisc on $3 in $2 failed (no tbf in this kernel?)"
 }
 
 shape_all() {
-  bits=$(rate_bits "$2") || die "RATE takes a tc rate like 500mbit or 5gbit, or none; not '$2'"
-  n=$(host_count "$1")
-  [ "$n" -gt 0 ] || die "no testbed named $1 (testbed.sh up makes one)"
-  k=0
-  while [ "$k" -lt "$n" ]; do
-    shape_dev "$bits" "$(host_ns "$1" "$k")" eth0
-    shape_dev "$bits" "$(bridge_ns "$1")" "h$k"
-    k=$((k + 1))
+  sa_bits=$(rate_bits "$2") || die "RATE takes a tc rate like 500mbit or 5gbit, or none; not '$2'"
+  sa_n=$(host_count "$1")
+  [ "$sa_n" -gt 0 ] || die "no testbed named $1 (testbed.sh up makes one)"
+  sa_k=0
+  while [ "$sa_k" -lt "$sa_n" ]; do
+    shape_dev "$sa_bits" "$(host_ns "$1" "$sa_k")" eth0
+    shape_dev "$sa_bits" "$(bridge_ns "$1")" "h$sa_k"
+    sa_k=$((sa_k + 1))
   done
 }
 
@@ -160,26 +160,26 @@ shape_all() {
 
 # bring_up NAME HOSTS RATE MTU
 bring_up() {
-  bits=$(rate_bits "$3") || die "--rate takes a tc rate like 500mbit or 5gbit, or none; not '$3'"
-  br=$(bridge_ns "$1")
-  err=$(ip netns add "$br" 2>&1) || skip "ip netns add failed (no CAP_SYS_ADMIN?): $err"
-  ip -n "$br" link add br0 type bridge || die "no bridge device in this kernel"
-  ip -n "$br" link set br0 mtu "$4" up || die "bringing br0 up"
-  ip -n "$br" link set lo up
-  k=0
-  while [ "$k" -lt "$2" ]; do
-    ns=$(host_ns "$1" "$k")
-    ip netns add "$ns" || die "ip netns add $ns"
+  bu_bits=$(rate_bits "$3") || die "--rate takes a tc rate like 500mbit or 5gbit, or none; not '$3'"
+  bu_br=$(bridge_ns "$1")
+  bu_err=$(ip netns add "$bu_br" 2>&1) || skip "ip netns add failed (no CAP_SYS_ADMIN?): $bu_err"
+  ip -n "$bu_br" link add br0 type bridge || die "no bridge device in this kernel"
+  ip -n "$bu_br" link set br0 mtu "$4" up || die "bringing br0 up"
+  ip -n "$bu_br" link set lo up
+  bu_k=0
+  while [ "$bu_k" -lt "$2" ]; do
+    bu_ns=$(host_ns "$1" "$bu_k")
+    ip netns add "$bu_ns" || die "ip netns add $bu_ns"
     # Made inside the host with its peer in the bridge's namespace: no name
     # meets this machine's own.
-    ip -n "$ns" link add eth0 mtu "$4" type veth peer name "h$k" mtu "$4" netns "$br" || die "veth for host $k"
-    ip -n "$br" link set "h$k" master br0 up || die "bridge port h$k"
-    ip -n "$ns" addr add "$subnet.$((k + 1))/24" dev eth0 || die "address of host $k"
-    ip -n "$ns" link set lo up
-    ip -n "$ns" link set eth0 up || die "eth0 of host $k"
-    shape_dev "$bits" "$ns" eth0
-    shape_dev "$bits" "$br" "h$k"
-    k=$((k + 1))
+    ip -n "$bu_ns" link add eth0 mtu "$4" type veth peer name "h$bu_k" mtu "$4" netns "$bu_br" || die "veth for host $bu_k"
+    ip -n "$bu_br" link set "h$bu_k" master br0 up || die "bridge port h$bu_k"
+    ip -n "$bu_ns" addr add "$subnet.$((bu_k + 1))/24" dev eth0 || die "address of host $bu_k"
+    ip -n "$bu_ns" link set lo up
+    ip -n "$bu_ns" link set eth0 up || die "eth0 of host $bu_k"
+    shape_dev "$bu_bits" "$bu_ns" eth0
+    shape_dev "$bu_bits" "$bu_br" "h$bu_k"
+    bu_k=$((bu_k + 1))
   done
 }
 

@@ -15,7 +15,8 @@
 #       (16 MB - one bucket) / rate, and tc's counters show the bytes through
 #       host 1's shaper and host 0's bridge port.
 #   testbed_test.sh cleanup CI
-#       While up, this machine's own namespace has no new link or address; a
+#       While up, this machine's own namespace has no new link or address;
+#       another testbed's up, clean and down leave a live run alone; a
 #       run stopped by SIGTERM or SIGINT leaves no namespace and no process;
 #       one killed outright (SIGKILL) is removed with its processes by the
 #       next start.
@@ -215,6 +216,20 @@ case $mode in
         [ -z "$state" ] || [ "$state" = Z ] || fail "$1 left process $p running (state $state)"
       done
     }
+    # Another testbed made, cleaned and removed beside a live run leaves
+    # the run alone.
+    start_run
+    up --hosts 2 --rate 1gbit
+    "$tb" clean
+    "$tb" down --name "$name"
+    [ "$(ip netns list | grep -c "^dptb-run$pid-")" = 3 ] || fail "another testbed's up, clean or down removed a live run's"
+    for p in $inside; do
+      kill -0 "$p" 2>/dev/null || fail "another testbed's up, clean or down stopped a live run's process $p"
+    done
+    kill -TERM "$pid"
+    wait "$pid"
+    started=""
+
     for signal in TERM INT; do
       start_run
       kill "-$signal" "$pid"
