@@ -54,6 +54,12 @@ skip() {
   exit 77
 }
 
+case ${1:-} in
+  '' | -h | --help)
+    sed -n '2,/^set -u/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'
+    exit 0
+    ;;
+esac
 [ "$(id -u)" = 0 ] || skip "needs root to make network namespaces"
 command -v ip >/dev/null 2>&1 || skip "ip (iproute2) not found"
 command -v tc >/dev/null 2>&1 || skip "tc (iproute2) not found"
@@ -338,9 +344,6 @@ case $cmd in
       k=$((k + 1))
     done
     exit "$status"
-    ;;
-  '' | -h | --help)
-    sed -n '2,/^set -u/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'
     ;;
   *) die "unknown command '$cmd' (run, up, exec, shape, stats, down, clean)" ;;
 esac
