@@ -35,7 +35,7 @@ extern "C" {
 #endif
 
 /* abi_minor of the table this header describes. */
-#define DP_API_MINOR 8
+#define DP_API_MINOR 9
 
 /* Every slot of the table, in table order: X(return type, name, (parameters))
  * for the entry point dp_<name>. The struct below and the library's table are
@@ -207,7 +207,13 @@ extern "C" {
   X(dp_status, device_memory_stats, (dp_device device, dp_memory_stats *out))                                           \
   X(dp_status, device_reset_peak_memory, (dp_device device))                                                          \
   /* ---- abi_minor 8: the library's own threads (dp_base.h) ---- */                                                   \
-  X(dp_status, shutdown, (void))
+  X(dp_status, shutdown, (void))                                                                                       \
+  /* ---- abi_minor 9: hosts with their own autograd (dp_fsdp.h), DLPack 1.x (dp_dlpack.h) ---- */                    \
+  X(dp_status, fsdp_mark_grad_ready, (dp_fsdp *fsdp, const char *name))                                                 \
+  X(dp_status, tensor_to_dlpack_versioned,                                                                             \
+    (const dp_tensor *tensor, int read_only, struct DLManagedTensorVersioned **out))                                   \
+  X(dp_status, tensor_from_dlpack_versioned, (dp_tensor **out, struct DLManagedTensorVersioned *managed))              \
+  X(dp_status, fsdp_full_state_dict, (dp_module *module, dp_process_group *pg, int32_t root, dp_module **out))
 /* clang-format on */
 
 /* A type, a name and a parameter list cannot be parenthesised. */

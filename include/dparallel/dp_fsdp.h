@@ -196,6 +196,32 @@ DP_API dp_status dp_fsdp_reshard(dp_fsdp *fsdp);
 /* The full gradients are final: reshards, then reduce-scatters their average
  * into the shard gradients, asynchronously. */
 DP_API dp_status dp_fsdp_post_backward(dp_fsdp *fsdp);
+/* FSDP2's per-parameter post-accumulate hook, for a host whose autograd
+ * tells when each gradient is final: marks managed parameter `name` (as
+ * dp_fsdp_parameter_name gives it) ready in this backward. Any thread, in
+ * any order, several at once. The mark that completes the set of managed
+ * parameters that required grad at create runs dp_fsdp_post_backward
+ * itself, on its own thread, before it returns (it queues the
+ * reduce-scatter and returns, as the explicit call does; its error is this
+ * mark's); the reduce-scatter follows every marking thread's current
+ * stream. Then:
+ * - dp_fsdp_post_backward for the same backward is a no-op (DP_OK), so a
+ *   host may still end each backward with it, as FSDP2's final callback
+ *   does; marks and the explicit call may mix: an explicit post_backward
+ *   before the set is complete runs at once, reduces every gradient as it
+ *   is (marked or not) and ends the backward's marks.
+ * - dp_fsdp_finish_backward waits for it as usual. A finish_backward whose
+ *   backward marked some parameters but not all is DP_ESTATE naming the
+ *   unmarked ones: it stands in for the missing post_backward (reshards,
+ *   drops this backward's full gradients, nothing reduced), so the other
+ *   ranks' finish_backward fails with DP_EINVAL naming this rank, and
+ *   every rank goes on with the next iteration.
+ * Errors: an unknown name, or one of a parameter that did not require grad
+ * at create, is DP_EINVAL naming it; a second mark of one parameter in a
+ * backward (also after the set completed) is DP_ESTATE naming it; a mark
+ * with no dp_fsdp_unshard since the last post_backward is DP_ESTATE. A
+ * backward starts with the dp_fsdp's next unshard. */
+DP_API dp_status dp_fsdp_mark_grad_ready(dp_fsdp *fsdp, const char *name);
 /* Waits for the last post_backward's reduce-scatter. */
 DP_API dp_status dp_fsdp_finish_backward(dp_fsdp *fsdp);
 DP_API dp_status dp_fsdp_set_requires_gradient_sync(dp_fsdp *fsdp, int requires_sync);
@@ -245,6 +271,18 @@ DP_API void dp_fsdp_destroy(dp_fsdp *fsdp);
  * that rank, and the group stays usable. */
 DP_API dp_status dp_fsdp_save_full_state_dict(dp_module *module, dp_process_group *pg, const char *path);
 DP_API dp_status dp_fsdp_load_full_state_dict(dp_module *module, const char *path, int strict);
+/* The full state dict in memory: collective over `pg` as the full save is
+ * (the same gathers, the same requirements and errors), and instead of the
+ * file, *out on rank `root` (on every rank for -1) is a new module holding
+ * what that file would: every tensor of the state dict under the same
+ * dotted names, unsharded, in its own dtype, as a copy in cpu memory
+ * (parameters as parameters with their requires_grad, persistent buffers as
+ * buffers; child modules made for the dots); dp_module_save of it writes
+ * the full save's bytes. *out is NULL on the other ranks. A `root` outside
+ * -1..size-1 or a NULL `out` on one rank fails every rank's call with
+ * DP_EINVAL naming it, as does a rank that cannot build the module (with
+ * its status). */
+DP_API dp_status dp_fsdp_full_state_dict(dp_module *module, dp_process_group *pg, int32_t root, dp_module **out);
 /* Sharded: collective over `pg` (as for the full save). Each save gets an
  * id (16 hex digits, rank 0's); each rank writes
  * `folder`/shard-RRRRR-of-WWWWW-<id>.safetensors (the folder is made when
