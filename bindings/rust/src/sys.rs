@@ -21,7 +21,7 @@ extern "C" {
 /// The ABI major this mirror describes (DP_VERSION_MAJOR).
 pub const DP_VERSION_MAJOR: u32 = 0;
 /// The abi_minor of the table this mirror describes (DP_API_MINOR).
-pub const DP_API_MINOR: u32 = 8;
+pub const DP_API_MINOR: u32 = 9;
 
 pub type dp_status = i32;
 pub const DP_OK: dp_status = 0;
@@ -122,6 +122,29 @@ pub struct DLManagedTensor {
     pub manager_ctx: *mut c_void,
     pub deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
 }
+
+/// DLPack 1.x's DLPackVersion.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DLPackVersion {
+    pub major: u32,
+    pub minor: u32,
+}
+
+/// DLPack 1.x's DLManagedTensorVersioned (dp_dlpack.h).
+#[repr(C)]
+#[derive(Debug)]
+pub struct DLManagedTensorVersioned {
+    pub version: DLPackVersion,
+    pub manager_ctx: *mut c_void,
+    pub deleter: Option<unsafe extern "C" fn(*mut DLManagedTensorVersioned)>,
+    pub flags: u64,
+    pub dl_tensor: DLTensor,
+}
+
+/// DLPack 1.x's flags.
+pub const DLPACK_FLAG_BITMASK_READ_ONLY: u64 = 1 << 0;
+pub const DLPACK_FLAG_BITMASK_IS_COPIED: u64 = 1 << 1;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -440,6 +463,12 @@ dp_api_slots! {
     device_reset_peak_memory: unsafe extern "C" fn(dp_device) -> St,
     // ---- abi_minor 8: the library's own threads (dp_base.h) ----
     shutdown: unsafe extern "C" fn() -> St,
+    // ---- abi_minor 9: hosts with their own autograd (dp_fsdp.h), DLPack 1.x (dp_dlpack.h) ----
+    fsdp_mark_grad_ready: unsafe extern "C" fn(*mut dp_fsdp, *const c_char) -> St,
+    tensor_to_dlpack_versioned: unsafe extern "C" fn(*const dp_tensor, c_int, *mut *mut DLManagedTensorVersioned) -> St,
+    tensor_from_dlpack_versioned: unsafe extern "C" fn(*mut *mut dp_tensor, *mut DLManagedTensorVersioned) -> St,
+    fsdp_full_state_dict:
+        unsafe extern "C" fn(*mut dp_module, *mut dp_process_group, i32, *mut *mut dp_module) -> St,
 }
 
 /// Offset of the first function pointer.
@@ -468,7 +497,8 @@ const _: () = {
     assert!(offset_of!(dp_api, fsdp_options_init) == slot(108));
     assert!(offset_of!(dp_api, device_memory_stats) == slot(125));
     assert!(offset_of!(dp_api, shutdown) == slot(127));
-    assert!(size_of::<dp_api>() == slot(128));
+    assert!(offset_of!(dp_api, fsdp_mark_grad_ready) == slot(128));
+    assert!(size_of::<dp_api>() == slot(132));
     assert!(size_of::<dp_process_group_options>() == 48);
     assert!(offset_of!(dp_ddp_options, static_graph) == 96);
     assert!(offset_of!(dp_ddp_options, bucket_plan) == 120);
@@ -479,4 +509,6 @@ const _: () = {
     assert!(size_of::<dp_memory_stats>() == 32);
     assert!(size_of::<DLTensor>() == 48);
     assert!(size_of::<DLManagedTensor>() == 64);
+    assert!(offset_of!(DLManagedTensorVersioned, flags) == 24);
+    assert!(size_of::<DLManagedTensorVersioned>() == 80);
 };
