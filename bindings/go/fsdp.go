@@ -217,7 +217,8 @@ func (f *FSDP) shardTensor(op string, index int, fn func(api *C.dp_api, out **C.
 }
 
 // Shard is this rank's rows of managed parameter index (the shard itself:
-// the optimizer updates it in place); nil when this rank keeps no rows.
+// the optimizer updates it in place); a tensor of 0 rows when this rank
+// keeps none.
 func (f *FSDP) Shard(index int) (*Tensor, error) {
 	return f.shardTensor("dp_fsdp_shard", index, func(api *C.dp_api, out **C.dp_tensor) C.dp_status {
 		return C.dpgo_fsdp_shard(api, f.h, C.size_t(index), out)

@@ -429,3 +429,176 @@ TEST(FsdpFullStateDict, ABadRootOnOneRankFailsEveryRankNamingItAndTheGroupStaysU
     EXPECT_EQ(out != nullptr, rank == 0);
   });
 }
+
+// ---- the unshard protocol and what create does to the host's memory (dp_fsdp.h) ----
+
+namespace {
+
+std::vector<int64_t> shape_of(const dp_tensor* t) {
+  std::vector<int64_t> shape(static_cast<size_t>(dp_tensor_ndim(t)));
+  EXPECT_EQ(dp_tensor_shape(t, shape.data(), static_cast<int32_t>(shape.size())), DP_OK);
+  return shape;
+}
+
+std::vector<int64_t> slot_shape(const dp_module* m, const char* name) {
+  dp_tensor* p = nullptr;
+  EXPECT_EQ(dp_module_get_parameter(m, name, &p), DP_OK) << dp_last_error();
+  TensorPtr owned(p);
+  return p == nullptr ? std::vector<int64_t>{} : shape_of(p);
+}
+
+}  // namespace
+
+TEST(FsdpProtocol, RepeatedUnshardsMakeNoCollectiveAndWaitUnshardFollowsTheState) {
+  run_ranks(2, DP_BACKEND_GLOO, [](int rank, dp_process_group* pg) {
+    Net net(0.0f);
+    FsdpPtr f = fully_shard(net.root.get(), pg);
+    EXPECT_EQ(dp_fsdp_wait_unshard(f.get()), DP_ESTATE) << "resharded, none in flight";
+    EXPECT_EQ(dp_fsdp_reshard(f.get()), DP_OK) << "a reshard while resharded does nothing";
+    // Rank 0 repeats its unshards, async and blocking; rank 1 makes one.
+    if (rank == 0) {
+      ASSERT_EQ(dp_fsdp_unshard(f.get(), 1), DP_OK) << dp_last_error();
+      ASSERT_EQ(dp_fsdp_unshard(f.get(), 1), DP_OK) << dp_last_error();
+      ASSERT_EQ(dp_fsdp_unshard(f.get(), 0), DP_OK) << dp_last_error();
+      ASSERT_EQ(dp_fsdp_unshard(f.get(), 0), DP_OK) << dp_last_error();
+      ASSERT_EQ(dp_fsdp_unshard(f.get(), 1), DP_OK) << dp_last_error();
+    } else {
+      ASSERT_EQ(dp_fsdp_unshard(f.get(), 0), DP_OK) << dp_last_error();
+    }
+    EXPECT_EQ(dp_fsdp_wait_unshard(f.get()), DP_OK) << "unsharded: at once: " << dp_last_error();
+    EXPECT_EQ(slot_shape(net.root.get(), "0.weight"), (std::vector<int64_t>{kDim, kDim}));
+    ASSERT_EQ(dp_fsdp_post_backward(f.get()), DP_OK) << dp_last_error();
+    ASSERT_EQ(dp_fsdp_finish_backward(f.get()), DP_OK) << dp_last_error();
+    // Had a repeat issued an all-gather, this collective would pair with it.
+    dp_module* state = nullptr;
+    ASSERT_EQ(dp_fsdp_full_state_dict(net.root.get(), pg, -1, &state), DP_OK) << dp_last_error();
+    ModulePtr owned(state);
+    EXPECT_EQ(dp_fsdp_wait_unshard(f.get()), DP_ESTATE) << "post_backward resharded";
+    EXPECT_EQ(dp_fsdp_post_backward(f.get()), DP_ESTATE) << "no unshard since the last post_backward";
+  });
+}
+
+TEST(FsdpProtocol, ReshardKeepsTheFullParametersUntilPostBackwardOnlyWithoutReshardAfterForward) {
+  for (int after_forward : {0, 1}) {
+    run_ranks(2, DP_BACKEND_GLOO, [after_forward](int rank, dp_process_group* pg) {
+      Net net(0.0f);
+      const int64_t shard_rows = rank == 0 ? 2 : 1;  // 3 rows in chunks of 2
+      dp_fsdp_options o;
+      ASSERT_EQ(dp_fsdp_options_init(&o, sizeof o), DP_OK);
+      o.reshard_after_forward = after_forward;
+      dp_fsdp* raw = nullptr;
+      ASSERT_EQ(dp_fsdp_create(&raw, net.root.get(), pg, &o), DP_OK) << dp_last_error();
+      FsdpPtr f(raw);
+      ASSERT_EQ(dp_fsdp_unshard(f.get(), 1), DP_OK) << dp_last_error();
+      ASSERT_EQ(dp_fsdp_reshard(f.get()), DP_OK) << "completes the unshard first: " << dp_last_error();
+      EXPECT_EQ(slot_shape(net.root.get(), "1.weight")[0], after_forward != 0 ? shard_rows : kDim);
+      EXPECT_EQ(dp_fsdp_wait_unshard(f.get()), after_forward != 0 ? DP_ESTATE : DP_OK);
+      ASSERT_EQ(dp_fsdp_unshard(f.get(), 0), DP_OK) << dp_last_error();
+      ASSERT_EQ(dp_fsdp_post_backward(f.get()), DP_OK) << dp_last_error();
+      EXPECT_EQ(slot_shape(net.root.get(), "1.weight")[0], shard_rows) << "post_backward always reshards";
+      ASSERT_EQ(dp_fsdp_finish_backward(f.get()), DP_OK) << dp_last_error();
+    });
+  }
+}
+
+TEST(FsdpProtocol, ShardsThatHoldNothingAreZeroRowTensorsAndAnEmptyDpFsdpMakesNoCollective) {
+  run_ranks(2, DP_BACKEND_GLOO, [](int rank, dp_process_group* pg) {
+    ModulePtr root = dptest::new_module(), child = dptest::new_module();
+    TensorPtr narrow = make<float>({1, 3}, {1, 2, 3});
+    ASSERT_EQ(dp_module_register_parameter(child.get(), "narrow", narrow.get(), 1), DP_OK);
+    ASSERT_EQ(dp_module_register_module(root.get(), "child", child.get()), DP_OK);
+    FsdpPtr f = fully_shard(child.get(), pg);
+    FsdpPtr empty = fully_shard(root.get(), pg);  // the child's dp_fsdp holds everything
+    ASSERT_EQ(dp_fsdp_num_parameters(empty.get()), 0u);
+    const int64_t rows = rank == 0 ? 1 : 0;
+    dp_tensor* shard = nullptr;
+    dp_tensor* grad = nullptr;
+    ASSERT_EQ(dp_fsdp_shard(f.get(), 0, &shard), DP_OK);
+    ASSERT_EQ(dp_fsdp_shard_grad(f.get(), 0, &grad), DP_OK);
+    TensorPtr owned_shard(shard), owned_grad(grad);
+    ASSERT_NE(shard, nullptr);
+    ASSERT_NE(grad, nullptr);
+    EXPECT_EQ(shape_of(shard), (std::vector<int64_t>{rows, 3}));
+    EXPECT_EQ(shape_of(grad), (std::vector<int64_t>{rows, 3}));
+    EXPECT_EQ(slot_shape(root.get(), "child.narrow"), (std::vector<int64_t>{rows, 3}));
+    // The empty dp_fsdp's state errors hold; its calls pair with nothing, so
+    // rank 0 making them twice leaves the next collective in step.
+    EXPECT_EQ(dp_fsdp_wait_unshard(empty.get()), DP_ESTATE);
+    EXPECT_EQ(dp_fsdp_post_backward(empty.get()), DP_ESTATE);
+    for (int round = 0; round < (rank == 0 ? 2 : 1); ++round) {
+      ASSERT_EQ(dp_fsdp_unshard(empty.get(), 1), DP_OK) << dp_last_error();
+      ASSERT_EQ(dp_fsdp_wait_unshard(empty.get()), DP_OK) << dp_last_error();
+      ASSERT_EQ(dp_fsdp_post_backward(empty.get()), DP_OK) << dp_last_error();
+      ASSERT_EQ(dp_fsdp_finish_backward(empty.get()), DP_OK) << dp_last_error();
+    }
+    // Every rank, rows or none, takes part in the all-gather and reduce-scatter.
+    ASSERT_EQ(dp_fsdp_unshard(f.get(), 0), DP_OK) << dp_last_error();
+    EXPECT_EQ(parameter(root.get(), "child.narrow"), (std::vector<float>{1, 2, 3}));
+    dp_tensor* full_grad = nullptr;
+    ASSERT_EQ(dp_module_grad(root.get(), "child.narrow", &full_grad), DP_OK) << dp_last_error();
+    TensorPtr owned_full_grad(full_grad);
+    write(full_grad, {2.0f * static_cast<float>(rank), 0.0f, 4.0f});
+    ASSERT_EQ(dp_fsdp_post_backward(f.get()), DP_OK) << dp_last_error();
+    ASSERT_EQ(dp_fsdp_finish_backward(f.get()), DP_OK) << dp_last_error();
+    EXPECT_EQ(read(grad), rank == 0 ? (std::vector<float>{1.0f, 0.0f, 4.0f}) : std::vector<float>{});
+  });
+}
+
+namespace {
+
+void count_release(void* counter) { ++*static_cast<std::atomic<int>*>(counter); }
+
+}  // namespace
+
+TEST(FsdpProtocol, CreateDropsTheHostsParameterAndGradientMemoryAfterWritingRankZerosValues) {
+  run_ranks(2, DP_BACKEND_GLOO, [](int rank, dp_process_group* pg) {
+    ModulePtr m = dptest::new_module();
+    const float skew = static_cast<float>(rank);
+    // `lent`: the host's memory, whose last reference the module holds.
+    std::vector<float> lent_memory{1 + skew, 2 + skew, 3 + skew, 4 + skew};
+    std::vector<float> grad_memory(4, 5.0f);
+    std::atomic<int> lent_released{0}, grad_released{0};
+    const int64_t shape[] = {2, 2};
+    dp_tensor* lent = nullptr;
+    ASSERT_EQ(dp_tensor_from_blob(&lent, lent_memory.data(), DP_FLOAT32, 2, shape, dptest::cpu(0), count_release,
+                                  &lent_released),
+              DP_OK);
+    ASSERT_EQ(dp_module_register_parameter(m.get(), "lent", lent, 1), DP_OK);
+    dp_tensor_destroy(lent);
+    // `kept`: a parameter the host keeps a handle on.
+    TensorPtr kept = make<float>({2, 2}, {10 + skew, 20 + skew, 30 + skew, 40 + skew});
+    ASSERT_EQ(dp_module_register_parameter(m.get(), "kept", kept.get(), 1), DP_OK);
+    dp_tensor* grad = nullptr;
+    ASSERT_EQ(dp_tensor_from_blob(&grad, grad_memory.data(), DP_FLOAT32, 2, shape, dptest::cpu(0), count_release,
+                                  &grad_released),
+              DP_OK);
+    ASSERT_EQ(dp_module_set_grad(m.get(), "kept", grad), DP_OK) << dp_last_error();
+    dp_tensor_destroy(grad);
+    ASSERT_EQ(lent_released.load(), 0);
+    ASSERT_EQ(grad_released.load(), 0);
+    FsdpPtr f = fully_shard(m.get(), pg);
+    // The module's slots dropped both: their memory went back at once.
+    EXPECT_EQ(lent_released.load(), 1);
+    EXPECT_EQ(grad_released.load(), 1);
+    // The kept handle names the host's tensor, not the parameter: with
+    // init_sync it holds rank 0's values, and the slot is the shard elsewhere.
+    EXPECT_EQ(read(kept.get()), (std::vector<float>{10, 20, 30, 40}));
+    dp_tensor* slot = nullptr;
+    ASSERT_EQ(dp_module_get_parameter(m.get(), "kept", &slot), DP_OK);
+    TensorPtr owned_slot(slot);
+    EXPECT_NE(dp_tensor_data(slot), dp_tensor_data(kept.get()));
+    // The gradient starts afresh: zeros, once unsharded.
+    ASSERT_EQ(dp_fsdp_unshard(f.get(), 0), DP_OK) << dp_last_error();
+    EXPECT_EQ(parameter(m.get(), "lent"), (std::vector<float>{1, 2, 3, 4}));
+    dp_tensor* fresh = nullptr;
+    ASSERT_EQ(dp_module_grad(m.get(), "kept", &fresh), DP_OK) << dp_last_error();
+    TensorPtr owned_fresh(fresh);
+    EXPECT_EQ(read(fresh), (std::vector<float>{0, 0, 0, 0}));
+    ASSERT_EQ(dp_fsdp_reshard(f.get()), DP_OK) << dp_last_error();
+    // Writing the host's old tensor changes nothing the dp_fsdp holds.
+    write(kept.get(), {-1, -1, -1, -1});
+    ASSERT_EQ(dp_fsdp_unshard(f.get(), 0), DP_OK) << dp_last_error();
+    EXPECT_EQ(parameter(m.get(), "kept"), (std::vector<float>{10, 20, 30, 40}));
+    ASSERT_EQ(dp_fsdp_reshard(f.get()), DP_OK) << dp_last_error();
+  });
+}
