@@ -209,7 +209,7 @@ dp_status dpgo_stream_launch_host_func(const dp_api *a, dp_device device, void *
     (m, path, strict))                                                                                                 \
   X(dp_status, fsdp_save_sharded_state_dict, (const dp_api *a, dp_module *m, dp_process_group *pg, const char *dir),   \
     (m, pg, dir))                                                                                                      \
-  X(dp_status, fsdp_load_sharded_state_dict, (const dp_api *a, dp_module *m, const char *dir), (m, dir))             \
+  X(dp_status, fsdp_load_sharded_state_dict, (const dp_api *a, dp_module *m, const char *dir), (m, dir))               \
   X(dp_status, fsdp_mark_grad_ready, (const dp_api *a, dp_fsdp *f, const char *name), (f, name))                       \
   X(dp_status, fsdp_full_state_dict,                                                                                   \
     (const dp_api *a, dp_module *m, dp_process_group *pg, int32_t root, dp_module **out), (m, pg, root, out))          \
