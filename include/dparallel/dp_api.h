@@ -208,8 +208,8 @@ extern "C" {
   X(dp_status, device_reset_peak_memory, (dp_device device))                                                          \
   /* ---- abi_minor 8: the library's own threads (dp_base.h) ---- */                                                   \
   X(dp_status, shutdown, (void))                                                                                       \
-  /* ---- abi_minor 9: hosts with their own autograd (dp_fsdp.h), DLPack 1.x (dp_dlpack.h) ---- */                    \
-  X(dp_status, fsdp_mark_grad_ready, (dp_fsdp *fsdp, const char *name))                                                 \
+  /* ---- abi_minor 9: hosts with their own autograd (dp_fsdp.h), DLPack 1.x (dp_dlpack.h) ---- */                     \
+  X(dp_status, fsdp_mark_grad_ready, (dp_fsdp *fsdp, const char *name))                                                \
   X(dp_status, tensor_to_dlpack_versioned,                                                                             \
     (const dp_tensor *tensor, int read_only, struct DLManagedTensorVersioned **out))                                   \
   X(dp_status, tensor_from_dlpack_versioned, (dp_tensor **out, struct DLManagedTensorVersioned *managed))              \
