@@ -171,8 +171,12 @@ dp_status dp_tensor_from_dlpack_versioned(dp_tensor** out, DLManagedTensorVersio
   } else {
     // The library writes tensors in place: a read-only one is copied, and
     // the producer's is released once the copy is made.
-    Tensor copy = Tensor::empty(in.dtype, in.shape, in.device);
-    copy_bytes(copy.data(), in.device, in.data, in.device, in.nbytes);
+    // After the host's stream (the producer's writes), as dp_tensor_to_device.
+    Tensor copy = capi::in_stream_order({in.device}, [&] {
+      Tensor c = Tensor::empty(in.dtype, in.shape, in.device);
+      copy_bytes(c.data(), in.device, in.data, in.device, in.nbytes);
+      return c;
+    });
     dp_tensor* handle = capi::new_tensor_handle(copy);
     if (managed->deleter != nullptr) managed->deleter(managed);
     *out = handle;
