@@ -151,6 +151,17 @@ dp_status dp_fsdp_post_backward(dp_fsdp* fsdp) {
   DP_API_END
 }
 
+dp_status dp_fsdp_mark_grad_ready(dp_fsdp* fsdp, const char* name) {
+  DP_API_BEGIN
+  fsdp::FullyShard& f = changing_fsdp_arg(fsdp);
+  std::string parameter = capi::string_arg(name, "name");
+  // Each marking thread's stream: the post_backward the last mark runs
+  // follows all of them (as in dp_fsdp_unshard).
+  StreamOrder order({f.group()->device()}, StreamOrder::HostWait::kDeferred);
+  f.mark_grad_ready(parameter, order.take_deferred());
+  DP_API_END
+}
+
 dp_status dp_fsdp_finish_backward(dp_fsdp* fsdp) {
   DP_API_BEGIN
   fsdp::FullyShard& f = changing_fsdp_arg(fsdp);
@@ -208,6 +219,29 @@ dp_status dp_fsdp_save_full_state_dict(dp_module* module, dp_process_group* pg, 
   capi::in_stream_order(
       capi::module_devices(m, {group.device()}), [&] { fsdp::save_full_state_dict(m, group, file); },
       capi::transfer_stream_of(group));
+  DP_API_END
+}
+
+dp_status dp_fsdp_full_state_dict(dp_module* module, dp_process_group* pg, int32_t root, dp_module** out) {
+  DP_API_BEGIN
+  if (out != nullptr) *out = nullptr;
+  std::string refusal = refusal_inside_callback();
+  if (!refusal.empty()) fail(StatusCode::kState, refusal);
+  Module& m = *capi::module_arg(module, "module");
+  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
+  // A bad `root` or `out` on one rank fails every rank's call, naming it.
+  if (out == nullptr) fsdp::refuse_full_state_dict_save(m, group, "argument 'out' is NULL");
+  if (root < -1 || root >= group.size()) {
+    fsdp::refuse_full_state_dict_save(
+        m, group,
+        str_cat("argument 'root' is ", root, "; it must be -1 (every rank) or a rank of the group, 0..",
+                group.size() - 1));
+  }
+  std::shared_ptr<Module> full;
+  capi::in_stream_order(
+      capi::module_devices(m, {group.device()}), [&] { full = fsdp::full_state_dict(m, group, root); },
+      capi::transfer_stream_of(group));
+  if (full) *out = capi::new_module_handle(std::move(full));
   DP_API_END
 }
 

@@ -306,9 +306,17 @@ func fullyShardTwoRanks(t *testing.T, views bool) {
 			_, err = forwardBackward(v.w, v.b, v.gw, v.gb, rows, share, share, nil)
 			r.must(err)
 			v.close() // the full tensors are released after the reduce-scatter
-			for l := layers - 1; l >= 0; l-- {
+			for l := layers - 1; l >= 1; l-- {
 				r.must(fsdps[l].PostBackward())
 			}
+			// Layer 0 through per-parameter marks from two goroutines: the
+			// last one runs its PostBackward.
+			marked := make(chan error, 2)
+			for _, name := range []string{"bias", "weight"} {
+				go func(name string) { marked <- fsdps[0].MarkGradReady(name) }(name)
+			}
+			r.must(<-marked)
+			r.must(<-marked)
 			for _, f := range fsdps {
 				r.must(f.FinishBackward())
 				for i := 0; i < f.NumParameters(); i++ {
@@ -328,6 +336,24 @@ func fullyShardTwoRanks(t *testing.T, views bool) {
 			r.must(model.ZeroGrad())
 		}
 		expect("trained", model, fsdps)
+
+		// The full state dict in memory: on every rank, or on rank 1 alone.
+		state, err := model.FullStateDict(pg, -1)
+		r.must(err)
+		sv, err := moduleViews(state)
+		r.must(err)
+		compare(r.t, fmt.Sprintf("rank %d in-memory full state dict weights", r.rank), sv.w, wantW)
+		compare(r.t, fmt.Sprintf("rank %d in-memory full state dict biases", r.rank), sv.b, wantB)
+		sv.close()
+		state.Close()
+		onOne, err := model.FullStateDict(pg, 1)
+		r.must(err)
+		if (onOne != nil) != (r.rank == 1) {
+			r.errorf("rank %d: the in-memory full state dict for rank 1 is %v", r.rank, onOne)
+		}
+		if onOne != nil {
+			onOne.Close()
+		}
 
 		full := filepath.Join(dir, "full.safetensors")
 		sharded := filepath.Join(dir, "sharded")

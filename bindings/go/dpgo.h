@@ -229,7 +229,13 @@ dp_status dpgo_stream_launch_host_func(const dp_api *a, dp_device device, void *
   X(dp_status, device_mesh_shape, (const dp_api *a, const dp_device_mesh *m, int32_t *out, size_t cap), (m, out, cap)) \
   X(dp_status, device_mesh_coordinate, (const dp_api *a, const dp_device_mesh *m, int32_t *out, size_t cap),           \
     (m, out, cap))                                                                                                     \
-  X(dp_status, device_mesh_dim_name, (const dp_api *a, const dp_device_mesh *m, size_t d, const char **out), (m, d, out))
+  X(dp_status, device_mesh_dim_name, (const dp_api *a, const dp_device_mesh *m, size_t d, const char **out), (m, d, out)) \
+  X(dp_status, fsdp_mark_grad_ready, (const dp_api *a, dp_fsdp *f, const char *name), (f, name))                       \
+  X(dp_status, fsdp_full_state_dict,                                                                                   \
+    (const dp_api *a, dp_module *m, dp_process_group *pg, int32_t root, dp_module **out), (m, pg, root, out))          \
+  X(dp_status, tensor_from_dlpack_versioned, (const dp_api *a, dp_tensor **out, void *managed), (out, managed))        \
+  X(dp_status, tensor_to_dlpack_versioned, (const dp_api *a, const dp_tensor *t, int read_only, void **out),           \
+    (t, read_only, (struct DLManagedTensorVersioned **)out))
 
 #define DPGO_DECLARE(ret, name, params, args) ret dpgo_##name params;
 #define DPGO_DECLARE_VOID(name, params, args) void dpgo_##name params;

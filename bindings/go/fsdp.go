@@ -147,6 +147,19 @@ func (f *FSDP) PostBackward() error {
 	})
 }
 
+// MarkGradReady is FSDP2's per-parameter hook: managed parameter name's
+// full gradient is final. Any goroutine, any order, several at once; the
+// mark that completes the set of parameters that required grad at create
+// runs PostBackward itself (an explicit PostBackward after it is a no-op).
+// A FinishBackward after some marks but not all fails naming the others.
+func (f *FSDP) MarkGradReady(name string) error {
+	cname := C.CString(name)
+	defer C.free(unsafe.Pointer(cname))
+	return f.simple("dp_fsdp_mark_grad_ready", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_fsdp_mark_grad_ready(api, f.h, cname)
+	})
+}
+
 // FinishBackward waits for the last PostBackward's reduce-scatter.
 func (f *FSDP) FinishBackward() error {
 	return f.simple("dp_fsdp_finish_backward", func(api *C.dp_api) C.dp_status {
@@ -204,7 +217,8 @@ func (f *FSDP) shardTensor(op string, index int, fn func(api *C.dp_api, out **C.
 }
 
 // Shard is this rank's rows of managed parameter index (the shard itself:
-// the optimizer updates it in place); nil when this rank keeps no rows.
+// the optimizer updates it in place); a tensor of 0 rows when this rank
+// keeps none.
 func (f *FSDP) Shard(index int) (*Tensor, error) {
 	return f.shardTensor("dp_fsdp_shard", index, func(api *C.dp_api, out **C.dp_tensor) C.dp_status {
 		return C.dpgo_fsdp_shard(api, f.h, C.size_t(index), out)
@@ -226,6 +240,31 @@ func (m *Module) SaveFullStateDict(pg *ProcessGroup, path string) error {
 		func(api *C.dp_api, group *C.dp_process_group, cpath *C.char) C.dp_status {
 			return C.dpgo_fsdp_save_full_state_dict(api, m.h, group, cpath)
 		})
+}
+
+// FullStateDict is the full state dict in memory: collective over pg as
+// SaveFullStateDict; on rank root (every rank for -1) a new module of the
+// unsharded tensors, cpu copies under the file's names; nil on the others.
+func (m *Module) FullStateDict(pg *ProcessGroup, root int) (*Module, error) {
+	const op = "dp_fsdp_full_state_dict"
+	if pg == nil {
+		return nil, nilArgument(op, "pg")
+	}
+	done, err := pg.arg(op, "pg")
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	var h *C.dp_module
+	if err := m.call(op, func(api *C.dp_api) C.dp_status {
+		return C.dpgo_fsdp_full_state_dict(api, m.h, pg.h, C.int32_t(root), &h)
+	}); err != nil {
+		return nil, err
+	}
+	if h == nil {
+		return nil, nil
+	}
+	return &Module{lib: m.lib, h: h}, nil
 }
 
 // saveStateDict runs op, a save collective over pg, to path.

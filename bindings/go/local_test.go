@@ -305,6 +305,28 @@ func TestTensorFromBlobAndDLPack(t *testing.T) {
 	if _, err := lib.TensorFromDLPack(nil); !errors.Is(err, StatusInvalid) || !strings.Contains(err.Error(), "'managed'") {
 		t.Errorf("a nil DLManagedTensor gave %v", err)
 	}
+
+	// DLPack 1.x: in place, or a copy when exported read-only.
+	v, err := lib.TensorFromFloat32s([]float32{1, 2, 3}, []int64{3}, CPU(0))
+	must(t, err)
+	defer v.Close()
+	writable, err := v.ToDLPackVersioned(false)
+	must(t, err)
+	inPlace, err := lib.TensorFromDLPackVersioned(writable)
+	must(t, err)
+	readOnly, err := v.ToDLPackVersioned(true)
+	must(t, err)
+	copied, err := lib.TensorFromDLPackVersioned(readOnly)
+	must(t, err)
+	if inPlace.Data() != v.Data() || copied.Data() == v.Data() || float32sOf(t, copied) != "[1 2 3]" {
+		t.Errorf("versioned DLPack: in place at %v, copy at %v holding %s (the tensor at %v)", inPlace.Data(),
+			copied.Data(), float32sOf(t, copied), v.Data())
+	}
+	inPlace.Close()
+	copied.Close()
+	if _, err := lib.TensorFromDLPackVersioned(nil); !errors.Is(err, StatusInvalid) {
+		t.Errorf("a nil DLManagedTensorVersioned gave %v", err)
+	}
 }
 
 // Host functions run in order on a cpu stream; a panic in one is reported

@@ -348,6 +348,42 @@ func (l *Library) TensorFromDLPack(managed unsafe.Pointer) (*Tensor, error) {
 	return l.ownedTensor(h), nil
 }
 
+// TensorFromDLPackVersioned takes over a DLPack 1.x DLManagedTensorVersioned
+// (as unsafe.Pointer; major version 1): in place as TensorFromDLPack, or,
+// flagged read-only, as a copy (managed is released before it returns). On
+// failure the caller still owns managed.
+func (l *Library) TensorFromDLPackVersioned(managed unsafe.Pointer) (*Tensor, error) {
+	if managed == nil {
+		return nil, invalid("dp_tensor_from_dlpack_versioned", "argument 'managed' is nil")
+	}
+	var h *C.dp_tensor
+	err := l.call("dp_tensor_from_dlpack_versioned", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_tensor_from_dlpack_versioned(api, &h, managed)
+	})
+	if err != nil {
+		return nil, err
+	}
+	return l.ownedTensor(h), nil
+}
+
+// ToDLPackVersioned is a DLPack 1.x DLManagedTensorVersioned (as
+// unsafe.Pointer, version 1.1) over the tensor's memory, flagged read-only
+// when readOnly; owned as ToDLPack's.
+func (t *Tensor) ToDLPackVersioned(readOnly bool) (unsafe.Pointer, error) {
+	const op = "dp_tensor_to_dlpack_versioned"
+	if t == nil {
+		return nil, nilArgument(op, "t")
+	}
+	var out unsafe.Pointer
+	err := t.call(op, func(api *C.dp_api) C.dp_status {
+		return C.dpgo_tensor_to_dlpack_versioned(api, t.h, cbool(readOnly), &out)
+	})
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // ToDLPack is a DLManagedTensor (as unsafe.Pointer) over the tensor's
 // memory, without a copy. Whoever receives it calls its deleter; the memory
 // stays alive until then, even after the tensor is closed. DLPack knows one

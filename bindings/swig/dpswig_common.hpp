@@ -19,6 +19,10 @@
 #include <utility>
 #include <vector>
 
+// Before dparallel.h: with a DLPack 0.x header, dp_dlpack.h then defines
+// DLManagedTensorVersioned (dpswig_tensor.hpp reads its deleter).
+#include <dlpack/dlpack.h>
+
 #include "dparallel/dparallel.h"
 
 // A released handle and the call that releases it, in the language's own

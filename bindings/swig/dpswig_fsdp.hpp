@@ -64,6 +64,12 @@ class Fsdp {
   // The full gradients are final: reshards, then reduce-scatters their
   // average into the shard gradients, asynchronously.
   void postBackward() { check(dp_fsdp_post_backward(handle())); }
+  // A host autograd's per-parameter hook: parameter `name`'s full gradient
+  // is final. Any thread, any order; the mark that completes the set runs
+  // postBackward itself (a later postBackward for that backward is a
+  // no-op). A finishBackward after some marks but not all fails naming the
+  // unmarked parameters.
+  void markGradReady(const std::string& name) { check(dp_fsdp_mark_grad_ready(handle(), name.c_str())); }
   // Waits for the last postBackward's reduce-scatter.
   void finishBackward() { check(dp_fsdp_finish_backward(handle())); }
   void setRequiresGradientSync(bool requiresSync) {
@@ -93,6 +99,14 @@ class Fsdp {
   // unsharded module. Loading is local: each rank keeps its rows.
   static void saveFullStateDict(Module& module, ProcessGroup& pg, const std::string& path) {
     check(dp_fsdp_save_full_state_dict(module.handle("module"), pg.handle("pg"), path.c_str()));
+  }
+  // The full state dict in memory: collective as saveFullStateDict; on rank
+  // `root` (every rank for -1) a new module of the unsharded tensors, cpu
+  // copies under the file's names; null on the other ranks.
+  static Module* fullStateDict(Module& module, ProcessGroup& pg, int root = 0) {
+    dp_module* out = nullptr;
+    check(dp_fsdp_full_state_dict(module.handle("module"), pg.handle("pg"), root, &out));
+    return out != nullptr ? new Module(out, true) : nullptr;
   }
   static void loadFullStateDict(Module& module, const std::string& path, bool strict = true) {
     check(dp_fsdp_load_full_state_dict(module.handle("module"), path.c_str(), strict ? 1 : 0));

@@ -156,6 +156,29 @@ class Tensor {
     DLManagedTensor* managed = static_cast<DLManagedTensor*>(address);
     if (managed->deleter != nullptr) managed->deleter(managed);
   }
+  // DLPack 1.x: a DLManagedTensorVersioned over this tensor's memory, as an
+  // address, flagged read-only when asked (advice to its consumer). Owned
+  // as toDlpack's: fromDlpackVersioned, a framework, or deleteDlpackVersioned.
+  NativePointer toDlpackVersioned(bool readOnly = false) const {
+    DLManagedTensorVersioned* out = nullptr;
+    check(dp_tensor_to_dlpack_versioned(handle(), readOnly ? 1 : 0, &out));
+    return out;
+  }
+  // Takes over the DLManagedTensorVersioned at `address` (major version 1):
+  // in place, or, flagged read-only, as a copy (released at once). On
+  // failure the caller still owns it.
+  static Tensor* fromDlpackVersioned(NativePointer address) {
+    if (address == nullptr) fail_argument("'address' is null");
+    dp_tensor* out = nullptr;
+    check(dp_tensor_from_dlpack_versioned(&out, static_cast<DLManagedTensorVersioned*>(address)));
+    return new Tensor(out, true);
+  }
+  // Calls the deleter of a DLManagedTensorVersioned this process will not hand over.
+  static void deleteDlpackVersioned(NativePointer address) {
+    if (address == nullptr) fail_argument("'address' is null");
+    DLManagedTensorVersioned* managed = static_cast<DLManagedTensorVersioned*>(address);
+    if (managed->deleter != nullptr) managed->deleter(managed);
+  }
   // A copy on `device`.
   Tensor* to(const Device& device) const {
     dp_tensor* out = nullptr;

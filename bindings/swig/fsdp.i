@@ -5,5 +5,6 @@
 %}
 %newobject dpswig::Fsdp::shard;
 %newobject dpswig::Fsdp::shardGrad;
+%newobject dpswig::Fsdp::fullStateDict;
 
 %include "dpswig_fsdp.hpp"

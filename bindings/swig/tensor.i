@@ -11,6 +11,7 @@
 %newobject dpswig::Tensor::fromHost;
 %newobject dpswig::Tensor::fromPointer;
 %newobject dpswig::Tensor::fromDlpack;
+%newobject dpswig::Tensor::fromDlpackVersioned;
 %ignore dpswig::tensorArg;
 %ignore dpswig::HostMemory;
 %ignore dpswig::HostBuffer;

@@ -222,7 +222,13 @@ extern "C" {
   X(void, device_mesh_destroy, (dp_device_mesh *mesh))                                                                 \
   X(dp_status, device_mesh_shape, (const dp_device_mesh *mesh, int32_t *out, size_t cap))                              \
   X(dp_status, device_mesh_coordinate, (const dp_device_mesh *mesh, int32_t *out, size_t cap))                         \
-  X(dp_status, device_mesh_dim_name, (const dp_device_mesh *mesh, size_t dim, const char **out))
+  X(dp_status, device_mesh_dim_name, (const dp_device_mesh *mesh, size_t dim, const char **out))                       \
+  /* ---- also abi_minor 9: hosts with their own autograd (dp_fsdp.h), DLPack 1.x (dp_dlpack.h) ---- */                \
+  X(dp_status, fsdp_mark_grad_ready, (dp_fsdp *fsdp, const char *name))                                                \
+  X(dp_status, tensor_to_dlpack_versioned,                                                                             \
+    (const dp_tensor *tensor, int read_only, struct DLManagedTensorVersioned **out))                                   \
+  X(dp_status, tensor_from_dlpack_versioned, (dp_tensor **out, struct DLManagedTensorVersioned *managed))              \
+  X(dp_status, fsdp_full_state_dict, (dp_module *module, dp_process_group *pg, int32_t root, dp_module **out))
 /* clang-format on */
 
 /* A type, a name and a parameter list cannot be parenthesised. */

@@ -4,11 +4,29 @@
  *
  * Each rank keeps only its rows of every parameter a dp_fsdp manages: the
  * rows [r*c, min((r+1)*c, rows)) of dim 0, c = ceil(rows / world), the way
- * torch.chunk(world) splits them (a rank may keep none). A 0-d parameter is
- * not sharded: every rank keeps it whole and its gradient is all-reduced.
- * Once dp_fsdp_create returns, the module's slot for each managed parameter
- * holds this rank's shard (dp_module_get_parameter gives it, and a handle
- * taken before still names the old full tensor).
+ * torch.chunk(world) splits them (a rank may keep none: see "Shards that
+ * hold nothing" below). A 0-d parameter is not sharded: every rank keeps it
+ * whole and its gradient is all-reduced.
+ *
+ * What dp_fsdp_create does to the host's memory: each managed parameter's
+ * shard is a copy, in memory of the library's own, and the module's slot
+ * holds it from then on; the slot drops the tensor the host registered
+ * (with init_sync, after rank 0's values were first copied into it on
+ * every rank). The library never reads or writes that memory again: it is
+ * released once the host's own handles on it are gone (at once, through
+ * dp_tensor_from_blob's deleter, when the module held the last reference),
+ * and a handle or a dp_tensor_data pointer the host kept still names it,
+ * not the parameter. The same holds for each managed parameter's gradient:
+ * create drops it, whether dp_module_grad allocated it or dp_module_set_grad
+ * set it over the host's memory (its deleter runs once the host's handles
+ * are gone too), and the shard gradients start at zero. So after create
+ * the host re-queries everything: the shard and its gradient through
+ * dp_fsdp_shard / dp_fsdp_shard_grad (fixed for the dp_fsdp's life), the
+ * full parameters through dp_module_get_parameter and their gradients
+ * through dp_module_grad after each unshard (new tensors each time, unless
+ * views, below), never a pointer taken before. dp_fsdp_destroy gives the
+ * slots full parameters in new memory, not the host's first tensors, and
+ * drops the gradients again.
  *
  * The host drives it around its own forward and backward, per dp_fsdp,
  * children first:
@@ -22,16 +40,52 @@
  *                                    gradients into the shard gradients
  *   dp_fsdp_finish_backward(f);      waits for it
  *   ...the optimizer steps on dp_fsdp_shard / dp_fsdp_shard_grad...
- * dp_fsdp_unshard(f, 1) starts the all-gather and returns at once, so that
- * the next module's parameters arrive while the host computes (prefetch);
- * dp_fsdp_wait_unshard, or a blocking unshard, completes it. All its
- * parameters travel in one all-gather per unshard (each padded to c rows;
- * none with full_params_as_views, below) and their gradients in one
- * reduce-scatter per reduce dtype.
+ dp_fsdp_unshard(f, 1) starts the all-gather and returns at once, so that
+ * the next module's parameters arrive while the host computes (prefetch).
+ * All its parameters travel in one all-gather per unshard (each padded to c
+ * rows; none with full_params_as_views, below) and their gradients in one
+ * reduce-scatter per reduce dtype. A host whose autograd reports each
+ * gradient may mark them one by one instead of calling post_backward
+ * (dp_fsdp_mark_grad_ready).
  *
- * - reshard_after_forward = 0 (ZeRO-2): between an unshard and the next
- *   post_backward, dp_fsdp_reshard keeps the full parameters; post_backward
- *   reshards them. 1 (default, ZeRO-3): dp_fsdp_reshard frees them.
+ * The unshard protocol. Every rule on unshard, wait_unshard, reshard and
+ * shards that hold nothing is here; the calls below refer to it.
+ * - States: resharded (the slots hold the shards: after create, after
+ *   post_backward, after reshard with reshard_after_forward = 1),
+ *   unsharding (an async unshard issued, not completed) and unsharded (the
+ *   slots hold the full parameters, in param_dtype).
+ * - dp_fsdp_unshard from resharded issues the all-gather; blocking, it
+ *   returns once the slots hold the full parameters, async, at once.
+ *   Repeated: an unshard while unsharding or unsharded issues nothing and
+ *   makes no collective (a rank may repeat it where another does not); a
+ *   blocking one while unsharding completes the one in flight.
+ * - dp_fsdp_wait_unshard completes an unshard in flight; while unsharded it
+ *   returns at once; while resharded (none issued since the last reshard or
+ *   post_backward, or the one issued failed and was reported) it is
+ *   DP_ESTATE.
+ * - dp_fsdp_reshard and dp_fsdp_post_backward complete an unshard in flight
+ *   first (as do the full state dict saves and dp_fsdp_destroy). reshard
+ *   then puts the shards back (ZeRO-3, reshard_after_forward = 1, the
+ *   default), except that with reshard_after_forward = 0 (ZeRO-2) it keeps
+ *   the full parameters between an unshard and the next post_backward; a
+ *   reshard while resharded does nothing. post_backward always reshards.
+ * - post_backward with no unshard since the last post_backward is
+ *   DP_ESTATE (no full gradient can have been computed), except after the
+ *   marks ran it (a no-op, see dp_fsdp_mark_grad_ready).
+ * - An unshard in flight reads the shards: the host must not write a shard
+ *   until it completes. A gradient is taken or set only while unsharded.
+ * - Shards that hold nothing: a rank past a parameter's last row (rows <=
+ *   r*c, and every rank for a parameter of 0 rows) keeps a shard of 0 rows
+ *   and a shard gradient of 0 rows: dp_fsdp_shard and dp_fsdp_shard_grad
+ *   give such tensors (never NULL), the slot holds one while resharded, and
+ *   the rank takes part in every all-gather and reduce-scatter as the
+ *   others do. With full_params_as_views such a shard lies in memory of its
+ *   own, apart from the full parameter's. A dp_fsdp that manages no
+ *   parameter at all (its module's parameters are all held by children's)
+ *   is not an error: it goes through the same states and the same errors,
+ *   and none of its calls after create makes a collective (create with
+ *   init_sync does).
+ *
  * - Mixed precision: param_dtype (DP_BFLOAT16, DP_FLOAT16, ...) is the dtype
  *   of the full parameters and of their full gradients, the shards keep
  *   their own; the all-gather moves param_dtype. Gradients are reduced in
@@ -53,9 +107,8 @@
  *   take none.
  *
  * Composition: a dp_fsdp manages the parameters of `module` that no live
- * dp_fsdp holds, so create the children's first; one over a module whose
- * parameters are all held by children manages none (not an error, and its
- * calls then make no collective). dp_ddp_create over a parent leaves every
+ * dp_fsdp holds, so create the children's first (one left with none: see
+ * the unshard protocol). dp_ddp_create over a parent leaves every
  * parameter a live dp_fsdp holds alone (replicate over fully_shard). A
  * dp_ddp and any number of dp_fsdp on one process group issue their
  * collectives through the group's one ordered lane, so hosts may interleave
@@ -66,9 +119,9 @@
  * resharded): a module's full state is dp_fsdp_save_full_state_dict's.
  *
  * Errors: dp_module_grad or dp_module_set_grad of a parameter whose slot
- * holds its shard is DP_ESTATE naming it and its full shape; post_backward
- * with no unshard since the last one is DP_ESTATE; wait_unshard with none
- * in flight while resharded is DP_ESTATE. A post_backward that finds a
+ * holds its shard is DP_ESTATE naming it and its full shape (the unshard
+ * protocol has the state errors of unshard, wait_unshard, reshard and
+ * post_backward). A post_backward that finds a
  * gradient of another shape or dtype than the full parameter's (one set
  * past dp_module_set_grad) is DP_EINVAL naming it, and still reshards and
  * drops that gradient; with gradient sync it takes its reduce-scatter's
@@ -86,11 +139,12 @@
  * overlapping memory; not `pg`) is DP_EINVAL on every rank naming the first
  * one, and the group stays usable.
  *
- * Thread safety: one dp_fsdp's calls are serialised; the host must not use
- * the module's managed parameters from another thread while unshard,
- * wait_unshard, reshard or post_backward swaps its slots, nor write a shard
- * while an unshard of its dp_fsdp is in flight (it is read then), nor read
- * a shard gradient before dp_fsdp_finish_backward.
+ * Thread safety: one dp_fsdp's calls are serialised (dp_fsdp_mark_grad_ready
+ * may come from several threads at once); the host must not use the
+ * module's managed parameters from another thread while unshard,
+ * wait_unshard, reshard, post_backward or the mark that completes the set
+ * swaps its slots, nor read a shard gradient before
+ * dp_fsdp_finish_backward.
  *
  * Streams (GPUs): unshard and post_backward queue their work (the casts,
  * copies, the all-gather or reduce-scatter) on the NCCL group's stream,
@@ -137,7 +191,7 @@
  * parameters are still copies. Where these conditions do not hold the
  * option falls back to copies; after an unshard, dp_tensor_data of a full
  * parameter plus this rank's first row is dp_fsdp_shard's data exactly
- * when views are in use. In return the host must not write a full
+ * when views are in use (for a shard that holds rows). In return the host must not write a full
  * parameter (the write would reach the shards of every rank), and must
  * write a shard (the optimizer, a state dict load) only while no rank has
  * its dp_fsdp unsharded or an unshard in flight: the usual loop does, since
@@ -186,16 +240,42 @@ DP_API dp_status dp_fsdp_options_init(dp_fsdp_options *opts, size_t struct_size)
  * parameter). `opts` may be NULL (the defaults). */
 DP_API dp_status dp_fsdp_create(dp_fsdp **out, dp_module *module, dp_process_group *pg,
                                 const dp_fsdp_options *opts /* may be NULL */);
-/* All-gather: the slots hold the full parameters (in param_dtype). With
- * `async` it returns once the all-gather is issued; an unshard while
- * unsharded (or in flight) adds nothing. */
+/* All-gather: the slots hold the full parameters (in param_dtype); with
+ * `async` it returns once issued. States, repeats and errors of these three
+ * calls: the unshard protocol above. */
 DP_API dp_status dp_fsdp_unshard(dp_fsdp *fsdp, int async);
 DP_API dp_status dp_fsdp_wait_unshard(dp_fsdp *fsdp);
-/* The slots hold the shards again (see reshard_after_forward). */
+/* The slots hold the shards again (ZeRO-2 keeps the full ones until post_backward). */
 DP_API dp_status dp_fsdp_reshard(dp_fsdp *fsdp);
 /* The full gradients are final: reshards, then reduce-scatters their average
  * into the shard gradients, asynchronously. */
 DP_API dp_status dp_fsdp_post_backward(dp_fsdp *fsdp);
+/* FSDP2's per-parameter post-accumulate hook, for a host whose autograd
+ * tells when each gradient is final: marks managed parameter `name` (as
+ * dp_fsdp_parameter_name gives it) ready in this backward. Any thread, in
+ * any order, several at once. The mark that completes the set of managed
+ * parameters that required grad at create runs dp_fsdp_post_backward
+ * itself, on its own thread, before it returns (it queues the
+ * reduce-scatter and returns, as the explicit call does; its error is this
+ * mark's); the reduce-scatter follows every marking thread's current
+ * stream. Then:
+ * - dp_fsdp_post_backward for the same backward is a no-op (DP_OK), so a
+ *   host may still end each backward with it, as FSDP2's final callback
+ *   does; marks and the explicit call may mix: an explicit post_backward
+ *   before the set is complete runs at once, reduces every gradient as it
+ *   is (marked or not) and ends the backward's marks.
+ * - dp_fsdp_finish_backward waits for it as usual. A finish_backward whose
+ *   backward marked some parameters but not all is DP_ESTATE naming the
+ *   unmarked ones: it stands in for the missing post_backward (reshards,
+ *   drops this backward's full gradients, nothing reduced), so the other
+ *   ranks' finish_backward fails with DP_EINVAL naming this rank, and
+ *   every rank goes on with the next iteration.
+ * Errors: an unknown name, or one of a parameter that did not require grad
+ * at create, is DP_EINVAL naming it; a second mark of one parameter in a
+ * backward (also after the set completed) is DP_ESTATE naming it; a mark
+ * with no dp_fsdp_unshard since the last post_backward is DP_ESTATE. A
+ * backward starts with the dp_fsdp's next unshard. */
+DP_API dp_status dp_fsdp_mark_grad_ready(dp_fsdp *fsdp, const char *name);
 /* Waits for the last post_backward's reduce-scatter. */
 DP_API dp_status dp_fsdp_finish_backward(dp_fsdp *fsdp);
 DP_API dp_status dp_fsdp_set_requires_gradient_sync(dp_fsdp *fsdp, int requires_sync);
@@ -245,6 +325,18 @@ DP_API void dp_fsdp_destroy(dp_fsdp *fsdp);
  * that rank, and the group stays usable. */
 DP_API dp_status dp_fsdp_save_full_state_dict(dp_module *module, dp_process_group *pg, const char *path);
 DP_API dp_status dp_fsdp_load_full_state_dict(dp_module *module, const char *path, int strict);
+/* The full state dict in memory: collective over `pg` as the full save is
+ * (the same gathers, the same requirements and errors), and instead of the
+ * file, *out on rank `root` (on every rank for -1) is a new module holding
+ * what that file would: every tensor of the state dict under the same
+ * dotted names, unsharded, in its own dtype, as a copy in cpu memory
+ * (parameters as parameters with their requires_grad, persistent buffers as
+ * buffers; child modules made for the dots); dp_module_save of it writes
+ * the full save's bytes. *out is NULL on the other ranks. A `root` outside
+ * -1..size-1 or a NULL `out` on one rank fails every rank's call with
+ * DP_EINVAL naming it, as does a rank that cannot build the module (with
+ * its status). */
+DP_API dp_status dp_fsdp_full_state_dict(dp_module *module, dp_process_group *pg, int32_t root, dp_module **out);
 /* Sharded: collective over `pg` (as for the full save). Each save gets an
  * id (16 hex digits, rank 0's); each rank writes
  * `folder`/shard-RRRRR-of-WWWWW-<id>.safetensors (the folder is made when

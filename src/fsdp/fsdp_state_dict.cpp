@@ -500,6 +500,66 @@ void refuse_full_state_dict_save(Module& module, dist::ProcessGroup& group, cons
   fail_invalid(reason);
 }
 
+namespace {
+
+// The child of `parent` named `name`, made when missing.
+Module& child_named(Module& parent, const std::string& name) {
+  for (const Module::ChildSlot& c : parent.child_slots()) {
+    if (c.name == name && c.module) return *c.module;
+  }
+  auto child = std::make_shared<Module>();
+  parent.register_module(name, child);
+  return *child;
+}
+
+// A module tree holding `value` under each dotted name, as `module` lists them.
+std::shared_ptr<Module> state_module(Module& module, const std::vector<Held>& state,
+                                     std::map<const FullyShard*, std::vector<Tensor>>& full) {
+  const Device cpu{DeviceType::kCpu, 0};
+  auto out = std::make_shared<Module>();
+  for (const Held& h : state) {
+    const Tensor& source = h.holder ? full[h.holder.get()].at(h.index) : h.entry.value;
+    // A gathered value is already a tensor of its own: kept, not copied, on cpu.
+    const bool on_cpu = source.device().is_cpu();
+    Tensor value = h.holder && on_cpu ? source : source.to(on_cpu ? source.device() : cpu);
+    Module* owner = out.get();
+    std::string leaf = h.entry.name;
+    for (size_t dot = leaf.find('.'); dot != std::string::npos; dot = leaf.find('.')) {
+      owner = &child_named(*owner, leaf.substr(0, dot));
+      leaf = leaf.substr(dot + 1);
+    }
+    const NamedTensorSlot slot = module.find_tensor(h.entry.name);
+    if (slot.parameter) {
+      owner->register_parameter(leaf, value, slot.parameter->requires_grad());
+    } else {
+      owner->register_buffer(leaf, value, true);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::shared_ptr<Module> full_state_dict(Module& module, dist::ProcessGroup& group, int32_t root) {
+  std::vector<Held> state = held_state(module);
+  for (const Held& h : state) check_group(h, group);
+  // The gathers as in save_full_state_dict (refuse_full_state_dict_save
+  // pairs with them), then every rank's outcome in the write's place.
+  std::vector<std::shared_ptr<FullyShard>> holders;
+  for (const Held& h : state) {
+    if (h.holder && std::find(holders.begin(), holders.end(), h.holder) == holders.end()) holders.push_back(h.holder);
+  }
+  std::map<const FullyShard*, std::vector<Tensor>> full;
+  for (const auto& holder : holders) full[holder.get()] = holder->gather_full_values();
+  std::shared_ptr<Module> out;
+  Outcome built;
+  if (root < 0 || group.rank() == root) built = run_step([&] { out = state_module(module, state, full); });
+  full.clear();
+  const std::vector<std::string> outcomes = exchange(group, lane_holder(state), encode_outcome(built));
+  fail_on_every_rank(outcomes, built, group.rank(), "the in-memory full state dict");
+  return out;
+}
+
 void load_full_state_dict(Module& module, const std::string& path, bool strict) {
   struct Swapped {
     std::shared_ptr<FullyShard> holder;

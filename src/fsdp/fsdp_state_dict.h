@@ -19,6 +19,7 @@
 // it reads checked against its checksum first.
 #pragma once
 
+#include <memory>
 #include <string>
 
 #include "distributed/process_group.h"
@@ -33,6 +34,14 @@ void save_full_state_dict(Module& module, dist::ProcessGroup& group, const std::
 // exchange), so that the other ranks' save fails naming this rank. Throws
 // kInvalidArgument.
 [[noreturn]] void refuse_full_state_dict_save(Module& module, dist::ProcessGroup& group, const std::string& reason);
+// Collective over `group`, as save_full_state_dict up to the write: on rank
+// `root` (every rank for -1) a new module of the module's state dict, every
+// sharded parameter gathered, every tensor a copy in cpu memory, under the
+// same dotted names (parameters as parameters with their requires_grad,
+// buffers as persistent buffers); null elsewhere. A rank that cannot build
+// it fails every rank's call, named. refuse_full_state_dict_save stands in
+// for it on a rank with an argument error.
+std::shared_ptr<Module> full_state_dict(Module& module, dist::ProcessGroup& group, int32_t root);
 // Local: every tensor of the file, the sharded parameters' rows of this
 // rank only; without `strict`, what the file lacks is left as it is.
 // `strict` as for dp_module_load. The dp_fsdp must be resharded.

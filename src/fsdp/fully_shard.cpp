@@ -231,6 +231,7 @@ void FullyShard::unshard(bool async, std::vector<Event> host_ready) {
     if (!layout_.params().empty()) issue_locked(spec, unshard_job_);
     state_ = State::kUnsharding;
     unsharded_since_post_ = true;
+    posted_by_marks_ = false;
   }
   if (!async) finish_unshard_locked(lock);
 }
@@ -275,6 +276,13 @@ void FullyShard::post_backward(std::vector<Event> host_ready) {
   std::lock_guard<std::mutex> host(host_mutex_);
   std::unique_lock<std::mutex> lock(mutex_);
   check_usable_locked();
+  // The marks ran it already (dp_fsdp.h, "Per-parameter marks").
+  if (posted_by_marks_) return;
+  post_backward_locked(lock, std::move(host_ready));
+}
+
+void FullyShard::post_backward_locked(std::unique_lock<std::mutex>& lock, std::vector<Event> host_ready,
+                                      const std::string& forced_refusal) {
   if (!unsharded_since_post_) {
     fail(StatusCode::kState, "dp_fsdp #", lane_id_,
          " was not unsharded since its last post_backward, so no full gradient can have been computed: call "
@@ -293,6 +301,12 @@ void FullyShard::post_backward(std::vector<Event> host_ready) {
       previous = str_cat("the previous post_backward failed, and no dp_fsdp_finish_backward reported it: ", e.what());
     }
   }
+  // This backward's marks end here, whatever the outcome; the gradients of
+  // those left unmarked are reduced as they are.
+  clear_marks_locked();
+  host_ready.insert(host_ready.end(), std::make_move_iterator(marks_ready_.begin()),
+                    std::make_move_iterator(marks_ready_.end()));
+  marks_ready_.clear();
   finish_unshard_locked(lock);
   std::vector<Tensor> grads(layout_.size());
   std::string refusal;
@@ -312,6 +326,7 @@ void FullyShard::post_backward(std::vector<Event> host_ready) {
     }
   }
   if (!refusal.empty()) refusal += " (the gradient was dropped)";
+  if (!forced_refusal.empty()) refusal = forced_refusal;
   if (refusal.empty()) refusal = previous;
   // Refused or not, the call reshards as on every rank, so that the ranks'
   // next unshards still pair.
@@ -348,6 +363,7 @@ void FullyShard::finish_backward() {
   std::lock_guard<std::mutex> host(host_mutex_);
   std::unique_lock<std::mutex> lock(mutex_);
   check_usable_locked();
+  finish_marked_backward_locked(lock);
   if (post_job_.issued) wait_locked(lock, post_job_, "the post-backward reduce_scatter");
 }
 

@@ -81,6 +81,10 @@ class FullyShard final : public lane::LaneOwner,
   void wait_unshard();
   void reshard();
   void post_backward(std::vector<Event> host_ready = {});
+  // dp_fsdp_mark_grad_ready (fully_shard_marks.cpp): the gradient of managed
+  // parameter `name` is final; the mark that completes the set runs
+  // post_backward on its thread, after every marking thread's stream.
+  void mark_grad_ready(const std::string& name, std::vector<Event> host_ready = {});
   void finish_backward();
   void set_requires_gradient_sync(bool requires_sync);
 
@@ -163,6 +167,18 @@ class FullyShard final : public lane::LaneOwner,
   void finish_unshard_locked(std::unique_lock<std::mutex>& lock);
   void install_full_locked();
   void reshard_locked();
+  // post_backward past its checks; a `refusal` stands in for the reduce-scatter.
+  void post_backward_locked(std::unique_lock<std::mutex>& lock, std::vector<Event> host_ready,
+                            const std::string& refusal = "");
+  // The managed parameters that require grad and this backward left
+  // unmarked, quoted, while at least one is marked; else "".
+  std::string unmarked_locked() const;
+  // Forgets this backward's marks.
+  void clear_marks_locked();
+  // finish_backward with marks missing: post_backward refused in its
+  // place, naming the unmarked parameters (the peers' fail naming this
+  // rank), then kState naming them; nothing when no mark is missing.
+  void finish_marked_backward_locked(std::unique_lock<std::mutex>& lock);
   void check_usable_locked() const;
   Clock::duration lane_bound() const;
 
@@ -191,6 +207,12 @@ class FullyShard final : public lane::LaneOwner,
   std::optional<Event> unshard_done_, post_done_;
   std::vector<Tensor> gathered_;    // the unshard job's full parameters
   std::vector<Tensor> post_grads_;  // the post_backward job's full gradients
+  // This backward's marks (dp_fsdp_mark_grad_ready), per parameter index,
+  // and the marking threads' stream events.
+  std::vector<bool> marked_;
+  size_t num_marked_ = 0;
+  std::vector<Event> marks_ready_;
+  bool posted_by_marks_ = false;  // the marks ran this backward's post_backward
 };
 
 }  // namespace dparallel::fsdp

@@ -94,6 +94,13 @@ TEST(CapiEntryPoints, AFailedCallLeavesItsHandleOutNull) {
                                [](dp_tensor** out) { return dp_fsdp_shard_grad(nullptr, 0, out); });
   expect_out_nulled<const char>("dp_fsdp_parameter_name",
                                 [](const char** out) { return dp_fsdp_parameter_name(nullptr, 0, out); });
+  expect_out_nulled<dp_module>("dp_fsdp_full_state_dict",
+                               [](dp_module** out) { return dp_fsdp_full_state_dict(nullptr, nullptr, 0, out); });
+  expect_out_nulled<dp_tensor>("dp_tensor_from_dlpack_versioned",
+                               [](dp_tensor** out) { return dp_tensor_from_dlpack_versioned(out, nullptr); });
+  expect_out_nulled<DLManagedTensorVersioned>("dp_tensor_to_dlpack_versioned", [](DLManagedTensorVersioned** out) {
+    return dp_tensor_to_dlpack_versioned(nullptr, 0, out);
+  });
   expect_out_nulled<void>("dp_stream_create", [](void** out) { return dp_stream_create(kNoDevice, out); });
   expect_out_nulled<void>("dp_get_current_stream", [](void** out) { return dp_get_current_stream(kNoDevice, out); });
 }

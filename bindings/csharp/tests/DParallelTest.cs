@@ -992,8 +992,13 @@ public static class DParallelTest {
       AddGrad(toy.Root, FWeights[l], g);
       if (l == 3) {
         toy.Ddp.MarkGradReady(FWeights[3]);
-      } else {
+      } else if (l == 2) {
         toy.Fsdp[l].PostBackward();
+      } else {
+        // The per-parameter mark runs PostBackward; layer 0's explicit one
+        // after it is a no-op.
+        toy.Fsdp[l].MarkGradReady("weight");
+        if (l == 0) toy.Fsdp[l].PostBackward();
       }
       Array.Copy(dx, dy, dy.Length);
     }
@@ -1083,6 +1088,14 @@ public static class DParallelTest {
         for (int s = 0; s < FSTEPS; ++s) FTrainStep(toy, s, rank, world);
         ExpectShardedWeights(toy, expected, "rank " + rank + " after training");
         Console.WriteLine("rank {0}: fully_shard training matches single-process training on the whole batch", rank);
+
+        // The full state dict in memory: on every rank, or on the last alone.
+        using (var state = Fsdp.FullStateDict(toy.Root, pg, -1)) {
+          ExpectWeights(state, expected, "the in-memory full state dict");
+        }
+        var onLast = Fsdp.FullStateDict(toy.Root, pg, world - 1);
+        Expect((onLast != null) == (rank == world - 1), "the in-memory full state dict is on its root rank only");
+        onLast?.Dispose();
 
         // The full state dict: rank 0 writes what Module.Save would for the
         // unsharded model; every rank loads its rows.
@@ -1192,6 +1205,18 @@ public static class DParallelTest {
     back.Dispose();
     using (var t = Tensor.Of(v, 6)) Tensor.DeleteDlpack(t.ToDlpack());
     ExpectInvalid(() => Tensor.FromDlpack(IntPtr.Zero), "'address'");
+    // DLPack 1.x: in place, or copied when exported read-only.
+    using (var x = Tensor.Of(v, 2, 3)) {
+      using (var inPlace = Tensor.FromDlpackVersioned(x.ToDlpackVersioned(false)))
+      using (var copied = Tensor.FromDlpackVersioned(x.ToDlpackVersioned(true))) {
+        Span<float> xs = x.AsSpan();
+        xs[0] = 17;
+        Expect(inPlace.ToArray()[0] == 17, "a versioned DLPack tensor shares the original's memory");
+        Expect(copied.ToArray()[0] == v[0], "a read-only versioned DLPack tensor is a copy");
+      }
+      Tensor.DeleteDlpackVersioned(x.ToDlpackVersioned(true));
+    }
+    ExpectInvalid(() => Tensor.FromDlpackVersioned(IntPtr.Zero), "'address'");
 
     // Coalesced collectives across cpu:0 and cpu:1.
     DeviceList devices = Device.List("cpu:0,cpu:1");

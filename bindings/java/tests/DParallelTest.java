@@ -912,6 +912,17 @@ public class DParallelTest {
       expectValues("a tensor whose export was deleted", w.toArray(), v);
     }
     expectInvalid(() -> Tensor.fromDlpack(0), "'address'");
+    // DLPack 1.x: in place, or copied when exported read-only.
+    try (Tensor x = Tensor.of(v, 2, 3)) {
+      try (Tensor inPlace = Tensor.fromDlpackVersioned(x.toDlpackVersioned(false));
+           Tensor copied = Tensor.fromDlpackVersioned(x.toDlpackVersioned(true))) {
+        x.floats().put(0, 17f);
+        expect(inPlace.toArray()[0] == 17f, "a versioned DLPack tensor shares the original's memory");
+        expect(copied.toArray()[0] == v[0], "a read-only versioned DLPack tensor is a copy");
+      }
+      Tensor.deleteDlpackVersioned(x.toDlpackVersioned(true));
+    }
+    expectInvalid(() -> Tensor.fromDlpackVersioned(0), "'address'");
 
     // A tensor over a direct buffer: both see each other's writes.
     ByteBuffer buf = ByteBuffer.allocateDirect(6 * 4).order(ByteOrder.nativeOrder());
@@ -1582,8 +1593,13 @@ public class DParallelTest {
       addGrad(toy.root, F_WEIGHTS[l], g);
       if (l == 3) {
         toy.ddp.markGradReady(F_WEIGHTS[3]);
-      } else {
+      } else if (l == 2) {
         toy.fsdp[l].postBackward();
+      } else {
+        // The per-parameter mark runs postBackward; layer 0's explicit one
+        // after it is a no-op.
+        toy.fsdp[l].markGradReady("weight");
+        if (l == 0) toy.fsdp[l].postBackward();
       }
     }
     toy.fsdpLinears.postBackward();
@@ -1600,6 +1616,14 @@ public class DParallelTest {
       sgdStep(p, g);
     }
     toy.root.zeroGrad();
+  }
+
+  /** Weight `l` as the module holds it unsharded (collective for the linears). */
+  static float[] sharedWeights(Toy toy, int l) {
+    if (l < 3) toy.fsdp[l].unshard();
+    float[] w = read(toy.root, F_WEIGHTS[l]);
+    if (l < 3) toy.fsdp[l].reshard();
+    return w;
   }
 
   static void expectShardedWeights(Toy toy, float[][] expected, String what) {
@@ -1672,6 +1696,17 @@ public class DParallelTest {
         for (int s = 0; s < FSTEPS; ++s) fTrainStep(toy, s, rank, world);
         expectShardedWeights(toy, expected, "rank " + rank + " after training");
         System.out.println("rank " + rank + ": fully_shard training matches single-process training on the whole batch");
+
+        // The full state dict in memory: on every rank, or on rank 1 alone.
+        try (Module state = Fsdp.fullStateDict(toy.root, pg, -1)) {
+          for (int l = 0; l < 4; ++l) {
+            expectValues("the in-memory full state dict's " + F_WEIGHTS[l], read(state, F_WEIGHTS[l]),
+                         sharedWeights(toy, l));
+          }
+        }
+        Module onRankOne = Fsdp.fullStateDict(toy.root, pg, world - 1);
+        expect((onRankOne != null) == (rank == world - 1), "the in-memory full state dict is on its root rank only");
+        if (onRankOne != null) onRankOne.close();
 
         pg.barrier();  // the folder exists
         Fsdp.saveFullStateDict(toy.root, pg, full);

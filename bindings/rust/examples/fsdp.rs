@@ -185,8 +185,16 @@ fn train_step(t: &mut Toy, rank: usize, world: usize, step: usize) -> Result<()>
         grad.as_mut_slice::<f32>()?.iter_mut().zip(&g).for_each(|(a, g)| *a += *g as f32);
         if l == 3 {
             t.ddp.as_ref().expect("wrapped").mark_grad_ready(WEIGHTS[3])?;
-        } else {
+        } else if l == 2 {
             t.fsdp[l].post_backward()?;
+        } else {
+            // The per-parameter mark runs post_backward; layer 0's explicit
+            // one after it is a no-op.
+            drop(grad);
+            t.fsdp[l].mark_grad_ready("weight")?;
+            if l == 0 {
+                t.fsdp[l].post_backward()?;
+            }
         }
         dy = dx;
     }
@@ -289,6 +297,35 @@ fn run() -> Result<usize> {
         train_step(&mut t, rank, world, s)?;
     }
     bad += mismatches(&mut t, &expected, "after training, against single-process training", rank)?;
+
+    // The full state dict in memory: on every rank, or on the last alone.
+    let state = t.root.full_state_dict(&pg, None)?.expect("on every rank");
+    for l in 0..4 {
+        let want = {
+            if l < 3 {
+                t.fsdp[l].unshard()?;
+            }
+            let w = t.weights(l)?;
+            if l < 3 {
+                t.fsdp[l].reshard()?;
+            }
+            w
+        };
+        if state.parameter(WEIGHTS[l])?.to_vec::<f32>()? != want {
+            eprintln!(
+                "FAIL: rank {rank}: the in-memory full state dict's {} differs from the unsharded one",
+                WEIGHTS[l]
+            );
+            bad += 1;
+        }
+    }
+    drop(state);
+    let on_last = t.root.full_state_dict(&pg, Some(world as i32 - 1))?;
+    if on_last.is_some() != (rank + 1 == world) {
+        eprintln!("FAIL: rank {rank}: the in-memory full state dict for the last rank is {on_last:?}");
+        bad += 1;
+    }
+    drop(on_last);
 
     // The full state dict: rank 0 writes it, every rank loads its rows.
     if rank == 0 {

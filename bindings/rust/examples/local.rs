@@ -14,7 +14,7 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use dparallel::sys::{DLDataType, DLDevice, DLManagedTensor, DLTensor};
+use dparallel::sys::{DLDataType, DLDevice, DLManagedTensor, DLTensor, DLPACK_FLAG_BITMASK_READ_ONLY};
 use dparallel::{
     clear_current_stream, comm, current_stream, parallel_apply, DType, Device, DlPack, Library, Module, Result, Stream,
     Tensor, DP_EINVAL, DP_ESTATE,
@@ -190,6 +190,30 @@ fn dlpack(lib: &Library, c: &mut Checks) -> Result<()> {
         "the refused tensor was deleted once",
         deleted.load(Ordering::SeqCst) == 1,
         deleted.load(Ordering::SeqCst),
+    );
+
+    // DLPack 1.x: version 1.1, the read-only flag when asked; a writable
+    // export comes back in place, a read-only one as a copy.
+    let t = Tensor::from_slice(lib, &[1.0f32, 2.0, 3.0], &[3], Device::cpu(0))?;
+    let writable = t.to_dlpack_versioned(false)?;
+    let read_only = t.to_dlpack_versioned(true)?;
+    let v = read_only.version();
+    c.expect(
+        "to_dlpack_versioned: version 1.1, read-only flag only when asked",
+        (v.major, v.minor) == (1, 1)
+            && read_only.flags() == DLPACK_FLAG_BITMASK_READ_ONLY
+            && writable.flags() == 0
+            && writable.data_ptr() == t.data_ptr(),
+        format!("{writable:?} {read_only:?}"),
+    );
+    let copied = Tensor::from_dlpack_versioned(lib, read_only)?;
+    let in_place = Tensor::from_dlpack_versioned(lib, writable)?;
+    c.expect(
+        "from_dlpack_versioned: in place, or a copy when read-only",
+        in_place.data_ptr() == t.data_ptr()
+            && copied.data_ptr() != t.data_ptr()
+            && copied.to_vec::<f32>()? == [1.0, 2.0, 3.0],
+        format!("{in_place:?} {copied:?}"),
     );
     Ok(())
 }

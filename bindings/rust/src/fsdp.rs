@@ -73,6 +73,11 @@ pub struct Fsdp {
     // reduce-scatter of a synced post_backward, until it is waited for.
     post_in_flight: Option<StorageBorrow>,
     requires_sync: bool,
+    // Per managed parameter: whether it takes a mark (it required grad at
+    // create), and whether this backward marked it: the mark that completes
+    // the set runs post_backward, whose memory is then held as its.
+    takes_mark: Vec<bool>,
+    marked: Vec<bool>,
 }
 
 // One dp_fsdp's calls are serialised by the library (dp_fsdp.h).
@@ -117,14 +122,22 @@ impl Fsdp {
         // Sharding replaces the parameters (after a broadcast with init_sync).
         let _call = module.access(Access::Write, Access::Write, Access::Write).begin("Fsdp::new")?;
         lib.check(unsafe { (lib.api().fsdp_create)(&mut out, module.raw, pg.raw, &o) })?;
-        Ok(Fsdp {
+        let mut fsdp = Fsdp {
             raw: out,
             lib,
             module: module.retain()?,
             unshard_in_flight: None,
             post_in_flight: None,
             requires_sync: true,
-        })
+            takes_mark: Vec::new(),
+            marked: Vec::new(),
+        };
+        for index in 0..fsdp.num_parameters() {
+            let name = fsdp.parameter_name(index)?;
+            fsdp.takes_mark.push(fsdp.module.requires_grad(&name)?);
+        }
+        fsdp.marked = vec![false; fsdp.takes_mark.len()];
+        Ok(fsdp)
     }
 
     /// The handle, still owned by `self`.
@@ -243,9 +256,51 @@ impl Fsdp {
     /// sliced mutably.
     pub fn post_backward(&mut self) -> Result<()> {
         let _call = self.begin_call("post_backward")?;
+        // It ends this backward's marks (a no-op when they completed it).
+        self.marked.iter_mut().for_each(|m| *m = false);
         let held = if self.requires_sync { Some(self.hold("post_backward", FSDP_POST_BACKWARD, true)?) } else { None };
         let st = unsafe { (self.lib.api().fsdp_post_backward)(self.raw) };
         // It waited for the previous reduce-scatter first.
+        Fsdp::settle(st, &mut self.post_in_flight);
+        if st == sys::DP_OK {
+            self.post_in_flight = held;
+        } else if let (Some(held), true) = (held, st == DP_ETIMEOUT) {
+            held.keep_forever();
+        }
+        self.settle_unshard(st)
+    }
+
+    /// FSDP2's per-parameter hook: parameter `name`'s full gradient is
+    /// final. The mark that completes the set of parameters that required
+    /// grad at create runs `post_backward` itself (an explicit one after it
+    /// is a no-op); `finish_backward` with some marked but not all fails
+    /// naming the others. Marks take `&mut self`: threads of a host's
+    /// autograd share the `Fsdp` through a `Mutex`.
+    pub fn mark_grad_ready(&mut self, name: &str) -> Result<()> {
+        let c = cstring("name", name)?;
+        let index = (0..self.num_parameters()).find(|&i| self.parameter_name(i).is_ok_and(|n| n == name));
+        let completes = index.is_some_and(|i| {
+            self.takes_mark[i]
+                && !self.marked[i]
+                && (0..self.marked.len()).all(|j| j == i || !self.takes_mark[j] || self.marked[j])
+        });
+        let _call = self.begin_call("mark_grad_ready")?;
+        let held = if completes && self.requires_sync {
+            Some(self.hold("mark_grad_ready", FSDP_POST_BACKWARD, true)?)
+        } else {
+            None
+        };
+        let st = unsafe { (self.lib.api().fsdp_mark_grad_ready)(self.raw, c.as_ptr()) };
+        if !completes {
+            if st == sys::DP_OK {
+                if let Some(i) = index {
+                    self.marked[i] = true;
+                }
+            }
+            return self.lib.check(st);
+        }
+        // As post_backward: its call ran, whatever its outcome.
+        self.marked.iter_mut().for_each(|m| *m = false);
         Fsdp::settle(st, &mut self.post_in_flight);
         if st == sys::DP_OK {
             self.post_in_flight = held;
@@ -259,6 +314,8 @@ impl Fsdp {
     /// gradients may be sliced again.
     pub fn finish_backward(&mut self) -> Result<()> {
         let _call = self.begin_call("finish_backward")?;
+        // Marks left incomplete end here (the library refuses them).
+        self.marked.iter_mut().for_each(|m| *m = false);
         let st = unsafe { (self.lib.api().fsdp_finish_backward)(self.raw) };
         Fsdp::settle(st, &mut self.post_in_flight);
         if st == DP_ETIMEOUT {
@@ -315,6 +372,18 @@ impl Module {
         let _call = self.access(Access::Read, Access::Read, Access::Untouched).begin("save_full_state_dict")?;
         let c = cstring("path", path)?;
         self.lib.check(unsafe { (self.lib.api().fsdp_save_full_state_dict)(self.raw, pg.raw, c.as_ptr()) })
+    }
+
+    /// The full state dict in memory: collective over `pg` as
+    /// `save_full_state_dict`; on rank `root` (every rank for `None`) a new
+    /// module of the unsharded tensors, cpu copies under the file's names;
+    /// `None` on the other ranks.
+    pub fn full_state_dict(&self, pg: &ProcessGroup, root: Option<i32>) -> Result<Option<Module>> {
+        let _call = self.access(Access::Read, Access::Read, Access::Untouched).begin("full_state_dict")?;
+        let mut out = ptr::null_mut();
+        let api = self.lib.api();
+        self.lib.check(unsafe { (api.fsdp_full_state_dict)(self.raw, pg.raw, root.unwrap_or(-1), &mut out) })?;
+        Ok(if out.is_null() { None } else { Some(unsafe { Module::from_raw(&self.lib, out) }) })
     }
 
     /// Local: every rank reads `path` and keeps its rows of the sharded

@@ -63,5 +63,5 @@ pub use sys::{
     DP_EDEVICE, DP_EINTERNAL, DP_EINVAL, DP_EIO, DP_ENOMEM, DP_EREMOTE, DP_ESTATE, DP_ETIMEOUT, DP_EUNSUPPORTED,
     DP_EUSER,
 };
-pub use tensor::{DlPack, InPlace, Tensor};
+pub use tensor::{DlPack, DlPackVersioned, InPlace, Tensor};
 pub use view::{TensorSlice, TensorSliceMut};

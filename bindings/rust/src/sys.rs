@@ -127,6 +127,29 @@ pub struct DLManagedTensor {
     pub deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
 }
 
+/// DLPack 1.x's DLPackVersion.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DLPackVersion {
+    pub major: u32,
+    pub minor: u32,
+}
+
+/// DLPack 1.x's DLManagedTensorVersioned (dp_dlpack.h).
+#[repr(C)]
+#[derive(Debug)]
+pub struct DLManagedTensorVersioned {
+    pub version: DLPackVersion,
+    pub manager_ctx: *mut c_void,
+    pub deleter: Option<unsafe extern "C" fn(*mut DLManagedTensorVersioned)>,
+    pub flags: u64,
+    pub dl_tensor: DLTensor,
+}
+
+/// DLPack 1.x's flags.
+pub const DLPACK_FLAG_BITMASK_READ_ONLY: u64 = 1 << 0;
+pub const DLPACK_FLAG_BITMASK_IS_COPIED: u64 = 1 << 1;
+
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct dp_process_group_options {
@@ -469,6 +492,12 @@ dp_api_slots! {
     device_mesh_shape: unsafe extern "C" fn(*const dp_device_mesh, *mut i32, usize) -> St,
     device_mesh_coordinate: unsafe extern "C" fn(*const dp_device_mesh, *mut i32, usize) -> St,
     device_mesh_dim_name: unsafe extern "C" fn(*const dp_device_mesh, usize, *mut *const c_char) -> St,
+    // ---- also abi_minor 9: hosts with their own autograd (dp_fsdp.h), DLPack 1.x (dp_dlpack.h) ----
+    fsdp_mark_grad_ready: unsafe extern "C" fn(*mut dp_fsdp, *const c_char) -> St,
+    tensor_to_dlpack_versioned: unsafe extern "C" fn(*const dp_tensor, c_int, *mut *mut DLManagedTensorVersioned) -> St,
+    tensor_from_dlpack_versioned: unsafe extern "C" fn(*mut *mut dp_tensor, *mut DLManagedTensorVersioned) -> St,
+    fsdp_full_state_dict:
+        unsafe extern "C" fn(*mut dp_module, *mut dp_process_group, i32, *mut *mut dp_module) -> St,
 }
 
 /// Offset of the first function pointer.
@@ -499,7 +528,8 @@ const _: () = {
     assert!(offset_of!(dp_api, shutdown) == slot(127));
     assert!(offset_of!(dp_api, process_group_split) == slot(128));
     assert!(offset_of!(dp_api, device_mesh_dim_name) == slot(139));
-    assert!(size_of::<dp_api>() == slot(140));
+    assert!(offset_of!(dp_api, fsdp_mark_grad_ready) == slot(140));
+    assert!(size_of::<dp_api>() == slot(144));
     assert!(size_of::<dp_process_group_options>() == 48);
     assert!(offset_of!(dp_ddp_options, static_graph) == 96);
     assert!(offset_of!(dp_ddp_options, bucket_plan) == 120);
@@ -510,4 +540,6 @@ const _: () = {
     assert!(size_of::<dp_memory_stats>() == 32);
     assert!(size_of::<DLTensor>() == 48);
     assert!(size_of::<DLManagedTensor>() == 64);
+    assert!(offset_of!(DLManagedTensorVersioned, flags) == 24);
+    assert!(size_of::<DLManagedTensorVersioned>() == 80);
 };

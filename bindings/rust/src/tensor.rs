@@ -1,6 +1,6 @@
 //! Tensors.
 
-use std::os::raw::c_void;
+use std::os::raw::{c_int, c_void};
 use std::ptr;
 
 use crate::device::dtype_name;
@@ -213,6 +213,44 @@ impl Tensor {
             (*out).deleter = Some(delete_export);
         }
         Ok(DlPack { raw: out })
+    }
+
+    /// Takes over a DLPack 1.x tensor (major version 1; another is
+    /// `DP_EINVAL` naming it). Without the read-only flag the new tensor
+    /// uses its memory in place, as `from_dlpack`; flagged read-only it is
+    /// copied into memory of the tensor's own and released at once. On
+    /// failure it is dropped (its deleter runs).
+    pub fn from_dlpack_versioned(lib: &Library, managed: DlPackVersioned) -> Result<Tensor> {
+        // One of `to_dlpack_versioned`'s: the export's hold on the memory
+        // can go (as in `from_dlpack`).
+        unsafe { release_export_versioned(managed.raw) };
+        let raw = managed.raw;
+        let mut out = ptr::null_mut();
+        let st = unsafe { (lib.api().tensor_from_dlpack_versioned)(&mut out, raw) };
+        if st != sys::DP_OK {
+            return Err(lib.error(st));
+        }
+        std::mem::forget(managed);
+        Ok(unsafe { Tensor::from_raw(lib, out) })
+    }
+
+    /// A DLPack 1.x tensor over this tensor's memory (zero-copy), version
+    /// 1.1, flagged read-only when `read_only`. As with `to_dlpack`, the
+    /// memory is held until the capsule's deleter runs: a read-only export
+    /// refuses mutable slices meanwhile, a writable one every slice.
+    pub fn to_dlpack_versioned(&self, read_only: bool) -> Result<DlPackVersioned> {
+        let mut out = ptr::null_mut();
+        let access = if read_only { Access::Read } else { Access::Write };
+        let held = self.call_access(access).begin_pending("to_dlpack_versioned", DLPACK_EXPORT)?;
+        let api = self.lib.api();
+        self.lib.check(unsafe { (api.tensor_to_dlpack_versioned)(self.raw, read_only as c_int, &mut out) })?;
+        unsafe {
+            let export =
+                Box::new(ExportVersioned { manager_ctx: (*out).manager_ctx, deleter: (*out).deleter, _held: held });
+            (*out).manager_ctx = Box::into_raw(export) as *mut c_void;
+            (*out).deleter = Some(delete_export_versioned);
+        }
+        Ok(DlPackVersioned { raw: out })
     }
 
     pub(crate) fn dtype_code(&self) -> i32 {
@@ -524,6 +562,122 @@ impl DlPack {
     }
 
     /// The `DLTensor`: data pointer, device, dtype, shape and strides.
+    pub fn dl_tensor(&self) -> &sys::DLTensor {
+        unsafe { &(*self.raw).dl_tensor }
+    }
+
+    pub fn shape(&self) -> Vec<i64> {
+        let t = self.dl_tensor();
+        if t.ndim <= 0 || t.shape.is_null() {
+            return Vec::new();
+        }
+        unsafe { std::slice::from_raw_parts(t.shape, t.ndim as usize) }.to_vec()
+    }
+
+    /// The first element (`data` + `byte_offset`).
+    pub fn data_ptr(&self) -> *mut c_void {
+        let t = self.dl_tensor();
+        (t.data as *mut u8).wrapping_add(t.byte_offset as usize) as *mut c_void
+    }
+}
+
+struct ExportVersioned {
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut sys::DLManagedTensorVersioned)>,
+    _held: StorageBorrow,
+}
+
+/// `release_export` for a capsule of `to_dlpack_versioned`.
+///
+/// # Safety
+/// `raw` is a valid DLManagedTensorVersioned whose deleter has not run.
+unsafe fn release_export_versioned(raw: *mut sys::DLManagedTensorVersioned) {
+    if !is_export_versioned(raw) {
+        return;
+    }
+    let export = Box::from_raw((*raw).manager_ctx as *mut ExportVersioned);
+    (*raw).manager_ctx = export.manager_ctx;
+    (*raw).deleter = export.deleter;
+}
+
+/// The deleter of a capsule from `to_dlpack_versioned`.
+unsafe extern "C" fn delete_export_versioned(raw: *mut sys::DLManagedTensorVersioned) {
+    if raw.is_null() {
+        return;
+    }
+    let _ = std::panic::catch_unwind(|| release_export_versioned(raw));
+    if is_export_versioned(raw) {
+        return;
+    }
+    if let Some(deleter) = (*raw).deleter {
+        deleter(raw);
+    }
+}
+
+unsafe fn is_export_versioned(raw: *mut sys::DLManagedTensorVersioned) -> bool {
+    (*raw).deleter.map(|f| f as usize) == Some(delete_export_versioned as *const () as usize)
+}
+
+/// An owned DLPack 1.x `DLManagedTensorVersioned`: its deleter runs on drop.
+/// `into_raw` hands it to another framework; `from_raw` takes one from it.
+pub struct DlPackVersioned {
+    raw: *mut sys::DLManagedTensorVersioned,
+}
+
+// DLPack's producer owns the memory until the deleter runs, from any thread.
+unsafe impl Send for DlPackVersioned {}
+
+impl fmt::Debug for DlPackVersioned {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let v = self.version();
+        write!(
+            f,
+            "DlPackVersioned({}.{}, flags {:#x}, {:?} {:?})",
+            v.major,
+            v.minor,
+            self.flags(),
+            self.dl_tensor().dtype,
+            self.shape()
+        )
+    }
+}
+
+impl Drop for DlPackVersioned {
+    fn drop(&mut self) {
+        unsafe {
+            if let Some(deleter) = (*self.raw).deleter {
+                deleter(self.raw);
+            }
+        }
+    }
+}
+
+impl DlPackVersioned {
+    /// Takes ownership of a `DLManagedTensorVersioned*`.
+    ///
+    /// # Safety
+    /// `raw` must be a valid, non-NULL DLManagedTensorVersioned the caller
+    /// owns; its deleter (if any) is called exactly once, by this value.
+    pub unsafe fn from_raw(raw: *mut sys::DLManagedTensorVersioned) -> DlPackVersioned {
+        DlPackVersioned { raw }
+    }
+
+    /// Gives up ownership: the receiver calls `(*raw).deleter(raw)`.
+    pub fn into_raw(self) -> *mut sys::DLManagedTensorVersioned {
+        let raw = self.raw;
+        std::mem::forget(self);
+        raw
+    }
+
+    pub fn version(&self) -> sys::DLPackVersion {
+        unsafe { (*self.raw).version }
+    }
+
+    /// `sys::DLPACK_FLAG_BITMASK_*` bits.
+    pub fn flags(&self) -> u64 {
+        unsafe { (*self.raw).flags }
+    }
+
     pub fn dl_tensor(&self) -> &sys::DLTensor {
         unsafe { &(*self.raw).dl_tensor }
     }
