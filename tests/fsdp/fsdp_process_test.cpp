@@ -65,6 +65,16 @@ TEST(Hsdp, ShardGradientsAreTheAverageOverEveryRankInEachReduceDtype) { expect_h
 
 TEST(Hsdp, ASaveUnder2x2IsWrittenByOneShardGroupAndLoadsUnder1x4And4x1AndTrainsOn) { expect_hsdp_passes("save_load"); }
 
+// A refusal in the shard group stands in for the all-reduce across the
+// replicas: every rank fails naming it, and the groups stay in step.
+TEST(Hsdp, APostBackwardRefusedOnOneRankFailsEveryRankAndTheNextIterationReduces) {
+  expect_hsdp_passes("refused_post");
+}
+
+TEST(Hsdp, ASaveRefusedOnAReplicaThatDoesNotWriteFailsEveryRankAndTheLastSaveLoads) {
+  expect_hsdp_passes("save_refused");
+}
+
 // Every rank fails, none hangs (a rank left waiting would outlast the run's limit).
 TEST(Hsdp, ReplicasThatNameAParameterOtherwiseFailEveryRanksCreateNamingIt) { expect_hsdp_passes("bad_names"); }
 

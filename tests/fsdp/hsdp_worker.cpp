@@ -16,6 +16,10 @@
 //               group: 2 files) and a full save; the sharded save loads
 //               under 1x4 and under 4x1 (pure replication), the full one
 //               under 2x2, and each trains 2 more steps like one process
+//   refused_post  rank 3's post_backward is refused: every rank's fails
+//               naming it, and the next iteration reduces as usual
+//   save_refused  a sharded save refused on a rank that does not write:
+//               every rank's fails naming it, and the last save loads
 //   bad_names   the second host names a parameter otherwise: every rank's
 //               create fails naming it, and every group stays usable
 //   bad_shards  the second host's ranks are shard groups of one: their
@@ -485,6 +489,94 @@ void save_load(dp_process_group* world) {
   }
 }
 
+// Runs `fn`, which must fail with kInvalidArgument naming `needle`; returns whether it failed.
+bool expect_refused(const char* what, const std::string& needle, const std::function<void()>& fn) {
+  try {
+    fn();
+    return false;
+  } catch (const dparallel::Error& e) {
+    printf("rank %d: %s failed: %s\n", g_rank, what, e.what());
+    CHECK(e.code() == dparallel::StatusCode::kInvalidArgument, "%s failed with %d: %s", what,
+          static_cast<int>(e.code()), e.what());
+    CHECK(std::string(e.what()).find(needle) != std::string::npos, "%s's error does not name '%s': %s", what,
+          needle.c_str(), e.what());
+    return true;
+  }
+}
+
+// Rank 3's full gradient has another shape: its post_backward is refused,
+// which fails its shard group's reduce-scatter (rank 2's), whose failure
+// stands in for the all-reduces across the replicas (ranks 1's and 0's):
+// every rank fails naming the parameter, none hangs, and the next
+// iteration reduces as usual.
+void refused_post(dp_process_group* world) {
+  Groups mesh = mesh_2x2(world);
+  checked("a refused post_backward", [&] {
+    auto module = std::make_shared<dparallel::Module>();
+    module->register_parameter("weight", Tensor::zeros(DType::kFloat32, {4, kDim}, kCpu), true);
+    Sharding f = FullyShard::create(module, group_of(mesh.shard), group_of(mesh.replicate), {});
+    auto set_grads = [&](bool refused) {
+      auto parameter = module->get_parameter("weight");
+      if (refused) {
+        parameter->set_grad(Tensor::zeros(DType::kFloat32, {2, kDim}, kCpu));
+        return;
+      }
+      const Tensor g = parameter->grad();
+      auto* v = static_cast<float*>(g.data());
+      for (int64_t k = 0; k < g.numel(); ++k) v[k] = static_cast<float>(g_rank + 1);
+    };
+    f->unshard(false);
+    set_grads(g_rank == 3);
+    bool failed = expect_refused("the post_backward", "'weight'", [&] {
+      f->post_backward();
+      f->finish_backward();
+    });
+    CHECK(failed, "the first iteration's post_backward passed");
+    f->unshard(false);
+    set_grads(false);
+    f->post_backward();
+    f->finish_backward();
+    const Tensor g = f->shard_grad(0);
+    const auto* v = static_cast<const float*>(g.data());
+    for (int64_t k = 0; k < g.numel(); ++k)
+      CHECK(v[k] == 2.5f, "gradient[%lld] is %g", static_cast<long long>(k), v[k]);
+    f->close();
+  });
+  destroy_mesh(mesh);
+}
+
+// A sharded save refused on rank 3 (no writer: its replica, rank 1,
+// writes) fails on every rank naming the refusal, and the folder's last
+// save stays whole and loads.
+void save_refused(dp_process_group* world) {
+  using namespace dparallel::fsdp;
+  const std::string folder = std::string(g_dir) + "/sharded";
+  const std::string refusal = "argument 'folder' is refused by this rank";
+  Groups mesh = mesh_2x2(world);
+  Toy toy;
+  toy_create(toy, 0.0f, mesh);
+  for (int s = 0; s < 2; ++s) train_step(toy, s);
+  checked("the first save", [&] { save_sharded_state_dict(*toy.root->module, *mesh.shard->group, folder); });
+  const std::vector<std::string> first = files_in(folder);
+  CHECK(first.size() == 3, "the first save left %zu files", first.size());
+  train_step(toy, 2);
+  const bool failed = expect_refused("the second save", refusal, [&] {
+    save_sharded_state_dict(*toy.root->module, *mesh.shard->group, folder, g_rank == 3 ? refusal : "");
+  });
+  CHECK(failed, "the second save passed");
+  toy_destroy(toy);
+  CHECK_OK(dp_pg_barrier(world));
+  std::vector<std::string> now = files_in(folder);
+  CHECK(now.size() == first.size(), "the folder holds %zu files, not %zu", now.size(), first.size());
+  continue_after_load(world, mesh, "the first save loaded under 2x2",
+                      [&](Toy& t) { load_sharded_state_dict(*t.root->module, folder); });
+  destroy_mesh(mesh);
+  if (g_rank == 0) {
+    for (const std::string& name : files_in(folder)) remove((folder + "/" + name).c_str());
+    rmdir(folder.c_str());
+  }
+}
+
 // Every rank's create fails (kInvalidArgument naming `needle`), and every
 // group works on.
 void expect_create_fails(dp_process_group* world, const Groups& groups, const char* layer0_name,
@@ -532,6 +624,8 @@ int main(int argc, char** argv) {
   const Scenario scenarios[] = {{"parity", parity},
                                 {"average", average},
                                 {"save_load", save_load},
+                                {"refused_post", refused_post},
+                                {"save_refused", save_refused},
                                 {"bad_names", bad_names},
                                 {"bad_shards", bad_shards}};
   const Scenario* scenario = nullptr;
@@ -540,7 +634,9 @@ int main(int argc, char** argv) {
   }
   const char *rank_text = getenv("RANK"), *world_text = getenv("WORLD_SIZE"), *dir = getenv("DP_TEST_DIR");
   if (scenario == nullptr || rank_text == nullptr || world_text == nullptr || atoi(world_text) != kWorld) {
-    fprintf(stderr, "usage: RANK=r WORLD_SIZE=4 hsdp_worker parity|average|save_load|bad_names|bad_shards\n");
+    fprintf(stderr,
+            "usage: RANK=r WORLD_SIZE=4 hsdp_worker "
+            "parity|average|save_load|refused_post|save_refused|bad_names|bad_shards\n");
     return 2;
   }
   setvbuf(stdout, nullptr, _IOLBF, 0);
