@@ -7,8 +7,9 @@
 // on each linear and on `linears`, a dp_ddp over every rank on the root.
 // The sharding is made through FullyShard::create (the C ABI has no mesh
 // yet), the rest through the C ABI. Scenarios:
-//   parity      4 steps under 2x2 HSDP equal single-process training on the
-//               whole batch and plain fully_shard over the 4 ranks
+//   parity      4 steps under 2x2 HSDP (with and without full parameters
+//               as views) equal single-process training on the whole batch
+//               and plain fully_shard over the 4 ranks
 //   average     full gradients of rank + 1: every shard gradient is their
 //               average over the 4 ranks, 2.5 exactly, in float32, float16
 //               and bfloat16 reduce dtypes, also for a 0-d parameter
@@ -374,13 +375,21 @@ void parity(dp_process_group* world) {
   CHECK(hsdp.fsdp[0]->shard(0).shape()[0] == (g_rank % 2 == 0 ? 2 : 1), "rank %d keeps %lld rows", g_rank,
         static_cast<long long>(hsdp.fsdp[0]->shard(0).shape()[0]));
   toy_create(flat, 0.05f * static_cast<float>(g_rank), Groups{world, world, nullptr});
+  // And with the full parameters as views of the shards in the shard group's shared memory.
+  Toy views;
+  ShardingOptions as_views;
+  as_views.full_params_as_views = true;
+  toy_create(views, 0.05f * static_cast<float>(g_rank), mesh, as_views);
   for (int s = 0; s < kSteps; ++s) {
     train_step(hsdp, s);
     train_step(flat, s);
+    train_step(views, s);
   }
   const Weights expected = reference(kSteps), hsdp_weights = weights_of(hsdp);
   expect_weights(hsdp_weights, expected, "2x2 HSDP against one process");
   expect_weights(hsdp_weights, weights_of(flat), "2x2 HSDP against fully_shard over 4 ranks");
+  expect_weights(weights_of(views), expected, "2x2 HSDP with views against one process");
+  toy_destroy(views);
   toy_destroy(flat);
   toy_destroy(hsdp);
   destroy_mesh(mesh);
