@@ -523,12 +523,26 @@ void FullyShard::issue_replica_reduce(const lane::JobSpec& post, const lane::Job
       replica_sums_ = ReplicaSums{};
     }
   }
-  if (replicate_lane_->push(shared_from_this(), std::move(spec))) return;
+  StatusCode code = result.code;
+  std::string error = result.error;
+  try {
+    if (replicate_lane_->push(shared_from_this(), std::move(spec))) return;
+    if (code == StatusCode::kOk) {
+      code = replicate_lane_->stuck_code();
+      error = replicate_lane_->stuck_reason();
+    }
+  } catch (const std::exception& e) {
+    if (code == StatusCode::kOk) {
+      code = StatusCode::kInternal;
+      error = e.what();
+    }
+  }
+  // Not issued: the post-backward ends here.
   std::lock_guard<std::mutex> lock(mutex_);
   replica_sums_ = ReplicaSums{};
   post_job_.done = true;
-  post_job_.code = result.code != StatusCode::kOk ? result.code : replicate_lane_->stuck_code();
-  post_job_.error = result.code != StatusCode::kOk ? result.error : replicate_lane_->stuck_reason();
+  post_job_.code = code;
+  post_job_.error = error;
   cv_.notify_all();
 }
 
