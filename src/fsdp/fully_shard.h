@@ -83,7 +83,9 @@ class FullyShard final : public lane::LaneOwner,
   // With init_sync, the replicas' agreement on the parameters and the
   // shards' layout is checked too (a difference on any rank fails every
   // rank's create, naming it), and every rank starts from the values of
-  // rank 0 of both groups. Collective over both groups.
+  // rank 0 of both groups. Collective over both groups (without init_sync
+  // no collective: the host vouches that the replicas agree). The C ABI's
+  // dp_fsdp_create_on_mesh calls this with its mesh's groups.
   static std::shared_ptr<FullyShard> create(std::shared_ptr<Module> module,
                                             std::shared_ptr<dist::ProcessGroup> shard_group,
                                             std::shared_ptr<dist::ProcessGroup> replicate_group,
