@@ -72,6 +72,8 @@ std::string call_item_name(CallItem item, uint32_t index) {
       return "the full parameters' gather";
     case CallItem::kStateDict:
       return "a state dict's agreement";
+    case CallItem::kReplicaReduce:
+      return "the post-backward all_reduce across the replicas";
     case CallItem::kNone:
       break;
   }

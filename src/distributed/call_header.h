@@ -25,11 +25,12 @@ enum class CallItem : uint32_t {
   kCreate = 5,      // the agreement check and broadcast at creation
   kJoinSync = 6,    // dp_ddp_join's end: the last rank to join broadcasts its state
   // dp_fsdp's (items from kFsdpCreate on are a sharding's).
-  kFsdpCreate = 7,     // the agreement check and broadcast at creation
-  kUnshard = 8,        // the parameters' all_gather (a barrier with views)
-  kPostBackward = 9,   // the gradients' reduce_scatter
-  kGatherValues = 10,  // the full values, for a state dict or dp_fsdp_destroy
-  kStateDict = 11,     // a state dict save's or load's agreement (the save's id, every rank's outcome)
+  kFsdpCreate = 7,      // the agreement check and broadcast at creation
+  kUnshard = 8,         // the parameters' all_gather (a barrier with views)
+  kPostBackward = 9,    // the gradients' reduce_scatter
+  kGatherValues = 10,   // the full values, for a state dict or dp_fsdp_destroy
+  kStateDict = 11,      // a state dict save's or load's agreement (the save's id, every rank's outcome)
+  kReplicaReduce = 12,  // HSDP: the shard gradients' all_reduce across the replicas
 };
 inline bool is_sharding_item(CallItem item) { return item >= CallItem::kFsdpCreate; }
 

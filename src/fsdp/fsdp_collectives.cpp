@@ -104,7 +104,7 @@ void drop_grad(Tensor& grad, const Device& device) {
 // The reduce-scatter of the sharded parameters whose reduce dtype is
 // `dtype`, whose rank segment is `segment` elements.
 void reduce_scatter_dtype(const ShardLayout& layout, dist::ProcessGroup& group, DType dtype, size_t segment,
-                          std::vector<Tensor>& grads) {
+                          std::vector<Tensor>& grads, ReplicaSums* replica_sums) {
   const int32_t world = group.size();
   const Device device = group.device();
   const size_t esize = dtype_size(dtype);
@@ -132,7 +132,8 @@ void reduce_scatter_dtype(const ShardLayout& layout, dist::ProcessGroup& group, 
             dist::SegmentRun{m.reduce_offset * esize, rows_of(grads[i], s.start, s.count, m.row_numel)});
       }
     }
-    const Tensor grads_segment = layout.shard_grad_segment(dtype);
+    // With replicas, the shard group's average is all-reduced before it is added.
+    const Tensor grads_segment = replica_sums ? Tensor() : layout.shard_grad_segment(dtype);
     if (grads_segment.defined()) {
       // Added straight into the shard gradients: no result to add below.
       group.reduce_scatter_runs(std::move(parts), grads_segment, dist::ReduceOp::kAvg, false, true);
@@ -185,10 +186,16 @@ void reduce_scatter_dtype(const ShardLayout& layout, dist::ProcessGroup& group, 
       group.reduce_scatter(inputs, output, dist::ReduceOp::kAvg, false);
     }
   }
+  if (replica_sums && output.defined()) replica_sums->by_dtype[dtype].buffers.push_back(output);
   for (const ShardedParam& m : params) {
     if (!output.defined() || !member(m) || m.split.count == 0) continue;
     const int64_t n = m.split.count * m.row_numel;
-    accumulate(m.shard_grad.view({n}), output.view_at(m.reduce_offset * esize, dtype, {n}));
+    const Tensor average = output.view_at(m.reduce_offset * esize, dtype, {n});
+    if (replica_sums) {
+      replica_sums->by_dtype[dtype].adds.emplace_back(m.shard_grad.view({n}), average);
+    } else {
+      accumulate(m.shard_grad.view({n}), average);
+    }
   }
   for (size_t i = 0; i < params.size(); ++i) {
     if (member(params[i])) drop_grad(grads[i], device);
@@ -209,12 +216,13 @@ bool gather_communicates(const ShardLayout& layout) {
 
 bool reduce_communicates(const ShardLayout& layout) { return layout.views() || layout.reduces(); }
 
-void reduce_gradients(const ShardLayout& layout, dist::ProcessGroup& group, std::vector<Tensor> grads) {
+void reduce_gradients(const ShardLayout& layout, dist::ProcessGroup& group, std::vector<Tensor> grads,
+                      ReplicaSums* replica_sums) {
   const int32_t world = group.size();
   const Device device = group.device();
   // Sharded parameters: one reduce_scatter per reduce dtype.
   for (const auto& [dtype, segment] : layout.reduce_segments()) {
-    if (segment > 0) reduce_scatter_dtype(layout, group, dtype, segment, grads);
+    if (segment > 0) reduce_scatter_dtype(layout, group, dtype, segment, grads, replica_sums);
   }
   // 0-d parameters: every rank holds them whole, so their gradients are all-reduced.
   std::map<DType, std::vector<size_t>> whole;
@@ -235,9 +243,38 @@ void reduce_gradients(const ShardLayout& layout, dist::ProcessGroup& group, std:
     }
     for (size_t i : members) drop_grad(grads[i], device);
     group.all_reduce_coalesced(values, is_16_bit(dtype) ? dist::ReduceOp::kSum : dist::ReduceOp::kAvg, false);
-    for (size_t k = 0; k < members.size(); ++k) accumulate(layout.at(members[k]).shard_grad, values[k]);
+    for (size_t k = 0; k < members.size(); ++k) {
+      const Tensor& target = layout.at(members[k]).shard_grad;
+      if (replica_sums) {
+        ReplicaSums::OfDtype& sums = replica_sums->by_dtype[dtype];
+        sums.buffers.push_back(values[k]);
+        sums.adds.emplace_back(target, values[k]);
+      } else {
+        accumulate(target, values[k]);
+      }
+    }
   }
   for (Tensor& grad : grads) drop_grad(grad, device);
+}
+
+void reduce_across_replicas(ReplicaSums sums, dist::ProcessGroup& replicas) {
+  const int32_t count = replicas.size();
+  const Device device = replicas.device();
+  for (auto& [dtype, of_dtype] : sums.by_dtype) {
+    // The shard group's averages, so the replicas' average is the average
+    // over every rank of both groups (and 16-bit values were divided by the
+    // shard group's size before its sum already).
+    if (is_16_bit(dtype)) {
+      for (const Tensor& buffer : of_dtype.buffers) lane::divide_tensor(buffer, count);
+    }
+    if (count > 1) {
+      replicas.all_reduce_coalesced(of_dtype.buffers, is_16_bit(dtype) ? dist::ReduceOp::kSum : dist::ReduceOp::kAvg,
+                                    false);
+    }
+    for (const auto& [target, average] : of_dtype.adds) accumulate(target, average);
+    for (auto& [target, average] : of_dtype.adds) drop_grad(average, device);
+    for (Tensor& buffer : of_dtype.buffers) drop_grad(buffer, device);
+  }
 }
 
 }  // namespace dparallel::fsdp

@@ -67,6 +67,20 @@ void check_group(const Held& h, const dist::ProcessGroup& group) {
   }
 }
 
+// Every dp_fsdp holding the module's tensors replicates across one group
+// (or none): a state dict's collectives agree over it.
+void check_replicas(const std::vector<Held>& state) {
+  const Held* first = nullptr;
+  for (const Held& h : state) {
+    if (!h.holder) continue;
+    if (first == nullptr) first = &h;
+    if (h.holder->replicate_group() != first->holder->replicate_group()) {
+      fail_invalid("parameters '", first->entry.name, "' and '", h.entry.name,
+                   "' are held by dp_fsdp with different replicate groups: a state dict agrees over one");
+    }
+  }
+}
+
 // A load writes the shards: not while they are read as full parameters (or
 // in flight to be), here or, with views, on the other ranks.
 void check_resharded(const FullyShard& holder, const std::string& name) {
@@ -146,6 +160,24 @@ void fail_on_every_rank(const std::vector<std::string>& outcomes, const Outcome&
     const Outcome o = decode_outcome(outcomes[r], static_cast<int32_t>(r));
     if (!o.ok() && static_cast<int32_t>(r) != rank) fail(o.code, what, " failed on rank ", r, ": ", o.message);
   }
+}
+
+// HSDP: every replica learns every replica's `mine` (its shard group's
+// verdict); fails with this rank's, else the lowest failing replica's, so
+// that every rank of both groups ends alike. Without replicas: `mine`.
+void agree_across_replicas(const std::shared_ptr<FullyShard>& holder, const Outcome& mine, const std::string& what) {
+  const std::shared_ptr<dist::ProcessGroup> replicas = holder ? holder->replicate_group() : nullptr;
+  if (replicas) {
+    std::vector<std::string> all;
+    holder->call_on_replicate_lane(dist::CallItem::kStateDict,
+                                   [&] { all = lane::all_gather_strings(*replicas, encode_outcome(mine)); });
+    if (!mine.ok()) fail(mine.code, mine.message);
+    for (size_t r = 0; r < all.size(); ++r) {
+      const Outcome o = decode_outcome(all[r], static_cast<int32_t>(r));
+      if (!o.ok()) fail(o.code, what, " failed on rank ", r, " of the replicate group: ", o.message);
+    }
+  }
+  if (!mine.ok()) fail(mine.code, mine.message);
 }
 
 void remove_quietly(const std::string& path) { (void)::unlink(path.c_str()); }
@@ -454,49 +486,64 @@ ShardedLoad plan_sharded_load(const std::vector<Held>& state, const std::string&
 void save_full_state_dict(Module& module, dist::ProcessGroup& group, const std::string& path) {
   std::vector<Held> state = held_state(module);
   for (const Held& h : state) check_group(h, group);
-  // One gather per dp_fsdp, in the order its first parameter is listed: the same on every rank.
-  std::vector<std::shared_ptr<FullyShard>> holders;
-  for (const Held& h : state) {
-    if (h.holder && std::find(holders.begin(), holders.end(), h.holder) == holders.end()) holders.push_back(h.holder);
-  }
-  std::map<const FullyShard*, std::vector<Tensor>> full;
-  for (const auto& holder : holders) full[holder.get()] = holder->gather_full_values();
-  Outcome wrote;
-  if (group.rank() == 0) {
-    wrote = run_step([&] {
-      std::vector<StateEntry> entries;
-      entries.reserve(state.size());
-      for (const Held& h : state) {
-        entries.push_back(h.holder ? StateEntry{h.entry.name, full[h.holder.get()].at(h.index)} : h.entry);
-      }
-      save_state(entries, {{"format", "pt"}}, path);
-    });
-  }
-  full.clear();
-  // Rank 0's write is every rank's outcome.
-  const std::vector<std::string> outcomes = exchange(group, lane_holder(state), encode_outcome(wrote));
-  const Outcome rank0 = decode_outcome(outcomes.at(0), 0);
-  if (!rank0.ok()) {
-    fail(rank0.code, group.rank() == 0 ? std::string() : "rank 0 could not write the full state dict: ", rank0.message,
-         " (a file that was at '", path, "' is as it was)");
-  }
+  check_replicas(state);
+  const std::shared_ptr<FullyShard> holder = lane_holder(state);
+  // Rank 0 of the shard group writes, and with replicas only that of the
+  // replicate group's rank 0: rank 0 of the world.
+  const bool writes = group.rank() == 0 && (!holder || holder->writes_shards());
+  const std::string kept = str_cat(" (a file that was at '", path, "' is as it was)");
+  const Outcome verdict = run_step([&] {
+    // One gather per dp_fsdp, in the order its first parameter is listed: the same on every rank.
+    std::vector<std::shared_ptr<FullyShard>> holders;
+    for (const Held& h : state) {
+      if (h.holder && std::find(holders.begin(), holders.end(), h.holder) == holders.end()) holders.push_back(h.holder);
+    }
+    std::map<const FullyShard*, std::vector<Tensor>> full;
+    for (const auto& h : holders) full[h.get()] = h->gather_full_values();
+    Outcome wrote;
+    if (writes) {
+      wrote = run_step([&] {
+        std::vector<StateEntry> entries;
+        entries.reserve(state.size());
+        for (const Held& h : state) {
+          entries.push_back(h.holder ? StateEntry{h.entry.name, full[h.holder.get()].at(h.index)} : h.entry);
+        }
+        save_state(entries, {{"format", "pt"}}, path);
+      });
+    }
+    full.clear();
+    // Rank 0's write is every rank's outcome.
+    const std::vector<std::string> outcomes = exchange(group, holder, encode_outcome(wrote));
+    const Outcome rank0 = decode_outcome(outcomes.at(0), 0);
+    if (!rank0.ok()) {
+      fail(rank0.code, writes ? std::string() : "rank 0 could not write the full state dict: ", rank0.message, kept);
+    }
+  });
+  agree_across_replicas(holder, verdict, str_cat("the full state dict's save to '", path, "'"));
 }
 
 void refuse_full_state_dict_save(Module& module, dist::ProcessGroup& group, const std::string& reason) {
   const std::vector<Held> state = held_state(module);
-  // The gathers in save_full_state_dict's order (one with no collective is
-  // skipped there too), else the outcomes' exchange.
-  std::vector<const FullyShard*> seen;
-  for (const Held& h : state) {
-    if (!h.holder || std::find(seen.begin(), seen.end(), h.holder.get()) != seen.end()) continue;
-    seen.push_back(h.holder.get());
-    h.holder->refuse_gather(reason);
-  }
-  if (const std::shared_ptr<FullyShard> holder = lane_holder(state)) {
-    holder->call_on_lane(dist::CallItem::kStateDict, [&] { group.refuse(dist::CallKind::kAllGather, reason, false); });
-  } else {
-    group.refuse(dist::CallKind::kAllGather, reason, false);
-  }
+  const std::shared_ptr<FullyShard> holder = lane_holder(state);
+  const Outcome refused = run_step([&] {
+    // The gathers in save_full_state_dict's order (one with no collective
+    // is skipped there too), else the outcomes' exchange.
+    std::vector<const FullyShard*> seen;
+    for (const Held& h : state) {
+      if (!h.holder || std::find(seen.begin(), seen.end(), h.holder.get()) != seen.end()) continue;
+      seen.push_back(h.holder.get());
+      h.holder->refuse_gather(reason);
+    }
+    if (holder) {
+      holder->call_on_lane(dist::CallItem::kStateDict,
+                           [&] { group.refuse(dist::CallKind::kAllGather, reason, false); });
+    } else {
+      group.refuse(dist::CallKind::kAllGather, reason, false);
+    }
+  });
+  // With replicas, they take part as in a save (in agree_across_replicas).
+  agree_across_replicas(holder, refused.ok() ? Outcome{StatusCode::kInvalidArgument, reason} : refused,
+                        "the full state dict's save");
   fail_invalid(reason);
 }
 
@@ -593,13 +640,13 @@ void load_full_state_dict(Module& module, const std::string& path, bool strict) 
   }
 }
 
-void save_sharded_state_dict(Module& module, dist::ProcessGroup& group, const std::string& folder,
-                             const std::string& refusal) {
-  std::vector<Held> state = held_state(module);
-  for (const Held& h : state) check_group(h, group);
-  const std::shared_ptr<FullyShard> holder = lane_holder(state);
+namespace {
+
+// The sharded save over `group`, by the ranks that write it.
+void save_sharded_in_group(const std::vector<Held>& state, dist::ProcessGroup& group,
+                           const std::shared_ptr<FullyShard>& holder, const std::string& folder,
+                           const std::string& refusal, const std::string& what) {
   const int32_t rank = group.rank(), world = group.size();
-  const std::string what = str_cat("the sharded save to '", folder, "'");
   const std::string kept = "; nothing of it is kept, and the folder's last complete save is as it was";
   // Rank 0's id names the save.
   const std::string save_id = exchange(group, holder, rank == 0 ? new_save_id() : std::string()).at(0);
@@ -641,9 +688,46 @@ void save_sharded_state_dict(Module& module, dist::ProcessGroup& group, const st
   if (rank == 0) remove_other_saves(folder, save_id);
 }
 
+}  // namespace
+
+void save_sharded_state_dict(Module& module, dist::ProcessGroup& group, const std::string& folder,
+                             const std::string& refusal) {
+  std::vector<Held> state = held_state(module);
+  for (const Held& h : state) check_group(h, group);
+  check_replicas(state);
+  const std::shared_ptr<FullyShard> holder = lane_holder(state);
+  const std::string what = str_cat("the sharded save to '", folder, "'");
+  if (!holder || !holder->replicate_group()) {
+    save_sharded_in_group(state, group, holder, folder, refusal, what);
+    return;
+  }
+  // HSDP: the replicas hold the same shards, so the shard group of the
+  // replicate group's rank 0 alone writes them. A refusal on any replica
+  // fails its writer's save first (so nothing is committed), then every
+  // replica learns its writer's verdict.
+  dist::ProcessGroup& replicas = *holder->replicate_group();
+  std::vector<std::string> refusals;
+  holder->call_on_replicate_lane(dist::CallItem::kStateDict, [&] {
+    refusals = lane::all_gather_strings(replicas, refusal.empty() ? std::string("ok") : "error " + refusal);
+  });
+  std::string writer_refusal = refusal;
+  for (size_t r = 0; r < refusals.size() && writer_refusal.empty(); ++r) {
+    if (refusals[r] != "ok")
+      writer_refusal = str_cat("rank ", r, " of the replicate group refused: ", refusals[r].substr(6));
+  }
+  Outcome verdict;
+  if (holder->writes_shards()) {
+    verdict = run_step([&] { save_sharded_in_group(state, group, holder, folder, writer_refusal, what); });
+  } else if (!refusal.empty()) {
+    verdict = Outcome{StatusCode::kInvalidArgument, refusal};
+  }
+  agree_across_replicas(holder, verdict, what);
+}
+
 void load_sharded_state_dict(Module& module, const std::string& folder, const std::string& refusal) {
   const std::vector<Held> state = held_state(module);
   const std::shared_ptr<FullyShard> holder = lane_holder(state);
+  check_replicas(state);
   for (const Held& h : state) {
     if (h.holder && h.holder->group() != holder->group()) {
       fail_invalid("the module's tensors are held by dp_fsdp on two process groups ('", h.entry.name,
@@ -656,10 +740,12 @@ void load_sharded_state_dict(Module& module, const std::string& folder, const st
     plan = plan_sharded_load(state, folder);
   });
   if (holder) {
-    // Every rank loads, or none does.
+    // Every rank loads, or none does (with replicas, every replica too).
     dist::ProcessGroup& group = *holder->group();
-    fail_on_every_rank(exchange(group, holder, encode_outcome(planned)), planned, group.rank(),
-                       str_cat("the sharded load from '", folder, "' (the module is unchanged on every rank)"));
+    const std::string what = str_cat("the sharded load from '", folder, "' (the module is unchanged on every rank)");
+    const Outcome agreed = run_step(
+        [&] { fail_on_every_rank(exchange(group, holder, encode_outcome(planned)), planned, group.rank(), what); });
+    agree_across_replicas(holder, agreed, what);
   } else if (!planned.ok()) {
     fail(planned.code, planned.message);
   }

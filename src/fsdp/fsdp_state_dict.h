@@ -17,6 +17,15 @@
 // checks the manifest and every file against it, then reads only the rows
 // this rank keeps now (at any world size) and the whole tensors, each piece
 // it reads checked against its checksum first.
+//
+// HSDP (a dp_fsdp with a replicate group; `group` is then its shard group):
+// the replicas hold the same shards, so a sharded save is written once, by
+// the shard group of the replicate group's rank 0 (its files and manifest
+// are a plain fully_shard save over the shard group); the other replicas
+// write nothing but take part, and every rank of both groups gets the same
+// outcome. A full save is written by rank 0 of both groups. A sharded save
+// loads under any mesh, each rank reading the rows of its shard; a load
+// fails, or succeeds, on every rank of both groups.
 #pragma once
 
 #include <memory>

@@ -20,14 +20,39 @@ int64_t millis(FullyShard::Clock::duration d) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(d).count();
 }
 
+// A job's end on a device that queues its work: an event after it, in
+// `slot`, whatever way the job ends.
+struct KeepEndEvent {
+  std::mutex& mutex;
+  const Device& device;
+  std::optional<Event>& slot;
+  ~KeepEndEvent() {
+    if (!dist::QueuedTransfers::active()) return;
+    std::optional<Event> done;
+    try {
+      done.emplace(device);
+      done->record(device_runtime(device.type).library_stream(device.index));
+    } catch (const std::exception&) {
+      done.reset();  // the device failed: nothing left to follow
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    slot = std::move(done);
+  }
+};
+
 }  // namespace
 
-FullyShard::Clock::duration FullyShard::lane_bound() const { return group_->timeout() + std::chrono::seconds(3); }
+FullyShard::Clock::duration FullyShard::lane_bound() const {
+  // A post-backward with replicas is a job on each lane.
+  return group_->timeout() + (replicate_ ? Clock::duration(replicate_->timeout()) : Clock::duration::zero()) +
+         std::chrono::seconds(3);
+}
 
 FullyShard::~FullyShard() {
   if (closed_) return;
   // Not through close(): a destructor makes no collective.
   if (lane_) lane_->detach(this, lane_bound());
+  if (replicate_lane_) replicate_lane_->detach(this, lane_bound());
   settle_queued_work();
   for (const ShardedParam& m : layout_.params()) m.parameter->release(this);
 }
@@ -86,6 +111,7 @@ void FullyShard::close() {
   state_ = State::kResharded;
   lock.unlock();
   lane_->detach(this, lane_bound());
+  if (replicate_lane_) replicate_lane_->detach(this, lane_bound());
   settle_queued_work();
   for (const ShardedParam& m : layout_.params()) m.parameter->release(this);
   if (error) std::rethrow_exception(error);
@@ -162,13 +188,19 @@ void FullyShard::wait_locked(std::unique_lock<std::mutex>& lock, Pending& pendin
   if (!cv_.wait_for(lock, bound, [&] { return pending.done; })) {
     broken_ = true;
     lock.unlock();
-    const std::string missing = lane_->ranks_missing_next_job(this);
+    std::string missing = lane_->ranks_missing_next_job(this);
+    if (missing.empty() && replicate_lane_ && &pending == &post_job_) {
+      if (std::string replicas = replicate_lane_->ranks_missing_next_job(this); !replicas.empty()) {
+        missing = "(of the replicate group) " + replicas;
+      }
+    }
     std::string why =
         str_cat(what, " of dp_fsdp #", lane_id_, " did not finish within ", millis(bound), " ms",
                 missing.empty() ? std::string(" (a rank never issued it, or a job before it hung)")
                                 : str_cat(": rank ", missing, " had not issued it (did ",
                                           missing.find(',') == std::string::npos ? "it" : "they", " skip this call?)"));
     lane_->give_up(why);
+    if (replicate_lane_) replicate_lane_->give_up(why);
     lock.lock();
     broken_why_ = why;
     fail(StatusCode::kTimeout, why, "; the dp_fsdp is unusable");
@@ -424,9 +456,23 @@ void FullyShard::call_on_lane(CallItem item, const std::function<void()>& fn) {
   lane_->call(this, spec, fn, lane_bound());
 }
 
+void FullyShard::call_on_replicate_lane(CallItem item, const std::function<void()>& fn) {
+  std::lock_guard<std::mutex> host(host_mutex_);
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    check_usable_locked();
+  }
+  if (!replicate_lane_) fail(StatusCode::kInternal, "dp_fsdp #", lane_id_, " has no replicate group");
+  lane::JobSpec spec;
+  spec.item = item;
+  spec.iteration = iteration_;
+  replicate_lane_->call(this, spec, fn, lane_bound());
+}
+
 // ---- on the lane ----
 
 lane::JobResult FullyShard::run_job(const lane::JobSpec& spec) {
+  if (spec.item == CallItem::kReplicaReduce) return run_replica_reduce(spec);
   lane::JobResult result;
   result.start = Clock::now();
   try {
@@ -449,23 +495,7 @@ lane::JobResult FullyShard::run_job(const lane::JobSpec& spec) {
       host_ready = std::move(unshard ? unshard_ready_ : post_ready_);
     }
     library_streams_wait(host_ready);
-    struct KeepEndEvent {
-      FullyShard& self;
-      const Device& device;
-      std::optional<Event>& slot;
-      ~KeepEndEvent() {
-        if (!dist::QueuedTransfers::active()) return;
-        std::optional<Event> done;
-        try {
-          done.emplace(device);
-          done->record(device_runtime(device.type).library_stream(device.index));
-        } catch (const std::exception&) {
-          done.reset();  // the device failed: nothing left to follow
-        }
-        std::lock_guard<std::mutex> lock(self.mutex_);
-        slot = std::move(done);
-      }
-    } keep{*this, device, unshard ? unshard_done_ : post_done_};
+    KeepEndEvent keep{mutex_, device, unshard ? unshard_done_ : post_done_};
     if (unshard) {
       std::vector<Tensor> full = gather_full(layout_, *group_, FullKind::kCompute);
       std::lock_guard<std::mutex> lock(mutex_);
@@ -477,7 +507,10 @@ lane::JobResult FullyShard::run_job(const lane::JobSpec& spec) {
         grads = std::move(post_grads_);
         post_grads_.clear();
       }
-      reduce_gradients(layout_, *group_, std::move(grads));
+      ReplicaSums sums;
+      reduce_gradients(layout_, *group_, std::move(grads), replicate_ ? &sums : nullptr);
+      std::lock_guard<std::mutex> lock(mutex_);
+      replica_sums_ = std::move(sums);
     } else {
       fail(StatusCode::kInternal, "a dp_fsdp job of ", dist::call_item_name(spec.item, 0));
     }
@@ -492,7 +525,91 @@ lane::JobResult FullyShard::run_job(const lane::JobSpec& spec) {
   return result;
 }
 
+void FullyShard::issue_replica_reduce(const lane::JobSpec& post, const lane::JobResult& result) {
+  lane::JobSpec spec;
+  spec.item = CallItem::kReplicaReduce;
+  spec.iteration = post.iteration;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    shard_result_ = result;
+    if (result.code != StatusCode::kOk) {
+      // In the all-reduce's place: the other replicas' post_backward fails
+      // naming this rank, and every replica stays in step.
+      spec.refusal = str_cat("its shard group's reduce_scatter failed: ", result.error);
+      replica_sums_ = ReplicaSums{};
+    }
+  }
+  StatusCode code = result.code;
+  std::string error = result.error;
+  try {
+    if (replicate_lane_->push(shared_from_this(), std::move(spec))) return;
+    if (code == StatusCode::kOk) {
+      code = replicate_lane_->stuck_code();
+      error = replicate_lane_->stuck_reason();
+    }
+  } catch (const std::exception& e) {
+    if (code == StatusCode::kOk) {
+      code = StatusCode::kInternal;
+      error = e.what();
+    }
+  }
+  // Not issued: the post-backward ends here.
+  std::lock_guard<std::mutex> lock(mutex_);
+  replica_sums_ = ReplicaSums{};
+  post_job_.done = true;
+  post_job_.code = code;
+  post_job_.error = error;
+  cv_.notify_all();
+}
+
+lane::JobResult FullyShard::run_replica_reduce(const lane::JobSpec& spec) {
+  lane::JobResult result;
+  result.start = Clock::now();
+  try {
+    if (!spec.refusal.empty()) {
+      // This rank's post_backward fails as its reduce-scatter did.
+      try {
+        replicate_->refuse(dist::CallKind::kAllReduce, spec.refusal, false);
+      } catch (const Error&) {
+      }
+      std::lock_guard<std::mutex> lock(mutex_);
+      result.code = shard_result_.code;
+      result.error = shard_result_.error;
+    } else {
+      // On NCCL, after the reduce-scatter's queued work (the host follows
+      // this job's end instead).
+      const Device device = replicate_->device();
+      dist::QueuedTransfers queued(device, replicate_->transfer_stream());
+      ReplicaSums sums;
+      std::vector<Event> shard_done;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        sums = std::move(replica_sums_);
+        replica_sums_ = ReplicaSums{};
+        if (post_done_) shard_done.push_back(std::move(*post_done_));
+        post_done_.reset();
+      }
+      library_streams_wait(shard_done);
+      KeepEndEvent keep{mutex_, device, post_done_};
+      reduce_across_replicas(std::move(sums), *replicate_);
+    }
+  } catch (const Error& e) {
+    result.code = e.code();
+    result.error = e.what();
+  } catch (const std::exception& e) {
+    result.code = StatusCode::kInternal;
+    result.error = e.what();
+  }
+  result.end = Clock::now();
+  return result;
+}
+
 void FullyShard::complete_job(const lane::JobSpec& spec, lane::JobResult result) {
+  // With replicas, the post-backward ends once its all-reduce across them did.
+  if (replicate_ && spec.item == CallItem::kPostBackward) {
+    issue_replica_reduce(spec, result);
+    return;
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   Pending& pending = spec.item == CallItem::kUnshard ? unshard_job_ : post_job_;
   pending.done = true;

@@ -18,6 +18,13 @@
 // is a barrier and the full parameters are views (dp_fsdp.h has the host's
 // side of that).
 //
+// HSDP (hybrid sharding): with a replicate group, every rank of it holds
+// the same shards (the same rank of a shard group alike), and post_backward
+// all-reduces the reduce-scattered shard gradients across it, as a job of
+// the dp_fsdp on the replicate group's own comm lane: it overlaps the next
+// reduce-scatters as they overlap the backward, and the replicate group,
+// driven by that lane's thread alone, pairs its calls by identity too.
+//
 // The host drives one dp_fsdp from one thread at a time; calls from several
 // threads are serialised.
 #pragma once
@@ -35,6 +42,7 @@
 #include "core/stream.h"
 #include "core/tensor.h"
 #include "distributed/process_group.h"
+#include "fsdp/fsdp_collectives.h"
 #include "fsdp/sharded_param.h"
 #include "lane/comm_lane.h"
 #include "module/module.h"
@@ -65,6 +73,23 @@ class FullyShard final : public lane::LaneOwner,
   // holds is kInvalidArgument.
   static std::shared_ptr<FullyShard> create(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGroup> group,
                                             const ShardingOptions& options);
+  // HSDP: the parameters sharded over `shard_group` as above, and each
+  // shard replicated across `replicate_group` (null: none, as above), whose
+  // ranks are the same rank of shard groups of the same size. A 2-D device
+  // mesh (replicas, shards) maps its dim 1 (e.g. the ranks of a host) to
+  // the shard group and its dim 0 to the replicate group; a 1-D mesh is a
+  // shard group alone. Gradients are reduce-scattered in the shard group,
+  // then all-reduced across the replicas: averaged over both groups' ranks.
+  // With init_sync, the replicas' agreement on the parameters and the
+  // shards' layout is checked too (a difference on any rank fails every
+  // rank's create, naming it), and every rank starts from the values of
+  // rank 0 of both groups. Collective over both groups (without init_sync
+  // no collective: the host vouches that the replicas agree). The C ABI's
+  // dp_fsdp_create_on_mesh calls this with its mesh's groups.
+  static std::shared_ptr<FullyShard> create(std::shared_ptr<Module> module,
+                                            std::shared_ptr<dist::ProcessGroup> shard_group,
+                                            std::shared_ptr<dist::ProcessGroup> replicate_group,
+                                            const ShardingOptions& options);
   ~FullyShard() override;
   FullyShard(const FullyShard&) = delete;
   FullyShard& operator=(const FullyShard&) = delete;
@@ -94,7 +119,13 @@ class FullyShard final : public lane::LaneOwner,
   Tensor shard_grad(size_t index) const;
   // Whether the slots hold the shards with no unshard in flight.
   bool resharded() const;
+  // The shard group.
   const std::shared_ptr<dist::ProcessGroup>& group() const { return group_; }
+  // The replicate group (HSDP), or null.
+  const std::shared_ptr<dist::ProcessGroup>& replicate_group() const { return replicate_; }
+  // Whether this rank writes the sharded state dicts: rank 0 of the
+  // replicate group (every rank without one).
+  bool writes_shards() const { return !replicate_ || replicate_->rank() == 0; }
   // Parameter `index`'s full value in its own dtype, gathered from every
   // rank (collective, on the lane).
   std::vector<Tensor> gather_full_values();
@@ -106,6 +137,8 @@ class FullyShard final : public lane::LaneOwner,
   // Runs `fn` on the lane as this dp_fsdp's next job, tagged `item`: the
   // collectives of a state dict's save or load, which every rank makes.
   void call_on_lane(dist::CallItem item, const std::function<void()>& fn);
+  // call_on_lane on the replicate group's lane (HSDP only).
+  void call_on_replicate_lane(dist::CallItem item, const std::function<void()>& fn);
   // Which parameter (index) holds `parameter`, or npos.
   size_t index_of(const Parameter* parameter) const { return layout_.index_of(parameter); }
   static constexpr size_t npos = ShardLayout::npos;
@@ -129,8 +162,16 @@ class FullyShard final : public lane::LaneOwner,
   void zero_shard_grad(const Parameter& parameter) override;
 
  private:
-  FullyShard(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGroup> group, ShardingOptions options);
+  FullyShard(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGroup> group,
+             std::shared_ptr<dist::ProcessGroup> replicate, ShardingOptions options);
   void init();
+  // With init_sync: the agreement checks and the broadcasts of rank 0's
+  // values, over the shard group and then the replicate group; every rank
+  // of both fails alike.
+  void agree_on_lanes(const std::string& local_error);
+  // A replicate group's problem before any collective (kInvalidArgument
+  // text), or "".
+  std::string replicate_argument_error() const;
 
   // A job issued on the lane and how it ended.
   struct Pending {
@@ -144,7 +185,7 @@ class FullyShard final : public lane::LaneOwner,
   // Checks and collects the parameters; with init_sync an argument error
   // is kept for the agreement check instead of thrown.
   std::string collect();
-  std::vector<std::string> describe_for_agreement(const std::string& local_error) const;
+  std::vector<std::string> describe_for_agreement(const std::string& local_error, bool for_replicas) const;
   // On a shared-memory group (with init_sync): the shards can lie in memory
   // every rank maps (ShardLayout::wanted_placement).
   bool wants_shard_region() const;
@@ -181,12 +222,20 @@ class FullyShard final : public lane::LaneOwner,
   void finish_marked_backward_locked(std::unique_lock<std::mutex>& lock);
   void check_usable_locked() const;
   Clock::duration lane_bound() const;
+  // HSDP, on the shard lane once a post-backward job ended: its all-reduce
+  // across the replicas, issued on the replicate lane (a refusal there in
+  // its place when the reduce-scatter failed). When the replicate lane is
+  // stuck, the post-backward ends with that.
+  void issue_replica_reduce(const lane::JobSpec& post, const lane::JobResult& result);
+  lane::JobResult run_replica_reduce(const lane::JobSpec& spec);
 
   std::shared_ptr<Module> module_;
   std::shared_ptr<dist::ProcessGroup> group_;
+  std::shared_ptr<dist::ProcessGroup> replicate_;  // HSDP's, or null
   ShardingOptions options_;
   std::shared_ptr<lane::CommLane> lane_;
   uint32_t lane_id_ = 0;
+  std::shared_ptr<lane::CommLane> replicate_lane_;
   // The parameters, their shards, and where the shards lie (fixed by init).
   ShardLayout layout_;
 
@@ -213,6 +262,10 @@ class FullyShard final : public lane::LaneOwner,
   size_t num_marked_ = 0;
   std::vector<Event> marks_ready_;
   bool posted_by_marks_ = false;  // the marks ran this backward's post_backward
+  // HSDP: what the reduce-scatter left for the replicas' all-reduce, and how
+  // the reduce-scatter ended (the all-reduce's refusal when it failed).
+  ReplicaSums replica_sums_;
+  lane::JobResult shard_result_;
 };
 
 }  // namespace dparallel::fsdp

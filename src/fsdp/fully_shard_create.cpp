@@ -35,36 +35,54 @@ void report_private_shards(int32_t rank, const std::string& why) {
 std::shared_ptr<FullyShard> FullyShard::create(std::shared_ptr<Module> module,
                                                std::shared_ptr<dist::ProcessGroup> group,
                                                const ShardingOptions& options) {
-  std::shared_ptr<FullyShard> sharding(new FullyShard(std::move(module), std::move(group), options));
+  return create(std::move(module), std::move(group), nullptr, options);
+}
+
+std::shared_ptr<FullyShard> FullyShard::create(std::shared_ptr<Module> module,
+                                               std::shared_ptr<dist::ProcessGroup> shard_group,
+                                               std::shared_ptr<dist::ProcessGroup> replicate_group,
+                                               const ShardingOptions& options) {
+  std::shared_ptr<FullyShard> sharding(
+      new FullyShard(std::move(module), std::move(shard_group), std::move(replicate_group), options));
   sharding->init();
   return sharding;
 }
 
 FullyShard::FullyShard(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGroup> group,
-                       ShardingOptions options)
-    : module_(std::move(module)), group_(std::move(group)), options_(std::move(options)) {}
+                       std::shared_ptr<dist::ProcessGroup> replicate, ShardingOptions options)
+    : module_(std::move(module)),
+      group_(std::move(group)),
+      replicate_(std::move(replicate)),
+      options_(std::move(options)) {}
+
+std::string FullyShard::replicate_argument_error() const {
+  if (!replicate_) return "";
+  if (replicate_ == group_) {
+    return "the replicate group is the shard group; a shard is replicated across another group (null: none)";
+  }
+  if (replicate_->device() != group_->device()) {
+    return str_cat("the replicate group works on ", to_string(replicate_->device()), " but the shard group on ",
+                   to_string(group_->device()), "; both must work on the parameters' device");
+  }
+  return "";
+}
 
 void FullyShard::init() {
   // An argument error on one rank fails every rank's agreement check
   // (with init_sync) instead of leaving the others waiting.
+  if (const std::string error = replicate_argument_error(); !error.empty()) {
+    if (!options_.init_sync) fail_invalid(error);
+    if (options_.argument_error.empty()) options_.argument_error = error;
+  }
   std::string local_error = collect();
   lane_ = lane::CommLane::for_group(group_);
   lane_id_ = lane_->attach(this);
+  if (replicate_) {
+    replicate_lane_ = lane::CommLane::for_group(replicate_);
+    replicate_lane_->attach(this);
+  }
   try {
-    if (options_.init_sync) {
-      std::vector<std::string> description = describe_for_agreement(local_error);
-      lane::JobSpec spec;
-      spec.item = CallItem::kFsdpCreate;
-      lane_->call(
-          this, spec,
-          [&] {
-            lane::check_agreement(*group_, description);
-            std::vector<Tensor> values;
-            for (const ShardedParam& m : layout_.params()) values.push_back(m.parameter->value());
-            lane::broadcast_tensors(*group_, values, 0);
-          },
-          lane_bound());
-    }
+    if (options_.init_sync) agree_on_lanes(local_error);
     layout_.plan(group_->size(), group_->rank());
     // The one place where the shards' memory is decided: every later
     // choice between views and copies reads layout_.placement().
@@ -84,8 +102,65 @@ void FullyShard::init() {
     }
   } catch (...) {
     lane_->detach(this, lane_bound());
+    if (replicate_lane_) replicate_lane_->detach(this, lane_bound());
     for (const ShardedParam& m : layout_.params()) m.parameter->release(this);
     throw;
+  }
+}
+
+void FullyShard::agree_on_lanes(const std::string& local_error) {
+  lane::JobSpec spec;
+  spec.item = CallItem::kFsdpCreate;
+  auto values = [&] {
+    std::vector<Tensor> out;
+    for (const ShardedParam& m : layout_.params()) out.push_back(m.parameter->value());
+    return out;
+  };
+  // The shard group's check and broadcast; its failure is the same on every
+  // rank of the group.
+  std::string shard_error;
+  try {
+    lane_->call(
+        this, spec,
+        [&] {
+          lane::check_agreement(*group_, describe_for_agreement(local_error, false));
+          lane::broadcast_tensors(*group_, values(), 0);
+        },
+        lane_bound());
+  } catch (const Error& e) {
+    if (!replicate_ || e.code() != StatusCode::kInvalidArgument) throw;
+    shard_error = e.what();
+  }
+  if (!replicate_) return;
+  // The replicas' check, which a shard group's failure fails too, and their
+  // broadcast; then each shard group learns every replicate group's
+  // verdict: every rank of both fails alike.
+  std::string verdict = shard_error;
+  try {
+    replicate_lane_->call(
+        this, spec,
+        [&] {
+          try {
+            lane::check_agreement(*replicate_,
+                                  describe_for_agreement(shard_error.empty() ? local_error : shard_error, true));
+          } catch (const Error& e) {
+            if (e.code() != StatusCode::kInvalidArgument || !shard_error.empty()) throw;
+            fail_invalid("across the replicate group (where this rank is rank ", replicate_->rank(), " of ",
+                         replicate_->size(), "): ", e.what());
+          }
+          lane::broadcast_tensors(*replicate_, values(), 0);
+        },
+        lane_bound());
+  } catch (const Error& e) {
+    if (e.code() != StatusCode::kInvalidArgument) throw;
+    if (verdict.empty()) verdict = e.what();
+  }
+  std::vector<std::string> verdicts;
+  lane_->call(
+      this, spec, [&] { verdicts = lane::all_gather_strings(*group_, verdict); }, lane_bound());
+  if (!verdict.empty()) fail_invalid(verdict);
+  for (size_t r = 0; r < verdicts.size(); ++r) {
+    if (!verdicts[r].empty()) fail_invalid("rank ", r, " of the shard group failed: ", verdicts[r]);
   }
 }
 
@@ -144,10 +219,17 @@ std::string FullyShard::collect() {
   return "";
 }
 
-std::vector<std::string> FullyShard::describe_for_agreement(const std::string& local_error) const {
+std::vector<std::string> FullyShard::describe_for_agreement(const std::string& local_error, bool for_replicas) const {
   if (!local_error.empty()) return {"error " + local_error};
   const std::vector<ShardedParam>& params = layout_.params();
   std::vector<std::string> lines;
+  // The shard group's ranks are one rank of the mesh's replicas; the
+  // replicas each hold the same shards.
+  if (for_replicas) {
+    lines.push_back(str_cat("shard rank ", group_->rank(), " of a shard group of ", group_->size()));
+  } else if (replicate_) {
+    lines.push_back(str_cat("replicate rank ", replicate_->rank(), " of a replicate group of ", replicate_->size()));
+  }
   lines.push_back(str_cat("options reshard_after_forward ", options_.reshard_after_forward, ", param_dtype ",
                           dtype_option(options_.param_dtype), ", reduce_dtype ", dtype_option(options_.reduce_dtype),
                           ", full_params_as_views ", options_.full_params_as_views));

@@ -48,4 +48,36 @@ TEST_P(FsdpProcessParity, ToyModelTrainsLikeOneProcessAndItsFullStateDictLoadsOn
 // elsewhere; either way training matches.
 TEST_P(FsdpProcessParityViews, FullParametersAsViewsOrCopiesTrainLikeOneProcess) { expect_matches("toy_views"); }
 
+// HSDP: hsdp_worker's 4 ranks as 2 hosts of 2 (DP_HOST_ID), shard groups
+// within a host (shared memory), replicate groups across them.
+void expect_hsdp_passes(const std::string& scenario) {
+  dptest::WorkerRun run = dptest::run_worker(DP_HSDP_WORKER, scenario, 4, {}, std::chrono::seconds(100), [](int r) {
+    return std::vector<std::string>{"DP_HOST_ID=h" + std::to_string(r / 2)};
+  });
+  dptest::expect_passed(run, scenario, 4);
+}
+
+TEST(Hsdp, TwoHostsOfTwoTrainLikeOneProcessAndLikeFullyShardOverEveryRank) { expect_hsdp_passes("parity"); }
+
+// Averaged once over the 4 ranks (no double division), also where 16-bit
+// gradients are divided before each sum, and for a 0-d parameter.
+TEST(Hsdp, ShardGradientsAreTheAverageOverEveryRankInEachReduceDtype) { expect_hsdp_passes("average"); }
+
+TEST(Hsdp, ASaveUnder2x2IsWrittenByOneShardGroupAndLoadsUnder1x4And4x1AndTrainsOn) { expect_hsdp_passes("save_load"); }
+
+// A refusal in the shard group stands in for the all-reduce across the
+// replicas: every rank fails naming it, and the groups stay in step.
+TEST(Hsdp, APostBackwardRefusedOnOneRankFailsEveryRankAndTheNextIterationReduces) {
+  expect_hsdp_passes("refused_post");
+}
+
+TEST(Hsdp, ASaveRefusedOnAReplicaThatDoesNotWriteFailsEveryRankAndTheLastSaveLoads) {
+  expect_hsdp_passes("save_refused");
+}
+
+// Every rank fails, none hangs (a rank left waiting would outlast the run's limit).
+TEST(Hsdp, ReplicasThatNameAParameterOtherwiseFailEveryRanksCreateNamingIt) { expect_hsdp_passes("bad_names"); }
+
+TEST(Hsdp, ReplicasInShardGroupsOfAnotherSizeFailEveryRanksCreateNamingTheSizes) { expect_hsdp_passes("bad_shards"); }
+
 }  // namespace
