@@ -4,20 +4,13 @@
 #include <vector>
 
 #include "capi/dist_internal.h"
+#include "capi/fsdp_internal.h"
 #include "dparallel/dp_fsdp.h"
 #include "fsdp/fsdp_state_dict.h"
 #include "fsdp/fully_shard.h"
 #include "lane/lane_owner.h"
 
 using namespace dparallel;
-
-constexpr uint64_t kFsdpTag = 0x6470'6673'6470'2121ull;  // "dpfsdp!!"
-
-struct dp_fsdp {
-  uint64_t tag = kFsdpTag;
-  std::shared_ptr<fsdp::FullyShard> sharding;
-  ProcessOrigin origin;
-};
 
 namespace {
 
@@ -73,6 +66,32 @@ void options_arg(const dp_fsdp_options* opts, fsdp::ShardingOptions& options) {
   options.full_params_as_views = o.full_params_as_views != 0;
 }
 
+// The dp_fsdp of dp_fsdp_create and dp_fsdp_create_on_mesh: sharded over
+// `shard`, replicated across `replicate` (null: none). Any argument error
+// past the groups is refused in the creation's place (see
+// ShardingOptions::argument_error), over an empty module when it is the
+// module that is bad.
+void create_sharding(dp_fsdp** out, dp_module* module, const std::shared_ptr<dist::ProcessGroup>& shard,
+                     const std::shared_ptr<dist::ProcessGroup>& replicate, const dp_fsdp_options* opts) {
+  std::shared_ptr<Module> m;
+  fsdp::ShardingOptions options;
+  try {
+    capi::require_arg(out, "out");
+    m = capi::module_arg(module, "module");
+    options_arg(opts, options);
+  } catch (const Error& e) {
+    if (e.code() != StatusCode::kInvalidArgument) throw;
+    options.argument_error = e.what();
+    if (!m) m = std::make_shared<Module>();
+  }
+  auto handle = std::make_unique<dp_fsdp>();
+  handle->sharding = capi::in_stream_order(
+      capi::module_devices(*m, {shard->device()}),
+      [&] { return fsdp::FullyShard::create(m, shard, replicate, options); }, capi::transfer_stream_of(*shard));
+  if (out == nullptr) fail(StatusCode::kInternal, "a dp_fsdp was made for a NULL 'out'");
+  *out = handle.release();
+}
+
 }  // namespace
 
 extern "C" {
@@ -90,26 +109,25 @@ dp_status dp_fsdp_create(dp_fsdp** out, dp_module* module, dp_process_group* pg,
   std::string refusal = refusal_inside_callback();
   if (!refusal.empty()) fail(StatusCode::kState, refusal);
   capi::group_arg(pg, "pg");
-  // Any other argument error is refused in the creation's place (see
-  // ShardingOptions::argument_error), over an empty module when it is the
-  // module that is bad.
-  std::shared_ptr<Module> m;
-  fsdp::ShardingOptions options;
-  try {
-    capi::require_arg(out, "out");
-    m = capi::module_arg(module, "module");
-    options_arg(opts, options);
-  } catch (const Error& e) {
-    if (e.code() != StatusCode::kInvalidArgument) throw;
-    options.argument_error = e.what();
-    if (!m) m = std::make_shared<Module>();
+  create_sharding(out, module, pg->group, nullptr, opts);
+  DP_API_END
+}
+
+dp_status dp_fsdp_create_on_mesh(dp_fsdp** out, dp_module* module, const dp_device_mesh* mesh,
+                                 const dp_fsdp_options* opts) {
+  DP_API_BEGIN
+  if (out != nullptr) *out = nullptr;
+  std::string refusal = refusal_inside_callback();
+  if (!refusal.empty()) fail(StatusCode::kState, refusal);
+  const dist::DeviceMesh& m = *capi::mesh_arg(mesh, "mesh").mesh;
+  // Every rank's mesh has the same shape (its creation agreed on it), so
+  // every rank refuses alike, before any collective.
+  if (m.ndim() > 2) {
+    fail_invalid("argument 'mesh' has ", m.ndim(),
+                 " dimensions; fully_shard takes a 1-D mesh (its group) or a 2-D one (HSDP: replicas over "
+                 "dimension 0, shards over dimension 1)");
   }
-  auto handle = std::make_unique<dp_fsdp>();
-  handle->sharding = capi::in_stream_order(
-      capi::module_devices(*m, {pg->group->device()}), [&] { return fsdp::FullyShard::create(m, pg->group, options); },
-      capi::transfer_stream_of(*pg->group));
-  if (out == nullptr) fail(StatusCode::kInternal, "a dp_fsdp was made for a NULL 'out'");
-  *out = handle.release();
+  create_sharding(out, module, m.group(m.ndim() - 1), m.ndim() == 2 ? m.group(0) : nullptr, opts);
   DP_API_END
 }
 

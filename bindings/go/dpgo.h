@@ -235,7 +235,10 @@ dp_status dpgo_stream_launch_host_func(const dp_api *a, dp_device device, void *
     (const dp_api *a, dp_module *m, dp_process_group *pg, int32_t root, dp_module **out), (m, pg, root, out))          \
   X(dp_status, tensor_from_dlpack_versioned, (const dp_api *a, dp_tensor **out, void *managed), (out, managed))        \
   X(dp_status, tensor_to_dlpack_versioned, (const dp_api *a, const dp_tensor *t, int read_only, void **out),           \
-    (t, read_only, (struct DLManagedTensorVersioned **)out))
+    (t, read_only, (struct DLManagedTensorVersioned **)out))                                                            \
+  X(dp_status, fsdp_create_on_mesh,                                                                                    \
+    (const dp_api *a, dp_fsdp **out, dp_module *m, const dp_device_mesh *mesh, const dp_fsdp_options *o),              \
+    (out, m, mesh, o))
 
 #define DPGO_DECLARE(ret, name, params, args) ret dpgo_##name params;
 #define DPGO_DECLARE_VOID(name, params, args) void dpgo_##name params;

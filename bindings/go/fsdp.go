@@ -56,11 +56,38 @@ type FSDP struct {
 // NoInitSync): the module's slots then hold this rank's shards.
 func (l *Library) NewFSDP(module *Module, pg *ProcessGroup, opts *FSDPOptions) (*FSDP, error) {
 	const op = "dp_fsdp_create"
+	return l.newFSDP(op, module, opts, func(args *heldArgs) error {
+		if pg == nil {
+			return nilArgument(op, "pg")
+		}
+		return args.hold(pg.arg(op, "pg"))
+	},
+		func(api *C.dp_api, h **C.dp_fsdp, copts *C.dp_fsdp_options) C.dp_status {
+			return C.dpgo_fsdp_create(api, h, module.h, pg.h, copts)
+		})
+}
+
+// NewFSDPOnMesh is FSDP2's mesh argument: on a 1-D mesh as NewFSDP over its
+// group; on a 2-D mesh HSDP, the shards over dimension 1's group and
+// replicated across dimension 0's (gradients averaged over every rank).
+func (l *Library) NewFSDPOnMesh(module *Module, mesh *DeviceMesh, opts *FSDPOptions) (*FSDP, error) {
+	const op = "dp_fsdp_create_on_mesh"
+	return l.newFSDP(op, module, opts, func(args *heldArgs) error {
+		if mesh == nil {
+			return nilArgument(op, "mesh")
+		}
+		return args.hold(heldArg(&mesh.lease, op, "mesh", "device mesh"))
+	}, func(api *C.dp_api, h **C.dp_fsdp, copts *C.dp_fsdp_options) C.dp_status {
+		return C.dpgo_fsdp_create_on_mesh(api, h, module.h, mesh.h, copts)
+	})
+}
+
+// newFSDP is NewFSDP and NewFSDPOnMesh past their groups: hold holds the
+// group or mesh for the call, create makes the dp_fsdp.
+func (l *Library) newFSDP(op string, module *Module, opts *FSDPOptions, hold func(args *heldArgs) error,
+	create func(api *C.dp_api, h **C.dp_fsdp, copts *C.dp_fsdp_options) C.dp_status) (*FSDP, error) {
 	if module == nil {
 		return nil, nilArgument(op, "module")
-	}
-	if pg == nil {
-		return nil, nilArgument(op, "pg")
 	}
 	var copts C.dp_fsdp_options
 	err := l.call("dp_fsdp_options_init", func(api *C.dp_api) C.dp_status {
@@ -83,11 +110,11 @@ func (l *Library) NewFSDP(module *Module, pg *ProcessGroup, opts *FSDPOptions) (
 	if err := args.hold(module.arg(op, "module")); err != nil {
 		return nil, err
 	}
-	if err := args.hold(pg.arg(op, "pg")); err != nil {
+	if err := hold(&args); err != nil {
 		return nil, err
 	}
 	var h *C.dp_fsdp
-	err = l.call(op, func(api *C.dp_api) C.dp_status { return C.dpgo_fsdp_create(api, &h, module.h, pg.h, &copts) })
+	err = l.call(op, func(api *C.dp_api) C.dp_status { return create(api, &h, &copts) })
 	if err != nil {
 		return nil, err
 	}

@@ -87,6 +87,22 @@ func TestMeshTwoRanks(t *testing.T) {
 	if local.Size() != world || local.Backend() != "shm" || across.Size() != 1 {
 		t.Fatalf("by host: local %d on %s, host group of %d", local.Size(), local.Backend(), across.Size())
 	}
+	// HSDP on the by-host mesh: shards over "local", rank 0's values (init_sync).
+	module, err := lib.NewModule()
+	must(t, err)
+	defer module.Close()
+	w := floatTensor(t, lib, []float32{float32(rank), 1, 2, 3})
+	must(t, module.RegisterParameter("w", w, true))
+	w.Close()
+	f, err := lib.NewFSDPOnMesh(module, hosts, nil)
+	must(t, err)
+	defer f.Close()
+	shard, err := f.Shard(0)
+	must(t, err)
+	defer shard.Close()
+	if got := readFloats(t, shard); !reflect.DeepEqual(got, []float32{float32(2 * rank), float32(2*rank + 1)}) {
+		t.Fatalf("the shard on the mesh's local group: %v", got)
+	}
 }
 
 func floatTensor(t *testing.T, lib *Library, values []float32) *Tensor {

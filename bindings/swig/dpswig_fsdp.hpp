@@ -34,14 +34,14 @@ struct FsdpOptions {
 class Fsdp {
  public:
   Fsdp(Module& module, ProcessGroup& pg, const FsdpOptions& options = FsdpOptions()) {
-    dp_fsdp_options o;
-    check(dp_fsdp_options_init(&o, sizeof o));
-    o.reshard_after_forward = options.reshardAfterForward ? 1 : 0;
-    o.param_dtype = options.paramDtype;
-    o.reduce_dtype = options.reduceDtype;
-    o.init_sync = options.initSync ? 1 : 0;
-    o.full_params_as_views = options.fullParamsAsViews ? 1 : 0;
+    const dp_fsdp_options o = raw(options);
     check(dp_fsdp_create(&h_, module.handle("module"), pg.handle("pg"), &o));
+  }
+  // On a device mesh: 1-D, as over its group; 2-D, HSDP (shards over
+  // dimension 1's group, replicas across dimension 0's).
+  Fsdp(Module& module, DeviceMesh& mesh, const FsdpOptions& options = FsdpOptions()) {
+    const dp_fsdp_options o = raw(options);
+    check(dp_fsdp_create_on_mesh(&h_, module.handle("module"), mesh.handle("mesh"), &o));
   }
   ~Fsdp() {
     if (h_ != nullptr) dp_fsdp_destroy(h_);
@@ -121,6 +121,16 @@ class Fsdp {
   }
 
  private:
+  static dp_fsdp_options raw(const FsdpOptions& options) {
+    dp_fsdp_options o;
+    check(dp_fsdp_options_init(&o, sizeof o));
+    o.reshard_after_forward = options.reshardAfterForward ? 1 : 0;
+    o.param_dtype = options.paramDtype;
+    o.reduce_dtype = options.reduceDtype;
+    o.init_sync = options.initSync ? 1 : 0;
+    o.full_params_as_views = options.fullParamsAsViews ? 1 : 0;
+    return o;
+  }
   Lease<dp_fsdp> handle() const { return gate_.hold(h_, "fsdp"); }
   mutable Gate gate_;
   dp_fsdp* h_ = nullptr;

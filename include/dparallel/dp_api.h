@@ -228,7 +228,9 @@ extern "C" {
   X(dp_status, tensor_to_dlpack_versioned,                                                                             \
     (const dp_tensor *tensor, int read_only, struct DLManagedTensorVersioned **out))                                   \
   X(dp_status, tensor_from_dlpack_versioned, (dp_tensor **out, struct DLManagedTensorVersioned *managed))              \
-  X(dp_status, fsdp_full_state_dict, (dp_module *module, dp_process_group *pg, int32_t root, dp_module **out))
+  X(dp_status, fsdp_full_state_dict, (dp_module *module, dp_process_group *pg, int32_t root, dp_module **out))          \
+  X(dp_status, fsdp_create_on_mesh,                                                                                    \
+    (dp_fsdp **out, dp_module *module, const dp_device_mesh *mesh, const dp_fsdp_options *opts))
 /* clang-format on */
 
 /* A type, a name and a parameter list cannot be parenthesised. */

@@ -240,6 +240,26 @@ DP_API dp_status dp_fsdp_options_init(dp_fsdp_options *opts, size_t struct_size)
  * parameter). `opts` may be NULL (the defaults). */
 DP_API dp_status dp_fsdp_create(dp_fsdp **out, dp_module *module, dp_process_group *pg,
                                 const dp_fsdp_options *opts /* may be NULL */);
+/* FSDP2's mesh argument (dp_dist.h's device meshes). A 1-D mesh: as
+ * dp_fsdp_create over its group. A 2-D mesh: HSDP, the parameters sharded
+ * over dimension 1's group (say the ranks of a host: "local" of
+ * dp_device_mesh_create_by_host) and each shard replicated across dimension
+ * 0's group ("host"): post_backward reduce-scatters the full gradients in
+ * the shard group, then all-reduces the shard gradients across the
+ * replicas, on a comm lane of the replicate group's, so that the all-reduce
+ * overlaps the next reduce-scatters as they overlap the backward; the shard
+ * gradients are the average over every rank of the mesh. With init_sync the
+ * replicas are checked to agree too (names, shapes and shard layout; a
+ * difference fails every rank's create naming it) and every rank starts
+ * from rank 0's values. A sharded save is written by replica 0's shard
+ * group alone and loads at any other mesh shape or world size; the full
+ * save (over the shard group) is written by rank 0 of replica 0's shard
+ * group. The mesh's groups are
+ * held by the dp_fsdp: the mesh may be destroyed before it. More than 2
+ * dimensions is DP_EINVAL naming 'mesh' (on every rank alike, nothing
+ * sent). Everything else is as dp_fsdp_create. */
+DP_API dp_status dp_fsdp_create_on_mesh(dp_fsdp **out, dp_module *module, const dp_device_mesh *mesh,
+                                        const dp_fsdp_options *opts /* may be NULL */);
 /* All-gather: the slots hold the full parameters (in param_dtype); with
  * `async` it returns once issued. States, repeats and errors of these three
  * calls: the unshard protocol above. */

@@ -80,4 +80,8 @@ TEST(Hsdp, ReplicasThatNameAParameterOtherwiseFailEveryRanksCreateNamingIt) { ex
 
 TEST(Hsdp, ReplicasInShardGroupsOfAnotherSizeFailEveryRanksCreateNamingTheSizes) { expect_hsdp_passes("bad_shards"); }
 
+// Through the C ABI: dp_fsdp_create_on_mesh on the mesh by host (HSDP) and
+// on a 1-D mesh, each against one process; a 3-D mesh is refused.
+TEST(Hsdp, CreateOnMeshByHostAndOnA1DMeshTrainLikeOneProcess) { expect_hsdp_passes("mesh_parity"); }
+
 }  // namespace

@@ -5,8 +5,9 @@
 // DP_TEST_DIR, so that no group needs another to be split. The ToyModel is
 // fsdp_worker.c's: 3 x Linear(3, 3) in `linears`, then `proj`, fully_shard
 // on each linear and on `linears`, a dp_ddp over every rank on the root.
-// The sharding is made through FullyShard::create (the C ABI has no mesh
-// yet), the rest through the C ABI. Scenarios:
+// The sharding is made through FullyShard::create on those groups (and
+// through dp_fsdp_create_on_mesh in mesh_parity), the rest through the C
+// ABI. Scenarios:
 //   parity      4 steps under 2x2 HSDP (with and without full parameters
 //               as views) equal single-process training on the whole batch
 //               and plain fully_shard over the 4 ranks
@@ -26,6 +27,8 @@
 //   bad_shards  the second host's ranks are shard groups of one: their
 //               replicas hold other shards, and every rank's create fails
 //               naming the shard groups' sizes
+//   mesh_parity dp_fsdp_create_on_mesh on the mesh by host and on a 1-D
+//               mesh train like one process; a 3-D mesh is refused
 // Prints "rank R: SCENARIO passed" and exits 0 when every check held.
 #include <dirent.h>
 #include <math.h>
@@ -42,6 +45,7 @@
 
 #include "capi/capi_internal.h"
 #include "capi/dist_internal.h"
+#include "capi/fsdp_internal.h"
 #include "core/error.h"
 #include "dparallel/dparallel.h"
 #include "fsdp/fsdp_state_dict.h"
@@ -186,14 +190,18 @@ struct Toy {
   dp_module* linears = nullptr;
   dp_module* layer[4] = {};
   Sharding fsdp[3], fsdp_linears;
+  dp_fsdp* handles[4] = {};  // made by dp_fsdp_create_on_mesh: layers 0-2, then `linears`
   dp_ddp* ddp = nullptr;
   Groups groups;
 };
 
 // The toy's modules and, unless `only_modules`, its dp_fsdp (on
 // `groups.shard`, replicated across `groups.replicate`) and dp_ddp.
+// With `mesh`, the dp_fsdp are made through the C ABI's
+// dp_fsdp_create_on_mesh (with init_sync), not from `groups`' shard and
+// replicate groups.
 void toy_create(Toy& toy, float skew, const Groups& groups, const ShardingOptions& options = {},
-                const char* layer0_name = "weight") {
+                const char* layer0_name = "weight", const dp_device_mesh* mesh = nullptr) {
   toy.groups = groups;
   CHECK_OK(dp_module_create(&toy.root));
   CHECK_OK(dp_module_create(&toy.linears));
@@ -214,18 +222,27 @@ void toy_create(Toy& toy, float skew, const Groups& groups, const ShardingOption
   }
   CHECK_OK(dp_module_register_module(toy.root, "linears", toy.linears));
   CHECK_OK(dp_module_register_module(toy.root, "proj", toy.layer[3]));
-  const auto shard = group_of(groups.shard), replicate = group_of(groups.replicate);
-  for (int l = 0; l < 3; ++l) toy.fsdp[l] = FullyShard::create(toy.layer[l]->module, shard, replicate, options);
-  toy.fsdp_linears = FullyShard::create(toy.linears->module, shard, replicate, options);
+  if (mesh != nullptr) {
+    for (int l = 0; l < 4; ++l) {
+      CHECK_OK(dp_fsdp_create_on_mesh(&toy.handles[l], l < 3 ? toy.layer[l] : toy.linears, mesh, nullptr));
+      if (toy.handles[l] == nullptr) exit(3);
+      (l < 3 ? toy.fsdp[l] : toy.fsdp_linears) = toy.handles[l]->sharding;
+    }
+  } else {
+    const auto shard = group_of(groups.shard), replicate = group_of(groups.replicate);
+    for (int l = 0; l < 3; ++l) toy.fsdp[l] = FullyShard::create(toy.layer[l]->module, shard, replicate, options);
+    toy.fsdp_linears = FullyShard::create(toy.linears->module, shard, replicate, options);
+  }
   CHECK_OK(dp_ddp_create(&toy.ddp, toy.root, groups.world, nullptr));
 }
 
 void toy_destroy(Toy& toy) {
   dp_ddp_destroy(toy.ddp);
   for (Sharding* f : {&toy.fsdp_linears, &toy.fsdp[2], &toy.fsdp[1], &toy.fsdp[0]}) {
-    if (*f) (*f)->close();
+    if (*f && toy.handles[0] == nullptr) (*f)->close();
     f->reset();
   }
+  for (int l = 3; l >= 0; --l) dp_fsdp_destroy(toy.handles[l]);
   for (dp_module* m : toy.layer) dp_module_destroy(m);
   dp_module_destroy(toy.linears);
   dp_module_destroy(toy.root);
@@ -393,6 +410,56 @@ void parity(dp_process_group* world) {
   toy_destroy(flat);
   toy_destroy(hsdp);
   destroy_mesh(mesh);
+}
+
+// The C ABI's HSDP: dp_fsdp_create_on_mesh over dp_device_mesh_create_by_host
+// (2 hosts of 2: shards inside a host, replicas across) trains like one
+// process, and so does a 1-D mesh of every rank (plain fully_shard); the
+// dp_fsdp hold the mesh's groups after its destroy; a 3-D mesh is refused
+// naming it on every rank.
+void mesh_parity(dp_process_group* world) {
+  dp_device_mesh *by_host = nullptr, *flat = nullptr, *cube = nullptr;
+  CHECK_OK(dp_device_mesh_create_by_host(&by_host, world));
+  const int32_t all = kWorld, cube_shape[3] = {1, 2, 2};
+  CHECK_OK(dp_device_mesh_create(&flat, world, &all, 1, nullptr));
+  CHECK_OK(dp_device_mesh_create(&cube, world, cube_shape, 3, nullptr));
+  if (by_host == nullptr || flat == nullptr || cube == nullptr) exit(3);
+  int32_t shape[2] = {0, 0};
+  CHECK_OK(dp_device_mesh_shape(by_host, shape, 2));
+  CHECK(shape[0] == 2 && shape[1] == 2, "the mesh by host is %d x %d", shape[0], shape[1]);
+  const Groups none{world, nullptr, nullptr};
+  Toy hsdp, plain;
+  toy_create(hsdp, 0.05f * static_cast<float>(g_rank), none, {}, "weight", by_host);
+  toy_create(plain, 0.05f * static_cast<float>(g_rank), none, {}, "weight", flat);
+  dp_device_mesh_destroy(by_host);
+  dp_device_mesh_destroy(flat);
+  checked("the layouts", [&] {
+    CHECK(hsdp.fsdp[0]->replicate_group() != nullptr && plain.fsdp[0]->replicate_group() == nullptr,
+          "only the 2-D mesh replicates");
+    CHECK(strcmp(hsdp.fsdp[0]->group()->backend_name(), "shm") == 0, "the shard group runs over %s",
+          hsdp.fsdp[0]->group()->backend_name());
+    CHECK(hsdp.fsdp[0]->shard(0).shape()[0] == (g_rank % 2 == 0 ? 2 : 1), "rank %d keeps %lld rows", g_rank,
+          static_cast<long long>(hsdp.fsdp[0]->shard(0).shape()[0]));
+    CHECK(plain.fsdp[0]->group()->size() == kWorld, "the 1-D mesh shards over %d ranks",
+          plain.fsdp[0]->group()->size());
+  });
+  for (int s = 0; s < kSteps; ++s) {
+    train_step(hsdp, s);
+    train_step(plain, s);
+  }
+  const Weights expected = reference(kSteps);
+  expect_weights(weights_of(hsdp), expected, "dp_fsdp_create_on_mesh by host against one process");
+  expect_weights(weights_of(plain), expected, "dp_fsdp_create_on_mesh on a 1-D mesh against one process");
+  toy_destroy(plain);
+  toy_destroy(hsdp);
+  dp_module* m = nullptr;
+  CHECK_OK(dp_module_create(&m));
+  dp_fsdp* refused = nullptr;
+  const dp_status st = dp_fsdp_create_on_mesh(&refused, m, cube, nullptr);
+  CHECK(st == DP_EINVAL && strstr(dp_last_error(), "'mesh'") != nullptr && refused == nullptr, "a 3-D mesh: %d (%s)",
+        static_cast<int>(st), dp_last_error());
+  dp_module_destroy(m);
+  dp_device_mesh_destroy(cube);
 }
 
 // A module of a [4, 3] weight and a 0-d scale whose full gradients are
@@ -636,7 +703,8 @@ int main(int argc, char** argv) {
                                 {"refused_post", refused_post},
                                 {"save_refused", save_refused},
                                 {"bad_names", bad_names},
-                                {"bad_shards", bad_shards}};
+                                {"bad_shards", bad_shards},
+                                {"mesh_parity", mesh_parity}};
   const Scenario* scenario = nullptr;
   for (const Scenario& s : scenarios) {
     if (argc >= 2 && strcmp(argv[1], s.name) == 0) scenario = &s;
@@ -645,7 +713,7 @@ int main(int argc, char** argv) {
   if (scenario == nullptr || rank_text == nullptr || world_text == nullptr || atoi(world_text) != kWorld) {
     fprintf(stderr,
             "usage: RANK=r WORLD_SIZE=4 hsdp_worker "
-            "parity|average|save_load|refused_post|save_refused|bad_names|bad_shards\n");
+            "parity|average|save_load|refused_post|save_refused|bad_names|bad_shards|mesh_parity\n");
     return 2;
   }
   setvbuf(stdout, nullptr, _IOLBF, 0);

@@ -1350,6 +1350,17 @@ public static class DParallelTest {
         Expect(hosts.Shape()[0] == 1 && hosts.Shape()[1] == world, "by host: one row of " + world);
         Expect(local.Size() == world && local.Backend() == "shm", "the local group is this host's, on shm: " + local.Backend());
         Expect(across.Size() == 1, "one host: the host group is this rank alone");
+        // HSDP on the by-host mesh: shards over "local", rank 0's values (init_sync).
+        using (var m = new Module())
+        using (var w = Tensor.Of(new float[] { rank, 1, 2, 3 }, 4)) {
+          m.RegisterParameter("w", w);
+          using (var f = new Fsdp(m, hosts))
+          using (var shard = f.Shard(0)) {
+            float[] got = shard.ToArray();
+            Expect(got.Length == 2 && got[0] == 2 * rank && got[1] == 2 * rank + 1,
+                   "the shard on the mesh's local group: " + string.Join(", ", got));
+          }
+        }
       }
     }
   }

@@ -1773,6 +1773,13 @@ public class DParallelTest {
         expect(java.util.Arrays.equals(hosts.shape().toIntArray(), new int[] {1, world}), "by host: one row of " + world);
         expect(local.size() == world && local.backend().equals("shm"), "the local group is this host's, on shm: " + local.backend());
         expect(across.size() == 1, "one host: the host group is this rank alone");
+        // HSDP on the by-host mesh: shards over "local", rank 0's values (init_sync).
+        try (Module m = new Module(); Tensor w = Tensor.of(new float[] {rank, 1, 2, 3}, 4)) {
+          m.registerParameter("w", w);
+          try (Fsdp f = new Fsdp(m, hosts); Tensor shard = f.shard(0)) {
+            expectValues("the shard on the mesh's local group", shard.toArray(), new float[] {2 * rank, 2 * rank + 1});
+          }
+        }
       }
     }
   }

@@ -28,8 +28,8 @@ use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 
 use dparallel::{
-    DType, Ddp, DdpHooks, DdpOptions, Device, DeviceMesh, Error, Library, Module, ProcessGroup, ReduceOp, Result,
-    Stream, Tensor, DP_EINVAL, DP_EUSER,
+    DType, Ddp, DdpHooks, DdpOptions, Device, DeviceMesh, Error, Fsdp, FsdpOptions, Library, Module, ProcessGroup,
+    ReduceOp, Result, Stream, Tensor, DP_EINVAL, DP_EUSER,
 };
 
 const NAMES: [&str; 3] = ["a", "b", "c"];
@@ -437,6 +437,17 @@ fn mesh(lib: &Library, pg: &ProcessGroup, c: &mut Checks) -> Result<()> {
         local.backend(),
     );
     c.expect("one host: the host group is this rank alone", hosts.group("host")?.size() == 1, "");
+    // HSDP on the by-host mesh: shards over "local", rank 0's values (init_sync).
+    let mut m = Module::new(lib)?;
+    m.register_parameter("w", &Tensor::from_slice(lib, &[rank as f32, 1.0, 2.0, 3.0], &[4], cpu)?, true)?;
+    let f = Fsdp::on_mesh(&m, &hosts, &FsdpOptions::default())?;
+    let shard = f.shard(0)?.to_vec::<f32>()?;
+    c.expect(
+        "the shard on the mesh's local group",
+        shard == [(2 * rank) as f32, (2 * rank + 1) as f32],
+        format!("{shard:?}"),
+    );
+    drop(f);
     Ok(())
 }
 

@@ -8,7 +8,7 @@ use std::ptr;
 use crate::ddp::in_hook;
 use crate::error::{cstring, owned_text};
 use crate::view::{Access, CallAccess, Pending, StorageBorrow, FSDP_POST_BACKWARD, FSDP_UNSHARD};
-use crate::{sys, DType, Library, Module, ProcessGroup, Result, Tensor, DP_ETIMEOUT};
+use crate::{sys, DType, DeviceMesh, Library, Module, ProcessGroup, Result, Tensor, DP_ETIMEOUT};
 
 /// dp_fsdp_options; the defaults are DP_FSDP_OPTIONS_INIT's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -102,6 +102,23 @@ impl Fsdp {
     /// Shards `module`'s parameters over `pg` (collective with init_sync;
     /// create them in the same order on every rank).
     pub fn new(module: &Module, pg: &ProcessGroup, options: &FsdpOptions) -> Result<Fsdp> {
+        Fsdp::create(module, options, |lib, o, out| unsafe { (lib.api().fsdp_create)(out, module.raw, pg.raw, o) })
+    }
+
+    /// On a device mesh (FSDP2's mesh argument): 1-D, as `new` over its
+    /// group; 2-D, HSDP: shards over dimension 1's group, replicas across
+    /// dimension 0's (the gradients averaged over every rank of the mesh).
+    pub fn on_mesh(module: &Module, mesh: &DeviceMesh, options: &FsdpOptions) -> Result<Fsdp> {
+        Fsdp::create(module, options, |lib, o, out| unsafe {
+            (lib.api().fsdp_create_on_mesh)(out, module.raw, mesh.raw(), o)
+        })
+    }
+
+    fn create(
+        module: &Module,
+        options: &FsdpOptions,
+        make: impl FnOnce(&Library, &sys::dp_fsdp_options, &mut *mut sys::dp_fsdp) -> sys::dp_status,
+    ) -> Result<Fsdp> {
         let lib = module.lib.clone();
         let size = std::mem::size_of::<sys::dp_fsdp_options>();
         let mut o = sys::dp_fsdp_options {
@@ -121,7 +138,7 @@ impl Fsdp {
         let mut out = ptr::null_mut();
         // Sharding replaces the parameters (after a broadcast with init_sync).
         let _call = module.access(Access::Write, Access::Write, Access::Write).begin("Fsdp::new")?;
-        lib.check(unsafe { (lib.api().fsdp_create)(&mut out, module.raw, pg.raw, &o) })?;
+        lib.check(make(&lib, &o, &mut out))?;
         let mut fsdp = Fsdp {
             raw: out,
             lib,

@@ -82,6 +82,10 @@ impl DeviceMesh {
         Ok(mesh)
     }
 
+    pub(crate) fn raw(&self) -> *const sys::dp_device_mesh {
+        self.raw
+    }
+
     pub fn ndim(&self) -> usize {
         unsafe { (self.lib.api().device_mesh_ndim)(self.raw) }
     }

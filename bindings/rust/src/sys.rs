@@ -498,6 +498,8 @@ dp_api_slots! {
     tensor_from_dlpack_versioned: unsafe extern "C" fn(*mut *mut dp_tensor, *mut DLManagedTensorVersioned) -> St,
     fsdp_full_state_dict:
         unsafe extern "C" fn(*mut dp_module, *mut dp_process_group, i32, *mut *mut dp_module) -> St,
+    fsdp_create_on_mesh:
+        unsafe extern "C" fn(*mut *mut dp_fsdp, *mut dp_module, *const dp_device_mesh, *const dp_fsdp_options) -> St,
 }
 
 /// Offset of the first function pointer.
@@ -529,7 +531,7 @@ const _: () = {
     assert!(offset_of!(dp_api, process_group_split) == slot(128));
     assert!(offset_of!(dp_api, device_mesh_dim_name) == slot(139));
     assert!(offset_of!(dp_api, fsdp_mark_grad_ready) == slot(140));
-    assert!(size_of::<dp_api>() == slot(144));
+    assert!(size_of::<dp_api>() == slot(145));
     assert!(size_of::<dp_process_group_options>() == 48);
     assert!(offset_of!(dp_ddp_options, static_graph) == 96);
     assert!(offset_of!(dp_ddp_options, bucket_plan) == 120);
