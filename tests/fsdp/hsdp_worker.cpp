@@ -669,9 +669,7 @@ void expect_create_fails(dp_process_group* world, const Groups& groups, const ch
           needle.c_str(), e.what());
   }
   for (dp_process_group* pg : {groups.shard, groups.replicate, world}) CHECK_OK(dp_pg_barrier(pg));
-  for (Sharding* f : {&toy.fsdp_linears, &toy.fsdp[2], &toy.fsdp[1], &toy.fsdp[0]}) {
-    if (*f) (*f)->close();
-  }
+  toy_destroy(toy);  // what the failed create left: the modules
 }
 
 void bad_names(dp_process_group* world) {
