@@ -273,6 +273,27 @@ fn fsdp(lib: &Library, c: &mut Checks) -> Result<()> {
     );
     c.expect("and the full gradient", mutable_len(&mut full_grad).is_ok(), "refused");
 
+    // The mark that completes the set runs post_backward: its reduce-scatter
+    // is held the same way, also past a second mark, refused.
+    fsdp.unshard()?;
+    m.grad("v")?.copy_from(&[4.0f32; 4])?;
+    fsdp.mark_grad_ready("v")?;
+    let again = fsdp.mark_grad_ready("v");
+    c.expect("a second mark is DP_ESTATE", matches!(&again, Err(e) if e.code() == DP_ESTATE), describe(&again));
+    let during = shared_len(&shard_grad);
+    c.expect(
+        "a slice of a shard gradient after the last mark is refused",
+        held_until(&during, POST_UNTIL),
+        describe(&during),
+    );
+    fsdp.finish_backward()?;
+    let after = shard_grad.as_slice::<f32>().map(|s| s.to_vec());
+    c.expect(
+        "after finish_backward the marked gradient is reduced into it",
+        matches!(&after, Ok(v) if v[..] == [6.0; 4]),
+        describe(&after),
+    );
+
     // Dropping the Fsdp waits for the unshard in flight.
     fsdp.unshard_async()?;
     c.expect("in flight once more: refused", held_until(&mutable_len(&mut shard), UNSHARD_UNTIL), "granted");

@@ -8,7 +8,7 @@ use std::ptr;
 use crate::ddp::in_hook;
 use crate::error::{cstring, owned_text};
 use crate::view::{Access, CallAccess, Pending, StorageBorrow, FSDP_POST_BACKWARD, FSDP_UNSHARD};
-use crate::{sys, DType, DeviceMesh, Library, Module, ProcessGroup, Result, Tensor, DP_ETIMEOUT};
+use crate::{sys, DType, DeviceMesh, Library, Module, ProcessGroup, Result, Tensor, DP_ESTATE, DP_ETIMEOUT};
 
 /// dp_fsdp_options; the defaults are DP_FSDP_OPTIONS_INIT's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -316,8 +316,13 @@ impl Fsdp {
             }
             return self.lib.check(st);
         }
-        // As post_backward: its call ran, whatever its outcome.
         self.marked.iter_mut().for_each(|m| *m = false);
+        if st == DP_ESTATE {
+            // Refused before any post_backward ran (a second mark, say): what
+            // is in flight stays held.
+            return self.lib.check(st);
+        }
+        // As post_backward: it ran, whatever its outcome.
         Fsdp::settle(st, &mut self.post_in_flight);
         if st == sys::DP_OK {
             self.post_in_flight = held;
