@@ -209,7 +209,7 @@ dp_status dpgo_stream_launch_host_func(const dp_api *a, dp_device device, void *
     (m, path, strict))                                                                                                 \
   X(dp_status, fsdp_save_sharded_state_dict, (const dp_api *a, dp_module *m, dp_process_group *pg, const char *dir),   \
     (m, pg, dir))                                                                                                      \
-  X(dp_status, fsdp_load_sharded_state_dict, (const dp_api *a, dp_module *m, const char *dir), (m, dir))              \
+  X(dp_status, fsdp_load_sharded_state_dict, (const dp_api *a, dp_module *m, const char *dir), (m, dir))               \
   X(dp_status, process_group_split,                                                                                    \
     (const dp_api *a, dp_process_group *pg, int32_t color, int32_t key, const dp_process_group_options *o,             \
      dp_process_group **out),                                                                                          \
@@ -223,19 +223,20 @@ dp_status dpgo_stream_launch_host_func(const dp_api *a, dp_device device, void *
     (out, pg, shape, ndim, names))                                                                                     \
   X(dp_status, device_mesh_create_by_host, (const dp_api *a, dp_device_mesh **out, dp_process_group *pg), (out, pg))   \
   X(size_t, device_mesh_ndim, (const dp_api *a, const dp_device_mesh *m), (m))                                         \
-  X(dp_status, device_mesh_group, (const dp_api *a, const dp_device_mesh *m, const char *name, dp_process_group **out), \
-    (m, name, out))                                                                                                    \
+  X(dp_status, device_mesh_group,                                                                                      \
+    (const dp_api *a, const dp_device_mesh *m, const char *name, dp_process_group **out), (m, name, out))              \
   V(device_mesh_destroy, (const dp_api *a, dp_device_mesh *m), (m))                                                    \
   X(dp_status, device_mesh_shape, (const dp_api *a, const dp_device_mesh *m, int32_t *out, size_t cap), (m, out, cap)) \
   X(dp_status, device_mesh_coordinate, (const dp_api *a, const dp_device_mesh *m, int32_t *out, size_t cap),           \
     (m, out, cap))                                                                                                     \
-  X(dp_status, device_mesh_dim_name, (const dp_api *a, const dp_device_mesh *m, size_t d, const char **out), (m, d, out)) \
+  X(dp_status, device_mesh_dim_name, (const dp_api *a, const dp_device_mesh *m, size_t d, const char **out),           \
+    (m, d, out))                                                                                                       \
   X(dp_status, fsdp_mark_grad_ready, (const dp_api *a, dp_fsdp *f, const char *name), (f, name))                       \
   X(dp_status, fsdp_full_state_dict,                                                                                   \
     (const dp_api *a, dp_module *m, dp_process_group *pg, int32_t root, dp_module **out), (m, pg, root, out))          \
   X(dp_status, tensor_from_dlpack_versioned, (const dp_api *a, dp_tensor **out, void *managed), (out, managed))        \
   X(dp_status, tensor_to_dlpack_versioned, (const dp_api *a, const dp_tensor *t, int read_only, void **out),           \
-    (t, read_only, (struct DLManagedTensorVersioned **)out))                                                            \
+    (t, read_only, (struct DLManagedTensorVersioned **)out))                                                           \
   X(dp_status, fsdp_create_on_mesh,                                                                                    \
     (const dp_api *a, dp_fsdp **out, dp_module *m, const dp_device_mesh *mesh, const dp_fsdp_options *o),              \
     (out, m, mesh, o))
