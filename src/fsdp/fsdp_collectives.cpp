@@ -257,7 +257,7 @@ void reduce_gradients(const ShardLayout& layout, dist::ProcessGroup& group, std:
   for (Tensor& grad : grads) drop_grad(grad, device);
 }
 
-void reduce_across_replicas(ReplicaSums sums, dist::ProcessGroup& replicas) {
+void reduce_across_replicas(ReplicaSums&& sums, dist::ProcessGroup& replicas) {
   const int32_t count = replicas.size();
   const Device device = replicas.device();
   for (auto& [dtype, of_dtype] : sums.by_dtype) {

@@ -54,7 +54,7 @@ void reduce_gradients(const ShardLayout& layout, dist::ProcessGroup& group, std:
 // group, so that the sum cannot overflow), then added into the shard
 // gradients. The replicas' layouts agree (checked at creation), so their
 // buffers pair.
-void reduce_across_replicas(ReplicaSums sums, dist::ProcessGroup& replicas);
+void reduce_across_replicas(ReplicaSums&& sums, dist::ProcessGroup& replicas);
 
 // Whether reduce_gradients makes a collective: with views, a barrier even
 // with nothing to reduce.
