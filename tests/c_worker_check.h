@@ -2,7 +2,7 @@
  * identity, the CHECK macros that count failures instead of stopping, so
  * that a rank reports every failed check and still takes part in the
  * collectives the others wait for, and the backend the test runs them over.
- * Include once per program. */
+ * Include once per program (C or C++). */
 #ifndef DP_TESTS_C_WORKER_CHECK_H
 #define DP_TESTS_C_WORKER_CHECK_H
 
@@ -39,14 +39,14 @@ static const char *g_dir = "/tmp";
 
 /* The dp_backend the test asks this rank's group for (DP_TEST_GROUP_BACKEND,
  * tests/backends.h rank_env), or `otherwise`. */
-static int32_t test_group_backend(int32_t otherwise) {
+static inline int32_t test_group_backend(int32_t otherwise) {
   const char *asked = getenv("DP_TEST_GROUP_BACKEND");
   return asked != NULL ? (int32_t)atoi(asked) : otherwise;
 }
 
 /* Checks that `pg` runs over the backend the test named
  * (DP_TEST_GROUP_REPORTS), where it named one. */
-static void check_test_group_backend(dp_process_group *pg) {
+static inline void check_test_group_backend(dp_process_group *pg) {
   const char *reports = getenv("DP_TEST_GROUP_REPORTS");
   CHECK(reports == NULL || strcmp(dp_process_group_backend(pg), reports) == 0, "the group runs over %s, not %s",
         dp_process_group_backend(pg), reports);

@@ -18,9 +18,7 @@ using dist::CallItem;
 using dist::ReduceOp;
 
 lane::JobResult Reducer::run_job(const lane::JobSpec& spec) {
-  lane::JobResult result;
-  result.start = Clock::now();
-  try {
+  return lane::timed_job([&](lane::JobResult& result) {
     if (!spec.refusal.empty()) {
       // Stands in for the job's first collective, so that the other ranks'
       // matching call fails at once naming this rank's reason. A deferred
@@ -43,18 +41,7 @@ lane::JobResult Reducer::run_job(const lane::JobSpec& spec) {
     } else {
       run_ready_order();
     }
-  } catch (const Error& e) {
-    result.code = e.code();
-    result.error = e.what();
-  } catch (const std::bad_alloc&) {
-    result.code = StatusCode::kOutOfMemory;
-    result.error = "out of memory";
-  } catch (const std::exception& e) {
-    result.code = StatusCode::kInternal;
-    result.error = e.what();
-  }
-  result.end = Clock::now();
-  return result;
+  });
 }
 
 void Reducer::complete_job(const lane::JobSpec& spec, lane::JobResult result) {

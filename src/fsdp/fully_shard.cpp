@@ -473,9 +473,7 @@ void FullyShard::call_on_replicate_lane(CallItem item, const std::function<void(
 
 lane::JobResult FullyShard::run_job(const lane::JobSpec& spec) {
   if (spec.item == CallItem::kReplicaReduce) return run_replica_reduce(spec);
-  lane::JobResult result;
-  result.start = Clock::now();
-  try {
+  return lane::timed_job([&](lane::JobResult& /*result*/) {
     // On NCCL the job's work all goes on the group's stream, after the
     // host's stream as it was at the call, and the job returns once it is
     // queued; an end event recorded however the job ends (its own frees
@@ -514,15 +512,7 @@ lane::JobResult FullyShard::run_job(const lane::JobSpec& spec) {
     } else {
       fail(StatusCode::kInternal, "a dp_fsdp job of ", dist::call_item_name(spec.item, 0));
     }
-  } catch (const Error& e) {
-    result.code = e.code();
-    result.error = e.what();
-  } catch (const std::exception& e) {
-    result.code = StatusCode::kInternal;
-    result.error = e.what();
-  }
-  result.end = Clock::now();
-  return result;
+  });
 }
 
 void FullyShard::issue_replica_reduce(const lane::JobSpec& post, const lane::JobResult& result) {
@@ -563,9 +553,7 @@ void FullyShard::issue_replica_reduce(const lane::JobSpec& post, const lane::Job
 }
 
 lane::JobResult FullyShard::run_replica_reduce(const lane::JobSpec& spec) {
-  lane::JobResult result;
-  result.start = Clock::now();
-  try {
+  return lane::timed_job([&](lane::JobResult& result) {
     if (!spec.refusal.empty()) {
       // This rank's post_backward fails as its reduce-scatter did.
       try {
@@ -593,15 +581,7 @@ lane::JobResult FullyShard::run_replica_reduce(const lane::JobSpec& spec) {
       KeepEndEvent keep{mutex_, device, post_done_};
       reduce_across_replicas(std::move(sums), *replicate_);
     }
-  } catch (const Error& e) {
-    result.code = e.code();
-    result.error = e.what();
-  } catch (const std::exception& e) {
-    result.code = StatusCode::kInternal;
-    result.error = e.what();
-  }
-  result.end = Clock::now();
-  return result;
+  });
 }
 
 void FullyShard::complete_job(const lane::JobSpec& spec, lane::JobResult result) {

@@ -6,6 +6,8 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
+#include <new>
 #include <string>
 
 #include "core/error.h"
@@ -20,6 +22,28 @@ struct JobResult {
   std::string error;
   std::chrono::steady_clock::time_point start, end;
 };
+
+// Runs `body(result)` as a job, timed: whatever it throws becomes the
+// result's code and message (nothing leaves the lane's thread).
+template <class Body>
+JobResult timed_job(Body&& body) {
+  JobResult result;
+  result.start = std::chrono::steady_clock::now();
+  try {
+    body(result);
+  } catch (const Error& e) {
+    result.code = e.code();
+    result.error = e.what();
+  } catch (const std::bad_alloc&) {
+    result.code = StatusCode::kOutOfMemory;
+    result.error = "out of memory";
+  } catch (const std::exception& e) {
+    result.code = StatusCode::kInternal;
+    result.error = e.what();
+  }
+  result.end = std::chrono::steady_clock::now();
+  return result;
+}
 
 struct JobSpec {
   dist::CallItem item = dist::CallItem::kBucket;

@@ -43,6 +43,7 @@
 #include <string>
 #include <vector>
 
+#include "c_worker_check.h"
 #include "capi/capi_internal.h"
 #include "capi/dist_internal.h"
 #include "capi/fsdp_internal.h"
@@ -50,33 +51,6 @@
 #include "dparallel/dparallel.h"
 #include "fsdp/fsdp_state_dict.h"
 #include "fsdp/fully_shard.h"
-
-// A failed check is counted and reported, and the rank goes on taking part
-// in the collectives the others wait for (as c_worker_check.h's).
-static int g_rank = -1;
-static int g_world = 0;
-static int g_failures = 0;
-static const char* g_dir = "/tmp";
-
-#define CHECK(cond, ...)                                                                  \
-  do {                                                                                    \
-    if (!(cond)) {                                                                        \
-      fprintf(stderr, "rank %d: check failed at line %d: %s: ", g_rank, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                                       \
-      fprintf(stderr, "\n");                                                              \
-      ++g_failures;                                                                       \
-    }                                                                                     \
-  } while (0)
-
-#define CHECK_OK(expr)                                                                                  \
-  do {                                                                                                  \
-    dp_status st_ = (expr);                                                                             \
-    if (st_ != DP_OK) {                                                                                 \
-      fprintf(stderr, "rank %d: line %d: %s returned %d (%s): %s\n", g_rank, __LINE__, #expr, (int)st_, \
-              dp_status_string(st_), dp_last_error());                                                  \
-      ++g_failures;                                                                                     \
-    }                                                                                                   \
-  } while (0)
 
 namespace {
 
