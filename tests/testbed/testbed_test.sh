@@ -10,6 +10,13 @@
 #       crossed host 0's link; then dp-train --ddp, whose every rank matches
 #       single-process training and whose model is bit for bit the one the
 #       same 2 x 2 ranks make on one host's loopback.
+#   testbed_test.sh hsdp CI DP_RUN HSDP_WORKER
+#       2 hosts x 2 ranks, links at 5 Gbit/s: hsdp_worker's scenarios with
+#       each host's ranks a shard group (shared memory) and the replicas
+#       across the hosts: the mesh by host (dp_device_mesh_create_by_host's
+#       splits) and the 2x2 groups train like one process, and a sharded
+#       save loads at other mesh shapes; the replicas' all-reduces must
+#       have crossed host 0's link.
 #   testbed_test.sh rate CI TCP_TRANSFER
 #       Links at 100 Mbit/s: 16 MB from host 1 to host 0 take at least 0.8 x
 #       (16 MB - one bucket) / rate, and tc's counters show the bytes through
@@ -148,6 +155,32 @@ case $mode in
     cmp "$dir/hosts.safetensors" "$dir/loopback0.safetensors" ||
       fail "the model trained across the hosts differs from the one trained on loopback"
     echo "passed: $backend across 2 hosts x 2 ranks; the DDP model is bit for bit the loopback run's"
+    ;;
+
+  hsdp)
+    run=${1:?DP_RUN} worker=${2:?HSDP_WORKER}
+    for program in "$run" "$worker"; do [ -x "$program" ] || fail "no program at $program"; done
+    up --hosts 2 --rate 5gbit
+    link="host 0, eth0 (sent by the host):"
+    for scenario in mesh_parity parity save_load; do
+      before=$(sent "$link")
+      # The worker's groups rendezvous through files, which every host sees;
+      # their traffic goes through the hosts' links.
+      mkdir "$dir/$scenario" || fail "mkdir"
+      out=$dir/$scenario.txt
+      "$tb" run --name "$name" --timeout 90 --dp-run "$run" --nproc 2 -- env DP_TEST_DIR="$dir/$scenario" \
+        "$worker" "$scenario" >"$out" 2>&1 || {
+        cat "$out"
+        fail "$scenario across the hosts failed"
+      }
+      cat "$out"
+      [ "$(grep -c ": $scenario passed" "$out")" = 4 ] || fail "not every rank passed $scenario"
+      crossed=$(($(sent "$link") - before))
+      echo "host 0 sent $crossed bytes over its link during $scenario"
+      # The replicate groups connect and all-reduce across the hosts.
+      [ "$crossed" -ge 1024 ] || fail "host 0 sent only $crossed bytes during $scenario"
+    done
+    echo "passed: HSDP across 2 hosts x 2 ranks trains like one process and saves and loads across mesh shapes"
     ;;
 
   rate)
