@@ -31,6 +31,11 @@
 //   fsdp_views      (dp-perf fsdp, or when asked for) fsdp with
 //                   full_params_as_views (views on a shared-memory group,
 //                   copies elsewhere), in the same run
+//   hsdp            (only when asked for) fsdp on the mesh by host
+//                   (dp_device_mesh_create_by_host, dp_fsdp_create_on_mesh):
+//                   each layer sharded over its host's ranks and replicated
+//                   across the hosts, its shard gradients all-reduced between
+//                   the replicas after each reduce-scatter
 //   ddp_join        (only when asked for) ddp steps where the last rank runs
 //                   out of data halfway and calls dp_ddp_join while the
 //                   others go on: rank 0's own step times (no barrier, a
@@ -456,7 +461,7 @@ std::vector<std::pair<std::string, FsdpFigures>> run_fsdp_modes(Bench& bench) {
   auto wants = [&](const char* mode) { return bench.wants(mode); };
   auto report = [&](const std::string& name, Timing t) { bench.report(name, t); };
   std::vector<std::pair<std::string, FsdpFigures>> fsdp_figures;
-  auto run_fsdp = [&](const char* mode, int views) {
+  auto run_fsdp = [&](const char* mode, int views, bool on_mesh_by_host) {
     FsdpFigures figures;
     figures.views = views;
     const dp_device cpu0{DP_DEVICE_CPU, 0};
@@ -498,7 +503,18 @@ std::vector<std::pair<std::string, FsdpFigures>> run_fsdp_modes(Bench& bench) {
     fail_on(dp_fsdp_options_init(&fopts, sizeof fopts), "dp_fsdp_options_init");
     fopts.reshard_after_forward = o.reshard_after_forward;
     fopts.full_params_as_views = views;
-    for (int l = 0; l < L; ++l) fail_on(dp_fsdp_create(&fsdp[l], layers[l], pg, &fopts), "dp_fsdp_create");
+    if (on_mesh_by_host) {
+      dp_device_mesh* mesh = nullptr;
+      fail_on(dp_device_mesh_create_by_host(&mesh, pg), "dp_device_mesh_create_by_host");
+      for (int l = 0; l < L; ++l) {
+        const dp_status st = dp_fsdp_create_on_mesh(&fsdp[l], layers[l], mesh, &fopts);
+        if (st != DP_OK) dp_device_mesh_destroy(mesh);
+        fail_on(st, "dp_fsdp_create_on_mesh");
+      }
+      dp_device_mesh_destroy(mesh);  // the dp_fsdps hold its groups
+    } else {
+      for (int l = 0; l < L; ++l) fail_on(dp_fsdp_create(&fsdp[l], layers[l], pg, &fopts), "dp_fsdp_create");
+    }
     host_weights = {};  // the slots hold the shards now
     std::vector<float*> w(L), b(L), gw(L), gb(L);
     // Time the host spends waiting for unshards (blocking or completing a
@@ -584,8 +600,9 @@ std::vector<std::pair<std::string, FsdpFigures>> run_fsdp_modes(Bench& bench) {
     dp_module_destroy(model);
     fsdp_figures.emplace_back(mode, figures);
   };
-  if (wants("fsdp")) run_fsdp("fsdp", o.views);
-  if (wants("fsdp_views")) run_fsdp("fsdp_views", 1);
+  if (wants("fsdp")) run_fsdp("fsdp", o.views, false);
+  if (wants("fsdp_views")) run_fsdp("fsdp_views", 1, false);
+  if (wants("hsdp")) run_fsdp("hsdp", o.views, true);
   return fsdp_figures;
 }
 
@@ -881,6 +898,8 @@ int run(const Options& o) {
 }  // namespace
 
 int dp_perf_ddp_main(int argc, char** argv) {
+  static const char kModeList[] =
+      "a comma-separated list of local, ddp_no_sync, ddp, allreduce_only, ddp_join, fsdp, fsdp_views, hsdp";
   Options o;
   // dp-perf fsdp: the same model sharded, with copies and with views of the
   // shards, beside the local and ddp steps.
@@ -930,16 +949,12 @@ int dp_perf_ddp_main(int argc, char** argv) {
         std::stringstream list(v);
         for (std::string mode; std::getline(list, mode, ',');) {
           if (mode != "local" && mode != "ddp_no_sync" && mode != "ddp" && mode != "allreduce_only" &&
-              mode != "ddp_join" && mode != "fsdp" && mode != "fsdp_views") {
-            perf::bad_value(
-                a, v, "a comma-separated list of local, ddp_no_sync, ddp, allreduce_only, ddp_join, fsdp, fsdp_views");
+              mode != "ddp_join" && mode != "fsdp" && mode != "fsdp_views" && mode != "hsdp") {
+            perf::bad_value(a, v, kModeList);
           }
           o.modes.push_back(mode);
         }
-        if (o.modes.empty()) {
-          perf::bad_value(
-              a, v, "a comma-separated list of local, ddp_no_sync, ddp, allreduce_only, ddp_join, fsdp, fsdp_views");
-        }
+        if (o.modes.empty()) perf::bad_value(a, v, kModeList);
       } else {
         throw perf::UsageError("unknown option " + a);
       }
@@ -959,7 +974,7 @@ int dp_perf_ddp_main(int argc, char** argv) {
                  "usage: dp-run -n 2 dp-perf ddp [--layers 10] [--width 1024] [--batch 32] [--steps 41] [--warmup 5]\n"
                  "       [--bucket-cap-mb 25] [--first-bucket-cap-mb 1] [--grad-as-bucket-view]\n"
                  "       [--optim-in-backward] [--static-graph]\n"
-                 "       [--modes local,ddp_no_sync,ddp,allreduce_only,ddp_join,fsdp,fsdp_views]\n"
+                 "       [--modes local,ddp_no_sync,ddp,allreduce_only,ddp_join,fsdp,fsdp_views,hsdp]\n"
                  "usage: dp-run -n 2 dp-perf fsdp [the same options] [--reshard-after-forward 1] [--overlap 1] "
                  "[--views 0]: --modes "
                  "local,fsdp,fsdp_views,ddp\n");

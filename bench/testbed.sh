@@ -2,10 +2,14 @@
 # dp-perf across hosts on the testbed (tests/testbed/testbed.sh: hosts as
 # network namespaces behind a bridge, each link shaped with tbf both ways;
 # no latency is emulated): for each host count, link rate and backend,
-# dp-perf all_reduce and dp-perf ddp with dp-run on every host.
+# dp-perf all_reduce and dp-perf ddp with dp-run on every host; on the
+# hierarchical backend dp-perf fsdp's fully_shard over every rank against
+# HSDP on the mesh by host; and PyTorch's DDP over Gloo on the same hosts
+# (bench/torch_ddp_hosts.py under dp-run) where a PyTorch 2 is found.
 #   bench/testbed.sh BUILD_DIR [--hosts "2 4"] [--rates "2gbit 5gbit 10gbit"]
 #                    [--ranks 2] [--sizes "-b 4K -e 4K,-b 1M -e 64M -f 4"]
 #                    [--ddp "--layers 10 --width 1024 --batch 32 --steps 11 --warmup 2"]
+#                    [--torch PYTHON]
 #   bench/testbed.sh model [--nic-gbit 400] [--nics 1] [--gpus 8] [--params 1.3e9]
 #                    [--tokens 16384 | --global-tokens 4194304] [--mfu 0.4]
 #       The alpha-beta model of bench/RESULTS.md for DDP and HSDP steps from
@@ -14,8 +18,9 @@
 # across) and "gloo" (DP_SHM=0: one Gloo ring over all ranks). --sizes holds
 # comma-separated dp-perf size options, one dp-perf run each. Only rank 0's
 # lines are printed. Needs root; namespaces and links are removed however the
-# run ends. PyTorch DDP and Open MPI are not run across the testbed's hosts
-# yet: the script says whether they are installed and skips them.
+# run ends. PYTHON defaults to the first with torch of BUILD_DIR/../torch2,
+# ../shared/anchors/build/torch2 and python3. Open MPI is not run across the
+# testbed's hosts: the script says so.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 tb=$here/../tests/testbed/testbed.sh
@@ -108,6 +113,7 @@ shift
 hosts_list="2 4" rates="2gbit 5gbit 10gbit" ranks=2
 sizes="-b 4K -e 4K,-b 1M -e 64M -f 4"
 ddp="--layers 10 --width 1024 --batch 32 --steps 11 --warmup 2"
+torch_python=""
 while [ $# -gt 0 ]; do
   case $1 in
     --hosts) hosts_list=$2 ;;
@@ -115,6 +121,7 @@ while [ $# -gt 0 ]; do
     --ranks) ranks=$2 ;;
     --sizes) sizes=$2 ;;
     --ddp) ddp=$2 ;;
+    --torch) torch_python=$2 ;;
     *)
       echo "unknown option $1" >&2
       exit 2
@@ -135,10 +142,19 @@ fi
 
 echo "# $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg), $(date -u '+%F %H:%M UTC')"
 anchors=$(cd "$here/../.." && pwd)/shared/anchors
-if [ -x "$anchors/build/torch2/bin/python" ] || /usr/bin/python3 -c 'import torch' 2>/dev/null; then
-  echo "# PyTorch is installed, but its DDP anchor (anchors/5_ddp.sh) runs on one host only: not run across hosts"
+if [ -z "$torch_python" ]; then
+  for candidate in "$build/../torch2/bin/python" "$anchors/build/torch2/bin/python" python3; do
+    if "$candidate" -c 'import torch' 2>/dev/null; then
+      torch_python=$candidate
+      break
+    fi
+  done
+fi
+if [ -n "$torch_python" ] && "$torch_python" -c 'import torch' 2>/dev/null; then
+  echo "# PyTorch DDP/gloo: $torch_python (torch $("$torch_python" -c 'import torch; print(torch.__version__)'))"
 else
-  echo "# PyTorch DDP/gloo skipped: no torch (neither $anchors/build/torch2 from install_deps.sh nor python3's)"
+  echo "# PyTorch DDP/gloo skipped: no python with torch (--torch, $build/../torch2, $anchors/build/torch2, python3)"
+  torch_python=""
 fi
 if command -v mpirun >/dev/null 2>&1; then
   echo "# Open MPI is installed, but its anchor (anchors/3_mpi.sh) runs on one host only: not run across hosts"
@@ -201,7 +217,20 @@ for hosts in $hosts_list; do
       echo "== $hosts hosts x $ranks ranks, $rate, $backend: dp-perf ddp $ddp"
       # shellcheck disable=SC2086
       on_hosts "$backend" "$tb" run --name "$name" --timeout 600 --dp-run "$run" --nproc "$ranks" -- "$perf" ddp $ddp
+      if [ "$backend" = shm+gloo ]; then
+        # HSDP shards inside each host (shared memory) and replicates across.
+        echo "== $hosts hosts x $ranks ranks, $rate, $backend: dp-perf fsdp $ddp --modes local,fsdp,hsdp,ddp"
+        # shellcheck disable=SC2086
+        on_hosts "$backend" "$tb" run --name "$name" --timeout 600 --dp-run "$run" --nproc "$ranks" -- \
+          "$perf" fsdp $ddp --modes local,fsdp,hsdp,ddp
+      fi
     done
+    if [ -n "$torch_python" ]; then
+      echo "== $hosts hosts x $ranks ranks, $rate, PyTorch DDP/gloo: torch_ddp_hosts.py $ddp"
+      # shellcheck disable=SC2086 # dp-perf's model options are the script's
+      on_hosts gloo "$tb" run --name "$name" --timeout 600 --dp-run "$run" --nproc "$ranks" -- \
+        env OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 "$torch_python" "$here/torch_ddp_hosts.py" $ddp
+    fi
   done
   "$tb" down --name "$name"
 done
