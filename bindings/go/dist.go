@@ -49,8 +49,8 @@ const (
 // library's defaults.
 type ProcessGroupOptions struct {
 	Backend Backend
-	// Store the ranks meet through; nil: a TCP store at MASTER_ADDR:MASTER_PORT
-	// served by rank 0. The group holds its own reference.
+	// Store the ranks meet through; nil: a TCP store served by rank 0 at
+	// DP_STORE_ADDR:DP_STORE_PORT, else MASTER_ADDR:MASTER_PORT. The group holds its own reference.
 	Store *Store
 	// Timeout of every blocking call; 0: 300 s.
 	Timeout time.Duration
@@ -119,9 +119,12 @@ func (l *Library) NewProcessGroup(rank, worldSize int, opts *ProcessGroupOptions
 	return &ProcessGroup{lib: l, h: h}, nil
 }
 
-// ProcessGroupFromEnv joins the group described by RANK, WORLD_SIZE,
-// MASTER_ADDR and MASTER_PORT (as dp-run and torchrun set them), with the
-// default options: Gloo (or shared memory on one host) on cpu:0.
+// ProcessGroupFromEnv joins the group described by RANK and WORLD_SIZE,
+// with its store at DP_STORE_ADDR:DP_STORE_PORT (dp-run sets them, leaving
+// MASTER_PORT to the program's own framework), else MASTER_ADDR:MASTER_PORT
+// (torchrun); Open MPI, MPICH and Slurm variables serve where those are
+// absent (dp_dist.h). Default options: Gloo (or shared memory on one host)
+// on cpu:0.
 func (l *Library) ProcessGroupFromEnv() (*ProcessGroup, error) {
 	var h *C.dp_process_group
 	err := l.call("dp_process_group_create_from_env", func(api *C.dp_api) C.dp_status {

@@ -2,7 +2,7 @@ use dparallel::{Ddp, DdpOptions, Device, Library, Module, ProcessGroup, Tensor};
 
 fn main() -> dparallel::Result<()> {
     let lib = Library::open(None)?; // $DP_LIBRARY, else libdparallel.so.0
-    let pg = ProcessGroup::from_env(&lib)?; // RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: dp-run sets them
+    let pg = ProcessGroup::from_env(&lib)?; // RANK, WORLD_SIZE, DP_STORE_ADDR, DP_STORE_PORT: dp-run sets them
     let (rank, world) = (pg.rank() as f32, pg.size() as f32);
     let mut model = Module::new(&lib)?;
     model.register_parameter("w", &Tensor::from_slice(&lib, &[1.0f32, 2.0], &[2], Device::cpu(0))?, true)?;

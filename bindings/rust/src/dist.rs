@@ -139,7 +139,8 @@ pub struct ProcessGroupOptions<'s> {
     pub backend: Backend,
     pub rank: Option<i32>,
     pub world_size: Option<i32>,
-    /// None: a TCP store at MASTER_ADDR:MASTER_PORT, served by rank 0.
+    /// None: a TCP store served by rank 0 at DP_STORE_ADDR:DP_STORE_PORT,
+    /// else MASTER_ADDR:MASTER_PORT.
     pub store: Option<&'s Store>,
     pub timeout_ms: i32,
     pub device: Device,
@@ -208,8 +209,10 @@ impl Drop for ProcessGroup {
 }
 
 impl ProcessGroup {
-    /// Joins the group dp-run (or torchrun, mpirun) describes in the
-    /// environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
+    /// Joins the group dp-run (or torchrun, mpirun, srun) describes in the
+    /// environment: RANK, WORLD_SIZE and the store at DP_STORE_ADDR:
+    /// DP_STORE_PORT (dp-run's, leaving MASTER_PORT to the program's own
+    /// framework), else MASTER_ADDR:MASTER_PORT (dp_dist.h has the rest).
     pub fn from_env(lib: &Library) -> Result<ProcessGroup> {
         let mut out = ptr::null_mut();
         lib.check(unsafe { (lib.api().process_group_create_from_env)(&mut out, ptr::null()) })?;
