@@ -534,52 +534,60 @@ impl fmt::Debug for DlPack {
     }
 }
 
-impl Drop for DlPack {
-    fn drop(&mut self) {
-        unsafe {
-            if let Some(deleter) = (*self.raw).deleter {
-                deleter(self.raw);
+/// What both owned capsules share: drop runs the deleter; from_raw,
+/// into_raw, and the DLTensor's fields.
+macro_rules! owned_capsule {
+    ($owner:ident, $raw:ty, $what:literal) => {
+        impl Drop for $owner {
+            fn drop(&mut self) {
+                unsafe {
+                    if let Some(deleter) = (*self.raw).deleter {
+                        deleter(self.raw);
+                    }
+                }
             }
         }
-    }
-}
 
-impl DlPack {
-    /// Takes ownership of a `DLManagedTensor*`.
-    ///
-    /// # Safety
-    /// `raw` must be a valid, non-NULL DLManagedTensor the caller owns; its
-    /// deleter (if any) is called exactly once, by this value.
-    pub unsafe fn from_raw(raw: *mut sys::DLManagedTensor) -> DlPack {
-        DlPack { raw }
-    }
+        impl $owner {
+            #[doc = concat!("Takes ownership of a `", $what, "*`.")]
+            ///
+            /// # Safety
+            #[doc = concat!("`raw` must be a valid, non-NULL ", $what, " the caller owns; its")]
+            /// deleter (if any) is called exactly once, by this value.
+            pub unsafe fn from_raw(raw: *mut $raw) -> $owner {
+                $owner { raw }
+            }
 
-    /// Gives up ownership: the receiver calls `(*raw).deleter(raw)`.
-    pub fn into_raw(self) -> *mut sys::DLManagedTensor {
-        let raw = self.raw;
-        std::mem::forget(self);
-        raw
-    }
+            /// Gives up ownership: the receiver calls `(*raw).deleter(raw)`.
+            pub fn into_raw(self) -> *mut $raw {
+                let raw = self.raw;
+                std::mem::forget(self);
+                raw
+            }
 
-    /// The `DLTensor`: data pointer, device, dtype, shape and strides.
-    pub fn dl_tensor(&self) -> &sys::DLTensor {
-        unsafe { &(*self.raw).dl_tensor }
-    }
+            /// The `DLTensor`: data pointer, device, dtype, shape and strides.
+            pub fn dl_tensor(&self) -> &sys::DLTensor {
+                unsafe { &(*self.raw).dl_tensor }
+            }
 
-    pub fn shape(&self) -> Vec<i64> {
-        let t = self.dl_tensor();
-        if t.ndim <= 0 || t.shape.is_null() {
-            return Vec::new();
+            pub fn shape(&self) -> Vec<i64> {
+                let t = self.dl_tensor();
+                if t.ndim <= 0 || t.shape.is_null() {
+                    return Vec::new();
+                }
+                unsafe { std::slice::from_raw_parts(t.shape, t.ndim as usize) }.to_vec()
+            }
+
+            /// The first element (`data` + `byte_offset`).
+            pub fn data_ptr(&self) -> *mut c_void {
+                let t = self.dl_tensor();
+                (t.data as *mut u8).wrapping_add(t.byte_offset as usize) as *mut c_void
+            }
         }
-        unsafe { std::slice::from_raw_parts(t.shape, t.ndim as usize) }.to_vec()
-    }
-
-    /// The first element (`data` + `byte_offset`).
-    pub fn data_ptr(&self) -> *mut c_void {
-        let t = self.dl_tensor();
-        (t.data as *mut u8).wrapping_add(t.byte_offset as usize) as *mut c_void
-    }
+    };
 }
+
+owned_capsule!(DlPack, sys::DLManagedTensor, "DLManagedTensor");
 
 struct ExportVersioned {
     manager_ctx: *mut c_void,
@@ -642,33 +650,9 @@ impl fmt::Debug for DlPackVersioned {
     }
 }
 
-impl Drop for DlPackVersioned {
-    fn drop(&mut self) {
-        unsafe {
-            if let Some(deleter) = (*self.raw).deleter {
-                deleter(self.raw);
-            }
-        }
-    }
-}
+owned_capsule!(DlPackVersioned, sys::DLManagedTensorVersioned, "DLManagedTensorVersioned");
 
 impl DlPackVersioned {
-    /// Takes ownership of a `DLManagedTensorVersioned*`.
-    ///
-    /// # Safety
-    /// `raw` must be a valid, non-NULL DLManagedTensorVersioned the caller
-    /// owns; its deleter (if any) is called exactly once, by this value.
-    pub unsafe fn from_raw(raw: *mut sys::DLManagedTensorVersioned) -> DlPackVersioned {
-        DlPackVersioned { raw }
-    }
-
-    /// Gives up ownership: the receiver calls `(*raw).deleter(raw)`.
-    pub fn into_raw(self) -> *mut sys::DLManagedTensorVersioned {
-        let raw = self.raw;
-        std::mem::forget(self);
-        raw
-    }
-
     pub fn version(&self) -> sys::DLPackVersion {
         unsafe { (*self.raw).version }
     }
@@ -676,23 +660,5 @@ impl DlPackVersioned {
     /// `sys::DLPACK_FLAG_BITMASK_*` bits.
     pub fn flags(&self) -> u64 {
         unsafe { (*self.raw).flags }
-    }
-
-    pub fn dl_tensor(&self) -> &sys::DLTensor {
-        unsafe { &(*self.raw).dl_tensor }
-    }
-
-    pub fn shape(&self) -> Vec<i64> {
-        let t = self.dl_tensor();
-        if t.ndim <= 0 || t.shape.is_null() {
-            return Vec::new();
-        }
-        unsafe { std::slice::from_raw_parts(t.shape, t.ndim as usize) }.to_vec()
-    }
-
-    /// The first element (`data` + `byte_offset`).
-    pub fn data_ptr(&self) -> *mut c_void {
-        let t = self.dl_tensor();
-        (t.data as *mut u8).wrapping_add(t.byte_offset as usize) as *mut c_void
     }
 }
