@@ -85,9 +85,12 @@ void create_sharding(dp_fsdp** out, dp_module* module, const std::shared_ptr<dis
     if (!m) m = std::make_shared<Module>();
   }
   auto handle = std::make_unique<dp_fsdp>();
-  handle->sharding = capi::in_stream_order(
-      capi::module_devices(*m, {shard->device()}),
-      [&] { return fsdp::FullyShard::create(m, shard, replicate, options); }, capi::transfer_stream_of(*shard));
+  // init_sync's broadcasts and checks run on both groups' transfer streams.
+  StreamOrder order(capi::module_devices(*m, {shard->device()}));
+  order_transfers(order, *shard);
+  if (replicate) order_transfers(order, *replicate);
+  handle->sharding = fsdp::FullyShard::create(m, shard, replicate, options);
+  order.finish();
   if (out == nullptr) fail(StatusCode::kInternal, "a dp_fsdp was made for a NULL 'out'");
   *out = handle.release();
 }
