@@ -2,6 +2,7 @@
 //
 //   dp-run -n 4 [--nnodes M --node-rank K] [--master-addr A] [--master-port P]
 //          [--store-port S] [--grace-ms G] prog args...
+//   dp-run --diagnose DIR    reads the ranks' flight recorder dumps (DP_TRACE_DIR)
 //   dp-run --help
 //
 // Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
@@ -62,6 +63,7 @@
 #include <string>
 #include <vector>
 
+#include "dp_run_diagnose.h"
 #include "dp_run_options.h"
 #include "dp_run_output.h"
 #include "dp_run_ranks.h"
@@ -276,6 +278,7 @@ int launcher(const Options& o, const Signals& signals, int control_fd) {
 
 int main(int argc, char** argv) {
   using namespace dprun;
+  if (argc >= 2 && std::string(argv[1]) == "--diagnose") return diagnose_main(argc, argv);
   Options options = parse_args(argc, argv);
   raise_open_file_limit(options.nproc);
   set_up_rendezvous(options);

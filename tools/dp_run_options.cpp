@@ -19,7 +19,8 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: dp-run -n N [--nnodes M --node-rank K] [--master-addr A] [--master-port P] [--store-port S]\n"
-    "              [--grace-ms G] prog [args...]\n";
+    "              [--grace-ms G] prog [args...]\n"
+    "       dp-run --diagnose DIR   (the ranks' flight recorder dumps, written to DP_TRACE_DIR)\n";
 
 [[noreturn]] void usage(const char* message) {
   std::fprintf(stderr, "dp-run: %s\n%s", message, kUsage);

@@ -108,6 +108,7 @@ Call ProcessGroup::begin_call(CallKind kind, DType dtype, int64_t numel, ReduceO
   call.header = make_call_header(kind, rank(), ++seq_, dtype, numel, op, root);
   call.deadline = Clock::now() + timeout();
   call.tensor = tensor;
+  recorder_->started(running_call_.load(std::memory_order_relaxed), call.header);
   return call;
 }
 
@@ -126,6 +127,7 @@ void ProcessGroup::run_refused(CallKind kind, const std::string& reason) {
   Call call;
   call.header = refused_call_header(kind, rank(), ++seq_, reason);
   call.deadline = Clock::now() + timeout();
+  recorder_->started(running_call_.load(std::memory_order_relaxed), call.header);
   exchange_headers(call);
   fail(StatusCode::kInternal, call_kind_name(call.header.kind), ": the header exchange of a refused call passed");
 }
@@ -162,7 +164,11 @@ Error ProcessGroup::call_failed_knowing(const Call& call, StatusCode code, const
 
 ProcessGroup::ProcessGroup(int32_t rank, int32_t world_size, Device device, Millis timeout,
                            const BackendFactory& make_backend)
-    : CallSite(rank, world_size, device, timeout), backend_(make_backend(*this)) {}
+    : CallSite(rank, world_size, device, timeout), backend_(make_backend(*this)) {
+  recorder_ = std::make_shared<FlightRecorder>(rank, world_size, backend_->name(), trace_buffer_calls());
+  recorder_->set_group_id(str_cat("group of ", world_size, " over ", backend_->name()));
+  register_recorder(recorder_);
+}
 
 ProcessGroup::~ProcessGroup() { drain(); }
 
@@ -178,6 +184,7 @@ void ProcessGroup::drain() {
 void ProcessGroup::abort(const std::string& why) noexcept {
   mark_broken(why);
   backend_->abort(why);
+  dump_traces("abort: " + why);
 }
 
 std::string ProcessGroup::broken_reason() {
@@ -283,14 +290,26 @@ void ProcessGroup::refuse_misdriven(CallKind kind) {
 std::shared_ptr<Work> ProcessGroup::submit(CallKind kind, Task task, bool async) {
   origin_.check("this process group");
   auto work = std::make_shared<Work>();
-  auto run = [this, kind, task = std::move(task), work] {
+  const uint64_t trace_id = recorder_->issued(kind);
+  auto run = [this, kind, trace_id, task = std::move(task), work] {
+    running_call_.store(trace_id, std::memory_order_relaxed);
     Outcome outcome = execute(kind, task);
+    running_call_.store(0, std::memory_order_relaxed);
+    recorder_->finished(trace_id, outcome.code == StatusCode::kOk);
+    // A peer that stopped answering or went away: what every rank was
+    // doing is what a diagnosis needs (DP_TRACE_DIR).
+    if (outcome.code == StatusCode::kTimeout || outcome.code == StatusCode::kRemote) dump_traces(outcome.message);
     // Released before the Work finishes: a thread that waited for it may call next.
     release_claim();
     work->finish(outcome.code, std::move(outcome.message));
   };
   std::unique_lock<std::mutex> lock(mutex_);
-  claim_for_this_thread_locked(kind);
+  try {
+    claim_for_this_thread_locked(kind);
+  } catch (...) {
+    recorder_->finished(trace_id, false);
+    throw;
+  }
   if (async) {
     try {
       if (!worker_.joinable()) worker_ = std::thread([this] { worker_loop(); });

@@ -21,6 +21,7 @@
 // (this one is a forked child) refuses every call with kState.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -37,6 +38,7 @@
 #include "distributed/call_gate.h"
 #include "distributed/call_header.h"
 #include "distributed/collective.h"
+#include "distributed/flight_recorder.h"
 #include "distributed/group_options.h"
 #include "distributed/store/store.h"
 #include "distributed/work.h"
@@ -235,6 +237,8 @@ class ProcessGroup final : private CallSite {
   std::string report_prefix_;
   std::weak_ptr<CallGate> gate_;
   std::shared_ptr<const GroupLineage> lineage_;
+  std::shared_ptr<FlightRecorder> recorder_;  // made once the backend is
+  std::atomic<uint64_t> running_call_{0};     // the recorder's id of the call running, 0: none
   uint64_t splits_ = 0;  // splits so far: each new group's keys are "split<n>/"
   // Last: made after the state above, and gone before it.
   std::unique_ptr<Backend> backend_;

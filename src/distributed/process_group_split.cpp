@@ -21,6 +21,8 @@ enum SplitField : size_t { kColor, kKey, kNumber, kAgreement, kSplitFields };
 }  // namespace
 
 void ProcessGroup::set_lineage(GroupLineage lineage) {
+  // The keys' prefix is the same on every rank: what a diagnosis matches.
+  recorder_->set_group_id(lineage.prefix);
   lineage_ = std::make_shared<const GroupLineage>(std::move(lineage));
 }
 

@@ -1,0 +1,183 @@
+// The flight recorder across real processes: a rank that stops or hangs
+// leaves the others' dumps (on their timeout, or on SIGUSR1) from which
+// dp-run --diagnose names it; and the diagnosis of dumps written by hand.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <thread>
+
+#include "process_util.h"
+
+namespace {
+
+struct Diagnosis {
+  int exit_code = -1;
+  std::string output;
+};
+
+Diagnosis diagnose(const std::string& dir) {
+  const std::string command = "timeout -s KILL 60 " + std::string(DP_RUN) + " --diagnose " + dir + " 2>&1";
+  Diagnosis d;
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) return d;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, pipe)) > 0) d.output.append(buf, n);
+  const int status = ::pclose(pipe);
+  d.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return d;
+}
+
+std::string temp_dir() {
+  char name[] = "/tmp/dp_trace_XXXXXX";
+  return ::mkdtemp(name) != nullptr ? name : "";
+}
+
+void remove_dir(const std::string& dir) {
+  const std::string command = "rm -rf '" + dir + "'";
+  if (std::system(command.c_str()) != 0) ADD_FAILURE() << "could not remove " << dir;
+}
+
+bool exists(const std::string& path) { return ::access(path.c_str(), F_OK) == 0; }
+
+size_t count(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+TEST(FlightRecorder, RanksThatTimeOutDumpAndTheDiagnosisNamesTheStoppedRank) {
+  const std::string dir = temp_dir();
+  ASSERT_FALSE(dir.empty());
+  dptest::RankJob job;
+  job.name = "a stopped rank";
+  job.dir = dir;
+  job.world = 3;
+  job.argv = {DP_TRACE_WORKER, "stop", "12", "2", "6"};
+  job.stopped_rank = 2;
+  job.limit = std::chrono::seconds(200);
+  job.env = [&](int) {
+    return std::vector<std::string>{"DP_TRACE_DIR=" + dir, "DP_TRACE_BUFFER=4", "DP_TEST_TIMEOUT_MS=10000",
+                                    "DP_SHM=0"};
+  };
+  const std::vector<dptest::RankExit> exits = dptest::run_rank_processes(job);
+  ASSERT_EQ(exits.size(), 3u);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(exits[r].exit_code, 1) << exits[r].output;
+    EXPECT_NE(exits[r].output.find("call 6 failed"), std::string::npos) << exits[r].output;
+    EXPECT_TRUE(exists(dir + "/rank" + std::to_string(r) + ".json")) << "rank " << r << " wrote no dump";
+  }
+  EXPECT_FALSE(exists(dir + "/rank2.json")) << "the stopped rank wrote a dump";
+  // DP_TRACE_BUFFER=4: the last 4 calls, the one that timed out last.
+  const std::string dump = dptest::read_file(dir + "/rank0.json");
+  EXPECT_EQ(count(dump, "\"call\": \"all_reduce\""), 4u) << dump;
+  EXPECT_NE(dump.find("\"state\": \"failed\""), std::string::npos) << dump;
+  EXPECT_NE(dump.find("timed out"), std::string::npos) << dump;
+
+  const Diagnosis d = diagnose(dir);
+  EXPECT_EQ(d.exit_code, 0) << d.output;
+  EXPECT_NE(d.output.find("rank 2: no dump"), std::string::npos) << d.output;
+  EXPECT_NE(d.output.find("behind: rank 2: ranks 0, 1 reached"), std::string::npos) << d.output;
+  EXPECT_NE(d.output.find("rank 2 left no dump"), std::string::npos) << d.output;
+  EXPECT_EQ(d.output.find("first call to differ"), std::string::npos) << d.output;
+  remove_dir(dir);
+}
+
+TEST(FlightRecorder, SigusrOneDumpsEveryRankAndTheDiagnosisNamesTheRankThatHasNotCalled) {
+  const std::string dir = temp_dir();
+  ASSERT_FALSE(dir.empty());
+  dptest::RankJob job;
+  job.name = "a paused rank";
+  job.dir = dir;
+  job.world = 3;
+  job.argv = {DP_TRACE_WORKER, "pause", "12", "1", "5"};
+  job.limit = std::chrono::seconds(200);
+  job.env = [&](int) { return std::vector<std::string>{"DP_TRACE_DIR=" + dir, "DP_SHM=0"}; };
+  Diagnosis d;
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  job.watch = [&](const std::vector<pid_t>& pids, const std::vector<std::string>& out) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      ADD_FAILURE() << "no diagnosis named rank 1 in time; the last:\n" << d.output;
+    } else {
+      if (out.size() < 3 || out[0].find("entering call 5") == std::string::npos ||
+          out[1].find("pausing") == std::string::npos || out[2].find("entering call 5") == std::string::npos) {
+        return false;
+      }
+      // The others may not have started their call yet: dump until they have.
+      for (const char* file : {"/rank0.json", "/rank1.json", "/rank2.json"}) ::unlink((dir + file).c_str());
+      for (pid_t pid : pids) ::kill(pid, SIGUSR1);
+      for (int i = 0; i < 500 && !(exists(dir + "/rank0.json") && exists(dir + "/rank1.json") &&
+                                   exists(dir + "/rank2.json"));
+           ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      d = diagnose(dir);
+      if (d.output.find("behind: rank 1: ranks 0, 2 reached") == std::string::npos) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        return false;
+      }
+    }
+    for (pid_t pid : pids) ::kill(pid, SIGKILL);
+    return true;
+  };
+  const std::vector<dptest::RankExit> exits = dptest::run_rank_processes(job);
+  ASSERT_EQ(exits.size(), 3u);
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(exits[r].exit_code, 128 + SIGKILL) << "SIGUSR1 ended rank " << r;
+  EXPECT_EQ(d.exit_code, 0) << d.output;
+  EXPECT_NE(d.output.find("3 dump(s)"), std::string::npos) << d.output;
+  EXPECT_NE(d.output.find("behind: rank 1: ranks 0, 2 reached"), std::string::npos) << d.output;
+  EXPECT_NE(d.output.find("rank 1 is at"), std::string::npos) << d.output;
+  EXPECT_NE(d.output.find("dumped on SIGUSR1"), std::string::npos) << d.output;
+  remove_dir(dir);
+}
+
+// A dump as a rank writes it: `calls` are (seq, call, dtype, numel, state).
+void write_dump(const std::string& path, int rank, const std::string& calls) {
+  std::ofstream(path) << R"({"format": "dparallel-trace-1", "rank": )" << rank
+                      << R"(, "pid": 1, "reason": "SIGUSR1", "time_us": 5000000, "groups": [{"group": "group0/", "rank": )"
+                      << rank << R"(, "size": 2, "backend": "gloo", "calls": [)" << calls << "]}]}";
+}
+
+std::string call(int seq, const char* kind, const char* dtype, int numel, const char* state) {
+  return "{\"seq\": " + std::to_string(seq) + ", \"call\": \"" + kind + "\", \"state\": \"" + state +
+         "\", \"dtype\": \"" + dtype + "\", \"numel\": " + std::to_string(numel) +
+         ", \"op\": \"sum\", \"root\": -1, \"caller\": \"the host's own call\", \"started_us\": 1000000}";
+}
+
+TEST(FlightRecorder, TheDiagnosisNamesTheFirstCollectiveTheRanksCalledDifferently) {
+  const std::string dir = temp_dir();
+  ASSERT_FALSE(dir.empty());
+  write_dump(dir + "/rank0.json", 0,
+             call(1, "all_reduce", "float32", 10, "done") + "," + call(2, "all_reduce", "float32", 10, "done") + "," +
+                 call(3, "all_reduce", "float32", 10, "started"));
+  write_dump(dir + "/rank1.json", 1,
+             call(1, "all_reduce", "float32", 10, "done") + "," + call(2, "all_reduce", "float32", 12, "done") + "," +
+                 call(3, "broadcast", "float32", 10, "started"));
+  std::ofstream(dir + "/garbage.json") << "{\"format\": ";
+  const Diagnosis d = diagnose(dir);
+  EXPECT_EQ(d.exit_code, 0) << d.output;
+  EXPECT_NE(d.output.find("skipped " + dir + "/garbage.json"), std::string::npos) << d.output;
+  EXPECT_NE(d.output.find("2 dump(s)"), std::string::npos) << d.output;
+  EXPECT_NE(d.output.find("no rank behind"), std::string::npos) << d.output;
+  EXPECT_NE(d.output.find("first call to differ: collective #2: rank 0 called #2 all_reduce float32 x 10"),
+            std::string::npos)
+      << d.output;
+  EXPECT_NE(d.output.find("rank 1 called #2 all_reduce float32 x 12"), std::string::npos) << d.output;
+  remove_dir(dir);
+
+  const std::string empty = temp_dir();
+  const Diagnosis none = diagnose(empty);
+  EXPECT_EQ(none.exit_code, 1) << none.output;
+  EXPECT_NE(none.output.find("no trace in"), std::string::npos) << none.output;
+  remove_dir(empty);
+  EXPECT_EQ(diagnose("/nonexistent/dp_trace").exit_code, 2);
+}
+
+}  // namespace
