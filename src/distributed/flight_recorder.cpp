@@ -135,47 +135,41 @@ void FlightRecorder::write(Slot& slot, const TraceCall& call) noexcept {
   slot.version.store(v + 2, std::memory_order_release);
 }
 
-uint64_t FlightRecorder::issued(CallKind kind) noexcept {
-  if (capacity_ == 0) return 0;
+TraceCall FlightRecorder::issued(CallKind kind) noexcept {
   TraceCall call;
+  if (capacity_ == 0) return call;
   call.id = next_id_.fetch_add(1, std::memory_order_relaxed) + 1;
   call.kind = static_cast<uint32_t>(kind);
   call.issued_us = now_us();
   write(slots_[call.id % capacity_], call);
-  return call.id;
+  return call;
 }
 
-template <typename Change>
-void FlightRecorder::update(uint64_t id, Change&& change) noexcept {
-  if (id == 0 || capacity_ == 0) return;
-  Slot& slot = slots_[id % capacity_];
-  TraceCall call;
-  // Only this call's thread writes its slot until a later call wraps onto it.
-  if (!read(slot, call) || call.id != id) return;
-  change(call);
-  write(slot, call);
+void FlightRecorder::rewrite(const TraceCall& call) noexcept {
+  // Only this call's thread writes its slot, until capacity later calls
+  // were issued and one of them took it.
+  if (call.id == 0 || next_id_.load(std::memory_order_relaxed) - call.id >= capacity_) return;
+  write(slots_[call.id % capacity_], call);
 }
 
-void FlightRecorder::started(uint64_t id, const CallHeader& header) noexcept {
-  update(id, [&](TraceCall& call) {
-    call.seq = header.seq;
-    call.kind = header.kind;
-    call.dtype = header.dtype;
-    call.op = header.op;
-    call.root = header.root;
-    call.numel = header.numel;
-    call.refused = header.refused;
-    call.tag = header.tag;
-    call.state = TraceCall::kStarted;
-    call.started_us = now_us();
-  });
+void FlightRecorder::started(TraceCall& call, const CallHeader& header) noexcept {
+  call.seq = header.seq;
+  call.kind = header.kind;
+  call.dtype = header.dtype;
+  call.op = header.op;
+  call.root = header.root;
+  call.numel = header.numel;
+  call.refused = header.refused;
+  call.tag = header.tag;
+  call.state = TraceCall::kStarted;
+  call.started_us = now_us();
+  rewrite(call);
 }
 
-void FlightRecorder::finished(uint64_t id, bool ok) noexcept {
-  update(id, [&](TraceCall& call) {
-    call.state = ok ? TraceCall::kDone : TraceCall::kFailed;
-    call.ended_us = now_us();
-  });
+void FlightRecorder::finished(TraceCall& call, bool ok) noexcept {
+  call.state = ok ? TraceCall::kDone : TraceCall::kFailed;
+  call.ended_us = now_us();
+  rewrite(call);
 }
 
 std::vector<TraceCall> FlightRecorder::snapshot() const {

@@ -45,11 +45,13 @@ class FlightRecorder {
 
   // The group's name on every rank (its keys' prefix in the store).
   void set_group_id(const std::string& id);
-  // A call submitted; returns its id (0 when nothing is recorded).
-  uint64_t issued(CallKind kind) noexcept;
-  // The call `id` exchanged its header (or is about to).
-  void started(uint64_t id, const CallHeader& header) noexcept;
-  void finished(uint64_t id, bool ok) noexcept;
+  // A call submitted, recorded; its id is 0 when nothing is recorded. The
+  // caller keeps the copy and hands it to started and finished, so that
+  // recording never reads the ring back.
+  TraceCall issued(CallKind kind) noexcept;
+  // The call exchanges its header (or is about to).
+  void started(TraceCall& call, const CallHeader& header) noexcept;
+  void finished(TraceCall& call, bool ok) noexcept;
   // The calls kept, oldest first; an entry being written meanwhile is left out.
   std::vector<TraceCall> snapshot() const;
   std::string group_id() const;
@@ -66,9 +68,8 @@ class FlightRecorder {
   };
   bool read(const Slot& slot, TraceCall& out) const noexcept;
   void write(Slot& slot, const TraceCall& call) noexcept;
-  // Applies `change` to call `id` if its slot still holds it.
-  template <typename Change>
-  void update(uint64_t id, Change&& change) noexcept;
+  // Writes `call` back unless later calls took its slot.
+  void rewrite(const TraceCall& call) noexcept;
 
   const int32_t rank_, size_;
   const std::string backend_;

@@ -108,7 +108,7 @@ Call ProcessGroup::begin_call(CallKind kind, DType dtype, int64_t numel, ReduceO
   call.header = make_call_header(kind, rank(), ++seq_, dtype, numel, op, root);
   call.deadline = Clock::now() + timeout();
   call.tensor = tensor;
-  recorder_->started(running_call_.load(std::memory_order_relaxed), call.header);
+  if (TraceCall* trace = running_call_.load(std::memory_order_relaxed)) recorder_->started(*trace, call.header);
   return call;
 }
 
@@ -127,7 +127,7 @@ void ProcessGroup::run_refused(CallKind kind, const std::string& reason) {
   Call call;
   call.header = refused_call_header(kind, rank(), ++seq_, reason);
   call.deadline = Clock::now() + timeout();
-  recorder_->started(running_call_.load(std::memory_order_relaxed), call.header);
+  if (TraceCall* trace = running_call_.load(std::memory_order_relaxed)) recorder_->started(*trace, call.header);
   exchange_headers(call);
   fail(StatusCode::kInternal, call_kind_name(call.header.kind), ": the header exchange of a refused call passed");
 }
@@ -290,12 +290,12 @@ void ProcessGroup::refuse_misdriven(CallKind kind) {
 std::shared_ptr<Work> ProcessGroup::submit(CallKind kind, Task task, bool async) {
   origin_.check("this process group");
   auto work = std::make_shared<Work>();
-  const uint64_t trace_id = recorder_->issued(kind);
-  auto run = [this, kind, trace_id, task = std::move(task), work] {
-    running_call_.store(trace_id, std::memory_order_relaxed);
+  TraceCall trace = recorder_->issued(kind);
+  auto run = [this, kind, trace, task = std::move(task), work]() mutable {
+    running_call_.store(&trace, std::memory_order_relaxed);
     Outcome outcome = execute(kind, task);
-    running_call_.store(0, std::memory_order_relaxed);
-    recorder_->finished(trace_id, outcome.code == StatusCode::kOk);
+    running_call_.store(nullptr, std::memory_order_relaxed);
+    recorder_->finished(trace, outcome.code == StatusCode::kOk);
     // A peer that stopped answering or went away: what every rank was
     // doing is what a diagnosis needs (DP_TRACE_DIR).
     if (outcome.code == StatusCode::kTimeout || outcome.code == StatusCode::kRemote) dump_traces(outcome.message);
@@ -307,7 +307,7 @@ std::shared_ptr<Work> ProcessGroup::submit(CallKind kind, Task task, bool async)
   try {
     claim_for_this_thread_locked(kind);
   } catch (...) {
-    recorder_->finished(trace_id, false);
+    recorder_->finished(trace, false);
     throw;
   }
   if (async) {

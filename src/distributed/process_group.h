@@ -238,7 +238,7 @@ class ProcessGroup final : private CallSite {
   std::weak_ptr<CallGate> gate_;
   std::shared_ptr<const GroupLineage> lineage_;
   std::shared_ptr<FlightRecorder> recorder_;  // made once the backend is
-  std::atomic<uint64_t> running_call_{0};     // the recorder's id of the call running, 0: none
+  std::atomic<TraceCall*> running_call_{nullptr};  // the running call's record, null: none
   uint64_t splits_ = 0;  // splits so far: each new group's keys are "split<n>/"
   // Last: made after the state above, and gone before it.
   std::unique_ptr<Backend> backend_;
