@@ -3,6 +3,12 @@
 //   dp-run -n 4 [--nnodes M --node-rank K] [--master-addr A] [--master-port P]
 //          [--store-port S] [--grace-ms G] prog args...
 //   dp-run --diagnose DIR    reads the ranks' flight recorder dumps (DP_TRACE_DIR)
+//
+// With --trace-dir D, the ranks get DP_TRACE_DIR=D (made if missing) and
+// SIGUSR1 to dp-run no longer stops the job: each running rank gets it, and
+// dparallel writes its flight recorder's dump there (a rank whose program
+// has not made a process group yet, or does not use dparallel, dies of it as
+// of any SIGUSR1); `dp-run --diagnose D` reads the dumps.
 //   dp-run --help
 //
 // Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
@@ -98,7 +104,9 @@ void pass_on(int sig) {
 struct Requests {
   int fd = -1;           // the launcher's end; -1 once the front is gone
   int first_signal = 0;  // the signal that stops the job
-  int signals = 0;       // how many came
+  int signals = 0;       // how many came (but dump requests)
+  bool usr1_dumps = false;  // --trace-dir: SIGUSR1 asks the ranks for their flight recorder dumps
+  int dumps = 0;            // dump requests not yet passed on
   bool front_gone = false;
 };
 
@@ -114,8 +122,14 @@ void read_requests(Requests& requests) {
       requests.fd = -1;
       return;
     }
-    if (requests.first_signal == 0) requests.first_signal = buf[0];
-    requests.signals += static_cast<int>(n);
+    for (ssize_t i = 0; i < n; ++i) {
+      if (requests.usr1_dumps && buf[i] == SIGUSR1) {
+        ++requests.dumps;
+        continue;
+      }
+      if (requests.first_signal == 0) requests.first_signal = buf[i];
+      ++requests.signals;
+    }
   }
 }
 
@@ -196,6 +210,13 @@ void supervise(Job& job) {
     pump(job.outputs);
     read_requests(job.requests);
     reap(job.ranks);
+    // A dump request goes to each running rank itself, not to what it
+    // started: only dparallel's SIGUSR1 handler turns it into a dump.
+    for (; job.requests.dumps > 0; --job.requests.dumps) {
+      for (const Rank& r : job.ranks) {
+        if (r.running) ::kill(r.pid, SIGUSR1);
+      }
+    }
     bool any_running = false;
     for (Rank& r : job.ranks) {
       if (r.running) {
@@ -263,6 +284,7 @@ int launcher(const Options& o, const Signals& signals, int control_fd) {
   init_sinks();
   Job job;
   job.requests.fd = control_fd;
+  job.requests.usr1_dumps = !o.trace_dir.empty();
   job.grace_ms = o.grace_ms;
   job.ranks.resize(static_cast<size_t>(o.nproc));
   job.outputs.resize(static_cast<size_t>(o.nproc));

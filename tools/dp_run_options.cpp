@@ -4,11 +4,13 @@
 #include <netdb.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 
 #include "dp_run_output.h"
@@ -19,7 +21,7 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: dp-run -n N [--nnodes M --node-rank K] [--master-addr A] [--master-port P] [--store-port S]\n"
-    "              [--grace-ms G] prog [args...]\n"
+    "              [--grace-ms G] [--trace-dir D] prog [args...]\n"
     "       dp-run --diagnose DIR   (the ranks' flight recorder dumps, written to DP_TRACE_DIR)\n";
 
 [[noreturn]] void usage(const char* message) {
@@ -103,6 +105,8 @@ Options parse_args(int argc, char** argv) {
       o.master_port = parse_int(value("--master-port"), "--master-port", 1, 65535);
     else if (a == "--store-port")
       o.store_port = parse_int(value("--store-port"), "--store-port", 1, 65535);
+    else if (a == "--trace-dir")
+      o.trace_dir = value("--trace-dir");
     else if (a == "--grace-ms")
       o.grace_ms = parse_int(value("--grace-ms"), "--grace-ms", 0, 3600000);
     else if (a == "--") {
@@ -114,6 +118,12 @@ Options parse_args(int argc, char** argv) {
       break;
   }
   if (o.nproc < 0) usage("-n is required");
+  if (!o.trace_dir.empty()) {
+    if (::mkdir(o.trace_dir.c_str(), 0755) != 0 && errno != EEXIST) {
+      usage(("--trace-dir: cannot make " + o.trace_dir + ": " + std::strerror(errno)).c_str());
+    }
+    setenv("DP_TRACE_DIR", o.trace_dir.c_str(), 1);
+  }
   if (i >= argc) usage("no program given");
   o.program = argv + i;
   return o;

@@ -2,7 +2,9 @@
 // leaves the others' dumps (on their timeout, or on SIGUSR1) from which
 // dp-run --diagnose names it; and the diagnosis of dumps written by hand.
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <spawn.h>
 #include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -10,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <thread>
 
@@ -90,6 +93,27 @@ TEST(FlightRecorder, RanksThatTimeOutDumpAndTheDiagnosisNamesTheStoppedRank) {
   remove_dir(dir);
 }
 
+// The dumps of every rank, asked for until the diagnosis of `dir` names
+// rank 1 behind (the others may not have started their call at the first
+// request) or `deadline` passes; `ask` sends the request.
+Diagnosis dump_until_rank_one_is_behind(const std::string& dir, std::chrono::steady_clock::time_point deadline,
+                                        const std::function<void()>& ask) {
+  Diagnosis d;
+  while (std::chrono::steady_clock::now() < deadline) {
+    for (const char* file : {"/rank0.json", "/rank1.json", "/rank2.json"}) ::unlink((dir + file).c_str());
+    ask();
+    for (int i = 0; i < 500 && !(exists(dir + "/rank0.json") && exists(dir + "/rank1.json") &&
+                                 exists(dir + "/rank2.json"));
+         ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    d = diagnose(dir);
+    if (d.output.find("behind: rank 1: ranks 0, 2 reached") != std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  return d;
+}
+
 TEST(FlightRecorder, SigusrOneDumpsEveryRankAndTheDiagnosisNamesTheRankThatHasNotCalled) {
   const std::string dir = temp_dir();
   ASSERT_FALSE(dir.empty());
@@ -110,19 +134,9 @@ TEST(FlightRecorder, SigusrOneDumpsEveryRankAndTheDiagnosisNamesTheRankThatHasNo
           out[1].find("pausing") == std::string::npos || out[2].find("entering call 5") == std::string::npos) {
         return false;
       }
-      // The others may not have started their call yet: dump until they have.
-      for (const char* file : {"/rank0.json", "/rank1.json", "/rank2.json"}) ::unlink((dir + file).c_str());
-      for (pid_t pid : pids) ::kill(pid, SIGUSR1);
-      for (int i = 0; i < 500 && !(exists(dir + "/rank0.json") && exists(dir + "/rank1.json") &&
-                                   exists(dir + "/rank2.json"));
-           ++i) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-      d = diagnose(dir);
-      if (d.output.find("behind: rank 1: ranks 0, 2 reached") == std::string::npos) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(200));
-        return false;
-      }
+      d = dump_until_rank_one_is_behind(dir, deadline, [&] {
+        for (pid_t pid : pids) ::kill(pid, SIGUSR1);
+      });
     }
     for (pid_t pid : pids) ::kill(pid, SIGKILL);
     return true;
@@ -135,6 +149,39 @@ TEST(FlightRecorder, SigusrOneDumpsEveryRankAndTheDiagnosisNamesTheRankThatHasNo
   EXPECT_NE(d.output.find("behind: rank 1: ranks 0, 2 reached"), std::string::npos) << d.output;
   EXPECT_NE(d.output.find("rank 1 is at"), std::string::npos) << d.output;
   EXPECT_NE(d.output.find("dumped on SIGUSR1"), std::string::npos) << d.output;
+  remove_dir(dir);
+}
+
+TEST(FlightRecorder, DpRunWithATraceDirPassesSigusrOneToItsRanksAndTheJobGoesOn) {
+  const std::string dir = temp_dir();
+  ASSERT_FALSE(dir.empty());
+  const std::string traces = dir + "/traces", out = dir + "/dp-run.txt";
+  std::vector<std::string> words = {DP_RUN,         "--trace-dir", traces,  "-n", "3", "env", "DP_SHM=0",
+                                    DP_TRACE_WORKER, "pause",       "12",    "1",  "5"};
+  std::vector<char*> argv;
+  for (auto& w : words) argv.push_back(w.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  pid_t pid = -1;
+  ASSERT_EQ(posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ), 0);
+  posix_spawn_file_actions_destroy(&actions);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(150);
+  auto output = [&] { return dptest::read_file(out); };
+  while (std::chrono::steady_clock::now() < deadline &&
+         !(output().find("rank 1 pausing") != std::string::npos && count(output(), "entering call 5") == 2)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  const Diagnosis d = dump_until_rank_one_is_behind(traces, deadline, [&] { ::kill(pid, SIGUSR1); });
+  int status = 0;
+  EXPECT_EQ(::waitpid(pid, &status, WNOHANG), 0) << "SIGUSR1 ended dp-run:\n" << output();
+  ::kill(pid, SIGTERM);
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM) << output();
+  EXPECT_NE(d.output.find("3 dump(s)"), std::string::npos) << d.output << output();
+  EXPECT_NE(d.output.find("behind: rank 1: ranks 0, 2 reached"), std::string::npos) << d.output << output();
   remove_dir(dir);
 }
 
