@@ -28,7 +28,13 @@
  * ranks, at least 2, on each are hierarchical: shared memory inside each
  * host and Gloo across, "shm+gloo"; uneven hosts use Gloo and rank 0 says
  * why on stderr. DP_BACKEND_GLOO and DP_BACKEND_SHM ignore it), DP_HOST_ID
- * (the host a rank counts as on, instead of the boot id and host name).
+ * (the host a rank counts as on, instead of the boot id and host name),
+ * DP_TRACE_BUFFER (the flight recorder: how many of its last calls each
+ * group keeps, with their sizes, state and times; default 2000, 0: none)
+ * and DP_TRACE_DIR (where each rank writes them, rank<RANK>.json, when one
+ * of its groups times out, a peer fails or the group is aborted, and on
+ * SIGUSR1 if the host left that signal's action at its default; `dp-run
+ * --diagnose DIR` names the rank behind and the first call that differs).
  * The job token guards the rendezvous (the store) only: the collectives'
  * own traffic, Gloo's and NCCL's connections, is not authenticated, so run
  * jobs on networks only they and trusted hosts can reach.
