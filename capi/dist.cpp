@@ -388,6 +388,13 @@ int32_t dp_process_group_num_hosts(const dp_process_group* pg) {
   DP_API_END_VALUE(-1)
 }
 
+dp_status dp_process_group_abort(dp_process_group* pg) {
+  DP_API_BEGIN
+  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
+  group.abort_calls(str_cat("aborted by dp_process_group_abort on rank ", group.rank()));
+  DP_API_END
+}
+
 void dp_process_group_destroy(dp_process_group* pg) {
   if (pg == nullptr || pg->tag != kGroupTag || !pg->origin.is_current() || !capi::destroy_allowed(pg, __func__)) {
     return;

@@ -175,6 +175,11 @@ class ProcessGroup {
   int localRank() const { return dp_process_group_local_rank(handle()); }
   int localSize() const { return dp_process_group_local_size(handle()); }
   int numHosts() const { return dp_process_group_num_hosts(handle()); }
+  // From any thread, also while another thread's call runs: every later
+  // call fails ("aborted"), and the peers' next calls fail rather than wait
+  // for their timeout; a running call fails at once on shared memory and
+  // NCCL, at its deadline on Gloo (dp_dist.h). close() is still needed.
+  void abort() { check(dp_process_group_abort(handle())); }
   // Collective over this group (MPI_Comm_split): the ranks passing the same
   // color >= 0 form a new group ranked by (key, rank here); a negative color
   // joins none (null). The new group has this one's timeout and device.

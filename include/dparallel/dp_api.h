@@ -35,7 +35,7 @@ extern "C" {
 #endif
 
 /* abi_minor of the table this header describes. */
-#define DP_API_MINOR 9
+#define DP_API_MINOR 10
 
 /* Every slot of the table, in table order: X(return type, name, (parameters))
  * for the entry point dp_<name>. The struct below and the library's table are
@@ -230,7 +230,9 @@ extern "C" {
   X(dp_status, tensor_from_dlpack_versioned, (dp_tensor **out, struct DLManagedTensorVersioned *managed))              \
   X(dp_status, fsdp_full_state_dict, (dp_module *module, dp_process_group *pg, int32_t root, dp_module **out))          \
   X(dp_status, fsdp_create_on_mesh,                                                                                    \
-    (dp_fsdp **out, dp_module *module, const dp_device_mesh *mesh, const dp_fsdp_options *opts))
+    (dp_fsdp **out, dp_module *module, const dp_device_mesh *mesh, const dp_fsdp_options *opts))                       \
+  /* ---- abi_minor 10: elastic and fault tolerant (dp_dist.h) ---- */                                                 \
+  X(dp_status, process_group_abort, (dp_process_group *pg))
 /* clang-format on */
 
 /* A type, a name and a parameter list cannot be parenthesised. */

@@ -320,6 +320,23 @@ DP_API int32_t dp_process_group_local_rank(const dp_process_group *pg);
 DP_API int32_t dp_process_group_local_size(const dp_process_group *pg);
 DP_API int32_t dp_process_group_num_hosts(const dp_process_group *pg);
 
+/* Aborts the group, from any thread, also while another thread's call on
+ * it runs. Every later call fails at once with DP_ESTATE saying the group
+ * was aborted, and the peers' current or next collective with it fails
+ * instead of waiting for its timeout (Gloo closes its connections, shared
+ * memory flags the group, the hierarchical backend does both, NCCL aborts
+ * its communicators). A call running on this rank fails the same way at
+ * once on shared memory and NCCL, but on Gloo and MPI only at its deadline:
+ * neither library's waits can be interrupted (Gloo's running call may also
+ * fail sooner, when a peer's failure reaches it). A call may have
+ * completed just before the abort; on shared memory a peer's call that the
+ * interrupted call had already joined may complete too, and the peer's
+ * next one fails. The group stays unusable and is still destroyed with
+ * dp_process_group_destroy (not concurrently with this call). With
+ * DP_TRACE_DIR set the rank writes its flight recorder (above). DP_EINVAL
+ * for an invalid pg. */
+DP_API dp_status dp_process_group_abort(dp_process_group *pg);
+
 /* ---- device meshes (PyTorch's init_device_mesh) ---- */
 /* The ranks of a group laid out as an n-dimensional array, with one group
  * per dimension: the ranks that differ only in their coordinate along it,

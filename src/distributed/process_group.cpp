@@ -181,6 +181,11 @@ void ProcessGroup::drain() {
   if (worker_.joinable()) worker_.join();
 }
 
+void ProcessGroup::abort_calls(const std::string& why) noexcept {
+  aborted_.store(true, std::memory_order_release);
+  abort(why);
+}
+
 void ProcessGroup::abort(const std::string& why) noexcept {
   mark_broken(why);
   backend_->abort(why);
@@ -358,6 +363,12 @@ ProcessGroup::Outcome ProcessGroup::execute(CallKind kind, const Task& task) {
     }
     return {StatusCode::kOk, ""};
   } catch (const Error& e) {
+    if (aborted_.load(std::memory_order_acquire)) {
+      // What the backend saw of the abort (a closed connection, a peer that
+      // gave up) is its consequence, not the cause.
+      return {StatusCode::kState, str_cat(name, " on rank ", rank(), ": the process group was aborted (",
+                                          broken_reason(), "): ", e.what())};
+    }
     if (e.code() == StatusCode::kTimeout || e.code() == StatusCode::kRemote || e.code() == StatusCode::kInternal) {
       std::lock_guard<std::mutex> lock(mutex_);
       if (broken_.empty()) broken_ = e.what();

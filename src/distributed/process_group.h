@@ -160,6 +160,11 @@ class ProcessGroup final : private CallSite {
   // over this one calls it when another of its parts failed). Only between
   // collectives: not while one runs on this group.
   void abort(const std::string& why) noexcept;
+  // The host's abort (dp_process_group_abort): as abort, from any thread,
+  // also while a collective runs. Every later call fails with kState naming
+  // `why`, and so does the running one once the backend's abort reaches it
+  // (at once on shared memory and NCCL; Gloo's waits end at their deadline).
+  void abort_calls(const std::string& why) noexcept;
 
   // While `gate` lives, calls from threads other than its own are refused
   // (kState, nothing sent) whenever it says so.
@@ -220,6 +225,7 @@ class ProcessGroup final : private CallSite {
   bool busy_ = false;
   bool stopping_ = false;
   std::string broken_;  // the failure that broke the group
+  std::atomic<bool> aborted_{false};  // by abort_calls: failures are reported as the abort
   std::thread worker_;
   uint64_t seq_ = 0;  // the last collective's number; only the running collective touches it
   ProcessOrigin origin_;

@@ -185,6 +185,48 @@ TEST(FlightRecorder, DpRunWithATraceDirPassesSigusrOneToItsRanksAndTheJobGoesOn)
   remove_dir(dir);
 }
 
+// dp_process_group_abort on rank 0 (running: from another thread while its
+// all_reduce waits; between: between calls), on Gloo ("0") or shared
+// memory ("": one host, DP_SHM unset).
+void expect_abort_fails_this_rank_and_the_peer(const char* when, const char* shm) {
+  const std::string dir = temp_dir();
+  ASSERT_FALSE(dir.empty());
+  dptest::RankJob job;
+  job.name = std::string("abort ") + when + ", DP_SHM=" + shm;
+  job.dir = dir;
+  job.world = 2;
+  job.argv = {DP_TRACE_WORKER, "abort", when};
+  job.limit = std::chrono::seconds(250);
+  job.env = [&](int) {
+    std::vector<std::string> env{"DP_TEST_DIR=" + dir, "DP_TRACE_DIR=" + dir};
+    if (*shm != '\0') env.push_back(std::string("DP_SHM=") + shm);
+    return env;
+  };
+  const std::vector<dptest::RankExit> exits = dptest::run_rank_processes(job);
+  ASSERT_EQ(exits.size(), 2u);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(exits[r].exit_code, 0) << exits[r].output;
+    EXPECT_NE(exits[r].output.find("rank " + std::to_string(r) + ": abort passed"), std::string::npos)
+        << exits[r].output;
+  }
+  // The aborting rank wrote its flight recorder, saying why.
+  EXPECT_NE(dptest::read_file(dir + "/rank0.json").find("abort: aborted by dp_process_group_abort on rank 0"),
+            std::string::npos);
+  remove_dir(dir);
+}
+
+TEST(ProcessGroupAbort, FromAnotherThreadFailsTheSharedMemoryCallInFlightTheNextOneAndThePeersNext) {
+  expect_abort_fails_this_rank_and_the_peer("running", "");
+}
+
+TEST(ProcessGroupAbort, BetweenCallsFailsTheNextGlooCallAndThePeersAtOnce) {
+  expect_abort_fails_this_rank_and_the_peer("between", "0");
+}
+
+TEST(ProcessGroupAbort, BetweenCallsFailsTheNextSharedMemoryCallAndThePeersAtOnce) {
+  expect_abort_fails_this_rank_and_the_peer("between", "");
+}
+
 // A dump as a rank writes it: `calls` are (seq, call, dtype, numel, state).
 void write_dump(const std::string& path, int rank, const std::string& calls) {
   std::ofstream(path) << R"({"format": "dparallel-trace-1", "rank": )" << rank

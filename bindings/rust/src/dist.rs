@@ -263,6 +263,15 @@ impl ProcessGroup {
         unsafe { (self.lib.api().process_group_num_hosts)(self.raw) }
     }
 
+    /// Aborts the group, from any thread, also while another thread's call
+    /// on it runs: every later call fails (DP_ESTATE, "aborted"), and the
+    /// peers' next calls fail rather than wait for their timeout; a running
+    /// call fails at once on shared memory and NCCL, at its deadline on Gloo
+    /// (dp_dist.h).
+    pub fn abort(&self) -> Result<()> {
+        self.lib.check(unsafe { (self.lib.api().process_group_abort)(self.raw) })
+    }
+
     /// dp_process_group_split, collective over this group (MPI_Comm_split):
     /// the ranks passing the same `color` >= 0 form a new group ranked by
     /// (`key`, rank here); a negative color joins none (`None`). The new

@@ -95,6 +95,10 @@ class NcclBackend : public Backend {
 
   const char* name() const override { return "nccl"; }
 
+  // As the watch does at a deadline: a call waiting on the communicators
+  // fails, and so does every later one.
+  void abort(const std::string& /*why*/) noexcept override { abort_comm(); }
+
   BackendCapabilities capabilities() const override {
     BackendCapabilities caps;
     caps.transfer_stream = true;
