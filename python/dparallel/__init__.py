@@ -1,0 +1,80 @@
+"""dparallel from Python: process groups over the library's C ABI (ctypes),
+and in dparallel.torch the DDP reducer driven by PyTorch's autograd."""
+import ctypes
+
+from ._lib import DpError, call, dp_device, dp_process_group_options, lib, library_path
+
+__all__ = ["DpError", "ProcessGroup", "library_path", "version"]
+
+_BACKENDS = {"auto": 0, "gloo": 1, "nccl": 2, "shm": 3}
+_DEVICE_TYPES = {"cpu": 1, "cuda": 2}
+
+
+def version():
+    """The loaded library's version, "major.minor.patch"."""
+    n = lib.dp_version_number()
+    return f"{n // 10000}.{n // 100 % 100}.{n % 100}"
+
+
+def _device(text):
+    kind, _, index = str(text).partition(":")
+    if kind not in _DEVICE_TYPES:
+        raise ValueError(f"device: {text!r} is neither cpu nor cuda")
+    return dp_device(_DEVICE_TYPES[kind], int(index) if index else 0)
+
+
+class ProcessGroup:
+    """A dparallel process group. Rank and world size default to the
+    launcher's (dp-run, torchrun, mpirun, srun), the store's address to
+    DP_STORE_ADDR/DP_STORE_PORT, else MASTER_ADDR/MASTER_PORT.
+    backend: "auto", "gloo", "shm" or "nccl"; device: "cpu" or "cuda:N"."""
+
+    def __init__(self, backend="auto", rank=None, world_size=None, timeout_ms=300000, device="cpu"):
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend: {backend!r} is not one of {sorted(_BACKENDS)}")
+        opts = dp_process_group_options()
+        call("dp_process_group_options_init", ctypes.byref(opts), ctypes.sizeof(opts))
+        opts.backend = _BACKENDS[backend]
+        opts.rank = -1 if rank is None else int(rank)
+        opts.world_size = -1 if world_size is None else int(world_size)
+        opts.timeout_ms = int(timeout_ms)
+        opts.device = _device(device)
+        self.device = str(device)
+        handle = ctypes.c_void_p()
+        call("dp_process_group_create", ctypes.byref(handle), ctypes.byref(opts))
+        self._handle = handle
+
+    @property
+    def handle(self):
+        if not self._handle:
+            raise DpError("ProcessGroup", -8, "the group was destroyed")
+        return self._handle
+
+    def rank(self):
+        return lib.dp_process_group_rank(self.handle)
+
+    def size(self):
+        return lib.dp_process_group_size(self.handle)
+
+    def backend(self):
+        """What runs: "gloo", "shm", "nccl" or "shm+gloo"."""
+        return lib.dp_process_group_backend(self.handle).decode()
+
+    def barrier(self):
+        call("dp_pg_barrier", self.handle)
+
+    def destroy(self):
+        """Leaves the group (after its queued collectives); idempotent."""
+        if self._handle:
+            lib.dp_process_group_destroy(self._handle)
+            self._handle = ctypes.c_void_p()
+
+    def __del__(self):
+        if getattr(self, "_handle", None):
+            self.destroy()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.destroy()
