@@ -58,6 +58,17 @@ class dp_ddp_options(ctypes.Structure):
     ]
 
 
+class dp_fsdp_options(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("reshard_after_forward", ctypes.c_int),
+        ("param_dtype", ctypes.c_int32),
+        ("reduce_dtype", ctypes.c_int32),
+        ("init_sync", ctypes.c_int),
+        ("full_params_as_views", ctypes.c_int),
+    ]
+
+
 _P = ctypes.c_void_p
 _PP = ctypes.POINTER(ctypes.c_void_p)
 _S = ctypes.c_int32
@@ -104,6 +115,29 @@ _SIGNATURES = {
     "dp_ddp_join": (_S, [ctypes.POINTER(ctypes.c_void_p), _SZ]),
     "dp_ddp_num_buckets": (_SZ, [_P]),
     "dp_ddp_destroy": (None, [_P]),
+    "dp_tensor_to_dlpack": (_S, [_P, _PP]),
+    "dp_module_get_parameter": (_S, [_P, _STR, _PP]),
+    "dp_module_num_buffers": (_SZ, [_P]),
+    "dp_module_parameter_at": (_S, [_P, _SZ, ctypes.POINTER(_STR), _PP]),
+    "dp_module_buffer_at": (_S, [_P, _SZ, ctypes.POINTER(_STR), _PP]),
+    "dp_fsdp_options_init": (_S, [ctypes.POINTER(dp_fsdp_options), _SZ]),
+    "dp_fsdp_create": (_S, [_PP, _P, _P, ctypes.POINTER(dp_fsdp_options)]),
+    "dp_fsdp_unshard": (_S, [_P, ctypes.c_int]),
+    "dp_fsdp_wait_unshard": (_S, [_P]),
+    "dp_fsdp_reshard": (_S, [_P]),
+    "dp_fsdp_post_backward": (_S, [_P]),
+    "dp_fsdp_mark_grad_ready": (_S, [_P, _STR]),
+    "dp_fsdp_finish_backward": (_S, [_P]),
+    "dp_fsdp_num_parameters": (_SZ, [_P]),
+    "dp_fsdp_parameter_name": (_S, [_P, _SZ, ctypes.POINTER(_STR)]),
+    "dp_fsdp_shard": (_S, [_P, _SZ, _PP]),
+    "dp_fsdp_shard_grad": (_S, [_P, _SZ, _PP]),
+    "dp_fsdp_destroy": (None, [_P]),
+    "dp_fsdp_save_full_state_dict": (_S, [_P, _P, _STR]),
+    "dp_fsdp_load_full_state_dict": (_S, [_P, _STR, ctypes.c_int]),
+    "dp_fsdp_full_state_dict": (_S, [_P, _P, ctypes.c_int32, _PP]),
+    "dp_fsdp_save_sharded_state_dict": (_S, [_P, _P, _STR]),
+    "dp_fsdp_load_sharded_state_dict": (_S, [_P, _STR]),
 }
 
 

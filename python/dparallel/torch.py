@@ -7,43 +7,15 @@ import ctypes
 import torch
 
 from . import ProcessGroup
-from ._lib import DpError, call, dp_ddp_options, dp_device, lib
+from ._fsdp import FSDPModule, fully_shard, full_state_dict, load_full_state_dict, load_sharded_state_dict
+from ._fsdp import save_full_state_dict, save_sharded_state_dict
+from ._lib import DpError, call, dp_ddp_options, lib
+from ._tensors import blob as _blob
 
-__all__ = ["replicate", "ReplicateModule", "join"]
-
-_DTYPES = {
-    torch.float32: 0,
-    torch.float64: 1,
-    torch.float16: 2,
-    torch.bfloat16: 3,
-    torch.int8: 4,
-    torch.uint8: 5,
-    torch.int32: 6,
-    torch.int64: 7,
-    torch.bool: 8,
-}
-
-
-def _dp_device(t):
-    if t.device.type == "cpu":
-        return dp_device(1, 0)
-    if t.device.type == "cuda":
-        return dp_device(2, t.device.index or 0)
-    raise ValueError(f"a tensor on {t.device}: dparallel takes cpu and cuda tensors")
-
-
-def _blob(t, what):
-    """A dp_tensor over `t`'s memory (the caller keeps `t` alive)."""
-    if t.dtype not in _DTYPES:
-        raise ValueError(f"{what}: dtype {t.dtype} has no dparallel dtype")
-    if not t.is_contiguous():
-        raise ValueError(f"{what}: dparallel needs contiguous tensors")
-    shape = (ctypes.c_int64 * max(t.dim(), 1))(*t.shape)
-    handle = ctypes.c_void_p()
-    call("dp_tensor_from_blob", ctypes.byref(handle), ctypes.c_void_p(t.data_ptr() or None), _DTYPES[t.dtype],
-         t.dim(), shape, _dp_device(t), None, None)
-    return handle
-
+__all__ = [
+    "replicate", "ReplicateModule", "join", "fully_shard", "FSDPModule", "full_state_dict", "save_full_state_dict",
+    "load_full_state_dict", "save_sharded_state_dict", "load_sharded_state_dict"
+]
 
 class _Mirror:
     """A dp_module whose parameters and buffers are the torch module's memory,

@@ -20,14 +20,15 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch():
+def launch_ranks(script, what):
+    """Starts the ranks of `script` (with --rank) and waits for them."""
     ports = [free_port() for _ in range(3)]
     procs = []
     for rank in range(WORLD):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(ports[0]), DP_STORE_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo",
                    DP_TEST_PORTS=f"{ports[1]},{ports[2]}", OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, __file__, "--rank"], env=env))
+        procs.append(subprocess.Popen([sys.executable, script, "--rank"], env=env))
     # Bounded well inside ctest's timeout; a hung rank fails the test.
     rcs = []
     for p in procs:
@@ -41,7 +42,7 @@ def launch():
     if any(rcs):
         print(f"FAIL: ranks exited with {rcs}", file=sys.stderr)
         return 1
-    print("replicate parity: every scenario equals torch's DDP bit for bit")
+    print(f"{what}: every rank passed")
     return 0
 
 
@@ -157,4 +158,4 @@ def rank_main():
 
 
 if __name__ == "__main__":
-    sys.exit(rank_main() if "--rank" in sys.argv else launch())
+    sys.exit(rank_main() if "--rank" in sys.argv else launch_ranks(__file__, "replicate parity"))
