@@ -1,5 +1,6 @@
 """dparallel from Python: process groups over the library's C ABI (ctypes),
 and in dparallel.torch the DDP reducer driven by PyTorch's autograd."""
+import atexit
 import ctypes
 
 from ._lib import DpError, call, dp_device, dp_process_group_options, lib, library_path
@@ -14,6 +15,10 @@ def version():
     """The loaded library's version, "major.minor.patch"."""
     n = lib.dp_version_number()
     return f"{n // 10000}.{n // 100 % 100}.{n % 100}"
+
+
+# The library's own idle threads end before the interpreter's teardown.
+atexit.register(lambda: lib.dp_shutdown())
 
 
 def _device(text):
@@ -70,8 +75,10 @@ class ProcessGroup:
             self._handle = ctypes.c_void_p()
 
     def __del__(self):
-        if getattr(self, "_handle", None):
+        try:
             self.destroy()
+        except Exception:  # noqa: BLE001 - at interpreter exit the module may be gone
+            pass
 
     def __enter__(self):
         return self

@@ -3,9 +3,7 @@ forward and backward, prefetch, reshard, a mark per gradient) around
 dparallel's sharding. The optimizer steps the shards, which are torch
 parameters over the library's memory; the full parameters are torch
 tensors whose storage exists only while unsharded."""
-import contextlib
 import ctypes
-import weakref
 
 import torch
 from torch.autograd import Variable
@@ -14,14 +12,7 @@ from . import ProcessGroup
 from ._lib import DpError, call, dp_fsdp_options, lib
 from ._tensors import DTYPES, blob, owned_view
 
-# Copies into a full parameter autograd saved must not bump its version.
-_preserve_version = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
-
 _DP_ESTATE = -8
-
-
-def _no_version_bump(t):
-    return _preserve_version(t) if _preserve_version is not None else contextlib.nullcontext()
 
 
 class _Backward:
@@ -152,8 +143,9 @@ class _FSDPState:
                 storage = p.full.untyped_storage()
                 if storage.size() == 0:
                     storage.resize_(p.full.numel() * p.full.element_size())
-                with _no_version_bump(p.full):
-                    p.full.copy_(src)
+                # Through .data: autograd saved this parameter in the forward,
+                # and a write it tracked would fail the backward's version check.
+                p.full.data.copy_(src)
         self.full_ready = True
 
     def _free_full(self):

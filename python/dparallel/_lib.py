@@ -80,6 +80,7 @@ _SIGNATURES = {
     "dp_status_string": (_STR, [_S]),
     "dp_last_error": (_STR, []),
     "dp_version_number": (ctypes.c_uint32, []),
+    "dp_shutdown": (_S, []),
     "dp_device_count": (_S, [ctypes.c_int32, ctypes.POINTER(ctypes.c_int32)]),
     "dp_tensor_from_blob": (
         _S,
