@@ -5,7 +5,7 @@ import ctypes
 
 from ._lib import DpError, call, dp_device, dp_process_group_options, lib, library_path
 
-__all__ = ["DpError", "ProcessGroup", "library_path", "version"]
+__all__ = ["DpError", "ProcessGroup", "default_group", "library_path", "version"]
 
 _BACKENDS = {"auto": 0, "gloo": 1, "nccl": 2, "shm": 3}
 _DEVICE_TYPES = {"cpu": 1, "cuda": 2}
@@ -85,3 +85,17 @@ class ProcessGroup:
 
     def __exit__(self, *exc):
         self.destroy()
+
+
+_default_groups = {}
+
+
+def default_group(device="cpu"):
+    """The group from the launcher's environment for `device`, made on first
+    use and shared: every wrapper given no group uses it (one store, one
+    rendezvous per process)."""
+    group = _default_groups.get(str(device))
+    if group is None or not group._handle:
+        group = ProcessGroup(device=device)
+        _default_groups[str(device)] = group
+    return group

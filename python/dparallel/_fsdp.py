@@ -8,7 +8,7 @@ import ctypes
 import torch
 from torch.autograd import Variable
 
-from . import ProcessGroup
+from . import ProcessGroup, default_group
 from ._lib import DpError, call, dp_fsdp_options, lib
 from ._tensors import DTYPES, blob, owned_view
 
@@ -187,14 +187,15 @@ class _FSDPState:
     def _post_forward(self, module, args, output):
         self._register(False)
         is_root = _iteration.root is self
-        if self.reshard_after_forward and not is_root:
+        tensors = [t for t in _flatten(output) if torch.is_tensor(t) and t.requires_grad]
+        # With no backward to follow (no_grad, inference) the root reshards too.
+        if (self.reshard_after_forward and not is_root) or not tensors:
             call("dp_fsdp_reshard", self.fsdp)
             self._free_full()
         if is_root:
             # The next forward of this root starts the next iteration.
             _iteration.root = None
             _iteration.last_root = self
-        tensors = [t for t in _flatten(output) if torch.is_tensor(t) and t.requires_grad]
         root_state = self if is_root else None
         for t in tensors:
             t.register_hook(self._pre_backward_hook(root_state))
@@ -316,8 +317,8 @@ class FSDPModule:
 def fully_shard(module, group=None, *, mesh=None, reshard_after_forward=True, mp_policy=None):
     """FSDP2's fully_shard over dparallel: shards `module`'s parameters (those
     no fully_shard descendant holds; shard the children first) across
-    `group` (a dparallel ProcessGroup; None: one from the launcher's
-    environment). The module's parameters become the shards (build the
+    `group` (a dparallel ProcessGroup; None: dparallel.default_group() on
+    the module's device). The module's parameters become the shards (build the
     optimizer after this); forward and backward unshard as FSDP2 does.
     mp_policy: torch's MixedPrecisionPolicy or any object with param_dtype,
     reduce_dtype and cast_forward_inputs. `mesh` is FSDP2's name for
@@ -333,7 +334,7 @@ def fully_shard(module, group=None, *, mesh=None, reshard_after_forward=True, mp
     if group is None:
         first = next(module.parameters(), None)
         device = "cpu" if first is None or first.device.type == "cpu" else f"cuda:{first.device.index or 0}"
-        group = ProcessGroup(device=device)
+        group = default_group(device)
     elif not isinstance(group, ProcessGroup):
         raise TypeError(f"group: a dparallel.ProcessGroup is needed, not {type(group).__name__}")
     param_dtype = getattr(mp_policy, "param_dtype", None)

@@ -6,7 +6,7 @@ import ctypes
 
 import torch
 
-from . import ProcessGroup
+from . import ProcessGroup, default_group
 from ._fsdp import FSDPModule, fully_shard, full_state_dict, load_full_state_dict, load_sharded_state_dict
 from ._fsdp import save_full_state_dict, save_sharded_state_dict
 from ._lib import DpError, call, dp_ddp_options, lib
@@ -162,7 +162,8 @@ class _ReplicateState:
                         # As torch's DDP: a parameter no rank used keeps no gradient.
                         p.grad = None
                         self.grads[i] = None
-                        self.zeros_only[i] = False
+                    # Else it holds the other ranks' average from now on.
+                    self.zeros_only[i] = False
 
     def set_sync(self, sync):
         self._check_alive()
@@ -216,8 +217,8 @@ class ReplicateModule:
 def replicate(module, group=None, *, bucket_cap_mb=25.0, broadcast_buffers=True, find_unused_parameters=False,
               gradient_as_bucket_view=False):
     """Data-parallel training of `module` over `group` (a dparallel
-    ProcessGroup; None: one from the launcher's environment on the module's
-    device). Every rank calls it with equal arguments; parameters and buffers
+    ProcessGroup; None: dparallel.default_group() on the module's device).
+    Every rank calls it with equal arguments; parameters and buffers
     start as rank 0's. Returns `module`, changed in place: after each
     backward its gradients hold the average over the ranks. Each backward
     must follow a forward of `module` itself (the forward pre-hook hands
@@ -229,7 +230,7 @@ def replicate(module, group=None, *, bucket_cap_mb=25.0, broadcast_buffers=True,
     if group is None:
         first = next(module.parameters(), None)
         device = "cpu" if first is None or first.device.type == "cpu" else f"cuda:{first.device.index or 0}"
-        group = ProcessGroup(device=device)
+        group = default_group(device)
     elif not isinstance(group, ProcessGroup):
         raise TypeError(f"group: a dparallel.ProcessGroup is needed, not {type(group).__name__}")
     state = _ReplicateState(module, group, bucket_cap_mb, broadcast_buffers, find_unused_parameters,
