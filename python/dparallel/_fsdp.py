@@ -93,6 +93,7 @@ class _FSDPState:
         self.marked = 0
         self.needs_grad = sum(1 for p in self.params if p.full.requires_grad)
         self.pre_backward_done = False
+        self.sync = True  # set_requires_gradient_sync
         self.order = None  # the root's: states in the order their forwards ran
         self.hooks = [module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
                       module.register_forward_hook(self._post_forward)]
@@ -264,8 +265,11 @@ class _FSDPState:
             call("dp_fsdp_finish_backward", self.fsdp)
         self._free_full()
         for p in self.params:
-            p.full.grad = None
-            p.grad_ref = None
+            if self.sync:
+                p.full.grad = None
+                p.grad_ref = None
+            # Else the library keeps the full gradient (this memory) and the
+            # next backwards add to it, until a synced one reduces the sum.
             if p.shard.requires_grad:
                 p.shard.grad = p.shard_grad
 
@@ -312,6 +316,17 @@ class FSDPModule:
     def reshard(self):
         call("dp_fsdp_reshard", self._dp_fsdp.fsdp)
         self._dp_fsdp._free_full()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync, *, recurse=True):
+        """False: backwards only accumulate the full gradients (no
+        collective); the next synced backward reduces their sum."""
+        mods = self.modules() if recurse else [self]
+        for m in mods:
+            state = m.__dict__.get("_dp_fsdp")
+            if state is not None:
+                state._check_alive()
+                call("dp_fsdp_set_requires_gradient_sync", state.fsdp, int(bool(requires_gradient_sync)))
+                state.sync = bool(requires_gradient_sync)
 
 
 def fully_shard(module, group=None, *, mesh=None, reshard_after_forward=True, mp_policy=None):

@@ -129,6 +129,7 @@ _SIGNATURES = {
     "dp_fsdp_post_backward": (_S, [_P]),
     "dp_fsdp_mark_grad_ready": (_S, [_P, _STR]),
     "dp_fsdp_finish_backward": (_S, [_P]),
+    "dp_fsdp_set_requires_gradient_sync": (_S, [_P, ctypes.c_int]),
     "dp_fsdp_num_parameters": (_SZ, [_P]),
     "dp_fsdp_parameter_name": (_S, [_P, _SZ, ctypes.POINTER(_STR)]),
     "dp_fsdp_shard": (_S, [_P, _SZ, _PP]),

@@ -2,7 +2,8 @@
 processes shard the same model (each Linear, then the root) over gloo; with
 dparallel's gloo and shm groups the unsharded parameters after several
 optimizer steps must equal FSDP2's bit for bit, with and without
-reshard_after_forward and with bfloat16 compute (MixedPrecisionPolicy).
+reshard_after_forward, with bfloat16 compute (MixedPrecisionPolicy) and
+with gradient accumulation (set_requires_gradient_sync).
 Then full and sharded state dicts saved by one model load into another.
 Run without arguments: starts its two ranks and waits for them."""
 import os
@@ -60,10 +61,16 @@ def rank_main():
         g = torch.Generator().manual_seed(7 + rank)
         return [(torch.randn(6, 8, generator=g), torch.randn(6, 5, generator=g)) for _ in range(STEPS)]
 
-    def train(model):
+    def train(model, accumulate=False):
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         for x, y in batches():
             opt.zero_grad()
+            if accumulate:
+                # Gradient accumulation: a first micro-batch without sync.
+                model.set_requires_gradient_sync(False)
+                nn.functional.mse_loss(model(x[:3]).float(), y[:3]).backward()
+                model.set_requires_gradient_sync(True)
+                x, y = x[3:], y[3:]
             nn.functional.mse_loss(model(x).float(), y).backward()
             opt.step()
 
@@ -75,14 +82,14 @@ def rank_main():
 
     failures = []
     configs = [("zero3", {"reshard_after_forward": True}), ("zero2", {"reshard_after_forward": False}),
-               ("bf16", {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)})]
+               ("bf16", {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}), ("accumulate", {})]
     for label, kw in configs:
         ref_model = shard(make(), torch_fully_shard, mesh, **kw)
-        train(ref_model)
+        train(ref_model, accumulate=label == "accumulate")
         ref = torch_full(ref_model)
         for backend, group in groups.items():
             model = shard(make(), dpt.fully_shard, group, **kw)
-            train(model)
+            train(model, accumulate=label == "accumulate")
             got = dpt.full_state_dict(model)
             if sorted(got) != sorted(ref):
                 failures.append(f"{label}/{backend}: keys {sorted(got)} are not FSDP2's {sorted(ref)}")
