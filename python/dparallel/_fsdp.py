@@ -8,7 +8,7 @@ import ctypes
 import torch
 from torch.autograd import Variable
 
-from . import ProcessGroup, default_group
+from . import DeviceMesh, ProcessGroup, default_group
 from ._lib import DpError, call, dp_fsdp_options, lib
 from ._tensors import DTYPES, blob, owned_view
 
@@ -83,7 +83,14 @@ class _FSDPState:
             opts.reshard_after_forward = int(self.reshard_after_forward)
             opts.param_dtype = -1 if param_dtype is None else DTYPES[param_dtype]
             opts.reduce_dtype = -1 if reduce_dtype is None else DTYPES[reduce_dtype]
-            call("dp_fsdp_create", ctypes.byref(self.fsdp), self.module_handle, group.handle, ctypes.byref(opts))
+            if isinstance(group, DeviceMesh):
+                call("dp_fsdp_create_on_mesh", ctypes.byref(self.fsdp), self.module_handle, group.handle,
+                     ctypes.byref(opts))
+                # State dicts gather over the shard group: the last dimension's.
+                self.mesh = group
+                self.group = group.group(group.dim_names[-1])
+            else:
+                call("dp_fsdp_create", ctypes.byref(self.fsdp), self.module_handle, group.handle, ctypes.byref(opts))
             self.params = self._take_parameters(module)
         except BaseException:
             self._release()
@@ -332,8 +339,8 @@ class FSDPModule:
 def fully_shard(module, group=None, *, mesh=None, reshard_after_forward=True, mp_policy=None):
     """FSDP2's fully_shard over dparallel: shards `module`'s parameters (those
     no fully_shard descendant holds; shard the children first) across
-    `group` (a dparallel ProcessGroup; None: dparallel.default_group() on
-    the module's device). The module's parameters become the shards (build the
+    `group` (a dparallel ProcessGroup; a DeviceMesh: 2-D is HSDP; None:
+    dparallel.default_group() on the module's device). The module's parameters become the shards (build the
     optimizer after this); forward and backward unshard as FSDP2 does.
     mp_policy: torch's MixedPrecisionPolicy or any object with param_dtype,
     reduce_dtype and cast_forward_inputs. `mesh` is FSDP2's name for
@@ -350,8 +357,8 @@ def fully_shard(module, group=None, *, mesh=None, reshard_after_forward=True, mp
         first = next(module.parameters(), None)
         device = "cpu" if first is None or first.device.type == "cpu" else f"cuda:{first.device.index or 0}"
         group = default_group(device)
-    elif not isinstance(group, ProcessGroup):
-        raise TypeError(f"group: a dparallel.ProcessGroup is needed, not {type(group).__name__}")
+    elif not isinstance(group, (ProcessGroup, DeviceMesh)):
+        raise TypeError(f"group: a dparallel.ProcessGroup or DeviceMesh is needed, not {type(group).__name__}")
     param_dtype = getattr(mp_policy, "param_dtype", None)
     reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
     for what, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):

@@ -2,8 +2,9 @@
 processes shard the same model (each Linear, then the root) over gloo; with
 dparallel's gloo and shm groups the unsharded parameters after several
 optimizer steps must equal FSDP2's bit for bit, with and without
-reshard_after_forward, with bfloat16 compute (MixedPrecisionPolicy) and
-with gradient accumulation (set_requires_gradient_sync).
+reshard_after_forward, with bfloat16 compute (MixedPrecisionPolicy), with
+gradient accumulation (set_requires_gradient_sync), and as HSDP on a 2-D
+mesh (1 replica x 2 shards) against FSDP2 on torch's.
 Then full and sharded state dicts saved by one model load into another.
 Run without arguments: starts its two ranks and waits for them."""
 import os
@@ -83,11 +84,19 @@ def rank_main():
     failures = []
     configs = [("zero3", {"reshard_after_forward": True}), ("zero2", {"reshard_after_forward": False}),
                ("bf16", {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}), ("accumulate", {})]
+    # HSDP on a 2-D mesh of 1 replica x 2 shards, as torch's 2-D mesh.
+    hsdp_mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    dp_meshes = {b: dparallel.DeviceMesh(g, (1, world), ("replicate", "shard")) for b, g in groups.items()}
+    if dp_meshes["shm"].shape != (1, world) or dp_meshes["shm"].dim_names != ("replicate", "shard"):
+        failures.append(f"mesh: shape {dp_meshes['shm'].shape}, names {dp_meshes['shm'].dim_names}")
+    configs.append(("hsdp", {}))
     for label, kw in configs:
-        ref_model = shard(make(), torch_fully_shard, mesh, **kw)
+        ref_model = shard(make(), torch_fully_shard, hsdp_mesh if label == "hsdp" else mesh, **kw)
         train(ref_model, accumulate=label == "accumulate")
         ref = torch_full(ref_model)
         for backend, group in groups.items():
+            if label == "hsdp":
+                group = dp_meshes[backend]
             model = shard(make(), dpt.fully_shard, group, **kw)
             train(model, accumulate=label == "accumulate")
             got = dpt.full_state_dict(model)
