@@ -4,7 +4,7 @@
 # packages here: when /usr/local/cuda has them, the build uses them.
 set -eu
 
-packages="build-essential cmake pkg-config ccache python3 \
+packages="build-essential cmake pkg-config ccache python3 python3-venv python3-pip \
   googletest libgtest-dev libgmock-dev libbenchmark-dev \
   libdlpack-dev libgloo-dev nlohmann-json3-dev libopenblas-dev \
   clang libclang-rt-14-dev clang-format-14 clang-tidy-14 abigail-tools git iproute2 \

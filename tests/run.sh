@@ -24,6 +24,22 @@ esac
 
 "$root/cmake/install-deps.sh"
 
+# PyTorch 2 from PyPI in a venv for the Python package's tests (label
+# "python"; the normal build's DP_TORCH_PYTHON points here). Without it they
+# are skipped, each saying why. PyPI's Linux wheel brings its CUDA libraries
+# (GBs), and without them it does not import even on a CPU-only machine (so
+# --no-deps does not help); DP_TORCH_PIP replaces pip's arguments, e.g.
+# "--index-url https://download.pytorch.org/whl/cpu torch numpy".
+torch_venv="$root/build/torch2"
+if [ "$mode" != sanitize ] && ! "$torch_venv/bin/python" -c 'import torch' >/dev/null 2>&1; then
+  echo "== PyTorch 2 for the Python tests ($torch_venv, from PyPI)"
+  # shellcheck disable=SC2086
+  if ! { python3 -m venv "$torch_venv" &&
+    "$torch_venv/bin/pip" install -q --disable-pip-version-check ${DP_TORCH_PIP:-torch numpy}; }; then
+    echo "warning: no PyTorch venv at $torch_venv: the python tests will be skipped" >&2
+  fi
+fi
+
 build_suite() {  # name, extra cmake arguments...
   name=$1
   shift
