@@ -313,6 +313,12 @@ void Reducer::reduce_zeros(size_t index) {
 }
 
 void Reducer::reduce_flat(size_t index, const Tensor& flat) {
+  if (hold_results_ && options_.hook == HookKind::kAllReduce) {
+    // A joined rank's stand-in makes the same call (reduce_zeros).
+    group_->all_reduce(flat, ReduceOp::kSum, false);
+    buckets_[index].divide_by = divisor();
+    return;
+  }
   if (options_.hook != HookKind::kCustom) return reduce_with_builtin_hook(options_.hook, *group_, flat, divisor());
   lane::RunningHookScope running(lane::RunningHook{this, index, "comm hook"});
   options_.custom_hook(index, flat);
