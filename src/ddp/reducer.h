@@ -141,6 +141,7 @@ class Reducer : public lane::LaneOwner, public std::enable_shared_from_this<Redu
     std::vector<Event> events;     // the host's streams at the marks: wait, then copy in
     std::vector<size_t> deferred;  // parameters whose copy waits for `events`
     bool copied_back = false;      // its gradients already hold the result
+    int64_t divide_by = 1;         // hold_results_: what the copy back divides the held sum by
     // This rank's own values, kept from just before the reduction, so that
     // a failed finish_backward can leave every gradient local.
     Tensor local;
@@ -292,10 +293,20 @@ class Reducer : public lane::LaneOwner, public std::enable_shared_from_this<Redu
   std::shared_ptr<Module> module_;
   std::shared_ptr<dist::ProcessGroup> group_;
   ReducerOptions options_;
-  // The default hook on cpu gradients without views or the used map: each
-  // bucket is one coalesced all_reduce straight over the module's gradients,
-  // with no bucket memory and no copies in or out.
+  // The default hook on cpu gradients without views or the used map, on a
+  // group with shared regions: each bucket is one coalesced all_reduce
+  // straight over the module's gradients, with no bucket memory and no
+  // copies in or out. Elsewhere a coalesced all_reduce would flatten into
+  // scratch and back, and the in-place result would need a save.
   bool in_place_ = false;
+  // Copies into cpu buckets without views, the used map or
+  // on_bucket_reduced, on a group without shared regions (Gloo, the
+  // hierarchical group): every bucket's result stays in the bucket until
+  // finish_backward, once every job succeeded, so the gradients keep this
+  // rank's own values until nothing can fail the iteration and no bucket
+  // needs a save. Per step: one copy in, the reduction, one copy back. The
+  // default hook's division is made by the copy back (one pass, not two).
+  bool hold_results_ = false;
   // On a shared-memory group with a built-in hook (no custom hook or used
   // map): every bucket is reduced in the last bucket's job, once every rank
   // has marked everything, so no refusal can follow a reduction and no

@@ -62,10 +62,13 @@ Reducer::Reducer(std::shared_ptr<Module> module, std::shared_ptr<dist::ProcessGr
                                                  : lane::split_lines(format_plan(plan_params(), given_plan_));
       on_lane(CallItem::kCreate, [&] { lane::check_agreement(*group_, description); });
     }
-    in_place_ = group_->device().type == DeviceType::kCpu && options_.hook == HookKind::kAllReduce &&
-                !options_.gradient_as_bucket_view && !options_.find_unused_parameters;
-    defer_ = group_->device().type == DeviceType::kCpu && group_->capabilities().transfers_on_host_cores &&
-             options_.hook != HookKind::kCustom && !options_.find_unused_parameters;
+    const bool cpu = group_->device().type == DeviceType::kCpu;
+    in_place_ = cpu && options_.hook == HookKind::kAllReduce && !options_.gradient_as_bucket_view &&
+                !options_.find_unused_parameters && group_->capabilities().shared_regions;
+    defer_ = cpu && group_->capabilities().transfers_on_host_cores && options_.hook != HookKind::kCustom &&
+             !options_.find_unused_parameters;
+    hold_results_ = cpu && !in_place_ && !defer_ && !options_.gradient_as_bucket_view &&
+                    !options_.find_unused_parameters && options_.on_bucket_reduced == nullptr;
     if (!given_plan_.empty()) {
       build_buckets(given_plan_, region_storage_);
       rebuilt_ = true;  // a given plan is final

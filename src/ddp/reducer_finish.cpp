@@ -6,9 +6,11 @@
 #include <map>
 
 #include "core/error.h"
+#include "core/thread_pool.h"
 #include "ddp/reducer.h"
 #include "ddp/reducer_internal.h"
 #include "distributed/background_calls.h"
+#include "distributed/reduce_ops.h"
 
 namespace dparallel::ddp {
 
@@ -17,6 +19,22 @@ using detail::fail_finishing;
 using detail::kStaticDeparture;
 using detail::ms_between;
 using dist::CallItem;
+
+namespace {
+
+// dst = src / divisor on the host, in ranges across the compute pool as a
+// copy would be.
+void divide_into(const Tensor& dst, const Tensor& src, int64_t divisor) {
+  constexpr size_t kGrain = 64 << 10;  // elements
+  const size_t size = dst.element_size();
+  auto* out = static_cast<char*>(dst.data());
+  const auto* in = static_cast<const char*>(src.data());
+  parallel_range(static_cast<size_t>(dst.numel()), kGrain, [&](size_t begin, size_t end) {
+    dist::divide_into(dst.dtype(), out + begin * size, in + begin * size, end - begin, divisor);
+  });
+}
+
+}  // namespace
 
 void Reducer::wait_all_done(std::unique_lock<std::mutex>& lock) {
   // Each collective ends by the group's timeout; the margin covers the
@@ -336,7 +354,11 @@ void Reducer::copy_results_back_locked(const std::map<size_t, Tensor>& saved_vie
       if (it != saved_views.end()) copy_tensor(slot_of(i), it->second);
       continue;
     }
-    if (!buckets_[params_[i].bucket].copied_back && needs_copy(i)) {
+    const Bucket& bucket = buckets_[params_[i].bucket];
+    if (bucket.copied_back || !needs_copy(i)) continue;
+    if (hold_results_ && bucket.divide_by != 1) {
+      divide_into(params_[i].parameter->grad(), slot_of(i), bucket.divide_by);
+    } else {
       copy_tensor(params_[i].parameter->grad(), slot_of(i));
     }
   }

@@ -81,7 +81,7 @@ void Reducer::run_bucket(size_t index) {
   }
   if (needs_save(index)) save_local(index);
   reduce_bucket(index);
-  if (final_now) copy_back(index);
+  if (final_now && !hold_results_) copy_back(index);
 }
 
 void Reducer::copy_back(size_t index) {
@@ -106,6 +106,7 @@ bool Reducer::needs_save(size_t index) const {
   // it at the verdict, before any data changed. Only the host's callback
   // could still fail the iteration.
   const bool last = index + 1 == buckets_.size();
+  if (hold_results_) return false;  // the gradients are untouched until finish_backward
   return !(in_place_ && last && rebuilt_ && options_.on_bucket_reduced == nullptr);
 }
 
@@ -312,6 +313,12 @@ void Reducer::reduce_zeros(size_t index) {
 }
 
 void Reducer::reduce_flat(size_t index, const Tensor& flat) {
+  if (hold_results_ && options_.hook == HookKind::kAllReduce) {
+    // A joined rank's stand-in makes the same call (reduce_zeros).
+    group_->all_reduce(flat, ReduceOp::kSum, false);
+    buckets_[index].divide_by = divisor();
+    return;
+  }
   if (options_.hook != HookKind::kCustom) return reduce_with_builtin_hook(options_.hook, *group_, flat, divisor());
   lane::RunningHookScope running(lane::RunningHook{this, index, "comm hook"});
   options_.custom_hook(index, flat);

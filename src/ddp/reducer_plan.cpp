@@ -63,8 +63,9 @@ void Reducer::build_buckets(const std::vector<std::vector<size_t>>& plan, const 
     } else if (!in_place_) {
       bucket.flat = Tensor::zeros(bucket.dtype, {numel}, group_->device());
     }
-    // Deferred reductions save only in the first iteration (save_local).
-    if (!defer_) bucket.local = Tensor::empty(bucket.dtype, {numel}, group_->device());
+    // Deferred reductions save only in the first iteration (save_local);
+    // held results never.
+    if (!defer_ && !hold_results_) bucket.local = Tensor::empty(bucket.dtype, {numel}, group_->device());
   }
   // Offsets are assigned only once every allocation succeeded.
   for (size_t b = 0; b < plan.size(); ++b) {

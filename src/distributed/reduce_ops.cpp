@@ -99,18 +99,19 @@ ReduceFn for_dtype(DType dtype) {
 bool power_of_two(int64_t v) { return v > 0 && (v & (v - 1)) == 0; }
 
 template <typename T>
-void divide_native(void* data, size_t n, int64_t divisor) {
-  T* p = static_cast<T*>(data);
+void divide_native(void* out, const void* data, size_t n, int64_t divisor) {
+  T* o = static_cast<T*>(out);
+  const T* p = static_cast<const T*>(data);
   if constexpr (std::is_floating_point_v<T>) {
     // Multiplying by the reciprocal of a power of two is exact, the same
     // bits as the division, and several times faster.
     if (power_of_two(divisor)) {
       const T inverse = T(1) / static_cast<T>(divisor);
-      for (size_t i = 0; i < n; ++i) p[i] *= inverse;
+      for (size_t i = 0; i < n; ++i) o[i] = p[i] * inverse;
       return;
     }
   }
-  for (size_t i = 0; i < n; ++i) p[i] = static_cast<T>(p[i] / static_cast<T>(divisor));
+  for (size_t i = 0; i < n; ++i) o[i] = static_cast<T>(p[i] / static_cast<T>(divisor));
 }
 
 template <typename T>
@@ -122,9 +123,10 @@ void halved_sum(void* out, const void* a, const void* b, size_t n) {
 }
 
 template <float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>
-void divide_half(void* data, size_t n, int64_t divisor) {
-  uint16_t* p = static_cast<uint16_t*>(data);
-  for (size_t i = 0; i < n; ++i) p[i] = FromFloat(ToFloat(p[i]) / static_cast<float>(divisor));
+void divide_half(void* out, const void* data, size_t n, int64_t divisor) {
+  uint16_t* o = static_cast<uint16_t*>(out);
+  const uint16_t* p = static_cast<const uint16_t*>(data);
+  for (size_t i = 0; i < n; ++i) o[i] = FromFloat(ToFloat(p[i]) / static_cast<float>(divisor));
 }
 
 }  // namespace
@@ -155,24 +157,26 @@ ReduceFn average_of_two_function(DType dtype) {
   }
 }
 
-void divide_in_place(DType dtype, void* data, size_t n, int64_t divisor) {
+void divide_in_place(DType dtype, void* data, size_t n, int64_t divisor) { divide_into(dtype, data, data, n, divisor); }
+
+void divide_into(DType dtype, void* out, const void* data, size_t n, int64_t divisor) {
   switch (dtype) {
     case DType::kFloat32:
-      return divide_native<float>(data, n, divisor);
+      return divide_native<float>(out, data, n, divisor);
     case DType::kFloat64:
-      return divide_native<double>(data, n, divisor);
+      return divide_native<double>(out, data, n, divisor);
     case DType::kFloat16:
-      return divide_half<half_to_float, float_to_half>(data, n, divisor);
+      return divide_half<half_to_float, float_to_half>(out, data, n, divisor);
     case DType::kBFloat16:
-      return divide_half<bfloat16_to_float, float_to_bfloat16>(data, n, divisor);
+      return divide_half<bfloat16_to_float, float_to_bfloat16>(out, data, n, divisor);
     case DType::kInt8:
-      return divide_native<int8_t>(data, n, divisor);
+      return divide_native<int8_t>(out, data, n, divisor);
     case DType::kUInt8:
-      return divide_native<uint8_t>(data, n, divisor);
+      return divide_native<uint8_t>(out, data, n, divisor);
     case DType::kInt32:
-      return divide_native<int32_t>(data, n, divisor);
+      return divide_native<int32_t>(out, data, n, divisor);
     case DType::kInt64:
-      return divide_native<int64_t>(data, n, divisor);
+      return divide_native<int64_t>(out, data, n, divisor);
     case DType::kBool:
       break;
   }

@@ -21,5 +21,7 @@ ReduceFn reduce_function(DType dtype, ReduceOp op);
 ReduceFn average_of_two_function(DType dtype);
 // data[i] /= divisor (integers truncate toward zero).
 void divide_in_place(DType dtype, void* data, size_t n, int64_t divisor);
+// out[i] = data[i] / divisor: divide_in_place's bits, written elsewhere in the same pass.
+void divide_into(DType dtype, void* out, const void* data, size_t n, int64_t divisor);
 
 }  // namespace dparallel::dist

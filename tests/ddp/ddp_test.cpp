@@ -113,6 +113,25 @@ TEST(Ddp, ExportsOfBucketViewGradientsInPrivateBucketsOnGlooKeepTheirOwnValuesAc
   for (size_t r = 0; r < 2; ++r) expect_mentions(run, r, {"backend gloo"});
 }
 
+TEST(Ddp, SyncedStepOnGlooReducesEachBucketWhereItLiesWithoutAScratchOfItsSize) {
+  Ranks run = passing("step_scratch", 2, {"DP_SHM=0"});
+  for (size_t r = 0; r < 2; ++r) expect_mentions(run, r, {"backend gloo"});
+}
+
+// On Gloo the buckets' results reach the gradients only in finish_backward:
+// a bucket reduced before the refusal is never copied back, not restored.
+TEST(Ddp, UnmarkedParameterOnGlooLeavesEveryGradientLocalThoughNoBucketIsSaved) {
+  Ranks run = passing("unused_error_buckets", 2, {"DP_SHM=0"});
+  expect_mentions(run, 1, {"status -8", "fc2.bias"});
+  expect_mentions(run, 0, {"status -1", "rank 1"});
+}
+
+TEST(Ddp, UnmarkedParameterOnGlooAfterTheRebuildLeavesEveryGradientLocalThenTheNextIterationWorks) {
+  Ranks run = passing("unused_error_buckets_rebuilt", 2, {"DP_SHM=0"});
+  expect_mentions(run, 1, {"status -8", "fc2.bias"});
+  expect_mentions(run, 0, {"status -1", "rank 1"});
+}
+
 TEST(Ddp, NoSyncAccumulatesLocallyThenTheSyncedStepAveragesTheSums) {
   Ranks run = passing("no_sync");
   for (size_t r = 0; r < 2; ++r) expect_mentions(run, r, {"no_sync double mark: status -8"});

@@ -895,6 +895,80 @@ static uint64_t allocated_bytes(void) {
   return stats.allocated_bytes;
 }
 
+/* Four float32 parameters of 1 MiB each, two to a bucket, three synced
+ * steps averaged. The third step, after the rebuild, allocates no memory of
+ * a bucket's size: where a coalesced all_reduce would flatten the bucket's
+ * gradients into scratch (Gloo), each bucket is reduced where it lies. */
+static void step_scratch(dp_process_group *pg) {
+  enum { kNumel = 1 << 18 };
+  static const char *const names[4] = {"w0", "w1", "w2", "w3"};
+  const dp_device cpu = {DP_DEVICE_CPU, 0};
+  dp_ddp_options o = DP_DDP_OPTIONS_INIT;
+  dp_module *m = NULL;
+  dp_ddp *ddp = NULL;
+  dp_memory_stats stats;
+  uint64_t before = 0;
+  int p, e, r, step;
+  printf("rank %d: backend %s\n", g_rank, dp_process_group_backend(pg));
+  CHECK_OK(dp_module_create(&m));
+  if (m == NULL) exit(3);
+  for (p = 0; p < 4; ++p) {
+    dp_tensor *t = new_tensor(1, kNumel, 0);
+    CHECK_OK(dp_module_register_parameter(m, names[p], t, 1));
+    dp_tensor_destroy(t);
+  }
+  o.first_bucket_cap_mb = o.bucket_cap_mb = CAP_MB(2 * kNumel * sizeof(float));
+  CHECK_OK(dp_ddp_create(&ddp, m, pg, &o));
+  if (ddp == NULL) exit(1);
+  EXPECT_PLAN("at create", ddp, "{3,2},{1,0}");
+  for (step = 0; step < 3; ++step) {
+    if (step == 2) {
+      CHECK_OK(dp_device_reset_peak_memory(cpu));
+      before = allocated_bytes();
+    }
+    CHECK_OK(dp_module_zero_grad(m));
+    for (p = 3; p >= 0; --p) {
+      dp_tensor *g = NULL;
+      float *d;
+      CHECK_OK(dp_module_grad(m, names[p], &g));
+      if (g == NULL) exit(3);
+      d = (float *)dp_tensor_data(g);
+      for (e = 0; e < kNumel; ++e) d[e] = (float)((g_rank + 1) * (p + 1) + step) + 0.25f * (float)(e % 8);
+      dp_tensor_destroy(g);
+      CHECK_OK(dp_ddp_mark_grad_ready(ddp, names[p]));
+    }
+    CHECK_OK(dp_ddp_finish_backward(ddp));
+    for (p = 0; p < 4; ++p) {
+      dp_tensor *g = NULL;
+      const float *d;
+      CHECK_OK(dp_module_grad(m, names[p], &g));
+      if (g == NULL) exit(3);
+      d = (const float *)dp_tensor_data(g);
+      for (e = 0; e < kNumel; ++e) {
+        float want = 0;
+        for (r = 0; r < g_world; ++r) want += (float)((r + 1) * (p + 1) + step) + 0.25f * (float)(e % 8);
+        want /= (float)g_world;
+        if (!close_to(d[e], want, GRAD_RTOL, GRAD_ATOL)) {
+          fprintf(stderr, "rank %d: step %d: gradient of %s[%d] is %.9g, want the average %.9g\n", g_rank, step,
+                  names[p], e, (double)d[e], (double)want);
+          ++g_failures;
+          break;
+        }
+      }
+      dp_tensor_destroy(g);
+    }
+  }
+  memset(&stats, 0, sizeof(stats));
+  stats.struct_size = sizeof(stats);
+  CHECK_OK(dp_device_memory_stats(cpu, &stats));
+  CHECK(stats.peak_allocated_bytes - before < kNumel * sizeof(float) / 2,
+        "a synced step allocated up to %llu bytes beyond the %llu in use before it (a bucket holds %llu)",
+        (unsigned long long)(stats.peak_allocated_bytes - before), (unsigned long long)before,
+        (unsigned long long)(2 * kNumel * sizeof(float)));
+  dp_ddp_destroy(ddp);
+  dp_module_destroy(m);
+}
+
 /* With gradient_as_bucket_view the first finish rebuilds the plan as in
  * run_rebuild, moving every gradient. Rank 0 holds across it, for each
  * gradient, a DLPack export, a tensor made from a second export and its
@@ -1647,6 +1721,7 @@ static const Scenario kScenarios[] = {
     {"rebuild", rebuild, 60000},
     {"rebuild_view", rebuild_view, 60000},
     {"rebuild_exports", rebuild_exports, 60000},
+    {"step_scratch", step_scratch, 60000},
     {"rebuild_exports_static", rebuild_exports_static, 60000},
     {"rebuild_exports_join", rebuild_exports_join, 60000},
     {"no_sync", no_sync, 60000},

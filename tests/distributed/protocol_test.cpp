@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <vector>
 
+#include "core/error.h"
 #include "core/half.h"
 #include "distributed/reduce_ops.h"
 #include "distributed/store/greeting.h"
@@ -119,6 +121,29 @@ TEST(Reductions, HalfPrecisionRoundsOnceAndBoolIsLogical) {
   divide_in_place(DType::kInt32, avg, 2, 2);
   EXPECT_EQ(avg[0], 3);
   EXPECT_EQ(avg[1], -3);
+}
+
+TEST(Reductions, DivideIntoWritesTheBitsOfDivideInPlaceAndLeavesItsSourceAlone) {
+  for (int64_t divisor : {2, 3, 4, 7}) {
+    std::vector<float> source(1000), in_place(1000), into(1000, -1.0f);
+    for (size_t i = 0; i < source.size(); ++i) source[i] = 0.1f * static_cast<float>(i) - 33.3f;
+    in_place = source;
+    const std::vector<float> kept = source;
+    divide_in_place(DType::kFloat32, in_place.data(), in_place.size(), divisor);
+    divide_into(DType::kFloat32, into.data(), source.data(), source.size(), divisor);
+    EXPECT_EQ(std::memcmp(into.data(), in_place.data(), into.size() * sizeof(float)), 0) << "divisor " << divisor;
+    EXPECT_EQ(source, kept);
+    EXPECT_EQ(into[10], source[10] / static_cast<float>(divisor));
+  }
+  uint16_t half[2] = {float_to_half(3.0f), float_to_half(-1.0f)}, halved[2];
+  divide_into(DType::kFloat16, halved, half, 2, 2);
+  EXPECT_EQ(half_to_float(halved[0]), 1.5f);
+  EXPECT_EQ(half_to_float(halved[1]), -0.5f);
+  int64_t whole[2] = {7, -7}, third[2];
+  divide_into(DType::kInt64, third, whole, 2, 3);
+  EXPECT_EQ(third[0], 2);
+  EXPECT_EQ(third[1], -2);
+  EXPECT_THROW(divide_into(DType::kBool, halved, half, 1, 2), Error);
 }
 
 std::string hex(const void* data, size_t size) {

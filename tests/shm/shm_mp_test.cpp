@@ -220,6 +220,16 @@ TEST(Hierarchical, FloatSumsAddEachHostInRankOrderThenTheHosts) {
   expect_all_passed(run_ranks(on_two_hosts("rank_order_sums", "shm+gloo 2", 2)));
 }
 
+// A small all_reduce crosses hosts inside the header exchange; a call that
+// differs still fails every rank before any rank's tensor changes.
+TEST(Hierarchical, SmallAllReducesThatDifferOnOneRankFailEveryRankAndChangeNoTensor) {
+  expect_all_passed(run_ranks(on_two_hosts("small_mismatch", "shm+gloo", 2)));
+}
+
+TEST(Hierarchical, SmallAllReducesThatDifferOnOneRankFailEveryRankAndChangeNoTensorWithThreeRanksPerHost) {
+  expect_all_passed(run_ranks(on_two_hosts("small_mismatch", "shm+gloo", 3)));
+}
+
 TEST(Shm, RanksThatShareAHostIdUseSharedMemory) {
   Ranks run{"backend", "shm"};
   run.world = 2;

@@ -6,6 +6,9 @@
 //   shm_worker rank_order_sums BACKEND [HOSTS]
 //                             float sums that round are the rank-order sum bit
 //                             for bit, every time; the group must report BACKEND
+//   shm_worker small_mismatch BACKEND
+//                             small all_reduces that differ on the last rank
+//                             fail every rank and change no tensor
 //   shm_worker loop           all-reduces until killed (prints "looping" first)
 //   shm_worker past_file_limit BACKEND
 //                             the group reports BACKEND and all-reduces right; a
@@ -50,9 +53,8 @@ void expect_values(const dp_tensor* t, int d, size_t n, const char* what, int32_
 // sequential sum x0 + x1 + ... bit for bit, every time. With HOSTS, the ranks
 // run on that many (pretend) hosts, consecutive ranks on each, and the sums
 // add each host's in rank order, then the hosts' in host order.
-void run_rank_order_sums(dp_process_group* pg, int hosts) {
+void expect_rank_order_sums(dp_process_group* pg, int hosts, size_t m) {
   const int rank = dp_process_group_rank(pg), world = dp_process_group_size(pg);
-  const size_t m = 700001;
   auto noise = [](int r, size_t i) {
     uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull ^ static_cast<uint64_t>(r + 1) * 0xBF58476D1CE4E5B9ull;
     x ^= x >> 29;
@@ -76,11 +78,17 @@ void run_rank_order_sums(dp_process_group* pg, int hosts) {
     auto* p = static_cast<float*>(dp_tensor_data(t));
     for (size_t i = 0; i < m; ++i) p[i] = noise(rank, i);
     CHECK_OK(dp_pg_all_reduce(pg, t, DP_SUM));
-    CHECK(std::memcmp(p, want.data(), m * sizeof(float)) == 0, "float sums differ from the rank-order sum");
+    CHECK(std::memcmp(p, want.data(), m * sizeof(float)) == 0, "float sums of %zu differ from the rank-order sum", m);
     if (repeat == 0) std::memcpy(first.data(), p, m * sizeof(float));
-    CHECK(std::memcmp(p, first.data(), m * sizeof(float)) == 0, "float sums differ between runs");
+    CHECK(std::memcmp(p, first.data(), m * sizeof(float)) == 0, "float sums of %zu differ between runs", m);
     dp_tensor_destroy(t);
   }
+}
+
+void run_rank_order_sums(dp_process_group* pg, int hosts) {
+  // Large, and small enough to cross hosts inside the header exchange
+  // (evenly split among a host's ranks or not).
+  for (size_t m : {size_t{700001}, size_t{700}, size_t{5}}) expect_rank_order_sums(pg, hosts, m);
 }
 
 void expect_group_works(dp_process_group* pg, size_t n) {
@@ -89,6 +97,40 @@ void expect_group_works(dp_process_group* pg, size_t n) {
   CHECK_OK(dp_pg_all_reduce(pg, t, DP_SUM));
   expect_values(t, 0, n, "all_reduce", DP_SUM, [&](size_t i) { return expected(DP_FLOAT32, DP_SUM, world, i); });
   dp_tensor_destroy(t);
+}
+
+// Small all_reduces that the last rank makes with another size, dtype or
+// op: every rank fails naming the difference and keeps its tensor as it
+// was, and the group goes on. Across hosts, the hosts whose ranks agree
+// reduce-scatter before the verdict, into the header block only.
+void run_small_mismatch(dp_process_group* pg, const char* backend) {
+  const int rank = dp_process_group_rank(pg), world = dp_process_group_size(pg);
+  const bool last = rank == world - 1;
+  CHECK(std::strcmp(dp_process_group_backend(pg), backend) == 0, "backend %s, want %s", dp_process_group_backend(pg),
+        backend);
+  struct Case {
+    const char* what;
+    size_t n;
+    int32_t dtype;
+    int32_t op;
+  };
+  const Case cases[] = {{"size", last ? size_t{702} : size_t{700}, DP_FLOAT32, DP_SUM},
+                        {"dtype", 700, last ? DP_INT32 : DP_FLOAT32, DP_SUM},
+                        {"op", 700, DP_FLOAT32, last ? DP_MAX : DP_SUM},
+                        {"odd size", last ? size_t{6} : size_t{5}, DP_FLOAT32, DP_AVG}};
+  for (const Case& c : cases) {
+    dp_tensor* t = host_values(c.dtype, c.n, rank, 0);
+    const size_t bytes = dp_tensor_nbytes(t);
+    std::vector<uint8_t> before(static_cast<const uint8_t*>(dp_tensor_data(t)),
+                                static_cast<const uint8_t*>(dp_tensor_data(t)) + bytes);
+    dp_status st = dp_pg_all_reduce(pg, t, c.op);
+    CHECK(st == DP_EINVAL && std::strstr(dp_last_error(), "differ") != nullptr,
+          "all_reduce of a different %s gave %d: %s", c.what, st, dp_last_error());
+    CHECK(std::memcmp(dp_tensor_data(t), before.data(), bytes) == 0,
+          "all_reduce of a different %s changed this rank's tensor", c.what);
+    dp_tensor_destroy(t);
+    expect_group_works(pg, 700);
+  }
 }
 
 void run_loop(dp_process_group* pg) {
@@ -216,6 +258,8 @@ int main(int argc, char** argv) {
           argv[2]);
     expect_group_works(pg, 300000);
     run_past_file_limit(pg);
+  } else if (scenario == "small_mismatch" && argc > 2) {
+    run_small_mismatch(pg, argv[2]);
   } else if (scenario == "loop") {
     run_loop(pg);
   } else {

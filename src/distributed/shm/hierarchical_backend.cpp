@@ -12,12 +12,19 @@
 // inside each host through the local group, then across hosts through the
 // cross group, and every rank checks them:
 // mismatched, refused or out-of-step calls get the same verdicts as on a
-// flat group, before any data moves. Then:
+// flat group, before any of the caller's data changes. Then:
 //   all_reduce: a reduce-scatter inside the host (each local rank gets one
 //   slice), an all-reduce of its slice with its peers on the other hosts,
 //   and an all-gather inside the host. DP_AVG sums at both levels and divides
 //   once by the world size. Every step reduces in a fixed order, so results
 //   are bitwise the same run to run (and on every rank).
+//   A small all_reduce crosses hosts once: the cross-host header exchange
+//   always carries kCrossBlockBytes per rank, and a slice that fits rides
+//   in it. The host's ranks reduce-scatter into that block before it leaves
+//   when their own headers agree (a host whose headers disagree sends none,
+//   and the verdict then fails on every rank); after the verdict each rank
+//   adds the hosts' slices in host order, as the cross group's all-reduce
+//   would.
 //   broadcast, all_gather, reduce_scatter: the world group's.
 //   barrier: the header exchange itself.
 // A step that fails (a dead or stopped peer, a timeout) aborts all three
@@ -28,6 +35,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -40,6 +48,11 @@
 namespace dparallel::dist {
 
 namespace {
+
+// What one cross-host header exchange carries per rank: the host's headers,
+// then room for a small all_reduce's slice. One round of Gloo's header
+// exchange carries this much inline, so the room costs nothing extra there.
+constexpr size_t kCrossBlockBytes = 4096;
 
 // "<local>+<cross>", as static text that lives as long as the process
 // (backend_name() hands it out as such).
@@ -81,15 +94,17 @@ class HierarchicalBackend : public Backend {
     const size_t header = sizeof(CallHeader);
     const auto per_host = static_cast<size_t>(layout.local_size);
     const auto hosts = static_cast<size_t>(layout.hosts);
+    headers_bytes_ = per_host * header;
+    block_bytes_ = std::max(kCrossBlockBytes, headers_bytes_);
     mine_ = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(header)}, device());
-    host_headers_ = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(per_host * header)}, device());
+    host_block_ = Tensor::zeros(DType::kUInt8, {static_cast<int64_t>(block_bytes_)}, device());
     for (size_t i = 0; i < per_host; ++i) {
-      host_header_views_.push_back(host_headers_.view_at(i * header, DType::kUInt8, {static_cast<int64_t>(header)}));
+      host_header_views_.push_back(host_block_.view_at(i * header, DType::kUInt8, {static_cast<int64_t>(header)}));
     }
-    gathered_headers_ = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(hosts * per_host * header)}, device());
+    gathered_blocks_ = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(hosts * block_bytes_)}, device());
     for (size_t h = 0; h < hosts; ++h) {
       gathered_host_views_.push_back(
-          gathered_headers_.view_at(h * per_host * header, DType::kUInt8, {static_cast<int64_t>(per_host * header)}));
+          gathered_blocks_.view_at(h * block_bytes_, DType::kUInt8, {static_cast<int64_t>(block_bytes_)}));
     }
     headers_.resize(static_cast<size_t>(size()));
   }
@@ -122,22 +137,44 @@ class HierarchicalBackend : public Backend {
       }
     }
     Call o = begin_call(CallKind::kAllReduce, tensor.dtype(), tensor.numel(), op, -1, &tensor);
+    const ReduceOp inner = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+    // Only scratch (never the caller's tensor) changes before the verdict.
+    std::vector<Tensor> slices;
+    auto cut_slices = [&] {
+      if (!direct) {
+        std::memcpy(base.data(), tensor.data(), n * esize);
+        std::memset(static_cast<uint8_t*>(base.data()) + n * esize, 0, (chunk * local - n) * esize);
+      }
+      for (size_t q = 0; q < local; ++q) {
+        slices.push_back(base.view_at(q * chunk * esize, tensor.dtype(), {static_cast<int64_t>(chunk)}));
+      }
+    };
+    const bool rides = n > 0 && chunk * esize <= block_bytes_ - headers_bytes_;
+    if (rides) {
+      cut_slices();
+      riding_ = Riding{&slices, inner};
+    }
+    struct ClearRiding {
+      std::optional<Riding>& riding;
+      ~ClearRiding() { riding.reset(); }
+    } clear_riding{riding_};
     exchange_headers(o);
     if (n == 0) return;
-    if (!direct) {
-      std::memcpy(base.data(), tensor.data(), n * esize);
-      std::memset(static_cast<uint8_t*>(base.data()) + n * esize, 0, (chunk * local - n) * esize);
-    }
-    std::vector<Tensor> slices;
-    for (size_t q = 0; q < local; ++q) {
-      slices.push_back(base.view_at(q * chunk * esize, tensor.dtype(), {static_cast<int64_t>(chunk)}));
-    }
+    if (!rides) cut_slices();
     const Tensor& mine = slices[static_cast<size_t>(local_rank_)];
-    const ReduceOp inner = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
-    step(o, local_name_, "reduce-scatter among this host's ranks",
-         [&] { local_->reduce_scatter(slices, mine, inner, false); });
-    step(o, cross_name_, "all-reduce with the ranks of this local index on the other hosts",
-         [&] { cross_->all_reduce(mine, inner, false); });
+    if (rides) {
+      // The verdict passed: every host reduce-scattered into its block.
+      ReduceFn fn = reduce_function(tensor.dtype(), inner);
+      auto* out = mine.data();
+      const auto* blocks = static_cast<const uint8_t*>(gathered_blocks_.data()) + headers_bytes_;
+      std::memcpy(out, blocks, chunk * esize);
+      for (size_t h = 1; h < gathered_host_views_.size(); ++h) fn(out, out, blocks + h * block_bytes_, chunk);
+    } else {
+      step(o, local_name_, "reduce-scatter among this host's ranks",
+           [&] { local_->reduce_scatter(slices, mine, inner, false); });
+      step(o, cross_name_, "all-reduce with the ranks of this local index on the other hosts",
+           [&] { cross_->all_reduce(mine, inner, false); });
+    }
     if (op == ReduceOp::kAvg) divide_in_place(tensor.dtype(), mine.data(), chunk, size());
     step(o, local_name_, "all-gather among this host's ranks", [&] { local_->all_gather(mine, slices, false); });
     if (!direct) std::memcpy(tensor.data(), base.data(), n * esize);
@@ -179,14 +216,23 @@ class HierarchicalBackend : public Backend {
     std::memcpy(mine_.data(), &o.header, sizeof(CallHeader));
     step(o, local_name_, "header exchange among this host's ranks",
          [&] { local_->all_gather(mine_, host_header_views_, false); });
+    if (riding_ && host_agrees(o.header)) {
+      const std::vector<Tensor>& slices = *riding_->slices;
+      const Tensor& first = slices.front();
+      Tensor slice = host_block_.view_at(headers_bytes_, first.dtype(), first.shape());
+      step(o, local_name_, "reduce-scatter among this host's ranks",
+           [&] { local_->reduce_scatter(slices, slice, riding_->op, false); });
+    }
     step(o, cross_name_, "header exchange with the other hosts",
-         [&] { cross_->all_gather(host_headers_, gathered_host_views_, false); });
+         [&] { cross_->all_gather(host_block_, gathered_host_views_, false); });
     std::fill(headers_.begin(), headers_.end(), CallHeader{});
-    const auto* gathered = static_cast<const uint8_t*>(gathered_headers_.data());
-    for (int64_t i = 0; i < gathered_headers_.numel() / static_cast<int64_t>(sizeof(CallHeader)); ++i) {
-      CallHeader h;
-      std::memcpy(&h, gathered + static_cast<size_t>(i) * sizeof(CallHeader), sizeof(CallHeader));
-      if (h.rank >= 0 && h.rank < size()) headers_[static_cast<size_t>(h.rank)] = h;
+    const auto* gathered = static_cast<const uint8_t*>(gathered_blocks_.data());
+    for (size_t h = 0; h < gathered_host_views_.size(); ++h) {
+      for (size_t at = 0; at < headers_bytes_; at += sizeof(CallHeader)) {
+        CallHeader header;
+        std::memcpy(&header, gathered + h * block_bytes_ + at, sizeof(CallHeader));
+        if (header.rank >= 0 && header.rank < size()) headers_[static_cast<size_t>(header.rank)] = header;
+      }
     }
   }
   CallHeader received_header(int32_t r) override { return headers_[static_cast<size_t>(r)]; }
@@ -211,6 +257,22 @@ class HierarchicalBackend : public Backend {
       abort_parts(cause);
       fail_call(o, code, cause);
     }
+  }
+
+  // Whether this host's ranks all made the call `mine` describes, as the
+  // verdict compares calls (their local group can then reduce-scatter).
+  bool host_agrees(const CallHeader& mine) const {
+    const auto* headers = static_cast<const uint8_t*>(host_block_.data());
+    for (size_t at = 0; at < headers_bytes_; at += sizeof(CallHeader)) {
+      CallHeader h;
+      std::memcpy(&h, headers + at, sizeof(CallHeader));
+      if (h.magic != kCallHeaderMagic || h.refused != 0 || mine.refused != 0 || h.kind != mine.kind ||
+          h.seq != mine.seq || h.tag != mine.tag || h.numel != mine.numel || h.dtype != mine.dtype || h.op != mine.op ||
+          h.root != mine.root) {
+        return false;
+      }
+    }
+    return true;
   }
 
   void abort_parts(const std::string& why) noexcept {
@@ -239,12 +301,21 @@ class HierarchicalBackend : public Backend {
   std::unique_ptr<ProcessGroup> local_;
   std::unique_ptr<ProcessGroup> cross_;
   std::unique_ptr<ProcessGroup> world_;
+  // A small all_reduce's slices, reduce-scattered into host_block_ by the
+  // header exchange (set for its exchange only).
+  struct Riding {
+    const std::vector<Tensor>* slices;
+    ReduceOp op;
+  };
   Tensor mine_;                              // this rank's call header
-  Tensor host_headers_;                      // this host's ranks' headers, by local index
-  std::vector<Tensor> host_header_views_;    // local rank i's in host_headers_
-  Tensor gathered_headers_;                  // every host's host_headers_, by host
-  std::vector<Tensor> gathered_host_views_;  // host h's in gathered_headers_
+  size_t headers_bytes_ = 0;                 // a host's headers
+  size_t block_bytes_ = 0;                   // what each rank sends across hosts per exchange
+  Tensor host_block_;                        // this host's headers by local index, then this rank's slice
+  std::vector<Tensor> host_header_views_;    // local rank i's header in host_block_
+  Tensor gathered_blocks_;                   // every host's block, by host
+  std::vector<Tensor> gathered_host_views_;  // host h's in gathered_blocks_
   std::vector<CallHeader> headers_;          // every rank's, by rank, after an exchange
+  std::optional<Riding> riding_;
   Tensor scratch_;
 };
 
