@@ -150,12 +150,21 @@ DP_API void dp_store_destroy(dp_store *store);
  * GLOO: Gloo for cpu, even when every rank runs on one host.
  * NCCL: NCCL for cuda.
  * SHM: shared memory for cpu; DP_EUNSUPPORTED naming the hosts when the
- *   ranks span several (every rank fails alike). */
+ *   ranks span several (every rank fails alike).
+ * MPI: the site's MPI for cpu, loaded at run time (DP_MPI_LIBRARY, else
+ *   libmpi.so.40 (Open MPI), libmpi.so.12 or libmpich.so.12 (MPICH), the
+ *   launcher's first); the ranks must be processes of one MPI job (mpirun),
+ *   else DP_EUNSUPPORTED on every rank; DP_EUNSUPPORTED too when no MPI
+ *   library loads. MPI initialised by the host is used when its thread level
+ *   is MPI_THREAD_MULTIPLE or _SERIALIZED; otherwise dparallel initialises
+ *   it and finalises it at exit or at dp_shutdown with no MPI group left. A
+ *   process that never asks for MPI never loads it. */
 typedef enum dp_backend {
   DP_BACKEND_AUTO = 0,
   DP_BACKEND_GLOO = 1,
   DP_BACKEND_NCCL = 2,
-  DP_BACKEND_SHM = 3
+  DP_BACKEND_SHM = 3,
+  DP_BACKEND_MPI = 4
 } dp_backend;
 typedef enum dp_reduce_op { DP_SUM = 0, DP_AVG = 1, DP_MIN = 2, DP_MAX = 3, DP_PROD = 4 } dp_reduce_op;
 typedef struct dp_process_group_options {
