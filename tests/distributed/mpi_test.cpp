@@ -116,6 +116,26 @@ TEST_P(MpiBackendTest, ACallOnlyOneRankMakesTimesOutNamingItWithoutAHang) {
   expect_ranks_passed(exit, "timeout", 2);
 }
 
+TEST_P(MpiBackendTest, EveryCollectiveOnThreeRanks) {
+  dptest::RankExit exit = under_mpirun("collectives", 3);
+  if (skipped(exit)) GTEST_SKIP() << exit.output;
+  expect_ranks_passed(exit, "collectives", 3);
+}
+
+// Initialised by the host: used at MPI_THREAD_MULTIPLE, refused below
+// SERIALIZED, and never finalised by dparallel.
+TEST_P(MpiBackendTest, MpiTheHostInitialisedRunsAtThreadMultipleAndStaysTheHostsToFinalise) {
+  dptest::RankExit exit = under_mpirun("host_init_multiple", 2);
+  if (skipped(exit)) GTEST_SKIP() << exit.output;
+  expect_ranks_passed(exit, "host_init_multiple", 2);
+}
+
+TEST_P(MpiBackendTest, MpiTheHostInitialisedAtThreadFunneledIsRefusedNamingTheLevel) {
+  dptest::RankExit exit = under_mpirun("host_init_funneled", 2);
+  if (skipped(exit)) GTEST_SKIP() << exit.output;
+  expect_ranks_passed(exit, "host_init_funneled", 2);
+}
+
 TEST_P(MpiBackendTest, RanksThatAreNotOneMpiJobAreRefusedOnEveryRank) {
   // Two processes started apart from mpirun: each is an MPI world of its own.
   std::string dir = scratch_dir();

@@ -8,9 +8,15 @@
 //                 the group usable
 //   timeout       rank 0 all-reduces alone: DP_ETIMEOUT naming the call, no hang
 //   not_one_job   ranks that are not one MPI job: DP_EUNSUPPORTED on every rank
+//   host_init_funneled, host_init_multiple
+//                 the host initialises MPI itself at that thread level:
+//                 FUNNELED is refused naming it, MULTIPLE runs, and MPI stays
+//                 initialised for the host to finalise
 //   no_mpi        a Gloo group all-reduces; no MPI library is mapped
 //   mpi_mapped    an MPI group all-reduces; the MPI library is mapped
 // Usage: mpi_worker <scenario> <file store path>
+#include <dlfcn.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -164,6 +170,46 @@ void scenario_timeout(dp_process_group* pg, int r, dp_store* side) {
   }
 }
 
+// The host's own MPI_Init_thread at `level` (FUNNELED 1, MULTIPLE 3) before
+// dparallel's group, and its own MPI_Finalize after.
+void scenario_host_init(int level, int r, int world, const std::string& store_path) {
+  void* mpi = ::dlopen(std::getenv("DP_MPI_LIBRARY"), RTLD_NOW | RTLD_GLOBAL);
+  if (mpi == nullptr) {
+    std::printf("skip: %s\n", ::dlerror());
+    std::exit(77);
+  }
+  auto init_thread = reinterpret_cast<int (*)(int*, char***, int, int*)>(::dlsym(mpi, "MPI_Init_thread"));
+  auto finalized = reinterpret_cast<int (*)(int*)>(::dlsym(mpi, "MPI_Finalized"));
+  auto finalize = reinterpret_cast<int (*)()>(::dlsym(mpi, "MPI_Finalize"));
+  int provided = -1;
+  CHECK(init_thread(nullptr, nullptr, level, &provided) == 0, "MPI_Init_thread failed");
+  dp_store* store = nullptr;
+  CHECK_OK(dp_store_create_file(&store, store_path.c_str(), world));
+  dp_process_group_options opts = DP_PROCESS_GROUP_OPTIONS_INIT;
+  opts.backend = DP_BACKEND_MPI;
+  opts.rank = r;
+  opts.world_size = world;
+  opts.store = store;
+  opts.timeout_ms = 60000;
+  dp_process_group* pg = nullptr;
+  dp_status status = dp_process_group_create(&pg, &opts);
+  if (provided < 2) {
+    CHECK(status == DP_EUNSUPPORTED, "thread level %d gave %d: %s", provided, status, dp_last_error());
+    CHECK(mentions(dp_last_error(), provided == 0 ? "MPI_THREAD_SINGLE" : "MPI_THREAD_FUNNELED"),
+          "the error names no thread level: %s", dp_last_error());
+  } else {
+    CHECK(status == DP_OK, "thread level %d gave %d: %s", provided, status, dp_last_error());
+    if (pg != nullptr) check_all_reduce(pg, DP_INT32, DP_SUM, 64, true, r, world);
+  }
+  dp_process_group_destroy(pg);
+  dp_store_destroy(store);
+  CHECK_OK(dp_shutdown());  // finalises only an MPI that dparallel initialised
+  int done = -1;
+  finalized(&done);
+  CHECK(done == 0, "MPI was finalised under the host that initialised it");
+  CHECK(finalize() == 0, "the host's MPI_Finalize failed");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -182,6 +228,8 @@ int main(int argc, char** argv) {
     if (pg != nullptr) check_all_reduce(pg, DP_FLOAT32, DP_SUM, 16, false, r, world);
     CHECK(!mpi_mapped(), "a Gloo group mapped an MPI library");
     dp_process_group_destroy(pg);
+  } else if (scenario == "host_init_funneled" || scenario == "host_init_multiple") {
+    scenario_host_init(scenario == "host_init_funneled" ? 1 : 3, r, world, store_path);
   } else if (scenario == "not_one_job") {
     dp_store* store = nullptr;
     CHECK_OK(dp_store_create_file(&store, store_path.c_str(), world));
