@@ -122,6 +122,13 @@ TEST_P(MpiBackendTest, EveryCollectiveOnThreeRanks) {
   expect_ranks_passed(exit, "collectives", 3);
 }
 
+// DP_CROSS_HOST=mpi: MPI as the leg across hosts of the hierarchical backend.
+TEST_P(MpiBackendTest, AutoOnTwoHostsWithCrossHostMpiIsSharedMemoryPlusMpiAndRunsEveryCollective) {
+  dptest::RankExit exit = under_mpirun("hierarchical", 4);
+  if (skipped(exit)) GTEST_SKIP() << exit.output;
+  expect_ranks_passed(exit, "hierarchical", 4);
+}
+
 // Initialised by the host: used at MPI_THREAD_MULTIPLE, refused below
 // SERIALIZED, and never finalised by dparallel.
 TEST_P(MpiBackendTest, MpiTheHostInitialisedRunsAtThreadMultipleAndStaysTheHostsToFinalise) {

@@ -12,6 +12,9 @@
 //                 the host initialises MPI itself at that thread level:
 //                 FUNNELED is refused naming it, MULTIPLE runs, and MPI stays
 //                 initialised for the host to finalise
+//   hierarchical  AUTO with DP_CROSS_HOST=mpi, the ranks on two pretend hosts
+//                 (DP_HOST_ID): shared memory inside each, MPI across; the
+//                 collectives as above
 //   no_mpi        a Gloo group all-reduces; no MPI library is mapped
 //   mpi_mapped    an MPI group all-reduces; the MPI library is mapped
 // Usage: mpi_worker <scenario> <file store path>
@@ -94,9 +97,9 @@ void check_all_reduce(dp_process_group* pg, int32_t dtype, int32_t op, size_t n,
   dp_tensor_destroy(t);
 }
 
-void scenario_collectives(dp_process_group* pg, int r, int world) {
+void scenario_collectives(dp_process_group* pg, int r, int world, const char* backend) {
   const char* name = dp_process_group_backend(pg);
-  CHECK(name != nullptr && std::strcmp(name, "mpi") == 0, "backend %s, want mpi", name);
+  CHECK(name != nullptr && std::strcmp(name, backend) == 0, "backend %s, want %s", name, backend);
   for (int32_t dtype : kDtypes) {
     for (int32_t op = DP_SUM; op <= DP_PROD; ++op) {
       if (dtype == DP_BOOL && op == DP_AVG) continue;  // no average of truth values
@@ -230,6 +233,14 @@ int main(int argc, char** argv) {
     dp_process_group_destroy(pg);
   } else if (scenario == "host_init_funneled" || scenario == "host_init_multiple") {
     scenario_host_init(scenario == "host_init_funneled" ? 1 : 3, r, world, store_path);
+  } else if (scenario == "hierarchical") {
+    ::setenv("DP_HOST_ID", r < world / 2 ? "first" : "second", 1);
+    ::setenv("DP_CROSS_HOST", "mpi", 1);
+    ::unsetenv("DP_SHM");
+    dp_process_group* pg = make_group(DP_BACKEND_AUTO, r, world, store_path, 120000);
+    CHECK(pg != nullptr, "no group");
+    if (pg != nullptr) scenario_collectives(pg, r, world, "shm+mpi");
+    dp_process_group_destroy(pg);
   } else if (scenario == "not_one_job") {
     dp_store* store = nullptr;
     CHECK_OK(dp_store_create_file(&store, store_path.c_str(), world));
@@ -257,7 +268,7 @@ int main(int argc, char** argv) {
     CHECK(pg != nullptr, "no group");
     if (pg != nullptr) {
       if (scenario == "collectives") {
-        scenario_collectives(pg, r, world);
+        scenario_collectives(pg, r, world, "mpi");
       } else if (scenario == "timeout") {
         scenario_timeout(pg, r, side);
       } else if (scenario == "mpi_mapped") {
