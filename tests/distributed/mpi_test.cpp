@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <functional>
 #include <ostream>
 #include <sstream>
 #include <string>
@@ -185,6 +186,49 @@ TEST(MpiLoading, AGlooGroupMapsNoMpiLibrary) {
   dptest::RankExit exit = run_one(dir, {DP_MPI_WORKER, "no_mpi", dir + "/store"}, {"RANK=0", "WORLD_SIZE=1"});
   remove_dir(dir);
   expect_ranks_passed(exit, "no_mpi", 1);
+}
+
+// Four processes on two pretend hosts asking for AUTO, DP_CROSS_HOST set by `cross_host(r)`.
+std::vector<dptest::RankExit> cross_host_job(const std::function<std::string(int)>& cross_host,
+                                             const std::string& expect) {
+  std::string dir = scratch_dir();
+  dptest::RankJob job;
+  job.name = "cross_host_refused";
+  job.dir = dir;
+  job.argv = {DP_MPI_WORKER, "cross_host_refused", dir + "/store"};
+  job.world = 4;
+  job.env = [&](int r) {
+    std::vector<std::string> vars = {"DP_TEST_EXPECT=" + expect};
+    if (!cross_host(r).empty()) vars.push_back("DP_CROSS_HOST=" + cross_host(r));
+    return vars;
+  };
+  job.drop_inherited = [](const std::string& entry) {
+    return entry.rfind("DP_CROSS_HOST=", 0) == 0 || entry.rfind("DP_SHM=", 0) == 0 ||
+           entry.rfind("DP_HOST_ID=", 0) == 0;
+  };
+  job.limit = std::chrono::seconds(100);
+  std::vector<dptest::RankExit> exits = dptest::run_rank_processes(job);
+  remove_dir(dir);
+  return exits;
+}
+
+void expect_every_rank_passed(const std::vector<dptest::RankExit>& exits, const char* scenario) {
+  for (size_t r = 0; r < exits.size(); ++r) {
+    std::string line = "rank " + std::to_string(r) + ": " + scenario + " passed";
+    EXPECT_NE(exits[r].output.find(line), std::string::npos) << exits[r].output;
+    EXPECT_EQ(exits[r].exit_code, 0) << exits[r].output;
+  }
+}
+
+TEST(CrossHost, ABackendThatDoesNotCrossHostsIsRefusedNamingTheOnesThatDo) {
+  auto exits = cross_host_job([](int) { return "shm"; }, "DP_CROSS_HOST is 'shm'; it must name a backend");
+  expect_every_rank_passed(exits, "cross_host_refused");
+}
+
+TEST(CrossHost, RanksThatSetItDifferentlyAreRefusedAsAskingForDifferentBackends) {
+  auto exits = cross_host_job([](int r) { return r == 0 ? "mpi" : ""; },
+                              "rank 0 asks for DP_BACKEND_AUTO+DP_CROSS_HOST=mpi, rank 1 asks for DP_BACKEND_AUTO");
+  expect_every_rank_passed(exits, "cross_host_refused");
 }
 
 }  // namespace

@@ -15,6 +15,8 @@
 //   hierarchical  AUTO with DP_CROSS_HOST=mpi, the ranks on two pretend hosts
 //                 (DP_HOST_ID): shared memory inside each, MPI across; the
 //                 collectives as above
+//   cross_host_refused  AUTO on two pretend hosts with a DP_CROSS_HOST that is
+//                 refused: DP_EINVAL containing DP_TEST_EXPECT, no MPI mapped
 //   no_mpi        a Gloo group all-reduces; no MPI library is mapped
 //   mpi_mapped    an MPI group all-reduces; the MPI library is mapped
 // Usage: mpi_worker <scenario> <file store path>
@@ -241,6 +243,24 @@ int main(int argc, char** argv) {
     CHECK(pg != nullptr, "no group");
     if (pg != nullptr) scenario_collectives(pg, r, world, "shm+mpi");
     dp_process_group_destroy(pg);
+  } else if (scenario == "cross_host_refused") {
+    ::setenv("DP_HOST_ID", r < world / 2 ? "first" : "second", 1);
+    dp_store* store = nullptr;
+    CHECK_OK(dp_store_create_file(&store, store_path.c_str(), world));
+    dp_process_group_options opts = DP_PROCESS_GROUP_OPTIONS_INIT;
+    opts.rank = r;
+    opts.world_size = world;
+    opts.store = store;
+    opts.timeout_ms = 60000;
+    dp_process_group* pg = nullptr;
+    dp_status status = dp_process_group_create(&pg, &opts);
+    const char* expect = std::getenv("DP_TEST_EXPECT");
+    CHECK(status == DP_EINVAL, "gave %d: %s", status, dp_last_error());
+    CHECK(expect != nullptr && mentions(dp_last_error(), expect), "the error does not say '%s': %s", expect,
+          dp_last_error());
+    CHECK(!mpi_mapped(), "a refused group mapped an MPI library");
+    dp_process_group_destroy(pg);
+    dp_store_destroy(store);
   } else if (scenario == "not_one_job") {
     dp_store* store = nullptr;
     CHECK_OK(dp_store_create_file(&store, store_path.c_str(), world));
