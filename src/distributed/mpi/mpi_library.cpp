@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "core/device.h"
@@ -119,7 +120,10 @@ bool MpiLibrary::loaded() {
 void MpiLibrary::finalize_if_ours() noexcept {
   std::lock_guard<std::mutex> lock(load_mutex());
   MpiLibrary* library = g_library;
-  if (library == nullptr || !library->initialised_here_ || library->finalised_ || library->groups_ > 0) return;
+  if (library == nullptr || !library->initialised_here_ || library->finalised_ || library->groups_ > 0 ||
+      !library->origin_.is_current()) {
+    return;
+  }
   int finalized = 0;
   if (library->finalized_(&finalized) == 0 && finalized == 0) library->finalize_();
   library->finalised_ = true;

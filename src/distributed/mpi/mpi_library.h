@@ -16,6 +16,7 @@
 
 #include "core/device.h"
 #include "core/error.h"
+#include "core/process_origin.h"
 
 namespace dparallel::dist {
 
@@ -77,7 +78,8 @@ class MpiLibrary {
   // Loaded already in this process (without loading it).
   static bool loaded();
   // MPI_Finalize, when this library initialised MPI and no group uses it;
-  // later groups then fail (MPI cannot start twice in a process). At exit and dp_shutdown.
+  // later groups then fail (MPI cannot start twice in a process). At exit and
+  // dp_shutdown; never in a forked child.
   static void finalize_if_ours() noexcept;
 
   MpiFlavor flavor() const { return flavor_; }
@@ -117,6 +119,7 @@ class MpiLibrary {
   MpiFlavor flavor_ = MpiFlavor::kOpenMpi;
   int thread_level_ = 0;
   bool initialised_here_ = false;
+  ProcessOrigin origin_;  // a forked child exits without finalising its parent's MPI
   bool finalised_ = false;
   int groups_ = 0;
   std::mutex serial_;
