@@ -24,6 +24,7 @@ struct Backend {
   static const int GLOO = DP_BACKEND_GLOO;
   static const int NCCL = DP_BACKEND_NCCL;
   static const int SHM = DP_BACKEND_SHM;
+  static const int MPI = DP_BACKEND_MPI;  // the site's MPI, loaded at run time; ranks started by mpirun
 };
 // ---- processes ----
 

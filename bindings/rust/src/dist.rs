@@ -121,6 +121,8 @@ pub enum Backend {
     Nccl = 2,
     /// Shared memory; fails (unsupported) when the ranks span several hosts.
     Shm = 3,
+    /// The site's MPI, loaded at run time; the ranks must be started by mpirun.
+    Mpi = 4,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
