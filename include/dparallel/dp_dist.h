@@ -28,7 +28,10 @@
  * ranks, at least 2, on each are hierarchical: shared memory inside each
  * host and Gloo across, "shm+gloo"; uneven hosts use Gloo and rank 0 says
  * why on stderr. DP_BACKEND_GLOO and DP_BACKEND_SHM ignore it), DP_HOST_ID
- * (the host a rank counts as on, instead of the boot id and host name).
+ * (the host a rank counts as on, instead of the boot id and host name),
+ * DP_CROSS_HOST ("mpi": such a hierarchical group's leg across hosts is MPI,
+ * "shm+mpi", instead of Gloo; every rank must set the same, else DP_EINVAL
+ * on every rank), DP_MPI_LIBRARY (the MPI library DP_BACKEND_MPI loads).
  * The job token guards the rendezvous (the store) only: the collectives'
  * own traffic, Gloo's and NCCL's connections, is not authenticated, so run
  * jobs on networks only they and trusted hosts can reach.
