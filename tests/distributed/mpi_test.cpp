@@ -27,6 +27,9 @@ struct Implementation {
 // Names the parameter in test output.
 void PrintTo(const Implementation& impl, std::ostream* out) { *out << impl.name; }
 
+// Under LeakSanitizer, what the MPI libraries keep until exit is not reported.
+const std::string kLeakSuppressions = std::string("LSAN_OPTIONS=suppressions=") + DP_MPI_LSAN_SUPPRESSIONS;
+
 const Implementation kOpenMpi{"OpenMpi",
                               "mpirun.openmpi",
                               "libmpi.so.40",
@@ -99,6 +102,7 @@ class MpiBackendTest : public ::testing::TestWithParam<Implementation> {
     argv.push_back(dir + "/store");
     std::vector<std::string> env = impl.env;
     env.push_back(std::string("DP_MPI_LIBRARY=") + impl.library);
+    env.push_back(kLeakSuppressions);
     dptest::RankExit exit = run_one(dir, argv, env);
     remove_dir(dir);
     return exit;
@@ -153,7 +157,7 @@ TEST_P(MpiBackendTest, RanksThatAreNotOneMpiJobAreRefusedOnEveryRank) {
   job.argv = {DP_MPI_WORKER, "not_one_job", dir + "/store"};
   job.world = 2;
   const std::string library = std::string("DP_MPI_LIBRARY=") + GetParam().library;
-  job.env = [&](int) { return std::vector<std::string>{library}; };
+  job.env = [&](int) { return std::vector<std::string>{library, kLeakSuppressions}; };
   job.drop_inherited = [](const std::string& entry) {
     return entry.rfind("OMPI_", 0) == 0 || entry.rfind("PMI_", 0) == 0 || entry.rfind("DP_MPI_LIBRARY=", 0) == 0;
   };
@@ -171,8 +175,9 @@ TEST_P(MpiBackendTest, RanksThatAreNotOneMpiJobAreRefusedOnEveryRank) {
 TEST_P(MpiBackendTest, AnMpiGroupMapsTheLibraryItLoaded) {
   // The check the next test relies on sees a mapped MPI library.
   std::string dir = scratch_dir();
-  dptest::RankExit exit = run_one(dir, {DP_MPI_WORKER, "mpi_mapped", dir + "/store"},
-                                  {std::string("DP_MPI_LIBRARY=") + GetParam().library, "RANK=0", "WORLD_SIZE=1"});
+  dptest::RankExit exit =
+      run_one(dir, {DP_MPI_WORKER, "mpi_mapped", dir + "/store"},
+              {std::string("DP_MPI_LIBRARY=") + GetParam().library, "RANK=0", "WORLD_SIZE=1", kLeakSuppressions});
   remove_dir(dir);
   if (skipped(exit)) GTEST_SKIP() << exit.output;
   expect_ranks_passed(exit, "mpi_mapped", 1);
