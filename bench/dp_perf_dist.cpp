@@ -2,14 +2,12 @@
 // -o reduce op, -r root, -n ops per sample (default: 256 MiB / size, 1..200),
 // -s samples (21), -w warm-up ops (default max(2, n/10)), -c 0 to skip the
 // check, --device cpu|cuda (default cpu; cuda puts each rank on cuda:LOCAL_RANK
-// and uses NCCL). Sizes take K/M/G suffixes (KiB...). For all_gather and
-// reduce_scatter the size is the whole gathered or scattered buffer, as in
-// nccl-tests. Time: per sample, a barrier then n back-to-back ops; per-op time
-// is the sample's time / n, the maximum over ranks; the table gives the
-// median over samples (and the best busbw). #wrong counts elements of the
-// checked first op that differ from the expected result. Exit codes: 0 all
-// right, 1 wrong results or a failed call, 2 bad usage (a bad option value,
-// or sizes whose buffers do not fit in the memory this machine has free).
+// and uses NCCL), --backend auto|gloo|shm|mpi|nccl (default auto). Sizes take K/M/G suffixes (KiB...). For all_gather
+// and reduce_scatter the size is the whole gathered or scattered buffer, as in nccl-tests. Time: per sample, a barrier
+// then n back-to-back ops; per-op time is the sample's time / n, the maximum over ranks; the table gives the median
+// over samples (and the best busbw). #wrong counts elements of the checked first op that differ from the expected
+// result. Exit codes: 0 all right, 1 wrong results or a failed call, 2 bad usage (a bad option value, or sizes whose
+// buffers do not fit in the memory this machine has free).
 #include "dp_perf_dist.h"
 
 #include <algorithm>
@@ -41,6 +39,7 @@ struct Options {
   long warmup = -1;
   bool check = true;
   int32_t device_type = DP_DEVICE_CPU;
+  int32_t backend = DP_BACKEND_AUTO;
 };
 
 int32_t parse_dtype(const std::string& s) {
@@ -129,6 +128,7 @@ int run(const std::string& op, const Options& o) {
   const dp_device device = rank_device(o.device_type);
   dp_process_group_options pg_options = DP_PROCESS_GROUP_OPTIONS_INIT;
   pg_options.device = device;
+  pg_options.backend = o.backend;
   dp_process_group* pg = nullptr;
   fail_on(dp_process_group_create_from_env(&pg, &pg_options), "creating the process group from the environment");
   const int rank = dp_process_group_rank(pg), world = dp_process_group_size(pg);
@@ -283,6 +283,14 @@ int dp_perf_dist_main(const char* op_name, int argc, char** argv) {
       } else if (a == "--device") {
         o.device_type = v == "cpu" ? DP_DEVICE_CPU : v == "cuda" ? DP_DEVICE_CUDA : -1;
         if (o.device_type < 0) perf::bad_value(a, v, "cpu or cuda");
+      } else if (a == "--backend") {
+        o.backend = v == "auto"   ? DP_BACKEND_AUTO
+                    : v == "gloo" ? DP_BACKEND_GLOO
+                    : v == "shm"  ? DP_BACKEND_SHM
+                    : v == "mpi"  ? DP_BACKEND_MPI
+                    : v == "nccl" ? DP_BACKEND_NCCL
+                                  : -1;
+        if (o.backend < 0) perf::bad_value(a, v, "auto, gloo, shm, mpi or nccl");
       } else {
         throw perf::UsageError("unknown option " + a);
       }

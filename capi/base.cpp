@@ -6,6 +6,7 @@
 #include "core/device_worker.h"
 #include "core/thread_pool.h"
 #include "device/cpu/cpu_streams.h"
+#include "distributed/mpi/mpi_library.h"
 #include "lane/comm_lane.h"
 
 namespace dparallel::capi {
@@ -127,6 +128,7 @@ dp_status dp_shutdown(void) {
   cpu::park_idle_streams();
   stop_compute_threads();
   lane::CommLane::park_idle_lanes();
+  dist::MpiLibrary::finalize_if_ours();
   DP_API_END
 }
 

@@ -13,7 +13,8 @@
 using namespace dparallel;
 
 static_assert(DP_BACKEND_NCCL == static_cast<int32_t>(dist::BackendChoice::kNccl) &&
-              DP_BACKEND_SHM == static_cast<int32_t>(dist::BackendChoice::kShm));
+              DP_BACKEND_SHM == static_cast<int32_t>(dist::BackendChoice::kShm) &&
+              DP_BACKEND_MPI == static_cast<int32_t>(dist::BackendChoice::kMpi));
 #define DP_CHECK_REDUCE_OP_CODE(id, code, name, c_name) \
   static_assert((c_name) == static_cast<int32_t>(dist::ReduceOp::id));
 DP_REDUCE_OPS(DP_CHECK_REDUCE_OP_CODE)

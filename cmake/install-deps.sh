@@ -8,7 +8,8 @@ packages="build-essential cmake pkg-config ccache python3 python3-venv python3-p
   googletest libgtest-dev libgmock-dev libbenchmark-dev \
   libdlpack-dev libgloo-dev nlohmann-json3-dev libopenblas-dev \
   clang libclang-rt-14-dev clang-format-14 clang-tidy-14 abigail-tools git iproute2 \
-  swig mono-mcs mono-runtime nuget openjdk-17-jdk-headless golang-go valgrind"
+  swig mono-mcs mono-runtime nuget openjdk-17-jdk-headless golang-go valgrind \
+  openmpi-bin libopenmpi3 mpich libmpich12"
 
 missing=""
 for p in $packages; do

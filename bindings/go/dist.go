@@ -43,6 +43,7 @@ const (
 	BackendGloo Backend = 1
 	BackendNCCL Backend = 2
 	BackendShm  Backend = 3 // shared memory; every rank on one host
+	BackendMPI  Backend = 4 // the site's MPI, loaded at run time; the ranks started by mpirun
 )
 
 // ProcessGroupOptions are a group's settings; zero values take the

@@ -34,7 +34,7 @@ func (pg *ProcessGroup) NumHosts() int {
 // Abort aborts the group, from any goroutine, also while another's call on
 // it runs: every later call fails (DP_ESTATE, "aborted"), and the peers'
 // next calls fail rather than wait for their timeout; a running call fails
-// at once on shared memory and NCCL, at its deadline on Gloo (dp_dist.h).
+// at once on shared memory, NCCL and MPI, at its deadline on Gloo (dp_dist.h).
 // Close is still needed.
 func (pg *ProcessGroup) Abort() error {
 	return pg.call("dp_process_group_abort", func(api *C.dp_api) C.dp_status {

@@ -24,6 +24,7 @@ struct Backend {
   static const int GLOO = DP_BACKEND_GLOO;
   static const int NCCL = DP_BACKEND_NCCL;
   static const int SHM = DP_BACKEND_SHM;
+  static const int MPI = DP_BACKEND_MPI;  // the site's MPI, loaded at run time; ranks started by mpirun
 };
 // ---- processes ----
 
@@ -177,8 +178,8 @@ class ProcessGroup {
   int numHosts() const { return dp_process_group_num_hosts(handle()); }
   // From any thread, also while another thread's call runs: every later
   // call fails ("aborted"), and the peers' next calls fail rather than wait
-  // for their timeout; a running call fails at once on shared memory and
-  // NCCL, at its deadline on Gloo (dp_dist.h). close() is still needed.
+  // for their timeout; a running call fails at once on shared memory, NCCL
+  // and MPI, at its deadline on Gloo (dp_dist.h). close() is still needed.
   void abort() { check(dp_process_group_abort(handle())); }
   // Collective over this group (MPI_Comm_split): the ranks passing the same
   // color >= 0 form a new group ranked by (key, rank here); a negative color

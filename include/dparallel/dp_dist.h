@@ -29,6 +29,9 @@
  * host and Gloo across, "shm+gloo"; uneven hosts use Gloo and rank 0 says
  * why on stderr. DP_BACKEND_GLOO and DP_BACKEND_SHM ignore it), DP_HOST_ID
  * (the host a rank counts as on, instead of the boot id and host name),
+ * DP_CROSS_HOST ("mpi": such a hierarchical group's leg across hosts is MPI,
+ * "shm+mpi", instead of Gloo; every rank must set the same, else DP_EINVAL
+ * on every rank), DP_MPI_LIBRARY (the MPI library DP_BACKEND_MPI loads),
  * DP_TRACE_BUFFER (the flight recorder: how many of its last calls each
  * group keeps, with their sizes, state and times; default 2000, 0: none)
  * and DP_TRACE_DIR (where each rank writes them, rank<RANK>.json, when one
@@ -156,12 +159,21 @@ DP_API void dp_store_destroy(dp_store *store);
  * GLOO: Gloo for cpu, even when every rank runs on one host.
  * NCCL: NCCL for cuda.
  * SHM: shared memory for cpu; DP_EUNSUPPORTED naming the hosts when the
- *   ranks span several (every rank fails alike). */
+ *   ranks span several (every rank fails alike).
+ * MPI: the site's MPI for cpu, loaded at run time (DP_MPI_LIBRARY, else
+ *   libmpi.so.40 (Open MPI), libmpi.so.12 or libmpich.so.12 (MPICH), the
+ *   launcher's first); the ranks must be processes of one MPI job (mpirun),
+ *   else DP_EUNSUPPORTED on every rank; DP_EUNSUPPORTED too when no MPI
+ *   library loads. MPI initialised by the host is used when its thread level
+ *   is MPI_THREAD_MULTIPLE or _SERIALIZED; otherwise dparallel initialises
+ *   it and finalises it at exit or at dp_shutdown with no MPI group left. A
+ *   process that never asks for MPI never loads it. */
 typedef enum dp_backend {
   DP_BACKEND_AUTO = 0,
   DP_BACKEND_GLOO = 1,
   DP_BACKEND_NCCL = 2,
-  DP_BACKEND_SHM = 3
+  DP_BACKEND_SHM = 3,
+  DP_BACKEND_MPI = 4
 } dp_backend;
 typedef enum dp_reduce_op { DP_SUM = 0, DP_AVG = 1, DP_MIN = 2, DP_MAX = 3, DP_PROD = 4 } dp_reduce_op;
 typedef struct dp_process_group_options {
@@ -325,10 +337,10 @@ DP_API int32_t dp_process_group_num_hosts(const dp_process_group *pg);
  * was aborted, and the peers' current or next collective with it fails
  * instead of waiting for its timeout (Gloo closes its connections, shared
  * memory flags the group, the hierarchical backend does both, NCCL aborts
- * its communicators). A call running on this rank fails the same way at
- * once on shared memory and NCCL, but on Gloo and MPI only at its deadline:
- * neither library's waits can be interrupted (Gloo's running call may also
- * fail sooner, when a peer's failure reaches it). A call may have
+ * its communicators, MPI stops polling). A call running on this rank fails
+ * the same way at once on shared memory, NCCL and MPI, but on Gloo only at
+ * its deadline: Gloo's waits cannot be interrupted (its running call may
+ * also fail sooner, when a peer's failure reaches it). A call may have
  * completed just before the abort; on shared memory a peer's call that the
  * interrupted call had already joined may complete too, and the peer's
  * next one fails. The group stays unusable and is still destroyed with

@@ -289,5 +289,7 @@ inline void copy_bytes(void* to, const void* from, size_t bytes) {
 // Each backend's factory; the NCCL one fails with kUnsupported in a build without NCCL.
 std::unique_ptr<Backend> create_gloo_backend(CallSite& site, const ProcessGroupOptions& options);
 std::unique_ptr<Backend> create_nccl_backend(CallSite& site, const ProcessGroupOptions& options);
+// Loads the site's MPI library on first use (mpi/mpi_library.h).
+std::unique_ptr<Backend> create_mpi_backend(CallSite& site, const ProcessGroupOptions& options);
 
 }  // namespace dparallel::dist

@@ -33,12 +33,44 @@ const BackendEntry& automatic_device_backend(const Device& device) {
   fail(StatusCode::kUnsupported, "no backend runs process groups on ", to_string(device));
 }
 
-// What a rank asks for, as it publishes it: AUTO on a cuda device is NCCL.
-const char* request_name(const ProcessGroupOptions& options) {
+// DP_CROSS_HOST: the backend an AUTO cpu group's ranks on several hosts
+// join across them by ("mpi"), or "" for the registry's first.
+std::string cross_host_request() {
+  const char* asked = process_env()("DP_CROSS_HOST");
+  return asked != nullptr ? asked : "";
+}
+
+// What a rank asks for, as it publishes it: AUTO on a cuda device is NCCL;
+// AUTO on cpu names DP_CROSS_HOST where set, so that ranks that set it
+// differently are refused like ranks that ask for different backends.
+std::string request_name(const ProcessGroupOptions& options) {
   if (options.backend == BackendChoice::kAuto && options.device.type != DeviceType::kCpu) {
     return automatic_device_backend(options.device).request;
   }
-  return find_backend(options.backend)->request;
+  std::string request = find_backend(options.backend)->request;
+  const std::string cross = cross_host_request();
+  if (options.backend == BackendChoice::kAuto && !cross.empty()) request += "+DP_CROSS_HOST=" + cross;
+  return request;
+}
+
+// The leg across hosts of a hierarchical group: DP_CROSS_HOST's backend
+// where set, else the registry's first that fits.
+const BackendEntry& cross_host_leg(const Device& device) {
+  const std::string asked = cross_host_request();
+  if (asked.empty()) return cross_host_backend(device);
+  const BackendEntry* entry = find_backend_named(asked);
+  if (entry == nullptr || entry->make == nullptr || !entry->crosses_hosts || entry->device != device.type) {
+    std::string names;
+    for (const BackendEntry& row : backend_registry()) {
+      if (row.make != nullptr && row.crosses_hosts && row.device == device.type) {
+        names += str_cat(names.empty() ? "" : ", ", "'", row.name, "'");
+      }
+    }
+    fail_invalid("DP_CROSS_HOST is '", asked, "'; it must name a backend that joins ranks across hosts on ",
+                 to_string(device), ": ", names);
+  }
+  check_available(*entry, device);
+  return *entry;
 }
 
 // One rank's published entry: "<request> <shm allowed 0|1> <pid> <host key>".
@@ -241,7 +273,7 @@ std::unique_ptr<ProcessGroup> choose_automatically(const ProcessGroupOptions& op
       }
     }
     const BackendEntry& local = *find_backend(BackendChoice::kShm);
-    const BackendEntry& cross = cross_host_backend(options.device);
+    const BackendEntry& cross = cross_host_leg(options.device);
     return make_process_group(options, [&](CallSite& site) {
       return create_hierarchical_backend(site, options, prefix, layout, local, cross);
     });

@@ -9,7 +9,9 @@
 //   rank runs on one host; hierarchical (shared memory inside each host,
 //   Gloo across) when the ranks span hosts with the same number of ranks,
 //   at least 2, on each (its leg across hosts the registry's first row that
-//   crosses hosts on the device, backend_registry.h); else Gloo.
+//   crosses hosts on the device, backend_registry.h, or the one DP_CROSS_HOST
+//   names: "mpi"); else Gloo. Ranks whose DP_CROSS_HOST differs ask for
+//   different backends.
 #pragma once
 
 #include <memory>

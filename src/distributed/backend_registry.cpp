@@ -15,6 +15,10 @@ std::unique_ptr<Backend> make_nccl(CallSite& site, const ProcessGroupOptions& op
   return create_nccl_backend(site, options);
 }
 
+std::unique_ptr<Backend> make_mpi(CallSite& site, const ProcessGroupOptions& options, const BackendSetup& /*setup*/) {
+  return create_mpi_backend(site, options);
+}
+
 std::unique_ptr<Backend> make_shm(CallSite& site, const ProcessGroupOptions& options, const BackendSetup& setup) {
   return create_shm_backend(site, options, setup.prefix, setup.pids);
 }
@@ -27,6 +31,8 @@ const std::vector<BackendEntry>& backend_registry() {
       {BackendChoice::kGloo, "DP_BACKEND_GLOO", "gloo", "Gloo", DeviceType::kCpu, true, make_gloo, nullptr},
       {BackendChoice::kNccl, "DP_BACKEND_NCCL", "nccl", "NCCL", DeviceType::kCuda, true, make_nccl, nccl_availability},
       {BackendChoice::kShm, "DP_BACKEND_SHM", "shm", "shared-memory", DeviceType::kCpu, false, make_shm, nullptr},
+      // After Gloo: the cross-host leg is MPI only when asked for (DP_CROSS_HOST=mpi).
+      {BackendChoice::kMpi, "DP_BACKEND_MPI", "mpi", "MPI", DeviceType::kCpu, true, make_mpi, mpi_availability},
   };
   return rows;
 }

@@ -18,7 +18,7 @@
 namespace dparallel::dist {
 
 // The backend a host asks for (DP_BACKEND_*); what runs is the group's backend_name().
-enum class BackendChoice : int32_t { kAuto = 0, kGloo = 1, kNccl = 2, kShm = 3 };
+enum class BackendChoice : int32_t { kAuto = 0, kGloo = 1, kNccl = 2, kShm = 3, kMpi = 4 };
 
 class Backend;
 class CallSite;
@@ -65,5 +65,9 @@ const BackendEntry& cross_host_backend(const Device& device);
 // The NCCL row's availability: kUnsupported in a build without NCCL,
 // kDevice when `device` is no GPU of this process.
 std::optional<Error> nccl_availability(const Device& device);
+// The MPI row's availability: loads the site's MPI library (only then, so a
+// process that never asks for MPI never maps it); kUnsupported saying why
+// when none can run here.
+std::optional<Error> mpi_availability(const Device& device);
 
 }  // namespace dparallel::dist

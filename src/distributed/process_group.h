@@ -163,7 +163,7 @@ class ProcessGroup final : private CallSite {
   // The host's abort (dp_process_group_abort): as abort, from any thread,
   // also while a collective runs. Every later call fails with kState naming
   // `why`, and so does the running one once the backend's abort reaches it
-  // (at once on shared memory and NCCL; Gloo's waits end at their deadline).
+  // (at once on shared memory, NCCL and MPI; Gloo's waits end at their deadline).
   void abort_calls(const std::string& why) noexcept;
 
   // While `gate` lives, calls from threads other than its own are refused

@@ -121,6 +121,8 @@ pub enum Backend {
     Nccl = 2,
     /// Shared memory; fails (unsupported) when the ranks span several hosts.
     Shm = 3,
+    /// The site's MPI, loaded at run time; the ranks must be started by mpirun.
+    Mpi = 4,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -266,7 +268,7 @@ impl ProcessGroup {
     /// Aborts the group, from any thread, also while another thread's call
     /// on it runs: every later call fails (DP_ESTATE, "aborted"), and the
     /// peers' next calls fail rather than wait for their timeout; a running
-    /// call fails at once on shared memory and NCCL, at its deadline on Gloo
+    /// call fails at once on shared memory, NCCL and MPI, at its deadline on Gloo
     /// (dp_dist.h).
     pub fn abort(&self) -> Result<()> {
         self.lib.check(unsafe { (self.lib.api().process_group_abort)(self.raw) })
