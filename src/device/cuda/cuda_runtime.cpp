@@ -428,7 +428,7 @@ class CudaRuntime final : public DeviceRuntime {
     r.nbytes = nbytes;
     r.reserved = (nbytes + granularity - 1) / granularity * granularity;
     CUdeviceptr ptr = 0;
-    v.check(v.address_reserve(&ptr, r.reserved, 0, 0, 0), "cuMemAddressReserve", index);
+    v.check(v.address_reserve(&ptr, r.reserved, granularity, 0, 0), "cuMemAddressReserve", index);
     r.data = reinterpret_cast<void*>(ptr);
     r.releases = true;
     try {
