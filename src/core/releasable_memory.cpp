@@ -1,8 +1,5 @@
 #include "core/releasable_memory.h"
 
-#include <optional>
-#include <utility>
-
 #include "core/allocator.h"
 #include "core/stream.h"
 
