@@ -45,7 +45,10 @@ type FSDPMixedPrecision struct {
 //	Unshard ... backward into the full gradients (Module.Grad) ... PostBackward
 //	FinishBackward, then the optimizer steps on Shard / ShardGrad
 //
-// Every rank makes the same calls in the same order.
+// Every rank makes the same calls in the same order. Each full parameter
+// keeps one address from the first Unshard to Close: a tensor taken while
+// unsharded sees every later unshard's values, and reads zeros while
+// resharded on the CPU (its pages are given back; dp_fsdp.h).
 type FSDP struct {
 	lib   *Library
 	h     *C.dp_fsdp

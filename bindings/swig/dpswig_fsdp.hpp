@@ -30,7 +30,10 @@ struct FsdpOptions {
 // Each rank keeps only its rows of every parameter of `module` that no live
 // Fsdp holds (create the children's first). Every call that moves data is
 // collective: every rank makes it, in the same order. close() is
-// collective too: the module's slots get the full parameters back.
+// collective too: the module's slots get the full parameters back. Each
+// full parameter keeps one address from the first unshard to close(): a
+// tensor taken while unsharded sees every later unshard's values, and reads
+// zeros while resharded on the CPU (its pages are given back; dp_fsdp.h).
 class Fsdp {
  public:
   Fsdp(Module& module, ProcessGroup& pg, const FsdpOptions& options = FsdpOptions()) {

@@ -22,11 +22,13 @@
  * are gone too), and the shard gradients start at zero. So after create
  * the host re-queries everything: the shard and its gradient through
  * dp_fsdp_shard / dp_fsdp_shard_grad (fixed for the dp_fsdp's life), the
- * full parameters through dp_module_get_parameter and their gradients
- * through dp_module_grad after each unshard (new tensors each time, unless
- * views, below), never a pointer taken before. dp_fsdp_destroy gives the
- * slots full parameters in new memory, not the host's first tensors, and
- * drops the gradients again.
+ * full parameters through dp_module_get_parameter while unsharded (each at
+ * one address for the dp_fsdp's life: "Full parameters keep one address"
+ * below) and their gradients through dp_module_grad in each backward (new
+ * tensors each backward), never a pointer taken before create.
+ * dp_fsdp_destroy gives the slots full parameters in new memory, neither
+ * the host's first tensors nor the unshards' ones, and drops the gradients
+ * again.
  *
  * The host drives it around its own forward and backward, per dp_fsdp,
  * children first:
@@ -101,10 +103,43 @@
  *   later backwards add to; the next synced post_backward reduces the sum.
  *   A gradient never taken is reduced as zeros. Parameters that do not
  *   require grad at create are sharded but not reduced.
- * - Memory: the full parameters, and the full gradients after their
- *   reduce-scatter, are released (back to the allocator unless the host
- *   still holds a handle to them); full parameters that are views (below)
- *   take none.
+ * - Memory: the full parameters' pages go at each reshard that puts the
+ *   shards back (below), and the full gradients after their reduce-scatter
+ *   (back to the allocator unless the host still holds a handle to them);
+ *   full parameters that are views (below) take none.
+ *
+ * Full parameters keep one address, as FSDP2 keeps one unsharded tensor per
+ * parameter and frees only its storage: from create to dp_fsdp_destroy,
+ * each managed parameter's full tensor (what dp_module_get_parameter gives
+ * while unsharded) is the same tensor, and dp_tensor_data of it the same
+ * address, at every unshard. A host binds it once, and a view of it its
+ * autograd saved in the forward sees what the backward's unshard refills.
+ * Its memory is reserved once: every unshard backs it with pages and writes
+ * the gathered values there; every reshard that puts the shards back (and
+ * post_backward, and destroy) gives the pages back. Meanwhile a handle,
+ * view or pointer kept on it still names that address, and:
+ * - on the CPU the pages are given back to the system (MADV_DONTNEED over
+ *   a private anonymous mapping): reads give zeros until the next unshard
+ *   refills them; a write there takes a page back (which the next unshard
+ *   overwrites and the next reshard gives back): do not write.
+ * - on a GPU with the driver's virtual memory management (VMM: the range
+ *   reserved with cuMemAddressReserve, its memory mapped with cuMemCreate
+ *   and cuMemMap at unshard and unmapped and released at reshard) nothing
+ *   is mapped there: it must not be touched (a kernel that does faults).
+ *   Since the pages go at the call, reshard, post_backward and destroy
+ *   first wait on the host for the work queued so far on the host's
+ *   current stream and the library's own stream, which may read them.
+ * - on a GPU without VMM (or with DP_CUDA_VMM=0 in the environment) the
+ *   memory is allocated at create and kept until the dp_fsdp and every
+ *   handle on it are gone: the address holds the same way, reads while
+ *   resharded see the last unshard's values, and reshard saves no memory.
+ * dp_device_memory_stats counts the pages while held. After destroy the
+ * slots hold new tensors; a handle kept on an unshard's one keeps its
+ * address range reserved (without pages, on the CPU and with VMM) until
+ * the handle goes. Views (below) are the shards' memory itself: their
+ * address is fixed at create, and they keep their pages. Full gradients
+ * are not kept: dp_module_grad makes new ones in each backward (or the
+ * host sets them).
  *
  * Composition: a dp_fsdp manages the parameters of `module` that no live
  * dp_fsdp holds, so create the children's first (one left with none: see
@@ -149,7 +184,9 @@
  * Streams (GPUs): unshard and post_backward queue their work (the casts,
  * copies, the all-gather or reduce-scatter) on the NCCL group's stream,
  * after the host's current stream (dp_set_current_stream) as it was at the
- * call; an async unshard and post_backward return at once. The host's stream
+ * call; an async unshard returns at once, as does post_backward except for
+ * the wait before the full parameters' pages go (where they go: "Full
+ * parameters keep one address", which reshard makes too). The host's stream
  * then waits for the full parameters (after a blocking unshard, wait_unshard,
  * reshard or post_backward) and for the shard gradients (after
  * finish_backward) through events; with no current stream set, those calls

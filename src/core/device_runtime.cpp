@@ -22,6 +22,23 @@ std::atomic<const DeviceRuntime*>* slot_of(DeviceType type) noexcept {
 
 }  // namespace
 
+PageReservation DeviceRuntime::reserve_pages(int32_t index, size_t nbytes) const {
+  PageReservation r;
+  r.data = allocate(index, nbytes).data;
+  r.nbytes = r.reserved = nbytes;
+  r.backed = true;
+  return r;
+}
+
+void DeviceRuntime::release_pages(int32_t, PageReservation&) const noexcept {}
+
+void DeviceRuntime::back_pages(int32_t, PageReservation& r) const { r.backed = true; }
+
+void DeviceRuntime::unreserve_pages(int32_t index, PageReservation& r) const noexcept {
+  if (r.data != nullptr) deallocate(index, r.data, r.reserved);
+  r = PageReservation{};
+}
+
 void register_device_runtime(DeviceType type, const DeviceRuntime* runtime) {
   std::atomic<const DeviceRuntime*>* slot = slot_of(type);
   if (slot == nullptr) fail(StatusCode::kInternal, "device type ", static_cast<int32_t>(type), " has no runtime slot");

@@ -19,6 +19,17 @@ struct Allocation {
   bool zeroed = false;  // memory is known to hold zeros (fresh pages)
 };
 
+// Address space whose pages can be given back and filled again while its
+// addresses stay (a dp_fsdp's full parameters).
+struct PageReservation {
+  void* data = nullptr;
+  size_t nbytes = 0;      // what was asked for
+  size_t reserved = 0;    // the range's size (rounded up to the device's granularity)
+  uint64_t handle = 0;    // the device's own (cuda: the physical memory mapped there)
+  bool releases = false;  // false: release_pages keeps the pages (no support on this device)
+  bool backed = false;    // pages are there (after reserve and back_pages)
+};
+
 class DeviceRuntime {
  public:
   DeviceRuntime() = default;
@@ -37,6 +48,19 @@ class DeviceRuntime {
   // Returns what allocate(index, nbytes) gave.
   virtual void deallocate(int32_t index, void* data, size_t nbytes) const noexcept = 0;
   virtual void fill_zero(int32_t index, void* data, size_t nbytes) const = 0;
+  // nbytes (> 0) of address space on device `index`, backed on return. The
+  // default, for a device without a way to release pages at a fixed
+  // address: allocate(), and release_pages keeps them (releases = false).
+  virtual PageReservation reserve_pages(int32_t index, size_t nbytes) const;
+  // Gives the pages back; the addresses stay reserved. The caller has made
+  // sure no queued work still uses them. cpu: later reads see zeros; cuda:
+  // nothing may touch them until back_pages.
+  virtual void release_pages(int32_t index, PageReservation& r) const noexcept;
+  // Backs the range with pages again (cpu: zeros on first touch); throws
+  // kOutOfMemory or kDevice.
+  virtual void back_pages(int32_t index, PageReservation& r) const;
+  // Releases the pages and the address range.
+  virtual void unreserve_pages(int32_t index, PageReservation& r) const noexcept;
   // rows x row_bytes from src to dst, rows `pitch` bytes apart; each side is
   // a device of this type or the host (cpu). Returns when done.
   virtual void copy_rows(void* dst, const Device& dst_device, size_t dst_pitch, const void* src,

@@ -30,7 +30,8 @@ void accumulate(const Tensor& dst, const Tensor& src) {
 Tensor bytes_of(const Tensor& t) { return t.view_at(0, DType::kUInt8, {static_cast<int64_t>(t.nbytes())}); }
 
 // gather_full with views: the full parameters are the region itself.
-std::vector<Tensor> full_from_region(const ShardLayout& layout, dist::ProcessGroup& group, FullKind kind) {
+std::vector<Tensor> full_from_region(const ShardLayout& layout, dist::ProcessGroup& group, FullKind kind,
+                                     const std::vector<Tensor>* into) {
   // The unshard's full parameters are views of the region; the values of
   // destroy and of the state dicts outlive it, so they are copies.
   const bool as_views = kind == FullKind::kCompute;
@@ -43,7 +44,7 @@ std::vector<Tensor> full_from_region(const ShardLayout& layout, dist::ProcessGro
       full[i] = held;
       continue;
     }
-    full[i] = Tensor::empty(m.full_dtype(kind), m.full_shape, group.device());
+    full[i] = into != nullptr ? (*into)[i] : Tensor::empty(m.full_dtype(kind), m.full_shape, group.device());
     lane::cast_into(full[i], held);
   }
   if (!as_views) group.barrier(false);
@@ -51,7 +52,8 @@ std::vector<Tensor> full_from_region(const ShardLayout& layout, dist::ProcessGro
 }
 
 // gather_full without views: one all-gather of every rank's segment.
-std::vector<Tensor> all_gather_full(const ShardLayout& layout, dist::ProcessGroup& group, FullKind kind) {
+std::vector<Tensor> all_gather_full(const ShardLayout& layout, dist::ProcessGroup& group, FullKind kind,
+                                    const std::vector<Tensor>* into) {
   const int32_t world = group.size();
   const int32_t rank = group.rank();
   size_t segment = 0;
@@ -65,7 +67,7 @@ std::vector<Tensor> all_gather_full(const ShardLayout& layout, dist::ProcessGrou
   for (size_t i = 0; i < layout.size(); ++i) {
     const ShardedParam& m = layout.at(i);
     const DType dtype = m.full_dtype(kind);
-    full[i] = Tensor::empty(dtype, m.full_shape, group.device());
+    full[i] = into != nullptr ? (*into)[i] : Tensor::empty(dtype, m.full_shape, group.device());
     if (!m.sharded) {
       lane::cast_into(full[i], m.shard);
       continue;
@@ -204,8 +206,9 @@ void reduce_scatter_dtype(const ShardLayout& layout, dist::ProcessGroup& group, 
 
 }  // namespace
 
-std::vector<Tensor> gather_full(const ShardLayout& layout, dist::ProcessGroup& group, FullKind kind) {
-  return layout.views() ? full_from_region(layout, group, kind) : all_gather_full(layout, group, kind);
+std::vector<Tensor> gather_full(const ShardLayout& layout, dist::ProcessGroup& group, FullKind kind,
+                                const std::vector<Tensor>* into) {
+  return layout.views() ? full_from_region(layout, group, kind, into) : all_gather_full(layout, group, kind, into);
 }
 
 bool gather_communicates(const ShardLayout& layout) {

@@ -20,8 +20,11 @@ namespace dparallel::fsdp {
 // (ShardPlacement::kFullViews) no data moves: a barrier (every rank's
 // shards are written), then views of the region for kCompute, or copies
 // for kOwn, after which a second barrier keeps every rank's shards as they
-// are until all have copied.
-std::vector<Tensor> gather_full(const ShardLayout& layout, dist::ProcessGroup& group, FullKind kind);
+// are until all have copied. With `into` (kCompute: the full parameters at
+// their fixed addresses, backed), the values land there and those tensors
+// are returned, views of the region where the layout has them.
+std::vector<Tensor> gather_full(const ShardLayout& layout, dist::ProcessGroup& group, FullKind kind,
+                                const std::vector<Tensor>* into = nullptr);
 
 // Whether gather_full makes a collective: a refusal then stands in for it.
 bool gather_communicates(const ShardLayout& layout);

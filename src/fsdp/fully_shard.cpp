@@ -54,6 +54,7 @@ FullyShard::~FullyShard() {
   if (lane_) lane_->detach(this, lane_bound());
   if (replicate_lane_) replicate_lane_->detach(this, lane_bound());
   settle_queued_work();
+  if (full_memory_) full_memory_->release();
   for (const ShardedParam& m : layout_.params()) m.parameter->release(this);
 }
 
@@ -113,6 +114,8 @@ void FullyShard::close() {
   lane_->detach(this, lane_bound());
   if (replicate_lane_) replicate_lane_->detach(this, lane_bound());
   settle_queued_work();
+  // A handle the host kept on a full parameter keeps its address reserved, without pages.
+  if (full_memory_) full_memory_->release();
   for (const ShardedParam& m : layout_.params()) m.parameter->release(this);
   if (error) std::rethrow_exception(error);
 }
@@ -250,6 +253,8 @@ void FullyShard::install_full_locked() {
 void FullyShard::reshard_locked() {
   for (const ShardedParam& m : layout_.params()) m.parameter->set_value(m.shard);
   state_ = State::kResharded;
+  // After the host's stream has passed its reads of them (dp_fsdp.h).
+  if (full_memory_) full_memory_->release();
 }
 
 void FullyShard::unshard(bool async, std::vector<Event> host_ready) {
@@ -275,6 +280,7 @@ void FullyShard::finish_unshard_locked(std::unique_lock<std::mutex>& lock) {
   } catch (...) {
     state_ = State::kResharded;
     gathered_.clear();
+    if (full_memory_) full_memory_->release();
     throw;
   }
   install_full_locked();
@@ -495,7 +501,10 @@ lane::JobResult FullyShard::run_job(const lane::JobSpec& spec) {
     library_streams_wait(host_ready);
     KeepEndEvent keep{mutex_, device, unshard ? unshard_done_ : post_done_};
     if (unshard) {
-      std::vector<Tensor> full = gather_full(layout_, *group_, FullKind::kCompute);
+      // The pages come back here, so that running out of them fails the
+      // job as the all-gather's own allocations would.
+      if (full_memory_) full_memory_->back();
+      std::vector<Tensor> full = gather_full(layout_, *group_, FullKind::kCompute, &full_);
       std::lock_guard<std::mutex> lock(mutex_);
       gathered_ = std::move(full);
     } else if (spec.item == CallItem::kPostBackward) {

@@ -39,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "core/releasable_memory.h"
 #include "core/stream.h"
 #include "core/tensor.h"
 #include "distributed/process_group.h"
@@ -206,7 +207,11 @@ class FullyShard final : public lane::LaneOwner,
   void settle_queued_work() noexcept;
   // Completes an unshard in flight (no-op otherwise): the slots get the full parameters.
   void finish_unshard_locked(std::unique_lock<std::mutex>& lock);
+  // The full parameters at the addresses they keep for the dp_fsdp's life
+  // (views of the region where the layout has them), their pages released.
+  void make_full_params();
   void install_full_locked();
+  // The slots hold the shards; the full parameters' pages go.
   void reshard_locked();
   // post_backward past its checks; a `refusal` stands in for the reduce-scatter.
   void post_backward_locked(std::unique_lock<std::mutex>& lock, std::vector<Event> host_ready,
@@ -254,6 +259,10 @@ class FullyShard final : public lane::LaneOwner,
   std::vector<Event> unshard_ready_, post_ready_;
   // After each job's queued work on the group's stream (QueuedTransfers).
   std::optional<Event> unshard_done_, post_done_;
+  // Every full parameter's memory (null where none needs any): backed from
+  // an unshard job to the next reshard, at one address throughout.
+  std::shared_ptr<ReleasableMemory> full_memory_;
+  std::vector<Tensor> full_;        // by parameter index, over full_memory_ (or views of the region)
   std::vector<Tensor> gathered_;    // the unshard job's full parameters
   std::vector<Tensor> post_grads_;  // the post_backward job's full gradients
   // This backward's marks (dp_fsdp_mark_grad_ready), per parameter index,

@@ -67,6 +67,32 @@ std::string FullyShard::replicate_argument_error() const {
   return "";
 }
 
+void FullyShard::make_full_params() {
+  // Each full parameter at its own address (even one of no bytes: distinct
+  // tensors never look tied), aligned as the device allocator aligns.
+  constexpr size_t kAlign = 256;
+  std::vector<size_t> offsets(layout_.size(), 0);
+  size_t total = 0;
+  for (size_t i = 0; i < layout_.size(); ++i) {
+    const ShardedParam& m = layout_.at(i);
+    if (layout_.views() && m.sharded) continue;
+    size_t numel = 1;
+    for (int64_t d : m.full_shape) numel *= static_cast<size_t>(d);
+    offsets[i] = total;
+    total += (std::max<size_t>(numel * dtype_size(m.compute), 1) + kAlign - 1) / kAlign * kAlign;
+  }
+  if (total > 0) full_memory_ = ReleasableMemory::reserve(group_->device(), total);
+  const std::shared_ptr<Storage> storage = full_memory_ ? full_memory_->storage() : nullptr;
+  full_.resize(layout_.size());
+  for (size_t i = 0; i < layout_.size(); ++i) {
+    const ShardedParam& m = layout_.at(i);
+    full_[i] = layout_.views() && m.sharded ? layout_.full_view(i)
+                                            : Tensor::wrap(storage, offsets[i], m.compute, m.full_shape);
+  }
+  // Resharded: no pages until the first unshard.
+  if (full_memory_) full_memory_->release();
+}
+
 void FullyShard::init() {
   // An argument error on one rank fails every rank's agreement check
   // (with init_sync) instead of leaving the others waiting.
@@ -96,6 +122,7 @@ void FullyShard::init() {
           this, spec, [&] { placement = create_shard_region(wanted, &region); }, lane_bound());
     }
     layout_.cut_shards(std::move(region), placement, group_->device());
+    make_full_params();
     for (const ShardedParam& m : layout_.params()) {
       m.parameter->set_grad(Tensor());
       m.parameter->set_value(m.shard);

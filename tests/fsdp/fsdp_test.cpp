@@ -5,13 +5,16 @@
 // process, each with its own group over one file store: real collectives,
 // and the test sees every rank's results.
 #include <dirent.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -550,6 +553,169 @@ INSTANTIATE_TEST_SUITE_P(Backends, FsdpParityFourRanks,
                          dptest::BackendWorldName());
 
 TEST_P(FsdpParityFourRanks, TrainingMatchesWithMoreRanksThanRows) { expect_parity(c_, 2e-5); }
+
+// ---- one address per full parameter ----
+
+// Whether the page holding `p` is in memory (mincore): a full parameter's
+// pages go at reshard and come back at the next unshard.
+bool page_resident(const void* p) {
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  unsigned char in_core = 0;
+  if (mincore(reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(p) & ~(page - 1)), page, &in_core) != 0) {
+    ADD_FAILURE() << "mincore: " << std::strerror(errno);
+    return false;
+  }
+  return (in_core & 1) != 0;
+}
+
+// Whether `p`'s page is mapped at all.
+bool page_mapped(const void* p) {
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  unsigned char in_core = 0;
+  return mincore(reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(p) & ~(page - 1)), page, &in_core) == 0 ||
+         errno != ENOMEM;
+}
+
+void expect_values(const dp_tensor* t, const std::vector<float>& expected, double tolerance, const std::string& what) {
+  const std::vector<float> got = read(t);
+  ASSERT_EQ(got.size(), expected.size()) << what;
+  for (size_t k = 0; k < got.size(); ++k) {
+    EXPECT_NEAR(got[k], expected[k], tolerance * (1.0 + std::fabs(expected[k]))) << what << "[" << k << "]";
+  }
+}
+
+// Many cycles of forward (async unshards prefetching the next layer,
+// reshard after each) and backward (unshard, post_backward), the shards
+// stepped between cycles: each full parameter keeps the address of the
+// first unshard, a handle taken in one cycle's forward reads the values the
+// next unshards refill, and while resharded (after post_backward; after the
+// forward's reshard too with ZeRO-3) its page is out of memory and reads
+// zeros. Views stay resident: they are the shards.
+void expect_one_address_per_full_parameter(const Config& c) {
+  const double tolerance = c.param_dtype == -1 ? 1e-6 : 1e-2;
+  const bool views = c.views != 0 && c.backend == dptest::Backend::kShm && c.world > 1 && c.param_dtype == -1;
+  run_ranks(c.world, dptest::backend_option(c.backend), [&](int rank, dp_process_group* pg) {
+    Toy toy(0.05f * static_cast<float>(rank));
+    dp_fsdp_options o;
+    ASSERT_EQ(dp_fsdp_options_init(&o, sizeof o), DP_OK);
+    o.reshard_after_forward = c.reshard_after_forward;
+    o.param_dtype = c.param_dtype;
+    o.full_params_as_views = c.views;
+    FsdpPtr f[3];
+    for (int l = 0; l < 3; ++l) {
+      f[l] = fully_shard(toy.layer[l].get(), pg, &o);
+      ASSERT_TRUE(f[l]);
+    }
+    dp_module* root = toy.root.get();
+    const void* address[3] = {};
+    TensorPtr kept[3];  // each layer's full parameter as the last forward took it
+    const float step = 0.5f;
+    constexpr int kCycles = 16;
+    for (int cycle = 0; cycle < kCycles; ++cycle) {
+      SCOPED_TRACE("rank " + std::to_string(rank) + " cycle " + std::to_string(cycle));
+      std::vector<float> expected[3];
+      for (int l = 0; l < 3; ++l) {
+        expected[l] = initial_weights(l, 0.0f);
+        for (float& v : expected[l]) v += step * static_cast<float>(cycle);
+      }
+      ASSERT_EQ(dp_fsdp_unshard(f[0].get(), 0), DP_OK) << dp_last_error();
+      for (int l = 0; l < 3; ++l) {
+        if (l + 1 < 3) {
+          ASSERT_EQ(dp_fsdp_unshard(f[l + 1].get(), 1), DP_OK) << dp_last_error();
+        }
+        ASSERT_EQ(dp_fsdp_wait_unshard(f[l].get()), DP_OK) << dp_last_error();
+        if (kept[l]) {
+          // Taken in the last cycle's forward: refilled at its address.
+          EXPECT_EQ(dp_tensor_data(kept[l].get()), address[l]);
+          expect_values(kept[l].get(), expected[l], tolerance, "a handle from the last forward");
+        }
+        dp_tensor* full = nullptr;
+        ASSERT_EQ(dp_module_get_parameter(root, kWeights[l], &full), DP_OK) << dp_last_error();
+        kept[l].reset(full);
+        if (cycle == 0) address[l] = dp_tensor_data(full);
+        EXPECT_EQ(dp_tensor_data(full), address[l]) << kWeights[l];
+        EXPECT_TRUE(page_resident(address[l])) << kWeights[l];
+        expect_values(full, expected[l], tolerance, kWeights[l]);
+        ASSERT_EQ(dp_fsdp_reshard(f[l].get()), DP_OK) << dp_last_error();
+        if (!views) {
+          EXPECT_EQ(page_resident(address[l]), c.reshard_after_forward == 0) << kWeights[l];
+        }
+      }
+      for (int l = 2; l >= 0; --l) {
+        ASSERT_EQ(dp_fsdp_unshard(f[l].get(), 0), DP_OK) << dp_last_error();
+        // The forward's handle sees what the backward's unshard refilled.
+        EXPECT_EQ(dp_tensor_data(kept[l].get()), address[l]);
+        expect_values(kept[l].get(), expected[l], tolerance, "the forward's handle in the backward");
+        add_grad(root, kWeights[l], std::vector<float>(kDim * kDim, 1.0f));
+        ASSERT_EQ(dp_fsdp_post_backward(f[l].get()), DP_OK) << dp_last_error();
+      }
+      for (int l = 0; l < 3; ++l) {
+        ASSERT_EQ(dp_fsdp_finish_backward(f[l].get()), DP_OK) << dp_last_error();
+        if (views) continue;
+        EXPECT_FALSE(page_resident(address[l])) << kWeights[l] << " after post_backward";
+        expect_values(kept[l].get(), std::vector<float>(kDim * kDim, 0.0f), 0.0, "a handle while resharded");
+      }
+      // The optimizer's step, on every rank's shards.
+      for (int l = 0; l < 3; ++l) {
+        dp_tensor* shard = nullptr;
+        ASSERT_EQ(dp_fsdp_shard(f[l].get(), 0, &shard), DP_OK) << dp_last_error();
+        TensorPtr owned(shard);
+        std::vector<float> v = read(shard);
+        for (float& x : v) x += step;
+        write(shard, v);
+      }
+    }
+  });
+}
+
+class FsdpFullAddress : public FsdpParityFloat32 {};
+INSTANTIATE_TEST_SUITE_P(Backends, FsdpFullAddress,
+                         ::testing::ValuesIn(dptest::backend_worlds(dptest::RankKind::kThreads, {1, 2}, DP_DEVICE_CPU)),
+                         dptest::BackendWorldName());
+
+TEST_P(FsdpFullAddress, FullParametersKeepOneAddressAndReleaseTheirPagesAtReshard) {
+  expect_one_address_per_full_parameter(c_);
+}
+
+TEST_P(FsdpFullAddress, FullParametersInBfloat16KeepOneAddressAndReleaseTheirPagesAtReshard) {
+  c_.param_dtype = DP_BFLOAT16;
+  expect_one_address_per_full_parameter(c_);
+}
+
+TEST_P(FsdpFullAddress, FullParametersKeptFromForwardToBackwardKeepOneAddressAndGoAtPostBackward) {
+  c_.reshard_after_forward = 0;
+  expect_one_address_per_full_parameter(c_);
+}
+
+TEST_P(FsdpFullAddress, FullParametersAsViewsKeepOneAddress) {
+  c_.views = 1;
+  expect_one_address_per_full_parameter(c_);
+}
+
+// Destroy gives the slots new full parameters; a handle the host kept on
+// the old one reads zeros, and once it goes the address range is unmapped.
+TEST(Fsdp, AFullParameterHandleKeptPastDestroyReadsZerosAndItsRangeGoesWithIt) {
+  run_ranks(1, DP_BACKEND_GLOO, [](int, dp_process_group* pg) {
+    Toy toy(0.0f);
+    FsdpPtr f = fully_shard(toy.layer[0].get(), pg);
+    ASSERT_TRUE(f);
+    ASSERT_EQ(dp_fsdp_unshard(f.get(), 0), DP_OK) << dp_last_error();
+    dp_tensor* full = nullptr;
+    ASSERT_EQ(dp_module_get_parameter(toy.root.get(), kWeights[0], &full), DP_OK) << dp_last_error();
+    TensorPtr kept(full);
+    const void* address = dp_tensor_data(full);
+    f.reset();
+    EXPECT_EQ(parameter(toy.root.get(), kWeights[0]), initial_weights(0, 0.0f));
+    dp_tensor* after = nullptr;
+    ASSERT_EQ(dp_module_get_parameter(toy.root.get(), kWeights[0], &after), DP_OK) << dp_last_error();
+    TensorPtr owned_after(after);
+    EXPECT_NE(dp_tensor_data(after), address);
+    EXPECT_FALSE(page_resident(address));
+    EXPECT_EQ(read(full), std::vector<float>(kDim * kDim, 0.0f));
+    kept.reset();
+    EXPECT_FALSE(page_mapped(address));
+  });
+}
 
 // An unshard still in flight when the dp_fsdp is destroyed completes first;
 // the module then holds its full parameters, in their own dtype.

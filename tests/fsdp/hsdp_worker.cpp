@@ -167,6 +167,7 @@ struct Toy {
   dp_fsdp* handles[4] = {};  // made by dp_fsdp_create_on_mesh: layers 0-2, then `linears`
   dp_ddp* ddp = nullptr;
   Groups groups;
+  const void* full_address[3] = {};  // each layer's full parameter at its first unshard
 };
 
 // The toy's modules and, unless `only_modules`, its dp_fsdp (on
@@ -177,6 +178,7 @@ struct Toy {
 void toy_create(Toy& toy, float skew, const Groups& groups, const ShardingOptions& options = {},
                 const char* layer0_name = "weight", const dp_device_mesh* mesh = nullptr) {
   toy.groups = groups;
+  for (const void*& at : toy.full_address) at = nullptr;
   CHECK_OK(dp_module_create(&toy.root));
   CHECK_OK(dp_module_create(&toy.linears));
   for (int l = 0; l < 4; ++l) {
@@ -246,6 +248,18 @@ void add_grad(dp_module* m, const char* name, const double* delta) {
   dp_tensor_destroy(t);
 }
 
+// Layer `l`'s full parameter (unsharded) is where its first unshard put it:
+// one address for the dp_fsdp's life (dp_fsdp.h).
+void check_full_address(Toy& toy, int l) {
+  dp_tensor* t = nullptr;
+  CHECK_OK(dp_module_get_parameter(toy.root, kWeights[l], &t));
+  if (t == nullptr) return;
+  const void* at = dp_tensor_data(t);
+  dp_tensor_destroy(t);
+  if (toy.full_address[l] == nullptr) toy.full_address[l] = at;
+  CHECK(at == toy.full_address[l], "%s moved from %p to %p between unshards", kWeights[l], toy.full_address[l], at);
+}
+
 // Runs `fn`, counting an exception as a failed check.
 void checked(const char* what, const std::function<void()>& fn) {
   try {
@@ -269,6 +283,7 @@ void train_step(Toy& toy, int step) {
     for (int l = 0; l < 3; ++l) {
       if (l + 1 < 3) toy.fsdp[l + 1]->unshard(true);
       toy.fsdp[l]->wait_unshard();
+      check_full_address(toy, l);
       w[l] = get(toy.root, kWeights[l], false);
       linear(h[l], w[l].data(), h[l + 1], kRowsPerRank);
       toy.fsdp[l]->reshard();
@@ -285,6 +300,7 @@ void train_step(Toy& toy, int step) {
         if (l == 2) toy.fsdp[2]->unshard(false);
         if (l > 0) toy.fsdp[l - 1]->unshard(true);
         toy.fsdp[l]->wait_unshard();
+        check_full_address(toy, l);
         w[l] = get(toy.root, kWeights[l], false);
       }
       backward(dy, h[l], w[l].data(), g, dx, kRowsPerRank);

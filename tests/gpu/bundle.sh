@@ -34,6 +34,7 @@ dp_cuda_host_tests tests/comm/dp_cuda_host_tests
 dp_ddp_cuda_tests tests/ddp/dp_ddp_cuda_tests
 dp_nccl_tests tests/distributed/dp_nccl_tests
 dp_fsdp_tests tests/fsdp/dp_fsdp_tests
+dp_fsdp_cuda_tests tests/fsdp/dp_fsdp_cuda_tests
 fsdp_worker tests/fsdp/fsdp_worker
 dp_cuda_stream_tests tests/streams/dp_cuda_stream_tests
 dp_stream_tests tests/streams/dp_stream_tests

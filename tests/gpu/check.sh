@@ -10,6 +10,8 @@
 # that far, figures.txt; they are rewritten after each step, so a run cut
 # short still leaves what it did.
 # Steps, on one GPU (more where there are more):
+#   - fully_shard's full parameters at one address, their memory given
+#     back at reshard through the driver's VMM, and kept without it;
 #   - every test of the bundle's binaries named Cuda*/Nccl* (async/
 #     duplicates do not exist here: the binaries run directly), copies of
 #     2.5 GiB, and every NCCL collective, dtype and op on both channels of a
@@ -225,7 +227,7 @@ publish
 timed='*Throughput*:*Timeout*:*TimesOut*:*StreamIsHeld*:*IsHeld*:*LargeCopies*'
 # Each binary and its GPU tests: the library's own kernels first.
 gpu_binaries="dp_comm_cuda_internal_tests dp_capi_tests dp_cuda_stream_tests dp_ddp_cuda_tests dp_nccl_tests
-dp_fsdp_tests dp_stream_tests"
+dp_fsdp_tests dp_fsdp_cuda_tests dp_stream_tests"
 # The suites over the backend list name their instances after the backend
 # (Backends/FsdpParity.*/nccl_world1_float32).
 gpu_filter='*Cuda*:*Nccl*:*/nccl_*'
@@ -295,6 +297,13 @@ if [ "$dry" -eq 0 ]; then
     fail_note "NCCL on one rank: $inits communicator(s) initialized, expected 4 (two groups, data and control)"
   fi
 fi
+# fully_shard's full parameters: one address across unshards, their memory
+# given back at reshard through the driver's VMM (cudaMemGetInfo), and kept
+# in the fallback without it (DP_CUDA_VMM=0).
+gtest_step "fully_shard on VMM: one address per full parameter, memory back at reshard" 90 dp_fsdp_cuda_tests \
+  'CudaFsdpFullAddress.*'
+gtest_step "fully_shard without VMM (DP_CUDA_VMM=0): one address, memory kept" 90 dp_fsdp_cuda_tests \
+  'CudaFsdpFullAddress.*' DP_CUDA_VMM=0
 # The stream-order tests with the library's wait for the host's stream
 # switched off (DP_TEST_SKIP_STREAM_WAIT=1): each must fail, or it passes
 # whether the library waits or not.

@@ -236,6 +236,45 @@ fn fsdp(lib: &Library, c: &mut Checks) -> Result<()> {
     let full = m.parameter("v")?.to_vec::<f32>();
     c.expect("and the slot holds the full parameter", matches!(&full, Ok(v) if v[..] == [1.0; 4]), describe(&full));
 
+    // The full parameter keeps its address across unshards: a handle kept on
+    // it names what the next unshard writes, even while the slot holds the
+    // shard, so a slice of it holds that unshard off and is refused while
+    // the all-gather writes it.
+    let kept = m.parameter("v")?;
+    fsdp.reshard()?;
+    let zeros = kept.to_vec::<f32>();
+    c.expect(
+        "a kept full parameter reads zeros while resharded (its pages are given back)",
+        matches!(&zeros, Ok(v) if v[..] == [0.0; 4]),
+        describe(&zeros),
+    );
+    {
+        let _slice = kept.as_slice::<f32>()?;
+        let refused = fsdp.unshard_async();
+        c.expect(
+            "unshard_async while a slice of the kept full parameter lives is refused",
+            matches!(&refused, Err(e) if e.code() == DP_ESTATE),
+            describe(&refused),
+        );
+    }
+    fsdp.unshard_async()?;
+    let during = shared_len(&kept);
+    c.expect(
+        "a slice of the kept full parameter while the all-gather writes it is refused",
+        held_until(&during, UNSHARD_UNTIL),
+        describe(&during),
+    );
+    fsdp.wait_unshard()?;
+    let again = m.parameter("v")?;
+    c.expect("the next unshard's full parameter is at the same address", again.data_ptr() == kept.data_ptr(), "moved");
+    let refilled = kept.to_vec::<f32>();
+    c.expect(
+        "and the kept handle reads the refilled values",
+        matches!(&refilled, Ok(v) if v[..] == [1.0; 4]),
+        describe(&refilled),
+    );
+    drop((kept, again));
+
     // Completed by a reshard, or a blocking unshard, too.
     fsdp.reshard()?;
     fsdp.unshard_async()?;

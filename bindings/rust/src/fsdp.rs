@@ -53,6 +53,13 @@ impl Default for FsdpOptions {
 /// `shard` / `shard_grad`. Dropping it is collective: every rank drops its
 /// `Fsdp` of the pair, and the module's slots get the full parameters back.
 ///
+/// Each full parameter keeps one address for the `Fsdp`'s life (dp_fsdp.h,
+/// "Full parameters keep one address"): a handle taken while unsharded
+/// names the values every later unshard writes there, and reads zeros
+/// while resharded on the CPU (its pages are given back). A slice of it
+/// therefore holds off `unshard`, `reshard` and the backward steps, which
+/// write it, even while the module's slot holds the shard.
+///
 /// A shard handle shares the shard's memory. Work these calls leave running
 /// keeps it out of reach of slices, through any handle, until the call that
 /// completes it returns (or fails, or the `Fsdp` is dropped): after
@@ -78,6 +85,12 @@ pub struct Fsdp {
     // the set runs post_backward, whose memory is then held as its.
     takes_mark: Vec<bool>,
     marked: Vec<bool>,
+    // Each full parameter's memory (address, bytes), fixed for the dp_fsdp's
+    // life and noted at the first unshard: unshard, reshard and the backward
+    // steps write it (the gathered values, the pages given back), even
+    // while the module's slots hold the shards. Views of the shards are
+    // left out (the shards stand for them).
+    full_ranges: Vec<(usize, usize)>,
 }
 
 // One dp_fsdp's calls are serialised by the library (dp_fsdp.h).
@@ -148,6 +161,7 @@ impl Fsdp {
             requires_sync: true,
             takes_mark: Vec::new(),
             marked: Vec::new(),
+            full_ranges: Vec::new(),
         };
         for index in 0..fsdp.num_parameters() {
             let name = fsdp.parameter_name(index)?;
@@ -162,6 +176,9 @@ impl Fsdp {
     // gradient, shard or shard gradient of the module.
     fn begin_call(&self, what: &str) -> Result<StorageBorrow> {
         let mut access = self.module.access(Access::Write, Access::Untouched, Access::Write);
+        for &(start, bytes) in &self.full_ranges {
+            access.range(start, bytes, Access::Write);
+        }
         let api = self.lib.api();
         for index in 0..self.num_parameters() {
             for get in [api.fsdp_shard, api.fsdp_shard_grad] {
@@ -184,6 +201,12 @@ impl Fsdp {
     /// the host can reach (read) by a post_backward's reduce-scatter.
     fn hold(&self, what: &str, pending: Pending, post_backward: bool) -> Result<StorageBorrow> {
         let mut access = CallAccess::new();
+        if !post_backward {
+            // The all-gather writes the full parameters.
+            for &(start, bytes) in &self.full_ranges {
+                access.range(start, bytes, Access::Write);
+            }
+        }
         let api = self.lib.api();
         for index in 0..self.num_parameters() {
             let get = if post_backward { api.fsdp_shard_grad } else { api.fsdp_shard };
@@ -215,6 +238,40 @@ impl Fsdp {
         }
     }
 
+    /// Notes each full parameter's memory once the slots first hold them
+    /// (their addresses then stay for the dp_fsdp's life).
+    fn note_full_ranges(&mut self) {
+        if !self.full_ranges.is_empty() {
+            return;
+        }
+        let api = self.lib.api();
+        let mut ranges = Vec::new();
+        for index in 0..self.num_parameters() {
+            let mut name = ptr::null();
+            if unsafe { (api.fsdp_parameter_name)(self.raw, index, &mut name) } != sys::DP_OK || name.is_null() {
+                return;
+            }
+            let mut full = ptr::null_mut();
+            if unsafe { (api.module_get_parameter)(self.module.raw, name, &mut full) } != sys::DP_OK || full.is_null() {
+                return;
+            }
+            let start = unsafe { (api.tensor_data)(full) } as usize;
+            let bytes = unsafe { (api.tensor_nbytes)(full) };
+            unsafe { (api.tensor_destroy)(full) };
+            let mut shard = ptr::null_mut();
+            let mut view = false;
+            if unsafe { (api.fsdp_shard)(self.raw, index, &mut shard) } == sys::DP_OK && !shard.is_null() {
+                let at = unsafe { (api.tensor_data)(shard) } as usize;
+                view = unsafe { (api.tensor_nbytes)(shard) } > 0 && at >= start && at < start.saturating_add(bytes);
+                unsafe { (api.tensor_destroy)(shard) };
+            }
+            if !view {
+                ranges.push((start, bytes));
+            }
+        }
+        self.full_ranges = ranges;
+    }
+
     /// After a call that waits for an unshard in flight.
     fn settle_unshard(&mut self, st: sys::dp_status) -> Result<()> {
         Fsdp::settle(st, &mut self.unshard_in_flight);
@@ -229,6 +286,9 @@ impl Fsdp {
     pub fn unshard(&mut self) -> Result<()> {
         let _call = self.begin_call("unshard")?;
         let st = unsafe { (self.lib.api().fsdp_unshard)(self.raw, 0) };
+        if st == sys::DP_OK {
+            self.note_full_ranges();
+        }
         self.settle_unshard(st)
     }
 
@@ -256,6 +316,9 @@ impl Fsdp {
     pub fn wait_unshard(&mut self) -> Result<()> {
         let _call = self.begin_call("wait_unshard")?;
         let st = unsafe { (self.lib.api().fsdp_wait_unshard)(self.raw) };
+        if st == sys::DP_OK {
+            self.note_full_ranges();
+        }
         self.settle_unshard(st)
     }
 

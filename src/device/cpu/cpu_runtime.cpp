@@ -33,6 +33,28 @@ class CpuRuntime final : public DeviceRuntime {
 
   void fill_zero(int32_t, void* data, size_t nbytes) const override { parallel_zero(data, nbytes); }
 
+  // Private anonymous pages: MADV_DONTNEED gives them back and later reads
+  // fault in zero pages; no swap is reserved for them meanwhile.
+  PageReservation reserve_pages(int32_t, size_t nbytes) const override {
+    void* p = mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) fail(StatusCode::kOutOfMemory, "could not reserve ", nbytes, " bytes of host memory");
+    PageReservation r;
+    r.data = p;
+    r.nbytes = r.reserved = nbytes;
+    r.releases = true;
+    r.backed = true;
+    return r;
+  }
+  void release_pages(int32_t, PageReservation& r) const noexcept override {
+    if (r.data != nullptr && r.backed) madvise(r.data, r.reserved, MADV_DONTNEED);
+    r.backed = false;
+  }
+  void back_pages(int32_t, PageReservation& r) const override { r.backed = true; }
+  void unreserve_pages(int32_t, PageReservation& r) const noexcept override {
+    if (r.data != nullptr) munmap(r.data, r.reserved);
+    r = PageReservation{};
+  }
+
   void copy_rows(void* dst, const Device&, size_t dst_pitch, const void* src, const Device&, size_t src_pitch,
                  size_t row_bytes, size_t rows) const override {
     cpu::copy_rows(dst, dst_pitch, src, src_pitch, row_bytes, rows);

@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -124,6 +125,72 @@ void enable_peer_access(int32_t from, int32_t to) {
     open_pool(b, a);
     return true;
   });
+}
+
+// The driver's virtual memory management (VMM) calls, looked up as
+// driver_function does: a range of addresses reserved once, physical
+// memory mapped into it and unmapped again while the addresses stay.
+struct Vmm {
+  PFN_cuDeviceGet_v2000 device_get = driver_function<PFN_cuDeviceGet_v2000>("cuDeviceGet");
+  PFN_cuDeviceGetAttribute_v2000 get_attribute =
+      driver_function<PFN_cuDeviceGetAttribute_v2000>("cuDeviceGetAttribute");
+  PFN_cuGetErrorString_v6000 error_string = driver_function<PFN_cuGetErrorString_v6000>("cuGetErrorString");
+  PFN_cuMemGetAllocationGranularity_v10020 granularity =
+      driver_function<PFN_cuMemGetAllocationGranularity_v10020>("cuMemGetAllocationGranularity");
+  PFN_cuMemAddressReserve_v10020 address_reserve =
+      driver_function<PFN_cuMemAddressReserve_v10020>("cuMemAddressReserve");
+  PFN_cuMemAddressFree_v10020 address_free = driver_function<PFN_cuMemAddressFree_v10020>("cuMemAddressFree");
+  PFN_cuMemCreate_v10020 create = driver_function<PFN_cuMemCreate_v10020>("cuMemCreate");
+  PFN_cuMemRelease_v10020 release = driver_function<PFN_cuMemRelease_v10020>("cuMemRelease");
+  PFN_cuMemMap_v10020 map = driver_function<PFN_cuMemMap_v10020>("cuMemMap");
+  PFN_cuMemUnmap_v10020 unmap = driver_function<PFN_cuMemUnmap_v10020>("cuMemUnmap");
+  PFN_cuMemSetAccess_v10020 set_access = driver_function<PFN_cuMemSetAccess_v10020>("cuMemSetAccess");
+
+  bool complete() const {
+    return device_get != nullptr && get_attribute != nullptr && granularity != nullptr && address_reserve != nullptr &&
+           address_free != nullptr && create != nullptr && release != nullptr && map != nullptr && unmap != nullptr &&
+           set_access != nullptr;
+  }
+  // kOutOfMemory for CUDA_ERROR_OUT_OF_MEMORY, else kDevice naming the call.
+  void check(CUresult rc, const char* call, int32_t index) const {
+    if (rc == CUDA_SUCCESS) return;
+    const char* text = nullptr;
+    if (error_string == nullptr || error_string(rc, &text) != CUDA_SUCCESS || text == nullptr) text = "unknown error";
+    fail(rc == CUDA_ERROR_OUT_OF_MEMORY ? StatusCode::kOutOfMemory : StatusCode::kDevice, call, " on cuda:", index,
+         " failed: ", text, " (CUresult ", static_cast<int>(rc), ")");
+  }
+};
+
+const Vmm& vmm() {
+  static const Vmm* table = new Vmm();  // lives as long as the process, as the driver does
+  return *table;
+}
+
+// Physical memory on GPU `index` for a VMM mapping.
+CUmemAllocationProp pinned_on(int32_t index) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = index;
+  return prop;
+}
+
+// Whether GPU `index` (current) has VMM, as its attribute says; DP_CUDA_VMM=0
+// turns it off (the fallback: memory kept at reshard).
+bool vmm_supported(int32_t index) {
+  static const bool disabled = [] {
+    const char* v = std::getenv("DP_CUDA_VMM");
+    return v != nullptr && std::string(v) == "0";
+  }();
+  const Vmm& v = vmm();
+  if (disabled || !v.complete()) return false;
+  CUdevice device = 0;
+  int supported = 0;
+  if (v.device_get(&device, index) != CUDA_SUCCESS) return false;
+  if (v.get_attribute(&supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device) != CUDA_SUCCESS) {
+    return false;
+  }
+  return supported != 0;
 }
 
 }  // namespace
@@ -340,6 +407,105 @@ class CudaRuntime final : public DeviceRuntime {
     cudaStream_t stream = stream_of(index);
     check(cudaMemsetAsync(data, 0, nbytes, stream), "cudaMemsetAsync");
     finish_library_work(stream);
+  }
+
+  // VMM where the GPU has it: the range reserved once (cuMemAddressReserve),
+  // one physical allocation of the whole range mapped in (cuMemCreate,
+  // cuMemMap, cuMemSetAccess for this GPU and each peer that can reach it)
+  // and unmapped and released at release_pages. Elsewhere the default: a
+  // plain allocation that keeps its pages.
+  PageReservation reserve_pages(int32_t index, size_t nbytes) const override {
+    require(index);
+    DeviceGuard guard(index);
+    if (!vmm_supported(index)) return DeviceRuntime::reserve_pages(index, nbytes);
+    const Vmm& v = vmm();
+    const CUmemAllocationProp prop = pinned_on(index);
+    size_t granularity = 0;
+    v.check(v.granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM), "cuMemGetAllocationGranularity",
+            index);
+    if (granularity == 0) granularity = 1;
+    PageReservation r;
+    r.nbytes = nbytes;
+    r.reserved = (nbytes + granularity - 1) / granularity * granularity;
+    CUdeviceptr ptr = 0;
+    v.check(v.address_reserve(&ptr, r.reserved, granularity, 0, 0), "cuMemAddressReserve", index);
+    r.data = reinterpret_cast<void*>(ptr);
+    r.releases = true;
+    try {
+      back_pages(index, r);
+    } catch (...) {
+      v.address_free(ptr, r.reserved);
+      throw;
+    }
+    return r;
+  }
+
+  void back_pages(int32_t index, PageReservation& r) const override {
+    if (r.backed) return;
+    if (!r.releases) {
+      r.backed = true;
+      return;
+    }
+    require(index);
+    DeviceGuard guard(index);
+    const Vmm& v = vmm();
+    const CUmemAllocationProp prop = pinned_on(index);
+    const auto ptr = reinterpret_cast<CUdeviceptr>(r.data);
+    CUmemGenericAllocationHandle handle = 0;
+    v.check(v.create(&handle, r.reserved, &prop, 0), "cuMemCreate", index);
+    const CUresult mapped = v.map(ptr, r.reserved, 0, handle, 0);
+    if (mapped != CUDA_SUCCESS) {
+      v.release(handle);
+      v.check(mapped, "cuMemMap", index);
+    }
+    // A new mapping is reachable from no GPU until access is set: this one,
+    // and the peers that may reach it (copies, NCCL's in-process path).
+    std::vector<CUmemAccessDesc> access;
+    for (int32_t peer = 0; peer < cuda::device_count(); ++peer) {
+      int can = peer == index ? 1 : 0;
+      if (peer != index && cudaDeviceCanAccessPeer(&can, peer, index) != cudaSuccess) {
+        cudaGetLastError();
+        can = 0;
+      }
+      if (can == 0) continue;
+      CUmemAccessDesc desc{};
+      desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      desc.location.id = peer;
+      desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+      access.push_back(desc);
+    }
+    const CUresult granted = v.set_access(ptr, r.reserved, access.data(), access.size());
+    if (granted != CUDA_SUCCESS) {
+      v.unmap(ptr, r.reserved);
+      v.release(handle);
+      v.check(granted, "cuMemSetAccess", index);
+    }
+    r.handle = handle;
+    r.backed = true;
+  }
+
+  void release_pages(int32_t index, PageReservation& r) const noexcept override {
+    if (!r.releases || !r.backed) return;
+    DeviceGuard guard(index, std::nothrow);
+    if (!guard.ok()) return;  // the device is unusable, and its memory with it
+    const Vmm& v = vmm();
+    // The physical memory goes once it is unmapped and its handle released.
+    v.unmap(reinterpret_cast<CUdeviceptr>(r.data), r.reserved);
+    v.release(static_cast<CUmemGenericAllocationHandle>(r.handle));
+    r.handle = 0;
+    r.backed = false;
+  }
+
+  void unreserve_pages(int32_t index, PageReservation& r) const noexcept override {
+    if (r.data == nullptr) return;
+    if (!r.releases) {
+      DeviceRuntime::unreserve_pages(index, r);
+      return;
+    }
+    release_pages(index, r);
+    DeviceGuard guard(index, std::nothrow);
+    if (guard.ok()) vmm().address_free(reinterpret_cast<CUdeviceptr>(r.data), r.reserved);
+    r = PageReservation{};
   }
 
   void copy_rows(void* dst, const Device& dst_device, size_t dst_pitch, const void* src, const Device& src_device,
