@@ -27,6 +27,7 @@ src/distributed/shm/        core/ comm/ distributed/shm/ distributed/backend.h d
 src/distributed/shm/shm_process_group.h  core/ comm/ distributed/shm/ distributed/backend.h distributed/call_header.h distributed/reduce_ops.h distributed/process_group.h
 src/distributed/gloo/       core/ comm/ distributed/gloo/ distributed/backend.h distributed/call_header.h distributed/reduce_ops.h distributed/rendezvous.h
 src/distributed/nccl/       core/ comm/ device/cuda/ distributed/nccl/ distributed/backend.h distributed/call_header.h distributed/reduce_ops.h
+src/distributed/mpi/        core/ comm/ distributed/mpi/ distributed/backend.h distributed/call_header.h distributed/reduce_ops.h distributed/rendezvous.h
 src/lane/                   core/ comm/ module/ distributed/ device/cuda/cuda_runtime.h lane/
 src/ddp/                    core/ comm/ module/ distributed/ lane/ ddp/
 src/fsdp/                   core/ comm/ module/ distributed/ lane/ fsdp/

@@ -102,9 +102,9 @@ void pass_on(int sig) {
 
 // What the launcher was asked through the control socket.
 struct Requests {
-  int fd = -1;           // the launcher's end; -1 once the front is gone
-  int first_signal = 0;  // the signal that stops the job
-  int signals = 0;       // how many came (but dump requests)
+  int fd = -1;              // the launcher's end; -1 once the front is gone
+  int first_signal = 0;     // the signal that stops the job
+  int signals = 0;          // how many came (but dump requests)
   bool usr1_dumps = false;  // --trace-dir: SIGUSR1 asks the ranks for their flight recorder dumps
   int dumps = 0;            // dump requests not yet passed on
   bool front_gone = false;

@@ -145,13 +145,12 @@ void diagnose_group(const Group& g) {
       if (c.seq != 0 && (c.state == "done" || c.state == "failed")) last_done = &c;
       if (c.state == "started" || (c.state == "failed" && c.seq == progress(t))) in_flight = &c;
     }
-    std::printf("  rank %d%s: ", r,
-                t.process_rank >= 0 && t.process_rank != r ? (" (RANK " + std::to_string(t.process_rank) + ")").c_str()
-                                                           : "");
+    std::printf(
+        "  rank %d%s: ", r,
+        t.process_rank >= 0 && t.process_rank != r ? (" (RANK " + std::to_string(t.process_rank) + ")").c_str() : "");
     if (in_flight != nullptr) {
       const double waited = in_flight->started_us > 0 ? (t.dumped_us - in_flight->started_us) / 1e6 : 0;
-      std::printf("in %s, %s %.1f s before the dump", describe(*in_flight).c_str(), in_flight->state.c_str(),
-                  waited);
+      std::printf("in %s, %s %.1f s before the dump", describe(*in_flight).c_str(), in_flight->state.c_str(), waited);
     } else if (last_done != nullptr) {
       std::printf("idle after %s, %s", describe(*last_done).c_str(), last_done->state.c_str());
     } else {

@@ -28,10 +28,14 @@ int64_t now_us() {
 
 const char* state_name(uint32_t state) {
   switch (state) {
-    case TraceCall::kIssued: return "issued";
-    case TraceCall::kStarted: return "started";
-    case TraceCall::kDone: return "done";
-    default: return "failed";
+    case TraceCall::kIssued:
+      return "issued";
+    case TraceCall::kStarted:
+      return "started";
+    case TraceCall::kDone:
+      return "done";
+    default:
+      return "failed";
   }
 }
 

@@ -78,7 +78,7 @@ class FlightRecorder {
   std::atomic<uint64_t> next_id_{0};
   mutable std::mutex id_mutex_;  // group_id_ only; never taken by a dump
   std::string group_id_;
-  std::atomic<const char*> published_id_{nullptr};  // what a dump reads
+  std::atomic<const char*> published_id_{nullptr};        // what a dump reads
   std::vector<std::unique_ptr<std::string>> id_history_;  // keeps every published id alive
 };
 

@@ -224,7 +224,7 @@ class ProcessGroup final : private CallSite {
   std::deque<std::pair<Task, std::shared_ptr<Work>>> queue_;
   bool busy_ = false;
   bool stopping_ = false;
-  std::string broken_;  // the failure that broke the group
+  std::string broken_;                // the failure that broke the group
   std::atomic<bool> aborted_{false};  // by abort_calls: failures are reported as the abort
   std::thread worker_;
   uint64_t seq_ = 0;  // the last collective's number; only the running collective touches it
@@ -243,9 +243,9 @@ class ProcessGroup final : private CallSite {
   std::string report_prefix_;
   std::weak_ptr<CallGate> gate_;
   std::shared_ptr<const GroupLineage> lineage_;
-  std::shared_ptr<FlightRecorder> recorder_;  // made once the backend is
+  std::shared_ptr<FlightRecorder> recorder_;       // made once the backend is
   std::atomic<TraceCall*> running_call_{nullptr};  // the running call's record, null: none
-  uint64_t splits_ = 0;  // splits so far: each new group's keys are "split<n>/"
+  uint64_t splits_ = 0;                            // splits so far: each new group's keys are "split<n>/"
   // Last: made after the state above, and gone before it.
   std::unique_ptr<Backend> backend_;
 };

@@ -30,11 +30,8 @@ const Device kCpu{DeviceType::kCpu, 0};
 
 // The C header's values, by their names.
 const std::map<std::string, int32_t> kCValues = {
-    {"DP_BACKEND_AUTO", DP_BACKEND_AUTO},
-    {"DP_BACKEND_GLOO", DP_BACKEND_GLOO},
-    {"DP_BACKEND_NCCL", DP_BACKEND_NCCL},
-    {"DP_BACKEND_SHM", DP_BACKEND_SHM},
-    {"DP_BACKEND_MPI", DP_BACKEND_MPI},
+    {"DP_BACKEND_AUTO", DP_BACKEND_AUTO}, {"DP_BACKEND_GLOO", DP_BACKEND_GLOO}, {"DP_BACKEND_NCCL", DP_BACKEND_NCCL},
+    {"DP_BACKEND_SHM", DP_BACKEND_SHM},   {"DP_BACKEND_MPI", DP_BACKEND_MPI},
 };
 
 TEST(BackendRegistry, EveryCValueHasExactlyOneRowUnderItsName) {
@@ -143,7 +140,8 @@ TEST(BackendRegistry, OptionsNameTheBackendsThatRunOnTheDevice) {
     FAIL() << "backend 7 was accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find("DP_BACKEND_AUTO, DP_BACKEND_GLOO, DP_BACKEND_NCCL, DP_BACKEND_SHM or DP_BACKEND_MPI"),
+    EXPECT_NE(std::string(e.what()).find(
+                  "DP_BACKEND_AUTO, DP_BACKEND_GLOO, DP_BACKEND_NCCL, DP_BACKEND_SHM or DP_BACKEND_MPI"),
               std::string::npos)
         << e.what();
   }

@@ -1,8 +1,8 @@
 // The flight recorder across real processes: a rank that stops or hangs
 // leaves the others' dumps (on their timeout, or on SIGUSR1) from which
 // dp-run --diagnose names it; and the diagnosis of dumps written by hand.
-#include <gtest/gtest.h>
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdlib.h>
@@ -67,8 +67,7 @@ TEST(FlightRecorder, RanksThatTimeOutDumpAndTheDiagnosisNamesTheStoppedRank) {
   job.stopped_rank = 2;
   job.limit = std::chrono::seconds(200);
   job.env = [&](int) {
-    return std::vector<std::string>{"DP_TRACE_DIR=" + dir, "DP_TRACE_BUFFER=4", "DP_TEST_TIMEOUT_MS=10000",
-                                    "DP_SHM=0"};
+    return std::vector<std::string>{"DP_TRACE_DIR=" + dir, "DP_TRACE_BUFFER=4", "DP_TEST_TIMEOUT_MS=10000", "DP_SHM=0"};
   };
   const std::vector<dptest::RankExit> exits = dptest::run_rank_processes(job);
   ASSERT_EQ(exits.size(), 3u);
@@ -102,9 +101,8 @@ Diagnosis dump_until_rank_one_is_behind(const std::string& dir, std::chrono::ste
   while (std::chrono::steady_clock::now() < deadline) {
     for (const char* file : {"/rank0.json", "/rank1.json", "/rank2.json"}) ::unlink((dir + file).c_str());
     ask();
-    for (int i = 0; i < 500 && !(exists(dir + "/rank0.json") && exists(dir + "/rank1.json") &&
-                                 exists(dir + "/rank2.json"));
-         ++i) {
+    for (int i = 0;
+         i < 500 && !(exists(dir + "/rank0.json") && exists(dir + "/rank1.json") && exists(dir + "/rank2.json")); ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     d = diagnose(dir);
@@ -156,8 +154,8 @@ TEST(FlightRecorder, DpRunWithATraceDirPassesSigusrOneToItsRanksAndTheJobGoesOn)
   const std::string dir = temp_dir();
   ASSERT_FALSE(dir.empty());
   const std::string traces = dir + "/traces", out = dir + "/dp-run.txt";
-  std::vector<std::string> words = {DP_RUN,         "--trace-dir", traces,  "-n", "3", "env", "DP_SHM=0",
-                                    DP_TRACE_WORKER, "pause",       "12",    "1",  "5"};
+  std::vector<std::string> words = {DP_RUN,     "--trace-dir",   traces,  "-n", "3", "env",
+                                    "DP_SHM=0", DP_TRACE_WORKER, "pause", "12", "1", "5"};
   std::vector<char*> argv;
   for (auto& w : words) argv.push_back(w.data());
   argv.push_back(nullptr);
@@ -229,9 +227,10 @@ TEST(ProcessGroupAbort, BetweenCallsFailsTheNextSharedMemoryCallAndThePeersAtOnc
 
 // A dump as a rank writes it: `calls` are (seq, call, dtype, numel, state).
 void write_dump(const std::string& path, int rank, const std::string& calls) {
-  std::ofstream(path) << R"({"format": "dparallel-trace-1", "rank": )" << rank
-                      << R"(, "pid": 1, "reason": "SIGUSR1", "time_us": 5000000, "groups": [{"group": "group0/", "rank": )"
-                      << rank << R"(, "size": 2, "backend": "gloo", "calls": [)" << calls << "]}]}";
+  std::ofstream(path)
+      << R"({"format": "dparallel-trace-1", "rank": )" << rank
+      << R"(, "pid": 1, "reason": "SIGUSR1", "time_us": 5000000, "groups": [{"group": "group0/", "rank": )" << rank
+      << R"(, "size": 2, "backend": "gloo", "calls": [)" << calls << "]}]}";
 }
 
 std::string call(int seq, const char* kind, const char* dtype, int numel, const char* state) {
