@@ -140,4 +140,12 @@ def rank_main():
 
 
 if __name__ == "__main__":
+    if "--rank" not in sys.argv:
+        # The reference is FSDP2 itself, which PyTorch has from 2.4 on (dparallel.torch.fully_shard runs on
+        # 2.1 too: single_rank.py).
+        import importlib.util
+        if importlib.util.find_spec("torch.distributed._composable.fsdp") is None:
+            import torch
+            print(f"SKIP: PyTorch {torch.__version__} has no FSDP2 fully_shard to compare with (2.4 or later)")
+            sys.exit(77)
     sys.exit(rank_main() if "--rank" in sys.argv else launch_ranks(__file__, "fully_shard parity"))
