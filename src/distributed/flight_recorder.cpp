@@ -274,7 +274,7 @@ std::string dump_traces(const std::string& reason) noexcept {
     const std::string text = traces_json(recorders, reason);
     const char* rank = std::getenv("RANK");
     const std::string name = rank != nullptr && *rank != '\0' ? str_cat("rank", rank) : str_cat("pid", ::getpid());
-    const std::string path = str_cat(dir, "/", name, ".json");
+    std::string path = str_cat(dir, "/", name, ".json");
     const std::string partial = str_cat(path, ".", ::getpid(), ".part");
     const int fd = ::open(partial.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) return "";

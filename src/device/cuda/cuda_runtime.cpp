@@ -429,7 +429,8 @@ class CudaRuntime final : public DeviceRuntime {
     r.reserved = (nbytes + granularity - 1) / granularity * granularity;
     CUdeviceptr ptr = 0;
     v.check(v.address_reserve(&ptr, r.reserved, granularity, 0, 0), "cuMemAddressReserve", index);
-    r.data = reinterpret_cast<void*>(ptr);
+    // The driver hands out device addresses as integers.
+    r.data = reinterpret_cast<void*>(ptr);  // NOLINT(performance-no-int-to-ptr)
     r.releases = true;
     try {
       back_pages(index, r);

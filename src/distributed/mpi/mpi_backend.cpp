@@ -96,6 +96,7 @@ class MpiBackend final : public Backend {
     std::vector<Place> places = swap_places(options, deadline);
     refuse_unless_one_job(places);
     std::vector<int> world_ranks;
+    world_ranks.reserve(places.size());
     for (const Place& p : places) world_ranks.push_back(p.world_rank);
     {
       auto lock = library_.serialize();

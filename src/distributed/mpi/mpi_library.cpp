@@ -35,9 +35,9 @@ constexpr int kMpichMax = 0x58000001;
 constexpr int kMpichMin = 0x58000002;
 constexpr int kMpichSum = 0x58000003;
 constexpr int kMpichProd = 0x58000004;
-// MPI_IN_PLACE: (void*)-1 in MPICH, (void*)1 in Open MPI.
-void* const kMpichInPlace = reinterpret_cast<void*>(static_cast<intptr_t>(-1));
-void* const kOpenMpiInPlace = reinterpret_cast<void*>(static_cast<intptr_t>(1));
+// MPI_IN_PLACE: (void*)-1 in MPICH, (void*)1 in Open MPI: sentinels, never dereferenced.
+void* const kMpichInPlace = reinterpret_cast<void*>(static_cast<intptr_t>(-1));   // NOLINT(performance-no-int-to-ptr)
+void* const kOpenMpiInPlace = reinterpret_cast<void*>(static_cast<intptr_t>(1));  // NOLINT(performance-no-int-to-ptr)
 
 std::mutex& load_mutex() {
   static std::mutex mutex;
