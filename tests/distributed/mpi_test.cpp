@@ -27,8 +27,11 @@ struct Implementation {
 // Names the parameter in test output.
 void PrintTo(const Implementation& impl, std::ostream* out) { *out << impl.name; }
 
-// Under LeakSanitizer, what the MPI libraries keep until exit is not reported.
-const std::string kLeakSuppressions = std::string("LSAN_OPTIONS=suppressions=") + DP_MPI_LSAN_SUPPRESSIONS;
+// Under the sanitizers, LeakSanitizer is off in MPI's processes: Open MPI and
+// MPICH leave allocations at exit from modules they have unloaded by then,
+// so their stacks name no module and no suppression can tell them from
+// ours. AddressSanitizer's other checks and UBSan still run.
+const std::string kNoLeakCheck = "LSAN_OPTIONS=detect_leaks=0";
 
 const Implementation kOpenMpi{"OpenMpi",
                               "mpirun.openmpi",
@@ -102,7 +105,7 @@ class MpiBackendTest : public ::testing::TestWithParam<Implementation> {
     argv.push_back(dir + "/store");
     std::vector<std::string> env = impl.env;
     env.push_back(std::string("DP_MPI_LIBRARY=") + impl.library);
-    env.push_back(kLeakSuppressions);
+    env.push_back(kNoLeakCheck);
     dptest::RankExit exit = run_one(dir, argv, env);
     remove_dir(dir);
     return exit;
@@ -157,7 +160,7 @@ TEST_P(MpiBackendTest, RanksThatAreNotOneMpiJobAreRefusedOnEveryRank) {
   job.argv = {DP_MPI_WORKER, "not_one_job", dir + "/store"};
   job.world = 2;
   const std::string library = std::string("DP_MPI_LIBRARY=") + GetParam().library;
-  job.env = [&](int) { return std::vector<std::string>{library, kLeakSuppressions}; };
+  job.env = [&](int) { return std::vector<std::string>{library, kNoLeakCheck}; };
   job.drop_inherited = [](const std::string& entry) {
     return entry.rfind("OMPI_", 0) == 0 || entry.rfind("PMI_", 0) == 0 || entry.rfind("DP_MPI_LIBRARY=", 0) == 0;
   };
@@ -177,7 +180,7 @@ TEST_P(MpiBackendTest, AnMpiGroupMapsTheLibraryItLoaded) {
   std::string dir = scratch_dir();
   dptest::RankExit exit =
       run_one(dir, {DP_MPI_WORKER, "mpi_mapped", dir + "/store"},
-              {std::string("DP_MPI_LIBRARY=") + GetParam().library, "RANK=0", "WORLD_SIZE=1", kLeakSuppressions});
+              {std::string("DP_MPI_LIBRARY=") + GetParam().library, "RANK=0", "WORLD_SIZE=1", kNoLeakCheck});
   remove_dir(dir);
   if (skipped(exit)) GTEST_SKIP() << exit.output;
   expect_ranks_passed(exit, "mpi_mapped", 1);
