@@ -1,5 +1,11 @@
 #include "core/releasable_memory.h"
 
+#include <condition_variable>
+#include <deque>
+#include <thread>
+#include <utility>
+#include <vector>
+
 #include "core/allocator.h"
 #include "core/stream.h"
 
@@ -29,27 +35,111 @@ std::shared_ptr<Storage> ReleasableMemory::storage() {
   return Storage::wrap(device_, reservation_.data, reservation_.nbytes, [self](void*) {});
 }
 
+// Releases that wait for queued work, each on the work's events, in order,
+// on one thread (made at the first): the caller of release() goes on.
+class PendingReleases {
+ public:
+  struct Entry {
+    std::weak_ptr<ReleasableMemory> memory;
+    uint64_t generation = 0;
+    std::vector<Event> after;
+  };
+
+  // Never destroyed: its thread may still wait when statics go at exit.
+  static PendingReleases& instance() {
+    static auto* releases = new PendingReleases();
+    return *releases;
+  }
+
+  // Takes `entry` (left as it was where this throws: no thread to be had).
+  void add(Entry& entry) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!started_) {
+      std::thread([this] { run(); }).detach();
+      started_ = true;
+    }
+    entries_.push_back(std::move(entry));
+    wake_.notify_one();
+  }
+
+ private:
+  PendingReleases() = default;
+
+  [[noreturn]] void run() {
+    for (;;) {
+      Entry entry;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [this] { return !entries_.empty(); });
+        entry = std::move(entries_.front());
+        entries_.pop_front();
+      }
+      bool done = true;
+      try {
+        for (const Event& event : entry.after) event.synchronize();
+      } catch (...) {
+        done = false;
+      }
+      entry.after.clear();
+      if (std::shared_ptr<ReleasableMemory> memory = entry.memory.lock()) memory->finish_release(entry.generation, done);
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<Entry> entries_;
+  bool started_ = false;
+};
+
 void ReleasableMemory::release() noexcept {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!reservation_.backed || !reservation_.releases) return;
+  if (!reservation_.backed || !reservation_.releases || release_pending_) return;
   const DeviceRuntime* runtime = find_device_runtime(device_.type);
   if (runtime == nullptr) return;
+  // Queued reads of the pages (the host's kernels, the library's copies)
+  // must be done before they go.
+  PendingReleases::Entry entry{weak_from_this(), generation_ + 1, {}};
+  bool recorded = false;
   try {
-    // Queued reads of the pages (the host's kernels, the library's copies)
-    // must be done before they go.
     if (runtime->default_stream_is_queued()) {
-      Event host(device_);
-      host.record(current_stream(device_));
-      host.synchronize();
+      entry.after.emplace_back(device_);
+      entry.after.back().record(current_stream(device_));
     }
     if (runtime->library_work_is_queued()) {
-      Event library(device_);
-      library.record(runtime->library_stream(device_.index));
-      library.synchronize();
+      entry.after.emplace_back(device_);
+      entry.after.back().record(runtime->library_stream(device_.index));
+    }
+    bool done = true;
+    for (const Event& event : entry.after) done = done && event.query();
+    recorded = true;
+    if (!done) {
+      PendingReleases::instance().add(entry);
+      generation_ = entry.generation;
+      release_pending_ = true;
+      return;
     }
   } catch (...) {
-    return;
+    if (!recorded) return;  // the pages stay
+    // No thread for the wait: this one waits, as it must before the pages go.
+    try {
+      for (const Event& event : entry.after) event.synchronize();
+    } catch (...) {
+      return;
+    }
   }
+  give_back_locked();
+}
+
+void ReleasableMemory::finish_release(uint64_t generation, bool done) noexcept {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!release_pending_ || generation != generation_) return;
+  release_pending_ = false;
+  if (done) give_back_locked();
+}
+
+void ReleasableMemory::give_back_locked() noexcept {
+  const DeviceRuntime* runtime = find_device_runtime(device_.type);
+  if (runtime == nullptr) return;
   runtime->release_pages(device_.index, reservation_);
   if (counted_ && !reservation_.backed) {
     uncount_outside_memory(device_, reservation_.nbytes);
@@ -59,6 +149,8 @@ void ReleasableMemory::release() noexcept {
 
 void ReleasableMemory::back() {
   std::lock_guard<std::mutex> lock(mutex_);
+  // A release still waiting never happens: the pages are still held.
+  release_pending_ = false;
   if (reservation_.backed) return;
   device_runtime(device_.type).back_pages(device_.index, reservation_);
   if (!counted_) {

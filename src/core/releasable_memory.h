@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 
@@ -25,12 +26,15 @@ class ReleasableMemory : public std::enable_shared_from_this<ReleasableMemory> {
   // A storage over the whole range that keeps this memory reserved.
   std::shared_ptr<Storage> storage();
   // Gives the pages back once the work queued so far on the calling
-  // thread's current stream and on the library stream is done (it waits
-  // for both on the host where the device queues work). Nothing when they
-  // are not held. A wait that fails keeps them.
+  // thread's current stream and on the library stream is done: at once
+  // where it is, else on a thread of the library's that waits for it, so
+  // that the caller never waits for the host's queued work. Nothing when
+  // they are not held. A wait that fails keeps them.
   void release() noexcept;
-  // Takes pages again (no-op while held).
+  // Takes pages again (no-op while held; a release still waiting is called
+  // off, and the pages stay).
   void back();
+  // Held (a release still waiting included).
   bool backed() const;
   // Whether release gives pages back on this device (else it keeps them).
   bool releases() const { return reservation_.releases; }
@@ -40,11 +44,19 @@ class ReleasableMemory : public std::enable_shared_from_this<ReleasableMemory> {
 
  private:
   ReleasableMemory(const Device& device, PageReservation reservation);
+  friend class PendingReleases;
+  // The end of the release numbered `generation`, once what it waited for
+  // is done (`done`) or failed: gives the pages back unless back() or the
+  // destructor came first.
+  void finish_release(uint64_t generation, bool done) noexcept;
+  void give_back_locked() noexcept;
 
   Device device_;
   mutable std::mutex mutex_;
   PageReservation reservation_;
   bool counted_ = false;  // in the device's memory usage
+  bool release_pending_ = false;
+  uint64_t generation_ = 0;  // of the release pending, if any
 };
 
 }  // namespace dparallel

@@ -196,6 +196,13 @@ class Backend {
   // next collective fail now rather than at their timeout.
   virtual void abort(const std::string& /*why*/) noexcept {}
 
+  // Whether a split's new group of `backend` on `device` can be made from
+  // this backend's own connections (ProcessGroupOptions::split; the
+  // backend's factory then makes it so), and this rank's part of that when
+  // it joins no new group: collective over every rank, who agree first.
+  virtual bool splits_into(BackendChoice /*backend*/, const Device& /*device*/) const { return false; }
+  virtual void split_without_color(std::chrono::steady_clock::time_point /*deadline*/) {}
+
   // Moves `call.header` to every rank; afterwards received_header(r) is
   // rank r's. A transfer that fails throws CallSite::call_failed.
   virtual void swap_headers(Call& call) = 0;

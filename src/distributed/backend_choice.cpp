@@ -303,6 +303,11 @@ std::unique_ptr<ProcessGroup> choose(const ProcessGroupOptions& options, const s
 
 }  // namespace
 
+BackendChoice device_backend_choice(BackendChoice backend, const Device& device) {
+  if (backend != BackendChoice::kAuto || device.type == DeviceType::kCpu) return backend;
+  return automatic_device_backend(device).choice;
+}
+
 std::string host_key(const EnvLookup& lookup) {
   std::string host;
   const char* id = lookup("DP_HOST_ID");

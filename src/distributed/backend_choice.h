@@ -25,6 +25,11 @@ namespace dparallel::dist {
 // The group `options` ask for, after check_process_group_options.
 std::unique_ptr<ProcessGroup> create_chosen_process_group(const ProcessGroupOptions& options);
 
+// The backend a group asking for `backend` on `device` runs where that
+// needs no knowledge of the hosts: `backend` itself, or the device's row for
+// AUTO on a device other than cpu; kAuto for AUTO on cpu.
+BackendChoice device_backend_choice(BackendChoice backend, const Device& device);
+
 // This host as the ranks compare it: DP_HOST_ID when set (tests pretend to be
 // several hosts with it), else the kernel's boot id and the host name; and
 // the network and pid namespaces this process is in (containers on one

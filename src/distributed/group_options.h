@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "core/device.h"
@@ -10,6 +11,17 @@
 #include "distributed/store/store.h"
 
 namespace dparallel::dist {
+
+class Backend;
+
+// A split's new group made from its parent's own connections (NCCL's
+// ncclCommSplit), where every rank of the parent agreed that its backend
+// can (Backend::splits_into), rather than new ones over the store.
+struct BackendSplit {
+  Backend* parent = nullptr;  // the parent group's backend: it outlives the creation
+  int32_t color = 0;
+  int32_t key = 0;
+};
 
 struct ProcessGroupOptions {
   BackendChoice backend = BackendChoice::kAuto;
@@ -19,6 +31,7 @@ struct ProcessGroupOptions {
   Millis timeout{300000};
   Device device{DeviceType::kCpu, 0};
   std::string master_addr;  // where the store lives, when known: picks the network interface
+  std::optional<BackendSplit> split;
 };
 
 }  // namespace dparallel::dist

@@ -1,6 +1,7 @@
 // ProcessGroup's hosts and splits (process_group.h): what a group learnt at
 // its creation, and new groups of some of its ranks over its store.
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -15,8 +16,9 @@ namespace {
 
 const Device kHost{DeviceType::kCpu, 0};
 
-// What each rank sends in a split's exchange.
-enum SplitField : size_t { kColor, kKey, kNumber, kAgreement, kSplitFields };
+// What each rank sends in a split's exchange; kOwnConnections: 1 where this
+// rank's part can come from the group's own connections (Backend::splits_into).
+enum SplitField : size_t { kColor, kKey, kNumber, kAgreement, kOwnConnections, kSplitFields };
 
 }  // namespace
 
@@ -72,6 +74,12 @@ std::unique_ptr<ProcessGroup> ProcessGroup::split(int32_t color, int32_t key, co
   values[kKey] = key;
   values[kNumber] = static_cast<int64_t>(splits_);
   std::memcpy(&values[kAgreement], &agreement, sizeof(agreement));
+  // A rank of no color joins no new group, but takes part in the split of
+  // the connections all the same: it must be able to.
+  const BackendEntry* own = find_backend_named(backend_->name());
+  values[kOwnConnections] =
+      color < 0 ? own != nullptr && backend_->splits_into(own->choice, device)
+                : backend_->splits_into(device_backend_choice(options.backend, options.device), options.device);
   std::vector<Tensor> all;
   all.reserve(static_cast<size_t>(size()));
   for (int32_t r = 0; r < size(); ++r) all.push_back(Tensor::empty(DType::kInt64, {kSplitFields}, device));
@@ -97,7 +105,15 @@ std::unique_ptr<ProcessGroup> ProcessGroup::split(int32_t color, int32_t key, co
     fail_invalid("split: rank(s) ", differing, " passed a different ", what,
                  " from rank 0's; every rank must pass the same");
   }
-  if (color < 0) return nullptr;
+  // The parent's connections make the new groups only where every rank's
+  // can: each rank takes part in that split, those of no color too.
+  bool own_connections = true;
+  for (const std::vector<int64_t>& v : by_rank) own_connections = own_connections && v[kOwnConnections] == 1;
+  if (color < 0) {
+    if (own_connections) backend_->split_without_color(std::chrono::steady_clock::now() + timeout());
+    return nullptr;
+  }
+  if (own_connections) child.split = BackendSplit{backend_.get(), color, key};
   std::vector<std::pair<int64_t, int32_t>> members;  // (key, rank here), of this color
   for (size_t r = 0; r < by_rank.size(); ++r) {
     if (by_rank[r][kColor] == color) members.emplace_back(by_rank[r][kKey], static_cast<int32_t>(r));

@@ -269,6 +269,43 @@ TEST(NcclGroup, SplitAndMeshDimensionOfAGroupOnCuda0AreNcclGroupsThatAllReduce) 
   dp_device_mesh_destroy(mesh);
 }
 
+// A split of an NCCL group on its own GPU comes from the parent's
+// communicators (ncclCommSplit, NCCL 2.18 on), both of them, and a rank of
+// no color takes part without joining; DP_NCCL_COMM_SPLIT=0 makes new
+// communicators over the store instead. Either way the new group and the
+// parent go on reducing, twice over (a second split of the same parent).
+TEST(NcclGroup, SplitComesFromTheParentsCommunicatorsAndNoColorJoinsNone) {
+  REQUIRE_GPUS(1);
+  SingleRankNccl through_nccl;
+  GroupPtr pg = single_rank_group();
+  ASSERT_NE(pg, nullptr);
+  RecordProperty("nccl_version", loaded_nccl_version());
+  for (const char* comm_split : {"1", "0"}) {
+    SCOPED_TRACE(std::string("DP_NCCL_COMM_SPLIT=") + comm_split);
+    ::setenv("DP_NCCL_COMM_SPLIT", comm_split, 1);
+    dp_process_group* none = pg.get();  // not null: the split must set it
+    DP_ASSERT_OK(dp_process_group_split(pg.get(), -1, 0, nullptr, &none));
+    EXPECT_EQ(none, nullptr);
+    for (int round = 0; round < 2; ++round) {
+      dp_process_group* child = nullptr;
+      DP_ASSERT_OK(dp_process_group_split(pg.get(), 7, 5, nullptr, &child));
+      GroupPtr owned(child);
+      ASSERT_NE(child, nullptr);
+      EXPECT_STREQ(dp_process_group_backend(child), "nccl");
+      for (dp_process_group* group : {child, pg.get()}) {
+        TensorPtr t = make<float>({3}, {1.5f, -2.0f, 4.0f}, cuda(0));
+        DP_EXPECT_OK(dp_pg_all_reduce(group, t.get(), DP_MAX));
+        EXPECT_EQ(values<float>(t.get()), (std::vector<float>{1.5f, -2.0f, 4.0f}));
+        TensorPtr out = make<float>({3}, {0, 0, 0}, cuda(0));
+        dp_tensor* outs[1] = {out.get()};
+        DP_EXPECT_OK(dp_pg_all_gather(group, t.get(), outs, 1));
+        EXPECT_EQ(values<float>(out.get()), (std::vector<float>{1.5f, -2.0f, 4.0f}));
+      }
+    }
+  }
+  ::unsetenv("DP_NCCL_COMM_SPLIT");
+}
+
 TEST(NcclGroup, AsyncWorkOnTheWorkerThreadKeepsIssueOrder) {
   REQUIRE_GPUS(1);
   GroupPtr pg = single_rank_group();

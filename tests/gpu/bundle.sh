@@ -37,7 +37,6 @@ dp_fsdp_tests tests/fsdp/dp_fsdp_tests
 dp_fsdp_cuda_tests tests/fsdp/dp_fsdp_cuda_tests
 fsdp_worker tests/fsdp/fsdp_worker
 dp_cuda_stream_tests tests/streams/dp_cuda_stream_tests
-dp_stream_tests tests/streams/dp_stream_tests
 dp_conformance_tests tests/conformance/dp_conformance_tests
 conformance_worker tests/conformance/conformance_worker
 dp-run tools/dp-run

@@ -226,8 +226,9 @@ publish
 # out of compute-sanitizer, which slows the GPU down a hundredfold.
 timed='*Throughput*:*Timeout*:*TimesOut*:*StreamIsHeld*:*IsHeld*:*LargeCopies*'
 # Each binary and its GPU tests: the library's own kernels first.
+# (dp_stream_tests has none: its one test named Cuda is for machines without a GPU.)
 gpu_binaries="dp_comm_cuda_internal_tests dp_capi_tests dp_cuda_stream_tests dp_ddp_cuda_tests dp_nccl_tests
-dp_fsdp_tests dp_fsdp_cuda_tests dp_stream_tests"
+dp_fsdp_tests dp_fsdp_cuda_tests"
 # The suites over the backend list name their instances after the backend
 # (Backends/FsdpParity.*/nccl_world1_float32).
 gpu_filter='*Cuda*:*Nccl*:*/nccl_*'
@@ -397,15 +398,26 @@ sanitizer=$(command -v compute-sanitizer || true)
 for candidate in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer; do
   [ -z "$sanitizer" ] && [ -x "$candidate" ] && sanitizer=$candidate
 done
-# NCCL probes its kernels with cudaFuncGetAttributes and handles a missing
-# image itself: those reports alone, with every test passed, are no failure.
+# Reports that are no failure, with every test passed: NCCL probing for
+# kernels its build lacks (cudaFuncGetAttributes, then cudaGetLastError,
+# from inside NCCL), and the library asking whether the legacy stream
+# captures while a blocking stream does (the capture tests provoke it; the
+# answer is an error by CUDA's rules, and the capture stays valid). Each
+# report is counted once, from its "Program hit" line to the next.
+expected_reports() {  # log
+  awk '/^========= Program hit/ { if (r) n += ok; r = 1; ok = 0
+         if ($0 ~ /cudaErrorStreamCaptureImplicit.*(cudaStreamIsCapturing|cudaGetLastError)/) ok = 1
+         probe = ($0 ~ /cudaErrorNoKernelImageForDevice.*(cudaFuncGetAttributes|cudaGetLastError)/); next }
+       r && probe && /Host Frame:.*libnccl/ { ok = 1 }
+       END { if (r) n += ok; print n + 0 }' "$1"
+}
 memcheck_verdict() {  # name log rc
   [ "$3" -eq 0 ] && { note "PASS  $1"; return; }
   [ "$3" -eq 124 ] || [ "$3" -eq 137 ] || [ "$3" -eq 125 ] && return
   errors=$(sed -nE 's/^========= ERROR SUMMARY: ([0-9]+) error.*/\1/p' "$2" | awk '{ n += $1 } END { if (NR) print n }')
-  probes=$(grep -c 'cudaErrorNoKernelImageForDevice.*cudaFuncGetAttributes' "$2" || true)
+  probes=$(expected_reports "$2")
   if [ -n "$errors" ] && [ "$errors" -eq "$probes" ] && grep -q '^\[  PASSED  \]' "$2" && ! grep -q '^\[  FAILED  \]' "$2"; then
-    note "PASS  $1 (the $probes report(s) are NCCL probing its kernels)"
+    note "PASS  $1 (its $probes report(s): NCCL probing its kernels, or the capture tests' probe)"
   else
     fail_note "$1: ${errors:-?} error(s) (log $(basename "$2"))"
   fi
@@ -418,7 +430,7 @@ else
   for b in $gpu_binaries; do
     selects "$b" "$gpu_filter-$timed" >/dev/null || continue
     rc=0
-    step "memcheck $b" 120 "$sanitizer" --tool memcheck --require-cuda-init no --error-exitcode 99 \
+    step "memcheck $b" 120 "$sanitizer" --tool memcheck --require-cuda-init no --error-exitcode 99 --print-limit 100000 \
       --target-processes all "$bin/$b" --gtest_filter="$gpu_filter-$timed" || rc=$?
     memcheck_verdict "memcheck $b" "$step_log" "$rc"
   done

@@ -48,17 +48,20 @@ constexpr Millis kWatchPoll{10};
 class NcclBackend : public Backend {
  public:
   NcclBackend(CallSite& site, const ProcessGroupOptions& options)
-      : Backend(site), store_(options.store), talks_(size() > 1 || single_rank_nccl_for_tests()) {
+      : Backend(site), store_(options.store), talks_(size() > 1 || nccl::single_rank_for_tests()) {
     if (std::optional<Error> why = nccl_availability(options.device)) throw Error(*why);
     prefix_ = claim_key_prefix(store_, "pg");
+    // A split's group comes from its parent's communicators: no ids.
+    auto* parent = options.split ? dynamic_cast<NcclBackend*>(options.split->parent) : nullptr;
     // One rank has nobody to send headers or rounds to: no control communicator.
-    std::vector<std::string> keys = {prefix_ + "nccl_id"};
-    if (talks_) keys.push_back(prefix_ + "nccl_control_id");
+    std::vector<std::string> keys;
+    if (parent == nullptr) keys.push_back(prefix_ + "nccl_id");
+    if (parent == nullptr && talks_) keys.push_back(prefix_ + "nccl_control_id");
     // One deadline for the ids and both communicators: creation waits for
     // the other ranks no longer than the group's timeout in all.
     const auto deadline = Clock::now() + timeout();
     std::vector<ncclUniqueId> ids(keys.size());
-    for (size_t i = 0; i < keys.size(); ++i) ids[i] = unique_id(keys[i], deadline);
+    for (size_t i = 0; i < keys.size(); ++i) ids[i] = nccl::unique_id(*store_, keys[i], rank(), deadline);
     // NCCL binds the communicator to the device current at init.
     cuda::DeviceGuard guard(device().index);
     try {
@@ -80,15 +83,19 @@ class NcclBackend : public Backend {
       throw;
     }
     try {
-      init_comm(data_, ids[0], deadline, false);
-      if (ids.size() > 1) init_comm(control_, ids[1], deadline, true);
+      if (parent != nullptr) {
+        split_from(*parent, options.split->color, options.split->key, deadline);
+      } else {
+        init_comm(data_, ids[0], deadline, false);
+        if (ids.size() > 1) init_comm(control_, ids[1], deadline, true);
+      }
     } catch (...) {
       abort_comm();
       release();
       throw;
     }
     // Every rank joined the communicators with the ids: they are no longer needed.
-    if (rank() == 0) forget_keys(*store_, keys);
+    if (rank() == 0 && !keys.empty()) forget_keys(*store_, keys);
   }
 
   ~NcclBackend() override { release(); }
@@ -108,6 +115,19 @@ class NcclBackend : public Backend {
     return caps;
   }
   void* transfer_stream() const override { return data_.stream; }
+
+  // A split into NCCL groups on this group's GPU: ncclCommSplit of both
+  // communicators, where the NCCL in use has it and neither was aborted.
+  bool splits_into(BackendChoice backend, const Device& device) const override {
+    std::lock_guard<std::mutex> lock(comm_mutex_);
+    return backend == BackendChoice::kNccl && device == this->device() && nccl::comm_split() != nullptr &&
+           data_.comm != nullptr && (!talks_ || control_.comm != nullptr);
+  }
+  void split_without_color(Clock::time_point deadline) override {
+    cuda::DeviceGuard guard(device().index);
+    split_channel(data_, -1, 0, false, deadline);
+    if (talks_) split_channel(control_, -1, 0, true, deadline);
+  }
   void* control_stream() const override { return talks_ ? control_.stream : nullptr; }
 
   void all_reduce(const Tensor& t, ReduceOp op) override {
@@ -154,7 +174,7 @@ class NcclBackend : public Backend {
     // (in place where the input is this rank's output); others go through
     // the scratch, allocated before the exchange: running out of memory
     // there fails this rank alone, in step.
-    uint8_t* direct = back_to_back(outputs, input.data(), nbytes);
+    uint8_t* direct = nccl::back_to_back(outputs, input.data(), nbytes, rank());
     uint8_t* flat = direct != nullptr ? direct : scratch(ch, nbytes * static_cast<size_t>(size()), "all_gather");
     auto deadline = exchange(CallKind::kAllGather, input.dtype(), input.numel(), ReduceOp::kSum, -1, &input);
     enqueue(
@@ -186,7 +206,7 @@ class NcclBackend : public Backend {
     // Inputs that lie back to back in rank order are reduced where they lie
     // (in place where the output is this rank's input); others are copied
     // into the scratch first.
-    uint8_t* direct = back_to_back(inputs, output.data(), nbytes);
+    uint8_t* direct = nccl::back_to_back(inputs, output.data(), nbytes, rank());
     uint8_t* flat = direct != nullptr ? direct : scratch(ch, nbytes * static_cast<size_t>(size()), "reduce_scatter");
     auto deadline = exchange(CallKind::kReduceScatter, output.dtype(), output.numel(), op, -1, &output);
     for (int32_t r = 0; r < size() && direct == nullptr; ++r) {
@@ -259,29 +279,61 @@ class NcclBackend : public Backend {
     size_t scratch_bytes = 0;
   };
 
-  // Rank 0 makes the id and puts it in the store; the others read it.
-  ncclUniqueId unique_id(const std::string& key, Clock::time_point deadline) {
-    ncclUniqueId id;
-    if (rank() == 0) {
-      check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
-      store_->set(key, Bytes(reinterpret_cast<uint8_t*>(&id), reinterpret_cast<uint8_t*>(&id) + sizeof(id)));
-    } else {
-      auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
-      Bytes value = store_->get(key, std::max(left, Millis{1}));
-      if (value.size() != sizeof(id)) fail(StatusCode::kRemote, "malformed NCCL unique id in the store");
-      std::memcpy(&id, value.data(), sizeof(id));
-    }
-    return id;
-  }
-
-  // `small`: for the control channel, whose calls are a few KiB: one CTA
-  // takes fewer of the SMs and buffers the data channel uses.
-  void init_comm(Channel& ch, const ncclUniqueId& id, Clock::time_point deadline, bool small) {
+  // Non-blocking; `small`: for the control channel, whose calls are a few
+  // KiB: one CTA takes fewer of the SMs and buffers the data channel uses.
+  static ncclConfig_t channel_config(bool small) {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     if (small) config.minCTAs = config.maxCTAs = 1;
+    return config;
+  }
+  void init_comm(Channel& ch, const ncclUniqueId& id, Clock::time_point deadline, bool small) {
+    ncclConfig_t config = channel_config(small);
     ncclResult_t rc = ncclCommInitRankConfig(&ch.comm, size(), id, rank(), &config);
     check_enqueued(ch, rc, "ncclCommInitRankConfig", deadline, false);
+  }
+
+  // This group's communicators split from `parent`'s (a rank whose group
+  // has no control channel joins none of the parent's).
+  void split_from(NcclBackend& parent, int32_t color, int32_t key, Clock::time_point deadline) {
+    data_.comm = parent.split_channel(parent.data_, color, key, false, deadline);
+    if (parent.talks_) control_.comm = parent.split_channel(parent.control_, talks_ ? color : -1, key, true, deadline);
+  }
+
+  // This rank's part of ncclCommSplit of a communicator of this group, over
+  // all its ranks (a negative color joins none: null), polled by the
+  // deadline. One that fails or times out aborts this group's communicators.
+  ncclComm_t split_channel(Channel& ch, int32_t color, int32_t key, bool small, Clock::time_point deadline) {
+    ncclConfig_t config = channel_config(small);
+    const nccl::SplitFn split = nccl::comm_split();  // null only if DP_NCCL_COMM_SPLIT changed since
+    ncclComm_t made = nullptr;
+    ncclResult_t rc = ncclInvalidUsage;
+    bool aborted = false;
+    for (bool first = true; split != nullptr; first = false) {
+      {
+        std::lock_guard<std::mutex> lock(comm_mutex_);
+        aborted = ch.comm == nullptr;
+        if (aborted) break;
+        if (first) rc = split(ch.comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &made, &config);
+        // The parent stays ncclInProgress until its part is done, even after a call that returned ncclSuccess.
+        if (rc == ncclSuccess || rc == ncclInProgress) rc = nccl::state_of(ch.comm);
+      }
+      if ((rc == ncclSuccess || rc == ncclInProgress) && made != nullptr) {
+        const ncclResult_t made_state = nccl::state_of(made);
+        if (made_state != ncclSuccess) rc = made_state;
+      }
+      if (rc != ncclInProgress || Clock::now() >= deadline) break;
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    if (rc == ncclSuccess && !aborted) return made;
+    nccl::abort_together(made, nullptr, kFinalizeBound);
+    if (aborted) fail_aborted_by_watch();
+    abort_comm();
+    const std::string cause = rc == ncclInProgress ? str_cat("did not finish within ", timeout().count(), " ms")
+                                                   : str_cat("failed: ", nccl::error_text(rc));
+    mark_broken(str_cat("nccl: splitting the group ", cause, "; the communicators were aborted"));
+    fail(rc == ncclInProgress ? StatusCode::kTimeout : cuda::nccl_status(rc), "splitting the NCCL group on rank ",
+         rank(), " of ", size(), ": ncclCommSplit ", cause, "; this group's communicators were aborted");
   }
 
   // The lane's agreement rounds go on the control channel: a round decides
@@ -289,10 +341,6 @@ class NcclBackend : public Backend {
   // The tag is the same on every rank (the headers check it), so every
   // rank puts the call on the same communicator.
   Channel& channel_of_call() { return talks_ && current_call_tag().owner == kLaneRoundOwner ? control_ : data_; }
-
-  void check_nccl(ncclResult_t rc, const char* call) const {
-    if (rc != ncclSuccess && rc != ncclInProgress) fail(cuda::nccl_status(rc), call, " failed: ", nccl::error_text(rc));
-  }
 
   // A CUDA failure mid-collective leaves the ranks out of step: the communicator goes.
   void check_cuda(cudaError_t rc, const char* call) {
@@ -308,7 +356,7 @@ class NcclBackend : public Backend {
   // this waits for that, by the deadline.
   template <typename NcclCall>
   void enqueue(Channel& ch, NcclCall&& nccl_call, const char* call, Clock::time_point deadline, bool exchanged) {
-    if (exchanged && queued() && skipping_queued_for_tests()) return;
+    if (exchanged && queued() && nccl::skipping_queued_for_tests(rank())) return;
     ncclResult_t rc = ncclSuccess;
     {
       std::unique_lock<std::mutex> lock(comm_mutex_);
@@ -341,24 +389,6 @@ class NcclBackend : public Backend {
   void abort_comm_locked() noexcept {
     nccl::abort_together(data_.comm, control_.comm, kFinalizeBound);
     data_.comm = control_.comm = nullptr;
-  }
-
-  // DP_TEST_NCCL_SINGLE_RANK=1 (tests only, read when a group is made): a
-  // one-rank group calls NCCL as a larger one does (both communicators, the
-  // header all-gather on the control channel, every collective on the data
-  // channel), so that one GPU runs NCCL's paths; NCCL refuses two ranks on
-  // one GPU. Without it, one rank never calls NCCL after its creation.
-  static bool single_rank_nccl_for_tests() {
-    const char* text = std::getenv("DP_TEST_NCCL_SINGLE_RANK");
-    return text != nullptr && text[0] == '1' && text[1] == '\0';
-  }
-
-  // DP_TEST_NCCL_SKIP_QUEUED=<rank> (tests only): that rank queues none of
-  // its queued collectives' transfers, as a peer that died after the call
-  // headers would, so the others' transfers never finish.
-  bool skipping_queued_for_tests() const {
-    const char* text = std::getenv("DP_TEST_NCCL_SKIP_QUEUED");  // read each time: tests set it late
-    return text != nullptr && *text != '\0' && std::atoi(text) == rank();
   }
 
   // Inside a dp_fsdp job (QueuedTransfers with this group's stream): the
@@ -427,21 +457,8 @@ class NcclBackend : public Backend {
     };
     hooks.release = [this](void* event) { release_event(static_cast<cudaEvent_t>(event)); };
     hooks.on_failure = [this](const QueuedWatch::Failure& f) {
-      std::string cause;
-      switch (f.kind) {
-        case QueuedWatch::Failure::Kind::kTimeout:
-          cause = str_cat("did not finish within ", timeout().count(),
-                          " ms of its call (the wait for this rank's stream included)");
-          break;
-        case QueuedWatch::Failure::Kind::kAsyncError:
-          cause = str_cat("had not finished when the communicator failed: ",
-                          nccl::error_text(static_cast<ncclResult_t>(f.code)));
-          break;
-        case QueuedWatch::Failure::Kind::kEventError:
-          cause = str_cat("failed on the device: ", cudaGetErrorString(static_cast<cudaError_t>(f.code)));
-          break;
-      }
-      std::string why = str_cat("nccl: the queued ", f.what, " ", cause, "; the communicator was aborted");
+      std::string why = str_cat("nccl: the queued ", f.what, " ", nccl::queued_failure_cause(f, timeout()),
+                                "; the communicator was aborted");
       {
         std::lock_guard<std::mutex> lock(comm_mutex_);
         aborted_why_ = why;
@@ -467,22 +484,6 @@ class NcclBackend : public Backend {
   }
 
   void wait_stream(Channel& ch, Clock::time_point deadline, bool exchanged) { wait(ch, deadline, true, exchanged); }
-
-  // The first of `parts` (one per rank, `nbytes` each) where they lie back
-  // to back in rank order and `other` (the collective's other buffer) is
-  // this rank's part or apart from them all: NCCL can use them in place.
-  // Null otherwise.
-  uint8_t* back_to_back(const std::vector<Tensor>& parts, const void* other, size_t nbytes) const {
-    auto* first = static_cast<uint8_t*>(parts[0].data());
-    const size_t ranks = static_cast<size_t>(size());
-    for (size_t r = 1; r < ranks; ++r) {
-      if (parts[r].data() != first + nbytes * r) return nullptr;
-    }
-    const auto* o = static_cast<const uint8_t*>(other);
-    const bool own_place = o == first + nbytes * static_cast<size_t>(rank());
-    if (!own_place && o < first + nbytes * ranks && first < o + nbytes) return nullptr;
-    return first;
-  }
 
   // A one-rank collective: the input's bytes into the output, on the stream;
   // through the scratch where the two overlap in part (a copy between
@@ -679,7 +680,7 @@ class NcclBackend : public Backend {
   void* host_headers_ = nullptr;
   // Guards both communicators (and aborted_why_), which the watch may abort
   // while the calling thread uses them.
-  std::mutex comm_mutex_;
+  mutable std::mutex comm_mutex_;
   std::string aborted_why_;  // why the watch aborted the communicators
   std::mutex events_mutex_;
   std::vector<cudaEvent_t> spare_events_;  // end events the watch is done with
