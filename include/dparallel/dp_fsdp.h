@@ -116,19 +116,22 @@
  * autograd saved in the forward sees what the backward's unshard refills.
  * Its memory is reserved once: every unshard backs it with pages and writes
  * the gathered values there; every reshard that puts the shards back (and
- * post_backward, and destroy) gives the pages back. Meanwhile a handle,
- * view or pointer kept on it still names that address, and:
+ * post_backward, and destroy) gives the pages back: at the call where the
+ * work queued so far on the host's current stream and the library's own
+ * stream (which may read them) is done, else once it is, from a library
+ * thread, so that the call never waits on the host for the host's queued
+ * work (an unshard before then keeps them). Meanwhile a handle, view or
+ * pointer kept on it still names that address, and:
  * - on the CPU the pages are given back to the system (MADV_DONTNEED over
- *   a private anonymous mapping): reads give zeros until the next unshard
+ *   a private anonymous mapping): reads give zeros (once they went, with
+ *   DP_CPU_ASYNC=1 after the queued work) until the next unshard
  *   refills them; a write there takes a page back (which the next unshard
  *   overwrites and the next reshard gives back): do not write.
  * - on a GPU with the driver's virtual memory management (VMM: the range
  *   reserved with cuMemAddressReserve, its memory mapped with cuMemCreate
  *   and cuMemMap at unshard and unmapped and released at reshard) nothing
- *   is mapped there: it must not be touched (a kernel that does faults).
- *   Since the pages go at the call, reshard, post_backward and destroy
- *   first wait on the host for the work queued so far on the host's
- *   current stream and the library's own stream, which may read them.
+ *   is mapped there once the pages went: it must not be touched (a kernel
+ *   that does faults).
  * - on a GPU without VMM (or with DP_CUDA_VMM=0 in the environment) the
  *   memory is allocated at create and kept until the dp_fsdp and every
  *   handle on it are gone: the address holds the same way, reads while

@@ -10,7 +10,7 @@ from torch.autograd import Variable
 
 from . import DeviceMesh, ProcessGroup, default_group
 from ._lib import DpError, call, dp_fsdp_options, lib
-from ._tensors import DTYPES, blob, owned_view
+from ._tensors import DTYPES, blob, owned_view, stream_follower
 
 _DP_ESTATE = -8
 
@@ -71,6 +71,7 @@ def _mirror(module, handles):
 class _FSDPState:
     def __init__(self, module, group, reshard_after_forward, param_dtype, reduce_dtype, cast_forward_inputs):
         self.group = group
+        self.follow = stream_follower(group.device)
         self.reshard_after_forward = bool(reshard_after_forward)
         self.param_dtype = param_dtype
         self.cast_forward_inputs = cast_forward_inputs
@@ -168,6 +169,7 @@ class _FSDPState:
     # ---- hooks ----
     def _pre_forward(self, module, args, kwargs):
         self._check_alive()
+        self.follow()
         root = _iteration.root is None
         if root:
             _iteration.root = self
@@ -193,6 +195,7 @@ class _FSDPState:
         return args, kwargs
 
     def _post_forward(self, module, args, output):
+        self.follow()
         self._register(False)
         is_root = _iteration.root is self
         tensors = [t for t in _flatten(output) if torch.is_tensor(t) and t.requires_grad]
@@ -211,6 +214,7 @@ class _FSDPState:
 
     def _pre_backward_hook(self, root_state):
         def hook(grad):
+            self.follow()
             if root_state is not None and not _iteration.queued:
                 _iteration.queued = True
                 Variable._execution_engine.queue_callback(lambda: _finish_backward(root_state))
@@ -226,6 +230,7 @@ class _FSDPState:
 
     def _mark_hook(self, p):
         def hook(full):
+            self.follow()
             # The full gradient, in torch's memory, handed to the library as is.
             p.grad_ref = full.grad
             t = blob(full.grad, p.name + ".grad")
@@ -264,6 +269,7 @@ class _FSDPState:
         return list(self.order) if self.order else [self]
 
     def end_backward(self):
+        self.follow()
         if self.unsharded and self.marked < self.needs_grad:
             # Parameters without a gradient: reduced as zeros.
             call("dp_fsdp_post_backward", self.fsdp)
@@ -318,9 +324,11 @@ class FSDPModule:
     """Mixed into a fully_shard module's class, as FSDP2 does."""
 
     def unshard(self, async_op=False):
+        self._dp_fsdp.follow()
         self._dp_fsdp.unshard(async_op)
 
     def reshard(self):
+        self._dp_fsdp.follow()
         call("dp_fsdp_reshard", self._dp_fsdp.fsdp)
         self._dp_fsdp._free_full()
 
@@ -383,6 +391,7 @@ def _root_state(module):
     if state is None:
         raise TypeError(f"module: {type(module).__name__} is not a fully_shard module")
     state._check_alive()
+    state.follow()
     return state
 
 

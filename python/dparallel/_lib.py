@@ -82,6 +82,7 @@ _SIGNATURES = {
     "dp_version_number": (ctypes.c_uint32, []),
     "dp_shutdown": (_S, []),
     "dp_device_count": (_S, [ctypes.c_int32, ctypes.POINTER(ctypes.c_int32)]),
+    "dp_set_current_stream": (_S, [dp_device, _P]),
     "dp_tensor_from_blob": (
         _S,
         [_PP, _P, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_int64), dp_device, _P, _P],

@@ -27,6 +27,25 @@ def dp_device_of(t):
     raise ValueError(f"a tensor on {t.device}: dparallel takes cpu and cuda tensors")
 
 
+def stream_follower(device):
+    """A function that makes torch's current stream on `device` ("cpu",
+    "cuda:N") dparallel's current stream there, on the calling thread: the
+    library's work then starts after what torch queued on it, and torch's
+    next work there follows the library's, with no wait on the host (torch's
+    legacy default stream: the calls wait). Does nothing for cpu."""
+    kind, _, index = str(device).partition(":")
+    if kind != "cuda":
+        return lambda: None
+    torch_device = torch.device("cuda", int(index or 0))
+    target = dp_device(2, torch_device.index)
+
+    def follow():
+        stream = torch.cuda.current_stream(torch_device).cuda_stream
+        call("dp_set_current_stream", target, ctypes.c_void_p(stream or None))
+
+    return follow
+
+
 def blob(t, what):
     """A dp_tensor over `t`'s memory (the caller keeps `t` alive)."""
     if t.dtype not in DTYPES:

@@ -11,6 +11,7 @@ from ._fsdp import FSDPModule, fully_shard, full_state_dict, load_full_state_dic
 from ._fsdp import save_full_state_dict, save_sharded_state_dict
 from ._lib import DpError, call, dp_ddp_options, lib
 from ._tensors import blob as _blob
+from ._tensors import stream_follower
 
 __all__ = [
     "replicate", "ReplicateModule", "join", "fully_shard", "FSDPModule", "full_state_dict", "save_full_state_dict",
@@ -84,6 +85,7 @@ class _ReplicateState:
     def __init__(self, module, group, bucket_cap_mb, broadcast_buffers, find_unused_parameters,
                  gradient_as_bucket_view):
         self.group = group
+        self.follow = stream_follower(group.device)
         self.mirror = _Mirror(module)
         self.find_unused = bool(find_unused_parameters)
         self.managed = [(n, p) for n, p in self.mirror.params if p.requires_grad]
@@ -128,6 +130,7 @@ class _ReplicateState:
 
     def _pre_forward(self, module, args):
         self._check_alive()
+        self.follow()
         with torch.no_grad():
             self._attach_grads()
         call("dp_ddp_pre_forward", self.ddp)
@@ -152,6 +155,7 @@ class _ReplicateState:
 
     def _finish(self):
         self.in_backward = False
+        self.follow()
         call("dp_ddp_finish_backward", self.ddp)
         if self.find_unused and self.sync:
             used = ctypes.c_int()

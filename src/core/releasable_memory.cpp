@@ -40,7 +40,9 @@ std::shared_ptr<Storage> ReleasableMemory::storage() {
 class PendingReleases {
  public:
   struct Entry {
-    std::weak_ptr<ReleasableMemory> memory;
+    // Kept alive by the entry: its destructor unmaps at once, which must
+    // wait for the same work.
+    std::shared_ptr<ReleasableMemory> memory;
     uint64_t generation = 0;
     std::vector<Event> after;
   };
@@ -81,7 +83,8 @@ class PendingReleases {
         done = false;
       }
       entry.after.clear();
-      if (std::shared_ptr<ReleasableMemory> memory = entry.memory.lock()) memory->finish_release(entry.generation, done);
+      entry.memory->finish_release(entry.generation, done);
+      entry.memory.reset();  // the last reference may go here, the work done
     }
   }
 
@@ -98,7 +101,7 @@ void ReleasableMemory::release() noexcept {
   if (runtime == nullptr) return;
   // Queued reads of the pages (the host's kernels, the library's copies)
   // must be done before they go.
-  PendingReleases::Entry entry{weak_from_this(), generation_ + 1, {}};
+  PendingReleases::Entry entry{nullptr, generation_ + 1, {}};
   bool recorded = false;
   try {
     if (runtime->default_stream_is_queued()) {
@@ -113,6 +116,7 @@ void ReleasableMemory::release() noexcept {
     for (const Event& event : entry.after) done = done && event.query();
     recorded = true;
     if (!done) {
+      entry.memory = shared_from_this();
       PendingReleases::instance().add(entry);
       generation_ = entry.generation;
       release_pending_ = true;

@@ -568,6 +568,18 @@ bool page_resident(const void* p) {
   return (in_core & 1) != 0;
 }
 
+// Whether the page holding `p` goes out of memory within a generous bound:
+// a release waits for the work queued before it (with DP_CPU_ASYNC=1 the
+// cpu streams queue), from a library thread.
+bool page_goes(const void* p) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (page_resident(p)) {
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
 // Whether `p`'s page is mapped at all.
 bool page_mapped(const void* p) {
   const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
@@ -638,7 +650,8 @@ void expect_one_address_per_full_parameter(const Config& c) {
         expect_values(full, expected[l], tolerance, kWeights[l]);
         ASSERT_EQ(dp_fsdp_reshard(f[l].get()), DP_OK) << dp_last_error();
         if (!views) {
-          EXPECT_EQ(page_resident(address[l]), c.reshard_after_forward == 0) << kWeights[l];
+          const bool kept_resident = c.reshard_after_forward == 0;
+          EXPECT_TRUE(kept_resident ? page_resident(address[l]) : page_goes(address[l])) << kWeights[l];
         }
       }
       for (int l = 2; l >= 0; --l) {
@@ -652,7 +665,7 @@ void expect_one_address_per_full_parameter(const Config& c) {
       for (int l = 0; l < 3; ++l) {
         ASSERT_EQ(dp_fsdp_finish_backward(f[l].get()), DP_OK) << dp_last_error();
         if (views) continue;
-        EXPECT_FALSE(page_resident(address[l])) << kWeights[l] << " after post_backward";
+        EXPECT_TRUE(page_goes(address[l])) << kWeights[l] << " after post_backward";
         expect_values(kept[l].get(), std::vector<float>(kDim * kDim, 0.0f), 0.0, "a handle while resharded");
       }
       // The optimizer's step, on every rank's shards.

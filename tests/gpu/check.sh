@@ -305,6 +305,31 @@ gtest_step "fully_shard on VMM: one address per full parameter, memory back at r
   'CudaFsdpFullAddress.*'
 gtest_step "fully_shard without VMM (DP_CUDA_VMM=0): one address, memory kept" 90 dp_fsdp_cuda_tests \
   'CudaFsdpFullAddress.*' DP_CUDA_VMM=0
+# dparallel.torch on the GPU, where the image has a PyTorch that sees it
+# (DP_TORCH_PYTHON, python3, or the venv GPU images ship): replicate and
+# fully_shard train as torch alone does, on torch's default and a side
+# stream. Without the carried C++ runtime: torch needs the image's.
+torch_python=""
+if [ "$dry" -eq 0 ]; then
+  for candidate in "${DP_TORCH_PYTHON:-}" python3 /opt/torch/.venv/bin/python; do
+    [ -n "$candidate" ] && command -v "$candidate" >/dev/null 2>&1 || continue
+    if timeout 120 "$candidate" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
+      >/dev/null 2>&1; then
+      torch_python=$candidate
+      break
+    fi
+  done
+fi
+torch_step="dparallel.torch on cuda:0 trains as torch alone (replicate, fully_shard; default and side stream)"
+if [ "$dry" -eq 1 ]; then
+  note "dry   $torch_step: python/tests/cuda_single_rank.py under a PyTorch that sees the GPU"
+elif [ -z "$torch_python" ]; then
+  note "NOT RUN  $torch_step: no PyTorch with CUDA on this image (DP_TORCH_PYTHON names one)"
+else
+  check "$torch_step" 180 env LD_LIBRARY_PATH="$bundle/lib${nccl_dir:+:$nccl_dir}" PYTHONPATH="$root/python" \
+    DP_LIBRARY="$bundle/lib/libdparallel.so.0" DP_TEST_NCCL_SINGLE_RANK=1 PYTHONUNBUFFERED=1 \
+    "$torch_python" "$root/python/tests/cuda_single_rank.py"
+fi
 # The stream-order tests with the library's wait for the host's stream
 # switched off (DP_TEST_SKIP_STREAM_WAIT=1): each must fail, or it passes
 # whether the library waits or not.
