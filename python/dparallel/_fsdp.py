@@ -10,7 +10,7 @@ from torch.autograd import Variable
 
 from . import DeviceMesh, ProcessGroup, default_group
 from ._lib import DpError, call, dp_fsdp_options, lib
-from ._tensors import DTYPES, blob, owned_view, stream_follower
+from ._tensors import DTYPES, blob, module_device, owned_view, stream_follower
 
 _DP_ESTATE = -8
 
@@ -362,9 +362,7 @@ def fully_shard(module, group=None, *, mesh=None, reshard_after_forward=True, mp
     if isinstance(module, FSDPModule):
         raise ValueError("module: already sharded by fully_shard")
     if group is None:
-        first = next(module.parameters(), None)
-        device = "cpu" if first is None or first.device.type == "cpu" else f"cuda:{first.device.index or 0}"
-        group = default_group(device)
+        group = default_group(module_device(module))
     elif not isinstance(group, (ProcessGroup, DeviceMesh)):
         raise TypeError(f"group: a dparallel.ProcessGroup or DeviceMesh is needed, not {type(group).__name__}")
     param_dtype = getattr(mp_policy, "param_dtype", None)

@@ -27,6 +27,13 @@ def dp_device_of(t):
     raise ValueError(f"a tensor on {t.device}: dparallel takes cpu and cuda tensors")
 
 
+def module_device(module):
+    """"cpu" or "cuda:N": where `module`'s first parameter lies (cpu for a
+    module without any)."""
+    first = next(module.parameters(), None)
+    return "cpu" if first is None or first.device.type == "cpu" else f"cuda:{first.device.index or 0}"
+
+
 def stream_follower(device):
     """A function that makes torch's current stream on `device` ("cpu",
     "cuda:N") dparallel's current stream there, on the calling thread: the

@@ -11,7 +11,7 @@ from ._fsdp import FSDPModule, fully_shard, full_state_dict, load_full_state_dic
 from ._fsdp import save_full_state_dict, save_sharded_state_dict
 from ._lib import DpError, call, dp_ddp_options, lib
 from ._tensors import blob as _blob
-from ._tensors import stream_follower
+from ._tensors import module_device, stream_follower
 
 __all__ = [
     "replicate", "ReplicateModule", "join", "fully_shard", "FSDPModule", "full_state_dict", "save_full_state_dict",
@@ -232,9 +232,7 @@ def replicate(module, group=None, *, bucket_cap_mb=25.0, broadcast_buffers=True,
     if isinstance(module, ReplicateModule):
         raise ValueError("module: already replicated")
     if group is None:
-        first = next(module.parameters(), None)
-        device = "cpu" if first is None or first.device.type == "cpu" else f"cuda:{first.device.index or 0}"
-        group = default_group(device)
+        group = default_group(module_device(module))
     elif not isinstance(group, ProcessGroup):
         raise TypeError(f"group: a dparallel.ProcessGroup is needed, not {type(group).__name__}")
     state = _ReplicateState(module, group, bucket_cap_mb, broadcast_buffers, find_unused_parameters,

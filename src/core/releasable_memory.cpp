@@ -14,7 +14,17 @@ namespace dparallel {
 std::shared_ptr<ReleasableMemory> ReleasableMemory::reserve(const Device& device, size_t nbytes) {
   const DeviceRuntime& runtime = device_runtime(device.type);
   PageReservation r = runtime.reserve_pages(device.index, nbytes);
-  return std::shared_ptr<ReleasableMemory>(new ReleasableMemory(device, r));
+  // Until an object owns the range, a failure gives it back here; once one
+  // does (a shared_ptr that fails to take it leaves it in the unique_ptr),
+  // its destructor does.
+  std::unique_ptr<ReleasableMemory> memory;
+  try {
+    memory.reset(new ReleasableMemory(device, r));
+  } catch (...) {
+    runtime.unreserve_pages(device.index, r);
+    throw;
+  }
+  return std::shared_ptr<ReleasableMemory>(std::move(memory));
 }
 
 ReleasableMemory::ReleasableMemory(const Device& device, PageReservation reservation)
