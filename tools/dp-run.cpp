@@ -20,7 +20,9 @@
 // before rank 0 listens on it. With --master-port P, the store is at
 // --store-port or P + 1: each node of a job derives the same. When a rank fails, the others get SIGTERM (SIGKILL after
 // the grace period) and dp-run exits with the failed rank's code (128 + signal
-// for a signal). Usage errors exit with 2.
+// for a signal); with --max-restarts K it then starts the job again, up to K
+// times, each run's ranks with DP_RESTART_COUNT (0, 1, ...; one node only).
+// Usage errors exit with 2.
 //
 // Output (kOutputHelp, which --help prints): each rank's stdout and stderr
 // come through pipes of their own, as whole lines, NUL bytes and all.
@@ -66,6 +68,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -184,6 +187,7 @@ struct Job {
   long grace_ms = 0;
   int result = 0;
   bool stopping = false;
+  bool rank_failed = false;  // what stopped it: a rank's failure (a restart may follow)
   int signals_at_stop = 0;  // a signal after stopping began escalates to SIGKILL
   Clock::time_point kill_at = Clock::time_point::max();
 
@@ -227,6 +231,7 @@ void supervise(Job& job) {
         say("rank " + std::to_string(r.rank) + " exited with code " + std::to_string(r.exit_code) +
             "; stopping the other ranks");
         job.stop(r.exit_code, SIGTERM);
+        job.rank_failed = true;
       }
     }
     // The ranks get the signal dp-run got, but SIGPIPE: their own output still works.
@@ -282,17 +287,30 @@ int launcher(const Options& o, const Signals& signals, int control_fd) {
   sigaddset(&ttou, SIGTTOU);
   ::sigprocmask(SIG_BLOCK, &ttou, nullptr);
   init_sinks();
-  Job job;
-  job.requests.fd = control_fd;
-  job.requests.usr1_dumps = !o.trace_dir.empty();
-  job.grace_ms = o.grace_ms;
-  job.ranks.resize(static_cast<size_t>(o.nproc));
-  job.outputs.resize(static_cast<size_t>(o.nproc));
-  if (!spawn_ranks(o, signals, job.ranks, job.outputs)) return 1;
-  supervise(job);
-  stop_what_the_ranks_left(job);
-  finish_output(job.outputs);
-  return job.result;
+  Requests requests;
+  requests.fd = control_fd;
+  requests.usr1_dumps = !o.trace_dir.empty();
+  for (long restart = 0;; ++restart) {
+    // As torchrun's TORCHELASTIC_RESTART_COUNT: a program resumes from its
+    // checkpoint when it is not 0.
+    ::setenv("DP_RESTART_COUNT", std::to_string(restart).c_str(), 1);
+    Job job;
+    job.requests = requests;
+    job.grace_ms = o.grace_ms;
+    job.ranks.resize(static_cast<size_t>(o.nproc));
+    job.outputs.resize(static_cast<size_t>(o.nproc));
+    if (!spawn_ranks(o, signals, job.ranks, job.outputs)) return 1;
+    supervise(job);
+    stop_what_the_ranks_left(job);
+    finish_output(job.outputs);
+    requests = job.requests;
+    // Only a rank's failure starts the job again: not a signal to dp-run,
+    // its lost output, or its front gone, even during the stop.
+    const bool restartable = job.result != 0 && job.rank_failed && requests.first_signal == 0 &&
+                             !requests.front_gone && !output_lost() && restart < o.max_restarts;
+    if (!restartable) return job.result;
+    say("restarting the job (restart " + std::to_string(restart + 1) + " of " + std::to_string(o.max_restarts) + ")");
+  }
 }
 
 }  // namespace

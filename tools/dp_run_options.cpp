@@ -21,8 +21,10 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: dp-run -n N [--nnodes M --node-rank K] [--master-addr A] [--master-port P] [--store-port S]\n"
-    "              [--grace-ms G] [--trace-dir D] prog [args...]\n"
-    "       dp-run --diagnose DIR   (the ranks' flight recorder dumps, written to DP_TRACE_DIR)\n";
+    "              [--grace-ms G] [--trace-dir D] [--max-restarts K] prog [args...]\n"
+    "       dp-run --diagnose DIR   (the ranks' flight recorder dumps, written to DP_TRACE_DIR)\n"
+    "--max-restarts K: when a rank fails, the others are stopped and the job starts again, up to K\n"
+    "times (one node only); every run's ranks get DP_RESTART_COUNT, 0 for the first.\n";
 
 [[noreturn]] void usage(const char* message) {
   std::fprintf(stderr, "dp-run: %s\n%s", message, kUsage);
@@ -109,6 +111,8 @@ Options parse_args(int argc, char** argv) {
       o.trace_dir = value("--trace-dir");
     else if (a == "--grace-ms")
       o.grace_ms = parse_int(value("--grace-ms"), "--grace-ms", 0, 3600000);
+    else if (a == "--max-restarts")
+      o.max_restarts = parse_int(value("--max-restarts"), "--max-restarts", 0, 1000000);
     else if (a == "--") {
       ++i;
       break;
@@ -146,6 +150,11 @@ void raise_open_file_limit(long nproc) {
 
 void set_up_rendezvous(Options& o) {
   if (o.node_rank >= o.nnodes) usage("--node-rank must be below --nnodes");
+  if (o.max_restarts > 0 && o.nnodes > 1) {
+    usage(
+        "--max-restarts needs a job of one node (--nnodes 1): across nodes every node's dp-run would have to "
+        "restart in step, which dp-run does not arrange");
+  }
   if (o.nnodes > 1 && (o.master_addr.empty() || o.master_port < 0)) {
     usage(
         "with --nnodes > 1, --master-addr and --master-port are required (node 0 serves the store there, at "

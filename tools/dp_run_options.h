@@ -24,6 +24,7 @@ struct Options {
   long master_port = -1;     // the host framework's (MASTER_PORT)
   long store_port = -1;      // dparallel's store (DP_STORE_PORT)
   std::string trace_dir;     // --trace-dir: the ranks' DP_TRACE_DIR; SIGUSR1 then asks for dumps
+  long max_restarts = 0;     // --max-restarts: how often a failed job starts again
   char** program = nullptr;  // the ranks' program and its arguments, null-terminated
 };
 

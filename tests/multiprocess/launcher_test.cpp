@@ -76,6 +76,45 @@ TEST(Launcher, StopsTheOtherRanksAndExitsWithTheFailedRanksCode) {
   EXPECT_NE(r.output.find("rank 1 exited with code 3"), std::string::npos) << r.output;
 }
 
+// A rank that fails in the first run: with --max-restarts the others are
+// stopped and the job runs again with DP_RESTART_COUNT counting the runs;
+// a job that keeps failing gives up after K restarts with its rank's code;
+// without the option nothing restarts, and across nodes it is refused.
+TEST(Launcher, MaxRestartsStartsAFailedJobAgainWithItsRestartCount) {
+  LaunchResult r = launch(
+      "-n 2 --max-restarts 1 --grace-ms 2000 sh -c 'echo run=$DP_RESTART_COUNT; "
+      "if [ $DP_RESTART_COUNT = 0 ]; then if [ $RANK = 1 ]; then exit 5; fi; exec sleep 30; fi'");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_LT(r.seconds, 20.0) << "the first run's sleeping rank was not stopped";
+  for (const char* line : {"[rank 0] run=0", "[rank 1] run=0", "[rank 0] run=1", "[rank 1] run=1",
+                           "restarting the job (restart 1 of 1)"}) {
+    EXPECT_NE(r.output.find(line), std::string::npos) << line << "\n" << r.output;
+  }
+  LaunchResult exhausted = launch("-n 2 --max-restarts 2 sh -c 'echo run=$DP_RESTART_COUNT; exit 4'");
+  EXPECT_EQ(exhausted.exit_code, 4) << exhausted.output;
+  EXPECT_NE(exhausted.output.find("run=2"), std::string::npos) << exhausted.output;
+  EXPECT_EQ(exhausted.output.find("run=3"), std::string::npos) << exhausted.output;
+  LaunchResult once = launch("-n 2 sh -c 'echo run=$DP_RESTART_COUNT; exit 4'");
+  EXPECT_EQ(once.exit_code, 4) << once.output;
+  EXPECT_NE(once.output.find("run=0"), std::string::npos) << once.output;
+  EXPECT_EQ(once.output.find("run=1"), std::string::npos) << once.output;
+  LaunchResult nodes =
+      launch("-n 1 --nnodes 2 --node-rank 0 --master-addr 127.0.0.1 --master-port 29999 --max-restarts 1 true");
+  EXPECT_EQ(nodes.exit_code, 2) << nodes.output;
+  EXPECT_NE(nodes.output.find("--max-restarts needs a job of one node"), std::string::npos) << nodes.output;
+}
+
+// The second run meets through a store on the same port as the first's,
+// whose rank 0 was stopped while it waited for a rank that had failed.
+TEST(Launcher, ARestartedJobMeetsAgainThroughTheStore) {
+  LaunchResult r = launch("-n 2 --max-restarts 1 --grace-ms 2000 sh -c 'if [ $DP_RESTART_COUNT = 0 ] && "
+                          "[ $RANK = 1 ]; then exit 3; fi; exec " +
+                          std::string(DP_MP_WORKER) + " async'");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("rank 1 exited with code 3"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank 1] rank 1: async passed"), std::string::npos) << r.output;
+}
+
 // Expects `count` pids in the file at `path`, none running; kills them and removes the file.
 void expect_none_running(const char* path, int count, const char* what) {
   FILE* pids = std::fopen(path, "r");
