@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 WORLD = 2
 STEPS = 4
@@ -20,20 +21,24 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch_ranks(script, what):
-    """Starts the ranks of `script` (with --rank) and waits for them."""
+def launch_ranks(script, what, world=WORLD, rank_env=None):
+    """Starts the `world` ranks of `script` (with --rank), rank r with the
+    variables rank_env(r) on top, and waits for them."""
     ports = [free_port() for _ in range(3)]
     procs = []
-    for rank in range(WORLD):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(ports[0]), DP_STORE_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo",
                    DP_TEST_PORTS=f"{ports[1]},{ports[2]}", OMP_NUM_THREADS="1")
+        if rank_env is not None:
+            env.update(rank_env(rank))
         procs.append(subprocess.Popen([sys.executable, script, "--rank"], env=env))
-    # Bounded inside the test's ctest timeout (600 s); a hung rank fails it.
+    # Bounded inside the test's ctest timeout (600 s), all ranks together; a hung rank fails it.
+    deadline = time.monotonic() + 480
     rcs = []
     for p in procs:
         try:
-            rcs.append(p.wait(timeout=480))
+            rcs.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
