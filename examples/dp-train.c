@@ -21,11 +21,13 @@
 #define _POSIX_C_SOURCE 200809L
 
 #include <cblas.h>
+#include <dirent.h>
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -51,6 +53,9 @@ typedef struct options {
   int ddp; /* one process per rank under dp-run, gradients averaged by dp_ddp */
   double bucket_cap_mb, first_bucket_cap_mb;
   int grad_as_bucket_view;
+  const char *checkpoint_dir; /* --ddp: rank 0 saves step-N.safetensors here; a run starts from the newest */
+  int checkpoint_every;       /* steps between saves (default 10) */
+  int die_at_step;            /* > 0: rank 1 exits after this step of a job's first run (DP_RESTART_COUNT 0) */
 } options;
 
 /* Scratch memory kept across steps, one per replica (and one for the
@@ -97,6 +102,11 @@ static long rss_kib(void) {
 
 static void die(const char *what) {
   fprintf(stderr, "dp-train: %s: %s\n", what, dp_last_error());
+  exit(1);
+}
+
+static void die_errno(const char *what, const char *path) {
+  fprintf(stderr, "dp-train: %s '%s': %s\n", what, path, strerror(errno));
   exit(1);
 }
 
@@ -278,7 +288,13 @@ static void usage(const char *problem) {
           "                [--lr 2] [--no-check] [--max-rss-growth-kib N] [--min-loss-drop F]\n"
           "                [--save model.safetensors]\n"
           "       dp-run -n 2 dp-train --ddp [--bucket-cap-mb 25] [--first-bucket-cap-mb 1]\n"
-          "                [--grad-as-bucket-view] [the options above but --devices]\n");
+          "                [--grad-as-bucket-view] [the options above but --devices]\n"
+          "                [--checkpoint-dir D [--checkpoint-every 10]] [--die-at-step S]\n"
+          "--checkpoint-dir: rank 0 saves the model as D/step-N.safetensors every N steps (each file\n"
+          "whole or absent), and a run starts from the newest there, at its step: under\n"
+          "dp-run --max-restarts a failed job resumes where its last save left it. --die-at-step S:\n"
+          "rank 1 exits with code 9 after step S of the job's first run (DP_RESTART_COUNT 0), as a\n"
+          "rank that died would.\n");
   exit(2);
 }
 
@@ -337,7 +353,8 @@ static options parse_options(int argc, char **argv) {
   o.min_loss_drop = 0;
   o.bucket_cap_mb = 25.0;
   o.first_bucket_cap_mb = 1.0;
-  const char *devices = NULL, *ddp_only = NULL;
+  o.checkpoint_every = 10;
+  const char *devices = NULL, *ddp_only = NULL, *every = NULL;
   for (int i = 1; i < argc; ++i) {
     const char *a = argv[i];
     if (strcmp(a, "--no-check") == 0) {
@@ -391,6 +408,16 @@ static options parse_options(int argc, char **argv) {
     } else if (strcmp(a, "--first-bucket-cap-mb") == 0) {
       o.first_bucket_cap_mb = parse_number(a, v, 1048576);
       ddp_only = a;
+    } else if (strcmp(a, "--checkpoint-dir") == 0) {
+      if (*v == '\0' || strlen(v) > 3000) bad_value(a, "a folder's path", v);
+      o.checkpoint_dir = v;
+      ddp_only = a;
+    } else if (strcmp(a, "--checkpoint-every") == 0) {
+      o.checkpoint_every = (int)parse_integer(a, v, 1, 1000000);
+      ddp_only = every = a;
+    } else if (strcmp(a, "--die-at-step") == 0) {
+      o.die_at_step = (int)parse_integer(a, v, 1, 1000000);
+      ddp_only = a;
     } else {
       char problem[128];
       snprintf(problem, sizeof problem, "unknown option '%.64s'", a);
@@ -398,6 +425,7 @@ static options parse_options(int argc, char **argv) {
     }
   }
   if (o.ddp && devices != NULL) usage("--devices does not go with --ddp: each rank runs on cpu:0");
+  if (every != NULL && o.checkpoint_dir == NULL) usage("--checkpoint-every needs --checkpoint-dir");
   if (!o.ddp && ddp_only != NULL) {
     char problem[128];
     snprintf(problem, sizeof problem, "%s needs --ddp", ddp_only);
@@ -574,6 +602,7 @@ typedef struct run_state {
   int blas_threads;
   long rss_at_10, rss_at_end;
   double first_loss, last_loss; /* the whole batch's, at the first and the last step */
+  int start_step;                /* where this run began: a checkpoint's step, else 0 */
 } run_state;
 
 static void note_rss(run_state *r, int step) {
@@ -582,7 +611,7 @@ static void note_rss(run_state *r, int step) {
 }
 
 static void note_loss(run_state *r, int step, double loss) {
-  if (step == 0) r->first_loss = loss;
+  if (step == r->start_step) r->first_loss = loss;
   r->last_loss = loss;
 }
 
@@ -736,6 +765,53 @@ static void layer_pointers(dp_module *model, const train_context *ctx, float **w
   }
 }
 
+/* ---- checkpoints (--checkpoint-dir) ---- */
+
+/* The step of a file named step-N.safetensors, else -1 (a save still being
+ * written has another name until it is whole). */
+static int checkpoint_step(const char *name) {
+  int step = -1, end = 0;
+  if (sscanf(name, "step-%9d.safetensors%n", &step, &end) != 1 || name[end] != '\0' || step < 1) return -1;
+  char canonical[64];
+  snprintf(canonical, sizeof canonical, "step-%d.safetensors", step);
+  return strcmp(canonical, name) == 0 ? step : -1;
+}
+
+/* Loads the newest save of at most `steps` steps into the model; returns
+ * its step, 0 when there is none (the folder is made then). */
+static int load_newest_checkpoint(dp_module *model, const char *dir, int steps, int rank) {
+  DIR *d = opendir(dir);
+  if (d == NULL) {
+    if (errno != ENOENT) die_errno("--checkpoint-dir", dir);
+    if (mkdir(dir, 0777) != 0 && errno != EEXIST) die_errno("--checkpoint-dir: making", dir);
+    return 0;
+  }
+  int newest = 0;
+  for (struct dirent *e = readdir(d); e != NULL; e = readdir(d)) {
+    const int step = checkpoint_step(e->d_name);
+    if (step > newest && step <= steps) newest = step;
+  }
+  closedir(d);
+  if (newest == 0) return 0;
+  char path[4096];
+  snprintf(path, sizeof path, "%s/step-%d.safetensors", dir, newest);
+  CHECK(dp_module_load(model, path, 1));
+  if (rank == 0) printf("resuming from %s: step %d on\n", path, newest + 1);
+  return newest;
+}
+
+/* Rank 0 saves the model after `step` steps; dp_module_save replaces the
+ * file whole or not at all. The others wait for it, so that a save every
+ * rank went past is complete. */
+static void save_checkpoint(dp_module *model, dp_process_group *pg, const char *dir, int step) {
+  if (dp_process_group_rank(pg) == 0) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/step-%d.safetensors", dir, step);
+    CHECK(dp_module_save(model, path));
+  }
+  CHECK(dp_pg_barrier(pg));
+}
+
 /* Trains this rank's shard of every batch; dp_ddp averages the gradients. */
 static void run_ddp(run_state *r, dp_process_group *pg) {
   const options *o = r->o;
@@ -751,6 +827,11 @@ static void run_ddp(run_state *r, dp_process_group *pg) {
   dopts.bucket_cap_mb = o->bucket_cap_mb;
   dopts.first_bucket_cap_mb = o->first_bucket_cap_mb;
   dopts.gradient_as_bucket_view = o->grad_as_bucket_view;
+  /* Every rank reads the same save (no rank writes before this point). */
+  const int start = o->checkpoint_dir != NULL ? load_newest_checkpoint(r->model, o->checkpoint_dir, o->steps, rank) : 0;
+  r->start_step = start;
+  const char *restarts = getenv("DP_RESTART_COUNT");
+  const int first_run = restarts == NULL || strcmp(restarts, "0") == 0;
   dp_ddp *ddp = NULL;
   CHECK(dp_ddp_create(&ddp, r->model, pg, &dopts));
   if (rank == 0) {
@@ -769,10 +850,10 @@ static void run_ddp(run_state *r, dp_process_group *pg) {
   ddp_marks marks = {ddp, &r->ctx};
   workspace ws = {0};
   float *w[MAX_LAYERS], *b[MAX_LAYERS], *gw[MAX_LAYERS], *gb[MAX_LAYERS];
-  const int warmup = o->steps > 2 ? 2 : 0;
+  const int warmup = o->steps - start > 2 ? start + 2 : start;
   double total = 0, backward = 0, finish = 0, update = 0, reduce_ms = 0, exposed_ms = 0;
   dp_ddp_stats stats = {sizeof stats, 0, 0, 0, 0, 0};
-  for (int step = 0; step < o->steps; ++step) {
+  for (int step = start; step < o->steps; ++step) {
     fill_batch(&r->data, step, o->batch, r->batch, r->order);
     const float *rows = r->batch + lo * 2 * W;
     double t0 = now_seconds();
@@ -808,8 +889,16 @@ static void run_ddp(run_state *r, dp_process_group *pg) {
     }
     note_rss(r, step);
     note_loss(r, step, part);
+    if (o->checkpoint_dir != NULL && (step + 1) % o->checkpoint_every == 0) {
+      save_checkpoint(r->model, pg, o->checkpoint_dir, step + 1);
+    }
+    if (first_run && rank == 1 && step + 1 == o->die_at_step) {
+      fprintf(stderr, "dp-train: rank 1 exits after step %d (--die-at-step)\n", step + 1);
+      fflush(stdout);
+      _exit(9);
+    }
   }
-  if (rank == 0) {
+  if (rank == 0 && o->steps > warmup) {
     int measured = o->steps - warmup;
     printf("\nsteps %d..%d on rank 0: %.2f ms per step, %.0f samples/s (all ranks)\n", warmup + 1, o->steps,
            total / measured * 1e3, (double)o->batch * measured / total);
