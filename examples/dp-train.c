@@ -602,7 +602,7 @@ typedef struct run_state {
   int blas_threads;
   long rss_at_10, rss_at_end;
   double first_loss, last_loss; /* the whole batch's, at the first and the last step */
-  int start_step;                /* where this run began: a checkpoint's step, else 0 */
+  int start_step;               /* where this run began: a checkpoint's step, else 0 */
 } run_state;
 
 static void note_rss(run_state *r, int step) {

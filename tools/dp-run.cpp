@@ -188,7 +188,7 @@ struct Job {
   int result = 0;
   bool stopping = false;
   bool rank_failed = false;  // what stopped it: a rank's failure (a restart may follow)
-  int signals_at_stop = 0;  // a signal after stopping began escalates to SIGKILL
+  int signals_at_stop = 0;   // a signal after stopping began escalates to SIGKILL
   Clock::time_point kill_at = Clock::time_point::max();
 
   void stop(int exit_code, int sig) {
@@ -306,8 +306,8 @@ int launcher(const Options& o, const Signals& signals, int control_fd) {
     requests = job.requests;
     // Only a rank's failure starts the job again: not a signal to dp-run,
     // its lost output, or its front gone, even during the stop.
-    const bool restartable = job.result != 0 && job.rank_failed && requests.first_signal == 0 &&
-                             !requests.front_gone && !output_lost() && restart < o.max_restarts;
+    const bool restartable = job.result != 0 && job.rank_failed && requests.first_signal == 0 && !requests.front_gone &&
+                             !output_lost() && restart < o.max_restarts;
     if (!restartable) return job.result;
     say("restarting the job (restart " + std::to_string(restart + 1) + " of " + std::to_string(o.max_restarts) + ")");
   }

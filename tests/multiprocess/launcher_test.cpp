@@ -107,9 +107,10 @@ TEST(Launcher, MaxRestartsStartsAFailedJobAgainWithItsRestartCount) {
 // The second run meets through a store on the same port as the first's,
 // whose rank 0 was stopped while it waited for a rank that had failed.
 TEST(Launcher, ARestartedJobMeetsAgainThroughTheStore) {
-  LaunchResult r = launch("-n 2 --max-restarts 1 --grace-ms 2000 sh -c 'if [ $DP_RESTART_COUNT = 0 ] && "
-                          "[ $RANK = 1 ]; then exit 3; fi; exec " +
-                          std::string(DP_MP_WORKER) + " async'");
+  LaunchResult r = launch(
+      "-n 2 --max-restarts 1 --grace-ms 2000 sh -c 'if [ $DP_RESTART_COUNT = 0 ] && "
+      "[ $RANK = 1 ]; then exit 3; fi; exec " +
+      std::string(DP_MP_WORKER) + " async'");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("rank 1 exited with code 3"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("[rank 1] rank 1: async passed"), std::string::npos) << r.output;

@@ -1,5 +1,6 @@
 #include "distributed/nccl/nccl_util.h"
 
+#include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -9,8 +10,6 @@
 #include <optional>
 #include <thread>
 #include <utility>
-
-#include <cuda_runtime_api.h>
 
 #include "device/cuda/cuda_runtime.h"
 #include "distributed/backend.h"
@@ -111,7 +110,8 @@ std::string queued_failure_cause(const QueuedWatch::Failure& failure, std::chron
 }
 
 SplitFn comm_split() {
-  if (const char* text = std::getenv("DP_NCCL_COMM_SPLIT"); text != nullptr && std::strcmp(text, "0") == 0) return nullptr;
+  if (const char* text = std::getenv("DP_NCCL_COMM_SPLIT"); text != nullptr && std::strcmp(text, "0") == 0)
+    return nullptr;
   static const auto split = reinterpret_cast<SplitFn>(loaded_symbol("ncclCommSplit"));
   return split;
 }

@@ -17,7 +17,10 @@
 #include "device/cuda/nccl_types.h"
 #include "distributed/collective.h"
 #include "distributed/nccl/queued_watch.h"
-#include "distributed/store/store.h"
+
+namespace dparallel::dist {
+class Store;
+}  // namespace dparallel::dist
 
 namespace dparallel::dist::nccl {
 
