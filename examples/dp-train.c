@@ -56,6 +56,7 @@ typedef struct options {
   const char *checkpoint_dir; /* --ddp: rank 0 saves step-N.safetensors here; a run starts from the newest */
   int checkpoint_every;       /* steps between saves (default 10) */
   int die_at_step;            /* > 0: rank 1 exits after this step of a job's first run (DP_RESTART_COUNT 0) */
+  int backend;                /* --ddp: the process group's dp_backend (default AUTO) */
 } options;
 
 /* Scratch memory kept across steps, one per replica (and one for the
@@ -290,6 +291,7 @@ static void usage(const char *problem) {
           "       dp-run -n 2 dp-train --ddp [--bucket-cap-mb 25] [--first-bucket-cap-mb 1]\n"
           "                [--grad-as-bucket-view] [the options above but --devices]\n"
           "                [--checkpoint-dir D [--checkpoint-every 10]] [--die-at-step S]\n"
+          "                [--backend auto|gloo|shm|mpi]   (mpi: under mpirun, DP_STORE_ADDR/PORT set)\n"
           "--checkpoint-dir: rank 0 saves the model as D/step-N.safetensors every N steps (each file\n"
           "whole or absent), and a run starts from the newest there, at its step: under\n"
           "dp-run --max-restarts a failed job resumes where its last save left it. --die-at-step S:\n"
@@ -415,6 +417,15 @@ static options parse_options(int argc, char **argv) {
     } else if (strcmp(a, "--checkpoint-every") == 0) {
       o.checkpoint_every = (int)parse_integer(a, v, 1, 1000000);
       ddp_only = every = a;
+    } else if (strcmp(a, "--backend") == 0) {
+      static const char *const names[] = {"auto", "gloo", "", "shm", "mpi"};
+      static const int values[] = {DP_BACKEND_AUTO, DP_BACKEND_GLOO, -1, DP_BACKEND_SHM, DP_BACKEND_MPI};
+      o.backend = -1;
+      for (size_t k = 0; k < sizeof values / sizeof values[0]; ++k) {
+        if (values[k] >= 0 && strcmp(v, names[k]) == 0) o.backend = values[k];
+      }
+      if (o.backend < 0) bad_value(a, "auto, gloo, shm or mpi", v);
+      ddp_only = a;
     } else if (strcmp(a, "--die-at-step") == 0) {
       o.die_at_step = (int)parse_integer(a, v, 1, 1000000);
       ddp_only = a;
@@ -1008,7 +1019,9 @@ int main(int argc, char **argv) {
   int rank = 0;
   if (o.ddp) {
     /* From dp-run's (or torchrun's, mpirun's) environment; Gloo on cpu:0. */
-    if (dp_process_group_create_from_env(&pg, NULL) != DP_OK) {
+    dp_process_group_options group_options = DP_PROCESS_GROUP_OPTIONS_INIT;
+    group_options.backend = o.backend;
+    if (dp_process_group_create_from_env(&pg, &group_options) != DP_OK) {
       fprintf(stderr,
               "dp-train: --ddp: joining the process group: %s\n(one process per rank: dp-run -n 2 dp-train --ddp)\n",
               dp_last_error());

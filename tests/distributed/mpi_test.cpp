@@ -124,6 +124,12 @@ TEST_P(MpiBackendTest, ACallOnlyOneRankMakesTimesOutNamingItWithoutAHang) {
   expect_ranks_passed(exit, "timeout", 2);
 }
 
+TEST_P(MpiBackendTest, FullyShardOverMpiGathersTheShardsAndAveragesTheGradients) {
+  dptest::RankExit exit = under_mpirun("fsdp", 2);
+  if (skipped(exit)) GTEST_SKIP() << exit.output;
+  expect_ranks_passed(exit, "fsdp", 2);
+}
+
 TEST_P(MpiBackendTest, EveryCollectiveOnThreeRanks) {
   dptest::RankExit exit = under_mpirun("collectives", 3);
   if (skipped(exit)) GTEST_SKIP() << exit.output;

@@ -19,6 +19,10 @@
 //                 refused: DP_EINVAL containing DP_TEST_EXPECT, no MPI mapped
 //   no_mpi        a Gloo group all-reduces; no MPI library is mapped
 //   mpi_mapped    an MPI group all-reduces; the MPI library is mapped
+//   fsdp          three steps of a dp_fsdp over the MPI group (uneven shards:
+//                 5 rows on 2 ranks; prefetching unshards): each unshard
+//                 gathers the full parameter, each rank's shard gradient is
+//                 the ranks' average of its rows
 // Usage: mpi_worker <scenario> <file store path>
 #include <dlfcn.h>
 
@@ -177,6 +181,77 @@ void scenario_timeout(dp_process_group* pg, int r, dp_store* side) {
 
 // The host's own MPI_Init_thread at `level` (FUNNELED 1, MULTIPLE 3) before
 // dparallel's group, and its own MPI_Finalize after.
+std::vector<float> tensor_values(const dp_tensor* t) {
+  std::vector<float> v(static_cast<size_t>(dp_tensor_numel(t)));
+  CHECK_OK(dp_tensor_copy_to_host(t, v.data(), v.size() * sizeof(float)));
+  return v;
+}
+
+// fully_shard's lane over MPI: all-gathers at unshard, reduce-scatters at
+// post_backward. The full parameter starts as w[i] = i; each step every rank
+// sets its full gradient to g[i] = (rank + 1) * (i + step), so a row's shard
+// gradient must be the ranks' average; the host steps its shard (w -= shard
+// gradient), zeroes the shard gradient, and the next unshard must gather
+// what the shards hold.
+void scenario_fsdp(dp_process_group* pg, int r, int world) {
+  constexpr int64_t kRows = 5, kCols = 3;
+  const int64_t shape[2] = {kRows, kCols};
+  std::vector<float> full(kRows * kCols);
+  for (size_t i = 0; i < full.size(); ++i) full[i] = static_cast<float>(i);
+  dp_module* m = nullptr;
+  CHECK_OK(dp_module_create(&m));
+  dp_tensor* w = nullptr;
+  CHECK_OK(dp_tensor_create(&w, DP_FLOAT32, 2, shape, dp_device{DP_DEVICE_CPU, 0}));
+  CHECK_OK(dp_tensor_copy_from_host(w, full.data(), full.size() * sizeof(float)));
+  CHECK_OK(dp_module_register_parameter(m, "w", w, 1));
+  dp_tensor_destroy(w);
+  dp_fsdp* f = nullptr;
+  CHECK_OK(dp_fsdp_create(&f, m, pg, nullptr));
+  dp_tensor* shard = nullptr;
+  CHECK_OK(dp_fsdp_shard(f, 0, &shard));
+  // This rank's rows: the shard's first row in the full parameter.
+  const int64_t rows = f != nullptr && shard != nullptr ? dp_tensor_numel(shard) / kCols : 0;
+  const int64_t first_row = r == 0 ? 0 : kRows - rows;
+  for (int step = 0; step < 3 && f != nullptr && shard != nullptr; ++step) {
+    CHECK_OK(dp_fsdp_unshard(f, 1));
+    CHECK_OK(dp_fsdp_wait_unshard(f));
+    dp_tensor* gathered = nullptr;
+    CHECK_OK(dp_module_get_parameter(m, "w", &gathered));
+    if (gathered != nullptr) CHECK(tensor_values(gathered) == full, "step %d: the unshard gathered other values", step);
+    dp_tensor_destroy(gathered);
+    dp_tensor* g = nullptr;
+    CHECK_OK(dp_module_grad(m, "w", &g));
+    std::vector<float> grad(full.size());
+    for (size_t i = 0; i < grad.size(); ++i) grad[i] = static_cast<float>((r + 1) * (static_cast<int>(i) + step));
+    if (g != nullptr) CHECK_OK(dp_tensor_copy_from_host(g, grad.data(), grad.size() * sizeof(float)));
+    dp_tensor_destroy(g);
+    CHECK_OK(dp_fsdp_post_backward(f));
+    CHECK_OK(dp_fsdp_finish_backward(f));
+    dp_tensor* shard_grad = nullptr;
+    CHECK_OK(dp_fsdp_shard_grad(f, 0, &shard_grad));
+    std::vector<float> got = shard_grad != nullptr ? tensor_values(shard_grad) : std::vector<float>();
+    // The host's zero_grad: shard gradients accumulate across steps otherwise.
+    const std::vector<float> zeros(got.size(), 0.0f);
+    if (shard_grad != nullptr)
+      CHECK_OK(dp_tensor_copy_from_host(shard_grad, zeros.data(), zeros.size() * sizeof(float)));
+    dp_tensor_destroy(shard_grad);
+    std::vector<float> values = tensor_values(shard);
+    const float mean_factor = static_cast<float>(world + 1) / 2.0f;  // the average of rank + 1
+    for (int64_t k = 0; k < rows * kCols && static_cast<size_t>(k) < got.size(); ++k) {
+      const int64_t i = first_row * kCols + k;
+      const float expected = mean_factor * static_cast<float>(i + step);
+      CHECK(got[static_cast<size_t>(k)] == expected, "step %d: shard gradient [%lld] is %g, not %g", step,
+            static_cast<long long>(k), got[static_cast<size_t>(k)], expected);
+      values[static_cast<size_t>(k)] -= expected;
+    }
+    CHECK_OK(dp_tensor_copy_from_host(shard, values.data(), values.size() * sizeof(float)));
+    for (size_t i = 0; i < full.size(); ++i) full[i] -= mean_factor * static_cast<float>(static_cast<int>(i) + step);
+  }
+  dp_tensor_destroy(shard);
+  dp_fsdp_destroy(f);
+  dp_module_destroy(m);
+}
+
 void scenario_host_init(int level, int r, int world, const std::string& store_path) {
   void* mpi = ::dlopen(std::getenv("DP_MPI_LIBRARY"), RTLD_NOW | RTLD_GLOBAL);
   if (mpi == nullptr) {
@@ -291,6 +366,8 @@ int main(int argc, char** argv) {
         scenario_collectives(pg, r, world, "mpi");
       } else if (scenario == "timeout") {
         scenario_timeout(pg, r, side);
+      } else if (scenario == "fsdp") {
+        scenario_fsdp(pg, r, world);
       } else if (scenario == "mpi_mapped") {
         check_all_reduce(pg, DP_FLOAT32, DP_SUM, 16, false, r, world);
         CHECK(mpi_mapped(), "an MPI group runs but no MPI library is mapped");
