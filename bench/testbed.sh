@@ -19,8 +19,10 @@
 # comma-separated dp-perf size options, one dp-perf run each. Only rank 0's
 # lines are printed. Needs root; namespaces and links are removed however the
 # run ends. PYTHON defaults to the first with torch of BUILD_DIR/../torch2,
-# ../shared/anchors/build/torch2 and python3. Open MPI is not run across the
-# testbed's hosts: the script says so.
+# ../shared/anchors/build/torch2 and python3. Open MPI over TCP runs the
+# anchors' mpi_coll (built here with mpicc, libopenmpi-dev) across the same
+# hosts, launched through tests/testbed/mpi_agent.sh, where mpirun.openmpi
+# and mpicc are found.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 tb=$here/../tests/testbed/testbed.sh
@@ -156,11 +158,23 @@ else
   echo "# PyTorch DDP/gloo skipped: no python with torch (--torch, $build/../torch2, $anchors/build/torch2, python3)"
   torch_python=""
 fi
-if command -v mpirun >/dev/null 2>&1; then
-  echo "# Open MPI is installed, but its anchor (anchors/3_mpi.sh) runs on one host only: not run across hosts"
+mpi_coll=""
+mpicc=$(command -v mpicc.openmpi || command -v mpicc || true)
+if ! command -v mpirun.openmpi >/dev/null 2>&1; then
+  echo "# Open MPI over TCP skipped: no mpirun.openmpi (openmpi-bin)"
+elif [ -z "$mpicc" ] || [ ! -f "$anchors/src/mpi_coll.c" ]; then
+  echo "# Open MPI over TCP skipped: no mpicc (libopenmpi-dev) or no $anchors/src/mpi_coll.c"
 else
-  echo "# Open MPI over TCP skipped: no mpirun (openmpi-bin)"
+  mpi_coll=$(mktemp "/tmp/dptb_mpi_coll$$_XXXXXX") || exit 1
+  if "$mpicc" -O2 -o "$mpi_coll" "$anchors/src/mpi_coll.c"; then
+    echo "# Open MPI over TCP: $(mpirun.openmpi --version | head -n 1), the anchors' mpi_coll"
+  else
+    echo "# Open MPI over TCP skipped: mpi_coll did not build"
+    rm -f "$mpi_coll"
+    mpi_coll=""
+  fi
 fi
+agent=$(cd "$here/../tests/testbed" && pwd)/mpi_agent.sh
 
 # The testbed is named after this process, so a run killed outright is
 # removed by the next start of testbed.sh.
@@ -196,9 +210,32 @@ on_hosts() {
   grep '^\[rank 0\]' "$out"
 }
 
+# mpi_on_hosts HOSTS: the anchors' mpi_coll over Open MPI's TCP transport,
+# RANKS per host, mpirun in host 0 and the others' daemons started through
+# the agent; its whole output.
+mpi_on_hosts() {
+  list=""
+  k=1
+  while [ "$k" -le "$1" ]; do
+    list="$list${list:+,}$subnet_prefix$k:$ranks"
+    k=$((k + 1))
+  done
+  "$tb" exec --name "$name" 0 env TESTBED_NAME="$name" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+    timeout -s KILL 600 mpirun.openmpi --mca plm_rsh_agent "$agent" -H "$list" -np $(($1 * ranks)) \
+    --mca btl tcp,self --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 \
+    "$mpi_coll" 11 4K,1M,16M,64M 16M >"$out" 2>&1 &
+  child=$!
+  wait "$child"
+  code=$?
+  child=""
+  cat "$out"
+  [ "$code" = 0 ] || echo "# Open MPI failed with $code"
+}
+subnet_prefix=10.213.0.
+
 out=$(mktemp "/tmp/dptb_run$$_XXXXXX") || exit 1
 child=""
-trap 'stop_child; "$tb" down --name "$name"; rm -f "$out"' EXIT
+trap 'stop_child; "$tb" down --name "$name"; rm -f "$out" ${mpi_coll:+"$mpi_coll"}' EXIT
 for hosts in $hosts_list; do
   "$tb" up --name "$name" --hosts "$hosts" --rate none || exit 1
   for rate in $rates; do
@@ -230,6 +267,10 @@ for hosts in $hosts_list; do
       # shellcheck disable=SC2086 # dp-perf's model options are the script's
       on_hosts gloo "$tb" run --name "$name" --timeout 600 --dp-run "$run" --nproc "$ranks" -- \
         env OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 "$torch_python" "$here/torch_ddp_hosts.py" $ddp
+    fi
+    if [ -n "$mpi_coll" ]; then
+      echo "== $hosts hosts x $ranks ranks, $rate, Open MPI over TCP: mpi_coll 11 4K,1M,16M,64M 16M"
+      mpi_on_hosts "$hosts"
     fi
   done
   "$tb" down --name "$name"
