@@ -79,19 +79,25 @@ group = dparallel.default_group("cuda:0")
 if group.backend() != "nccl":
     failures.append(f"the default group on cuda:0 runs {group.backend()}, not nccl")
 
+def train_on(stream, model):
+    """train() on torch's current stream (None), or under `stream`, ordered
+    after the current stream's work and before what follows it."""
+    if stream is None:
+        train(model, steps, x)
+        return
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        train(model, steps, x)
+    torch.cuda.current_stream(device).wait_stream(stream)
+
+
 side = torch.cuda.Stream(device)
 for stream_name, stream in (("default stream", None), ("side stream", side)):
     # replicate: the reducer over torch's gradients on the GPU.
     model = Net().to(device)
     model.load_state_dict(start)
     dpt.replicate(model)
-    if stream is None:
-        train(model, steps, x)
-    else:
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            train(model, steps, x)
-        torch.cuda.current_stream(device).wait_stream(stream)
+    train_on(stream, model)
     compare(f"replicate, {stream_name}", model.state_dict(), want)
     model.dp_close()
 
@@ -102,13 +108,7 @@ for stream_name, stream in (("default stream", None), ("side stream", side)):
     dpt.fully_shard(model.a)
     dpt.fully_shard(model.b)
     dpt.fully_shard(model)
-    if stream is None:
-        train(model, steps, x)
-    else:
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            train(model, steps, x)
-        torch.cuda.current_stream(device).wait_stream(stream)
+    train_on(stream, model)
     compare(f"fully_shard, {stream_name}", dpt.full_state_dict(model), want)
 torch.cuda.synchronize()
 

@@ -12,7 +12,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from replicate_parity import launch_ranks  # noqa: E402
+from replicate_parity import exit_unless_fsdp2, launch_ranks  # noqa: E402
 
 STEPS = 4
 
@@ -32,6 +32,7 @@ def rank_main():
 
     import dparallel
     import dparallel.torch as dpt
+    from parity_training import shard, train
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -50,31 +51,6 @@ def rank_main():
         # 5 output rows: shards of 3 and 2 rows.
         return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 5))
 
-    def shard(model, fn, group, **kw):
-        # FSDP2's own keyword, `mesh`, which dparallel's fully_shard takes too.
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fn(layer, mesh=group, **kw)
-        fn(model, mesh=group, **kw)
-        return model
-
-    def batches():
-        g = torch.Generator().manual_seed(7 + rank)
-        return [(torch.randn(6, 8, generator=g), torch.randn(6, 5, generator=g)) for _ in range(STEPS)]
-
-    def train(model, accumulate=False):
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        for x, y in batches():
-            opt.zero_grad()
-            if accumulate:
-                # Gradient accumulation: a first micro-batch without sync.
-                model.set_requires_gradient_sync(False)
-                nn.functional.mse_loss(model(x[:3]).float(), y[:3]).backward()
-                model.set_requires_gradient_sync(True)
-                x, y = x[3:], y[3:]
-            nn.functional.mse_loss(model(x).float(), y).backward()
-            opt.step()
-
     def torch_full(model):
         return {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
 
@@ -92,13 +68,13 @@ def rank_main():
     configs.append(("hsdp", {}))
     for label, kw in configs:
         ref_model = shard(make(), torch_fully_shard, hsdp_mesh if label == "hsdp" else mesh, **kw)
-        train(ref_model, accumulate=label == "accumulate")
+        train(ref_model, rank, STEPS, accumulate=label == "accumulate")
         ref = torch_full(ref_model)
         for backend, group in groups.items():
             if label == "hsdp":
                 group = dp_meshes[backend]
             model = shard(make(), dpt.fully_shard, group, **kw)
-            train(model, accumulate=label == "accumulate")
+            train(model, rank, STEPS, accumulate=label == "accumulate")
             got = dpt.full_state_dict(model)
             if sorted(got) != sorted(ref):
                 failures.append(f"{label}/{backend}: keys {sorted(got)} are not FSDP2's {sorted(ref)}")
@@ -111,7 +87,7 @@ def rank_main():
     # State dicts: a trained model's saves load into a fresh one.
     group = groups["shm"]
     trained = shard(make(), dpt.fully_shard, group)
-    train(trained)
+    train(trained, rank, STEPS)
     want = dpt.full_state_dict(trained)
     with tempfile.TemporaryDirectory(prefix="dp-fsdp-sd-") as tmp:
         # Rank 0's folder name serves every rank (one machine).
@@ -141,11 +117,6 @@ def rank_main():
 
 if __name__ == "__main__":
     if "--rank" not in sys.argv:
-        # The reference is FSDP2 itself, which PyTorch has from 2.4 on (dparallel.torch.fully_shard runs on
-        # 2.1 too: single_rank.py).
-        import importlib.util
-        if importlib.util.find_spec("torch.distributed._composable.fsdp") is None:
-            import torch
-            print(f"SKIP: PyTorch {torch.__version__} has no FSDP2 fully_shard to compare with (2.4 or later)")
-            sys.exit(77)
+        # The reference is FSDP2 itself (dparallel.torch.fully_shard runs on 2.1 too: single_rank.py).
+        exit_unless_fsdp2()
     sys.exit(rank_main() if "--rank" in sys.argv else launch_ranks(__file__, "fully_shard parity"))

@@ -17,7 +17,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from replicate_parity import launch_ranks  # noqa: E402
+from replicate_parity import exit_unless_fsdp2, launch_ranks  # noqa: E402
 
 WORLD = 4
 SHAPE = (2, 2)  # replicas (hosts) x shards (ranks of a host)
@@ -45,6 +45,7 @@ def rank_main():
 
     import dparallel
     import dparallel.torch as dpt
+    from parity_training import shard, train
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -81,31 +82,6 @@ def rank_main():
         # 5 output rows: shards of 3 and 2 rows.
         return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 5))
 
-    def shard(model, fn, mesh, **kw):
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fn(layer, mesh=mesh, **kw)
-        fn(model, mesh=mesh, **kw)
-        return model
-
-    def batches():
-        # Each rank its own data: every replica's gradients differ.
-        g = torch.Generator().manual_seed(7 + rank)
-        return [(torch.randn(6, 8, generator=g), torch.randn(6, 5, generator=g)) for _ in range(STEPS)]
-
-    def train(model, accumulate=False):
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        for x, y in batches():
-            opt.zero_grad()
-            if accumulate:
-                # A first micro-batch without sync (neither reduce-scatter nor all-reduce).
-                model.set_requires_gradient_sync(False)
-                nn.functional.mse_loss(model(x[:3]).float(), y[:3]).backward()
-                model.set_requires_gradient_sync(True)
-                x, y = x[3:], y[3:]
-            nn.functional.mse_loss(model(x).float(), y).backward()
-            opt.step()
-
     def same(a, b):
         return a.dtype == b.dtype and a.shape == b.shape and a.numpy().tobytes() == b.numpy().tobytes()
 
@@ -117,13 +93,13 @@ def rank_main():
                ("accumulate", {})]
     for config, kw in configs:
         ref_model = shard(make(), torch_fully_shard, torch_mesh, **kw)
-        train(ref_model, accumulate=config == "accumulate")
+        train(ref_model, rank, STEPS, accumulate=config == "accumulate")
         ref = {k: v.full_tensor().detach().clone() for k, v in ref_model.state_dict().items()}
         if all(same(ref[k], start[k]) for k in start):
             failures.append(f"{config}: torch's training left the parameters as they started")
         for label, mesh in meshes.items():
             model = shard(make(), dpt.fully_shard, mesh, **kw)
-            train(model, accumulate=config == "accumulate")
+            train(model, rank, STEPS, accumulate=config == "accumulate")
             got = dpt.full_state_dict(model)
             if sorted(got) != sorted(ref):
                 failures.append(f"{config}/{label}: keys {sorted(got)} are not torch's {sorted(ref)}")
@@ -145,10 +121,6 @@ def rank_main():
 
 if __name__ == "__main__":
     if "--rank" not in sys.argv:
-        # The reference is FSDP2 itself, which PyTorch has from 2.4 on.
-        import importlib.util
-        if importlib.util.find_spec("torch.distributed._composable.fsdp") is None:
-            import torch
-            print(f"SKIP: PyTorch {torch.__version__} has no FSDP2 fully_shard to compare with (2.4 or later)")
-            sys.exit(77)
+        # The reference is FSDP2 itself (dparallel.torch.fully_shard runs on 2.1 too: single_rank.py).
+        exit_unless_fsdp2()
     sys.exit(rank_main() if "--rank" in sys.argv else launch_ranks(__file__, "HSDP parity", WORLD, rank_env))

@@ -21,6 +21,16 @@ def free_port():
         return s.getsockname()[1]
 
 
+def exit_unless_fsdp2():
+    """Exits 77 (skipped), saying why, where PyTorch has no FSDP2 fully_shard
+    to compare with (it has from 2.4 on)."""
+    import importlib.util
+    if importlib.util.find_spec("torch.distributed._composable.fsdp") is None:
+        import torch
+        print(f"SKIP: PyTorch {torch.__version__} has no FSDP2 fully_shard to compare with (2.4 or later)")
+        sys.exit(77)
+
+
 def launch_ranks(script, what, world=WORLD, rank_env=None):
     """Starts the `world` ranks of `script` (with --rank), rank r with the
     variables rank_env(r) on top, and waits for them."""
