@@ -77,17 +77,19 @@ TEST(Launcher, StopsTheOtherRanksAndExitsWithTheFailedRanksCode) {
 }
 
 // A rank that fails in the first run: with --max-restarts the others are
-// stopped and the job runs again with DP_RESTART_COUNT counting the runs;
+// stopped (the first run's other rank would sleep past launch()'s 60 s
+// bound, which kills the job) and the job runs again with
+// DP_RESTART_COUNT counting the runs;
 // a job that keeps failing gives up after K restarts with its rank's code;
 // without the option nothing restarts, and across nodes it is refused.
 TEST(Launcher, MaxRestartsStartsAFailedJobAgainWithItsRestartCount) {
   LaunchResult r = launch(
       "-n 2 --max-restarts 1 --grace-ms 2000 sh -c 'echo run=$DP_RESTART_COUNT; "
-      "if [ $DP_RESTART_COUNT = 0 ]; then if [ $RANK = 1 ]; then exit 5; fi; exec sleep 30; fi'");
+      "if [ $DP_RESTART_COUNT = 0 ]; then if [ $RANK = 1 ]; then exit 5; fi; exec sleep 600; fi'");
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_LT(r.seconds, 20.0) << "the first run's sleeping rank was not stopped";
-  for (const char* line : {"[rank 0] run=0", "[rank 1] run=0", "[rank 0] run=1", "[rank 1] run=1",
-                           "restarting the job (restart 1 of 1)"}) {
+  // The first run's rank 0 may be stopped before it prints: rank 1 can fail first.
+  for (const char* line :
+       {"[rank 1] run=0", "[rank 0] run=1", "[rank 1] run=1", "restarting the job (restart 1 of 1)"}) {
     EXPECT_NE(r.output.find(line), std::string::npos) << line << "\n" << r.output;
   }
   LaunchResult exhausted = launch("-n 2 --max-restarts 2 sh -c 'echo run=$DP_RESTART_COUNT; exit 4'");
