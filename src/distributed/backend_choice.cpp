@@ -353,8 +353,13 @@ std::unique_ptr<ProcessGroup> create_chosen_process_group(const ProcessGroupOpti
     throw Error(*error);
   }
   std::unique_ptr<ProcessGroup> group = choose(options, prefix, entries);
-  GroupLineage lineage{options.store, prefix, options.master_addr, options.backend, {}};
   const Hosts hosts = group_by_host(entries);
+  GroupLineage lineage{options.store,
+                       prefix,
+                       options.master_addr,
+                       options.backend,
+                       options.network_paced || hosts.members.size() > 1,
+                       {}};
   lineage.host_of_rank.resize(entries.size());
   for (size_t h = 0; h < hosts.members.size(); ++h) {
     for (int32_t r : hosts.members[h]) lineage.host_of_rank[static_cast<size_t>(r)] = static_cast<int32_t>(h);

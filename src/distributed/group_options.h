@@ -32,6 +32,10 @@ struct ProcessGroupOptions {
   Device device{DeviceType::kCpu, 0};
   std::string master_addr;  // where the store lives, when known: picks the network interface
   std::optional<BackendSplit> split;
+  // A group inside a job whose ranks span hosts: its peers are often late
+  // because they wait on the network, so shared-memory waits spin briefly
+  // (shm/spin_budget.h).
+  bool network_paced = false;
 };
 
 }  // namespace dparallel::dist

@@ -55,6 +55,7 @@ struct GroupLineage {
   std::string prefix;                            // the group's keys in `store`
   std::string master_addr;                       // as its options had it
   BackendChoice backend = BackendChoice::kAuto;  // as its options asked
+  bool network_paced = false;                    // it, or a group it was made from, spans hosts
   // Every rank's host, numbered in the order of each host's lowest rank.
   std::vector<int32_t> host_of_rank;
 };

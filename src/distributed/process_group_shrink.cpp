@@ -120,6 +120,7 @@ std::unique_ptr<ProcessGroup> ProcessGroup::shrink() {
   child.timeout = timeout();
   child.device = device();
   child.master_addr = from.master_addr;
+  child.network_paced = from.network_paced;
   child.world_size = static_cast<int32_t>(members.size());
   child.rank = static_cast<int32_t>(mine - members.begin());
   child.store = std::make_shared<PrefixStore>(from.store, base + "group/");

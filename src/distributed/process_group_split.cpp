@@ -66,6 +66,7 @@ std::unique_ptr<ProcessGroup> ProcessGroup::split(int32_t color, int32_t key, co
   child.timeout = options.timeout;
   child.device = options.device;
   child.master_addr = from.master_addr;
+  child.network_paced = from.network_paced;
   check_arguments(CallKind::kAllGather, false, [&] {
     // The new group's rank and size are known only after the exchange.
     ProcessGroupOptions probe = child;

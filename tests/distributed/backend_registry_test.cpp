@@ -19,6 +19,7 @@
 #include "core/error.h"
 #include "device/cuda/cuda_runtime.h"
 #include "distributed/process_group.h"
+#include "distributed/shm/shm_backend.h"
 #include "distributed/shm/shm_process_group.h"
 #include "distributed/store/file_store.h"
 #include "dparallel/dp_dist.h"
@@ -214,6 +215,27 @@ TEST(BackendCapabilities, GlooOffersNoRegionsNorInPlaceRuns) {
     EXPECT_EQ(caps.threads, ThreadModel::kCallerWaits);
     EXPECT_EQ(group.create_region(4096), nullptr);
   });
+}
+
+// A shared-memory group in a job across hosts spins briefly at its waits:
+// its peers wait on the network with the cores a long spin would take.
+TEST(BackendCapabilities, ShmGroupOfAJobAcrossHostsSpinsBrieflyAndOneOfASingleHostLong) {
+  for (bool paced : {true, false}) {
+    auto make = [paced](const ProcessGroupOptions& asked) {
+      ProcessGroupOptions options = asked;
+      options.network_paced = paced;
+      return create_shm_process_group(options, paced ? "paced/" : "unpaced/");
+    };
+    run_ranks(2, make, [paced](int32_t rank, ProcessGroup& group) {
+      const auto* backend = dynamic_cast<const shm::ShmBackend*>(&group.backend());
+      ASSERT_NE(backend, nullptr);
+      EXPECT_EQ(backend->network_paced(), paced);
+      Tensor t = Tensor::empty(DType::kFloat32, {3}, kCpu);
+      for (int i = 0; i < 3; ++i) static_cast<float*>(t.data())[i] = static_cast<float>(rank + 1);
+      group.all_reduce(t, ReduceOp::kSum, false);
+      EXPECT_EQ(static_cast<float*>(t.data())[2], 3.0F);
+    });
+  }
 }
 
 // Two hosts of two ranks: the local leg from the shm row, the cross leg the

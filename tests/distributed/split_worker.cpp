@@ -349,14 +349,20 @@ void scenario_shrink_late_rank(dp_process_group* pg, int r) {
         dp_process_group_shrink(pg, &shrunk) == DP_ESTATE && shrunk == nullptr && mentions(dp_last_error(), "left out"),
         "the late rank's shrink: %s", dp_last_error());
     CHECK(lost_of(pg) == "2", "the late rank's lost ranks: %s", lost_of(pg).c_str());
+    std::fclose(std::fopen((decided + ".read").c_str(), "w"));
     return;
   }
   CHECK_OK(dp_process_group_shrink(pg, &shrunk));
   expect_group(shrunk, "shrunk", r, 2, dp_process_group_backend(pg));
   if (shrunk == nullptr) return;
   CHECK(sum_of(shrunk, 1 << r) == 3, "the survivors' sum is not 3");
-  if (r == 0) std::fclose(std::fopen(decided.c_str(), "w"));
   dp_process_group_destroy(shrunk);
+  if (r != 0) return;
+  // Rank 0 holds the store the late rank reads the decision from.
+  std::fclose(std::fopen(decided.c_str(), "w"));
+  for (int i = 0; i < 6000 && ::access((decided + ".read").c_str(), F_OK) != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
 }
 
 void scenario_shrink_store_lost(dp_process_group* pg, int r) {

@@ -44,5 +44,14 @@ TEST(ShmSpinBudget, ForgetsWaitsOlderThanTheWindow) {
   EXPECT_EQ(b.budget(), SpinBudget::kLongSpin);
 }
 
+TEST(ShmSpinBudget, NetworkPacedSpinsShortEvenWhilePeersComeWithinTheLongSpin) {
+  SpinBudget b;
+  b.set_network_paced();
+  EXPECT_TRUE(b.network_paced());
+  EXPECT_EQ(b.budget(), SpinBudget::kShortSpin);
+  for (size_t i = 0; i < 2 * SpinBudget::kWindow; ++i) b.record(microseconds(2));
+  EXPECT_EQ(b.budget(), SpinBudget::kShortSpin);
+}
+
 }  // namespace
 }  // namespace dparallel::dist::shm

@@ -79,6 +79,7 @@ class HierarchicalBackend : public Backend {
     ProcessGroupOptions local = options;
     local.rank = layout.local_rank;
     local.world_size = layout.local_size;
+    local.network_paced = true;  // the host's peers wait on the cross-host leg
     const BackendSetup local_setup{str_cat(prefix_, "host", layout.host, "/"), layout.local_pids};
     local_ = make_process_group(local, [&](CallSite& part) { return local_backend.make(part, local, local_setup); });
     // The cross-host groups have stores of their own: no prefix, no pids.

@@ -165,6 +165,8 @@ class ShmBackend : public Backend, private RegionService {
   // seen at once; empty: learnt from the segment once every rank mapped it.
   ShmBackend(CallSite& site, const ProcessGroupOptions& options, std::string prefix, const std::vector<int32_t>& pids);
   ~ShmBackend() override;
+  // Whether its waits spin briefly (ProcessGroupOptions::network_paced).
+  bool network_paced() const { return spin_budget_.network_paced(); }
   void abort(const std::string& why) noexcept override;
   void all_reduce(const Tensor& tensor, ReduceOp op) override;
   // In place: the same collective as an all_reduce of the concatenation.

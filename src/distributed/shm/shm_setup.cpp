@@ -53,6 +53,7 @@ ShmBackend::ShmBackend(CallSite& site, const ProcessGroupOptions& options, std::
       prefix_(std::move(prefix)),
       layout_(options.world_size, slot_bytes_for(options.world_size)) {
   pidfds_.assign(static_cast<size_t>(size()), -1);
+  if (options.network_paced) spin_budget_.set_network_paced();
   try {
     set_up(pids);
   } catch (...) {

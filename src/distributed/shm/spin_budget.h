@@ -13,6 +13,12 @@
 // soon burns no core. A spin of a multiple of the recent median wait would
 // stay short there (the median is about 1 us): as short as the 4 us spins
 // that left that host at 7 us to 1.4 ms per 4 KiB all_reduce.
+// In a job that spans hosts the peers are late mostly because they wait on
+// the network (the hierarchical group's cross-host leg, HSDP's replica
+// all-reduce), and their network threads need the very cores a long spin
+// takes: a 4 KiB hierarchical all_reduce took 0.8-1.0 ms with the long spin
+// and 0.2-0.25 ms with the short one on the 2-core testbed (bench/RESULTS.md).
+// There every spin is short (set_network_paced).
 #pragma once
 
 #include <array>
@@ -28,7 +34,12 @@ class SpinBudget {
   // Waits remembered; the budget follows whether their median is within kLongSpin.
   static constexpr size_t kWindow = 16;
 
-  std::chrono::nanoseconds budget() const { return 2 * long_waits_ > kWindow ? kShortSpin : kLongSpin; }
+  std::chrono::nanoseconds budget() const {
+    return network_paced_ || 2 * long_waits_ > kWindow ? kShortSpin : kLongSpin;
+  }
+  // From now on, every spin is short.
+  void set_network_paced() { network_paced_ = true; }
+  bool network_paced() const { return network_paced_; }
 
   // One wait, from the arrival until every rank had arrived.
   void record(std::chrono::nanoseconds waited) {
@@ -42,6 +53,7 @@ class SpinBudget {
   std::array<bool, kWindow> long_{};  // the last kWindow waits: longer than kLongSpin
   size_t next_ = 0;                   // the oldest of them, replaced next
   size_t long_waits_ = 0;
+  bool network_paced_ = false;
 };
 
 }  // namespace dparallel::dist::shm
