@@ -444,10 +444,9 @@ DP_API dp_status dp_fsdp_load_sharded_state_dict(dp_module *module, const char *
  * device memory, a device-to-host copy ordered as the synchronous save's
  * reads are), and returns; *out is then a new dp_work. What the host
  * changes afterwards (the next optimizer step) is not saved. No collective
- * runs on `pg`: one library thread per process writes the files, and the
- * ranks agree through `pg`'s store under keys of the save's own (erased
- * once every rank has read them), so the host keeps driving `pg`
- * meanwhile. The manifest is written last, by rank 0, once every rank's
+ * runs on `pg`: a library thread writes the files, and the ranks agree
+ * through `pg`'s store under keys of the save's own (erased once every
+ * rank has read them), so the host keeps driving `pg` meanwhile. The manifest is written last, by rank 0, once every rank's
  * file is written. dp_work_wait (or dp_work_test) reports the save's
  * outcome, the same on every rank: a failure on any rank (a folder it
  * cannot write, a full disk) fails every rank's work naming the lowest
@@ -455,9 +454,10 @@ DP_API dp_status dp_fsdp_load_sharded_state_dict(dp_module *module, const char *
  * manifest; a rank that dies or stops calling fails the others' work once
  * `pg`'s timeout has passed without it, never hanging. The same timeout
  * bounds each step of the agreement.
- * Saves started while one is in flight queue behind it: the library
- * thread writes them one by one, in the order they were started, each from
- * its own copy (so memory holds the copies of every queued save). A
+ * Saves started on `pg` while one is in flight queue behind it: they are
+ * written one by one, in the order they were started, each from its own
+ * copy (so memory holds the copies of every queued save); saves on other
+ * groups are written beside them, on threads of their own. A
  * synchronous save to the same folder must not overlap one in flight.
  * The work owns everything the save needs: the module, its dp_fsdp and
  * `pg` may be destroyed while it is in flight, and the save goes on. At

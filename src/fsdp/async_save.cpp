@@ -41,64 +41,89 @@ struct SaveJob {
 Bytes bytes_of(const std::string& text) { return Bytes(text.begin(), text.end()); }
 std::string text_of(const Bytes& bytes) { return std::string(bytes.begin(), bytes.end()); }
 
-// The process's one writer: a thread while saves are queued, none when idle.
-// Never destroyed, so that a save still running at exit finds it.
-class SaveWriter {
+void write_save(SaveJob& job);
+
+// One group's saves not yet written, in call order; a thread writes them
+// while there are some.
+struct SaveQueue {
+  std::deque<SaveJob> jobs;
+  bool writing = false;
+};
+
+// Each group's count of saves (the n of its keys, alike on every rank) and
+// queue. Saves on different groups are written by threads of their own, so
+// that one group's save never waits behind another's (whose peers may be
+// writing this one's first). Never destroyed: a save still running at exit
+// finds it.
+class SaveWriters {
  public:
-  static SaveWriter& instance() {
-    static SaveWriter* writer = [] {
-      auto* w = new SaveWriter();
-      // At exit, the running save stops waiting for its peers and the
+  static SaveWriters& instance() {
+    static SaveWriters* writers = [] {
+      auto* w = new SaveWriters();
+      // At exit, the running saves stop waiting for their peers and the
       // queued ones fail, before the library's statics go.
       std::atexit([] { instance().stop_for_exit(); });
       return w;
     }();
-    return *writer;
+    return *writers;
   }
 
-  void push(SaveJob job) {
+  uint64_t next_save_number(const std::shared_ptr<dist::ProcessGroup>& group) {
     std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back(std::move(job));
-    if (running_) return;
-    running_ = true;
-    std::thread([this] { run(); }).detach();
+    for (auto it = groups_.begin(); it != groups_.end();) it = it->first.expired() ? groups_.erase(it) : std::next(it);
+    return groups_[group].saves++;
+  }
+
+  void push(const std::shared_ptr<dist::ProcessGroup>& group, SaveJob job) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::shared_ptr<SaveQueue>& queue = groups_[group].queue;
+    if (!queue) queue = std::make_shared<SaveQueue>();
+    queue->jobs.push_back(std::move(job));
+    if (queue->writing) return;
+    queue->writing = true;
+    ++writing_;
+    std::thread([this, queue] { write_all(*queue); }).detach();
   }
 
   bool exiting() const { return exiting_.load(); }
 
  private:
-  void run() {
+  struct GroupSaves {
+    uint64_t saves = 0;
+    std::shared_ptr<SaveQueue> queue;  // the writing thread holds it too: it outlives the group
+  };
+
+  void write_all(SaveQueue& queue) {
     name_this_thread("dp-save");
     std::unique_lock<std::mutex> lock(mutex_);
-    while (!queue_.empty()) {
-      SaveJob job = std::move(queue_.front());
-      queue_.pop_front();
+    while (!queue.jobs.empty()) {
+      SaveJob job = std::move(queue.jobs.front());
+      queue.jobs.pop_front();
       lock.unlock();
       if (exiting_) {
         job.work->finish(StatusCode::kState,
                          str_cat("the sharded save to '", job.folder, "' was not written: the process exited first"));
       } else {
-        write(job);
+        write_save(job);
       }
       job = SaveJob();  // the copies go before the next save's
       lock.lock();
     }
-    running_ = false;
+    queue.writing = false;
+    --writing_;
     idle_.notify_all();
   }
 
   void stop_for_exit() {
     exiting_ = true;
     std::unique_lock<std::mutex> lock(mutex_);
-    idle_.wait(lock, [&] { return !running_; });
+    idle_.wait(lock, [&] { return writing_ == 0; });
   }
-
-  void write(SaveJob& job);
 
   std::mutex mutex_;
   std::condition_variable idle_;
-  std::deque<SaveJob> queue_;
-  bool running_ = false;
+  std::map<std::weak_ptr<dist::ProcessGroup>, GroupSaves, std::owner_less<std::weak_ptr<dist::ProcessGroup>>> groups_;
+  size_t writing_ = 0;  // threads writing
   std::atomic<bool> exiting_{false};
 };
 
@@ -111,7 +136,7 @@ bool wait_for_keys(dist::Store& store, const std::vector<std::string>& keys, Clo
   try {
     return dist::poll_until(
         [&] {
-          if (SaveWriter::instance().exiting()) fail(StatusCode::kState, "the process is exiting");
+          if (SaveWriters::instance().exiting()) fail(StatusCode::kState, "the process is exiting");
           return store.check(keys);
         },
         left);
@@ -136,7 +161,7 @@ std::string missing_ranks(dist::Store& store, const std::string& keys, const std
   return missing;
 }
 
-void SaveWriter::write(SaveJob& job) {
+void write_save(SaveJob& job) {
   dist::Store& store = *job.store;
   const std::string what = str_cat("the sharded save to '", job.folder, "'");
   const std::string kept = "; nothing of it is kept, and the folder's last complete save is as it was";
@@ -233,16 +258,6 @@ void SaveWriter::write(SaveJob& job) {
   job.work->finish(outcome.code, outcome.message);
 }
 
-// Each group's saves so far, counted alike on every rank: the n of its keys.
-uint64_t next_save_number(const std::shared_ptr<dist::ProcessGroup>& group) {
-  static std::mutex mutex;
-  static auto* counts =
-      new std::map<std::weak_ptr<dist::ProcessGroup>, uint64_t, std::owner_less<std::weak_ptr<dist::ProcessGroup>>>();
-  std::lock_guard<std::mutex> lock(mutex);
-  for (auto it = counts->begin(); it != counts->end();) it = it->first.expired() ? counts->erase(it) : std::next(it);
-  return (*counts)[group]++;
-}
-
 }  // namespace
 
 std::shared_ptr<dist::Work> save_sharded_state_dict_async(Module* module,
@@ -251,7 +266,7 @@ std::shared_ptr<dist::Work> save_sharded_state_dict_async(Module* module,
   const dist::GroupLineage& lineage = group->lineage();
   SaveJob job;
   job.store = lineage.store;
-  job.keys = str_cat(lineage.prefix, "async_save/", next_save_number(group), "/");
+  job.keys = str_cat(lineage.prefix, "async_save/", SaveWriters::instance().next_save_number(group), "/");
   job.rank = group->rank();
   job.world = group->size();
   job.timeout = group->timeout();
@@ -279,7 +294,7 @@ std::shared_ptr<dist::Work> save_sharded_state_dict_async(Module* module,
   }
   const Outcome refused = job.refused;
   std::shared_ptr<dist::Work> work = job.work;
-  SaveWriter::instance().push(std::move(job));
+  SaveWriters::instance().push(group, std::move(job));
   if (!refused.ok()) fail(refused.code, refused.message);
   return work;
 }

@@ -1,7 +1,7 @@
 // A sharded save in the background (DCP's async_save): the calling thread
 // copies this rank's part of the save aside, into cpu memory of the
-// save's own, and one library thread per process writes the files, saves
-// in the order they were started. The ranks agree on the outcome through
+// save's own, and a library thread per group writes the files, the group's
+// saves in the order they were started. The ranks agree on the outcome through
 // the group's store, never through the group itself (which the host keeps
 // driving meanwhile): under keys of the save's own (the group's prefix,
 // "async_save/<n>/", n counting the group's saves on every rank alike),
