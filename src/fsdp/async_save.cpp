@@ -146,6 +146,12 @@ bool wait_for_keys(dist::Store& store, const std::vector<std::string>& keys, Clo
   }
 }
 
+// Sets `key` to `text`, the request ending by `bound` (a store gone does not hold it longer).
+void post(dist::Store& store, const std::string& key, const std::string& text, Millis bound) {
+  dist::ReplyDeadlineCap cap(bound);
+  store.set(key, bytes_of(text));
+}
+
 // The ranks whose `name` key is missing ("1, 3"), asking the store briefly.
 std::string missing_ranks(dist::Store& store, const std::string& keys, const std::string& name, int32_t world) {
   dist::ReplyDeadlineCap brief(dist::kMissingKeysBound);
@@ -169,10 +175,13 @@ void write_save(SaveJob& job) {
   std::string file;
   bool wrote_file = false;
   bool posted_done = false;
-  // Every rank, once it read what it needs: the last one erases the save's keys.
-  auto leave = [&] {
-    if (posted_done) return;
+  // Every rank, once it read what it needs: the last one erases the save's
+  // keys. Best effort: briefly after a failure (the store may be gone), not
+  // at all once the process exits.
+  auto leave = [&](Millis bound) {
+    if (posted_done || SaveWriters::instance().exiting()) return;
     posted_done = true;
+    dist::ReplyDeadlineCap cap(bound);
     std::vector<std::string> keys{job.keys + "id", job.keys + "verdict", job.keys + "done"};
     for (int32_t r = 0; r < job.world; ++r) keys.push_back(str_cat(job.keys, "report/", r));
     if (store.add(job.keys + "done", 1) == job.world) dist::forget_keys(store, keys);
@@ -180,7 +189,7 @@ void write_save(SaveJob& job) {
   const Outcome outcome = [&]() -> Outcome {
     try {
       // Rank 0's id names the save.
-      if (job.rank == 0) store.set(job.keys + "id", bytes_of(new_save_id()));
+      if (job.rank == 0) post(store, job.keys + "id", new_save_id(), job.timeout);
       if (!wait_for_keys(store, {job.keys + "id"}, Clock::now() + job.timeout)) {
         fail(StatusCode::kTimeout, what, " failed: rank 0 did not start it", timeout_text);
       }
@@ -205,7 +214,7 @@ void write_save(SaveJob& job) {
         wrote_file = wrote.ok();
       }
       job.file = RankFile();
-      store.set(str_cat(job.keys, "report/", job.rank), bytes_of(encode_outcome(wrote, report)));
+      post(store, str_cat(job.keys, "report/", job.rank), encode_outcome(wrote, report), job.timeout);
       // Every rank's report, the lowest failing rank named alike on every rank.
       const Clock::time_point deadline = Clock::now() + job.timeout;
       std::vector<std::string> report_keys;
@@ -231,7 +240,7 @@ void write_save(SaveJob& job) {
         } catch (const Error& e) {
           committed = {e.code(), e.what()};
         }
-        store.set(job.keys + "verdict", bytes_of(encode_outcome(committed)));
+        post(store, job.keys + "verdict", encode_outcome(committed), job.timeout);
       }
       if (!wait_for_keys(store, {job.keys + "verdict"}, deadline)) {
         wrote_file = false;  // whether the manifest is in place is unknown: the files stay, a load checks them
@@ -241,12 +250,15 @@ void write_save(SaveJob& job) {
       const Outcome rank0 = decode_outcome(text_of(store.get(job.keys + "verdict", job.timeout)), 0);
       if (!rank0.ok()) fail(rank0.code, what, " failed on rank 0, writing its manifest: ", rank0.message, kept);
       wrote_file = false;  // complete: the file is the save's
-      leave();
+      try {
+        leave(job.timeout);
+      } catch (const Error&) {
+      }
       return {};
     } catch (const Error& e) {
       if (wrote_file) remove_quietly(file);
       try {
-        leave();
+        leave(Millis(1000));
       } catch (const Error&) {
       }
       return {e.code(), e.what()};

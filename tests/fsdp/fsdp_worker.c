@@ -31,6 +31,9 @@
  *   async_save_killed  rank 1 dies while writing a background save: rank 0's
  *                work fails within the group's timeout naming rank 1, and
  *                rank 0 alone loads the last complete save
+ *   async_save_outlives  a background save outlives its module and its group
+ *                (a split of the world, destroyed at once) and still
+ *                loads; then a save left in flight at exit ends quietly
  *   async_refuse  arguments refused on one rank: DP_EINVAL naming them there,
  *                the other rank's work fails naming that rank, and the
  *                group's next background save still succeeds
@@ -674,6 +677,30 @@ static void async_save_killed(dp_process_group *pg) {
   load_alone(folder, first_values, "the first save, loaded after rank 1 died in a background save");
 }
 
+static void async_save_outlives(dp_process_group *pg) {
+  float values[4][DIM * DIM];
+  char folder[512];
+  dp_process_group *sub = NULL;
+  dp_work *work = NULL;
+  Toy t;
+  initial_weights(values, 0.0f);
+  snprintf(folder, sizeof folder, "%s/checkpoint", g_dir);
+  CHECK_OK(dp_process_group_split(pg, 0, g_rank, NULL, &sub));
+  if (sub == NULL) return;
+  toy_create(&t, 0.05f * (float)g_rank, sub);
+  CHECK_OK(dp_fsdp_save_sharded_state_dict_async(t.root, sub, folder, &work));
+  toy_destroy(&t);
+  dp_process_group_destroy(sub);
+  wait_ok(work, "the save whose module and group were destroyed");
+  expect_loads(pg, folder, values, "the save whose module and group were destroyed");
+  /* Left in flight: the process exits with it (main destroys the group, returns). */
+  toy_create(&t, 0.0f, pg);
+  work = NULL;
+  CHECK_OK(dp_fsdp_save_sharded_state_dict_async(t.root, pg, folder, &work));
+  toy_destroy(&t);
+  dp_work_destroy(work);
+}
+
 /* One rank's bad argument is its own DP_EINVAL and the others' failed work. */
 static void expect_refused_on(int refusing, dp_status st, dp_work *work, const char *argument) {
   char named[64];
@@ -743,6 +770,7 @@ static const Scenario kScenarios[] = {
     {"async_save_fails", async_save_fails, DP_BACKEND_AUTO, 60000, 0},
     {"async_save_killed", async_save_killed, DP_BACKEND_GLOO, 10000, 0},
     {"async_refuse", async_refuse, DP_BACKEND_AUTO, 60000, 0},
+    {"async_save_outlives", async_save_outlives, DP_BACKEND_AUTO, 60000, 0},
 };
 
 int main(int argc, char **argv) {
@@ -757,7 +785,8 @@ int main(int argc, char **argv) {
   if (scenario == NULL) {
     fprintf(stderr,
             "usage: fsdp_worker toy|toy_views|peer_exits|peer_exits_views|save_fails|save_killed|refuse_dtype|"
-            "refuse_overlap|async_save|async_save_fails|async_save_killed|async_refuse (under dp-run); "
+            "refuse_overlap|async_save|async_save_fails|async_save_killed|async_refuse|async_save_outlives "
+            "(under dp-run); "
             "unknown '%s'\n",
             argc >= 2 ? argv[1] : "");
     return 2;
