@@ -53,20 +53,22 @@ struct Options {
 };
 
 [[noreturn]] void usage(const char* message) {
-  std::fprintf(stderr,
-               "dp-perf: %s\n"
-               "usage: dp-perf <broadcast|reduce_add|scatter|gather> [-b MIN] [-e MAX] [-f FACTOR]\n"
-               "               [-d cpu:0,cpu:1] [-t float|double|half|bfloat16|int8|uint8|int32|int64]\n"
-               "               [-s SAMPLES] [-w WARMUP]\n"
-               "       dp-run -n RANKS dp-perf <all_reduce|broadcast|all_gather|reduce_scatter> [-b 4K] [-e 64M]\n"
-               "               [-f 4] [-t float] [-o sum] [-r ROOT]\n"
-               "       dp-run -n RANKS dp-perf ddp [--layers 10] [--width 1024] [--batch 32] [--steps 41]\n"
-               "               [--warmup 5] [--bucket-cap-mb 25] [--grad-as-bucket-view] [--optim-in-backward]\n"
-               "               [--static-graph] [--modes ...]\n"
-               "       dp-run -n RANKS dp-perf fsdp [the ddp options]: one dp_fsdp per layer beside ddp\n"
-               "sizes: 1 to 1024G, with K, M or G suffixes (powers of 1024); -f: above 1, at most 1024;\n"
-               "-s: 1..100000; -w: 0..100000\n",
-               message);
+  std::fprintf(
+      stderr,
+      "dp-perf: %s\n"
+      "usage: dp-perf <broadcast|reduce_add|scatter|gather> [-b MIN] [-e MAX] [-f FACTOR]\n"
+      "               [-d cpu:0,cpu:1] [-t float|double|half|bfloat16|int8|uint8|int32|int64]\n"
+      "               [-s SAMPLES] [-w WARMUP]\n"
+      "       dp-run -n RANKS dp-perf <all_reduce|broadcast|all_gather|reduce_scatter> [-b 4K] [-e 64M]\n"
+      "               [-f 4] [-t float] [-o sum] [-r ROOT]\n"
+      "       dp-run -n RANKS dp-perf ddp [--layers 10] [--width 1024] [--batch 32] [--steps 41]\n"
+      "               [--warmup 5] [--bucket-cap-mb 25] [--grad-as-bucket-view] [--optim-in-backward]\n"
+      "               [--static-graph] [--modes ...]\n"
+      "       dp-run -n RANKS dp-perf fsdp [the ddp options] [--checkpoint-every N]: one dp_fsdp per layer beside\n"
+      "               ddp; with N, a sharded save every N steps, sync and async, and what it costs the step\n"
+      "sizes: 1 to 1024G, with K, M or G suffixes (powers of 1024); -f: above 1, at most 1024;\n"
+      "-s: 1..100000; -w: 0..100000\n",
+      message);
   std::exit(2);
 }
 

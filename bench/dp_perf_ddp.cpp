@@ -31,6 +31,14 @@
 //   fsdp_views      (dp-perf fsdp, or when asked for) fsdp with
 //                   full_params_as_views (views on a shared-memory group,
 //                   copies elsewhere), in the same run
+//   --checkpoint-every N  (fsdp) the fsdp steps again, twice, with a sharded
+//                   save every N steps into a temporary folder (removed at
+//                   the end): dp_fsdp_save_sharded_state_dict, then
+//                   dp_fsdp_save_sharded_state_dict_async (each waited for at
+//                   the next save); the median of the steps that saved and
+//                   of the others, each way, against the fsdp step without
+//                   saves, and the copy aside (the async call's own time):
+//                   an async save should cost its step no more than that
 //   hsdp            (only when asked for) fsdp on the mesh by host
 //                   (dp_device_mesh_create_by_host, dp_fsdp_create_on_mesh):
 //                   each layer sharded over its host's ranks and replicated
@@ -57,9 +65,13 @@
 #include "dp_perf_ddp.h"
 
 #include <cblas.h>
+#include <dirent.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -93,7 +105,8 @@ struct Options {
   // fsdp: 0 holds one layer unsharded at a time: no prefetch, and each
   // layer's reduce_scatter is waited for before the next layer's backward.
   int overlap = 1;
-  int views = 0;  // fsdp: full_params_as_views
+  int views = 0;             // fsdp: full_params_as_views
+  int checkpoint_every = 0;  // fsdp: a sharded save every that many steps, sync then async (0: none)
   std::vector<std::string> modes{"local", "ddp_no_sync", "ddp", "allreduce_only"};
 };
 
@@ -368,10 +381,21 @@ struct Bench {
   std::vector<std::pair<std::string, Timing>> results;
 };
 
+// What a save every N fsdp steps costs (--checkpoint-every), in ms: the
+// median of the steps that saved and of the others, each the maximum over
+// the ranks, sync and async, and the async call's own time (the copy aside).
+struct CheckpointFigures {
+  int every = 0, saves = 0;
+  double shard_mib = 0;  // rank 0's file
+  double sync_saving_ms = 0, sync_other_ms = 0, async_saving_ms = 0, async_other_ms = 0, copy_aside_ms = 0;
+  double drain_ms = 0;  // waiting for the last async save after the last step
+};
+
 // What the fsdp modes report beside their step times.
 struct FsdpFigures {
   double peak_mib = -1, rss_mib = -1, unshard_wait_ms = 0, reduce_wait_ms = 0;
   int views = 0;
+  CheckpointFigures checkpoint;
 };
 
 // What the ddp modes report beside their step times.
@@ -442,6 +466,110 @@ void run_local(Bench& bench) {
              sgd(params.data(), grads.data(), nparams);
            }));
   }
+}
+
+// A folder of this run's, the same on every rank: rank 0's pid under TMPDIR.
+std::string checkpoint_folder(dp_process_group* pg) {
+  int64_t pid = static_cast<int64_t>(getpid()), one = 1;
+  dp_tensor* t = nullptr;
+  fail_on(dp_tensor_create(&t, DP_INT64, 1, &one, dp_device{DP_DEVICE_CPU, 0}), "creating the pid tensor");
+  fail_on(dp_tensor_copy_from_host(t, &pid, sizeof pid), "copying the pid");
+  fail_on(dp_pg_broadcast(pg, t, 0), "broadcasting rank 0's pid");
+  fail_on(dp_tensor_copy_to_host(t, &pid, sizeof pid), "copying the pid back");
+  dp_tensor_destroy(t);
+  const char* tmp = std::getenv("TMPDIR");
+  return std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/dp-perf-checkpoint-" + std::to_string(pid);
+}
+
+// Every file in `folder`, then the folder (what another rank removed first is gone already).
+void remove_folder(const std::string& folder) {
+  if (DIR* dir = opendir(folder.c_str())) {
+    std::vector<std::string> names;
+    while (dirent* d = readdir(dir)) {
+      if (std::strcmp(d->d_name, ".") != 0 && std::strcmp(d->d_name, "..") != 0) names.push_back(d->d_name);
+    }
+    closedir(dir);
+    for (const std::string& name : names) std::remove((folder + "/" + name).c_str());
+  }
+  rmdir(folder.c_str());
+}
+
+// The fsdp step `step` again, twice, with a sharded save of `model` every
+// o.checkpoint_every steps: synchronous, then in the background (each
+// waited for at the next save, as a host that keeps one in flight would).
+CheckpointFigures measure_checkpoints(Bench& bench, dp_module* model, const std::function<void(int)>& step) {
+  const Options& o = bench.o;
+  dp_process_group* pg = bench.pg;
+  CheckpointFigures figures;
+  figures.every = o.checkpoint_every;
+  const std::string root = checkpoint_folder(pg);
+  if (mkdir(root.c_str(), 0777) != 0 && errno != EEXIST) {
+    std::fprintf(stderr, "dp-perf fsdp: cannot make %s: %s\n", root.c_str(), std::strerror(errno));
+    std::exit(1);
+  }
+  const std::string sync_folder = root + "/sync", async_folder = root + "/async";
+  std::vector<double> copies;
+  auto run = [&](bool async, double* saving_ms, double* other_ms) {
+    const std::string& folder = async ? async_folder : sync_folder;
+    dp_work* pending = nullptr;
+    auto save = [&] {
+      if (!async) {
+        fail_on(dp_fsdp_save_sharded_state_dict(model, pg, folder.c_str()), "dp_fsdp_save_sharded_state_dict");
+        return;
+      }
+      if (pending != nullptr) {
+        fail_on(dp_work_wait(pending), "the background save");
+        dp_work_destroy(pending);
+        pending = nullptr;
+      }
+      const double t0 = now();
+      fail_on(dp_fsdp_save_sharded_state_dict_async(model, pg, folder.c_str(), &pending),
+              "dp_fsdp_save_sharded_state_dict_async");
+      copies.push_back(now() - t0);
+    };
+    save();  // warm-up: the folder made, the first files written
+    copies.clear();
+    std::vector<double> saving, other;
+    for (int i = 0; i < o.steps; ++i) {
+      fail_on(dp_pg_barrier(pg), "barrier");
+      const double t0 = now();
+      step(i);
+      const bool saves = (i + 1) % o.checkpoint_every == 0;
+      if (saves) save();
+      (saves ? saving : other).push_back(now() - t0);
+    }
+    const double t0 = now();
+    if (pending != nullptr) {
+      fail_on(dp_work_wait(pending), "the last background save");
+      dp_work_destroy(pending);
+    }
+    if (async) figures.drain_ms = (now() - t0) * 1e3;
+    figures.saves = static_cast<int>(saving.size());
+    *saving_ms = saving.empty() ? 0 : summarize(pg, saving, 0).median * 1e3;
+    *other_ms = other.empty() ? 0 : summarize(pg, other, 0).median * 1e3;
+  };
+  run(false, &figures.sync_saving_ms, &figures.sync_other_ms);
+  run(true, &figures.async_saving_ms, &figures.async_other_ms);
+  if (!copies.empty()) figures.copy_aside_ms = summarize(pg, copies, 0).median * 1e3;
+  if (bench.rank == 0) {
+    struct stat info {};
+    char name[64];
+    std::snprintf(name, sizeof name, "/shard-%05d-of-%05d-", 0, bench.world);
+    if (DIR* dir = opendir(sync_folder.c_str())) {
+      while (dirent* d = readdir(dir)) {
+        const std::string path = sync_folder + "/" + d->d_name;
+        if (std::strncmp(d->d_name, name + 1, std::strlen(name + 1)) == 0 && stat(path.c_str(), &info) == 0) {
+          figures.shard_mib = static_cast<double>(info.st_size) / 1048576.0;
+        }
+      }
+      closedir(dir);
+    }
+  }
+  fail_on(dp_pg_barrier(pg), "barrier");
+  remove_folder(sync_folder);
+  remove_folder(async_folder);
+  remove_folder(root);
+  return figures;
 }
 
 // fsdp: one dp_fsdp per layer, the host unsharding each layer before its
@@ -595,6 +723,10 @@ std::vector<std::pair<std::string, FsdpFigures>> run_fsdp_modes(Bench& bench) {
     figures.unshard_wait_ms = fsdp_waits.unshard * 1e3 / o.steps;
     figures.reduce_wait_ms = fsdp_waits.reduce * 1e3 / o.steps;
     figures.rss_mib = static_cast<double>(status_kib("VmHWM:") - rss_model) / 1024.0;
+    // After the figures above: the saves' steps would count in them.
+    if (o.checkpoint_every > 0 && std::strcmp(mode, "fsdp") == 0) {
+      figures.checkpoint = measure_checkpoints(bench, model, fsdp_step);
+    }
     for (dp_fsdp* f : fsdp) dp_fsdp_destroy(f);
     for (dp_module* m : layers) dp_module_destroy(m);
     dp_module_destroy(model);
@@ -846,6 +978,17 @@ void print_summary(const Bench& bench, const std::vector<std::pair<std::string, 
           "# %s waits (rank 0, mean per timed step): %.2f ms for unshards (blocking, or a prefetch not yet done), "
           "%.2f ms in dp_fsdp_finish_backward\n",
           mode.c_str(), figures.unshard_wait_ms, figures.reduce_wait_ms);
+      const CheckpointFigures& c = figures.checkpoint;
+      if (c.every > 0 && fsdp != nullptr) {
+        std::printf(
+            "# %s checkpoint every %d steps (%d saves, rank 0's file %.2f MiB): step median without saves %.2f ms; "
+            "steps that saved: sync %.2f ms, async %.2f ms (copy aside %.2f ms); the other steps: sync %.2f ms, "
+            "async %.2f ms; async save over a plain step %+.2f ms vs copy aside %.2f ms; last async save waited "
+            "%.2f ms after the last step\n",
+            mode.c_str(), c.every, c.saves, c.shard_mib, fsdp->median * 1e3, c.sync_saving_ms, c.async_saving_ms,
+            c.copy_aside_ms, c.sync_other_ms, c.async_other_ms, c.async_saving_ms - fsdp->median * 1e3, c.copy_aside_ms,
+            c.drain_ms);
+      }
     }
     if (hidden_share >= 0) {
       std::printf(
@@ -935,6 +1078,8 @@ int dp_perf_ddp_main(int argc, char** argv) {
         o.overlap = static_cast<int>(perf::parse_int(a, v, 0, 1));
       } else if (a == "--views") {
         o.views = static_cast<int>(perf::parse_int(a, v, 0, 1));
+      } else if (a == "--checkpoint-every") {
+        o.checkpoint_every = static_cast<int>(perf::parse_int(a, v, 0, 100000));
       } else if (a == "--warmup") {
         o.warmup = static_cast<int>(perf::parse_int(a, v, 0, 100000));
       } else if (a == "--bucket-cap-mb" || a == "--first-bucket-cap-mb") {
@@ -976,7 +1121,7 @@ int dp_perf_ddp_main(int argc, char** argv) {
                  "       [--optim-in-backward] [--static-graph]\n"
                  "       [--modes local,ddp_no_sync,ddp,allreduce_only,ddp_join,fsdp,fsdp_views,hsdp]\n"
                  "usage: dp-run -n 2 dp-perf fsdp [the same options] [--reshard-after-forward 1] [--overlap 1] "
-                 "[--views 0]: --modes "
+                 "[--views 0] [--checkpoint-every 0]: --modes "
                  "local,fsdp,fsdp_views,ddp\n");
     return 2;
   }

@@ -6,6 +6,7 @@
 #include "capi/dist_internal.h"
 #include "capi/fsdp_internal.h"
 #include "dparallel/dp_fsdp.h"
+#include "fsdp/async_save.h"
 #include "fsdp/fsdp_state_dict.h"
 #include "fsdp/fully_shard.h"
 #include "lane/lane_owner.h"
@@ -288,6 +289,32 @@ dp_status dp_fsdp_save_sharded_state_dict(dp_module* module, dp_process_group* p
   capi::in_stream_order(
       capi::module_devices(m, {group.device()}), [&] { fsdp::save_sharded_state_dict(m, group, dir, refusal); },
       capi::transfer_stream_of(group));
+  DP_API_END
+}
+
+dp_status dp_fsdp_save_sharded_state_dict_async(dp_module* module, dp_process_group* pg, const char* folder,
+                                                dp_work** out) {
+  DP_API_BEGIN
+  if (out != nullptr) *out = nullptr;
+  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
+  // Past the group, a bad argument on one rank is posted as its outcome:
+  // the other ranks' saves fail naming it.
+  Module* m = nullptr;
+  std::string dir, refusal;
+  try {
+    m = capi::module_arg(module, "module").get();
+    dir = capi::string_arg(folder, "folder");
+    capi::require_arg(out, "out");
+  } catch (const Error& e) {
+    if (e.code() != StatusCode::kInvalidArgument) throw;
+    refusal = e.what();
+  }
+  auto handle = std::make_unique<dp_work>();
+  // The copy aside reads the shards after the host's stream, as the save does.
+  handle->work = capi::in_stream_order(
+      m != nullptr ? capi::module_devices(*m, {group.device()}) : std::vector<Device>{group.device()},
+      [&] { return fsdp::save_sharded_state_dict_async(m, pg->group, dir, refusal); }, capi::transfer_stream_of(group));
+  *out = handle.release();
   DP_API_END
 }
 

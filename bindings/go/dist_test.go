@@ -359,6 +359,12 @@ func fullyShardTwoRanks(t *testing.T, views bool) {
 		sharded := filepath.Join(dir, "sharded")
 		r.must(model.SaveFullStateDict(pg, full))
 		r.must(model.SaveShardedStateDict(pg, sharded))
+		// In the background: the Work reports the save; it loads as the synchronous one.
+		inBackground := filepath.Join(dir, "sharded-async")
+		saving, err := model.SaveShardedStateDictAsync(pg, inBackground)
+		r.must(err)
+		r.must(saving.Wait())
+		saving.Close()
 		r.must(pg.Barrier())
 
 		// The full file is the unsharded module's: a plain module loads it.
@@ -377,6 +383,7 @@ func fullyShardTwoRanks(t *testing.T, views bool) {
 		}{
 			{"full state dict", func(m *Module) error { return m.LoadFullStateDict(full, true) }},
 			{"sharded state dict", func(m *Module) error { return m.LoadShardedStateDict(sharded) }},
+			{"background save", func(m *Module) error { return m.LoadShardedStateDict(inBackground) }},
 		} {
 			other := buildModel(r.t, lib, wz, bz)
 			others := shardLayers(other, &FSDPOptions{NoInitSync: true})

@@ -334,6 +334,23 @@ func (m *Module) SaveShardedStateDict(pg *ProcessGroup, folder string) error {
 		})
 }
 
+// SaveShardedStateDictAsync is SaveShardedStateDict in the background: it
+// copies this rank's part aside and returns; a library thread writes the
+// same files and manifest, and the Work's Wait reports the save's outcome,
+// the same on every rank. What the host changes after it returns is not
+// saved, and pg stays the host's to drive meanwhile.
+func (m *Module) SaveShardedStateDictAsync(pg *ProcessGroup, folder string) (*Work, error) {
+	const op = "dp_fsdp_save_sharded_state_dict_async"
+	var h *C.dp_work
+	err := m.saveStateDict(op, pg, folder, func(api *C.dp_api, group *C.dp_process_group, cfolder *C.char) C.dp_status {
+		return C.dpgo_fsdp_save_sharded_state_dict_async(api, m.h, group, cfolder, &h)
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &Work{lib: pg.lib, h: h}, nil
+}
+
 // LoadShardedStateDict reads a complete sharded save (of any world size),
 // checked against its manifest, and keeps the rows this rank holds now.
 // Collective over the group of the Fsdp holding the module: every rank

@@ -119,6 +119,14 @@ class Fsdp {
   static void saveShardedStateDict(Module& module, ProcessGroup& pg, const std::string& folder) {
     check(dp_fsdp_save_sharded_state_dict(module.handle("module"), pg.handle("pg"), folder.c_str()));
   }
+  // The sharded save in the background: copies this rank's part aside and
+  // returns; the files are written on a library thread, and the Work's
+  // waitFor reports the save's outcome, the same on every rank.
+  static Work* saveShardedStateDictAsync(Module& module, ProcessGroup& pg, const std::string& folder) {
+    dp_work* w = nullptr;
+    check(dp_fsdp_save_sharded_state_dict_async(module.handle("module"), pg.handle("pg"), folder.c_str(), &w));
+    return new Work(w);
+  }
   static void loadShardedStateDict(Module& module, const std::string& folder) {
     check(dp_fsdp_load_sharded_state_dict(module.handle("module"), folder.c_str()));
   }

@@ -6,5 +6,6 @@
 %newobject dpswig::Fsdp::shard;
 %newobject dpswig::Fsdp::shardGrad;
 %newobject dpswig::Fsdp::fullStateDict;
+%newobject dpswig::Fsdp::saveShardedStateDictAsync;
 
 %include "dpswig_fsdp.hpp"

@@ -35,7 +35,7 @@ extern "C" {
 #endif
 
 /* abi_minor of the table this header describes. */
-#define DP_API_MINOR 10
+#define DP_API_MINOR 11
 
 /* Every slot of the table, in table order: X(return type, name, (parameters))
  * for the entry point dp_<name>. The struct below and the library's table are
@@ -232,9 +232,12 @@ extern "C" {
   X(dp_status, fsdp_create_on_mesh,                                                                                    \
     (dp_fsdp **out, dp_module *module, const dp_device_mesh *mesh, const dp_fsdp_options *opts))                       \
   /* ---- abi_minor 10: elastic and fault tolerant (dp_dist.h) ---- */                                                 \
-  X(dp_status, process_group_abort, (dp_process_group *pg))                                                           \
+  X(dp_status, process_group_abort, (dp_process_group *pg))                                                            \
+  /* ---- abi_minor 11: shrink (dp_dist.h), checkpoints in the background (dp_fsdp.h) ---- */                          \
   X(dp_status, process_group_shrink, (dp_process_group *pg, dp_process_group **out))                                   \
-  X(int32_t, process_group_lost_ranks, (const dp_process_group *pg, int32_t *ranks, size_t cap))
+  X(int32_t, process_group_lost_ranks, (const dp_process_group *pg, int32_t *ranks, size_t cap))                       \
+  X(dp_status, fsdp_save_sharded_state_dict_async,                                                                     \
+    (dp_module *module, dp_process_group *pg, const char *folder, dp_work **out))
 /* clang-format on */
 
 /* A type, a name and a parameter list cannot be parenthesised. */

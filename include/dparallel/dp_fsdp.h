@@ -434,6 +434,50 @@ DP_API dp_status dp_fsdp_full_state_dict(dp_module *module, dp_process_group *pg
  * otherwise). */
 DP_API dp_status dp_fsdp_save_sharded_state_dict(dp_module *module, dp_process_group *pg, const char *folder);
 DP_API dp_status dp_fsdp_load_sharded_state_dict(dp_module *module, const char *folder);
+/* The sharded save in the background (DCP's async_save): collective over
+ * `pg` as the sharded save is (every rank calls it, in the same order as its
+ * other saves on `pg`), it writes the same files and manifest, so
+ * dp_fsdp_load_sharded_state_dict loads it as it loads a synchronous save.
+ * - On the calling thread it copies this rank's part of the save (its rows
+ *   of every sharded parameter; on rank 0 every other tensor too) into cpu
+ *   memory of its own, after the host's work on its current stream (from
+ *   device memory, a device-to-host copy ordered as the synchronous save's
+ *   reads are), and returns; *out is then a new dp_work. What the host
+ *   changes afterwards (the next optimizer step) is not saved.
+ * - No collective runs on `pg`: a library thread writes the files, and the
+ *   ranks agree through `pg`'s store under keys of the save's own (erased
+ *   once every rank has read them), so the host keeps driving `pg`
+ *   meanwhile. The manifest is written last, by rank 0, once every rank's
+ *   file is written.
+ * - dp_work_wait (or dp_work_test) reports the save's outcome, the same on
+ *   every rank: a failure on any rank (a folder it cannot write, a full
+ *   disk) fails every rank's work naming the lowest failing rank and its
+ *   cause, removes this save's files and writes no manifest; a rank that
+ *   dies or stops calling fails the others' work once `pg`'s timeout has
+ *   passed without it, never hanging. The same timeout bounds each step of
+ *   the agreement.
+ * - Saves started on `pg` while one is in flight queue behind it: they are
+ *   written one by one, in the order they were started, each from its own
+ *   copy (so memory holds the copies of every queued save); saves on other
+ *   groups are written beside them, on threads of their own. A synchronous
+ *   save to the same folder must not overlap one in flight.
+ * - The work owns everything the save needs: the module, its dp_fsdp and
+ *   `pg` may be destroyed while it is in flight, and the save goes on. At
+ *   process exit, a save in flight stops waiting for its peers (its work
+ *   fails, and no manifest is written unless every rank's file was) and the
+ *   queued ones fail unwritten; dp_shutdown leaves it running.
+ * - Errors on the calling thread: `pg` NULL or not a group is DP_EINVAL on
+ *   this rank alone. A NULL or invalid `module`, a NULL `folder` or `out`,
+ *   and a module that cannot be saved so (its dp_fsdp on another group: as
+ *   for the synchronous save; an HSDP module: DP_EUNSUPPORTED) fail this
+ *   rank's call with that status naming the argument, and post the refusal
+ *   as this rank's outcome: the other ranks' works fail naming this rank.
+ *   `pg` must be a group made by dp_process_group_create (or from the
+ *   environment, or split from one), which has a store: DP_ESTATE otherwise.
+ * - Thread safety: as the synchronous save (the host's thread that drives
+ *   `pg`). */
+DP_API dp_status dp_fsdp_save_sharded_state_dict_async(dp_module *module, dp_process_group *pg, const char *folder,
+                                                       dp_work **out);
 
 #ifdef __cplusplus
 }

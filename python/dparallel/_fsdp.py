@@ -432,5 +432,53 @@ def save_sharded_state_dict(module, folder):
     call("dp_fsdp_save_sharded_state_dict", state.module_handle, state.group.handle, str(folder).encode())
 
 
+class SaveWork:
+    """A sharded save in the background: wait() returns once its files and
+    manifest are written and raises DpError when the save failed (on every
+    rank alike); done() says whether it has finished."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    def _live(self):
+        if self._handle is None:
+            raise ValueError("the save's work is closed")
+        return self._handle
+
+    def wait(self):
+        call("dp_work_wait", self._live())
+
+    def done(self):
+        finished = ctypes.c_int(0)
+        call("dp_work_test", self._live(), ctypes.byref(finished))
+        return finished.value != 0
+
+    def close(self):
+        """Drops the handle; the save goes on."""
+        if self._handle is not None:
+            lib.dp_work_destroy(self._handle)
+            self._handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+
+def save_sharded_state_dict_async(module, folder):
+    """save_sharded_state_dict in the background (DCP's async_save): copies
+    this rank's shards aside and returns a SaveWork; what the model changes
+    afterwards is not saved."""
+    state = _root_state(module)
+    out = ctypes.c_void_p()
+    call("dp_fsdp_save_sharded_state_dict_async", state.module_handle, state.group.handle, str(folder).encode(),
+         ctypes.byref(out))
+    return SaveWork(out.value)
+
+
 def load_sharded_state_dict(module, folder):
     call("dp_fsdp_load_sharded_state_dict", _root_state(module).module_handle, str(folder).encode())

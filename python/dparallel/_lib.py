@@ -149,6 +149,10 @@ _SIGNATURES = {
     "dp_fsdp_full_state_dict": (_S, [_P, _P, ctypes.c_int32, _PP]),
     "dp_fsdp_save_sharded_state_dict": (_S, [_P, _P, _STR]),
     "dp_fsdp_load_sharded_state_dict": (_S, [_P, _STR]),
+    "dp_fsdp_save_sharded_state_dict_async": (_S, [_P, _P, _STR, _PP]),
+    "dp_work_wait": (_S, [_P]),
+    "dp_work_test": (_S, [_P, ctypes.POINTER(ctypes.c_int)]),
+    "dp_work_destroy": (None, [_P]),
 }
 
 

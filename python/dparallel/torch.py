@@ -8,14 +8,15 @@ import torch
 
 from . import ProcessGroup, default_group
 from ._fsdp import FSDPModule, fully_shard, full_state_dict, load_full_state_dict, load_sharded_state_dict
-from ._fsdp import save_full_state_dict, save_sharded_state_dict
+from ._fsdp import SaveWork, save_full_state_dict, save_sharded_state_dict, save_sharded_state_dict_async
 from ._lib import DpError, call, dp_ddp_options, lib
 from ._tensors import blob as _blob
 from ._tensors import module_device, stream_follower
 
 __all__ = [
     "replicate", "ReplicateModule", "join", "fully_shard", "FSDPModule", "full_state_dict", "save_full_state_dict",
-    "load_full_state_dict", "save_sharded_state_dict", "load_sharded_state_dict"
+    "load_full_state_dict", "save_sharded_state_dict", "load_sharded_state_dict", "save_sharded_state_dict_async",
+    "SaveWork"
 ]
 
 class _Mirror:

@@ -97,8 +97,14 @@ def rank_main():
         path = os.path.join(folder, "full.safetensors")
         dpt.save_full_state_dict(trained, path)
         dpt.save_sharded_state_dict(trained, os.path.join(folder, "sharded"))
+        with dpt.save_sharded_state_dict_async(trained, os.path.join(folder, "sharded-async")) as saving:
+            saving.wait()
+            if not saving.done():
+                failures.append("the background save is not done once waited for")
         for how, load in (("full", lambda m: dpt.load_full_state_dict(m, path)),
-                          ("sharded", lambda m: dpt.load_sharded_state_dict(m, os.path.join(folder, "sharded")))):
+                          ("sharded", lambda m: dpt.load_sharded_state_dict(m, os.path.join(folder, "sharded"))),
+                          ("background",
+                           lambda m: dpt.load_sharded_state_dict(m, os.path.join(folder, "sharded-async")))):
             fresh = shard(make(seed=1), dpt.fully_shard, group)
             load(fresh)
             got = dpt.full_state_dict(fresh)

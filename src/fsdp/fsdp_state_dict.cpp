@@ -19,6 +19,7 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/save_manifest.h"
 #include "fsdp/sharded_load_plan.h"
+#include "fsdp/sharded_save_steps.h"
 #include "fsdp/state_dict_entries.h"
 #include "lane/agreement.h"
 #include "module/safetensors.h"
@@ -97,14 +98,6 @@ std::vector<std::string> exchange(dist::ProcessGroup& group, const std::shared_p
   return all;
 }
 
-// How a rank's part of a collective save or load went, as the ranks tell
-// each other: "ok[ detail]" or "error <code> <message>".
-struct Outcome {
-  StatusCode code = StatusCode::kOk;
-  std::string message;
-  bool ok() const { return code == StatusCode::kOk; }
-};
-
 template <typename Step>
 Outcome run_step(Step&& step) {
   try {
@@ -119,12 +112,32 @@ Outcome run_step(Step&& step) {
   }
 }
 
-std::string encode_outcome(const Outcome& o, const std::string& detail = "") {
+// HSDP: every replica learns every replica's `mine` (its shard group's
+// verdict); fails with this rank's, else the lowest failing replica's, so
+// that every rank of both groups ends alike. Without replicas: `mine`.
+void agree_across_replicas(const std::shared_ptr<FullyShard>& holder, const Outcome& mine, const std::string& what) {
+  const std::shared_ptr<dist::ProcessGroup> replicas = holder ? holder->replicate_group() : nullptr;
+  if (replicas) {
+    std::vector<std::string> all;
+    holder->call_on_replicate_lane(dist::CallItem::kStateDict,
+                                   [&] { all = lane::all_gather_strings(*replicas, encode_outcome(mine)); });
+    if (!mine.ok()) fail(mine.code, mine.message);
+    for (size_t r = 0; r < all.size(); ++r) {
+      const Outcome o = decode_outcome(all[r], static_cast<int32_t>(r));
+      if (!o.ok()) fail(o.code, what, " failed on rank ", r, " of the replicate group: ", o.message);
+    }
+  }
+  if (!mine.ok()) fail(mine.code, mine.message);
+}
+
+}  // namespace
+
+std::string encode_outcome(const Outcome& o, const std::string& detail) {
   if (o.ok()) return detail.empty() ? "ok" : "ok " + detail;
   return str_cat("error ", static_cast<int>(o.code), " ", o.message);
 }
 
-Outcome decode_outcome(const std::string& text, int32_t rank, std::string* detail = nullptr) {
+Outcome decode_outcome(const std::string& text, int32_t rank, std::string* detail) {
   if (text == "ok" || text.rfind("ok ", 0) == 0) {
     if (detail) *detail = text.size() > 3 ? text.substr(3) : std::string();
     return {};
@@ -147,23 +160,7 @@ void fail_on_every_rank(const std::vector<std::string>& outcomes, const Outcome&
   }
 }
 
-// HSDP: every replica learns every replica's `mine` (its shard group's
-// verdict); fails with this rank's, else the lowest failing replica's, so
-// that every rank of both groups ends alike. Without replicas: `mine`.
-void agree_across_replicas(const std::shared_ptr<FullyShard>& holder, const Outcome& mine, const std::string& what) {
-  const std::shared_ptr<dist::ProcessGroup> replicas = holder ? holder->replicate_group() : nullptr;
-  if (replicas) {
-    std::vector<std::string> all;
-    holder->call_on_replicate_lane(dist::CallItem::kStateDict,
-                                   [&] { all = lane::all_gather_strings(*replicas, encode_outcome(mine)); });
-    if (!mine.ok()) fail(mine.code, mine.message);
-    for (size_t r = 0; r < all.size(); ++r) {
-      const Outcome o = decode_outcome(all[r], static_cast<int32_t>(r));
-      if (!o.ok()) fail(o.code, what, " failed on rank ", r, " of the replicate group: ", o.message);
-    }
-  }
-  if (!mine.ok()) fail(mine.code, mine.message);
-}
+// ---- sharded saves ----
 
 void remove_quietly(const std::string& path) { (void)::unlink(path.c_str()); }
 
@@ -177,37 +174,43 @@ void make_folder(const std::string& folder) {
   }
 }
 
-// ---- sharded saves ----
-
-// Writes this rank's file and returns what the manifest needs of it.
-Json write_rank_file(const std::vector<Held>& state, int32_t rank, int32_t world, const std::string& save_id,
-                     const std::string& path) {
-  std::map<std::string, std::string> metadata{{"format", kShardedFormat},
-                                              {"rank", std::to_string(rank)},
-                                              {"world", std::to_string(world)},
-                                              {kSaveIdKey, save_id}};
-  std::vector<StateEntry> entries;
-  Json pieces = Json::array();
+RankFile rank_file_of(const std::vector<Held>& state, int32_t rank) {
+  RankFile file;
   for (const Held& h : state) {
     if (!h.sharded()) {
       // Whole tensors are rank 0's to write.
       if (rank != 0) continue;
-      entries.push_back(StateEntry{h.entry.name, h.holder ? h.holder->shard(h.index) : h.entry.value});
-      pieces.push_back({{"name", h.entry.name}});
+      file.entries.push_back(StateEntry{h.entry.name, h.holder ? h.holder->shard(h.index) : h.entry.value});
+      file.pieces.push_back(RankPiece{h.entry.name});
       continue;
     }
     const RowSplit split = h.holder->split_of(h.index, rank);
-    const int64_t rows = h.holder->full_shape(h.index).front();
-    metadata[kRowsKey + h.entry.name] = str_cat(split.start, " ", split.count, " ", rows);
-    entries.push_back(StateEntry{h.entry.name, h.holder->shard(h.index)});
-    pieces.push_back({{"name", h.entry.name}, {"first_row", split.start}, {"row_count", split.count}, {"rows", rows}});
+    file.entries.push_back(StateEntry{h.entry.name, h.holder->shard(h.index)});
+    file.pieces.push_back(RankPiece{h.entry.name, split.start, split.count, h.holder->full_shape(h.index).front()});
   }
-  const SavedFile saved = save_state(entries, metadata, path);
-  for (size_t i = 0; i < entries.size(); ++i) pieces[i]["crc32c"] = saved.entry_crcs.at(i);
-  return {{"bytes", saved.bytes}, {"header_crc32c", saved.header_crc}, {"pieces", std::move(pieces)}};
+  return file;
 }
 
-// Rank 0, once every rank reported its file written: the manifest, last.
+std::string write_rank_file(const RankFile& file, int32_t rank, int32_t world, const std::string& save_id,
+                            const std::string& path) {
+  std::map<std::string, std::string> metadata{{"format", kShardedFormat},
+                                              {"rank", std::to_string(rank)},
+                                              {"world", std::to_string(world)},
+                                              {kSaveIdKey, save_id}};
+  Json pieces = Json::array();
+  for (const RankPiece& p : file.pieces) {
+    if (p.rows < 0) {
+      pieces.push_back({{"name", p.name}});
+      continue;
+    }
+    metadata[kRowsKey + p.name] = str_cat(p.first_row, " ", p.row_count, " ", p.rows);
+    pieces.push_back({{"name", p.name}, {"first_row", p.first_row}, {"row_count", p.row_count}, {"rows", p.rows}});
+  }
+  const SavedFile saved = save_state(file.entries, metadata, path);
+  for (size_t i = 0; i < file.entries.size(); ++i) pieces[i]["crc32c"] = saved.entry_crcs.at(i);
+  return Json{{"bytes", saved.bytes}, {"header_crc32c", saved.header_crc}, {"pieces", std::move(pieces)}}.dump();
+}
+
 void write_manifest(const std::string& folder, const std::string& save_id, int32_t world,
                     const std::vector<std::string>& reports) {
   Manifest m;
@@ -245,7 +248,6 @@ void write_manifest(const std::string& folder, const std::string& save_id, int32
   write_atomically(path, [&](std::FILE* f) { return std::fwrite(text.data(), 1, text.size(), f) == text.size(); });
 }
 
-// Rank 0, once a save is complete: the rank files of every other save in the folder.
 void remove_other_saves(const std::string& folder, const std::string& save_id) {
   DIR* dir = ::opendir(folder.c_str());
   if (dir == nullptr) return;
@@ -258,7 +260,11 @@ void remove_other_saves(const std::string& folder, const std::string& save_id) {
   for (const std::string& path : stale) remove_quietly(path);
 }
 
-}  // namespace
+std::shared_ptr<FullyShard> check_state_groups(const std::vector<Held>& state, const dist::ProcessGroup& group) {
+  for (const Held& h : state) check_group(h, group);
+  check_replicas(state);
+  return lane_holder(state);
+}
 
 void save_full_state_dict(Module& module, dist::ProcessGroup& group, const std::string& path) {
   std::vector<Held> state = held_state(module);
@@ -434,7 +440,7 @@ void save_sharded_in_group(const std::vector<Held>& state, dist::ProcessGroup& g
   const Outcome wrote = run_step([&] {
     if (!refusal.empty()) fail_invalid(refusal);
     make_folder(folder);
-    report = write_rank_file(state, rank, world, save_id, file).dump();
+    report = write_rank_file(rank_file_of(state, rank), rank, world, save_id, file);
   });
   std::vector<std::string> reports;
   try {

@@ -96,6 +96,9 @@ TEST(CapiEntryPoints, AFailedCallLeavesItsHandleOutNull) {
                                 [](const char** out) { return dp_fsdp_parameter_name(nullptr, 0, out); });
   expect_out_nulled<dp_module>("dp_fsdp_full_state_dict",
                                [](dp_module** out) { return dp_fsdp_full_state_dict(nullptr, nullptr, 0, out); });
+  expect_out_nulled<dp_work>("dp_fsdp_save_sharded_state_dict_async", [](dp_work** out) {
+    return dp_fsdp_save_sharded_state_dict_async(nullptr, nullptr, "folder", out);
+  });
   expect_out_nulled<dp_tensor>("dp_tensor_from_dlpack_versioned",
                                [](dp_tensor** out) { return dp_tensor_from_dlpack_versioned(out, nullptr); });
   expect_out_nulled<DLManagedTensorVersioned>("dp_tensor_to_dlpack_versioned", [](DLManagedTensorVersioned** out) {

@@ -1416,6 +1416,33 @@ TEST(FsdpStateDict, ShardedSaveAtTwoRanksLoadsAtThree) {
   remove_sharded_save(folder, 2);
 }
 
+// Ranks that are threads of one process, each with its own group: each
+// group's background save is written on a thread of its own, so neither
+// waits behind the other's (whose report it needs); the save loads at
+// another world size. A 20 s group timeout bounds a save left waiting.
+TEST(FsdpStateDict, BackgroundSavesOfRanksInOneProcessAreWrittenSideBySideAndLoadAtThree) {
+  const std::string folder = dptest::temp_path("fsdp_async_", "save");
+  run_ranks(
+      2, DP_BACKEND_GLOO,
+      [&](int, dp_process_group* pg) {
+        Toy toy(0.25f);
+        Sharded s = shard_unsynced(toy, pg);
+        dp_work* work = nullptr;
+        ASSERT_EQ(dp_fsdp_save_sharded_state_dict_async(toy.root.get(), pg, folder.c_str(), &work), DP_OK)
+            << dp_last_error();
+        EXPECT_EQ(dp_work_wait(work), DP_OK) << dp_last_error();
+        dp_work_destroy(work);
+      },
+      20000);
+  run_ranks(3, DP_BACKEND_GLOO, [&](int rank, dp_process_group* pg) {
+    Toy toy(-1.0f - static_cast<float>(rank));
+    Sharded s = shard_unsynced(toy, pg);
+    ASSERT_EQ(dp_fsdp_load_sharded_state_dict(toy.root.get(), folder.c_str()), DP_OK) << dp_last_error();
+    expect_full_weights(toy, s, 0.25f);
+  });
+  remove_sharded_save(folder, 2);
+}
+
 // On 2 GPUs: rank 1 queues none of its transfers after the call headers
 // (DP_TEST_NCCL_SKIP_QUEUED, as a peer that died there), so rank 0's queued
 // all-gather never finishes. Its watch aborts the communicator at the

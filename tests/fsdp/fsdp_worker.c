@@ -19,6 +19,24 @@
  *                default would kill it, though with exit code 0 so that
  *                dp-run lets rank 0 go on): rank 0's save fails, and a new
  *                group of rank 0 alone loads the first save
+ *   async_save   background saves: each holds the values at its call though
+ *                the host changes them at once; saves started while one is
+ *                in flight queue behind it; one survives its module's
+ *                destroy; each loads on the group and on a group of rank 0
+ *                alone (another world size), as a synchronous save does
+ *   async_save_fails  a background save that rank 1 cannot write: every
+ *                rank's work fails naming rank 1, no manifest is written,
+ *                and the folder's last save still loads (a folder with no
+ *                other save is refused)
+ *   async_save_killed  rank 1 dies while writing a background save: rank 0's
+ *                work fails within the group's timeout naming rank 1, and
+ *                rank 0 alone loads the last complete save
+ *   async_save_outlives  a background save outlives its module and its group
+ *                (a split of the world, destroyed at once) and still
+ *                loads; then a save left in flight at exit ends quietly
+ *   async_refuse  arguments refused on one rank: DP_EINVAL naming them there,
+ *                the other rank's work fails naming that rank, and the
+ *                group's next background save still succeeds
  *   refuse_dtype  rank 1 alone asks for an integer param_dtype: every rank's
  *                create fails at once naming rank 1, and the group works on
  *   refuse_overlap  rank 1 alone gives a module with two parameters over
@@ -454,6 +472,30 @@ static void exit_quietly(int sig) {
   _exit(0);
 }
 
+/* Rank 0 alone, in a group of its own (another world size than the
+ * save's), loads `folder` and finds `expected`. */
+static void load_alone(const char *folder, float expected[4][DIM * DIM], const char *what) {
+  char store_path[600];
+  dp_store *store = NULL;
+  dp_process_group *alone = NULL;
+  dp_process_group_options o = DP_PROCESS_GROUP_OPTIONS_INIT;
+  snprintf(store_path, sizeof store_path, "%s/alone-%s.store", g_dir, strrchr(folder, '/') + 1);
+  CHECK_OK(dp_store_create_file(&store, store_path, 1));
+  o.rank = 0;
+  o.world_size = 1;
+  o.store = store;
+  o.backend = DP_BACKEND_GLOO;
+  CHECK_OK(dp_process_group_create(&alone, &o));
+  dp_store_destroy(store);
+  if (alone == NULL) return;
+  Toy again;
+  toy_create(&again, 2.0f, alone);
+  CHECK_OK(dp_fsdp_load_sharded_state_dict(again.root, folder));
+  expect_weights(&again, expected, what);
+  toy_destroy(&again);
+  dp_process_group_destroy(alone);
+}
+
 static void save_fails_or_dies(dp_process_group *pg, int dies) {
   float expected[4][DIM * DIM];
   struct rlimit limit, saved;
@@ -492,29 +534,219 @@ static void save_fails_or_dies(dp_process_group *pg, int dies) {
   }
   /* Rank 1 is gone, and the group with it: rank 0 alone loads the first save. */
   toy_destroy(&t);
-  char store_path[600];
-  dp_store *store = NULL;
-  dp_process_group *alone = NULL;
-  dp_process_group_options o = DP_PROCESS_GROUP_OPTIONS_INIT;
-  snprintf(store_path, sizeof store_path, "%s/alone.store", g_dir);
-  CHECK_OK(dp_store_create_file(&store, store_path, 1));
-  o.rank = 0;
-  o.world_size = 1;
-  o.store = store;
-  o.backend = DP_BACKEND_GLOO;
-  CHECK_OK(dp_process_group_create(&alone, &o));
-  dp_store_destroy(store);
-  if (alone == NULL) return;
-  Toy again;
-  toy_create(&again, 2.0f, alone);
-  CHECK_OK(dp_fsdp_load_sharded_state_dict(again.root, folder));
-  expect_weights(&again, expected, "the first save, loaded after rank 1 died in the second");
-  toy_destroy(&again);
-  dp_process_group_destroy(alone);
+  load_alone(folder, expected, "the first save, loaded after rank 1 died in the second");
 }
 
 static void save_fails(dp_process_group *pg) { save_fails_or_dies(pg, 0); }
 static void save_killed(dp_process_group *pg) { save_fails_or_dies(pg, 1); }
+
+static void initial_weights(float w[4][DIM * DIM], float plus) {
+  for (int l = 0; l < 4; ++l) {
+    for (int k = 0; k < DIM * DIM; ++k) w[l][k] = initial(l, k, 0.0f) + plus;
+  }
+}
+
+/* A fresh toy on `pg` (other values than the saves') loads `folder`. */
+static void expect_loads(dp_process_group *pg, const char *folder, float expected[4][DIM * DIM], const char *what) {
+  Toy fresh;
+  toy_create(&fresh, 5.0f, pg);
+  CHECK_OK(dp_fsdp_load_sharded_state_dict(fresh.root, folder));
+  expect_weights(&fresh, expected, what);
+  toy_destroy(&fresh);
+}
+
+/* Waits for a background save that must succeed. */
+static void wait_ok(dp_work *work, const char *what) {
+  if (work == NULL) return;
+  dp_status st = dp_work_wait(work);
+  CHECK(st == DP_OK, "%s: %s", what, dp_last_error());
+  dp_work_destroy(work);
+}
+
+static void async_save(dp_process_group *pg) {
+  float at_first[4][DIM * DIM], at_third[4][DIM * DIM], at_last[4][DIM * DIM];
+  char folder[512], other[512];
+  dp_work *first = NULL, *second = NULL, *third = NULL;
+  Toy t;
+  initial_weights(at_first, 0.0f);
+  initial_weights(at_third, 2.0f);
+  initial_weights(at_last, 3.0f);
+  snprintf(folder, sizeof folder, "%s/checkpoint", g_dir);
+  snprintf(other, sizeof other, "%s/other", g_dir);
+  toy_create(&t, 0.05f * (float)g_rank, pg); /* init_sync: rank 0's values */
+  /* The optimizer's step right after each call does not reach its save. */
+  CHECK_OK(dp_fsdp_save_sharded_state_dict_async(t.root, pg, folder, &first));
+  add_to_weights(&t, 1.0f);
+  /* Two more while it may be in flight: they queue behind it, the third replacing the second. */
+  CHECK_OK(dp_fsdp_save_sharded_state_dict_async(t.root, pg, other, &second));
+  add_to_weights(&t, 1.0f);
+  CHECK_OK(dp_fsdp_save_sharded_state_dict_async(t.root, pg, other, &third));
+  add_to_weights(&t, 1.0f);
+  wait_ok(first, "the first background save");
+  wait_ok(second, "the second background save");
+  wait_ok(third, "the third background save");
+  CHECK(count_files(other) == g_world + 1, "the folder holds %d files, not the last save's %d", count_files(other),
+        g_world + 1);
+  expect_loads(pg, folder, at_first, "the first save");
+  expect_loads(pg, other, at_third, "the third save, which replaced the second");
+  /* A save outlives its module and dp_fsdp. */
+  CHECK_OK(dp_fsdp_save_sharded_state_dict_async(t.root, pg, folder, &first));
+  toy_destroy(&t);
+  wait_ok(first, "the save whose module was destroyed");
+  expect_loads(pg, folder, at_last, "the save whose module was destroyed");
+  CHECK_OK(dp_pg_barrier(pg));
+  if (g_rank == 0) load_alone(folder, at_last, "a background save loaded at another world size");
+}
+
+/* Rank 1 cannot write (a file-size limit, SIGXFSZ ignored): every rank's
+ * work fails naming it, with no manifest. */
+static void async_save_fails(dp_process_group *pg) {
+  float first_values[4][DIM * DIM];
+  struct rlimit limit, saved;
+  char folder[512], fresh[512], manifest[600];
+  dp_work *work = NULL;
+  Toy t;
+  initial_weights(first_values, 0.0f);
+  snprintf(folder, sizeof folder, "%s/checkpoint", g_dir);
+  snprintf(fresh, sizeof fresh, "%s/fresh", g_dir);
+  toy_create(&t, 0.05f * (float)g_rank, pg);
+  CHECK_OK(dp_fsdp_save_sharded_state_dict_async(t.root, pg, folder, &work));
+  wait_ok(work, "the first background save");
+  add_to_weights(&t, 1.0f);
+  getrlimit(RLIMIT_FSIZE, &saved);
+  if (g_rank == 1) {
+    limit = saved;
+    limit.rlim_cur = 64;
+    signal(SIGXFSZ, SIG_IGN);
+    CHECK(setrlimit(RLIMIT_FSIZE, &limit) == 0, "setrlimit");
+  }
+  const char *folders[2] = {folder, fresh};
+  for (int i = 0; i < 2; ++i) {
+    work = NULL;
+    CHECK_OK(dp_fsdp_save_sharded_state_dict_async(t.root, pg, folders[i], &work));
+    if (work == NULL) continue;
+    CHECK(dp_work_wait(work) != DP_OK, "a save rank 1 could not write succeeded");
+    CHECK(strstr(dp_last_error(), "failed on rank 1") != NULL, "the error does not name rank 1: %s", dp_last_error());
+    printf("rank %d: the failed background save: %s\n", g_rank, dp_last_error());
+    dp_work_destroy(work);
+  }
+  if (g_rank == 1) setrlimit(RLIMIT_FSIZE, &saved);
+  CHECK_OK(dp_pg_barrier(pg));
+  snprintf(manifest, sizeof manifest, "%s/manifest.json", fresh);
+  CHECK(access(manifest, F_OK) != 0, "the failed save left a manifest");
+  CHECK(dp_fsdp_load_sharded_state_dict(t.root, fresh) == DP_EINVAL, "a folder without a manifest loaded");
+  CHECK(count_files(folder) == 3, "the folder holds %d files, not the first save's 3", count_files(folder));
+  CHECK_OK(dp_fsdp_load_sharded_state_dict(t.root, folder));
+  expect_weights(&t, first_values, "the first save, loaded after a background save failed");
+  toy_destroy(&t);
+}
+
+/* Rank 1 dies writing its file (as SIGXFSZ's default would kill it, with
+ * exit code 0 so that dp-run lets rank 0 go on). */
+static void async_save_killed(dp_process_group *pg) {
+  float first_values[4][DIM * DIM];
+  struct rlimit limit;
+  char folder[512];
+  dp_work *work = NULL;
+  Toy t;
+  initial_weights(first_values, 0.0f);
+  snprintf(folder, sizeof folder, "%s/checkpoint", g_dir);
+  toy_create(&t, 0.05f * (float)g_rank, pg);
+  CHECK_OK(dp_fsdp_save_sharded_state_dict_async(t.root, pg, folder, &work));
+  wait_ok(work, "the first background save");
+  add_to_weights(&t, 1.0f);
+  if (g_rank == 1) {
+    getrlimit(RLIMIT_FSIZE, &limit);
+    limit.rlim_cur = 64;
+    signal(SIGXFSZ, exit_quietly);
+    CHECK(setrlimit(RLIMIT_FSIZE, &limit) == 0, "setrlimit");
+  }
+  work = NULL;
+  CHECK_OK(dp_fsdp_save_sharded_state_dict_async(t.root, pg, folder, &work));
+  if (g_rank == 1) {
+    dp_work_wait(work); /* not reached: the write kills the process */
+    CHECK(0, "rank 1 outlived its write: %s", dp_last_error());
+    return;
+  }
+  CHECK(work != NULL && dp_work_wait(work) != DP_OK, "the save rank 1 died in succeeded");
+  CHECK(strstr(dp_last_error(), "rank(s) 1 did not report") != NULL, "the error does not name rank 1: %s",
+        dp_last_error());
+  printf("rank %d: the background save rank 1 died in: %s\n", g_rank, dp_last_error());
+  dp_work_destroy(work);
+  toy_destroy(&t);
+  load_alone(folder, first_values, "the first save, loaded after rank 1 died in a background save");
+}
+
+static void async_save_outlives(dp_process_group *pg) {
+  float values[4][DIM * DIM];
+  char folder[512];
+  dp_process_group *sub = NULL;
+  dp_work *work = NULL;
+  Toy t;
+  initial_weights(values, 0.0f);
+  snprintf(folder, sizeof folder, "%s/checkpoint", g_dir);
+  CHECK_OK(dp_process_group_split(pg, 0, g_rank, NULL, &sub));
+  if (sub == NULL) return;
+  toy_create(&t, 0.05f * (float)g_rank, sub);
+  CHECK_OK(dp_fsdp_save_sharded_state_dict_async(t.root, sub, folder, &work));
+  toy_destroy(&t);
+  dp_process_group_destroy(sub);
+  wait_ok(work, "the save whose module and group were destroyed");
+  expect_loads(pg, folder, values, "the save whose module and group were destroyed");
+  /* Left in flight: the process exits with it (main destroys the group, returns). */
+  toy_create(&t, 0.0f, pg);
+  work = NULL;
+  CHECK_OK(dp_fsdp_save_sharded_state_dict_async(t.root, pg, folder, &work));
+  toy_destroy(&t);
+  dp_work_destroy(work);
+}
+
+/* One rank's bad argument is its own DP_EINVAL and the others' failed work. */
+static void expect_refused_on(int refusing, dp_status st, dp_work *work, const char *argument) {
+  char named[64];
+  snprintf(named, sizeof named, "argument '%s'", argument);
+  if (g_rank == refusing) {
+    CHECK(st == DP_EINVAL && work == NULL, "a NULL %s gave %d", argument, (int)st);
+    CHECK(strstr(dp_last_error(), named) != NULL, "the error does not name %s: %s", argument, dp_last_error());
+    return;
+  }
+  CHECK(st == DP_OK && work != NULL, "a good call was refused: %s", dp_last_error());
+  if (work == NULL) return;
+  CHECK(dp_work_wait(work) == DP_EINVAL, "the save with a refusal on rank %d did not fail", refusing);
+  char rank_named[64];
+  snprintf(rank_named, sizeof rank_named, "failed on rank %d", refusing);
+  CHECK(strstr(dp_last_error(), rank_named) != NULL && strstr(dp_last_error(), named) != NULL,
+        "the error does not name rank %d and %s: %s", refusing, argument, dp_last_error());
+  dp_work_destroy(work);
+}
+
+static void async_refuse(dp_process_group *pg) {
+  char folder[512];
+  dp_work *work = NULL;
+  Toy t;
+  snprintf(folder, sizeof folder, "%s/checkpoint", g_dir);
+  toy_create(&t, 0.0f, pg);
+  /* A missing group is this rank's error alone (nothing to tell the others through). */
+  CHECK(dp_fsdp_save_sharded_state_dict_async(t.root, NULL, folder, &work) == DP_EINVAL && work == NULL,
+        "a NULL pg was not refused");
+  CHECK(strstr(dp_last_error(), "'pg'") != NULL, "the error does not name pg: %s", dp_last_error());
+  dp_status st = dp_fsdp_save_sharded_state_dict_async(t.root, pg, g_rank == 1 ? NULL : folder, &work);
+  expect_refused_on(1, st, work, "folder");
+  work = NULL;
+  st = dp_fsdp_save_sharded_state_dict_async(g_rank == 0 ? NULL : t.root, pg, folder, &work);
+  expect_refused_on(0, st, work, "module");
+  work = NULL;
+  st = dp_fsdp_save_sharded_state_dict_async(t.root, pg, folder, g_rank == 1 ? NULL : &work);
+  expect_refused_on(1, st, work, "out");
+  /* The refusals kept the ranks' saves in step: the next one succeeds. */
+  work = NULL;
+  CHECK_OK(dp_fsdp_save_sharded_state_dict_async(t.root, pg, folder, &work));
+  wait_ok(work, "the save after the refusals");
+  float values[4][DIM * DIM];
+  initial_weights(values, 0.0f);
+  expect_loads(pg, folder, values, "the save after the refusals");
+  toy_destroy(&t);
+}
 
 typedef struct Scenario {
   const char *name;
@@ -534,6 +766,11 @@ static const Scenario kScenarios[] = {
     {"refuse_overlap", refuse_overlap, DP_BACKEND_AUTO, 120000, 0},
     {"save_fails", save_fails, DP_BACKEND_AUTO, 60000, 0},
     {"save_killed", save_killed, DP_BACKEND_GLOO, 10000, 0},
+    {"async_save", async_save, DP_BACKEND_AUTO, 60000, 0},
+    {"async_save_fails", async_save_fails, DP_BACKEND_AUTO, 60000, 0},
+    {"async_save_killed", async_save_killed, DP_BACKEND_GLOO, 10000, 0},
+    {"async_refuse", async_refuse, DP_BACKEND_AUTO, 60000, 0},
+    {"async_save_outlives", async_save_outlives, DP_BACKEND_AUTO, 60000, 0},
 };
 
 int main(int argc, char **argv) {
@@ -548,7 +785,8 @@ int main(int argc, char **argv) {
   if (scenario == NULL) {
     fprintf(stderr,
             "usage: fsdp_worker toy|toy_views|peer_exits|peer_exits_views|save_fails|save_killed|refuse_dtype|"
-            "refuse_overlap (under dp-run); "
+            "refuse_overlap|async_save|async_save_fails|async_save_killed|async_refuse|async_save_outlives "
+            "(under dp-run); "
             "unknown '%s'\n",
             argc >= 2 ? argv[1] : "");
     return 2;

@@ -1119,10 +1119,21 @@ public static class DParallelTest {
           Fsdp.LoadShardedStateDict(other.Root, folder);
           ExpectShardedWeights(other, expected, "rank " + rank + " after loading the sharded state dict");
         }
+        // In the background: the Work reports the save; it loads as the synchronous one.
+        using (var saving = Fsdp.SaveShardedStateDictAsync(toy.Root, pg, folder + "-async")) {
+          saving.WaitFor();
+          Expect(saving.Test(), "the background save is done once waited for");
+        }
+        using (var other = new Toy(5 + rank)) {
+          other.Shard(pg, false, false);
+          Fsdp.LoadShardedStateDict(other.Root, folder + "-async");
+          ExpectShardedWeights(other, expected, "rank " + rank + " after loading the background save");
+        }
         pg.Barrier();
         if (rank == 0) {
           File.Delete(full);
           Directory.Delete(folder, true);
+          Directory.Delete(folder + "-async", true);
         }
       }
       Console.WriteLine("rank {0}: full and sharded state dicts load back", rank);

@@ -1722,6 +1722,16 @@ public class DParallelTest {
           Fsdp.loadShardedStateDict(other.root, folder);
           expectShardedWeights(other, expected, "rank " + rank + " after loading the sharded state dict");
         }
+        // In the background: the Work reports the save; it loads as the synchronous one.
+        try (Work saving = Fsdp.saveShardedStateDictAsync(toy.root, pg, folder + "-async")) {
+          saving.waitFor();
+          expect(saving.test(), "the background save is done once waited for");
+        }
+        try (Toy other = new Toy(5 + rank)) {
+          other.shard(pg, false, false, false);
+          Fsdp.loadShardedStateDict(other.root, folder + "-async");
+          expectShardedWeights(other, expected, "rank " + rank + " after loading the background save");
+        }
       }
       pg.barrier();
       if (rank == 0) {

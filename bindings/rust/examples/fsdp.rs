@@ -349,6 +349,16 @@ fn run() -> Result<usize> {
     third.root.load_sharded_state_dict(folder.to_str().expect("a UTF-8 path"))?;
     bad += mismatches(&mut third, &expected, "the sharded state dict loaded", rank)?;
 
+    // In the background: the Work reports the save; it loads as the synchronous one.
+    let in_background = dir.join("sharded-async");
+    t.root.save_sharded_state_dict_async(&pg, in_background.to_str().expect("a UTF-8 path"))?.wait()?;
+    let mut fourth = Toy::new(&lib, 4.0 + rank as f32)?;
+    fourth.shard(&pg, &FsdpOptions { init_sync: false, ..FsdpOptions::default() })?;
+    fourth.root.load_sharded_state_dict(in_background.to_str().expect("a UTF-8 path"))?;
+    bad += mismatches(&mut fourth, &expected, "the background save loaded", rank)?;
+
+    fourth.teardown();
+
     third.teardown();
     other.teardown();
     t.teardown();

@@ -564,6 +564,13 @@ impl fmt::Debug for Work<'_> {
     }
 }
 
+impl Work<'static> {
+    /// A work the library made outside any scope (a background save's).
+    pub(crate) fn unscoped(raw: *mut sys::dp_work, lib: Library) -> Self {
+        Work { raw, lib, done: false, slot: None }
+    }
+}
+
 impl Work<'_> {
     /// The collective's result once it has finished.
     pub fn wait(mut self) -> Result<()> {

@@ -8,7 +8,7 @@ use std::ptr;
 use crate::ddp::in_hook;
 use crate::error::{cstring, owned_text};
 use crate::view::{Access, CallAccess, Pending, StorageBorrow, FSDP_POST_BACKWARD, FSDP_UNSHARD};
-use crate::{sys, DType, DeviceMesh, Library, Module, ProcessGroup, Result, Tensor, DP_ESTATE, DP_ETIMEOUT};
+use crate::{sys, DType, DeviceMesh, Library, Module, ProcessGroup, Result, Tensor, Work, DP_ESTATE, DP_ETIMEOUT};
 
 /// dp_fsdp_options; the defaults are DP_FSDP_OPTIONS_INIT's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -489,6 +489,21 @@ impl Module {
         let _call = self.access(Access::Read, Access::Read, Access::Untouched).begin("save_sharded_state_dict")?;
         let c = cstring("folder", folder)?;
         self.lib.check(unsafe { (self.lib.api().fsdp_save_sharded_state_dict)(self.raw, pg.raw, c.as_ptr()) })
+    }
+
+    /// [`save_sharded_state_dict`](Self::save_sharded_state_dict) in the
+    /// background: copies this rank's part aside and returns; a library
+    /// thread writes the same files and manifest, and the [`Work`] reports
+    /// the save's outcome, the same on every rank. What the host changes
+    /// after the call returns is not saved; `pg` stays the host's to drive.
+    pub fn save_sharded_state_dict_async(&self, pg: &ProcessGroup, folder: &str) -> Result<Work<'static>> {
+        let _call =
+            self.access(Access::Read, Access::Read, Access::Untouched).begin("save_sharded_state_dict_async")?;
+        let c = cstring("folder", folder)?;
+        let mut out = ptr::null_mut();
+        let api = self.lib.api();
+        self.lib.check(unsafe { (api.fsdp_save_sharded_state_dict_async)(self.raw, pg.raw, c.as_ptr(), &mut out) })?;
+        Ok(Work::unscoped(out, self.lib.clone()))
     }
 
     /// Reads the rows this rank keeps now from a complete sharded save (made

@@ -21,7 +21,7 @@ extern "C" {
 /// The ABI major this mirror describes (DP_VERSION_MAJOR).
 pub const DP_VERSION_MAJOR: u32 = 0;
 /// The abi_minor of the table this mirror describes (DP_API_MINOR).
-pub const DP_API_MINOR: u32 = 10;
+pub const DP_API_MINOR: u32 = 11;
 
 pub type dp_status = i32;
 pub const DP_OK: dp_status = 0;
@@ -502,8 +502,11 @@ dp_api_slots! {
         unsafe extern "C" fn(*mut *mut dp_fsdp, *mut dp_module, *const dp_device_mesh, *const dp_fsdp_options) -> St,
     // ---- abi_minor 10: elastic and fault tolerant (dp_dist.h) ----
     process_group_abort: unsafe extern "C" fn(*mut dp_process_group) -> St,
+    // ---- abi_minor 11: shrink, checkpoints in the background (dp_dist.h, dp_fsdp.h) ----
     process_group_shrink: unsafe extern "C" fn(*mut dp_process_group, *mut *mut dp_process_group) -> St,
     process_group_lost_ranks: unsafe extern "C" fn(*const dp_process_group, *mut i32, usize) -> i32,
+    fsdp_save_sharded_state_dict_async:
+        unsafe extern "C" fn(*mut dp_module, *mut dp_process_group, *const c_char, *mut *mut dp_work) -> St,
 }
 
 /// Offset of the first function pointer.
@@ -536,8 +539,9 @@ const _: () = {
     assert!(offset_of!(dp_api, device_mesh_dim_name) == slot(139));
     assert!(offset_of!(dp_api, fsdp_mark_grad_ready) == slot(140));
     assert!(offset_of!(dp_api, process_group_abort) == slot(145));
-    assert!(offset_of!(dp_api, process_group_lost_ranks) == slot(147));
-    assert!(size_of::<dp_api>() == slot(148));
+    assert!(offset_of!(dp_api, process_group_shrink) == slot(146));
+    assert!(offset_of!(dp_api, fsdp_save_sharded_state_dict_async) == slot(148));
+    assert!(size_of::<dp_api>() == slot(149));
     assert!(size_of::<dp_process_group_options>() == 48);
     assert!(offset_of!(dp_ddp_options, static_graph) == 96);
     assert!(offset_of!(dp_ddp_options, bucket_plan) == 120);
