@@ -232,7 +232,8 @@ extern "C" {
   X(dp_status, fsdp_create_on_mesh,                                                                                    \
     (dp_fsdp **out, dp_module *module, const dp_device_mesh *mesh, const dp_fsdp_options *opts))                       \
   /* ---- abi_minor 10: elastic and fault tolerant (dp_dist.h) ---- */                                                 \
-  X(dp_status, process_group_abort, (dp_process_group *pg))
+  X(dp_status, process_group_abort, (dp_process_group *pg))                                                            \
+  X(dp_status, ddp_rebind, (dp_ddp *ddp, dp_process_group *pg))
 /* clang-format on */
 
 /* A type, a name and a parameter list cannot be parenthesised. */
