@@ -240,7 +240,8 @@ dp_status dpgo_stream_launch_host_func(const dp_api *a, dp_device device, void *
   X(dp_status, fsdp_create_on_mesh,                                                                                    \
     (const dp_api *a, dp_fsdp **out, dp_module *m, const dp_device_mesh *mesh, const dp_fsdp_options *o),              \
     (out, m, mesh, o))                                                                                                 \
-  X(dp_status, process_group_abort, (const dp_api *a, dp_process_group *pg), (pg))
+  X(dp_status, process_group_abort, (const dp_api *a, dp_process_group *pg), (pg))                                     \
+  X(dp_status, ddp_rebind, (const dp_api *a, dp_ddp *d, dp_process_group *pg), (d, pg))
 
 #define DPGO_DECLARE(ret, name, params, args) ret dpgo_##name params;
 #define DPGO_DECLARE_VOID(name, params, args) void dpgo_##name params;

@@ -502,6 +502,7 @@ dp_api_slots! {
         unsafe extern "C" fn(*mut *mut dp_fsdp, *mut dp_module, *const dp_device_mesh, *const dp_fsdp_options) -> St,
     // ---- abi_minor 10: elastic and fault tolerant (dp_dist.h) ----
     process_group_abort: unsafe extern "C" fn(*mut dp_process_group) -> St,
+    ddp_rebind: unsafe extern "C" fn(*mut dp_ddp, *mut dp_process_group) -> St,
 }
 
 /// Offset of the first function pointer.
@@ -534,7 +535,8 @@ const _: () = {
     assert!(offset_of!(dp_api, device_mesh_dim_name) == slot(139));
     assert!(offset_of!(dp_api, fsdp_mark_grad_ready) == slot(140));
     assert!(offset_of!(dp_api, process_group_abort) == slot(145));
-    assert!(size_of::<dp_api>() == slot(146));
+    assert!(offset_of!(dp_api, ddp_rebind) == slot(146));
+    assert!(size_of::<dp_api>() == slot(147));
     assert!(size_of::<dp_process_group_options>() == 48);
     assert!(offset_of!(dp_ddp_options, static_graph) == 96);
     assert!(offset_of!(dp_ddp_options, bucket_plan) == 120);
