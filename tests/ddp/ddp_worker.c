@@ -1906,6 +1906,98 @@ static void rebind_failed(dp_process_group *pg) {
   net_destroy(&net);
 }
 
+/* One synced step of the whole net under `ddp`, on rank g_rank's batch
+ * `salt`; checks that the gradients are the average over `world` ranks. */
+static void rebind_step(Net *net, Wrap *w, int world, uint64_t salt, const char *what) {
+  Params cur, local, g, want;
+  Batch mine;
+  CHECK_OK(dp_module_zero_grad(net->root));
+  wrap_pre_forward(w);
+  net_get(net, &cur);
+  rank_batch(&mine, g_rank, salt);
+  net_grads(&cur, &mine, &local);
+  backward(net, w, &local, NULL, 0);
+  CHECK_OK(wrap_finish(w));
+  grads_get(net, &g);
+  rank_average(&cur, world, salt, &want);
+  EXPECT_PARAMS(what, &g, &want, ALL_PARAMS, GRAD_RTOL, GRAD_ATOL);
+}
+
+/* Over Gloo, 3 ranks train a step; then rank 2 dies (exits without a
+ * word) and ranks 0 and 1 fail their next finish_backward on the broken
+ * group. They make a group of two over a store of their own and rebind
+ * onto it: nothing is sent on the old group, and nothing waits for its
+ * timeout (120 s, past the driver's limit); rank 1's drifted parameters
+ * become rank 0's, and the next step averages over 2. */
+static void rebind_after_peer_died(dp_process_group *pg) {
+  dp_ddp_options opts = DP_DDP_OPTIONS_INIT;
+  dp_process_group_options go = DP_PROCESS_GROUP_OPTIONS_INIT;
+  dp_process_group *survivors = NULL;
+  dp_store *store = NULL;
+  char path[512];
+  Params before, after, local;
+  Batch mine;
+  Net net;
+  Wrap w;
+  dp_status st;
+  if (g_world != 3) exit(2);
+  opts.broadcast_buffers = 0; /* the failure comes at the finish, not at a broadcast */
+  net_create(&net, 42, 2, 0);
+  CHECK_OK(wrap_whole(&w, &net, pg, &opts));
+  if (w.count != 1) exit(1);
+  rebind_step(&net, &w, 3, 0, "gradients of the step over 3");
+  snprintf(path, sizeof(path), "%s/stepped_%d", g_dir, g_rank);
+  if (g_rank == 2) {
+    /* Once the others are past the step, as if killed. */
+    int r;
+    for (r = 0; r < 2; ++r) {
+      double start = now_ms();
+      snprintf(path, sizeof(path), "%s/stepped_%d", g_dir, r);
+      while (access(path, F_OK) != 0 && now_ms() - start < 60000.0) sleep_ms(10);
+    }
+    printf("rank %d: rebind_after_peer_died passed\n", g_rank);
+    fflush(stdout);
+    _exit(g_failures == 0 ? 0 : 1);
+  }
+  {
+    FILE *f = fopen(path, "w");
+    CHECK(f != NULL, "cannot create %s", path);
+    if (f != NULL) fclose(f);
+  }
+  CHECK_OK(dp_module_zero_grad(net.root));
+  net_get(&net, &before);
+  rank_batch(&mine, g_rank, 1);
+  net_grads(&before, &mine, &local);
+  backward(&net, &w, &local, NULL, 0);
+  st = wrap_finish(&w);
+  printf("rank %d: finish with rank 2 dead: status %d: %s\n", g_rank, (int)st, dp_last_error());
+  CHECK(st != DP_OK, "%s", "the finish with a dead peer succeeded");
+
+  snprintf(path, sizeof(path), "%s/survivors", g_dir);
+  CHECK_OK(dp_store_create_file(&store, path, 2));
+  go.rank = g_rank;
+  go.world_size = 2;
+  go.store = store;
+  go.timeout_ms = 60000;
+  go.backend = test_group_backend(DP_BACKEND_AUTO);
+  CHECK_OK(dp_process_group_create(&survivors, &go));
+  dp_store_destroy(store);
+  if (survivors == NULL) exit(1);
+  if (g_rank == 1) {
+    Params drifted = before;
+    drifted.v[0][0] += 1.0f;
+    net_set(&net, &drifted);
+  }
+  CHECK_OK(dp_ddp_rebind(w.ddp[0], survivors));
+  net_get(&net, &after);
+  CHECK(memcmp(&after, &before, sizeof(after)) == 0, "%s", "the parameters after the rebind are not rank 0's");
+  rebind_step(&net, &w, 2, 2, "gradients of the step over the 2 survivors");
+  printf("rank %d: rebind onto the survivors over %s\n", g_rank, dp_process_group_backend(survivors));
+  wrap_destroy(&w);
+  dp_process_group_destroy(survivors);
+  net_destroy(&net);
+}
+
 typedef struct Scenario {
   const char *name;
   void (*run)(dp_process_group *);
@@ -1948,6 +2040,8 @@ static const Scenario kScenarios[] = {
     {"rebind_shrink_view", rebind_shrink_view, 60000},
     {"rebind_shrink_hook", rebind_shrink_hook, 60000},
     {"rebind_failed", rebind_failed, 20000},
+    /* Past the driver's limit: a rebind waiting for the broken group fails. */
+    {"rebind_after_peer_died", rebind_after_peer_died, 120000},
     /* Longer than the driver's limit: a rank left waiting shows as killed. */
     {"refuse_cap", refuse_cap, 120000},
     {"refuse_plan_name", refuse_plan_name, 120000},

@@ -4,6 +4,8 @@
 // 4-rank job shrinks to 3 and trains on).
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -258,6 +260,51 @@ TEST_F(DdpRebind, FailedRebindLeavesOnlyDestroyAndFreesTheParameters) {
   train_step(again.get(), m.get(), 2);
 }
 
+// A comm hook that blocks until released.
+struct BlockingHook {
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool released = false;
+  void release() {
+    std::lock_guard<std::mutex> lock(mutex);
+    released = true;
+    cv.notify_all();
+  }
+};
+
+int blocking_hook(void* user_data, dp_process_group* pg, size_t /*bucket*/, dp_tensor* flat) {
+  auto* hook = static_cast<BlockingHook*>(user_data);
+  std::unique_lock<std::mutex> lock(hook->mutex);
+  hook->cv.wait(lock, [&] { return hook->released; });
+  return dp_pg_all_reduce(pg, flat, DP_AVG) == DP_OK ? 0 : 1;
+}
+
+// A finish_backward that timed out (a hook that never returns) leaves the
+// dp_ddp broken with its marks standing and its group's lane stuck: a
+// rebind is how it goes on, not a refusal mid-iteration, and it waits for
+// nothing on the old lane.
+TEST(DdpRebindTimedOut, AfterAFinishTimedOutTheDdpRebindsOntoAnotherGroupAndTrainsOn) {
+  dptest::GroupOptions short_timeout;
+  short_timeout.timeout_ms = 500;
+  SingleRankGroup stuck(short_timeout);
+  SingleRankGroup fresh;
+  BlockingHook hook;
+  ModulePtr m = net();
+  dp_ddp_options o = DP_DDP_OPTIONS_INIT;
+  o.comm_hook = DP_HOOK_CUSTOM;
+  o.hook_fn = blocking_hook;
+  o.hook_user_data = &hook;
+  dp_ddp* raw = nullptr;
+  DP_ASSERT_OK(dp_ddp_create(&raw, m.get(), stuck.get(), &o));
+  DdpPtr d(raw);
+  DP_ASSERT_OK(dp_ddp_pre_forward(d.get()));
+  for (size_t p = 0; p < kNumParams; ++p) DP_ASSERT_OK(dp_ddp_mark_grad_ready_index(d.get(), p));
+  EXPECT_EQ(dp_ddp_finish_backward(d.get()), DP_ETIMEOUT);
+  EXPECT_EQ(dp_ddp_rebind(d.get(), fresh.get()), DP_OK) << dp_last_error();
+  hook.release();  // the old lane's job ends; the new reducer has its own lane
+  train_step(d.get(), m.get(), 1);
+}
+
 // Another thread calls the dp_ddp throughout (as a hostile or careless host
 // would, against the contract): each call runs on the old or the new reducer
 // or is refused, never on a freed one (ASan), and nothing hangs.
@@ -333,6 +380,22 @@ TEST(DdpRebindProcesses, BucketViewsUsedMapAndStaticGraphGoOnOverTheShrunkGroup)
 TEST(DdpRebindProcesses, CustomHookIsGivenTheShrunkGroupAndARebindFromInsideItIsEstate) {
   Ranks run = passing("rebind_shrink_hook", 4);
   for (size_t r = 0; r < 3; ++r) dptest::expect_mentions(run, r, {"rebind inside the comm hook: status -8"});
+}
+
+// The old group is broken (a peer died); its timeout (120 s) is past the
+// run's limit, so a rebind that waited for it would be killed.
+TEST(DdpRebindProcesses, AfterAPeerDiedOnGlooTheSurvivorsRebindOntoAGroupOfTheirOwnAndTrainOn) {
+  Ranks run = passing("rebind_after_peer_died", 3, {"DP_SHM=0"});
+  for (size_t r = 0; r < 2; ++r) {
+    dptest::expect_mentions(run, r, {"finish with rank 2 dead: status", "rebind onto the survivors over gloo"});
+  }
+}
+
+TEST(DdpRebindProcesses, AfterAPeerDiedOnSharedMemoryTheSurvivorsRebindOntoAGroupOfTheirOwnAndTrainOn) {
+  Ranks run = passing("rebind_after_peer_died", 3);
+  for (size_t r = 0; r < 2; ++r) {
+    dptest::expect_mentions(run, r, {"finish with rank 2 dead: status", "rebind onto the survivors over shm"});
+  }
 }
 
 TEST(DdpRebindProcesses, RebindOntoAGroupOneRankAbortedFailsOnBothRanksAndLeavesOnlyDestroy) {
