@@ -328,26 +328,25 @@ dp_status dp_ddp_rebind(dp_ddp* ddp, dp_process_group* pg) {
   // Refused mid-iteration, the dp_ddp unchanged; from here on it leaves
   // the old group, which is sent nothing (it may be broken).
   old->retire();
-  old->close();  // frees its parameters for the new reducer
-  std::string failure;
+  // Any failure from here leaves the handle without a reducer.
+  auto give_up = [ddp](const std::string& why) {
+    std::lock_guard<std::mutex> lock(ddp->mutex);
+    ddp->reducer.reset();
+    ddp->failed_rebind = why;
+  };
   try {
+    old->close();  // frees its parameters for the new reducer
     std::shared_ptr<ddp::Reducer> fresh = capi::in_stream_order(capi::module_devices(*module, {device}), [&] {
       return std::make_shared<ddp::Reducer>(module, pg->group, std::move(options));
     });
     fresh->set_requires_sync(requires_sync);
     std::lock_guard<std::mutex> lock(ddp->mutex);
     ddp->reducer = std::move(fresh);
-    return DP_OK;
   } catch (const Error& e) {
-    failure = e.what();
-    std::lock_guard<std::mutex> lock(ddp->mutex);
-    ddp->reducer.reset();
-    ddp->failed_rebind = failure;
-    fail(e.code(), failure, "; the dp_ddp is unusable: only dp_ddp_destroy is left");
+    give_up(e.what());
+    fail(e.code(), e.what(), "; the dp_ddp is unusable: only dp_ddp_destroy is left");
   } catch (...) {
-    std::lock_guard<std::mutex> lock(ddp->mutex);
-    ddp->reducer.reset();
-    ddp->failed_rebind = "the new reducer could not be made";
+    give_up("the new reducer could not be made");
     throw;
   }
   DP_API_END
