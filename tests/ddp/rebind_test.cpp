@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "ddp/ddp_test_util.h"
 #include "group_util.h"
 #include "module/module_test_util.h"
 #include "worker_job.h"
@@ -18,23 +19,14 @@ namespace {
 
 using dptest::contains;
 using dptest::DdpPtr;
+using dptest::linear_net;
 using dptest::ModulePtr;
+using dptest::plan_text;
 using dptest::SingleRankGroup;
 using dptest::TensorPtr;
 
 const char* const kParams[] = {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"};
 constexpr size_t kNumParams = 6;
-
-// fc1, fc2, fc3: Linear(2, 2) each.
-ModulePtr net() {
-  ModulePtr root = dptest::new_module();
-  const char* layers[] = {"fc1", "fc2", "fc3"};
-  for (int l = 0; l < 3; ++l) {
-    ModulePtr fc = dptest::linear(2, 2, static_cast<float>(l));
-    EXPECT_EQ(dp_module_register_module(root.get(), layers[l], fc.get()), DP_OK) << dp_last_error();
-  }
-  return root;
-}
 
 std::vector<float> grad_values(dp_module* m, const char* name) {
   TensorPtr g = dptest::grad(m, name);
@@ -64,15 +56,6 @@ void train_step(dp_ddp* d, dp_module* m, int step) {
   }
 }
 
-std::string plan_text(const dp_ddp* d) {
-  size_t len = 0;
-  EXPECT_EQ(dp_ddp_bucket_plan(d, nullptr, 0, &len), DP_OK) << dp_last_error();
-  std::string text(len + 1, '\0');
-  EXPECT_EQ(dp_ddp_bucket_plan(d, text.data(), text.size(), &len), DP_OK) << dp_last_error();
-  text.resize(len);
-  return text;
-}
-
 class DdpRebind : public ::testing::Test {
  protected:
   DdpPtr create(dp_module* m, const dp_ddp_options* opts = nullptr) {
@@ -86,7 +69,7 @@ class DdpRebind : public ::testing::Test {
 };
 
 TEST_F(DdpRebind, NullOrForeignHandlesAreEinvalNamingTheArgumentAndTheDdpGoesOn) {
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   DdpPtr d = create(m.get());
   ASSERT_NE(d, nullptr);
   EXPECT_EQ(dp_ddp_rebind(nullptr, second_.get()), DP_EINVAL);
@@ -106,7 +89,7 @@ TEST_F(DdpRebind, GroupOnAnotherDeviceIsEinvalNamingPgAndTheDdpGoesOn) {
   on_cpu1.device = dptest::cpu(1);
   SingleRankGroup other_device(on_cpu1);
   ASSERT_NE(other_device.get(), nullptr);
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   DdpPtr d = create(m.get());
   ASSERT_NE(d, nullptr);
   EXPECT_EQ(dp_ddp_rebind(d.get(), other_device.get()), DP_EINVAL);
@@ -115,7 +98,7 @@ TEST_F(DdpRebind, GroupOnAnotherDeviceIsEinvalNamingPgAndTheDdpGoesOn) {
 }
 
 TEST_F(DdpRebind, MidIterationIsEstateAndTheDdpFinishesTheBackwardOnItsGroup) {
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   DdpPtr d = create(m.get());
   ASSERT_NE(d, nullptr);
   DP_ASSERT_OK(dp_ddp_pre_forward(d.get()));
@@ -154,7 +137,7 @@ int reported_that_rebinds(void* user_data, dp_ddp* /*ddp*/, size_t /*bucket*/, c
 TEST_F(DdpRebind, FromInsideACommHookOrOnBucketReducedIsEstateAndTheIterationCompletes) {
   for (bool hook : {true, false}) {
     SCOPED_TRACE(hook ? "comm hook" : "on_bucket_reduced");
-    ModulePtr m = net();
+    ModulePtr m = linear_net();
     InsideRebind inside;
     dp_ddp_options o = DP_DDP_OPTIONS_INIT;
     if (hook) {
@@ -186,7 +169,7 @@ TEST_F(DdpRebind, OntoAnotherGroupKeepsThePlanAndTrainingGoesOnAfterTheOldGroupI
     SCOPED_TRACE(views ? "gradient_as_bucket_view" : "copies");
     SingleRankGroup old_group;
     SingleRankGroup new_group;
-    ModulePtr m = net();
+    ModulePtr m = linear_net();
     dp_ddp_options o = DP_DDP_OPTIONS_INIT;
     o.gradient_as_bucket_view = views;
     o.bucket_cap_mb = o.first_bucket_cap_mb = 1e-12;  // a bucket per parameter
@@ -213,7 +196,7 @@ TEST_F(DdpRebind, OntoAnotherGroupKeepsThePlanAndTrainingGoesOnAfterTheOldGroupI
 }
 
 TEST_F(DdpRebind, OntoItsOwnGroupIsAResyncAndTrainingGoesOn) {
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   DdpPtr d = create(m.get());
   ASSERT_NE(d, nullptr);
   train_step(d.get(), m.get(), 1);
@@ -239,7 +222,7 @@ TEST_F(DdpRebind, OntoItsOwnGroupIsAResyncAndTrainingGoesOn) {
 // later call but destroy is DP_ESTATE naming it, and the parameters are free
 // for a dp_ddp made anew.
 TEST_F(DdpRebind, FailedRebindLeavesOnlyDestroyAndFreesTheParameters) {
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   DdpPtr d = create(m.get());
   ASSERT_NE(d, nullptr);
   train_step(d.get(), m.get(), 1);
@@ -289,7 +272,7 @@ TEST(DdpRebindTimedOut, AfterAFinishTimedOutTheDdpRebindsOntoAnotherGroupAndTrai
   SingleRankGroup stuck(short_timeout);
   SingleRankGroup fresh;
   BlockingHook hook;
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   dp_ddp_options o = DP_DDP_OPTIONS_INIT;
   o.comm_hook = DP_HOOK_CUSTOM;
   o.hook_fn = blocking_hook;
@@ -309,7 +292,7 @@ TEST(DdpRebindTimedOut, AfterAFinishTimedOutTheDdpRebindsOntoAnotherGroupAndTrai
 // would, against the contract): each call runs on the old or the new reducer
 // or is refused, never on a freed one (ASan), and nothing hangs.
 TEST_F(DdpRebind, CallsFromAnotherThreadDuringRebindsSucceedOrAreEstate) {
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   DdpPtr d = create(m.get());
   ASSERT_NE(d, nullptr);
   std::atomic<bool> stop{false};
