@@ -46,8 +46,9 @@ static_assert(offsetof(dp_api, shutdown) == slot(127), "dp_api layout changed");
 static_assert(offsetof(dp_api, process_group_split) == slot(128), "dp_api layout changed");
 static_assert(offsetof(dp_api, fsdp_mark_grad_ready) == slot(140), "dp_api layout changed");
 static_assert(offsetof(dp_api, process_group_abort) == slot(145), "dp_api layout changed");
-static_assert(offsetof(dp_api, ddp_rebind) == slot(146), "dp_api layout changed");
-static_assert(kSlotCount == 147, "dp_api layout changed");
+static_assert(offsetof(dp_api, process_group_lost_ranks) == slot(147), "dp_api layout changed");
+static_assert(offsetof(dp_api, ddp_rebind) == slot(148), "dp_api layout changed");
+static_assert(kSlotCount == 149, "dp_api layout changed");
 static_assert(sizeof(dp_api) == slot(kSlotCount), "dp_api layout changed");
 
 #define DP_SLOT_VALUE(ret, name, params) dp_##name,

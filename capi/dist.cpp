@@ -396,6 +396,35 @@ dp_status dp_process_group_abort(dp_process_group* pg) {
   DP_API_END
 }
 
+dp_status dp_process_group_shrink(dp_process_group* pg, dp_process_group** out) {
+  DP_API_BEGIN
+  if (out != nullptr) *out = nullptr;
+  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
+  capi::require_arg(out, "out");
+  std::unique_ptr<dist::ProcessGroup> shrunk = group.shrink();
+  std::string lost;
+  for (int32_t r : shrunk->lost_ranks()) lost += str_cat(lost.empty() ? "" : ", ", r);
+  const std::string now = str_cat("rank ", group.rank(), " of ", group.size(), " is rank ", shrunk->rank(), " of ",
+                                  shrunk->size(), " in the new group");
+  auto* handle = new dp_process_group();
+  handle->group = std::move(shrunk);
+  *out = handle;
+  capi::set_last_error(lost.empty() ? str_cat("dp_process_group_shrink: no rank was lost; ", now)
+                                    : str_cat("dp_process_group_shrink: rank(s) ", lost, " lost; ", now));
+  DP_API_END
+}
+
+int32_t dp_process_group_lost_ranks(const dp_process_group* pg, int32_t* ranks, size_t cap) {
+  DP_API_BEGIN
+  // const: the handle is only read; the group's list is guarded inside.
+  dist::ProcessGroup& group = capi::group_arg(pg, "pg");
+  if (ranks == nullptr && cap > 0) capi::null_argument("ranks");
+  std::vector<int32_t> lost = group.lost_ranks();
+  std::copy_n(lost.begin(), std::min(cap, lost.size()), ranks);
+  return static_cast<int32_t>(lost.size());
+  DP_API_END_VALUE(-1)
+}
+
 void dp_process_group_destroy(dp_process_group* pg) {
   if (pg == nullptr || pg->tag != kGroupTag || !pg->origin.is_current() || !capi::destroy_allowed(pg, __func__)) {
     return;

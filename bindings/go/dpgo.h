@@ -241,6 +241,9 @@ dp_status dpgo_stream_launch_host_func(const dp_api *a, dp_device device, void *
     (const dp_api *a, dp_fsdp **out, dp_module *m, const dp_device_mesh *mesh, const dp_fsdp_options *o),              \
     (out, m, mesh, o))                                                                                                 \
   X(dp_status, process_group_abort, (const dp_api *a, dp_process_group *pg), (pg))                                     \
+  X(dp_status, process_group_shrink, (const dp_api *a, dp_process_group *pg, dp_process_group **out), (pg, out))       \
+  X(int32_t, process_group_lost_ranks, (const dp_api *a, const dp_process_group *pg, int32_t *ranks, size_t cap),      \
+    (pg, ranks, cap))                                                                                                  \
   X(dp_status, ddp_rebind, (const dp_api *a, dp_ddp *d, dp_process_group *pg), (d, pg))
 
 #define DPGO_DECLARE(ret, name, params, args) ret dpgo_##name params;

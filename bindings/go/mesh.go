@@ -42,6 +42,46 @@ func (pg *ProcessGroup) Abort() error {
 	})
 }
 
+// Shrink is called by every survivor after a peer's failure: they agree on
+// who is left and each gets a new group of the survivors in their old
+// order (dp_dist.h). pg is left as it was; Close it.
+func (pg *ProcessGroup) Shrink() (*ProcessGroup, error) {
+	var h *C.dp_process_group
+	err := pg.call("dp_process_group_shrink", func(api *C.dp_api) C.dp_status {
+		return C.dpgo_process_group_shrink(api, pg.h, &h)
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &ProcessGroup{lib: pg.lib, h: h}, nil
+}
+
+// LostRanks lists the ranks pg's last Shrink left out (for a group made by
+// Shrink: those left out of the group it came from).
+func (pg *ProcessGroup) LostRanks() ([]int, error) {
+	var ranks []int
+	err := pg.call("dp_process_group_lost_ranks", func(api *C.dp_api) C.dp_status {
+		n := C.dpgo_process_group_lost_ranks(api, pg.h, nil, 0)
+		if n < 0 {
+			return C.DP_EINVAL // an invalid handle: the call set the message
+		}
+		buf := make([]C.int32_t, int(n)+1)
+		got := C.dpgo_process_group_lost_ranks(api, pg.h, &buf[0], C.size_t(n))
+		if got < 0 {
+			return C.DP_EINVAL
+		}
+		if got > n {
+			got = n
+		}
+		ranks = make([]int, 0, int(got))
+		for _, r := range buf[:got] {
+			ranks = append(ranks, int(r))
+		}
+		return C.DP_OK
+	})
+	return ranks, err
+}
+
 func (pg *ProcessGroup) hostCount(op string, f func(api *C.dp_api) C.int32_t) int {
 	n := -1
 	if pg == nil {

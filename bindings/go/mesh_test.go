@@ -48,6 +48,15 @@ func TestMeshTwoRanks(t *testing.T) {
 	}
 	alone.Close()
 
+	again, err := pg.Shrink()
+	must(t, err)
+	lost, err := again.LostRanks()
+	must(t, err)
+	if again.Rank() != rank || again.Size() != world || len(lost) != 0 {
+		t.Fatalf("a shrink with no rank lost: rank %d of %d, lost %v", again.Rank(), again.Size(), lost)
+	}
+	again.Close()
+
 	mesh, err := NewDeviceMesh(pg, []int{world}, []string{"dp"})
 	must(t, err)
 	shape, err := mesh.Shape()

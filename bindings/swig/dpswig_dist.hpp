@@ -181,6 +181,24 @@ class ProcessGroup {
   // for their timeout; a running call fails at once on shared memory, NCCL
   // and MPI, at its deadline on Gloo (dp_dist.h). close() is still needed.
   void abort() { check(dp_process_group_abort(handle())); }
+  // After a peer's failure, every survivor calls it: they agree on who is
+  // left and each gets a new group of the survivors in their old order
+  // (dp_dist.h). This group is left as it was; close() it.
+  ProcessGroup* shrink() {
+    dp_process_group* shrunk = nullptr;
+    check(dp_process_group_shrink(handle(), &shrunk));
+    return new ProcessGroup(shrunk, true);
+  }
+  // The ranks this group's last shrink left out (for a group made by a
+  // shrink: those left out of the group it came from).
+  std::vector<int> lostRanks() const {
+    int32_t n = dp_process_group_lost_ranks(handle(), nullptr, 0);
+    std::vector<int32_t> out(n < 0 ? 0 : static_cast<size_t>(n));
+    if (n >= 0) n = dp_process_group_lost_ranks(handle(), out.data(), out.size());
+    if (n < 0) check(DP_EINVAL);
+    out.resize(std::min(out.size(), static_cast<size_t>(n)));
+    return std::vector<int>(out.begin(), out.end());
+  }
   // Collective over this group (MPI_Comm_split): the ranks passing the same
   // color >= 0 form a new group ranked by (key, rank here); a negative color
   // joins none (null). The new group has this one's timeout and device.

@@ -232,7 +232,9 @@ extern "C" {
   X(dp_status, fsdp_create_on_mesh,                                                                                    \
     (dp_fsdp **out, dp_module *module, const dp_device_mesh *mesh, const dp_fsdp_options *opts))                       \
   /* ---- abi_minor 10: elastic and fault tolerant (dp_dist.h) ---- */                                                 \
-  X(dp_status, process_group_abort, (dp_process_group *pg))                                                            \
+  X(dp_status, process_group_abort, (dp_process_group *pg))                                                           \
+  X(dp_status, process_group_shrink, (dp_process_group *pg, dp_process_group **out))                                   \
+  X(int32_t, process_group_lost_ranks, (const dp_process_group *pg, int32_t *ranks, size_t cap))                       \
   X(dp_status, ddp_rebind, (dp_ddp *ddp, dp_process_group *pg))
 /* clang-format on */
 

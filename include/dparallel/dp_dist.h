@@ -349,6 +349,34 @@ DP_API int32_t dp_process_group_num_hosts(const dp_process_group *pg);
  * for an invalid pg. */
 DP_API dp_status dp_process_group_abort(dp_process_group *pg);
 
+/* After a peer's failure, the ranks still alive go on without it: every
+ * survivor calls shrink on the group (usually broken by the failure; it is
+ * not used). They agree through the group's store, within the group's
+ * timeout, on who is left, and each gets in *out a new group of the
+ * survivors in their old order (ranks renumbered from 0), over the same
+ * backend choice, device and timeout; on NCCL a new communicator. A rank
+ * counts as lost as soon as its connection to the job's TCP store closed
+ * (its process died, or left: seen at once, on any host), or when it has
+ * not called shrink within the timeout (a hung process, a host lost
+ * whole, or any store other than the TCP store). The first rank to see
+ * every rank alive or lost decides for all, so every survivor gets the
+ * same group. On success dp_last_error names the ranks left out
+ * (dp_process_group_lost_ranks lists them). Errors: DP_ESTATE for a rank
+ * the decision left out (it called shrink too late); DP_EREMOTE or
+ * DP_ETIMEOUT when the store itself is lost (its host, rank 0's under
+ * dp-run, died): that failure cannot be survived, and neither can a
+ * shrink whose survivors no longer hold data only a lost rank had. pg is
+ * left as it was; destroy it. Not thread-safe with other calls of shrink
+ * on pg; each survivor calls it once per failure. */
+DP_API dp_status dp_process_group_shrink(dp_process_group *pg, dp_process_group **out);
+/* The ranks of pg (pg's numbering) that its last shrink left out, or for a
+ * group made by a shrink those the shrink left out of the group it came
+ * from: writes up to `cap` of them to `ranks` (NULL with cap 0 to ask how
+ * many) and returns how many there are; 0 for a group never shrunk; -1 for
+ * an invalid pg or a NULL ranks with cap > 0 (dp_last_error says). Any
+ * thread. */
+DP_API int32_t dp_process_group_lost_ranks(const dp_process_group *pg, int32_t *ranks, size_t cap);
+
 /* ---- device meshes (PyTorch's init_device_mesh) ---- */
 /* The ranks of a group laid out as an n-dimensional array, with one group
  * per dimension: the ranks that differ only in their coordinate along it,

@@ -353,7 +353,7 @@ std::unique_ptr<ProcessGroup> create_chosen_process_group(const ProcessGroupOpti
     throw Error(*error);
   }
   std::unique_ptr<ProcessGroup> group = choose(options, prefix, entries);
-  GroupLineage lineage{options.store, prefix, options.master_addr, {}};
+  GroupLineage lineage{options.store, prefix, options.master_addr, options.backend, {}};
   const Hosts hosts = group_by_host(entries);
   lineage.host_of_rank.resize(entries.size());
   for (size_t h = 0; h < hosts.members.size(); ++h) {

@@ -52,8 +52,9 @@ using BackendFactory = std::function<std::unique_ptr<Backend>(CallSite& site)>;
 // and asking about its hosts need, learnt at its creation.
 struct GroupLineage {
   std::shared_ptr<Store> store;
-  std::string prefix;       // the group's keys in `store`
-  std::string master_addr;  // as its options had it
+  std::string prefix;                            // the group's keys in `store`
+  std::string master_addr;                       // as its options had it
+  BackendChoice backend = BackendChoice::kAuto;  // as its options asked
   // Every rank's host, numbered in the order of each host's lowest rank.
   std::vector<int32_t> host_of_rank;
 };
@@ -151,6 +152,18 @@ class ProcessGroup final : private CallSite {
   std::unique_ptr<ProcessGroup> split(int32_t color, int32_t key, const SplitOptions& options, uint64_t agreement = 0,
                                       const char* what = "");
   const GroupLineage& lineage() const;
+  // After a peer failed (any time, in fact): the ranks still alive agree,
+  // through the store and within the group's timeout, on who is left, and
+  // form a new group of them in their old order over the same backend
+  // choice, timeout and device. A rank counts as lost once its connection
+  // to the TCP store closed (its process died or left; seen at once), or
+  // when it has not called shrink by the timeout. The first rank to see
+  // every rank either alive or lost decides for all; a rank the decision
+  // left out gets kState. This group is left as it was (destroy it).
+  std::unique_ptr<ProcessGroup> shrink();
+  // The ranks (this group's numbering) the group's last shrink left out; a
+  // group made by shrink answers those of the group it came from.
+  std::vector<int32_t> lost_ranks();
 
   // Why the group is unusable, or "" while it is usable.
   std::string broken_reason();
@@ -246,9 +259,15 @@ class ProcessGroup final : private CallSite {
   std::shared_ptr<FlightRecorder> recorder_;       // made once the backend is
   std::atomic<TraceCall*> running_call_{nullptr};  // the running call's record, null: none
   uint64_t splits_ = 0;                            // splits so far: each new group's keys are "split<n>/"
+  uint64_t shrinks_ = 0;                           // shrinks so far: each one's keys are "shrink<n>/"
+  std::vector<int32_t> lost_ranks_;                // by mutex_: lost_ranks()
   // Last: made after the state above, and gone before it.
   std::unique_ptr<Backend> backend_;
 };
+
+// The key (under a group's store prefix) the TCP store sets once `rank`'s
+// connection closes: that rank's process died or left.
+std::string departure_key(const std::string& prefix, int32_t rank);
 
 // Checks what `options` ask for: rank, world size, backend, device, timeout
 // and store; kInvalidArgument naming the field.

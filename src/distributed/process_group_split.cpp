@@ -26,6 +26,12 @@ void ProcessGroup::set_lineage(GroupLineage lineage) {
   // The keys' prefix is the same on every rank: what a diagnosis matches.
   recorder_->set_group_id(lineage.prefix);
   lineage_ = std::make_shared<const GroupLineage>(std::move(lineage));
+  // What a shrink reads to know this rank lost at once; a store that cannot
+  // say leaves it to the shrink's timeout.
+  try {
+    lineage_->store->set_on_close(departure_key(lineage_->prefix, rank()), {});
+  } catch (const Error&) {
+  }
 }
 
 const GroupLineage& ProcessGroup::lineage() const {

@@ -2,6 +2,7 @@
 // of split_worker on this host (DP_HOST_ID makes ranks count as on other
 // hosts); each run is bounded in time, and no test asserts on time.
 #include <gtest/gtest.h>
+#include <signal.h>
 
 #include <functional>
 #include <string>
@@ -32,6 +33,44 @@ TEST(ProcessGroupSplit, RankSplittingWhilePeerAllReducesFailsOnBothWithoutHangin
   // The split runs as an all_gather of pg: each rank names the other's call.
   dptest::expect_mentions(run, 0, {"dp_process_group_split", "rank 1 called all_reduce"});
   dptest::expect_mentions(run, 1, {"dp_pg_all_reduce", "rank 0 called all_gather"});
+}
+
+// Rank r's exit: 0 with its line printed, or (the killed rank) SIGKILL's.
+void expect_survivors_passed(const dptest::WorkerRun& run, const std::string& scenario, int killed) {
+  for (size_t r = 0; r < run.exit_codes.size(); ++r) {
+    if (static_cast<int>(r) == killed) {
+      EXPECT_EQ(run.exit_codes[r], 128 + SIGKILL) << "rank " << r << " output:\n" << run.outputs[r];
+      continue;
+    }
+    EXPECT_EQ(run.exit_codes[r], 0) << "rank " << r << " output:\n" << run.outputs[r];
+    dptest::expect_mentions(run, r, {"rank " + std::to_string(r) + ": " + scenario + " passed"});
+  }
+}
+
+TEST(ProcessGroupShrink, AfterARankDiesOverGlooTheOthersFormAGroupOfThreeInTheirOldOrder) {
+  dptest::WorkerRun run =
+      dptest::run_worker(DP_SPLIT_WORKER, "shrink_after_kill", 4, {"DP_TEST_BACKEND=gloo"}, std::chrono::seconds(120));
+  expect_survivors_passed(run, "shrink_after_kill", 2);
+}
+
+TEST(ProcessGroupShrink, AfterARankDiesOverSharedMemoryTheOthersFormAGroupOfThree) {
+  dptest::WorkerRun run = dptest::run_worker(DP_SPLIT_WORKER, "shrink_after_kill", 4, {}, std::chrono::seconds(120));
+  expect_survivors_passed(run, "shrink_after_kill", 2);
+}
+
+TEST(ProcessGroupShrink, WithNoRankLostEveryRankFormsTheNewGroup) { expect_passes("shrink_none_lost", 2); }
+
+TEST(ProcessGroupShrink, ARankThatCallsShrinkAfterTheOthersDecidedIsLeftOutWithAClearError) {
+  // The others decide at the group's timeout (10 s): the late rank was not seen.
+  dptest::WorkerRun run = dptest::run_worker(DP_SPLIT_WORKER, "shrink_late_rank", 3, {"DP_TEST_TIMEOUT_MS=10000"},
+                                             std::chrono::seconds(120));
+  dptest::expect_passed(run, "shrink_late_rank", 3);
+}
+
+TEST(ProcessGroupShrink, LosingTheRankThatHoldsTheStoreFailsTheShrinkNamingTheStore) {
+  dptest::WorkerRun run = dptest::run_worker(DP_SPLIT_WORKER, "shrink_store_lost", 3, {"DP_TEST_TIMEOUT_MS=10000"},
+                                             std::chrono::seconds(120));
+  expect_survivors_passed(run, "shrink_store_lost", 0);
 }
 
 TEST(ProcessGroupHosts, FourRanksOnTwoHostsGiveLocalRanksAndAByHostMeshOfShmInsideAndGlooAcross) {

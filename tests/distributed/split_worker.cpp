@@ -10,10 +10,22 @@
 //   bad_mesh        bad shapes and names (on every rank, then on rank 0 alone,
 //                   then differing meshes): DP_EINVAL naming them, the group still usable
 //   split_vs_all_reduce  rank 0 splits while rank 1 all-reduces: both fail, neither hangs
+//   shrink_after_kill    4 ranks; rank 2 dies; the others' all_reduce fails, they
+//                        shrink to 3 and all-reduce there (backend: DP_TEST_BACKEND)
+//   shrink_none_lost     every rank shrinks with none lost: a new group of all
+//   shrink_late_rank     rank 2 lives but calls shrink only after the others
+//                        decided without it (at the timeout): it is left out
+//   shrink_store_lost    rank 0, which holds the store, dies: shrink fails naming the store
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dparallel/dparallel.h"
@@ -280,6 +292,82 @@ void scenario_split_vs_all_reduce(dp_process_group* pg, int r) {
   std::printf("rank %d: mismatched call status %d: %s\n", r, static_cast<int>(status), dp_last_error());
 }
 
+std::string lost_of(dp_process_group* pg) {
+  int32_t ranks[8] = {0};
+  const int32_t n = dp_process_group_lost_ranks(pg, ranks, 8);
+  std::vector<int64_t> values(ranks, ranks + std::max(0, std::min(n, 8)));
+  return n < 0 ? "error" : join(values);
+}
+
+void scenario_shrink_after_kill(dp_process_group* pg, int r) {
+  const std::string backend = dp_process_group_backend(pg);
+  CHECK(sum_of(pg, 1 << r) == 15, "the sum before the failure is not 15");
+  if (r == 2) ::raise(SIGKILL);
+  float value = 1;
+  int64_t shape[1] = {1};
+  dp_tensor* t = nullptr;
+  dp_device cpu = {DP_DEVICE_CPU, 0};
+  CHECK_OK(dp_tensor_create(&t, DP_FLOAT32, 1, shape, cpu));
+  CHECK_OK(dp_tensor_copy_from_host(t, &value, sizeof value));
+  CHECK(dp_pg_all_reduce(pg, t, DP_SUM) != DP_OK, "an all_reduce with a dead rank passed");
+  dp_tensor_destroy(t);
+  CHECK(dp_process_group_lost_ranks(pg, nullptr, 0) == 0, "lost ranks before any shrink");
+  dp_process_group* shrunk = nullptr;
+  CHECK_OK(dp_process_group_shrink(pg, &shrunk));
+  CHECK(mentions(dp_last_error(), "rank(s) 2 lost"), "shrink's message: %s", dp_last_error());
+  expect_group(shrunk, "shrunk", r < 2 ? r : 2, 3, backend.c_str());
+  if (shrunk == nullptr) return;
+  CHECK(lost_of(pg) == "2" && lost_of(shrunk) == "2", "lost ranks: %s and %s", lost_of(pg).c_str(),
+        lost_of(shrunk).c_str());
+  CHECK(sum_of(shrunk, 1 << r) == 11, "the survivors' sum is not 11");
+  const std::string order = join(gather_of(shrunk, r));
+  CHECK(order == "0,1,3", "the survivors in the new group's order: %s", order.c_str());
+  dp_process_group_destroy(shrunk);
+}
+
+void scenario_shrink_none_lost(dp_process_group* pg, int r) {
+  dp_process_group* shrunk = nullptr;
+  CHECK_OK(dp_process_group_shrink(pg, &shrunk));
+  CHECK(mentions(dp_last_error(), "no rank was lost"), "shrink's message: %s", dp_last_error());
+  expect_group(shrunk, "shrunk", r, 2, dp_process_group_backend(pg));
+  if (shrunk == nullptr) return;
+  CHECK(lost_of(shrunk) == "", "lost ranks: %s", lost_of(shrunk).c_str());
+  CHECK(sum_of(shrunk, 1 << r) == 3, "the new group's sum is not 3");
+  CHECK(sum_of(pg, 1 << r) == 3, "the group shrunk from is not usable any more");
+  dp_process_group_destroy(shrunk);
+}
+
+void scenario_shrink_late_rank(dp_process_group* pg, int r) {
+  const std::string decided = std::string(std::getenv("DP_TEST_DIR")) + "/decided";
+  dp_process_group* shrunk = nullptr;
+  if (r == 2) {
+    // Alive, but calls shrink only once the others have their group.
+    for (int i = 0; i < 6000 && ::access(decided.c_str(), F_OK) != 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    CHECK(
+        dp_process_group_shrink(pg, &shrunk) == DP_ESTATE && shrunk == nullptr && mentions(dp_last_error(), "left out"),
+        "the late rank's shrink: %s", dp_last_error());
+    CHECK(lost_of(pg) == "2", "the late rank's lost ranks: %s", lost_of(pg).c_str());
+    return;
+  }
+  CHECK_OK(dp_process_group_shrink(pg, &shrunk));
+  expect_group(shrunk, "shrunk", r, 2, dp_process_group_backend(pg));
+  if (shrunk == nullptr) return;
+  CHECK(sum_of(shrunk, 1 << r) == 3, "the survivors' sum is not 3");
+  if (r == 0) std::fclose(std::fopen(decided.c_str(), "w"));
+  dp_process_group_destroy(shrunk);
+}
+
+void scenario_shrink_store_lost(dp_process_group* pg, int r) {
+  CHECK(sum_of(pg, 1 << r) == 7, "the sum before the failure is not 7");
+  if (r == 0) ::raise(SIGKILL);
+  dp_process_group* shrunk = nullptr;
+  CHECK(dp_process_group_shrink(pg, &shrunk) != DP_OK && shrunk == nullptr && mentions(dp_last_error(), "store"),
+        "shrink without the store: %s", dp_last_error());
+  std::printf("rank %d: shrink without the store: %s\n", r, dp_last_error());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -287,6 +375,10 @@ int main(int argc, char** argv) {
   const char* scenario = argc >= 2 ? argv[1] : "";
   dp_process_group_options opts = DP_PROCESS_GROUP_OPTIONS_INIT;
   opts.timeout_ms = 30000;
+  if (const char* ms = std::getenv("DP_TEST_TIMEOUT_MS")) opts.timeout_ms = std::atoi(ms);
+  if (const char* backend = std::getenv("DP_TEST_BACKEND")) {
+    opts.backend = std::strcmp(backend, "gloo") == 0 ? DP_BACKEND_GLOO : DP_BACKEND_AUTO;
+  }
   dp_process_group* pg = nullptr;
   if (dp_process_group_create_from_env(&pg, &opts) != DP_OK) {
     std::fprintf(stderr, "group create failed: %s\n", dp_last_error());
@@ -306,6 +398,14 @@ int main(int argc, char** argv) {
     scenario_bad_mesh(pg, r);
   } else if (std::strcmp(scenario, "split_vs_all_reduce") == 0) {
     scenario_split_vs_all_reduce(pg, r);
+  } else if (std::strcmp(scenario, "shrink_after_kill") == 0) {
+    scenario_shrink_after_kill(pg, r);
+  } else if (std::strcmp(scenario, "shrink_none_lost") == 0) {
+    scenario_shrink_none_lost(pg, r);
+  } else if (std::strcmp(scenario, "shrink_late_rank") == 0) {
+    scenario_shrink_late_rank(pg, r);
+  } else if (std::strcmp(scenario, "shrink_store_lost") == 0) {
+    scenario_shrink_store_lost(pg, r);
   } else {
     std::fprintf(stderr, "unknown scenario '%s'\n", scenario);
     return 2;

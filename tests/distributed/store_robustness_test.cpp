@@ -20,11 +20,13 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "core/error.h"
 #include "distributed/store/greeting.h"
 #include "distributed/store/tcp_protocol.h"
 #include "distributed/store/tcp_store.h"
@@ -243,6 +245,55 @@ int slow_reader_of(TcpStore& server, size_t bytes) {
   std::vector<uint8_t> get = get_frame("big");
   EXPECT_EQ(::send(slow, get.data(), get.size(), 0), static_cast<ssize_t>(get.size()));
   return slow;
+}
+
+// A client of `server` (a TcpStore made by server_with).
+std::unique_ptr<TcpStore> client_of(const TcpStore& server) {
+  TcpStoreOptions options;
+  options.host = "127.0.0.1";
+  options.port = server.port();
+  options.timeout = std::chrono::milliseconds(20000);
+  return std::make_unique<TcpStore>(options);
+}
+
+TEST(TcpStoreServer, ACloseNoticeIsSetWhenItsClientsConnectionClosesAndNotBefore) {
+  std::unique_ptr<TcpStore> server = server_with({});
+  std::unique_ptr<TcpStore> leaving = client_of(*server);
+  std::unique_ptr<TcpStore> watching = client_of(*server);
+  ASSERT_TRUE(leaving->set_on_close("job/gone/1", {'x'}));
+  ASSERT_TRUE(leaving->set_on_close("job/gone/1", {'y'}));  // registered again: the last value wins
+  leaving->set("job/alive/1", {'1'});
+  EXPECT_FALSE(watching->check({"job/gone/1"}));
+  // Held by the server until the close sets the key.
+  auto gone = std::async(std::launch::async, [&] { return watching->get("job/gone/1", std::chrono::seconds(60)); });
+  leaving.reset();
+  EXPECT_EQ(gone.get(), (dparallel::dist::Bytes{'y'}));
+}
+
+TEST(TcpStoreServer, CloseNoticesBeyondTheLimitAndOversizedValuesAreRefusedNamingTheLimit) {
+  std::unique_ptr<TcpStore> server = server_with({});
+  std::unique_ptr<TcpStore> client = client_of(*server);
+  for (size_t i = 0; i < wire::kMaxCloseNotices; ++i) client->set_on_close("n/" + std::to_string(i), {});
+  try {
+    client->set_on_close("n/one-more", {});
+    ADD_FAILURE() << "a notice past the limit was taken";
+  } catch (const dparallel::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(std::to_string(wire::kMaxCloseNotices) + " close notices"), std::string::npos)
+        << e.what();
+  }
+  client->set_on_close("n/0", {'z'});  // one already held may still change
+  try {
+    client->set_on_close("n/big", dparallel::dist::Bytes(wire::kMaxCloseValueBytes + 1));
+    ADD_FAILURE() << "an oversized value was taken";
+  } catch (const dparallel::Error& e) {
+    EXPECT_EQ(e.code(), dparallel::StatusCode::kInvalidArgument);
+  }
+  client->set("still", {'1'});  // the connection is still good
+  client.reset();
+  std::unique_ptr<TcpStore> after = client_of(*server);
+  EXPECT_TRUE(after->check({"n/0", "n/255"}));
+  EXPECT_FALSE(after->check({"n/one-more"}));
+  EXPECT_EQ(after->get("n/0", std::chrono::seconds(10)), (dparallel::dist::Bytes{'z'}));
 }
 
 TEST(TcpStoreServer, AClientThatStopsReadingABigReplyDoesNotStallTheOthers) {

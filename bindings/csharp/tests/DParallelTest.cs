@@ -1332,6 +1332,14 @@ public static class DParallelTest {
         Expect(alone.Size() == 1, "rank 0 alone: size " + alone.Size());
         alone.Dispose();
       }
+      using (var again = pg.Shrink()) {
+        Expect(again.Rank() == rank && again.Size() == world && again.LostRanks().Count == 0,
+            "a shrink with no rank lost: rank " + again.Rank() + " of " + again.Size());
+        using (var t = Tensor.Of(new float[] { rank + 1 }, 1)) {
+          again.AllReduce(t);
+          Expect(t.ToArray()[0] == world * (world + 1) / 2, "all_reduce over the shrunk group: " + t.ToArray()[0]);
+        }
+      }
       using (var mesh = DeviceMesh.Create(pg, new[] { world }, "dp")) {
         Expect(mesh.Ndim() == 1 && mesh.DimName(0) == "dp", "a 1-D mesh named dp");
         Expect(mesh.Shape()[0] == world && mesh.Coordinate()[0] == rank, "the mesh's shape and this rank's coordinate");

@@ -1781,6 +1781,14 @@ public class DParallelTest {
         expect(alone.size() == 1, "rank 0 alone: size " + alone.size());
         alone.close();
       }
+      try (ProcessGroup again = pg.shrink()) {
+        expect(again.rank() == rank && again.size() == world && again.lostRanks().toIntArray().length == 0,
+            "a shrink with no rank lost: rank " + again.rank() + " of " + again.size());
+        try (Tensor t = Tensor.of(new float[] {rank + 1}, 1)) {
+          again.allReduce(t);
+          expectValues("all_reduce over the shrunk group", t.toArray(), new float[] {world * (world + 1) / 2});
+        }
+      }
       try (DeviceMesh mesh = DeviceMesh.create(pg, new int[] {world}, "dp")) {
         expect(mesh.ndim() == 1 && mesh.dimName(0).equals("dp"), "a 1-D mesh named dp");
         expect(java.util.Arrays.equals(mesh.shape().toIntArray(), new int[] {world}), "the mesh's shape");

@@ -424,6 +424,13 @@ fn mesh(lib: &Library, pg: &ProcessGroup, c: &mut Checks) -> Result<()> {
         format!("{t:?}"),
     );
     drop(reversed);
+    let again = pg.shrink()?;
+    c.expect(
+        "a shrink with no rank lost gives a group of every rank",
+        (again.rank(), again.size(), again.lost_ranks()?) == (rank, world, vec![]),
+        format!("rank {} of {}", again.rank(), again.size()),
+    );
+    drop(again);
     let alone = pg.split(if rank == 0 { 7 } else { -1 }, 0)?;
     c.expect(
         "a negative color joins no group; rank 0 is alone in its own",

@@ -289,6 +289,32 @@ impl ProcessGroup {
         self.split_raw(color, key, &o)
     }
 
+    /// After a peer's failure, every survivor calls it: they agree on who
+    /// is left and each gets a new group of the survivors in their old
+    /// order (dp_dist.h). This group is left as it was.
+    pub fn shrink(&self) -> Result<ProcessGroup> {
+        let mut out = ptr::null_mut();
+        self.lib.check(unsafe { (self.lib.api().process_group_shrink)(self.raw, &mut out) })?;
+        Ok(ProcessGroup { raw: out, lib: self.lib.clone(), owned: true })
+    }
+
+    /// The ranks this group's last shrink left out (for a group made by a
+    /// shrink: those left out of the group it came from).
+    pub fn lost_ranks(&self) -> Result<Vec<i32>> {
+        let api = self.lib.api();
+        let n = unsafe { (api.process_group_lost_ranks)(self.raw, ptr::null_mut(), 0) };
+        if n < 0 {
+            return Err(self.lib.error(sys::DP_EINVAL));
+        }
+        let mut ranks = vec![0i32; n as usize];
+        let got = unsafe { (api.process_group_lost_ranks)(self.raw, ranks.as_mut_ptr(), ranks.len()) };
+        if got < 0 {
+            return Err(self.lib.error(sys::DP_EINVAL));
+        }
+        ranks.truncate(got as usize);
+        Ok(ranks)
+    }
+
     fn split_raw(
         &self,
         color: i32,

@@ -502,6 +502,8 @@ dp_api_slots! {
         unsafe extern "C" fn(*mut *mut dp_fsdp, *mut dp_module, *const dp_device_mesh, *const dp_fsdp_options) -> St,
     // ---- abi_minor 10: elastic and fault tolerant (dp_dist.h) ----
     process_group_abort: unsafe extern "C" fn(*mut dp_process_group) -> St,
+    process_group_shrink: unsafe extern "C" fn(*mut dp_process_group, *mut *mut dp_process_group) -> St,
+    process_group_lost_ranks: unsafe extern "C" fn(*const dp_process_group, *mut i32, usize) -> i32,
     ddp_rebind: unsafe extern "C" fn(*mut dp_ddp, *mut dp_process_group) -> St,
 }
 
@@ -535,8 +537,9 @@ const _: () = {
     assert!(offset_of!(dp_api, device_mesh_dim_name) == slot(139));
     assert!(offset_of!(dp_api, fsdp_mark_grad_ready) == slot(140));
     assert!(offset_of!(dp_api, process_group_abort) == slot(145));
-    assert!(offset_of!(dp_api, ddp_rebind) == slot(146));
-    assert!(size_of::<dp_api>() == slot(147));
+    assert!(offset_of!(dp_api, process_group_lost_ranks) == slot(147));
+    assert!(offset_of!(dp_api, ddp_rebind) == slot(148));
+    assert!(size_of::<dp_api>() == slot(149));
     assert!(size_of::<dp_process_group_options>() == 48);
     assert!(offset_of!(dp_ddp_options, static_graph) == 96);
     assert!(offset_of!(dp_ddp_options, bucket_plan) == 120);

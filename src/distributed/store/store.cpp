@@ -27,6 +27,10 @@ bool PrefixStore::check(const std::vector<std::string>& keys) { return base_->ch
 bool PrefixStore::erase(const std::string& key) { return base_->erase(prefix_ + key); }
 int64_t PrefixStore::num_keys() { return base_->num_keys(); }
 void PrefixStore::wait(const std::vector<std::string>& keys, Millis timeout) { base_->wait(prefixed(keys), timeout); }
+bool PrefixStore::set_on_close(const std::string& key, const Bytes& value) {
+  return base_->set_on_close(prefix_ + key, value);
+}
+bool Store::set_on_close(const std::string&, const Bytes&) { return false; }
 std::vector<std::string> PrefixStore::prefixed(const std::vector<std::string>& keys) const {
   std::vector<std::string> out;
   out.reserve(keys.size());

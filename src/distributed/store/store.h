@@ -32,6 +32,10 @@ class Store {
   // Waits until every key exists; kTimeout names the keys still missing.
   // This one polls check().
   virtual void wait(const std::vector<std::string>& keys, Millis timeout);
+  // Has the store set `key` to `value` once this client's connection to it
+  // closes (its process died, or left); false where the store cannot (only
+  // the TCP store can). A connection opened again registers them again.
+  virtual bool set_on_close(const std::string& key, const Bytes& value);
 
   // The timeout of calls that take none (the C ABI's get and wait).
   Millis default_timeout() const { return Millis(default_timeout_ms_.load()); }
@@ -53,6 +57,7 @@ class PrefixStore : public Store {
   bool erase(const std::string& key) override;
   int64_t num_keys() override;  // the base store's, every prefix included
   void wait(const std::vector<std::string>& keys, Millis timeout) override;
+  bool set_on_close(const std::string& key, const Bytes& value) override;
   // The innermost store below any prefixes.
   static Store* innermost(Store* store);
 

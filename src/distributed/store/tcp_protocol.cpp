@@ -131,6 +131,11 @@ bool parse_body(Reader& in, Request* out, std::string* error) {
       out->keys.push_back(key);
       out->command = Command::kSet;
       return true;
+    case Command::kSetOnClose:
+      if (!in.string(&key, kMaxKeyBytes) || !in.bytes(&out->value, kMaxCloseValueBytes)) break;
+      out->keys.push_back(key);
+      out->command = Command::kSetOnClose;
+      return true;
     case Command::kAdd:
       if (!in.string(&key, kMaxKeyBytes) || !in.i64(&out->delta)) break;
       out->keys.push_back(key);
@@ -196,7 +201,9 @@ std::vector<uint8_t> encode_request(const Request& request) {
   if (request.command == Command::kNumKeys) return frame(body);
   const std::string& key = request.keys.at(0);
   put_string(body, key.data(), key.size());
-  if (request.command == Command::kSet) put_string(body, request.value.data(), request.value.size());
+  if (request.command == Command::kSet || request.command == Command::kSetOnClose) {
+    put_string(body, request.value.data(), request.value.size());
+  }
   if (request.command == Command::kAdd) put_le64(body, static_cast<uint64_t>(request.delta));
   if (request.command == Command::kGet) put_le32(body, request.timeout_ms);
   return frame(body);

@@ -34,16 +34,22 @@ enum class Command : uint8_t {
   kCheck = 5,
   kProof = 6,
   kWait = 7,
-  kErase = 8,   // kOk when the key existed, kNotFound when not
-  kNumKeys = 9  // no key; the reply's payload is the count (le64)
+  kErase = 8,    // kOk when the key existed, kNotFound when not
+  kNumKeys = 9,  // no key; the reply's payload is the count (le64)
+  // As kSet, but the server sets the key only once this connection closes
+  // (the client's process died or left): what a group's survivors read.
+  kSetOnClose = 10
 };
+// The most kSetOnClose keys one connection may hold, and the largest value.
+constexpr size_t kMaxCloseNotices = 256;
+constexpr uint32_t kMaxCloseValueBytes = 4096;
 enum class ReplyStatus : uint8_t { kOk = 0, kNotFound = 1, kRefused = 2, kError = 3, kTimeout = 4 };
 
 struct Request {
   Command command = Command::kHello;
   std::vector<std::string>
-      keys;                    // kSet, kGet, kAdd, kErase: one; kCheck, kWait: any; kHello: a nonce; kProof: the proof
-  std::vector<uint8_t> value;  // kSet
+      keys;  // kSet, kSetOnClose, kGet, kAdd, kErase: one; kCheck, kWait: any; kHello: a nonce; kProof: the proof
+  std::vector<uint8_t> value;  // kSet, kSetOnClose
   int64_t delta = 0;           // kAdd
   uint32_t timeout_ms = 0;     // kGet, kWait
 };

@@ -164,6 +164,12 @@ void TcpStore::connect(net::Clock::time_point deadline) {
   }
 }
 
+void TcpStore::reconnect(net::Clock::time_point deadline) {
+  connect(deadline);
+  for (const wire::Request& notice : close_notices_)
+    exchange(wire::encode_request(notice), deadline, "store set_on_close");
+}
+
 void TcpStore::disconnect() {
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
@@ -209,7 +215,7 @@ wire::Reply TcpStore::request(const wire::Request& request, const char* what, Mi
   // An idle connection the server closed (evicted, say) is opened again; so
   // is one closed by an earlier timeout: one late reply must not lose the store.
   if (fd_ >= 0 && closed_while_idle(fd_)) disconnect();
-  if (fd_ < 0) connect(now + bound);
+  if (fd_ < 0) reconnect(now + bound);
   auto deadline = hold > Millis(0) ? net::Clock::now() + hold + reply_grace(hold) : now + bound;
   return exchange(frame, deadline, what);
 }
@@ -310,6 +316,28 @@ int64_t TcpStore::num_keys() {
     fail(StatusCode::kIo, "store num_keys: malformed reply from the store");
   }
   return static_cast<int64_t>(wire::get_le64(reply.payload.data()));
+}
+
+bool TcpStore::set_on_close(const std::string& key, const Bytes& value) {
+  check_key(key, "store set_on_close");
+  if (value.size() > wire::kMaxCloseValueBytes) {
+    fail_invalid("store set_on_close: the value of key '", key, "' is ", value.size(), " bytes; the limit is ",
+                 wire::kMaxCloseValueBytes, " bytes");
+  }
+  wire::Request r;
+  r.command = Command::kSetOnClose;
+  r.keys.push_back(key);
+  r.value = value;
+  request(r, "store set_on_close");
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto same = std::find_if(close_notices_.begin(), close_notices_.end(),
+                           [&](const wire::Request& notice) { return notice.keys[0] == key; });
+  if (same != close_notices_.end()) {
+    same->value = value;
+  } else {
+    close_notices_.push_back(std::move(r));
+  }
+  return true;
 }
 
 }  // namespace dparallel::dist

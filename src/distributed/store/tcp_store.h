@@ -43,6 +43,9 @@ class TcpStore : public Store {
   int64_t num_keys() override;  // the server's own keys ("__dp_store/...") included
   // The server holds the request; a timeout names the keys it still misses.
   void wait(const std::vector<std::string>& keys, Millis timeout) override;
+  // The server sets the key when this client's connection closes, and a
+  // connection opened again registers every key again.
+  bool set_on_close(const std::string& key, const Bytes& value) override;
   // The port served or connected to.
   uint16_t port() const { return port_; }
   // This end's address of the connection to the server (ss_family AF_UNSPEC
@@ -55,6 +58,8 @@ class TcpStore : public Store {
   // Callers hold mutex_.
   wire::Reply exchange(const std::vector<uint8_t>& frame, net::Clock::time_point deadline, const char* what);
   void connect(net::Clock::time_point deadline);
+  // connect, then the close notices registered so far.
+  void reconnect(net::Clock::time_point deadline);
   void disconnect();
   void join_workers();
 
@@ -63,6 +68,7 @@ class TcpStore : public Store {
   std::unique_ptr<TcpStoreServer> server_;
   std::mutex mutex_;  // one request in flight per client
   int fd_ = -1;
+  std::vector<wire::Request> close_notices_;  // kSetOnClose requests, sent again on a new connection
 };
 
 }  // namespace dparallel::dist

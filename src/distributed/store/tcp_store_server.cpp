@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <utility>
 
 #include "core/error.h"
 #include "distributed/store/socket.h"
@@ -151,6 +152,7 @@ void TcpStoreServer::run() {
       }
       for (int fd : doomed) close_client(fd);
       doomed.clear();
+      changed = changed || std::exchange(notices_set_, false);
     }
     // After the reads, so that room is made by what each connection has sent.
     if (fds[1].revents & POLLIN) accept_clients();
@@ -184,6 +186,7 @@ void TcpStoreServer::run() {
       }
     }
     for (int fd : doomed) close_client(fd);
+    more = more || notices_set_;
   }
 }
 
@@ -282,14 +285,18 @@ bool TcpStoreServer::make_room_for_greeted(const Client& newcomer) {
   }
   log(clients_.at(idlest).peer, str_cat("closed: ", limits_.max_clients,
                                         " clients are connected; the one idle the longest goes to let a new one in"));
-  close_client(idlest);
+  close_client(idlest, false);
   return true;
 }
 
 // Closing twice is harmless: the second finds nothing (the number may be another's by then).
-void TcpStoreServer::close_client(int fd) {
+void TcpStoreServer::close_client(int fd, bool notify) {
   auto it = clients_.find(fd);
   if (it == clients_.end()) return;
+  if (notify) {
+    for (auto& [key, value] : it->second.close_notices) data_[key] = std::move(value);
+    notices_set_ = notices_set_ || !it->second.close_notices.empty();
+  }
   ::close(fd);
   clients_.erase(it);
 }
@@ -427,6 +434,21 @@ bool TcpStoreServer::handle(Client& client, const wire::Request& request, bool* 
       *changed = true;
       reply(client, ReplyStatus::kOk, {});
       return true;
+    case Command::kSetOnClose: {
+      auto same = std::find_if(client.close_notices.begin(), client.close_notices.end(),
+                               [&](const auto& notice) { return notice.first == request.keys[0]; });
+      if (same != client.close_notices.end()) {
+        same->second = request.value;
+      } else if (client.close_notices.size() >= wire::kMaxCloseNotices) {
+        std::string text = str_cat("this connection already holds ", wire::kMaxCloseNotices, " close notices");
+        reply(client, ReplyStatus::kError, Bytes(text.begin(), text.end()));
+        return true;
+      } else {
+        client.close_notices.emplace_back(request.keys[0], request.value);
+      }
+      reply(client, ReplyStatus::kOk, {});
+      return true;
+    }
     case Command::kGet:
     case Command::kWait:
       client.held = Held{request.command, request.keys, Clock::now() + Millis(request.timeout_ms)};

@@ -64,6 +64,8 @@ class TcpStoreServer {
     bool greeted = false;
     bool closing = false;  // close once `out` is sent (a refusal)
     std::optional<Held> held;
+    // Keys set once this connection closes (kSetOnClose), unless the server closes it to make room.
+    std::vector<std::pair<std::string, Bytes>> close_notices;
     std::string peer;
     std::string address;                                       // the peer's host: its share of the ungreeted slots
     Clock::time_point since;                                   // accepted; the greeting deadline counts from here
@@ -77,7 +79,8 @@ class TcpStoreServer {
   void accept_clients();
   void make_room_for_ungreeted(int newcomer);
   bool make_room_for_greeted(const Client& newcomer);
-  void close_client(int fd);
+  // `notify`: set the client's close notices (not when it goes to make room).
+  void close_client(int fd, bool notify = true);
   bool flush(Client& client, int fd);
   bool read_input(Client& client, int fd);
   bool process(Client& client, bool* changed);
@@ -96,6 +99,7 @@ class TcpStoreServer {
   std::thread thread_;
   std::map<int, Client> clients_;
   std::map<std::string, Bytes> data_;
+  bool notices_set_ = false;  // a close set keys: the held requests may be answerable
   Clock::time_point accept_paused_until_{};
   // Rate limit of the log: lines in the current window, and those left out.
   Clock::time_point log_window_{};
