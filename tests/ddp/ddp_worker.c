@@ -1923,17 +1923,16 @@ static void rebind_step(Net *net, Wrap *w, int world, uint64_t salt, const char 
   EXPECT_PARAMS(what, &g, &want, ALL_PARAMS, GRAD_RTOL, GRAD_ATOL);
 }
 
-/* Over Gloo, 3 ranks train a step; then rank 2 dies (exits without a
- * word) and ranks 0 and 1 fail their next finish_backward on the broken
- * group. They make a group of two over a store of their own and rebind
- * onto it: nothing is sent on the old group, and nothing waits for its
- * timeout (120 s, past the driver's limit); rank 1's drifted parameters
- * become rank 0's, and the next step averages over 2. */
+/* 3 ranks train a step; then rank 2 dies (exits without a word) and ranks
+ * 0 and 1 fail their next finish_backward on the broken group. They shrink
+ * it to the two of them and rebind onto that: nothing is sent on the old
+ * group, and nothing waits for its timeout (120 s, past the driver's
+ * limit); rank 1's drifted parameters become rank 0's, and the next step
+ * averages over 2. */
 static void rebind_after_peer_died(dp_process_group *pg) {
   dp_ddp_options opts = DP_DDP_OPTIONS_INIT;
-  dp_process_group_options go = DP_PROCESS_GROUP_OPTIONS_INIT;
   dp_process_group *survivors = NULL;
-  dp_store *store = NULL;
+  int32_t lost[4] = {-1, -1, -1, -1}, lost_count;
   char path[512];
   Params before, after, local;
   Batch mine;
@@ -1973,16 +1972,13 @@ static void rebind_after_peer_died(dp_process_group *pg) {
   printf("rank %d: finish with rank 2 dead: status %d: %s\n", g_rank, (int)st, dp_last_error());
   CHECK(st != DP_OK, "%s", "the finish with a dead peer succeeded");
 
-  snprintf(path, sizeof(path), "%s/survivors", g_dir);
-  CHECK_OK(dp_store_create_file(&store, path, 2));
-  go.rank = g_rank;
-  go.world_size = 2;
-  go.store = store;
-  go.timeout_ms = 60000;
-  go.backend = test_group_backend(DP_BACKEND_AUTO);
-  CHECK_OK(dp_process_group_create(&survivors, &go));
-  dp_store_destroy(store);
+  CHECK_OK(dp_process_group_shrink(pg, &survivors));
   if (survivors == NULL) exit(1);
+  lost_count = dp_process_group_lost_ranks(survivors, lost, 4);
+  CHECK(lost_count == 1 && lost[0] == 2, "the shrink lost %d rank(s), the first %d; want rank 2 alone", (int)lost_count,
+        (int)lost[0]);
+  CHECK(dp_process_group_size(survivors) == 2 && dp_process_group_rank(survivors) == g_rank,
+        "the survivors' group: rank %d of %d", dp_process_group_rank(survivors), dp_process_group_size(survivors));
   if (g_rank == 1) {
     Params drifted = before;
     drifted.v[0][0] += 1.0f;

@@ -367,14 +367,14 @@ TEST(DdpRebindProcesses, CustomHookIsGivenTheShrunkGroupAndARebindFromInsideItIs
 
 // The old group is broken (a peer died); its timeout (120 s) is past the
 // run's limit, so a rebind that waited for it would be killed.
-TEST(DdpRebindProcesses, AfterAPeerDiedOnGlooTheSurvivorsRebindOntoAGroupOfTheirOwnAndTrainOn) {
+TEST(DdpRebindProcesses, AfterAPeerDiedOnGlooTheSurvivorsShrinkTheGroupRebindOntoItAndTrainOn) {
   Ranks run = passing("rebind_after_peer_died", 3, {"DP_SHM=0"});
   for (size_t r = 0; r < 2; ++r) {
     dptest::expect_mentions(run, r, {"finish with rank 2 dead: status", "rebind onto the survivors over gloo"});
   }
 }
 
-TEST(DdpRebindProcesses, AfterAPeerDiedOnSharedMemoryTheSurvivorsRebindOntoAGroupOfTheirOwnAndTrainOn) {
+TEST(DdpRebindProcesses, AfterAPeerDiedOnSharedMemoryTheSurvivorsShrinkTheGroupRebindOntoItAndTrainOn) {
   Ranks run = passing("rebind_after_peer_died", 3);
   for (size_t r = 0; r < 2; ++r) {
     dptest::expect_mentions(run, r, {"finish with rank 2 dead: status", "rebind onto the survivors over shm"});
