@@ -48,7 +48,8 @@ static_assert(offsetof(dp_api, fsdp_mark_grad_ready) == slot(140), "dp_api layou
 static_assert(offsetof(dp_api, process_group_abort) == slot(145), "dp_api layout changed");
 static_assert(offsetof(dp_api, process_group_shrink) == slot(146), "dp_api layout changed");
 static_assert(offsetof(dp_api, fsdp_save_sharded_state_dict_async) == slot(148), "dp_api layout changed");
-static_assert(kSlotCount == 149, "dp_api layout changed");
+static_assert(offsetof(dp_api, ddp_rebind) == slot(149), "dp_api layout changed");
+static_assert(kSlotCount == 150, "dp_api layout changed");
 static_assert(sizeof(dp_api) == slot(kSlotCount), "dp_api layout changed");
 
 #define DP_SLOT_VALUE(ret, name, params) dp_##name,

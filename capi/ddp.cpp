@@ -3,6 +3,8 @@
 #include <cstddef>
 #include <cstring>
 #include <iterator>
+#include <mutex>
+#include <string>
 
 #include "capi/dist_internal.h"
 #include "ddp/reducer.h"
@@ -18,8 +20,21 @@ constexpr uint64_t kDdpTag = 0x6470'6464'7021'2121ull;  // "dpddp!!!"
 
 struct dp_ddp {
   uint64_t tag = kDdpTag;
-  std::shared_ptr<ddp::Reducer> reducer;  // a job of its still running may keep it alive after destroy
+  // Swapped by dp_ddp_rebind while another thread may call in: every call
+  // takes its own reference under `mutex` (current()). A job of a reducer's
+  // still running may keep it alive after destroy. Null after a failed rebind.
+  std::shared_ptr<ddp::Reducer> reducer;
+  std::string failed_rebind;  // why the last rebind failed, when it did
+  mutable std::mutex mutex;
+  // The custom hook as given, made again for each group the dp_ddp goes on over.
+  dp_comm_hook_fn hook_fn = nullptr;
+  void* hook_user_data = nullptr;
   ProcessOrigin origin;
+
+  std::shared_ptr<ddp::Reducer> current() const {
+    std::lock_guard<std::mutex> lock(mutex);
+    return reducer;
+  }
 };
 
 namespace {
@@ -28,7 +43,7 @@ namespace {
 std::string refusal_inside_comm_hook(const dp_ddp* handle) {
   lane::RunningHook hook = lane::running_hook();
   if (hook.owner == nullptr) return "";
-  bool own = handle != nullptr && handle->tag == kDdpTag && hook.owner == handle->reducer.get();
+  bool own = handle != nullptr && handle->tag == kDdpTag && hook.owner == handle->current().get();
   return str_cat("called from inside the ", hook.what, " of ", own ? "this dp_ddp" : "a dp_ddp", " (bucket ",
                  hook.bucket,
                  "): a hook may run collectives on the process group it is given and use dp_tensor functions, but "
@@ -36,8 +51,9 @@ std::string refusal_inside_comm_hook(const dp_ddp* handle) {
 }
 
 // `changes_state`: the call waits for or alters the reductions, so that a
-// comm hook may not make it.
-ddp::Reducer& ddp_arg(const dp_ddp* handle, bool changes_state = true) {
+// comm hook may not make it. The reference keeps the reducer alive for the
+// call, also when a rebind replaces it meanwhile.
+std::shared_ptr<ddp::Reducer> ddp_arg(const dp_ddp* handle, bool changes_state = true) {
   if (handle == nullptr) capi::null_argument("ddp");
   if (handle->tag != kDdpTag) fail_invalid("argument 'ddp' is not a dp_ddp handle");
   capi::check_origin(handle->origin, "ddp");
@@ -45,7 +61,12 @@ ddp::Reducer& ddp_arg(const dp_ddp* handle, bool changes_state = true) {
     std::string refusal = refusal_inside_comm_hook(handle);
     if (!refusal.empty()) fail(StatusCode::kState, refusal);
   }
-  return *handle->reducer;
+  std::lock_guard<std::mutex> lock(handle->mutex);
+  if (!handle->reducer) {
+    fail(StatusCode::kState, "the dp_ddp is unusable after a failed dp_ddp_rebind (", handle->failed_rebind,
+         "); only dp_ddp_destroy is left");
+  }
+  return handle->reducer;
 }
 
 // Largest cap accepted: 1 TiB, far beyond any bucket worth having.
@@ -80,10 +101,30 @@ ddp::HookKind hook_arg(int32_t code, const char* name) {
   return static_cast<ddp::HookKind>(code);
 }
 
+// The host's hook over `group`, which it receives as `pg`.
+ddp::CustomHook custom_hook(dp_comm_hook_fn fn, void* user_data, const std::shared_ptr<dist::ProcessGroup>& group) {
+  std::weak_ptr<dist::ProcessGroup> weak_group = group;
+  return [fn, user_data, weak_group](size_t bucket, const Tensor& flat) {
+    auto locked = weak_group.lock();
+    if (!locked) fail(StatusCode::kState, "the process group is gone");
+    // Borrowed for the call (dp_ddp.h): the hook must not destroy them.
+    dp_process_group group_handle;
+    group_handle.group = std::move(locked);
+    group_handle.borrowed = true;
+    dp_tensor tensor_handle;
+    tensor_handle.tensor = flat;
+    tensor_handle.borrowed = true;
+    int rc = fn(user_data, &group_handle, bucket, &tensor_handle);
+    if (rc != 0) {
+      fail(StatusCode::kUser, "the comm hook returned ", rc, " for bucket ", bucket, " (", flat.describe(), ")");
+    }
+  };
+}
+
 // Fills `options`; whether the creation makes collectives (init_sync, a
 // bucket plan) is set first, so that it is known when a later field is bad.
 void options_arg(const dp_ddp_options* opts, const std::shared_ptr<dist::ProcessGroup>& group,
-                 ddp::ReducerOptions& options) {
+                 ddp::ReducerOptions& options, dp_ddp& handle) {
   static const dp_ddp_options kDefaults = DP_DDP_OPTIONS_INIT;
   const dp_ddp_options o = capi::read_options(opts, kDefaults, "DP_DDP_OPTIONS_INIT");
   options.init_sync = o.init_sync != 0;
@@ -103,24 +144,9 @@ void options_arg(const dp_ddp_options* opts, const std::shared_ptr<dist::Process
   options.join_divide_by_initial_world_size = o.join_divide_by_initial_world_size != 0;
   if (options.hook == ddp::HookKind::kCustom) {
     if (o.hook_fn == nullptr) fail_invalid("argument 'opts->hook_fn' is NULL but 'opts->comm_hook' is DP_HOOK_CUSTOM");
-    dp_comm_hook_fn fn = o.hook_fn;
-    void* user_data = o.hook_user_data;
-    std::weak_ptr<dist::ProcessGroup> weak_group = group;
-    options.custom_hook = [fn, user_data, weak_group](size_t bucket, const Tensor& flat) {
-      auto locked = weak_group.lock();
-      if (!locked) fail(StatusCode::kState, "the process group is gone");
-      // Borrowed for the call (dp_ddp.h): the hook must not destroy them.
-      dp_process_group group_handle;
-      group_handle.group = std::move(locked);
-      group_handle.borrowed = true;
-      dp_tensor tensor_handle;
-      tensor_handle.tensor = flat;
-      tensor_handle.borrowed = true;
-      int rc = fn(user_data, &group_handle, bucket, &tensor_handle);
-      if (rc != 0) {
-        fail(StatusCode::kUser, "the comm hook returned ", rc, " for bucket ", bucket, " (", flat.describe(), ")");
-      }
-    };
+    options.custom_hook = custom_hook(o.hook_fn, o.hook_user_data, group);
+    handle.hook_fn = o.hook_fn;
+    handle.hook_user_data = o.hook_user_data;
   }
 }
 
@@ -157,16 +183,16 @@ dp_status dp_ddp_create(dp_ddp** out, dp_module* module, dp_process_group* pg, c
   // module that is bad.
   std::shared_ptr<Module> m;
   ddp::ReducerOptions options;
+  auto handle = std::make_unique<dp_ddp>();
   try {
     capi::require_arg(out, "out");
     m = capi::module_arg(module, "module");
-    options_arg(opts, pg->group, options);
+    options_arg(opts, pg->group, options, *handle);
   } catch (const Error& e) {
     if (e.code() != StatusCode::kInvalidArgument) throw;
     options.argument_error = e.what();
     if (!m) m = std::make_shared<Module>();
   }
-  auto handle = std::make_unique<dp_ddp>();
   set_bucket_reduced(options, opts, handle.get());
   handle->reducer = capi::in_stream_order(capi::module_devices(*m, {pg->group->device()}), [&] {
     return std::make_shared<ddp::Reducer>(m, pg->group, std::move(options));
@@ -179,28 +205,28 @@ dp_status dp_ddp_create(dp_ddp** out, dp_module* module, dp_process_group* pg, c
 dp_status dp_ddp_pre_forward(dp_ddp* ddp) {
   DP_API_BEGIN
   // Every tensor a dp_ddp touches after create is on its group's device.
-  ddp::Reducer& reducer = ddp_arg(ddp);
-  capi::in_stream_order({reducer.device()}, [&] { reducer.pre_forward(); });
+  std::shared_ptr<ddp::Reducer> reducer = ddp_arg(ddp);
+  capi::in_stream_order({reducer->device()}, [&] { reducer->pre_forward(); });
   DP_API_END
 }
 
 dp_status dp_ddp_mark_grad_ready(dp_ddp* ddp, const char* param_name) {
   DP_API_BEGIN
-  ddp::Reducer& reducer = ddp_arg(ddp);
+  std::shared_ptr<ddp::Reducer> reducer = ddp_arg(ddp);
   capi::require_arg(param_name, "param_name");
-  reducer.mark_ready(reducer.index_of(param_name), false, nullptr);
+  reducer->mark_ready(reducer->index_of(param_name), false, nullptr);
   DP_API_END
 }
 
 dp_status dp_ddp_mark_grad_ready_index(dp_ddp* ddp, size_t param_index) {
   DP_API_BEGIN
-  ddp_arg(ddp).mark_ready(param_index, false, nullptr);
+  ddp_arg(ddp)->mark_ready(param_index, false, nullptr);
   DP_API_END
 }
 
 dp_status dp_ddp_mark_grad_ready_stream(dp_ddp* ddp, size_t param_index, void* cuda_stream) {
   DP_API_BEGIN
-  ddp_arg(ddp).mark_ready(param_index, true, cuda_stream);
+  ddp_arg(ddp)->mark_ready(param_index, true, cuda_stream);
   DP_API_END
 }
 
@@ -208,8 +234,8 @@ dp_status dp_ddp_finish_backward(dp_ddp* ddp) {
   DP_API_BEGIN
   // Gradients accumulated by unsynced backwards, or left unmarked, are read
   // here: after the finishing thread's stream has written them.
-  ddp::Reducer& reducer = ddp_arg(ddp);
-  capi::in_stream_order({reducer.device()}, [&] { reducer.finish_backward(); });
+  std::shared_ptr<ddp::Reducer> reducer = ddp_arg(ddp);
+  capi::in_stream_order({reducer->device()}, [&] { reducer->finish_backward(); });
   DP_API_END
 }
 
@@ -219,11 +245,11 @@ dp_status dp_ddp_join(dp_ddp* const* ddps, size_t n) {
   if (ddps == nullptr) capi::null_argument("ddps");
   std::vector<std::shared_ptr<ddp::Reducer>> reducers;
   for (size_t i = 0; i < n; ++i) {
-    ddp_arg(ddps[i]);
+    std::shared_ptr<ddp::Reducer> reducer = ddp_arg(ddps[i]);
     for (size_t j = 0; j < i; ++j) {
       if (ddps[j] == ddps[i]) fail_invalid("argument 'ddps' holds the same dp_ddp at [", j, "] and [", i, "]");
     }
-    reducers.push_back(ddps[i]->reducer);
+    reducers.push_back(std::move(reducer));
   }
   ddp::Reducer::join(reducers);
   DP_API_END
@@ -232,7 +258,7 @@ dp_status dp_ddp_join(dp_ddp* const* ddps, size_t n) {
 dp_status dp_ddp_parameter_used(const dp_ddp* ddp, size_t param_index, int* out) {
   DP_API_BEGIN
   capi::require_arg(out, "out");
-  *out = ddp_arg(ddp, false).parameter_used(param_index) ? 1 : 0;
+  *out = ddp_arg(ddp, false)->parameter_used(param_index) ? 1 : 0;
   DP_API_END
 }
 
@@ -240,7 +266,7 @@ dp_status dp_ddp_bucket_plan(const dp_ddp* ddp, char* buf, size_t cap, size_t* l
   DP_API_BEGIN
   capi::require_arg(len, "len");
   if (buf == nullptr && cap > 0) fail_invalid("argument 'buf' is NULL but 'cap' is ", cap);
-  std::string text = ddp_arg(ddp, false).plan_text();
+  std::string text = ddp_arg(ddp, false)->plan_text();
   *len = text.size();
   if (buf == nullptr) return DP_OK;
   if (cap <= text.size()) {
@@ -252,22 +278,22 @@ dp_status dp_ddp_bucket_plan(const dp_ddp* ddp, char* buf, size_t cap, size_t* l
 
 dp_status dp_ddp_set_requires_gradient_sync(dp_ddp* ddp, int requires_sync) {
   DP_API_BEGIN
-  ddp_arg(ddp).set_requires_sync(requires_sync != 0);
+  ddp_arg(ddp)->set_requires_sync(requires_sync != 0);
   DP_API_END
 }
 
 size_t dp_ddp_num_buckets(const dp_ddp* ddp) {
   DP_API_BEGIN
-  return ddp_arg(ddp, false).num_buckets();
+  return ddp_arg(ddp, false)->num_buckets();
   DP_API_END_VALUE(0)
 }
 
 dp_status dp_ddp_bucket_parameters(const dp_ddp* ddp, size_t bucket, size_t* indices, size_t cap, size_t* count) {
   DP_API_BEGIN
-  const ddp::Reducer& reducer = ddp_arg(ddp, false);
+  std::shared_ptr<const ddp::Reducer> reducer = ddp_arg(ddp, false);
   capi::require_arg(count, "count");
   if (indices == nullptr && cap > 0) fail_invalid("argument 'indices' is NULL but 'cap' is ", cap);
-  std::vector<size_t> params = reducer.bucket_parameters(bucket);
+  std::vector<size_t> params = reducer->bucket_parameters(bucket);
   for (size_t i = 0; i < params.size() && i < cap; ++i) indices[i] = params[i];
   *count = params.size();
   DP_API_END
@@ -275,8 +301,7 @@ dp_status dp_ddp_bucket_parameters(const dp_ddp* ddp, size_t bucket, size_t* ind
 
 dp_status dp_ddp_last_stats(const dp_ddp* ddp, dp_ddp_stats* out) {
   DP_API_BEGIN
-  const ddp::Reducer& reducer = ddp_arg(ddp, false);
-  ddp::ReducerStats s = reducer.last_stats();
+  ddp::ReducerStats s = ddp_arg(ddp, false)->last_stats();
   dp_ddp_stats full{};
   full.backward_ms = s.backward_ms;
   full.reduce_ms = s.reduce_ms;
@@ -284,6 +309,46 @@ dp_status dp_ddp_last_stats(const dp_ddp* ddp, dp_ddp_stats* out) {
   full.num_buckets = s.num_buckets;
   full.buckets_rebuilt = s.buckets_rebuilt ? 1 : 0;
   capi::write_stats(out, full);
+  DP_API_END
+}
+
+dp_status dp_ddp_rebind(dp_ddp* ddp, dp_process_group* pg) {
+  DP_API_BEGIN
+  std::shared_ptr<ddp::Reducer> old = ddp_arg(ddp);
+  const Device device = capi::group_arg(pg, "pg").device();
+  if (device != old->device()) {
+    fail_invalid("argument 'pg' works on ", to_string(device), " but the dp_ddp's parameters are on ",
+                 to_string(old->device()), "; pass a group of their device");
+  }
+  ddp::ReducerOptions options = old->options_for_rebind();
+  if (options.hook == ddp::HookKind::kCustom)
+    options.custom_hook = custom_hook(ddp->hook_fn, ddp->hook_user_data, pg->group);
+  const bool requires_sync = old->requires_sync();
+  std::shared_ptr<Module> module = old->module();
+  // Refused mid-iteration, the dp_ddp unchanged; from here on it leaves
+  // the old group, which is sent nothing (it may be broken).
+  old->retire();
+  // Any failure from here leaves the handle without a reducer.
+  auto give_up = [ddp](const std::string& why) {
+    std::lock_guard<std::mutex> lock(ddp->mutex);
+    ddp->reducer.reset();
+    ddp->failed_rebind = why;
+  };
+  try {
+    old->close();  // frees its parameters for the new reducer
+    std::shared_ptr<ddp::Reducer> fresh = capi::in_stream_order(capi::module_devices(*module, {device}), [&] {
+      return std::make_shared<ddp::Reducer>(module, pg->group, std::move(options));
+    });
+    fresh->set_requires_sync(requires_sync);
+    std::lock_guard<std::mutex> lock(ddp->mutex);
+    ddp->reducer = std::move(fresh);
+  } catch (const Error& e) {
+    give_up(e.what());
+    fail(e.code(), e.what(), "; the dp_ddp is unusable: only dp_ddp_destroy is left");
+  } catch (...) {
+    give_up("the new reducer could not be made");
+    throw;
+  }
   DP_API_END
 }
 
@@ -296,7 +361,7 @@ void dp_ddp_destroy(dp_ddp* ddp) {
   }
   ddp->tag = 0;
   try {
-    ddp->reducer->close();
+    if (ddp->reducer) ddp->reducer->close();
     ddp->reducer.reset();
   } catch (...) {
     // Tearing down cannot fail in a way the caller could act on.

@@ -84,6 +84,8 @@ func TestNilHandlesAreErrorsNamingThem(t *testing.T) {
 		{"nil DDP.PreForward", func() error { return nd.PreForward() }, "'d'"},
 		{"nil DDP.FinishBackward", func() error { return nd.FinishBackward() }, "'d'"},
 		{"nil DDP.BucketPlan", func() error { return second(nd.BucketPlan()) }, "'d'"},
+		{"nil DDP.Rebind", func() error { return nd.Rebind(pg) }, "'d'"},
+		{"DDP.Rebind onto nil", func() error { return (&DDP{lib: lib}).Rebind(nil) }, "'pg'"},
 		{"nil FSDP.Unshard", func() error { return nf.Unshard() }, "'f'"},
 		{"nil FSDP.Shard", func() error { return second(nf.Shard(0)) }, "'f'"},
 		{"nil Stream.Synchronize", func() error { return nst.Synchronize() }, "'s'"},

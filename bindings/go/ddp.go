@@ -357,6 +357,25 @@ func (d *DDP) FinishBackward() error {
 	return d.callbacks.takeErrors(err)
 }
 
+// Rebind makes the reducer go on over pg, another group (a shrunk one after
+// a peer failed): every rank of pg calls it between steps. The plan and
+// options are kept, the parameters and buffers broadcast from pg's rank 0,
+// the averages divided by pg's size, and a comm hook is given pg from then
+// on. A refusal (bad argument, mid-step) leaves it on its group; a failed
+// broadcast leaves only Close (dp_ddp.h).
+func (d *DDP) Rebind(pg *ProcessGroup) error {
+	const op = "dp_ddp_rebind"
+	if pg == nil {
+		return nilArgument(op, "pg")
+	}
+	done, err := pg.arg(op, "pg")
+	if err != nil {
+		return err
+	}
+	defer done()
+	return d.call(op, func(api *C.dp_api) C.dp_status { return C.dpgo_ddp_rebind(api, d.h, pg.h) })
+}
+
 // SetRequiresGradientSync(false) is no_sync: later backwards only
 // accumulate gradients locally (still marked and finished as usual); the
 // next synced backward reduces the sum.

@@ -245,7 +245,8 @@ dp_status dpgo_stream_launch_host_func(const dp_api *a, dp_device device, void *
   X(int32_t, process_group_lost_ranks, (const dp_api *a, const dp_process_group *pg, int32_t *ranks, size_t cap),      \
     (pg, ranks, cap))                                                                                                  \
   X(dp_status, fsdp_save_sharded_state_dict_async,                                                                     \
-    (const dp_api *a, dp_module *m, dp_process_group *pg, const char *dir, dp_work **out), (m, pg, dir, out))
+    (const dp_api *a, dp_module *m, dp_process_group *pg, const char *dir, dp_work **out), (m, pg, dir, out))          \
+  X(dp_status, ddp_rebind, (const dp_api *a, dp_ddp *d, dp_process_group *pg), (d, pg))
 
 #define DPGO_DECLARE(ret, name, params, args) ret dpgo_##name params;
 #define DPGO_DECLARE_VOID(name, params, args) void dpgo_##name params;

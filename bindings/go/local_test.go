@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"reflect"
 	"runtime"
 	"strings"
 	"syscall"
@@ -612,4 +613,64 @@ func TestClosedStreamIsRefused(t *testing.T) {
 		}
 		must(t, stream.Close()) // twice does nothing
 	}
+}
+
+// Rebind onto a second one-rank group: the plan is kept, the first group
+// may close, and the next step averages over the new group (one rank: the
+// gradient as it was).
+func TestDDPRebindOntoASecondOneRankGroup(t *testing.T) {
+	lib := openLibrary(t)
+	defer lib.Close()
+	group := func(name string) *ProcessGroup {
+		store, err := lib.NewFileStore(filepath.Join(t.TempDir(), name), 1)
+		must(t, err)
+		defer store.Close()
+		pg, err := lib.NewProcessGroup(0, 1, &ProcessGroupOptions{Store: store})
+		must(t, err)
+		return pg
+	}
+	first, second := group("first"), group("second")
+	defer second.Close()
+	m, err := lib.NewModule()
+	must(t, err)
+	defer m.Close()
+	for _, name := range []string{"a", "b"} {
+		w := floatTensor(t, lib, []float32{1, 2, 3})
+		must(t, m.RegisterParameter(name, w, true))
+		w.Close()
+	}
+	d, err := lib.NewDDP(m, first, &DDPOptions{BucketCapMB: 1e-6, FirstBucketCapMB: 1e-6})
+	must(t, err)
+	defer d.Close()
+	step := func(value float32) {
+		for _, name := range []string{"b", "a"} {
+			g, err := m.Grad(name)
+			must(t, err)
+			must(t, g.CopyFromFloat32s([]float32{value, value + 1, value + 2}))
+			g.Close()
+			must(t, d.MarkGradReady(name))
+		}
+		must(t, d.FinishBackward())
+		for _, name := range []string{"a", "b"} {
+			g, err := m.Grad(name)
+			must(t, err)
+			if got := readFloats(t, g); !reflect.DeepEqual(got, []float32{value, value + 1, value + 2}) {
+				t.Fatalf("%s's gradient after a step over one rank: %v", name, got)
+			}
+			g.Close()
+		}
+	}
+	step(1)
+	plan, err := d.BucketPlan()
+	must(t, err)
+	must(t, d.Rebind(second))
+	first.Close()
+	if kept, err := d.BucketPlan(); err != nil || kept != plan {
+		t.Fatalf("the plan after Rebind: %q (%v), want %q", kept, err, plan)
+	}
+	step(5)
+	if err := d.Rebind(first); !errors.Is(err, StatusInvalid) || !strings.Contains(err.Error(), "'pg'") {
+		t.Fatalf("Rebind onto a closed group: %v", err)
+	}
+	step(9)
 }

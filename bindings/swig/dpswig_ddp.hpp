@@ -180,6 +180,11 @@ class Ddp {
     out.resize(len);
     return out;
   }
+  // Goes on over `pg`, another group (a shrunk one after a peer failed):
+  // every rank of `pg` calls it between iterations; the plan and options
+  // are kept, the parameters and buffers broadcast from pg's rank 0, the
+  // averages divide by pg's size, a custom hook is given `pg` (dp_ddp.h).
+  void rebind(ProcessGroup& pg) { check(dp_ddp_rebind(handle(), pg.handle("pg"))); }
   DdpStats lastStats() const {
     dp_ddp_stats s{};
     s.struct_size = sizeof s;

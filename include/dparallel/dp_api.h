@@ -237,7 +237,8 @@ extern "C" {
   X(dp_status, process_group_shrink, (dp_process_group *pg, dp_process_group **out))                                   \
   X(int32_t, process_group_lost_ranks, (const dp_process_group *pg, int32_t *ranks, size_t cap))                       \
   X(dp_status, fsdp_save_sharded_state_dict_async,                                                                     \
-    (dp_module *module, dp_process_group *pg, const char *folder, dp_work **out))
+    (dp_module *module, dp_process_group *pg, const char *folder, dp_work **out))                                      \
+  X(dp_status, ddp_rebind, (dp_ddp *ddp, dp_process_group *pg))
 /* clang-format on */
 
 /* A type, a name and a parameter list cannot be parenthesised. */

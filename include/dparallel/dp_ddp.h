@@ -345,6 +345,37 @@ DP_API dp_status dp_ddp_parameter_used(const dp_ddp *ddp, size_t param_index, in
  * reports the length. A `cap` below the length + 1 is DP_EINVAL (the
  * message and *len give the length; nothing is written to buf). */
 DP_API dp_status dp_ddp_bucket_plan(const dp_ddp *ddp, char *buf, size_t cap, size_t *len);
+/* Elastic training: the dp_ddp goes on over `pg`, another group (a shrunk
+ * one after a peer failed, a grown one, or the same group: a re-sync).
+ * Every rank of `pg` calls it, between iterations. Nothing is sent on the
+ * old group, which may be broken, and no time is spent waiting for it
+ * unless a reduction of this dp_ddp still runs there (then up to its
+ * timeout plus 3 s, as dp_ddp_destroy). Collective over `pg`: as
+ * dp_ddp_create with init_sync, the ranks check that their parameters
+ * agree, then the parameters and buffers are broadcast from pg's rank 0.
+ * Kept: the options, the current bucket plan (final from then on: no
+ * rebuild), the comm hook (a custom hook receives `pg` from then on),
+ * on_bucket_reduced, the dp_ddp_set_requires_gradient_sync setting.
+ * Begun afresh: the averages divide by pg's size, the static graph is
+ * recorded again by the first synced iteration, dp_ddp_join's state,
+ * dp_ddp_last_stats and dp_ddp_parameter_used (DP_ESTATE until the next
+ * synced iteration), the used marks of unsynced backwards. With
+ * gradient_as_bucket_view the gradients move into the new buckets, values
+ * kept, as at dp_ddp_create. Errors: DP_EINVAL naming 'ddp' or 'pg' for a
+ * handle that is not one, or naming 'pg' for a group on another device than
+ * the parameters; DP_ESTATE during a backward (from the first mark to the
+ * end of dp_ddp_finish_backward; a backward that failed with DP_ETIMEOUT
+ * does not count) or from inside a comm hook or on_bucket_reduced. These
+ * refusals change nothing: the dp_ddp goes on over its old group, and the
+ * other ranks' rebind fails as a collective that a rank never joined. A
+ * failure of the new group's collectives (a rank's parameters that
+ * disagree, a peer that fails or never calls) leaves the dp_ddp unusable:
+ * every later call is DP_ESTATE naming the failed rebind, and
+ * dp_ddp_destroy frees it. Thread safety: as any call that changes the
+ * dp_ddp, it must not overlap another call on it; a call that does all the
+ * same never touches a freed reducer: it runs on the old one or the new one
+ * or fails with DP_ESTATE. */
+DP_API dp_status dp_ddp_rebind(dp_ddp *ddp, dp_process_group *pg);
 
 #ifdef __cplusplus
 }

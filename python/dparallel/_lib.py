@@ -115,6 +115,7 @@ _SIGNATURES = {
     "dp_ddp_set_requires_gradient_sync": (_S, [_P, ctypes.c_int]),
     "dp_ddp_parameter_used": (_S, [_P, _SZ, ctypes.POINTER(ctypes.c_int)]),
     "dp_ddp_join": (_S, [ctypes.POINTER(ctypes.c_void_p), _SZ]),
+    "dp_ddp_rebind": (_S, [_P, _P]),
     "dp_ddp_num_buckets": (_SZ, [_P]),
     "dp_ddp_destroy": (None, [_P]),
     "dp_tensor_to_dlpack": (_S, [_P, _PP]),

@@ -170,6 +170,12 @@ class _ReplicateState:
                     # Else it holds the other ranks' average from now on.
                     self.zeros_only[i] = False
 
+    def rebind(self, group):
+        self._check_alive()
+        self.follow()
+        call("dp_ddp_rebind", self.ddp, group.handle)
+        self.group = group
+
     def set_sync(self, sync):
         self._check_alive()
         call("dp_ddp_set_requires_gradient_sync", self.ddp, int(sync))
@@ -209,6 +215,16 @@ class ReplicateModule:
         iterations until every rank has joined; then every rank holds the
         parameters of the rank that ran the most iterations."""
         join(self)
+
+    def dp_rebind(self, group):
+        """dp_ddp_rebind: goes on over `group`, another dparallel
+        ProcessGroup on the same device (the survivors' after a peer
+        failed); every rank of it calls this between iterations. The
+        parameters and buffers become its rank 0's, later backwards average
+        over its size; the bucket plan and the options are kept."""
+        if not isinstance(group, ProcessGroup):
+            raise TypeError(f"group: a dparallel.ProcessGroup is needed, not {type(group).__name__}")
+        self._dp_replicate.rebind(group)
 
     def dp_bucket_count(self):
         return lib.dp_ddp_num_buckets(self._dp_replicate.ddp)

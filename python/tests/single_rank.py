@@ -84,6 +84,24 @@ with tempfile.TemporaryDirectory(prefix="dp-single-") as tmp:
 rep = dpt.replicate(torch.nn.Linear(2, 2))
 if rep._dp_replicate.group is not group:
     failures.append("a replicate given no group is not on dparallel.default_group()")
+# Rebound onto a second one-rank group (a store of its own), training goes
+# on: the average over one rank is the rank's own gradient.
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    os.environ["DP_STORE_PORT"] = str(s.getsockname()[1])
+second = dparallel.ProcessGroup()
+rep.dp_rebind(second)
+if rep._dp_replicate.group is not second:
+    failures.append("dp_rebind did not move the replicated module to the new group")
+xr = torch.randn(3, 2)
+rep(xr).sum().backward()
+if not torch.allclose(rep.weight.grad, xr.sum(0).expand(2, 2)) or not torch.equal(rep.bias.grad, torch.full((2,), 3.0)):
+    failures.append(f"a step after dp_rebind: gradients {rep.weight.grad}, {rep.bias.grad}")
+try:
+    rep.dp_rebind(None)
+    failures.append("dp_rebind(None) returned")
+except TypeError:
+    pass
 rep.dp_close()
 
 for f in failures:

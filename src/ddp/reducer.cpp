@@ -9,6 +9,7 @@ namespace dparallel::ddp {
 
 using detail::fail_broken;
 using detail::fail_finishing;
+using detail::fail_retired;
 using detail::kStaticDeparture;
 using dist::CallItem;
 
@@ -40,6 +41,7 @@ void Reducer::on_lane(CallItem item, const std::function<void()>& fn) {
 void Reducer::pre_forward() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (retired_) fail_retired();
     if (broken_) fail_broken();
     if (finishing_) fail_finishing();
     if (any_mark_) {
@@ -61,6 +63,7 @@ size_t Reducer::index_of(const std::string& name) const {
 
 void Reducer::mark_ready(size_t index, bool has_stream, void* stream) {
   std::unique_lock<std::mutex> lock(mutex_);
+  if (retired_) fail_retired();
   if (broken_) fail_broken();
   if (finishing_) fail_finishing();
   if (index >= params_.size()) {
@@ -185,6 +188,7 @@ Reducer::JobState& Reducer::job_state(const lane::JobSpec& spec) {
 
 void Reducer::set_requires_sync(bool requires_sync) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (retired_) fail_retired();
   if (finishing_) fail_finishing();
   if (any_mark_) {
     fail(StatusCode::kState,

@@ -115,6 +115,16 @@ class Reducer : public lane::LaneOwner, public std::enable_shared_from_this<Redu
   // (inside on_bucket_reduced: in the one being reduced); kState before any.
   bool parameter_used(size_t index) const;
 
+  // dp_ddp_rebind (reducer_rebind.cpp). The options a reducer over another
+  // group goes on with: these, with the current plan given and init_sync.
+  ReducerOptions options_for_rebind() const;
+  const std::shared_ptr<Module>& module() const { return module_; }
+  bool requires_sync() const;
+  // Takes no more calls that change it (kState from then on), between
+  // iterations only: kState while a backward is in progress, unless an
+  // earlier failure left it broken. Nothing is sent on the group.
+  void retire();
+
  private:
   friend class lane::CommLane;
   struct Managed {
@@ -370,6 +380,7 @@ class Reducer : public lane::LaneOwner, public std::enable_shared_from_this<Redu
   bool any_mark_ = false;
   bool finishing_ = false;  // a finish_backward is running: other calls are refused
   bool closed_ = false;
+  bool retired_ = false;  // dp_ddp_rebind moved the dp_ddp to another reducer
   Clock::time_point first_mark_;
   ReducerStats stats_;
   std::vector<std::string> trace_events_;

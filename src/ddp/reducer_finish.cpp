@@ -111,6 +111,7 @@ void Reducer::reset_iteration_locked() {
 
 void Reducer::finish_backward() {
   std::unique_lock<std::mutex> lock(mutex_);
+  if (retired_) detail::fail_retired();
   if (broken_) fail_broken();
   if (finishing_) fail_finishing();
   finishing_ = true;

@@ -15,6 +15,11 @@ namespace dparallel::ddp::detail {
 
 [[noreturn]] inline void fail_broken() { fail(StatusCode::kState, "the dp_ddp is unusable after an earlier failure"); }
 
+[[noreturn]] inline void fail_retired() {
+  fail(StatusCode::kState,
+       "dp_ddp_rebind moved the dp_ddp to another process group while this call ran; call it again");
+}
+
 inline double ms_between(Reducer::Clock::time_point a, Reducer::Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }

@@ -47,6 +47,7 @@ void Reducer::join(const std::vector<std::shared_ptr<Reducer>>& reducers) {
   std::shared_ptr<lane::CommLane> shared_lane = reducers.front()->lane_;
   for (const auto& r : reducers) {
     std::lock_guard<std::mutex> lock(r->mutex_);
+    if (r->retired_) detail::fail_retired();
     if (r->broken_) fail_broken();
     if (r->finishing_ || r->any_mark_) {
       fail(StatusCode::kState,

@@ -13,28 +13,19 @@
 #include <thread>
 #include <vector>
 
+#include "ddp/ddp_test_util.h"
 #include "group_util.h"
 #include "module/module_test_util.h"
 
 namespace {
 
 using dptest::DdpPtr;
+using dptest::linear_net;
 using dptest::make;
 using dptest::ModulePtr;
 using dptest::TensorPtr;
 
 const char* const kParams[] = {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"};
-
-// fc1, fc2, fc3: Linear(2, 2) each.
-ModulePtr net() {
-  ModulePtr root = dptest::new_module();
-  const char* layers[] = {"fc1", "fc2", "fc3"};
-  for (int l = 0; l < 3; ++l) {
-    ModulePtr fc = dptest::linear(2, 2, static_cast<float>(l));
-    EXPECT_EQ(dp_module_register_module(root.get(), layers[l], fc.get()), DP_OK) << dp_last_error();
-  }
-  return root;
-}
 
 // One 1-D parameter per entry: (name, dtype, elements).
 struct Spec {
@@ -134,13 +125,13 @@ TEST_F(DdpApi, OptionsFromAnOlderHeaderAreWrittenAndReadOnlyUpToTheirSize) {
   EXPECT_EQ(buf.bucket_cap_mb, 25.0);
   const auto* bytes = reinterpret_cast<const unsigned char*>(&buf);
   for (size_t i = older; i < sizeof(buf); ++i) ASSERT_EQ(bytes[i], 0xA5) << "byte " << i;
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   DdpPtr d = create(m.get(), &buf);  // 0xA5A5A5A5 as comm_hook would be refused
   ASSERT_NE(d, nullptr);
 }
 
 TEST_F(DdpApi, NullOutModuleOrGroupIsEinvalNamingTheArgument) {
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   EXPECT_EQ(dp_ddp_create(nullptr, m.get(), pg_, nullptr), DP_EINVAL);
   EXPECT_NE(std::string(dp_last_error()).find("'out'"), std::string::npos) << dp_last_error();
   dp_ddp* d = nullptr;
@@ -153,7 +144,7 @@ TEST_F(DdpApi, NullOutModuleOrGroupIsEinvalNamingTheArgument) {
 }
 
 TEST_F(DdpApi, BadCapsHookOrStructSizeAreEinvalNamingTheOption) {
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   std::string message;
   const double bad[] = {0.0, -1.0, std::nan(""), std::numeric_limits<double>::infinity()};
   for (double v : bad) {
@@ -182,7 +173,7 @@ TEST_F(DdpApi, BadCapsHookOrStructSizeAreEinvalNamingTheOption) {
 
 // A cap under a byte counts as one byte: each parameter alone.
 TEST_F(DdpApi, TinyPositiveCapGivesEachParameterItsOwnBucket) {
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   dp_ddp_options o = DP_DDP_OPTIONS_INIT;
   o.bucket_cap_mb = o.first_bucket_cap_mb = 1e-12;
   DdpPtr d = create(m.get(), &o);
@@ -191,7 +182,7 @@ TEST_F(DdpApi, TinyPositiveCapGivesEachParameterItsOwnBucket) {
 }
 
 TEST_F(DdpApi, UnknownIgnoredModuleOrParameterIsEinvalNamingIt) {
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   std::string message;
   const char* const modules[] = {"fc9"};
   dp_ddp_options o = DP_DDP_OPTIONS_INIT;
@@ -213,7 +204,7 @@ TEST_F(DdpApi, UnknownIgnoredModuleOrParameterIsEinvalNamingIt) {
 
 TEST_F(DdpApi, NothingToManageOrANonFloatOrMisplacedParameterIsEinval) {
   std::string message;
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   const char* const everything[] = {"fc1", "fc2", "fc3"};
   dp_ddp_options o = DP_DDP_OPTIONS_INIT;
   o.ignored_modules = everything;
@@ -235,7 +226,7 @@ TEST_F(DdpApi, NothingToManageOrANonFloatOrMisplacedParameterIsEinval) {
 }
 
 TEST_F(DdpApi, ParameterManagedByTwoLiveDdpsIsEinvalAndAllowedAgainOnceTheFirstIsDestroyed) {
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   DdpPtr whole = create(m.get());
   ASSERT_NE(whole, nullptr);
   std::string message;
@@ -256,7 +247,7 @@ TEST_F(DdpApi, ParameterManagedByTwoLiveDdpsIsEinvalAndAllowedAgainOnceTheFirstI
 }
 
 TEST_F(DdpApi, DisjointSubmodulesWorkSideBySideIncludingAnIgnoredOne) {
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   const char* const fc1[] = {"fc1"};
   dp_ddp_options o = DP_DDP_OPTIONS_INIT;
   o.ignored_modules = fc1;
@@ -278,7 +269,7 @@ TEST_F(DdpApi, DisjointSubmodulesWorkSideBySideIncludingAnIgnoredOne) {
 }
 
 TEST_F(DdpApi, MarkingAnUnknownNameOrAnOutOfRangeIndexIsEinval) {
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   DdpPtr d = create(m.get());
   ASSERT_NE(d, nullptr);
   EXPECT_EQ(dp_ddp_mark_grad_ready(d.get(), "fc4.weight"), DP_EINVAL);
@@ -309,7 +300,7 @@ TEST_F(DdpApi, NullHandlesAreAcceptedByDestroyAndCountZeroBuckets) {
 }
 
 TEST_F(DdpApi, BucketParametersChecksItsArguments) {
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   DdpPtr d = create(m.get());
   ASSERT_NE(d, nullptr);
   ASSERT_EQ(dp_ddp_num_buckets(d.get()), 1u);
@@ -363,7 +354,7 @@ TEST_F(DdpApi, PlanKeepsEachDtypeInItsOwnBuckets) {
 }
 
 TEST_F(DdpApi, DefaultCapsPutTheNetInOneBucketAndTheStatsCountIt) {
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   DdpPtr d = create(m.get());
   ASSERT_NE(d, nullptr);
   EXPECT_EQ(plan(d.get()), "{5,4,3,2,1,0}");
@@ -382,7 +373,7 @@ TEST_F(DdpApi, DefaultCapsPutTheNetInOneBucketAndTheStatsCountIt) {
 // first mark to the end of finish, exposed is part of reduce, the bucket
 // count is the plan's, and a rebuild that moved storage shows once.
 TEST_F(DdpApi, StatsCoverTheMarksCountThePlansBucketsAndShowARebuildOnlyWhenItHappened) {
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   dp_ddp_options o = DP_DDP_OPTIONS_INIT;
   o.bucket_cap_mb = o.first_bucket_cap_mb = cap_mb(24);  // a bucket per layer
   o.gradient_as_bucket_view = 1;
@@ -407,7 +398,7 @@ TEST_F(DdpApi, StatsCoverTheMarksCountThePlansBucketsAndShowARebuildOnlyWhenItHa
 }
 
 TEST_F(DdpApi, AtWorldSizeOneTheAveragedGradientIsTheLocalOne) {
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   DdpPtr d = create(m.get());
   ASSERT_NE(d, nullptr);
   for (int step = 0; step < 2; ++step) {
@@ -431,7 +422,7 @@ TEST_F(DdpApi, AtWorldSizeOneTheAveragedGradientIsTheLocalOne) {
 }
 
 TEST_F(DdpApi, MarkingTwiceIsEstateAndAnUnmarkedParameterFailsFinishNamingIt) {
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   DdpPtr d = create(m.get());
   ASSERT_NE(d, nullptr);
   DP_ASSERT_OK(dp_ddp_mark_grad_ready(d.get(), "fc3.bias"));
@@ -449,7 +440,7 @@ TEST_F(DdpApi, MarkingTwiceIsEstateAndAnUnmarkedParameterFailsFinishNamingIt) {
 }
 
 TEST_F(DdpApi, GradientAsBucketViewMakesEachBucketsGradientsOneContiguousBlockKeepingTheirValues) {
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   for (int p = 0; p < 6; ++p) {
     TensorPtr g = grad(m.get(), kParams[p]);
     float* v = static_cast<float*>(dp_tensor_data(g.get()));
@@ -479,7 +470,7 @@ TEST_F(DdpApi, GradientAsBucketViewMakesEachBucketsGradientsOneContiguousBlockKe
 
 // Marks may come from several threads at once.
 TEST_F(DdpApi, MarksFromSeveralThreadsAtOnce) {
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   dp_ddp_options o = DP_DDP_OPTIONS_INIT;
   o.bucket_cap_mb = o.first_bucket_cap_mb = cap_mb(24);
   DdpPtr d = create(m.get(), &o);
@@ -523,7 +514,7 @@ TEST_F(DdpApi, TwentyThousandParametersMarkedByNameAndAnUnmarkedListIsBounded) {
 // Names that are not managed parameters: empty, a module, a path past a
 // parameter, a buffer.
 TEST_F(DdpApi, MarkingByANameThatIsNotAManagedParameterIsEinvalNamingIt) {
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   TensorPtr buf = make<float>({2}, {1, 2});
   DP_ASSERT_OK(dp_module_register_buffer(m.get(), "running", buf.get(), 1));
   DdpPtr d = create(m.get());
@@ -542,7 +533,7 @@ TEST_F(DdpApi, MarkingByANameThatIsNotAManagedParameterIsEinvalNamingIt) {
 
 // For a CPU parameter the _stream form is the _index form.
 TEST_F(DdpApi, MarkWithAStreamOnACpuParameterIsAPlainMark) {
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   DdpPtr d = create(m.get());
   ASSERT_NE(d, nullptr);
   for (size_t i = 0; i < 6; ++i) DP_ASSERT_OK(dp_ddp_mark_grad_ready_stream(d.get(), i, nullptr));
@@ -591,7 +582,7 @@ int reentrant_hook(void* user_data, dp_process_group* pg, size_t /*bucket*/, dp_
 // destroy included, and the handles lent to it cannot be destroyed; the
 // backward then completes as if the hook had only reduced.
 TEST_F(DdpApi, CommHookCallingIntoItsOwnDdpIsRefusedAtOnceAndItsLentHandlesCannotBeDestroyed) {
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   ReentrantHook hook;
   dp_ddp_options o = DP_DDP_OPTIONS_INIT;
   o.comm_hook = DP_HOOK_CUSTOM;
@@ -679,7 +670,7 @@ TEST(DdpHungHook, FinishTimesOutDestroyReturnsAndTheOtherDdpFailsAtOnceNamingIt)
   dp_process_group* pg = nullptr;
   DP_ASSERT_OK(dp_process_group_create(&pg, &o));
   dp_store_destroy(store);
-  ModulePtr m = net();
+  ModulePtr m = linear_net();
   HungHook hook;
   dp_ddp_options hung = DP_DDP_OPTIONS_INIT;
   const char* not_fc1[] = {"fc2", "fc3"};

@@ -15,6 +15,7 @@
 #include <tuple>
 #include <vector>
 
+#include "ddp/ddp_test_util.h"
 #include "module/module_test_util.h"
 #include "test_util.h"
 #include "thread_ranks.h"
@@ -22,6 +23,7 @@
 using dptest::cpu;
 using dptest::DdpPtr;
 using dptest::make;
+using dptest::plan_text;
 using dptest::TensorPtr;
 using dptest::values;
 
@@ -589,15 +591,6 @@ INSTANTIATE_TEST_SUITE_P(Ranks, DdpSharedGradients, ::testing::Combine(::testing
                          });
 
 // ---- a plan that persists ----
-
-std::string plan_text(const dp_ddp* ddp) {
-  size_t len = 0;
-  EXPECT_EQ(dp_ddp_bucket_plan(ddp, nullptr, 0, &len), DP_OK) << dp_last_error();
-  std::string text(len + 1, '\0');
-  EXPECT_EQ(dp_ddp_bucket_plan(ddp, text.data(), text.size(), &len), DP_OK) << dp_last_error();
-  text.resize(len);
-  return text;
-}
 
 TEST(DdpBucketPlan, TheTextStartsANewDdpWithTheSamePlanWhichStaysFinal) {
   std::string first_plan;

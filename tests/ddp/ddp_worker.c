@@ -1702,6 +1702,298 @@ static void run_graph_mismatch(dp_process_group *pg, int detail) {
 static void detail_mismatch(dp_process_group *pg) { run_graph_mismatch(pg, 1); }
 static void graph_mismatch(dp_process_group *pg) { run_graph_mismatch(pg, 0); }
 
+/* ---- dp_ddp_rebind: the dp_ddp goes on over a shrunk group ---- */
+
+/* What the rebind scenarios' custom hook saw. It averages over the group it
+ * is given, so a hook still holding the old group would divide by 4. */
+typedef struct RebindHook {
+  dp_ddp *const *ddp; /* the hook's own dp_ddp, for a rebind tried from inside */
+  int32_t group_size; /* the size of the last group it was given */
+  int tried;
+  dp_status inside; /* that rebind's status */
+} RebindHook;
+
+static int averaging_hook(void *user_data, dp_process_group *pg, size_t bucket_index, dp_tensor *flat_bucket) {
+  RebindHook *h = (RebindHook *)user_data;
+  (void)bucket_index;
+  h->group_size = dp_process_group_size(pg);
+  if (!h->tried && h->ddp != NULL && *h->ddp != NULL) {
+    h->tried = 1;
+    h->inside = dp_ddp_rebind(*h->ddp, pg);
+    printf("rank %d: rebind inside the comm hook: status %d: %s\n", g_rank, (int)h->inside, dp_last_error());
+  }
+  return dp_pg_all_reduce(pg, flat_bucket, DP_AVG) == DP_OK ? 0 : 1;
+}
+
+/* on_bucket_reduced: counts the parameters reported. */
+static int count_reported(void *user_data, dp_ddp *ddp, size_t bucket_index, const size_t *param_indices,
+                          size_t nparams) {
+  (void)ddp;
+  (void)bucket_index;
+  (void)param_indices;
+  *(size_t *)user_data += nparams;
+  return 0;
+}
+
+/* Ranks 0..world-1's gradients at `p`, averaged as the reducer does. */
+static void rank_average(const Params *p, int world, uint64_t salt, Params *out) {
+  Params per_rank[MAXN];
+  int r;
+  for (r = 0; r < world; ++r) {
+    Batch b;
+    rank_batch(&b, r, salt);
+    net_grads(p, &b, &per_rank[r]);
+  }
+  average(out, per_rank, world);
+}
+
+/* 4 ranks train 2 steps; then rank 3 leaves (a negative color in the
+ * split), rank 1's parameters and buffer drift, and ranks 0..2 rebind onto
+ * their group of 3, which gives every rank rank 0's again; they train 2 more
+ * steps. Each step's gradients are the average over the ranks of the group
+ * at that step, of gradients computed at the very parameters the dp_ddp
+ * holds (so only the reduction's summation order differs: GRAD_RTOL); the
+ * parameters follow a reference trained by hand (4-rank averages, then
+ * 3-rank ones), within float rounding accumulated over 4 steps. */
+static void run_rebind_shrink(dp_process_group *pg, dp_ddp_options *opts, RebindHook *hook) {
+  const int steps_before = 2, steps_after = 2;
+  const float lr = 0.5f;
+  size_t reported = 0;
+  dp_process_group *sub = NULL;
+  dp_tensor *held = NULL;
+  Net net;
+  Params ref, cur, g, want, local;
+  Wrap w;
+  int step;
+  if (g_world != 4) exit(2);
+  net_create(&net, 42, 2, 1);
+  net_get(&net, &ref);
+  if (opts->comm_hook != DP_HOOK_CUSTOM) {
+    opts->on_bucket_reduced = count_reported;
+    opts->on_bucket_reduced_data = &reported;
+  }
+  CHECK_OK(wrap_whole(&w, &net, pg, opts));
+  if (w.count != 1) exit(1);
+  if (hook != NULL) hook->ddp = &w.ddp[0];
+  for (step = 0; step < steps_before + steps_after; ++step) {
+    const int world = step < steps_before ? 4 : 3;
+    char what[96];
+    Batch mine;
+    if (step == steps_before) {
+      Params before, after;
+      float buffer_before[2], buffer_after[2];
+      CHECK_OK(dp_process_group_split(pg, g_rank == 3 ? -1 : 0, g_rank, NULL, &sub));
+      if (g_rank == 3) {
+        CHECK(sub == NULL, "rank 3 passed a negative color but got a group");
+        break;
+      }
+      if (sub == NULL) exit(1);
+      printf("rank %d: rebind onto a group of %d over %s\n", g_rank, dp_process_group_size(sub),
+             dp_process_group_backend(sub));
+      net_get(&net, &before);
+      buffer_get(&net, buffer_before);
+      if (g_rank == 1) {
+        Params drifted = before;
+        int p, i;
+        for (p = 0; p < NP; ++p) {
+          for (i = 0; i < param_numel(p); ++i) drifted.v[p][i] += 1.0f;
+        }
+        net_set(&net, &drifted);
+        buffer_set(&net, 5.0f, 6.0f);
+      }
+      if (opts->gradient_as_bucket_view) CHECK_OK(dp_module_grad(net.root, "fc3.weight", &held));
+      CHECK_OK(dp_ddp_rebind(w.ddp[0], sub));
+      net_get(&net, &after);
+      buffer_get(&net, buffer_after);
+      CHECK(memcmp(&after, &before, sizeof(after)) == 0, "the parameters after the rebind are not rank 0's");
+      CHECK(memcmp(buffer_after, buffer_before, sizeof(buffer_after)) == 0, "the buffer is %g %g, not rank 0's %g %g",
+            buffer_after[0], buffer_after[1], buffer_before[0], buffer_before[1]);
+      CHECK(dp_ddp_num_buckets(w.ddp[0]) >= 1, "no buckets after the rebind: %s", dp_last_error());
+    }
+    rank_average(&ref, world, (uint64_t)step, &want);
+    sgd(&ref, &want, lr);
+
+    reported = 0;
+    CHECK_OK(dp_module_zero_grad(net.root));
+    wrap_pre_forward(&w);
+    net_get(&net, &cur);
+    rank_batch(&mine, g_rank, (uint64_t)step);
+    net_grads(&cur, &mine, &local);
+    backward(&net, &w, &local, NULL, 0);
+    CHECK_OK(wrap_finish(&w));
+    grads_get(&net, &g);
+    rank_average(&cur, world, (uint64_t)step, &want);
+    snprintf(what, sizeof(what), "gradients of step %d (the average over %d ranks)", step + 1, world);
+    EXPECT_PARAMS(what, &g, &want, ALL_PARAMS, GRAD_RTOL, GRAD_ATOL);
+    if (opts->comm_hook != DP_HOOK_CUSTOM) {
+      CHECK(reported == NP, "step %d: on_bucket_reduced reported %zu parameters, want %d", step + 1, reported, NP);
+    }
+    if (hook != NULL) {
+      CHECK(hook->group_size == world, "step %d: the hook was given a group of %d, want %d", step + 1, hook->group_size,
+            world);
+    }
+    if (held != NULL) {
+      float now[4];
+      copy_out(held, now, 4, "fc3.weight's gradient taken before the rebind");
+      CHECK(memcmp(now, g.v[4], sizeof(now)) == 0, "a gradient handle taken before the rebind does not follow it");
+    }
+    sgd(&cur, &g, lr);
+    net_set(&net, &cur);
+    snprintf(what, sizeof(what), "parameters after step %d", step + 1);
+    EXPECT_PARAMS(what, &cur, &ref, ALL_PARAMS, 1e-5, 1e-6);
+  }
+  dp_tensor_destroy(held);
+  wrap_destroy(&w);
+  dp_process_group_destroy(sub);
+  net_destroy(&net);
+}
+
+static void rebind_shrink(dp_process_group *pg) {
+  dp_ddp_options opts = DP_DDP_OPTIONS_INIT;
+  run_rebind_shrink(pg, &opts, NULL);
+}
+
+/* Views into buckets that the rebind lays out anew, with the used map and a
+ * static graph recorded again on the new group. */
+static void rebind_shrink_view(dp_process_group *pg) {
+  dp_ddp_options opts = DP_DDP_OPTIONS_INIT;
+  opts.gradient_as_bucket_view = 1;
+  opts.find_unused_parameters = 1;
+  opts.static_graph = 1;
+  opts.first_bucket_cap_mb = CAP_MB(16);
+  opts.bucket_cap_mb = CAP_MB(16);
+  run_rebind_shrink(pg, &opts, NULL);
+}
+
+/* A custom hook is given the new group; a rebind from inside it is refused. */
+static void rebind_shrink_hook(dp_process_group *pg) {
+  dp_ddp_options opts = DP_DDP_OPTIONS_INIT;
+  RebindHook hook;
+  memset(&hook, 0, sizeof(hook));
+  opts.comm_hook = DP_HOOK_CUSTOM;
+  opts.hook_fn = averaging_hook;
+  opts.hook_user_data = &hook;
+  run_rebind_shrink(pg, &opts, &hook);
+  CHECK(hook.tried && hook.inside == DP_ESTATE, "the rebind inside the hook returned %d, want DP_ESTATE",
+        (int)hook.inside);
+}
+
+/* Rank 1 aborts its copy of the new group before the rebind: the rebind
+ * fails on both ranks and leaves the dp_ddp refusing every call but
+ * destroy; its parameters are free again for a dp_ddp made anew. */
+static void rebind_failed(dp_process_group *pg) {
+  dp_process_group *sub = NULL;
+  dp_ddp *fresh = NULL;
+  Net net;
+  Wrap w;
+  dp_status st;
+  net_create(&net, 42, 2, 0);
+  CHECK_OK(wrap_whole(&w, &net, pg, NULL));
+  CHECK_OK(dp_process_group_split(pg, 0, g_rank, NULL, &sub));
+  if (w.count != 1 || sub == NULL) exit(1);
+  if (g_rank == 1) CHECK_OK(dp_process_group_abort(sub));
+  st = dp_ddp_rebind(w.ddp[0], sub);
+  printf("rank %d: failed rebind: status %d: %s\n", g_rank, (int)st, dp_last_error());
+  CHECK(st != DP_OK, "the rebind onto an aborted group succeeded");
+  EXPECT_ERROR("pre_forward after it", dp_ddp_pre_forward(w.ddp[0]), DP_ESTATE, "dp_ddp_rebind", "dp_ddp_destroy");
+  EXPECT_ERROR("mark after it", dp_ddp_mark_grad_ready_index(w.ddp[0], 0), DP_ESTATE, "dp_ddp_rebind");
+  EXPECT_ERROR("a second rebind", dp_ddp_rebind(w.ddp[0], pg), DP_ESTATE, "dp_ddp_rebind");
+  CHECK(dp_ddp_num_buckets(w.ddp[0]) == 0, "a failed dp_ddp reports buckets");
+  wrap_destroy(&w);
+  CHECK_OK(dp_ddp_create(&fresh, net.root, pg, NULL));
+  dp_ddp_destroy(fresh);
+  dp_process_group_destroy(sub);
+  net_destroy(&net);
+}
+
+/* One synced step of the whole net under `ddp`, on rank g_rank's batch
+ * `salt`; checks that the gradients are the average over `world` ranks. */
+static void rebind_step(Net *net, Wrap *w, int world, uint64_t salt, const char *what) {
+  Params cur, local, g, want;
+  Batch mine;
+  CHECK_OK(dp_module_zero_grad(net->root));
+  wrap_pre_forward(w);
+  net_get(net, &cur);
+  rank_batch(&mine, g_rank, salt);
+  net_grads(&cur, &mine, &local);
+  backward(net, w, &local, NULL, 0);
+  CHECK_OK(wrap_finish(w));
+  grads_get(net, &g);
+  rank_average(&cur, world, salt, &want);
+  EXPECT_PARAMS(what, &g, &want, ALL_PARAMS, GRAD_RTOL, GRAD_ATOL);
+}
+
+/* 3 ranks train a step; then rank 2 dies (exits without a word) and ranks
+ * 0 and 1 fail their next finish_backward on the broken group. They shrink
+ * it to the two of them and rebind onto that: nothing is sent on the old
+ * group, and nothing waits for its timeout (120 s, past the driver's
+ * limit); rank 1's drifted parameters become rank 0's, and the next step
+ * averages over 2. */
+static void rebind_after_peer_died(dp_process_group *pg) {
+  dp_ddp_options opts = DP_DDP_OPTIONS_INIT;
+  dp_process_group *survivors = NULL;
+  int32_t lost[4] = {-1, -1, -1, -1}, lost_count;
+  char path[512];
+  Params before, after, local;
+  Batch mine;
+  Net net;
+  Wrap w;
+  dp_status st;
+  if (g_world != 3) exit(2);
+  opts.broadcast_buffers = 0; /* the failure comes at the finish, not at a broadcast */
+  net_create(&net, 42, 2, 0);
+  CHECK_OK(wrap_whole(&w, &net, pg, &opts));
+  if (w.count != 1) exit(1);
+  rebind_step(&net, &w, 3, 0, "gradients of the step over 3");
+  snprintf(path, sizeof(path), "%s/stepped_%d", g_dir, g_rank);
+  if (g_rank == 2) {
+    /* Once the others are past the step, as if killed. */
+    int r;
+    for (r = 0; r < 2; ++r) {
+      double start = now_ms();
+      snprintf(path, sizeof(path), "%s/stepped_%d", g_dir, r);
+      while (access(path, F_OK) != 0 && now_ms() - start < 60000.0) sleep_ms(10);
+    }
+    printf("rank %d: rebind_after_peer_died passed\n", g_rank);
+    fflush(stdout);
+    _exit(g_failures == 0 ? 0 : 1);
+  }
+  {
+    FILE *f = fopen(path, "w");
+    CHECK(f != NULL, "cannot create %s", path);
+    if (f != NULL) fclose(f);
+  }
+  CHECK_OK(dp_module_zero_grad(net.root));
+  net_get(&net, &before);
+  rank_batch(&mine, g_rank, 1);
+  net_grads(&before, &mine, &local);
+  backward(&net, &w, &local, NULL, 0);
+  st = wrap_finish(&w);
+  printf("rank %d: finish with rank 2 dead: status %d: %s\n", g_rank, (int)st, dp_last_error());
+  CHECK(st != DP_OK, "%s", "the finish with a dead peer succeeded");
+
+  CHECK_OK(dp_process_group_shrink(pg, &survivors));
+  if (survivors == NULL) exit(1);
+  lost_count = dp_process_group_lost_ranks(survivors, lost, 4);
+  CHECK(lost_count == 1 && lost[0] == 2, "the shrink lost %d rank(s), the first %d; want rank 2 alone", (int)lost_count,
+        (int)lost[0]);
+  CHECK(dp_process_group_size(survivors) == 2 && dp_process_group_rank(survivors) == g_rank,
+        "the survivors' group: rank %d of %d", dp_process_group_rank(survivors), dp_process_group_size(survivors));
+  if (g_rank == 1) {
+    Params drifted = before;
+    drifted.v[0][0] += 1.0f;
+    net_set(&net, &drifted);
+  }
+  CHECK_OK(dp_ddp_rebind(w.ddp[0], survivors));
+  net_get(&net, &after);
+  CHECK(memcmp(&after, &before, sizeof(after)) == 0, "%s", "the parameters after the rebind are not rank 0's");
+  rebind_step(&net, &w, 2, 2, "gradients of the step over the 2 survivors");
+  printf("rank %d: rebind onto the survivors over %s\n", g_rank, dp_process_group_backend(survivors));
+  wrap_destroy(&w);
+  dp_process_group_destroy(survivors);
+  net_destroy(&net);
+}
+
 typedef struct Scenario {
   const char *name;
   void (*run)(dp_process_group *);
@@ -1740,6 +2032,12 @@ static const Scenario kScenarios[] = {
     {"init_mismatch", init_mismatch, 60000},
     {"detail_mismatch", detail_mismatch, 10000},
     {"graph_mismatch", graph_mismatch, 10000},
+    {"rebind_shrink", rebind_shrink, 60000},
+    {"rebind_shrink_view", rebind_shrink_view, 60000},
+    {"rebind_shrink_hook", rebind_shrink_hook, 60000},
+    {"rebind_failed", rebind_failed, 20000},
+    /* Past the driver's limit: a rebind waiting for the broken group fails. */
+    {"rebind_after_peer_died", rebind_after_peer_died, 120000},
     /* Longer than the driver's limit: a rank left waiting shows as killed. */
     {"refuse_cap", refuse_cap, 120000},
     {"refuse_plan_name", refuse_plan_name, 120000},

@@ -18,6 +18,7 @@
 using System;
 using System.Collections.Generic;
 using System.IO;
+using System.Linq;
 using System.Threading;
 using DParallel;
 
@@ -1551,7 +1552,27 @@ public static class DParallelTest {
           }
         }
       }
-      Console.WriteLine("rank {0}: join, optimizer inside backward, parameterUsed, plans", rank);
+      // Rebind: each rank goes on over a group of its own (split by rank),
+      // the plan kept; the average over one rank is its own gradient.
+      using (var m = FlatModule())
+      using (var ddp = new Ddp(m, pg, BucketPerParameter())) {
+        foreach (string name in new[] { "c", "b", "a" }) ddp.MarkGradReady(name);
+        ddp.FinishBackward();
+        string plan = ddp.BucketPlan();
+        using (var alone = pg.Split(rank, 0)) ddp.Rebind(alone);
+        Expect(ddp.BucketPlan() == plan, "Rebind keeps the plan: " + ddp.BucketPlan());
+        for (int p = 0; p < Flat.Length; ++p) {
+          SetFlatGrad(m, p, Enumerable.Repeat(rank + p + 0.5f, FlatNumel[p]).ToArray());
+          ddp.MarkGradReady(Flat[p]);
+        }
+        ddp.FinishBackward();
+        for (int p = 0; p < Flat.Length; ++p) {
+          using (var g = m.Grad(Flat[p]))
+            ExpectValues("gradient " + Flat[p] + " after the rebind onto a group of one", g.ToArray(),
+                         Enumerable.Repeat(rank + p + 0.5f, FlatNumel[p]).ToArray());
+        }
+      }
+      Console.WriteLine("rank {0}: join, optimizer inside backward, parameterUsed, plans, rebind", rank);
     }
   }
 

@@ -1429,7 +1429,33 @@ public class DParallelTest {
           }
         }
       }
-      System.out.println("rank " + rank + ": optimizer inside backward, host buffers, static graph, parameterUsed, plans");
+
+      // rebind: each rank goes on over a group of its own (split by rank), the plan kept; the average
+      // over one rank is its own gradient.
+      try (Module m = flatModule(); Ddp ddp = new Ddp(m, pg, bucketPerParameter())) {
+        for (int p = 2; p >= 0; --p) ddp.markGradReady(FLAT[p]);
+        ddp.finishBackward();
+        String plan = ddp.bucketPlan();
+        try (ProcessGroup alone = pg.split(rank, 0)) {
+          ddp.rebind(alone);
+        }
+        expect(ddp.bucketPlan().equals(plan), "rebind keeps the plan: " + ddp.bucketPlan());
+        for (int p = 0; p < FLAT.length; ++p) {
+          float[] own = new float[FLAT_NUMEL[p]];
+          Arrays.fill(own, rank + p + 0.5f);
+          setFlatGrad(m, p, own);
+          ddp.markGradReady(FLAT[p]);
+        }
+        ddp.finishBackward();
+        for (int p = 0; p < FLAT.length; ++p) {
+          float[] own = new float[FLAT_NUMEL[p]];
+          Arrays.fill(own, rank + p + 0.5f);
+          try (Tensor g = m.grad(FLAT[p])) {
+            expectValues("gradient " + FLAT[p] + " after the rebind onto a group of one", g.toArray(), own);
+          }
+        }
+      }
+      System.out.println("rank " + rank + ": optimizer inside backward, host buffers, static graph, parameterUsed, plans, rebind");
     }
   }
 

@@ -17,6 +17,10 @@
 //!   stream-marks          gradients written by host closures queued on a cpu
 //!                         stream and marked with mark_grad_ready_stream: the
 //!                         reduction waits for them
+//!   rebind                the Ddp goes on over a split of the group (rank 1's
+//!                         drifted parameters become rank 0's again), then
+//!                         over a group of its own rank alone (its gradients
+//!                         are then its own); the plan is kept
 //!   mesh                  subgroups (a split reversing the ranks, one only
 //!                         rank 0 joins) and the 1-D and by-host meshes: ranks,
 //!                         shapes, coordinates and an all_reduce per group
@@ -374,6 +378,34 @@ fn stream_marks(lib: &Library, pg: &ProcessGroup, c: &mut Checks) -> Result<()> 
     stream.destroy()
 }
 
+fn rebind(lib: &Library, pg: &ProcessGroup, c: &mut Checks) -> Result<()> {
+    let rank = pg.rank();
+    let m = three_params(lib, 0.0)?;
+    let mut ddp = Ddp::new(&m, pg, &small_buckets())?;
+    fill_grads(&m, |p, k| (rank + 1) as f32 * (p * 10 + k) as f32)?;
+    backward(&mut ddp)?;
+    let plan = ddp.bucket_plan()?;
+    if rank == 1 {
+        m.parameter("a")?.as_mut_slice::<f32>()?.iter_mut().for_each(|v| *v += 10.0);
+    }
+    let both = pg.split(0, rank)?.expect("every rank passes color 0");
+    ddp.rebind(&both)?;
+    drop(both);
+    c.expect("rebind: every rank holds rank 0's parameters", same_on_every_rank(pg, &params_of(&m)?)?, rank);
+    let alone = pg.split(rank, 0)?.expect("each rank has a color of its own");
+    ddp.rebind(&alone)?;
+    drop(alone);
+    let kept = ddp.bucket_plan()?;
+    c.expect("rebind keeps the plan", kept == plan, format!("{kept:?} vs {plan:?}"));
+    let own = |p: usize, k: usize| (rank + 1) as f32 * (p * 100 + k) as f32;
+    fill_grads(&m, own)?;
+    backward(&mut ddp)?;
+    let want: Vec<f32> = SIZES.iter().enumerate().flat_map(|(p, &n)| (0..n).map(move |k| own(p, k))).collect();
+    let got = grads_of(&m)?;
+    c.expect("rebind onto a group of one: the gradients are this rank's own", got == want, format!("{got:?}"));
+    Ok(())
+}
+
 fn mesh(lib: &Library, pg: &ProcessGroup, c: &mut Checks) -> Result<()> {
     let (rank, world) = (pg.rank(), pg.size());
     let cpu = Device::cpu(0);
@@ -472,6 +504,7 @@ fn main() -> ExitCode {
             "bucket-reduced-error" => bucket_reduced_error(&lib, &pg, c)?,
             "stream-marks" => stream_marks(&lib, &pg, c)?,
             "mesh" => mesh(&lib, &pg, c)?,
+            "rebind" => rebind(&lib, &pg, c)?,
             _ => return Err(Error::new(DP_EINVAL, format!("scenario: unknown '{scenario}'"))),
         }
         pg.barrier()

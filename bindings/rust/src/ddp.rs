@@ -614,6 +614,19 @@ impl Ddp {
         self.check(st)
     }
 
+    /// Goes on over `pg`, another group (a shrunk one after a peer failed):
+    /// every rank of `pg` calls it between iterations. The plan and options
+    /// are kept, the parameters and buffers broadcast from pg's rank 0, the
+    /// averages divide by pg's size and a comm hook is given `pg` from then
+    /// on. A refusal (DP_EINVAL, DP_ESTATE) leaves it on its group; a failed
+    /// broadcast leaves only drop (dp_ddp.h).
+    pub fn rebind(&mut self, pg: &ProcessGroup) -> Result<()> {
+        // The broadcast writes the state; bucket views move gradients.
+        let _call = self.begin_call("rebind", Access::Write, Access::Write)?;
+        let st = unsafe { (self.lib.api().ddp_rebind)(self.raw, pg.raw) };
+        self.check(st)
+    }
+
     /// `false`: later backwards only accumulate locally (PyTorch's
     /// no_sync); the next synced backward reduces the accumulated sum.
     pub fn set_requires_gradient_sync(&mut self, requires_sync: bool) -> Result<()> {

@@ -507,6 +507,7 @@ dp_api_slots! {
     process_group_lost_ranks: unsafe extern "C" fn(*const dp_process_group, *mut i32, usize) -> i32,
     fsdp_save_sharded_state_dict_async:
         unsafe extern "C" fn(*mut dp_module, *mut dp_process_group, *const c_char, *mut *mut dp_work) -> St,
+    ddp_rebind: unsafe extern "C" fn(*mut dp_ddp, *mut dp_process_group) -> St,
 }
 
 /// Offset of the first function pointer.
@@ -541,7 +542,8 @@ const _: () = {
     assert!(offset_of!(dp_api, process_group_abort) == slot(145));
     assert!(offset_of!(dp_api, process_group_shrink) == slot(146));
     assert!(offset_of!(dp_api, fsdp_save_sharded_state_dict_async) == slot(148));
-    assert!(size_of::<dp_api>() == slot(149));
+    assert!(offset_of!(dp_api, ddp_rebind) == slot(149));
+    assert!(size_of::<dp_api>() == slot(150));
     assert!(size_of::<dp_process_group_options>() == 48);
     assert!(offset_of!(dp_ddp_options, static_graph) == 96);
     assert!(offset_of!(dp_ddp_options, bucket_plan) == 120);
