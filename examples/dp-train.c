@@ -57,6 +57,7 @@ typedef struct options {
   int checkpoint_every;       /* steps between saves (default 10) */
   int die_at_step;            /* > 0: rank 1 exits after this step of a job's first run (DP_RESTART_COUNT 0) */
   int backend;                /* --ddp: the process group's dp_backend (default AUTO) */
+  int elastic;                /* --ddp: a step failed by a peer's death goes on over the survivors */
 } options;
 
 /* Scratch memory kept across steps, one per replica (and one for the
@@ -290,13 +291,15 @@ static void usage(const char *problem) {
           "                [--save model.safetensors]\n"
           "       dp-run -n 2 dp-train --ddp [--bucket-cap-mb 25] [--first-bucket-cap-mb 1]\n"
           "                [--grad-as-bucket-view] [the options above but --devices]\n"
-          "                [--checkpoint-dir D [--checkpoint-every 10]] [--die-at-step S]\n"
+          "                [--checkpoint-dir D [--checkpoint-every 10]] [--die-at-step S] [--elastic]\n"
           "                [--backend auto|gloo|shm|mpi]   (mpi: under mpirun, DP_STORE_ADDR/PORT set)\n"
           "--checkpoint-dir: rank 0 saves the model as D/step-N.safetensors every N steps (each file\n"
           "whole or absent), and a run starts from the newest there, at its step: under\n"
           "dp-run --max-restarts a failed job resumes where its last save left it. --die-at-step S:\n"
           "rank 1 exits with code 9 after step S of the job's first run (DP_RESTART_COUNT 0), as a\n"
-          "rank that died would.\n");
+          "rank that died would. --elastic (under dp-run --survive-failures): when a peer dies, the\n"
+          "others shrink the group (dp_process_group_shrink), the dp_ddp goes on over it\n"
+          "(dp_ddp_rebind) and the failed step runs again over the survivors' split of its batch.\n");
   exit(2);
 }
 
@@ -365,6 +368,11 @@ static options parse_options(int argc, char **argv) {
     }
     if (strcmp(a, "--ddp") == 0) {
       o.ddp = 1;
+      continue;
+    }
+    if (strcmp(a, "--elastic") == 0) {
+      o.elastic = 1;
+      ddp_only = a;
       continue;
     }
     if (strcmp(a, "--grad-as-bucket-view") == 0) {
@@ -824,12 +832,43 @@ static void save_checkpoint(dp_module *model, dp_process_group *pg, const char *
 }
 
 /* Trains this rank's shard of every batch; dp_ddp averages the gradients. */
-static void run_ddp(run_state *r, dp_process_group *pg) {
+/* --elastic, after a call of step `step` failed with `status`: the survivors
+ * shrink the group and the dp_ddp goes on over it, its parameters the new
+ * rank 0's; returns the step every survivor goes on at, rank 0's (`next`:
+ * this rank's, the failed step unless its update was already made). */
+static int go_on_without_the_lost(dp_process_group **pg, dp_ddp *ddp, int step, int next, dp_status status) {
+  fprintf(stderr, "dp-train: step %d failed on rank %d (%s: %s); shrinking the group\n", step + 1,
+          dp_process_group_rank(*pg), dp_status_string(status), dp_last_error());
+  dp_process_group *survivors = NULL;
+  if (dp_process_group_shrink(*pg, &survivors) != DP_OK) die("dp_process_group_shrink");
+  char lost[256];
+  snprintf(lost, sizeof lost, "%s", dp_last_error());
+  CHECK(dp_ddp_rebind(ddp, survivors));
+  dp_process_group_destroy(*pg);
+  *pg = survivors;
+  /* Every survivor goes on where rank 0 does: it has rank 0's parameters now. */
+  int64_t one = 1;
+  dp_device cpu = {DP_DEVICE_CPU, 0};
+  dp_tensor *at = NULL;
+  float value = (float)next;
+  CHECK(dp_tensor_create(&at, DP_FLOAT32, 1, &one, cpu));
+  CHECK(dp_tensor_copy_from_host(at, &value, sizeof value));
+  CHECK(dp_pg_broadcast(*pg, at, 0));
+  CHECK(dp_tensor_copy_to_host(at, &value, sizeof value));
+  dp_tensor_destroy(at);
+  if (dp_process_group_rank(*pg) == 0) {
+    printf("%s; going on at step %d over %d ranks\n", lost, (int)value + 1, dp_process_group_size(*pg));
+    fflush(stdout);
+  }
+  return (int)value;
+}
+
+static dp_process_group *run_ddp(run_state *r, dp_process_group *pg) {
   const options *o = r->o;
   const int64_t W = o->width;
-  const int rank = dp_process_group_rank(pg), world = dp_process_group_size(pg);
+  int rank = dp_process_group_rank(pg), world = dp_process_group_size(pg);
   /* Rows [lo, hi) of each global batch are this rank's. */
-  const int64_t lo = o->batch * rank / world, hi = o->batch * (rank + 1) / world;
+  int64_t lo = o->batch * rank / world, hi = o->batch * (rank + 1) / world;
   model_math math = r->ctx.math;
   math.world = world;
 
@@ -864,23 +903,44 @@ static void run_ddp(run_state *r, dp_process_group *pg) {
   const int warmup = o->steps - start > 2 ? start + 2 : start;
   double total = 0, backward = 0, finish = 0, update = 0, reduce_ms = 0, exposed_ms = 0;
   dp_ddp_stats stats = {sizeof stats, 0, 0, 0, 0, 0};
+  int shrunk = 0;
   for (int step = start; step < o->steps; ++step) {
     fill_batch(&r->data, step, o->batch, r->batch, r->order);
     const float *rows = r->batch + lo * 2 * W;
     double t0 = now_seconds();
-    CHECK(dp_ddp_pre_forward(ddp));
-    layer_pointers(r->model, &r->ctx, w, b, gw, gb);
-    double loss = forward_backward(&math, w, b, gw, gb, rows, rows + W, 2 * W, hi - lo, &ws, mark_layer_ready, &marks);
-    if (isnan(loss)) die("out of memory for the activations");
-    double t1 = now_seconds();
-    CHECK(dp_ddp_finish_backward(ddp));
-    double t2 = now_seconds();
-    module_sgd(r->model, o->lr, r->staging);
+    double loss = 0, t1 = t0, t2 = t0;
+    dp_status status = dp_ddp_pre_forward(ddp);
+    if (status == DP_OK) {
+      layer_pointers(r->model, &r->ctx, w, b, gw, gb);
+      loss = forward_backward(&math, w, b, gw, gb, rows, rows + W, 2 * W, hi - lo, &ws, mark_layer_ready, &marks);
+      if (isnan(loss)) die("out of memory for the activations");
+      t1 = now_seconds();
+      status = dp_ddp_finish_backward(ddp);
+      t2 = now_seconds();
+    }
+    int updated = 0;
+    if (status == DP_OK) {
+      module_sgd(r->model, o->lr, r->staging);
+      updated = 1;
+    }
     double t3 = now_seconds();
     /* The printed loss is the whole batch's: the ranks' parts summed. */
     float part = (float)loss;
-    CHECK(dp_tensor_copy_from_host(loss_sum, &part, sizeof part));
-    CHECK(dp_pg_all_reduce(pg, loss_sum, DP_SUM));
+    if (status == DP_OK) {
+      CHECK(dp_tensor_copy_from_host(loss_sum, &part, sizeof part));
+      status = dp_pg_all_reduce(pg, loss_sum, DP_SUM);
+    }
+    if (status != DP_OK) {
+      if (!o->elastic) die("a collective of the step");
+      step = go_on_without_the_lost(&pg, ddp, step, updated ? step + 1 : step, status) - 1;
+      shrunk = 1;
+      rank = dp_process_group_rank(pg);
+      world = dp_process_group_size(pg);
+      lo = o->batch * rank / world;
+      hi = o->batch * (rank + 1) / world;
+      math.world = world;
+      continue;
+    }
     CHECK(dp_tensor_copy_to_host(loss_sum, &part, sizeof part));
     CHECK(dp_ddp_last_stats(ddp, &stats));
 
@@ -903,7 +963,7 @@ static void run_ddp(run_state *r, dp_process_group *pg) {
     if (o->checkpoint_dir != NULL && (step + 1) % o->checkpoint_every == 0) {
       save_checkpoint(r->model, pg, o->checkpoint_dir, step + 1);
     }
-    if (first_run && rank == 1 && step + 1 == o->die_at_step) {
+    if (first_run && !shrunk && rank == 1 && step + 1 == o->die_at_step) {
       fprintf(stderr, "dp-train: rank 1 exits after step %d (--die-at-step)\n", step + 1);
       fflush(stdout);
       _exit(9);
@@ -925,6 +985,7 @@ static void run_ddp(run_state *r, dp_process_group *pg) {
   free(ws.data);
   dp_tensor_destroy(loss_sum);
   dp_ddp_destroy(ddp);
+  return pg;
 }
 
 /* ---- the check ---- */
@@ -1062,7 +1123,7 @@ int main(int argc, char **argv) {
   if (r.batch == NULL || r.order == NULL || r.staging == NULL) die("out of memory");
 
   if (o.ddp) {
-    run_ddp(&r, pg);
+    pg = run_ddp(&r, pg);
   } else {
     run_replicas(&r);
   }

@@ -22,6 +22,9 @@
 // the grace period) and dp-run exits with the failed rank's code (128 + signal
 // for a signal); with --max-restarts K it then starts the job again, up to K
 // times, each run's ranks with DP_RESTART_COUNT (0, 1, ...; one node only).
+// With --survive-failures the others go on (they may shrink their groups):
+// dp-run exits 0 when a rank outlived the first failure and every one that
+// did exited 0, else with the first failure's code.
 // Usage errors exit with 2.
 //
 // Output (kOutputHelp, which --help prints): each rank's stdout and stderr
@@ -188,7 +191,11 @@ struct Job {
   int result = 0;
   bool stopping = false;
   bool rank_failed = false;  // what stopped it: a rank's failure (a restart may follow)
-  int signals_at_stop = 0;   // a signal after stopping began escalates to SIGKILL
+  bool survive_failures = false;
+  int first_failure = 0;           // with survive_failures: the first failed rank's code
+  bool survivor_failed = false;    // a rank that outlived the first failure failed too
+  bool survivor_finished = false;  // one exited 0 after it
+  int signals_at_stop = 0;         // a signal after stopping began escalates to SIGKILL
   Clock::time_point kill_at = Clock::time_point::max();
 
   void stop(int exit_code, int sig) {
@@ -227,6 +234,23 @@ void supervise(Job& job) {
         any_running = true;
         continue;
       }
+      if (job.survive_failures && !job.stopping) {
+        if (r.exit_seen) continue;
+        r.exit_seen = true;
+        if (r.exit_code == 0) {
+          job.survivor_finished = job.survivor_finished || job.first_failure != 0;
+          continue;
+        }
+        if (job.first_failure != 0) {
+          job.survivor_failed = true;
+          say("rank " + std::to_string(r.rank) + " exited with code " + std::to_string(r.exit_code));
+          continue;
+        }
+        job.first_failure = r.exit_code;
+        say("rank " + std::to_string(r.rank) + " exited with code " + std::to_string(r.exit_code) +
+            "; the other ranks go on (--survive-failures)");
+        continue;
+      }
       if (r.exit_code != 0 && !job.stopping) {
         say("rank " + std::to_string(r.rank) + " exited with code " + std::to_string(r.exit_code) +
             "; stopping the other ranks");
@@ -245,7 +269,12 @@ void supervise(Job& job) {
       signal_all(job.ranks, SIGKILL);
       job.kill_at = Clock::time_point::max();
     }
-    if (!any_running) return;
+    if (!any_running) {
+      if (!job.stopping && job.first_failure != 0 && (job.survivor_failed || !job.survivor_finished)) {
+        job.result = job.first_failure;
+      }
+      return;
+    }
   }
 }
 
@@ -297,6 +326,7 @@ int launcher(const Options& o, const Signals& signals, int control_fd) {
     Job job;
     job.requests = requests;
     job.grace_ms = o.grace_ms;
+    job.survive_failures = o.survive_failures;
     job.ranks.resize(static_cast<size_t>(o.nproc));
     job.outputs.resize(static_cast<size_t>(o.nproc));
     if (!spawn_ranks(o, signals, job.ranks, job.outputs)) return 1;

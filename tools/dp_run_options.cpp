@@ -21,10 +21,13 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: dp-run -n N [--nnodes M --node-rank K] [--master-addr A] [--master-port P] [--store-port S]\n"
-    "              [--grace-ms G] [--trace-dir D] [--max-restarts K] prog [args...]\n"
+    "              [--grace-ms G] [--trace-dir D] [--max-restarts K | --survive-failures] prog [args...]\n"
     "       dp-run --diagnose DIR   (the ranks' flight recorder dumps, written to DP_TRACE_DIR)\n"
     "--max-restarts K: when a rank fails, the others are stopped and the job starts again, up to K\n"
-    "times (one node only); every run's ranks get DP_RESTART_COUNT, 0 for the first.\n";
+    "times (one node only); every run's ranks get DP_RESTART_COUNT, 0 for the first.\n"
+    "--survive-failures: a rank that fails does not stop the others, which may go on without it\n"
+    "(dp_process_group_shrink); dp-run exits 0 when a rank outlived the first failure and every\n"
+    "one that did exited 0, else with the first failure's code.\n";
 
 [[noreturn]] void usage(const char* message) {
   std::fprintf(stderr, "dp-run: %s\n%s", message, kUsage);
@@ -111,6 +114,8 @@ Options parse_args(int argc, char** argv) {
       o.trace_dir = value("--trace-dir");
     else if (a == "--grace-ms")
       o.grace_ms = parse_int(value("--grace-ms"), "--grace-ms", 0, 3600000);
+    else if (a == "--survive-failures")
+      o.survive_failures = true;
     else if (a == "--max-restarts")
       o.max_restarts = parse_int(value("--max-restarts"), "--max-restarts", 0, 1000000);
     else if (a == "--") {
@@ -150,6 +155,9 @@ void raise_open_file_limit(long nproc) {
 
 void set_up_rendezvous(Options& o) {
   if (o.node_rank >= o.nnodes) usage("--node-rank must be below --nnodes");
+  if (o.max_restarts > 0 && o.survive_failures) {
+    usage("--max-restarts and --survive-failures exclude each other: a failure either restarts the job or not");
+  }
   if (o.max_restarts > 0 && o.nnodes > 1) {
     usage(
         "--max-restarts needs a job of one node (--nnodes 1): across nodes every node's dp-run would have to "

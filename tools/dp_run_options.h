@@ -21,11 +21,12 @@ inline constexpr const char* kRendezvousHelp =
 struct Options {
   long nproc = -1, nnodes = 1, node_rank = 0, grace_ms = 5000;
   std::string master_addr;
-  long master_port = -1;     // the host framework's (MASTER_PORT)
-  long store_port = -1;      // dparallel's store (DP_STORE_PORT)
-  std::string trace_dir;     // --trace-dir: the ranks' DP_TRACE_DIR; SIGUSR1 then asks for dumps
-  long max_restarts = 0;     // --max-restarts: how often a failed job starts again
-  char** program = nullptr;  // the ranks' program and its arguments, null-terminated
+  long master_port = -1;          // the host framework's (MASTER_PORT)
+  long store_port = -1;           // dparallel's store (DP_STORE_PORT)
+  std::string trace_dir;          // --trace-dir: the ranks' DP_TRACE_DIR; SIGUSR1 then asks for dumps
+  long max_restarts = 0;          // --max-restarts: how often a failed job starts again
+  bool survive_failures = false;  // --survive-failures: a failed rank does not stop the others
+  char** program = nullptr;       // the ranks' program and its arguments, null-terminated
 };
 
 // The options and the ranks' program; --help prints the usage and exits 0,

@@ -20,6 +20,7 @@ struct Rank {
   bool running = false;
   int exit_code = 0;
   bool group_gone = false;  // seen empty once the rank was reaped
+  bool exit_seen = false;   // its exit was looked at (--survive-failures)
 };
 
 // The signals the front catches, and what the ranks get back of how dp-run
