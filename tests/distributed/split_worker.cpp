@@ -392,27 +392,26 @@ int main(int argc, char** argv) {
   }
   const int r = dp_process_group_rank(pg);
   g_rank = r;
-  if (std::strcmp(scenario, "split") == 0) {
-    scenario_split(pg, r);
-  } else if (std::strcmp(scenario, "hosts") == 0) {
-    scenario_hosts(pg, r);
-  } else if (std::strcmp(scenario, "uneven_hosts") == 0) {
-    scenario_uneven_hosts(pg, r);
-  } else if (std::strcmp(scenario, "mesh") == 0) {
-    scenario_mesh(pg, r);
-  } else if (std::strcmp(scenario, "bad_mesh") == 0) {
-    scenario_bad_mesh(pg, r);
-  } else if (std::strcmp(scenario, "split_vs_all_reduce") == 0) {
-    scenario_split_vs_all_reduce(pg, r);
-  } else if (std::strcmp(scenario, "shrink_after_kill") == 0) {
-    scenario_shrink_after_kill(pg, r);
-  } else if (std::strcmp(scenario, "shrink_none_lost") == 0) {
-    scenario_shrink_none_lost(pg, r);
-  } else if (std::strcmp(scenario, "shrink_late_rank") == 0) {
-    scenario_shrink_late_rank(pg, r);
-  } else if (std::strcmp(scenario, "shrink_store_lost") == 0) {
-    scenario_shrink_store_lost(pg, r);
-  } else {
+  const struct {
+    const char* name;
+    void (*run)(dp_process_group*, int);
+  } scenarios[] = {{"split", scenario_split},
+                   {"hosts", scenario_hosts},
+                   {"uneven_hosts", scenario_uneven_hosts},
+                   {"mesh", scenario_mesh},
+                   {"bad_mesh", scenario_bad_mesh},
+                   {"split_vs_all_reduce", scenario_split_vs_all_reduce},
+                   {"shrink_after_kill", scenario_shrink_after_kill},
+                   {"shrink_none_lost", scenario_shrink_none_lost},
+                   {"shrink_late_rank", scenario_shrink_late_rank},
+                   {"shrink_store_lost", scenario_shrink_store_lost}};
+  bool known = false;
+  for (const auto& s : scenarios) {
+    if (std::strcmp(scenario, s.name) != 0) continue;
+    s.run(pg, r);
+    known = true;
+  }
+  if (!known) {
     std::fprintf(stderr, "unknown scenario '%s'\n", scenario);
     return 2;
   }

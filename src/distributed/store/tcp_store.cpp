@@ -52,6 +52,21 @@ void check_key(const std::string& key, const char* what) {
   }
 }
 
+// A request carrying `key` and `value`, both checked against the limits.
+wire::Request keyed_value(Command command, const std::string& key, const Bytes& value, uint32_t limit,
+                          const char* what) {
+  check_key(key, what);
+  if (value.size() > limit) {
+    fail_invalid(what, ": the value of key '", key, "' is ", value.size(), " bytes; the TCP store's limit is ", limit,
+                 " bytes");
+  }
+  wire::Request r;
+  r.command = command;
+  r.keys.push_back(key);
+  r.value = value;
+  return r;
+}
+
 void check_keys(const std::vector<std::string>& keys, const char* what) {
   if (keys.size() > wire::kMaxKeys) {
     fail_invalid(what, ": ", keys.size(), " keys; the TCP store's limit is ", wire::kMaxKeys, " keys per call");
@@ -221,16 +236,7 @@ wire::Reply TcpStore::request(const wire::Request& request, const char* what, Mi
 }
 
 void TcpStore::set(const std::string& key, const Bytes& value) {
-  check_key(key, "store set");
-  if (value.size() > wire::kMaxValueBytes) {
-    fail_invalid("store set: the value of key '", key, "' is ", value.size(), " bytes; the TCP store's limit is ",
-                 wire::kMaxValueBytes, " bytes");
-  }
-  wire::Request r;
-  r.command = Command::kSet;
-  r.keys.push_back(key);
-  r.value = value;
-  request(r, "store set");
+  request(keyed_value(Command::kSet, key, value, wire::kMaxValueBytes, "store set"), "store set");
 }
 
 Bytes TcpStore::get(const std::string& key, Millis timeout) {
@@ -319,15 +325,7 @@ int64_t TcpStore::num_keys() {
 }
 
 bool TcpStore::set_on_close(const std::string& key, const Bytes& value) {
-  check_key(key, "store set_on_close");
-  if (value.size() > wire::kMaxCloseValueBytes) {
-    fail_invalid("store set_on_close: the value of key '", key, "' is ", value.size(), " bytes; the limit is ",
-                 wire::kMaxCloseValueBytes, " bytes");
-  }
-  wire::Request r;
-  r.command = Command::kSetOnClose;
-  r.keys.push_back(key);
-  r.value = value;
+  wire::Request r = keyed_value(Command::kSetOnClose, key, value, wire::kMaxCloseValueBytes, "store set_on_close");
   request(r, "store set_on_close");
   std::lock_guard<std::mutex> lock(mutex_);
   auto same = std::find_if(close_notices_.begin(), close_notices_.end(),
