@@ -56,6 +56,7 @@ typedef struct options {
   const char *checkpoint_dir; /* --ddp: rank 0 saves step-N.safetensors here; a run starts from the newest */
   int checkpoint_every;       /* steps between saves (default 10) */
   int die_at_step;            /* > 0: rank 1 exits after this step of a job's first run (DP_RESTART_COUNT 0) */
+  uint64_t dying_ranks;       /* the ranks that exit then (bit r: rank r; default rank 1 alone) */
   int backend;                /* --ddp: the process group's dp_backend (default AUTO) */
   int elastic;                /* --ddp: a step failed by a peer's death goes on over the survivors */
 } options;
@@ -291,13 +292,15 @@ static void usage(const char *problem) {
           "                [--save model.safetensors]\n"
           "       dp-run -n 2 dp-train --ddp [--bucket-cap-mb 25] [--first-bucket-cap-mb 1]\n"
           "                [--grad-as-bucket-view] [the options above but --devices]\n"
-          "                [--checkpoint-dir D [--checkpoint-every 10]] [--die-at-step S] [--elastic]\n"
+          "                [--checkpoint-dir D [--checkpoint-every 10]] [--die-at-step S [--dying-ranks 1]]\n"
+          "                [--elastic]\n"
           "                [--backend auto|gloo|shm|mpi]   (mpi: under mpirun, DP_STORE_ADDR/PORT set)\n"
           "--checkpoint-dir: rank 0 saves the model as D/step-N.safetensors every N steps (each file\n"
           "whole or absent), and a run starts from the newest there, at its step: under\n"
           "dp-run --max-restarts a failed job resumes where its last save left it. --die-at-step S:\n"
-          "rank 1 exits with code 9 after step S of the job's first run (DP_RESTART_COUNT 0), as a\n"
-          "rank that died would. --elastic (under dp-run --survive-failures): when a peer dies, the\n"
+          "rank 1 (or each of --dying-ranks) exits with code 9 after step S of the job's first run\n"
+          "(DP_RESTART_COUNT 0), as a rank that died would. --elastic (under dp-run --survive-failures): when a peer "
+          "dies, the\n"
           "others shrink the group (dp_process_group_shrink), the dp_ddp goes on over it\n"
           "(dp_ddp_rebind) and the failed step runs again over the survivors' split of its batch.\n");
   exit(2);
@@ -359,6 +362,7 @@ static options parse_options(int argc, char **argv) {
   o.bucket_cap_mb = 25.0;
   o.first_bucket_cap_mb = 1.0;
   o.checkpoint_every = 10;
+  o.dying_ranks = (uint64_t)1 << 1;
   const char *devices = NULL, *ddp_only = NULL, *every = NULL;
   for (int i = 1; i < argc; ++i) {
     const char *a = argv[i];
@@ -436,6 +440,16 @@ static options parse_options(int argc, char **argv) {
       ddp_only = a;
     } else if (strcmp(a, "--die-at-step") == 0) {
       o.die_at_step = (int)parse_integer(a, v, 1, 1000000);
+      ddp_only = a;
+    } else if (strcmp(a, "--dying-ranks") == 0) {
+      o.dying_ranks = 0;
+      for (const char *at = v; *at != '\0';) {
+        char *end = NULL;
+        long r = strtol(at, &end, 10);
+        if (end == at || r < 0 || r > 63 || (*end != ',' && *end != '\0')) bad_value(a, "ranks like 2,3 (0 to 63)", v);
+        o.dying_ranks |= (uint64_t)1 << r;
+        at = *end == ',' ? end + 1 : end;
+      }
       ddp_only = a;
     } else {
       char problem[128];
@@ -963,8 +977,8 @@ static dp_process_group *run_ddp(run_state *r, dp_process_group *pg) {
     if (o->checkpoint_dir != NULL && (step + 1) % o->checkpoint_every == 0) {
       save_checkpoint(r->model, pg, o->checkpoint_dir, step + 1);
     }
-    if (first_run && !shrunk && rank == 1 && step + 1 == o->die_at_step) {
-      fprintf(stderr, "dp-train: rank 1 exits after step %d (--die-at-step)\n", step + 1);
+    if (first_run && !shrunk && (o->dying_ranks >> rank & 1) != 0 && step + 1 == o->die_at_step) {
+      fprintf(stderr, "dp-train: rank %d exits after step %d (--die-at-step)\n", rank, step + 1);
       fflush(stdout);
       _exit(9);
     }

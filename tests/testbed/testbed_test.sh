@@ -17,6 +17,11 @@
 #       splits) and the 2x2 groups train like one process, and a sharded
 #       save loads at other mesh shapes; the replicas' all-reduces must
 #       have crossed host 0's link.
+#   testbed_test.sh elastic CI DP_RUN DP_TRAIN
+#       2 hosts x 2 ranks, links at 5 Gbit/s, dp-run --survive-failures on
+#       each: dp-train --ddp --elastic, host 1's two ranks die after step 4
+#       (a whole host lost); host 0's ranks shrink the group to themselves,
+#       rebind and finish, matching single-process training.
 #   testbed_test.sh rate CI TCP_TRANSFER
 #       Links at 100 Mbit/s: 16 MB from host 1 to host 0 take at least 0.8 x
 #       (16 MB - one bucket) / rate, and tc's counters show the bytes through
@@ -181,6 +186,27 @@ case $mode in
       [ "$crossed" -ge 1024 ] || fail "host 0 sent only $crossed bytes during $scenario"
     done
     echo "passed: HSDP across 2 hosts x 2 ranks trains like one process and saves and loads across mesh shapes"
+    ;;
+
+  elastic)
+    run=${1:?DP_RUN} train=${2:?DP_TRAIN}
+    for program in "$run" "$train"; do [ -x "$program" ] || fail "no program at $program"; done
+    up --hosts 2 --rate 5gbit
+    # testbed.sh starts PATH with dp-run's own arguments.
+    survive=$dir/dp-run-survive
+    printf '#!/bin/sh\nexec "%s" --survive-failures "$@"\n' "$run" >"$survive" && chmod +x "$survive" || fail "wrapper"
+    out=$dir/elastic.txt
+    code=0
+    env -u DP_SHM "$tb" run --name "$name" --timeout 90 --dp-run "$survive" --nproc 2 -- "$train" --ddp --elastic \
+      --steps 10 --batch 91 --width 40 --layers 4 --die-at-step 4 --dying-ranks 2,3 >"$out" 2>&1 || code=$?
+    cat "$out"
+    grep -q "== host 0: exit 0" "$out" || fail "host 0's ranks did not finish"
+    grep -q "== host 1: exit 9" "$out" || fail "host 1's ranks did not die as asked"
+    [ "$code" = 9 ] || fail "testbed.sh run exited with $code, not host 1's 9"
+    grep -q "over 4 ranks (shm+gloo;" "$out" || fail "the job did not start on the hierarchical group"
+    grep -q "rank(s) 2, 3 lost; .*going on at step 5 over 2 ranks" "$out" || fail "host 0's ranks did not go on at step 5"
+    [ "$(grep -c "parity with single-process training.*: OK" "$out")" = 2 ] || fail "the survivors do not both match"
+    echo "passed: a host lost whole, the other's ranks shrink, rebind and finish like one process"
     ;;
 
   rate)
