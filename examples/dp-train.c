@@ -977,7 +977,7 @@ static dp_process_group *run_ddp(run_state *r, dp_process_group *pg) {
     if (o->checkpoint_dir != NULL && (step + 1) % o->checkpoint_every == 0) {
       save_checkpoint(r->model, pg, o->checkpoint_dir, step + 1);
     }
-    if (first_run && !shrunk && (o->dying_ranks >> rank & 1) != 0 && step + 1 == o->die_at_step) {
+    if (first_run && !shrunk && rank < 64 && (o->dying_ranks >> rank & 1) != 0 && step + 1 == o->die_at_step) {
       fprintf(stderr, "dp-train: rank %d exits after step %d (--die-at-step)\n", rank, step + 1);
       fflush(stdout);
       _exit(9);

@@ -241,6 +241,9 @@ void supervise(Job& job) {
           job.survivor_finished = job.survivor_finished || job.first_failure != 0;
           continue;
         }
+        // What the failed rank started goes with it: a child holding its
+        // sockets would hide its death from the others.
+        if (!r.group_gone) ::killpg(r.pid, SIGKILL);
         if (job.first_failure != 0) {
           job.survivor_failed = true;
           say("rank " + std::to_string(r.rank) + " exited with code " + std::to_string(r.exit_code));

@@ -351,16 +351,20 @@ DP_API dp_status dp_process_group_abort(dp_process_group *pg);
 
 /* After a peer's failure, the ranks still alive go on without it: every
  * survivor calls shrink on the group (usually broken by the failure; it is
- * not used). They agree through the group's store, within the group's
+ * not used). They agree through the group's store, within twice the group's
  * timeout, on who is left, and each gets in *out a new group of the
  * survivors in their old order (ranks renumbered from 0), over the same
  * backend choice, device and timeout; on NCCL a new communicator. A rank
  * counts as lost as soon as its connection to the job's TCP store closed
  * (its process died, or left: seen at once, on any host), or when it has
- * not called shrink within the timeout (a hung process, a host lost
- * whole, or any store other than the TCP store). The first rank to see
- * every rank alive or lost decides for all, so every survivor gets the
- * same group. On success dp_last_error names the ranks left out
+ * not called shrink within twice the timeout (a hung process, a host cut
+ * off, a process whose store connection the server closed to make room
+ * for more than 1024 clients, or any store other than the TCP store). The
+ * first rank to see every rank alive or lost, or to reach that deadline,
+ * decides for all through the store, so every survivor gets the same
+ * group. A rank that saw no other rank, alive or lost, forms no group: it
+ * fails (DP_ETIMEOUT) and withdraws, since it cannot tell the others'
+ * failure from its own. On success dp_last_error names the ranks left out
  * (dp_process_group_lost_ranks lists them). Errors: DP_ESTATE for a rank
  * the decision left out (it called shrink too late); DP_EREMOTE or
  * DP_ETIMEOUT when the store itself is lost (its host, rank 0's under

@@ -154,13 +154,14 @@ class ProcessGroup final : private CallSite {
                                       const char* what = "");
   const GroupLineage& lineage() const;
   // After a peer failed (any time, in fact): the ranks still alive agree,
-  // through the store and within the group's timeout, on who is left, and
-  // form a new group of them in their old order over the same backend
-  // choice, timeout and device. A rank counts as lost once its connection
-  // to the TCP store closed (its process died or left; seen at once), or
-  // when it has not called shrink by the timeout. The first rank to see
-  // every rank either alive or lost decides for all; a rank the decision
-  // left out gets kState. This group is left as it was (destroy it).
+  // through the store, on who is left, and form a new group of them in
+  // their old order over the same backend choice, timeout and device. A
+  // rank counts as lost once its connection to the TCP store closed (its
+  // process died or left; seen at once), or when it has not called shrink
+  // within twice the timeout. The first rank to see every rank alive or
+  // lost (or to reach that deadline) decides for all; a rank the decision
+  // left out gets kState, and one that saw no other rank alive or lost
+  // forms no group (kTimeout). This group is left as it was (destroy it).
   std::unique_ptr<ProcessGroup> shrink();
   // The ranks (this group's numbering) the group's last shrink left out; a
   // group made by shrink answers those of the group it came from.

@@ -50,13 +50,16 @@ std::unique_ptr<ProcessGroup> ProcessGroup::shrink() {
   const int32_t world = size();
   const std::string base = str_cat(from.prefix, "shrink", shrinks_++, "/");
   const std::string members_key = base + "members";
-  const auto deadline = Clock::now() + timeout();
+  // A survivor that learnt of the failure only at its own call's timeout
+  // comes up to a timeout after the others: the survey waits twice that.
+  const Millis survey = 2 * timeout();
+  const auto deadline = Clock::now() + survey;
   std::vector<Seen> seen(static_cast<size_t>(world), Seen::kUnknown);
   seen[static_cast<size_t>(rank())] = Seen::kAlive;
   Bytes decision;
   try {
     // The survey ends at the deadline; the requests after it still need their time.
-    ReplyDeadlineCap cap(timeout() + kDecisionWait);
+    ReplyDeadlineCap cap(survey + kDecisionWait);
     store.set(str_cat(base, "alive/", rank()), {});
     // Every rank alive or lost, or another rank has decided already.
     auto settled = [&] {
@@ -75,11 +78,24 @@ std::unique_ptr<ProcessGroup> ProcessGroup::shrink() {
       }
       return all;
     };
-    poll_until(settled, left_until(deadline));
+    // A last look: a rank may have come during the last pause.
+    if (!poll_until(settled, left_until(deadline))) settled();
     if (!store.check({members_key})) {
       std::vector<int32_t> alive;
+      std::string unseen;
       for (int32_t r = 0; r < world; ++r) {
-        if (seen[static_cast<size_t>(r)] == Seen::kAlive) alive.push_back(r);
+        const Seen s = seen[static_cast<size_t>(r)];
+        if (s == Seen::kAlive) alive.push_back(r);
+        if (s == Seen::kUnknown) unseen += str_cat(unseen.empty() ? "" : ", ", r);
+      }
+      const auto lost = static_cast<size_t>(std::count(seen.begin(), seen.end(), Seen::kLost));
+      if (world > 1 && alive.size() + lost < 2) {
+        // Alone, it cannot tell the others' failure from its own: it
+        // withdraws rather than go on as a group of one.
+        forget_keys(store, {str_cat(base, "alive/", rank())});
+        fail(StatusCode::kTimeout, "shrink on rank ", rank(), " of ", world,
+             ": no other rank called shrink or was seen ", "lost within ", survey.count(), " ms (ranks ", unseen,
+             "); alone, this rank cannot tell their failure from its own, so it forms no group");
       }
       // The first rank here decides; the others take its decision.
       if (store.add(base + "deciding", 1) == 1) store.set(members_key, encode_ranks(alive));

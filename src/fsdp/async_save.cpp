@@ -80,9 +80,20 @@ class SaveWriters {
     if (!queue) queue = std::make_shared<SaveQueue>();
     queue->jobs.push_back(std::move(job));
     if (queue->writing) return;
+    try {
+      std::thread([this, queue] { write_all(*queue); }).detach();
+    } catch (const std::system_error& e) {
+      // No thread: the queued saves fail now rather than wait for one.
+      for (SaveJob& queued : queue->jobs) {
+        queued.work->finish(StatusCode::kInternal,
+                            str_cat("the sharded save to '", queued.folder,
+                                    "' was not written: no thread to write it (", e.what(), ")"));
+      }
+      queue->jobs.clear();
+      return;
+    }
     queue->writing = true;
     ++writing_;
-    std::thread([this, queue] { write_all(*queue); }).detach();
   }
 
   bool exiting() const { return exiting_.load(); }
@@ -130,14 +141,25 @@ class SaveWriters {
 // Waits until every key of `keys` is in the store, up to `deadline`; false
 // at the deadline. kState once the process is exiting.
 bool wait_for_keys(dist::Store& store, const std::vector<std::string>& keys, Clock::time_point deadline) {
+  // A check asks for at most this many keys (the TCP store's limit per request).
+  constexpr size_t kKeysPerCheck = 1024;
+  size_t present = 0;  // keys[0, present) are known to be there
+  auto all_there = [&] {
+    for (; present < keys.size(); present = std::min(keys.size(), present + kKeysPerCheck)) {
+      const auto from = keys.begin() + static_cast<std::ptrdiff_t>(present);
+      const auto to = keys.begin() + static_cast<std::ptrdiff_t>(std::min(keys.size(), present + kKeysPerCheck));
+      if (!store.check(std::vector<std::string>(from, to))) return false;
+    }
+    return true;
+  };
   const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
-  if (left.count() <= 0) return store.check(keys);
+  if (left.count() <= 0) return all_there();
   dist::ReplyDeadlineCap cap(left);
   try {
     return dist::poll_until(
         [&] {
           if (SaveWriters::instance().exiting()) fail(StatusCode::kState, "the process is exiting");
-          return store.check(keys);
+          return all_there();
         },
         left);
   } catch (const Error& e) {
@@ -167,6 +189,11 @@ std::string missing_ranks(dist::Store& store, const std::string& keys, const std
   return missing;
 }
 
+// Rank 0 adds this to a save's "state" key before it writes the manifest,
+// and a rank giving up on a save whose file it reported written adds 1:
+// whichever comes first decides whether the save is completed or dropped.
+constexpr int64_t kCommitMark = int64_t{1} << 40;
+
 void write_save(SaveJob& job) {
   dist::Store& store = *job.store;
   const std::string what = str_cat("the sharded save to '", job.folder, "'");
@@ -174,6 +201,7 @@ void write_save(SaveJob& job) {
   const std::string timeout_text = str_cat(" within the group's timeout (", job.timeout.count(), " ms)");
   std::string file;
   bool wrote_file = false;
+  bool reported_file = false;  // this rank told the others its file is written
   bool posted_done = false;
   // Every rank, once it read what it needs: the last one erases the save's
   // keys. Best effort: briefly after a failure (the store may be gone), not
@@ -182,9 +210,23 @@ void write_save(SaveJob& job) {
     if (posted_done || SaveWriters::instance().exiting()) return;
     posted_done = true;
     dist::ReplyDeadlineCap cap(bound);
-    std::vector<std::string> keys{job.keys + "id", job.keys + "verdict", job.keys + "done"};
+    std::vector<std::string> keys{job.keys + "id", job.keys + "verdict", job.keys + "state", job.keys + "done"};
     for (int32_t r = 0; r < job.world; ++r) keys.push_back(str_cat(job.keys, "report/", r));
     if (store.add(job.keys + "done", 1) == job.world) dist::forget_keys(store, keys);
+  };
+  // After a failure: this rank's file goes, unless rank 0 may have made it
+  // part of a completed save.
+  auto drop_file = [&] {
+    if (!wrote_file) return;
+    if (reported_file) {
+      try {
+        dist::ReplyDeadlineCap cap(Millis(1000));
+        if (store.add(job.keys + "state", 1) >= kCommitMark) return;  // rank 0 completed it first
+      } catch (...) {
+        return;  // unknown: the file stays, and the next complete save removes it
+      }
+    }
+    remove_quietly(file);
   };
   const Outcome outcome = [&]() -> Outcome {
     try {
@@ -215,6 +257,7 @@ void write_save(SaveJob& job) {
       }
       job.file = RankFile();
       post(store, str_cat(job.keys, "report/", job.rank), encode_outcome(wrote, report), job.timeout);
+      reported_file = wrote_file;
       // Every rank's report, the lowest failing rank named alike on every rank.
       const Clock::time_point deadline = Clock::now() + job.timeout;
       std::vector<std::string> report_keys;
@@ -235,8 +278,13 @@ void write_save(SaveJob& job) {
       if (job.rank == 0) {
         Outcome committed;
         try {
-          write_manifest(job.folder, save_id, job.world, reports);
-          remove_other_saves(job.folder, save_id);
+          if (store.add(job.keys + "state", kCommitMark) != kCommitMark) {
+            committed = {StatusCode::kTimeout, "a rank gave up waiting for the others before rank 0 could complete it"};
+          } else {
+            wrote_file = false;  // the save's now, whatever follows
+            write_manifest(job.folder, save_id, job.world, reports);
+            remove_other_saves(job.folder, save_id);
+          }
         } catch (const Error& e) {
           committed = {e.code(), e.what()};
         }
@@ -256,14 +304,14 @@ void write_save(SaveJob& job) {
       }
       return {};
     } catch (const Error& e) {
-      if (wrote_file) remove_quietly(file);
+      drop_file();
       try {
         leave(Millis(1000));
       } catch (const Error&) {
       }
       return {e.code(), e.what()};
     } catch (const std::exception& e) {
-      if (wrote_file) remove_quietly(file);
+      drop_file();
       return {StatusCode::kInternal, str_cat(what, " failed: ", e.what())};
     }
   }();

@@ -67,6 +67,12 @@ TEST(ProcessGroupShrink, ARankThatCallsShrinkAfterTheOthersDecidedIsLeftOutWithA
   dptest::expect_passed(run, "shrink_late_rank", 3);
 }
 
+TEST(ProcessGroupShrink, ARankAloneInItsShrinkFormsNoGroupOfOneAndTheGroupIsUntouched) {
+  dptest::WorkerRun run =
+      dptest::run_worker(DP_SPLIT_WORKER, "shrink_alone", 3, {"DP_TEST_TIMEOUT_MS=10000"}, std::chrono::seconds(120));
+  dptest::expect_passed(run, "shrink_alone", 3);
+}
+
 TEST(ProcessGroupShrink, LosingTheRankThatHoldsTheStoreFailsTheShrinkNamingTheStore) {
   dptest::WorkerRun run = dptest::run_worker(DP_SPLIT_WORKER, "shrink_store_lost", 3, {"DP_TEST_TIMEOUT_MS=10000"},
                                              std::chrono::seconds(120));

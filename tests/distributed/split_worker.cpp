@@ -15,6 +15,8 @@
 //   shrink_none_lost     every rank shrinks with none lost: a new group of all
 //   shrink_late_rank     rank 2 lives but calls shrink only after the others
 //                        decided without it (at the timeout): it is left out
+//   shrink_alone         rank 2 calls shrink while the others never do: it forms
+//                        no group, and the group is untouched
 //   shrink_store_lost    rank 0, which holds the store, dies: shrink fails naming the store
 #include <signal.h>
 #include <unistd.h>
@@ -365,6 +367,23 @@ void scenario_shrink_late_rank(dp_process_group* pg, int r) {
   }
 }
 
+void scenario_shrink_alone(dp_process_group* pg, int r) {
+  const std::string done = std::string(std::getenv("DP_TEST_DIR")) + "/alone";
+  if (r == 2) {
+    dp_process_group* shrunk = reinterpret_cast<dp_process_group*>(pg);
+    CHECK(dp_process_group_shrink(pg, &shrunk) == DP_ETIMEOUT && shrunk == nullptr &&
+              mentions(dp_last_error(), "forms no group"),
+          "a shrink alone: %s", dp_last_error());
+    std::fclose(std::fopen(done.c_str(), "w"));
+  }
+  // The others live on, never calling shrink; rank 0 holds the store.
+  for (int i = 0; i < 6000 && ::access(done.c_str(), F_OK) != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  // The group the lone rank tried to shrink is untouched.
+  CHECK(sum_of(pg, 1 << r) == 7, "the group's sum after the lone shrink is not 7");
+}
+
 void scenario_shrink_store_lost(dp_process_group* pg, int r) {
   CHECK(sum_of(pg, 1 << r) == 7, "the sum before the failure is not 7");
   if (r == 0) ::raise(SIGKILL);
@@ -404,6 +423,7 @@ int main(int argc, char** argv) {
                    {"shrink_after_kill", scenario_shrink_after_kill},
                    {"shrink_none_lost", scenario_shrink_none_lost},
                    {"shrink_late_rank", scenario_shrink_late_rank},
+                   {"shrink_alone", scenario_shrink_alone},
                    {"shrink_store_lost", scenario_shrink_store_lost}};
   bool known = false;
   for (const auto& s : scenarios) {

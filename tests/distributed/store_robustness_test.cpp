@@ -270,6 +270,22 @@ TEST(TcpStoreServer, ACloseNoticeIsSetWhenItsClientsConnectionClosesAndNotBefore
   EXPECT_EQ(gone.get(), (dparallel::dist::Bytes{'y'}));
 }
 
+// A notice set by a connection that closed while its process lived on (its
+// own request timed out) no longer holds once the process registers again.
+TEST(TcpStoreServer, RegisteringACloseNoticeAgainClearsTheKeyAnEarlierConnectionSet) {
+  std::unique_ptr<TcpStore> server = server_with({});
+  std::unique_ptr<TcpStore> first = client_of(*server);
+  first->set_on_close("job/gone/2", {});
+  first.reset();
+  std::unique_ptr<TcpStore> watching = client_of(*server);
+  ASSERT_TRUE(watching->check({"job/gone/2"}));
+  std::unique_ptr<TcpStore> again = client_of(*server);
+  again->set_on_close("job/gone/2", {});
+  EXPECT_FALSE(watching->check({"job/gone/2"}));
+  again.reset();
+  EXPECT_EQ(watching->get("job/gone/2", std::chrono::seconds(60)), dparallel::dist::Bytes{});
+}
+
 TEST(TcpStoreServer, CloseNoticesBeyondTheLimitAndOversizedValuesAreRefusedNamingTheLimit) {
   std::unique_ptr<TcpStore> server = server_with({});
   std::unique_ptr<TcpStore> client = client_of(*server);

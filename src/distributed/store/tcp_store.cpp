@@ -223,10 +223,18 @@ wire::Reply TcpStore::exchange(const std::vector<uint8_t>& frame, net::Clock::ti
 }
 
 wire::Reply TcpStore::request(const wire::Request& request, const char* what, Millis hold) {
-  std::vector<uint8_t> frame = wire::encode_request(request);
   std::lock_guard<std::mutex> lock(mutex_);
+  return request_locked(request, what, hold);
+}
+
+wire::Reply TcpStore::request_locked(const wire::Request& request, const char* what, Millis hold) {
+  std::vector<uint8_t> frame = wire::encode_request(request);
   auto now = net::Clock::now();
   Millis bound = std::min(default_timeout(), ReplyDeadlineCap::current());
+  // A call whose overall deadline has passed sends nothing: a request that
+  // cannot be answered in time would close the connection, which the server
+  // takes for this process leaving (its close notices).
+  if (hold <= Millis(0) && bound <= Millis(0)) fail(StatusCode::kTimeout, what, ": the call's time is up");
   // An idle connection the server closed (evicted, say) is opened again; so
   // is one closed by an earlier timeout: one late reply must not lose the store.
   if (fd_ >= 0 && closed_while_idle(fd_)) disconnect();
@@ -326,8 +334,9 @@ int64_t TcpStore::num_keys() {
 
 bool TcpStore::set_on_close(const std::string& key, const Bytes& value) {
   wire::Request r = keyed_value(Command::kSetOnClose, key, value, wire::kMaxCloseValueBytes, "store set_on_close");
-  request(r, "store set_on_close");
+  // One hold of the lock: a reconnect in between would register it twice or not at all.
   std::lock_guard<std::mutex> lock(mutex_);
+  request_locked(r, "store set_on_close");
   auto same = std::find_if(close_notices_.begin(), close_notices_.end(),
                            [&](const wire::Request& notice) { return notice.keys[0] == key; });
   if (same != close_notices_.end()) {

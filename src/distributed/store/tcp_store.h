@@ -55,6 +55,7 @@ class TcpStore : public Store {
  private:
   // One request and its reply; `hold` is how long the server may hold it.
   wire::Reply request(const wire::Request& request, const char* what, Millis hold = Millis(0));
+  wire::Reply request_locked(const wire::Request& request, const char* what, Millis hold = Millis(0));
   // Callers hold mutex_.
   wire::Reply exchange(const std::vector<uint8_t>& frame, net::Clock::time_point deadline, const char* what);
   void connect(net::Clock::time_point deadline);

@@ -150,7 +150,7 @@ void TcpStoreServer::run() {
         answer_held(client, now);
         if (!process(client, &changed)) doomed.push_back(fd);
       }
-      for (int fd : doomed) close_client(fd);
+      for (int fd : doomed) close_client(fd, false);  // closed by the server: the client may live on
       doomed.clear();
       changed = changed || std::exchange(notices_set_, false);
     }
@@ -185,7 +185,7 @@ void TcpStoreServer::run() {
         if (client.in.size() - 4 >= size) more = true;
       }
     }
-    for (int fd : doomed) close_client(fd);
+    for (int fd : doomed) close_client(fd, false);
     more = more || notices_set_;
   }
 }
@@ -446,6 +446,9 @@ bool TcpStoreServer::handle(Client& client, const wire::Request& request, bool* 
       } else {
         client.close_notices.emplace_back(request.keys[0], request.value);
       }
+      // The registrant lives: a notice an earlier connection of its set
+      // (closed by a timeout of its own) no longer holds.
+      if (data_.erase(request.keys[0]) != 0) *changed = true;
       reply(client, ReplyStatus::kOk, {});
       return true;
     }

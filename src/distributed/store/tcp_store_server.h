@@ -79,7 +79,9 @@ class TcpStoreServer {
   void accept_clients();
   void make_room_for_ungreeted(int newcomer);
   bool make_room_for_greeted(const Client& newcomer);
-  // `notify`: set the client's close notices (not when it goes to make room).
+  // `notify`: set the client's close notices: when the peer closed or
+  // broke the connection, not when the server closes it (to make room, at a
+  // deadline, for a malformed message), since the client may live on.
   void close_client(int fd, bool notify = true);
   bool flush(Client& client, int fd);
   bool read_input(Client& client, int fd);
