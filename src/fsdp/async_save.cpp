@@ -261,12 +261,14 @@ void write_save(SaveJob& job) {
       // Every rank's report, the lowest failing rank named alike on every rank.
       const Clock::time_point deadline = Clock::now() + job.timeout;
       std::vector<std::string> report_keys;
+      report_keys.reserve(static_cast<size_t>(job.world));
       for (int32_t r = 0; r < job.world; ++r) report_keys.push_back(str_cat(job.keys, "report/", r));
       if (!wait_for_keys(store, report_keys, deadline)) {
         fail(StatusCode::kTimeout, what, " failed: rank(s) ", missing_ranks(store, job.keys, "report/", job.world),
              " did not report their file", timeout_text, kept);
       }
       std::vector<std::string> reports;
+      reports.reserve(report_keys.size());
       for (const std::string& key : report_keys) reports.push_back(text_of(store.get(key, job.timeout)));
       for (int32_t r = 0; r < job.world; ++r) {
         const Outcome o = decode_outcome(reports[static_cast<size_t>(r)], r);
