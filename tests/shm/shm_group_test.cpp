@@ -444,7 +444,8 @@ TEST(ShmBarrier, RankSharingACpuKeepsItsAffinityWhenItMoves) {
   if (CPU_COUNT(&all) < 2) GTEST_SKIP() << "needs 2 CPUs";
   int first = 0;
   while (!CPU_ISSET(first, &all)) ++first;
-  std::vector<bool> kept(2, false);
+  // One element per rank, not bits of one word: the ranks write at once.
+  std::vector<char> kept(2, 0);
   run_ranks(2, [&](ProcessGroup& group) {
     cpu_set_t one;
     CPU_ZERO(&one);
@@ -456,10 +457,10 @@ TEST(ShmBarrier, RankSharingACpuKeepsItsAffinityWhenItMoves) {
     for (int i = 0; i < 200; ++i) group.barrier(false);
     cpu_set_t now;
     ASSERT_EQ(::sched_getaffinity(0, sizeof now, &now), 0);
-    kept[static_cast<size_t>(group.rank())] = CPU_EQUAL(&now, &all);
+    kept[static_cast<size_t>(group.rank())] = CPU_EQUAL(&now, &all) ? 1 : 0;
   });
-  EXPECT_TRUE(kept[0]);
-  EXPECT_TRUE(kept[1]);
+  EXPECT_TRUE(kept[0] != 0);
+  EXPECT_TRUE(kept[1] != 0);
 }
 
 // A rank that waits for a late one spins (up to 2 ms after barriers met
