@@ -274,6 +274,19 @@ void scenario_bad_mesh(dp_process_group* pg, int r) {
   CHECK(sum_of(pg, 1 << r) == 15, "the group is not usable after the refusals");
 }
 
+// The status of an all_reduce of one float over `pg`.
+dp_status all_reduce_of_one(dp_process_group* pg) {
+  float value = 1;
+  int64_t shape[1] = {1};
+  dp_tensor* t = nullptr;
+  dp_device cpu = {DP_DEVICE_CPU, 0};
+  CHECK_OK(dp_tensor_create(&t, DP_FLOAT32, 1, shape, cpu));
+  CHECK_OK(dp_tensor_copy_from_host(t, &value, sizeof value));
+  const dp_status status = dp_pg_all_reduce(pg, t, DP_SUM);
+  dp_tensor_destroy(t);
+  return status;
+}
+
 void scenario_split_vs_all_reduce(dp_process_group* pg, int r) {
   dp_status status;
   if (r == 0) {
@@ -281,14 +294,7 @@ void scenario_split_vs_all_reduce(dp_process_group* pg, int r) {
     status = dp_process_group_split(pg, 0, 0, nullptr, &child);
     CHECK(child == nullptr, "a split against an all_reduce gave a group");
   } else {
-    float value = 1;
-    int64_t shape[1] = {1};
-    dp_tensor* t = nullptr;
-    dp_device cpu = {DP_DEVICE_CPU, 0};
-    CHECK_OK(dp_tensor_create(&t, DP_FLOAT32, 1, shape, cpu));
-    CHECK_OK(dp_tensor_copy_from_host(t, &value, sizeof value));
-    status = dp_pg_all_reduce(pg, t, DP_SUM);
-    dp_tensor_destroy(t);
+    status = all_reduce_of_one(pg);
   }
   CHECK(status != DP_OK, "the mismatched call passed");
   std::printf("rank %d: mismatched call status %d: %s\n", r, static_cast<int>(status), dp_last_error());
@@ -305,14 +311,7 @@ void scenario_shrink_after_kill(dp_process_group* pg, int r) {
   const std::string backend = dp_process_group_backend(pg);
   CHECK(sum_of(pg, 1 << r) == 15, "the sum before the failure is not 15");
   if (r == 2) ::raise(SIGKILL);
-  float value = 1;
-  int64_t shape[1] = {1};
-  dp_tensor* t = nullptr;
-  dp_device cpu = {DP_DEVICE_CPU, 0};
-  CHECK_OK(dp_tensor_create(&t, DP_FLOAT32, 1, shape, cpu));
-  CHECK_OK(dp_tensor_copy_from_host(t, &value, sizeof value));
-  CHECK(dp_pg_all_reduce(pg, t, DP_SUM) != DP_OK, "an all_reduce with a dead rank passed");
-  dp_tensor_destroy(t);
+  CHECK(all_reduce_of_one(pg) != DP_OK, "an all_reduce with a dead rank passed");
   CHECK(dp_process_group_lost_ranks(pg, nullptr, 0) == 0, "lost ranks before any shrink");
   dp_process_group* shrunk = nullptr;
   CHECK_OK(dp_process_group_shrink(pg, &shrunk));
